@@ -1,0 +1,1 @@
+"""Small pure-torch building blocks shared by the text decoder and the encoders."""

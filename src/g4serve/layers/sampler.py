@@ -1,0 +1,155 @@
+"""Batched token sampling on the device: greedy and random rows, penalties, top-k/top-p/min-p,
+per-request seeds, token masks (constrained decoding, min_tokens) and logprobs.
+
+Random rows use the exponential-race form of Gumbel-max (argmax p/q with q ~ Exp(1)), so a
+seeded request draws its noise from its own generator and stays reproducible whatever
+else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from g4serve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] fp32 (0: greedy)
+    top_k: torch.Tensor  # [B] long (0: off)
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    num_logprobs: int | None  # max over rows; None: no logprobs requested
+    # Optional [B, V] bool: True where a token is allowed. None: everything allowed.
+    allowed: torch.Tensor | None = None
+    # Penalties need the output history: [B, V] counts of generated tokens.
+    output_counts: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt (repetition)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+        output_tokens: list[list[int]] | None = None,
+        prompt_tokens: list[list[int]] | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> SamplingBatch:
+        def vec(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        batch = cls(
+            temperature=vec([p.temperature for p in params], torch.float32),
+            top_k=vec([p.top_k for p in params], torch.long),
+            top_p=vec([p.top_p for p in params], torch.float32),
+            min_p=vec([p.min_p for p in params], torch.float32),
+            generators=generators,
+            all_greedy=all(p.greedy for p in params),
+            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            allowed=allowed,
+        )
+        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+            outs = output_tokens or [[] for _ in params]
+            counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+            for i, toks in enumerate(outs):
+                if toks:
+                    counts[i].index_add_(0, vec(toks, torch.long), torch.ones(len(toks), device=device))
+            batch.output_counts = counts
+            batch.repetition_penalty = vec([p.repetition_penalty for p in params], torch.float32)
+            batch.presence_penalty = vec([p.presence_penalty for p in params], torch.float32)
+            batch.frequency_penalty = vec([p.frequency_penalty for p in params], torch.float32)
+            prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+            for i, toks in enumerate(prompt_tokens or []):
+                if toks:
+                    prompt_mask[i, vec(toks, torch.long)] = True
+            batch.prompt_mask = prompt_mask
+        return batch
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    logprobs: torch.Tensor | None  # [B] logprob of the chosen token
+    top_ids: torch.Tensor | None  # [B, N]
+    top_logprobs: torch.Tensor | None  # [B, N]
+
+
+def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    seen = (b.output_counts > 0) | b.prompt_mask
+    rep = b.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - b.frequency_penalty.unsqueeze(1) * b.output_counts
+    return logits - b.presence_penalty.unsqueeze(1) * (b.output_counts > 0).float()
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
+    need_k = bool((k < vocab).any())
+    need_p = bool((b.top_p < 1).any())
+    if need_k or need_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        drop = ranks >= k.unsqueeze(1)
+        if need_p:
+            probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= b.top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if bool((b.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """``logits`` [B, V] (any float dtype) -> one token per row."""
+    logits = logits.float()
+    raw = logits
+    if b.output_counts is not None:
+        logits = _apply_penalties(logits, b)
+    if b.allowed is not None:
+        logits = logits.masked_fill(~b.allowed, float("-inf"))
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        scaled = _top_k_top_p_min_p(logits / temp.unsqueeze(1), b)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(b.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        for i, gen in enumerate(b.generators):
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(b.temperature > 0, sampled, greedy_tokens)
+    if b.num_logprobs is None:
+        return SamplerOutput(tokens, None, None, None)
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_ids = top_vals = None
+    if b.num_logprobs > 0:
+        top_vals, top_ids = logprobs.topk(b.num_logprobs, dim=-1)
+    return SamplerOutput(tokens, chosen, top_ids, top_vals)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)

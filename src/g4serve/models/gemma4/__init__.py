@@ -1,0 +1,1 @@
+"""Gemma 4: text decoder, vision and audio towers, loader."""

@@ -1,0 +1,205 @@
+"""Build a Gemma 4 model and fill it from a Hugging Face checkpoint directory or random weights.
+
+Checkpoints are read memory-mapped from safetensors (one file, or shards listed in
+``model.safetensors.index.json``) under their Hugging Face names. Missing, unexpected or
+mis-shaped tensors and unreadable files raise ``CheckpointError`` naming them. The model is
+built on the meta device and materialised once on the target device, so even 31B-sized
+random-weight presets start in seconds on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from g4serve.config import Gemma4Config
+from g4serve.models.gemma4.model import Gemma4Model
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+_SHARED_KV_PARAM = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded; the message names the file or tensors at fault."""
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {name!r}; choose auto, {', '.join(sorted(DTYPES))}") from None
+
+
+def build_model(
+    cfg: Gemma4Config,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    with_vision: bool = True,
+    with_audio: bool = True,
+) -> Gemma4Model:
+    """Allocate an uninitialised model directly on ``device`` (weights must be loaded or randomised next)."""
+    with torch.device("meta"):
+        model = Gemma4Model(cfg, with_vision=with_vision, with_audio=with_audio)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():
+        init = getattr(module, "init_nonpersistent_buffers", None)
+        if init is not None:
+            init()
+    return model.eval().requires_grad_(False)
+
+
+def _checkpoint_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise CheckpointError(f"{index_path}: lists shard {path.name}, which does not exist")
+        return files
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{single}: not a valid safetensors file ({exc})") from exc
+
+
+def local_name(hf_name: str) -> str | None:
+    """Map a Hugging Face tensor name onto this model's names (None: not a model tensor)."""
+    if hf_name == "lm_head.weight":
+        return None  # tied to the input embeddings
+    if hf_name.startswith("model.language_model."):
+        return hf_name[len("model."):]
+    for tower in ("vision_tower", "audio_tower", "embed_vision", "embed_audio"):
+        if hf_name.startswith(f"model.{tower}."):
+            return hf_name[len("model."):]
+    if hf_name.startswith("model."):  # Gemma4ForCausalLM: model.layers..., model.embed_tokens...
+        return "language_model." + hf_name[len("model."):]
+    return hf_name
+
+
+def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | None = None) -> None:
+    model_dir = Path(model_dir)
+    files = _checkpoint_index(model_dir)
+    params = dict(model.state_dict(keep_vars=True))
+    first_shared = model.cfg.text.first_kv_shared_layer
+    skipped_towers = tuple(
+        prefix for prefix, module in (("vision_tower.", model.vision_tower), ("embed_vision.", model.embed_vision),
+                                      ("audio_tower.", model.audio_tower), ("embed_audio.", model.embed_audio))
+        if module is None
+    )
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    unexpected = []
+    for hf_name, path in files.items():
+        name = local_name(hf_name)
+        if name is None or name.startswith(skipped_towers):
+            continue
+        match = _SHARED_KV_PARAM.match(name)
+        if match and int(match.group(1)) >= first_shared:
+            continue  # transformers keeps these for KV-shared layers, which never use them
+        if name not in params:
+            unexpected.append(hf_name)
+            continue
+        by_file.setdefault(path, []).append((hf_name, name))
+    if unexpected:
+        raise CheckpointError(f"{model_dir}: unexpected tensors not in this model: {_names(unexpected)}")
+    loaded: set[str] = set()
+    total = sum(len(v) for v in by_file.values())
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show) as bar:
+        for path, entries in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for hf_name, name in entries:
+                        tensor = f.get_tensor(hf_name)
+                        target = params[name]
+                        if tuple(tensor.shape) != tuple(target.shape):
+                            raise CheckpointError(
+                                f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                                f"expected {tuple(target.shape)}"
+                            )
+                        with torch.no_grad():
+                            target.copy_(tensor)
+                        loaded.add(name)
+                        bar.update(1)
+            except SafetensorError as exc:
+                raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from exc
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensors: {_names(missing)}")
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+@torch.no_grad()
+def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) -> None:
+    """Seeded random weights for benchmarks and tiny checkpoints: N(0, std) matrices, unit norms/scales."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if tensor.ndim <= 1 and not leaf.startswith(("input_", "output_")):
+            # norms, layer scalars, router scales, per-dim scales: neutral values
+            tensor.fill_(0.0 if leaf == "per_dim_scale" else 1.0)
+        elif leaf in ("input_min", "output_min"):
+            tensor.fill_(-float("inf"))
+        elif leaf in ("input_max", "output_max"):
+            tensor.fill_(float("inf"))
+        else:
+            tensor.normal_(0.0, std, generator=gen)
+
+
+def load_model(
+    model: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    with_vision: bool = True,
+    with_audio: bool = True,
+    strict_config: bool = True,
+    seed: int = 0,
+) -> Gemma4Model:
+    """Load a checkpoint directory, or a preset name (``tiny``, ``e4b``, ...) with seeded random weights."""
+    from g4serve.config import PRESETS, preset
+
+    torch_dtype = resolve_dtype(dtype, device)
+    if isinstance(model, str) and model in PRESETS and not Path(model).exists():
+        cfg = preset(model)
+        net = build_model(cfg, torch_dtype, device, with_vision, with_audio)
+        init_random_weights(net, seed)
+        return net
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model: {model_dir} is neither a directory nor a preset ({', '.join(PRESETS)})")
+    cfg = Gemma4Config.from_pretrained(model_dir, strict=strict_config)
+    net = build_model(cfg, torch_dtype, device, with_vision, with_audio)
+    load_weights(net, model_dir)
+    log.info("loaded %s (%s, %s)", model_dir, torch_dtype, device)
+    return net

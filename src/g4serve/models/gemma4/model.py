@@ -1,0 +1,93 @@
+"""The whole Gemma 4 model: text decoder plus optional vision and audio towers.
+
+Encoders turn media into soft tokens in text space; ``forward`` puts them at the
+placeholder tokens of the flat token batch and runs the decoder. Text-only mode builds
+no towers at all, so their memory goes to the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from g4serve.config import Gemma4Config
+from g4serve.layers.attention import AttentionBackend, AttentionMetadata
+from g4serve.models.gemma4.audio import Gemma4AudioModel
+from g4serve.models.gemma4.multimodal import MultimodalEmbedder
+from g4serve.models.gemma4.text import Gemma4TextModel
+from g4serve.models.gemma4.vision import Gemma4VisionModel
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, cfg: Gemma4Config, with_vision: bool = True, with_audio: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        text_hidden = cfg.text.hidden_size
+        self.language_model = Gemma4TextModel(cfg.text)
+        self.vision_tower = self.embed_vision = None
+        self.audio_tower = self.embed_audio = None
+        if cfg.vision is not None and with_vision:
+            self.vision_tower = Gemma4VisionModel(cfg.vision)
+            self.embed_vision = MultimodalEmbedder(cfg.vision.hidden_size, text_hidden, cfg.vision.rms_norm_eps)
+        if cfg.audio is not None and with_audio:
+            self.audio_tower = Gemma4AudioModel(cfg.audio)
+            self.embed_audio = MultimodalEmbedder(cfg.audio.output_proj_dims, text_hidden, cfg.audio.rms_norm_eps)
+        self.register_buffer(
+            "mm_token_ids",
+            torch.tensor([cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id]),
+            persistent=False,
+        )
+
+    def init_nonpersistent_buffers(self) -> None:
+        device = self.language_model.norm.weight.device
+        self.mm_token_ids = torch.tensor(
+            [self.cfg.image_token_id, self.cfg.video_token_id, self.cfg.audio_token_id], device=device
+        )
+
+    # ---- encoders ------------------------------------------------------------------------
+    def encode_images(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Images or video frames [B, N, 3*p*p] -> per item soft tokens [n_i, text_hidden]."""
+        if self.vision_tower is None:
+            raise ValueError("this model was loaded without its vision tower (text-only mode)")
+        tokens = self.embed_vision(self.vision_tower(pixel_values, position_ids))
+        k2 = self.cfg.vision.pooling_kernel_size**2
+        counts = ((position_ids != -1).all(dim=-1).sum(dim=-1) // k2).tolist()
+        return list(torch.split(tokens, counts))
+
+    def encode_audio(self, features: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Log-mel features [B, T, 128] with validity mask -> per clip soft tokens [n_i, text_hidden]."""
+        if self.audio_tower is None:
+            raise ValueError("this model was loaded without its audio tower (text-only mode or no audio)")
+        hidden, out_mask = self.audio_tower(features, mask)
+        tokens = self.embed_audio(hidden)
+        return [tokens[i][out_mask[i]] for i in range(tokens.shape[0])]
+
+    # ---- decoder ---------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        mm_embeds: torch.Tensor | None = None,
+        keep_indices: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Flat ``input_ids`` [T] -> final hidden states (of ``keep_indices`` if given).
+
+        ``mm_embeds`` [M, H] holds the soft tokens of the batch's multimodal placeholders in
+        order of appearance (M must equal the number of placeholder tokens).
+        """
+        lm = self.language_model
+        is_mm = torch.isin(input_ids, self.mm_token_ids)
+        # Placeholders may lie outside the text vocabulary: embed them as padding, then overwrite.
+        text_ids = torch.where(is_mm, self.cfg.text.pad_token_id, input_ids)
+        embeds = lm.embed(text_ids)
+        if mm_embeds is not None and mm_embeds.shape[0]:
+            if int(is_mm.sum()) != mm_embeds.shape[0]:
+                raise ValueError(
+                    f"{int(is_mm.sum())} multimodal placeholder tokens but {mm_embeds.shape[0]} soft tokens given"
+                )
+            embeds = embeds.masked_scatter(is_mm.unsqueeze(-1), mm_embeds.to(embeds.dtype))
+        return lm(embeds, text_ids, meta, backend, keep_indices)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)

@@ -1,0 +1,233 @@
+"""Gemma 4 text decoder over a flat batch of tokens.
+
+Reads like the reference: scaled embeddings, per-layer embeddings (PLE), sliding/full
+attention with per-type head dims and RoPE, q/k/v norms, KV sharing, dense MLP plus the
+optional routed MoE block, per-layer scalar, soft-capped tied LM head. Attention goes
+through an ``AttentionBackend`` so the engine can swap caches and kernels. Parameter
+names follow the Hugging Face checkpoints (relative to ``model.language_model``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from g4serve.config import TextConfig
+from g4serve.layers.activation import ACTIVATIONS
+from g4serve.layers.attention import AttentionBackend, AttentionMetadata
+from g4serve.layers.moe import MoEExperts, MoERouter
+from g4serve.layers.norm import RMSNorm
+from g4serve.layers.rotary import apply_rope, rope_cos_sin, text_inv_freq
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embedding multiplied by a constant that is rounded to the weight dtype first (as Gemma does)."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float):
+        super().__init__(num_embeddings, dim)
+        self.scale = scale
+        self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+
+    def init_nonpersistent_buffers(self) -> None:
+        self.embed_scale = torch.tensor(self.scale, device=self.weight.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class TextAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.layer_head_dim(layer_idx)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.layer_num_kv_heads(layer_idx)
+        self.is_kv_shared = layer_idx >= cfg.first_kv_shared_layer
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if not self.is_kv_shared:
+            self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            # attention_k_eq_v: full layers take V from the raw K projection.
+            self.v_proj = None if cfg.layer_uses_k_as_v(layer_idx) else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = v = None
+        if not self.is_kv_shared:
+            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v_raw = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = self.v_norm(v_raw)
+        out = backend.attend(self.layer_idx, q, k, v, meta)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, activation: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.self_attn = TextAttention(cfg, layer_idx)
+        self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(layer_idx), cfg.hidden_activation)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.ple_dim = cfg.hidden_size_per_layer_input
+        if self.ple_dim:
+            self.act = ACTIVATIONS[cfg.hidden_activation]
+            self.per_layer_input_gate = nn.Linear(hidden, self.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(self.ple_dim, hidden, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+        self.enable_moe = cfg.enable_moe_block
+        if self.enable_moe:
+            self.router = MoERouter(hidden, cfg.num_experts, cfg.top_k_experts, eps)
+            self.experts = MoEExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.hidden_activation)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        residual = h
+        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, backend)
+        h = residual + self.post_attention_layernorm(h)
+
+        residual = h
+        out = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.enable_moe:
+            # The routed experts run beside the dense MLP, both fed from the residual stream.
+            weights, experts = self.router(residual)
+            moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
+        h = residual + self.post_feedforward_layernorm(out)
+
+        if self.ple_dim:
+            gate = self.act(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return h * self.layer_scalar
+
+
+class Gemma4TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        if cfg.use_bidirectional_attention == "all":
+            raise ValueError(
+                "text_config.use_bidirectional_attention='all' describes a non-causal (encoder) variant; "
+                "g4serve serves generative Gemma 4 models"
+            )
+        self.cfg = cfg
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ple_dim = cfg.hidden_size_per_layer_input
+        if self.ple_dim:
+            num_layers = cfg.num_hidden_layers
+            self.embed_tokens_per_layer = ScaledEmbedding(
+                cfg.vocab_size_per_layer_input, num_layers * self.ple_dim, self.ple_dim**0.5
+            )
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, num_layers * self.ple_dim, bias=False)
+            self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg.rms_norm_eps)
+        for layer_type, inv in self._inv_freqs().items():
+            self.register_buffer(f"{layer_type}_inv_freq", inv, persistent=False)
+
+    def _inv_freqs(self) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        out = {}
+        for layer_type in set(cfg.layer_types):
+            head_dim = next(cfg.layer_head_dim(i) for i, t in enumerate(cfg.layer_types) if t == layer_type)
+            out[layer_type] = text_inv_freq(cfg.rope_parameters[layer_type], head_dim)
+        return out
+
+    def init_nonpersistent_buffers(self) -> None:
+        """Recompute fp32 RoPE tables after the module was materialised from the meta device."""
+        for layer_type, inv in self._inv_freqs().items():
+            setattr(self, f"{layer_type}_inv_freq", inv.to(self.norm.weight.device))
+
+    def embed(self, text_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(text_ids)
+
+    def per_layer_inputs(self, text_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """PLE: token-identity table plus a projection of the (merged) input embeddings -> [T, L, P]."""
+        num_layers = self.cfg.num_hidden_layers
+        identity = self.embed_tokens_per_layer(text_ids).reshape(-1, num_layers, self.ple_dim)
+        context = self.per_layer_model_projection(inputs_embeds) * (self.cfg.hidden_size**-0.5)
+        context = self.per_layer_projection_norm(context.reshape(-1, num_layers, self.ple_dim))
+        return (context + identity) * (2.0**-0.5)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        text_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        keep_indices: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder. ``keep_indices``: query tokens whose hidden state is needed (sorted).
+
+        When given, layers past the last KV producer run only on those tokens (YOCO fast
+        prefill): those layers write no K/V, so the other tokens' states are never read again.
+        Returns the final-normed hidden states of the kept tokens (all tokens if None).
+        """
+        cfg = self.cfg
+        h = inputs_embeds
+        ple = self.per_layer_inputs(text_ids, inputs_embeds) if self.ple_dim else None
+        tables = {
+            t: rope_cos_sin(meta.positions, getattr(self, f"{t}_inv_freq"), h.dtype) for t in set(cfg.layer_types)
+        }
+        sliced = False
+        for i, layer in enumerate(self.layers):
+            if i == cfg.first_kv_shared_layer and keep_indices is not None and cfg.num_kv_shared_layers:
+                idx = torch.tensor(keep_indices, dtype=torch.long, device=h.device)
+                h = h[idx]
+                ple = ple[idx] if ple is not None else None
+                tables = {t: (c[idx], s[idx]) for t, (c, s) in tables.items()}
+                meta = meta.select_queries(keep_indices)
+                sliced = True
+            cos, sin = tables[layer.layer_type]
+            h = layer(h, ple[:, i] if ple is not None else None, cos, sin, meta, backend)
+        h = self.norm(h)
+        if keep_indices is not None and not sliced:
+            h = h[torch.tensor(keep_indices, dtype=torch.long, device=h.device)]
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.embed_tokens.weight)
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,165 @@
+"""Gemma 4 vision tower: patches -> ViT encoder with axial 2-D RoPE -> k×k average pooling -> soft tokens.
+
+Parameter names follow the Hugging Face checkpoints (relative to ``model.vision_tower``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from g4serve.config import VisionConfig
+from g4serve.layers.activation import ACTIVATIONS
+from g4serve.layers.norm import RMSNorm
+from g4serve.layers.rotary import apply_axial_rope, vision_cos_sin, vision_inv_freq
+from g4serve.models.gemma4.multimodal import ClippableLinear
+
+
+class VisionPatchEmbedder(nn.Module):
+    """Linear patch projection plus learned x- and y-position embeddings (zero for padding patches)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.input_proj = nn.Linear(3 * cfg.patch_size**2, cfg.hidden_size, bias=False)
+        table = torch.ones(2, cfg.position_embedding_size, cfg.hidden_size)  # [x | y, position, hidden]
+        self.position_embedding_table = nn.Parameter(table)
+
+    def forward(
+        self, pixel_values: torch.Tensor, positions: torch.Tensor, is_pad: torch.Tensor
+    ) -> torch.Tensor:
+        # The processor leaves pixels in [0, 1]; Gemma 4 maps them to [-1, 1] in the model.
+        x = self.input_proj((2 * (pixel_values - 0.5)).to(self.input_proj.weight.dtype))
+        pos = positions.clamp(min=0)  # padding is (-1, -1); any valid index will do, it is zeroed below
+        pos_emb = F.embedding(pos[..., 0], self.position_embedding_table[0]) + F.embedding(
+            pos[..., 1], self.position_embedding_table[1]
+        )
+        return x + torch.where(is_pad.unsqueeze(-1), 0.0, pos_emb)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_kv_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        clip = cfg.use_clipped_linears
+        self.q_proj = ClippableLinear(cfg.hidden_size, q_dim, clip)
+        self.k_proj = ClippableLinear(cfg.hidden_size, kv_dim, clip)
+        self.v_proj = ClippableLinear(cfg.hidden_size, kv_dim, clip)
+        self.o_proj = ClippableLinear(q_dim, cfg.hidden_size, clip)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor
+    ) -> torch.Tensor:
+        B, N, _ = x.shape
+        shape = (B, N, -1, self.head_dim)
+        q = apply_axial_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin)
+        k = apply_axial_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
+        v = self.v_norm(self.v_proj(x).view(shape))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        # q_norm/k_norm carry the softmax temperature, so the dot product is not scaled.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attend, scale=1.0, enable_gqa=self.num_kv_groups > 1
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        clip = cfg.use_clipped_linears
+        self.gate_proj = ClippableLinear(cfg.hidden_size, cfg.intermediate_size, clip)
+        self.up_proj = ClippableLinear(cfg.hidden_size, cfg.intermediate_size, clip)
+        self.down_proj = ClippableLinear(cfg.intermediate_size, cfg.hidden_size, clip)
+        self.act_fn = ACTIVATIONS[cfg.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionEncoderLayer(nn.Module):
+    """Pre-norm block with an extra norm on each branch output ("sandwich" norms)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.self_attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor
+    ) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attend))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return vision_inv_freq(self.cfg.rope_parameters["rope_theta"], self.cfg.head_dim)
+
+    def init_nonpersistent_buffers(self) -> None:
+        """Recompute the fp32 RoPE frequencies after the module was materialised from the meta device."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, is_valid: torch.Tensor) -> torch.Tensor:
+        cos, sin = vision_cos_sin(positions, self.inv_freq, h.dtype)
+        # Bidirectional attention; every query (padding ones too) sees only the image's real patches.
+        attend = is_valid[:, None, None, :]
+        for layer in self.layers:
+            h = layer(h, cos, sin, attend)
+        return h
+
+
+def avg_pool_by_position(
+    h: torch.Tensor, positions: torch.Tensor, k: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Average the patches of each k×k cell of the patch grid -> ([B, length, D], cell used [B, length]).
+
+    Padding patches (zero rows) land in cell 0 and add nothing. Pooling is a one-hot matmul, as in the
+    reference: it is deterministic on GPU (a scatter-add would not be) and cheap next to the encoder.
+    """
+    pos = positions.clamp(min=0)
+    cells_per_row = (pos[..., 0].amax(dim=-1, keepdim=True) + 1) // k
+    cell = pos[..., 0] // k + cells_per_row * (pos[..., 1] // k)
+    weights = F.one_hot(cell, length).float() / k**2  # [B, N, length]
+    pooled = weights.transpose(1, 2) @ h.float()
+    return pooled.to(h.dtype), (weights != 0).any(dim=1)
+
+
+class Gemma4VisionModel(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embedder = VisionPatchEmbedder(cfg)
+        self.encoder = VisionEncoder(cfg)
+        if cfg.standardize:
+            self.register_buffer("std_bias", torch.zeros(cfg.hidden_size))
+            self.register_buffer("std_scale", torch.ones(cfg.hidden_size))
+
+    def forward(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor) -> torch.Tensor:
+        """Patches [B, N, 3*p*p] with (x, y) positions [B, N, 2] ((-1, -1) = padding)
+        -> soft tokens [total_soft_tokens, hidden], images in batch order, padding removed."""
+        k = self.cfg.pooling_kernel_size
+        is_pad = (pixel_position_ids == -1).all(dim=-1)
+        h = self.patch_embedder(pixel_values, pixel_position_ids, is_pad)
+        h = self.encoder(h, pixel_position_ids, ~is_pad)
+        h = h.masked_fill(is_pad.unsqueeze(-1), 0.0)
+        pooled, is_used = avg_pool_by_position(h, pixel_position_ids, k, pixel_values.shape[1] // k**2)
+        # The sqrt(hidden) scale can overflow fp16, and std_bias cancels large values: both stay in fp32.
+        out = pooled[is_used].float() * self.cfg.hidden_size**0.5
+        if self.cfg.standardize:
+            out = (out - self.std_bias.float()) * self.std_scale.float()
+        return out.to(h.dtype)
