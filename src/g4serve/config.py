@@ -107,7 +107,11 @@ class TextConfig:
     def _override(self, layer_idx: int) -> dict[str, int]:
         if not self.per_layer_config:
             return {}
-        return self.per_layer_config.get(str(layer_idx), {})
+        # transformers writes the layer keys zero-padded ("05"); compare them as integers.
+        for key, override in self.per_layer_config.items():
+            if int(key) == layer_idx:
+                return override
+        return {}
 
     def layer_uses_k_as_v(self, layer_idx: int) -> bool:
         return self.attention_k_eq_v and self.layer_types[layer_idx] == FULL
@@ -177,6 +181,12 @@ class TextConfig:
             "text_config.layer_types",
             f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}",
         )
+        for key, override in (self.per_layer_config or {}).items():
+            field_name = f"text_config.per_layer_config[{key!r}]"
+            _require(str(key).isdigit() and int(key) < self.num_hidden_layers, field_name,
+                     f"is not a layer index in [0, {self.num_hidden_layers})")
+            _require(isinstance(override, dict) and set(override) <= {"head_dim", "num_key_value_heads"}, field_name,
+                     f"may only override head_dim and num_key_value_heads, got {override!r}")
         for i, t in enumerate(self.layer_types):
             _require(t in LAYER_TYPES, f"text_config.layer_types[{i}]", f"unknown layer type {t!r}")
         _require(self.layer_types[-1] == FULL, "text_config.layer_types", "the last layer must be full_attention")

@@ -61,7 +61,7 @@ def batch() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "attn, overrides",
-    [("sdpa", {}), ("eager", {}), ("sdpa", {"standardize": True, "use_clipped_linears": True})],
+    [("sdpa", {}), ("eager", {}), ("eager", {"standardize": True, "use_clipped_linears": True})],
     ids=["sdpa", "eager", "standardize+clipped"],
 )
 @torch.no_grad()
@@ -72,8 +72,12 @@ def test_matches_transformers(batch, attn, overrides):
     got = ours(pixels, positions)
     assert got.shape == (int(batch["num_soft_tokens_per_image"].sum()), TINY["hidden_size"])
     assert got.dtype == torch.float32
-    # Outputs are O(10) (the pooler scales by sqrt(hidden)); eager attention sums in another order than SDPA.
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5 if attn == "eager" else 1e-6)
+    # On CPU g4serve computes attention the eager way: equal to transformers' eager path to the bit.
+    # SDPA sums in another order; outputs are O(10) (the pooler scales by sqrt(hidden)).
+    if attn == "eager":
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
 @torch.no_grad()

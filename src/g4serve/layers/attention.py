@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from g4serve.config import FULL, SLIDING, TextConfig
 
@@ -186,6 +187,24 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     scores = scores.masked_fill(~allowed[None], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.einsum("hls,shd->lhd", probs, v.to(q.dtype))
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    """Unscaled attention for encoders: q [B, H, N, D], k/v [B, Hkv, M, D], boolean ``attend``
+    broadcastable to [B, H, N, M] -> [B, H, N, D].
+
+    On CPU (the fp32 reference path) this is the eager matmul-softmax-matmul of transformers, so
+    outputs match it to the bit; on accelerators it is SDPA (flash / memory-efficient kernels).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=1.0, enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3))
+    scores = scores.masked_fill(~attend, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def contiguous_metadata(

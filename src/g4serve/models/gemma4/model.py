@@ -70,18 +70,25 @@ class Gemma4Model(nn.Module):
         backend: AttentionBackend,
         mm_embeds: torch.Tensor | None = None,
         keep_indices: list[int] | None = None,
+        mm_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Flat ``input_ids`` [T] -> final hidden states (of ``keep_indices`` if given).
 
-        ``mm_embeds`` [M, H] holds the soft tokens of the batch's multimodal placeholders in
-        order of appearance (M must equal the number of placeholder tokens).
+        ``mm_embeds`` [M, H] holds soft tokens for the rows ``mm_positions`` [M] of the batch;
+        without positions, for every placeholder token in order of appearance. Placeholder ids
+        are always embedded as padding first, as transformers does (a model may also *generate*
+        a placeholder id; it then gets the padding embedding and no soft token).
         """
         lm = self.language_model
         is_mm = torch.isin(input_ids, self.mm_token_ids)
         # Placeholders may lie outside the text vocabulary: embed them as padding, then overwrite.
         text_ids = torch.where(is_mm, self.cfg.text.pad_token_id, input_ids)
         embeds = lm.embed(text_ids)
-        if mm_embeds is not None and mm_embeds.shape[0]:
+        if mm_embeds is not None and mm_embeds.shape[0] and mm_positions is not None:
+            if mm_positions.shape[0] != mm_embeds.shape[0]:
+                raise ValueError(f"{mm_positions.shape[0]} multimodal positions but {mm_embeds.shape[0]} soft tokens")
+            embeds = embeds.index_copy(0, mm_positions, mm_embeds.to(embeds.dtype))
+        elif mm_embeds is not None and mm_embeds.shape[0]:
             if int(is_mm.sum()) != mm_embeds.shape[0]:
                 raise ValueError(
                     f"{int(is_mm.sum())} multimodal placeholder tokens but {mm_embeds.shape[0]} soft tokens given"

@@ -11,6 +11,7 @@ from torch import nn
 
 from g4serve.config import VisionConfig
 from g4serve.layers.activation import ACTIVATIONS
+from g4serve.layers.attention import dense_attention
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.rotary import apply_axial_rope, vision_cos_sin, vision_inv_freq
 from g4serve.models.gemma4.multimodal import ClippableLinear
@@ -62,9 +63,7 @@ class VisionAttention(nn.Module):
         v = self.v_norm(self.v_proj(x).view(shape))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # q_norm/k_norm carry the softmax temperature, so the dot product is not scaled.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attend, scale=1.0, enable_gqa=self.num_kv_groups > 1
-        )
+        out = dense_attention(q, k, v, attend)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
 
 

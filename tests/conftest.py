@@ -1,0 +1,115 @@
+"""Shared fixtures: tiny random Gemma 4 checkpoints written by transformers' own classes.
+
+Each checkpoint directory holds what ``save_pretrained`` writes plus the tiny tokenizer and
+processor configs, so g4serve loads it like a real Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Special-token ids of g4serve's tiny tokenizer (g4serve.processing.tiny_tokenizer.SPECIAL_TOKENS).
+TOKEN_IDS = dict(boi_token_id=10, eoi_token_id=11, image_token_id=12, boa_token_id=13, eoa_token_index=14,
+                 audio_token_id=15, video_token_id=16)
+
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, head_dim=16, position_embedding_size=1024)
+_AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 4],
+              output_proj_dims=48)
+_TEXT = dict(vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=64, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+             final_logit_softcapping=30.0, max_position_embeddings=4096, eos_token_id=[1, 6])
+
+# The architectures the oracle tests cover, shrunk.
+VARIANTS: dict[str, dict] = {
+    # E2B/E4B: per-layer embeddings, KV sharing, 5:1 sliding/full, proportional RoPE, audio.
+    "e": dict(text=dict(_TEXT, num_hidden_layers=12, layer_types=([SLIDING] * 5 + [FULL]) * 2,
+                        sliding_window=12, num_kv_shared_layers=4, hidden_size_per_layer_input=16),
+              audio=True),
+    # 26B-A4B: routed experts beside the dense MLP, K=V global layers, bidirectional image attention.
+    "moe": dict(text=dict(_TEXT, num_hidden_layers=6, layer_types=[SLIDING, SLIDING, FULL] * 2, sliding_window=12,
+                          hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+                          enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                          use_bidirectional_attention="vision"),
+                audio=False),
+    # 31B: dense, K=V global layers with fewer KV heads, bidirectional image attention.
+    "31b": dict(text=dict(_TEXT, num_hidden_layers=6, layer_types=[SLIDING, SLIDING, FULL] * 2, sliding_window=12,
+                          hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+                          use_bidirectional_attention="vision"),
+                audio=False),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from init: N(0, 0.05) matrices, norms near 1, random position tables, finite clips.
+
+    The matrix scale keeps the tiny decoder from amplifying rounding noise chaotically: transformers'
+    own eager and SDPA paths then differ by ~1e-4 in the logits, not ~4e-4 as with N(0, 0.1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif name.endswith("per_dim_scale"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:
+                p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.tensor([0.8]))
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(4.0)
+            elif name.endswith(("input_min", "output_min")):
+                b.fill_(-4.0)
+
+
+def build_hf_checkpoint(out: Path, variant: str, seed: int = 0) -> Path:
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
+    from g4serve.tiny import _processor_configs
+    from g4serve.config import Gemma4Config as OurConfig
+
+    spec = VARIANTS[variant]
+    cfg = Gemma4Config(text_config=spec["text"], vision_config=_VISION,
+                       audio_config=_AUDIO if spec["audio"] else None, **TOKEN_IDS)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    _randomize(model, seed)
+    model.save_pretrained(out)
+    write_tiny_tokenizer(out, vocab_size=spec["text"]["vocab_size"])
+    ours = OurConfig.from_pretrained(out)
+    for name, content in _processor_configs(ours).items():
+        (out / name).write_text(json.dumps(content, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """``hf_checkpoint(variant) -> Path`` built once per session and variant."""
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = build_hf_checkpoint(tmp_path_factory.mktemp(f"hf-{variant}"), variant)
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """g4serve's own embedded tiny checkpoint (make-tiny, variant e)."""
+    from g4serve.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-e"), "e")
