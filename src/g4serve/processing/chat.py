@@ -1,0 +1,125 @@
+"""Turn OpenAI/vLLM-style chat messages into chat-template messages plus the media they carry.
+
+Media parts (``image``, ``image_url``, ``video``, ``video_url``, ``audio``, ``input_audio``,
+``audio_url``) become ``{"type": "image"|"video"|"audio"}`` placeholders for the template and
+raw media entries, in order, for the processor. Errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+_PART_MODALITY = {
+    "image": "image", "image_url": "image", "image_pil": "image",
+    "video": "video", "video_url": "video",
+    "audio": "audio", "input_audio": "audio", "audio_url": "audio",
+}
+
+
+@dataclass
+class MediaInputs:
+    image: list[Any] = field(default_factory=list)
+    video: list[Any] = field(default_factory=list)
+    audio: list[Any] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, list[Any]]:
+        return {k: v for k, v in (("image", self.image), ("video", self.video), ("audio", self.audio)) if v}
+
+
+@dataclass
+class LocalFile:
+    """A media reference to a local file (only allowed where the caller permits it)."""
+
+    path: str
+
+
+def decode_data_url(url: str, where: str) -> bytes:
+    """``data:<mime>;base64,<payload>`` -> bytes."""
+    if not url.startswith("data:"):
+        raise ValueError(f"{where}: expected a data: URL")
+    header, sep, payload = url.partition(",")
+    if not sep or ";base64" not in header:
+        raise ValueError(f"{where}: only base64 data: URLs are supported")
+    return decode_base64(payload, where)
+
+
+def decode_base64(payload: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{where}: invalid base64 data ({exc})") from None
+
+
+def _media_value(part: dict[str, Any], kind: str, where: str, allow_local_files: bool) -> Any:
+    value = part.get(kind)
+    if value is None:
+        raise ValueError(f"{where}.{kind}: missing")
+    if kind == "input_audio":
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+            raise ValueError(f"{where}.input_audio.data: must be a base64 string")
+        return decode_base64(value["data"], f"{where}.input_audio.data")
+    if kind.endswith("_url"):
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str):
+            raise ValueError(f"{where}.{kind}.url: must be a string")
+        return _url_value(url, f"{where}.{kind}.url", allow_local_files)
+    if isinstance(value, str):
+        return _url_value(value, f"{where}.{kind}", allow_local_files)
+    return value  # already-decoded media: PIL image, array, frames, (waveform, rate), bytes
+
+
+def _url_value(url: str, where: str, allow_local_files: bool) -> Any:
+    if url.startswith("data:"):
+        return decode_data_url(url, where)
+    if url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: remote URLs are not fetched; send the media as a base64 data: URL")
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if not allow_local_files:
+        raise ValueError(f"{where}: local files are not allowed here; send the media as a base64 data: URL")
+    return LocalFile(path)
+
+
+def split_chat_messages(
+    messages: list[dict[str, Any]], allow_local_files: bool = True
+) -> tuple[list[dict[str, Any]], MediaInputs]:
+    """Validate messages; return template-ready messages and the media in prompt order."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list")
+    media = MediaInputs()
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ValueError(f"{where}: must be an object")
+        role = msg.get("role")
+        if role not in ("system", "developer", "user", "assistant", "model", "tool"):
+            raise ValueError(f"{where}.role: unknown role {role!r}")
+        content = msg.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            out.append({**msg, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"{where}.content: must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            pwhere = f"{where}.content[{j}]"
+            if not isinstance(part, dict):
+                raise ValueError(f"{pwhere}: must be an object")
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{pwhere}.text: must be a string")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in _PART_MODALITY:
+                modality = _PART_MODALITY[kind]
+                getattr(media, modality).append(_media_value(part, kind, pwhere, allow_local_files))
+                parts.append({"type": modality})
+            else:
+                raise ValueError(f"{pwhere}.type: unsupported content type {kind!r}")
+        out.append({**msg, "content": parts})
+    return out, media

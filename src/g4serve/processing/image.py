@@ -1,0 +1,179 @@
+"""Gemma 4 image preprocessing: aspect-ratio-preserving resize, patchify and pad, bit-identical to
+transformers' Gemma4ImageProcessor (torchvision backend). Also the shared patch helpers video.py uses."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+import torch
+from torchvision.transforms.v2 import functional as tvF
+
+SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
+RESCALE_FACTOR = 1 / 255
+ImageInput = PIL.Image.Image | np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True)
+class ImageFeatures:
+    pixel_values: torch.Tensor  # float32 [B, max_patches, 3 * patch_size**2]
+    position_ids: torch.Tensor  # int64 [B, max_patches, 2] as (x, y); (-1, -1) marks padding
+    num_soft_tokens: list[int]
+
+
+def check_max_soft_tokens(max_soft_tokens: int) -> None:
+    if max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
+        raise ValueError(f"`max_soft_tokens` must be one of {SUPPORTED_SOFT_TOKENS}, got {max_soft_tokens!r}")
+
+
+def aspect_ratio_preserving_size(
+    height: int, width: int, patch_size: int, max_patches: int, pooling_kernel_size: int
+) -> tuple[int, int]:
+    """Largest (h, w), both multiples of pooling_kernel_size * patch_size, that fit in `max_patches` patches."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image must be non-empty, got {height}x{width}")
+    target_px = max_patches * patch_size**2
+    factor = math.sqrt(target_px / (height * width))
+    side = pooling_kernel_size * patch_size
+    target_h = math.floor(factor * height / side) * side
+    target_w = math.floor(factor * width / side) * side
+    if target_h == 0 and target_w == 0:
+        raise ValueError(f"cannot resize a {height}x{width} image: both sides round down to 0")
+    # Extreme aspect ratios: pin the short side to one pooling cell, cap the long side.
+    max_side = (max_patches // pooling_kernel_size**2) * side
+    if target_h == 0:
+        target_h, target_w = side, min(math.floor(width / height) * side, max_side)
+    elif target_w == 0:
+        target_h, target_w = min(math.floor(height / width) * side, max_side), side
+    if target_h * target_w > target_px:
+        raise ValueError(
+            f"resizing {height}x{width} to {target_h}x{target_w} exceeds {max_patches} patches of size {patch_size}"
+        )
+    return target_h, target_w
+
+
+def num_soft_tokens_for_size(
+    height: int, width: int, max_soft_tokens: int = 280, patch_size: int = 16, pooling_kernel_size: int = 3
+) -> int:
+    """Soft tokens an image of this size produces, without touching pixels (for request validation)."""
+    check_max_soft_tokens(max_soft_tokens)
+    h, w = aspect_ratio_preserving_size(
+        height, width, patch_size, max_soft_tokens * pooling_kernel_size**2, pooling_kernel_size
+    )
+    return (h // patch_size) * (w // patch_size) // pooling_kernel_size**2
+
+
+def load_image(data: bytes) -> PIL.Image.Image:
+    """Decode image bytes the way transformers.image_utils.load_image does (EXIF transpose, convert("RGB"))."""
+    try:
+        image = PIL.Image.open(io.BytesIO(data))
+        image.load()  # decode now so truncated/corrupt payloads fail here, not later
+        image = PIL.ImageOps.exif_transpose(image)
+        return image.convert("RGB")
+    except Exception as e:  # PIL raises a zoo of types (OSError, SyntaxError, DecompressionBombError...)
+        raise ValueError(f"could not decode image: {e}") from e
+
+
+def _rgba_to_rgb(image: torch.Tensor) -> torch.Tensor:
+    # Same float32 composite-over-white and dtype round trip as TorchvisionBackend.convert_to_rgb.
+    image = tvF.to_dtype(image.movedim(-3, -1), torch.float32, scale=True)
+    image = image[..., :3] * image[..., 3:] + (1 - image[..., 3:])
+    return tvF.to_dtype(image, torch.uint8, scale=True).movedim(-1, -3)
+
+
+def image_to_tensor(image: ImageInput) -> torch.Tensor:
+    """uint8 [3, H, W] RGB tensor, converted like TorchvisionBackend.process_image.
+
+    PIL images of any mode are converted by PIL (alpha composited over white); numpy arrays are HWC or HW;
+    torch tensors are CHW when the first dim is 1/3/4 (transformers' rule), else HWC.
+    """
+    if isinstance(image, PIL.Image.Image):
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            white = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
+            image = PIL.Image.alpha_composite(white, image.convert("RGBA"))
+        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+    if isinstance(image, np.ndarray):
+        if image.ndim == 3:
+            image = np.moveaxis(image, -1, 0)
+        tensor = torch.from_numpy(np.ascontiguousarray(image))
+    elif isinstance(image, torch.Tensor):
+        tensor = image
+        if tensor.ndim == 3 and tensor.shape[0] not in (1, 3, 4) and tensor.shape[-1] in (1, 3, 4):
+            tensor = tensor.permute(2, 0, 1)
+    else:
+        # ValueError, not TypeError: every malformed request input maps to one client-error type.
+        raise ValueError(  # noqa: TRY004
+            f"unsupported image type {type(image).__name__}; expected a PIL image, numpy array or tensor"
+        )
+    if tensor.dtype != torch.uint8:
+        raise ValueError(f"image arrays must be uint8 (0-255), got {tensor.dtype}")
+    if tensor.ndim == 2:
+        tensor = tensor[None]
+    if tensor.ndim != 3 or tensor.shape[0] not in (1, 3, 4) or 0 in tensor.shape:
+        raise ValueError(
+            f"expected an image of shape HW, HWC or CHW with 1, 3 or 4 channels, got {tuple(image.shape)}"
+        )
+    tensor = tvF.grayscale_to_rgb(tensor)
+    if tensor.shape[0] == 4:
+        tensor = _rgba_to_rgb(tensor)
+    return tensor.contiguous()
+
+
+def resize_to_patch_budget(
+    pixels: torch.Tensor, patch_size: int, max_patches: int, pooling_kernel_size: int
+) -> torch.Tensor:
+    """Bicubic antialiased resize of uint8 [..., 3, H, W] to the patch budget, as Gemma4 processors do."""
+    height, width = pixels.shape[-2:]
+    target = aspect_ratio_preserving_size(height, width, patch_size, max_patches, pooling_kernel_size)
+    if target == (height, width):
+        return pixels
+    return tvF.resize(pixels, size=list(target), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+
+
+def patchify(pixels: torch.Tensor, patch_size: int, max_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., C, H, W] -> patches [..., max_patches, p*p*C] (row, col, channel order) and (x, y) positions."""
+    *lead, channels, height, width = pixels.shape
+    ph, pw = height // patch_size, width // patch_size
+    patches = pixels.reshape(*lead, channels, ph, patch_size, pw, patch_size)
+    n = len(lead)
+    patches = patches.permute(*range(n), n + 1, n + 3, n + 2, n + 4, n).reshape(*lead, ph * pw, -1)
+    xs, ys = torch.meshgrid(torch.arange(pw), torch.arange(ph), indexing="xy")
+    positions = torch.stack([xs, ys], dim=-1).reshape(ph * pw, 2).expand(*lead, ph * pw, 2)
+    pad = max_patches - ph * pw
+    if pad > 0:
+        patches = torch.nn.functional.pad(patches, (0, 0, 0, pad), value=0)
+        positions = torch.nn.functional.pad(positions, (0, 0, 0, pad), value=-1)
+    return patches, positions.contiguous()
+
+
+def preprocess_images(
+    images: ImageInput | Sequence[ImageInput],
+    max_soft_tokens: int = 280,
+    patch_size: int = 16,
+    pooling_kernel_size: int = 3,
+) -> ImageFeatures:
+    """Gemma4ImageProcessor defaults: resize to the soft-token budget, rescale by 1/255, patchify, pad."""
+    check_max_soft_tokens(max_soft_tokens)
+    if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 4:
+        images = list(images)
+    elif not isinstance(images, (list, tuple)):
+        images = [images]
+    if not images:
+        raise ValueError("no images given")
+    max_patches = max_soft_tokens * pooling_kernel_size**2
+    all_patches, all_positions, num_soft_tokens = [], [], []
+    for image in images:
+        pixels = resize_to_patch_budget(image_to_tensor(image), patch_size, max_patches, pooling_kernel_size)
+        # `x * (1/255)` rather than `x / 255`: the two round differently and transformers multiplies.
+        pixels = pixels * RESCALE_FACTOR
+        patches, positions = patchify(pixels, patch_size, max_patches)
+        num_real = (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
+        num_soft_tokens.append(num_real // pooling_kernel_size**2)
+        all_patches.append(patches)
+        all_positions.append(positions)
+    return ImageFeatures(torch.stack(all_patches), torch.stack(all_positions), num_soft_tokens)

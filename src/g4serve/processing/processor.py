@@ -1,0 +1,271 @@
+"""Prompt + media -> token ids and encoder inputs, exactly as transformers' Gemma4Processor.
+
+Each ``<|image|>`` / ``<|video|>`` / ``<|audio|>`` placeholder in the prompt is expanded into
+begin/end markers around one soft token per encoder output vector; the media become
+``MultimodalItem`` s that record where their soft tokens sit and carry a content hash
+(for the encoder cache and prefix caching).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from g4serve.config import Gemma4Config
+from g4serve.processing.audio import AudioFeatureExtractor, load_audio, num_audio_soft_tokens, resample
+from g4serve.processing.chat import LocalFile
+from g4serve.processing.image import load_image, preprocess_images
+from g4serve.processing.tokenizer import Tokenizer
+from g4serve.processing.video import VideoFrames, load_video, preprocess_video, sample_video_frames, video_prompt_text
+
+
+@dataclass(eq=False)  # compared by identity: `data` holds tensors
+class MultimodalItem:
+    modality: str  # "image" | "video" | "audio"
+    spans: list[tuple[int, int]]  # [start, end) token index ranges of this item's soft tokens
+    data: dict[str, torch.Tensor]  # encoder inputs
+    content_hash: str
+
+    @property
+    def offset(self) -> int:
+        return self.spans[0][0]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+    mm_items: list[MultimodalItem] = field(default_factory=list)
+
+
+@dataclass
+class ProcessorSettings:
+    image_max_soft_tokens: int = 280
+    video_max_soft_tokens: int = 70
+    video_num_frames: int = 32
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    audio_seq_length: int = 750
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path | None) -> ProcessorSettings:
+        s = cls()
+        if model_dir is None:
+            return s
+        path = Path(model_dir)
+        proc = _read_json(path / "processor_config.json")
+        image = proc.get("image_processor") or _read_json(path / "preprocessor_config.json")
+        video = proc.get("video_processor") or _read_json(path / "video_preprocessor_config.json")
+        s.image_max_soft_tokens = image.get("max_soft_tokens", s.image_max_soft_tokens)
+        s.patch_size = image.get("patch_size", s.patch_size)
+        s.pooling_kernel_size = image.get("pooling_kernel_size", s.pooling_kernel_size)
+        s.video_max_soft_tokens = video.get("max_soft_tokens", s.video_max_soft_tokens)
+        s.video_num_frames = video.get("num_frames", s.video_num_frames)
+        s.audio_seq_length = proc.get("audio_seq_length", s.audio_seq_length)
+        return s
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def content_hash(modality: str, *tensors: torch.Tensor) -> str:
+    h = hashlib.blake2b(modality.encode(), digest_size=16)
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Gemma4Processor:
+    def __init__(self, tokenizer: Tokenizer, cfg: Gemma4Config, settings: ProcessorSettings | None = None):
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.settings = settings or ProcessorSettings()
+        self.audio_extractor = AudioFeatureExtractor()
+        tok = tokenizer
+        self.image_token, self.video_token, self.audio_token = tok.image_token, tok.video_token, tok.audio_token
+        self.boi, self.eoi, self.boa, self.eoa = tok.boi_token, tok.eoi_token, tok.boa_token, tok.eoa_token
+        self.placeholder_ids = {
+            "image": cfg.image_token_id, "video": cfg.video_token_id, "audio": cfg.audio_token_id,
+        }
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, tokenizer: Tokenizer, cfg: Gemma4Config) -> Gemma4Processor:
+        return cls(tokenizer, cfg, ProcessorSettings.from_dir(model_dir))
+
+    # ---- media decoding --------------------------------------------------------------------
+    @staticmethod
+    def _source(value: Any) -> Any:
+        return value.path if isinstance(value, LocalFile) else value
+
+    def _load_image(self, value: Any) -> Any:
+        value = self._source(value)
+        if isinstance(value, (bytes, bytearray)):
+            return load_image(bytes(value))
+        if isinstance(value, str):
+            return load_image(Path(value).read_bytes())
+        return value
+
+    def _load_video(self, value: Any) -> VideoFrames:
+        value = self._source(value)
+        if isinstance(value, VideoFrames):
+            return value
+        if isinstance(value, (bytes, bytearray, str, Path)):
+            return load_video(value, num_frames=self.settings.video_num_frames)
+        # A sequence of frames (PIL images or HWC arrays), or a (T, H, W, C) array.
+        return sample_video_frames(value, num_frames=self.settings.video_num_frames)
+
+    def _load_audio(self, value: Any) -> np.ndarray:
+        value = self._source(value)
+        if isinstance(value, tuple):  # (waveform, sampling_rate)
+            wave, rate = value
+            wave = np.asarray(wave, dtype=np.float32)
+            if wave.ndim == 2:  # (channels, samples) -> mono
+                wave = wave.mean(axis=0)
+            return resample(wave, int(rate), 16000).astype(np.float32)
+        if isinstance(value, (bytes, bytearray, str)):
+            return load_audio(value)
+        return np.asarray(value, dtype=np.float32)
+
+    # ---- main entry ------------------------------------------------------------------------
+    def __call__(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        images: list[Any] | None = None,
+        videos: list[Any] | None = None,
+        audio: list[Any] | None = None,
+        add_special_tokens: bool = True,
+    ) -> ProcessedPrompt:
+        images, videos, audio = list(images or []), list(videos or []), list(audio or [])
+        s = self.settings
+        expansions: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
+        items: dict[str, list[tuple[dict[str, torch.Tensor], str]]] = {"image": [], "video": [], "audio": []}
+
+        if images:
+            feats = preprocess_images([self._load_image(v) for v in images], max_soft_tokens=s.image_max_soft_tokens,
+                                      patch_size=s.patch_size, pooling_kernel_size=s.pooling_kernel_size)
+            for i, n in enumerate(feats.num_soft_tokens):
+                data = {"pixel_values": feats.pixel_values[i : i + 1], "position_ids": feats.position_ids[i : i + 1]}
+                items["image"].append((data, content_hash("image", *data.values())))
+                expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
+        for value in videos:
+            frames = self._load_video(value)
+            feats = preprocess_video(frames, max_soft_tokens=s.video_max_soft_tokens, patch_size=s.patch_size,
+                                     pooling_kernel_size=s.pooling_kernel_size)
+            data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
+            items["video"].append((data, content_hash("video", *data.values())))
+            expansions["video"].append(
+                video_prompt_text(frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi)
+            )
+        if audio:
+            waves = [self._load_audio(v) for v in audio]
+            feats = self.audio_extractor(waves)
+            for i, wave in enumerate(waves):
+                data = {"input_features": feats.input_features[i : i + 1],
+                        "input_features_mask": feats.input_features_mask[i : i + 1]}
+                n = num_audio_soft_tokens(len(wave), s.audio_seq_length)
+                items["audio"].append((data, content_hash("audio", *data.values())))
+                expansions["audio"].append(f"{self.boa}{self.audio_token * n}{self.eoa}")
+
+        if prompt is not None:
+            text = self._expand_text(prompt, expansions)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        elif prompt_token_ids is not None:
+            token_ids = self._expand_ids(list(prompt_token_ids), expansions)
+        else:
+            raise ValueError("prompt: either a prompt string or prompt_token_ids is required")
+        return ProcessedPrompt(prompt, token_ids, self._locate(token_ids, items))
+
+    def _expand_text(self, prompt: str, expansions: dict[str, list[str]]) -> str:
+        placeholders = {"image": self.image_token, "video": self.video_token, "audio": self.audio_token}
+        # Replace placeholders in order of appearance, each modality consuming its own list.
+        for modality, token in placeholders.items():
+            count = prompt.count(token)
+            if count != len(expansions[modality]):
+                raise ValueError(
+                    f"multi_modal_data.{modality}: the prompt has {count} {token} placeholder(s) "
+                    f"but {len(expansions[modality])} {modality} input(s) were given"
+                )
+        out, i = [], 0
+        counters = {m: 0 for m in placeholders}
+        while i < len(prompt):
+            for modality, token in placeholders.items():
+                if prompt.startswith(token, i):
+                    out.append(expansions[modality][counters[modality]])
+                    counters[modality] += 1
+                    i += len(token)
+                    break
+            else:
+                out.append(prompt[i])
+                i += 1
+        return "".join(out)
+
+    def _expand_ids(self, ids: list[int], expansions: dict[str, list[str]]) -> list[int]:
+        out: list[int] = []
+        counters = {m: 0 for m in expansions}
+        by_id = {v: k for k, v in self.placeholder_ids.items()}
+        for tid in ids:
+            modality = by_id.get(tid)
+            if modality is None:
+                out.append(tid)
+                continue
+            if counters[modality] >= len(expansions[modality]):
+                raise ValueError(f"multi_modal_data.{modality}: more placeholders in prompt_token_ids than inputs")
+            out.extend(self.tokenizer.encode(expansions[modality][counters[modality]], add_special_tokens=False))
+            counters[modality] += 1
+        for modality, used in counters.items():
+            if used != len(expansions[modality]):
+                raise ValueError(
+                    f"multi_modal_data.{modality}: {len(expansions[modality])} input(s) but {used} placeholder(s)"
+                )
+        return out
+
+    def _locate(self, token_ids: list[int], items: dict[str, list]) -> list[MultimodalItem]:
+        """Find the soft-token runs of each item; a video contributes one run per frame."""
+        runs: dict[str, list[tuple[int, int]]] = {"image": [], "video": [], "audio": []}
+        by_id = {v: k for k, v in self.placeholder_ids.items()}
+        i = 0
+        while i < len(token_ids):
+            modality = by_id.get(token_ids[i])
+            if modality is None:
+                i += 1
+                continue
+            j = i
+            while j < len(token_ids) and token_ids[j] == token_ids[i]:
+                j += 1
+            runs[modality].append((i, j))
+            i = j
+        result = []
+        for modality, entries in items.items():
+            cursor = 0
+            for data, digest in entries:
+                frames = data["pixel_values"].shape[0] if modality == "video" else 1
+                spans = runs[modality][cursor : cursor + frames]
+                cursor += frames
+                result.append(MultimodalItem(modality, spans, data, digest))
+            if cursor != len(runs[modality]):
+                raise ValueError(f"multi_modal_data.{modality}: placeholder tokens do not match the inputs")
+        result.sort(key=lambda it: it.offset)
+        return result
+
+
+def bidirectional_spans(items: list[MultimodalItem]) -> list[tuple[int, int]]:
+    """Token ranges that attend bidirectionally on sliding layers: each image and each video frame."""
+    return [span for item in items if item.modality in ("image", "video") for span in item.spans]
