@@ -1,0 +1,1 @@
+"""Request handling, KV cache, scheduling and model execution."""

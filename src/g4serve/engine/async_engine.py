@@ -1,0 +1,188 @@
+"""Asyncio front of the engine for the server: submit, stream deltas, abort.
+
+The synchronous ``LLMEngine`` runs in one background thread that loops on ``step()`` while
+work exists; prompt processing (tokenizing, decoding and resizing media) runs in a thread
+pool so it never delays a step. Each request's outputs flow to the caller through an
+asyncio queue as ``StreamDelta`` s (new text, new token ids, finish reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.engine.request import Request
+from g4serve.outputs import RequestMetrics, RequestOutput
+from g4serve.processing.processor import ProcessedPrompt
+from g4serve.sampling_params import SamplingParams
+
+log = logging.getLogger("g4serve.async_engine")
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed; the server should report 500s and restart."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, preprocess_workers: int = 4):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (kind, payload) from the event loop
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(preprocess_workers, thread_name_prefix="g4-preprocess")
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+                    log.exception("engine step failed; aborting the requests in flight")
+                    self._fail_all(exc)
+                    continue
+                for out in outputs:
+                    self._publish(out)
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the waiting clients
+            log.exception("engine thread crashed")
+            self.dead = exc
+            for loop, q, _ in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            entry = self._streams.get(request_id)
+            if entry is not None:
+                loop, q, _ = entry
+                loop.call_soon_threadsafe(q.put_nowait, exc)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.engine.add_request(payload)
+            elif kind == "abort":
+                request = self.engine.requests.get(payload)
+                if request is not None:
+                    self.engine.abort_request(payload)
+                    self._publish(self.engine.output_of(request))
+
+    def _publish(self, out: RequestOutput) -> None:
+        entry = self._streams.get(out.request_id)
+        if entry is None:
+            return
+        loop, q, request = entry
+        completion = out.outputs[0]
+        # Computed here, on the engine thread, so text and finish state are read consistently.
+        delta = StreamDelta(
+            request_id=out.request_id,
+            text=request.take_stream_delta(),
+            token_ids=list(completion.token_ids),
+            finished=out.finished,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=len(completion.token_ids),
+            logprobs=completion.logprobs,
+            metrics=out.metrics,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        loop.call_soon_threadsafe(q.put_nowait, delta)
+
+    # ---- event-loop side ---------------------------------------------------------------------------
+    async def process(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.engine.process_prompt, prompt, add_special_tokens)
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    async def generate(
+        self,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[StreamDelta]:
+        """Submit one request and yield its deltas until it finishes; cancelling the iterator aborts it."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+        request_id = request_id or self.new_request_id()
+        request = self.engine.make_request(request_id, processed, params, priority=priority)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q, request)
+        self._commands.put(("add", request))
+        self._wake.set()
+        sent_tokens = 0
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise EngineDeadError(f"engine failed: {item!r}") from item
+                item.token_ids = item.token_ids[sent_tokens:]
+                sent_tokens += len(item.token_ids)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)

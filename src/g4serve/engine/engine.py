@@ -1,0 +1,344 @@
+"""The engine step loop: schedule -> encode media -> run the model -> sample -> update requests.
+
+``LLMEngine`` owns the model, the paged KV cache (sized from a memory budget), the scheduler,
+the encoder runner and cache, and the model runner. It is synchronous and single-threaded;
+``AsyncLLMEngine`` drives it from a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from g4serve.config import FULL, PRESETS, SLIDING
+from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
+from g4serve.engine.kv_cache import KVCacheManager
+from g4serve.engine.model_runner import ModelRunner
+from g4serve.engine.request import Request, RequestStatus
+from g4serve.engine.scheduler import Scheduler, SchedulerConfig
+from g4serve.layers.attention import PagedKVCache, TorchAttention
+from g4serve.models.gemma4.loader import load_model
+from g4serve.models.gemma4.model import Gemma4Model
+from g4serve.outputs import RequestOutput
+from g4serve.processing.processor import Gemma4Processor, ProcessedPrompt, ProcessorSettings
+from g4serve.processing.tokenizer import Tokenizer
+from g4serve.sampling_params import SamplingParams
+from g4serve.tiny import default_model_dir
+
+log = logging.getLogger("g4serve.engine")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint dir or preset; None: embedded tiny model
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None  # explicit KV budget (required on CPU unless the default is fine)
+    enable_prefix_caching: bool = True
+    fast_prefill: bool = True  # skip KV-shared layers for prompt tokens whose logits are not needed
+    enable_chunked_prefill: bool = True
+    encoder_cache_tokens: int = 16384
+    encoder_token_budget: int = 4096
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 32, "video": 4, "audio": 8})
+    text_only: bool = False
+    strict_config: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text_only:
+            self.limit_mm_per_prompt = {"image": 0, "video": 0, "audio": 0}
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+
+    @property
+    def text_only_mode(self) -> bool:
+        return all(v == 0 for v in self.limit_mm_per_prompt.values())
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = _resolve_device(config.device)
+        is_preset = isinstance(config.model, str) and config.model in PRESETS and not Path(config.model).exists()
+        model_dir = None if is_preset else Path(config.model) if config.model else default_model_dir()
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir or default_model_dir())
+        limits = config.limit_mm_per_prompt
+        self.model: Gemma4Model = load_model(
+            config.model if is_preset else model_dir, dtype=config.dtype, device=self.device,
+            with_vision=limits.get("image", 0) > 0 or limits.get("video", 0) > 0,
+            with_audio=limits.get("audio", 0) > 0, strict_config=config.strict_config, seed=config.seed,
+        )
+        self.model_config = self.model.cfg
+        if is_preset:
+            _map_special_tokens(self.model_config, self.tokenizer)
+            self.model.init_nonpersistent_buffers()
+        text = self.model_config.text
+        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.processor = Gemma4Processor(self.tokenizer, self.model_config, ProcessorSettings.from_dir(model_dir))
+
+        self.dtype = self.model.language_model.embed_tokens.weight.dtype
+        num_blocks = self._plan_kv_blocks()
+        self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv = KVCacheManager(text, num_blocks, config.block_size, config.enable_prefix_caching)
+        capacity = self.kv.capacity_tokens()
+        log.info("KV cache: %s", ", ".join(f"{pool} pool {tokens} tokens" for pool, tokens in capacity.items()))
+        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+        self.encoder = EncoderRunner(self.model, self.encoder_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                encoder_token_budget=config.encoder_token_budget, enable_chunked_prefill=config.enable_chunked_prefill,
+                bidirectional_spans=text.use_bidirectional_attention == "vision",
+            ),
+            self.kv, encoder_cached=lambda digest: digest in self.encoder_cache,
+        )
+        self.runner = ModelRunner(self.model, TorchAttention(text, self.kv_cache), config.block_size, config.fast_prefill)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.started = time.monotonic()
+
+    # ---- memory planning ------------------------------------------------------------------------
+    def _plan_kv_blocks(self) -> dict[str, int]:
+        cfg, text = self.config, self.model_config.text
+        per_block = PagedKVCache.bytes_per_block(text, cfg.block_size, self.dtype)
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used_by_others = total - free
+                budget = int(total * cfg.gpu_memory_utilization) - used_by_others - self._activation_reserve()
+            else:
+                budget = 256 << 20  # CPU default: 256 MiB of KV cache
+        if budget <= 0:
+            raise MemoryError("kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model")
+        pools = [p for p in (SLIDING, FULL) if per_block[p]]
+        bs = cfg.block_size
+        out = {SLIDING: 0, FULL: 0}
+        if SLIDING in pools:
+            # A sliding sequence never needs more than its window plus one chunk.
+            window_blocks = -(-(text.sliding_window + cfg.max_num_batched_tokens) // bs) + 1
+            want = cfg.max_num_seqs * window_blocks
+            share = budget // 2 if FULL in pools else budget
+            out[SLIDING] = max(1, min(want, share // per_block[SLIDING]))
+            budget -= out[SLIDING] * per_block[SLIDING]
+        if FULL in pools:
+            out[FULL] = max(1, budget // per_block[FULL])
+        min_blocks = -(-self.max_model_len // bs)
+        if FULL in pools and out[FULL] < min_blocks:
+            log.warning("KV cache holds %d tokens, less than max_model_len=%d", out[FULL] * bs, self.max_model_len)
+        return out
+
+    def _activation_reserve(self) -> int:
+        text = self.model_config.text
+        tokens = self.config.max_num_batched_tokens
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        width = max(text.intermediate_size * 2, text.vocab_size // 8, text.hidden_size * 8)
+        return 2 * tokens * width * itemsize + (1 << 30)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def process_prompt(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop)."""
+        if isinstance(prompt, str):
+            return self.processor(prompt=prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, dict):
+            raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+        mm = prompt.get("multi_modal_data") or {}
+        unknown = set(mm) - {"image", "video", "audio"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: unknown modality {sorted(unknown)[0]!r}")
+        media = {k: (v if isinstance(v, list) else [v]) for k, v in mm.items()}
+        for modality, values in media.items():
+            limit = self.config.limit_mm_per_prompt.get(modality, 0)
+            if len(values) > limit:
+                raise ValueError(f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt ({limit})")
+        return self.processor(
+            prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
+            images=media.get("image"), videos=media.get("video"), audio=media.get("audio"),
+            add_special_tokens=add_special_tokens,
+        )
+
+    def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                     priority: int = 0, arrival_time: float | None = None) -> Request:
+        n_prompt = len(processed.token_ids)
+        if n_prompt == 0:
+            raise ValueError("prompt: is empty")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n_prompt} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        vocab = self.model_config.text.vocab_size
+        placeholders = set(self.processor.placeholder_ids.values())
+        bad = next((t for t in processed.token_ids if not 0 <= t < vocab and t not in placeholders), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary (size {vocab})")
+        kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
+        return Request(
+            request_id=request_id, prompt=processed.prompt, prompt_token_ids=processed.token_ids,
+            sampling_params=params, eos_token_ids=self.model_config.text.eos_token_ids, tokenizer=self.tokenizer,
+            mm_items=processed.mm_items, max_total_tokens=self.max_model_len, priority=priority, **kwargs,
+        )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self._extend_block_hashes(request)
+        self._pin_media(request)
+        self.requests[request.request_id] = request
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.abort()
+        self._finish(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finish(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = time.monotonic()
+        self.scheduler.remove(request)
+        for digest in request.pinned_media:
+            self.encoder_cache.release(digest)
+        request.pinned_media.clear()
+        self.requests.pop(request.request_id, None)
+
+    def _pin_media(self, request: Request) -> None:
+        """Keep the request's encoder outputs cached until its prefill has consumed them."""
+        for item in request.mm_items:
+            if item.content_hash not in request.pinned_media and item.spans[-1][1] > request.num_computed_tokens:
+                request.pinned_media.add(item.content_hash)
+                self.encoder_cache.acquire(item.content_hash)
+
+    def _unpin_consumed(self, request: Request) -> None:
+        for item in request.mm_items:
+            if item.content_hash in request.pinned_media and item.spans[-1][1] <= request.num_computed_tokens:
+                request.pinned_media.discard(item.content_hash)
+                self.encoder_cache.release(item.content_hash)
+
+    def _extend_block_hashes(self, request: Request) -> None:
+        bs = self.config.block_size
+        tokens = request.all_token_ids
+        have = len(request.block_hashes)
+        full = len(tokens) // bs
+        if full <= have:
+            return
+        extra = []
+        for i in range(full):
+            lo, hi = i * bs, (i + 1) * bs
+            extra.append([it.content_hash for it in request.mm_items if it.offset < hi and it.spans[-1][1] > lo])
+        request.block_hashes = KVCacheManager.hash_blocks(tokens[: full * bs], bs, extra)
+
+    # ---- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        for request in batch.preempted:
+            self._pin_media(request)  # it will recompute from scratch
+        if not batch.requests:
+            return []
+        now = time.monotonic()
+        for request in batch.requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        if batch.encoder_items:
+            seconds = self.encoder.run(batch.encoder_items)
+            for request in batch.requests:
+                if any(it in batch.encoder_items for it in request.mm_items):
+                    request.metrics.encoder_time_s += seconds
+        result = self.runner.execute(batch, self.kv, self.encoder_cache)
+        self.num_steps += 1
+
+        # Bookkeeping: computed tokens, freed encoder outputs, new prefix-cache blocks.
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+            self._unpin_consumed(request)
+        outputs = []
+        if result.output is not None:
+            out = result.output
+            token_ids = out.token_ids.tolist()
+            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            now = time.monotonic()
+            for row, request in enumerate(result.requests):
+                top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
+                request.append_token(token_ids[row], None if logprobs is None else logprobs[row], top, now)
+                self.num_generated_tokens += 1
+                self._extend_block_hashes(request)
+        for request in batch.requests:
+            self.kv.register_computed_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+            if request in result.requests:
+                outputs.append(self.output_of(request))
+                if request.finished:
+                    self._finish(request)
+        return outputs
+
+    def output_of(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            outputs=[request.completion()], finished=request.finished, metrics=request.metrics,
+            num_cached_tokens=request.metrics.prefix_hit_tokens,
+        )
+
+    # ---- introspection ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_capacity_tokens": self.kv.capacity_tokens(),
+            "kv_usage": self.kv.usage(),
+            "kv_free_blocks": {name: pool.num_free for name, pool in self.kv.pools.items()},
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hit_tokens": self.kv.prefix_hit_tokens,
+            "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
+            "encoder_cache_hits": self.encoder_cache.hits,
+            "encoder_cache_misses": self.encoder_cache.misses,
+            "encoder_calls": len(self.encoder.calls),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generated_tokens,
+            "generation_tokens_per_s": self.num_generated_tokens / elapsed,
+        }
+
+
+def _map_special_tokens(cfg, tok: Tokenizer) -> None:
+    """Random-weight presets borrow the embedded tokenizer: point the config's special ids at its tokens."""
+    for attr, token in (("image_token_id", tok.image_token), ("video_token_id", tok.video_token),
+                        ("audio_token_id", tok.audio_token), ("boi_token_id", tok.boi_token),
+                        ("eoi_token_id", tok.eoi_token), ("boa_token_id", tok.boa_token), ("eoa_token_id", tok.eoa_token)):
+        setattr(cfg, attr, tok.token_to_id(token))
+    eos = {tok.eos_token_id, tok.token_to_id("<turn|>")} - {None}
+    cfg.text.eos_token_id = sorted(eos)

@@ -1,0 +1,96 @@
+"""Turns a scheduled batch into flat model inputs, runs the decoder and samples.
+
+Inputs: the scheduled tokens of every request concatenated, their positions, paged-cache
+addressing for both pools, bidirectional image spans, and the soft tokens of any media the
+chunk covers. Only the last token of requests that finish their known tokens this step needs
+logits; with fast prefill the KV-shared layers run on those tokens alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from g4serve.engine.encoder_runner import EncoderCache
+from g4serve.engine.kv_cache import KVCacheManager
+from g4serve.engine.request import Request
+from g4serve.engine.scheduler import ScheduledBatch
+from g4serve.layers.attention import AttentionBackend, contiguous_metadata
+from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from g4serve.models.gemma4.model import Gemma4Model
+
+
+@dataclass
+class StepResult:
+    requests: list[Request]  # requests that sampled a token this step, in row order
+    output: SamplerOutput | None
+
+
+class ModelRunner:
+    def __init__(self, model: Gemma4Model, backend: AttentionBackend, block_size: int, fast_prefill: bool = True):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.fast_prefill = fast_prefill
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.cfg.text.vocab_size
+
+    def _mm_embeds(self, request: Request, start: int, end: int, cache: EncoderCache, base: int,
+                   positions: list[int]) -> list[torch.Tensor]:
+        """Rows of the request's soft tokens that fall in token range [start, end), in order; their
+        flat-batch rows (the request's chunk starts at row ``base``) are appended to ``positions``."""
+        out = []
+        for item in request.mm_items:
+            if item.offset >= end or item.spans[-1][1] <= start:
+                continue
+            tokens = cache.get(item.content_hash)
+            row = 0
+            for s, e in item.spans:
+                lo, hi = max(s, start), min(e, end)
+                if lo < hi:
+                    out.append(tokens[row + lo - s : row + hi - s])
+                    positions.extend(range(base + lo - start, base + hi - start))
+                row += e - s
+        return out
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, encoder_cache: EncoderCache) -> StepResult:
+        token_ids: list[int] = []
+        mm_rows: list[torch.Tensor] = []
+        mm_positions: list[int] = []
+        keep: list[int] = []
+        sampled: list[Request] = []
+        tables: dict[str, list[list[int]]] = {pool: [] for pool in kv.pool_types}
+        spans = []
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, len(token_ids), mm_positions))
+            token_ids.extend(request.all_token_ids[start : start + n])
+            for pool, table in kv.block_tables(request.request_id).items():
+                tables[pool].append(table)
+            spans.append(request.bidirectional_spans)
+            if start + n == request.num_tokens:
+                keep.append(len(token_ids) - 1)
+                sampled.append(request)
+        meta = contiguous_metadata(
+            [r.num_computed_tokens for r in batch.requests], batch.num_new_tokens, tables, self.block_size,
+            self.device, spans,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        mm_embeds = torch.cat(mm_rows) if mm_rows else None
+        positions = torch.tensor(mm_positions, dtype=torch.long, device=self.device) if mm_rows else None
+        hidden = self.model(ids, meta, self.backend, mm_embeds=mm_embeds, mm_positions=positions,
+                            keep_indices=keep if self.fast_prefill else None)
+        if not sampled:
+            return StepResult([], None)
+        if not self.fast_prefill:
+            hidden = hidden[torch.tensor(keep, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        for request in sampled:
+            request.init_generator(self.device)
+        sampling = SamplingBatch.build(
+            [r.sampling_params for r in sampled], [r.generator for r in sampled], self.vocab_size, self.device,
+            output_tokens=[r.output_token_ids for r in sampled], prompt_tokens=[r.prompt_token_ids for r in sampled],
+        )
+        return StepResult(sampled, sample(logits, sampling))

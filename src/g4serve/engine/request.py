@@ -1,0 +1,153 @@
+"""One generation request: its inputs, the tokens and text produced so far, and when it stops."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from g4serve.outputs import CompletionOutput, Logprob, RequestMetrics
+from g4serve.processing.processor import MultimodalItem, bidirectional_spans
+from g4serve.processing.tokenizer import IncrementalDetokenizer, Tokenizer
+from g4serve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    tokenizer: Tokenizer
+    prompt: str | None = None
+    mm_items: list[MultimodalItem] = field(default_factory=list)
+    max_total_tokens: int = 1 << 30  # context limit: prompt + output
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.bidirectional_spans = sorted(bidirectional_spans(self.mm_items))
+        self.block_hashes: list[bytes] = []  # prefix-cache digests of the full blocks so far
+        self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
+        self.generator: torch.Generator | None = None
+        self._detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=self.sampling_params.skip_special_tokens)
+        self._stop_tokens = set(self.sampling_params.stop_token_ids)
+        if not self.sampling_params.ignore_eos:
+            self._stop_tokens.update(self.eos_token_ids)
+        self._max_stop_len = max((len(s) for s in self.sampling_params.stop), default=0)
+        self._streamed_chars = 0
+
+    def init_generator(self, device: torch.device | str) -> None:
+        """Seeded requests draw sampling noise from their own generator on the sampling device."""
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_total_tokens - len(self.prompt_token_ids)
+        limit = self.sampling_params.max_tokens
+        return room if limit is None else min(limit, room)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # ---- growth ------------------------------------------------------------------------------
+    def append_token(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Record one sampled token and decide whether the request is done."""
+        now = time.monotonic() if now is None else now
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+        self.metrics.last_token_time = now
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            entry = {token_id: Logprob(logprob, decoded_token=self.tokenizer.decode([token_id]))}
+            for rank, (tid, lp) in enumerate(top or [], start=1):
+                if tid in entry:
+                    entry[tid].rank = rank
+                else:
+                    entry[tid] = Logprob(lp, rank=rank, decoded_token=self.tokenizer.decode([tid]))
+            self.logprobs.append(entry)
+            self.cumulative_logprob += logprob
+        min_tokens_done = len(self.output_token_ids) >= self.sampling_params.min_tokens
+        if token_id in self._stop_tokens and min_tokens_done:
+            self.finish_reason, self.stop_reason = "stop", token_id
+            # The stop token itself is not text (vLLM keeps it in token_ids only).
+            return
+        checked = len(self.text)
+        self.text += self._detok.add(token_id)
+        if self.sampling_params.stop and min_tokens_done and self._check_stop_strings(checked):
+            return
+        if len(self.output_token_ids) >= self.max_output_tokens:
+            self.finish_reason = "length"
+
+    def _check_stop_strings(self, checked: int) -> bool:
+        # Only a stop string overlapping the new text can be new.
+        window_start = max(0, checked - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.sampling_params.stop:
+            pos = self.text.find(stop, window_start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return False
+        pos, stop = best
+        self.text = self.text[: pos + len(stop)] if self.sampling_params.include_stop_str_in_output else self.text[:pos]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finish_reason = "abort"
+
+    def take_stream_delta(self) -> str:
+        """Text not yet streamed, holding back a tail that could still become a stop string."""
+        end = len(self.text) if self.finished else max(self._streamed_chars, len(self.text) - max(self._max_stop_len - 1, 0))
+        delta = self.text[self._streamed_chars : end]
+        self._streamed_chars = end
+        return delta
+
+    def completion(self, index: int = 0) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )

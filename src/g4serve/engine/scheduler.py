@@ -1,0 +1,177 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Running requests go first, decodes before partial prefills; then waiting
+requests are admitted (FCFS, or by a priority hook) with chunked prefill. When the KV pools
+run out, the lowest-priority running request is preempted (its blocks freed, recomputed
+later); nothing crashes. A chunk never splits a bidirectional image span, and never starts
+on media whose encoder output is neither cached nor affordable this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from g4serve.engine.kv_cache import KVCacheManager
+from g4serve.engine.request import Request, RequestStatus
+from g4serve.processing.processor import MultimodalItem
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    encoder_token_budget: int = 4096  # soft tokens the encoders may produce per step
+    enable_chunked_prefill: bool = True
+    bidirectional_spans: bool = False  # set when the model attends bidirectionally inside images
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    encoder_items: list[MultimodalItem] = field(default_factory=list)  # to encode before the forward
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def fcfs_priority(request: Request) -> tuple:
+    """Lower sorts first: the request's priority value, then arrival time."""
+    return (request.priority, request.arrival_time)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        encoder_cached: Callable[[str], bool],
+        priority: Callable[[Request], tuple] = fcfs_priority,
+    ):
+        self.config = config
+        self.kv = kv
+        self.encoder_cached = encoder_cached
+        self.priority = priority
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request (finished or aborted) and return all its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _clip_to_spans(self, request: Request, start: int, num_new: int) -> int:
+        """Shorten a chunk so it does not end inside a bidirectional span (0: wait for more budget)."""
+        if not self.config.bidirectional_spans:
+            return num_new
+        end = start + num_new
+        for s, e in request.bidirectional_spans:
+            if s < end < e:
+                # Tokens of a span see each other: the span's queries must all run in one chunk.
+                return s - start if s > start else 0
+        return num_new
+
+    def _clip_to_encoder(self, request: Request, start: int, num_new: int, budget: list[int],
+                         items: list[MultimodalItem]) -> int:
+        """Stop the chunk before media whose soft tokens are neither cached nor affordable now."""
+        end = start + num_new
+        for item in request.mm_items:
+            if item.offset >= end or item.spans[-1][1] <= start:
+                continue
+            if self.encoder_cached(item.content_hash) or item in items:
+                continue
+            if item.num_tokens <= budget[0]:
+                budget[0] -= item.num_tokens
+                items.append(item)
+                continue
+            return max(0, item.offset - start)
+        return num_new
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        self.waiting.insert(0, victim)
+        batch.preempted.append(victim)
+        self.num_preemptions += 1
+
+    # ---- the step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        cfg = self.config
+        batch = ScheduledBatch()
+        budget = cfg.max_num_batched_tokens
+        encoder_budget = [cfg.encoder_token_budget]
+
+        # Running requests: decodes (one token) first, then unfinished prefills.
+        self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.priority(r)))
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request not in self.running:  # preempted below while making room for an earlier one
+                continue
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            num_new = self._clip_to_spans(request, start, num_new)
+            num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate(request.request_id, start, num_new):
+                victims = [r for r in self.running if r is not request and r not in batch.requests]
+                if not victims:
+                    break
+                self._preempt(max(victims, key=self.priority), batch)
+            else:
+                batch.requests.append(request)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                continue
+            # Could not fit even alone: preempt it (recompute later when memory frees up).
+            self._preempt(request, batch)
+
+        # Waiting requests, admitted while budget, sequence slots and blocks last.
+        self.waiting.sort(key=self.priority)
+        admitted = []
+        for request in self.waiting:
+            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
+                break
+            if request.num_computed_tokens == 0 and request.request_id not in self.kv.seqs:
+                hit = self.kv.find_cached_prefix(request.request_id, request.block_hashes, request.num_tokens)
+                request.num_computed_tokens = hit
+                request.metrics.prefix_hit_tokens = hit
+            start = request.num_computed_tokens
+            num_new = request.num_tokens - start
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            num_new = self._clip_to_spans(request, start, num_new)
+            num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items)
+            if num_new <= 0 or not self.kv.allocate(request.request_id, start, num_new):
+                break  # keep FCFS order: later requests wait behind this one
+            admitted.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        for request in admitted:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return batch

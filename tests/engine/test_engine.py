@@ -1,0 +1,213 @@
+"""Engine correctness on the tiny model (CPU, fp32): batching, preemption, sliding-window blocks,
+aborts, prefix caching, batched encoders and fast prefill must never change a greedy token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from g4serve.config import FULL, SLIDING
+from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.engine.reference import generate_one
+from g4serve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+SYSTEM = "<|turn>system\nYou are the voice assistant of a bank. Answer briefly and never invent balances.<turn|>\n"
+
+
+def _image(seed: int, h: int = 64, w: int = 96) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _frames(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def _audio(seed: int, seconds: float) -> np.ndarray:
+    return (0.2 * np.random.default_rng(seed).standard_normal(int(16000 * seconds))).astype(np.float32)
+
+
+def _user(text: str) -> str:
+    return f"<|turn>user\n{text}<turn|>\n<|turn>model\n"
+
+
+def mixed_prompts() -> list:
+    """32 prompts: varied lengths, shared prefixes (a common system turn), images, video, audio."""
+    prompts: list = []
+    words = "balance transfer card savings loan branch payment statement interest account".split()
+    for i in range(14):
+        prompts.append(_user(" ".join(words[: 1 + (i * 7) % len(words)]) * (1 + i % 4)))
+    for i in range(8):
+        prompts.append(SYSTEM + _user(f"question number {i}: what is {words[i]}?"))
+    for i in range(4):
+        prompts.append({"prompt": _user(f"<|image|>What is in picture {i}?"), "multi_modal_data": {"image": _image(i)}})
+    prompts.append({"prompt": _user("<|image|><|image|>Compare them."),
+                    "multi_modal_data": {"image": [_image(10), _image(11, 120, 40)]}})
+    for i in range(2):
+        prompts.append({"prompt": _user("<|video|>What happens?"), "multi_modal_data": {"video": [_frames(20 + i, 6)]}})
+    for i in range(3):
+        prompts.append({"prompt": _user(f"<|audio|>Transcribe clip {i}."), "multi_modal_data": {"audio": _audio(i, 1 + i)}})
+    assert len(prompts) == 32
+    return prompts
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    args = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
+                max_num_batched_tokens=256, max_num_seqs=32)
+    args.update(kw)
+    return LLMEngine(EngineConfig(**args))
+
+
+def run_all(engine: LLMEngine, prompts: list, params=GREEDY) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(engine.make_request(str(i), engine.process_prompt(prompt), params))
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    return results
+
+
+def reference_tokens(engine: LLMEngine, prompts: list, params=GREEDY) -> dict[str, list[int]]:
+    return {
+        str(i): generate_one(engine.model, engine.make_request(f"ref{i}", engine.process_prompt(p), params)).output_token_ids
+        for i, p in enumerate(prompts)
+    }
+
+
+def assert_pools_free(engine: LLMEngine) -> None:
+    for name, pool in engine.kv.pools.items():
+        assert pool.num_free == pool.num_blocks, f"{name} pool leaked {pool.num_used} blocks"
+        assert all(c == 0 for c in pool.ref_count)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return reference_tokens(engine, mixed_prompts())
+
+
+def test_mixed_batch_matches_each_alone(engine, reference):
+    results = run_all(engine, mixed_prompts())
+    assert results == reference
+    assert_pools_free(engine)
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0  # the shared system turn was reused
+
+
+def test_preemption_keeps_outputs_exact(tiny_model_dir, reference):
+    # Room for only a few sequences at once: the scheduler must preempt and recompute.
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=1 << 20, enable_prefix_caching=False)
+    prompts = mixed_prompts()
+    results = run_all(engine, prompts)
+    assert engine.scheduler.num_preemptions > 0
+    assert results == reference
+    assert_pools_free(engine)
+
+
+def test_sliding_window_blocks_are_freed(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
+    window, bs = engine.model_config.text.sliding_window, engine.config.block_size
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    engine.add_request(engine.make_request("long", engine.process_prompt(_user("tell me a long story " * 6)), params))
+    max_sliding, full_counts = 0, []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seq = engine.kv.seqs.get("long")
+        if seq is None:
+            continue
+        max_sliding = max(max_sliding, sum(b >= 0 for b in seq.tables[SLIDING]))
+        full_counts.append(sum(b >= 0 for b in seq.tables[FULL]))
+    bound = -(-(window + 32) // bs) + 1
+    assert max_sliding <= bound, f"sliding pool held {max_sliding} blocks (bound {bound})"
+    assert full_counts[-1] > bound and full_counts == sorted(full_counts)
+    assert_pools_free(engine)
+
+
+def test_abort_mid_prefill_and_decode_frees_everything(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=32)
+    engine.add_request(engine.make_request("decode", engine.process_prompt(_user("hi")), SamplingParams(max_tokens=50)))
+    long_prompt = engine.process_prompt(_user("please read my last statement again " * 12))
+    assert len(long_prompt.token_ids) > 4 * 32
+    engine.add_request(engine.make_request("prefill", long_prompt, GREEDY))
+    for _ in range(3):
+        engine.step()
+    assert 0 < engine.requests["prefill"].num_computed_tokens < len(long_prompt.token_ids)  # mid-prefill
+    assert engine.requests["decode"].output_token_ids  # decoding
+    assert all(pool.num_used for pool in engine.kv.pools.values())
+    engine.abort_request("prefill")
+    engine.abort_request("decode")
+    assert not engine.has_unfinished_requests()
+    engine.kv.reset_prefix_cache()
+    assert_pools_free(engine)
+
+
+def test_prefix_cache_hits_do_not_change_outputs(tiny_model_dir):
+    prompts = [SYSTEM + _user(f"what is the rate for product {i}?") for i in range(6)]
+    prompts += [{"prompt": SYSTEM + _user("<|image|>and this?"), "multi_modal_data": {"image": _image(3)}}] * 2
+    cold = make_engine(tiny_model_dir, enable_prefix_caching=False)
+    warm = make_engine(tiny_model_dir)
+    expected = run_all(cold, prompts)
+    first = run_all(warm, prompts[:1])
+    assert first["0"] == expected["0"]
+    results = {}
+    for i, p in enumerate(prompts):  # one at a time, so later ones hit what earlier ones cached
+        results.update({str(i): v for v in run_all(warm, [p]).values()})
+    assert results == expected
+    assert warm.kv.prefix_hit_tokens >= 5 * (len(warm.tokenizer.encode(SYSTEM)) // 16) * 16
+    assert warm.stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_batched_encoder_matches_per_item(engine):
+    items = []
+    for i, prompt in enumerate(mixed_prompts()):
+        if isinstance(prompt, dict):
+            items.extend(engine.process_prompt(prompt).mm_items)
+    model = engine.model
+    alone = {}
+    for item in items:
+        if item.modality == "audio":
+            (tokens,) = model.encode_audio(item.data["input_features"], item.data["input_features_mask"])
+        else:
+            tokens = torch.cat(model.encode_images(item.data["pixel_values"], item.data["position_ids"]))
+        alone[item.content_hash] = tokens
+    engine.encoder_cache._entries.clear()
+    engine.encoder_cache.num_tokens = 0
+    calls_before = len(engine.encoder.calls)
+    engine.encoder.run(items)
+    calls = engine.encoder.calls[calls_before:]
+    # One call per tower and input shape: all image/video frames of every request together.
+    videos = [it for it in items if it.modality == "video"]
+    assert sum(c.num_items for c in calls) == len({it.content_hash for it in items})
+    frame_call = next(c for c in calls if c.tower == "vision" and c.num_inputs >= sum(v.data["pixel_values"].shape[0] for v in videos))
+    assert frame_call.num_items == len(videos)
+    assert len([c for c in calls if c.tower == "audio"]) == 1
+    for digest, tokens in alone.items():
+        assert torch.equal(engine.encoder_cache.get(digest), tokens), digest
+
+
+def test_fast_prefill_is_exact(tiny_model_dir):
+    prompts = mixed_prompts()[:16]
+    on = make_engine(tiny_model_dir, fast_prefill=True)
+    off = make_engine(tiny_model_dir, fast_prefill=False)
+    assert run_all(on, prompts) == run_all(off, prompts)
+    # And the logits themselves: compare last-token logits of one prompt.
+    processed = on.process_prompt(prompts[3])
+    logits = []
+    for eng in (on, off):
+        req = eng.make_request("x", processed, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+        eng.add_request(req)
+        while eng.has_unfinished_requests():
+            eng.step()
+        logits.append(req.logprobs[0])
+    assert logits[0].keys() == logits[1].keys()
+    for tid in logits[0]:
+        assert abs(logits[0][tid].logprob - logits[1][tid].logprob) < 1e-5
