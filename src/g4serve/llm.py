@@ -1,0 +1,142 @@
+"""vLLM-style offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(messages)``.
+
+Runs on the continuous-batching engine: all prompts are submitted at once and stepped
+together until every one has finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.outputs import RequestOutput
+from g4serve.processing.chat import split_chat_messages
+from g4serve.processing.processor import ProcessedPrompt
+from g4serve.processing.tokenizer import Tokenizer
+from g4serve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An offline Gemma 4 model.
+
+    ``model`` is a Hugging Face checkpoint directory, a preset name (``tiny``, ``e2b``, ``e4b``,
+    ``26b-a4b``, ``31b``: random weights, for benchmarks) or None for the embedded tiny model.
+    Presets use the embedded tokenizer, with the config's special-token ids mapped onto it.
+    Other keyword arguments are ``EngineConfig`` fields (``max_num_seqs``, ``kv_cache_bytes``, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        text_only: bool = False,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        **engine_kwargs: Any,
+    ):
+        config = EngineConfig(model=None if model is None else str(model), device=str(device), dtype=str(dtype),
+                              text_only=text_only, **engine_kwargs)
+        if limit_mm_per_prompt is not None and not text_only:
+            config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **limit_mm_per_prompt}
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.model_config
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def processor(self):
+        return self.engine.processor
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        return self._run([self.engine.process_prompt(p) for p in _as_list(prompts)], sampling_params)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        processed = []
+        for conversation in conversations:
+            template_messages, media = split_chat_messages(conversation, allow_local_files=True)
+            text = self.tokenizer.apply_chat_template(
+                template_messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            # The rendered template already starts with <bos>.
+            processed.append(self.engine.process_prompt({"prompt": text, "multi_modal_data": media.as_dict()},
+                                                        add_special_tokens=False))
+        return self._run(processed, sampling_params)
+
+    def _run(
+        self, processed: list[ProcessedPrompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(processed)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(processed):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(processed)} prompts")
+        # Validate every prompt before submitting any, so a bad one leaves no work behind.
+        groups: list[list[str]] = []
+        requests = []
+        for proc, p in zip(processed, params):
+            base = str(next(self._ids))
+            ids = []
+            for index in range(p.n):
+                child = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + index)
+                rid = base if p.n == 1 else f"{base}-{index}"
+                requests.append(self.engine.make_request(rid, proc, child))
+                ids.append(rid)
+            groups.append(ids)
+        for request in requests:
+            self.engine.add_request(request)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
+        results = []
+        for proc, ids in zip(processed, groups):
+            outs = [finished[rid] for rid in ids]
+            completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+            results.append(replace(outs[0], request_id=ids[0].split("-")[0], outputs=completions))
+        return results
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
