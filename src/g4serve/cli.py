@@ -1,4 +1,4 @@
-"""Command line: ``g4serve make-tiny | generate`` (serve, bench and assistant join as they land)."""
+"""Command line: ``g4serve serve | generate | make-tiny`` (bench and assistant join as they land)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="g4serve", description="Fast serving for the Gemma 4 family.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    from g4serve.server.launch import add_serve_arguments, serve
+
+    add_serve_arguments(p)
+    p.set_defaults(func=serve)
 
     p = sub.add_parser("make-tiny", help="write a tiny random Gemma 4 checkpoint")
     p.add_argument("dir")

@@ -68,6 +68,9 @@ def _media_value(part: dict[str, Any], kind: str, where: str, allow_local_files:
         return _url_value(url, f"{where}.{kind}.url", allow_local_files)
     if isinstance(value, str):
         return _url_value(value, f"{where}.{kind}", allow_local_files)
+    if kind == "video" and isinstance(value, list):  # frames, each possibly a data: URL of an image
+        return [_url_value(f, f"{where}.video[{i}]", allow_local_files) if isinstance(f, str) else f
+                for i, f in enumerate(value)]
     return value  # already-decoded media: PIL image, array, frames, (waveform, rate), bytes
 
 

@@ -128,7 +128,9 @@ class Gemma4Processor:
             return value
         if isinstance(value, (bytes, bytearray, str, Path)):
             return load_video(value, num_frames=self.settings.video_num_frames)
-        # A sequence of frames (PIL images or HWC arrays), or a (T, H, W, C) array.
+        # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array.
+        if isinstance(value, (list, tuple)):
+            value = [self._load_image(f) if isinstance(f, (bytes, bytearray, str, LocalFile)) else f for f in value]
         return sample_video_frames(value, num_frames=self.settings.video_num_frames)
 
     def _load_audio(self, value: Any) -> np.ndarray:
@@ -159,14 +161,15 @@ class Gemma4Processor:
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]] = {"image": [], "video": [], "audio": []}
 
         if images:
-            feats = preprocess_images([self._load_image(v) for v in images], max_soft_tokens=s.image_max_soft_tokens,
+            loaded = [_named(f"image[{i}]", self._load_image, v) for i, v in enumerate(images)]
+            feats = preprocess_images(loaded, max_soft_tokens=s.image_max_soft_tokens,
                                       patch_size=s.patch_size, pooling_kernel_size=s.pooling_kernel_size)
             for i, n in enumerate(feats.num_soft_tokens):
                 data = {"pixel_values": feats.pixel_values[i : i + 1], "position_ids": feats.position_ids[i : i + 1]}
                 items["image"].append((data, content_hash("image", *data.values())))
                 expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
-        for value in videos:
-            frames = self._load_video(value)
+        for i, value in enumerate(videos):
+            frames = _named(f"video[{i}]", self._load_video, value)
             feats = preprocess_video(frames, max_soft_tokens=s.video_max_soft_tokens, patch_size=s.patch_size,
                                      pooling_kernel_size=s.pooling_kernel_size)
             data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
@@ -175,7 +178,7 @@ class Gemma4Processor:
                 video_prompt_text(frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi)
             )
         if audio:
-            waves = [self._load_audio(v) for v in audio]
+            waves = [_named(f"audio[{i}]", self._load_audio, v) for i, v in enumerate(audio)]
             feats = self.audio_extractor(waves)
             for i, wave in enumerate(waves):
                 data = {"input_features": feats.input_features[i : i + 1],
@@ -264,6 +267,14 @@ class Gemma4Processor:
                 raise ValueError(f"multi_modal_data.{modality}: placeholder tokens do not match the inputs")
         result.sort(key=lambda it: it.offset)
         return result
+
+
+def _named(where: str, load, value: Any) -> Any:
+    """Decode one media input; failures name the input (``image[1]: could not decode image: ...``)."""
+    try:
+        return load(value)
+    except (ValueError, OSError, TypeError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
 
 
 def bidirectional_spans(items: list[MultimodalItem]) -> list[tuple[int, int]]:

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: ``g4serve serve`` (see docs/api.md)."""

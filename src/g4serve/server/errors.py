@@ -1,0 +1,42 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
+# Messages from the engine and processors start with the field they are about: "max_tokens: ...".
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]'\"-]*):\s")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param if param is not None else param_of(message)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param)
+
+
+def param_of(message: str) -> str | None:
+    match = _FIELD_PREFIX.match(message)
+    return match.group(1) if match else None
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def bad_request(exc: Exception, prefix: str | None = None) -> APIError:
+    """A user-input error from the engine or processing layer as a 400, keeping its field name."""
+    message = str(exc) or type(exc).__name__
+    if prefix and not message.startswith(prefix):
+        message = f"{prefix}: {message}"
+    return APIError(400, message)

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one server: request latencies, queue and encoder time, load, KV use, cache hits.
+
+Every metric lives in the server's own ``CollectorRegistry`` (no global state, so tests can
+start several servers in one process). Engine gauges (running/waiting requests, KV use per
+pool, prefix-cache hit rate, tokens/s) are read from ``engine.stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from g4serve.outputs import RequestMetrics
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                  0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    """Reads the engine's live state when Prometheus scrapes."""
+
+    def __init__(self, stats, throughput: _Throughput):
+        self._stats = stats
+        self._throughput = throughput
+
+    def collect(self):
+        stats = self._stats()
+        running = GaugeMetricFamily("g4serve_num_requests_running", "Requests in the running batch")
+        running.add_metric([], stats["num_running"])
+        waiting = GaugeMetricFamily("g4serve_num_requests_waiting", "Requests waiting to be scheduled")
+        waiting.add_metric([], stats["num_waiting"])
+        kv = GaugeMetricFamily("g4serve_kv_cache_usage_ratio", "Fraction of KV blocks in use, per pool", labels=["pool"])
+        for pool, used in stats["kv_usage"].items():
+            kv.add_metric([pool], used)
+        capacity = GaugeMetricFamily("g4serve_kv_cache_capacity_tokens", "KV capacity in tokens, per pool",
+                                     labels=["pool"])
+        for pool, tokens in stats["kv_capacity_tokens"].items():
+            capacity.add_metric([pool], tokens)
+        hit = GaugeMetricFamily("g4serve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried")
+        hit.add_metric([], stats["prefix_cache_hit_rate"])
+        tps = GaugeMetricFamily("g4serve_generation_tokens_per_second", "Generated tokens per second, last 10 s")
+        tps.add_metric([], self._throughput.rate(stats["generation_tokens_total"]))
+        preempt = GaugeMetricFamily("g4serve_num_preemptions", "Preemptions (recompute) since start")
+        preempt.add_metric([], stats["num_preemptions"])
+        return [running, waiting, kv, capacity, hit, tps, preempt]
+
+
+class _Throughput:
+    """Tokens/s over a sliding window of scrape-time samples."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def rate(self, total: int) -> float:
+        now = time.monotonic()
+        self.samples.append((now, total))
+        while len(self.samples) > 2 and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+        t0, n0 = self.samples[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+
+class ServerMetrics:
+    def __init__(self, engine_stats, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+        self.ttft = Histogram("g4serve_time_to_first_token_seconds", "Arrival to first token", ["model_name"],
+                              buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.itl = Histogram("g4serve_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             ["model_name"], buckets=_ITL_BUCKETS_S, registry=r).labels(**labels)
+        self.e2e = Histogram("g4serve_e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
+                             buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.queue = Histogram("g4serve_request_queue_time_seconds", "Arrival to first scheduled", ["model_name"],
+                               buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.encoder = Histogram("g4serve_request_encoder_time_seconds", "Encoder time of a request's media",
+                                 ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.prompt_tokens = Counter("g4serve_prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
+                                     registry=r).labels(**labels)
+        self.generation_tokens = Counter("g4serve_generation_tokens", "Generated tokens of finished requests",
+                                         ["model_name"], registry=r).labels(**labels)
+        self.cached_tokens = Counter("g4serve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                     ["model_name"], registry=r).labels(**labels)
+        self._finished = Counter("g4serve_request_success", "Finished requests by finish reason",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.errors = Counter("g4serve_request_errors", "Requests rejected or failed, by HTTP status",
+                              ["model_name", "status"], registry=r)
+        self._model_name = model_name
+        r.register(_EngineCollector(engine_stats, _Throughput()))
+
+    def observe_finished(self, metrics: RequestMetrics | None, prompt_tokens: int, output_tokens: int,
+                         cached_tokens: int, finish_reason: str | None) -> None:
+        self._finished.labels(self._model_name, finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        if metrics is None:
+            return
+        if metrics.ttft_s is not None:
+            self.ttft.observe(metrics.ttft_s)
+        for gap in metrics.itl_s:
+            self.itl.observe(gap)
+        if metrics.last_token_time is not None:
+            self.e2e.observe(metrics.last_token_time - metrics.arrival_time)
+        if metrics.queue_time_s is not None:
+            self.queue.observe(metrics.queue_time_s)
+        if metrics.encoder_time_s:
+            self.encoder.observe(metrics.encoder_time_s)
+
+    def observe_error(self, status: int) -> None:
+        self.errors.labels(self._model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,342 @@
+"""The OpenAI-compatible server on the tiny model, driven by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import time
+
+import av
+import httpx
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+openai = pytest.importorskip("openai")
+USER = [{"role": "user", "content": "What is my checking account balance?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+# ---- media -------------------------------------------------------------------------------------------
+def _png_data_url(seed: int = 0, size: tuple[int, int] = (48, 64)) -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _mp4_data_url(num_frames: int = 8) -> str:
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(num_frames):
+            frame = np.full((48, 64, 3), 20 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _wav_base64(seconds: float = 1.0) -> str:
+    t = np.arange(int(16000 * seconds)) / 16000
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000, format="WAV")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ---- happy paths ---------------------------------------------------------------------------------------
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny", "g4-tiny"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_chat_completion_matches_offline_engine(server, client):
+    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens == 12 or choice.finish_reason == "stop"
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    # The same prompt through the tokenizer's chat template has exactly the reported prompt length.
+    prompt = server.engine.tokenizer.apply_chat_template(USER, add_generation_prompt=True)
+    assert resp.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt, add_special_tokens=False))
+    again = client.chat.completions.create(model="g4-tiny", messages=USER, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_streaming_chat_equals_non_streaming(client):
+    full = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(text) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completions_streaming_n_and_logprobs(client):
+    resp = client.completions.create(model="tiny", prompt=["Hello there", "Transfer fifty"], max_tokens=6, n=2,
+                                     temperature=0.8, seed=7, logprobs=2)
+    assert len(resp.choices) == 4 and sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    for c in resp.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) <= 6
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
+    again = client.completions.create(model="tiny", prompt=["Hello there", "Transfer fifty"], max_tokens=6, n=2,
+                                      temperature=0.8, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seeded: reproducible
+    pieces = [ch.text for chunk in client.completions.create(model="tiny", prompt="Hello there", max_tokens=6,
+                                                              temperature=0, stream=True) for ch in chunk.choices]
+    greedy = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0)
+    assert "".join(pieces) == greedy.choices[0].text
+
+
+def test_chat_logprobs_and_stop(client):
+    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert tok.logprob == pytest.approx(max(t.logprob for t in tok.top_logprobs), abs=1e-5)
+    text = resp.choices[0].message.content
+    if len(text) >= 3:  # stop on a string the model is known to produce
+        stop = text[1:3]
+        cut = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_image_video_audio_inputs(server, client):
+    content = [
+        {"type": "image_url", "image_url": {"url": _png_data_url(1)}},
+        {"type": "text", "text": "and the clip"},
+        {"type": "video_url", "video_url": {"url": _mp4_data_url()}},
+        {"type": "input_audio", "input_audio": {"data": _wav_base64(), "format": "wav"}},
+        {"type": "text", "text": "What do you see and hear?"},
+    ]
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                          max_tokens=4, temperature=0)
+    assert resp.usage.completion_tokens >= 1
+    # Soft tokens: 1 image + 8 sampled frames + 1 s of audio make the prompt long.
+    assert resp.usage.prompt_tokens > 300
+    frames = {"type": "video", "video": [_png_data_url(i, (48, 64)) for i in range(3)]}
+    resp = client.chat.completions.create(model="tiny", max_tokens=2,
+                                          messages=[{"role": "user", "content": [frames, {"type": "text", "text": "?"}]}])
+    assert resp.usage.completion_tokens >= 1
+    server.wait_idle()
+
+
+def test_constrained_json_schema_over_many_seeds(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("g4serve.structured")
+    schema = {
+        "type": "object",
+        "properties": {
+            "intent": {"type": "string", "enum": ["transfer", "balance", "card_block"]},
+            "amount": {"type": "number"},
+            "payee": {"type": "string", "maxLength": 12},
+            "confirm": {"type": "boolean"},
+        },
+        "required": ["intent", "amount", "confirm"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "banking", "schema": schema, "strict": True}}
+
+    async def one(c: openai.AsyncOpenAI, seed: int, thinking: bool) -> str:
+        resp = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=200, temperature=1.0,
+                                               seed=seed, response_format=fmt,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+        assert resp.choices[0].finish_reason == "stop", resp.choices[0]
+        return resp.choices[0].message.content
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(c, seed, seed % 2 == 0) for seed in range(24)))
+
+    for text in asyncio.run(main()):
+        jsonschema.validate(json.loads(text), schema)
+    obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=100, seed=3,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+def _chat(**fields):
+    return {"model": "tiny", "messages": USER, "max_tokens": 4, **fields}
+
+
+BAD_CHAT = [
+    ("malformed json", b'{"model": "tiny", "messages": [', 400, "body"),
+    ("body not an object", b"[1, 2]", 400, "body"),
+    ("messages wrong type", _chat(messages="hello"), 400, "messages"),
+    ("messages empty", _chat(messages=[]), 400, "messages"),
+    ("bad role", _chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
+    ("temperature string", _chat(temperature="hot"), 400, "temperature"),
+    ("temperature negative", _chat(temperature=-1), 400, "temperature"),
+    ("top_p too big", _chat(top_p=1.5), 400, "top_p"),
+    ("n string", _chat(n="2"), 400, "n"),
+    ("stream not bool", _chat(stream="yes"), 400, "stream"),
+    ("unknown model", _chat(model="gpt-9"), 404, "model"),
+    ("max_tokens zero", _chat(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens negative", _chat(max_tokens=-5), 400, "max_tokens"),
+    ("max_tokens beyond context", _chat(max_tokens=5000), 400, "max_tokens"),
+    ("prompt beyond max-model-len", _chat(messages=[{"role": "user", "content": "balance " * 1500}]), 400, "prompt"),
+    ("too many images", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _png_data_url(i)}} for i in range(3)]}]), 400, "messages"),
+    ("undecodable image", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}}]}]),
+     400, "image[0]"),
+    ("bad base64", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]), 400, "messages[0].content[0]"),
+    ("remote url", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]), 400, "messages[0].content[0]"),
+    ("undecodable audio", _chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFFjunk").decode(), "format": "wav"}}]}]),
+     400, "audio[0]"),
+    ("unsupported part", _chat(messages=[{"role": "user", "content": [{"type": "hologram"}]}]), 400,
+     "messages[0].content[0].type"),
+    ("top_logprobs too many", _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    ("invalid json schema", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}), 400,
+     "response_format"),
+    ("unknown response_format", _chat(response_format={"type": "yaml"}), 400, "response_format"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
+def test_bad_chat_input(server, name, body, status, param):
+    if param == "response_format":
+        pytest.importorskip("g4serve.structured")
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status
+    assert param in error["message"] and error["param"] is not None and error["param"].startswith(param.split("[")[0])
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "tiny", "prompt": ""}, "prompt"),
+    ({"model": "tiny", "prompt": []}, "prompt"),
+    ({"model": "tiny", "prompt": [1, 2, 999999]}, "prompt_token_ids"),
+    ({"model": "tiny", "prompt": 42}, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 99}, "logprobs"),
+])
+def test_bad_completion_input(server, body, param):
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(param)
+
+
+def test_huge_body_is_rejected_and_server_keeps_serving(server, client):
+    big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * (5 << 20)}])).encode()
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # Chunked upload without a Content-Length is cut off while reading.
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=iter([big[i:i + 65536]
+                                                                           for i in range(0, len(big), 65536)]))
+    assert r.status_code == 413
+    assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage.completion_tokens >= 1
+    server.wait_idle()
+
+
+# ---- lifecycle -------------------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = _chat(max_tokens=400, stream=True, ignore_eos=True)
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        data_lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(3):  # the role chunk, then generated text: the request is running and holds KV blocks
+            next(data_lines)
+        assert server.engine.requests
+    server.wait_idle()
+
+
+def test_disconnect_without_streaming_frees_blocks(server):
+    body = json.dumps(_chat(max_tokens=400, ignore_eos=True)).encode()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 20
+        while not server.engine.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.engine.requests
+    server.wait_idle()
+
+
+def test_metrics_after_traffic(server, client):
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("g4serve_time_to_first_token_seconds_count", "g4serve_inter_token_latency_seconds_bucket",
+                 "g4serve_e2e_request_latency_seconds_sum", "g4serve_request_queue_time_seconds_count",
+                 "g4serve_num_requests_running", "g4serve_num_requests_waiting",
+                 'g4serve_kv_cache_usage_ratio{pool="full_attention"}', "g4serve_prefix_cache_hit_rate",
+                 "g4serve_generation_tokens_per_second", "g4serve_request_success_total"):
+        assert name in text, name
+    count = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("g4serve_time_to_first_token_seconds_count"))
+    assert count >= 1
+
+
+def test_200_concurrent_streams(server):
+    async def one(c: httpx.AsyncClient, i: int) -> int:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"request {i}: my balance?"}],
+                "max_tokens": 6, "stream": True, "seed": i}
+        tokens = 0
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    tokens += 1
+        return tokens
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert len(results) == 200 and all(n >= 2 for n in results)
+    server.wait_idle()
+
+
+def test_api_key_and_text_only(tiny_model_dir, server_factory):
+    running = server_factory(tiny_model_dir, "--api-key", "s3cret", "--text-only")
+    r = httpx.post(f"{running.base_url}/v1/chat/completions", json=_chat(model=None))
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    bad = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="s3cret", max_retries=0)
+    assert good.chat.completions.create(model=good.models.list().data[0].id, messages=USER,
+                                        max_tokens=2).choices
+    assert httpx.get(f"{running.base_url}/health").status_code == 200  # health needs no key
+    # Text-only mode: media are refused with a clear error, nothing loaded for them.
+    r = httpx.post(f"{running.base_url}/v1/chat/completions", headers={"authorization": "Bearer s3cret"},
+                   json=_chat(model=None, messages=[{"role": "user", "content": [
+                       {"type": "image_url", "image_url": {"url": _png_data_url()}}]}]))
+    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
+    assert running.engine.model.vision_tower is None
