@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from g4serve.config import FULL, SLIDING, Gemma4Config, TextConfig, VisionConfig, preset
 from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
 
-TINY_FORMAT_VERSION = 1
+TINY_FORMAT_VERSION = 2  # 2: q/k norm scales head_dim**-0.25
 VARIANTS = ("e", "moe", "31b")
 _ALIASES = {"dense": "e", "e2b": "e", "e4b": "e", "26b-a4b": "moe", "26b": "moe"}
 

@@ -179,14 +179,19 @@ class TorchAttention:
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """q [L, Hq, D], k/v [S, Hkv, D], allowed [L, S] -> [L, Hq, D]; scale 1.0, fp32 softmax."""
+    """q [L, Hq, D], k/v [S, Hkv, D], allowed [L, S] -> [L, Hq, D]; scale 1.0.
+
+    Scores, softmax and the weighted sum run in fp32 whatever the input dtype, as a flash kernel's
+    accumulators do (Gemma 4's unscaled q·k reaches tens; bf16 scores would be off by ~0.1-0.25).
+    In fp32 this is exactly transformers' eager attention.
+    """
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    scores = torch.einsum("lhd,shd->hls", q, k.to(q.dtype))
+    scores = torch.einsum("lhd,shd->hls", q.float(), k.float())
     scores = scores.masked_fill(~allowed[None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("hls,shd->lhd", probs, v.to(q.dtype))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hls,shd->lhd", probs, v.float()).to(q.dtype)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:

@@ -161,12 +161,19 @@ def _names(names: list[str], limit: int = 8) -> str:
 
 @torch.no_grad()
 def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) -> None:
-    """Seeded random weights for benchmarks and tiny checkpoints: N(0, std) matrices, unit norms/scales."""
+    """Seeded random weights for benchmarks and tiny checkpoints: N(0, std) matrices, unit norms/scales.
+
+    Text q/k norm scales are set to head_dim**-0.25 each, so unscaled q·k has unit variance as in a
+    trained model; with unit scales the scores would reach ~±50, every softmax would be one-hot and
+    bf16 rounding alone would change the argmax of attention (and of the output) from layer to layer.
+    """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in model.state_dict(keep_vars=True).items():
         leaf = name.rsplit(".", 1)[-1]
-        if tensor.ndim <= 1 and not leaf.startswith(("input_", "output_")):
+        if name.startswith("language_model.") and name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensor.fill_(tensor.shape[0] ** -0.25)
+        elif tensor.ndim <= 1 and not leaf.startswith(("input_", "output_")):
             # norms, layer scalars, router scales, per-dim scales: neutral values
             tensor.fill_(0.0 if leaf == "per_dim_scale" else 1.0)
         elif leaf in ("input_min", "output_min"):

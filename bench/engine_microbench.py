@@ -1,0 +1,207 @@
+"""Engine microbenchmarks: decode step time per batch size, prefill (TTFT) per prompt length, and the
+memory-bandwidth floor of a decode step.
+
+    python bench/engine_microbench.py --model e4b --device cuda --out bench/results
+    python bench/engine_microbench.py                       # tiny model on CPU (engine overhead only)
+
+Decode: B requests are prefilled, then `--decode-steps` engine steps (each one token for all B)
+are timed; ITL = step time. Prefill: one request of L prompt tokens and max_tokens=1, timed
+from submission to its first token (TTFT), after a warm-up of the same length. Floor: bytes a
+decode step must read (every weight used per token, once, plus the KV cache) ÷ measured copy
+bandwidth. Writes one JSON with the device, versions, command and every figure with its unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.sampling_params import SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth from a large copy (read + write bytes / time)."""
+    if device.type != "cuda":
+        nbytes = 1 << 27
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    reps = 20 if device.type == "cuda" else 3
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def decode_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of weights one decode step reads: every text-decoder parameter except the embedding tables
+    (one row each per token), with the tied LM head (the whole token table) counted once."""
+    lm = engine.model.language_model
+    total = 0
+    for name, p in lm.named_parameters():
+        if name.startswith("embed_tokens_per_layer"):
+            continue  # one gathered row per token
+        if name == "embed_tokens.weight":
+            continue  # counted below as the LM head
+        total += p.numel() * p.element_size()
+    total += lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size()
+    cfg = engine.model_config.text
+    if cfg.enable_moe_block:  # only top_k of the experts are read per token (batch 1)
+        per_expert = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if ".experts." in n)
+        total -= per_expert * (1 - cfg.top_k_experts / cfg.num_experts)
+    return int(total)
+
+
+def run_until_done(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def prompt_ids(engine: LLMEngine, length: int, salt: int) -> dict:
+    vocab = min(engine.tokenizer.vocab_size, engine.model_config.text.vocab_size)
+    g = torch.Generator().manual_seed(salt)
+    ids = torch.randint(1000 if vocab > 4000 else 20, vocab, (length,), generator=g).tolist()
+    return {"prompt_token_ids": [engine.tokenizer.bos_token_id or 2, *ids[1:]]}
+
+
+def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(engine.make_request(f"d{batch}-{i}", engine.process_prompt(prompt_ids(engine, prompt_len, i)),
+                                               params))
+    # Prefill everything (and one decode step so every request is in steady decode).
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    engine.step()
+    _sync(engine.device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return {"batch": batch, "prompt_tokens": prompt_len, "steps": steps,
+            "itl_mean_ms": 1e3 * statistics.fmean(times), "itl_p50_ms": 1e3 * statistics.median(times),
+            "itl_min_ms": 1e3 * min(times), "output_tokens_per_s": batch / statistics.median(times)}
+
+
+def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    ttfts = []
+    for rep in range(reps + 1):  # the first is warm-up
+        # A fresh prompt each time: no prefix-cache hits.
+        request = engine.make_request(f"p{length}-{rep}", engine.process_prompt(prompt_ids(engine, length, 10_000 + rep)),
+                                      params)
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.add_request(request)
+        run_until_done(engine)
+        _sync(engine.device)
+        if rep:
+            ttfts.append(time.perf_counter() - t0)
+    return {"prompt_tokens": length, "reps": reps, "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
+            "ttft_p50_ms": 1e3 * statistics.median(ttfts), "ttft_min_ms": 1e3 * min(ttfts)}
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="preset (e4b, ...) or checkpoint dir; default: embedded tiny model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--decode-prompt-tokens", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--prefill-lengths", default="128,512,2048")
+    p.add_argument("--prefill-reps", type=int, default=5)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, text_only=True,
+                          max_num_seqs=max(batches), max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
+                          kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    load_s = time.perf_counter() - t0
+    device = engine.device
+    print(f"loaded {args.model or 'tiny'} on {device} in {load_s:.1f}s; KV {engine.kv.capacity_tokens()}", flush=True)
+
+    bandwidth = copy_bandwidth_gbps(device)
+    weight_bytes = decode_weight_bytes(engine)
+    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+    print(f"copy bandwidth {bandwidth:.0f} GB/s; decode reads {weight_bytes / 1e9:.2f} GB of weights "
+          f"-> floor {floor_ms:.2f} ms/step at batch 1", flush=True)
+
+    decode = []
+    for b in batches:
+        row = bench_decode(engine, b, args.decode_prompt_tokens, args.decode_steps)
+        decode.append(row)
+        print(f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
+              flush=True)
+    prefill = []
+    for length in lengths:
+        row = bench_prefill(engine, length, args.prefill_reps)
+        prefill.append(row)
+        print(f"prefill {length:5d} tokens: TTFT p50 {row['ttft_p50_ms']:.2f} ms", flush=True)
+
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor() or platform.machine())
+    result = {
+        "benchmark": "engine_microbench",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "device": name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": args.model or "tiny (embedded)",
+        "dtype": str(engine.dtype),
+        "load_s": load_s,
+        "copy_bandwidth_gb_per_s": bandwidth,
+        "decode_weight_bytes": weight_bytes,
+        "decode_floor_batch1_ms": floor_ms,
+        "decode": decode,
+        "prefill": prefill,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = out / f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
