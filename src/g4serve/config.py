@@ -49,6 +49,14 @@ def _require(cond: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true/false are not sizes
+
+
+def _is_positive_int(value: Any) -> bool:
+    return _is_int(value) and value > 0
+
+
 @dataclass
 class TextConfig:
     vocab_size: int = 262_144
@@ -65,7 +73,7 @@ class TextConfig:
     rms_norm_eps: float = 1e-6
     pad_token_id: int = 0
     eos_token_id: int | list[int] = 1
-    bos_token_id: int = 2
+    bos_token_id: int | None = 2
     tie_word_embeddings: bool = True
     rope_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     attention_bias: bool = False
@@ -150,12 +158,15 @@ class TextConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], strict: bool = True) -> TextConfig:
         raw = dict(raw)
+        # transformers writes is_causal=false for use_bidirectional_attention="all"; it carries nothing more.
+        is_causal = raw.pop("is_causal", None)
         known = {f.name for f in fields(cls)}
         _check_unknown("text_config", raw, known, strict)
         kwargs = {k: copy.deepcopy(v) for k, v in raw.items() if k in known}
         if kwargs.get("hidden_size_per_layer_input") is None:
             kwargs["hidden_size_per_layer_input"] = 0
-        if kwargs.get("head_dim") is None and "hidden_size" in kwargs and "num_attention_heads" in kwargs:
+        if (kwargs.get("head_dim") is None and _is_positive_int(kwargs.get("hidden_size"))
+                and _is_positive_int(kwargs.get("num_attention_heads"))):
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         if kwargs.get("global_head_dim") is None:
             kwargs.pop("global_head_dim", None)
@@ -167,26 +178,55 @@ class TextConfig:
             cfg.layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(cfg.num_hidden_layers)]
         if not cfg.rope_parameters:
             cfg.rope_parameters = default_rope_parameters()
+        _require(
+            is_causal is None or is_causal == (cfg.use_bidirectional_attention != "all"),
+            "text_config.is_causal",
+            f"{is_causal!r} contradicts use_bidirectional_attention={cfg.use_bidirectional_attention!r}",
+        )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
-                     "sliding_window"):
+                     "sliding_window", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"text_config.{name}", f"must be a positive int, got {value!r}")
+            _require(_is_positive_int(value), f"text_config.{name}", f"must be a positive int, got {value!r}")
+        for name in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 0, f"text_config.{name}", f"must be a non-negative int, got {value!r}")
+        _require(
+            self.num_global_key_value_heads is None or _is_positive_int(self.num_global_key_value_heads),
+            "text_config.num_global_key_value_heads",
+            f"must be null or a positive int, got {self.num_global_key_value_heads!r}",
+        )
+        _require(
+            isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
+            and self.rms_norm_eps >= 0,
+            "text_config.rms_norm_eps",
+            f"must be a non-negative number, got {self.rms_norm_eps!r}",
+        )
+        _require(isinstance(self.layer_types, list), "text_config.layer_types",
+                 f"must be a list of layer types, got {type(self.layer_types).__name__}")
         _require(
             len(self.layer_types) == self.num_hidden_layers,
             "text_config.layer_types",
             f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}",
         )
+        _require(self.per_layer_config is None or isinstance(self.per_layer_config, dict), "text_config.per_layer_config",
+                 f"must be an object keyed by layer index, got {type(self.per_layer_config).__name__}")
+        seen_layers: dict[int, Any] = {}
         for key, override in (self.per_layer_config or {}).items():
             field_name = f"text_config.per_layer_config[{key!r}]"
             _require(str(key).isdigit() and int(key) < self.num_hidden_layers, field_name,
                      f"is not a layer index in [0, {self.num_hidden_layers})")
+            # "05" and "5" name the same layer; two overrides for one layer are ambiguous.
+            _require(int(key) not in seen_layers, field_name, f"layer {int(key)} is also given as {seen_layers.get(int(key))!r}")
+            seen_layers[int(key)] = key
             _require(isinstance(override, dict) and set(override) <= {"head_dim", "num_key_value_heads"}, field_name,
                      f"may only override head_dim and num_key_value_heads, got {override!r}")
+            for name, value in override.items():
+                _require(_is_positive_int(value), f"{field_name}.{name}", f"must be a positive int, got {value!r}")
         for i, t in enumerate(self.layer_types):
             _require(t in LAYER_TYPES, f"text_config.layer_types[{i}]", f"unknown layer type {t!r}")
         _require(self.layer_types[-1] == FULL, "text_config.layer_types", "the last layer must be full_attention")
@@ -212,6 +252,12 @@ class TextConfig:
                 f"unsupported rope type {rope_type!r} (expected 'default' or 'proportional')",
             )
             _require("rope_theta" in rope, f"text_config.rope_parameters.{layer_type}.rope_theta", "is required")
+            factor = rope.get("partial_rotary_factor", 1.0)
+            _require(
+                isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1,
+                f"text_config.rope_parameters.{layer_type}.partial_rotary_factor",
+                f"must be in (0, 1], got {factor!r}",
+            )
         for i in range(self.num_hidden_layers):
             kv_heads = self.layer_num_kv_heads(i)
             _require(
@@ -233,7 +279,8 @@ class TextConfig:
         if self.enable_moe_block:
             for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
                 value = getattr(self, name)
-                _require(isinstance(value, int) and value > 0, f"text_config.{name}", "is required when enable_moe_block is true")
+                _require(_is_positive_int(value), f"text_config.{name}",
+                         f"must be a positive int when enable_moe_block is true, got {value!r}")
             _require(
                 self.top_k_experts <= self.num_experts,
                 "text_config.top_k_experts",
@@ -241,11 +288,15 @@ class TextConfig:
             )
         if self.hidden_size_per_layer_input:
             _require(self.vocab_size_per_layer_input > 0, "text_config.vocab_size_per_layer_input", "must be positive")
-        _require(
-            0 <= self.pad_token_id < self.vocab_size, "text_config.pad_token_id", f"{self.pad_token_id} is outside the vocabulary"
-        )
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is None and name == "bos_token_id":
+                continue  # the model never reads it
+            _require(_is_int(value) and 0 <= value < self.vocab_size, f"text_config.{name}",
+                     f"{value!r} is outside the vocabulary (size {self.vocab_size})")
         for eos in self.eos_token_ids:
-            _require(0 <= eos < self.vocab_size, "text_config.eos_token_id", f"{eos} is outside the vocabulary")
+            _require(_is_int(eos) and 0 <= eos < self.vocab_size, "text_config.eos_token_id",
+                     f"{eos!r} is outside the vocabulary (size {self.vocab_size})")
 
     def to_hf_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -297,7 +348,7 @@ class VisionConfig:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "pooling_kernel_size", "patch_size", "position_embedding_size"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"vision_config.{name}", f"must be a positive int, got {value!r}")
+            _require(_is_positive_int(value), f"vision_config.{name}", f"must be a positive int, got {value!r}")
         _require(
             self.rope_parameters.get("rope_type", "axial") == "axial",
             "vision_config.rope_parameters.rope_type",
@@ -346,7 +397,7 @@ class AudioConfig:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "attention_chunk_size",
                      "attention_context_left", "output_proj_dims", "conv_kernel_size"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"audio_config.{name}", f"must be a positive int, got {value!r}")
+            _require(_is_positive_int(value), f"audio_config.{name}", f"must be a positive int, got {value!r}")
         _require(
             self.hidden_size % self.num_attention_heads == 0,
             "audio_config.num_attention_heads",
@@ -409,6 +460,11 @@ class Gemma4Config:
         return cfg
 
     def validate(self) -> None:
+        for name in ("boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
+                     "eoa_token_id", "audio_token_id"):
+            # Placeholder ids may lie past the text vocabulary (the model embeds them as padding).
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 0, name, f"must be a non-negative token id, got {value!r}")
         _require(
             self.tie_word_embeddings,
             "tie_word_embeddings",

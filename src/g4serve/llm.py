@@ -12,7 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from g4serve.config import PRESETS
 from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.models.gemma4.loader import CheckpointError
 from g4serve.outputs import RequestOutput
 from g4serve.processing.chat import split_chat_messages
 from g4serve.processing.processor import ProcessedPrompt
@@ -41,6 +45,12 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         **engine_kwargs: Any,
     ):
+        if model is not None and not Path(model).is_dir() and str(model) not in PRESETS:
+            # Checked here so the user hears about the model, not about a tokenizer directory it implies.
+            raise CheckpointError(
+                f"model: {model} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})"
+            )
+        _check_device(str(device))
         config = EngineConfig(model=None if model is None else str(model), device=str(device), dtype=str(dtype),
                               text_only=text_only, **engine_kwargs)
         if limit_mm_per_prompt is not None and not text_only:
@@ -85,7 +95,9 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of messages (or of conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         processed = []
         for conversation in conversations:
             template_messages, media = split_chat_messages(conversation, allow_local_files=True)
@@ -136,6 +148,22 @@ class LLM:
             completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
             results.append(replace(outs[0], request_id=ids[0].split("-")[0], outputs=completions))
         return results
+
+
+def _check_device(device: str) -> None:
+    """Turn torch's device errors (a RuntimeError, or a CUDA init failure deep in the loader) into a ValueError
+    that names the option."""
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} was requested but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} does not exist ({torch.cuda.device_count()} CUDA device(s))")
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -94,9 +94,9 @@ def _processor_configs(cfg: Gemma4Config) -> dict[str, dict]:
 
 def make_tiny(out_dir: str | Path, variant: str = "e", seed: int = 0) -> Path:
     """Write a complete tiny checkpoint (config, weights, tokenizer, chat template, processor configs)."""
+    cfg = tiny_config(variant)  # before mkdir: a bad variant leaves no empty directory behind
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(variant)
     cfg.save(out)
     save_file(_random_state_dict(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tiny_tokenizer(out, vocab_size=cfg.text.vocab_size)

@@ -74,6 +74,8 @@ def _checkpoint_index(model_dir: Path) -> dict[str, Path]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names")
         files = {name: model_dir / fname for name, fname in weight_map.items()}
         for path in set(files.values()):
             if not path.is_file():
@@ -135,7 +137,13 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
         for path, entries in by_file.items():
             try:
                 with safe_open(str(path), framework="pt") as f:
+                    in_file = set(f.keys())
                     for hf_name, name in entries:
+                        if hf_name not in in_file:
+                            raise CheckpointError(
+                                f"{path.name}: does not contain tensor {hf_name}, which "
+                                "model.safetensors.index.json places there"
+                            )
                         tensor = f.get_tensor(hf_name)
                         target = params[name]
                         if tuple(tensor.shape) != tuple(target.shape):
@@ -143,11 +151,16 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
                                 f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
                                 f"expected {tuple(target.shape)}"
                             )
+                        if target.is_floating_point() and not tensor.is_floating_point():
+                            # copy_ would silently turn integer or bool data into weights.
+                            raise CheckpointError(
+                                f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}, expected a floating-point tensor"
+                            )
                         with torch.no_grad():
                             target.copy_(tensor)
                         loaded.add(name)
                         bar.update(1)
-            except SafetensorError as exc:
+            except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from exc
     missing = sorted(set(params) - loaded)
     if missing:
@@ -168,6 +181,8 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
     bf16 rounding alone would change the argmax of attention (and of the output) from layer to layer.
     """
     device = next(model.parameters()).device
+    if device.type == "meta":
+        return  # shapes only (memory planning, tests): there is no storage to fill
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in model.state_dict(keep_vars=True).items():
         leaf = name.rsplit(".", 1)[-1]
