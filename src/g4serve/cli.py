@@ -1,4 +1,4 @@
-"""Command line: ``g4serve serve | generate | make-tiny`` (bench and assistant join as they land)."""
+"""Command line: ``g4serve serve | bench | generate | make-tiny`` (assistant joins when it lands)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from g4serve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, text_only=args.text_only)
+    # Sampling options first: a typo there should not cost a model load.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, text_only=args.text_only)
     content: list[dict] = []
     for path in args.image or []:
         content.append({"type": "image", "image": path})
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(p)
     p.set_defaults(func=serve)
+
+    from g4serve.bench.cli import add_bench_arguments
+
+    add_bench_arguments(sub)
 
     p = sub.add_parser("make-tiny", help="write a tiny random Gemma 4 checkpoint")
     p.add_argument("dir")
