@@ -337,8 +337,6 @@ def test_min_tokens_delays_the_stop(eos_llm):
     assert out.finish_reason == "length" or out.token_ids[-1] in model_llm.config.text.eos_token_ids
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: min_tokens does not mask EOS/stop_token_ids in the sampler "
-                   "(model_runner.py passes `allowed` only for grammar requests), so EOS is sampled and kept")
 def test_min_tokens_suppresses_eos(eos_llm):
     """vLLM semantics: before min_tokens tokens exist, EOS and stop_token_ids cannot be generated at all."""
     model_llm, prompt = eos_llm

@@ -8,6 +8,7 @@ the encoder runner and cache, and the model runner. It is synchronous and single
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,12 @@ from g4serve.outputs import RequestOutput
 from g4serve.processing.processor import Gemma4Processor, ProcessedPrompt, ProcessorSettings
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
+from g4serve.structured import (
+    StructuredMatcher,
+    StructuredOutputBackend,
+    StructuredOutputError,
+    StructuredSpec,
+)
 from g4serve.tiny import default_model_dir
 
 log = logging.getLogger("g4serve.engine")
@@ -53,6 +60,7 @@ class EngineConfig:
     text_only: bool = False
     strict_config: bool = True
     seed: int = 0
+    attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the PyTorch reference elsewhere
 
     def __post_init__(self) -> None:
         if self.text_only:
@@ -62,6 +70,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
 
@@ -113,12 +123,26 @@ class LLMEngine:
             ),
             self.kv, encoder_cached=lambda digest: digest in self.encoder_cache,
         )
-        self.runner = ModelRunner(self.model, TorchAttention(text, self.kv_cache), config.block_size, config.fast_prefill)
+        self.runner = ModelRunner(self.model, self._attention_backend(), config.block_size, config.fast_prefill)
         self.requests: dict[str, Request] = {}
+        # Constrained decoding loads xgrammar with the first request that needs it.
+        self._structured: StructuredOutputBackend | None = None
+        self._structured_lock = threading.Lock()
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.started = time.monotonic()
+
+    def _attention_backend(self):
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        self.attention_backend_name = name
+        if name == "triton":  # on CPU it runs in Triton's interpreter: for tests only
+            from g4serve.kernels.backend import TritonAttention
+
+            return TritonAttention(self.model_config.text, self.kv_cache)
+        return TorchAttention(self.model_config.text, self.kv_cache)
 
     # ---- memory planning ------------------------------------------------------------------------
     def _plan_kv_blocks(self) -> dict[str, int]:
@@ -203,12 +227,15 @@ class LLMEngine:
         return Request(
             request_id=request_id, prompt=processed.prompt, prompt_token_ids=processed.token_ids,
             sampling_params=params, eos_token_ids=self.model_config.text.eos_token_ids, tokenizer=self.tokenizer,
-            mm_items=processed.mm_items, max_total_tokens=self.max_model_len, priority=priority, **kwargs,
+            mm_items=processed.mm_items, max_total_tokens=self.max_model_len, priority=priority,
+            grammar=self._new_grammar(params), **kwargs,
         )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if request.grammar is None:
+            request.grammar = self._new_grammar(request.sampling_params)
         self._extend_block_hashes(request)
         self._pin_media(request)
         self.requests[request.request_id] = request
@@ -221,6 +248,27 @@ class LLMEngine:
             return
         request.abort()
         self._finish(request)
+
+    @property
+    def structured_backend(self) -> StructuredOutputBackend:
+        """Grammar compiler and cache for constrained decoding (any thread may compile)."""
+        with self._structured_lock:
+            if self._structured is None:
+                text = self.model_config.text
+                stop = [t for t in text.eos_token_ids or [self.tokenizer.eos_token_id] if t is not None]
+                self._structured = StructuredOutputBackend(self.tokenizer, text.vocab_size, stop)
+            return self._structured
+
+    def _new_grammar(self, params: SamplingParams) -> StructuredMatcher | None:
+        """The request's grammar state; compile errors raise StructuredOutputError here, before it is queued."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if not isinstance(spec, StructuredSpec):
+            raise StructuredOutputError(
+                f"structured_output: expected a StructuredSpec (e.g. StructuredSpec.from_response_format(...)), "
+                f"got {type(spec).__name__}")
+        return self.structured_backend.new_matcher(spec)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -292,6 +340,12 @@ class LLMEngine:
             top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
             now = time.monotonic()
             for row, request in enumerate(result.requests):
+                if request.grammar is not None and not request.grammar.accept_token(token_ids[row]):
+                    # The mask makes this impossible; never let one request's bad state fail the batch.
+                    log.error("request %s: token %d violates its %s grammar; aborting it", request.request_id,
+                              token_ids[row], request.grammar.spec.kind)
+                    request.abort()
+                    continue
                 top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
                 request.append_token(token_ids[row], None if logprobs is None else logprobs[row], top, now)
                 self.num_generated_tokens += 1

@@ -19,6 +19,7 @@ from g4serve.engine.scheduler import ScheduledBatch
 from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from g4serve.models.gemma4.model import Gemma4Model
+from g4serve.structured.bitmask import AllowedTokenMasks
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ModelRunner:
         self.fast_prefill = fast_prefill
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.text.vocab_size
+        self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
 
     def _mm_embeds(self, request: Request, start: int, end: int, cache: EncoderCache, base: int,
                    positions: list[int]) -> list[torch.Tensor]:
@@ -53,6 +55,24 @@ class ModelRunner:
                     positions.extend(range(base + lo - start, base + hi - start))
                 row += e - s
         return out
+
+    def _withhold_stops_before_min_tokens(self, sampled: list[Request],
+                                          allowed: torch.Tensor | None) -> torch.Tensor | None:
+        """Free (unconstrained) rows short of ``min_tokens`` may not sample a stop token (vLLM semantics);
+        constrained rows already got this from their grammar mask."""
+        pending = [(row, r) for row, r in enumerate(sampled) if r.grammar is None and r.min_tokens_pending]
+        if not pending:
+            return allowed
+        if allowed is None:
+            allowed = torch.ones(len(sampled), self.vocab_size, dtype=torch.bool, device=self.device)
+        rows, cols = [], []
+        for row, request in pending:
+            stops = [t for t in request.stop_token_ids if t < self.vocab_size]
+            rows += [row] * len(stops)
+            cols += stops
+        if rows:
+            allowed[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = False
+        return allowed
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv: KVCacheManager, encoder_cache: EncoderCache) -> StepResult:
@@ -84,6 +104,18 @@ class ModelRunner:
                             keep_indices=keep if self.fast_prefill else None)
         if not sampled:
             return StepResult([], None)
+        # Grammar masks are built on the CPU while the device still runs the forward. Stop tokens wait
+        # for min_tokens and ignore_eos unless the grammar allows nothing else; near max_tokens the
+        # grammar is steered to close in time.
+        allowed = None
+        if any(r.grammar is not None for r in sampled):
+            allowed = self.token_masks(
+                [r.grammar for r in sampled],
+                [len(r.output_token_ids) >= r.sampling_params.min_tokens and not r.sampling_params.ignore_eos
+                 for r in sampled],
+                [r.max_output_tokens - len(r.output_token_ids) for r in sampled],
+            )
+        allowed = self._withhold_stops_before_min_tokens(sampled, allowed)
         if not self.fast_prefill:
             hidden = hidden[torch.tensor(keep, device=self.device)]
         logits = self.model.compute_logits(hidden)
@@ -92,5 +124,6 @@ class ModelRunner:
         sampling = SamplingBatch.build(
             [r.sampling_params for r in sampled], [r.generator for r in sampled], self.vocab_size, self.device,
             output_tokens=[r.output_token_ids for r in sampled], prompt_tokens=[r.prompt_token_ids for r in sampled],
+            allowed=allowed,
         )
         return StepResult(sampled, sample(logits, sampling))

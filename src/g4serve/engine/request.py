@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from g4serve.outputs import CompletionOutput, Logprob, RequestMetrics
 from g4serve.processing.processor import MultimodalItem, bidirectional_spans
 from g4serve.processing.tokenizer import IncrementalDetokenizer, Tokenizer
 from g4serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from g4serve.structured import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -33,6 +37,8 @@ class Request:
     max_total_tokens: int = 1 << 30  # context limit: prompt + output
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # Constrained decoding: the grammar state of sampling_params.structured_output (set by the engine).
+    grammar: StructuredMatcher | None = None
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
@@ -54,6 +60,15 @@ class Request:
             self._stop_tokens.update(self.eos_token_ids)
         self._max_stop_len = max((len(s) for s in self.sampling_params.stop), default=0)
         self._streamed_chars = 0
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        """Token ids that end this request (EOS unless ignore_eos, plus stop_token_ids)."""
+        return self._stop_tokens
+
+    @property
+    def min_tokens_pending(self) -> bool:
+        return len(self.output_token_ids) < self.sampling_params.min_tokens
 
     def init_generator(self, device: torch.device | str) -> None:
         """Seeded requests draw sampling noise from their own generator on the sampling device."""
@@ -104,9 +119,12 @@ class Request:
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         min_tokens_done = len(self.output_token_ids) >= self.sampling_params.min_tokens
-        if token_id in self._stop_tokens and min_tokens_done:
+        grammar_done = self.grammar is not None and self.grammar.is_terminated()
+        if grammar_done or (token_id in self._stop_tokens and min_tokens_done):
+            # A grammar ends on a stop token whatever min_tokens and ignore_eos say: its output is complete.
             self.finish_reason, self.stop_reason = "stop", token_id
             # The stop token itself is not text (vLLM keeps it in token_ids only).
+            self.text += self._detok.flush()
             return
         checked = len(self.text)
         self.text += self._detok.add(token_id)
@@ -114,6 +132,7 @@ class Request:
             return
         if len(self.output_token_ids) >= self.max_output_tokens:
             self.finish_reason = "length"
+            self.text += self._detok.flush()
 
     def _check_stop_strings(self, checked: int) -> bool:
         # Only a stop string overlapping the new text can be new.
