@@ -1,0 +1,96 @@
+"""Builds each kernel twice: compiled for CUDA tensors, interpreted for CPU tensors.
+
+``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted (from the
+``TRITON_INTERPRET`` variable), so a process could otherwise run only one of the two. Holding both
+lets the CPU tests run the exact kernel source in Triton's interpreter without a process-wide
+variable that would also turn the GPU tests' kernels into interpreted ones. The interpreter's
+internals are imported on the first CPU launch only: CUDA use never touches them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import triton
+
+_INTERPRETED_HELPERS: dict = {}
+
+
+@contextmanager
+def _jit_helpers_interpreted():
+    """Lets an interpreted kernel call ``triton.language``'s own jitted helpers (``tl.max``, ``tl.sum``,
+    ``tl.cdiv``...), which are compiled-mode objects unless ``TRITON_INTERPRET=1`` was set before
+    triton was imported. Active only while a CPU launch runs."""
+    if triton.knobs.runtime.interpret:
+        yield
+        return
+    from triton.language import standard as tl_standard
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+
+    def call(self, *args, **kwargs):
+        helper = _INTERPRETED_HELPERS.get(self.fn)
+        if helper is None:
+            helper = _INTERPRETED_HELPERS[self.fn] = InterpretedFunction(self.fn).rewrite()
+        return helper(*args, **kwargs)
+
+    # The helpers live in triton.language.standard: patch its view of the language once per launch
+    # (InterpretedFunction.__call__ would redo it on every helper call, a third of the run time).
+    scope = _patch_lang(tl_standard.cdiv.fn)
+    JITFunction.__call__ = call
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+        scope.restore()
+
+
+class _InterpretedLauncher:
+    def __init__(self, kernel: DualKernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with _jit_helpers_interpreted():
+                return self.kernel.interpreted()[grid](*args, **kwargs)
+
+        return launch
+
+
+class DualKernel:
+    """``kernel[device][grid](*args, **meta)``: the compiled kernel on CUDA, the interpreter on CPU."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = triton.jit(fn)
+        self._interpreted = None
+
+    def interpreted(self):
+        if self._interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            self._interpreted = InterpretedFunction(self.fn)
+        return self._interpreted
+
+    def __getitem__(self, device: torch.device):
+        return _InterpretedLauncher(self) if device.type == "cpu" else self.compiled
+
+
+def dot_settings(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """(upcast, input_precision) for the kernels' ``tl.dot`` calls.
+
+    fp32 inputs use IEEE products (TF32 would cost ~1e-3 and the fp32 path exists to match the torch
+    reference to ~1e-5). The interpreter multiplies bf16 tiles as raw integers (it stores bf16 as
+    uint16), so on CPU 16-bit operands are widened to fp32 first; they hold 16-bit values either way,
+    so the products equal a tensor core's bf16/fp16 x bf16/fp16 -> fp32.
+    """
+    upcast = device.type == "cpu" and dtype != torch.float32
+    precision = "ieee" if dtype == torch.float32 or upcast else "tf32"
+    return upcast, precision
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

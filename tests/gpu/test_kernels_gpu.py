@@ -1,0 +1,133 @@
+"""The compiled Triton attention kernels on CUDA against their torch references, on Gemma 4 shapes (bf16).
+
+E4B: 8 q heads over 2 KV heads, sliding D=256 (window 512) and global D=512; 31B-like: 32 over 16
+heads at D=256 (window 1024) and 32 over 4 at D=512. Contexts from 1 to 8192 tokens, page size 16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.config import FULL, SLIDING, TextConfig
+from g4serve.kernels.backend import TritonAttention
+from g4serve.kernels.kv_cache_write import kv_cache_write, kv_cache_write_reference
+from g4serve.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+from g4serve.kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
+from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+
+pytestmark = pytest.mark.gpu
+
+PAGE = 16
+SHAPES = [
+    # q heads, kv heads, head_dim, window
+    pytest.param(8, 2, 256, 512, id="e4b-sliding"),
+    pytest.param(8, 2, 512, None, id="e4b-global"),
+    pytest.param(32, 16, 256, 1024, id="31b-sliding"),
+    pytest.param(32, 4, 512, None, id="31b-global"),
+]
+DECODE_LENS = [1, 17, 511, 512, 513, 1025, 4096, 8192]
+
+
+def _cache(num_tokens: int, kv_heads: int, head_dim: int, gen: torch.Generator):
+    """Paged K/V for ``num_tokens`` with RMS-normalised rows (as Gemma 4's k_norm / v_norm make them)."""
+    num_blocks = -(-num_tokens // PAGE) + 1
+    k = torch.randn(num_blocks * PAGE, kv_heads, head_dim, device="cuda", generator=gen)
+    v = torch.randn(num_blocks * PAGE, kv_heads, head_dim, device="cuda", generator=gen)
+    return k.bfloat16(), v.bfloat16(), num_blocks
+
+
+def _tables(seq_lens: list[int], num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    perm = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).tolist()
+    width = max(-(-n // PAGE) for n in seq_lens)
+    rows = []
+    for n in seq_lens:
+        row = [perm.pop() for _ in range(-(-n // PAGE))]
+        rows.append(row + [-1] * (width - len(row)))
+    return torch.tensor(rows, dtype=torch.int32, device="cuda")
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("hq, hkv, head_dim, window", SHAPES)
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_vs_reference(hq, hkv, head_dim, window, num_splits):
+    gen = torch.Generator("cuda").manual_seed(head_dim + hq)
+    k, v, num_blocks = _cache(sum(DECODE_LENS) + PAGE * len(DECODE_LENS), hkv, head_dim, gen)
+    tables = _tables(DECODE_LENS, num_blocks, gen)
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device="cuda")
+    # Scores of a few units to tens, as with Gemma 4's normalised q and k at scale 1.0.
+    q = (torch.randn(len(DECODE_LENS), hq, head_dim, device="cuda", generator=gen) * 0.25).bfloat16()
+    out = paged_decode_attention(q, k, v, tables, lens, PAGE, window=window, num_splits=num_splits,
+                                 max_seq_len=max(DECODE_LENS))
+    ref = paged_decode_reference(q, k, v, tables, lens, PAGE, window=window)
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("hq, hkv, head_dim, window", SHAPES)
+def test_prefill_vs_reference(hq, hkv, head_dim, window):
+    """A fresh 700-token prompt, a 512-token chunk after a 4096-token prefix hit, a 1-token chunk, and a
+    chunk near 8192 with an image span on sliding layers."""
+    gen = torch.Generator("cuda").manual_seed(head_dim + hq + 1)
+    before, query_lens = [0, 4096, 300, 7900], [700, 512, 1, 292]
+    seq_lens = [b + n for b, n in zip(before, query_lens)]
+    k, v, num_blocks = _cache(sum(seq_lens) + PAGE * len(seq_lens), hkv, head_dim, gen)
+    tables = _tables(seq_lens, num_blocks, gen)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    positions = torch.cat([torch.arange(b, b + n, device="cuda") for b, n in zip(before, query_lens)])
+    q = (torch.randn(int(starts[-1]), hq, head_dim, device="cuda", generator=gen) * 0.25).bfloat16()
+    span = {}
+    if window:
+        lo = torch.full((q.shape[0],), -1, dtype=torch.int32, device="cuda")
+        hi = lo.clone()
+        inside = (positions >= 7950) & (positions < 8150)  # sequence 3's tokens 7950..8149
+        lo[inside], hi[inside] = 7950, 8150
+        span = {"span_lo": lo, "span_hi": hi}
+    out = paged_prefill_attention(q, k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                                  starts, positions, PAGE, max(query_lens), window=window, **span)
+    ref = paged_prefill_reference(q, k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                                  starts, positions, PAGE, window=window, **span)
+    _close(out, ref)
+
+
+def test_kv_cache_write_vs_reference():
+    gen = torch.Generator("cuda").manual_seed(0)
+    k = torch.randn(300, 2, 512, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(300, 2, 512, device="cuda", generator=gen).bfloat16()
+    slots = torch.randperm(4096, device="cuda", generator=gen)[:300]
+    slots[::7] = -1
+    caches = [torch.zeros(2, 4096, 2, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    kv_cache_write(k, v, caches[0][0], caches[0][1], slots)
+    kv_cache_write_reference(k, v, caches[1][0], caches[1][1], slots)
+    assert torch.equal(caches[0], caches[1])
+
+
+def test_backend_matches_torch_attention_e4b_layers():
+    """TritonAttention vs TorchAttention over an E4B-shaped layer pair (sliding 256 / global 512, 8/2
+    heads): a mixed prefill + decode step, then pure decode steps, bf16."""
+    cfg = TextConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                     global_head_dim=512, sliding_window=512, layer_types=[SLIDING, FULL])
+    gen = torch.Generator("cuda").manual_seed(3)
+    num_blocks = 512
+    pools = {SLIDING: num_blocks, FULL: num_blocks}
+    caches = [PagedKVCache(cfg, pools, PAGE, torch.bfloat16, "cuda") for _ in range(2)]
+    backends = [TorchAttention(cfg, caches[0]), TritonAttention(cfg, caches[1])]
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    lens = [1500, 900, 40]
+    tables = {pool: [[perm.pop() for _ in range(-(-(n + 8) // PAGE))] for n in lens]
+              for pool in (SLIDING, FULL)}
+    before = [0, 0, 0]
+    for query_lens in ([1500, 900, 40], [1, 1, 1], [1, 1, 1]):
+        meta = contiguous_metadata(before, query_lens, tables, PAGE, "cuda")
+        before = [b + n for b, n in zip(before, query_lens)]
+        t = sum(query_lens)
+        for layer in (0, 1):
+            d = cfg.layer_head_dim(layer)
+            q = (torch.randn(t, 8, d, device="cuda", generator=gen) * 0.25).bfloat16()
+            k = torch.randn(t, 2, d, device="cuda", generator=gen).bfloat16()
+            v = torch.randn(t, 2, d, device="cuda", generator=gen).bfloat16()
+            ref, out = (b.attend(layer, q, k, v, meta) for b in backends)
+            _close(out, ref)
