@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-reps", type=int, default=5)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, text_only=True,
                           max_num_seqs=max(batches), max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
-                          kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False)
+                          kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
+                          attention_backend=args.attention_backend)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t0
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "model": args.model or "tiny (embedded)",
         "dtype": str(engine.dtype),
+        "attention_backend": args.attention_backend,
         "load_s": load_s,
         "copy_bandwidth_gb_per_s": bandwidth,
         "decode_weight_bytes": weight_bytes,

@@ -174,9 +174,16 @@ def test_constrained_json_schema_over_many_seeds(client):
 
     for text in asyncio.run(main()):
         jsonschema.validate(json.loads(text), schema)
-    obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=100, seed=3,
-                                         response_format={"type": "json_object"})
-    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    # json_object bounds no string length: a random model may run out of tokens inside a string.
+    # Whatever stopped on its own must be a JSON object, and some must stop.
+    stopped = 0
+    for seed in range(4):
+        obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=300, seed=seed,
+                                             response_format={"type": "json_object"})
+        if obj.choices[0].finish_reason == "stop":
+            stopped += 1
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert stopped >= 1
 
 
 # ---- bad input --------------------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="explicit KV-cache budget (CPU default 256 MiB)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, the PyTorch reference on CPU")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default={},
                    help='media per prompt, e.g. \'{"image": 4, "video": 1, "audio": 2}\'; all 0 = text-only')
@@ -79,7 +81,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=args.enable_prefix_caching,
-        text_only=args.text_only, seed=args.seed,
+        text_only=args.text_only, seed=args.seed, attention_backend=args.attention_backend,
     )
     if not args.text_only and args.limit_mm_per_prompt:
         config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **args.limit_mm_per_prompt}
