@@ -17,7 +17,7 @@ timeout 120 python3 -m pytest -q -m gpu tests/gpu -s -p no:cacheprovider 2>&1 | 
 # 2. engine microbenchmarks, both attention backends
 for backend in torch triton; do
   timeout 100 python3 bench/engine_microbench.py --model e4b --device cuda --attention-backend "$backend" \
-    --batches 1,8,32 --decode-steps 16 --prefill-reps 3 --out "$RES" --tag "-$backend" 2>&1 | tail -8
+    --batches 1,8,32 --decode-steps 16 --prefill-reps 3 --out "$RES" --tag="-$backend" 2>&1 | tail -8
 done
 
 # 3. server + load generator: text and video sweeps on the e4b preset (Triton backend)
@@ -27,7 +27,7 @@ SERVER=$!
 for i in $(seq 120); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
 for wl in text video; do
   timeout 80 python3 -m g4serve.cli bench --workload "$wl" --base-url http://127.0.0.1:8100 --rates 1,4 \
-    --duration 8 --warmup 2 --drain-timeout 20 --out "$RES/sweep-$wl" --label g4serve-e4b 2>&1 | tail -8
+    --duration 8 --warmup 8 --drain-timeout 20 --out "$RES/sweep-$wl" --label g4serve-e4b 2>&1 | tail -8
 done
 kill -INT $SERVER; wait $SERVER
 tar czf "$OUT/results.tgz" -C "$RES" .

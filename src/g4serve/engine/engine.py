@@ -123,7 +123,8 @@ class LLMEngine:
             ),
             self.kv, encoder_cached=lambda digest: digest in self.encoder_cache,
         )
-        self.runner = ModelRunner(self.model, self._attention_backend(), config.block_size, config.fast_prefill)
+        self.runner = ModelRunner(self.model, self._attention_backend(), config.block_size, config.fast_prefill,
+                                  decodable_vocab_size=self.tokenizer.vocab_size)
         self.requests: dict[str, Request] = {}
         # Constrained decoding loads xgrammar with the first request that needs it.
         self._structured: StructuredOutputBackend | None = None
@@ -131,7 +132,29 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        if self.device.type == "cuda":
+            self.warmup()
         self.started = time.monotonic()
+
+    def warmup(self) -> None:
+        """Compile the kernels (Triton JIT, cuBLAS heuristics) on a throwaway prefill and decode, so the first
+        client requests do not pay seconds of compilation; leaves no trace in the cache or the counters."""
+        t0 = time.monotonic()
+        vocab = min(self.tokenizer.vocab_size, self.model_config.text.vocab_size)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        placeholders = set(self.processor.placeholder_ids.values())
+        usable = [t for t in range(min(vocab, 4096)) if t not in placeholders and t > 16]
+        for i, length in enumerate((16, min(512, self.max_model_len - 8))):
+            ids = [usable[(7 * j + i) % len(usable)] for j in range(length)]
+            request = self.make_request(f"warmup-{i}", self.process_prompt({"prompt_token_ids": ids}), params)
+            self.add_request(request)
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+        self.num_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
+        log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
     def _attention_backend(self):
         name = self.config.attention_backend

@@ -29,13 +29,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Gemma4Model, backend: AttentionBackend, block_size: int, fast_prefill: bool = True):
+    def __init__(self, model: Gemma4Model, backend: AttentionBackend, block_size: int, fast_prefill: bool = True,
+                 decodable_vocab_size: int | None = None):
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.fast_prefill = fast_prefill
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.text.vocab_size
+        self.decodable_vocab_size = min(decodable_vocab_size or self.vocab_size, self.vocab_size)
         self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
 
     def _mm_embeds(self, request: Request, start: int, end: int, cache: EncoderCache, base: int,
@@ -119,6 +121,10 @@ class ModelRunner:
         if not self.fast_prefill:
             hidden = hidden[torch.tensor(keep, device=self.device)]
         logits = self.model.compute_logits(hidden)
+        if self.decodable_vocab_size < self.vocab_size:
+            # Ids past the tokenizer's vocabulary (padded embeddings; random presets on the small embedded
+            # tokenizer) would decode to nothing: never sample them.
+            logits[:, self.decodable_vocab_size :] = float("-inf")
         for request in sampled:
             request.init_generator(self.device)
         sampling = SamplingBatch.build(
