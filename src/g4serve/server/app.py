@@ -493,6 +493,42 @@ def _sse_error(exc: BaseException) -> str:
     return _sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": status}})
 
 
+async def _sse_events(deltas: AsyncIterator[tuple[int, StreamDelta]], base: dict, include_usage: bool,
+                      choice_event, prompt_tokens: int | None = None) -> AsyncIterator[str]:
+    """Server-sent events of one response: a chunk per delta that ``choice_event(index, choice, delta,
+    new_logprobs)`` turns into a choice (None: nothing to send yet), then usage and ``[DONE]``."""
+    extra = {"usage": None} if include_usage else {}
+    choices: dict[int, _Choice] = {}
+    cached = 0
+    try:
+        async for index, delta in deltas:
+            choice = choices.setdefault(index, _Choice())
+            new_logprobs = _new_logprobs(choice, delta)
+            event = choice_event(index, choice, delta, new_logprobs)
+            _accumulate(choice, delta)
+            cached = delta.num_cached_tokens
+            if prompt_tokens is None:  # chat: one prompt, shared by the choices
+                prompt_tokens = delta.num_prompt_tokens
+            if event is not None:
+                yield _sse({**base, "choices": [event], **extra})
+    except (EngineDeadError, RuntimeError) as exc:
+        yield _sse_error(exc)
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        await deltas.aclose()
+    if include_usage:
+        completion_tokens = sum(len(c.token_ids) for c in choices.values())
+        yield _sse({**base, "choices": [], "usage": usage(prompt_tokens or 0, completion_tokens, cached)})
+    yield "data: [DONE]\n\n"
+
+
+def _finish_fields(delta: StreamDelta) -> dict[str, Any]:
+    if not delta.finished:
+        return {"finish_reason": None}
+    return {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+
 async def _chat_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], request_id: str, model: str, created: int,
                        n: int, include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -500,60 +536,29 @@ async def _chat_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], request_i
     for i in range(n):
         yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
-    choices = [_Choice() for _ in range(n)]
-    prompt_tokens = cached = 0
-    try:
-        async for index, delta in deltas:
-            choice = choices[index]
-            new_logprobs = _new_logprobs(choice, delta)
-            _accumulate(choice, delta)
-            prompt_tokens, cached = delta.num_prompt_tokens, delta.num_cached_tokens
-            if not delta.text and not delta.finished:
-                continue  # held back (possible stop string) or a token with no text yet
-            yield _sse({**base, "choices": [{
-                "index": index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": _chat_logprobs(new_logprobs) if want_logprobs else None,
-                "finish_reason": delta.finish_reason if delta.finished else None,
-                **({"stop_reason": delta.stop_reason} if delta.finished else {})}], **extra})
-    except (EngineDeadError, RuntimeError) as exc:
-        yield _sse_error(exc)
-        yield "data: [DONE]\n\n"
-        return
-    finally:
-        await deltas.aclose()
-    if include_usage:
-        yield _sse({**base, "choices": [], "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
-                                                        cached)})
-    yield "data: [DONE]\n\n"
+
+    def event(index: int, choice: _Choice, delta: StreamDelta, new_logprobs) -> dict | None:
+        if not delta.text and not delta.finished:
+            return None  # held back (a possible stop string) or a token with no text yet
+        return {"index": index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": _chat_logprobs(new_logprobs) if want_logprobs else None, **_finish_fields(delta)}
+
+    async for line in _sse_events(deltas, base, include_usage, event):
+        yield line
 
 
 async def _completion_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], request_id: str, model: str,
                              created: int, prompt_tokens: int, include_usage: bool, want_logprobs: bool,
                              echo: list[str] | None, n: int) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    extra = {"usage": None} if include_usage else {}
-    choices: dict[int, _Choice] = {}
-    try:
-        async for index, delta in deltas:
-            choice = choices.setdefault(index, _Choice())
-            first = not choice.token_ids
-            new_logprobs = _new_logprobs(choice, delta)
-            _accumulate(choice, delta)
-            text = (echo[index // n] if echo and first else "") + delta.text
-            if not text and not delta.finished:
-                continue
-            yield _sse({**base, "choices": [{
-                "index": index, "text": text,
-                "logprobs": _completion_logprobs(new_logprobs) if want_logprobs else None,
-                "finish_reason": delta.finish_reason if delta.finished else None,
-                **({"stop_reason": delta.stop_reason} if delta.finished else {})}], **extra})
-    except (EngineDeadError, RuntimeError) as exc:
-        yield _sse_error(exc)
-        yield "data: [DONE]\n\n"
-        return
-    finally:
-        await deltas.aclose()
-    if include_usage:
-        yield _sse({**base, "choices": [], "usage": usage(prompt_tokens, sum(len(c.token_ids)
-                                                                            for c in choices.values()))})
-    yield "data: [DONE]\n\n"
+
+    def event(index: int, choice: _Choice, delta: StreamDelta, new_logprobs) -> dict | None:
+        first = not choice.token_ids
+        text = (echo[index // n] if echo and first else "") + delta.text
+        if not text and not delta.finished:
+            return None
+        return {"index": index, "text": text,
+                "logprobs": _completion_logprobs(new_logprobs) if want_logprobs else None, **_finish_fields(delta)}
+
+    async for line in _sse_events(deltas, base, include_usage, event, prompt_tokens):
+        yield line
