@@ -211,3 +211,19 @@ def test_fast_prefill_is_exact(tiny_model_dir):
     assert logits[0].keys() == logits[1].keys()
     for tid in logits[0]:
         assert abs(logits[0][tid].logprob - logits[1][tid].logprob) < 1e-5
+
+
+def test_what_cannot_fit_is_refused_or_runs_alone(tiny_model_dir):
+    """Nothing may wait forever: a KV cache smaller than max_model_len lowers it (long prompts get a clear
+    error), and a media item larger than the whole encoder budget is encoded alone in a step."""
+    small = make_engine(tiny_model_dir, kv_cache_bytes=96 << 10)
+    capacity = small.kv.capacity_tokens()
+    assert small.max_model_len <= capacity[FULL]
+    with pytest.raises(ValueError, match="max_model_len"):
+        small.make_request("long", small.process_prompt(_user("balance " * 300)), GREEDY)
+    tight = make_engine(tiny_model_dir, encoder_token_budget=100)
+    prompt = {"prompt": _user("<|image|>What is this?"), "multi_modal_data": {"image": _image(5)}}
+    processed = tight.process_prompt(prompt)
+    assert processed.mm_items[0].num_tokens > 100
+    assert run_all(tight, [prompt]) == reference_tokens(tight, [prompt])
+    assert_pools_free(tight)

@@ -74,25 +74,37 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+                except Exception as exc:  # fail the step's requests, keep serving
                     log.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(exc)
                     continue
                 for out in outputs:
                     self._publish(out)
-        except BaseException as exc:  # noqa: BLE001 - everything must reach the waiting clients
+        except BaseException as exc:  # everything must reach the waiting clients
             log.exception("engine thread crashed")
             self.dead = exc
             for loop, q, _ in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, exc)
+                self._send(loop, q, exc)
+
+    @staticmethod
+    def _send(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item: object) -> bool:
+        """Hand ``item`` to a stream's event loop; False if that loop is closed (nobody will read it)."""
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed": must not take the engine thread down with it
+            return False
+        return True
+
+    def _fail_stream(self, request_id: str, exc: BaseException) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, q, _ = entry
+            self._send(loop, q, exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-            entry = self._streams.get(request_id)
-            if entry is not None:
-                loop, q, _ = entry
-                loop.call_soon_threadsafe(q.put_nowait, exc)
+            self._fail_stream(request_id, exc)
 
     def _drain_commands(self) -> None:
         while True:
@@ -101,7 +113,13 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self.engine.add_request(payload)
+                try:
+                    self.engine.add_request(payload)
+                except Exception as exc:  # a bad request fails alone, the engine serves on
+                    log.exception("request %s: could not be added", payload.request_id)
+                    if self.engine.requests.get(payload.request_id) is payload:
+                        self.engine.abort_request(payload.request_id)
+                    self._fail_stream(payload.request_id, exc)
             elif kind == "abort":
                 request = self.engine.requests.get(payload)
                 if request is not None:
@@ -128,10 +146,16 @@ class AsyncLLMEngine:
             metrics=out.metrics,
             num_cached_tokens=out.num_cached_tokens,
         )
-        loop.call_soon_threadsafe(q.put_nowait, delta)
+        if not self._send(loop, q, delta):
+            # The consumer's event loop closed without closing the stream: stop generating for it.
+            self._streams.pop(out.request_id, None)
+            if not out.finished:
+                self.engine.abort_request(out.request_id)
 
     # ---- event-loop side ---------------------------------------------------------------------------
     async def process(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is not running: {self.dead!r}")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.engine.process_prompt, prompt, add_special_tokens)
 
@@ -149,10 +173,17 @@ class AsyncLLMEngine:
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.dead!r}")
         request_id = request_id or self.new_request_id()
+        if request_id in self._streams:
+            # Checked here: the engine thread would refuse it too, but only after this stream had
+            # replaced the running request's stream, leaving that consumer waiting forever.
+            raise ValueError(f"request_id: {request_id!r} is already in use by a running request")
         request = self.engine.make_request(request_id, processed, params, priority=priority)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q, request)
+        if self.dead is not None:  # shut down (from another thread) since the check above
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"engine is not running: {self.dead!r}")
         self._commands.put(("add", request))
         self._wake.set()
         sent_tokens = 0
@@ -162,6 +193,8 @@ class AsyncLLMEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
+                    if isinstance(item, EngineDeadError):  # shut down
+                        raise EngineDeadError(str(item)) from item
                     raise EngineDeadError(f"engine failed: {item!r}") from item
                 item.token_ids = item.token_ids[sent_tokens:]
                 sent_tokens += len(item.token_ids)
@@ -182,7 +215,18 @@ class AsyncLLMEngine:
         return self.engine.stats()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread (after the step in progress) and end every open stream with
+        ``EngineDeadError``; later ``generate``/``process`` calls raise it at once. Idempotent."""
+        if self.dead is None:
+            self.dead = EngineDeadError("engine was shut down")
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout_s)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for loop, q, _ in list(self._streams.values()):
+            self._send(loop, q, self.dead)
+        if not self._thread.is_alive():
+            # The engine is ours alone now: return the unfinished requests' KV blocks and media pins.
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)

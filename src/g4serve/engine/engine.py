@@ -25,7 +25,7 @@ from g4serve.layers.attention import PagedKVCache, TorchAttention
 from g4serve.models.gemma4.loader import load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
-from g4serve.processing.processor import Gemma4Processor, ProcessedPrompt, ProcessorSettings
+from g4serve.processing.processor import Gemma4Processor, ProcessedPrompt, ProcessorSettings, bidirectional_spans
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
 from g4serve.structured import (
@@ -113,6 +113,7 @@ class LLMEngine:
         self.kv = KVCacheManager(text, num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.kv.capacity_tokens()
         log.info("KV cache: %s", ", ".join(f"{pool} pool {tokens} tokens" for pool, tokens in capacity.items()))
+        self._limit_context_to_kv(capacity)
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         self.encoder = EncoderRunner(self.model, self.encoder_cache)
         self.scheduler = Scheduler(
@@ -193,10 +194,20 @@ class LLMEngine:
             budget -= out[SLIDING] * per_block[SLIDING]
         if FULL in pools:
             out[FULL] = max(1, budget // per_block[FULL])
-        min_blocks = -(-self.max_model_len // bs)
-        if FULL in pools and out[FULL] < min_blocks:
-            log.warning("KV cache holds %d tokens, less than max_model_len=%d", out[FULL] * bs, self.max_model_len)
         return out
+
+    def _limit_context_to_kv(self, capacity: dict[str, int]) -> None:
+        """One sequence must always fit alone, or preemption could never make room for it: cap max_model_len
+        at the full pool, and at the sliding pool when that is smaller than a window plus a chunk."""
+        limit = capacity.get(FULL) or self.max_model_len
+        text, bs = self.model_config.text, self.config.block_size
+        sliding = capacity.get(SLIDING, 0)
+        if sliding and sliding < text.sliding_window + self.config.max_num_batched_tokens + bs:
+            limit = min(limit, sliding - bs)
+        if limit < self.max_model_len:
+            log.warning("KV cache holds %d tokens per sequence at most: max_model_len lowered from %d", limit,
+                        self.max_model_len)
+            self.max_model_len = max(limit, 1)
 
     def _activation_reserve(self) -> int:
         text = self.model_config.text
@@ -241,6 +252,7 @@ class LLMEngine:
                 f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}"
             )
+        self._check_fits(processed, params)
         vocab = self.model_config.text.vocab_size
         placeholders = set(self.processor.placeholder_ids.values())
         bad = next((t for t in processed.token_ids if not 0 <= t < vocab and t not in placeholders), None)
@@ -253,6 +265,14 @@ class LLMEngine:
             mm_items=processed.mm_items, max_total_tokens=self.max_model_len, priority=priority,
             grammar=self._new_grammar(params), **kwargs,
         )
+
+    def _check_fits(self, processed: ProcessedPrompt, params: SamplingParams) -> None:
+        """Refuse what could never be scheduled, instead of letting it wait forever at the queue's head."""
+        if self.scheduler.config.bidirectional_spans:
+            longest = max((e - s for s, e in bidirectional_spans(processed.mm_items)), default=0)
+            if longest > self.config.max_num_batched_tokens:
+                raise ValueError(f"multi_modal_data: an image of {longest} soft tokens must be prefilled in one "
+                                 f"step, but max_num_batched_tokens is {self.config.max_num_batched_tokens}")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

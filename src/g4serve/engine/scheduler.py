@@ -98,7 +98,8 @@ class Scheduler:
                 continue
             if self.encoder_cached(item.content_hash) or item in items:
                 continue
-            if item.num_tokens <= budget[0]:
+            # An item larger than the whole budget runs alone in a step (it could never fit otherwise).
+            if item.num_tokens <= budget[0] or budget[0] == self.config.encoder_token_budget:
                 budget[0] -= item.num_tokens
                 items.append(item)
                 continue
