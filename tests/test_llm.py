@@ -383,3 +383,8 @@ def test_logprobs_zero_none_and_sampled(llm):
     token = res.outputs[0].token_ids[0]
     expected = _first_step_logprobs(llm, res.prompt_token_ids)
     assert res.outputs[0].logprobs[0][token].logprob == pytest.approx(float(expected[token]), abs=1e-4)
+
+
+def test_prompt_and_token_ids_together_are_refused(llm):
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate({"prompt": "hi", "prompt_token_ids": [2, 5, 6]}, _greedy(2))

@@ -14,9 +14,7 @@ from typing import Any
 
 import torch
 
-from g4serve.config import PRESETS
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.models.gemma4.loader import CheckpointError
 from g4serve.outputs import RequestOutput
 from g4serve.processing.chat import split_chat_messages
 from g4serve.processing.processor import ProcessedPrompt
@@ -45,11 +43,6 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         **engine_kwargs: Any,
     ):
-        if model is not None and not Path(model).is_dir() and str(model) not in PRESETS:
-            # Checked here so the user hears about the model, not about a tokenizer directory it implies.
-            raise CheckpointError(
-                f"model: {model} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})"
-            )
         _check_device(str(device))
         config = EngineConfig(model=None if model is None else str(model), device=str(device), dtype=str(dtype),
                               text_only=text_only, **engine_kwargs)

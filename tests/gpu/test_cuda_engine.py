@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.engine.reference import generate_one
 from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
 from g4serve.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ from g4serve.engine.model_runner import ModelRunner
 from g4serve.engine.request import Request, RequestStatus
 from g4serve.engine.scheduler import Scheduler, SchedulerConfig
 from g4serve.layers.attention import PagedKVCache, TorchAttention
-from g4serve.models.gemma4.loader import load_model
+from g4serve.models.gemma4.loader import CheckpointError, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
 from g4serve.processing.processor import Gemma4Processor, ProcessedPrompt, ProcessorSettings, bidirectional_spans
@@ -92,6 +92,9 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         is_preset = isinstance(config.model, str) and config.model in PRESETS and not Path(config.model).exists()
         model_dir = None if is_preset else Path(config.model) if config.model else default_model_dir()
+        if model_dir is not None and not model_dir.is_dir():
+            raise CheckpointError(f"model: {config.model} is neither a checkpoint directory nor a preset "
+                                  f"({', '.join(PRESETS)})")
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir or default_model_dir())
         limits = config.limit_mm_per_prompt
         self.model: Gemma4Model = load_model(
@@ -232,6 +235,8 @@ class LLMEngine:
             limit = self.config.limit_mm_per_prompt.get(modality, 0)
             if len(values) > limit:
                 raise ValueError(f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt ({limit})")
+        if prompt.get("prompt") is not None and prompt.get("prompt_token_ids") is not None:
+            raise ValueError("prompt: give either 'prompt' or 'prompt_token_ids', not both")
         return self.processor(
             prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
             images=media.get("image"), videos=media.get("video"), audio=media.get("audio"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from g4serve.outputs import RequestMetrics
