@@ -14,6 +14,7 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
+from g4serve.kernels.paged_prefill import paged_prefill_reference
 
 LOG2E = 1.4426950408889634
 
@@ -274,23 +275,13 @@ def paged_decode_reference(
     span_hi: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """The same contract as ``paged_decode_attention``, one sequence at a time in fp32."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[1]
-    for b in range(q.shape[0]):
-        ctx = int(seq_lens[b])
-        lo, hi = (int(span_lo[b]), int(span_hi[b])) if span_lo is not None else (-1, -1)
-        pos = torch.arange(max(ctx, hi), device=q.device)
-        visible = (pos < ctx) | ((pos >= lo) & (pos < hi))
-        if window:
-            visible &= pos >= ctx - window
-        pos = pos[visible]
-        slots = block_tables[b, pos // page_size].long() * page_size + pos % page_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * scale
-        out[b] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
-    return out
+    """The same contract as ``paged_decode_attention``, in fp32: the one-query-per-sequence case of
+    ``paged_prefill_reference`` (query at position seq_len - 1; keys up to a span's end past it)."""
+    positions = seq_lens.long() - 1
+    key_lens = seq_lens.long() if span_hi is None else torch.maximum(seq_lens.long(), span_hi.long())
+    query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_prefill_reference(q, k_cache, v_cache, block_tables, key_lens, query_start_loc, positions,
+                                   page_size, window=window, span_lo=span_lo, span_hi=span_hi, scale=scale)
 
 
 __all__ = ["decode_config", "decode_num_splits", "paged_decode_attention", "paged_decode_reference"]
