@@ -70,11 +70,6 @@ def decode_weight_bytes(engine: LLMEngine) -> int:
     return int(total)
 
 
-def run_until_done(engine: LLMEngine) -> None:
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 def prompt_ids(engine: LLMEngine, length: int, salt: int) -> dict:
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.text.vocab_size)
     g = torch.Generator().manual_seed(salt)
@@ -115,7 +110,7 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
         _sync(engine.device)
         t0 = time.perf_counter()
         engine.add_request(request)
-        run_until_done(engine)
+        engine.run_until_finished()
         _sync(engine.device)
         if rep:
             ttfts.append(time.perf_counter() - t0)

@@ -125,12 +125,8 @@ class LLM:
             groups.append(ids)
         for request in requests:
             self.engine.add_request(request)
-        finished: dict[str, RequestOutput] = {}
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+            finished = self.engine.run_until_finished()
         except BaseException:
             for request in requests:
                 self.engine.abort_request(request.request_id)

@@ -82,12 +82,7 @@ class _ScriptedTokens:
 def _sync_outputs(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
     for i, prompt in enumerate(prompts):
         engine.add_request(engine.make_request(str(i), engine.process_prompt(prompt), params))
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0]
-    return results
+    return {rid: out.outputs[0] for rid, out in engine.run_until_finished().items()}
 
 
 def test_concurrent_streams_match_sync_engine(tiny_model_dir, aengine):

@@ -64,12 +64,7 @@ def make_engine(model_dir, **kw) -> LLMEngine:
 def run_all(engine: LLMEngine, prompts: list, params=GREEDY) -> dict[str, list[int]]:
     for i, prompt in enumerate(prompts):
         engine.add_request(engine.make_request(str(i), engine.process_prompt(prompt), params))
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-    return results
+    return {rid: out.outputs[0].token_ids for rid, out in engine.run_until_finished().items()}
 
 
 def reference_tokens(engine: LLMEngine, prompts: list, params=GREEDY) -> dict[str, list[int]]:
@@ -205,8 +200,7 @@ def test_fast_prefill_is_exact(tiny_model_dir):
     for eng in (on, off):
         req = eng.make_request("x", processed, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
         eng.add_request(req)
-        while eng.has_unfinished_requests():
-            eng.step()
+        eng.run_until_finished()
         logits.append(req.logprobs[0])
     assert logits[0].keys() == logits[1].keys()
     for tid in logits[0]:

@@ -23,12 +23,8 @@ def _prompts():
 def _run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(engine.make_request(str(i), engine.process_prompt(p), params))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[str(i)] for i in range(len(prompts))]
+    done = engine.run_until_finished()
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def test_fp32_cuda_matches_cpu(hf_checkpoint):

@@ -56,12 +56,7 @@ def make_engine(model_dir, **kw) -> LLMEngine:
 def run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
     for rid, (prompt, params) in requests.items():
         engine.add_request(engine.make_request(rid, engine.process_prompt(prompt), params))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return done
+    return {rid: out.outputs[0] for rid, out in engine.run_until_finished().items()}
 
 
 def assert_pools_free(engine: LLMEngine) -> None:

@@ -152,8 +152,7 @@ class LLMEngine:
             ids = [usable[(7 * j + i) % len(usable)] for j in range(length)]
             request = self.make_request(f"warmup-{i}", self.process_prompt({"prompt_token_ids": ids}), params)
             self.add_request(request)
-        while self.has_unfinished_requests():
-            self.step()
+        self.run_until_finished()
         self.kv.reset_prefix_cache()
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
         self.scheduler.num_preemptions = 0
@@ -320,6 +319,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def run_until_finished(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; the final output of each, by request id."""
+        finished: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return finished
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
