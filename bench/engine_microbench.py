@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -118,7 +119,38 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
             "ttft_p50_ms": 1e3 * statistics.median(ttfts), "ttft_min_ms": 1e3 * min(ttfts)}
 
 
+def profile_decode(engine: LLMEngine, prompt_len: int, steps: int = 8) -> dict:
+    """Where a batch-1 decode step's time goes: device time summed over kernels vs the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    engine.add_request(engine.make_request("prof", engine.process_prompt(prompt_ids(engine, prompt_len, 99)), params))
+    engine.step()
+    engine.step()
+    _sync(engine.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(engine.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / steps
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / steps
+    table = events.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40)
+    summary = {"steps": steps, "wall_ms_per_step": wall_ms, "device_ms_per_step": device_us / 1e3,
+               "device_ops_per_step": kernels}
+    print(f"profile (batch 1): {wall_ms:.2f} ms wall per step, {device_us / 1e3:.2f} ms of device time, "
+          f"{kernels:.0f} device ops", flush=True)
+    return {"summary": summary, "table": table}
+
+
 def git_commit() -> str | None:
+    if os.environ.get("G4SERVE_GIT_COMMIT"):  # the device's copy of the tree carries a stale .git
+        return os.environ["G4SERVE_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -138,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
@@ -147,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, text_only=True,
                           max_num_seqs=max(batches), max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
                           kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t0
@@ -166,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         decode.append(row)
         print(f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
               flush=True)
+    graphed = engine.runner.num_graph_steps > 0
+    profile = profile_decode(engine, args.decode_prompt_tokens) if args.profile else None
     prefill = []
     for length in lengths:
         row = bench_prefill(engine, length, args.prefill_reps)
@@ -185,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model or "tiny (embedded)",
         "dtype": str(engine.dtype),
         "attention_backend": args.attention_backend,
+        "cuda_graphs": graphed,
         "load_s": load_s,
         "copy_bandwidth_gb_per_s": bandwidth,
         "decode_weight_bytes": weight_bytes,
@@ -192,11 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         "decode": decode,
         "prefill": prefill,
     }
+    if profile is not None:
+        result["profile_batch1"] = profile["summary"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = out / f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))
+    if profile is not None:
+        path.with_suffix(".profile.txt").write_text(profile["table"])
     print(f"wrote {path}")
     return 0
 

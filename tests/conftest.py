@@ -76,9 +76,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def build_hf_checkpoint(out: Path, variant: str, seed: int = 0) -> Path:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
+    from g4serve.config import Gemma4Config as OurConfig
     from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
     from g4serve.tiny import _processor_configs
-    from g4serve.config import Gemma4Config as OurConfig
 
     spec = VARIANTS[variant]
     cfg = Gemma4Config(text_config=spec["text"], vision_config=_VISION,

@@ -74,3 +74,28 @@ def test_e4b_bf16_close_to_fp32():
           f"max |diff| {err:.3f}, logit std {expected.std().item():.3f}")
     assert cos.min().item() > 0.99
     assert top1 >= 0.9
+
+
+def test_cuda_graph_decode_matches_eager(hf_checkpoint):
+    """Captured decode graphs (padded buckets, fixed split-KV counts) against eager steps, fp32: the same
+    greedy tokens, with batches that shrink as requests finish at different lengths."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kw = dict(model=str(hf_checkpoint("e")), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
+              max_num_batched_tokens=256, max_num_seqs=8)
+    eager = LLMEngine(EngineConfig(enforce_eager=True, **kw))
+    graphed = LLMEngine(EngineConfig(**kw))
+    assert eager.runner.decode_graphs is None and graphed.runner.decode_graphs is not None
+    prompts = _prompts() + ["<|turn>user\nHi<turn|>\n<|turn>model\n"] * 2
+    for lengths in ((16,) * 5, (3, 9, 16, 5, 12)):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        want = _run_each(eager, prompts, params)
+        steps = graphed.runner.num_graph_steps
+        assert _run_each(graphed, prompts, params) == want
+        assert graphed.runner.num_graph_steps > steps
+
+
+def _run_each(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(engine.make_request(f"g{i}", engine.process_prompt(p), sp))
+    done = engine.run_until_finished()
+    return [done[f"g{i}"].outputs[0].token_ids for i in range(len(prompts))]

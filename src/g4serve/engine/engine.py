@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from g4serve.config import FULL, PRESETS, SLIDING
+from g4serve.engine.cuda_graphs import DecodeGraphRunner, batch_sizes_up_to
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.model_runner import ModelRunner
@@ -25,7 +26,12 @@ from g4serve.layers.attention import PagedKVCache, TorchAttention
 from g4serve.models.gemma4.loader import CheckpointError, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
-from g4serve.processing.processor import Gemma4Processor, ProcessedPrompt, ProcessorSettings, bidirectional_spans
+from g4serve.processing.processor import (
+    Gemma4Processor,
+    ProcessedPrompt,
+    ProcessorSettings,
+    bidirectional_spans,
+)
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
 from g4serve.structured import (
@@ -61,6 +67,9 @@ class EngineConfig:
     strict_config: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the PyTorch reference elsewhere
+    # Decode steps replay CUDA graphs (Triton backend on CUDA) unless this is set (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    max_cuda_graph_batch: int | None = None  # largest graphed decode batch; None: max_num_seqs
 
     def __post_init__(self) -> None:
         if self.text_only:
@@ -136,6 +145,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        if self._use_cuda_graphs():
+            self.runner.decode_graphs = self.decode_graph_runner(capture=True)
+            self.runner.decode_graphs.capture()
         if self.device.type == "cuda":
             self.warmup()
         self.started = time.monotonic()
@@ -158,6 +170,24 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend_name != "triton":
+            return False
+        if self.model_config.text.enable_moe_block:
+            # The routed experts still loop over the experts that received tokens (a host sync per step).
+            log.info("CUDA graphs off: the MoE block is not capturable yet")
+            return False
+        return True
+
+    def decode_graph_runner(self, capture: bool) -> DecodeGraphRunner:
+        """Padded decode steps for every batch size up to ``max_cuda_graph_batch``; ``capture`` on CUDA only
+        (without it the same padded forward runs eagerly, which is how the CPU tests check it)."""
+        max_batch = min(self.config.max_cuda_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
+        return DecodeGraphRunner(
+            self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
+            batch_sizes_up_to(max_batch), self.device, capture=capture,
+        )
 
     def _attention_backend(self):
         name = self.config.attention_backend

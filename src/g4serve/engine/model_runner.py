@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from g4serve.engine.cuda_graphs import DecodeGraphRunner
 from g4serve.engine.encoder_runner import EncoderCache
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request
@@ -39,6 +40,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.text.vocab_size
         self.decodable_vocab_size = min(decodable_vocab_size or self.vocab_size, self.vocab_size)
         self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
+        self.decode_graphs: DecodeGraphRunner | None = None  # set by the engine when decode steps are graphed
+        self.num_graph_steps = 0
 
     def _mm_embeds(self, request: Request, start: int, end: int, cache: EncoderCache, base: int,
                    positions: list[int]) -> list[torch.Tensor]:
@@ -95,6 +98,13 @@ class ModelRunner:
             if start + n == request.num_tokens:
                 keep.append(len(token_ids) - 1)
                 sampled.append(request)
+        graphs = self.decode_graphs
+        if (graphs is not None and not mm_rows and len(sampled) == len(batch.requests) == len(token_ids)
+                and len(token_ids) <= graphs.max_batch):
+            # A pure decode step: one text token per sequence, every one sampled.
+            logits = graphs.run(token_ids, [r.num_computed_tokens for r in batch.requests], tables)
+            self.num_graph_steps += 1
+            return StepResult(sampled, self._sample(sampled, logits))
         meta = contiguous_metadata(
             [r.num_computed_tokens for r in batch.requests], batch.num_new_tokens, tables, self.block_size,
             self.device, spans,
@@ -106,6 +116,11 @@ class ModelRunner:
                             keep_indices=keep if self.fast_prefill else None)
         if not sampled:
             return StepResult([], None)
+        if not self.fast_prefill:
+            hidden = hidden[torch.tensor(keep, device=self.device)]
+        return StepResult(sampled, self._sample(sampled, self.model.compute_logits(hidden)))
+
+    def _sample(self, sampled: list[Request], logits: torch.Tensor) -> SamplerOutput:
         # Grammar masks are built on the CPU while the device still runs the forward. Stop tokens wait
         # for min_tokens and ignore_eos unless the grammar allows nothing else; near max_tokens the
         # grammar is steered to close in time.
@@ -118,9 +133,6 @@ class ModelRunner:
                 [r.max_output_tokens - len(r.output_token_ids) for r in sampled],
             )
         allowed = self._withhold_stops_before_min_tokens(sampled, allowed)
-        if not self.fast_prefill:
-            hidden = hidden[torch.tensor(keep, device=self.device)]
-        logits = self.model.compute_logits(hidden)
         if self.decodable_vocab_size < self.vocab_size:
             # Ids past the tokenizer's vocabulary (padded embeddings; random presets on the small embedded
             # tokenizer) would decode to nothing: never sample them.
@@ -132,4 +144,4 @@ class ModelRunner:
             output_tokens=[r.output_token_ids for r in sampled], prompt_tokens=[r.prompt_token_ids for r in sampled],
             allowed=allowed,
         )
-        return StepResult(sampled, sample(logits, sampling))
+        return sample(logits, sampling)

@@ -81,7 +81,7 @@ class TritonAttention:
                 plan.decode_seqs = torch.tensor(decode, dtype=torch.long, device=device)
             rows_pos = meta.positions if plan.decode_rows is None else meta.positions[plan.decode_rows]
             plan.decode_ctx = (rows_pos + 1).to(torch.int32)
-            plan.decode_max_len = max(meta.seq_lens_cpu[i] for i in decode)
+            plan.decode_max_len = meta.max_decode_len or max(meta.seq_lens_cpu[i] for i in decode)
         else:
             prefill = [i for i, n in enumerate(query_lens) if n > 0]
         if prefill:

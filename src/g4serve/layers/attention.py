@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Per sequence: (start, end) absolute position ranges whose tokens attend to each other
     # in both directions on sliding layers (images, when the config asks for it).
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # Set by CUDA-graph captures, whose CPU lists are placeholders: the longest context the captured
+    # step may serve, which fixes each layer's split-KV count for every replay.
+    max_decode_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -22,7 +22,13 @@ from g4serve.processing.audio import AudioFeatureExtractor, load_audio, num_audi
 from g4serve.processing.chat import LocalFile
 from g4serve.processing.image import load_image, preprocess_images
 from g4serve.processing.tokenizer import Tokenizer
-from g4serve.processing.video import VideoFrames, load_video, preprocess_video, sample_video_frames, video_prompt_text
+from g4serve.processing.video import (
+    VideoFrames,
+    load_video,
+    preprocess_video,
+    sample_video_frames,
+    video_prompt_text,
+)
 
 
 @dataclass(eq=False)  # compared by identity: `data` holds tensors

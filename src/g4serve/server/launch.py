@@ -56,6 +56,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on CPU")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (default on CUDA: captured CUDA graphs replayed per batch size)")
+    p.add_argument("--max-cuda-graph-batch", type=int, default=None,
+                   help="largest decode batch replayed as a CUDA graph (default: --max-num-seqs)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default={},
                    help='media per prompt, e.g. \'{"image": 4, "video": 1, "audio": 2}\'; all 0 = text-only')
@@ -82,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=args.enable_prefix_caching,
         text_only=args.text_only, seed=args.seed, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager, max_cuda_graph_batch=args.max_cuda_graph_batch,
     )
     if not args.text_only and args.limit_mm_per_prompt:
         config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **args.limit_mm_per_prompt}
