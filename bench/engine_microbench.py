@@ -202,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
               flush=True)
     graphed = engine.runner.num_graph_steps > 0
-    profile = profile_decode(engine, args.decode_prompt_tokens) if args.profile else None
     prefill = []
     for length in lengths:
         row = bench_prefill(engine, length, args.prefill_reps)
         prefill.append(row)
         print(f"prefill {length:5d} tokens: TTFT p50 {row['ttft_p50_ms']:.2f} ms", flush=True)
+    # Last: CUPTI stays attached after a profile and slows later launches.
+    profile = profile_decode(engine, args.decode_prompt_tokens) if args.profile else None
 
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else platform.processor() or platform.machine())

@@ -112,6 +112,8 @@ class LLMEngine:
             with_audio=limits.get("audio", 0) > 0, strict_config=config.strict_config, seed=config.seed,
         )
         self.model_config = self.model.cfg
+        if self.device.type == "cuda":
+            self.model.language_model.fuse_projections()
         if is_preset:
             _map_special_tokens(self.model_config, self.tokenizer)
             self.model.init_nonpersistent_buffers()

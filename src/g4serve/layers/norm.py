@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from g4serve.kernels.rms_norm import fused_rms_norm, rms_norm_reference
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Normalise the last dim of ``x``; math in fp32, result in ``x``'s dtype (as transformers does)."""
-    xf = x.float()
-    # torch.pow rather than rsqrt keeps bit-equality with the reference implementation.
-    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        out = out * weight.float()
-    return out.type_as(x)
+    """Normalise the last dim of ``x``; math in fp32, result in ``x``'s dtype (as transformers does).
+
+    CUDA tensors take the one-pass Triton kernel; elsewhere the torch reference, bit-exact with transformers.
+    """
+    if x.is_cuda:
+        return fused_rms_norm(x, weight, eps)[0]
+    return rms_norm_reference(x, weight, eps)
 
 
 class RMSNorm(nn.Module):

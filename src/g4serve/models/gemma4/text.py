@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from g4serve.config import TextConfig
-from g4serve.layers.activation import ACTIVATIONS
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
+from g4serve.layers.fused import act_mul, add_rms_norm, norm_rope
 from g4serve.layers.moe import MoEExperts, MoERouter
 from g4serve.layers.norm import RMSNorm
-from g4serve.layers.rotary import apply_rope, rope_cos_sin, text_inv_freq
+from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -54,6 +54,42 @@ class TextAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv_proj: nn.Linear | None = None  # q, k, v stacked (``fuse_projections``)
+        self._v_in_qkv = False
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Stack the q/k/v projections into one GEMM (the fast path; the split is a view per step)."""
+        parts = [p for p in (self.q_proj, getattr(self, "k_proj", None), getattr(self, "v_proj", None)) if p is not None]
+        if len(parts) == 1 or self.qkv_proj is not None:
+            return
+        weight = torch.cat([p.weight for p in parts])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                          device=weight.device, dtype=weight.dtype)
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused
+        self.q_proj = self.k_proj = None
+        if self.v_proj is not None:
+            self.v_proj = None
+            self._v_in_qkv = True
+
+    def _project(self, x: torch.Tensor):
+        t = x.shape[0]
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is None:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            if self.is_kv_shared:
+                return q, None, None
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k
+            return q, k, v
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :q_width].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_width : q_width + kv_width].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_width + kv_width :].view(t, self.num_kv_heads, self.head_dim) if self._v_in_qkv else k
+        return q, k, v
 
     def forward(
         self,
@@ -64,14 +100,12 @@ class TextAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        q = apply_rope(self.q_norm(q), cos, sin)
+        q, k_raw, v_raw = self._project(x)  # v_raw is k_raw where attention_k_eq_v
+        q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
         k = v = None
-        if not self.is_kv_shared:
-            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v_raw = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
-            v = self.v_norm(v_raw)
+        if k_raw is not None:
+            k = norm_rope(k_raw, self.k_norm, cos, sin)
+            v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
         out = backend.attend(self.layer_idx, q, k, v, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -82,10 +116,25 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
+        self.intermediate = intermediate
+        self.gate_up_proj: nn.Linear | None = None  # gate and up stacked (``fuse_projections``)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        if self.gate_up_proj is not None:
+            return
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                      dtype=weight.dtype)
+        self.gate_up_proj.weight.copy_(weight)
+        self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(act_mul(self.activation, gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]))
 
 
 class DecoderLayer(nn.Module):
@@ -102,7 +151,7 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.ple_dim = cfg.hidden_size_per_layer_input
         if self.ple_dim:
-            self.act = ACTIVATIONS[cfg.hidden_activation]
+            self.activation = cfg.hidden_activation
             self.per_layer_input_gate = nn.Linear(hidden, self.ple_dim, bias=False)
             self.per_layer_projection = nn.Linear(self.ple_dim, hidden, bias=False)
             self.post_per_layer_input_norm = RMSNorm(hidden, eps)
@@ -123,23 +172,28 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        # Each add_rms_norm is one fused pass on CUDA; the comments spell out the unfused math.
         residual = h
         h = self.self_attn(self.input_layernorm(h), cos, sin, meta, backend)
-        h = residual + self.post_attention_layernorm(h)
+        # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
+        h, x = add_rms_norm(h, self.post_attention_layernorm, residual=residual,
+                            next_norm=self.pre_feedforward_layernorm)
 
         residual = h
-        out = self.mlp(self.pre_feedforward_layernorm(h))
+        out = self.mlp(x)
         if self.enable_moe:
             # The routed experts run beside the dense MLP, both fed from the residual stream.
             weights, experts = self.router(residual)
             moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
-        h = residual + self.post_feedforward_layernorm(out)
-
-        if self.ple_dim:
-            gate = self.act(self.per_layer_input_gate(h)) * per_layer_input
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return h * self.layer_scalar
+        if not self.ple_dim:
+            # (residual + post_feedforward_layernorm(out)) * layer_scalar
+            return add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, scale=self.layer_scalar)[0]
+        h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
+        # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
+        gate = act_mul(self.activation, self.per_layer_input_gate(h), per_layer_input)
+        return add_rms_norm(self.per_layer_projection(gate), self.post_per_layer_input_norm, residual=h,
+                            scale=self.layer_scalar)[0]
 
 
 class Gemma4TextModel(nn.Module):
@@ -224,6 +278,13 @@ class Gemma4TextModel(nn.Module):
         if keep_indices is not None and not sliced:
             h = h[torch.tensor(keep_indices, dtype=torch.long, device=h.device)]
         return h
+
+    def fuse_projections(self) -> None:
+        """Lay the weights out for the fast path, once after loading: q/k/v and gate/up each become one GEMM.
+        Only for accelerators: the CPU reference path keeps the separate (bit-exact) projections."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight)

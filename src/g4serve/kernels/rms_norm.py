@@ -1,0 +1,106 @@
+"""Gemma 4's RMSNorm chains as one kernel per row, and their torch reference.
+
+``out = residual + rms_norm(x) * w`` (residual optional), then optionally ``out *= scale`` (the layer
+scalar) and ``out2 = rms_norm(out) * w2`` (the next norm that reads the new residual stream). Statistics
+in fp32; each intermediate is rounded to the input dtype where the unfused model rounds it, so bf16
+results equal the eager chain up to the last bit of the norm itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from g4serve.kernels._launch import DualKernel, next_pow2
+
+
+def _rms_norm_fn(
+    X, Res, W, W2, Scale, Out, Out2,
+    n_cols, eps,
+    stride_x, stride_r, stride_o, stride_o2,
+    HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(Out.dtype.element_ty)
+    if HAS_RES:
+        r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
+    if HAS_SCALE:
+        y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, y, mask=mask)
+    if HAS_NORM2:
+        z = y.to(tl.float32)
+        z = z / tl.sqrt(tl.sum(z * z, 0) / n_cols + eps)
+        z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
+
+
+_rms_norm = DualKernel(_rms_norm_fn)
+
+
+def fused_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., N] -> (out, out2): ``out = (residual + rms_norm(x, weight)) * scale`` and
+    ``out2 = rms_norm(out, next_weight)`` (None without ``next_weight``). Rows need a unit last stride."""
+    n = x.shape[-1]
+    x2d = x.reshape(-1, n)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
+    res2d = residual.reshape(-1, n) if residual is not None else x2d
+    out2 = torch.empty_like(out) if next_weight is not None else out
+    rows = x2d.shape[0]
+    if rows:
+        block = next_pow2(n)
+        _rms_norm[x.device][(rows,)](
+            x2d, res2d, weight if weight is not None else x2d, next_weight if next_weight is not None else x2d,
+            scale if scale is not None else x2d, out, out2,
+            n, eps, x2d.stride(0), res2d.stride(0), out.stride(0), out2.stride(0),
+            HAS_W=weight is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+            HAS_NORM2=next_weight is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    out = out.view(x.shape)
+    return out, (out2.view(x.shape) if next_weight is not None else None)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The model's RMSNorm: fp32 statistics, result in ``x``'s dtype (as transformers computes it)."""
+    xf = x.float()
+    # torch.pow rather than rsqrt keeps bit-equality with the reference implementation.
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
+
+
+def fused_rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = rms_norm_reference(x, weight, eps)
+    if residual is not None:
+        out = residual + out
+    if scale is not None:
+        out = out * scale
+    return out, (rms_norm_reference(out, next_weight, eps) if next_weight is not None else None)
+
+
+__all__ = ["fused_rms_norm", "fused_rms_norm_reference", "rms_norm_reference"]

@@ -1,0 +1,43 @@
+"""Gemma 4's elementwise chains, one call each: Triton kernels for CUDA tensors (one pass instead of
+5-15 small kernels), the torch reference elsewhere (bit-exact with transformers on the CPU path).
+
+- ``add_rms_norm``: ``(residual + norm(x)) * scale``, optionally with the next norm of the result;
+- ``norm_rope``: per-head q/k norm followed by RoPE (or the v norm alone);
+- ``act_mul``: the gate activation times the up projection (MLP and PLE gates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from g4serve.kernels import act_mul as _act_mul
+from g4serve.kernels import norm_rope as _norm_rope
+from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
+from g4serve.layers.norm import RMSNorm
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    norm: RMSNorm,
+    residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    next_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``)."""
+    fn = fused_rms_norm if x.is_cuda else fused_rms_norm_reference
+    return fn(x, norm.weight, norm.eps, residual=residual, scale=scale,
+              next_weight=next_norm.weight if next_norm is not None else None)
+
+
+def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor | None = None,
+              sin: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H, D] -> ``apply_rope(norm(x), cos, sin)`` (just ``norm(x)`` without cos/sin)."""
+    if x.is_cuda and x.stride(-1) == 1:
+        return _norm_rope.norm_rope(x, norm.weight, norm.eps, cos, sin)
+    return _norm_rope.norm_rope_reference(x, norm.weight, norm.eps, cos, sin)
+
+
+def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.is_cuda and a.stride(-1) == 1 and b.stride(-1) == 1:
+        return _act_mul.act_mul(activation, a, b)
+    return _act_mul.act_mul_reference(activation, a, b)

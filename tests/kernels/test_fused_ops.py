@@ -1,0 +1,71 @@
+"""The fused elementwise kernels (RMSNorm chains, q/k norm + RoPE, activation × up) against their torch
+references, in Triton's interpreter on CPU tensors: fp32 to rounding noise, bf16 to one bf16 step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.kernels.act_mul import act_mul, act_mul_reference
+from g4serve.kernels.norm_rope import norm_rope, norm_rope_reference
+from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
+from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+def _close(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [48, 100])  # a power of two and a masked tail
+@pytest.mark.parametrize("with_residual,with_scale,with_next", [
+    (False, False, False), (True, False, True), (True, True, False), (False, True, True)])
+def test_fused_rms_norm(dtype, n, with_residual, with_scale, with_next):
+    gen = torch.Generator().manual_seed(n)
+    x = (3 * torch.randn(5, n, generator=gen)).to(dtype)
+    w = torch.randn(n, generator=gen).to(dtype)
+    w2 = torch.randn(n, generator=gen).to(dtype) if with_next else None
+    res = torch.randn(5, n, generator=gen).to(dtype) if with_residual else None
+    scale = torch.tensor([0.7]).to(dtype) if with_scale else None
+    out, out2 = fused_rms_norm(x, w, 1e-6, residual=res, scale=scale, next_weight=w2)
+    ref, ref2 = fused_rms_norm_reference(x, w, 1e-6, residual=res, scale=scale, next_weight=w2)
+    _close(out, ref, dtype)
+    if with_next:
+        _close(out2, ref2, dtype)
+    else:
+        assert out2 is None and ref2 is None
+
+
+def test_fused_rms_norm_rows_of_a_3d_tensor_without_weight():
+    x = torch.randn(3, 4, 32)
+    out, _ = fused_rms_norm(x, None, 1e-6)
+    _close(out, fused_rms_norm_reference(x, None, 1e-6)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,partial", [(32, 1.0), (64, 0.25)])  # sliding (full RoPE) / proportional
+def test_norm_rope_on_a_strided_view(dtype, head_dim, partial):
+    gen = torch.Generator().manual_seed(head_dim)
+    t, heads = 6, 3
+    # q as a slice of a fused projection: rows strided past the other heads' columns
+    fused = torch.randn(t, (heads + 2) * head_dim, generator=gen).to(dtype)
+    q = fused[:, : heads * head_dim].view(t, heads, head_dim)
+    w = torch.randn(head_dim, generator=gen).to(dtype)
+    rope = {"rope_theta": 10000.0} if partial == 1.0 else {"rope_type": "proportional", "rope_theta": 1e6,
+                                                           "partial_rotary_factor": partial}
+    cos, sin = rope_cos_sin(torch.tensor([0, 1, 5, 17, 300, 4095]), text_inv_freq(rope, head_dim), dtype)
+    _close(norm_rope(q, w, 1e-6, cos, sin), norm_rope_reference(q, w, 1e-6, cos, sin), dtype)
+    # v norm: no weight, no rotation
+    _close(norm_rope(q, None, 1e-6), norm_rope_reference(q, None, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "silu"])
+def test_act_mul(dtype, activation):
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (4 * torch.randn(3, 2 * 300, generator=gen)).to(dtype)  # halves of a fused projection
+    a, b = gate_up[:, :300], gate_up[:, 300:]
+    _close(act_mul(activation, a, b, block=128), act_mul_reference(activation, a, b), dtype)
