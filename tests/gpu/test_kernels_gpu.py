@@ -131,3 +131,38 @@ def test_backend_matches_torch_attention_e4b_layers():
             v = torch.randn(t, 2, d, device="cuda", generator=gen).bfloat16()
             ref, out = (b.attend(layer, q, k, v, meta) for b in backends)
             _close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_on_e4b_shapes(dtype):
+    """The fused chains against their references at E4B widths (hidden 2560, head dims 256/512, MLP 10240)."""
+    from g4serve.kernels.act_mul import act_mul, act_mul_reference
+    from g4serve.kernels.norm_rope import norm_rope, norm_rope_reference
+    from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
+    from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
+
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, s=1.0):
+        return (s * torch.randn(*shape, device="cuda", generator=gen)).to(dtype)
+
+    for t in (1, 37, 512):
+        x, res, w, w2 = rand(t, 2560, s=4), rand(t, 2560), rand(2560), rand(2560)
+        scale = torch.tensor([0.5], device="cuda", dtype=dtype)
+        got = fused_rms_norm(x, w, 1e-6, residual=res, scale=scale, next_weight=w2)
+        ref = fused_rms_norm_reference(x, w, 1e-6, residual=res, scale=scale, next_weight=w2)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+        for head_dim, rope in ((256, {"rope_theta": 10000.0}),
+                               (512, {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25})):
+            qkv = rand(t, 10 * head_dim, s=3)
+            q = qkv[:, : 8 * head_dim].view(t, 8, head_dim)
+            cos, sin = rope_cos_sin(torch.arange(t, device="cuda") * 7, text_inv_freq(rope, head_dim), dtype)
+            wq = rand(head_dim)
+            torch.testing.assert_close(norm_rope(q, wq, 1e-6, cos, sin).float(),
+                                       norm_rope_reference(q, wq, 1e-6, cos, sin).float(), atol=tol, rtol=tol)
+        gate_up = rand(t, 2 * 10240, s=3)
+        a, b = gate_up[:, :10240], gate_up[:, 10240:]
+        torch.testing.assert_close(act_mul("gelu_pytorch_tanh", a, b).float(),
+                                   act_mul_reference("gelu_pytorch_tanh", a, b).float(), atol=tol, rtol=tol)
