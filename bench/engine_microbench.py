@@ -148,6 +148,31 @@ def profile_decode(engine: LLMEngine, prompt_len: int, steps: int = 8) -> dict:
     return {"summary": summary, "table": table}
 
 
+def host_profile_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int = 16) -> str:
+    """cProfile of ``steps`` decode steps at ``batch``: where the host's share of a step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(engine.make_request(f"h{i}", engine.process_prompt(prompt_ids(engine, prompt_len, 500 + i)),
+                                               params))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    return f"batch {batch}, {steps} decode steps\n" + text.getvalue()
+
+
 def git_commit() -> str | None:
     if os.environ.get("G4SERVE_GIT_COMMIT"):  # the device's copy of the tree carries a stale .git
         return os.environ["G4SERVE_GIT_COMMIT"]
@@ -173,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--profile", action="store_true",
                    help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also run cProfile over decode steps at the largest batch: host-side hot spots next to the JSON")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
@@ -209,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill {length:5d} tokens: TTFT p50 {row['ttft_p50_ms']:.2f} ms", flush=True)
     # Last: CUPTI stays attached after a profile and slows later launches.
     profile = profile_decode(engine, args.decode_prompt_tokens) if args.profile else None
+    host_profile = host_profile_decode(engine, max(batches), args.decode_prompt_tokens) if args.cprofile else None
 
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else platform.processor() or platform.machine())
@@ -240,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2))
     if profile is not None:
         path.with_suffix(".profile.txt").write_text(profile["table"])
+    if host_profile is not None:
+        path.with_suffix(".cprofile.txt").write_text(host_profile)
     print(f"wrote {path}")
     return 0
 

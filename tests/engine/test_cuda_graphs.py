@@ -43,3 +43,34 @@ def test_padded_decode_steps_match_eager(tiny_model_dir):
 @pytest.mark.parametrize("max_batch,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (64, [1, 2, 4, 8, 16, 24, 32, 48, 64])])
 def test_batch_sizes(max_batch, sizes):
     assert batch_sizes_up_to(max_batch) == sizes
+
+
+def test_padded_mixed_steps_match_eager(tiny_model_dir):
+    """Prefill chunks, mixed prefill+decode steps and prefix-cache hits through the mixed runner's padded
+    buffers (token buckets, padding sequences, YOCO on fixed rows) give the eager tokens."""
+    def run(engine):
+        system = "you are the voice assistant of a bank. " * 2
+        # The second wave reuses the first's system-prompt blocks (prefix hits); its long prompt is chunked
+        # (48-token budget) while the short one decodes beside it.
+        waves = ([system + "what is my balance", "hi"], [system + "send forty dollars to maria " * 3, "hello"])
+        out = {}
+        for wave in waves:
+            for i, prompt in enumerate(wave):
+                params = SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True)
+                engine.add_request(engine.make_request(f"{len(out)}-{i}", engine.process_prompt(prompt), params))
+            out.update({rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()})
+        return out
+
+    def engine_with(backend, **kw):
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                      kv_cache_bytes=16 << 20, max_num_seqs=4, max_num_batched_tokens=48,
+                                      attention_backend=backend, text_only=True, **kw))
+
+    expected = run(engine_with("torch"))
+    for fast_prefill in (True, False):
+        engine = engine_with("triton", fast_prefill=fast_prefill)
+        engine.runner.mixed_graphs = engine.mixed_graph_runner(capture=False)
+        assert engine.runner.mixed_graphs.sizes == [16, 32, 48]
+        assert run(engine) == expected
+        assert engine.runner.num_graph_steps >= 6
+        assert engine.kv.prefix_hit_tokens > 0

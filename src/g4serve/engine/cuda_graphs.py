@@ -1,10 +1,14 @@
-"""Decode steps replayed as CUDA graphs: one captured forward (embeddings → decoder → logits) per
-batch-size bucket.
+"""Engine steps replayed as CUDA graphs: one captured forward (embeddings → decoder → logits) per size bucket.
 
-A decode step (every sequence adds one text token) has fixed shapes once its batch is padded to a
-bucket, so the ~1,500 kernel launches of an E4B forward collapse into one graph launch. The step
-writes its inputs into static buffers (token ids, positions, KV slots, block tables); padded rows
-write nothing (slot -1) and attend to one key of block 0, and their logits are dropped.
+- ``DecodeGraphRunner``: pure decode steps (one text token per sequence), one graph per batch size,
+  on the split-KV decode kernel.
+- ``MixedGraphRunner``: text prefill and mixed prefill+decode steps, one graph per token-count bucket
+  for up to ``max_seqs`` sequences, on the varlen kernel, with YOCO fast prefill on fixed rows.
+
+Padded to its bucket, a step has fixed shapes, so the ~1,000 kernel launches of an E4B forward collapse
+into one graph launch. A step writes its inputs into static buffers (token ids, positions, KV slots,
+block tables, sequence bounds); padded tokens write nothing (slot -1) and belong to no sequence, padded
+sequences have no queries, and their rows are dropped. Steps that carry media soft tokens run eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ log = logging.getLogger("g4serve.cuda_graphs")
 
 # Buckets as vLLM's: fine steps at small batch where padding costs most, coarser above.
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def batch_sizes_up_to(max_batch: int) -> list[int]:
@@ -31,77 +36,96 @@ def batch_sizes_up_to(max_batch: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphRunner:
-    """Runs padded decode steps from static input buffers; with ``capture`` (CUDA) as graph replays.
+def token_buckets_up_to(max_tokens: int, min_tokens: int = 1) -> list[int]:
+    sizes = [t for t in DEFAULT_TOKEN_BUCKETS if min_tokens <= t <= max_tokens]
+    if not sizes or sizes[-1] < max_tokens:
+        sizes.append(max_tokens)
+    return sizes
 
-    Without ``capture`` the same padded forward runs eagerly, which is how the CPU tests check the
-    padding and buffer handling that the graphs replay. ``max_model_len`` bounds the contexts the graphs
-    serve: it sizes the block tables and fixes each layer's split-KV count at capture time.
+
+class _GraphRunner:
+    """Static inputs, their per-step upload, and capture/replay of one graph per size.
+
+    Host side, a step packs only the rows it uses contiguously into pinned buffers, uploads them with
+    one copy per dtype and scatters them into the static buffers on the device. The pinned buffers are
+    refilled only after the step's sampled tokens came back to the host, which orders the reuse after
+    the previous upload.
     """
 
     def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
-                 max_model_len: int, batch_sizes: list[int], device: torch.device, capture: bool):
+                 max_model_len: int, sizes: list[int], max_seqs: int, device: torch.device, capture: bool):
         self.model = model
         self.backend = backend
         self.pools = list(pools)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.batch_sizes = sorted(set(batch_sizes))
-        self.max_batch = self.batch_sizes[-1]
+        self.sizes = sorted(set(sizes))
+        self.max_size = self.sizes[-1]
+        self.max_seqs = max_seqs
         self.device = device
         self.capture_enabled = capture
         self.max_blocks = -(-max_model_len // block_size)
-        n, pin = self.max_batch, device.type == "cuda"
-        self._num_int_rows = 2 + len(self.pools)  # token ids, positions, one KV-slot row per pool
-        # Static inputs the graphs read: int64 rows, and int32 block tables [seq, pool, block].
-        self._ints = torch.zeros(self._num_int_rows, n, dtype=torch.long, device=device)
-        self._ints[2:] = -1  # padded rows write no KV
-        self._tables = torch.zeros(n, len(self.pools), self.max_blocks, dtype=torch.int32, device=device)
-        # A step packs only its rows (and only the table width it uses) contiguously into pinned memory,
-        # uploads that in one copy per dtype, and scatters it into the static buffers on the device.
-        self._ints_host = torch.zeros(self._ints.numel(), dtype=torch.long, pin_memory=pin)
-        self._tables_host = torch.zeros(self._tables.numel(), dtype=torch.int32, pin_memory=pin)
-        self._ints_staged = torch.empty_like(self._ints_host, device=device)
-        self._tables_staged = torch.empty_like(self._tables_host, device=device)
-        self._query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self._seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # read by prefill kernels only
+        self.num_token_rows = 2 + len(self.pools)  # token ids, positions, one KV-slot row per pool
+        self._tokens = torch.zeros(self.num_token_rows, self.max_size, dtype=torch.long, device=device)
+        self._tokens[2:] = -1  # padded tokens write no KV
+        self._tables = torch.zeros(max_seqs, len(self.pools), self.max_blocks, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._long_host = torch.zeros(self._tokens.numel() + max_seqs, dtype=torch.long, pin_memory=pin)
+        self._int_host = torch.zeros(self._tables.numel() + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self._long_staged = torch.empty_like(self._long_host, device=device)
+        self._int_staged = torch.empty_like(self._int_host, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured batch size that holds ``num_seqs`` rows, or None if none does."""
-        for size in self.batch_sizes:
-            if size >= num_seqs:
-                return size
+    def bucket(self, size: int) -> int | None:
+        """The smallest captured size that holds ``size``, or None if none does."""
+        for s in self.sizes:
+            if s >= size:
+                return s
         return None
 
-    def _metadata(self, n: int) -> AttentionMetadata:
-        # A fresh object per forward: backends cache per-step plans by metadata identity, and a capture
-        # must record the plan's device ops rather than reuse tensors computed before it.
-        return AttentionMetadata(
-            positions=self._ints[1, :n],
-            query_start_loc=self._query_start[: n + 1],
-            seq_lens=self._seq_lens[:n],
-            slot_mapping={pool: self._ints[2 + i, :n] for i, pool in enumerate(self.pools)},
-            block_tables={pool: self._tables[:n, i] for i, pool in enumerate(self.pools)},
-            block_size=self.block_size,
-            query_start_loc_cpu=list(range(n + 1)),
-            seq_lens_cpu=[1] * n,
-            max_decode_len=self.max_model_len,
-        )
-
     def _forward(self, n: int) -> torch.Tensor:
-        hidden = self.model(self._ints[0, :n], self._metadata(n), self.backend)
-        return self.model.compute_logits(hidden)
+        raise NotImplementedError
+
+    def _pack_tables(self, tables: dict[str, list[list[int]]], num_seqs: int, rows: int,
+                     token_pos: np.ndarray, token_seq: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Block tables of ``num_seqs`` sequences into the int32 staging ([rows, pools, width]) and each
+        token's KV slot per pool into ``slots`` ([pools, tokens]; -1 where a sliding block was freed)."""
+        width = max(len(t) for pool_tables in tables.values() for t in pool_tables)
+        staged = self._int_host.numpy()[: rows * len(self.pools) * width].reshape(rows, len(self.pools), width)
+        staged.fill(0)  # entries past a sequence's blocks are never read; 0 keeps padded rows in bounds
+        bs = self.block_size
+        for i, pool in enumerate(self.pools):
+            for r in range(num_seqs):
+                table = tables[pool][r]
+                staged[r, i, : len(table)] = table
+            block = staged[token_seq, i, token_pos // bs].astype(np.int64)
+            slots[i] = np.where(block >= 0, block * bs + token_pos % bs, -1)
+        return staged
+
+    def _upload(self, tokens: np.ndarray, tables: np.ndarray, extra_long: np.ndarray | None = None,
+                extra_int: np.ndarray | None = None) -> None:
+        """Copy the packed host rows into the static buffers: ``tokens`` [token rows, n] (already in the
+        long staging), ``tables`` [seqs, pools, width] (already in the int staging), then the extras."""
+        rows, n = tokens.shape
+        k = tokens.size
+        m = tables.size
+        long_end = k + (extra_long.size if extra_long is not None else 0)
+        int_end = m + (extra_int.size if extra_int is not None else 0)
+        self._long_staged[:long_end].copy_(self._long_host[:long_end], non_blocking=True)
+        self._int_staged[:int_end].copy_(self._int_host[:int_end], non_blocking=True)
+        self._tokens[:, :n].copy_(self._long_staged[:k].view(rows, n))
+        seqs, pools, width = tables.shape
+        self._tables[:seqs, :, :width].copy_(self._int_staged[:m].view(seqs, pools, width))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per batch size, largest first so the smaller ones reuse its memory pool."""
+    def capture(self, pool=None) -> None:
+        """Capture one graph per size, largest first so the smaller ones reuse its memory."""
         if not self.capture_enabled:
             return
         t0 = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.batch_sizes):
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        for n in reversed(self.sizes):
             for _ in range(2):  # JIT-compiles kernels and settles cuBLAS heuristics outside the capture
                 self._forward(n)
             torch.cuda.synchronize(self.device)
@@ -110,8 +134,48 @@ class DecodeGraphRunner:
                 self._outputs[n] = self._forward(n)
             self._graphs[n] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured %d decode CUDA graphs (batch %s) in %.1fs", len(self._graphs),
-                 ",".join(map(str, self.batch_sizes)), time.monotonic() - t0)
+        log.info("captured %d %s CUDA graphs (sizes %s) in %.1fs", len(self._graphs), type(self).__name__,
+                 ",".join(map(str, self.sizes)), time.monotonic() - t0)
+
+    def _replay(self, n: int) -> torch.Tensor:
+        if n in self._graphs:
+            self._graphs[n].replay()
+            return self._outputs[n]
+        return self._forward(n)
+
+
+class DecodeGraphRunner(_GraphRunner):
+    """Pure decode steps of up to ``max(batch_sizes)`` sequences; without ``capture`` (CPU tests) the same
+    padded forward runs eagerly. ``max_model_len`` sizes the block tables and fixes each layer's split-KV
+    count at capture time."""
+
+    def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
+                 max_model_len: int, batch_sizes: list[int], device: torch.device, capture: bool):
+        super().__init__(model, backend, pools, block_size, max_model_len, batch_sizes, max(batch_sizes), device,
+                         capture)
+        self.batch_sizes = self.sizes
+        self.max_batch = self.max_size
+        self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self._seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # read by varlen kernels only
+
+    def _metadata(self, n: int) -> AttentionMetadata:
+        # A fresh object per forward: backends cache per-step plans by metadata identity, and a capture
+        # must record the plan's device ops rather than reuse tensors computed before it.
+        return AttentionMetadata(
+            positions=self._tokens[1, :n],
+            query_start_loc=self._query_start[: n + 1],
+            seq_lens=self._seq_lens[:n],
+            slot_mapping={pool: self._tokens[2 + i, :n] for i, pool in enumerate(self.pools)},
+            block_tables={pool: self._tables[:n, i] for i, pool in enumerate(self.pools)},
+            block_size=self.block_size,
+            query_start_loc_cpu=list(range(n + 1)),
+            seq_lens_cpu=[1] * n,
+            max_decode_len=self.max_model_len,
+        )
+
+    def _forward(self, n: int) -> torch.Tensor:
+        hidden = self.model(self._tokens[0, :n], self._metadata(n), self.backend)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], tables: dict[str, list[list[int]]]) -> torch.Tensor:
@@ -120,28 +184,104 @@ class DecodeGraphRunner:
         b = len(token_ids)
         n = self.bucket(b)
         assert n is not None, f"batch {b} exceeds the largest decode graph ({self.max_batch})"
-        bs = self.block_size
-        num_rows = self._num_int_rows
-        ints = self._ints_host.numpy()[: num_rows * n].reshape(num_rows, n)
-        ints[0, :b] = token_ids
-        ints[1, :b] = positions
-        ints[:2, b:] = 0  # padded rows: token 0 at position 0 (one key to attend to) ...
-        ints[2:, b:] = -1  # ... writing nothing
-        width = max(len(rows[r]) for rows in tables.values() for r in range(b))
-        staged = self._tables_host.numpy()[: n * len(self.pools) * width].reshape(n, len(self.pools), width)
-        staged.fill(0)  # entries past a sequence's blocks are never read; 0 keeps padded rows in bounds
+        tokens = self._long_host.numpy()[: self.num_token_rows * n].reshape(self.num_token_rows, n)
+        tokens[0, :b] = token_ids
+        tokens[1, :b] = positions
+        tokens[:2, b:] = 0  # padded rows: token 0 at position 0 (one key to attend to) ...
+        tokens[2:, b:] = -1  # ... writing nothing
         pos = np.asarray(positions, dtype=np.int64)
-        for i, pool in enumerate(self.pools):
-            for r, table in enumerate(tables[pool]):
-                staged[r, i, : len(table)] = table
-            block = staged[np.arange(b), i, pos // bs].astype(np.int64)
-            ints[2 + i, :b] = np.where(block >= 0, block * bs + pos % bs, -1)
-        k, m = ints.size, staged.size
-        self._ints_staged[:k].copy_(self._ints_host[:k], non_blocking=True)
-        self._tables_staged[:m].copy_(self._tables_host[:m], non_blocking=True)
-        self._ints[:, :n].copy_(self._ints_staged[:k].view(num_rows, n))
-        self._tables[:n, :, :width].copy_(self._tables_staged[:m].view(n, len(self.pools), width))
-        if n in self._graphs:
-            self._graphs[n].replay()
-            return self._outputs[n][:b]
-        return self._forward(n)[:b]
+        staged = self._pack_tables(tables, b, n, pos, np.arange(b), tokens[2:, :b])
+        self._upload(tokens, staged)
+        return self._replay(n)[:b]
+
+
+class MixedGraphRunner(_GraphRunner):
+    """Text steps of up to ``max(token_buckets)`` tokens over up to ``max_seqs`` sequences (prefill chunks,
+    decodes, or both), one graph per token bucket. ``yoco``: layers past the last KV producer run on one
+    row per sequence (its last token), as the eager fast prefill does; the graph returns [max_seqs, V]
+    logits, one row per sequence."""
+
+    def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
+                 max_model_len: int, token_buckets: list[int], max_seqs: int, device: torch.device, capture: bool,
+                 yoco: bool = True):
+        super().__init__(model, backend, pools, block_size, max_model_len, token_buckets, max_seqs, device, capture)
+        self.max_tokens = self.max_size
+        self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
+        s = max_seqs
+        self._query_start = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self._last_rows = torch.zeros(s, dtype=torch.long, device=device)  # each sequence's last token row
+        self._kept_start = torch.arange(s + 1, dtype=torch.int32, device=device)
+        self._kept_slots = torch.full((s,), -1, dtype=torch.long, device=device)
+
+    def _forward(self, n: int) -> torch.Tensor:
+        s = self.max_seqs
+        positions = self._tokens[1, :n]
+        meta = AttentionMetadata(
+            positions=positions,
+            query_start_loc=self._query_start,
+            seq_lens=self._seq_lens,
+            slot_mapping={pool: self._tokens[2 + i, :n] for i, pool in enumerate(self.pools)},
+            block_tables={pool: self._tables[:, i] for i, pool in enumerate(self.pools)},
+            block_size=self.block_size,
+            query_start_loc_cpu=[0] * (s + 1),  # placeholders: the plan reads captured_query_len
+            seq_lens_cpu=[0] * s,
+            captured_query_len=n,
+        )
+        if self.yoco:
+            # The kept rows form a decode-shaped step: one query per sequence at its last position.
+            kept = AttentionMetadata(
+                positions=positions[self._last_rows],
+                query_start_loc=self._kept_start,
+                seq_lens=self._seq_lens,
+                slot_mapping={pool: self._kept_slots for pool in self.pools},
+                block_tables=meta.block_tables,
+                block_size=self.block_size,
+                query_start_loc_cpu=list(range(s + 1)),
+                seq_lens_cpu=[1] * s,
+                max_decode_len=self.max_model_len,
+            )
+            hidden = self.model(self._tokens[0, :n], meta, self.backend, keep_indices=self._last_rows,
+                                kept_meta=kept)
+        else:
+            hidden = self.model(self._tokens[0, :n], meta, self.backend)[self._last_rows]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], computed: list[int], query_lens: list[int],
+            tables: dict[str, list[list[int]]]) -> torch.Tensor:
+        """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
+        logits [num_seqs, V], row i for sequence i's last new token (a view, valid until the next step)."""
+        t, b = len(token_ids), len(query_lens)
+        n = self.bucket(t)
+        assert n is not None and b <= self.max_seqs, f"{t} tokens / {b} sequences exceed the mixed graphs"
+        lens = np.asarray(query_lens, dtype=np.int64)
+        before = np.asarray(computed, dtype=np.int64)
+        starts = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        token_seq = np.repeat(np.arange(b), lens)
+        token_pos = np.arange(t) - starts[token_seq] + before[token_seq]
+        tokens = self._long_host.numpy()[: self.num_token_rows * n].reshape(self.num_token_rows, n)
+        tokens[0, :t] = token_ids
+        tokens[1, :t] = token_pos
+        tokens[:2, t:] = 0
+        tokens[2:, t:] = -1
+        # Per sequence, in the long staging after the token rows: the row of its last token. Padding sequences
+        # point at a padding token (position 0: one key to read) when there is one.
+        last = self._long_host.numpy()[tokens.size : tokens.size + self.max_seqs]
+        last[:b] = starts[1:] - 1
+        last[b:] = t if t < n else 0
+        staged = self._pack_tables(tables, b, self.max_seqs, token_pos, token_seq, tokens[2:, :t])
+        # Sequence bounds, in the int staging after the tables: query starts (padding: empty at the end)
+        # and context lengths (padding: 0).
+        bounds = self._int_host.numpy()[staged.size : staged.size + 2 * self.max_seqs + 1]
+        bounds[: b + 1] = starts
+        bounds[b + 1 : self.max_seqs + 1] = t
+        bounds[self.max_seqs + 1 : self.max_seqs + 1 + b] = before + lens
+        bounds[self.max_seqs + 1 + b :] = 0
+        self._upload(tokens, staged, extra_long=last, extra_int=bounds)
+        k, m, s = tokens.size, staged.size, self.max_seqs
+        self._last_rows.copy_(self._long_staged[k : k + s])
+        self._query_start.copy_(self._int_staged[m : m + s + 1])
+        self._seq_lens.copy_(self._int_staged[m + s + 1 : m + 2 * s + 1])
+        return self._replay(n)[:b]

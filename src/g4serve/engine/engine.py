@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from g4serve.config import FULL, PRESETS, SLIDING
-from g4serve.engine.cuda_graphs import DecodeGraphRunner, batch_sizes_up_to
+from g4serve.engine.cuda_graphs import (
+    DecodeGraphRunner,
+    MixedGraphRunner,
+    batch_sizes_up_to,
+    token_buckets_up_to,
+)
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.model_runner import ModelRunner
@@ -149,7 +154,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         if self._use_cuda_graphs():
             self.runner.decode_graphs = self.decode_graph_runner(capture=True)
-            self.runner.decode_graphs.capture()
+            self.runner.mixed_graphs = self.mixed_graph_runner(capture=True)
+            pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
+            self.runner.mixed_graphs.capture(pool)
+            self.runner.decode_graphs.capture(pool)
         if self.device.type == "cuda":
             self.warmup()
         self.started = time.monotonic()
@@ -189,6 +197,15 @@ class LLMEngine:
         return DecodeGraphRunner(
             self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
             batch_sizes_up_to(max_batch), self.device, capture=capture,
+        )
+
+    def mixed_graph_runner(self, capture: bool) -> MixedGraphRunner:
+        """Text prefill / mixed steps up to ``max_num_batched_tokens`` tokens over up to ``max_num_seqs``
+        sequences, per token bucket (``capture`` on CUDA only, as for decode)."""
+        return MixedGraphRunner(
+            self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
+            token_buckets_up_to(self.config.max_num_batched_tokens), self.config.max_num_seqs, self.device,
+            capture=capture, yoco=self.config.fast_prefill,
         )
 
     def _attention_backend(self):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from g4serve.engine.cuda_graphs import DecodeGraphRunner
+from g4serve.engine.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
 from g4serve.engine.encoder_runner import EncoderCache
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request
@@ -40,7 +40,9 @@ class ModelRunner:
         self.vocab_size = model.cfg.text.vocab_size
         self.decodable_vocab_size = min(decodable_vocab_size or self.vocab_size, self.vocab_size)
         self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
-        self.decode_graphs: DecodeGraphRunner | None = None  # set by the engine when decode steps are graphed
+        # Set by the engine when steps are replayed as CUDA graphs.
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None
         self.num_graph_steps = 0
 
     def _mm_embeds(self, request: Request, start: int, end: int, cache: EncoderCache, base: int,
@@ -86,9 +88,10 @@ class ModelRunner:
         mm_positions: list[int] = []
         keep: list[int] = []
         sampled: list[Request] = []
+        sampled_seqs: list[int] = []  # batch index of each sampled request
         tables: dict[str, list[list[int]]] = {pool: [] for pool in kv.pool_types}
         spans = []
-        for request, n in zip(batch.requests, batch.num_new_tokens):
+        for seq, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, len(token_ids), mm_positions))
             token_ids.extend(request.all_token_ids[start : start + n])
@@ -98,17 +101,24 @@ class ModelRunner:
             if start + n == request.num_tokens:
                 keep.append(len(token_ids) - 1)
                 sampled.append(request)
-        graphs = self.decode_graphs
-        if (graphs is not None and not mm_rows and len(sampled) == len(batch.requests) == len(token_ids)
-                and len(token_ids) <= graphs.max_batch):
+                sampled_seqs.append(seq)
+        computed = [r.num_computed_tokens for r in batch.requests]
+        decode, mixed = self.decode_graphs, self.mixed_graphs
+        if not mm_rows and decode is not None and len(sampled) == len(batch.requests) == len(token_ids) \
+                and len(token_ids) <= decode.max_batch:
             # A pure decode step: one text token per sequence, every one sampled.
-            logits = graphs.run(token_ids, [r.num_computed_tokens for r in batch.requests], tables)
             self.num_graph_steps += 1
+            return StepResult(sampled, self._sample(sampled, decode.run(token_ids, computed, tables)))
+        if not mm_rows and mixed is not None and len(token_ids) <= mixed.max_tokens \
+                and len(batch.requests) <= mixed.max_seqs:
+            logits = mixed.run(token_ids, computed, batch.num_new_tokens, tables)
+            self.num_graph_steps += 1
+            if not sampled:
+                return StepResult([], None)
+            if len(sampled) < len(batch.requests):  # rows of sequences still mid-prompt are dropped
+                logits = logits[torch.tensor(sampled_seqs, device=self.device)]
             return StepResult(sampled, self._sample(sampled, logits))
-        meta = contiguous_metadata(
-            [r.num_computed_tokens for r in batch.requests], batch.num_new_tokens, tables, self.block_size,
-            self.device, spans,
-        )
+        meta = contiguous_metadata(computed, batch.num_new_tokens, tables, self.block_size, self.device, spans)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         mm_embeds = torch.cat(mm_rows) if mm_rows else None
         positions = torch.tensor(mm_positions, dtype=torch.long, device=self.device) if mm_rows else None

@@ -71,6 +71,13 @@ class TritonAttention:
         query_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
         device = meta.positions.device
         plan = _StepPlan()
+        if meta.captured_query_len is not None:
+            # A captured mixed step: the host knows only the bounds, so every sequence takes the varlen
+            # kernel (zero-query padding sequences exit at once).
+            plan.num_prefill = meta.num_seqs
+            plan.prefill_max_query_len = meta.captured_query_len
+            self._plan_meta, self._plan = meta, plan
+            return plan
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         prefill = [i for i, n in enumerate(query_lens) if n > 1]
         if decode and (not prefill or self.split_mixed):

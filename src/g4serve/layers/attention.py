@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Set by CUDA-graph captures, whose CPU lists are placeholders: the longest context the captured
     # step may serve, which fixes each layer's split-KV count for every replay.
     max_decode_len: int | None = None
+    # Set by CUDA-graph captures of mixed (prefill + decode) steps: every sequence goes to the varlen
+    # kernel, whose grid covers this many query tokens per sequence (shorter ones exit early).
+    captured_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -69,8 +69,9 @@ class Gemma4Model(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         mm_embeds: torch.Tensor | None = None,
-        keep_indices: list[int] | None = None,
+        keep_indices: list[int] | torch.Tensor | None = None,
         mm_positions: torch.Tensor | None = None,
+        kept_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """Flat ``input_ids`` [T] -> final hidden states (of ``keep_indices`` if given).
 
@@ -94,7 +95,7 @@ class Gemma4Model(nn.Module):
                     f"{int(is_mm.sum())} multimodal placeholder tokens but {mm_embeds.shape[0]} soft tokens given"
                 )
             embeds = embeds.masked_scatter(is_mm.unsqueeze(-1), mm_embeds.to(embeds.dtype))
-        return lm(embeds, text_ids, meta, backend, keep_indices)
+        return lm(embeds, text_ids, meta, backend, keep_indices, kept_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -249,13 +249,16 @@ class Gemma4TextModel(nn.Module):
         text_ids: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        keep_indices: list[int] | None = None,
+        keep_indices: list[int] | torch.Tensor | None = None,
+        kept_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """Run the decoder. ``keep_indices``: query tokens whose hidden state is needed (sorted).
 
         When given, layers past the last KV producer run only on those tokens (YOCO fast
         prefill): those layers write no K/V, so the other tokens' states are never read again.
         Returns the final-normed hidden states of the kept tokens (all tokens if None).
+        ``kept_meta``: the metadata of the kept queries, precomputed (CUDA-graph captures pass
+        ``keep_indices`` as a device tensor and cannot derive it on the host); else derived here.
         """
         cfg = self.cfg
         h = inputs_embeds
@@ -266,17 +269,17 @@ class Gemma4TextModel(nn.Module):
         sliced = False
         for i, layer in enumerate(self.layers):
             if i == cfg.first_kv_shared_layer and keep_indices is not None and cfg.num_kv_shared_layers:
-                idx = torch.tensor(keep_indices, dtype=torch.long, device=h.device)
+                idx = _as_index(keep_indices, h.device)
                 h = h[idx]
                 ple = ple[idx] if ple is not None else None
                 tables = {t: (c[idx], s[idx]) for t, (c, s) in tables.items()}
-                meta = meta.select_queries(keep_indices)
+                meta = kept_meta if kept_meta is not None else meta.select_queries(keep_indices)
                 sliced = True
             cos, sin = tables[layer.layer_type]
             h = layer(h, ple[:, i] if ple is not None else None, cos, sin, meta, backend)
         h = self.norm(h)
         if keep_indices is not None and not sliced:
-            h = h[torch.tensor(keep_indices, dtype=torch.long, device=h.device)]
+            h = h[_as_index(keep_indices, h.device)]
         return h
 
     def fuse_projections(self) -> None:
@@ -292,3 +295,7 @@ class Gemma4TextModel(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _as_index(rows: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long, device=device)
