@@ -455,9 +455,10 @@ class LLMEngine:
                 request.append_token(token_ids[row], None if logprobs is None else logprobs[row], top, now)
                 self.num_generated_tokens += 1
                 self._extend_block_hashes(request)
+        sampled = set(map(id, result.requests))
         for request in batch.requests:
             self.kv.register_computed_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
-            if request in result.requests:
+            if id(request) in sampled:
                 outputs.append(self.output_of(request))
                 if request.finished:
                     self._finish(request)

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared in batch lists every step
 class Request:
     request_id: str
     prompt_token_ids: list[int]
