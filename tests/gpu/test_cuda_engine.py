@@ -99,3 +99,25 @@ def _run_each(engine: LLMEngine, prompts, params) -> list[list[int]]:
         engine.add_request(engine.make_request(f"g{i}", engine.process_prompt(p), sp))
     done = engine.run_until_finished()
     return [done[f"g{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def test_vision_graphs_match_eager_encoder(hf_checkpoint):
+    """The captured vision-encoder graph (first sight of a shape, then replays with new pixels) gives the
+    eager encoder's soft tokens, fp32."""
+    import numpy as np
+
+    engine = LLMEngine(EngineConfig(model=str(hf_checkpoint("e")), device="cuda", dtype="float32",
+                                    kv_cache_bytes=64 << 20, max_num_batched_tokens=256))
+    assert engine.encoder.vision_graphs is not None
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]
+        item = engine.process_prompt({"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}).mm_items[0]
+        pixels = item.data["pixel_values"].to("cuda")
+        positions = item.data["position_ids"].to("cuda")
+        with torch.inference_mode():
+            got = engine.encoder.encode_images(pixels, positions)
+            want = engine.model.encode_images(pixels, positions)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -95,6 +95,17 @@ def test_batch_invariance(batch):
 
 
 @torch.no_grad()
+def test_fixed_shape_variant_keeps_the_same_tokens(batch):
+    """``forward_padded`` (what the encoder CUDA graphs capture) holds ``forward``'s tokens at its used cells."""
+    _, ours = _models("sdpa", standardize=True, use_clipped_linears=True)
+    pixels, positions = batch["pixel_values"], batch["image_position_ids"]
+    padded, used = ours.forward_padded(pixels, positions)
+    assert padded.shape[:2] == used.shape == (pixels.shape[0], pixels.shape[1] // 9)
+    assert used.sum(-1).tolist() == batch["num_soft_tokens_per_image"].tolist()
+    torch.testing.assert_close(padded[used], ours(pixels, positions), atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
 def test_state_dict_names_and_meta_build(batch):
     hf, ours = _models("sdpa", standardize=True, use_clipped_linears=True)
     assert set(ours.state_dict()) == set(hf.state_dict())

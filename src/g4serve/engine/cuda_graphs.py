@@ -285,3 +285,46 @@ class MixedGraphRunner(_GraphRunner):
         self._query_start.copy_(self._int_staged[m : m + s + 1])
         self._seq_lens.copy_(self._int_staged[m + s + 1 : m + 2 * s + 1])
         return self._replay(n)[:b]
+
+
+class VisionGraphRunner:
+    """The vision tower and projection as CUDA graphs, one per input shape (frames x patches), captured
+    the first time a shape is seen and kept for up to ``max_graphs`` shapes (video at a fixed resolution
+    and frame count always has the same shape). The kept soft tokens are selected after the replay."""
+
+    def __init__(self, model: Gemma4Model, device: torch.device, max_graphs: int = 8):
+        self.model = model
+        self.device = device
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Same result as ``Gemma4Model.encode_images``: per input, its soft tokens [n_i, text_hidden]."""
+        key = (tuple(pixel_values.shape), pixel_values.dtype)
+        entry = self._graphs.get(key)
+        if entry is None and len(self._graphs) < self.max_graphs:
+            entry = self._capture(key, pixel_values, position_ids)
+        if entry is None:
+            tokens, used = self.model.encode_images_padded(pixel_values, position_ids)
+        else:
+            graph, pixels, positions, (tokens, used) = entry
+            pixels.copy_(pixel_values)
+            positions.copy_(position_ids)
+            graph.replay()
+        counts = used.sum(dim=-1).tolist()
+        return list(torch.split(tokens[used], counts))
+
+    def _capture(self, key: tuple, pixel_values: torch.Tensor, position_ids: torch.Tensor):
+        t0 = time.monotonic()
+        pixels, positions = pixel_values.clone(), position_ids.clone()
+        for _ in range(2):
+            self.model.encode_images_padded(pixels, positions)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = self.model.encode_images_padded(pixels, positions)
+        self._graphs[key] = entry = (graph, pixels, positions, outputs)
+        log.info("captured a vision-encoder CUDA graph for input %s in %.2fs", key[0], time.monotonic() - t0)
+        return entry

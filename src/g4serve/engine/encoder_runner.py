@@ -82,6 +82,13 @@ class EncoderRunner:
         self.device = next(model.parameters()).device
         self.dtype = model.language_model.embed_tokens.weight.dtype
         self.calls: list[EncoderCall] = []
+        self.vision_graphs = None  # a VisionGraphRunner when the engine replays encoder CUDA graphs
+
+    def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Images / frames [B, N, 3*p*p] on the device -> per input soft tokens (graph replay when captured)."""
+        if self.vision_graphs is not None:
+            return self.vision_graphs.encode(pixels, positions)
+        return self.model.encode_images(pixels, positions)
 
     @torch.inference_mode()
     def run(self, items: list[MultimodalItem]) -> float:
@@ -113,7 +120,7 @@ class EncoderRunner:
         t0 = time.perf_counter()
         pixels = torch.cat([it.data["pixel_values"] for it in items]).to(self.device, self.dtype, non_blocking=True)
         positions = torch.cat([it.data["position_ids"] for it in items]).to(self.device, non_blocking=True)
-        per_input = self.model.encode_images(pixels, positions)
+        per_input = self.encode_images(pixels, positions)
         cursor = 0
         for item in items:
             frames = item.data["pixel_values"].shape[0]

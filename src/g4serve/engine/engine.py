@@ -19,6 +19,7 @@ from g4serve.config import FULL, PRESETS, SLIDING
 from g4serve.engine.cuda_graphs import (
     DecodeGraphRunner,
     MixedGraphRunner,
+    VisionGraphRunner,
     batch_sizes_up_to,
     token_buckets_up_to,
 )
@@ -158,6 +159,8 @@ class LLMEngine:
             pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
             self.runner.mixed_graphs.capture(pool)
             self.runner.decode_graphs.capture(pool)
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.model.vision_tower is not None:
+            self.encoder.vision_graphs = VisionGraphRunner(self.model, self.device)
         if self.device.type == "cuda":
             self.warmup()
         self.started = time.monotonic()

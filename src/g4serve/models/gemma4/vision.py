@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from g4serve.config import VisionConfig
-from g4serve.layers.activation import ACTIVATIONS
 from g4serve.layers.attention import dense_attention
+from g4serve.layers.fused import act_mul, add_rms_norm
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.rotary import apply_axial_rope, vision_cos_sin, vision_inv_freq
 from g4serve.models.gemma4.multimodal import ClippableLinear
@@ -74,10 +74,10 @@ class VisionMLP(nn.Module):
         self.gate_proj = ClippableLinear(cfg.hidden_size, cfg.intermediate_size, clip)
         self.up_proj = ClippableLinear(cfg.hidden_size, cfg.intermediate_size, clip)
         self.down_proj = ClippableLinear(cfg.intermediate_size, cfg.hidden_size, clip)
-        self.act_fn = ACTIVATIONS[cfg.hidden_activation]
+        self.activation = cfg.hidden_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
 
 
 class VisionEncoderLayer(nn.Module):
@@ -95,8 +95,10 @@ class VisionEncoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor
     ) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attend))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        # h = h + post_attention_layernorm(attn); x = pre_feedforward_layernorm(h); h = h + post_ff_norm(mlp(x))
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, attend)
+        h, x = add_rms_norm(attn, self.post_attention_layernorm, residual=h, next_norm=self.pre_feedforward_layernorm)
+        return add_rms_norm(self.mlp(x), self.post_feedforward_layernorm, residual=h)[0]
 
 
 class VisionEncoder(nn.Module):
@@ -151,14 +153,27 @@ class Gemma4VisionModel(nn.Module):
     def forward(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor) -> torch.Tensor:
         """Patches [B, N, 3*p*p] with (x, y) positions [B, N, 2] ((-1, -1) = padding)
         -> soft tokens [total_soft_tokens, hidden], images in batch order, padding removed."""
+        h, is_used = self._pooled(pixel_values, pixel_position_ids)
+        return self._finish(h[is_used]).to(h.dtype)
+
+    def forward_padded(self, pixel_values: torch.Tensor,
+                       pixel_position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fixed-shape variant (CUDA graphs): soft tokens for every pooling cell [B, L, hidden] and which
+        cells hold one [B, L]; ``forward`` equals ``out[is_used]``."""
+        h, is_used = self._pooled(pixel_values, pixel_position_ids)
+        return self._finish(h).to(h.dtype), is_used
+
+    def _pooled(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor):
         k = self.cfg.pooling_kernel_size
         is_pad = (pixel_position_ids == -1).all(dim=-1)
         h = self.patch_embedder(pixel_values, pixel_position_ids, is_pad)
         h = self.encoder(h, pixel_position_ids, ~is_pad)
         h = h.masked_fill(is_pad.unsqueeze(-1), 0.0)
-        pooled, is_used = avg_pool_by_position(h, pixel_position_ids, k, pixel_values.shape[1] // k**2)
+        return avg_pool_by_position(h, pixel_position_ids, k, pixel_values.shape[1] // k**2)
+
+    def _finish(self, pooled: torch.Tensor) -> torch.Tensor:
         # The sqrt(hidden) scale can overflow fp16, and std_bias cancels large values: both stay in fp32.
-        out = pooled[is_used].float() * self.cfg.hidden_size**0.5
+        out = pooled.float() * self.cfg.hidden_size**0.5
         if self.cfg.standardize:
             out = (out - self.std_bias.float()) * self.std_scale.float()
-        return out.to(h.dtype)
+        return out
