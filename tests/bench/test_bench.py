@@ -18,8 +18,8 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from g4serve.bench import cli, loadgen, report
-from g4serve.bench.workloads import WORKLOADS, make_workload
+from g4serve.bench import cli, loadgen, report  # noqa: E402 - after the importorskips
+from g4serve.bench.workloads import WORKLOADS, make_workload  # noqa: E402
 
 REQUIRED_POINT_FIELDS = (
     "requests_completed", "errors", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "itl_p50_s", "itl_p95_s",
@@ -146,6 +146,41 @@ def test_offline_mode(tiny_model_dir, tmp_path):
     assert (tmp_path / "itl_p50.png").exists()
 
 
+def test_extraction_grid(server, tmp_path):
+    """`bench grid`: 2 prompt sizes x 2 output lengths x schema off/on, 2 requests per cell, files and order."""
+    pytest.importorskip("g4serve.structured")
+    pytest.importorskip("xgrammar")
+    rc = cli.main(["bench", "grid", "--prompt-tokens", "320,400", "--output-tokens", "4,160", "--requests-per-cell",
+                   "2", "--concurrency", "2", "--warmup", "1", "--base-url", server.base_url, "--label", "tiny-grid",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "grid.json").read_text())
+    meta, cells = result["meta"], result["cells"]
+    for name in REQUIRED_META_FIELDS:
+        assert meta.get(name), name
+    assert meta["grid"]["requests_per_cell"] == 2 and meta["workload"]["calibration"]["measured"]
+    assert [(c["prompt_tokens_target"], c["max_tokens"], c["schema"]) for c in cells] == [
+        (p, o, s) for p in (320, 400) for o in (4, 160) for s in (False, True)]
+    for cell in cells:
+        for name in REQUIRED_POINT_FIELDS:
+            assert cell.get(name) is not None, (name, cell)
+        assert cell["errors"] == 0 and cell["requests_completed"] == cell["requests_sent"] == 2
+        assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] and 0 < cell["e2e_p50_s"] <= cell["e2e_p95_s"]
+        assert abs(cell["mean_prompt_tokens"] / cell["prompt_tokens_target"] - 1) < 0.15
+        if not cell["schema"]:
+            assert cell["schema_valid_fraction"] is None and cell["mean_output_tokens"] == cell["max_tokens"]
+        elif cell["max_tokens"] == 4:
+            assert cell["schema_valid_fraction"] == 0.0  # cut before the object closed
+        else:
+            assert cell["schema_valid_fraction"] == 1.0 and cell["mean_output_tokens"] < 160
+    small = [c for c in cells if c["max_tokens"] == 4 and not c["schema"]]
+    assert small[0]["e2e_p50_s"] < [c for c in cells if c["max_tokens"] == 160 and not c["schema"]][0]["e2e_p50_s"]
+    table = (tmp_path / "grid.md").read_text()
+    assert "| 400 | 160 | on | 2/2 | 0 |" in table and "100%" in table
+    for name in ("e2e_p95.png", "ttft_p95.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
 # ---- workloads ----------------------------------------------------------------------------------------------------
 def _post(server, body: dict) -> dict:
     resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
@@ -230,6 +265,11 @@ def test_parser_registers_bench_and_compare():
                               "--api-key", "k", "--label", "L", "--audio-seconds", "2,4"])
     assert args.func is cli.run_bench_command and args.command == "bench"
     assert args.rates == [1.0, 2.5] and args.arrival == "poisson" and args.audio_seconds == (2.0, 4.0)
+    assert parser.parse_args(["bench", "--extra-body", '{"a": [1]}']).extra_body == {"a": [1]}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--extra-body", "[1]"])
+    args = parser.parse_args(["bench", "grid", "--prompt-tokens", "128,512", "--output-tokens", "16", "--out", "d"])
+    assert args.func.__name__ == "run_grid_command" and args.prompt_tokens == [128, 512] and args.schema == "both"
     args = parser.parse_args(["bench", "compare", "a.json", "b.json", "--out", "d", "--labels", "x,y"])
     assert args.func is cli.compare_command and args.files == ["a.json", "b.json"]
     with pytest.raises(SystemExit):
@@ -317,6 +357,39 @@ def test_fake_peer_without_metrics_or_usage():
     assert metrics is None
     assert ok.ok and ok.text == "Hello world" and len(ok.chunk_times_s) == 2 and ok.output_tokens == 2
     assert not bad.ok and "HTTP 400" in bad.error
+
+
+def test_stream_without_done_ends_at_finish_reason():
+    """transformers serve sends no [DONE]: a stream whose last chunk carries finish_reason is complete; one that
+    just stops is not. --extra-body fields reach every request body."""
+    from g4serve.bench.workloads import request_bytes
+
+    finished = [{"choices": [{"delta": {"content": "a"}}]},
+                {"choices": [{"delta": {}, "finish_reason": "length"}], "usage": {"completion_tokens": 1}}]
+    streams = {"/done-less": finished, "/cut": finished[:1]}
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in streams[request.url.path])
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    async def run():
+        client = loadgen.make_http_client("httpx")
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        body = request_bytes(make_workload("text").request("t", 0), "m", ignore_eos=False, temperature=0.0,
+                             extra_body={"generation_config": '{"min_new_tokens": 9}', "max_tokens": 3})
+        try:
+            return [await loadgen.stream_chat(client, f"http://peer{path}", body, 0, 0.0, None) for path in streams]
+        finally:
+            await client.aclose()
+
+    done_less, cut = asyncio.run(run())
+    assert done_less.ok and done_less.output_tokens == 1 and done_less.text == "a"
+    assert not cut.ok and "without [DONE]" in cut.error
+    assert bodies[0]["generation_config"] == '{"min_new_tokens": 9}' and bodies[0]["max_tokens"] == 3
+    assert "ignore_eos" not in bodies[0]
 
 
 def test_drain_deadline_counts_slow_requests_as_errors():

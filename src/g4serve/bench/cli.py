@@ -57,6 +57,16 @@ def _seconds_range(text: str) -> tuple[float, float]:
     return (values[0], values[-1])
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=list(WORKLOADS), default=None, help="what to send (required to run)")
@@ -88,27 +98,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=2, help="requests sent (and excluded) before the sweep (default 2)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds to wait for in-flight requests after a point's sending ends (default 60)")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="per-request HTTP timeout (default 600)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (for peers that reject it; output lengths then vary)")
-    g.add_argument("--skip-special-tokens", action="store_true",
-                   help="with ignore_eos, leave skip_special_tokens at the server's default (true): special tokens "
-                        "generated past the natural end then stream no chunk (default: send false)")
+    add_request_arguments(g)
 
     g = p.add_argument_group("target")
-    g.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start a g4serve)")
-    g.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--serve-args", default="",
-                   help="flags for the g4serve this run starts (or for the engine with --offline), as for "
-                        "`g4serve serve`, e.g. \"--preset e4b --max-num-seqs 128\"")
-    g.add_argument("--in-process-server", action="store_true",
-                   help="run the own server on uvicorn in a thread of this process (starts faster, but it shares "
-                        "the GIL with the load generator, which skews latencies; default: a `g4serve serve` "
-                        "subprocess)")
+    add_target_arguments(g)
     g.add_argument("--offline", action="store_true", help="drive LLMEngine directly (no HTTP), closed loop")
-    g.add_argument("--http-client", choices=["auto", "aiohttp", "httpx"], default="auto")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for results.json, results.md and the plots")
@@ -117,21 +111,54 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plots", dest="plots", action="store_false")
 
 
+def add_request_arguments(g) -> None:
+    """How each request is sent (shared by ``bench`` and ``bench grid``)."""
+    g.add_argument("--request-timeout", type=float, default=600.0, help="per-request HTTP timeout (default 600)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (for peers that reject it; output lengths then vary)")
+    g.add_argument("--skip-special-tokens", action="store_true",
+                   help="with ignore_eos, leave skip_special_tokens at the server's default (true): special tokens "
+                        "generated past the natural end then stream no chunk (default: send false)")
+
+
+def add_target_arguments(g) -> None:
+    """Which server receives the requests (shared by ``bench`` and ``bench grid``)."""
+    g.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start a g4serve)")
+    g.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--extra-body", type=_json_object, default=None,
+                   help="a JSON object whose fields are added to every request body (a peer's own extensions, "
+                        "e.g. transformers serve's generation_config)")
+    g.add_argument("--serve-args", default="",
+                   help="flags for the g4serve this run starts (or for the engine with --offline), as for "
+                        "`g4serve serve`, e.g. \"--preset e4b --max-num-seqs 128\"")
+    g.add_argument("--in-process-server", action="store_true",
+                   help="run the own server on uvicorn in a thread of this process (starts faster, but it shares "
+                        "the GIL with the load generator, which skews latencies; default: a `g4serve serve` "
+                        "subprocess)")
+    g.add_argument("--http-client", choices=["auto", "aiohttp", "httpx"], default="auto")
+
+
 def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
-    """Register ``bench`` (and its ``compare`` sub-mode) on the ``g4serve`` subparsers."""
+    """Register ``bench`` (and its ``compare`` and ``grid`` sub-modes) on the ``g4serve`` subparsers."""
     p = subparsers.add_parser(
         "bench", help="benchmark a server (or the engine) under load; `bench compare` sets results side by side",
         description="Run a load sweep against g4serve or any OpenAI-compatible server. "
-                    "`g4serve bench compare A.json B.json --out DIR` compares results files.")
+                    "`g4serve bench compare A.json B.json --out DIR` compares results files; `g4serve bench grid` "
+                    "runs the extraction workload over prompt sizes x output lengths x schema on/off.")
     add_run_arguments(p)
     p.set_defaults(func=run_bench_command)
-    sub = p.add_subparsers(dest="bench_mode", metavar="{compare}")
+    sub = p.add_subparsers(dest="bench_mode", metavar="{compare,grid}")
     c = sub.add_parser("compare", help="plots and a markdown table of several results.json, with ratios to the first")
     c.add_argument("files", nargs="+", help="results.json files (the first is the baseline)")
     c.add_argument("--out", required=True, help="directory for compare.md and the plots")
     c.add_argument("--labels", default=None, help="comma-separated names, one per file (default: their --label)")
     c.add_argument("--no-plots", dest="plots", action="store_false")
     c.set_defaults(func=compare_command)
+    from g4serve.bench.grid import add_grid_arguments
+
+    add_grid_arguments(sub)
     return p
 
 
@@ -174,6 +201,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--offline runs at fixed concurrency: use --concurrency")
     if args.offline and args.base_url:
         raise ValueError("--offline drives the engine in this process; it takes no --base-url")
+    if args.offline and args.extra_body:
+        raise ValueError("--extra-body adds fields to HTTP request bodies; --offline sends none")
     if args.num_requests is not None and args.num_requests <= 0:
         raise ValueError("--num-requests: must be positive")
     if args.duration is not None and args.duration <= 0:
@@ -227,11 +256,14 @@ def _point_load(args: argparse.Namespace, value: float, mode: str) -> dict[str, 
     return {"mode": "concurrency", "concurrency": int(value)}
 
 
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def _progress(point: dict[str, Any]) -> None:
     x = point.get("rate_qps", point.get("concurrency"))
-    ms = (lambda v: "–" if v is None else f"{v * 1e3:.1f}")
     print(f"[bench] {point['mode']}={x}: {point['requests_completed']}/{point['requests_sent']} ok, "
-          f"{point['errors']} errors, TTFT p50 {ms(point['ttft_p50_s'])} ms, ITL p50 {ms(point['itl_p50_s'])} ms, "
+          f"{point['errors']} errors, TTFT p50 {_ms(point['ttft_p50_s'])} ms, ITL p50 {_ms(point['itl_p50_s'])} ms, "
           f"{point['output_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
 
 
@@ -246,7 +278,8 @@ def _meta(args: argparse.Namespace, workload: Workload, *, model: str | None, ta
                  "duration_s": args.duration, "num_requests": args.num_requests, "warmup": args.warmup,
                  "warmup_errors": warmup_errors, "drain_timeout_s": args.drain_timeout,
                  "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                 "skip_special_tokens": args.skip_special_tokens or not args.ignore_eos, "http_client": http_client},
+                 "skip_special_tokens": args.skip_special_tokens or not args.ignore_eos,
+                 "extra_body": getattr(args, "extra_body", None), "http_client": http_client},
         "serve_args": args.serve_args or None,
         "git_commit": git_commit(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -254,8 +287,14 @@ def _meta(args: argparse.Namespace, workload: Workload, *, model: str | None, ta
         "torch_version": _torch_version(),
         "python_version": platform.python_version(),
         "host": platform.node(),
-        "command": getattr(args, "command_line", None) or shlex.join(sys.argv),
+        "command": command_line(args),
     }
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed: ``g4serve bench ...`` whether run as ``g4serve``, ``python -m g4serve.cli`` or
+    ``python -m g4serve.bench.cli``."""
+    return getattr(args, "command_line", None) or shlex.join(["g4serve", *sys.argv[1:]])
 
 
 # ---- online -----------------------------------------------------------------------------------------------------
@@ -281,13 +320,15 @@ async def _sweep(args: argparse.Namespace, workload: Workload, base_url: str, lo
     try:
         model = args.model or await _served_model(client, base_url)
         if workload.target_prompt_tokens is not None and args.calibrate:
-            counts = [await _count_prompt_tokens(client, chat_url, r, model) for r in workload.calibration_probes()]
+            counts = [await _count_prompt_tokens(client, chat_url, r, model, args.extra_body)
+                      for r in workload.calibration_probes()]
             workload.set_calibration(counts)
 
         def builder(namespace: str):
             return lambda i: request_bytes(workload.request(namespace, i), model, ignore_eos=args.ignore_eos,
                                            temperature=args.temperature,
-                                           show_special_tokens=not args.skip_special_tokens)
+                                           show_special_tokens=not args.skip_special_tokens,
+                                           extra_body=args.extra_body)
 
         warmup_errors = 0
         if args.warmup:
@@ -337,9 +378,10 @@ async def _served_model(client, base_url: str) -> str | None:
     return data[0]["id"] if data else None
 
 
-async def _count_prompt_tokens(client, chat_url: str, request, model: str | None) -> int:
+async def _count_prompt_tokens(client, chat_url: str, request, model: str | None,
+                               extra_body: dict[str, Any] | None = None) -> int:
     """The server's ``usage.prompt_tokens`` for a request (a 1-token, non-streamed probe without schema)."""
-    body = request.body(model, ignore_eos=False, stream=False)
+    body = {**request.body(model, ignore_eos=False, stream=False), **(extra_body or {})}
     body.pop("response_format", None)
     body["max_tokens"] = 1
     status, text = await client.post(chat_url, json.dumps(body).encode())
@@ -499,7 +541,10 @@ class SubprocessServer:
 
 # ---- meta -------------------------------------------------------------------------------------------------------------
 def git_commit() -> str | None:
-    """HEAD of the g4serve checkout (``+dirty`` with local changes); $G4SERVE_GIT_COMMIT where there is no git."""
+    """$G4SERVE_GIT_COMMIT when set (a copy of the tree whose .git is missing or stale, as on the device
+    machine), else HEAD of the g4serve checkout (``+dirty`` with local changes)."""
+    if os.environ.get("G4SERVE_GIT_COMMIT"):
+        return os.environ["G4SERVE_GIT_COMMIT"]
     root = Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -508,7 +553,7 @@ def git_commit() -> str | None:
                                capture_output=True, text=True, timeout=10, check=False).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("G4SERVE_GIT_COMMIT")
+        return None
 
 
 def device_name(device: str | None = None) -> str:

@@ -171,13 +171,17 @@ def make_http_client(kind: str = "auto", api_key: str | None = None, timeout_s: 
 # ---- one streamed request --------------------------------------------------------------------------------
 async def stream_chat(client, url: str, body: bytes, index: int, t0: float,
                       scheduled_s: float | None) -> RequestResult:
-    """Send one streaming chat request now; time the chunks that carry content and read ``usage``."""
+    """Send one streaming chat request now; time the chunks that carry content and read ``usage``.
+
+    The stream ends at ``data: [DONE]``, or at the end of the response after a chunk with ``finish_reason``
+    for servers that send no ``[DONE]`` (transformers serve)."""
     start = time.perf_counter()
     result = RequestResult(index=index, scheduled_s=scheduled_s, sent_s=start - t0)
     first_s: float | None = None
     chunks: list[float] = []
     text: list[str] = []
     done = False
+    finished = False  # a choice carried finish_reason: servers that send no [DONE] (transformers serve) end here
     try:
         async for line in client.stream_lines(url, body):
             if not line.startswith("data:"):
@@ -202,13 +206,14 @@ async def stream_chat(client, url: str, body: bytes, index: int, t0: float,
                     text.append(piece)
                 if first_s is None and (piece or choice.get("finish_reason")):
                     first_s = now
+                finished = finished or bool(choice.get("finish_reason"))
             if carried:
                 chunks.append(now)
             usage = event.get("usage")
             if usage:
                 result.prompt_tokens = usage.get("prompt_tokens")
                 result.output_tokens = usage.get("completion_tokens")
-        if result.error is None and not done:
+        if result.error is None and not (done or finished):
             result.error = "stream ended without [DONE]"
     except asyncio.CancelledError:
         result.error = "in flight at the drain deadline (cancelled)"

@@ -473,7 +473,10 @@ def make_workload(name: str, *, seed: int = 0, prompt_tokens: int | None = None,
 
 
 def request_bytes(request: BenchRequest, model: str | None, *, ignore_eos: bool, temperature: float,
-                  show_special_tokens: bool = True) -> bytes:
-    """The request's streamed body as compact JSON bytes (encoded once, off the send path)."""
+                  show_special_tokens: bool = True, extra_body: dict[str, Any] | None = None) -> bytes:
+    """The request's streamed body as compact JSON bytes (encoded once, off the send path); ``extra_body``'s
+    fields are added to (or replace) the body's top-level fields."""
     body = request.body(model, ignore_eos=ignore_eos, temperature=temperature, show_special_tokens=show_special_tokens)
+    if extra_body:
+        body.update(extra_body)
     return json.dumps(body, separators=(",", ":")).encode()
