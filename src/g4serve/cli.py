@@ -1,4 +1,4 @@
-"""Command line: ``g4serve serve | bench | generate | make-tiny`` (assistant joins when it lands)."""
+"""Command line: ``g4serve serve | assistant | bench | generate | make-tiny``."""
 
 from __future__ import annotations
 
@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(p)
     p.set_defaults(func=serve)
+
+    p = sub.add_parser("assistant", help="serve the voice banking assistant (HTTP, WebSocket, web page)")
+    from g4serve.assistant.cli import add_assistant_arguments
+
+    add_assistant_arguments(p)
 
     from g4serve.bench.cli import add_bench_arguments
 

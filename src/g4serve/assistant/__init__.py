@@ -1,0 +1,1 @@
+"""Voice banking assistant: audio front end, deterministic text core and app."""

@@ -1,0 +1,505 @@
+"""One assistant turn, stage by stage: audio -> VAD -> ASR -> normalize -> payee lookup -> intent -> (Gemma
+extraction only when the fast path is unsure) -> policy, with a timestamp and duration for every stage."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime as dt
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from g4serve.assistant.audio import SAMPLE_RATE, decode_wav
+from g4serve.assistant.db import BankDB
+from g4serve.assistant.intents import IntentClassifier
+from g4serve.assistant.metrics import AssistantMetrics
+from g4serve.assistant.normalize import normalize
+from g4serve.assistant.payees import PayeeIndex
+from g4serve.assistant.policy import Policy, SessionStore
+from g4serve.assistant.qna import KnowledgeIndex, extractive_answer
+
+NOT_HEARD_REPLY = "Sorry, I didn't catch that. Could you say it again?"
+# Chunk size when a whole recording is fed to the streaming recogniser: small enough that the first
+# partial comes early (its time is a reported stage), large enough that per-call overhead stays small.
+_ASR_CHUNK_S = 0.25
+
+
+class StageClock:
+    """Durations (``stages``, ms) and timestamps (``timeline``, ms since the turn began) of one turn."""
+
+    def __init__(self, t0: float | None = None):
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.stages: dict[str, float] = {}
+        self.timeline: dict[str, float] = {}
+
+    def mark(self, name: str, at: float | None = None) -> float:
+        at = time.perf_counter() if at is None else at
+        self.timeline[name] = round((at - self.t0) * 1000, 3)
+        return at
+
+    def add(self, name: str, ms: float) -> None:
+        self.stages[name] = round(self.stages.get(name, 0.0) + ms, 3)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.add(name, (end - start) * 1000)
+            self.mark(name, end)
+
+
+@dataclass
+class Heard:
+    """What the audio front end produced for one utterance."""
+
+    text: str
+    confidence: float | None = None
+    recognizer: str = ""
+    audio_s: float = 0.0
+    partials: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TurnResult:
+    session_id: str
+    intent: str
+    confidence: float
+    entities: dict[str, Any]
+    candidates: list[dict[str, Any]]
+    needs_confirmation: bool
+    executed: bool
+    path: str  # 'fast' | 'gemma'
+    reply: str
+    needs_llm: bool = False  # the fast path was unsure (without a model, the policy asked instead)
+    transcript: str | None = None
+    normalized: str | None = None
+    refused: str | None = None
+    action: dict[str, Any] | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    timeline: dict[str, float] = field(default_factory=dict)
+    asr: dict[str, Any] | None = None
+    llm: dict[str, Any] | None = None
+    documents: list[str] | None = None  # knowledge-base ids behind a qna reply
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))
+
+
+class _TimedIndex:
+    """A PayeeIndex that adds the time spent in its searches to the turn's ``lookup`` stage.
+
+    The classifier runs the lookup inside ``classify``; timing through this proxy reports lookup and
+    intent separately without looking up twice."""
+
+    def __init__(self, index: PayeeIndex):
+        self._index = index
+        self.spent_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._index, name)
+        if name not in ("search", "find_in_utterance") or not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.spent_s += time.perf_counter() - start
+
+        return timed
+
+
+class Assistant:
+    """The banking assistant: deterministic core, audio front end and optional Gemma, behind ``turn``.
+
+    Money never moves here: ``Policy`` decides, and it executes a transfer only on a confirmation turn.
+    Database work happens on the caller's (event-loop) thread; audio decoding, VAD and ASR, which take
+    tens to hundreds of ms, run on one audio thread (``in_audio_thread``) and touch no database.
+    """
+
+    def __init__(self, db: BankDB, engine=None, *, recognizer: Any = "pocketsphinx", limits_minor: dict | None = None,
+                 intent_threshold: float = 0.75, extraction_max_tokens: int | None = 96,
+                 metrics: AssistantMetrics | None = None, vad_min_silence_ms: int = 500):
+        self.db = db
+        self.engine = engine
+        self.metrics = metrics or AssistantMetrics()
+        self.sessions = SessionStore()
+        self.policy = Policy(db, limits_minor=limits_minor)
+        self.intent_threshold = intent_threshold
+        self.knowledge = KnowledgeIndex()
+        self.vad_min_silence_ms = vad_min_silence_ms
+        self._recognizer_spec = recognizer
+        self._recognizer: Any = None
+        self._vocab_version: int | None = None
+        self._index_version: int | None = None
+        self._session_locks: dict[str, list] = {}
+        # All audio work (decoding, VAD, ASR) runs on this one thread. Why one: torch calls from several
+        # threads each start their own OpenMP team, whose spinning workers starve one another on a small
+        # CPU (measured: streaming VAD went from ~0.1 s to 2-4 s per utterance once two threads used it).
+        self._audio_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="g4-assistant-audio")
+        self.extractor = None
+        if engine is not None:
+            from g4serve.assistant.extraction import Extractor
+
+            self.extractor = Extractor(engine, max_tokens=extraction_max_tokens)
+        self._refresh_index()
+
+    # ---- components that follow the database -------------------------------------------------------
+    def _refresh_index(self) -> None:
+        if self._index_version == self.db.version:
+            return
+        self._timed_index = _TimedIndex(PayeeIndex(self.db))
+        self.classifier = IntentClassifier(self._timed_index, threshold=self.intent_threshold)
+        self._index_version = self.db.version
+
+    @property
+    def recognizer(self) -> Any:
+        """The speech recogniser, its vocabulary rebuilt from the payees whenever the database changed."""
+        from g4serve.assistant.asr import make_recognizer
+        from g4serve.assistant.vocabulary import DomainVocabulary
+
+        version = self.db.version
+        if self._recognizer is None or self._vocab_version != version:
+            payees = self.db.payees()
+            vocab = DomainVocabulary.build([p.display_name for p in payees], version=version,
+                                           aliases=[a for p in payees for a in getattr(p, "aliases", ())])
+            if self._recognizer is None:
+                spec = self._recognizer_spec
+                self._recognizer = make_recognizer(spec, vocab) if isinstance(spec, str) else spec
+                if not isinstance(spec, str):
+                    self._recognizer.update_vocabulary(vocab)
+            else:
+                self._recognizer.update_vocabulary(vocab)
+            self._vocab_version = version
+        return self._recognizer
+
+    def vad(self):
+        from g4serve.assistant.vad import VoiceActivityDetector
+
+        return VoiceActivityDetector(min_silence_ms=self.vad_min_silence_ms)
+
+    async def in_audio_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the assistant's audio thread (see ``__init__`` for why there is one)."""
+        return await asyncio.get_running_loop().run_in_executor(self._audio_thread, fn, *args)
+
+    def close(self) -> None:
+        self._audio_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def warmup(self) -> None:
+        """Load the VAD and ASR models and compile the extraction grammars before the first user turn."""
+        recognizer = self.recognizer  # builds the vocabulary on this thread (it reads the database)
+        silence = np.zeros(SAMPLE_RATE // 2, dtype=np.float32)
+        await self.in_audio_thread(lambda: (self.vad().trim(silence), recognizer.transcribe(silence)))
+        if self.extractor is not None:
+            await self.extractor.warmup()
+
+    # ---- audio front end (worker thread) ---------------------------------------------------------------
+    def hear(self, audio: bytes | np.ndarray, clock: StageClock, recognizer: Any) -> Heard:
+        """Whole recording -> transcript: decode (bytes: WAV), trim with VAD, stream through the recogniser.
+
+        Raises AudioError for audio that cannot be decoded; returns empty text when there is no speech."""
+        clock.mark("audio_received", clock.t0)
+        if isinstance(audio, (bytes, bytearray, memoryview)):
+            with clock.stage("decode"):
+                samples = decode_wav(bytes(audio))
+        else:
+            samples = np.asarray(audio, dtype=np.float32).reshape(-1)
+        with clock.stage("vad"):
+            speech = self.vad().trim(samples) if samples.size else None
+        clock.mark("vad_end")
+        if speech is None or speech.size == 0:
+            return Heard(text="", audio_s=samples.size / SAMPLE_RATE)
+        stream = recognizer.stream()
+        start = time.perf_counter()
+        step = int(_ASR_CHUNK_S * SAMPLE_RATE)
+        for i in range(0, speech.size, step):
+            if stream.feed(speech[i : i + step]) is not None and "asr_partial" not in clock.stages:
+                clock.add("asr_partial", (time.perf_counter() - start) * 1000)
+                clock.mark("asr_partial")
+        transcript = stream.finish()
+        clock.add("asr_final", (time.perf_counter() - start) * 1000)
+        clock.mark("asr_final")
+        return Heard(text=transcript.text, confidence=transcript.confidence, recognizer=transcript.recognizer,
+                     audio_s=samples.size / SAMPLE_RATE, partials=list(transcript.partials))
+
+    def listen(self) -> Utterance:
+        """A streaming utterance (for the WebSocket): feed PCM chunks, get VAD/partial events."""
+        return Utterance(self.vad(), self.recognizer)
+
+    # ---- a turn ---------------------------------------------------------------------------------------------
+    async def turn(self, session_id: str, text: str | None = None, audio: bytes | np.ndarray | None = None,
+                   clock: StageClock | None = None) -> TurnResult:
+        """One turn from text or audio (WAV bytes or float32 16 kHz samples).
+
+        ``clock``: the caller's, when the turn began before this call (the server decoding base64 audio)."""
+        if (text is None) == (audio is None):
+            raise ValueError("give exactly one of text and audio")
+        clock = clock or StageClock()
+        heard = None
+        if audio is not None:
+            recognizer = self.recognizer  # vocabulary refresh reads the database: on this thread
+            heard = await self.in_audio_thread(self.hear, audio, clock, recognizer)
+            text = heard.text
+        return await self.decide(session_id, text or "", clock, heard)
+
+    async def decide(self, session_id: str, text: str, clock: StageClock, heard: Heard | None = None) -> TurnResult:
+        """Text (typed or transcribed) -> decision; serialized per session so a confirmation cannot race."""
+        entry = self._session_locks.setdefault(session_id, [asyncio.Lock(), 0])  # [lock, turns using it]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                result = await self._decide(session_id, text, clock, heard)
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:  # nobody holds or waits for it: do not keep one lock per session ever seen
+                del self._session_locks[session_id]
+        end = clock.mark("response_sent")
+        result.stages["total"] = round((end - clock.t0) * 1000, 3)
+        if "vad_end" in clock.timeline:
+            # What a speaker waits for: from the end of their speech to the answer.
+            result.stages["after_vad_end"] = round(clock.timeline["response_sent"] - clock.timeline["vad_end"], 3)
+        result.timeline = dict(clock.timeline)
+        self.metrics.observe_turn(result.intent, result.path, result.stages, result.executed, result.refused,
+                                  llm_failed=bool(result.llm and not result.llm.get("valid")))
+        return result
+
+    async def _decide(self, session_id: str, text: str, clock: StageClock, heard: Heard | None) -> TurnResult:
+        asr = None
+        audit: list[tuple[str, str, dict]] = []  # written in one transaction (the policy writes its own rows)
+        if heard is not None:
+            asr = {"recognizer": heard.recognizer, "confidence": heard.confidence, "audio_s": round(heard.audio_s, 3),
+                   "partials": heard.partials}
+            audit.append(("asr", "transcript", {"text": heard.text, **asr}))
+        if not text.strip():
+            audit.append(("turn", "not_heard", {"reply": NOT_HEARD_REPLY, "stages": dict(clock.stages)}))
+            self.db.audit_many(session_id, audit)
+            return TurnResult(session_id=session_id, intent="unknown", confidence=0.0, entities={}, candidates=[],
+                              needs_confirmation=False, executed=False, path="fast", reply=NOT_HEARD_REPLY,
+                              transcript=text if heard is not None else None, stages=dict(clock.stages), asr=asr)
+        self._refresh_index()
+        session = self.sessions.get(session_id)
+        with clock.stage("normalize"):
+            normalized = normalize(text)
+        self._timed_index.spent_s = 0.0
+        with clock.stage("intent"):
+            result = self.classifier.classify(normalized)
+        lookup_ms = self._timed_index.spent_s * 1000
+        clock.add("lookup", lookup_ms)
+        clock.add("intent", -lookup_ms)
+        audit.append(("normalize", "rules", {
+            "original": normalized.original, "text": normalized.text,
+            "rules": [_jsonable(dataclasses.asdict(r)) for r in normalized.rules]}))
+        path, llm_info = "fast", None
+        candidates = list(result.candidates or [])
+        # The policy says when the model may look: never at a yes/no or at an answer to its own question.
+        # Without a model (or when its output does not validate) the policy asks the clarifying question.
+        needs_llm = self.policy.wants_llm(session, result)
+        if self.extractor is not None and needs_llm:
+            path = "gemma"
+            result, llm_info = await self._extract(text, normalized, result, candidates, clock, audit)
+        documents = None
+        with clock.stage("policy"):
+            decision = self.policy.decide(session, result, normalized.text)
+            reply = decision.reply
+            if decision.intent == "qna":
+                hits = self.knowledge.search(normalized.text)
+                documents = [h.document.doc_id for h in hits]
+                reply = _with_answer(reply, extractive_answer(hits))
+        entities = _jsonable(dict(result.entities or {}))
+        audit.append(("turn", path, {"intent": decision.intent, "reply": reply, "documents": documents,
+                                     "stages": dict(clock.stages)}))
+        self.db.audit_many(session_id, audit)
+        return TurnResult(
+            session_id=session_id, intent=decision.intent, confidence=round(float(result.confidence or 0.0), 4),
+            entities=entities, candidates=[_candidate(c) for c in candidates],
+            needs_confirmation=bool(decision.needs_confirmation), executed=bool(decision.executed), path=path,
+            reply=reply, needs_llm=needs_llm, transcript=text if heard is not None else None, normalized=normalized.text,
+            refused=decision.refused, action=_jsonable(decision.action), stages=dict(clock.stages), asr=asr,
+            llm=llm_info, documents=documents)
+    async def _extract(self, text: str, normalized, result, candidates: list, clock: StageClock,
+                       audit: list[tuple[str, str, dict]]):
+        """Gemma extraction; returns the result for the policy and what the call did (for the response)."""
+        from g4serve.assistant.extraction import MAX_CANDIDATES, merge_into_result
+
+        offered = candidates[:MAX_CANDIDATES]
+        extraction = await self.extractor.extract(text, offered, normalized=normalized.text)
+        clock.add("llm", extraction.llm_ms)
+        clock.mark("llm_start", extraction.timeline["llm_start"])
+        clock.mark("llm_end", extraction.timeline["llm_end"])
+        clock.add("validation", extraction.validation_ms)
+        clock.mark("validation")
+        info = {"valid": extraction.valid, "error": extraction.error, "output": extraction.output,
+                "offered": extraction.offered, "prompt_tokens": extraction.prompt_tokens,
+                "cached_tokens": extraction.cached_tokens, "output_tokens": extraction.output_tokens,
+                "finish_reason": extraction.finish_reason}
+        audit.append(("llm", "extraction", {**info, "raw": extraction.raw}))
+        if not extraction.valid:
+            return result, info  # the fast path's reading goes to the policy, which asks rather than guesses
+        heard_amounts = [(m.amount_minor, m.currency) for m in normalized.amounts]
+        merged = merge_into_result(result, extraction, offered, heard_amounts)
+        merged.entities = self._resolve_references(merged.entities)
+        return merged, info
+
+    def _resolve_references(self, entities: dict) -> dict:
+        """Card and account words from the model ("debit", "savings") as the database ids the policy acts on;
+        a word that names nothing is dropped rather than passed on."""
+        entities = dict(entities)
+        card = entities.get("card")
+        if isinstance(card, str):
+            cards = self.db.cards()
+            if card not in {c["card_id"] for c in cards}:
+                word = card.strip().lower()
+                match = next((c["card_id"] for c in cards if word in (c["kind"], c["network"])), None)
+                entities.pop("card") if match is None else entities.__setitem__("card", match)
+        account = entities.get("account")
+        if isinstance(account, str):
+            accounts = self.db.accounts()
+            if account not in {a["account_id"] for a in accounts}:
+                word = account.strip().lower()
+                match = next((a["account_id"] for a in accounts if word in (a["name"], a["currency"].lower())), None)
+                entities.pop("account") if match is None else entities.__setitem__("account", match)
+        return entities
+
+
+class Utterance:
+    """Streaming audio of one connection: VAD end-pointing plus a recogniser stream opened at speech start.
+
+    Audio before speech is kept in a short pre-roll buffer and handed to the recogniser when VAD fires
+    (VAD reports the start a window or two late); silence is never decoded, so noise between utterances
+    cannot turn into words. Not thread-safe: one per connection, fed from one task.
+    """
+
+    _PREROLL_S = 0.5
+
+    def __init__(self, vad, recognizer, max_utterance_s: float = 30.0):
+        self._vad = vad
+        self.max_utterance_s = max_utterance_s
+        self._recognizer = recognizer
+        self._preroll: deque[np.ndarray] = deque()
+        self._preroll_samples = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self._vad.reset()
+        self._stream = None
+        self._preroll.clear()
+        self._preroll_samples = 0
+        self.clock: StageClock | None = None
+        self._speech_start: float | None = None
+        self._speech_samples = 0
+        self.ended = False
+
+    @property
+    def in_speech(self) -> bool:
+        return self._stream is not None
+
+    def feed(self, pcm: np.ndarray) -> list[dict]:
+        """Events for the client: ``{"type": "vad", "event": ...}`` and ``{"type": "partial", "text": ...}``.
+
+        After a VAD ``end`` the caller should call ``finish``; audio after the end point is dropped."""
+        if self.ended:
+            return []
+        if self.clock is None:
+            self.clock = StageClock()  # turn time starts at the utterance's first audio
+            self.clock.mark("audio_received")
+        events: list[dict] = []
+        t_vad = time.perf_counter()
+        vad_events = self._vad.feed(pcm)
+        if self.clock is not None:
+            self.clock.add("vad", (time.perf_counter() - t_vad) * 1000)
+        if self._stream is None:
+            self._preroll.append(pcm)
+            self._preroll_samples += pcm.size
+            while self._preroll and self._preroll_samples - self._preroll[0].size >= self._PREROLL_S * SAMPLE_RATE:
+                self._preroll_samples -= self._preroll.popleft().size
+        for event in vad_events:
+            events.append({"type": "vad", "event": event.kind, "t_s": round(event.t_s, 3)})
+            if event.kind == "start" and self._stream is None:
+                self._stream = self._recognizer.stream()
+                self._speech_start = time.perf_counter()
+                self.clock.mark("vad_start")
+                pending = np.concatenate(list(self._preroll)) if self._preroll else np.zeros(0, np.float32)
+                self._preroll.clear()
+                self._preroll_samples = 0
+                events += self._asr(pending)
+            elif event.kind == "end" and self._stream is not None:
+                self.clock.mark("vad_end")
+                self.ended = True
+                return events
+        if self._stream is not None and not any(e.get("event") == "start" for e in events):
+            events += self._asr(pcm)
+            self._speech_samples += pcm.size
+            if self._speech_samples > self.max_utterance_s * SAMPLE_RATE:
+                # Endless "speech" (music, a stuck microphone) would grow the decode forever: end it here.
+                self.clock.mark("vad_end")
+                self.ended = True
+                events.append({"type": "vad", "event": "end", "reason": "max_utterance_s"})
+        return events
+
+    def _asr(self, pcm: np.ndarray) -> list[dict]:
+        partial = self._stream.feed(pcm)
+        if partial is None:
+            return []
+        if "asr_partial" not in self.clock.stages:
+            self.clock.add("asr_partial", (time.perf_counter() - self._speech_start) * 1000)
+            self.clock.mark("asr_partial")
+        return [{"type": "partial", "text": partial}]
+
+    def finish(self) -> tuple[Heard, StageClock]:
+        """End the utterance (VAD end or the client's ``end``): final transcript and the clock so far."""
+        clock = self.clock or StageClock()
+        if self._stream is None:
+            heard = Heard(text="")
+        else:
+            start = time.perf_counter()
+            if "vad_end" not in clock.timeline:
+                clock.mark("vad_end", start)  # the client ended the utterance
+            transcript = self._stream.finish()
+            clock.add("asr_final", (time.perf_counter() - start) * 1000)
+            clock.mark("asr_final")
+            heard = Heard(text=transcript.text, confidence=transcript.confidence, recognizer=transcript.recognizer,
+                          audio_s=transcript.audio_s, partials=list(transcript.partials))
+        self._stream = None
+        self.reset()
+        return heard, clock
+
+
+_POLICY_QNA_FALLBACK = "Let me look that up for you."
+
+
+def _with_answer(policy_reply: str, answer: str) -> str:
+    """The knowledge-base answer in place of the policy's placeholder, keeping any reminder it appended."""
+    if policy_reply.startswith(_POLICY_QNA_FALLBACK):
+        return (answer + policy_reply[len(_POLICY_QNA_FALLBACK):]).strip()
+    return f"{answer} {policy_reply}".strip()
+
+
+def _candidate(c) -> dict[str, Any]:
+    return {"id": c.payee_id, "name": c.display_name, "score": round(float(c.score), 1),
+            "relationship": c.relationship, "kind": c.kind, "phonetic": bool(c.phonetic)}
+
+
+def _jsonable(value: Any) -> Any:
+    """Dates, tuples, sets and dataclasses made JSON-friendly (entities and actions come from the core)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (dt.date, dt.datetime, dt.time)):
+        return value.isoformat()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -1,0 +1,163 @@
+"""Payee index: misspelled and phonetically confusable names, aliases and relationships, names inside
+sentences, and the rebuild when the database's payees change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from g4serve.assistant.db import BankDB, Payee, demo_db
+from g4serve.assistant.intents import AMBIGUOUS_PAYEE, resolve_payee
+from g4serve.assistant.payees import PayeeIndex, simplify_name
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def index() -> PayeeIndex:
+    return PayeeIndex(demo_db())
+
+
+@pytest.fixture
+def small_index() -> PayeeIndex:
+    """Payees from the CSV fixture: John Smith without the demo's Jon Smythe and Joan Smith."""
+    db = BankDB()
+    db.import_payees_csv(DATA / "payees.csv")
+    return PayeeIndex(db)
+
+
+@pytest.mark.parametrize(("query", "payee_id"), [
+    ("prya patel", "priya_patel"),  # typo
+    ("kathryn lee", "katherine_lee"),  # spelling variant, same sounds
+    ("mike rosoft", "microsoft"),  # recogniser split a word
+    ("aysha kahn", "aisha_khan"),
+    ("hans muller", "hans_muller"),  # accent dropped
+    ("hans mueller", "hans_muller"),
+    ("sean obrien", "sean_obrien"),
+    ("shaun o'brien", "sean_obrien"),
+    ("stream flicks", "streamflix"),
+    ("harbour insurance", "harbor_insurance"),
+    ("north side internet", "northside_internet"),
+    ("frank dubois", "francois_dubois"),
+    ("jose garcia", "jose_garcia"),
+    ("José García", "jose_garcia"),
+    ("olga ivanova", "olga_ivanova"),
+    ("yuki tanaka", "yuki_tanaka"),
+    ("ahmad hasan", "ahmed_hassan"),
+    ("steve", "steven_clark"),
+    ("katie", "katherine_lee"),  # contact name "Kate"
+    ("mom", "mary_johnson"),  # alias
+    ("johnny", "john_smith"),  # contact name
+    ("electricity", "city_electric"),
+    ("phone company", "skyline_mobile"),
+])
+def test_top1_for_misspellings_and_aliases(index, query, payee_id):
+    found = index.search(query)
+    assert found[0].payee_id == payee_id, [(c.payee_id, c.score) for c in found]
+    payee, reason = resolve_payee(found)
+    assert payee is not None and payee.payee_id == payee_id, reason
+
+
+def test_phonetic_flag_marks_matches_carried_by_sound(index):
+    assert index.search("mike rosoft")[0].phonetic
+    assert index.search("kathryn lee")[0].phonetic
+    assert not index.search("john smith")[0].phonetic
+
+
+@pytest.mark.parametrize(("query", "close"), [
+    ("jon smyth", {"john_smith", "jon_smythe", "joan_smith"}),
+    ("catherine", {"catherine_li", "katherine_lee"}),
+    ("steven clarke", {"steven_clark", "stephen_clarke"}),
+    ("smith", {"john_smith", "joan_smith"}),
+])
+def test_confusable_names_are_ambiguous(index, query, close):
+    found = index.search(query)
+    assert close <= {c.payee_id for c in found[:len(close)]}
+    payee, reason = resolve_payee(found)
+    assert payee is None and reason.startswith(AMBIGUOUS_PAYEE)
+
+
+def test_misspelling_resolves_when_no_confusable_payee_exists(small_index):
+    found = small_index.search("jon smyth")
+    assert found[0].payee_id == "john_smith" and found[0].phonetic
+    assert resolve_payee(found)[0].payee_id == "john_smith"
+    assert small_index.search("catherine")[0].payee_id == "katherine_lee"
+
+
+def test_results_are_sorted_bounded_and_scored(index):
+    found = index.search("john", k=3)
+    assert len(found) == 3
+    assert [c.score for c in found] == sorted((c.score for c in found), reverse=True)
+    assert all(0 <= c.score <= 100 for c in found)
+    assert index.search("zzzz qqqq") == []
+    assert index.search("") == []
+
+
+@pytest.mark.parametrize(("sentence", "payee_id"), [
+    ("send 50.00 usd to katherine lee tomorrow", "katherine_lee"),
+    ("pay city electric 84.20 usd", "city_electric"),
+    ("send 20.00 usd to my friend john", "john_smith"),  # relationship breaks the tie with Jon and Joan
+    ("send money to my sister", "joan_smith"),  # relationship alone
+    ("transfer 100.00 usd to my mom", "mary_johnson"),
+    ("pay my phone bill", "skyline_mobile"),
+    ("pay the water bill", "metro_water"),
+    ("pay my rent", "maria_gonzalez"),
+    ("pay 12.50 usd to mike rosoft", "microsoft"),
+    ("zelle shawn o brian 40.00 usd", "sean_obrien"),  # "o brian": a split name rejoined
+    ("send lee wei 60.00 usd", "li_wei"),  # both words explained beats "lee" alone
+    ("send 30.00 eur to hans mueller please", "hans_muller"),
+    ("send 20.00 usd to john smith quickly", "john_smith"),
+])
+def test_find_in_utterance(index, sentence, payee_id):
+    found = index.find_in_utterance(sentence)
+    assert found, sentence
+    payee, reason = resolve_payee(found)
+    assert payee is not None and payee.payee_id == payee_id, (reason, [(c.payee_id, c.score) for c in found])
+
+
+def test_find_in_utterance_reports_the_span(index):
+    best = index.find_in_utterance("send 50.00 usd to jon smyth tomorrow")[0]
+    assert best.span == "jon smyth"
+    assert index.find_in_utterance("what is my balance") == []
+    assert index.find_in_utterance("send 20.00 usd to zeb quarterman") == []
+
+
+def test_name_spans(index):
+    assert index.name_spans("send 50.00 usd to zeb quarterman tomorrow") == ["zeb quarterman"]
+    assert index.name_spans("what is my balance") == []
+
+
+def test_a_name_word_is_not_a_stopword(index):
+    db = BankDB()
+    db.upsert_payee(Payee("june_park", "June Park", "friend", "person"))
+    found = PayeeIndex(db).find_in_utterance("send 5.00 usd to june park")
+    assert found and found[0].payee_id == "june_park"
+
+
+def test_rebuilds_when_payees_change(tmp_path):
+    db = demo_db()
+    index = PayeeIndex(db)
+    version = index.version
+    assert all(c.payee_id != "zeb" for c in index.search("zeb quarterman"))
+    csv = tmp_path / "new.csv"
+    csv.write_text("payee_id,display_name,relationship\nzeb,Zeb Quarterman,friend\n")
+    assert db.import_payees_csv(csv) == 1
+    assert index.search("zeb quarterman")[0].payee_id == "zeb"
+    assert index.version == db.version > version
+    db.upsert_payee(Payee("zeb", "Zebulon Quarterman", "friend", "person"))
+    assert index.search("zebulon")[0].display_name == "Zebulon Quarterman"
+
+
+def test_contact_linked_to_a_payee_is_a_name_for_it():
+    db = demo_db()
+    index = PayeeIndex(db)
+    assert not any(c.payee_id == "olga_ivanova" for c in index.search("babs"))
+    db.add_contact("Babs", payee_id="olga_ivanova", phone="+1 555 0199")
+    assert index.search("babs")[0].payee_id == "olga_ivanova"
+
+
+def test_simplify_name():
+    assert simplify_name("Sean O'Brien") == "sean obrien"
+    assert simplify_name("  José  GARCÍA ") == "jose garcia"
+    assert simplify_name("Hans Müller-Lüdenscheidt") == "hans muller ludenscheidt"

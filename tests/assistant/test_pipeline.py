@@ -1,0 +1,226 @@
+"""The assistant pipeline without a model: fast-path turns with stage timings, confirmation across turns,
+clarifying questions instead of guesses, payee changes reaching the recogniser, streaming end-pointing, QnA."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from g4serve.assistant.db import Payee, demo_db
+from g4serve.assistant.knowledge import DOCUMENTS
+from g4serve.assistant.metrics import AssistantMetrics
+from g4serve.assistant.pipeline import NOT_HEARD_REPLY, Assistant, StageClock, Utterance
+from g4serve.assistant.qna import KnowledgeIndex, answer_events
+from g4serve.assistant.vad import VadEvent
+
+
+class FakeStream:
+    def __init__(self, owner):
+        self.owner, self.fed = owner, []
+
+    def feed(self, pcm):
+        self.fed.append(np.asarray(pcm))
+        return f"partial {len(self.fed)}"
+
+    def finish(self):
+        from g4serve.assistant.asr import Transcript
+
+        samples = sum(a.size for a in self.fed)
+        return Transcript(text=self.owner.say, partials=[], confidence=0.9, recognizer="fake", audio_s=samples / 16000)
+
+
+class FakeRecognizer:
+    """Records vocabulary updates; 'hears' whatever ``say`` is set to."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.vocabularies, self.streams, self.say = [], [], "what's my balance"
+
+    def update_vocabulary(self, vocab):
+        self.vocabularies.append(vocab)
+
+    def stream(self):
+        self.streams.append(FakeStream(self))
+        return self.streams[-1]
+
+    def transcribe(self, audio):
+        stream = self.stream()
+        stream.feed(audio)
+        return stream.finish()
+
+
+class ScriptedVad:
+    """Speech starts in the 3rd chunk and ends in the 6th."""
+
+    def __init__(self):
+        self.chunks = 0
+
+    def reset(self):
+        self.chunks = 0
+
+    def feed(self, chunk):
+        self.chunks += 1
+        return {3: [VadEvent("start", 0.2)], 6: [VadEvent("end", 0.5)]}.get(self.chunks, [])
+
+
+@pytest.fixture
+def assistant():
+    return Assistant(demo_db(), None, recognizer=FakeRecognizer())
+
+
+def turn(assistant, session, text):
+    return asyncio.run(assistant.turn(session, text=text)).to_dict()
+
+
+def test_fast_path_reports_every_stage(assistant):
+    r = turn(assistant, "s", "what's my balance")
+    assert (r["intent"], r["path"], r["executed"], r["needs_llm"]) == ("balance_inquiry", "fast", False, False)
+    assert r["reply"] == "Your checking balance is $1,234.56."
+    assert {"normalize", "lookup", "intent", "policy", "total"} <= set(r["stages"])
+    assert all(v >= 0 for v in r["stages"].values())
+    assert r["stages"]["total"] >= r["stages"]["normalize"] + r["stages"]["policy"]
+    assert list(r["timeline"]) == ["normalize", "intent", "policy", "response_sent"]
+    json.dumps(r)  # the whole result is JSON
+
+
+def test_money_moves_only_on_a_confirmation_turn_of_the_same_session(assistant):
+    db = assistant.db
+    r = turn(assistant, "a", "transfer $120.50 to Priya Patel")
+    assert r["needs_confirmation"] and not r["executed"]
+    assert r["entities"] | {"amount_minor": 12050, "currency": "USD", "payee_id": "priya_patel"} == r["entities"]
+    assert [t["status"] for t in db.transfers()] == ["pending"]
+    assert not turn(assistant, "b", "yes")["executed"]  # another session
+    r = turn(assistant, "a", "what's my balance")  # an unrelated turn keeps the proposal and says so
+    assert "still have a request waiting" in r["reply"] and r["needs_confirmation"]
+    assert db.transfers(status="executed") == []
+    r = turn(assistant, "a", "no")
+    assert not r["executed"] and [t["status"] for t in db.transfers()] == ["cancelled"]
+    r = turn(assistant, "a", "yes")
+    assert not r["executed"] and db.transfers(status="executed") == []
+    turn(assistant, "a", "pay City Electric 94 dollars and 20 cents")
+    r = turn(assistant, "a", "yes")
+    assert r["executed"] and r["intent"] == "bill_payment"
+    (done,) = db.transfers(status="executed")
+    assert (done["payee_id"], done["amount_minor"], done["kind"]) == ("city_electric", 9420, "bill_payment")
+
+
+def test_unsure_without_a_model_asks_instead_of_guessing(assistant):
+    r = turn(assistant, "c", "send fifty to jon")
+    assert r["path"] == "fast" and r["needs_llm"] and r["reply"].startswith("Did you mean")
+    assert not r["needs_confirmation"]
+    assert len(r["candidates"]) >= 2 and all({"id", "name", "score"} <= set(c) for c in r["candidates"])
+    assert assistant.db.transfers() == []
+    r = turn(assistant, "c", "the first one")
+    assert r["needs_confirmation"]
+    first = r["action"]["payee_id"]
+    r = turn(assistant, "c", "yes")
+    assert r["executed"] and assistant.db.transfers(status="executed")[0]["payee_id"] == first
+
+
+def test_refusals_are_clear_and_counted(assistant):
+    r = turn(assistant, "d", "send 9000 dollars to Tom Wilson")
+    assert r["refused"] == "over_limit" and "limit" in r["reply"] and not r["needs_confirmation"]
+    r = turn(assistant, "d", "send 20 dollars to Gran")
+    assert r["refused"] == "unknown_payee" and "saved payees" in r["reply"]
+    assert assistant.db.transfers() == []
+    metrics = assistant.metrics.render().decode()
+    assert 'g4serve_assistant_refusals_total{reason="over_limit"} 1.0' in metrics
+    AssistantMetrics()  # a second registry in one process: no duplicate-registration error
+
+
+def test_qna_turn_answers_from_the_knowledge_base_and_keeps_a_pending_reminder(assistant):
+    r = turn(assistant, "q", "how much does an ATM withdrawal cost")
+    assert r["intent"] == "qna" and r["documents"][0] == "atm-fees" and "$2.50" in r["reply"]
+    turn(assistant, "q", "send 25 dollars to Tom Wilson")
+    r = turn(assistant, "q", "what are your branch hours")
+    assert r["reply"].startswith("Branches are open") and "still have a request waiting" in r["reply"]
+
+
+@pytest.mark.parametrize(("question", "doc_id"), [
+    ("what time do branches open on saturday", "branch-hours"),
+    ("how much does it cost to use another bank's atm", "atm-fees"),
+    ("what is the overdraft fee", "overdraft"),
+    ("I need a new card, how long does replacement take", "card-replacement"),
+    ("what's the cutoff for international wires", "wire-cutoff"),
+    ("what interest rate does savings pay", "savings-rates"),
+    ("what is your routing number", "direct-deposit"),
+    ("how much can I take out of an atm per day", "atm-limits"),
+])
+def test_retrieval_finds_the_document(question, doc_id):
+    hits = KnowledgeIndex().search(question)
+    assert hits and hits[0].document.doc_id == doc_id, [(h.document.doc_id, round(h.score, 2)) for h in hits]
+
+
+def test_knowledge_base_and_extractive_stream():
+    assert 18 <= len(DOCUMENTS) <= 30 and len({d.doc_id for d in DOCUMENTS}) == len(DOCUMENTS)
+    assert KnowledgeIndex().search("zebra giraffe") == []
+
+    async def collect(question):
+        return [e async for e in answer_events(question, KnowledgeIndex(), engine=None)]
+
+    events = asyncio.run(collect("what are the wire fees"))
+    assert [e["type"] for e in events] == ["documents", "delta", "done"]
+    assert events[0]["documents"][0]["doc_id"] == "wire-fees" and events[-1]["path"] == "extractive"
+    events = asyncio.run(collect("zebra giraffe"))
+    assert "agent" in events[1]["text"]  # nothing retrieved: a hand-off, not a guess
+
+
+def test_payee_changes_rebuild_the_recogniser_vocabulary(assistant):
+    recognizer = assistant.recognizer
+    assert recognizer.vocabularies[-1].version == assistant.db.version
+    assert "zed" not in recognizer.vocabularies[-1].words()
+    assistant.db.upsert_payee(Payee("zed_newman", "Zed Newman", "friend", "person"))
+    assert assistant.recognizer is recognizer
+    assert recognizer.vocabularies[-1].version == assistant.db.version and "zed" in recognizer.vocabularies[-1].words()
+    r = turn(assistant, "z", "send 10 dollars to Zed Newman")
+    assert r["entities"]["payee_id"] == "zed_newman" and r["needs_confirmation"]
+
+
+def test_whole_recording_turn_with_silence_and_with_speech(assistant):
+    r = asyncio.run(assistant.turn("au", audio=np.zeros(16000, np.float32))).to_dict()
+    assert r["reply"] == NOT_HEARD_REPLY and r["transcript"] == "" and "vad" in r["stages"]
+    assert assistant.recognizer.streams == []  # no speech: the recogniser never ran
+
+
+def test_streaming_utterance_end_points_and_times_its_stages():
+    recognizer = FakeRecognizer()
+    utterance = Utterance(ScriptedVad(), recognizer)
+    chunks = [np.full(1600, i, np.float32) for i in range(1, 9)]
+    events = [utterance.feed(c) for c in chunks[:6]]
+    assert events[:2] == [[], []]
+    assert events[2] == [{"type": "vad", "event": "start", "t_s": 0.2}, {"type": "partial", "text": "partial 1"}]
+    assert events[5][0] == {"type": "vad", "event": "end", "t_s": 0.5} and utterance.ended
+    assert utterance.feed(chunks[6]) == []  # after the end point: dropped
+    stream = recognizer.streams[0]
+    assert stream.fed[0].size == 3 * 1600  # the pre-roll before VAD fired reached the recogniser
+    heard, clock = utterance.finish()
+    assert heard.text == "what's my balance" and not utterance.ended
+    for mark in ("audio_received", "vad_start", "asr_partial", "vad_end", "asr_final"):
+        assert mark in clock.timeline
+    assert {"vad", "asr_partial", "asr_final"} <= set(clock.stages)
+    # A finished utterance resets: the next speech opens a new recogniser stream.
+    for c in chunks[:3]:
+        utterance.feed(c)
+    assert len(recognizer.streams) == 2
+
+
+def test_stream_turn_reports_time_after_the_end_point(assistant):
+    clock = StageClock()
+    clock.mark("vad_end")
+    r = asyncio.run(assistant.decide("st", "what's my balance", clock)).to_dict()
+    assert r["stages"]["after_vad_end"] <= r["stages"]["total"]
+
+
+def test_endless_speech_is_cut_at_max_utterance_length():
+    class AlwaysSpeech(ScriptedVad):
+        def feed(self, chunk):
+            self.chunks += 1
+            return [VadEvent("start", 0.0)] if self.chunks == 1 else []
+
+    utterance = Utterance(AlwaysSpeech(), FakeRecognizer(), max_utterance_s=1.0)
+    events = [e for _ in range(15) for e in utterance.feed(np.zeros(1600, np.float32))]
+    assert events[-1] == {"type": "vad", "event": "end", "reason": "max_utterance_s"} and utterance.ended

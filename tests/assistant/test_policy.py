@@ -1,0 +1,411 @@
+"""Policy: no money moves without a confirmation turn in the same session, cancel and expiry, limits,
+unknown payees and model-made results re-checked against the database, card rules, and the audit trail."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+
+from g4serve.assistant.db import demo_db
+from g4serve.assistant.intents import IntentClassifier, IntentResult
+from g4serve.assistant.normalize import normalize
+from g4serve.assistant.payees import PayeeIndex
+from g4serve.assistant.policy import (
+    DATE_IN_PAST,
+    INSUFFICIENT_FUNDS,
+    INVALID_AMOUNT,
+    NO_ACCOUNT,
+    OVER_LIMIT,
+    UNKNOWN_PAYEE,
+    UNSUPPORTED_CURRENCY,
+    Decision,
+    Policy,
+    SessionState,
+    SessionStore,
+)
+
+NOW = dt.datetime(2025, 5, 7, 10, 0)  # a Wednesday
+CHECKING = 123_456
+
+
+class Bank:
+    """A demo bank with the fast path and the policy on a clock the test moves."""
+
+    def __init__(self, **policy_kwargs):
+        self.db = demo_db()
+        self.classifier = IntentClassifier(PayeeIndex(self.db))
+        self.now = NOW.timestamp()
+        self.policy = Policy(self.db, clock=lambda: self.now, **policy_kwargs)
+        self.sessions = SessionStore()
+
+    def say(self, text: str, session: str = "s1") -> Decision:
+        result = self.classifier.classify(normalize(text, now=dt.datetime.fromtimestamp(self.now)))
+        return self.policy.decide(self.sessions.get(session), result, text)
+
+    def decide(self, result: IntentResult, text: str = "", session: str = "s1") -> Decision:
+        return self.policy.decide(self.sessions.get(session), result, text)
+
+    def checking(self) -> int:
+        return self.db.balance("chk-001")["balance_minor"]
+
+    def executed(self) -> list[dict]:
+        return self.db.transfers(status="executed")
+
+
+@pytest.fixture
+def bank() -> Bank:
+    return Bank()
+
+
+def gemma(intent: str, **entities) -> IntentResult:
+    """A result as the Gemma path makes it: entities straight from the model, no candidates."""
+    return IntentResult(intent, 0.9, entities, [], False, None, ["gemma_extraction"])
+
+
+MONEY_REQUESTS = [
+    "send fifty dollars to John Smith",
+    "pay my electric bill of eighty four dollars",
+    "transfer 5000 yen to yuki tanaka",
+    "send 30 euros to hans mueller",
+    "wire a hundred and five dollars to priya patel",
+    "pay mike rosoft twelve dollars",
+    "send twelve fifty to olga ivanova tomorrow",
+]
+
+
+@pytest.mark.parametrize("text", MONEY_REQUESTS)
+def test_money_never_moves_on_the_request_turn(bank, text):
+    d = bank.say(text)
+    assert d.needs_confirmation and not d.executed and d.refused is None
+    assert d.action["status"] == "pending" and d.reply.endswith("Say yes to confirm or no to cancel.")
+    assert bank.executed() == [] and bank.checking() == CHECKING
+    assert [t["status"] for t in bank.db.transfers()] == ["pending"]
+
+
+def test_yes_executes_the_pending_transfer(bank):
+    d = bank.say("send fifty dollars to John Smith")
+    assert d.reply == "Send $50.00 to John Smith? Say yes to confirm or no to cancel."
+    done = bank.say("yes")
+    assert done.executed and not done.needs_confirmation and done.intent == "transfer_money"
+    assert done.reply == "Done. I've sent $50.00 to John Smith."
+    assert bank.checking() == CHECKING - 5000
+    assert [t["transfer_id"] for t in bank.executed()] == [d.action["transfer_id"]]
+    again = bank.say("yes")  # a second yes finds nothing: no double payment
+    assert not again.executed and "nothing waiting" in again.reply
+    assert bank.checking() == CHECKING - 5000
+
+
+@pytest.mark.parametrize("answer", ["no", "cancel", "no, don't send it", "never mind"])
+def test_no_cancels(bank, answer):
+    bank.say("send fifty dollars to John Smith")
+    d = bank.say(answer)
+    assert not d.executed and "cancelled" in d.reply
+    assert [t["status"] for t in bank.db.transfers()] == ["cancelled"]
+    assert not bank.say("yes").executed
+    assert bank.checking() == CHECKING
+
+
+def test_confirmation_in_another_session_does_nothing(bank):
+    bank.say("send fifty dollars to John Smith", session="alice")
+    other = bank.say("yes", session="mallory")
+    assert not other.executed and "nothing waiting" in other.reply
+    assert bank.executed() == [] and bank.db.transfers(status="pending")
+    assert bank.say("yes", session="alice").executed
+
+
+def test_a_transfer_of_another_session_is_never_executed(bank):
+    bank.say("send fifty dollars to John Smith", session="alice")
+    stolen = bank.sessions.get("alice").pending
+    bank.sessions.get("mallory").pending = stolen  # a bug or a forged state must not move money
+    d = bank.say("yes", session="mallory")
+    assert not d.executed and d.refused
+    assert bank.executed() == []
+
+
+def test_confirmation_comes_from_the_words_not_the_model(bank):
+    bank.say("send fifty dollars to John Smith")
+    d = bank.decide(gemma("unknown", confirmation=True), text="hmm let me think")
+    assert not d.executed and d.needs_confirmation  # still waiting, with a reminder
+    assert "still have a request waiting" in d.reply
+    assert bank.executed() == []
+
+
+def test_pending_expires(bank):
+    bank.say("send fifty dollars to John Smith")
+    bank.now += bank.policy.confirm_ttl_s + 1
+    d = bank.say("yes")
+    assert not d.executed and "timed out" in d.reply
+    assert [t["status"] for t in bank.db.transfers()] == ["cancelled"]
+    assert bank.executed() == [] and bank.checking() == CHECKING
+
+
+def test_other_turns_keep_the_pending_action_with_a_reminder(bank):
+    bank.say("send fifty dollars to John Smith")
+    d = bank.say("what's my balance")
+    assert d.intent == "balance_inquiry" and d.needs_confirmation and not d.executed
+    assert d.reply.startswith("Your checking balance is $1,234.56.")
+    assert "send $50.00 to John Smith" in d.reply
+    unclear = bank.say("blah blah")
+    assert unclear.needs_confirmation and unclear.reply.startswith("You still have a request waiting")
+    assert bank.say("yes").executed
+
+
+def test_a_new_request_replaces_the_pending_one(bank):
+    first = bank.say("send fifty dollars to John Smith")
+    second = bank.say("send 20 dollars to priya patel")
+    assert second.needs_confirmation and second.action["payee_id"] == "priya_patel"
+    assert bank.db.transfer(first.action["transfer_id"])["status"] == "cancelled"
+    assert bank.say("yes").executed
+    assert [t["payee_id"] for t in bank.executed()] == ["priya_patel"]
+
+
+def test_an_amendment_keeps_what_it_does_not_change(bank):
+    bank.say("send 5000 yen to yuki tanaka next friday")
+    d = bank.say("actually make it 7000 yen")
+    assert d.needs_confirmation
+    assert (d.action["amount_minor"], d.action["payee_id"], d.action["scheduled_for"]) == (7000, "yuki_tanaka",
+                                                                                         "2025-05-09")
+    done = bank.say("yes")
+    assert done.executed and done.action["status"] == "scheduled" and "scheduled for Friday, May 9" in done.reply
+
+
+def test_ambiguous_payee_asks_and_the_answer_picks(bank):
+    d = bank.say("send 20 dollars to jon smyth")
+    assert not d.needs_confirmation and d.reply.startswith("Did you mean")
+    assert set(d.action["choices"]) == {"john_smith", "jon_smythe", "joan_smith"}
+    assert bank.db.transfers() == []
+    picked = bank.say("john smith")
+    assert picked.needs_confirmation and picked.action["payee_id"] == "john_smith"
+    assert picked.action["amount_minor"] == 2000
+    assert bank.say("yes").executed
+
+
+def test_ordinal_answer_picks_among_choices(bank):
+    choices = bank.say("pay catherine twenty dollars").action["choices"]
+    d = bank.say("the second one")
+    assert d.action["payee_id"] == choices[1] and d.needs_confirmation
+
+
+def test_missing_amount_is_asked_for(bank):
+    d = bank.say("pay my phone bill")
+    assert d.reply == "How much would you like to pay Skyline Mobile?" and not d.needs_confirmation
+    assert bank.say("yes").reply == d.reply  # a yes is not an amount
+    proposal = bank.say("sixty five dollars")
+    assert proposal.intent == "bill_payment" and proposal.needs_confirmation
+    assert (proposal.action["amount_minor"], proposal.action["type"]) == (6500, "bill_payment")
+    assert bank.say("confirm").executed
+    assert bank.checking() == CHECKING - 6500
+
+
+def test_missing_payee_is_asked_for_and_moving_on_drops_the_draft(bank):
+    d = bank.say("transfer 100 dollars")
+    assert d.reply == "Who would you like to pay?"
+    other = bank.say("what's my balance")
+    assert other.reply == "Your checking balance is $1,234.56."  # no stale reminder
+    assert bank.sessions.get("s1").pending is None
+
+
+def test_limits_are_refused(bank):
+    d = bank.say("send 9000 dollars to priya patel")
+    assert d.refused == OVER_LIMIT and not d.needs_confirmation
+    assert d.reply == "Sorry, that's over your limit of $5,000.00 per payment."
+    assert bank.db.transfers() == []
+
+
+def test_limits_are_configurable_per_currency():
+    bank = Bank(limits_minor={"USD": 1000})
+    assert bank.say("send twenty dollars to priya patel").refused == OVER_LIMIT
+    assert bank.say("send ten dollars to priya patel").needs_confirmation
+    assert bank.say("send 30 euros to hans mueller").refused == UNSUPPORTED_CURRENCY
+
+
+def test_currency_without_an_account_is_refused(bank):
+    d = bank.say("give tom wilson twenty quid")
+    assert d.refused == NO_ACCOUNT and "GBP" in d.reply
+
+
+def test_insufficient_funds_is_refused(bank):
+    d = bank.say("send 3000 dollars to priya patel")
+    assert d.refused == INSUFFICIENT_FUNDS and "$1,234.56" in d.reply
+
+
+def test_unknown_payee_from_the_fast_path_is_refused(bank):
+    d = bank.say("send 20 dollars to zeb quarterman")
+    assert d.refused == UNKNOWN_PAYEE
+    assert "zeb quarterman" in d.reply and "saved payees" in d.reply
+    assert bank.db.transfers() == []
+
+
+def test_model_results_are_rechecked_against_the_database(bank):
+    ghost = bank.decide(gemma("transfer_money", payee_id="ghost", amount_minor=5000, currency="USD"))
+    assert ghost.refused == UNKNOWN_PAYEE and bank.db.transfers() == []
+    named = bank.decide(gemma("transfer_money", payee_name="Zeb Quarterman", amount_minor=5000, currency="USD"))
+    assert named.refused == UNKNOWN_PAYEE
+    ok = bank.decide(gemma("transfer_money", payee_id="john_smith", amount_minor=5000, currency="USD"))
+    assert ok.needs_confirmation and not ok.executed  # a confident model still needs the customer's yes
+
+
+@pytest.mark.parametrize("amount", [-5, 0, "5000", True, 12.5, None])
+def test_bad_amounts_from_the_model_are_refused_or_asked(bank, amount):
+    d = bank.decide(gemma("transfer_money", payee_id="john_smith", amount_minor=amount, currency="USD"))
+    assert not d.needs_confirmation and bank.db.transfers() == []
+    if amount is None:
+        assert d.reply.startswith("How much")
+    else:
+        assert d.refused == INVALID_AMOUNT
+
+
+def test_bad_currency_from_the_model_is_refused(bank):
+    d = bank.decide(gemma("transfer_money", payee_id="john_smith", amount_minor=500, currency="XYZ"))
+    assert d.refused == INVALID_AMOUNT
+
+
+def test_biller_payee_makes_it_a_bill_payment(bank):
+    d = bank.decide(gemma("transfer_money", payee_id="city_electric", amount_minor=8000, currency="USD"))
+    assert d.intent == "bill_payment" and d.action["type"] == "bill_payment"
+
+
+def test_dates(bank):
+    past = bank.decide(gemma("transfer_money", payee_id="john_smith", amount_minor=100, currency="USD",
+                             date="2025-05-01"))
+    assert past.refused == DATE_IN_PAST
+    later = bank.say("send 10 dollars to john smith on the 20th")
+    assert later.action["scheduled_for"] == "2025-05-20" and "Tuesday, May 20" in later.reply
+    assert bank.say("yes").action["status"] == "scheduled"
+    assert bank.checking() == CHECKING
+
+
+def test_card_lock_runs_at_once(bank):
+    d = bank.say("freeze my debit card")
+    assert d.executed and not d.needs_confirmation
+    assert d.reply.startswith("I've locked your debit card ending in 4201.")
+    assert {c["card_id"]: c["locked"] for c in bank.db.cards()}["card-debit"]
+    assert "already locked" in bank.say("lock the card ending in four two oh one").reply
+
+
+def test_card_lock_asks_which_card_when_several(bank):
+    d = bank.say("lock my card")
+    assert not d.executed and "debit card ending in 4201 or your credit card ending in 8812" in d.reply
+    d = bank.say("the credit one")
+    assert d.executed and {c["card_id"]: c["locked"] for c in bank.db.cards()}["card-credit"]
+
+
+def test_card_unlock_needs_confirmation(bank):
+    bank.db.set_card_locked("card-debit", True)
+    d = bank.say("unlock my card")  # the only locked card
+    assert d.needs_confirmation and not d.executed
+    assert d.reply == "Unlock your debit card ending in 4201? Say yes to confirm or no to cancel."
+    assert bank.db.cards()[0]["locked"]
+    assert bank.say("no").reply == "Okay, I've cancelled that."
+    assert bank.db.cards()[0]["locked"]
+    bank.say("unlock my debit card")
+    assert bank.say("yes").executed
+    assert not bank.db.cards()[0]["locked"]
+
+
+def test_unsure_card_lock_asks_first(bank):
+    result = IntentResult("card_lock", 0.6, {"card": "card-debit"}, [], True, "low_confidence", [])
+    d = bank.decide(result, "um the card thing")
+    assert d.needs_confirmation and not d.executed
+
+
+@pytest.mark.parametrize(("text", "intent", "expected"), [
+    ("what's my balance", "balance_inquiry", "Your checking balance is $1,234.56."),
+    ("how much is in my savings account", "balance_inquiry", "Your savings balance is $8,250.00."),
+    ("what's the balance on my yen account", "balance_inquiry", "Your yen balance is ¥250,000."),
+    ("show me my last 2 transactions", "recent_transactions",
+     "Your last 2 transactions: Pizza Place, $32.40 on May 2; Transfer from checking, plus $500.00 on May 1."),
+    ("is john smith one of my payees", "recipient_lookup", "Yes, John Smith is one of your saved payees (friend)."),
+    ("find stephen clark", "recipient_lookup", "I found Stephen Clarke and Steven Clark."),
+    ("is gran one of my payees", "recipient_lookup", "I couldn't find gran among your saved payees."),
+    ("talk to a human", "human_handoff", "Connecting you to an agent now."),
+    ("check my balance and lock my card", "card_lock",
+     "I can do one thing at a time. What would you like to do first?"),
+])
+def test_replies(bank, text, intent, expected):
+    d = bank.say(text)
+    assert (d.intent, d.reply) == (intent, expected)
+    assert not d.needs_confirmation and not d.executed and d.refused is None
+
+
+def test_qna_is_routed_to_the_knowledge_base(bank):
+    d = bank.say("what are your opening hours")
+    assert d.intent == "qna" and d.action == {"type": "qna", "question": "what are your opening hours"}
+
+
+def test_audit_rows_for_every_stage(bank):
+    bank.say("send fifty dollars to John Smith")
+    bank.say("yes")
+    bank.say("send 9000 dollars to priya patel")
+    log = bank.db.audit_log("s1")
+    stages = [(r["stage"], r["event"]) for r in log]
+    assert ("intent", "transfer_money") in stages
+    assert ("lookup", "payee_candidates") in stages
+    assert ("policy", "transfer_created") in stages
+    assert ("policy", "proposed") in stages
+    assert ("execution", "executed") in stages
+    assert ("policy", "executed") in stages
+    assert ("policy", "refused") in stages
+    executed = next(r for r in log if r["stage"] == "execution")
+    assert executed["detail"]["payee_id"] == "john_smith" and executed["detail"]["amount_minor"] == 5000
+    refused = [r for r in log if r["event"] == "refused"][-1]
+    assert refused["detail"]["refused"] == OVER_LIMIT
+    assert bank.db.audit_log("s2") == []
+
+
+def test_is_confirmation(bank):
+    assert bank.policy.is_confirmation("yes please") is True
+    assert bank.policy.is_confirmation("cancel") is False
+    assert bank.policy.is_confirmation("cancel my card") is None
+
+
+def test_wants_llm(bank):
+    session = SessionState("w")
+    unsure = IntentResult("transfer_money", 0.6, {"amount_minor": 5000, "currency": "USD"}, [], True,
+                          "missing_payee", [])
+    assert bank.policy.wants_llm(session, unsure)
+    session.pending = bank.sessions.get("w").pending  # None
+    bank.policy.decide(session, bank.classifier.classify(normalize("pay my phone bill")), "pay my phone bill")
+    assert session.pending.awaiting == "amount"
+    assert not bank.policy.wants_llm(session, unsure)  # the amount answers our own question
+    sure = IntentResult("balance_inquiry", 0.9, {}, [], False, None, [])
+    assert not bank.policy.wants_llm(session, sure)
+
+
+def test_session_store_is_bounded_and_thread_safe():
+    store = SessionStore(max_sessions=3)
+    a = store.get("a")
+    assert store.get("a") is a
+    for sid in ("b", "c", "d"):
+        store.get(sid)
+    assert len(store) == 3 and store.get("a") is not a  # "a" was least recently used: evicted
+
+    store = SessionStore()
+    seen: list[SessionState] = []
+
+    def grab() -> None:
+        seen.extend(store.get(f"s{i % 10}") for i in range(200))
+
+    threads = [threading.Thread(target=grab) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store) == 10 and len({id(s) for s in seen}) == 10
+
+
+def test_concurrent_yes_executes_once(bank):
+    bank.say("send fifty dollars to John Smith")
+    session = bank.sessions.get("s1")
+    yes = bank.classifier.classify(normalize("yes"))
+    results: list[Decision] = []
+    threads = [threading.Thread(target=lambda: results.append(bank.policy.decide(session, yes, "yes")))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(d.executed for d in results) == 1
+    assert bank.checking() == CHECKING - 5000
