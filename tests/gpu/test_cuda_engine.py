@@ -76,11 +76,13 @@ def test_e4b_bf16_close_to_fp32():
     assert top1 >= 0.9
 
 
-def test_cuda_graph_decode_matches_eager(hf_checkpoint):
-    """Captured decode graphs (padded buckets, fixed split-KV counts) against eager steps, fp32: the same
-    greedy tokens, with batches that shrink as requests finish at different lengths."""
+@pytest.mark.parametrize("variant", ["e", "moe"])
+def test_cuda_graph_decode_matches_eager(hf_checkpoint, variant):
+    """Captured decode and mixed-step graphs (padded buckets, fixed split-KV counts; for MoE the fused
+    experts) against eager steps, fp32: the same greedy tokens, with batches that shrink as requests
+    finish at different lengths."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    kw = dict(model=str(hf_checkpoint("e")), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
+    kw = dict(model=str(hf_checkpoint(variant)), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
               max_num_batched_tokens=256, max_num_seqs=8)
     eager = LLMEngine(EngineConfig(enforce_eager=True, **kw))
     graphed = LLMEngine(EngineConfig(**kw))

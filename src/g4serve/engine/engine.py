@@ -185,13 +185,7 @@ class LLMEngine:
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
     def _use_cuda_graphs(self) -> bool:
-        if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend_name != "triton":
-            return False
-        if self.model_config.text.enable_moe_block:
-            # The routed experts still loop over the experts that received tokens (a host sync per step).
-            log.info("CUDA graphs off: the MoE block is not capturable yet")
-            return False
-        return True
+        return not self.config.enforce_eager and self.device.type == "cuda" and self.attention_backend_name == "triton"
 
     def decode_graph_runner(self, capture: bool) -> DecodeGraphRunner:
         """Padded decode steps for every batch size up to ``max_cuda_graph_batch``; ``capture`` on CUDA only

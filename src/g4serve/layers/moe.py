@@ -1,16 +1,16 @@
 """Gemma 4 routed mixture-of-experts block (26B-A4B): router and expert weights.
 
-The reference path loops over the experts that received tokens; a grouped-GEMM kernel
-replaces it on GPU. Parameter names follow the Hugging Face checkpoints.
+CUDA tensors take the Triton kernels (fused routing, grouped expert GEMMs; no host sync, so capturable in
+a CUDA graph); elsewhere the torch reference, bit-exact with transformers. Names follow the HF checkpoints.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from g4serve.layers.activation import ACTIVATIONS
+from g4serve.kernels.fused_moe import fused_moe, fused_moe_reference
+from g4serve.kernels.moe_route import moe_route, moe_route_reference
 from g4serve.layers.norm import rms_norm
 
 
@@ -27,10 +27,9 @@ class MoERouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k]); softmax, top-k, renormalise, per-expert scale."""
         x = rms_norm(x, None, self.eps) * self.scale * self.hidden**-0.5
-        probs = torch.softmax(self.proj(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, k=self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[experts], experts
+        logits = self.proj(x)
+        route = moe_route if logits.is_cuda else moe_route_reference
+        return route(logits, self.per_expert_scale, self.top_k)
 
 
 class MoEExperts(nn.Module):
@@ -39,15 +38,9 @@ class MoEExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        token_ids = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(experts)
-        for e in torch.unique(experts).tolist():
-            hit = experts == e
-            tokens = token_ids[hit]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[hit].unsqueeze(-1)
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        """x [T, H], experts / weights [T, k] -> [T, H]: each token's experts, weighted and summed."""
+        moe = fused_moe if x.is_cuda else fused_moe_reference
+        return moe(x, self.gate_up_proj, self.down_proj, experts, weights, self.activation)

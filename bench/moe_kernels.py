@@ -1,0 +1,250 @@
+"""MoE experts on the GPU at 26B-A4B shapes: the Triton path (align + two grouped GEMMs) vs the torch loop.
+
+For each token count T the script times ``fused_moe`` replayed from a CUDA graph (cycling over input copies
+with different routings, as the engine's captured step runs it) and eagerly, the reference per-expert loop
+eagerly (it syncs, so it cannot be captured), and the pieces (align: kernel vs torch ops; the two GEMMs;
+routing: kernel vs torch ops). Reports achieved weight bandwidth (bytes of the experts the batch touches)
+and TFLOP/s; writes JSON (device, versions, git commit, every figure with its unit) to bench/results/.
+
+    python bench/moe_kernels.py                    # T = 1, 8, 32, 64, 512
+    python bench/moe_kernels.py --tokens 1 64 --sweep   # also search tile configs per T
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from g4serve.config import PRESETS
+from g4serve.kernels.fused_moe import (
+    GemmTiles,
+    MoETiles,
+    _grouped_gemm,
+    fused_moe,
+    fused_moe_reference,
+    moe_align,
+    moe_align_kernel,
+    moe_tiles,
+)
+from g4serve.kernels.moe_route import moe_route, moe_route_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+GATE_UP_TILES = [GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 3), GemmTiles(64, 64, 4, 4),
+                 GemmTiles(32, 64, 4, 4), GemmTiles(128, 64, 8, 3)]
+DOWN_TILES = [GemmTiles(64, 128, 4, 4), GemmTiles(64, 64, 4, 4), GemmTiles(32, 64, 4, 4),
+              GemmTiles(128, 64, 8, 3), GemmTiles(128, 128, 8, 3)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="26b-a4b")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 512])
+    p.add_argument("--copies", type=int, default=8, help="input copies (routings) a graph cycles over")
+    p.add_argument("--calls-per-graph", type=int, default=32)
+    p.add_argument("--graph-replays", type=int, default=7)
+    p.add_argument("--warmup-ms", type=int, default=10, help="eager timing (do_bench)")
+    p.add_argument("--rep-ms", type=int, default=50, help="eager timing (do_bench)")
+    p.add_argument("--sweep", action="store_true", help="search block_m x gate_up tiles, then down tiles")
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    return p.parse_args(argv)
+
+
+def _git(*cmd: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "git_commit": os.environ.get("G4SERVE_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "device_name": torch.cuda.get_device_name(0),
+        "device_sm_count": props.multi_processor_count,
+        "torch_version": torch.__version__,
+        "triton_version": triton.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def graph_ms(calls: list[Callable[[], object]], args) -> float:
+    """Median time of one call, replayed from a CUDA graph that cycles over ``calls``."""
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    per_graph = max(len(calls), args.calls_per_graph)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(args.graph_replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / per_graph)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> dict:
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    top_k = args.top_k
+    n = num_tokens * top_k
+    scale = torch.rand(num_experts, device="cuda").add_(0.5).bfloat16()
+    inputs = []
+    for _ in range(args.copies):
+        logits = torch.randn(num_tokens, num_experts, device="cuda").bfloat16()
+        weights, experts = moe_route_reference(logits, scale, top_k)
+        x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+        inputs.append((x, experts, weights, logits))
+    touched = sum(torch.unique(e).numel() for _, e, _, _ in inputs) / len(inputs)
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    weight_bytes = touched * expert_bytes
+    flops = 2 * n * (two_inter * hidden + hidden * inter)
+    tiles = moe_tiles(n, num_experts)
+
+    def fused_calls(cfg: MoETiles | None = None):
+        return [lambda x=x, e=e, w=w: fused_moe(x, gate_up, down, e, w, activation, tiles=cfg)
+                for x, e, w, _ in inputs]
+
+    fused_graph = graph_ms(fused_calls(), args)
+    x0, e0, w0, l0 = inputs[0]
+    fused_eager = do_bench(fused_calls()[0], warmup=args.warmup_ms, rep=args.rep_ms)
+    reference_eager = do_bench(lambda: fused_moe_reference(x0, gate_up, down, e0, w0, activation),
+                               warmup=args.warmup_ms, rep=args.rep_ms)
+
+    # pieces, each from a graph over the copies
+    align_kernel = graph_ms([lambda e=e: moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs],
+                            args)
+    align_torch = graph_ms([lambda e=e: moe_align(e, num_experts, tiles.block_m) for _, e, _, _ in inputs], args)
+    aligned = [moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs]
+    hidden_act = torch.empty(n, inter, dtype=x0.dtype, device="cuda")
+    per_slot = torch.empty(n, hidden, dtype=x0.dtype, device="cuda")
+    gemm1 = graph_ms([lambda x=x, a=a: _grouped_gemm(x, gate_up, hidden_act, inter, *a, tiles.block_m, tiles.gate_up,
+                                                     a_row_div=top_k, activation=activation)
+                      for (x, _, _, _), a in zip(inputs, aligned, strict=True)], args)
+    gemm2 = graph_ms([lambda w=w, a=a: _grouped_gemm(hidden_act, down, per_slot, hidden, *a, tiles.block_m,
+                                                     tiles.down, a_row_div=1, route_weights=w.reshape(-1))
+                      for (_, _, w, _), a in zip(inputs, aligned, strict=True)], args)
+    route_kernel = graph_ms([lambda lg=lg: moe_route(lg, scale, top_k) for _, _, _, lg in inputs], args)
+    route_torch = graph_ms([lambda lg=lg: moe_route_reference(lg, scale, top_k) for _, _, _, lg in inputs], args)
+
+    row = {
+        "tokens": num_tokens, "assignments": n, "experts_touched_mean": touched,
+        "tiles": _tiles_dict(tiles),
+        "fused_graph_ms": fused_graph, "fused_eager_ms": fused_eager, "reference_eager_ms": reference_eager,
+        "speedup_graph_vs_reference": reference_eager / fused_graph,
+        "align_kernel_ms": align_kernel, "align_torch_ms": align_torch,
+        "gate_up_gemm_ms": gemm1, "down_gemm_ms": gemm2,
+        "route_kernel_ms": route_kernel, "route_torch_ms": route_torch,
+        "weight_bytes": weight_bytes, "achieved_weight_gb_per_s": weight_bytes / fused_graph / 1e6,
+        "gemms_weight_gb_per_s": weight_bytes / (gemm1 + gemm2) / 1e6,
+        "achieved_tflop_per_s": flops / fused_graph / 1e9,
+    }
+    if args.sweep:
+        row["sweep"] = sweep(args, fused_calls, n, num_experts)
+    return row
+
+
+def _tiles_dict(t: MoETiles) -> dict:
+    return {"block_m": t.block_m, "gate_up": vars(t.gate_up), "down": vars(t.down)}
+
+
+def sweep(args, fused_calls, n: int, num_experts: int) -> dict:
+    """Coordinate search: block_m x gate_up tiles (down tiles fixed), then the down tiles."""
+    default = moe_tiles(n, num_experts)
+    trials = []
+
+    def trial(cfg: MoETiles) -> float:
+        try:
+            ms = graph_ms(fused_calls(cfg), args)
+        except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
+            print(f"    {_tiles_dict(cfg)}: {type(exc).__name__}")
+            return float("inf")
+        trials.append({"tiles": _tiles_dict(cfg), "fused_graph_ms": ms})
+        return ms
+
+    best = min(((trial(MoETiles(bm, g, default.down)), MoETiles(bm, g, default.down))
+                for bm in (16, 32, 64) for g in GATE_UP_TILES), key=lambda p: p[0])
+    best = min([best] + [(trial(MoETiles(best[1].block_m, best[1].gate_up, d)),
+                          MoETiles(best[1].block_m, best[1].gate_up, d)) for d in DOWN_TILES], key=lambda p: p[0])
+    return {"best": _tiles_dict(best[1]), "best_ms": best[0], "trials": trials}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/moe_kernels.py needs a CUDA device", file=sys.stderr)
+        return 2
+    text = PRESETS[args.preset]().text
+    assert text.enable_moe_block, f"preset {args.preset} has no MoE block"
+    args.top_k = text.top_k_experts
+    env = environment()
+    print(json.dumps(env, indent=2))
+    gen = torch.Generator("cuda").manual_seed(0)
+    e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size
+    gate_up = torch.randn(e, 2 * i, h, device="cuda", generator=gen).mul_(h**-0.5).bfloat16()
+    down = torch.randn(e, h, i, device="cuda", generator=gen).mul_(i**-0.5).bfloat16()
+    torch.cuda.synchronize()
+    rows = []
+    for t in args.tokens:
+        row = bench_tokens(args, t, gate_up, down, text.hidden_activation)
+        rows.append(row)
+        print(f"T={t:5d} fused {row['fused_graph_ms'] * 1e3:8.1f} us (graph) {row['fused_eager_ms'] * 1e3:8.1f} us "
+              f"(eager) | loop {row['reference_eager_ms'] * 1e3:8.1f} us | x{row['speedup_graph_vs_reference']:.1f}"
+              + (f" | sweep best {row['sweep']['best_ms'] * 1e3:.1f} us" if args.sweep else ""), flush=True)
+
+    print(f"\n{args.preset}: E={e} top-k={args.top_k} H={h} I={i} bf16, times in us "
+          f"(graph = replayed from a CUDA graph)")
+    cols = ["T", "fused", "eager", "loop", "speedup", "align_k", "align_t", "gemm1", "gemm2", "route_k",
+            "route_t", "experts", "GB/s", "TFLOP/s"]
+    print("".join(f"{c:>9s}" for c in cols))
+    for r in rows:
+        vals = [r["tokens"], r["fused_graph_ms"] * 1e3, r["fused_eager_ms"] * 1e3, r["reference_eager_ms"] * 1e3,
+                r["speedup_graph_vs_reference"], r["align_kernel_ms"] * 1e3, r["align_torch_ms"] * 1e3,
+                r["gate_up_gemm_ms"] * 1e3, r["down_gemm_ms"] * 1e3, r["route_kernel_ms"] * 1e3,
+                r["route_torch_ms"] * 1e3, r["experts_touched_mean"], r["achieved_weight_gb_per_s"],
+                r["achieved_tflop_per_s"]]
+        print("".join(f"{v:9d}" if isinstance(v, int) else f"{v:9.1f}" for v in vals))
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    device = env["device_name"].lower().replace(" ", "-")
+    path = out_dir / f"moe_kernels_{stamp}_{device}_{args.preset}.json"
+    units = {"*_ms": "milliseconds per call", "weight_bytes": "bytes of expert weights the batch touches",
+             "*_gb_per_s": "1e9 bytes/s of touched expert weights", "achieved_tflop_per_s": "1e12 FLOP/s"}
+    path.write_text(json.dumps({"environment": env, "preset": args.preset, "dtype": "bfloat16",
+                                "shapes": {"experts": e, "top_k": args.top_k, "hidden": h, "intermediate": i},
+                                "units": units, "results": rows}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

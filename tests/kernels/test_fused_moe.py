@@ -1,0 +1,183 @@
+"""The MoE kernels (alignment, grouped expert GEMMs, routing) against their torch references, in Triton's
+interpreter on CPU tensors, at tiny shapes: fp32 to rounding noise, bf16 to a bf16 step or two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.kernels import fused_moe as fused_moe_module
+from g4serve.kernels.fused_moe import (
+    GemmTiles,
+    MoETiles,
+    fused_moe,
+    fused_moe_reference,
+    moe_align,
+    moe_align_kernel,
+    moe_tiles,
+)
+from g4serve.kernels.moe_route import moe_route, moe_route_reference
+from g4serve.layers.moe import MoEExperts, MoERouter
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Small tiles so that the interpreter sees several N tiles, a ragged K (I=48 over BLOCK_K=32) and experts
+# spanning more than one block.
+SMALL = MoETiles(16, GemmTiles(16, 32, 4, 2), GemmTiles(32, 32, 4, 2))
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator, skew: str | None = None):
+    """(experts [T, k] int64, weights [T, k] fp32): k distinct experts per token.
+
+    skew "one": every token's first expert is expert 1 (one expert takes all tokens);
+    "unused": expert 0 and the last expert never appear."""
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if skew == "one":
+        scores[:, 1] = 2.0
+    elif skew == "unused":
+        scores[:, 0] = scores[:, -1] = -1.0
+    weights, experts = torch.topk(scores, top_k, dim=-1)
+    return experts, (weights / weights.sum(-1, keepdim=True)).float()
+
+
+def _weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, gen: torch.Generator):
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def _check_alignment(experts: torch.Tensor, num_experts: int, block_m: int, sorted_ids, block_expert) -> None:
+    n = experts.numel()
+    flat = experts.reshape(-1)
+    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    assert sorted_ids.shape == (num_blocks * block_m,) and block_expert.shape == (num_blocks,)
+    assert sorted_ids.dtype == block_expert.dtype == torch.int32
+    real = sorted_ids[sorted_ids != n]
+    # every assignment exactly once, every other slot the sentinel
+    assert torch.equal(real.sort().values, torch.arange(n, dtype=torch.int32))
+    assert ((sorted_ids >= 0) & (sorted_ids <= n)).all()
+    blocks = sorted_ids.view(num_blocks, block_m)
+    used = block_expert >= 0
+    # the used blocks come first, experts ascending; each holds one expert's assignments (token order)
+    assert not used[used.long().cumsum(0) < torch.arange(1, num_blocks + 1)].any()
+    assert (block_expert[used].diff() >= 0).all()
+    for b in range(num_blocks):
+        ids = blocks[b][blocks[b] != n].long()
+        if not used[b]:
+            assert ids.numel() == 0
+            continue
+        assert ids.numel() > 0 and (flat[ids] == block_expert[b]).all()
+        assert (ids.diff() > 0).all()
+    # each expert's run: ceil(count / block_m) blocks
+    counts = torch.bincount(flat, minlength=num_experts)
+    runs = torch.bincount(block_expert[used].long(), minlength=num_experts)
+    assert torch.equal(runs, (counts + block_m - 1) // block_m)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,skew", [
+    (1, 4, 2, 16, None), (5, 8, 2, 16, None), (17, 8, 2, 16, "one"), (17, 8, 2, 16, "unused"),
+    (33, 8, 2, 32, None), (40, 128, 8, 16, None), (3, 4, 1, 16, None)])
+def test_moe_align_invariants(num_tokens, num_experts, top_k, block_m, skew):
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts, _ = _routing(num_tokens, num_experts, top_k, gen, skew)
+    sorted_ids, block_expert = moe_align(experts, num_experts, block_m)
+    _check_alignment(experts, num_experts, block_m, sorted_ids, block_expert)
+    # the one-program kernel: the same alignment, bit for bit (int32 ids too)
+    for ids in (experts, experts.int()):
+        k_ids, k_blocks = moe_align_kernel(ids, num_experts, block_m)
+        assert torch.equal(k_ids, sorted_ids) and torch.equal(k_blocks, block_expert)
+
+
+def test_moe_align_skewed_counts():
+    # all 17 tokens pick expert 1 -> its run is 2 blocks (32 slots, 15 padding); experts 0 and 3 are unused
+    experts = torch.tensor([[1, 2]] * 17)
+    for align in (moe_align, moe_align_kernel):
+        sorted_ids, block_expert = align(experts, 4, 16)
+        assert block_expert.tolist()[:4] == [1, 1, 2, 2] and (block_expert[4:] == -1).all()
+        assert sorted_ids[:17].tolist() == list(range(0, 34, 2)) and (sorted_ids[17:32] == 34).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 17])
+@pytest.mark.parametrize("num_experts,hidden,inter,activation,skew", [
+    (4, 32, 16, "gelu_pytorch_tanh", None),
+    (8, 64, 48, "gelu_pytorch_tanh", "unused"),
+    (8, 32, 48, "silu", "one"),
+])
+def test_fused_moe_vs_reference(dtype, num_tokens, num_experts, hidden, inter, activation, skew):
+    gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
+    experts, weights = _routing(num_tokens, num_experts, 2, gen, skew)
+    gate_up, down = _weights(num_experts, hidden, inter, dtype, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    out = fused_moe(x, gate_up, down, experts, weights, activation, tiles=SMALL)
+    ref = fused_moe_reference(x, gate_up, down, experts, weights, activation)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.bfloat16:
+        # Rounded where the model rounds (round-to-nearest-even), and with k=2 the reference's bf16
+        # index_add rounds the pair's sum once, as the fp32 sum does: equal bits except where a different
+        # fp32 summation order flips an intermediate rounding.
+        assert (out == ref).float().mean() >= 0.98
+
+
+def test_fused_moe_default_tiles_torch_align_and_chunks(monkeypatch):
+    """The H100 tiles (BLOCK_K past H, BLOCK_N past I: masked), the torch alignment, and token chunks."""
+    gen = torch.Generator().manual_seed(3)
+    experts, weights = _routing(11, 8, 2, gen)
+    gate_up, down = _weights(8, 64, 48, torch.float32, gen)
+    x = torch.randn(11, 64, generator=gen)
+    ref = fused_moe_reference(x, gate_up, down, experts, weights, "gelu_pytorch_tanh")
+    assert moe_tiles(22, 8).block_m == 16
+    out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(fused_moe_module, "CHUNK_TOKENS", 4)
+    out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, align_kernel_max=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_routing_weights_and_empty_batch():
+    gen = torch.Generator().manual_seed(4)
+    experts, weights = _routing(5, 4, 2, gen)
+    gate_up, down = _weights(4, 32, 16, torch.float32, gen)
+    x = torch.randn(5, 32, generator=gen)
+    # zero weight on slot 1: only slot 0's expert counts
+    only_first = weights * torch.tensor([1.0, 0.0])
+    out = fused_moe(x, gate_up, down, experts, only_first, "silu", tiles=SMALL)
+    ref = fused_moe_reference(x, gate_up, down, experts[:, :1], only_first[:, :1], "silu")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    empty = fused_moe(x[:0], gate_up, down, experts[:0], weights[:0], "silu")
+    assert empty.shape == (0, 32)
+
+
+def _distinct_logits(num_tokens: int, num_experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Logits without ties (exact in bf16): at a tie the kernel takes the lowest id, torch.topk any."""
+    rows = [torch.randperm(num_experts, generator=gen).float() / 16 for _ in range(num_tokens)]
+    return torch.stack(rows) - 4.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 128, 8), (3, 4, 4)])
+def test_moe_route_vs_reference(dtype, num_tokens, num_experts, top_k):
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = _distinct_logits(num_tokens, num_experts, gen).to(dtype)
+    scale = (torch.rand(num_experts, generator=gen) + 0.5).to(dtype)
+    weights, experts = moe_route(logits, scale, top_k)
+    ref_weights, ref_experts = moe_route_reference(logits, scale, top_k)
+    assert weights.dtype == ref_weights.dtype == torch.float32 and experts.dtype == ref_experts.dtype
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+
+
+def test_moe_layers_on_cpu_are_the_reference():
+    """CPU modules keep the torch path (bit-exact with transformers): the same values as the references."""
+    gen = torch.Generator().manual_seed(5)
+    router = MoERouter(32, 8, 2, 1e-6)
+    experts_layer = MoEExperts(8, 32, 16, "gelu_pytorch_tanh")
+    with torch.no_grad():
+        for p in (*router.parameters(), *experts_layer.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        x = torch.randn(6, 32, generator=gen)
+        weights, experts = router(x)
+        out = experts_layer(x, experts, weights)
+    ref = fused_moe_reference(x, experts_layer.gate_up_proj.detach(), experts_layer.down_proj.detach(),
+                              experts, weights, "gelu_pytorch_tanh")
+    assert torch.equal(out, ref)
