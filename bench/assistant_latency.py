@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> dict:
         figures: dict = {}
-        await assistant.warmup()
+        await assistant.warmup(audio=not args.no_audio)
         t = time.perf_counter()
         # Fast path alone: without the model attached, so no turn waits on it.
         extractor, assistant.extractor = assistant.extractor, None

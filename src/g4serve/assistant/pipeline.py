@@ -196,11 +196,12 @@ class Assistant:
     def close(self) -> None:
         self._audio_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def warmup(self) -> None:
-        """Load the VAD and ASR models and compile the extraction grammars before the first user turn."""
-        recognizer = self.recognizer  # builds the vocabulary on this thread (it reads the database)
-        silence = np.zeros(SAMPLE_RATE // 2, dtype=np.float32)
-        await self.in_audio_thread(lambda: (self.vad().trim(silence), recognizer.transcribe(silence)))
+    async def warmup(self, audio: bool = True) -> None:
+        """Load the VAD and ASR models (``audio``) and compile the extraction grammars before the first turn."""
+        if audio:
+            recognizer = self.recognizer  # builds the vocabulary on this thread (it reads the database)
+            silence = np.zeros(SAMPLE_RATE // 2, dtype=np.float32)
+            await self.in_audio_thread(lambda: (self.vad().trim(silence), recognizer.transcribe(silence)))
         if self.extractor is not None:
             await self.extractor.warmup()
 
