@@ -219,16 +219,22 @@ def plot_runs(out_dir: Path, runs: Sequence[tuple[str, Sequence[dict[str, Any]]]
     written = []
     for filename, y, ylabel, scale in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+        values = []
         for label, points in runs:
             xy = [(p.get(key), p.get(y)) for p in points if p.get(key) is not None and p.get(y) is not None]
             if xy:
                 xs, ys = zip(*sorted(xy))
+                values += [v * scale for v in ys]
                 ax.plot(xs, [v * scale for v in ys], marker="o", label=label)
         ax.set_xlabel("request rate (QPS)" if key == "rate_qps" else "concurrency")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{title + ': ' if title else ''}{ylabel} vs {'QPS' if key == 'rate_qps' else 'concurrency'}")
         ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
+        positive = [v for v in values if v > 0]
+        if positive and max(positive) / min(positive) > 50:
+            ax.set_yscale("log")  # systems orders of magnitude apart: a linear axis flattens the faster one
+        else:
+            ax.set_ylim(bottom=0)
         if runs:
             ax.legend()
         fig.tight_layout()
