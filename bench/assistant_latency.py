@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from g4serve.assistant.db import demo_db
     from g4serve.assistant.pipeline import Assistant
-    from g4serve.bench.cli import device_name, git_commit
+    from g4serve.bench.meta import device_name, git_commit
 
     if args.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -23,10 +23,8 @@ import argparse
 import datetime as dt
 import itertools
 import json
-import os
 import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from g4serve.bench.meta import git_commit
 from g4serve.kernels.paged_decode import decode_config, decode_num_splits, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention, prefill_config
 
@@ -68,18 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _git(*cmd: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=True)
-        return done.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
 
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     return {
-        "git_commit": os.environ.get("G4SERVE_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_commit": git_commit(),
         "device_name": torch.cuda.get_device_name(0),
         "device_sm_count": props.multi_processor_count,
         "torch_version": torch.__version__,

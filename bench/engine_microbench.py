@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -26,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from g4serve.bench.meta import git_commit
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.sampling_params import SamplingParams
 
@@ -172,14 +171,6 @@ def host_profile_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: i
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
     return f"batch {batch}, {steps} decode steps\n" + text.getvalue()
 
-
-def git_commit() -> str | None:
-    if os.environ.get("G4SERVE_GIT_COMMIT"):  # the device's copy of the tree carries a stale .git
-        return os.environ["G4SERVE_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -41,6 +39,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from g4serve.bench.meta import git_commit
 
 
 def build(preset_name: str, device: str, dtype: torch.dtype, seed: int):
@@ -105,15 +105,6 @@ def deadline(seconds: float | None):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
-
-def git_commit() -> str | None:
-    if os.environ.get("G4SERVE_GIT_COMMIT"):  # the device's copy of the tree carries a stale .git
-        return os.environ["G4SERVE_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _ints(text: str) -> list[int]:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -23,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from g4serve.bench.meta import git_commit
 
 
 def _sync(device: torch.device) -> None:
@@ -42,14 +42,6 @@ def _time(fn, device: torch.device, reps: int, warmup: int = 3) -> list[float]:
         times.append(time.perf_counter() - t0)
     return times
 
-
-def git_commit() -> str | None:
-    if os.environ.get("G4SERVE_GIT_COMMIT"):
-        return os.environ["G4SERVE_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,51 @@
+"""Where a benchmark ran: the commit of the tree and the device's name, for every result file."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> str | None:
+    """$G4SERVE_GIT_COMMIT when set (a copy of the tree whose .git is missing or stale, as on the device
+    machine), else HEAD of the g4serve checkout (``+dirty`` with local changes)."""
+    if os.environ.get("G4SERVE_GIT_COMMIT"):
+        return os.environ["G4SERVE_GIT_COMMIT"]
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device: str | None = None) -> str:
+    """The GPU's name (torch.cuda) when one is used or available, else the CPU model from /proc/cpuinfo."""
+    if device is None or device.startswith("cuda"):
+        name = _cuda_name(device)
+        if name:
+            return name
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU: {platform.processor() or platform.machine()}"
+
+
+def _cuda_name(device: str | None) -> str | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        index = torch.device(device).index if device and ":" in device else 0
+        return f"{torch.cuda.get_device_name(index)} (x{torch.cuda.device_count()})"
+    except Exception:  # noqa: BLE001 - no torch (a client-only box) or no driver: name the CPU instead
+        return None
