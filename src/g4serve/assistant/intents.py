@@ -235,7 +235,9 @@ class IntentClassifier:
         if intent != "recent_transactions":
             entities.pop("limit", None)
 
-        return IntentResult(intent, round(confidence, 3), entities, candidates, bool(reasons),
+        # A missing amount is not ambiguity: no model can supply it, the policy asks "how much?".
+        needs_llm = any(r != MISSING_AMOUNT for r in reasons)
+        return IntentResult(intent, round(confidence, 3), entities, candidates, needs_llm,
                             "; ".join(reasons) or None, rules, _rounded(scores))
 
     def _boost(self, scores: dict[str, float], rules: list[str], normalized: Normalized,
