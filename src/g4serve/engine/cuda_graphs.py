@@ -53,8 +53,10 @@ class _GraphRunner:
     """
 
     def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
-                 max_model_len: int, sizes: list[int], max_seqs: int, device: torch.device, capture: bool):
+                 max_model_len: int, sizes: list[int], max_seqs: int, device: torch.device, capture: bool,
+                 decodable_vocab_size: int | None = None):
         self.model = model
+        self.decodable_vocab_size = decodable_vocab_size  # the greedy argmax skips ids past it
         self.backend = backend
         self.pools = list(pools)
         self.block_size = block_size
@@ -75,7 +77,7 @@ class _GraphRunner:
         self._long_staged = torch.empty_like(self._long_host, device=device)
         self._int_staged = torch.empty_like(self._int_host, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bucket(self, size: int) -> int | None:
         """The smallest captured size that holds ``size``, or None if none does."""
@@ -85,7 +87,13 @@ class _GraphRunner:
         return None
 
     def _forward(self, n: int) -> torch.Tensor:
+        """Logits of the padded step of size ``n``."""
         raise NotImplementedError
+
+    def _forward_and_argmax(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The greedy choice rides along in the graph: an all-greedy step then needs no sampling launches.
+        logits = self._forward(n)
+        return logits, logits[:, : self.decodable_vocab_size].argmax(dim=-1)
 
     def _pack_tables(self, tables: dict[str, list[list[int]]], num_seqs: int, rows: int,
                      token_pos: np.ndarray, token_seq: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -127,21 +135,22 @@ class _GraphRunner:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
             for _ in range(2):  # JIT-compiles kernels and settles cuBLAS heuristics outside the capture
-                self._forward(n)
+                self._forward_and_argmax(n)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[n] = self._forward(n)
+                self._outputs[n] = self._forward_and_argmax(n)
             self._graphs[n] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d %s CUDA graphs (sizes %s) in %.1fs", len(self._graphs), type(self).__name__,
                  ",".join(map(str, self.sizes)), time.monotonic() - t0)
 
-    def _replay(self, n: int) -> torch.Tensor:
+    def _replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, greedy token ids) of the padded step, from the graph when captured."""
         if n in self._graphs:
             self._graphs[n].replay()
             return self._outputs[n]
-        return self._forward(n)
+        return self._forward_and_argmax(n)
 
 
 class DecodeGraphRunner(_GraphRunner):
@@ -150,9 +159,10 @@ class DecodeGraphRunner(_GraphRunner):
     count at capture time."""
 
     def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
-                 max_model_len: int, batch_sizes: list[int], device: torch.device, capture: bool):
+                 max_model_len: int, batch_sizes: list[int], device: torch.device, capture: bool,
+                 decodable_vocab_size: int | None = None):
         super().__init__(model, backend, pools, block_size, max_model_len, batch_sizes, max(batch_sizes), device,
-                         capture)
+                         capture, decodable_vocab_size)
         self.batch_sizes = self.sizes
         self.max_batch = self.max_size
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
@@ -178,9 +188,11 @@ class DecodeGraphRunner(_GraphRunner):
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: list[int], tables: dict[str, list[list[int]]]) -> torch.Tensor:
-        """One decode step for ``len(token_ids)`` sequences -> logits [B, V] (a view of the graph's output,
-        valid until the next step). ``tables[pool][i]``: sequence i's blocks in position order (-1: freed)."""
+    def run(self, token_ids: list[int], positions: list[int],
+            tables: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for ``len(token_ids)`` sequences -> logits [B, V] and greedy ids [B] (views of the
+        graph's outputs, valid until the next step). ``tables[pool][i]``: sequence i's blocks in position
+        order (-1: freed)."""
         b = len(token_ids)
         n = self.bucket(b)
         assert n is not None, f"batch {b} exceeds the largest decode graph ({self.max_batch})"
@@ -192,7 +204,8 @@ class DecodeGraphRunner(_GraphRunner):
         pos = np.asarray(positions, dtype=np.int64)
         staged = self._pack_tables(tables, b, n, pos, np.arange(b), tokens[2:, :b])
         self._upload(tokens, staged)
-        return self._replay(n)[:b]
+        logits, greedy = self._replay(n)
+        return logits[:b], greedy[:b]
 
 
 class MixedGraphRunner(_GraphRunner):
@@ -203,8 +216,9 @@ class MixedGraphRunner(_GraphRunner):
 
     def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
                  max_model_len: int, token_buckets: list[int], max_seqs: int, device: torch.device, capture: bool,
-                 yoco: bool = True):
-        super().__init__(model, backend, pools, block_size, max_model_len, token_buckets, max_seqs, device, capture)
+                 yoco: bool = True, decodable_vocab_size: int | None = None):
+        super().__init__(model, backend, pools, block_size, max_model_len, token_buckets, max_seqs, device, capture,
+                         decodable_vocab_size)
         self.max_tokens = self.max_size
         self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
         s = max_seqs
@@ -249,9 +263,10 @@ class MixedGraphRunner(_GraphRunner):
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], computed: list[int], query_lens: list[int],
-            tables: dict[str, list[list[int]]]) -> torch.Tensor:
+            tables: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
-        logits [num_seqs, V], row i for sequence i's last new token (a view, valid until the next step)."""
+        logits [num_seqs, V] and greedy ids [num_seqs], row i for sequence i's last new token (views,
+        valid until the next step)."""
         t, b = len(token_ids), len(query_lens)
         n = self.bucket(t)
         assert n is not None and b <= self.max_seqs, f"{t} tokens / {b} sequences exceed the mixed graphs"
@@ -284,7 +299,8 @@ class MixedGraphRunner(_GraphRunner):
         self._last_rows.copy_(self._long_staged[k : k + s])
         self._query_start.copy_(self._int_staged[m : m + s + 1])
         self._seq_lens.copy_(self._int_staged[m + s + 1 : m + 2 * s + 1])
-        return self._replay(n)[:b]
+        logits, greedy = self._replay(n)
+        return logits[:b], greedy[:b]
 
 
 class VisionGraphRunner:

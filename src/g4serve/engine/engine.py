@@ -194,6 +194,7 @@ class LLMEngine:
         return DecodeGraphRunner(
             self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
             batch_sizes_up_to(max_batch), self.device, capture=capture,
+            decodable_vocab_size=self.runner.decodable_vocab_size,
         )
 
     def mixed_graph_runner(self, capture: bool) -> MixedGraphRunner:
@@ -202,7 +203,7 @@ class LLMEngine:
         return MixedGraphRunner(
             self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
             token_buckets_up_to(self.config.max_num_batched_tokens), self.config.max_num_seqs, self.device,
-            capture=capture, yoco=self.config.fast_prefill,
+            capture=capture, yoco=self.config.fast_prefill, decodable_vocab_size=self.runner.decodable_vocab_size,
         )
 
     def _attention_backend(self):

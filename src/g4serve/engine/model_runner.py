@@ -108,16 +108,17 @@ class ModelRunner:
                 and len(token_ids) <= decode.max_batch:
             # A pure decode step: one text token per sequence, every one sampled.
             self.num_graph_steps += 1
-            return StepResult(sampled, self._sample(sampled, decode.run(token_ids, computed, tables)))
+            return StepResult(sampled, self._sample(sampled, *decode.run(token_ids, computed, tables)))
         if not mm_rows and mixed is not None and len(token_ids) <= mixed.max_tokens \
                 and len(batch.requests) <= mixed.max_seqs:
-            logits = mixed.run(token_ids, computed, batch.num_new_tokens, tables)
+            logits, greedy = mixed.run(token_ids, computed, batch.num_new_tokens, tables)
             self.num_graph_steps += 1
             if not sampled:
                 return StepResult([], None)
             if len(sampled) < len(batch.requests):  # rows of sequences still mid-prompt are dropped
-                logits = logits[torch.tensor(sampled_seqs, device=self.device)]
-            return StepResult(sampled, self._sample(sampled, logits))
+                rows = torch.tensor(sampled_seqs, device=self.device)
+                logits, greedy = logits[rows], greedy[rows]
+            return StepResult(sampled, self._sample(sampled, logits, greedy))
         meta = contiguous_metadata(computed, batch.num_new_tokens, tables, self.block_size, self.device, spans)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         mm_embeds = torch.cat(mm_rows) if mm_rows else None
@@ -130,7 +131,12 @@ class ModelRunner:
             hidden = hidden[torch.tensor(keep, device=self.device)]
         return StepResult(sampled, self._sample(sampled, self.model.compute_logits(hidden)))
 
-    def _sample(self, sampled: list[Request], logits: torch.Tensor) -> SamplerOutput:
+    def _sample(self, sampled: list[Request], logits: torch.Tensor,
+                greedy: torch.Tensor | None = None) -> SamplerOutput:
+        """Sample one token per row. ``greedy``: the argmax over the decodable ids, already computed (inside
+        a CUDA graph); a batch of plain greedy requests takes it as is."""
+        if greedy is not None and all(_plain_greedy(r) for r in sampled):
+            return SamplerOutput(greedy, None, None, None)
         # Grammar masks are built on the CPU while the device still runs the forward. Stop tokens wait
         # for min_tokens and ignore_eos unless the grammar allows nothing else; near max_tokens the
         # grammar is steered to close in time.
@@ -155,3 +161,11 @@ class ModelRunner:
             allowed=allowed,
         )
         return sample(logits, sampling)
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy with nothing that reshapes the logits or asks for them: no grammar, penalties, withheld stop
+    tokens or logprobs."""
+    p = request.sampling_params
+    return (p.greedy and request.grammar is None and p.logprobs is None and not request.min_tokens_pending
+            and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty)
