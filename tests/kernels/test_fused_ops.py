@@ -63,6 +63,24 @@ def test_norm_rope_on_a_strided_view(dtype, head_dim, partial):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_axial_sections(dtype):
+    """The vision tower's q/k norm + axial RoPE: x and y halves of the head rotated separately."""
+    from g4serve.layers.rotary import vision_cos_sin, vision_inv_freq
+
+    gen = torch.Generator().manual_seed(3)
+    t, heads, head_dim = 7, 2, 32
+    x = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
+    w = torch.randn(head_dim, generator=gen).to(dtype)
+    xy = torch.randint(0, 40, (1, t, 2), generator=gen)
+    cos, sin = vision_cos_sin(xy, vision_inv_freq(100.0, head_dim), dtype)
+    cos, sin = cos[0], sin[0]
+    _close(norm_rope(x, w, 1e-6, cos, sin, sections=2), norm_rope_reference(x, w, 1e-6, cos, sin, sections=2), dtype)
+    # and a single section is not the same rotation
+    assert not torch.allclose(norm_rope(x, w, 1e-6, cos, sin).float(),
+                              norm_rope_reference(x, w, 1e-6, cos, sin, sections=2).float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "silu"])
 def test_act_mul(dtype, activation):
     gen = torch.Generator().manual_seed(1)

@@ -30,3 +30,17 @@ def test_fused_projections_match(hf_checkpoint, variant):
     assert any(a.qkv_proj is not None for a in attn)
     assert all(a.q_proj is None for a in attn if a.qkv_proj is not None)
     torch.testing.assert_close(_logits(model, ids), before, atol=1e-5, rtol=0)
+
+
+def test_unbounded_clipping_is_dropped_and_bounded_kept():
+    from g4serve.models.gemma4.multimodal import ClippableLinear
+
+    unbounded, bounded = ClippableLinear(8, 4, True), ClippableLinear(8, 4, True)
+    bounded.output_max.fill_(0.1)
+    x = torch.randn(3, 8)
+    before = unbounded(x)
+    unbounded.drop_unbounded_clipping()
+    bounded.drop_unbounded_clipping()
+    assert not unbounded.use_clipping and bounded.use_clipping
+    assert torch.equal(unbounded(x), before)
+    assert bounded(x).max() <= 0.1

@@ -119,7 +119,7 @@ class LLMEngine:
         )
         self.model_config = self.model.cfg
         if self.device.type == "cuda":
-            self.model.language_model.fuse_projections()
+            self.model.prepare_fast_path()
         if is_preset:
             _map_special_tokens(self.model_config, self.tokenizer)
             self.model.init_nonpersistent_buffers()

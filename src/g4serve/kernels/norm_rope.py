@@ -13,72 +13,82 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2
 from g4serve.kernels.rms_norm import rms_norm_reference
-from g4serve.layers.rotary import apply_rope
+from g4serve.layers.rotary import apply_axial_rope, apply_rope
 
 
 def _norm_rope_fn(
     X, W, Cos, Sin, Out,
     eps,
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr,
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st, cos_head_stride,
+    HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr,
 ):
+    # The head row is PARTS pieces of PART dims; RoPE rotates each pair of pieces (2j, 2j+1) as one
+    # rotate_half section: one section is the text models' RoPE, two the vision tower's axial x/y RoPE.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
+    part = tl.arange(0, PARTS)[:, None]
+    col = tl.arange(0, BLOCK_PART)[None, :]
+    mask = (col < PART) & (part < PARTS)
+    offs = part * PART + col
     base = X + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-    y1 = x1 * inv
-    y2 = x2 * inv
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / HEAD_DIM + eps)
+    y = x * inv
     if HAS_W:
-        y1 = y1 * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        y2 = y2 * tl.load(W + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    y1 = y1.to(Out.dtype.element_ty).to(tl.float32)
-    y2 = y2.to(Out.dtype.element_ty).to(tl.float32)
+        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(Out.dtype.element_ty).to(tl.float32)
     if HAS_ROPE:
-        c1 = tl.load(Cos + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(Cos + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(Sin + t * stride_st + offs, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(Sin + t * stride_st + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1)
-        y1, y2 = y1 * c1 - y2 * s1, y2 * c2 + y1 * s2
-    out = Out + t * stride_ot + h * stride_oh
-    tl.store(out + offs, y1.to(Out.dtype.element_ty), mask=mask)
-    tl.store(out + HALF + offs, y2.to(Out.dtype.element_ty), mask=mask)
+        # rotate_half within each section: the first piece takes -(second), the second takes +(first)
+        partner = (part ^ 1) * PART + col
+        yp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * inv
+        if HAS_W:
+            yp = yp * tl.load(W + partner, mask=mask, other=0.0).to(tl.float32)
+        yp = yp.to(Out.dtype.element_ty).to(tl.float32)
+        sign = tl.where(part % 2 == 0, -1.0, 1.0)
+        c = tl.load(Cos + t * stride_ct + h * cos_head_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        sn = tl.load(Sin + t * stride_st + h * cos_head_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * c + sign * yp * sn
+    tl.store(Out + t * stride_ot + h * stride_oh + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
 _norm_rope = DualKernel(_norm_rope_fn)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
-              sin: torch.Tensor | None = None) -> torch.Tensor:
+              sin: torch.Tensor | None = None, sections: int = 1) -> torch.Tensor:
     """x [T, H, D] (unit last stride) -> rms_norm over D (times ``weight``), then RoPE with cos/sin [T, D]
-    when given; a new contiguous [T, H, D] in x's dtype."""
+    when given (``sections`` 2: the vision tower's axial RoPE, each half of D rotated on its own); a new
+    contiguous [T, H, D] in x's dtype."""
     num_tokens, num_heads, head_dim = x.shape
-    assert x.stride(-1) == 1 and head_dim % 2 == 0
+    assert x.stride(-1) == 1 and head_dim % (2 * sections) == 0
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     has_rope = cos is not None
     if has_rope:
         assert cos.stride(-1) == 1 and sin.stride(-1) == 1
-    half = head_dim // 2
+    parts = 2 * sections if has_rope else 2
+    part = head_dim // parts
     _norm_rope[x.device][(num_tokens, num_heads)](
         x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out,
         eps, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0,
-        HALF=half, BLOCK_HALF=next_pow2(half), HAS_W=weight is not None, HAS_ROPE=has_rope,
+        cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0, 0,
+        HEAD_DIM=head_dim, PARTS=parts, PART=part, BLOCK_PART=next_pow2(part),
+        HAS_W=weight is not None, HAS_ROPE=has_rope,
         num_warps=1 if head_dim <= 256 else 2,
     )
     return out
 
 
 def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
-                        sin: torch.Tensor | None = None) -> torch.Tensor:
+                        sin: torch.Tensor | None = None, sections: int = 1) -> torch.Tensor:
     y = rms_norm_reference(x, weight, eps)
-    return apply_rope(y, cos, sin) if cos is not None else y
+    if cos is None:
+        return y
+    if sections == 1:
+        return apply_rope(y, cos, sin)
+    return apply_axial_rope(y.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)).squeeze(0)
 
 
 __all__ = ["norm_rope", "norm_rope_reference"]

@@ -2,7 +2,7 @@
 5-15 small kernels), the torch reference elsewhere (bit-exact with transformers on the CPU path).
 
 - ``add_rms_norm``: ``(residual + norm(x)) * scale``, optionally with the next norm of the result;
-- ``norm_rope``: per-head q/k norm followed by RoPE (or the v norm alone);
+- ``norm_rope``: per-head q/k norm followed by RoPE or axial RoPE (or the v norm alone);
 - ``act_mul``: the gate activation times the up projection (MLP and PLE gates).
 """
 
@@ -30,11 +30,12 @@ def add_rms_norm(
 
 
 def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor | None = None,
-              sin: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H, D] -> ``apply_rope(norm(x), cos, sin)`` (just ``norm(x)`` without cos/sin)."""
+              sin: torch.Tensor | None = None, sections: int = 1) -> torch.Tensor:
+    """x [T, H, D] -> ``apply_rope(norm(x), cos, sin)`` (just ``norm(x)`` without cos/sin); ``sections=2``:
+    ``apply_axial_rope`` (the vision tower's x/y halves)."""
     if x.is_cuda and x.stride(-1) == 1:
-        return _norm_rope.norm_rope(x, norm.weight, norm.eps, cos, sin)
-    return _norm_rope.norm_rope_reference(x, norm.weight, norm.eps, cos, sin)
+        return _norm_rope.norm_rope(x, norm.weight, norm.eps, cos, sin, sections)
+    return _norm_rope.norm_rope_reference(x, norm.weight, norm.eps, cos, sin, sections)
 
 
 def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

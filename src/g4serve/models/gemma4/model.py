@@ -44,6 +44,16 @@ class Gemma4Model(nn.Module):
             [self.cfg.image_token_id, self.cfg.video_token_id, self.cfg.audio_token_id], device=device
         )
 
+    def prepare_fast_path(self) -> None:
+        """Accelerator weight layout, once after loading: stacked decoder projections, and no clamps in the
+        towers' linears whose bounds are all infinite. The CPU reference path keeps the checkpoint's layout."""
+        from g4serve.models.gemma4.multimodal import ClippableLinear
+
+        self.language_model.fuse_projections()
+        for module in self.modules():
+            if isinstance(module, ClippableLinear):
+                module.drop_unbounded_clipping()
+
     # ---- encoders ------------------------------------------------------------------------
     def encode_images(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Images or video frames [B, N, 3*p*p] -> per item soft tokens [n_i, text_hidden]."""

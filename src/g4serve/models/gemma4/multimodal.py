@@ -21,6 +21,13 @@ class ClippableLinear(nn.Module):
             for name, value in (("input_min", -1), ("input_max", 1), ("output_min", -1), ("output_max", 1)):
                 self.register_buffer(name, torch.tensor(value * float("inf")))
 
+    def drop_unbounded_clipping(self) -> None:
+        """Stop clamping when every bound is infinite (random presets; a checkpoint without calibration):
+        the clamps change nothing and cost four elementwise kernels per call. Done once at load time."""
+        if self.use_clipping and all(torch.isinf(getattr(self, name)).all() for name in
+                                     ("input_min", "input_max", "output_min", "output_max")):
+            self.use_clipping = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_clipping:
             x = torch.clamp(x, self.input_min, self.input_max)
