@@ -123,3 +123,24 @@ def test_vision_graphs_match_eager_encoder(hf_checkpoint):
         assert [g.shape for g in got] == [w.shape for w in want]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_vision_encoder_cuda_matches_cpu_reference(hf_checkpoint):
+    """The vision tower on CUDA (fused norm + axial RoPE, fused residual norms, SDPA) against the CPU
+    reference path, fp32, TF32 off: the same soft tokens to rounding noise."""
+    import numpy as np
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kw = dict(model=str(hf_checkpoint("e")), dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=256)
+    cpu = LLMEngine(EngineConfig(device="cpu", **kw))
+    gpu = LLMEngine(EngineConfig(device="cuda", enforce_eager=True, **kw))
+    rng = np.random.default_rng(1)
+    frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(3)]
+    item = cpu.process_prompt({"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}).mm_items[0]
+    pixels, positions = item.data["pixel_values"], item.data["position_ids"]
+    with torch.inference_mode():
+        want = torch.cat(cpu.model.encode_images(pixels, positions))
+        got = torch.cat(gpu.model.encode_images(pixels.cuda(), positions.cuda())).cpu()
+    diff = (got - want).abs().max().item()
+    print(f"vision fp32 CUDA vs CPU: max |diff| {diff:.2e} (std {want.std().item():.3f})")
+    assert diff < 1e-3 * max(1.0, want.abs().max().item())

@@ -162,6 +162,15 @@ def test_fused_elementwise_kernels_on_e4b_shapes(dtype):
             wq = rand(head_dim)
             torch.testing.assert_close(norm_rope(q, wq, 1e-6, cos, sin).float(),
                                        norm_rope_reference(q, wq, 1e-6, cos, sin).float(), atol=tol, rtol=tol)
+        # the vision tower's q/k norm + axial RoPE (head_dim 64, x/y halves)
+        from g4serve.layers.rotary import vision_cos_sin, vision_inv_freq
+
+        qv = rand(t, 12, 64, s=3)
+        cos, sin = vision_cos_sin(torch.randint(0, 48, (1, t, 2), device="cuda"), vision_inv_freq(100.0, 64), dtype)
+        wv = rand(64)
+        torch.testing.assert_close(norm_rope(qv, wv, 1e-6, cos[0], sin[0], sections=2).float(),
+                                   norm_rope_reference(qv, wv, 1e-6, cos[0], sin[0], sections=2).float(),
+                                   atol=tol, rtol=tol)
         gate_up = rand(t, 2 * 10240, s=3)
         a, b = gate_up[:, :10240], gate_up[:, 10240:]
         torch.testing.assert_close(act_mul("gelu_pytorch_tanh", a, b).float(),
