@@ -103,6 +103,11 @@ def test_fixed_shape_variant_keeps_the_same_tokens(batch):
     assert padded.shape[:2] == used.shape == (pixels.shape[0], pixels.shape[1] // 9)
     assert used.sum(-1).tolist() == batch["num_soft_tokens_per_image"].tolist()
     torch.testing.assert_close(padded[used], ours(pixels, positions), atol=1e-6, rtol=0)
+    # An image cut to its real patches (no padding) gives the same tokens without the attention mask.
+    real = (positions[0] >= 0).all(-1)
+    pix, pos = pixels[0:1, real], positions[0:1, real]
+    unmasked, kept = ours.forward_padded(pix, pos, no_padding=True)
+    torch.testing.assert_close(unmasked[kept], ours(pix, pos), atol=1e-6, rtol=0)
 
 
 @torch.no_grad()

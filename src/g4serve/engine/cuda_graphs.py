@@ -318,12 +318,14 @@ class VisionGraphRunner:
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Same result as ``Gemma4Model.encode_images``: per input, its soft tokens [n_i, text_hidden]."""
-        key = (tuple(pixel_values.shape), pixel_values.dtype)
+        # Frames of one size have no padding patches: their graph runs attention without a mask (flash).
+        no_padding = bool((position_ids >= 0).all())
+        key = (tuple(pixel_values.shape), pixel_values.dtype, no_padding)
         entry = self._graphs.get(key)
         if entry is None and len(self._graphs) < self.max_graphs:
             entry = self._capture(key, pixel_values, position_ids)
         if entry is None:
-            tokens, used = self.model.encode_images_padded(pixel_values, position_ids)
+            tokens, used = self.model.encode_images_padded(pixel_values, position_ids, no_padding)
         else:
             graph, pixels, positions, (tokens, used) = entry
             pixels.copy_(pixel_values)
@@ -335,12 +337,13 @@ class VisionGraphRunner:
     def _capture(self, key: tuple, pixel_values: torch.Tensor, position_ids: torch.Tensor):
         t0 = time.monotonic()
         pixels, positions = pixel_values.clone(), position_ids.clone()
+        no_padding = key[2]
         for _ in range(2):
-            self.model.encode_images_padded(pixels, positions)
+            self.model.encode_images_padded(pixels, positions, no_padding)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.model.encode_images_padded(pixels, positions)
+            outputs = self.model.encode_images_padded(pixels, positions, no_padding)
         self._graphs[key] = entry = (graph, pixels, positions, outputs)
         log.info("captured a vision-encoder CUDA graph for input %s in %.2fs", key[0], time.monotonic() - t0)
         return entry

@@ -200,9 +200,9 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return torch.einsum("hls,shd->lhd", probs, v.float()).to(q.dtype)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
     """Unscaled attention for encoders: q [B, H, N, D], k/v [B, Hkv, M, D], boolean ``attend``
-    broadcastable to [B, H, N, M] -> [B, H, N, D].
+    broadcastable to [B, H, N, M] (None: every key, which lets SDPA pick its flash kernel) -> [B, H, N, D].
 
     On CPU (the fp32 reference path) this is the eager matmul-softmax-matmul of transformers, so
     outputs match it to the bit; on accelerators it is SDPA (flash / memory-efficient kernels).
@@ -213,7 +213,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: t
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3))
-    scores = scores.masked_fill(~attend, torch.finfo(scores.dtype).min)
+    if attend is not None:
+        scores = scores.masked_fill(~attend, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

@@ -64,13 +64,14 @@ class Gemma4Model(nn.Module):
         counts = ((position_ids != -1).all(dim=-1).sum(dim=-1) // k2).tolist()
         return list(torch.split(tokens, counts))
 
-    def encode_images_padded(self, pixel_values: torch.Tensor,
-                              position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_images_padded(self, pixel_values: torch.Tensor, position_ids: torch.Tensor,
+                             no_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``encode_images`` with fixed shapes (for CUDA graphs): soft tokens of every pooling cell
-        [B, L, text_hidden] and the cells that hold one [B, L] (row-wise ops, so the kept rows are the same)."""
+        [B, L, text_hidden] and the cells that hold one [B, L] (row-wise ops, so the kept rows are the same).
+        ``no_padding``: every patch is real (checked by the caller), so attention needs no mask."""
         if self.vision_tower is None:
             raise ValueError("this model was loaded without its vision tower (text-only mode)")
-        tokens, is_used = self.vision_tower.forward_padded(pixel_values, position_ids)
+        tokens, is_used = self.vision_tower.forward_padded(pixel_values, position_ids, no_padding)
         return self.embed_vision(tokens), is_used
 
     def encode_audio(self, features: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:

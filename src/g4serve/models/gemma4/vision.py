@@ -54,7 +54,7 @@ class VisionAttention(nn.Module):
         self.v_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, with_scale=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor | None
     ) -> torch.Tensor:
         B, N, _ = x.shape
         rows, shape = (B * N, -1, self.head_dim), (B, N, -1, self.head_dim)
@@ -95,7 +95,7 @@ class VisionEncoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor | None
     ) -> torch.Tensor:
         # h = h + post_attention_layernorm(attn); x = pre_feedforward_layernorm(h); h = h + post_ff_norm(mlp(x))
         attn = self.self_attn(self.input_layernorm(h), cos, sin, attend)
@@ -117,10 +117,11 @@ class VisionEncoder(nn.Module):
         """Recompute the fp32 RoPE frequencies after the module was materialised from the meta device."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, is_valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, is_valid: torch.Tensor | None) -> torch.Tensor:
+        """``is_valid`` [B, N]: the real patches; None: all are (no mask, so SDPA may take its flash kernel)."""
         cos, sin = vision_cos_sin(positions, self.inv_freq, h.dtype)
         # Bidirectional attention; every query (padding ones too) sees only the image's real patches.
-        attend = is_valid[:, None, None, :]
+        attend = is_valid[:, None, None, :] if is_valid is not None else None
         for layer in self.layers:
             h = layer(h, cos, sin, attend)
         return h
@@ -158,18 +159,19 @@ class Gemma4VisionModel(nn.Module):
         h, is_used = self._pooled(pixel_values, pixel_position_ids)
         return self._finish(h[is_used]).to(h.dtype)
 
-    def forward_padded(self, pixel_values: torch.Tensor,
-                       pixel_position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_padded(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor,
+                       no_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Fixed-shape variant (CUDA graphs): soft tokens for every pooling cell [B, L, hidden] and which
-        cells hold one [B, L]; ``forward`` equals ``out[is_used]``."""
-        h, is_used = self._pooled(pixel_values, pixel_position_ids)
+        cells hold one [B, L]; ``forward`` equals ``out[is_used]``. ``no_padding``: the caller checked that
+        every patch is real (video frames of one size), so attention runs without a mask."""
+        h, is_used = self._pooled(pixel_values, pixel_position_ids, no_padding)
         return self._finish(h).to(h.dtype), is_used
 
-    def _pooled(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor):
+    def _pooled(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor, no_padding: bool = False):
         k = self.cfg.pooling_kernel_size
         is_pad = (pixel_position_ids == -1).all(dim=-1)
         h = self.patch_embedder(pixel_values, pixel_position_ids, is_pad)
-        h = self.encoder(h, pixel_position_ids, ~is_pad)
+        h = self.encoder(h, pixel_position_ids, None if no_padding else ~is_pad)
         h = h.masked_fill(is_pad.unsqueeze(-1), 0.0)
         return avg_pool_by_position(h, pixel_position_ids, k, pixel_values.shape[1] // k**2)
 
