@@ -74,3 +74,38 @@ def test_padded_mixed_steps_match_eager(tiny_model_dir):
         assert run(engine) == expected
         assert engine.runner.num_graph_steps >= 6
         assert engine.kv.prefix_hit_tokens > 0
+
+
+def test_padded_media_steps_match_eager(tiny_model_dir):
+    """Steps that carry image and audio soft tokens through the mixed runner's fixed-shape row buffer and
+    mask, then a text-only step after them (the marks must be cleared): the eager tokens."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    audio = (0.2 * rng.standard_normal(16000)).astype(np.float32)
+    turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
+    prompts = [{"prompt": turn.format("<|image|>What is this?"), "multi_modal_data": {"image": image}},
+               {"prompt": turn.format("<|audio|>Transcribe."), "multi_modal_data": {"audio": audio}},
+               turn.format("and now just text")]
+
+    def run(engine):
+        out = {}
+        for i, prompt in enumerate(prompts):  # one at a time: media step, decode, then the next request
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            engine.add_request(engine.make_request(str(i), engine.process_prompt(prompt), params))
+            out.update({rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()})
+        return out
+
+    def engine_with(backend):
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                      kv_cache_bytes=16 << 20, max_num_seqs=2, max_num_batched_tokens=256,
+                                      attention_backend=backend))
+
+    expected = run(engine_with("torch"))
+    engine = engine_with("triton")
+    engine.runner.mixed_graphs = graphs = engine.mixed_graph_runner(capture=False)
+    assert graphs.media
+    assert run(engine) == expected
+    assert engine.runner.num_graph_steps >= 6

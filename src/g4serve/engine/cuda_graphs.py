@@ -2,13 +2,15 @@
 
 - ``DecodeGraphRunner``: pure decode steps (one text token per sequence), one graph per batch size,
   on the split-KV decode kernel.
-- ``MixedGraphRunner``: text prefill and mixed prefill+decode steps, one graph per token-count bucket
-  for up to ``max_seqs`` sequences, on the varlen kernel, with YOCO fast prefill on fixed rows.
+- ``MixedGraphRunner``: prefill and mixed prefill+decode steps, one graph per token-count bucket for up
+  to ``max_seqs`` sequences, on the varlen kernel, with YOCO fast prefill on fixed rows; media soft
+  tokens enter through a fixed-shape row buffer and mask (models without bidirectional image spans).
 
 Padded to its bucket, a step has fixed shapes, so the ~1,000 kernel launches of an E4B forward collapse
 into one graph launch. A step writes its inputs into static buffers (token ids, positions, KV slots,
 block tables, sequence bounds); padded tokens write nothing (slot -1) and belong to no sequence, padded
-sequences have no queries, and their rows are dropped. Steps that carry media soft tokens run eagerly.
+sequences have no queries, and their rows are dropped. Media steps of models with bidirectional image
+attention (26B-A4B, 31B) run eagerly.
 """
 
 from __future__ import annotations
@@ -221,6 +223,17 @@ class MixedGraphRunner(_GraphRunner):
                          decodable_vocab_size)
         self.max_tokens = self.max_size
         self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
+        # Media soft tokens ride in a fixed-shape row buffer plus mask. Models whose sliding layers attend
+        # bidirectionally inside images (26B-A4B, 31B) keep media steps eager: their per-token span bounds
+        # would change the attention kernel's specialisation.
+        self.media = (model.cfg.text.use_bidirectional_attention != "vision"
+                      and (model.vision_tower is not None or model.audio_tower is not None))
+        if self.media:
+            hidden = model.cfg.text.hidden_size
+            dtype = model.language_model.embed_tokens.weight.dtype
+            self._mm_rows = torch.zeros(self.max_tokens, hidden, dtype=dtype, device=device)
+            self._mm_mask = torch.zeros(self.max_tokens, dtype=torch.bool, device=device)
+            self._mm_set: torch.Tensor | None = None  # rows the previous media step marked
         s = max_seqs
         self._query_start = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
@@ -256,17 +269,37 @@ class MixedGraphRunner(_GraphRunner):
                 max_decode_len=self.max_model_len,
             )
             hidden = self.model(self._tokens[0, :n], meta, self.backend, keep_indices=self._last_rows,
-                                kept_meta=kept)
+                                kept_meta=kept, mm_dense=self._dense(n))
         else:
-            hidden = self.model(self._tokens[0, :n], meta, self.backend)[self._last_rows]
+            hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n))[self._last_rows]
         return self.model.compute_logits(hidden)
+
+    def _dense(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self._mm_mask[:n], self._mm_rows[:n]) if self.media else None
+
+    def _place_media(self, rows: list[torch.Tensor], positions: list[int]) -> None:
+        """Soft tokens into the static row buffer at their flat-batch rows; the last media step's marks
+        are cleared first (outside the graph: a few small device ops, only around media steps)."""
+        if self._mm_set is not None:
+            self._mm_mask[self._mm_set] = False
+            self._mm_set = None
+        if rows:
+            where = torch.tensor(positions, dtype=torch.long, device=self.device)
+            self._mm_rows.index_copy_(0, where, torch.cat(rows).to(self._mm_rows.dtype))
+            self._mm_mask[where] = True
+            self._mm_set = where
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], computed: list[int], query_lens: list[int],
-            tables: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+            tables: dict[str, list[list[int]]], mm_rows: list[torch.Tensor] | None = None,
+            mm_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
         logits [num_seqs, V] and greedy ids [num_seqs], row i for sequence i's last new token (views,
-        valid until the next step)."""
+        valid until the next step). ``mm_rows`` / ``mm_positions``: soft tokens and their flat rows (only
+        where ``self.media``)."""
+        assert self.media or not mm_rows, "this model's media steps are not graphed"
+        if self.media and (mm_rows or self._mm_set is not None):
+            self._place_media(mm_rows or [], mm_positions or [])
         t, b = len(token_ids), len(query_lens)
         n = self.bucket(t)
         assert n is not None and b <= self.max_seqs, f"{t} tokens / {b} sequences exceed the mixed graphs"

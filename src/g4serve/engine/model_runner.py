@@ -109,9 +109,9 @@ class ModelRunner:
             # A pure decode step: one text token per sequence, every one sampled.
             self.num_graph_steps += 1
             return StepResult(sampled, self._sample(sampled, *decode.run(token_ids, computed, tables)))
-        if not mm_rows and mixed is not None and len(token_ids) <= mixed.max_tokens \
+        if mixed is not None and (not mm_rows or mixed.media) and len(token_ids) <= mixed.max_tokens \
                 and len(batch.requests) <= mixed.max_seqs:
-            logits, greedy = mixed.run(token_ids, computed, batch.num_new_tokens, tables)
+            logits, greedy = mixed.run(token_ids, computed, batch.num_new_tokens, tables, mm_rows, mm_positions)
             self.num_graph_steps += 1
             if not sampled:
                 return StepResult([], None)

@@ -92,6 +92,7 @@ class Gemma4Model(nn.Module):
         keep_indices: list[int] | torch.Tensor | None = None,
         mm_positions: torch.Tensor | None = None,
         kept_meta: AttentionMetadata | None = None,
+        mm_dense: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flat ``input_ids`` [T] -> final hidden states (of ``keep_indices`` if given).
 
@@ -105,7 +106,11 @@ class Gemma4Model(nn.Module):
         # Placeholders may lie outside the text vocabulary: embed them as padding, then overwrite.
         text_ids = torch.where(is_mm, self.cfg.text.pad_token_id, input_ids)
         embeds = lm.embed(text_ids)
-        if mm_embeds is not None and mm_embeds.shape[0] and mm_positions is not None:
+        if mm_dense is not None:
+            # Fixed-shape form (CUDA graphs): a soft-token row for every token, used where the mask is set.
+            mask, rows = mm_dense
+            embeds = torch.where(mask.unsqueeze(-1), rows.to(embeds.dtype), embeds)
+        elif mm_embeds is not None and mm_embeds.shape[0] and mm_positions is not None:
             if mm_positions.shape[0] != mm_embeds.shape[0]:
                 raise ValueError(f"{mm_positions.shape[0]} multimodal positions but {mm_embeds.shape[0]} soft tokens")
             embeds = embeds.index_copy(0, mm_positions, mm_embeds.to(embeds.dtype))
