@@ -144,3 +144,33 @@ def test_vision_encoder_cuda_matches_cpu_reference(hf_checkpoint):
     diff = (got - want).abs().max().item()
     print(f"vision fp32 CUDA vs CPU: max |diff| {diff:.2e} (std {want.std().item():.3f})")
     assert diff < 1e-3 * max(1.0, want.abs().max().item())
+
+
+def test_media_steps_in_graphs_match_eager(hf_checkpoint):
+    """Image, video and audio prompts with the mixed graphs' soft-token buffer against eager steps, fp32,
+    TF32 off: the same greedy tokens (E-type checkpoint: no bidirectional image spans)."""
+    import numpy as np
+    from PIL import Image
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(2)
+    turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
+    prompts = [
+        {"prompt": turn.format("<|image|>Describe."),
+         "multi_modal_data": {"image": Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))}},
+        {"prompt": turn.format("<|video|>What happens?"),
+         "multi_modal_data": {"video": [[rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]]}},
+        {"prompt": turn.format("<|audio|>Transcribe."),
+         "multi_modal_data": {"audio": (0.2 * rng.standard_normal(16000)).astype(np.float32)}},
+        turn.format("Plain text after the media."),
+    ]
+    kw = dict(model=str(hf_checkpoint("e")), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
+              max_num_batched_tokens=256, max_num_seqs=8)
+    eager = LLMEngine(EngineConfig(enforce_eager=True, **kw))
+    graphed = LLMEngine(EngineConfig(**kw))
+    assert graphed.runner.mixed_graphs.media
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(prompts)
+    want = _run_each(eager, prompts, params)
+    steps = graphed.runner.num_graph_steps
+    assert _run_each(graphed, prompts, params) == want
+    assert graphed.runner.num_graph_steps > steps
