@@ -23,16 +23,13 @@ import argparse
 import datetime as dt
 import itertools
 import json
-import platform
-import shlex
-import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.testing import do_bench
 
-from g4serve.bench.meta import git_commit
+from g4serve.bench.meta import cuda_environment
+from g4serve.bench.timing import graph_replay_ms
 from g4serve.kernels.paged_decode import decode_config, decode_num_splits, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention, prefill_config
 
@@ -67,22 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-
-def environment() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "git_commit": git_commit(),
-        "device_name": torch.cuda.get_device_name(0),
-        "device_sm_count": props.multi_processor_count,
-        "torch_version": torch.__version__,
-        "triton_version": triton.__version__,
-        "cuda_version": torch.version.cuda,
-        "python_version": platform.python_version(),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    }
-
-
 def _paged_inputs(batch: int, context: int, args, head_dim: int, dtype: torch.dtype, query_len: int):
     """Random K/V for ``batch`` sequences of ``context`` tokens in shuffled pages, and their queries."""
     page = args.page_size
@@ -105,27 +86,9 @@ def time_call(make_call, input_bytes: int, args) -> tuple[float, float]:
     copies = max(1, min(64, -(-args.cold_bytes // max(input_bytes, 1))))
     calls = [make_call() for _ in range(copies)]
     eager_ms = do_bench(calls[0], warmup=args.warmup_ms, rep=args.rep_ms)
-    for call in calls:  # compile and allocate outside the capture
-        call()
-    per_graph = max(copies, 32)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(per_graph):
-            calls[i % copies]()
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(args.graph_replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    del graph, calls
-    return sorted(times)[len(times) // 2], eager_ms
+    kernel_ms = graph_replay_ms(calls, 32, args.graph_replays)
+    del calls
+    return kernel_ms, eager_ms
 
 
 def _row(kind: str, head_dim: int, batch: int, context: int, overrides, kernel_ms: float, eager_ms: float,
@@ -207,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     assert torch.cuda.is_available(), "bench/attention_kernels.py needs a CUDA device"
     dtype = DTYPES[args.dtype]
-    env = environment()
+    env = cuda_environment()
     print(json.dumps(env, indent=2))
     rows = []
     benches = {"decode": bench_decode, "prefill": bench_prefill}

@@ -172,7 +172,6 @@ def host_profile_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: i
     return f"batch {batch}, {steps} decode steps\n" + text.getvalue()
 
 
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="preset (e4b, ...) or checkpoint dir; default: embedded tiny model")

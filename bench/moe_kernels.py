@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
 from triton.testing import do_bench
 
-from g4serve.bench.meta import git_commit
+from g4serve.bench.meta import cuda_environment
+from g4serve.bench.timing import graph_replay_ms
 from g4serve.config import PRESETS
 from g4serve.kernels.fused_moe import (
     GemmTiles,
@@ -61,45 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-
-def environment() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "git_commit": git_commit(),
-        "device_name": torch.cuda.get_device_name(0),
-        "device_sm_count": props.multi_processor_count,
-        "torch_version": torch.__version__,
-        "triton_version": triton.__version__,
-        "cuda_version": torch.version.cuda,
-        "python_version": platform.python_version(),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    }
-
-
 def graph_ms(calls: list[Callable[[], object]], args) -> float:
     """Median time of one call, replayed from a CUDA graph that cycles over ``calls``."""
-    for call in calls:  # compile and allocate outside the capture
-        call()
-    per_graph = max(len(calls), args.calls_per_graph)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(per_graph):
-            calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(args.graph_replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    del graph
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms(calls, args.calls_per_graph, args.graph_replays)
 
 
 def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> dict:
@@ -196,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     text = PRESETS[args.preset]().text
     assert text.enable_moe_block, f"preset {args.preset} has no MoE block"
     args.top_k = text.top_k_experts
-    env = environment()
+    env = cuda_environment()
     print(json.dumps(env, indent=2))
     gen = torch.Generator("cuda").manual_seed(0)
     e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size

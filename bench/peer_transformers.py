@@ -118,7 +118,6 @@ def deadline(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 

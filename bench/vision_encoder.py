@@ -43,7 +43,6 @@ def _time(fn, device: torch.device, reps: int, warmup: int = 3) -> list[float]:
     return times
 
 
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="e4b", help="preset or checkpoint dir")

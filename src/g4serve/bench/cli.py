@@ -281,6 +281,14 @@ def _meta(args: argparse.Namespace, workload: Workload, *, model: str | None, ta
                  "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                  "skip_special_tokens": args.skip_special_tokens or not args.ignore_eos,
                  "extra_body": getattr(args, "extra_body", None), "http_client": http_client},
+        **run_environment(args),
+    }
+
+
+def run_environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Where and how a load run ran: the server flags, commit, date, device, versions and command line
+    (every results file's meta ends with these)."""
+    return {
         "serve_args": args.serve_args or None,
         "git_commit": git_commit(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -538,7 +546,6 @@ class SubprocessServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
 
 
 def _torch_version() -> str | None:

@@ -15,11 +15,9 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -207,7 +205,7 @@ def _progress(p: dict[str, Any]) -> None:
 
 def _meta(args: argparse.Namespace, *, model: str | None, target: str, http_client: str, label: str,
           calibration: dict | None, warmup_errors: int) -> dict[str, Any]:
-    from g4serve.bench.cli import _torch_version, command_line, device_name, git_commit
+    from g4serve.bench.cli import run_environment
 
     return {
         "label": label, "model": model, "target": target,
@@ -219,14 +217,7 @@ def _meta(args: argparse.Namespace, *, model: str | None, target: str, http_clie
                  "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                  "skip_special_tokens": args.skip_special_tokens or not args.ignore_eos,
                  "extra_body": args.extra_body, "http_client": http_client},
-        "serve_args": args.serve_args or None,
-        "git_commit": git_commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": device_name(),
-        "torch_version": _torch_version(),
-        "python_version": platform.python_version(),
-        "host": platform.node(),
-        "command": command_line(args),
+        **run_environment(args),
     }
 
 

@@ -49,3 +49,26 @@ def _cuda_name(device: str | None) -> str | None:
         return f"{torch.cuda.get_device_name(index)} (x{torch.cuda.device_count()})"
     except Exception:  # noqa: BLE001 - no torch (a client-only box) or no driver: name the CPU instead
         return None
+
+
+def cuda_environment() -> dict:
+    """What a kernel benchmark's JSON records about where it ran (CUDA device 0)."""
+    import datetime as dt
+    import shlex
+    import sys
+
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "git_commit": git_commit(),
+        "device_name": torch.cuda.get_device_name(0),
+        "device_sm_count": props.multi_processor_count,
+        "torch_version": torch.__version__,
+        "triton_version": triton.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }

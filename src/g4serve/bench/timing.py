@@ -1,0 +1,33 @@
+"""Kernel timing from CUDA-graph replays: what a kernel costs inside the engine's captured steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def graph_replay_ms(calls: list[Callable[[], object]], min_calls_per_graph: int = 32, replays: int = 7) -> float:
+    """Median time of one call, from a CUDA graph that cycles over ``calls`` (at least
+    ``min_calls_per_graph`` per replay, so launch gaps amortise), over ``replays`` replays."""
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    per_graph = max(len(calls), min_calls_per_graph)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / per_graph)
+    del graph
+    return sorted(times)[len(times) // 2]
