@@ -11,14 +11,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request, WebSocket, WebSocketDisconnect
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from g4serve.assistant.audio import AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve.assistant.pipeline import Assistant, StageClock
 from g4serve.assistant.qna import answer_events
-from g4serve.server.errors import APIError, error_response
+from g4serve.server.errors import APIError, error_response, install_error_handlers
 
 log = logging.getLogger("g4serve.assistant")
 
@@ -50,24 +48,7 @@ def build_app(assistant: Assistant, *, max_request_body_bytes: int = 8 << 20, wa
     app.state.assistant = assistant
     metrics = assistant.metrics
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        metrics.errors.labels(status=str(exc.status)).inc()
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, str(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
-        metrics.errors.labels(status="500").inc()
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    install_error_handlers(app, lambda status: metrics.errors.labels(status=str(status)).inc(), log)
 
     @app.middleware("http")
     async def _body_limit(request: Request, call_next):

@@ -20,17 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, StreamDelta
 from g4serve.outputs import Logprob
 from g4serve.processing.chat import LocalFile, split_chat_messages
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams, SamplingParamsError
-from g4serve.server.errors import APIError, bad_request, error_response
+from g4serve.server.errors import APIError, bad_request, error_response, install_error_handlers
 from g4serve.server.metrics import ServerMetrics
 from g4serve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 
@@ -85,30 +83,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.metrics = metrics
 
     # ---- errors ---------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        metrics.observe_error(exc.status)
-        return exc.response()
+    install_error_handlers(app, metrics.observe_error, log)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_error(_request: Request, exc: EngineDeadError) -> JSONResponse:
         status = 503 if engine.dead is not None else 500
         metrics.observe_error(status)
         return error_response(status, str(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, str(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
-        metrics.observe_error(500)
-        return error_response(500, f"internal error: {type(exc).__name__}")
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 500: "InternalServerError",
@@ -40,3 +45,28 @@ def bad_request(exc: Exception, prefix: str | None = None) -> APIError:
     if prefix and not message.startswith(prefix):
         message = f"{prefix}: {message}"
     return APIError(400, message)
+
+
+def install_error_handlers(app: FastAPI, count_error: Callable[[int], None], log: logging.Logger) -> None:
+    """The error responses of every g4serve app: an ``APIError`` as raised, HTTP errors with their status,
+    request validation as a 400, anything else as a logged 500. ``count_error(status)`` sees the
+    ``APIError``s and the 500s (the app's error metric)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        count_error(exc.status)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        count_error(500)
+        return error_response(500, f"internal error: {type(exc).__name__}")
