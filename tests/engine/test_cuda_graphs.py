@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from g4serve.engine.cuda_graphs import batch_sizes_up_to
+from g4serve.engine.cuda_graphs import DEFAULT_BATCH_SIZES, sizes_up_to
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ def test_padded_decode_steps_match_eager(tiny_model_dir):
 
 @pytest.mark.parametrize("max_batch,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (64, [1, 2, 4, 8, 16, 24, 32, 48, 64])])
 def test_batch_sizes(max_batch, sizes):
-    assert batch_sizes_up_to(max_batch) == sizes
+    assert sizes_up_to(max_batch, DEFAULT_BATCH_SIZES) == sizes
 
 
 def test_padded_mixed_steps_match_eager(tiny_model_dir):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -31,17 +32,11 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def batch_sizes_up_to(max_batch: int) -> list[int]:
-    sizes = [b for b in DEFAULT_BATCH_SIZES if b <= max_batch]
-    if not sizes or sizes[-1] < max_batch:
-        sizes.append(max_batch)
-    return sizes
-
-
-def token_buckets_up_to(max_tokens: int, min_tokens: int = 1) -> list[int]:
-    sizes = [t for t in DEFAULT_TOKEN_BUCKETS if min_tokens <= t <= max_tokens]
-    if not sizes or sizes[-1] < max_tokens:
-        sizes.append(max_tokens)
+def sizes_up_to(limit: int, buckets: Sequence[int]) -> list[int]:
+    """The buckets up to ``limit``, ending with ``limit`` itself (the largest step must have a graph)."""
+    sizes = [b for b in buckets if b <= limit]
+    if not sizes or sizes[-1] < limit:
+        sizes.append(limit)
     return sizes
 
 

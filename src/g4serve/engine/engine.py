@@ -17,11 +17,12 @@ import torch
 
 from g4serve.config import FULL, PRESETS, SLIDING
 from g4serve.engine.cuda_graphs import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_TOKEN_BUCKETS,
     DecodeGraphRunner,
     MixedGraphRunner,
     VisionGraphRunner,
-    batch_sizes_up_to,
-    token_buckets_up_to,
+    sizes_up_to,
 )
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.kv_cache import KVCacheManager
@@ -73,7 +74,8 @@ class EngineConfig:
     strict_config: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the PyTorch reference elsewhere
-    # Decode steps replay CUDA graphs (Triton backend on CUDA) unless this is set (vLLM's --enforce-eager).
+    # On CUDA with the Triton backend, decode, prefill/mixed and vision-encoder steps replay CUDA graphs
+    # unless this is set (vLLM's --enforce-eager).
     enforce_eager: bool = False
     max_cuda_graph_batch: int | None = None  # largest graphed decode batch; None: max_num_seqs
 
@@ -193,7 +195,7 @@ class LLMEngine:
         max_batch = min(self.config.max_cuda_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
         return DecodeGraphRunner(
             self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
-            batch_sizes_up_to(max_batch), self.device, capture=capture,
+            sizes_up_to(max_batch, DEFAULT_BATCH_SIZES), self.device, capture=capture,
             decodable_vocab_size=self.runner.decodable_vocab_size,
         )
 
@@ -202,7 +204,7 @@ class LLMEngine:
         sequences, per token bucket (``capture`` on CUDA only, as for decode)."""
         return MixedGraphRunner(
             self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
-            token_buckets_up_to(self.config.max_num_batched_tokens), self.config.max_num_seqs, self.device,
+            sizes_up_to(self.config.max_num_batched_tokens, DEFAULT_TOKEN_BUCKETS), self.config.max_num_seqs, self.device,
             capture=capture, yoco=self.config.fast_prefill, decodable_vocab_size=self.runner.decodable_vocab_size,
         )
 

@@ -168,4 +168,4 @@ def _plain_greedy(request: Request) -> bool:
     tokens or logprobs."""
     p = request.sampling_params
     return (p.greedy and request.grammar is None and p.logprobs is None and not request.min_tokens_pending
-            and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty)
+            and not p.has_penalties)

@@ -57,7 +57,7 @@ class SamplingBatch:
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             allowed=allowed,
         )
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(p.has_penalties for p in params):
             outs = output_tokens or [[] for _ in params]
             counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
             for i, toks in enumerate(outs):
