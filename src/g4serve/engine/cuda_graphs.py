@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,18 @@ def sizes_up_to(limit: int, buckets: Sequence[int]) -> list[int]:
     if not sizes or sizes[-1] < limit:
         sizes.append(limit)
     return sizes
+
+
+def _capture(forward: Callable[[], Any], pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``forward()`` into a graph on ``pool``, after two eager runs that JIT-compile the kernels
+    and settle cuBLAS heuristics outside the capture; returns the graph and its static outputs."""
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
 
 
 class _GraphRunner:
@@ -131,13 +144,7 @@ class _GraphRunner:
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
-            for _ in range(2):  # JIT-compiles kernels and settles cuBLAS heuristics outside the capture
-                self._forward_and_argmax(n)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[n] = self._forward_and_argmax(n)
-            self._graphs[n] = graph
+            self._graphs[n], self._outputs[n] = _capture(lambda n=n: self._forward_and_argmax(n), pool, self.device)
         torch.cuda.synchronize(self.device)
         log.info("captured %d %s CUDA graphs (sizes %s) in %.1fs", len(self._graphs), type(self).__name__,
                  ",".join(map(str, self.sizes)), time.monotonic() - t0)
@@ -366,12 +373,8 @@ class VisionGraphRunner:
         t0 = time.monotonic()
         pixels, positions = pixel_values.clone(), position_ids.clone()
         no_padding = key[2]
-        for _ in range(2):
-            self.model.encode_images_padded(pixels, positions, no_padding)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.model.encode_images_padded(pixels, positions, no_padding)
+        graph, outputs = _capture(lambda: self.model.encode_images_padded(pixels, positions, no_padding), self._pool,
+                                  self.device)
         self._graphs[key] = entry = (graph, pixels, positions, outputs)
         log.info("captured a vision-encoder CUDA graph for input %s in %.2fs", key[0], time.monotonic() - t0)
         return entry
