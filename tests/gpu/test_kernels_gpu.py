@@ -175,3 +175,28 @@ def test_fused_elementwise_kernels_on_e4b_shapes(dtype):
         a, b = gate_up[:, :10240], gate_up[:, 10240:]
         torch.testing.assert_close(act_mul("gelu_pytorch_tanh", a, b).float(),
                                    act_mul_reference("gelu_pytorch_tanh", a, b).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_skinny_matmul_on_e4b_decode_shapes(m):
+    """The decode GEMM kernel with its default tiles (plain, fused MLP gate/up, fused PLE gate) at every e4b
+    projection shape, bf16, against fp32 products rounded where the unfused ops round."""
+    from g4serve.kernels.act_mul import act_mul_reference
+    from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, skinny_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    act = "gelu_pytorch_tanh"
+    shapes = [(PLAIN, 3072, 2560), (PLAIN, 6144, 2560), (PLAIN, 2560, 2048), (PLAIN, 2560, 4096),
+              (PLAIN, 2560, 10240), (PLAIN, 2560, 256), (PLAIN, 10752, 2560), (PLAIN, 262144, 2560),
+              (GATE_UP, 10240, 2560), (MUL, 256, 2560)]
+    for ep, n, k in shapes:
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        w = (torch.randn(2 * n if ep == GATE_UP else n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+        other = torch.randn(m, 42, n, device="cuda", generator=gen).bfloat16()[:, 5] if ep == MUL else None
+        out = skinny_matmul(x, w, ep, act if ep != PLAIN else None, other)
+        ref = x.float() @ w.float().T
+        if ep == GATE_UP:
+            ref = act_mul_reference(act, *ref.bfloat16().chunk(2, dim=-1))
+        elif ep == MUL:
+            ref = act_mul_reference(act, ref.bfloat16(), other)
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2, msg=f"{ep=} {n=} {k=}")

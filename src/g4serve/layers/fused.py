@@ -3,14 +3,20 @@
 
 - ``add_rms_norm``: ``(residual + norm(x)) * scale``, optionally with the next norm of the result;
 - ``norm_rope``: per-head q/k norm followed by RoPE or axial RoPE (or the v norm alone);
-- ``act_mul``: the gate activation times the up projection (MLP and PLE gates).
+- ``act_mul``: the gate activation times the up projection (MLP and PLE gates);
+- ``linear`` / ``gate_up_act`` / ``linear_act_mul``: projections, and projections with those gates fused,
+  through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+from torch import nn
 
 from g4serve.kernels import act_mul as _act_mul
+from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
 from g4serve.layers.norm import RMSNorm
@@ -24,6 +30,7 @@ def add_rms_norm(
     next_norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``)."""
+    assert next_norm is None or next_norm.eps == norm.eps, "one eps for both norms of a fused pass"
     fn = fused_rms_norm if x.is_cuda else fused_rms_norm_reference
     return fn(x, norm.weight, norm.eps, residual=residual, scale=scale,
               next_weight=next_norm.weight if next_norm is not None else None)
@@ -42,3 +49,33 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.stride(-1) == 1 and b.stride(-1) == 1:
         return _act_mul.act_mul(activation, a, b)
     return _act_mul.act_mul_reference(activation, a, b)
+
+
+# Token rows up to which CUDA projections take the skinny-GEMM kernel. G4SERVE_SKINNY_MAX_ROWS=0 turns it off
+# (A/B benchmarks); a captured CUDA graph keeps the choice it was captured with.
+SKINNY_MAX_ROWS = int(os.environ.get("G4SERVE_SKINNY_MAX_ROWS", _gemv.MAX_ROWS))
+
+
+def _skinny(x: torch.Tensor, layer: nn.Linear) -> bool:
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and layer.bias is None
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and layer.weight.is_contiguous())
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)``; decode-sized CUDA inputs stream the weight through the skinny-GEMM kernel."""
+    return _gemv.skinny_matmul(x, layer.weight) if _skinny(x, layer) else layer(x)
+
+
+def gate_up_act(x: torch.Tensor, layer: nn.Linear, activation: str) -> torch.Tensor:
+    """``act(gate(x)) * up(x)`` for a stacked [gate; up] projection, fused in one pass at decode sizes."""
+    if _skinny(x, layer):
+        return _gemv.skinny_matmul(x, layer.weight, _gemv.GATE_UP, activation)
+    gate, up = layer(x).chunk(2, dim=-1)
+    return act_mul(activation, gate, up)
+
+
+def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(layer(x)) * other`` (the PLE gate), fused in one pass at decode sizes."""
+    if _skinny(x, layer) and other.stride(-1) == 1:
+        return _gemv.skinny_matmul(x, layer.weight, _gemv.MUL, activation, other)
+    return act_mul(activation, layer(x), other)

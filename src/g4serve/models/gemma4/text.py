@@ -15,7 +15,7 @@ from torch import nn
 
 from g4serve.config import TextConfig
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
-from g4serve.layers.fused import act_mul, add_rms_norm, norm_rope
+from g4serve.layers.fused import act_mul, add_rms_norm, gate_up_act, linear, linear_act_mul, norm_rope
 from g4serve.layers.moe import MoEExperts, MoERouter
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
@@ -85,7 +85,7 @@ class TextAttention(nn.Module):
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k
             return q, k, v
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj)
         q = qkv[:, :q_width].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_width : q_width + kv_width].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_width + kv_width :].view(t, self.num_kv_heads, self.head_dim) if self._v_in_qkv else k
@@ -107,7 +107,7 @@ class TextAttention(nn.Module):
             k = norm_rope(k_raw, self.k_norm, cos, sin)
             v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
         out = backend.attend(self.layer_idx, q, k, v, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
 
 
 class GatedMLP(nn.Module):
@@ -133,8 +133,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(act_mul(self.activation, gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]))
+        return linear(gate_up_act(x, self.gate_up_proj, self.activation), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -171,10 +170,14 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+        normed: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (the layer's output h, ``next_norm(h)`` or None). ``normed``: ``input_layernorm(h)`` when the
+        previous layer already computed it (its ``next_norm``, fused into its last residual add)."""
         # Each add_rms_norm is one fused pass on CUDA; the comments spell out the unfused math.
         residual = h
-        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, backend)
+        h = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, meta, backend)
         # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
         h, x = add_rms_norm(h, self.post_attention_layernorm, residual=residual,
                             next_norm=self.pre_feedforward_layernorm)
@@ -188,12 +191,13 @@ class DecoderLayer(nn.Module):
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
         if not self.ple_dim:
             # (residual + post_feedforward_layernorm(out)) * layer_scalar
-            return add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, scale=self.layer_scalar)[0]
+            return add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, scale=self.layer_scalar,
+                                next_norm=next_norm)
         h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
         # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
-        gate = act_mul(self.activation, self.per_layer_input_gate(h), per_layer_input)
-        return add_rms_norm(self.per_layer_projection(gate), self.post_per_layer_input_norm, residual=h,
-                            scale=self.layer_scalar)[0]
+        gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
+        return add_rms_norm(linear(gate, self.per_layer_projection), self.post_per_layer_input_norm, residual=h,
+                            scale=self.layer_scalar, next_norm=next_norm)
 
 
 class Gemma4TextModel(nn.Module):
@@ -267,17 +271,19 @@ class Gemma4TextModel(nn.Module):
             t: rope_cos_sin(meta.positions, getattr(self, f"{t}_inv_freq"), h.dtype) for t in set(cfg.layer_types)
         }
         sliced = False
+        normed = None  # the next layer's input_layernorm(h), fused into the previous layer's last residual add
         for i, layer in enumerate(self.layers):
             if i == cfg.first_kv_shared_layer and keep_indices is not None and cfg.num_kv_shared_layers:
                 idx = _as_index(keep_indices, h.device)
-                h = h[idx]
+                h, normed = h[idx], normed[idx] if normed is not None else None
                 ple = ple[idx] if ple is not None else None
                 tables = {t: (c[idx], s[idx]) for t, (c, s) in tables.items()}
                 meta = kept_meta if kept_meta is not None else meta.select_queries(keep_indices)
                 sliced = True
             cos, sin = tables[layer.layer_type]
-            h = layer(h, ple[:, i] if ple is not None else None, cos, sin, meta, backend)
-        h = self.norm(h)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, normed = layer(h, ple[:, i] if ple is not None else None, cos, sin, meta, backend, normed, next_norm)
+        h = normed  # self.norm(h), from the last layer
         if keep_indices is not None and not sliced:
             h = h[_as_index(keep_indices, h.device)]
         return h

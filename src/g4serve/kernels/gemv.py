@@ -1,0 +1,176 @@
+"""Skinny GEMMs for decode (a few token rows against a large weight), with the gated epilogues fused.
+
+At batch 1-8 a decode step's projections are pure weight streaming: ``x [M, K] @ W[N, K]^T`` with M
+tiny. cuBLAS picks 64-wide output tiles for them, so a projection with few output columns (the PLE
+gate: N=256) runs on 4 thread blocks and takes as long as one 20x its size; and every gated
+activation (MLP gate/up, PLE gate) is a GEMM, a write, a re-read and a second kernel. Here each
+program owns ``BLOCK_N`` output columns and streams their rows of W once:
+
+- ``M == 1``: elementwise products into a [BLOCK_N, BLOCK_K] fp32 accumulator, one reduction at the
+  end (no tensor cores: a GEMV does 1 FMA per weight element loaded);
+- ``M > 1``: the token rows are padded to 16 and multiplied on the tensor cores (``tl.dot``), so every
+  weight element is loaded once for all M rows.
+
+Epilogues (the product rounded to the output dtype first, exactly as the unfused GEMM's output is):
+``plain`` y; ``gate_up`` act(x W_gate^T) * (x W_up^T) from one stacked [2N, K] weight (the MLP);
+``mul`` act(x W^T) * e for an [M, N] operand e (the PLE gate times the per-layer input).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+
+from g4serve.kernels._launch import DualKernel, dot_settings
+from g4serve.kernels.act_mul import _KINDS, act_mul_reference
+
+PLAIN, GATE_UP, MUL = 0, 1, 2
+MAX_ROWS = 8  # up to here the skinny kernel beats cuBLAS on decode shapes (bench/gemv_kernels.py)
+
+
+def _gemv_fn(
+    X, W, E, Y, M, N, K,
+    stride_xm, stride_wn, stride_em, stride_ym, up_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
+        else:
+            k_in = (k0 + offs_k) < K
+            w_mask = n_mask[:, None] & k_in[None, :]
+            x_mask = m_mask[:, None] & k_in[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if EPILOGUE == 1:
+            u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if USE_DOT:
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            if EPILOGUE == 1:
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
+        else:
+            xf = x.to(tl.float32)  # [1, BLOCK_K]
+            acc += w.to(tl.float32) * xf
+            if EPILOGUE == 1:
+                acc_up += u.to(tl.float32) * xf
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    if USE_DOT:
+        y = acc
+        y_up = acc_up
+    else:
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+        y_up = tl.sum(acc_up, axis=1)[None, :]
+    out_ty = Y.dtype.element_ty
+    if EPILOGUE != 0:
+        # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
+        a = y.to(out_ty).to(tl.float32)
+        if ACT == 0:
+            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            g = a * tl.sigmoid(2.0 * z)
+        else:
+            g = a * tl.sigmoid(a)
+        g = g.to(out_ty).to(tl.float32)
+        if EPILOGUE == 1:
+            b = y_up.to(out_ty).to(tl.float32)
+        else:
+            b = tl.load(E + offs_m[:, None] * stride_em + offs_n[None, :],
+                        mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        y = g * b
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(out_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+_gemv = DualKernel(_gemv_fn)
+
+
+def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
+    """Tiles per shape (bench/gemv_kernels.py --sweep on an H100). M=1: narrow column blocks and long
+    K steps (enough programs to keep every SM streaming); M>1: 16-row tensor-core tiles."""
+    if m == 1:
+        block_n = 4 if n >= 2048 else 1
+        block_k = 1024 if epilogue != GATE_UP else 512
+        return {"block_n": block_n, "block_k": min(block_k, max(16, 1 << (k - 1).bit_length())), "num_warps": 4,
+                "num_stages": 1}
+    block_n = 32 if n >= 4096 else 16
+    return {"block_n": block_n, "block_k": min(256, max(16, 1 << (k - 1).bit_length())), "num_warps": 4,
+            "num_stages": 4}
+
+
+def skinny_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= 16, unit last stride) against weight [N or 2N, K] (contiguous) -> [M, N].
+
+    ``PLAIN``: x @ weight.T; ``GATE_UP``: act(x @ gate.T) * (x @ up.T) for weight = [gate; up];
+    ``MUL``: act(x @ weight.T) * other, other [M, N] with unit last stride."""
+    m, k = x.shape
+    assert m <= 16 and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
+    n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or gemv_config(m, n, k, epilogue)
+    use_dot = m > 1
+    block_m = 16 if use_dot else 1
+    upcast, precision = dot_settings(x.dtype, x.device)
+    if epilogue == MUL:
+        assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
+    grid = (-(-n // cfg["block_n"]),)
+    _gemv[x.device][grid](
+        x, weight, other if other is not None else y, y, m, n, k,
+        x.stride(0), weight.stride(0), other.stride(0) if other is not None else 0, y.stride(0), n * weight.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0, USE_DOT=use_dot,
+        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def skinny_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The unfused ops the model runs without this kernel: F.linear, then the activation kernel's math."""
+    if epilogue == GATE_UP:
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return act_mul_reference(activation, gate, up)
+    y = F.linear(x, weight)
+    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+
+
+__all__ = ["GATE_UP", "MAX_ROWS", "MUL", "PLAIN", "gemv_config", "skinny_matmul", "skinny_matmul_reference"]
