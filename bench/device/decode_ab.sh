@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Decode-path A/B in one device call (e4b preset, bf16, H100): the decode GEMM kernels against cuBLAS per
+# projection shape (bench/gemv_kernels.py; GEMV_ARGS="--sweep" also searches tiles), then the engine
+# microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), batch-1 profile.
+#   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
+# Everything lands in $OUT/decode_ab.tgz; the tables are in $OUT/summary.md.
+set -uo pipefail
+PRESET=${PRESET:-e4b} GEMV_ARGS=${GEMV_ARGS:-} RUN_GPU_TESTS=${RUN_GPU_TESTS:-1}
+BATCHES=${BATCHES:-1,8,32,64} OUT=${OUT:-/tmp/out}
+RES=/tmp/res-ab
+mkdir -p "$RES" "$OUT"
+source bench/device/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2 t0=$SECONDS
+  shift 2
+  echo "== $name"
+  timeout -k 5 "$secs" "$@" > "$RES/$name.log" 2>&1
+  echo "exit $? after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
+  tail -n 30 "$RES/$name.log"
+}
+if [ "$RUN_GPU_TESTS" = 1 ]; then
+  run gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
+fi
+run microbench-skinny 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --batches "$BATCHES" \
+  --decode-steps 16 --prefill-reps 3 --profile --out "$RES" --tag=-skinny
+G4SERVE_SKINNY_MAX_ROWS=0 run microbench-cublas 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
+  --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 --prefill-reps 3 --out "$RES" --tag=-cublas
+run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
+{
+  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 60 "$f"; echo '```'; done
+} > "$OUT/summary.md"
+tar -czf "$OUT/decode_ab.tgz" -C "$RES" .
