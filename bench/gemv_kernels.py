@@ -28,7 +28,7 @@ from g4serve.bench.meta import cuda_environment
 from g4serve.bench.timing import graph_replay_ms
 from g4serve.config import PRESETS
 from g4serve.kernels.act_mul import act_mul
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, use_skinny
 
 ROOT = Path(__file__).resolve().parent.parent
 EPILOGUE_NAMES = {PLAIN: "plain", GATE_UP: "gate_up+act", MUL: "act*other"}
@@ -103,7 +103,7 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
     row = {"name": name, "epilogue": EPILOGUE_NAMES[ep], "n": n, "k": k, "rows": m, "weight_bytes": weight_bytes,
            "cublas_ms": base, "skinny_ms": skinny, "skinny_config": default_cfg,
            "cublas_gb_per_s": weight_bytes / base / 1e6, "skinny_gb_per_s": weight_bytes / skinny / 1e6,
-           "speedup": base / skinny}
+           "speedup": base / skinny, "engine_uses_skinny": use_skinny(m, n, k, ep)}
     if args.sweep:
         trials = []
         for cfg in _configs(m):
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         base = sum(r["cublas_ms"] * r["per_step"] for r in rs) * 1e3
         skinny = sum(r["skinny_ms"] * r["per_step"] for r in rs) * 1e3
         best = sum(min(r["skinny_ms"], r["cublas_ms"]) * r["per_step"] for r in rs) * 1e3
-        print(f"  M={m}: cuBLAS {base:8.1f}   skinny {skinny:8.1f}   min of both {best:8.1f}")
+        engine = sum((r["skinny_ms"] if r["engine_uses_skinny"] else r["cublas_ms"]) * r["per_step"] for r in rs) * 1e3
+        print(f"  M={m}: cuBLAS {base:8.1f}   skinny {skinny:8.1f}   min of both {best:8.1f}   "
+              f"engine's choice (use_skinny) {engine:8.1f}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

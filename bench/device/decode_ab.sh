@@ -22,10 +22,10 @@ run() {  # run NAME SECONDS CMD...
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
 fi
-run microbench-skinny 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --batches "$BATCHES" \
-  --decode-steps 16 --prefill-reps 3 --profile --out "$RES" --tag=-skinny
+run microbench-skinny 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --attention-backend triton \
+  --batches "$BATCHES" --decode-steps 16 --prefill-reps 3 --profile --out "$RES" --tag=-skinny
 G4SERVE_SKINNY_MAX_ROWS=0 run microbench-cublas 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
-  --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 --prefill-reps 3 --out "$RES" --tag=-cublas
+  --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 --prefill-reps 3 --out "$RES" --tag=-cublas
 run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
 {
   for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 60 "$f"; echo '```'; done

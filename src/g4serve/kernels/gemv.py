@@ -26,7 +26,7 @@ from g4serve.kernels._launch import DualKernel, dot_settings
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
 
 PLAIN, GATE_UP, MUL = 0, 1, 2
-MAX_ROWS = 8  # up to here the skinny kernel beats cuBLAS on decode shapes (bench/gemv_kernels.py)
+MAX_ROWS = 8  # token rows the kernel is built for (its tensor-core tile is 16 rows)
 
 
 def _gemv_fn(
@@ -109,17 +109,34 @@ def _gemv_fn(
 _gemv = DualKernel(_gemv_fn)
 
 
-def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
-    """Tiles per shape (bench/gemv_kernels.py --sweep on an H100). M=1: narrow column blocks and long
-    K steps (enough programs to keep every SM streaming); M>1: 16-row tensor-core tiles."""
+def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
+    """Whether this kernel beats cuBLAS (plus the separate activation kernel) for an [m, k] x [n, k]^T
+    product, from bench/gemv_kernels.py --sweep on an H100 at e4b shapes. One row: always (1.0-2.8x; the
+    weight streams at up to 3.1 TB/s). 2-8 rows: the fused gates (their activation pass is saved), short
+    K (the PLE projection) and the LM head's vocabulary-wide N; cuBLAS's 64x8 tiles win the other shapes."""
     if m == 1:
-        block_n = 4 if n >= 2048 else 1
-        block_k = 1024 if epilogue != GATE_UP else 512
-        return {"block_n": block_n, "block_k": min(block_k, max(16, 1 << (k - 1).bit_length())), "num_warps": 4,
+        return True
+    return m <= MAX_ROWS and (epilogue != PLAIN or k <= 512 or n >= 65536)
+
+
+def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
+    """Tiles per shape, from the same sweep. One row: one or two weight rows per program so every SM
+    streams (K steps of 512, or 1024 when K divides by it); short K: four rows; narrow N (the PLE gate):
+    8 warps. More rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head)."""
+    k_pow2 = max(16, 1 << (k - 1).bit_length())
+    if m == 1:
+        if k <= 512:
+            return {"block_n": 4, "block_k": k_pow2, "num_warps": 4, "num_stages": 1}
+        block_k = 1024 if k % 1024 == 0 else 512
+        return {"block_n": 2 if block_k == 1024 else 1, "block_k": block_k, "num_warps": 8 if n <= 512 else 4,
                 "num_stages": 1}
-    block_n = 32 if n >= 4096 else 16
-    return {"block_n": block_n, "block_k": min(256, max(16, 1 << (k - 1).bit_length())), "num_warps": 4,
-            "num_stages": 4}
+    if epilogue == GATE_UP:
+        return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 3}
+    if n <= 512:
+        return {"block_n": 16, "block_k": min(256, k_pow2), "num_warps": 4, "num_stages": 4}
+    if n >= 65536:
+        return {"block_n": 64, "block_k": min(256, k_pow2), "num_warps": 4, "num_stages": 4}
+    return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 4}
 
 
 def skinny_matmul(
@@ -173,4 +190,5 @@ def skinny_matmul_reference(
     return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
 
 
-__all__ = ["GATE_UP", "MAX_ROWS", "MUL", "PLAIN", "gemv_config", "skinny_matmul", "skinny_matmul_reference"]
+__all__ = ["GATE_UP", "MAX_ROWS", "MUL", "PLAIN", "gemv_config", "skinny_matmul", "skinny_matmul_reference",
+           "use_skinny"]

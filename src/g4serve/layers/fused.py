@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from g4serve.kernels import act_mul as _act_mul
@@ -51,24 +52,33 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _act_mul.act_mul_reference(activation, a, b)
 
 
-# Token rows up to which CUDA projections take the skinny-GEMM kernel. G4SERVE_SKINNY_MAX_ROWS=0 turns it off
-# (A/B benchmarks); a captured CUDA graph keeps the choice it was captured with.
+# Token rows up to which CUDA projections may take the skinny-GEMM kernel (``gemv.use_skinny`` decides per
+# shape). G4SERVE_SKINNY_MAX_ROWS=0 turns it off (A/B benchmarks); a captured CUDA graph keeps the choice it
+# was captured with.
 SKINNY_MAX_ROWS = int(os.environ.get("G4SERVE_SKINNY_MAX_ROWS", _gemv.MAX_ROWS))
 
 
-def _skinny(x: torch.Tensor, layer: nn.Linear) -> bool:
-    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and layer.bias is None
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and layer.weight.is_contiguous())
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> bool:
+    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and bias is None):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(-1) != 1 or not weight.is_contiguous():
+        return False
+    n = weight.shape[0] // 2 if epilogue == _gemv.GATE_UP else weight.shape[0]
+    return _gemv.use_skinny(x.shape[0], n, weight.shape[1], epilogue)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; decode-sized CUDA inputs stream the weight through the skinny kernel."""
+    return _gemv.skinny_matmul(x, weight) if _skinny(x, weight, bias, _gemv.PLAIN) else F.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``layer(x)``; decode-sized CUDA inputs stream the weight through the skinny-GEMM kernel."""
-    return _gemv.skinny_matmul(x, layer.weight) if _skinny(x, layer) else layer(x)
+    return project(x, layer.weight, layer.bias)
 
 
 def gate_up_act(x: torch.Tensor, layer: nn.Linear, activation: str) -> torch.Tensor:
     """``act(gate(x)) * up(x)`` for a stacked [gate; up] projection, fused in one pass at decode sizes."""
-    if _skinny(x, layer):
+    if _skinny(x, layer.weight, layer.bias, _gemv.GATE_UP):
         return _gemv.skinny_matmul(x, layer.weight, _gemv.GATE_UP, activation)
     gate, up = layer(x).chunk(2, dim=-1)
     return act_mul(activation, gate, up)
@@ -76,6 +86,6 @@ def gate_up_act(x: torch.Tensor, layer: nn.Linear, activation: str) -> torch.Ten
 
 def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(layer(x)) * other`` (the PLE gate), fused in one pass at decode sizes."""
-    if _skinny(x, layer) and other.stride(-1) == 1:
+    if _skinny(x, layer.weight, layer.bias, _gemv.MUL) and other.stride(-1) == 1:
         return _gemv.skinny_matmul(x, layer.weight, _gemv.MUL, activation, other)
     return act_mul(activation, layer(x), other)

@@ -10,12 +10,19 @@ names follow the Hugging Face checkpoints (relative to ``model.language_model``)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from g4serve.config import TextConfig
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
-from g4serve.layers.fused import act_mul, add_rms_norm, gate_up_act, linear, linear_act_mul, norm_rope
+from g4serve.layers.fused import (
+    act_mul,
+    add_rms_norm,
+    gate_up_act,
+    linear,
+    linear_act_mul,
+    norm_rope,
+    project,
+)
 from g4serve.layers.moe import MoEExperts, MoERouter
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
@@ -296,7 +303,7 @@ class Gemma4TextModel(nn.Module):
             layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight)
+        logits = project(hidden, self.embed_tokens.weight)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
