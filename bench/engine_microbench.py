@@ -118,13 +118,16 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
             "ttft_p50_ms": 1e3 * statistics.median(ttfts), "ttft_min_ms": 1e3 * min(ttfts)}
 
 
-def profile_decode(engine: LLMEngine, prompt_len: int, steps: int = 8) -> dict:
-    """Where a batch-1 decode step's time goes: device time summed over kernels vs the step's wall time."""
+def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int = 8) -> dict:
+    """Where a decode step's time goes: device time summed over kernels vs the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    engine.add_request(engine.make_request("prof", engine.process_prompt(prompt_ids(engine, prompt_len, 99)), params))
-    engine.step()
+    for i in range(batch):
+        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, 99 + i))
+        engine.add_request(engine.make_request(f"prof-{i}", prompt, params))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):  # prefill all
+        engine.step()
     engine.step()
     _sync(engine.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
@@ -142,7 +145,7 @@ def profile_decode(engine: LLMEngine, prompt_len: int, steps: int = 8) -> dict:
     table = events.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40)
     summary = {"steps": steps, "wall_ms_per_step": wall_ms, "device_ms_per_step": device_us / 1e3,
                "device_ops_per_step": kernels}
-    print(f"profile (batch 1): {wall_ms:.2f} ms wall per step, {device_us / 1e3:.2f} ms of device time, "
+    print(f"profile (batch {batch}): {wall_ms:.2f} ms wall per step, {device_us / 1e3:.2f} ms of device time, "
           f"{kernels:.0f} device ops", flush=True)
     return {"summary": summary, "table": table}
 
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--profile", action="store_true",
                    help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON")
+    p.add_argument("--profile-batches", default=None,
+                   help="comma-separated batch sizes to profile (implies --profile; default 1)")
     p.add_argument("--cprofile", action="store_true",
                    help="also run cProfile over decode steps at the largest batch: host-side hot spots next to the JSON")
     p.add_argument("--out", default="bench/results")
@@ -225,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill.append(row)
         print(f"prefill {length:5d} tokens: TTFT p50 {row['ttft_p50_ms']:.2f} ms", flush=True)
     # Last: CUPTI stays attached after a profile and slows later launches.
-    profile = profile_decode(engine, args.decode_prompt_tokens) if args.profile else None
+    profile_batches = [int(b) for b in (args.profile_batches or ("1" if args.profile else "")).split(",") if b]
+    profiles = {b: profile_decode(engine, args.decode_prompt_tokens, b) for b in profile_batches}
     host_profile = host_profile_decode(engine, max(batches), args.decode_prompt_tokens) if args.cprofile else None
 
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -249,15 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         "decode": decode,
         "prefill": prefill,
     }
-    if profile is not None:
-        result["profile_batch1"] = profile["summary"]
+    for b, prof in profiles.items():
+        result[f"profile_batch{b}"] = prof["summary"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = out / f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))
-    if profile is not None:
-        path.with_suffix(".profile.txt").write_text(profile["table"])
+    for b, prof in profiles.items():
+        path.with_suffix(".profile.txt" if b == 1 else f".profile-b{b}.txt").write_text(prof["table"])
     if host_profile is not None:
         path.with_suffix(".cprofile.txt").write_text(host_profile)
     print(f"wrote {path}")

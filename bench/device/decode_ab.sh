@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Decode-path A/B in one device call (e4b preset, bf16, H100): the decode GEMM kernels against cuBLAS per
 # projection shape (bench/gemv_kernels.py; GEMV_ARGS="--sweep" also searches tiles), then the engine
-# microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), batch-1 profile.
+# microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), decode profiles at
+# PROFILE_BATCHES (default 1). ORDER="cublas skinny" swaps the runs; RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
 # Everything lands in $OUT/decode_ab.tgz; the tables are in $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} GEMV_ARGS=${GEMV_ARGS:-} RUN_GPU_TESTS=${RUN_GPU_TESTS:-1}
-BATCHES=${BATCHES:-1,8,32,64} OUT=${OUT:-/tmp/out}
+BATCHES=${BATCHES:-1,8,32,64} OUT=${OUT:-/tmp/out} PROFILE_BATCHES=${PROFILE_BATCHES:-1}
+ORDER=${ORDER:-skinny cublas} RUN_GEMV=${RUN_GEMV:-1}
 RES=/tmp/res-ab
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
@@ -22,11 +24,17 @@ run() {  # run NAME SECONDS CMD...
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
 fi
-run microbench-skinny 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --attention-backend triton \
-  --batches "$BATCHES" --decode-steps 16 --prefill-reps 3 --profile --out "$RES" --tag=-skinny
-G4SERVE_SKINNY_MAX_ROWS=0 run microbench-cublas 120 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
-  --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 --prefill-reps 3 --out "$RES" --tag=-cublas
-run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
+skinny() {
+  run microbench-skinny 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --attention-backend triton \
+    --batches "$BATCHES" --decode-steps 16 --prefill-reps 3 --profile-batches "$PROFILE_BATCHES" --out "$RES" --tag=-skinny
+}
+cublas() {
+  G4SERVE_SKINNY_MAX_ROWS=0 run microbench-cublas 120 python3 bench/engine_microbench.py --model "$PRESET" \
+    --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
+    --prefill-reps 3 --out "$RES" --tag=-cublas
+}
+for step in $ORDER; do $step; done
+[ "$RUN_GEMV" = 1 ] && run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
 {
   for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 60 "$f"; echo '```'; done
 } > "$OUT/summary.md"

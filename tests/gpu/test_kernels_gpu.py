@@ -200,3 +200,31 @@ def test_skinny_matmul_on_e4b_decode_shapes(m):
         elif ep == MUL:
             ref = act_mul_reference(act, ref.bfloat16(), other)
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2, msg=f"{ep=} {n=} {k=}")
+
+
+@pytest.mark.parametrize("head_dim,v_is_k", [(256, False), (512, False), (512, True)])
+def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
+    """The fused attention prologue on the GPU, bit for bit the unfused norm_rope + kv_cache_write."""
+    from g4serve.kernels.norm_rope import norm_rope
+    from g4serve.kernels.qkv_prep import qkv_prep
+    from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
+
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    t, hq, hkv = 37, 8, 2
+    qkv = (3 * torch.randn(t, (hq + hkv * (1 if v_is_k else 2)) * head_dim, device="cuda", generator=gen)).bfloat16()
+    wq, wk = (torch.randn(head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    rope = {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25} if head_dim == 512 \
+        else {"rope_theta": 10000.0}
+    cos, sin = rope_cos_sin(torch.arange(t, device="cuda") * 13, text_inv_freq(rope, head_dim), torch.bfloat16)
+    slots = torch.randperm(64, device="cuda", generator=gen)[:t]
+    slots[::5] = -1
+    cache = torch.zeros(2, 64, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
+    ref_cache = cache.clone()
+    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, v_is_k)
+    heads = qkv.view(t, -1, head_dim)
+    k_raw = heads[:, hq : hq + hkv]
+    v_raw = k_raw if v_is_k else heads[:, hq + hkv :]
+    kv_cache_write(norm_rope(k_raw, wk, 1e-6, cos, sin), norm_rope(v_raw, None, 1e-6), ref_cache[0], ref_cache[1],
+                   slots)
+    assert torch.equal(q, norm_rope(heads[:, :hq], wq, 1e-6, cos, sin))
+    assert torch.equal(cache, ref_cache)

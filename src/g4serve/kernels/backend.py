@@ -1,6 +1,7 @@
 """``TritonAttention``: the ``AttentionBackend`` on the paged Triton kernels; matches ``TorchAttention``.
 
-Per layer: new K/V go into the cache (``kv_cache_write``), then sequences with one query token run the
+Per layer: new K/V go into the cache (``kv_cache_write``, unless the layer's fused prologue kernel wrote
+them: ``kv_write_target``), then sequences with one query token run the
 split-KV decode kernel and sequences with more run the varlen prefill kernel, both straight over the
 paged cache. What depends only on the step (which sequences decode, their context lengths, per-token
 bidirectional ranges, the split count) is worked out once per ``AttentionMetadata`` and reused by
@@ -125,6 +126,13 @@ class TritonAttention:
         return lo, hi
 
     # ---- AttentionBackend -----------------------------------------------------------------------
+    def kv_write_target(self, layer_idx: int, meta: AttentionMetadata):
+        """The layer's cache and slots, for the fused q/k/v prologue (``kernels.qkv_prep``) on CUDA."""
+        kv = self.cache.kv[self.kv_source[layer_idx]]
+        if not kv.is_cuda or self.kv_source[layer_idx] != layer_idx:
+            return None
+        return kv[0], kv[1], meta.slot_mapping[self.cfg.layer_types[layer_idx]]
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg

@@ -85,6 +85,12 @@ class AttentionBackend(Protocol):
         """
         ...
 
+    def kv_write_target(self, layer_idx: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor] | None:
+        """(k_cache, v_cache, slots) for a KV-producing layer whose prologue kernel writes its new K/V rows
+        itself (then ``attend`` gets k = v = None); None: pass k/v to ``attend`` instead."""
+        ...
+
 
 class PagedKVCache:
     """K/V storage: per KV-producing layer a [2, num_blocks * block_size, Hkv, D] tensor.
@@ -146,6 +152,9 @@ class TorchAttention:
         self.cache = cache
         self.kv_source = [cfg.kv_source_layer(i) for i in range(cfg.num_hidden_layers)]
         self.bidirectional_vision = cfg.use_bidirectional_attention == "vision"
+
+    def kv_write_target(self, layer_idx, meta):
+        return None  # the reference path writes K/V itself, from the k/v it is given
 
     def attend(self, layer_idx, q, k, v, meta):
         cfg = self.cfg

@@ -4,6 +4,8 @@
 - ``add_rms_norm``: ``(residual + norm(x)) * scale``, optionally with the next norm of the result;
 - ``norm_rope``: per-head q/k norm followed by RoPE or axial RoPE (or the v norm alone);
 - ``act_mul``: the gate activation times the up projection (MLP and PLE gates);
+- ``qkv_norm_rope_write``: a KV-producing layer's q/k/v norms, RoPE and the K/V cache write, from the
+  fused QKV projection (CUDA only: the reference path keeps the separate ops);
 - ``linear`` / ``gate_up_act`` / ``linear_act_mul``: projections, and projections with those gates fused,
   through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS.
 """
@@ -19,6 +21,7 @@ from torch import nn
 from g4serve.kernels import act_mul as _act_mul
 from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
+from g4serve.kernels.qkv_prep import qkv_prep
 from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
 from g4serve.layers.norm import RMSNorm
 
@@ -89,3 +92,13 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
     if _skinny(x, layer.weight, layer.bias, _gemv.MUL) and other.stride(-1) == 1:
         return _gemv.skinny_matmul(x, layer.weight, _gemv.MUL, activation, other)
     return act_mul(activation, layer(x), other)
+
+
+def qkv_norm_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: RMSNorm, k_norm: RMSNorm,
+                        cos: torch.Tensor, sin: torch.Tensor,
+                        target: tuple[torch.Tensor, torch.Tensor, torch.Tensor], v_is_k: bool) -> torch.Tensor:
+    """q = rope(q_norm(q)) [T, Hq, D]; rope(k_norm(k)) and v_norm(v) written to ``target`` = (k_cache,
+    v_cache, slots), one kernel. ``v_is_k``: V is the raw K projection (attention_k_eq_v)."""
+    assert q_norm.eps == k_norm.eps
+    return qkv_prep(qkv, num_heads, num_kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin, *target,
+                    v_is_k=v_is_k)

@@ -22,6 +22,7 @@ from g4serve.layers.fused import (
     linear_act_mul,
     norm_rope,
     project,
+    qkv_norm_rope_write,
 )
 from g4serve.layers.moe import MoEExperts, MoERouter
 from g4serve.layers.norm import RMSNorm
@@ -86,7 +87,7 @@ class TextAttention(nn.Module):
         t = x.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_proj is None:
-            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            q = linear(x, self.q_proj).view(t, self.num_heads, self.head_dim)
             if self.is_kv_shared:
                 return q, None, None
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -107,6 +108,14 @@ class TextAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
+        target = None
+        if self.qkv_proj is not None and not self.is_kv_shared and x.is_cuda:
+            target = backend.kv_write_target(self.layer_idx, meta)
+        if target is not None:  # norms, RoPE and the K/V cache write in one kernel
+            q = qkv_norm_rope_write(linear(x, self.qkv_proj), self.num_heads, self.num_kv_heads, self.q_norm,
+                                    self.k_norm, cos, sin, target, v_is_k=not self._v_in_qkv)
+            out = backend.attend(self.layer_idx, q, None, None, meta)
+            return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
         q, k_raw, v_raw = self._project(x)  # v_raw is k_raw where attention_k_eq_v
         q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
         k = v = None
@@ -250,7 +259,7 @@ class Gemma4TextModel(nn.Module):
         """PLE: token-identity table plus a projection of the (merged) input embeddings -> [T, L, P]."""
         num_layers = self.cfg.num_hidden_layers
         identity = self.embed_tokens_per_layer(text_ids).reshape(-1, num_layers, self.ple_dim)
-        context = self.per_layer_model_projection(inputs_embeds) * (self.cfg.hidden_size**-0.5)
+        context = linear(inputs_embeds, self.per_layer_model_projection) * (self.cfg.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.reshape(-1, num_layers, self.ple_dim))
         return (context + identity) * (2.0**-0.5)
 

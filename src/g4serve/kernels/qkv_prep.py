@@ -1,0 +1,127 @@
+"""A KV-producing attention layer's whole prologue in one kernel: q/k norm + RoPE, the v norm, and the
+new K/V rows written into their paged-cache slots, straight from the fused QKV projection's output.
+
+Unfused that is four launches per layer (norm_rope on q, on k, on v, then kv_cache_write) and a round
+trip of K/V through memory. Grid: (token, head row) over Hq + 2 Hkv rows; a row is a q head (normed
+with q_norm, rotated, stored to a contiguous [T, Hq, D] q), a k head (k_norm, rotated, stored to the
+K cache) or a v head (weightless norm, stored to the V cache). K/V rows of tokens with slot -1 (graph
+padding) are dropped. Rounding follows ``norm_rope``: the norm's result is rounded to the input dtype
+before the rotation, the rotation runs in fp32 and is rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from g4serve.kernels._launch import DualKernel, next_pow2
+from g4serve.kernels.kv_cache_write import kv_cache_write_reference
+from g4serve.kernels.norm_rope import norm_rope_reference
+
+
+@triton.jit
+def _normed_row(base, W, Cos, Sin, eps,
+                HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
+                HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, OUT_TY: tl.constexpr):
+    """One head row [2, PART] (rotate-half halves): rms-normed (times W), rounded to OUT_TY, rotated."""
+    part = tl.arange(0, 2)[:, None]
+    col = tl.arange(0, BLOCK_PART)[None, :]
+    mask = (col < PART) & (part < 2)
+    offs = part * PART + col
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / HEAD_DIM + eps)
+    y = x * inv
+    if HAS_W:
+        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(OUT_TY).to(tl.float32)
+    if HAS_ROPE:
+        partner = (part ^ 1) * PART + col
+        yp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * inv
+        if HAS_W:
+            yp = yp * tl.load(W + partner, mask=mask, other=0.0).to(tl.float32)
+        yp = yp.to(OUT_TY).to(tl.float32)
+        sign = tl.where(part == 0, -1.0, 1.0)
+        c = tl.load(Cos + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(Sin + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * c + sign * yp * s
+    return y, offs, mask
+
+
+def _qkv_prep_fn(
+    QKV, Wq, Wk, Cos, Sin, QOut, KCache, VCache, Slots,
+    eps, stride_t, stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
+    stride_ct, stride_st,
+    HQ: tl.constexpr, HKV: tl.constexpr, V_HEAD0: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = QKV + t * stride_t
+    cos = Cos + t * stride_ct
+    sin = Sin + t * stride_st
+    out_ty = QOut.dtype.element_ty
+    if h < HQ:
+        y, offs, mask = _normed_row(row + h * HEAD_DIM, Wq, cos, sin, eps, HEAD_DIM, PART, BLOCK_PART,
+                                    True, True, out_ty)
+        tl.store(QOut + t * stride_qo_t + h * stride_qo_h + offs, y.to(out_ty), mask=mask)
+    else:
+        slot = tl.load(Slots + t).to(tl.int64)
+        if slot >= 0:
+            if h < HQ + HKV:
+                y, offs, mask = _normed_row(row + h * HEAD_DIM, Wk, cos, sin, eps, HEAD_DIM, PART, BLOCK_PART,
+                                            True, True, out_ty)
+                tl.store(KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + offs,
+                         y.to(KCache.dtype.element_ty), mask=mask)
+            else:
+                y, offs, mask = _normed_row(row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM, Wk, cos, sin, eps,
+                                            HEAD_DIM, PART, BLOCK_PART, False, False, out_ty)
+                tl.store(VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + offs,
+                         y.to(VCache.dtype.element_ty), mask=mask)
+
+
+_qkv_prep = DualKernel(_qkv_prep_fn)
+
+
+def qkv_prep(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
+             k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor, v_is_k: bool = False) -> torch.Tensor:
+    """qkv [T, (Hq + Hkv (+ Hkv)) * D] (unit last stride; raw v heads after k unless ``v_is_k``: V is then
+    the raw K projection, as with attention_k_eq_v) -> q [T, Hq, D] normed and rotated; normed+rotated
+    K and normed V go into k_cache / v_cache [S, Hkv, D] rows ``slots`` [T] (-1: skip)."""
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    part = head_dim // 2
+    _qkv_prep[qkv.device][(num_tokens, num_q_heads + 2 * num_kv_heads)](
+        qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
+        eps, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), cos.stride(0), sin.stride(0),
+        HQ=num_q_heads, HKV=num_kv_heads, V_HEAD0=num_q_heads + (0 if v_is_k else num_kv_heads),
+        HEAD_DIM=head_dim, PART=part, BLOCK_PART=next_pow2(part),
+        num_warps=1 if head_dim <= 256 else 2,
+    )
+    return q
+
+
+def qkv_prep_reference(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       v_is_k: bool = False) -> torch.Tensor:
+    """The unfused ops: norm_rope on q and k, the weightless v norm, then the cache write."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    heads = qkv.view(t, -1, d)
+    q = norm_rope_reference(heads[:, :num_q_heads], q_weight, eps, cos, sin)
+    k_raw = heads[:, num_q_heads : num_q_heads + num_kv_heads]
+    v_raw = k_raw if v_is_k else heads[:, num_q_heads + num_kv_heads : num_q_heads + 2 * num_kv_heads]
+    k = norm_rope_reference(k_raw, k_weight, eps, cos, sin)
+    v = norm_rope_reference(v_raw, None, eps)
+    kv_cache_write_reference(k, v, k_cache, v_cache, slots)
+    return q
+
+
+__all__ = ["qkv_prep", "qkv_prep_reference"]
