@@ -9,6 +9,8 @@ internals are imported on the first CPU launch only: CUDA use never touches them
 
 from __future__ import annotations
 
+import functools
+import os
 from contextlib import contextmanager
 
 import torch
@@ -94,3 +96,18 @@ def dot_settings(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch (Hopper and later): the kernel may be scheduled while
+    the previous one in the stream drains, and waits (``gdc_wait``, first thing in every kernel that takes
+    ``USE_PDL``) until that kernel's writes are visible. Saves the launch gap between the many small
+    kernels of a decode step, captured CUDA graphs included. G4SERVE_PDL=0 turns it off (A/B runs)."""
+    if device.type != "cuda" or not _pdl_supported(device.index or 0):
+        return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    return os.environ.get("G4SERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9

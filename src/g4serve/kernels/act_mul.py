@@ -8,14 +8,18 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel
+from g4serve.kernels._launch import DualKernel, pdl
 from g4serve.layers.activation import ACTIVATIONS
 
 GELU_TANH, SILU = 0, 1
 _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, "swish": SILU}
 
 
-def _act_mul_fn(A, B, Out, n_cols, stride_a, stride_b, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_fn(A, B, Out, n_cols, stride_a, stride_b, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -43,7 +47,7 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor, block: int = 1024
     out = torch.empty(a2d.shape, dtype=a.dtype, device=a.device)
     if a2d.shape[0]:
         _act_mul[a.device][(a2d.shape[0], -(-n // block))](
-            a2d, b2d, out, n, a2d.stride(0), b2d.stride(0), out.stride(0), ACT=_KINDS[activation], BLOCK=block,
+            a2d, b2d, out, n, a2d.stride(0), b2d.stride(0), out.stride(0), ACT=_KINDS[activation], BLOCK=block, **pdl(a.device),
             num_warps=4,
         )
     return out.view(a.shape)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings
+from g4serve.kernels._launch import DualKernel, dot_settings, pdl
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
 
 PLAIN, GATE_UP, MUL = 0, 1, 2
@@ -34,7 +34,7 @@ def _gemv_fn(
     stride_xm, stride_wn, stride_em, stride_ym, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,6 +45,19 @@ def _gemv_fn(
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
 
+    # The weight tile of the next step is loaded before this step's math (double buffering by hand: the
+    # M=1 loop has no tensor-core ops for the compiler to pipeline). The first one is requested before
+    # waiting on the previous kernel: weights are never written during a step, so under programmatic
+    # dependent launch their stream starts while the previous kernel drains.
+    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    u = w
+    if EPILOGUE == 1:
+        u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -53,30 +66,29 @@ def _gemv_fn(
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            w_mask = n_mask[:, None]
-            x_mask = m_mask[:, None]
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
-            k_in = (k0 + offs_k) < K
-            w_mask = n_mask[:, None] & k_in[None, :]
-            x_mask = m_mask[:, None] & k_in[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        next_mask = n_mask[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        u_next = w_next
         if EPILOGUE == 1:
-            u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            u_next = tl.load(w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first")
         if USE_DOT:
             if UPCAST:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
+                u = u.to(tl.float32)
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
             if EPILOGUE == 1:
-                if UPCAST:
-                    u = u.to(tl.float32)
                 acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
         else:
             xf = x.to(tl.float32)  # [1, BLOCK_K]
             acc += w.to(tl.float32) * xf
             if EPILOGUE == 1:
                 acc_up += u.to(tl.float32) * xf
+        w = w_next
+        u = u_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -150,7 +162,9 @@ def skinny_matmul(
     """x [M, K] (M <= 16, unit last stride) against weight [N or 2N, K] (contiguous) -> [M, N].
 
     ``PLAIN``: x @ weight.T; ``GATE_UP``: act(x @ gate.T) * (x @ up.T) for weight = [gate; up];
-    ``MUL``: act(x @ weight.T) * other, other [M, N] with unit last stride."""
+    ``MUL``: act(x @ weight.T) * other, other [M, N] with unit last stride. ``weight`` must not be written by
+    the kernel just before this one in the stream (model weights): under programmatic dependent launch its
+    first tile is read before waiting for that kernel."""
     m, k = x.shape
     assert m <= 16 and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
     n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
@@ -169,7 +183,7 @@ def skinny_matmul(
         x.stride(0), weight.stride(0), other.stride(0) if other is not None else 0, y.stride(0), n * weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0, USE_DOT=use_dot,
-        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision,
+        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision, **pdl(x.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl
 
 
 def _kv_cache_write_fn(
@@ -17,7 +17,11 @@ def _kv_cache_write_fn(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ct, stride_ch, stride_dt, stride_dh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot < 0:
@@ -47,7 +51,7 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), **pdl(k.device),
         num_warps=4 if num_heads * head_dim <= 2048 else 8,
     )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl
 from g4serve.kernels.rms_norm import rms_norm_reference
 from g4serve.layers.rotary import apply_axial_rope, apply_rope
 
@@ -21,8 +21,11 @@ def _norm_rope_fn(
     eps,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st, cos_head_stride,
     HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # The head row is PARTS pieces of PART dims; RoPE rotates each pair of pieces (2j, 2j+1) as one
     # rotate_half section: one section is the text models' RoPE, two the vision tower's axial x/y RoPE.
     t = tl.program_id(0).to(tl.int64)
@@ -75,7 +78,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         eps, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0, 0,
         HEAD_DIM=head_dim, PARTS=parts, PART=part, BLOCK_PART=next_pow2(part),
-        HAS_W=weight is not None, HAS_ROPE=has_rope,
+        HAS_W=weight is not None, HAS_ROPE=has_rope, **pdl(x.device),
         num_warps=1 if head_dim <= 256 else 2,
     )
     return out

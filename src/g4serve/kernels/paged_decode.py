@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
+from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl
 from g4serve.kernels.paged_prefill import paged_prefill_reference
 
 LOG2E = 1.4426950408889634
@@ -34,8 +34,11 @@ def _paged_decode_fn(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,8 +125,11 @@ def _paged_decode_reduce_fn(
     stride_ab, stride_ah, stride_as,
     stride_ob, stride_oh,
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -247,7 +253,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n, PAGE_SIZE=page_size,
         SLIDING=bool(window), HAS_SPANS=has_spans, SPLIT=split,
-        UPCAST=upcast, DOT_PRECISION=precision,
+        UPCAST=upcast, DOT_PRECISION=precision, **pdl(q.device),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     if split:
@@ -257,7 +263,7 @@ def paged_decode_attention(
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             out.stride(0), out.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl(q.device),
             num_warps=4 if head_dim <= 256 else 8,
         )
     return out

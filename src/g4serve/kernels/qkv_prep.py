@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl
 from g4serve.kernels.kv_cache_write import kv_cache_write_reference
 from g4serve.kernels.norm_rope import norm_rope_reference
 
@@ -53,8 +53,11 @@ def _qkv_prep_fn(
     eps, stride_t, stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
     stride_ct, stride_st,
     HQ: tl.constexpr, HKV: tl.constexpr, V_HEAD0: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = QKV + t * stride_t
@@ -102,7 +105,7 @@ def qkv_prep(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: t
         eps, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), cos.stride(0), sin.stride(0),
         HQ=num_q_heads, HKV=num_kv_heads, V_HEAD0=num_q_heads + (0 if v_is_k else num_kv_heads),
-        HEAD_DIM=head_dim, PART=part, BLOCK_PART=next_pow2(part),
+        HEAD_DIM=head_dim, PART=part, BLOCK_PART=next_pow2(part), **pdl(qkv.device),
         num_warps=1 if head_dim <= 256 else 2,
     )
     return q

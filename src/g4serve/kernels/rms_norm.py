@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl
 
 
 def _rms_norm_fn(
@@ -19,8 +19,11 @@ def _rms_norm_fn(
     n_cols, eps,
     stride_x, stride_r, stride_o, stride_o2,
     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM2: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -70,7 +73,7 @@ def fused_rms_norm(
             scale if scale is not None else x2d, out, out2,
             n, eps, x2d.stride(0), res2d.stride(0), out.stride(0), out2.stride(0),
             HAS_W=weight is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-            HAS_NORM2=next_weight is not None, BLOCK=block,
+            HAS_NORM2=next_weight is not None, BLOCK=block, **pdl(x.device),
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
