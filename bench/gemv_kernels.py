@@ -71,9 +71,11 @@ def decode_shapes(preset: str) -> list[tuple[str, int, int, int, int]]:
 
 
 def _configs(m: int) -> list[dict[str, int]]:
-    block_ks = (512, 1024, 2048) if m == 1 else (128, 256, 512)
-    return [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": 1}
-            for bn, bk, w in itertools.product((1, 2, 4), block_ks, (4, 8))]
+    if m == 1:
+        return [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": 1}
+                for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))]
+    return [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
+            for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))]
 
 
 def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> dict:

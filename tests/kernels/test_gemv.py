@@ -1,6 +1,6 @@
 """The skinny (decode) GEMM kernel and its fused gate epilogues against the unfused ops, in Triton's
-interpreter on CPU tensors: one and several token rows (padded to a power of two), even and ragged K,
-partial column blocks. fp32 to rounding noise; bf16 within one bf16 step of an fp32 product."""
+interpreter on CPU tensors: both the M=1 (elementwise) and the M>1 (tensor-core tile) paths, even and
+ragged K, partial column blocks. fp32 to rounding noise; bf16 within one bf16 step of an fp32 product."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _inputs(m, n, k, epilogue, dtype, seed):
 @pytest.mark.parametrize("m,n,k,block_n,block_k", [
     (1, 40, 64, 8, 32),     # M=1, even K, full column blocks
     (1, 37, 100, 4, 32),    # M=1, ragged K and a partial last column block
-    (3, 40, 96, 16, 32),    # M=3 padded to 4 rows, partial column block
-    (8, 16, 80, 2, 32),     # M=8, ragged K
+    (3, 40, 96, 16, 32),    # M>1: tensor-core tiles with padded rows, partial column block
+    (8, 16, 80, 16, 32),    # M>1, ragged K
 ])
 def test_skinny_matmul_matches_unfused_ops(dtype, epilogue, m, n, k, block_n, block_k):
     ep = EPILOGUES[epilogue]
@@ -61,13 +61,11 @@ def test_silu_gate_up():
 
 def test_default_configs_cover_decode_shapes():
     # every e4b decode projection gets tiles that divide into whole K steps or a masked tail
-    for m in (1, 2, 3, 8):
+    for m in (1, 2, 8):
         for n, k in ((3072, 2560), (2560, 2048), (10240, 2560), (2560, 10240), (256, 2560), (2560, 256)):
             cfg = gemv_config(m, n, k)
-            assert 16 <= cfg["block_k"] <= max(16, 1 << (k - 1).bit_length())
-            # the [rows, block_n, block_k] fp32 accumulator fits the registers of its warps
-            rows = 1 << (m - 1).bit_length()
-            assert rows * cfg["block_n"] * cfg["block_k"] <= 64 * 32 * cfg["num_warps"]
+            assert cfg["block_k"] <= max(16, 1 << (k - 1).bit_length())
+            assert cfg["block_n"] >= (16 if m > 1 else 1)
 
 
 def test_layers_dispatch_keeps_the_cpu_reference_path():

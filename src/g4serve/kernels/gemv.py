@@ -4,11 +4,14 @@ At batch 1-8 a decode step's projections are pure weight streaming: ``x [M, K] @
 tiny. cuBLAS picks 64-wide output tiles for them, so a projection with few output columns (the PLE
 gate: N=256) runs on 4 thread blocks and takes as long as one 20x its size; and every gated
 activation (MLP gate/up, PLE gate) is a GEMM, a write, a re-read and a second kernel. Here each
-program owns ``BLOCK_N`` output columns and streams their rows of W exactly once, for all M rows:
-elementwise products into a [M, BLOCK_N, BLOCK_K] fp32 accumulator and one reduction at the end (no
-tensor cores: at M <= 8 a weight element costs at most 8 FMAs, well under the CUDA cores' rate at the
-HBM's). The weight stream is double-buffered by hand and, under programmatic dependent launch, starts
-before the previous kernel has finished.
+program owns ``BLOCK_N`` output columns and streams their rows of W once:
+
+- ``M == 1``: elementwise products into a [BLOCK_N, BLOCK_K] fp32 accumulator, one reduction at the
+  end (no tensor cores: a GEMV does 1 FMA per weight element loaded); the weight stream is double-buffered
+  by hand and, under programmatic dependent launch, starts before the previous kernel has finished
+  (an [M, BLOCK_N, BLOCK_K] version of this path for M > 1 ran 1.2-2.3x slower than cuBLAS on an H100);
+- ``M > 1``: the token rows are padded to 16 and multiplied on the tensor cores (``tl.dot``), so every
+  weight element is loaded once for all M rows.
 
 Epilogues (the product rounded to the output dtype first, exactly as the unfused GEMM's output is):
 ``plain`` y; ``gate_up`` act(x W_gate^T) * (x W_up^T) from one stacked [2N, K] weight (the MLP);
@@ -21,18 +24,19 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, pdl
+from g4serve.kernels._launch import DualKernel, dot_settings, pdl
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
 
 PLAIN, GATE_UP, MUL = 0, 1, 2
-MAX_ROWS = 8  # token rows the kernel is built for (M FMAs per weight element stay under the CUDA-core peak)
+MAX_ROWS = 8  # token rows the kernel is built for (its tensor-core tile is 16 rows)
 
 
 def _gemv_fn(
     X, W, E, Y, M, N, K,
     stride_xm, stride_wn, stride_em, stride_ym, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EPILOGUE: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,42 +47,75 @@ def _gemv_fn(
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
 
-    # The next weight tile is loaded before this tile's math (double buffering by hand: there are no
-    # tensor-core ops for the compiler to pipeline), and the first one before waiting on the previous
-    # kernel: weights are never written during a step, so under programmatic dependent launch their
-    # stream starts while that kernel drains.
-    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-    u = w
-    if EPILOGUE == 1:
-        u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
-        next_mask = n_mask[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
-        u_next = w_next
+    if USE_DOT:
+        # Tensor-core tiles: the compiler pipelines these loads itself (num_stages).
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w_mask = n_mask[:, None]
+                x_mask = m_mask[:, None]
+            else:
+                k_in = (k0 + offs_k) < K
+                w_mask = n_mask[:, None] & k_in[None, :]
+                x_mask = m_mask[:, None] & k_in[None, :]
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            if EPILOGUE == 1:
+                u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:
+        # One row: the next weight tile is loaded before this tile's math (double buffering by hand, as
+        # there are no tensor-core ops for the compiler to pipeline), and the first one before waiting on
+        # the previous kernel: weights are never written during a step, so under programmatic dependent
+        # launch their stream starts while that kernel drains.
+        w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = w
         if EPILOGUE == 1:
-            u_next = tl.load(w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0,
-                             eviction_policy="evict_first")
-        xf = x.to(tl.float32)[:, None, :]  # [BLOCK_M, 1, BLOCK_K]
-        acc += w.to(tl.float32)[None, :, :] * xf
-        if EPILOGUE == 1:
-            acc_up += u.to(tl.float32)[None, :, :] * xf
-        w = w_next
-        u = u_next
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            next_mask = n_mask[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
+            u_next = w_next
+            if EPILOGUE == 1:
+                u_next = tl.load(w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0,
+                                 eviction_policy="evict_first")
+            xf = x.to(tl.float32)  # [1, BLOCK_K]
+            acc += w.to(tl.float32) * xf
+            if EPILOGUE == 1:
+                acc_up += u.to(tl.float32) * xf
+            w = w_next
+            u = u_next
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
 
-    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    y_up = tl.sum(acc_up, axis=2)
+    if USE_DOT:
+        y = acc
+        y_up = acc_up
+    else:
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+        y_up = tl.sum(acc_up, axis=1)[None, :]
     out_ty = Y.dtype.element_ty
     if EPILOGUE != 0:
         # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
@@ -104,24 +141,32 @@ _gemv = DualKernel(_gemv_fn)
 
 def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
     """Whether this kernel beats cuBLAS (plus the separate activation kernel) for an [m, k] x [n, k]^T
-    product, from bench/gemv_kernels.py --sweep on an H100 at e4b shapes: every decode projection up to
-    ``MAX_ROWS`` rows."""
-    return 0 < m <= MAX_ROWS
+    product, from bench/gemv_kernels.py --sweep on an H100 at e4b shapes. One row: always (1.0-2.8x; the
+    weight streams at up to 3.1 TB/s). 2-8 rows: the fused gates (their activation pass is saved), short
+    K (the PLE projection) and the LM head's vocabulary-wide N; cuBLAS's 64x8 tiles win the other shapes."""
+    if m == 1:
+        return True
+    return m <= MAX_ROWS and (epilogue != PLAIN or k <= 512 or n >= 65536)
 
 
 def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
-    """Tiles per shape, from the same sweep: one or two weight rows per program so that every SM streams,
-    K steps of 512 (1024 when K divides by it), four rows when K is short; 8 warps for a narrow N (the PLE
-    gate). More token rows: proportionally shorter K steps (the [rows, cols, K step] accumulator)."""
+    """Tiles per shape, from the same sweep. One row: one or two weight rows per program so every SM
+    streams (K steps of 512, or 1024 when K divides by it); short K: four rows; narrow N (the PLE gate):
+    8 warps. More rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head)."""
     k_pow2 = max(16, 1 << (k - 1).bit_length())
-    rows = max(1, 1 << (m - 1).bit_length())
-    if k <= 512:
-        return {"block_n": 4, "block_k": max(16, k_pow2 // max(1, rows // 2)), "num_warps": 4, "num_stages": 1}
-    block_k = 1024 if k % 1024 == 0 else 512
-    block_n = 2 if block_k == 1024 else 1
-    if rows > 1:
-        block_k = max(128, block_k // rows)
-    return {"block_n": block_n, "block_k": block_k, "num_warps": 8 if n <= 512 else 4, "num_stages": 1}
+    if m == 1:
+        if k <= 512:
+            return {"block_n": 4, "block_k": k_pow2, "num_warps": 4, "num_stages": 1}
+        block_k = 1024 if k % 1024 == 0 else 512
+        return {"block_n": 2 if block_k == 1024 else 1, "block_k": block_k, "num_warps": 8 if n <= 512 else 4,
+                "num_stages": 1}
+    if epilogue == GATE_UP:
+        return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 3}
+    if n <= 512:
+        return {"block_n": 16, "block_k": min(256, k_pow2), "num_warps": 4, "num_stages": 4}
+    if n >= 65536:
+        return {"block_n": 64, "block_k": min(256, k_pow2), "num_warps": 4, "num_stages": 4}
+    return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 4}
 
 
 def skinny_matmul(
@@ -132,28 +177,31 @@ def skinny_matmul(
     other: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, unit last stride) against weight [N or 2N, K] (contiguous) -> [M, N].
+    """x [M, K] (M <= 16, unit last stride) against weight [N or 2N, K] (contiguous) -> [M, N].
 
     ``PLAIN``: x @ weight.T; ``GATE_UP``: act(x @ gate.T) * (x @ up.T) for weight = [gate; up];
     ``MUL``: act(x @ weight.T) * other, other [M, N] with unit last stride. ``weight`` must not be written by
     the kernel just before this one in the stream (model weights): under programmatic dependent launch its
     first tile is read before waiting for that kernel."""
     m, k = x.shape
-    assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
+    assert m <= 16 and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
     n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     cfg = config or gemv_config(m, n, k, epilogue)
+    use_dot = m > 1
+    block_m = 16 if use_dot else 1
+    upcast, precision = dot_settings(x.dtype, x.device)
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
     grid = (-(-n // cfg["block_n"]),)
     _gemv[x.device][grid](
         x, weight, other if other is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), other.stride(0) if other is not None else 0, y.stride(0), n * weight.stride(0),
-        BLOCK_M=max(1, 1 << (m - 1).bit_length()), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0,
-        EVEN_K=k % cfg["block_k"] == 0, **pdl(x.device),
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0, USE_DOT=use_dot,
+        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision, **pdl(x.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
