@@ -87,3 +87,11 @@ def test_act_mul(dtype, activation):
     gate_up = (4 * torch.randn(3, 2 * 300, generator=gen)).to(dtype)  # halves of a fused projection
     a, b = gate_up[:, :300], gate_up[:, 300:]
     _close(act_mul(activation, a, b, block=128), act_mul_reference(activation, a, b), dtype)
+
+
+def test_programmatic_dependent_launch_is_for_small_cuda_launches_only():
+    from g4serve.kernels._launch import PDL_MAX_ROWS, pdl
+
+    assert pdl(torch.device("cpu"), 1) == {"USE_PDL": False}  # the interpreter has no grid dependency control
+    if torch.cuda.is_available():
+        assert pdl(torch.device("cuda"), PDL_MAX_ROWS + 1) == {"USE_PDL": False}

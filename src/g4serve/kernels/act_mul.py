@@ -47,7 +47,8 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor, block: int = 1024
     out = torch.empty(a2d.shape, dtype=a.dtype, device=a.device)
     if a2d.shape[0]:
         _act_mul[a.device][(a2d.shape[0], -(-n // block))](
-            a2d, b2d, out, n, a2d.stride(0), b2d.stride(0), out.stride(0), ACT=_KINDS[activation], BLOCK=block, **pdl(a.device),
+            a2d, b2d, out, n, a2d.stride(0), b2d.stride(0), out.stride(0), ACT=_KINDS[activation], BLOCK=block,
+            **pdl(a.device, a2d.shape[0]),
             num_warps=4,
         )
     return out.view(a.shape)

@@ -201,7 +201,7 @@ def skinny_matmul(
         x.stride(0), weight.stride(0), other.stride(0) if other is not None else 0, y.stride(0), n * weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0, USE_DOT=use_dot,
-        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision, **pdl(x.device),
+        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision, **pdl(x.device, m),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

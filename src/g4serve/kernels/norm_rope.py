@@ -78,7 +78,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         eps, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0, 0,
         HEAD_DIM=head_dim, PARTS=parts, PART=part, BLOCK_PART=next_pow2(part),
-        HAS_W=weight is not None, HAS_ROPE=has_rope, **pdl(x.device),
+        HAS_W=weight is not None, HAS_ROPE=has_rope, **pdl(x.device, num_tokens),
         num_warps=1 if head_dim <= 256 else 2,
     )
     return out

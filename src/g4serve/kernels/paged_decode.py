@@ -253,7 +253,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n, PAGE_SIZE=page_size,
         SLIDING=bool(window), HAS_SPANS=has_spans, SPLIT=split,
-        UPCAST=upcast, DOT_PRECISION=precision, **pdl(q.device),
+        UPCAST=upcast, DOT_PRECISION=precision, **pdl(q.device, batch),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     if split:
@@ -263,7 +263,7 @@ def paged_decode_attention(
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             out.stride(0), out.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl(q.device),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl(q.device, batch),
             num_warps=4 if head_dim <= 256 else 8,
         )
     return out

@@ -105,7 +105,7 @@ def qkv_prep(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: t
         eps, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), cos.stride(0), sin.stride(0),
         HQ=num_q_heads, HKV=num_kv_heads, V_HEAD0=num_q_heads + (0 if v_is_k else num_kv_heads),
-        HEAD_DIM=head_dim, PART=part, BLOCK_PART=next_pow2(part), **pdl(qkv.device),
+        HEAD_DIM=head_dim, PART=part, BLOCK_PART=next_pow2(part), **pdl(qkv.device, num_tokens),
         num_warps=1 if head_dim <= 256 else 2,
     )
     return q

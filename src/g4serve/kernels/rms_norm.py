@@ -73,7 +73,7 @@ def fused_rms_norm(
             scale if scale is not None else x2d, out, out2,
             n, eps, x2d.stride(0), res2d.stride(0), out.stride(0), out2.stride(0),
             HAS_W=weight is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-            HAS_NORM2=next_weight is not None, BLOCK=block, **pdl(x.device),
+            HAS_NORM2=next_weight is not None, BLOCK=block, **pdl(x.device, rows),
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
