@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 import triton
+import triton.language as tl
 
 _INTERPRETED_HELPERS: dict = {}
 
@@ -116,3 +117,12 @@ def pdl(device: torch.device, rows: int) -> dict:
 @functools.cache
 def _pdl_supported(index: int) -> bool:
     return os.environ.get("G4SERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """First thing in a kernel launched with ``pdl``: wait until the previous kernel's writes are visible,
+    then let the next kernel be scheduled. A no-op without ``USE_PDL``."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, pdl
+from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
 from g4serve.layers.activation import ACTIVATIONS
 
 GELU_TANH, SILU = 0, 1
@@ -17,9 +17,7 @@ _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, 
 
 def _act_mul_fn(A, B, Out, n_cols, stride_a, stride_b, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
                 USE_PDL: tl.constexpr):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings, pdl
+from g4serve.kernels._launch import DualKernel, dot_settings, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
 
 PLAIN, GATE_UP, MUL = 0, 1, 2
@@ -49,9 +49,7 @@ def _gemv_fn(
 
     if USE_DOT:
         # Tensor-core tiles: the compiler pipelines these loads itself (num_stages).
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_for_previous_kernel(USE_PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -85,9 +83,7 @@ def _gemv_fn(
         u = w
         if EPILOGUE == 1:
             u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_for_previous_kernel(USE_PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2, pdl
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 
 
 def _kv_cache_write_fn(
@@ -19,9 +19,7 @@ def _kv_cache_write_fn(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot < 0:

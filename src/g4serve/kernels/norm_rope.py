@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2, pdl
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.rms_norm import rms_norm_reference
 from g4serve.layers.rotary import apply_axial_rope, apply_rope
 
@@ -23,9 +23,7 @@ def _norm_rope_fn(
     HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
     HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     # The head row is PARTS pieces of PART dims; RoPE rotates each pair of pieces (2j, 2j+1) as one
     # rotate_half section: one section is the text models' RoPE, two the vision tower's axial x/y RoPE.
     t = tl.program_id(0).to(tl.int64)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl
+from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.paged_prefill import paged_prefill_reference
 
 LOG2E = 1.4426950408889634
@@ -36,9 +36,7 @@ def _paged_decode_fn(
     SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,9 +125,7 @@ def _paged_decode_reduce_fn(
     num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2, pdl
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.kv_cache_write import kv_cache_write_reference
 from g4serve.kernels.norm_rope import norm_rope_reference
 
@@ -55,9 +55,7 @@ def _qkv_prep_fn(
     HQ: tl.constexpr, HKV: tl.constexpr, V_HEAD0: tl.constexpr,
     HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = QKV + t * stride_t

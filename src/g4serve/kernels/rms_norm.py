@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, next_pow2, pdl
+from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 
 
 def _rms_norm_fn(
@@ -21,9 +21,7 @@ def _rms_norm_fn(
     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM2: tl.constexpr,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # programmatic dependent launch: wait here for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
