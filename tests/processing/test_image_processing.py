@@ -157,3 +157,17 @@ def test_load_image_truncated_jpeg_raises():
     PIL.Image.fromarray(_random_rgba(64, 64)[..., :3]).save(buffer, format="JPEG")
     with pytest.raises(ValueError, match="could not decode image"):
         load_image(buffer.getvalue()[: math.floor(len(buffer.getvalue()) * 0.5)])
+
+
+def test_parallel_decoding_keeps_order_and_names_the_first_bad_input():
+    from g4serve.processing.processor import _decode_all
+
+    blobs = []
+    for shade in range(5):
+        buf = io.BytesIO()
+        PIL.Image.new("RGB", (32, 16), (shade * 40, 0, 0)).save(buf, format="PNG")
+        blobs.append(buf.getvalue())
+    decoded = _decode_all(load_image, [*blobs[:2], PIL.Image.new("RGB", (8, 8)), *blobs[2:]], name="image")
+    assert [im.getpixel((0, 0))[0] for im in decoded] == [0, 40, 0, 80, 120, 160]
+    with pytest.raises(ValueError, match=r"^image\[1\]: could not decode image"):
+        _decode_all(load_image, [blobs[0], b"not an image", blobs[1], b"also bad"], name="image")

@@ -8,7 +8,10 @@ begin/end markers around one soft token per encoder output vector; the media bec
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +142,7 @@ class Gemma4Processor:
             return load_video(value, num_frames=self.settings.video_num_frames)
         # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array.
         if isinstance(value, (list, tuple)):
-            value = [self._load_image(f) if isinstance(f, (bytes, bytearray, str, LocalFile)) else f for f in value]
+            value = _decode_all(self._load_image, value)
         return sample_video_frames(value, num_frames=self.settings.video_num_frames)
 
     def _load_audio(self, value: Any) -> np.ndarray:
@@ -170,7 +173,7 @@ class Gemma4Processor:
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]] = {"image": [], "video": [], "audio": []}
 
         if images:
-            loaded = [_named(f"image[{i}]", self._load_image, v) for i, v in enumerate(images)]
+            loaded = _decode_all(self._load_image, images, name="image")
             feats = preprocess_images(loaded, max_soft_tokens=s.image_max_soft_tokens,
                                       patch_size=s.patch_size, pooling_kernel_size=s.pooling_kernel_size)
             for i, n in enumerate(feats.num_soft_tokens):
@@ -276,6 +279,28 @@ class Gemma4Processor:
                 raise ValueError(f"multi_modal_data.{modality}: placeholder tokens do not match the inputs")
         result.sort(key=lambda it: it.offset)
         return result
+
+
+@functools.cache
+def _decode_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="g4serve-decode")
+
+
+def _decode_all(load, values: list | tuple, name: str | None = None) -> list:
+    """``load`` on every encoded input (bytes, paths, data already decoded pass through), the encoded ones
+    in parallel threads: JPEG/PNG decoding releases the GIL, so a video's frames decode side by side.
+    Failures name the input (``name[i]: ...``) when ``name`` is given, and the first one in order wins."""
+    encoded = (bytes, bytearray, str, LocalFile)
+
+    def one(i: int, value: Any) -> Any:
+        if not isinstance(value, encoded):
+            return value
+        return _named(f"{name}[{i}]", load, value) if name else load(value)
+
+    if sum(isinstance(v, encoded) for v in values) < 2:
+        return [one(i, v) for i, v in enumerate(values)]
+    futures = [_decode_pool().submit(one, i, v) for i, v in enumerate(values)]
+    return [f.result() for f in futures]
 
 
 def _named(where: str, load, value: Any) -> Any:
