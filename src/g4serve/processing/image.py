@@ -145,16 +145,18 @@ def patchify(pixels: torch.Tensor, patch_size: int, max_patches: int) -> tuple[t
     """[..., C, H, W] -> patches [..., max_patches, p*p*C] (row, col, channel order) and (x, y) positions."""
     *lead, channels, height, width = pixels.shape
     ph, pw = height // patch_size, width // patch_size
-    patches = pixels.reshape(*lead, channels, ph, patch_size, pw, patch_size)
     n = len(lead)
-    patches = patches.permute(*range(n), n + 1, n + 3, n + 2, n + 4, n).reshape(*lead, ph * pw, -1)
+    blocks = pixels.reshape(*lead, channels, ph, patch_size, pw, patch_size)
+    blocks = blocks.permute(*range(n), n + 1, n + 3, n + 2, n + 4, n)  # [..., ph, pw, p, p, C], a view
+    # One copy straight into the padded output (reshaping, then padding, copied a video's ~12 MB twice).
+    rows = max(max_patches, ph * pw)
+    patches = pixels.new_empty(*lead, rows, patch_size * patch_size * channels)
+    patches[..., : ph * pw, :].view(*lead, ph, pw, patch_size, patch_size, channels).copy_(blocks)
+    patches[..., ph * pw :, :] = 0
     xs, ys = torch.meshgrid(torch.arange(pw), torch.arange(ph), indexing="xy")
-    positions = torch.stack([xs, ys], dim=-1).reshape(ph * pw, 2).expand(*lead, ph * pw, 2)
-    pad = max_patches - ph * pw
-    if pad > 0:
-        patches = torch.nn.functional.pad(patches, (0, 0, 0, pad), value=0)
-        positions = torch.nn.functional.pad(positions, (0, 0, 0, pad), value=-1)
-    return patches, positions.contiguous()
+    positions = torch.full((*lead, rows, 2), -1, dtype=torch.long)
+    positions[..., : ph * pw, :] = torch.stack([xs, ys], dim=-1).reshape(ph * pw, 2)
+    return patches, positions
 
 
 def preprocess_images(

@@ -1,0 +1,121 @@
+"""Request preprocessing on the CPU: what a video (or image) request costs before it reaches the engine.
+
+Builds the benchmark's video request (``g4serve bench --workload video``: six 854x480 JPEG frames as data
+URLs, seeded), then times, median and minimum of ``--reps`` after warm-up: the whole path the server runs off the
+event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_prompt``), and its pieces
+(decoding the frames serially and in the decode threads, frames to HWC arrays, the resize to the patch
+budget, patchify, the content hash). Writes JSON with the machine, commit and command.
+
+    python bench/preprocess_media.py                 # the embedded tiny model's processor settings
+    python bench/preprocess_media.py --frames 6 --size 854x480 --reps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from g4serve.bench.meta import device_name, git_commit
+from g4serve.bench.workloads import VideoWorkload
+from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.processing.chat import split_chat_messages
+from g4serve.processing.image import load_image, patchify, resize_to_patch_budget
+from g4serve.processing.processor import _decode_all, content_hash
+from g4serve.processing.video import _frame_to_hwc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--frames", type=int, default=6)
+    p.add_argument("--size", default="854x480", help="frame WIDTHxHEIGHT")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    return p.parse_args(argv)
+
+
+def timed_ms(fn: Callable[[], object], reps: int) -> dict[str, float]:
+    """Median and minimum of ``reps`` calls after 3 warm-up calls (on a shared machine the minimum is the
+    steadier figure)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median": 1e3 * statistics.median(times), "min": 1e3 * min(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workload = VideoWorkload(num_frames=args.frames, frame_size=args.size)
+    request = workload.build(random.Random(0), 10)
+    body = json.dumps({"messages": request.messages})
+    engine = LLMEngine(EngineConfig(device="cpu"))
+    settings = engine.processor.settings
+
+    def whole_request():
+        messages, media = split_chat_messages(json.loads(body)["messages"], allow_local_files=False)
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return engine.process_prompt({"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False)
+
+    jpegs = []
+    for frame in workload.frames(random.Random(0)):
+        buf = io.BytesIO()
+        frame.save(buf, format="JPEG", quality=90)
+        jpegs.append(buf.getvalue())
+    images = [load_image(b) for b in jpegs]
+    frames = torch.from_numpy(np.stack([_frame_to_hwc(im) for im in images])).permute(0, 3, 1, 2)
+    max_patches = settings.video_max_soft_tokens * settings.pooling_kernel_size**2
+    resized = resize_to_patch_budget(frames, settings.patch_size, max_patches, settings.pooling_kernel_size)
+    patches, positions = patchify(resized.float(), settings.patch_size, max_patches)
+
+    rows = {
+        "whole_request_ms": timed_ms(whole_request, args.reps),
+        "decode_frames_serial_ms": timed_ms(lambda: [load_image(b) for b in jpegs], args.reps),
+        "decode_frames_threads_ms": timed_ms(lambda: _decode_all(load_image, jpegs), args.reps),
+        "frames_to_hwc_ms": timed_ms(lambda: [_frame_to_hwc(im) for im in images], args.reps),
+        "resize_channels_last_ms": timed_ms(
+            lambda: resize_to_patch_budget(frames, settings.patch_size, max_patches, settings.pooling_kernel_size),
+            args.reps),
+        "resize_planar_input_ms": timed_ms(
+            lambda: resize_to_patch_budget(frames.contiguous(), settings.patch_size, max_patches,
+                                           settings.pooling_kernel_size), args.reps),
+        "patchify_ms": timed_ms(lambda: patchify(resized.float(), settings.patch_size, max_patches), args.reps),
+        "content_hash_ms": timed_ms(lambda: content_hash("video", patches, positions), args.reps),
+    }
+    print(f"{'piece':28s} {'median':>8s} {'min':>8s}")
+    for name, value in rows.items():
+        print(f"{name:28s} {value['median']:8.2f} {value['min']:8.2f}")
+    env = {"git_commit": git_commit(), "device_name": device_name("cpu"), "cpu_count": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "python_version": platform.python_version(),
+           "torch_version": torch.__version__, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+           "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"preprocess_media_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"environment": env, "workload": workload.params(), "reps": args.reps,
+                                "units": {"*_ms": "milliseconds per call (median and min)"}, "results": rows}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
