@@ -167,10 +167,16 @@ class DecodeGraphRunner(_GraphRunner):
                  decodable_vocab_size: int | None = None):
         super().__init__(model, backend, pools, block_size, max_model_len, batch_sizes, max(batch_sizes), device,
                          capture, decodable_vocab_size)
-        self.batch_sizes = self.sizes
-        self.max_batch = self.max_size
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # read by varlen kernels only
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self.sizes
+
+    @property
+    def max_batch(self) -> int:
+        return self.max_size
 
     def _metadata(self, n: int) -> AttentionMetadata:
         # A fresh object per forward: backends cache per-step plans by metadata identity, and a capture
@@ -223,7 +229,6 @@ class MixedGraphRunner(_GraphRunner):
                  yoco: bool = True, decodable_vocab_size: int | None = None):
         super().__init__(model, backend, pools, block_size, max_model_len, token_buckets, max_seqs, device, capture,
                          decodable_vocab_size)
-        self.max_tokens = self.max_size
         self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
         # Media soft tokens ride in a fixed-shape row buffer plus mask. Models whose sliding layers attend
         # bidirectionally inside images (26B-A4B, 31B) keep media steps eager: their per-token span bounds
@@ -242,6 +247,10 @@ class MixedGraphRunner(_GraphRunner):
         self._last_rows = torch.zeros(s, dtype=torch.long, device=device)  # each sequence's last token row
         self._kept_start = torch.arange(s + 1, dtype=torch.int32, device=device)
         self._kept_slots = torch.full((s,), -1, dtype=torch.long, device=device)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_size
 
     def _forward(self, n: int) -> torch.Tensor:
         s = self.max_seqs
