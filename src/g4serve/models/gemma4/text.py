@@ -109,8 +109,8 @@ class TextAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         target = None
-        if self.qkv_proj is not None and not self.is_kv_shared and x.is_cuda:
-            target = backend.kv_write_target(self.layer_idx, meta)
+        if self.qkv_proj is not None and not self.is_kv_shared:
+            target = backend.kv_write_target(self.layer_idx, meta)  # TritonAttention: on CUDA
         if target is not None:  # norms, RoPE and the K/V cache write in one kernel
             q = qkv_norm_rope_write(linear(x, self.qkv_proj), self.num_heads, self.num_kv_heads, self.q_norm,
                                     self.k_norm, cos, sin, target, v_is_k=not self._v_in_qkv)
