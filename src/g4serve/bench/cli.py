@@ -19,7 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -307,18 +309,23 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 # ---- online -----------------------------------------------------------------------------------------------------
-def _run_online(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    server = None
+@contextmanager
+def serving_target(args: argparse.Namespace) -> Iterator[tuple[str, str, bool]]:
+    """(base URL, location, whether we started the server): ``--base-url`` as given, or a server started
+    here from ``--serve-args`` (in this process with ``--in-process-server``) and stopped on exit."""
     if args.base_url:
-        base_url, location = args.base_url.rstrip("/").removesuffix("/v1"), "external"
-    else:
-        server = (InProcessServer if args.in_process_server else SubprocessServer)(shlex.split(args.serve_args))
-        base_url, location = server.base_url, server.location
+        yield args.base_url.rstrip("/").removesuffix("/v1"), "external", False
+        return
+    server = (InProcessServer if args.in_process_server else SubprocessServer)(shlex.split(args.serve_args))
     try:
-        return asyncio.run(_sweep(args, workload, base_url, location, server is not None))
+        yield server.base_url, server.location, True
     finally:
-        if server is not None:
-            server.stop()
+        server.stop()
+
+
+def _run_online(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    with serving_target(args) as (base_url, location, own_server):
+        return asyncio.run(_sweep(args, workload, base_url, location, own_server))
 
 
 async def _sweep(args: argparse.Namespace, workload: Workload, base_url: str, location: str,

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,23 +68,14 @@ def add_grid_arguments(sub) -> argparse.ArgumentParser:
 
 
 def run_grid_command(args: argparse.Namespace) -> int:
-    from g4serve.bench.cli import InProcessServer, SubprocessServer
+    from g4serve.bench.cli import serving_target
 
     if args.requests_per_cell <= 0 or args.concurrency <= 0 or (args.rate is not None and args.rate <= 0):
         raise ValueError("--requests-per-cell, --concurrency and --rate must be positive")
     if args.warmup < 0:
         raise ValueError("--warmup: must be >= 0")
-    server = None
-    if args.base_url:
-        base_url, location = args.base_url.rstrip("/").removesuffix("/v1"), "external"
-    else:
-        server = (InProcessServer if args.in_process_server else SubprocessServer)(shlex.split(args.serve_args))
-        base_url, location = server.base_url, server.location
-    try:
-        result = asyncio.run(_grid(args, base_url, location, own_server=server is not None))
-    finally:
-        if server is not None:
-            server.stop()
+    with serving_target(args) as (base_url, location, own_server):
+        result = asyncio.run(_grid(args, base_url, location, own_server=own_server))
     result["meta"]["complete"] = True
     paths = write_grid(args.out, result, plots=args.plots)
     print(paths["md"].read_text())
@@ -288,21 +278,10 @@ def plot_grid(out_dir: Path, result: dict[str, Any]) -> list[Path]:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = out_dir / filename
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
+        written.append(report.save_figure(fig, out_dir / filename))
     return written
 
 
 def write_grid(out_dir: str | Path, result: dict[str, Any], *, plots: bool = True) -> dict[str, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "grid.json", "md": out / "grid.md"}
-    paths["json"].write_text(json.dumps(result, indent=2, default=report._json_default) + "\n")
-    paths["md"].write_text(markdown_grid(result))
-    if plots:
-        for path in plot_grid(out, result):
-            paths[path.stem] = path
-    return paths
+    return report.write_outputs(out_dir, "grid", result, markdown_grid(result),
+                                (lambda out: plot_grid(out, result)) if plots else None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -237,25 +237,40 @@ def plot_runs(out_dir: Path, runs: Sequence[tuple[str, Sequence[dict[str, Any]]]
             ax.set_ylim(bottom=0)
         if runs:
             ax.legend()
-        fig.tight_layout()
-        path = out_dir / filename
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, out_dir / filename))
     return written
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write and close a matplotlib figure; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def write_results(out_dir: str | Path, result: dict[str, Any], *, plots: bool = True) -> dict[str, Path]:
     """``results.json``, ``results.md`` and the plots in ``out_dir`` (created)."""
+    def plot(out: Path) -> list[Path]:
+        return plot_runs(out, [(result["meta"].get("label") or "run", result["points"])],
+                         title=result["meta"].get("workload", {}).get("name", ""))
+
+    return write_outputs(out_dir, "results", result, markdown_table(result), plot if plots else None)
+
+
+def write_outputs(out_dir: str | Path, stem: str, result: dict[str, Any], markdown: str,
+                  plot: Callable[[Path], list[Path]] | None = None) -> dict[str, Path]:
+    """``<stem>.json`` (``result``), ``<stem>.md`` (``markdown``) and whatever ``plot(out_dir)`` draws, in
+    ``out_dir`` (created) -> {"json", "md", plot file stems: paths}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "md": out / "results.md"}
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
-    paths["md"].write_text(markdown_table(result))
-    if plots:
-        for path in plot_runs(out, [(result["meta"].get("label") or "run", result["points"])],
-                              title=result["meta"].get("workload", {}).get("name", "")):
-            paths[path.stem] = path
+    paths["md"].write_text(markdown)
+    for path in plot(out) if plot is not None else []:
+        paths[path.stem] = path
     return paths
 
 
