@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from g4serve.assistant.audio import AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve.assistant.pipeline import Assistant, StageClock
 from g4serve.assistant.qna import answer_events
-from g4serve.server.errors import APIError, error_response, install_error_handlers
+from g4serve.server.errors import APIError, error_response, install_error_handlers, read_json_object
 
 log = logging.getLogger("g4serve.assistant")
 
@@ -85,18 +85,7 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
     router = APIRouter()
 
     async def read_json(request: Request, allowed: set[str]) -> dict:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_request_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {max_request_body_bytes} bytes")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise APIError(400, f"body: malformed JSON: {exc}", param="body") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "body: must be a JSON object", param="body")
+        body = await read_json_object(request, max_request_body_bytes)
         unknown = sorted(set(body) - allowed)
         if unknown:  # a typo ("txt") would otherwise read as a missing field
             raise APIError(400, f"{unknown[0]}: unknown field (expected {', '.join(sorted(allowed))})",

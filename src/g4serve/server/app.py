@@ -28,7 +28,13 @@ from g4serve.outputs import Logprob
 from g4serve.processing.chat import LocalFile, split_chat_messages
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams, SamplingParamsError
-from g4serve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from g4serve.server.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    install_error_handlers,
+    read_json_object,
+)
 from g4serve.server.metrics import ServerMetrics
 from g4serve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 
@@ -130,19 +136,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     # ---- request parsing ---------------------------------------------------------------------------
     async def read_json(request: Request) -> dict:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_request_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {config.max_request_body_bytes} bytes")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise APIError(400, f"malformed JSON body: {exc}", param="body") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the JSON body must be an object", param="body")
-        return body
+        return await read_json_object(request, config.max_request_body_bytes)
 
     def parse(model: type[BaseModel], body: dict) -> Any:
         try:

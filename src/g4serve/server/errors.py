@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -70,3 +71,21 @@ def install_error_handlers(app: FastAPI, count_error: Callable[[int], None], log
         log.exception("internal error")
         count_error(500)
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict:
+    """The request body as a JSON object, read in chunks up to ``max_bytes`` (413 past it); malformed JSON
+    or another JSON type is a 400 naming ``body``."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"body: malformed JSON: {exc}", param="body") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "body: must be a JSON object", param="body")
+    return body
