@@ -138,8 +138,9 @@ _gemv = DualKernel(_gemv_fn)
 def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
     """Whether this kernel beats cuBLAS (plus the separate activation kernel) for an [m, k] x [n, k]^T
     product, from bench/gemv_kernels.py --sweep on an H100 at e4b shapes. One row: always (1.1-4x over the
-    shapes of a decode step; the weight streams at up to 3.2 TB/s). 2-8 rows: the fused gates (their activation pass is saved), short
-    K (the PLE projection) and the LM head's vocabulary-wide N; cuBLAS's 64x8 tiles win the other shapes."""
+    shapes of a decode step; the weight streams at up to 3.2 TB/s). 2-8 rows: the fused gates (their
+    activation pass is saved), short K (the PLE projection) and the LM head's vocabulary-wide N; cuBLAS's
+    64x8 tiles win the other shapes."""
     if m == 1:
         return True
     return m <= MAX_ROWS and (epilogue != PLAIN or k <= 512 or n >= 65536)

@@ -9,11 +9,44 @@ rounds it; the rotation itself runs in fp32 and is rounded once.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.rms_norm import rms_norm_reference
 from g4serve.layers.rotary import apply_axial_rope, apply_rope
+
+
+@triton.jit
+def normed_head_row(base, W, Cos, Sin, eps,
+                    HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
+                    HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, OUT_TY: tl.constexpr):
+    """One head row at ``base`` as [PARTS, BLOCK_PART] pieces of PART dims: rms-normed (times W), rounded to
+    OUT_TY as the unfused model rounds it, then rotated in fp32 with the row's cos/sin (at Cos/Sin). RoPE
+    rotates each pair of pieces (2j, 2j+1) as one rotate_half section: one section is the text models'
+    RoPE, two the vision tower's axial x/y RoPE. -> (row in fp32, offsets, mask)."""
+    part = tl.arange(0, PARTS)[:, None]
+    col = tl.arange(0, BLOCK_PART)[None, :]
+    mask = (col < PART) & (part < PARTS)
+    offs = part * PART + col
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / HEAD_DIM + eps)
+    y = x * inv
+    if HAS_W:
+        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(OUT_TY).to(tl.float32)
+    if HAS_ROPE:
+        # rotate_half within each section: the first piece takes -(second), the second takes +(first)
+        partner = (part ^ 1) * PART + col
+        yp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * inv
+        if HAS_W:
+            yp = yp * tl.load(W + partner, mask=mask, other=0.0).to(tl.float32)
+        yp = yp.to(OUT_TY).to(tl.float32)
+        sign = tl.where(part % 2 == 0, -1.0, 1.0)
+        c = tl.load(Cos + offs, mask=mask, other=0.0).to(tl.float32)
+        sn = tl.load(Sin + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * c + sign * yp * sn
+    return y, offs, mask
 
 
 def _norm_rope_fn(
@@ -24,32 +57,11 @@ def _norm_rope_fn(
     HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    # The head row is PARTS pieces of PART dims; RoPE rotates each pair of pieces (2j, 2j+1) as one
-    # rotate_half section: one section is the text models' RoPE, two the vision tower's axial x/y RoPE.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    part = tl.arange(0, PARTS)[:, None]
-    col = tl.arange(0, BLOCK_PART)[None, :]
-    mask = (col < PART) & (part < PARTS)
-    offs = part * PART + col
-    base = X + t * stride_xt + h * stride_xh
-    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / HEAD_DIM + eps)
-    y = x * inv
-    if HAS_W:
-        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    y = y.to(Out.dtype.element_ty).to(tl.float32)
-    if HAS_ROPE:
-        # rotate_half within each section: the first piece takes -(second), the second takes +(first)
-        partner = (part ^ 1) * PART + col
-        yp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * inv
-        if HAS_W:
-            yp = yp * tl.load(W + partner, mask=mask, other=0.0).to(tl.float32)
-        yp = yp.to(Out.dtype.element_ty).to(tl.float32)
-        sign = tl.where(part % 2 == 0, -1.0, 1.0)
-        c = tl.load(Cos + t * stride_ct + h * cos_head_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        sn = tl.load(Sin + t * stride_st + h * cos_head_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        y = y * c + sign * yp * sn
+    y, offs, mask = normed_head_row(X + t * stride_xt + h * stride_xh, W, Cos + t * stride_ct + h * cos_head_stride,
+                                    Sin + t * stride_st + h * cos_head_stride, eps, HEAD_DIM, PARTS, PART,
+                                    BLOCK_PART, HAS_W, HAS_ROPE, Out.dtype.element_ty)
     tl.store(Out + t * stride_ot + h * stride_oh + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 

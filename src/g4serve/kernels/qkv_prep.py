@@ -12,40 +12,11 @@ before the rotation, the rotation runs in fp32 and is rounded once.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.kv_cache_write import kv_cache_write_reference
-from g4serve.kernels.norm_rope import norm_rope_reference
-
-
-@triton.jit
-def _normed_row(base, W, Cos, Sin, eps,
-                HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
-                HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, OUT_TY: tl.constexpr):
-    """One head row [2, PART] (rotate-half halves): rms-normed (times W), rounded to OUT_TY, rotated."""
-    part = tl.arange(0, 2)[:, None]
-    col = tl.arange(0, BLOCK_PART)[None, :]
-    mask = (col < PART) & (part < 2)
-    offs = part * PART + col
-    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / HEAD_DIM + eps)
-    y = x * inv
-    if HAS_W:
-        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    y = y.to(OUT_TY).to(tl.float32)
-    if HAS_ROPE:
-        partner = (part ^ 1) * PART + col
-        yp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * inv
-        if HAS_W:
-            yp = yp * tl.load(W + partner, mask=mask, other=0.0).to(tl.float32)
-        yp = yp.to(OUT_TY).to(tl.float32)
-        sign = tl.where(part == 0, -1.0, 1.0)
-        c = tl.load(Cos + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(Sin + offs, mask=mask, other=0.0).to(tl.float32)
-        y = y * c + sign * yp * s
-    return y, offs, mask
+from g4serve.kernels.norm_rope import norm_rope_reference, normed_head_row
 
 
 def _qkv_prep_fn(
@@ -63,20 +34,20 @@ def _qkv_prep_fn(
     sin = Sin + t * stride_st
     out_ty = QOut.dtype.element_ty
     if h < HQ:
-        y, offs, mask = _normed_row(row + h * HEAD_DIM, Wq, cos, sin, eps, HEAD_DIM, PART, BLOCK_PART,
+        y, offs, mask = normed_head_row(row + h * HEAD_DIM, Wq, cos, sin, eps, HEAD_DIM, 2, PART, BLOCK_PART,
                                     True, True, out_ty)
         tl.store(QOut + t * stride_qo_t + h * stride_qo_h + offs, y.to(out_ty), mask=mask)
     else:
         slot = tl.load(Slots + t).to(tl.int64)
         if slot >= 0:
             if h < HQ + HKV:
-                y, offs, mask = _normed_row(row + h * HEAD_DIM, Wk, cos, sin, eps, HEAD_DIM, PART, BLOCK_PART,
+                y, offs, mask = normed_head_row(row + h * HEAD_DIM, Wk, cos, sin, eps, HEAD_DIM, 2, PART, BLOCK_PART,
                                             True, True, out_ty)
                 tl.store(KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + offs,
                          y.to(KCache.dtype.element_ty), mask=mask)
             else:
-                y, offs, mask = _normed_row(row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM, Wk, cos, sin, eps,
-                                            HEAD_DIM, PART, BLOCK_PART, False, False, out_ty)
+                y, offs, mask = normed_head_row(row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM, Wk, cos, sin, eps,
+                                            HEAD_DIM, 2, PART, BLOCK_PART, False, False, out_ty)
                 tl.store(VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + offs,
                          y.to(VCache.dtype.element_ty), mask=mask)
 
