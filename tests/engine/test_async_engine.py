@@ -68,10 +68,10 @@ class _ScriptedTokens:
     def __init__(self, execute, script: list[int]):
         self.execute, self.script = execute, script
 
-    def __call__(self, batch, kv, encoder_cache):
-        result = self.execute(batch, kv, encoder_cache)
+    def __call__(self, batch, kv, encoder_cache, previous=None):
+        result = self.execute(batch, kv, encoder_cache, previous)
         if result.output is not None:
-            ids = [self.script[len(request.output_token_ids)] for request in result.requests]
+            ids = [self.script[request.num_output_tokens] for request in result.requests]
             result.output.token_ids = torch.tensor(ids, dtype=result.output.token_ids.dtype)
         return result
 
@@ -227,11 +227,11 @@ def test_failed_step_fails_requests_in_flight_and_engine_keeps_serving(tiny_mode
     execute = engine.runner.execute
     calls = {"n": 0}
 
-    def failing_once(batch, kv, encoder_cache):
+    def failing_once(batch, kv, encoder_cache, previous=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected step failure")
-        return execute(batch, kv, encoder_cache)
+        return execute(batch, kv, encoder_cache, previous)
 
     monkeypatch.setattr(engine.runner, "execute", failing_once)
 

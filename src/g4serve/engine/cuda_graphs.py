@@ -18,13 +18,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.models.gemma4.model import Gemma4Model
+
+if TYPE_CHECKING:
+    from g4serve.engine.model_runner import PendingTokens
 
 log = logging.getLogger("g4serve.cuda_graphs")
 
@@ -57,9 +60,10 @@ class _GraphRunner:
     """Static inputs, their per-step upload, and capture/replay of one graph per size.
 
     Host side, a step packs only the rows it uses contiguously into pinned buffers, uploads them with
-    one copy per dtype and scatters them into the static buffers on the device. The pinned buffers are
-    refilled only after the step's sampled tokens came back to the host, which orders the reuse after
-    the previous upload.
+    one copy per dtype and scatters them into the static buffers on the device. Steps alternate between
+    two sets of pinned buffers: with async scheduling step N+1 is packed while step N's upload may still
+    wait in the stream, and the set it refills was last read by step N-1's upload, which came before the
+    step N-1 sample the host has already read back.
     """
 
     def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
@@ -82,8 +86,13 @@ class _GraphRunner:
         self._tokens[2:] = -1  # padded tokens write no KV
         self._tables = torch.zeros(max_seqs, len(self.pools), self.max_blocks, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
-        self._long_host = torch.zeros(self._tokens.numel() + max_seqs, dtype=torch.long, pin_memory=pin)
-        self._int_host = torch.zeros(self._tables.numel() + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self._host_sets = [
+            (torch.zeros(self._tokens.numel() + max_seqs, dtype=torch.long, pin_memory=pin),
+             torch.zeros(self._tables.numel() + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)
+        ]
+        self._long_host, self._int_host = self._host_sets[0]
+        self._num_runs = 0
         self._long_staged = torch.empty_like(self._long_host, device=device)
         self._int_staged = torch.empty_like(self._int_host, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -99,6 +108,10 @@ class _GraphRunner:
     def _forward(self, n: int) -> torch.Tensor:
         """Logits of the padded step of size ``n``."""
         raise NotImplementedError
+
+    def _next_host_set(self) -> None:
+        self._num_runs += 1
+        self._long_host, self._int_host = self._host_sets[self._num_runs % 2]
 
     def _forward_and_argmax(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         # The greedy choice rides along in the graph: an all-greedy step then needs no sampling launches.
@@ -122,9 +135,10 @@ class _GraphRunner:
         return staged
 
     def _upload(self, tokens: np.ndarray, tables: np.ndarray, extra_long: np.ndarray | None = None,
-                extra_int: np.ndarray | None = None) -> None:
+                extra_int: np.ndarray | None = None, pending: PendingTokens | None = None) -> None:
         """Copy the packed host rows into the static buffers: ``tokens`` [token rows, n] (already in the
-        long staging), ``tables`` [seqs, pools, width] (already in the int staging), then the extras."""
+        long staging), ``tables`` [seqs, pools, width] (already in the int staging), then the extras;
+        ``pending`` input tokens are then copied in on the device."""
         rows, n = tokens.shape
         k = tokens.size
         m = tables.size
@@ -135,6 +149,8 @@ class _GraphRunner:
         self._tokens[:, :n].copy_(self._long_staged[:k].view(rows, n))
         seqs, pools, width = tables.shape
         self._tables[:seqs, :, :width].copy_(self._int_staged[:m].view(seqs, pools, width))
+        if pending is not None:
+            pending.write_into(self._tokens[0])
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -198,14 +214,15 @@ class DecodeGraphRunner(_GraphRunner):
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: list[int],
-            tables: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, token_ids: list[int], positions: list[int], tables: dict[str, list[list[int]]],
+            pending: PendingTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for ``len(token_ids)`` sequences -> logits [B, V] and greedy ids [B] (views of the
-        graph's outputs, valid until the next step). ``tables[pool][i]``: sequence i's blocks in position
-        order (-1: freed)."""
+        graph's outputs, valid until this graph's next replay). ``tables[pool][i]``: sequence i's blocks in
+        position order (-1: freed). ``pending``: input tokens still on the device."""
         b = len(token_ids)
         n = self.bucket(b)
         assert n is not None, f"batch {b} exceeds the largest decode graph ({self.max_batch})"
+        self._next_host_set()
         tokens = self._long_host.numpy()[: self.num_token_rows * n].reshape(self.num_token_rows, n)
         tokens[0, :b] = token_ids
         tokens[1, :b] = positions
@@ -213,7 +230,7 @@ class DecodeGraphRunner(_GraphRunner):
         tokens[2:, b:] = -1  # ... writing nothing
         pos = np.asarray(positions, dtype=np.int64)
         staged = self._pack_tables(tables, b, n, pos, np.arange(b), tokens[2:, :b])
-        self._upload(tokens, staged)
+        self._upload(tokens, staged, pending=pending)
         logits, greedy = self._replay(n)
         return logits[:b], greedy[:b]
 
@@ -303,17 +320,19 @@ class MixedGraphRunner(_GraphRunner):
     @torch.inference_mode()
     def run(self, token_ids: list[int], computed: list[int], query_lens: list[int],
             tables: dict[str, list[list[int]]], mm_rows: list[torch.Tensor] | None = None,
-            mm_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            mm_positions: list[int] | None = None,
+            pending: PendingTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
         logits [num_seqs, V] and greedy ids [num_seqs], row i for sequence i's last new token (views,
-        valid until the next step). ``mm_rows`` / ``mm_positions``: soft tokens and their flat rows (only
-        where ``self.media``)."""
+        valid until this graph's next replay). ``mm_rows`` / ``mm_positions``: soft tokens and their flat
+        rows (only where ``self.media``). ``pending``: input tokens still on the device."""
         assert self.media or not mm_rows, "this model's media steps are not graphed"
         if self.media and (mm_rows or self._mm_set is not None):
             self._place_media(mm_rows or [], mm_positions or [])
         t, b = len(token_ids), len(query_lens)
         n = self.bucket(t)
         assert n is not None and b <= self.max_seqs, f"{t} tokens / {b} sequences exceed the mixed graphs"
+        self._next_host_set()
         lens = np.asarray(query_lens, dtype=np.int64)
         before = np.asarray(computed, dtype=np.int64)
         starts = np.zeros(b + 1, dtype=np.int64)
@@ -338,7 +357,7 @@ class MixedGraphRunner(_GraphRunner):
         bounds[b + 1 : self.max_seqs + 1] = t
         bounds[self.max_seqs + 1 : self.max_seqs + 1 + b] = before + lens
         bounds[self.max_seqs + 1 + b :] = 0
-        self._upload(tokens, staged, extra_long=last, extra_int=bounds)
+        self._upload(tokens, staged, extra_long=last, extra_int=bounds, pending=pending)
         k, m, s = tokens.size, staged.size, self.max_seqs
         self._last_rows.copy_(self._long_staged[k : k + s])
         self._query_start.copy_(self._int_staged[m : m + s + 1])

@@ -1,8 +1,9 @@
 """The engine step loop: schedule -> encode media -> run the model -> sample -> update requests.
 
 ``LLMEngine`` owns the model, the paged KV cache (sized from a memory budget), the scheduler,
-the encoder runner and cache, and the model runner. It is synchronous and single-threaded;
-``AsyncLLMEngine`` drives it from a background thread for the server.
+the encoder runner and cache, and the model runner. It is single-threaded; ``AsyncLLMEngine``
+drives it from a background thread for the server. With ``async_scheduling`` a step is launched
+before the previous step's samples are read back, so the host's bookkeeping overlaps the device.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from g4serve.engine.cuda_graphs import (
 )
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.kv_cache import KVCacheManager
-from g4serve.engine.model_runner import ModelRunner
+from g4serve.engine.model_runner import ModelRunner, StepResult
 from g4serve.engine.request import Request, RequestStatus
-from g4serve.engine.scheduler import Scheduler, SchedulerConfig
+from g4serve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from g4serve.layers.attention import PagedKVCache, TorchAttention
 from g4serve.models.gemma4.loader import CheckpointError, load_model
 from g4serve.models.gemma4.model import Gemma4Model
@@ -78,6 +79,10 @@ class EngineConfig:
     # unless this is set (vLLM's --enforce-eager).
     enforce_eager: bool = False
     max_cuda_graph_batch: int | None = None  # largest graphed decode batch; None: max_num_seqs
+    # Schedule and launch step N+1 before reading step N's samples back (vLLM's --async-scheduling): the
+    # host's scheduling, input packing and output processing then overlap the device's work. Requests
+    # stopped by a token or string compute one extra, discarded token.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.text_only:
@@ -95,6 +100,42 @@ class EngineConfig:
     @property
     def text_only_mode(self) -> bool:
         return all(v == 0 for v in self.limit_mm_per_prompt.values())
+
+
+class InflightStep:
+    """A launched step: its batch, its result on the device, each request's computed tokens once it has
+    run, and the copy of its samples to the host (started at launch, waited for in ``read``)."""
+
+    def __init__(self, batch: ScheduledBatch, result: StepResult, computed: list[int]):
+        self.batch = batch
+        self.result = result
+        self.computed = computed
+        self._ready: torch.cuda.Event | None = None
+        out = result.output
+        tensors = () if out is None else (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        if out is not None and out.token_ids.is_cuda:
+            # Into pinned host memory behind the step's kernels: the host waits for this step only, not
+            # for a step launched after it.
+            tensors = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = tensors
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a request sampled here needs its token on the host before its next step can launch: a
+        grammar builds the next mask from it, penalties count it."""
+        return any(not r.finished and (r.grammar is not None or r.sampling_params.has_penalties)
+                   for r in self.result.requests)
+
+    def read(self) -> tuple[list, list | None, list | None, list | None]:
+        """(token ids, logprobs, top ids, top logprobs) as lists, row per sampled request."""
+        if not self._host:
+            return [], None, None, None
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids, logprobs, top_ids, top_lps = (None if t is None else t.tolist() for t in self._host)
+        return token_ids, logprobs, top_ids, top_lps
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -152,7 +193,9 @@ class LLMEngine:
         # Constrained decoding loads xgrammar with the first request that needs it.
         self._structured: StructuredOutputBackend | None = None
         self._structured_lock = threading.Lock()
+        self._inflight: InflightStep | None = None  # async scheduling: launched, not yet read back
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # steps launched while the previous one was still in flight
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         if self._use_cuda_graphs():
@@ -181,7 +224,7 @@ class LLMEngine:
             self.add_request(request)
         self.run_until_finished()
         self.kv.reset_prefix_cache()
-        self.num_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.num_steps = self.num_overlapped_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
         self.scheduler.num_preemptions = 0
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
@@ -367,7 +410,7 @@ class LLMEngine:
         return self.structured_backend.new_matcher(spec)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def run_until_finished(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each, by request id."""
@@ -401,25 +444,57 @@ class LLMEngine:
                 self.encoder_cache.release(item.content_hash)
 
     def _extend_block_hashes(self, request: Request) -> None:
+        """Digests of the request's newly filled blocks, chained onto the ones it has (O(new tokens))."""
         bs = self.config.block_size
-        tokens = request.all_token_ids
         have = len(request.block_hashes)
-        full = len(tokens) // bs
+        full = request.num_known_tokens // bs
         if full <= have:
             return
         extra = []
-        for i in range(full):
+        for i in range(have, full):
             lo, hi = i * bs, (i + 1) * bs
             extra.append([it.content_hash for it in request.mm_items if it.offset < hi and it.spans[-1][1] > lo])
-        request.block_hashes = KVCacheManager.hash_blocks(tokens[: full * bs], bs, extra)
+        request.block_hashes += KVCacheManager.hash_blocks(
+            request.token_ids_between(have * bs, full * bs), bs, extra,
+            previous=request.block_hashes[-1] if have else b"")
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        for request in batch.preempted:
-            self._pin_media(request)  # it will recompute from scratch
-        if not batch.requests:
-            return []
+        """Schedule and run one step; returns the outputs of the requests that got a token. With async
+        scheduling these come from the step launched by the previous call, read back after this call
+        launched the next one."""
+        previous, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        try:
+            if previous is not None and previous.needs_host_tokens:
+                # A grammar mask or penalty of the next step depends on the tokens just sampled.
+                outputs += self._complete(previous)
+                previous = None
+            batch = self.scheduler.schedule()
+            for request in batch.preempted:
+                self._pin_media(request)  # it will recompute from scratch
+            current = self._launch(batch, previous) if batch.requests else None
+            if previous is not None:
+                outputs += self._complete(previous)
+                self.num_overlapped_steps += current is not None
+            if current is not None:
+                if self.config.async_scheduling:
+                    self._inflight = current
+                else:
+                    outputs += self._complete(current)
+        except BaseException:
+            # Requests of a step that failed between launch and read-back are in an unknown state.
+            for step in (previous, self._inflight):
+                for request in step.batch.requests if step is not None else ():
+                    if request.status is not RequestStatus.FINISHED:
+                        self.abort_request(request.request_id)
+            self._inflight = None
+            raise
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
+        """Encode the batch's media, run the model and sample, without waiting for the device; the
+        requests' computed tokens advance now, their samples become pending outputs."""
         now = time.monotonic()
         for request in batch.requests:
             if request.metrics.first_scheduled_time is None:
@@ -429,35 +504,46 @@ class LLMEngine:
             for request in batch.requests:
                 if any(it in batch.encoder_items for it in request.mm_items):
                     request.metrics.encoder_time_s += seconds
-        result = self.runner.execute(batch, self.kv, self.encoder_cache)
+        result = self.runner.execute(batch, self.kv, self.encoder_cache, previous.result if previous else None)
         self.num_steps += 1
-
-        # Bookkeeping: computed tokens, freed encoder outputs, new prefix-cache blocks.
+        computed = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
+            computed.append(request.num_computed_tokens)
             self._unpin_consumed(request)
+        for request in result.requests:
+            request.num_pending_outputs += 1
+        return InflightStep(batch, result, computed)
+
+    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+        """Wait for the step's samples, append them to their requests and register the new full blocks
+        with the prefix cache; requests that finished meanwhile (aborted, or stopped by the previous
+        step) drop theirs."""
+        done_before = {id(r) for r in step.batch.requests if r.status is RequestStatus.FINISHED}
+        token_ids, logprobs, top_ids, top_lps = step.read()
+        now = time.monotonic()
+        for row, request in enumerate(step.result.requests):
+            request.num_pending_outputs -= 1
+            if request.finished:
+                continue
+            if request.grammar is not None and not request.grammar.accept_token(token_ids[row]):
+                # The mask makes this impossible; never let one request's bad state fail the batch.
+                log.error("request %s: token %d violates its %s grammar; aborting it", request.request_id,
+                          token_ids[row], request.grammar.spec.kind)
+                request.abort()
+                continue
+            top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
+            request.append_token(token_ids[row], None if logprobs is None else logprobs[row], top, now)
+            self.num_generated_tokens += 1
+            self._extend_block_hashes(request)
+        sampled = set(map(id, step.result.requests))
         outputs = []
-        if result.output is not None:
-            out = result.output
-            token_ids = out.token_ids.tolist()
-            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            now = time.monotonic()
-            for row, request in enumerate(result.requests):
-                if request.grammar is not None and not request.grammar.accept_token(token_ids[row]):
-                    # The mask makes this impossible; never let one request's bad state fail the batch.
-                    log.error("request %s: token %d violates its %s grammar; aborting it", request.request_id,
-                              token_ids[row], request.grammar.spec.kind)
-                    request.abort()
-                    continue
-                top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
-                request.append_token(token_ids[row], None if logprobs is None else logprobs[row], top, now)
-                self.num_generated_tokens += 1
-                self._extend_block_hashes(request)
-        sampled = set(map(id, result.requests))
-        for request in batch.requests:
-            self.kv.register_computed_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+        for request, computed in zip(step.batch.requests, step.computed):
+            if id(request) in done_before:
+                continue
+            # A request preempted since the launch has fewer computed tokens now.
+            computed = min(computed, request.num_computed_tokens)
+            self.kv.register_computed_blocks(request.request_id, request.block_hashes, computed)
             if id(request) in sampled:
                 outputs.append(self.output_of(request))
                 if request.finished:
@@ -488,6 +574,7 @@ class LLMEngine:
             "encoder_calls": len(self.encoder.calls),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
             "generation_tokens_per_s": self.num_generated_tokens / elapsed,

@@ -189,10 +189,12 @@ class KVCacheManager:
 
     # ---- prefix caching -------------------------------------------------------------------------
     @staticmethod
-    def hash_blocks(token_ids: list[int], block_size: int, extra_keys: list[list[str]] | None = None) -> list[bytes]:
-        """Chained digests of each full block of ``token_ids`` (extra_keys[i]: media hashes overlapping block i)."""
+    def hash_blocks(token_ids: list[int], block_size: int, extra_keys: list[list[str]] | None = None,
+                    previous: bytes = b"") -> list[bytes]:
+        """Chained digests of each full block of ``token_ids`` (extra_keys[i]: media hashes overlapping block i),
+        continuing the chain after ``previous`` (the digest of the block before the first)."""
         out: list[bytes] = []
-        prev = b""
+        prev = previous
         for i in range(len(token_ids) // block_size):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(repr(token_ids[i * block_size : (i + 1) * block_size]).encode())

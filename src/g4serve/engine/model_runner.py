@@ -3,7 +3,9 @@
 Inputs: the scheduled tokens of every request concatenated, their positions, paged-cache
 addressing for both pools, bidirectional image spans, and the soft tokens of any media the
 chunk covers. Only the last token of requests that finish their known tokens this step needs
-logits; with fast prefill the KV-shared layers run on those tokens alone.
+logits; with fast prefill the KV-shared layers run on those tokens alone. With async scheduling
+a request's input token may be the previous step's sample, not yet on the host: it is copied
+into the step's token ids on the device (``PendingTokens``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,23 @@ from g4serve.structured.bitmask import AllowedTokenMasks
 class StepResult:
     requests: list[Request]  # requests that sampled a token this step, in row order
     output: SamplerOutput | None
+
+
+@dataclass
+class PendingTokens:
+    """Input tokens still on the device: flat row ``rows[i]`` of this step takes ``tokens[src[i]]``."""
+
+    rows: list[int]
+    src: list[int]
+    tokens: torch.Tensor
+
+    def write_into(self, ids: torch.Tensor) -> None:
+        k = len(self.rows)
+        if self.rows == self.src and self.rows[-1] == k - 1:  # steady decode: same requests, same order
+            ids[:k].copy_(self.tokens[:k])
+            return
+        index = torch.tensor([self.rows, self.src], dtype=torch.long, device=ids.device)
+        ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
 
 
 class ModelRunner:
@@ -82,8 +101,14 @@ class ModelRunner:
         return allowed
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, encoder_cache: EncoderCache) -> StepResult:
+    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, encoder_cache: EncoderCache,
+                previous: StepResult | None = None) -> StepResult:
+        """Run one scheduled step. ``previous``: the launched step whose samples are not on the host yet
+        (async scheduling); a request's pending token is read from its output on the device."""
         token_ids: list[int] = []
+        pending_rows: list[int] = []
+        pending_src: list[int] = []
+        previous_rows: dict[int, int] | None = None
         mm_rows: list[torch.Tensor] = []
         mm_positions: list[int] = []
         keep: list[int] = []
@@ -94,7 +119,15 @@ class ModelRunner:
         for seq, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, len(token_ids), mm_positions))
-            token_ids.extend(request.all_token_ids[start : start + n])
+            chunk = request.token_ids_between(start, start + n)
+            if len(chunk) < n:  # the chunk ends on the token the previous step sampled
+                assert len(chunk) == n - 1 and previous is not None, "only the last token may be pending"
+                if previous_rows is None:
+                    previous_rows = {id(r): row for row, r in enumerate(previous.requests)}
+                pending_rows.append(len(token_ids) + n - 1)
+                pending_src.append(previous_rows[id(request)])
+                chunk.append(0)
+            token_ids.extend(chunk)
             for pool, table in kv.block_tables(request.request_id).items():
                 tables[pool].append(table)
             spans.append(request.bidirectional_spans)
@@ -102,16 +135,18 @@ class ModelRunner:
                 keep.append(len(token_ids) - 1)
                 sampled.append(request)
                 sampled_seqs.append(seq)
+        pending = PendingTokens(pending_rows, pending_src, previous.output.token_ids) if pending_rows else None
         computed = [r.num_computed_tokens for r in batch.requests]
         decode, mixed = self.decode_graphs, self.mixed_graphs
         if not mm_rows and decode is not None and len(sampled) == len(batch.requests) == len(token_ids) \
                 and len(token_ids) <= decode.max_batch:
             # A pure decode step: one text token per sequence, every one sampled.
             self.num_graph_steps += 1
-            return StepResult(sampled, self._sample(sampled, *decode.run(token_ids, computed, tables)))
+            return StepResult(sampled, self._sample(sampled, *decode.run(token_ids, computed, tables, pending)))
         if mixed is not None and (not mm_rows or mixed.media) and len(token_ids) <= mixed.max_tokens \
                 and len(batch.requests) <= mixed.max_seqs:
-            logits, greedy = mixed.run(token_ids, computed, batch.num_new_tokens, tables, mm_rows, mm_positions)
+            logits, greedy = mixed.run(token_ids, computed, batch.num_new_tokens, tables, mm_rows, mm_positions,
+                                       pending)
             self.num_graph_steps += 1
             if not sampled:
                 return StepResult([], None)
@@ -121,6 +156,8 @@ class ModelRunner:
             return StepResult(sampled, self._sample(sampled, logits, greedy))
         meta = contiguous_metadata(computed, batch.num_new_tokens, tables, self.block_size, self.device, spans)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if pending is not None:
+            pending.write_into(ids)
         mm_embeds = torch.cat(mm_rows) if mm_rows else None
         positions = torch.tensor(mm_positions, dtype=torch.long, device=self.device) if mm_rows else None
         hidden = self.model(ids, meta, self.backend, mm_embeds=mm_embeds, mm_positions=positions,

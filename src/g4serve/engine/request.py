@@ -49,7 +49,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by a launched step)
+        # Async scheduling: tokens sampled by a launched step that the host has not read yet (0 or 1). They
+        # count in num_tokens, so the next step can be scheduled (its input token is fed on the device).
+        self.num_pending_outputs = 0
         self.bidirectional_spans = sorted(bidirectional_spans(self.mm_items))
         self.block_hashes: list[bytes] = []  # prefix-cache digests of the full blocks so far
         self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
@@ -68,7 +71,7 @@ class Request:
 
     @property
     def min_tokens_pending(self) -> bool:
-        return len(self.output_token_ids) < self.sampling_params.min_tokens
+        return self.num_output_tokens < self.sampling_params.min_tokens
 
     def init_generator(self, device: torch.device | str) -> None:
         """Seeded requests draw sampling noise from their own generator on the sampling device."""
@@ -78,11 +81,36 @@ class Request:
     # ---- sizes -------------------------------------------------------------------------------
     @property
     def all_token_ids(self) -> list[int]:
+        """The known tokens: prompt, then outputs (without pending ones)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) without concatenating the whole sequence (a decode step reads one)."""
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens to compute, pending outputs included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_outputs
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs sampled so far, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending_outputs
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Every output it may produce is sampled, the last one still pending: nothing left to schedule."""
+        return self.num_pending_outputs > 0 and self.num_output_tokens >= self.max_output_tokens
 
     @property
     def max_output_tokens(self) -> int:

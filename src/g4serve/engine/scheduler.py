@@ -5,7 +5,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 requests are admitted (FCFS, or by a priority hook) with chunked prefill. When the KV pools
 run out, the lowest-priority running request is preempted (its blocks freed, recomputed
 later); nothing crashes. A chunk never splits a bidirectional image span, and never starts
-on media whose encoder output is neither cached nor affordable this step.
+on media whose encoder output is neither cached nor affordable this step. With async scheduling
+a request's last sampled token may still be on the device: it counts as a token to compute (the
+next step reads it on the device), and a request whose final token is pending is not scheduled.
 """
 
 from __future__ import annotations
@@ -127,8 +129,8 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request not in self.running:  # preempted below while making room for an earlier one
-                continue
+            if request not in self.running or request.awaiting_last_token:
+                continue  # preempted below while making room for an earlier one, or about to finish
             start = request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
             num_new = self._clip_to_spans(request, start, num_new)
@@ -154,6 +156,8 @@ class Scheduler:
         for request in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
                 break
+            if request.awaiting_last_token:  # preempted with its last token pending: it finishes unscheduled
+                continue
             if request.num_computed_tokens == 0 and request.request_id not in self.kv.seqs:
                 hit = self.kv.find_cached_prefix(request.request_id, request.block_hashes, request.num_tokens)
                 request.num_computed_tokens = hit

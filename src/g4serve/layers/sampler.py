@@ -32,6 +32,10 @@ class SamplingBatch:
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt (repetition)
+    # Which filters some row uses, known on the host: testing the device tensors would wait for the GPU.
+    uses_top_k: bool = True
+    uses_top_p: bool = True
+    uses_min_p: bool = True
 
     @classmethod
     def build(
@@ -56,6 +60,9 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             allowed=allowed,
+            uses_top_k=any(0 < p.top_k < vocab_size for p in params),
+            uses_top_p=any(p.top_p < 1 for p in params),
+            uses_min_p=any(p.min_p > 0 for p in params),
         )
         if any(p.has_penalties for p in params):
             outs = output_tokens or [[] for _ in params]
@@ -95,20 +102,18 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def _top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
     k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
-    need_k = bool((k < vocab).any())
-    need_p = bool((b.top_p < 1).any())
-    if need_k or need_p:
+    if b.uses_top_k or b.uses_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         drop = ranks >= k.unsqueeze(1)
-        if need_p:
+        if b.uses_top_p:
             probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             mass_before = probs.cumsum(dim=-1) - probs
             drop |= mass_before >= b.top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    if bool((b.min_p > 0).any()):
+    if b.uses_min_p:
         probs = logits.softmax(dim=-1)
         threshold = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))

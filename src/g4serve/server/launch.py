@@ -60,6 +60,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly (default on CUDA: captured CUDA graphs replayed per batch size)")
     p.add_argument("--max-cuda-graph-batch", type=int, default=None,
                    help="largest decode batch replayed as a CUDA graph (default: --max-num-seqs)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each step before the previous step's tokens are read back, so scheduling and "
+                        "output processing overlap the GPU (a stopped request computes one discarded token)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default={},
                    help='media per prompt, e.g. \'{"image": 4, "video": 1, "audio": 2}\'; all 0 = text-only')
@@ -87,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=args.enable_prefix_caching,
         text_only=args.text_only, seed=args.seed, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, max_cuda_graph_batch=args.max_cuda_graph_batch,
+        async_scheduling=args.async_scheduling,
     )
     if not args.text_only and args.limit_mm_per_prompt:
         config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **args.limit_mm_per_prompt}

@@ -47,7 +47,12 @@ class _EngineCollector:
         tps.add_metric([], self._throughput.rate(stats["generation_tokens_total"]))
         preempt = GaugeMetricFamily("g4serve_num_preemptions", "Preemptions (recompute) since start")
         preempt.add_metric([], stats["num_preemptions"])
-        return [running, waiting, kv, capacity, hit, tps, preempt]
+        steps = GaugeMetricFamily("g4serve_num_steps", "Engine steps since start")
+        steps.add_metric([], stats["num_steps"])
+        overlapped = GaugeMetricFamily("g4serve_num_overlapped_steps",
+                                       "Steps launched before the previous step was read back (async scheduling)")
+        overlapped.add_metric([], stats["num_overlapped_steps"])
+        return [running, waiting, kv, capacity, hit, tps, preempt, steps, overlapped]
 
 
 class _Throughput:
