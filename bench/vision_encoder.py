@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
 
     with torch.inference_mode():
-        ours = _time(lambda: engine.encoder.encode_images(pixels, positions), device, args.reps)
+        positions_cpu = item.data["position_ids"]  # as the engine passes them: kept cells chosen on the host
+        ours = _time(lambda: engine.encoder.encode_images(pixels, positions, positions_cpu), device, args.reps)
         eager = _time(lambda: engine.model.encode_images(pixels, positions), device, args.reps)
     rows = {"g4serve": {"median_ms": 1e3 * statistics.median(ours), "min_ms": 1e3 * min(ours),
                         "cuda_graph": engine.encoder.vision_graphs is not None},

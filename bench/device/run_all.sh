@@ -6,6 +6,8 @@
 #                                                             MICROBENCH_TORCH=1 adds the torch backend (<= 90 s each)
 #   3. g4serve serve --preset e4b: text and video sweeps (1 and 4 QPS, 8 s each), then the extraction grid
 #      (prompts 512/1024/2048 x outputs 16/128 x schema off/on, 2 requests per cell)         RUN_GRID=1
+#      SERVE_ARGS adds server flags (e.g. "--async-scheduling --overlap-encoder"); the microbenchmark takes
+#      --async-scheduling from MICROBENCH_ARGS
 #   4. the peer, `transformers serve` on the same shapes (bench/peer_serve.py), the same text sweep   RUN_PEER=1
 #      (PEER_SERVE_ARGS="--compile" for its static-cache + torch.compile mode; video: not supported by it)
 #   5. the peer's `generate` microbenchmark (bench/peer_transformers.py: eager rows, prefill rows, then the
@@ -24,7 +26,8 @@ DEADLINE=${DEADLINE:-550}
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} SETUP=${SETUP:-1}
 PEER_GENERATE_ARGS=${PEER_GENERATE_ARGS:-}
 RUN_GPU_TESTS=${RUN_GPU_TESTS:-1} MICROBENCH_TORCH=${MICROBENCH_TORCH:-0} RUN_GRID=${RUN_GRID:-1}
-RUN_PEER=${RUN_PEER:-1} PEER_SERVE_ARGS=${PEER_SERVE_ARGS:-}
+RUN_PEER=${RUN_PEER:-1} PEER_SERVE_ARGS=${PEER_SERVE_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
+MICROBENCH_ARGS=${MICROBENCH_ARGS:-}
 OUT=${OUT:-/tmp/out}
 RES=/tmp/res
 mkdir -p "$RES" "$OUT"
@@ -92,7 +95,7 @@ backends=$BACKEND
 for backend in $backends; do
   stage "microbench-$backend" "$(limit 100 300)" python3 bench/engine_microbench.py --model "$PRESET" --device "$DEVICE" \
     --attention-backend "$backend" --batches 1,8,32,64 --decode-steps 16 --prefill-reps 3 --profile \
-    --out "$RES" --tag="-$backend"
+    $MICROBENCH_ARGS --out "$RES" --tag="-$backend"
 done
 # vision encoder: 6 frames of 480p, g4serve (graph and eager) beside transformers' vision tower
 stage vision "$(limit 60 290)" python3 bench/vision_encoder.py --model "$PRESET" --device "$DEVICE" --frames 6 \
@@ -101,7 +104,7 @@ stage vision "$(limit 60 290)" python3 bench/vision_encoder.py --model "$PRESET"
 # 3. g4serve: text and video sweeps, extraction grid
 SWEEP=(--rates 1,4 --duration 8 --warmup 8 --drain-timeout 30)
 python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \
-  --max-num-seqs 64 > "$RES/g4serve_server.log" 2>&1 &
+  --max-num-seqs 64 $SERVE_ARGS > "$RES/g4serve_server.log" 2>&1 &
 SERVER=$!
 t0=$SECONDS
 if wait_healthy 8100 $SERVER "$(limit 180 240)"; then

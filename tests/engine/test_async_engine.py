@@ -85,7 +85,17 @@ def _sync_outputs(engine: LLMEngine, prompts: list, params: SamplingParams) -> d
     return {rid: out.outputs[0] for rid, out in engine.run_until_finished().items()}
 
 
-def test_concurrent_streams_match_sync_engine(tiny_model_dir, aengine):
+@pytest.mark.parametrize("overlap", [{}, {"async_scheduling": True, "overlap_encoder": True}],
+                         ids=["sync", "async-scheduling-overlap-encoder"])
+def test_concurrent_streams_match_sync_engine(tiny_model_dir, overlap):
+    aengine = AsyncLLMEngine(make_engine(tiny_model_dir, **overlap))
+    try:
+        _concurrent_streams_match_sync_engine(tiny_model_dir, aengine)
+    finally:
+        aengine.shutdown()
+
+
+def _concurrent_streams_match_sync_engine(tiny_model_dir, aengine):
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))
     audio = (0.2 * rng.standard_normal(16000)).astype(np.float32)

@@ -202,3 +202,10 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
     steps = graphed.runner.num_graph_steps
     assert _run_each(graphed, prompts, params) == want
     assert graphed.runner.num_graph_steps > steps
+    # Encoded ahead on the side stream (graph replays, host-made indices, no read-backs), with and without
+    # async scheduling: the same tokens.
+    for async_scheduling in (False, True):
+        overlapped = LLMEngine(EngineConfig(overlap_encoder=True, async_scheduling=async_scheduling, **kw))
+        assert overlapped.encoder.stream is not None and overlapped.encoder.vision_graphs is not None
+        assert _run_each(overlapped, prompts, params) == want
+        assert overlapped.encoder.num_in_flight == 0 and len(overlapped.encoder.calls) >= 2

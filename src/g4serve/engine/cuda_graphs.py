@@ -369,7 +369,7 @@ class MixedGraphRunner(_GraphRunner):
 class VisionGraphRunner:
     """The vision tower and projection as CUDA graphs, one per input shape (frames x patches), captured
     the first time a shape is seen and kept for up to ``max_graphs`` shapes (video at a fixed resolution
-    and frame count always has the same shape). The kept soft tokens are selected after the replay."""
+    and frame count always has the same shape). The caller selects the kept soft tokens."""
 
     def __init__(self, model: Gemma4Model, device: torch.device, max_graphs: int = 8):
         self.model = model
@@ -379,23 +379,22 @@ class VisionGraphRunner:
         self._pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Same result as ``Gemma4Model.encode_images``: per input, its soft tokens [n_i, text_hidden]."""
-        # Frames of one size have no padding patches: their graph runs attention without a mask (flash).
-        no_padding = bool((position_ids >= 0).all())
+    def encode_padded(self, pixel_values: torch.Tensor, position_ids: torch.Tensor,
+                      no_padding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Gemma4Model.encode_images_padded`` by graph replay: (soft tokens [B, L, H], cells used [B, L]),
+        the graph's static outputs (valid until its next replay). ``no_padding``: every patch is real
+        (frames of one size), so the graph runs attention without a mask (flash)."""
         key = (tuple(pixel_values.shape), pixel_values.dtype, no_padding)
         entry = self._graphs.get(key)
         if entry is None and len(self._graphs) < self.max_graphs:
             entry = self._capture(key, pixel_values, position_ids)
         if entry is None:
-            tokens, used = self.model.encode_images_padded(pixel_values, position_ids, no_padding)
-        else:
-            graph, pixels, positions, (tokens, used) = entry
-            pixels.copy_(pixel_values)
-            positions.copy_(position_ids)
-            graph.replay()
-        counts = used.sum(dim=-1).tolist()
-        return list(torch.split(tokens[used], counts))
+            return self.model.encode_images_padded(pixel_values, position_ids, no_padding)
+        graph, pixels, positions, outputs = entry
+        pixels.copy_(pixel_values)
+        positions.copy_(position_ids)
+        graph.replay()
+        return outputs
 
     def _capture(self, key: tuple, pixel_values: torch.Tensor, position_ids: torch.Tensor):
         t0 = time.monotonic()

@@ -3,7 +3,8 @@
 Every image, video frame and audio clip pending in a step is encoded in one call per tower
 and input shape (a 6-frame video is one call, not six), bounded by the scheduler's encoder
 token budget. Outputs are kept in an LRU cache keyed by content hash, so a repeated image
-costs nothing and prefills find their soft tokens ready.
+costs nothing and prefills find their soft tokens ready. With ``overlap`` the encodes run on
+a side CUDA stream ahead of the prefills that need them, off the decode steps' path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from g4serve.models.gemma4.model import Gemma4Model
+from g4serve.models.gemma4.vision import pooling_cells_used
 from g4serve.processing.processor import MultimodalItem
 
 
@@ -75,62 +77,166 @@ class EncoderCall:
     seconds: float
 
 
+@dataclass
+class _Encoding:
+    """Items encoding on the side stream: their soft tokens once ``done`` has been reached."""
+
+    outputs: dict[str, torch.Tensor]  # content hash -> soft tokens
+    calls: list[EncoderCall]
+    begin: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None  # None (CPU): encoded synchronously, ready at the next poll
+    host_seconds: float = 0.0  # the CPU's encode time
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def seconds(self) -> float:
+        return self.host_seconds if self.done is None else self.begin.elapsed_time(self.done) / 1e3
+
+
 class EncoderRunner:
-    def __init__(self, model: Gemma4Model, cache: EncoderCache):
+    """Encodes media in batches. Synchronous by default: ``run`` encodes before the step's forward. With
+    ``overlap`` the engine ``start`` s encodes ahead of the steps that need them, on a side CUDA stream,
+    and ``poll`` moves finished ones into the cache; decode steps keep running meanwhile. Nothing here
+    reads the device back (soft-token counts and kept cells come from host-side inputs), so the host
+    keeps launching steps while the encoder runs."""
+
+    def __init__(self, model: Gemma4Model, cache: EncoderCache, overlap: bool = False):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
         self.dtype = model.language_model.embed_tokens.weight.dtype
         self.calls: list[EncoderCall] = []
         self.vision_graphs = None  # a VisionGraphRunner when the engine replays encoder CUDA graphs
+        self.overlap = overlap
+        self.stream: torch.cuda.Stream | None = None
+        if overlap and self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # weights loaded, buffers set
+        self._encoding: list[_Encoding] = []
 
-    def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """Images / frames [B, N, 3*p*p] on the device -> per input soft tokens (graph replay when captured)."""
-        if self.vision_graphs is not None:
-            return self.vision_graphs.encode(pixels, positions)
-        return self.model.encode_images(pixels, positions)
+    def in_flight(self, digest: str) -> bool:
+        return any(digest in e.outputs for e in self._encoding)
 
-    @torch.inference_mode()
-    def run(self, items: list[MultimodalItem]) -> float:
-        """Encode every item not cached yet; returns the seconds spent."""
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(e.outputs) for e in self._encoding)
+
+    def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor,
+                      positions_cpu: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Images / frames [B, N, 3*p*p] on the device -> per input soft tokens. Graph replays (and the
+        side stream) take the fixed-shape encoder and keep the used cells by an index computed on the
+        host from ``positions_cpu``; otherwise ``Gemma4Model.encode_images``."""
+        if self.vision_graphs is None and self.stream is None:
+            return self.model.encode_images(pixels, positions)
+        if positions_cpu is None:
+            positions_cpu = positions.cpu()
+        no_padding = bool((positions_cpu >= 0).all())
+        encode = self.vision_graphs.encode_padded if self.vision_graphs is not None else self.model.encode_images_padded
+        tokens, _ = encode(pixels, positions, no_padding)
+        k = self.model.cfg.vision.pooling_kernel_size
+        used = pooling_cells_used(positions_cpu, k, tokens.shape[1])
+        index = used.flatten().nonzero().squeeze(1).to(self.device, non_blocking=True)
+        kept = tokens.flatten(0, 1).index_select(0, index)
+        return list(torch.split(kept, used.sum(dim=-1).tolist()))
+
+    def _new_items(self, items: list[MultimodalItem]) -> dict[str, MultimodalItem]:
         todo: dict[str, MultimodalItem] = {}
         for item in items:
-            if item.content_hash in self.cache or item.content_hash in todo:
+            if item.content_hash in self.cache or item.content_hash in todo or self.in_flight(item.content_hash):
                 self.cache.hits += 1
             else:
                 todo[item.content_hash] = item
+        self.cache.misses += len(todo)
+        return todo
+
+    @torch.inference_mode()
+    def run(self, items: list[MultimodalItem]) -> float:
+        """Encode every item not cached yet, now; returns the seconds spent."""
+        todo = self._new_items(items)
         if not todo:
             return 0.0
-        self.cache.misses += len(todo)
         t0 = time.perf_counter()
-        vision = [it for it in todo.values() if it.modality in ("image", "video")]
-        audio = [it for it in todo.values() if it.modality == "audio"]
-        groups: dict[int, list[MultimodalItem]] = {}
-        for item in vision:
-            groups.setdefault(item.data["pixel_values"].shape[1], []).append(item)
-        for group in groups.values():
-            self._encode_vision(group)
-        if audio:
-            self._encode_audio(audio)
+        outputs, calls = self._encode(list(todo.values()))
+        for digest, tokens in outputs.items():
+            self.cache.put(digest, tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        for call in calls:
+            call.seconds = seconds * call.num_tokens / max(sum(c.num_tokens for c in calls), 1)
+        self.calls += calls
+        return seconds
 
-    def _encode_vision(self, items: list[MultimodalItem]) -> None:
-        t0 = time.perf_counter()
+    @torch.inference_mode()
+    def start(self, items: list[MultimodalItem]) -> None:
+        """Launch the encoding of every item neither cached nor in flight, on the side stream (CUDA); its
+        soft tokens reach the cache through ``poll`` once the device is done."""
+        todo = self._new_items(items)
+        if not todo:
+            return
+        if self.stream is None:  # CPU: encoded now, released at the next poll like a finished stream
+            t0 = time.perf_counter()
+            outputs, calls = self._encode(list(todo.values()))
+            self._encoding.append(_Encoding(outputs, calls, host_seconds=time.perf_counter() - t0))
+            return
+        with torch.cuda.stream(self.stream):
+            begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            outputs, calls = self._encode(list(todo.values()))
+            done.record()
+        self._encoding.append(_Encoding(outputs, calls, begin, done))
+
+    def poll(self) -> dict[str, float]:
+        """Cache the soft tokens of finished encodes; their content hashes -> seconds of device time."""
+        finished: dict[str, float] = {}
+        main = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        for encoding in [e for e in self._encoding if e.ready()]:
+            self._encoding.remove(encoding)
+            seconds = encoding.seconds()
+            total = max(sum(c.num_tokens for c in encoding.calls), 1)
+            for call in encoding.calls:
+                call.seconds = seconds * call.num_tokens / total
+            self.calls += encoding.calls
+            for digest, tokens in encoding.outputs.items():
+                if main is not None:
+                    tokens.record_stream(main)  # made on the side stream, read by the steps on the main one
+                self.cache.put(digest, tokens)
+                finished[digest] = seconds
+        return finished
+
+    def wait(self) -> None:
+        """Block until the oldest encode in flight is done (when there is nothing else to run)."""
+        if self._encoding and self._encoding[0].done is not None:
+            self._encoding[0].done.synchronize()
+
+    def _encode(self, items: list[MultimodalItem]) -> tuple[dict[str, torch.Tensor], list[EncoderCall]]:
+        """Soft tokens of ``items`` (one call per tower and input shape), by content hash."""
+        outputs: dict[str, torch.Tensor] = {}
+        calls: list[EncoderCall] = []
+        groups: dict[int, list[MultimodalItem]] = {}
+        for item in items:
+            if item.modality in ("image", "video"):
+                groups.setdefault(item.data["pixel_values"].shape[1], []).append(item)
+        for group in groups.values():
+            calls.append(self._encode_vision(group, outputs))
+        audio = [it for it in items if it.modality == "audio"]
+        if audio:
+            calls.append(self._encode_audio(audio, outputs))
+        return outputs, calls
+
+    def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
         pixels = torch.cat([it.data["pixel_values"] for it in items]).to(self.device, self.dtype, non_blocking=True)
-        positions = torch.cat([it.data["position_ids"] for it in items]).to(self.device, non_blocking=True)
-        per_input = self.encode_images(pixels, positions)
+        positions_cpu = torch.cat([it.data["position_ids"] for it in items])
+        per_input = self.encode_images(pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu)
         cursor = 0
         for item in items:
             frames = item.data["pixel_values"].shape[0]
-            self.cache.put(item.content_hash, torch.cat(per_input[cursor : cursor + frames]))
+            outputs[item.content_hash] = torch.cat(per_input[cursor : cursor + frames])
             cursor += frames
-        self.calls.append(EncoderCall("vision", len(items), len(per_input), sum(t.shape[0] for t in per_input),
-                                      time.perf_counter() - t0))
+        return EncoderCall("vision", len(items), len(per_input), sum(t.shape[0] for t in per_input), 0.0)
 
-    def _encode_audio(self, items: list[MultimodalItem]) -> None:
-        t0 = time.perf_counter()
+    def _encode_audio(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
         length = max(it.data["input_features"].shape[1] for it in items)
         feats = torch.cat([
             torch.nn.functional.pad(it.data["input_features"], (0, 0, 0, length - it.data["input_features"].shape[1]))
@@ -140,8 +246,9 @@ class EncoderRunner:
             torch.nn.functional.pad(it.data["input_features_mask"], (0, length - it.data["input_features_mask"].shape[1]))
             for it in items
         ]).to(self.device)
-        per_clip = self.model.encode_audio(feats, masks)
+        # On the side stream, counts come from the prompt's placeholders: no read-back of the mask.
+        lengths = [it.num_tokens for it in items] if self.stream is not None else None
+        per_clip = self.model.encode_audio(feats, masks, lengths)
         for item, tokens in zip(items, per_clip):
-            self.cache.put(item.content_hash, tokens)
-        self.calls.append(EncoderCall("audio", len(items), len(items), sum(t.shape[0] for t in per_clip),
-                                      time.perf_counter() - t0))
+            outputs[item.content_hash] = tokens
+        return EncoderCall("audio", len(items), len(items), sum(t.shape[0] for t in per_clip), 0.0)

@@ -83,6 +83,9 @@ class EngineConfig:
     # host's scheduling, input packing and output processing then overlap the device's work. Requests
     # stopped by a token or string compute one extra, discarded token.
     async_scheduling: bool = False
+    # Encode media ahead of the prefills that need them, on a side CUDA stream, while other requests'
+    # steps keep running (without it, a step with new media runs its encoder first and stalls its decodes).
+    overlap_encoder: bool = False
 
     def __post_init__(self) -> None:
         if self.text_only:
@@ -178,14 +181,16 @@ class LLMEngine:
         log.info("KV cache: %s", ", ".join(f"{pool} pool {tokens} tokens" for pool, tokens in capacity.items()))
         self._limit_context_to_kv(capacity)
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
-        self.encoder = EncoderRunner(self.model, self.encoder_cache)
+        self.encoder = EncoderRunner(self.model, self.encoder_cache, overlap=config.overlap_encoder)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 encoder_token_budget=config.encoder_token_budget, enable_chunked_prefill=config.enable_chunked_prefill,
                 bidirectional_spans=text.use_bidirectional_attention == "vision",
+                overlap_encoder=config.overlap_encoder,
             ),
             self.kv, encoder_cached=lambda digest: digest in self.encoder_cache,
+            encoder_in_flight=self.encoder.in_flight,
         )
         self.runner = ModelRunner(self.model, self._attention_backend(), config.block_size, config.fast_prefill,
                                   decodable_vocab_size=self.tokenizer.vocab_size)
@@ -410,7 +415,7 @@ class LLMEngine:
         return self.structured_backend.new_matcher(spec)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or self.encoder.num_in_flight > 0
 
     def run_until_finished(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each, by request id."""
@@ -470,10 +475,16 @@ class LLMEngine:
                 # A grammar mask or penalty of the next step depends on the tokens just sampled.
                 outputs += self._complete(previous)
                 previous = None
+            if self.config.overlap_encoder:
+                self._collect_encodes()
             batch = self.scheduler.schedule()
             for request in batch.preempted:
                 self._pin_media(request)  # it will recompute from scratch
+            if batch.encoder_items:
+                self._encode(batch)
             current = self._launch(batch, previous) if batch.requests else None
+            if current is None and previous is None and self.encoder.num_in_flight:
+                self.encoder.wait()  # nothing runs but encodes: wait for one instead of spinning
             if previous is not None:
                 outputs += self._complete(previous)
                 self.num_overlapped_steps += current is not None
@@ -499,11 +510,6 @@ class LLMEngine:
         for request in batch.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-        if batch.encoder_items:
-            seconds = self.encoder.run(batch.encoder_items)
-            for request in batch.requests:
-                if any(it in batch.encoder_items for it in request.mm_items):
-                    request.metrics.encoder_time_s += seconds
         result = self.runner.execute(batch, self.kv, self.encoder_cache, previous.result if previous else None)
         self.num_steps += 1
         computed = []
@@ -514,6 +520,25 @@ class LLMEngine:
         for request in result.requests:
             request.num_pending_outputs += 1
         return InflightStep(batch, result, computed)
+
+    def _encode(self, batch: ScheduledBatch) -> None:
+        """The batch's new media: encoded now (before its forward), or started on the encoder's stream."""
+        if self.config.overlap_encoder:
+            self.encoder.start(batch.encoder_items)
+            return
+        seconds = self.encoder.run(batch.encoder_items)
+        for request in batch.requests:
+            if any(it in batch.encoder_items for it in request.mm_items):
+                request.metrics.encoder_time_s += seconds
+
+    def _collect_encodes(self) -> None:
+        """Cache the encodes the side stream has finished and charge their time to the requests."""
+        finished = self.encoder.poll()
+        if not finished:
+            return
+        for request in self.requests.values():
+            digests = {it.content_hash for it in request.mm_items}
+            request.metrics.encoder_time_s += sum(finished.get(d, 0.0) for d in digests)
 
     def _complete(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for the step's samples, append them to their requests and register the new full blocks

@@ -27,6 +27,9 @@ class SchedulerConfig:
     encoder_token_budget: int = 4096  # soft tokens the encoders may produce per step
     enable_chunked_prefill: bool = True
     bidirectional_spans: bool = False  # set when the model attends bidirectionally inside images
+    # Media are encoded ahead, off the step (EncoderRunner.start): a chunk stops before media whose soft
+    # tokens are not cached yet, and the encodes it asks for run while other requests' steps go on.
+    overlap_encoder: bool = False
 
 
 @dataclass
@@ -56,10 +59,12 @@ class Scheduler:
         kv: KVCacheManager,
         encoder_cached: Callable[[str], bool],
         priority: Callable[[Request], tuple] = fcfs_priority,
+        encoder_in_flight: Callable[[str], bool] = lambda digest: False,
     ):
         self.config = config
         self.kv = kv
         self.encoder_cached = encoder_cached
+        self.encoder_in_flight = encoder_in_flight
         self.priority = priority
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -93,20 +98,34 @@ class Scheduler:
 
     def _clip_to_encoder(self, request: Request, start: int, num_new: int, budget: list[int],
                          items: list[MultimodalItem]) -> int:
-        """Stop the chunk before media whose soft tokens are neither cached nor affordable now."""
+        """Stop the chunk before media whose soft tokens are neither cached nor affordable now. With
+        ``overlap_encoder``, before any media not cached yet; the encodes of all the request's media
+        still ahead are started as the budget allows, so they run while its earlier chunks prefill."""
+        if self.config.overlap_encoder:
+            for item in request.mm_items:
+                if item.spans[-1][1] <= start or self.encoder_cached(item.content_hash):
+                    continue
+                if item not in items and not self.encoder_in_flight(item.content_hash):
+                    self._afford(item, budget, items)
+                num_new = min(num_new, max(0, item.offset - start))
+            return num_new
         end = start + num_new
         for item in request.mm_items:
             if item.offset >= end or item.spans[-1][1] <= start:
                 continue
-            if self.encoder_cached(item.content_hash) or item in items:
-                continue
-            # An item larger than the whole budget runs alone in a step (it could never fit otherwise).
-            if item.num_tokens <= budget[0] or budget[0] == self.config.encoder_token_budget:
-                budget[0] -= item.num_tokens
-                items.append(item)
+            if self.encoder_cached(item.content_hash) or item in items or self._afford(item, budget, items):
                 continue
             return max(0, item.offset - start)
         return num_new
+
+    def _afford(self, item: MultimodalItem, budget: list[int], items: list[MultimodalItem]) -> bool:
+        """Add ``item`` to this step's encodes if the encoder budget allows."""
+        # An item larger than the whole budget runs alone in a step (it could never fit otherwise).
+        if item.num_tokens <= budget[0] or budget[0] == self.config.encoder_token_budget:
+            budget[0] -= item.num_tokens
+            items.append(item)
+            return True
+        return False
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)

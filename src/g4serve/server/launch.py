@@ -63,6 +63,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="launch each step before the previous step's tokens are read back, so scheduling and "
                         "output processing overlap the GPU (a stopped request computes one discarded token)")
+    p.add_argument("--overlap-encoder", action="store_true",
+                   help="encode images, video and audio ahead of the prefills that need them, on a side CUDA "
+                        "stream, while other requests keep decoding (default: inside the step, before its forward)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default={},
                    help='media per prompt, e.g. \'{"image": 4, "video": 1, "audio": 2}\'; all 0 = text-only')
@@ -90,7 +93,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=args.enable_prefix_caching,
         text_only=args.text_only, seed=args.seed, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, max_cuda_graph_batch=args.max_cuda_graph_batch,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, overlap_encoder=args.overlap_encoder,
     )
     if not args.text_only and args.limit_mm_per_prompt:
         config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **args.limit_mm_per_prompt}

@@ -74,12 +74,17 @@ class Gemma4Model(nn.Module):
         tokens, is_used = self.vision_tower.forward_padded(pixel_values, position_ids, no_padding)
         return self.embed_vision(tokens), is_used
 
-    def encode_audio(self, features: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-        """Log-mel features [B, T, 128] with validity mask -> per clip soft tokens [n_i, text_hidden]."""
+    def encode_audio(self, features: torch.Tensor, mask: torch.Tensor,
+                     lengths: list[int] | None = None) -> list[torch.Tensor]:
+        """Log-mel features [B, T, 128] with validity mask -> per clip soft tokens [n_i, text_hidden].
+        ``lengths``: each clip's soft-token count, known on the host (the processor's); a clip's valid
+        frames are a prefix, so its tokens are then sliced without reading the device's mask back."""
         if self.audio_tower is None:
             raise ValueError("this model was loaded without its audio tower (text-only mode or no audio)")
         hidden, out_mask = self.audio_tower(features, mask)
         tokens = self.embed_audio(hidden)
+        if lengths is not None:
+            return [tokens[i, :n] for i, n in enumerate(lengths)]
         return [tokens[i][out_mask[i]] for i in range(tokens.shape[0])]
 
     # ---- decoder ---------------------------------------------------------------------------

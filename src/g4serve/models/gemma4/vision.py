@@ -135,12 +135,24 @@ def avg_pool_by_position(
     Padding patches (zero rows) land in cell 0 and add nothing. Pooling is a one-hot matmul, as in the
     reference: it is deterministic on GPU (a scatter-add would not be) and cheap next to the encoder.
     """
-    pos = positions.clamp(min=0)
-    cells_per_row = (pos[..., 0].amax(dim=-1, keepdim=True) + 1) // k
-    cell = pos[..., 0] // k + cells_per_row * (pos[..., 1] // k)
+    cell = _pooling_cell(positions, k)
     weights = F.one_hot(cell, length).float() / k**2  # [B, N, length]
     pooled = weights.transpose(1, 2) @ h.float()
     return pooled.to(h.dtype), (weights != 0).any(dim=1)
+
+
+def _pooling_cell(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The k×k pooling cell of each patch [B, N]; padding patches fall in cell 0."""
+    pos = positions.clamp(min=0)
+    cells_per_row = (pos[..., 0].amax(dim=-1, keepdim=True) + 1) // k
+    return pos[..., 0] // k + cells_per_row * (pos[..., 1] // k)
+
+
+def pooling_cells_used(positions: torch.Tensor, k: int, length: int) -> torch.Tensor:
+    """Which of the ``length`` cells hold a soft token [B, length] (``avg_pool_by_position``'s mask), from the
+    positions alone: the host computes it from CPU positions instead of reading the device's back."""
+    used = torch.zeros(positions.shape[0], length, dtype=torch.bool, device=positions.device)
+    return used.scatter_(1, _pooling_cell(positions, k), True)
 
 
 class Gemma4VisionModel(nn.Module):
