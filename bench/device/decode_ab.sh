@@ -24,7 +24,7 @@ run() {  # run NAME SECONDS CMD...
   tail -n 30 "$RES/$name.log"
 }
 if [ "$RUN_GPU_TESTS" = 1 ]; then
-  run gpu_tests 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
+  run gpu_tests "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
 fi
 skinny() {
   run microbench-skinny 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --attention-backend triton \

@@ -7,7 +7,8 @@
 #   3. g4serve serve --preset e4b: text and video sweeps (1 and 4 QPS, 8 s each), then the extraction grid
 #      (prompts 512/1024/2048 x outputs 16/128 x schema off/on, 2 requests per cell)         RUN_GRID=1
 #      SERVE_ARGS adds server flags (e.g. "--async-scheduling --overlap-encoder"); the microbenchmark takes
-#      --async-scheduling from MICROBENCH_ARGS
+#      --async-scheduling from MICROBENCH_ARGS. RUN_MICROBENCH=0 / RUN_VISION=0 skip stage 2's parts; RES
+#      (default /tmp/res) is the working directory, for several runs in one call
 #   4. the peer, `transformers serve` on the same shapes (bench/peer_serve.py), the same text sweep   RUN_PEER=1
 #      (PEER_SERVE_ARGS="--compile" for its static-cache + torch.compile mode; video: not supported by it)
 #   5. the peer's `generate` microbenchmark (bench/peer_transformers.py: eager rows, prefill rows, then the
@@ -29,7 +30,8 @@ RUN_GPU_TESTS=${RUN_GPU_TESTS:-1} MICROBENCH_TORCH=${MICROBENCH_TORCH:-0} RUN_GR
 RUN_PEER=${RUN_PEER:-1} PEER_SERVE_ARGS=${PEER_SERVE_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
 MICROBENCH_ARGS=${MICROBENCH_ARGS:-}
 OUT=${OUT:-/tmp/out}
-RES=/tmp/res
+RES=${RES:-/tmp/res}
+RUN_MICROBENCH=${RUN_MICROBENCH:-1} RUN_VISION=${RUN_VISION:-1}
 mkdir -p "$RES" "$OUT"
 if [ "$SETUP" = 1 ]; then
   source bench/device/setup.sh
@@ -92,13 +94,14 @@ fi
 # 2. engine microbenchmarks
 backends=$BACKEND
 [ "$MICROBENCH_TORCH" = 1 ] && [ "$BACKEND" != torch ] && backends="$BACKEND torch"
+[ "$RUN_MICROBENCH" = 1 ] || backends=""
 for backend in $backends; do
   stage "microbench-$backend" "$(limit 100 300)" python3 bench/engine_microbench.py --model "$PRESET" --device "$DEVICE" \
     --attention-backend "$backend" --batches 1,8,32,64 --decode-steps 16 --prefill-reps 3 --profile \
     $MICROBENCH_ARGS --out "$RES" --tag="-$backend"
 done
 # vision encoder: 6 frames of 480p, g4serve (graph and eager) beside transformers' vision tower
-stage vision "$(limit 60 290)" python3 bench/vision_encoder.py --model "$PRESET" --device "$DEVICE" --frames 6 \
+[ "$RUN_VISION" = 1 ] && stage vision "$(limit 60 290)" python3 bench/vision_encoder.py --model "$PRESET" --device "$DEVICE" --frames 6 \
   --size 854x480 --out "$RES"
 
 # 3. g4serve: text and video sweeps, extraction grid
