@@ -3,8 +3,8 @@
 # projection shape (bench/gemv_kernels.py; GEMV_ARGS="--sweep" also searches tiles), then the engine
 # microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), decode profiles at
 # PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), nopdl (no
-# programmatic dependent launch, G4SERVE_PDL=0), async (everything on plus --async-scheduling). RUN_GEMV=0 skips
-# the kernel table.
+# programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
+# is launched). RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
 # Everything lands in $OUT/decode_ab.tgz; the tables are in $OUT/summary.md.
 set -uo pipefail
@@ -40,10 +40,10 @@ nopdl() {
     --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
     --prefill-reps 3 --out "$RES" --tag=-nopdl
 }
-async() {
-  run microbench-async 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
+sync() {
+  run microbench-sync 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
     --attention-backend triton --batches "$BATCHES" --decode-steps 32 --prefill-lengths 512 --prefill-reps 3 \
-    --async-scheduling --out "$RES" --tag=-async
+    --no-async-scheduling --out "$RES" --tag=-sync
 }
 for step in $ORDER; do $step; done
 [ "$RUN_GEMV" = 1 ] && run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"

@@ -6,8 +6,8 @@
 #                                                             MICROBENCH_TORCH=1 adds the torch backend (<= 90 s each)
 #   3. g4serve serve --preset e4b: text and video sweeps (1 and 4 QPS, 8 s each), then the extraction grid
 #      (prompts 512/1024/2048 x outputs 16/128 x schema off/on, 2 requests per cell)         RUN_GRID=1
-#      SERVE_ARGS adds server flags (e.g. "--async-scheduling --overlap-encoder"); the microbenchmark takes
-#      --async-scheduling from MICROBENCH_ARGS. RUN_MICROBENCH=0 / RUN_VISION=0 skip stage 2's parts; RES
+#      SERVE_ARGS adds server flags (e.g. "--overlap-encoder", "--no-async-scheduling"); MICROBENCH_ARGS adds
+#      flags to the microbenchmark. RUN_MICROBENCH=0 / RUN_VISION=0 skip stage 2's parts; RES
 #      (default /tmp/res) is the working directory, for several runs in one call
 #   4. the peer, `transformers serve` on the same shapes (bench/peer_serve.py), the same text sweep   RUN_PEER=1
 #      (PEER_SERVE_ARGS="--compile" for its static-cache + torch.compile mode; video: not supported by it)
