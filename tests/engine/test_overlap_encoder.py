@@ -76,18 +76,33 @@ def test_decodes_go_on_while_an_encode_is_in_flight(tiny_model_dir, monkeypatch)
     assert_pools_free(engine)
 
 
+def test_requests_behind_one_waiting_for_its_encoder_are_admitted(tiny_model_dir, monkeypatch):
+    video = {"prompt": _user("<|video|>What happens?"), "multi_modal_data": {"video": [_frames(4, 4)]}}
+    engine = make_engine(tiny_model_dir, overlap_encoder=True)
+    monkeypatch.setattr(_Encoding, "ready", lambda encoding: False)
+    engine.add_request(engine.make_request("video", engine.process_prompt(video), GREEDY))
+    engine.add_request(engine.make_request("text", engine.process_prompt(_user("hello")), GREEDY))
+    batch = engine.scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["text"] and len(batch.encoder_items) == 1
+    assert [r.request_id for r in engine.scheduler.waiting] == ["video"]
+
+
 def test_all_media_of_a_request_start_encoding_at_once(tiny_model_dir):
     prompt = {"prompt": _user("<|image|> then <|audio|> then <|image|>"),
               "multi_modal_data": {"image": [Image.fromarray(np.full((40, 56, 3), 9, np.uint8)),
                                              Image.fromarray(np.full((56, 40, 3), 200, np.uint8))],
                                    "audio": _audio(5, 1.0)}}
-    engine = make_engine(tiny_model_dir, overlap_encoder=True)
-    engine.add_request(engine.make_request("0", engine.process_prompt(prompt), GREEDY))
-    engine.step()
-    assert engine.encoder.num_in_flight == 3  # both images and the clip, before any of them is needed
-    assert engine.requests["0"].num_computed_tokens == engine.requests["0"].mm_items[0].offset
     expected = _run(make_engine(tiny_model_dir), [prompt])
-    assert {rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()} == expected
+    for min_text, computed in ((256, 0), (4, 7)):
+        # The 7 text tokens before the first image wait for it, unless text that short may run ahead.
+        engine = make_engine(tiny_model_dir, overlap_encoder=True)
+        engine.scheduler.config.min_text_before_pending_media = min_text
+        engine.add_request(engine.make_request("0", engine.process_prompt(prompt), GREEDY))
+        engine.step()
+        assert engine.encoder.num_in_flight == 3  # both images and the clip, before any of them is needed
+        assert engine.requests["0"].mm_items[0].offset == 7
+        assert engine.requests["0"].num_computed_tokens == computed
+        assert {rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()} == expected
 
 
 def test_pooling_cells_used_matches_pooling(tiny_model_dir):

@@ -210,6 +210,9 @@ class EncoderRunner:
         if self._encoding and self._encoding[0].done is not None:
             self._encoding[0].done.synchronize()
 
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)  # asynchronous from page-locked memory
+
     def _encode(self, items: list[MultimodalItem]) -> tuple[dict[str, torch.Tensor], list[EncoderCall]]:
         """Soft tokens of ``items`` (one call per tower and input shape), by content hash."""
         outputs: dict[str, torch.Tensor] = {}
@@ -226,7 +229,8 @@ class EncoderRunner:
         return outputs, calls
 
     def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
-        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(self.device, self.dtype, non_blocking=True)
+        # Item by item: a CPU-side cat would copy page-locked inputs into pageable memory (a blocking upload).
+        pixels = torch.cat([self._upload(it.data["pixel_values"]).to(self.dtype) for it in items])
         positions_cpu = torch.cat([it.data["position_ids"] for it in items])
         per_input = self.encode_images(pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu)
         cursor = 0
@@ -238,14 +242,11 @@ class EncoderRunner:
 
     def _encode_audio(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
         length = max(it.data["input_features"].shape[1] for it in items)
-        feats = torch.cat([
-            torch.nn.functional.pad(it.data["input_features"], (0, 0, 0, length - it.data["input_features"].shape[1]))
-            for it in items
-        ]).to(self.device, self.dtype)
-        masks = torch.cat([
-            torch.nn.functional.pad(it.data["input_features_mask"], (0, length - it.data["input_features_mask"].shape[1]))
-            for it in items
-        ]).to(self.device)
+        pad = torch.nn.functional.pad
+        feats = torch.cat([pad(self._upload(it.data["input_features"]).to(self.dtype),
+                               (0, 0, 0, length - it.data["input_features"].shape[1])) for it in items])
+        masks = torch.cat([pad(self._upload(it.data["input_features_mask"]),
+                               (0, length - it.data["input_features_mask"].shape[1])) for it in items])
         # On the side stream, counts come from the prompt's placeholders: no read-back of the mask.
         lengths = [it.num_tokens for it in items] if self.stream is not None else None
         per_clip = self.model.encode_audio(feats, masks, lengths)
