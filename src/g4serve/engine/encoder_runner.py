@@ -211,7 +211,8 @@ class EncoderRunner:
             self._encoding[0].done.synchronize()
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)  # asynchronous from page-locked memory
+        # From pageable memory the host waits only until the bytes are staged, not for the stream's work.
+        return tensor.to(self.device, non_blocking=True)
 
     def _encode(self, items: list[MultimodalItem]) -> tuple[dict[str, torch.Tensor], list[EncoderCall]]:
         """Soft tokens of ``items`` (one call per tower and input shape), by content hash."""
@@ -229,7 +230,6 @@ class EncoderRunner:
         return outputs, calls
 
     def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
-        # Item by item: a CPU-side cat would copy page-locked inputs into pageable memory (a blocking upload).
         pixels = torch.cat([self._upload(it.data["pixel_values"]).to(self.dtype) for it in items])
         positions_cpu = torch.cat([it.data["position_ids"] for it in items])
         per_input = self.encode_images(pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu)

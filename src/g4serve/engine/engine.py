@@ -336,19 +336,11 @@ class LLMEngine:
                 raise ValueError(f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt ({limit})")
         if prompt.get("prompt") is not None and prompt.get("prompt_token_ids") is not None:
             raise ValueError("prompt: give either 'prompt' or 'prompt_token_ids', not both")
-        processed = self.processor(
+        return self.processor(
             prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
             images=media.get("image"), videos=media.get("video"), audio=media.get("audio"),
             add_special_tokens=add_special_tokens,
         )
-        if self.device.type == "cuda":
-            # In the model's dtype and page-locked, here in the preprocessing thread: the encoder's upload is
-            # then an asynchronous copy of half the bytes instead of a blocking one from pageable memory.
-            for item in processed.mm_items:
-                for key in ("pixel_values", "input_features"):
-                    if key in item.data:
-                        item.data[key] = item.data[key].to(self.dtype).pin_memory()
-        return processed
 
     def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None) -> Request:
