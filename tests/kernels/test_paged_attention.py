@@ -76,6 +76,39 @@ def test_decode_matches_reference(head_dim, hq, hkv, page, seq_lens, window, num
     _close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, window):
+    """A CUDA graph fixes the split count for its longest context: short sequences leave most splits
+    without tiles. Partial buffers start as NaN here, so a merge that read an unwritten split would
+    return NaN; a split without tiles that wrote would leave no NaN behind."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = _paged_cache(128, 8, 2, 16, torch.float32, gen)
+    seq_lens = [300, 5, 40]
+    tables = _block_tables(seq_lens, 8, 128, gen, window)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(3, 4, 16, generator=gen)
+    partials = []
+    empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = empty(*shape, **kw).fill_(float("nan"))
+        partials.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: nan_empty(*t.shape, dtype=t.dtype, device=t.device))
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 8, window=window, num_splits=8, block_n=16)
+    monkeypatch.undo()
+    _close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens, 8, window=window), torch.float32)
+    part_m = next(t for t in partials if t.dim() == 3 and t.shape[-1] == 8)
+    written = ~part_m.isnan()[:, 0]  # [sequence, split]
+    # 300 keys: 19 tiles of 16 (2 in the window of 24), 3 per split; 5 keys: one tile; 40 keys: 3 (2).
+    expected = [[True] * 7 + [False], [True] + [False] * 7, [True] * 3 + [False] * 5]
+    if window:
+        expected = [[True] * 2 + [False] * 6, [True] + [False] * 7, [True] * 2 + [False] * 6]
+    assert written.tolist() == expected
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_half_precision_accumulates_in_fp32(dtype):
     gen = torch.Generator().manual_seed(1)

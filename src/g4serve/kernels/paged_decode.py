@@ -3,7 +3,9 @@
 Grid (sequence, KV head, split): a program loads the query rows of every q head that shares its KV
 head (GQA) as one [BLOCK_H, D] tile, so each K/V row is read from memory once per group, and streams
 its share of the context in BLOCK_N-key tiles with an online softmax in fp32. Long contexts are split
-over several programs (flash-decoding); a second kernel merges their partial (max, sum, acc).
+over several programs (flash-decoding); a second kernel merges their partial (max, sum, acc). The
+split count is fixed per launch (a CUDA graph fixes it for the longest context it serves), so a short
+context leaves most splits without tiles: those write nothing and the merge reads only the used ones.
 Sliding layers start at the tile holding ``seq_len - window``: older blocks are never touched (a
 sliding pool may already have freed them; their table entries are -1).
 """
@@ -11,12 +13,31 @@ sliding pool may already have freed them; their table entries are -1).
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.paged_prefill import paged_prefill_reference
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+                 HAS_SPANS: tl.constexpr):
+    """The key tiles of a sequence's query and their split: (first key, first tile, number of tiles,
+    tiles per split). Keys [start, end): the causal context [0, ctx) (the query sits at ctx - 1), widened
+    by a bidirectional span ending at ``span_hi``, cut by the sliding window. Splits from
+    cdiv(num_tiles, tiles_per_split) on have no tiles."""
+    end = ctx
+    if HAS_SPANS:
+        end = tl.maximum(end, span_hi)
+    start = ctx * 0
+    if SLIDING:
+        start = tl.maximum(ctx - window, 0)
+    first_tile = start // BLOCK_N
+    num_tiles = tl.cdiv(end, BLOCK_N) - first_tile
+    return start, first_tile, num_tiles, tl.cdiv(num_tiles, num_splits)
 
 
 def _paged_decode_fn(
@@ -53,21 +74,14 @@ def _paged_decode_fn(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys [start, end): causal context [0, ctx) (the query sits at ctx - 1), widened by a
-    # bidirectional span [lo, hi) that contains the query, cut by the sliding window.
     ctx = tl.load(SeqLens + b)
-    end = ctx
+    span_lo = ctx
+    span_hi = ctx
     if HAS_SPANS:
         span_lo = tl.load(SpanLo + b)
         span_hi = tl.load(SpanHi + b)
-        end = tl.maximum(end, span_hi)
-    start = ctx * 0
-    if SLIDING:
-        start = tl.maximum(ctx - window, 0)
-
-    first_tile = start // BLOCK_N
-    num_tiles = tl.cdiv(end, BLOCK_N) - first_tile
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    start, first_tile, num_tiles, tiles_per_split = _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N,
+                                                                 SLIDING, HAS_SPANS)
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
@@ -106,11 +120,12 @@ def _paged_decode_fn(
         m_i = m_new
 
     if SPLIT:
+        used = h_mask & (split * tiles_per_split < num_tiles)  # a split without tiles writes nothing
         row = b * stride_pb + heads * stride_ph + split
-        tl.store(PartM + row, m_i, mask=h_mask)
-        tl.store(PartL + row, l_i, mask=h_mask)
+        tl.store(PartM + row, m_i, mask=used)
+        tl.store(PartL + row, l_i, mask=used)
         acc_ptrs = PartAcc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
-        tl.store(acc_ptrs, acc, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(acc_ptrs, acc, mask=used[:, None] & d_mask[None, :])
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -118,22 +133,28 @@ def _paged_decode_fn(
 
 
 def _paged_decode_reduce_fn(
-    PartM, PartL, PartAcc, Out,
+    PartM, PartL, PartAcc, Out, SeqLens, SpanHi,
     stride_pb, stride_ph,
     stride_ab, stride_ah, stride_as,
     stride_ob, stride_oh,
-    num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    window, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    ctx = tl.load(SeqLens + b)
+    span_hi = ctx
+    if HAS_SPANS:
+        span_hi = tl.load(SpanHi + b)
+    _, _, num_tiles, tiles_per_split = _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS)
     m = float("-inf")
     l_sum = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(num_splits):
+    for s in range(tl.cdiv(num_tiles, tiles_per_split)):  # the used splits only
         m_s = tl.load(PartM + b * stride_pb + h * stride_ph + s)
         l_s = tl.load(PartL + b * stride_pb + h * stride_ph + s)
         acc_s = tl.load(PartAcc + b * stride_ab + h * stride_ah + s * stride_as + offs_d,
@@ -254,12 +275,13 @@ def paged_decode_attention(
     )
     if split:
         _paged_decode_reduce[q.device][(batch, num_q_heads)](
-            part_m, part_l, part_acc, out,
+            part_m, part_l, part_acc, out, seq_lens, span_hi,
             part_m.stride(0), part_m.stride(1),
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             out.stride(0), out.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl(q.device, batch),
+            int(window or 0), num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+            SLIDING=bool(window), HAS_SPANS=has_spans, **pdl(q.device, batch),
             num_warps=4 if head_dim <= 256 else 8,
         )
     return out
