@@ -108,7 +108,6 @@ class EncoderRunner:
         self.dtype = model.language_model.embed_tokens.weight.dtype
         self.calls: list[EncoderCall] = []
         self.vision_graphs = None  # a VisionGraphRunner when the engine replays encoder CUDA graphs
-        self.overlap = overlap
         self.stream: torch.cuda.Stream | None = None
         if overlap and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
@@ -163,9 +162,7 @@ class EncoderRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        for call in calls:
-            call.seconds = seconds * call.num_tokens / max(sum(c.num_tokens for c in calls), 1)
-        self.calls += calls
+        self._log_calls(calls, seconds)
         return seconds
 
     @torch.inference_mode()
@@ -194,16 +191,20 @@ class EncoderRunner:
         for encoding in [e for e in self._encoding if e.ready()]:
             self._encoding.remove(encoding)
             seconds = encoding.seconds()
-            total = max(sum(c.num_tokens for c in encoding.calls), 1)
-            for call in encoding.calls:
-                call.seconds = seconds * call.num_tokens / total
-            self.calls += encoding.calls
+            self._log_calls(encoding.calls, seconds)
             for digest, tokens in encoding.outputs.items():
                 if main is not None:
                     tokens.record_stream(main)  # made on the side stream, read by the steps on the main one
                 self.cache.put(digest, tokens)
                 finished[digest] = seconds
         return finished
+
+    def _log_calls(self, calls: list[EncoderCall], seconds: float) -> None:
+        """Log the calls of one encode, sharing its time by soft tokens (the towers ran back to back)."""
+        total = max(sum(c.num_tokens for c in calls), 1)
+        for call in calls:
+            call.seconds = seconds * call.num_tokens / total
+        self.calls += calls
 
     def wait(self) -> None:
         """Block until the oldest encode in flight is done (when there is nothing else to run)."""

@@ -472,6 +472,7 @@ class LLMEngine:
         scheduling these come from the step launched by the previous call, read back after this call
         launched the next one."""
         previous, self._inflight = self._inflight, None
+        current: InflightStep | None = None
         outputs: list[RequestOutput] = []
         try:
             if previous is not None and previous.needs_host_tokens:
@@ -501,8 +502,8 @@ class LLMEngine:
                 else:
                     outputs += self._complete(current)
         except BaseException:
-            # Requests of a step that failed between launch and read-back are in an unknown state.
-            for step in (previous, self._inflight):
+            # The requests of a launched step that was not read back are in an unknown state.
+            for step in (previous, current):
                 for request in step.batch.requests if step is not None else ():
                     if request.status is not RequestStatus.FINISHED:
                         self.abort_request(request.request_id)
@@ -511,8 +512,8 @@ class LLMEngine:
         return outputs
 
     def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
-        """Encode the batch's media, run the model and sample, without waiting for the device; the
-        requests' computed tokens advance now, their samples become pending outputs."""
+        """Run the model and sample, without waiting for the device; the requests' computed tokens
+        advance now, their samples become pending outputs."""
         result = self.runner.execute(batch, self.kv, self.encoder_cache, previous.result if previous else None)
         self.num_steps += 1
         computed = []

@@ -79,13 +79,9 @@ class Request:
             self.generator = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
 
     # ---- sizes -------------------------------------------------------------------------------
-    @property
-    def all_token_ids(self) -> list[int]:
-        """The known tokens: prompt, then outputs (without pending ones)."""
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """Known tokens [start, end) without concatenating the whole sequence (a decode step reads one)."""
+        """Known tokens (prompt, then outputs; not the pending ones) in [start, end), without concatenating
+        the whole sequence (a decode step reads one)."""
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
