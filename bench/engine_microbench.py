@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading the previous one back (EngineConfig.async_scheduling; "
-                        "default: on for CUDA)")
+                        "default: on)")
     p.add_argument("--profile", action="store_true",
                    help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON")
     p.add_argument("--profile-batches", default=None,
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(engine.dtype),
         "attention_backend": args.attention_backend,
         "cuda_graphs": graphed,
-        "async_scheduling": engine.async_scheduling,
+        "async_scheduling": engine.config.async_scheduling,
         "load_s": load_s,
         "copy_bandwidth_gb_per_s": bandwidth,
         "decode_weight_bytes": weight_bytes,

@@ -80,6 +80,22 @@ def test_preemption_matches_sync(tiny_model_dir):
     assert engine.scheduler.num_preemptions > 0
 
 
+def test_prefix_cache_hits_as_with_synchronous_steps(tiny_model_dir):
+    """Blocks are registered with the prefix cache at launch: the next schedule frees sliding blocks that
+    leave the window (16 tokens here), and one freed before its registration would be lost."""
+    system = "you are the voice assistant of a bank. " * 2
+    waves = [{"a": (system + "what is my balance", GREEDY)},
+             {"b": (system + "send forty dollars to maria " * 3, GREEDY)}]
+    hits = []
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=48,
+                             async_scheduling=async_scheduling)
+        for wave in waves:
+            _run(engine, wave)
+        hits.append(engine.kv.prefix_hit_tokens)
+    assert hits[1] == hits[0] > 0
+
+
 def test_padded_graph_buffers_take_pending_tokens(tiny_model_dir):
     """The decode and mixed runners' packed uploads, with the previous step's samples copied in on the
     device: in order (steady decode) and re-indexed (the batch shrinks, requests join mid-decode)."""
@@ -141,6 +157,7 @@ def test_abort_while_a_step_is_in_flight(tiny_model_dir):
     assert engine._inflight is not None and engine.requests["b"].num_pending_outputs == 1
     tokens_before = len(engine.requests["b"].output_token_ids)
     engine.abort_request("b")
+    assert engine.has_unfinished_requests()  # a and c still have the launched step to read back
     seen = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

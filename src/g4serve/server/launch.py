@@ -60,10 +60,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly (default on CUDA: captured CUDA graphs replayed per batch size)")
     p.add_argument("--max-cuda-graph-batch", type=int, default=None,
                    help="largest decode batch replayed as a CUDA graph (default: --max-num-seqs)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before the previous step's tokens are read back, so scheduling and "
                         "output processing overlap the GPU (a stopped request computes one discarded token; "
-                        "default: on for CUDA)")
+                        "default: on)")
     p.add_argument("--overlap-encoder", action="store_true",
                    help="encode images, video and audio ahead of the prefills that need them, on a side CUDA "
                         "stream, while other requests keep decoding (default: inside the step, before its forward)")
