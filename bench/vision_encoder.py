@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="854x480", help="frame WIDTHxHEIGHT")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip transformers' vision tower")
+    p.add_argument("--profile", action="store_true",
+                   help="also write torch.profiler kernel tables of the engine's encoder (graph replay on CUDA) and the eager one "
+                        "next to the JSON, after the timings")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -124,7 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"vision-{Path(args.model).name}-{device.type}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+    if args.profile:  # last: the profiler stays attached and slows later launches
+        for label, fn in (("runner", lambda: engine.encoder.encode_images(pixels, positions, positions_cpu)),
+                          ("eager", lambda: engine.model.encode_images(pixels, positions))):
+            table = _profile(fn, device)
+            path.with_suffix(f".profile-{label}.txt").write_text(table)
+            print(f"wrote {path.with_suffix(f'.profile-{label}.txt')}")
     return 0
+
+
+def _profile(fn, device: torch.device, reps: int = 5) -> str:
+    """Kernel table (self device time, descending) of ``reps`` calls of ``fn``, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        fn()
+        _sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                fn()
+            _sync(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return f"{reps} calls\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
 
 
 if __name__ == "__main__":
