@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip transformers' vision tower")
     p.add_argument("--profile", action="store_true",
-                   help="also write torch.profiler kernel tables of the engine's encoder (graph replay on CUDA) and the eager one "
-                        "next to the JSON, after the timings")
+                   help="also write torch.profiler kernel tables of the engine's encoder (graph replay on CUDA) "
+                        "and of the eager one next to the JSON, after the timings")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
