@@ -107,8 +107,8 @@ def test_all_media_of_a_request_start_encoding_at_once(tiny_model_dir):
 
 def test_pooling_cells_used_matches_pooling(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
-    processed = engine.process_prompt({"prompt": "<|image|><|image|>", "multi_modal_data": {
-        "image": [Image.fromarray(np.zeros((64, 96, 3), np.uint8)), Image.fromarray(np.zeros((120, 40, 3), np.uint8))]}})
+    images = [Image.fromarray(np.zeros((64, 96, 3), np.uint8)), Image.fromarray(np.zeros((120, 40, 3), np.uint8))]
+    processed = engine.process_prompt({"prompt": "<|image|><|image|>", "multi_modal_data": {"image": images}})
     k = engine.model_config.vision.pooling_kernel_size
     for item in processed.mm_items:
         positions = item.data["position_ids"]
