@@ -27,7 +27,7 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[object, SamplingParams]]) 
 
 
 def _both(model_dir, requests, **kw) -> tuple[dict, dict, LLMEngine]:
-    expected = _run(make_engine(model_dir, **kw), requests)
+    expected = _run(make_engine(model_dir, async_scheduling=False, **kw), requests)
     engine = make_engine(model_dir, async_scheduling=True, **kw)
     got = _run(engine, requests)
     assert_pools_free(engine)
@@ -111,7 +111,8 @@ def test_padded_graph_buffers_take_pending_tokens(tiny_model_dir):
             out.update({rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()})
         return out
 
-    expected = run(make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=32))
+    expected = run(make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=32,
+                               async_scheduling=False))
     engine = make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=32,
                          attention_backend="triton", async_scheduling=True)
     engine.runner.decode_graphs = engine.decode_graph_runner(capture=False)
