@@ -36,6 +36,7 @@ class SamplingBatch:
     uses_top_k: bool = True
     uses_top_p: bool = True
     uses_min_p: bool = True
+    max_top_k: int | None = None  # the largest top-k if every sampled row sets one, else None
 
     @classmethod
     def build(
@@ -63,6 +64,7 @@ class SamplingBatch:
             uses_top_k=any(0 < p.top_k < vocab_size for p in params),
             uses_top_p=any(p.top_p < 1 for p in params),
             uses_min_p=any(p.min_p > 0 for p in params),
+            max_top_k=_max_top_k(params),
         )
         if any(p.has_penalties for p in params):
             outs = output_tokens or [[] for _ in params]
@@ -99,20 +101,38 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits - b.presence_penalty.unsqueeze(1) * (b.output_counts > 0).float()
 
 
+def _max_top_k(params: list[SamplingParams]) -> int | None:
+    """The largest top-k of the sampled rows if every one sets a top-k (greedy rows take the argmax)."""
+    sampled = [p for p in params if not p.greedy]
+    return max(p.top_k for p in sampled) if sampled and all(p.top_k > 0 for p in sampled) else None
+
+
+# A row's top-k candidates come from ``torch.topk`` instead of a sort of the whole vocabulary when every
+# row of the batch limits top-k to at most this many tokens.
+MAX_TOPK_CANDIDATES = 1024
+
+
 def _top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Mask (-inf) what top-k, then top-p, then min-p filter out, as transformers' warpers and vLLM do:
+    top-k keeps the tokens scoring at least the k-th best (ties included), top-p is taken over the
+    distribution renormalised to what top-k kept, min-p is relative to the most likely token."""
     vocab = logits.shape[-1]
     k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
     if b.uses_top_k or b.uses_top_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        drop = ranks >= k.unsqueeze(1)
+        every_row_top_k = b.max_top_k is not None and b.max_top_k <= MAX_TOPK_CANDIDATES
+        if every_row_top_k:  # candidates only: the tokens past the largest k are dropped anyway
+            sorted_logits, order = logits.topk(min(b.max_top_k, vocab), dim=-1)
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+        kth = sorted_logits.gather(1, (k - 1).clamp(max=sorted_logits.shape[1] - 1).unsqueeze(1))
+        drop = sorted_logits < kth
         if b.uses_top_p:
-            probs = sorted_logits.softmax(dim=-1)
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             mass_before = probs.cumsum(dim=-1) - probs
             drop |= mass_before >= b.top_p.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
     if b.uses_min_p:
         probs = logits.softmax(dim=-1)
         threshold = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values

@@ -1,0 +1,91 @@
+"""The sampler's filters against transformers' logits warpers (temperature, top-k, top-p, min-p, in
+transformers' order), on both of its top-k paths, and its draws against the filtered distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from g4serve.layers import sampler
+from g4serve.layers.sampler import SamplingBatch, _top_k_top_p_min_p, sample
+from g4serve.sampling_params import SamplingParams
+
+VOCAB = 512
+
+
+def _hf_filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    scores = logits.unsqueeze(0)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.top_k > 0:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    if p.min_p > 0:
+        scores = MinPLogitsWarper(p.min_p)(ids, scores)
+    return scores[0]
+
+
+ROWS = [
+    SamplingParams(temperature=0.7, top_k=40),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=50, top_p=0.8),  # top-p over the top-k renormalised
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.95, min_p=0.05),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=2.0, top_k=300, top_p=0.5),
+]
+
+
+def _filtered(rows: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
+    temp = batch.temperature.unsqueeze(1)
+    return _top_k_top_p_min_p(logits / temp, batch)
+
+
+@pytest.mark.parametrize("candidates", [True, False], ids=["topk-candidates", "full-sort"])
+def test_filters_match_transformers_warpers(candidates, monkeypatch):
+    if not candidates:
+        monkeypatch.setattr(sampler, "MAX_TOPK_CANDIDATES", 0)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(ROWS), VOCAB, generator=gen) * 3
+    # Every row sets top-k in this batch (the candidate path); the mixed batch below takes the full sort.
+    rows = [r for r in ROWS if r.top_k > 0]
+    batches = [(rows, logits[: len(rows)]), (ROWS, logits)]
+    for batch_rows, batch_logits in batches:
+        got = _filtered(batch_rows, batch_logits)
+        for row, (p, row_logits) in enumerate(zip(batch_rows, batch_logits)):
+            want = _hf_filtered(row_logits, p)
+            assert torch.equal(torch.isfinite(got[row]), torch.isfinite(want)), p
+            torch.testing.assert_close(got[row].softmax(-1), want.softmax(-1))
+
+
+def test_candidate_path_used_only_when_every_sampled_row_sets_top_k():
+    build = lambda rows: SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")  # noqa: E731
+    assert build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_k=7)]).max_top_k == 40
+    greedy = SamplingParams(temperature=0)  # takes the argmax whatever the filters say
+    assert build([SamplingParams(temperature=1, top_k=40), greedy]).max_top_k == 40
+    assert build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_p=0.9)]).max_top_k is None
+
+
+def test_draws_follow_the_filtered_distribution():
+    """Many seeded draws of one row: frequencies within 4 sigma of the filtered probabilities, nothing
+    outside the kept set."""
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(VOCAB, generator=gen) * 2
+    p = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)
+    n = 4000
+    logits = row.expand(n, VOCAB).clone()
+    batch = SamplingBatch.build([p] * n, [None] * n, VOCAB, "cpu")
+    torch.manual_seed(2)
+    tokens = sample(logits, batch).token_ids
+    probs = _hf_filtered(row, p).softmax(-1)
+    counts = torch.bincount(tokens, minlength=VOCAB).double() / n
+    assert (counts[probs == 0] == 0).all()
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((counts - probs).abs() <= 4 * sigma + 1e-9).all()
