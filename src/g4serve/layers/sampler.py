@@ -108,7 +108,7 @@ def _max_top_k(params: list[SamplingParams]) -> int | None:
 
 
 # A row's top-k candidates come from ``torch.topk`` instead of a sort of the whole vocabulary when every
-# row of the batch limits top-k to at most this many tokens.
+# sampled row of the batch limits top-k to at most this many tokens.
 MAX_TOPK_CANDIDATES = 1024
 
 
