@@ -1,0 +1,110 @@
+"""Sampling cost per decode step: ``layers/sampler.py`` on [B, vocab] logits for each filter setting.
+
+What a step pays after the forward when its requests sample instead of taking the argmax: building the
+``SamplingBatch`` (host parameters to the device) and ``sample`` (temperature, top-k / top-p / min-p,
+the exponential race). The greedy benchmarks elsewhere never pay it. Top-k runs twice: with its
+``torch.topk`` candidates and forced through the sort of the whole vocabulary. Median of ``--reps``
+after warm-up, synchronised per call; writes JSON (device, versions, commit) to bench/results/.
+
+    python bench/sampler.py                                   # cuda, vocab 262144, B = 1 8 32 64
+    python bench/sampler.py --device cpu --vocab 8192 --batches 1 8 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from g4serve.bench.meta import device_name, git_commit
+from g4serve.layers import sampler
+from g4serve.layers.sampler import SamplingBatch, sample
+from g4serve.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0),
+    "temperature": SamplingParams(temperature=0.8),
+    "top_k=50": SamplingParams(temperature=0.8, top_k=50),
+    "top_k=50, full sort": SamplingParams(temperature=0.8, top_k=50),
+    "top_p=0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "top_k=50 top_p=0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "min_p=0.05": SamplingParams(temperature=0.8, min_p=0.05),
+}
+
+
+def time_setting(params: SamplingParams, logits: torch.Tensor, reps: int, full_sort: bool) -> float:
+    """Median ms of one step's sampling (batch build + sample) over ``reps`` calls."""
+    device, batch = logits.device, logits.shape[0]
+    rows = [params] * batch
+    saved = sampler.MAX_TOPK_CANDIDATES
+    sampler.MAX_TOPK_CANDIDATES = 0 if full_sort else saved
+    try:
+        times = []
+        for rep in range(reps + 3):  # three warm-up calls
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            b = SamplingBatch.build(rows, [None] * batch, logits.shape[1], device)
+            sample(logits, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rep >= 3:
+                times.append(time.perf_counter() - t0)
+    finally:
+        sampler.MAX_TOPK_CANDIDATES = saved
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--vocab", type=int, default=262144, help="Gemma 4's vocabulary")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for batch in args.batches:
+        # Peaked like a language model's logits: a few likely tokens over a long flat tail.
+        logits = torch.randn(batch, args.vocab, device=device, generator=gen) * 2.5
+        for name, params in SETTINGS.items():
+            ms = time_setting(params, logits, args.reps, full_sort=name.endswith("full sort"))
+            rows.append({"batch": batch, "setting": name, "ms": ms})
+            print(f"B={batch:3d} {name:22s} {ms:8.3f} ms", flush=True)
+
+    result = {
+        "benchmark": "sampler",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "device": device_name(args.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "vocab": args.vocab,
+        "reps": args.reps,
+        "units": {"ms": "median milliseconds per step: SamplingBatch.build + sample, synchronised"},
+        "results": rows,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"sampler-{args.device.replace(':', '')}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
