@@ -4,7 +4,8 @@
 # microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), decode profiles at
 # PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), nopdl (no
 # programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
-# is launched). RUN_GEMV=0 skips the kernel table.
+# is launched), sampler (bench/sampler.py), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
+# RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
 # Everything lands in $OUT/decode_ab.tgz; the tables are in $OUT/summary.md.
 set -uo pipefail
@@ -44,6 +45,13 @@ sync() {
   run microbench-sync 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
     --attention-backend triton --batches "$BATCHES" --decode-steps 32 --prefill-lengths 512 --prefill-reps 3 \
     --no-async-scheduling --out "$RES" --tag=-sync
+}
+sampler() {
+  run sampler 120 python3 bench/sampler.py --reps 20 --out-dir "$RES"
+}
+vision() {
+  run vision 120 python3 bench/vision_encoder.py --model "$PRESET" --device cuda --frames 6 --size 854x480 \
+    --no-peer --profile --out "$RES"
 }
 for step in $ORDER; do $step; done
 [ "$RUN_GEMV" = 1 ] && run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
