@@ -40,8 +40,8 @@ def test_mixed_media_workload_matches_encoding_in_the_step(tiny_model_dir, async
 
 
 def test_decodes_go_on_while_an_encode_is_in_flight(tiny_model_dir, monkeypatch):
-    """A request decodes while a video request's encode is held in flight for three polls: the video's
-    text before the media is prefilled, its media wait, and its tokens equal encoding in the step."""
+    """A request decodes while a video request's encode is held in flight for three polls: the video
+    request computes nothing past its media's start meanwhile, and its tokens equal encoding in the step."""
     video = {"prompt": _user("<|video|>What happens?"), "multi_modal_data": {"video": [_frames(3, 4)]}}
     text = _user("savings loan branch payment")
     expected = _run(make_engine(tiny_model_dir), [text, video])
