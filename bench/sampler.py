@@ -13,7 +13,6 @@ after warm-up, synchronised per call; writes JSON (device, versions, commit) to 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from g4serve.bench.meta import device_name, git_commit
+from g4serve.bench.meta import device_name, git_commit, write_result_json
 from g4serve.layers import sampler
 from g4serve.layers.sampler import SamplingBatch, sample
 from g4serve.sampling_params import SamplingParams
@@ -98,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "units": {"ms": "median milliseconds per step: SamplingBatch.build + sample, synchronised"},
         "results": rows,
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sampler-{args.device.replace(':', '')}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result_json(args.out_dir, f"sampler-{args.device.replace(':', '')}", result)
     return 0
 
 

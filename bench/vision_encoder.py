@@ -11,7 +11,6 @@ pooling, projection to the text width), median of ``--reps`` after warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from g4serve.bench.meta import git_commit
+from g4serve.bench.meta import git_commit, write_result_json
 
 
 def _sync(device: torch.device) -> None:
@@ -122,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "results": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"vision-{Path(args.model).name}-{device.type}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    path = write_result_json(args.out, f"vision-{Path(args.model).name}-{device.type}", result)
     if args.profile:  # last: the profiler stays attached and slows later launches
         for label, fn in (("runner", lambda: engine.encoder.encode_images(pixels, positions, positions_cpu)),
                           ("eager", lambda: engine.model.encode_images(pixels, positions))):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -72,3 +73,16 @@ def cuda_environment() -> dict:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+
+
+def write_result_json(out_dir: str | Path, stem: str, result: dict) -> Path:
+    """Write a benchmark's result as ``<out_dir>/<stem>-<UTC timestamp>.json`` (the folder is created),
+    say so, and return the path."""
+    import datetime as dt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
