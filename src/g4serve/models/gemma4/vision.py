@@ -135,10 +135,9 @@ def avg_pool_by_position(
     Padding patches (zero rows) land in cell 0 and add nothing. Pooling is a one-hot matmul, as in the
     reference: it is deterministic on GPU (a scatter-add would not be) and cheap next to the encoder.
     """
-    cell = _pooling_cell(positions, k)
-    weights = F.one_hot(cell, length).float() / k**2  # [B, N, length]
+    weights = F.one_hot(_pooling_cell(positions, k), length).float() / k**2  # [B, N, length]
     pooled = weights.transpose(1, 2) @ h.float()
-    return pooled.to(h.dtype), (weights != 0).any(dim=1)
+    return pooled.to(h.dtype), pooling_cells_used(positions, k, length)
 
 
 def _pooling_cell(positions: torch.Tensor, k: int) -> torch.Tensor:
