@@ -91,10 +91,9 @@ class _GraphRunner:
              torch.zeros(self._tables.numel() + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
         ]
-        self._long_host, self._int_host = self._host_sets[0]
         self._num_runs = 0
-        self._long_staged = torch.empty_like(self._long_host, device=device)
-        self._int_staged = torch.empty_like(self._int_host, device=device)
+        self._long_staged = torch.empty_like(self._host_sets[0][0], device=device)
+        self._int_staged = torch.empty_like(self._host_sets[0][1], device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -111,7 +110,14 @@ class _GraphRunner:
 
     def _next_host_set(self) -> None:
         self._num_runs += 1
-        self._long_host, self._int_host = self._host_sets[self._num_runs % 2]
+
+    @property
+    def _long_host(self) -> torch.Tensor:
+        return self._host_sets[self._num_runs % 2][0]
+
+    @property
+    def _int_host(self) -> torch.Tensor:
+        return self._host_sets[self._num_runs % 2][1]
 
     def _forward_and_argmax(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         # The greedy choice rides along in the graph: an all-greedy step then needs no sampling launches.

@@ -96,7 +96,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens to compute, pending outputs included."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_outputs
+        return self.num_known_tokens + self.num_pending_outputs
 
     @property
     def num_output_tokens(self) -> int:
