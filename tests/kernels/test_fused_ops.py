@@ -62,6 +62,24 @@ def test_norm_rope_on_a_strided_view(dtype, head_dim, partial):
     _close(norm_rope(q, None, 1e-6), norm_rope_reference(q, None, 1e-6), dtype)
 
 
+@pytest.mark.parametrize("sections", [1, 2])
+def test_norm_rope_over_several_token_blocks(sections):
+    """More tokens than one program takes (a partial last block), and a head width that is not a power of
+    two (its columns are padded to the next one)."""
+    from g4serve.kernels.norm_rope import rows_per_program
+
+    t, heads, head_dim = 150, 2, 48
+    block_t, _ = rows_per_program(t, head_dim)
+    assert block_t < t and t % block_t
+    gen = torch.Generator().manual_seed(sections)
+    x = torch.randn(t, heads, head_dim, generator=gen).to(torch.bfloat16)
+    w = torch.randn(head_dim, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(t, head_dim, generator=gen) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    _close(norm_rope(x, w, 1e-6, cos, sin, sections), norm_rope_reference(x, w, 1e-6, cos, sin, sections),
+           torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_axial_sections(dtype):
     """The vision tower's q/k norm + axial RoPE: x and y halves of the head rotated separately."""

@@ -16,53 +16,67 @@ from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previou
 from g4serve.kernels.rms_norm import rms_norm_reference
 from g4serve.layers.rotary import apply_axial_rope, apply_rope
 
+# Token rows per program: about 4k elements of a head's rows in one tile (64 tokens of a vision head, 16 of a
+# 256-wide text head), fewer when the launch has fewer tokens. One (token, head) row per program, as before,
+# left the vision tower's 45k-program launches at ~28 us each for 6 MB of q.
+TILE_ELEMENTS = 4096
+
+
+def rows_per_program(num_tokens: int, head_dim: int) -> tuple[int, int]:
+    """-> (BLOCK_T, num_warps) for a launch over ``num_tokens`` rows of one ``head_dim``-wide head each."""
+    block_d = next_pow2(head_dim)
+    block_t = min(next_pow2(num_tokens), max(1, TILE_ELEMENTS // block_d))
+    return block_t, max(1, min(4, block_t * block_d // 256))
+
 
 @triton.jit
-def normed_head_row(base, W, Cos, Sin, eps,
-                    HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
-                    HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, OUT_TY: tl.constexpr):
-    """One head row at ``base`` as [PARTS, BLOCK_PART] pieces of PART dims: rms-normed (times W), rounded to
-    OUT_TY as the unfused model rounds it, then rotated in fp32 with the row's cos/sin (at Cos/Sin). RoPE
-    rotates each pair of pieces (2j, 2j+1) as one rotate_half section: one section is the text models'
-    RoPE, two the vision tower's axial x/y RoPE. -> (row in fp32, offsets, mask)."""
-    part = tl.arange(0, PARTS)[:, None]
-    col = tl.arange(0, BLOCK_PART)[None, :]
-    mask = (col < PART) & (part < PARTS)
-    offs = part * PART + col
-    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / HEAD_DIM + eps)
+def normed_head_rows(X, W, Cos, Sin, row_ok, eps,
+                     HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, OUT_TY: tl.constexpr):
+    """Head rows whose first elements are at X ([R, 1] pointers; Cos/Sin: the rows' cos/sin), valid where
+    ``row_ok`` [R, 1]: rms-normed (times W), rounded to OUT_TY as the unfused model rounds it, then rotated in
+    fp32. RoPE rotates each pair of PART-wide pieces (2j, 2j+1) as one rotate_half section: one section is the
+    text models' RoPE, two the vision tower's axial x/y RoPE. -> (rows [R, BLOCK_D] in fp32, columns
+    [1, BLOCK_D], mask)."""
+    col = tl.arange(0, BLOCK_D)[None, :]
+    col_ok = col < HEAD_DIM
+    mask = row_ok & col_ok
+    x = tl.load(X + col, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1, keep_dims=True) / HEAD_DIM + eps)
     y = x * inv
     if HAS_W:
-        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(W + col, mask=col_ok, other=0.0).to(tl.float32)
     y = y.to(OUT_TY).to(tl.float32)
     if HAS_ROPE:
         # rotate_half within each section: the first piece takes -(second), the second takes +(first)
-        partner = (part ^ 1) * PART + col
-        yp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * inv
+        piece = col // PART
+        partner = (piece ^ 1) * PART + col % PART
+        yp = tl.load(X + partner, mask=mask, other=0.0).to(tl.float32) * inv
         if HAS_W:
-            yp = yp * tl.load(W + partner, mask=mask, other=0.0).to(tl.float32)
+            yp = yp * tl.load(W + partner, mask=col_ok, other=0.0).to(tl.float32)
         yp = yp.to(OUT_TY).to(tl.float32)
-        sign = tl.where(part % 2 == 0, -1.0, 1.0)
-        c = tl.load(Cos + offs, mask=mask, other=0.0).to(tl.float32)
-        sn = tl.load(Sin + offs, mask=mask, other=0.0).to(tl.float32)
+        sign = tl.where(piece % 2 == 0, -1.0, 1.0)
+        c = tl.load(Cos + col, mask=mask, other=0.0).to(tl.float32)
+        sn = tl.load(Sin + col, mask=mask, other=0.0).to(tl.float32)
         y = y * c + sign * yp * sn
-    return y, offs, mask
+    return y, col, mask
 
 
 def _norm_rope_fn(
     X, W, Cos, Sin, Out,
-    eps,
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st, cos_head_stride,
-    HEAD_DIM: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr,
+    eps, num_tokens,
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
+    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """Grid (token blocks, heads): BLOCK_T tokens of one head per program."""
     wait_for_previous_kernel(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
     h = tl.program_id(1)
-    y, offs, mask = normed_head_row(X + t * stride_xt + h * stride_xh, W, Cos + t * stride_ct + h * cos_head_stride,
-                                    Sin + t * stride_st + h * cos_head_stride, eps, HEAD_DIM, PARTS, PART,
-                                    BLOCK_PART, HAS_W, HAS_ROPE, Out.dtype.element_ty)
-    tl.store(Out + t * stride_ot + h * stride_oh + offs, y.to(Out.dtype.element_ty), mask=mask)
+    y, col, mask = normed_head_rows(X + t * stride_xt + h * stride_xh, W, Cos + t * stride_ct, Sin + t * stride_st,
+                                    t < num_tokens, eps, HEAD_DIM, PART, BLOCK_D, HAS_W, HAS_ROPE,
+                                    Out.dtype.element_ty)
+    tl.store(Out + t * stride_ot + h * stride_oh + col, y.to(Out.dtype.element_ty), mask=mask)
 
 
 _norm_rope = DualKernel(_norm_rope_fn)
@@ -81,15 +95,13 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     has_rope = cos is not None
     if has_rope:
         assert cos.stride(-1) == 1 and sin.stride(-1) == 1
-    parts = 2 * sections if has_rope else 2
-    part = head_dim // parts
-    _norm_rope[x.device][(num_tokens, num_heads)](
+    block_t, num_warps = rows_per_program(num_tokens, head_dim)
+    _norm_rope[x.device][(triton.cdiv(num_tokens, block_t), num_heads)](
         x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out,
-        eps, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0, 0,
-        HEAD_DIM=head_dim, PARTS=parts, PART=part, BLOCK_PART=next_pow2(part),
-        HAS_W=weight is not None, HAS_ROPE=has_rope, **pdl(x.device, num_tokens),
-        num_warps=1 if head_dim <= 256 else 2,
+        eps, num_tokens, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0,
+        HEAD_DIM=head_dim, PART=head_dim // (2 * sections), BLOCK_D=next_pow2(head_dim), BLOCK_T=block_t,
+        HAS_W=weight is not None, HAS_ROPE=has_rope, **pdl(x.device, num_tokens), num_warps=num_warps,
     )
     return out
 

@@ -2,7 +2,7 @@
 new K/V rows written into their paged-cache slots, straight from the fused QKV projection's output.
 
 Unfused that is four launches per layer (norm_rope on q, on k, on v, then kv_cache_write) and a round
-trip of K/V through memory. Grid: (token, head row) over Hq + 2 Hkv rows; a row is a q head (normed
+trip of K/V through memory. Grid: (token block, head row) over Hq + 2 Hkv rows; a row is a q head (normed
 with q_norm, rotated, stored to a contiguous [T, Hq, D] q), a k head (k_norm, rotated, stored to the
 K cache) or a v head (weightless norm, stored to the V cache). K/V rows of tokens with slot -1 (graph
 padding) are dropped. Rounding follows ``norm_rope``: the norm's result is rounded to the input dtype
@@ -12,44 +12,48 @@ before the rotation, the rotation runs in fp32 and is rounded once.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.kv_cache_write import kv_cache_write_reference
-from g4serve.kernels.norm_rope import norm_rope_reference, normed_head_row
+from g4serve.kernels.norm_rope import norm_rope_reference, normed_head_rows, rows_per_program
 
 
 def _qkv_prep_fn(
     QKV, Wq, Wk, Cos, Sin, QOut, KCache, VCache, Slots,
-    eps, stride_t, stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
+    eps, num_tokens, stride_t, stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
     stride_ct, stride_st,
     HQ: tl.constexpr, HKV: tl.constexpr, V_HEAD0: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_PART: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    """Grid (token blocks, head rows): BLOCK_T tokens of one q, k or v head per program."""
     wait_for_previous_kernel(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
     h = tl.program_id(1)
+    t_ok = t < num_tokens
     row = QKV + t * stride_t
     cos = Cos + t * stride_ct
     sin = Sin + t * stride_st
     out_ty = QOut.dtype.element_ty
     if h < HQ:
-        y, offs, mask = normed_head_row(row + h * HEAD_DIM, Wq, cos, sin, eps, HEAD_DIM, 2, PART, BLOCK_PART,
-                                    True, True, out_ty)
-        tl.store(QOut + t * stride_qo_t + h * stride_qo_h + offs, y.to(out_ty), mask=mask)
+        y, col, mask = normed_head_rows(row + h * HEAD_DIM, Wq, cos, sin, t_ok, eps, HEAD_DIM, PART, BLOCK_D,
+                                        True, True, out_ty)
+        tl.store(QOut + t * stride_qo_t + h * stride_qo_h + col, y.to(out_ty), mask=mask)
     else:
-        slot = tl.load(Slots + t).to(tl.int64)
-        if slot >= 0:
-            if h < HQ + HKV:
-                y, offs, mask = normed_head_row(row + h * HEAD_DIM, Wk, cos, sin, eps, HEAD_DIM, 2, PART, BLOCK_PART,
+        slot = tl.load(Slots + t, mask=t_ok, other=-1).to(tl.int64)
+        keep = slot >= 0
+        if h < HQ + HKV:
+            y, col, mask = normed_head_rows(row + h * HEAD_DIM, Wk, cos, sin, keep, eps, HEAD_DIM, PART, BLOCK_D,
                                             True, True, out_ty)
-                tl.store(KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + offs,
-                         y.to(KCache.dtype.element_ty), mask=mask)
-            else:
-                y, offs, mask = normed_head_row(row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM, Wk, cos, sin, eps,
-                                            HEAD_DIM, 2, PART, BLOCK_PART, False, False, out_ty)
-                tl.store(VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + offs,
-                         y.to(VCache.dtype.element_ty), mask=mask)
+            tl.store(KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + col,
+                     y.to(KCache.dtype.element_ty), mask=mask)
+        else:
+            y, col, mask = normed_head_rows(row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM, Wk, cos, sin, keep, eps,
+                                            HEAD_DIM, PART, BLOCK_D, False, False, out_ty)
+            tl.store(VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + col,
+                     y.to(VCache.dtype.element_ty), mask=mask)
 
 
 _qkv_prep = DualKernel(_qkv_prep_fn)
@@ -68,14 +72,14 @@ def qkv_prep(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: t
     q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    part = head_dim // 2
-    _qkv_prep[qkv.device][(num_tokens, num_q_heads + 2 * num_kv_heads)](
+    block_t, num_warps = rows_per_program(num_tokens, head_dim)
+    _qkv_prep[qkv.device][(triton.cdiv(num_tokens, block_t), num_q_heads + 2 * num_kv_heads)](
         qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
-        eps, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        eps, num_tokens, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), cos.stride(0), sin.stride(0),
         HQ=num_q_heads, HKV=num_kv_heads, V_HEAD0=num_q_heads + (0 if v_is_k else num_kv_heads),
-        HEAD_DIM=head_dim, PART=part, BLOCK_PART=next_pow2(part), **pdl(qkv.device, num_tokens),
-        num_warps=1 if head_dim <= 256 else 2,
+        HEAD_DIM=head_dim, PART=head_dim // 2, BLOCK_D=next_pow2(head_dim), BLOCK_T=block_t,
+        **pdl(qkv.device, num_tokens), num_warps=num_warps,
     )
     return q
 
