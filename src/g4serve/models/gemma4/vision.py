@@ -95,12 +95,15 @@ class VisionEncoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor | None,
+        normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (h, ``next_norm(h)``). ``normed``: this layer's ``input_layernorm(h)`` when the previous layer
+        computed it in its last residual add (one pass over h instead of two)."""
         # h = h + post_attention_layernorm(attn); x = pre_feedforward_layernorm(h); h = h + post_ff_norm(mlp(x))
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, attend)
+        attn = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, attend)
         h, x = add_rms_norm(attn, self.post_attention_layernorm, residual=h, next_norm=self.pre_feedforward_layernorm)
-        return add_rms_norm(self.mlp(x), self.post_feedforward_layernorm, residual=h)[0]
+        return add_rms_norm(self.mlp(x), self.post_feedforward_layernorm, residual=h, next_norm=next_norm)
 
 
 class VisionEncoder(nn.Module):
@@ -122,8 +125,10 @@ class VisionEncoder(nn.Module):
         cos, sin = vision_cos_sin(positions, self.inv_freq, h.dtype)
         # Bidirectional attention; every query (padding ones too) sees only the image's real patches.
         attend = is_valid[:, None, None, :] if is_valid is not None else None
-        for layer in self.layers:
-            h = layer(h, cos, sin, attend)
+        normed = None
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            h, normed = layer(h, cos, sin, attend, normed, next_norm)
         return h
 
 
