@@ -3,8 +3,7 @@
 # projection shape (bench/gemv_kernels.py; GEMV_ARGS="--sweep" also searches tiles), then the engine
 # microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), decode profiles at
 # PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), nopdl (no
-# programmatic dependent launch, G4SERVE_PDL=0), nonorm (the residual norms after the o/down/PLE projections as
-# separate launches, G4SERVE_GEMV_NORM=0), sync (no async scheduling: every step read back before the next
+# programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
 # is launched), sampler (bench/sampler.py), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
 # RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
@@ -41,11 +40,6 @@ nopdl() {
   G4SERVE_PDL=0 run microbench-nopdl 120 python3 bench/engine_microbench.py --model "$PRESET" \
     --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
     --prefill-reps 3 --out "$RES" --tag=-nopdl
-}
-nonorm() {
-  G4SERVE_GEMV_NORM=0 run microbench-nonorm 120 python3 bench/engine_microbench.py --model "$PRESET" \
-    --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
-    --prefill-reps 3 --out "$RES" --tag=-nonorm
 }
 sync() {
   run microbench-sync 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \

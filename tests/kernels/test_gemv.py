@@ -8,18 +8,7 @@ import pytest
 import torch
 
 from g4serve.kernels.act_mul import act_mul_reference
-from g4serve.kernels.gemv import (
-    GATE_UP,
-    MUL,
-    PLAIN,
-    _ticket_counter,
-    gemv_config,
-    skinny_matmul,
-    skinny_matmul_add_rms_norm,
-    skinny_matmul_add_rms_norm_reference,
-    skinny_matmul_reference,
-)
-from g4serve.kernels.rms_norm import fused_rms_norm_reference
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, skinny_matmul_reference
 
 EPILOGUES = {"plain": PLAIN, "gate_up": GATE_UP, "mul": MUL}
 
@@ -61,40 +50,6 @@ def test_skinny_matmul_matches_unfused_ops(dtype, epilogue, m, n, k, block_n, bl
         elif ep == MUL:
             ref = act_mul_reference(act, ref.to(dtype), other)
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,block_n,block_k", [
-    (1, 40, 64, 8, 32),     # M=1, several programs, the last one normalises
-    (1, 37, 100, 4, 32),    # ragged K, a partial last column block, a row width that is not a power of two
-    (3, 40, 96, 16, 32),    # M>1: tensor-core tiles, every row normalised
-])
-@pytest.mark.parametrize("scale,next_norm", [(False, False), (True, True)])
-def test_residual_norm_epilogue(dtype, m, n, k, block_n, block_k, scale, next_norm):
-    """The projection, the residual add and the norm(s) after it in one launch, against the unfused
-    ``F.linear`` + ``fused_rms_norm``; the ticket counter is left at zero for the next launch."""
-    gen = torch.Generator().manual_seed(m * 100 + n)
-    x, w, _ = _inputs(m, n, k, PLAIN, dtype, seed=n + k)
-    residual = torch.randn(m, n, generator=gen).to(dtype)
-    nw, nw2 = (torch.randn(n, generator=gen).to(dtype) for _ in range(2))
-    s = torch.tensor([0.5], dtype=dtype) if scale else None
-    nxt = nw2 if next_norm else None
-    cfg = {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 1}
-    for _ in range(2):  # a second launch finds the counter re-armed
-        h, out2 = skinny_matmul_add_rms_norm(x, w, nw, 1e-6, residual, s, nxt, config=cfg)
-        assert _ticket_counter(x.device).item() == 0
-    assert (out2 is None) == (not next_norm)
-    if dtype == torch.float32:
-        ref_h, ref2 = skinny_matmul_add_rms_norm_reference(x, w, nw, 1e-6, residual, s, nxt)
-        tol = {"atol": 2e-5, "rtol": 2e-5}
-    else:
-        # the GEMM output rounded to bf16, then the fused norm's own math
-        y = skinny_matmul_reference(x.float(), w.float(), PLAIN).to(dtype)
-        ref_h, ref2 = fused_rms_norm_reference(y, nw, 1e-6, residual, s, nxt)
-        tol = {"atol": 5e-2, "rtol": 2e-2}
-    torch.testing.assert_close(h.float(), ref_h.float(), **tol)
-    if next_norm:
-        torch.testing.assert_close(out2.float(), ref2.float(), **tol)
 
 
 def test_silu_gate_up():

@@ -15,10 +15,7 @@ program owns ``BLOCK_N`` output columns and streams their rows of W once:
 
 Epilogues (the product rounded to the output dtype first, exactly as the unfused GEMM's output is):
 ``plain`` y; ``gate_up`` act(x W_gate^T) * (x W_up^T) from one stacked [2N, K] weight (the MLP);
-``mul`` act(x W^T) * e for an [M, N] operand e (the PLE gate times the per-layer input); ``norm`` the
-residual add and RMSNorm(s) that follow a projection back into the residual stream (``add_rms_norm_row``):
-the last program to finish, counted with an atomic ticket, normalises the whole rows, which saves the
-separate norm launch after the o, down and PLE projections (three per layer).
+``mul`` act(x W^T) * e for an [M, N] operand e (the PLE gate times the per-layer input).
 """
 
 from __future__ import annotations
@@ -27,22 +24,19 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
+from g4serve.kernels._launch import DualKernel, dot_settings, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
-from g4serve.kernels.rms_norm import add_rms_norm_row, fused_rms_norm_reference
 
-PLAIN, GATE_UP, MUL, NORM = 0, 1, 2, 3
+PLAIN, GATE_UP, MUL = 0, 1, 2
 MAX_ROWS = 8  # token rows the kernel is built for (its tensor-core tile is 16 rows)
 
 
 def _gemv_fn(
     X, W, E, Y, M, N, K,
     stride_xm, stride_wn, stride_em, stride_ym, up_offset,
-    Res, NormW, NormW2, Scale, HOut, XOut, Counter, eps, stride_rm, stride_hm, stride_xom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_NORM2: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,7 +113,7 @@ def _gemv_fn(
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         y_up = tl.sum(acc_up, axis=1)[None, :]
     out_ty = Y.dtype.element_ty
-    if EPILOGUE == 1 or EPILOGUE == 2:
+    if EPILOGUE != 0:
         # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
         a = y.to(out_ty).to(tl.float32)
         if ACT == 0:
@@ -136,20 +130,6 @@ def _gemv_fn(
         y = g * b
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(out_ty),
              mask=m_mask[:, None] & n_mask[None, :])
-    if EPILOGUE == 3:
-        # The residual norm needs whole rows: the last program to store its columns normalises them. The
-        # barrier orders every thread's stores before the (release) ticket; the last ticket's acquire makes
-        # all programs' columns visible, read past L1. The last program re-arms the counter for the next launch.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            tl.store(Counter, 0)
-            cols = tl.arange(0, BLOCK_H)
-            col_mask = cols < N
-            for m in range(0, M):
-                row = tl.load(Y + m * stride_ym + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
-                add_rms_norm_row(row.to(tl.float32), Res + m * stride_rm, NormW, NormW2, Scale, HOut + m * stride_hm,
-                                 XOut + m * stride_xom, cols, col_mask, N, eps, True, True, HAS_SCALE, HAS_NORM2)
 
 
 _gemv = DualKernel(_gemv_fn)
@@ -163,7 +143,7 @@ def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
     64x8 tiles win the other shapes."""
     if m == 1:
         return True
-    return m <= MAX_ROWS and (epilogue in (GATE_UP, MUL) or k <= 512 or n >= 65536)
+    return m <= MAX_ROWS and (epilogue != PLAIN or k <= 512 or n >= 65536)
 
 
 def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
@@ -200,51 +180,6 @@ def skinny_matmul(
     ``MUL``: act(x @ weight.T) * other, other [M, N] with unit last stride. ``weight`` must not be written by
     the kernel just before this one in the stream (model weights): under programmatic dependent launch its
     first tile is read before waiting for that kernel."""
-    assert epilogue != NORM, "skinny_matmul_add_rms_norm"
-    if epilogue == MUL:
-        assert other is not None and other.shape == (x.shape[0], weight.shape[0]) and other.stride(-1) == 1
-    return _launch(x, weight, epilogue, activation, other, config)
-
-
-def skinny_matmul_add_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    next_weight: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``h = (residual + rms_norm(x @ weight.T) * norm_weight) * scale`` and ``rms_norm(h) * next_weight``
-    (None without ``next_weight``) in one launch: ``fused_rms_norm`` applied to the projection, as the
-    model's ``add_rms_norm`` after a ``linear``. residual [M, N] with unit last stride.
-
-    Launches of it on one device must not run concurrently (they share a ticket counter): launches in one
-    stream's order are safe, dependent launches included, as each waits for its predecessor to finish."""
-    m, n = x.shape[0], weight.shape[0]
-    assert residual.shape == (m, n) and residual.stride(-1) == 1 and norm_weight.shape == (n,)
-    h = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    out2 = torch.empty_like(h) if next_weight is not None else h
-    norm = (residual, norm_weight, next_weight, scale, h, out2, _ticket_counter(x.device), eps)
-    _launch(x, weight, NORM, None, None, config, norm)
-    return h, (out2 if next_weight is not None else None)
-
-
-_TICKET_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket_counter(device: torch.device) -> torch.Tensor:
-    """The NORM epilogue's int32 ticket counter on ``device``, zero between launches (the last program of
-    each resets it). One per device: the decoder's launches run in one stream's order (eager steps and graph
-    replays alike). The eager runs before a graph capture create it, so captures only record its address."""
-    counter = _TICKET_COUNTERS.get(device)
-    if counter is None:
-        counter = _TICKET_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
-def _launch(x, weight, epilogue, activation, other, config, norm=None) -> torch.Tensor:
     m, k = x.shape
     assert m <= 16 and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
     n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
@@ -253,17 +188,17 @@ def _launch(x, weight, epilogue, activation, other, config, norm=None) -> torch.
         return y
     cfg = config or gemv_config(m, n, k, epilogue)
     use_dot = m > 1
+    block_m = 16 if use_dot else 1
     upcast, precision = dot_settings(x.dtype, x.device)
-    residual, norm_weight, next_weight, scale, h, out2, counter, eps = norm or (y, y, None, None, y, y, y, 0.0)
-    _gemv[x.device][(-(-n // cfg["block_n"]),)](
+    if epilogue == MUL:
+        assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
+    grid = (-(-n // cfg["block_n"]),)
+    _gemv[x.device][grid](
         x, weight, other if other is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), other.stride(0) if other is not None else 0, y.stride(0), n * weight.stride(0),
-        residual, norm_weight, next_weight if next_weight is not None else y, scale if scale is not None else y,
-        h, out2, counter, eps, residual.stride(0), h.stride(0), out2.stride(0),
-        BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue in (GATE_UP, MUL) else 0, USE_DOT=use_dot,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0, USE_DOT=use_dot,
         EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision, **pdl(x.device, m),
-        HAS_SCALE=scale is not None, HAS_NORM2=next_weight is not None, BLOCK_H=next_pow2(n) if norm else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -284,18 +219,5 @@ def skinny_matmul_reference(
     return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
 
 
-def skinny_matmul_add_rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    next_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return fused_rms_norm_reference(F.linear(x, weight), norm_weight, eps, residual, scale, next_weight)
-
-
-__all__ = ["GATE_UP", "MAX_ROWS", "MUL", "NORM", "PLAIN", "gemv_config", "skinny_matmul",
-           "skinny_matmul_add_rms_norm", "skinny_matmul_add_rms_norm_reference", "skinny_matmul_reference",
+__all__ = ["GATE_UP", "MAX_ROWS", "MUL", "PLAIN", "gemv_config", "skinny_matmul", "skinny_matmul_reference",
            "use_skinny"]

@@ -9,32 +9,9 @@ results equal the eager chain up to the last bit of the norm itself.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
-
-
-@triton.jit
-def add_rms_norm_row(x, Res, W, W2, Scale, Out, Out2, cols, mask, n_cols, eps,
-                     HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM2: tl.constexpr):
-    """One row: x (fp32, its ``cols``) -> Out = (Res + rms_norm(x) * W) * Scale, Out2 = rms_norm(Out) * W2.
-    Res / Out / Out2 point at the row's first element."""
-    y = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    if HAS_W:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    y = y.to(Out.dtype.element_ty)
-    if HAS_RES:
-        r = tl.load(Res + cols, mask=mask, other=0.0)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
-    if HAS_SCALE:
-        y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(Out.dtype.element_ty)
-    tl.store(Out + cols, y, mask=mask)
-    if HAS_NORM2:
-        z = y.to(tl.float32)
-        z = z / tl.sqrt(tl.sum(z * z, 0) / n_cols + eps)
-        z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
 
 
 def _rms_norm_fn(
@@ -49,8 +26,21 @@ def _rms_norm_fn(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    add_rms_norm_row(x, Res + row * stride_r, W, W2, Scale, Out + row * stride_o, Out2 + row * stride_o2,
-                     cols, mask, n_cols, eps, HAS_W, HAS_RES, HAS_SCALE, HAS_NORM2)
+    y = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(Out.dtype.element_ty)
+    if HAS_RES:
+        r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
+    if HAS_SCALE:
+        y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, y, mask=mask)
+    if HAS_NORM2:
+        z = y.to(tl.float32)
+        z = z / tl.sqrt(tl.sum(z * z, 0) / n_cols + eps)
+        z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
 
 
 _rms_norm = DualKernel(_rms_norm_fn)

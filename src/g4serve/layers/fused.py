@@ -7,8 +7,7 @@
 - ``qkv_norm_rope_write``: a KV-producing layer's q/k/v norms, RoPE and the K/V cache write, from the
   fused QKV projection (CUDA only: the reference path keeps the separate ops);
 - ``linear`` / ``gate_up_act`` / ``linear_act_mul``: projections, and projections with those gates fused,
-  through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS;
-- ``linear_add_rms_norm``: a projection followed by ``add_rms_norm``, one skinny-GEMM launch at decode sizes.
+  through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS.
 """
 
 from __future__ import annotations
@@ -60,9 +59,6 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # shape). G4SERVE_SKINNY_MAX_ROWS=0 turns it off (A/B benchmarks); a captured CUDA graph keeps the choice it
 # was captured with.
 SKINNY_MAX_ROWS = int(os.environ.get("G4SERVE_SKINNY_MAX_ROWS", _gemv.MAX_ROWS))
-# Whether linear_add_rms_norm may fuse the norms into the skinny kernel; G4SERVE_GEMV_NORM=0 keeps them a
-# separate launch (A/B benchmarks).
-SKINNY_NORM = os.environ.get("G4SERVE_GEMV_NORM", "1") != "0"
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> bool:
@@ -81,24 +77,6 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return project(x, layer.weight, layer.bias)
-
-
-def linear_add_rms_norm(
-    x: torch.Tensor,
-    layer: nn.Linear,
-    norm: RMSNorm,
-    residual: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    next_norm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``add_rms_norm(linear(x, layer), norm, residual, scale, next_norm)``: a projection back into the residual
-    stream and the norms after it, one launch at decode sizes (the skinny kernel's residual-norm epilogue)."""
-    if (SKINNY_NORM and _skinny(x, layer.weight, layer.bias, _gemv.NORM) and norm.weight is not None
-            and residual.dim() == 2
-            and residual.stride(-1) == 1 and (next_norm is None or next_norm.eps == norm.eps)):
-        return _gemv.skinny_matmul_add_rms_norm(x, layer.weight, norm.weight, norm.eps, residual, scale,
-                                                next_norm.weight if next_norm is not None else None)
-    return add_rms_norm(linear(x, layer), norm, residual=residual, scale=scale, next_norm=next_norm)
 
 
 def gate_up_act(x: torch.Tensor, layer: nn.Linear, activation: str) -> torch.Tensor:

@@ -20,7 +20,6 @@ from g4serve.layers.fused import (
     gate_up_act,
     linear,
     linear_act_mul,
-    linear_add_rms_norm,
     norm_rope,
     project,
     qkv_norm_rope_write,
@@ -108,17 +107,6 @@ class TextAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        return linear(self.attend(x, cos, sin, meta, backend), self.o_proj)
-
-    def attend(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """The attention output before ``o_proj``: [T, heads * head_dim]."""
         t = x.shape[0]
         target = None
         if self.qkv_proj is not None and not self.is_kv_shared:
@@ -127,7 +115,7 @@ class TextAttention(nn.Module):
             q = qkv_norm_rope_write(linear(x, self.qkv_proj), self.num_heads, self.num_kv_heads, self.q_norm,
                                     self.k_norm, cos, sin, target, v_is_k=not self._v_in_qkv)
             out = backend.attend(self.layer_idx, q, None, None, meta)
-            return out.reshape(t, self.num_heads * self.head_dim)
+            return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
         q, k_raw, v_raw = self._project(x)  # v_raw is k_raw where attention_k_eq_v
         q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
         k = v = None
@@ -135,7 +123,7 @@ class TextAttention(nn.Module):
             k = norm_rope(k_raw, self.k_norm, cos, sin)
             v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
         out = backend.attend(self.layer_idx, q, k, v, meta)
-        return out.reshape(t, self.num_heads * self.head_dim)
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
 
 
 class GatedMLP(nn.Module):
@@ -159,13 +147,9 @@ class GatedMLP(nn.Module):
         self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.hidden(x), self.down_proj)
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(gate(x)) * up(x)``: the input of ``down_proj``."""
         if self.gate_up_proj is None:
-            return act_mul(self.activation, self.gate_proj(x), self.up_proj(x))
-        return gate_up_act(x, self.gate_up_proj, self.activation)
+            return self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
+        return linear(gate_up_act(x, self.gate_up_proj, self.activation), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -207,35 +191,29 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (the layer's output h, ``next_norm(h)`` or None). ``normed``: ``input_layernorm(h)`` when the
         previous layer already computed it (its ``next_norm``, fused into its last residual add)."""
-        # Each add_rms_norm is one fused pass on CUDA, and one with the projection before it at decode sizes
-        # (linear_add_rms_norm); the comments spell out the unfused math.
+        # Each add_rms_norm is one fused pass on CUDA; the comments spell out the unfused math.
         residual = h
-        attn = self.self_attn.attend(normed if normed is not None else self.input_layernorm(h), cos, sin, meta,
-                                     backend)
-        # h = residual + post_attention_layernorm(o_proj(attn)); x = pre_feedforward_layernorm(h)
-        h, x = linear_add_rms_norm(attn, self.self_attn.o_proj, self.post_attention_layernorm, residual=residual,
-                                   next_norm=self.pre_feedforward_layernorm)
+        h = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, meta, backend)
+        # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
+        h, x = add_rms_norm(h, self.post_attention_layernorm, residual=residual,
+                            next_norm=self.pre_feedforward_layernorm)
 
+        residual = h
+        out = self.mlp(x)
+        if self.enable_moe:
+            # The routed experts run beside the dense MLP, both fed from the residual stream.
+            weights, experts = self.router(residual)
+            moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
         if not self.ple_dim:
-            # (h + post_feedforward_layernorm(ffn(x))) * layer_scalar
-            return self._feed_forward(x, h, self.layer_scalar, next_norm)
-        h, _ = self._feed_forward(x, h)
+            # (residual + post_feedforward_layernorm(out)) * layer_scalar
+            return add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, scale=self.layer_scalar,
+                                next_norm=next_norm)
+        h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
         # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
         gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
-        return linear_add_rms_norm(gate, self.per_layer_projection, self.post_per_layer_input_norm, residual=h,
-                                   scale=self.layer_scalar, next_norm=next_norm)
-
-    def _feed_forward(self, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None,
-                      next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> ``(residual + post_feedforward_layernorm(ffn(x))) * scale`` and its ``next_norm``."""
-        if not self.enable_moe:
-            return linear_add_rms_norm(self.mlp.hidden(x), self.mlp.down_proj, self.post_feedforward_layernorm,
-                                       residual=residual, scale=scale, next_norm=next_norm)
-        # The routed experts run beside the dense MLP, both fed from the residual stream.
-        weights, experts = self.router(residual)
-        moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
-        out = self.post_feedforward_layernorm_1(self.mlp(x)) + self.post_feedforward_layernorm_2(moe)
-        return add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, scale=scale, next_norm=next_norm)
+        return add_rms_norm(linear(gate, self.per_layer_projection), self.post_per_layer_input_norm, residual=h,
+                            scale=self.layer_scalar, next_norm=next_norm)
 
 
 class Gemma4TextModel(nn.Module):
