@@ -89,3 +89,30 @@ def test_draws_follow_the_filtered_distribution():
     assert (counts[probs == 0] == 0).all()
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((counts - probs).abs() <= 4 * sigma + 1e-9).all()
+
+
+def test_penalties_count_repeated_tokens_per_row():
+    """Repetition penalty on every token seen in the prompt or the output (transformers' processor over
+    prompt + output ids), frequency penalty times each output token's count, presence penalty once per
+    output token: the batch's counts and prompt mask are built from all rows' tokens in one copy."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from g4serve.layers.sampler import _apply_penalties
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, VOCAB, generator=gen) * 4
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(temperature=0.0, repetition_penalty=1.0, frequency_penalty=1.0),
+              SamplingParams(temperature=1.0, repetition_penalty=0.8)]
+    outputs = [[7, 7, 7, 9, 100], [], [3, 3]]
+    prompts = [[1, 2, 9], [5, 5, 6], []]
+    b = SamplingBatch.build(params, [None] * 3, VOCAB, "cpu", output_tokens=outputs, prompt_tokens=prompts)
+    got = _apply_penalties(logits, b)
+    for i, p in enumerate(params):
+        seen = torch.tensor([prompts[i] + outputs[i]]) if prompts[i] + outputs[i] else torch.zeros(1, 0).long()
+        want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seen, logits[i : i + 1].clone())[0]
+        counts = torch.zeros(VOCAB).index_add_(0, torch.tensor(outputs[i], dtype=torch.long),
+                                               torch.ones(len(outputs[i])))
+        want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+    assert b.output_counts[0, 7] == 3 and b.output_counts[2, 3] == 2

@@ -25,6 +25,7 @@ import torch
 
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.models.gemma4.model import Gemma4Model
+from g4serve.transfer import to_device
 
 if TYPE_CHECKING:
     from g4serve.engine.model_runner import PendingTokens
@@ -318,7 +319,7 @@ class MixedGraphRunner(_GraphRunner):
             self._mm_mask[self._mm_set] = False
             self._mm_set = None
         if rows:
-            where = torch.tensor(positions, dtype=torch.long, device=self.device)
+            where = to_device(positions, torch.long, self.device)
             self._mm_rows.index_copy_(0, where, torch.cat(rows).to(self._mm_rows.dtype))
             self._mm_mask[where] = True
             self._mm_set = where

@@ -23,6 +23,7 @@ from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.structured.bitmask import AllowedTokenMasks
+from g4serve.transfer import to_device
 
 
 @dataclass
@@ -44,7 +45,7 @@ class PendingTokens:
         if self.rows == self.src and self.rows[-1] == k - 1:  # steady decode: same requests, same order
             ids[:k].copy_(self.tokens[:k])
             return
-        index = torch.tensor([self.rows, self.src], dtype=torch.long, device=ids.device)
+        index = to_device([self.rows, self.src], torch.long, ids.device)
         ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
 
 
@@ -97,7 +98,8 @@ class ModelRunner:
             rows += [row] * len(stops)
             cols += stops
         if rows:
-            allowed[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = False
+            index = to_device([rows, cols], torch.long, self.device)
+            allowed[index[0], index[1]] = False
         return allowed
 
     @torch.inference_mode()
@@ -151,21 +153,21 @@ class ModelRunner:
             if not sampled:
                 return StepResult([], None)
             if len(sampled) < len(batch.requests):  # rows of sequences still mid-prompt are dropped
-                rows = torch.tensor(sampled_seqs, device=self.device)
+                rows = to_device(sampled_seqs, torch.long, self.device)
                 logits, greedy = logits[rows], greedy[rows]
             return StepResult(sampled, self._sample(sampled, logits, greedy))
         meta = contiguous_metadata(computed, batch.num_new_tokens, tables, self.block_size, self.device, spans)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        ids = to_device(token_ids, torch.long, self.device)
         if pending is not None:
             pending.write_into(ids)
         mm_embeds = torch.cat(mm_rows) if mm_rows else None
-        positions = torch.tensor(mm_positions, dtype=torch.long, device=self.device) if mm_rows else None
+        positions = to_device(mm_positions, torch.long, self.device) if mm_rows else None
         hidden = self.model(ids, meta, self.backend, mm_embeds=mm_embeds, mm_positions=positions,
                             keep_indices=keep if self.fast_prefill else None)
         if not sampled:
             return StepResult([], None)
         if not self.fast_prefill:
-            hidden = hidden[torch.tensor(keep, device=self.device)]
+            hidden = hidden[to_device(keep, torch.long, self.device)]
         return StepResult(sampled, self._sample(sampled, self.model.compute_logits(hidden)))
 
     def _sample(self, sampled: list[Request], logits: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from g4serve.config import FULL, SLIDING, TextConfig
+from g4serve.transfer import to_device
 
 
 @dataclass
@@ -60,11 +61,11 @@ class AttentionMetadata:
         new_starts = [0]
         for c in counts:
             new_starts.append(new_starts[-1] + c)
-        idx_t = torch.tensor(token_indices, dtype=torch.long, device=self.positions.device)
+        idx_t = to_device(token_indices, torch.long, self.positions.device)
         return replace(
             self,
             positions=self.positions[idx_t],
-            query_start_loc=torch.tensor(new_starts, dtype=torch.int32, device=self.positions.device),
+            query_start_loc=to_device(new_starts, torch.int32, self.positions.device),
             query_start_loc_cpu=new_starts,
             slot_mapping={k: torch.full_like(v[idx_t], -1) for k, v in self.slot_mapping.items()},
         )
@@ -254,14 +255,14 @@ def contiguous_metadata(
     seq_lens = [b + n for b, n in zip(seq_lens_before, query_lens)]
     width = max([len(t) for tables in block_tables.values() for t in tables] + [1])
     tables_t = {
-        pool: torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        pool: to_device([t + [-1] * (width - len(t)) for t in tables], torch.int32, device)
         for pool, tables in block_tables.items()
     }
     return AttentionMetadata(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        slot_mapping={p: torch.tensor(s, dtype=torch.long, device=device) for p, s in slot_maps.items()},
+        positions=to_device(positions, torch.long, device),
+        query_start_loc=to_device(starts, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        slot_mapping={p: to_device(s, torch.long, device) for p, s in slot_maps.items()},
         block_tables=tables_t,
         block_size=block_size,
         query_start_loc_cpu=starts,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from g4serve.sampling_params import SamplingParams
+from g4serve.transfer import to_device
 
 
 @dataclass
@@ -49,14 +50,18 @@ class SamplingBatch:
         prompt_tokens: list[list[int]] | None = None,
         allowed: torch.Tensor | None = None,
     ) -> SamplingBatch:
-        def vec(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        # Called after the forward was launched: every host value goes in one copy that does not wait for it.
+        penalties = any(p.has_penalties for p in params)
+        columns = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
+        if penalties:
+            for row, p in zip(columns, params):
+                row += [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+        packed = to_device(columns, torch.float64, device)  # fp64: top_k and the fp32 values exactly
         batch = cls(
-            temperature=vec([p.temperature for p in params], torch.float32),
-            top_k=vec([p.top_k for p in params], torch.long),
-            top_p=vec([p.top_p for p in params], torch.float32),
-            min_p=vec([p.min_p for p in params], torch.float32),
+            temperature=packed[:, 0].float(),
+            top_k=packed[:, 1].long(),
+            top_p=packed[:, 2].float(),
+            min_p=packed[:, 3].float(),
             generators=generators,
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
@@ -66,22 +71,24 @@ class SamplingBatch:
             uses_min_p=any(p.min_p > 0 for p in params),
             max_top_k=_max_top_k(params),
         )
-        if any(p.has_penalties for p in params):
-            outs = output_tokens or [[] for _ in params]
-            counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-            for i, toks in enumerate(outs):
-                if toks:
-                    counts[i].index_add_(0, vec(toks, torch.long), torch.ones(len(toks), device=device))
-            batch.output_counts = counts
-            batch.repetition_penalty = vec([p.repetition_penalty for p in params], torch.float32)
-            batch.presence_penalty = vec([p.presence_penalty for p in params], torch.float32)
-            batch.frequency_penalty = vec([p.frequency_penalty for p in params], torch.float32)
-            prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
-            for i, toks in enumerate(prompt_tokens or []):
-                if toks:
-                    prompt_mask[i, vec(toks, torch.long)] = True
-            batch.prompt_mask = prompt_mask
+        if penalties:
+            batch.repetition_penalty = packed[:, 4].float()
+            batch.presence_penalty = packed[:, 5].float()
+            batch.frequency_penalty = packed[:, 6].float()
+            batch.output_counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+            rows, ids = _row_token_pairs(output_tokens or [], device)
+            batch.output_counts.index_put_((rows, ids), torch.ones(len(rows), device=device), accumulate=True)
+            batch.prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+            rows, ids = _row_token_pairs(prompt_tokens or [], device)
+            batch.prompt_mask[rows, ids] = True
         return batch
+
+
+def _row_token_pairs(tokens: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) of every token of every row's list, on the device in one copy."""
+    pairs = to_device([[i for i, toks in enumerate(tokens) for _ in toks], [t for toks in tokens for t in toks]],
+                      torch.long, device)
+    return pairs[0], pairs[1]
 
 
 @dataclass
@@ -155,10 +162,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
         scaled = _top_k_top_p_min_p(logits / temp.unsqueeze(1), b)
         probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(b.generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        # Unseeded rows share the default generator; a seeded row redraws from its own.
+        noise = torch.empty_like(probs).exponential_()
         for i, gen in enumerate(b.generators):
             if gen is not None:
                 noise[i].exponential_(generator=gen)
