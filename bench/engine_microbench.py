@@ -77,8 +77,9 @@ def prompt_ids(engine: LLMEngine, length: int, salt: int) -> dict:
     return {"prompt_token_ids": [engine.tokenizer.bos_token_id or 2, *ids[1:]]}
 
 
-def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, sampling: dict | None = None) -> dict:
+    """Decode ITL at ``batch``; ``sampling``: SamplingParams fields of the requests (default greedy)."""
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request(engine.make_request(f"d{batch}-{i}", engine.process_prompt(prompt_ids(engine, prompt_len, i)),
                                                params))
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading the previous one back (EngineConfig.async_scheduling; "
                         "default: on)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="decode requests sample at this temperature (default 0: greedy, the argmax in the graph)")
+    p.add_argument("--top-p", type=float, default=1.0, help="decode requests' top_p (with --temperature)")
+    p.add_argument("--top-k", type=int, default=0, help="decode requests' top_k (with --temperature)")
     p.add_argument("--profile", action="store_true",
                    help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON")
     p.add_argument("--profile-batches", default=None,
@@ -225,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bandwidth:.0f} GB/s; decode reads {weight_bytes / 1e9:.2f} GB of weights "
           f"-> floor {floor_ms:.2f} ms/step at batch 1", flush=True)
 
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     decode = []
     for b in batches:
-        row = bench_decode(engine, b, args.decode_prompt_tokens, args.decode_steps)
+        row = bench_decode(engine, b, args.decode_prompt_tokens, args.decode_steps, sampling)
         decode.append(row)
         print(f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
               flush=True)
@@ -257,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention_backend": args.attention_backend,
         "cuda_graphs": graphed,
         "async_scheduling": engine.config.async_scheduling,
+        "decode_sampling": sampling,
         "load_s": load_s,
         "copy_bandwidth_gb_per_s": bandwidth,
         "decode_weight_bytes": weight_bytes,

@@ -4,7 +4,9 @@
 # microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), decode profiles at
 # PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), nopdl (no
 # programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
-# is launched), sampler (bench/sampler.py), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
+# is launched), sampled (decode requests sampling with SAMPLING_ARGS, default temperature 0.8 and top-p 0.9),
+# sampled_base (the same on the sources in BASE_SRC, an untracked copy of an older src/), sampler
+# (bench/sampler.py), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
 # RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
 # Everything lands in $OUT/decode_ab.tgz; the tables are in $OUT/summary.md.
@@ -40,6 +42,14 @@ nopdl() {
   G4SERVE_PDL=0 run microbench-nopdl 120 python3 bench/engine_microbench.py --model "$PRESET" \
     --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
     --prefill-reps 3 --out "$RES" --tag=-nopdl
+}
+sampled() {  # decode requests that sample (SAMPLING_ARGS) instead of taking the argmax in the graph
+  run "microbench-sampled${1:-}" 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
+    --attention-backend triton --batches "$BATCHES" --decode-steps 32 --prefill-lengths 512 --prefill-reps 3 \
+    ${SAMPLING_ARGS:---temperature 0.8 --top-p 0.9} --out "$RES" --tag="-sampled${1:-}"
+}
+sampled_base() {  # the same against the sources in BASE_SRC (e.g. an older commit's src/, from git archive)
+  PYTHONPATH="$BASE_SRC:$PYTHONPATH" sampled -base
 }
 sync() {
   run microbench-sync 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda \
