@@ -3,7 +3,9 @@ per-request seeds, token masks (constrained decoding, min_tokens) and logprobs.
 
 Random rows use the exponential-race form of Gumbel-max (argmax p/q with q ~ Exp(1)), so a
 seeded request draws its noise from its own generator and stays reproducible whatever
-else shares the batch.
+else shares the batch. On CUDA, batches without top-k take temperature, top-p and min-p in one
+kernel (``kernels/top_p_sample.py``) that returns the same token as masking and racing here, without
+sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from g4serve.kernels.top_p_sample import top_p_sample
 from g4serve.sampling_params import SamplingParams
 from g4serve.transfer import to_device
 
@@ -119,6 +122,11 @@ def _max_top_k(params: list[SamplingParams]) -> int | None:
 MAX_TOPK_CANDIDATES = 1024
 
 
+# CUDA batches without top-k sample through kernels/top_p_sample.py; False: the masks below and a sort (the
+# A/B switch of bench/sampler.py).
+SORT_FREE_TOP_P = True
+
+
 def _top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Mask (-inf) what top-k, then top-p, then min-p filter out, as transformers' warpers and vLLM do:
     top-k keeps the tokens scoring at least the k-th best (ties included), top-p is taken over the
@@ -160,14 +168,17 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        scaled = _top_k_top_p_min_p(logits / temp.unsqueeze(1), b)
-        probs = scaled.softmax(dim=-1)
         # Unseeded rows share the default generator; a seeded row redraws from its own.
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(logits).exponential_()
         for i, gen in enumerate(b.generators):
             if gen is not None:
                 noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        if logits.is_cuda and not b.uses_top_k and SORT_FREE_TOP_P:
+            # Temperature, top-p and min-p in one kernel that searches the top-p set instead of sorting.
+            sampled = top_p_sample(logits, temp, b.top_p, b.min_p, noise)
+        else:
+            scaled = _top_k_top_p_min_p(logits / temp.unsqueeze(1), b)
+            sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
         tokens = torch.where(b.temperature > 0, sampled, greedy_tokens)
     if b.num_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
