@@ -73,6 +73,26 @@ def test_candidate_path_used_only_when_every_sampled_row_sets_top_k():
     assert build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_p=0.9)]).max_top_k is None
 
 
+def test_candidate_race_draws_what_the_whole_row_draws(monkeypatch):
+    """With top-k candidates the race runs over them alone: the same token, on the same noise, as masking
+    the whole vocabulary and racing over it (top-k alone, with top-p, with min-p)."""
+    from g4serve.layers.sampler import _race
+
+    rows = [SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.7, top_k=300, top_p=0.8),
+            SamplingParams(temperature=1.0, top_k=8, top_p=0.95, min_p=0.05), SamplingParams(temperature=0, top_k=5)]
+    batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
+    assert batch.max_top_k == 300
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(8):
+        scaled = torch.randn(len(rows), VOCAB, generator=gen) * (1 + trial) / batch.temperature.clamp(min=1).unsqueeze(1)
+        noise = torch.empty(len(rows), VOCAB).exponential_(generator=gen)
+        on_candidates = _race(scaled, batch, noise)
+        monkeypatch.setattr(sampler, "MAX_TOPK_CANDIDATES", 0)
+        whole_row = _race(scaled, batch, noise)
+        monkeypatch.undo()
+        assert torch.equal(on_candidates, whole_row), trial
+
+
 def test_draws_follow_the_filtered_distribution():
     """Many seeded draws of one row: frequencies within 4 sigma of the filtered probabilities, nothing
     outside the kept set."""

@@ -127,32 +127,60 @@ MAX_TOPK_CANDIDATES = 1024
 SORT_FREE_TOP_P = True
 
 
+def _candidates(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits, ids) of each row's ``max_top_k`` best tokens, best first, when every sampled row sets a top-k
+    of at most MAX_TOPK_CANDIDATES: the tokens past the largest k are dropped anyway. None otherwise."""
+    if b.max_top_k is None or b.max_top_k > MAX_TOPK_CANDIDATES:
+        return None
+    return logits.topk(min(b.max_top_k, logits.shape[-1]), dim=-1)
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, b: SamplingBatch, vocab: int) -> torch.Tensor:
+    """Top-k, then top-p over rows sorted best first (all of a row's tokens, or its candidates): -inf where
+    they drop a token."""
+    k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
+    kth = sorted_logits.gather(1, (k - 1).clamp(max=sorted_logits.shape[1] - 1).unsqueeze(1))
+    drop = sorted_logits < kth
+    if b.uses_top_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= b.top_p.unsqueeze(1)
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def _top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Mask (-inf) what top-k, then top-p, then min-p filter out, as transformers' warpers and vLLM do:
     top-k keeps the tokens scoring at least the k-th best (ties included), top-p is taken over the
     distribution renormalised to what top-k kept, min-p is relative to the most likely token."""
-    vocab = logits.shape[-1]
-    k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
     if b.uses_top_k or b.uses_top_p:
-        every_row_top_k = b.max_top_k is not None and b.max_top_k <= MAX_TOPK_CANDIDATES
-        if every_row_top_k:  # candidates only: the tokens past the largest k are dropped anyway
-            sorted_logits, order = logits.topk(min(b.max_top_k, vocab), dim=-1)
-        else:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-        kth = sorted_logits.gather(1, (k - 1).clamp(max=sorted_logits.shape[1] - 1).unsqueeze(1))
-        drop = sorted_logits < kth
-        if b.uses_top_p:
-            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= b.top_p.unsqueeze(1)
-        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits, order = _candidates(logits, b) or logits.sort(dim=-1, descending=True)
+        kept = _filter_sorted(sorted_logits, b, logits.shape[-1])
         logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
     if b.uses_min_p:
-        probs = logits.softmax(dim=-1)
-        threshold = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits = _min_p(logits, b)
     return logits
+
+
+def _race(scaled: torch.Tensor, b: SamplingBatch, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race ``argmax p / q`` over the tokens the filters keep, for rows of temperature-scaled
+    logits. With top-k candidates it runs over them alone (min-p is relative to the best token, one of
+    them): the same winner as masking the whole row, without passes over the vocabulary."""
+    candidates = _candidates(scaled, b)
+    if candidates is None:
+        return (_top_k_top_p_min_p(scaled, b).softmax(dim=-1) / noise).argmax(dim=-1)
+    values, ids = candidates
+    kept = _filter_sorted(values, b, scaled.shape[-1])
+    if b.uses_min_p:
+        kept = _min_p(kept, b)
+    winner = (kept.softmax(dim=-1) / noise.gather(1, ids)).argmax(dim=-1, keepdim=True)
+    return ids.gather(1, winner).squeeze(1)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
@@ -177,8 +205,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             # Temperature, top-p and min-p in one kernel that searches the top-p set instead of sorting.
             sampled = top_p_sample(logits, temp, b.top_p, b.min_p, noise)
         else:
-            scaled = _top_k_top_p_min_p(logits / temp.unsqueeze(1), b)
-            sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+            sampled = _race(logits / temp.unsqueeze(1), b, noise)
         tokens = torch.where(b.temperature > 0, sampled, greedy_tokens)
     if b.num_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
