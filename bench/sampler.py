@@ -68,6 +68,26 @@ def time_setting(params: SamplingParams, logits: torch.Tensor, reps: int, full_s
     return 1e3 * statistics.median(times)
 
 
+def time_kernel(logits: torch.Tensor, reps: int, block: int) -> float:
+    """Median ms of ``top_p_sample`` alone (top-p 0.9, temperature 0.8) with ``block`` logits per loop step,
+    timed with CUDA events around each call."""
+    from g4serve.kernels.top_p_sample import top_p_sample
+
+    batch = logits.shape[0]
+    temp, top_p, min_p = (torch.full((batch,), v, device=logits.device) for v in (0.8, 0.9, 0.0))
+    noise = torch.empty_like(logits).exponential_()
+    times = []
+    for rep in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        top_p_sample(logits, temp, top_p, min_p, noise, block=block)
+        end.record()
+        end.synchronize()
+        if rep >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -75,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=262144, help="Gemma 4's vocabulary")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--kernel-blocks", type=int, nargs="*", default=[],
+                   help="also time the top-p kernel alone (CUDA events) at these block sizes")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
 
@@ -88,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             ms = time_setting(params, logits, args.reps, full_sort=name.endswith(("sort", "sort path")))
             rows.append({"batch": batch, "setting": name, "ms": ms})
             print(f"B={batch:3d} {name:22s} {ms:8.3f} ms", flush=True)
+        for block in args.kernel_blocks if device.type == "cuda" else []:
+            ms = time_kernel(logits, args.reps, block)
+            rows.append({"batch": batch, "setting": f"top_p_sample kernel alone, block {block}", "ms": ms})
+            print(f"B={batch:3d} kernel block {block:6d}    {ms:8.3f} ms", flush=True)
 
     result = {
         "benchmark": "sampler",
