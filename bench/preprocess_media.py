@@ -4,7 +4,8 @@ Builds the benchmark's video request (``g4serve bench --workload video``: six 85
 URLs, seeded), then times, median and minimum of ``--reps`` after warm-up: the whole path the server runs off the
 event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_prompt``), and its pieces
 (decoding the frames serially and in the decode threads, frames to HWC arrays, the resize to the patch
-budget, patchify, the content hash). Writes JSON with the machine, commit and command.
+budget, patchify and the content hash of the uint8 patches the processor now keeps, and the rescale to float32,
+patchify and hash as it did before). Writes JSON with the machine, commit and command.
 
     python bench/preprocess_media.py                 # the embedded tiny model's processor settings
     python bench/preprocess_media.py --frames 6 --size 854x480 --reps 30
@@ -33,7 +34,7 @@ from g4serve.bench.meta import device_name, git_commit
 from g4serve.bench.workloads import VideoWorkload
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.chat import split_chat_messages
-from g4serve.processing.image import load_image, patchify, resize_to_patch_budget
+from g4serve.processing.image import load_image, patchify, rescale_pixels, resize_to_patch_budget
 from g4serve.processing.processor import _decode_all, content_hash
 from g4serve.processing.video import _frame_to_hwc
 
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = torch.from_numpy(np.stack([_frame_to_hwc(im) for im in images])).permute(0, 3, 1, 2)
     max_patches = settings.video_max_soft_tokens * settings.pooling_kernel_size**2
     resized = resize_to_patch_budget(frames, settings.patch_size, max_patches, settings.pooling_kernel_size)
-    patches, positions = patchify(resized.float(), settings.patch_size, max_patches)
+    patches, positions = patchify(resized, settings.patch_size, max_patches)
+    float_patches = rescale_pixels(patches, video=True)
 
     rows = {
         "whole_request_ms": timed_ms(whole_request, args.reps),
@@ -98,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         "resize_planar_input_ms": timed_ms(
             lambda: resize_to_patch_budget(frames.contiguous(), settings.patch_size, max_patches,
                                            settings.pooling_kernel_size), args.reps),
-        "patchify_ms": timed_ms(lambda: patchify(resized.float(), settings.patch_size, max_patches), args.reps),
-        "content_hash_ms": timed_ms(lambda: content_hash("video", patches, positions), args.reps),
+        "patchify_uint8_ms": timed_ms(lambda: patchify(resized, settings.patch_size, max_patches), args.reps),
+        "rescale_and_patchify_float32_ms": timed_ms(  # the processor's path before it kept uint8 patches
+            lambda: patchify(rescale_pixels(resized, video=True), settings.patch_size, max_patches), args.reps),
+        "content_hash_uint8_ms": timed_ms(lambda: content_hash("video", patches, positions), args.reps),
+        "content_hash_float32_ms": timed_ms(lambda: content_hash("video", float_patches, positions), args.reps),
     }
     print(f"{'piece':28s} {'median':>8s} {'min':>8s}")
     for name, value in rows.items():

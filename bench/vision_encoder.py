@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from g4serve.bench.meta import git_commit, write_result_json
+from g4serve.processing.image import rescale_pixels
 
 
 def _sync(device: torch.device) -> None:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     frames = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(args.frames)]
     processed = engine.process_prompt({"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}})
     item = processed.mm_items[0]
-    pixels = item.data["pixel_values"].to(device, engine.dtype)
+    pixels = rescale_pixels(item.data["pixel_values"].to(device), video=True).to(engine.dtype)
     positions = item.data["position_ids"].to(device)
     soft_tokens = sum(e - s for s, e in item.spans)
     print(f"{args.frames} frames {width}x{height} -> pixel_values {tuple(pixels.shape)}, {soft_tokens} soft tokens",

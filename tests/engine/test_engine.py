@@ -11,6 +11,7 @@ from PIL import Image
 from g4serve.config import FULL, SLIDING
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.engine.reference import generate_one
+from g4serve.processing.image import rescale_pixels
 from g4serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -172,7 +173,8 @@ def test_batched_encoder_matches_per_item(engine):
         if item.modality == "audio":
             (tokens,) = model.encode_audio(item.data["input_features"], item.data["input_features_mask"])
         else:
-            tokens = torch.cat(model.encode_images(item.data["pixel_values"], item.data["position_ids"]))
+            pixels = rescale_pixels(item.data["pixel_values"], video=item.modality == "video")
+            tokens = torch.cat(model.encode_images(pixels, item.data["position_ids"]))
         alone[item.content_hash] = tokens
     engine.encoder_cache._entries.clear()
     engine.encoder_cache.num_tokens = 0

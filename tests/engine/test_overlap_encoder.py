@@ -12,6 +12,7 @@ from test_engine import _audio, _frames, _user, assert_pools_free, make_engine, 
 
 from g4serve.engine.encoder_runner import _Encoding
 from g4serve.models.gemma4.vision import avg_pool_by_position, pooling_cells_used
+from g4serve.processing.image import rescale_pixels
 from g4serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -128,9 +129,10 @@ def test_host_side_selections_equal_device_side(tiny_model_dir):
     image, *clips = processed.mm_items
     model = engine.model
     with torch.inference_mode():
-        want = model.encode_images(image.data["pixel_values"], image.data["position_ids"])
+        pixels = rescale_pixels(image.data["pixel_values"])
+        want = model.encode_images(pixels, image.data["position_ids"])
         engine.encoder.stream = "side"  # only its presence matters to encode_images' choice of path
-        got = engine.encoder.encode_images(image.data["pixel_values"], image.data["position_ids"])
+        got = engine.encoder.encode_images(pixels, image.data["position_ids"])
         engine.encoder.stream = None
         assert [g.shape for g in got] == [w.shape for w in want]
         for g, w in zip(got, want):

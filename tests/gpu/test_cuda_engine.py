@@ -7,6 +7,7 @@ import torch
 
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.processing.image import rescale_pixels
 from g4serve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -143,7 +144,7 @@ def test_vision_graphs_match_eager_encoder(hf_checkpoint):
     for _ in range(3):
         frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]
         item = engine.process_prompt({"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}).mm_items[0]
-        pixels = item.data["pixel_values"].to("cuda")
+        pixels = rescale_pixels(item.data["pixel_values"].to("cuda"), video=True)
         positions = item.data["position_ids"].to("cuda")
         with torch.inference_mode():
             got = engine.encoder.encode_images(pixels, positions)
@@ -165,7 +166,7 @@ def test_vision_encoder_cuda_matches_cpu_reference(hf_checkpoint):
     rng = np.random.default_rng(1)
     frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(3)]
     item = cpu.process_prompt({"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}).mm_items[0]
-    pixels, positions = item.data["pixel_values"], item.data["position_ids"]
+    pixels, positions = rescale_pixels(item.data["pixel_values"], video=True), item.data["position_ids"]
     with torch.inference_mode():
         want = torch.cat(cpu.model.encode_images(pixels, positions))
         got = torch.cat(gpu.model.encode_images(pixels.cuda(), positions.cuda())).cpu()

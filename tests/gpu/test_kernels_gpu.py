@@ -257,3 +257,13 @@ def test_top_p_sample_matches_the_sort_over_gemma_vocabulary(rows):
         same += int((got == want).sum())
         total += rows
     assert same >= total - max(1, total // 100), (same, total)
+
+
+def test_pixel_rescale_on_cuda_equals_the_cpu_processor():
+    """The engine uploads uint8 patches and rescales them on the device: every byte value must give the
+    float32 the CPU processor gives, for images (multiply) and video frames (division)."""
+    from g4serve.processing.image import rescale_pixels
+
+    x = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16)
+    for video in (False, True):
+        assert torch.equal(rescale_pixels(x.cuda(), video=video).cpu(), rescale_pixels(x, video=video)), video

@@ -14,6 +14,7 @@ from PIL import Image
 from g4serve import LLM, SamplingParams
 from g4serve.engine.reference import encode_items
 from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.processing.image import rescale_pixels
 from g4serve.processing.processor import bidirectional_spans
 
 LOGIT_ATOL = 1e-4
@@ -92,10 +93,11 @@ def _hf_inputs(llm: LLM, processed) -> dict:
     for item in processed.mm_items:
         by_modality.setdefault(item.modality, []).append(item)
     if "image" in by_modality:
-        kwargs["pixel_values"] = torch.cat([it.data["pixel_values"] for it in by_modality["image"]])
+        kwargs["pixel_values"] = torch.cat([rescale_pixels(it.data["pixel_values"]) for it in by_modality["image"]])
         kwargs["image_position_ids"] = torch.cat([it.data["position_ids"] for it in by_modality["image"]])
     if "video" in by_modality:
-        kwargs["pixel_values_videos"] = torch.cat([it.data["pixel_values"] for it in by_modality["video"]])
+        kwargs["pixel_values_videos"] = torch.cat([rescale_pixels(it.data["pixel_values"], video=True)
+                                                   for it in by_modality["video"]])
         kwargs["video_position_ids"] = torch.cat([it.data["position_ids"] for it in by_modality["video"]])
         kwargs["num_frames_per_video"] = torch.tensor([it.data["pixel_values"].shape[0] for it in by_modality["video"]])
     if "audio" in by_modality:

@@ -171,3 +171,18 @@ def test_parallel_decoding_keeps_order_and_names_the_first_bad_input():
     assert [im.getpixel((0, 0))[0] for im in decoded] == [0, 40, 0, 80, 120, 160]
     with pytest.raises(ValueError, match=r"^image\[1\]: could not decode image"):
         _decode_all(load_image, [blobs[0], b"not an image", blobs[1], b"also bad"], name="image")
+
+
+def test_uint8_patches_rescale_to_the_transformers_values():
+    """``rescale=False`` (what the engine's processor asks for) leaves uint8 patches that ``rescale_pixels``
+    turns into transformers' float32 values bit for bit; float input passes through."""
+    from g4serve.processing.image import rescale_pixels
+
+    images = [PIL.Image.fromarray(_random_rgba(h, w, seed=h)[..., :3]) for h, w in SIZES[:3]]
+    raw = preprocess_images(images, max_soft_tokens=70, rescale=False)
+    assert raw.pixel_values.dtype == torch.uint8
+    ref = _reference(images, max_soft_tokens=70)
+    assert torch.equal(rescale_pixels(raw.pixel_values), ref["pixel_values"])
+    assert torch.equal(raw.position_ids, ref["image_position_ids"])
+    floats = preprocess_images(images, max_soft_tokens=70).pixel_values
+    assert rescale_pixels(floats) is floats

@@ -212,3 +212,16 @@ def test_channels_last_resize_gives_the_bytes_of_the_planar_resize():
         out = resize_to_patch_budget(planar, 16, budget, 3)
         assert out.is_contiguous() and torch.equal(out, ref)
         assert torch.equal(resize_to_patch_budget(planar[0], 16, budget, 3), ref[0])  # one [3, H, W] image
+
+
+def test_uint8_patches_rescale_to_the_transformers_values():
+    """Video frames rescale by a true division (transformers' normalise by std 1/255), not the image path's
+    multiply: ``rescale_pixels(video=True)`` gives its values bit for bit, the multiply does not."""
+    from g4serve.processing.image import rescale_pixels
+
+    frames = _frames(4, 96, 128, seed=3)
+    raw = preprocess_video(frames, rescale=False)
+    assert raw.pixel_values.dtype == torch.uint8
+    ref = _reference_pixels(frames)["pixel_values_videos"]
+    assert torch.equal(rescale_pixels(raw.pixel_values, video=True), ref)
+    assert not torch.equal(rescale_pixels(raw.pixel_values), ref)

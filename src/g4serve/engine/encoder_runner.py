@@ -17,6 +17,7 @@ import torch
 
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.models.gemma4.vision import pooling_cells_used
+from g4serve.processing.image import rescale_pixels
 from g4serve.processing.processor import MultimodalItem
 
 
@@ -231,7 +232,9 @@ class EncoderRunner:
         return outputs, calls
 
     def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
-        pixels = torch.cat([self._upload(it.data["pixel_values"]).to(self.dtype) for it in items])
+        # uint8 patches go up as they are and are rescaled on the device, exactly as the processor would
+        pixels = torch.cat([rescale_pixels(self._upload(it.data["pixel_values"]), video=it.modality == "video")
+                            .to(self.dtype) for it in items])
         positions_cpu = torch.cat([it.data["position_ids"] for it in items])
         per_input = self.encode_images(pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu)
         cursor = 0

@@ -14,6 +14,7 @@ from g4serve.engine.request import Request
 from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
 from g4serve.layers.sampler import SamplingBatch, sample
 from g4serve.models.gemma4.model import Gemma4Model
+from g4serve.processing.image import rescale_pixels
 from g4serve.processing.processor import MultimodalItem, bidirectional_spans
 
 BLOCK_SIZE = 16
@@ -29,7 +30,7 @@ def encode_items(model: Gemma4Model, items: list[MultimodalItem]) -> torch.Tenso
     outs = []
     for item in sorted(items, key=lambda it: it.offset):
         if item.modality in ("image", "video"):
-            pixels = item.data["pixel_values"].to(device, dtype)
+            pixels = rescale_pixels(item.data["pixel_values"].to(device), video=item.modality == "video").to(dtype)
             positions = item.data["position_ids"].to(device)
             outs.extend(model.encode_images(pixels, positions))
         else:

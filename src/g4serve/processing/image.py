@@ -21,7 +21,7 @@ ImageInput = PIL.Image.Image | np.ndarray | torch.Tensor
 
 @dataclass(frozen=True)
 class ImageFeatures:
-    pixel_values: torch.Tensor  # float32 [B, max_patches, 3 * patch_size**2]
+    pixel_values: torch.Tensor  # float32 [B, max_patches, 3 * patch_size**2] (uint8 0-255 with rescale=False)
     position_ids: torch.Tensor  # int64 [B, max_patches, 2] as (x, y); (-1, -1) marks padding
     num_soft_tokens: list[int]
 
@@ -160,13 +160,28 @@ def patchify(pixels: torch.Tensor, patch_size: int, max_patches: int) -> tuple[t
     return patches, positions
 
 
+def rescale_pixels(pixels: torch.Tensor, video: bool = False) -> torch.Tensor:
+    """uint8 patches from ``preprocess_images`` / ``preprocess_video`` with ``rescale=False`` -> the float32
+    values the processors return by default, bit for bit, on any device: images ``x * (1/255)`` (transformers'
+    image processor multiplies), video frames ``x / 255`` (its video processor fuses the rescale into a
+    normalisation by std 1/255, a true division). Float input is returned as it is."""
+    if pixels.dtype != torch.uint8:
+        return pixels
+    x = pixels.to(torch.float32)
+    return x / 255.0 if video else x * RESCALE_FACTOR
+
+
 def preprocess_images(
     images: ImageInput | Sequence[ImageInput],
     max_soft_tokens: int = 280,
     patch_size: int = 16,
     pooling_kernel_size: int = 3,
+    rescale: bool = True,
 ) -> ImageFeatures:
-    """Gemma4ImageProcessor defaults: resize to the soft-token budget, rescale by 1/255, patchify, pad."""
+    """Gemma4ImageProcessor defaults: resize to the soft-token budget, rescale by 1/255, patchify, pad.
+
+    ``rescale=False`` leaves the patches uint8 (a quarter of the bytes to patchify, hash and upload; the
+    engine rescales them on the device with ``rescale_pixels``)."""
     check_max_soft_tokens(max_soft_tokens)
     if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 4:
         images = list(images)
@@ -178,9 +193,9 @@ def preprocess_images(
     all_patches, all_positions, num_soft_tokens = [], [], []
     for image in images:
         pixels = resize_to_patch_budget(image_to_tensor(image), patch_size, max_patches, pooling_kernel_size)
-        # `x * (1/255)` rather than `x / 255`: the two round differently and transformers multiplies.
-        pixels = pixels * RESCALE_FACTOR
         patches, positions = patchify(pixels, patch_size, max_patches)
+        if rescale:
+            patches = rescale_pixels(patches)
         num_real = (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
         num_soft_tokens.append(num_real // pooling_kernel_size**2)
         all_patches.append(patches)

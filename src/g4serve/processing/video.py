@@ -12,9 +12,8 @@ import av
 import numpy as np
 import PIL.Image
 import torch
-from torchvision.transforms.v2 import functional as tvF
 
-from .image import check_max_soft_tokens, image_to_tensor, patchify, resize_to_patch_budget
+from .image import check_max_soft_tokens, image_to_tensor, patchify, rescale_pixels, resize_to_patch_budget
 
 DEFAULT_NUM_FRAMES = 32
 # transformers' Gemma4Processor.replace_video_token assumes this when the frame rate is unknown.
@@ -31,7 +30,7 @@ class VideoFrames:
 
 @dataclass(frozen=True)
 class VideoFeatures:
-    pixel_values: torch.Tensor  # float32 [F, max_patches, 3 * patch_size**2]
+    pixel_values: torch.Tensor  # float32 [F, max_patches, 3 * patch_size**2] (uint8 0-255 with rescale=False)
     position_ids: torch.Tensor  # int64 [F, max_patches, 2] as (x, y); (-1, -1) marks padding
     num_soft_tokens_per_frame: int
     timestamps_s: list[float]
@@ -143,19 +142,21 @@ def preprocess_video(
     max_soft_tokens: int = 70,
     patch_size: int = 16,
     pooling_kernel_size: int = 3,
+    rescale: bool = True,
 ) -> VideoFeatures:
-    """Gemma4VideoProcessor._preprocess on already-sampled frames (raw frames count as frames 0..F-1 at 24 fps)."""
+    """Gemma4VideoProcessor._preprocess on already-sampled frames (raw frames count as frames 0..F-1 at 24 fps).
+    ``rescale=False``: uint8 patches, as ``preprocess_images``."""
     check_max_soft_tokens(max_soft_tokens)
     if not isinstance(video, VideoFrames):
         video = sample_video_frames(video, num_frames=len(video) or 1)
     max_patches = max_soft_tokens * pooling_kernel_size**2
     pixels = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # a channels-last view: what the resize wants
     pixels = resize_to_patch_budget(pixels, patch_size, max_patches, pooling_kernel_size)
-    # The video processor sets do_normalize=True with mean 0 / std 1, so transformers fuses the 1/255 rescale
-    # into normalize(): a true division by 255, which rounds differently from the image path's multiply.
-    std = torch.tensor((1.0, 1.0, 1.0)) * (1.0 / (1 / 255))
-    pixels = tvF.normalize(pixels.to(torch.float32), mean=torch.zeros(3), std=std, inplace=True)
     patches, positions = patchify(pixels, patch_size, max_patches)
+    if rescale:
+        # The video processor sets do_normalize=True with mean 0 / std 1, so transformers fuses the 1/255
+        # rescale into normalize(): a true division by 255, which rounds differently from the image path.
+        patches = rescale_pixels(patches, video=True)
     num_real = (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
     return VideoFeatures(patches, positions, num_real // pooling_kernel_size**2, list(video.timestamps_s))
 
