@@ -168,7 +168,11 @@ def rescale_pixels(pixels: torch.Tensor, video: bool = False) -> torch.Tensor:
     if pixels.dtype != torch.uint8:
         return pixels
     x = pixels.to(torch.float32)
-    return x / 255.0 if video else x * RESCALE_FACTOR
+    if video:
+        # A 0-dim tensor on x's device, not a Python number: CUDA divides by a host scalar as a multiply by
+        # its reciprocal, which rounds like the image path, not like the processor's division.
+        return x / x.new_tensor(255.0)
+    return x * RESCALE_FACTOR
 
 
 def preprocess_images(
