@@ -43,6 +43,11 @@ if [ -z "${G4SERVE_GIT_COMMIT:-}" ]; then
   echo "warning: G4SERVE_GIT_COMMIT is not set; the JSON files will name the stale commit of the device's .git"
 fi
 printf 'stage\texit\tseconds\n' > "$RES/stages.tsv"
+# What each stage leaves for the ones after it counts only the stages that will run (all on: the reserves
+# below add up to 340 s after the GPU tests); e.g. RUN_PEER=0 RUN_GRID=0 DEADLINE=250 fits the server stages.
+on() { [ "$1" = 1 ] && echo "$2" || echo 0; }
+PEER_SECS=$(on "$RUN_PEER" 160) GRID_SECS=$(on "$RUN_GRID" 50) VISION_SECS=$(on "$RUN_VISION" 10)
+MICRO_SECS=$(on "$RUN_MICROBENCH" 40) SERVE_SECS=80  # the server's start and its two sweeps
 
 limit() {  # limit WANT [RESERVE]: WANT seconds, or what is left before DEADLINE less RESERVE if that is less
   local l=$(( DEADLINE - SECONDS - ${2:-0} ))
@@ -88,7 +93,7 @@ echo "G4SERVE_GIT_COMMIT=${G4SERVE_GIT_COMMIT:-unset}" >> "$RES/gpu.txt"
 
 # 1. correctness on the GPU
 if [ "$RUN_GPU_TESTS" = 1 ]; then
-  stage gpu_tests "$(limit 75 340)" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+  stage gpu_tests "$(limit 75 $((MICRO_SECS + VISION_SECS + SERVE_SECS + GRID_SECS + PEER_SECS)))" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 fi
 
 # 2. engine microbenchmarks
@@ -96,12 +101,12 @@ backends=$BACKEND
 [ "$MICROBENCH_TORCH" = 1 ] && [ "$BACKEND" != torch ] && backends="$BACKEND torch"
 [ "$RUN_MICROBENCH" = 1 ] || backends=""
 for backend in $backends; do
-  stage "microbench-$backend" "$(limit 100 300)" python3 bench/engine_microbench.py --model "$PRESET" --device "$DEVICE" \
+  stage "microbench-$backend" "$(limit 100 $((VISION_SECS + SERVE_SECS + GRID_SECS + PEER_SECS)))" python3 bench/engine_microbench.py --model "$PRESET" --device "$DEVICE" \
     --attention-backend "$backend" --batches 1,8,32,64 --decode-steps 16 --prefill-reps 3 --profile \
     $MICROBENCH_ARGS --out "$RES" --tag="-$backend"
 done
 # vision encoder: 6 frames of 480p, g4serve (graph and eager) beside transformers' vision tower
-[ "$RUN_VISION" = 1 ] && stage vision "$(limit 60 290)" python3 bench/vision_encoder.py --model "$PRESET" --device "$DEVICE" --frames 6 \
+[ "$RUN_VISION" = 1 ] && stage vision "$(limit 60 $((SERVE_SECS + GRID_SECS + PEER_SECS)))" python3 bench/vision_encoder.py --model "$PRESET" --device "$DEVICE" --frames 6 \
   --size 854x480 --out "$RES"
 
 # 3. g4serve: text and video sweeps, extraction grid
@@ -110,17 +115,17 @@ python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 -
   --max-num-seqs 64 $SERVE_ARGS > "$RES/g4serve_server.log" 2>&1 &
 SERVER=$!
 t0=$SECONDS
-if wait_healthy 8100 $SERVER "$(limit 180 240)"; then
+if wait_healthy 8100 $SERVER "$(limit 180 $((30 + GRID_SECS + PEER_SECS)))"; then
   printf 'g4serve_start\t0\t%s\n' "$((SECONDS - t0))" >> "$RES/stages.tsv"
   for wl in text video; do
-    reserve=$([ "$wl" = text ] && echo 200 || echo 170)  # the video sweep, then the peer's ~160 s
+    reserve=$(( $([ "$wl" = text ] && echo 40 || echo 10) + PEER_SECS ))  # the video sweep, then the peer
     stage "sweep-$wl" "$(limit 90 "$reserve")" python3 -m g4serve.cli bench --workload "$wl" \
       --base-url http://127.0.0.1:8100 "${SWEEP[@]}" --out "$RES/sweep-$wl" --label "g4serve-$PRESET"
   done
   # The e4b preset serves with the tiny tokenizer, whose extraction instructions alone take ~280 tokens:
   # a 128-token prompt is out of reach there, so the grid starts at 512.
   if [ "$RUN_GRID" = 1 ]; then
-    stage grid-g4serve "$(limit 90 160)" python3 -m g4serve.cli bench grid --base-url http://127.0.0.1:8100 \
+    stage grid-g4serve "$(limit 90 "$PEER_SECS")" python3 -m g4serve.cli bench grid --base-url http://127.0.0.1:8100 \
       --prompt-tokens 512,1024,2048 --output-tokens 16,128 --requests-per-cell 2 --concurrency 1 \
       --out "$RES/grid-g4serve" --label "g4serve-$PRESET"
   fi
