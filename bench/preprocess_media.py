@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from g4serve.bench.meta import device_name, git_commit
+from g4serve.bench.meta import device_name, git_commit, write_result_json
 from g4serve.bench.workloads import VideoWorkload
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.chat import split_chat_messages
@@ -106,19 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         "content_hash_uint8_ms": timed_ms(lambda: content_hash("video", patches, positions), args.reps),
         "content_hash_float32_ms": timed_ms(lambda: content_hash("video", float_patches, positions), args.reps),
     }
-    print(f"{'piece':28s} {'median':>8s} {'min':>8s}")
+    print(f"{'piece':32s} {'median':>8s} {'min':>8s}")
     for name, value in rows.items():
-        print(f"{name:28s} {value['median']:8.2f} {value['min']:8.2f}")
+        print(f"{name:32s} {value['median']:8.2f} {value['min']:8.2f}")
     env = {"git_commit": git_commit(), "device_name": device_name("cpu"), "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "python_version": platform.python_version(),
            "torch_version": torch.__version__, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
            "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"preprocess_media_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"environment": env, "workload": workload.params(), "reps": args.reps,
-                                "units": {"*_ms": "milliseconds per call (median and min)"}, "results": rows}, indent=2))
-    print(f"wrote {path}")
+    write_result_json(args.out_dir, "preprocess_media", {
+        "environment": env, "workload": workload.params(), "reps": args.reps,
+        "units": {"*_ms": "milliseconds per call (median and min)"}, "results": rows})
     return 0
 
 
