@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from g4serve.config import FULL, SLIDING, TextConfig
 from g4serve.kernels.backend import TritonAttention
@@ -66,46 +64,6 @@ def test_decode_vs_reference(hq, hkv, head_dim, window, num_splits):
     out = paged_decode_attention(q, k, v, tables, lens, PAGE, window=window, num_splits=num_splits,
                                  max_seq_len=max(DECODE_LENS))
     ref = paged_decode_reference(q, k, v, tables, lens, PAGE, window=window)
-    _close(out, ref)
-
-
-@triton.jit
-def _slow_newest_writer(Src, Dst, n, spins):
-    """Lets the next kernel be scheduled at once (as the attention prologue does), spins for a while, then
-    copies Src to Dst: stands in for the prologue writing the newest key, value and query."""
-    tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(Src)
-    for _ in range(spins):
-        x = x * 0.999 + 0.001
-    offs = tl.arange(0, 1024)
-    for i in range(0, n, 1024):
-        vals = tl.load(Src + i + offs, mask=i + offs < n)
-        tl.store(Dst + i + offs, tl.where(x == -12345.0, x, vals), mask=i + offs < n)  # after the spin
-
-
-@pytest.mark.parametrize("hq, hkv, head_dim, window", SHAPES[:2])
-def test_decode_reads_the_newest_key_after_the_previous_kernel(hq, hkv, head_dim, window):
-    """Decode attention reads older keys before waiting on the previous kernel (dependent launch); the
-    newest key, value and query must come after it. A slow kernel writes them while attention is
-    already scheduled: the output must be the one with the new values."""
-    gen = torch.Generator("cuda").manual_seed(7)
-    lens_list = [1, 17, 64, 65, 511, 4096]
-    k, v, num_blocks = _cache(sum(lens_list) + PAGE * len(lens_list), hkv, head_dim, gen)
-    tables = _tables(lens_list, num_blocks, gen)
-    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
-    newest = [tables[b, (n - 1) // PAGE].item() * PAGE + (n - 1) % PAGE for b, n in enumerate(lens_list)]
-    q_new = (torch.randn(len(lens_list), hq, head_dim, device="cuda", generator=gen) * 0.25).bfloat16()
-    k_new, v_new = k.clone(), v.clone()
-    k_new[newest] = (torch.randn(len(newest), hkv, head_dim, device="cuda", generator=gen) * 4).bfloat16()
-    v_new[newest] = (torch.randn(len(newest), hkv, head_dim, device="cuda", generator=gen) * 4).bfloat16()
-    ref = paged_decode_reference(q_new, k_new, v_new, tables, lens, PAGE, window=window)
-    # One buffer for the three so that one kernel writes them all.
-    src = torch.cat([q_new.flatten(), k_new.flatten(), v_new.flatten()])
-    dst = torch.cat([torch.zeros_like(q_new).flatten(), k.flatten(), v.flatten()])
-    views = torch.split(dst, [q_new.numel(), k.numel(), v.numel()])
-    q_buf, k_buf, v_buf = (t.view_as(like) for t, like in zip(views, (q_new, k, v)))
-    _slow_newest_writer[(1,)](src, dst, src.numel(), 200_000)
-    out = paged_decode_attention(q_buf, k_buf, v_buf, tables, lens, PAGE, window=window, max_seq_len=16384)
     _close(out, ref)
 
 

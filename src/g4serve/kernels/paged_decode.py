@@ -8,11 +8,6 @@ split count is fixed per launch (a CUDA graph fixes it for the longest context i
 context leaves most splits without tiles: those write nothing and the merge reads only the used ones.
 Sliding layers start at the tile holding ``seq_len - window``: older blocks are never touched (a
 sliding pool may already have freed them; their table entries are -1).
-
-Under programmatic dependent launch (decode-sized batches on Hopper) a program reads its sequence's
-length, block table and first K/V tile before waiting on the previous kernel: all were written before
-the step, except the newest key and value (position ``seq_len - 1``), which the attention prologue
-writes just before and which are read after the wait, with the query.
 """
 
 from __future__ import annotations
@@ -45,34 +40,6 @@ def _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N: tl.constexpr, SLIDIN
     return start, first_tile, num_tiles, tl.cdiv(num_tiles, num_splits)
 
 
-@triton.jit
-def _visible_keys(offs_n, ctx, span_lo, span_hi, start, HAS_SPANS: tl.constexpr):
-    visible = offs_n < ctx
-    if HAS_SPANS:
-        visible = visible | ((offs_n >= span_lo) & (offs_n < span_hi))
-    return visible & (offs_n >= start)
-
-
-@triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One K/V tile of the online softmax: -> (m, l, acc) updated."""
-    if UPCAST:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-    s = tl.where(visible[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile must not make NaNs
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(v.dtype)  # as flash kernels do: P rounded to the V dtype, products accumulated in fp32
-    if UPCAST:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
 def _paged_decode_fn(
     Q, K, V, BlockTables, SeqLens, SpanLo, SpanHi,
     Out, PartM, PartL, PartAcc,
@@ -90,6 +57,7 @@ def _paged_decode_fn(
     SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,9 +69,11 @@ def _paged_decode_fn(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h
 
-    # Lengths, block tables and every key but the newest were written before this step: under
-    # programmatic dependent launch they are read while the previous kernel (the attention prologue,
-    # which writes the newest key and the query) still runs, and so is this program's first K/V tile.
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
     ctx = tl.load(SeqLens + b)
     span_lo = ctx
     span_hi = ctx
@@ -114,42 +84,40 @@ def _paged_decode_fn(
                                                                  SLIDING, HAS_SPANS)
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
-    k_base = K + kvh * stride_kh
-    v_base = V + kvh * stride_vh
-    table = BlockTables + b * stride_bt
-
-    offs_n = tile_lo * BLOCK_N + offs_n0
-    visible = _visible_keys(offs_n, ctx, span_lo, span_hi, start, HAS_SPANS) & (tile_lo < tile_hi)
-    page = tl.load(table + offs_n // PAGE_SIZE, mask=visible, other=0)
-    slot = tl.maximum(page, 0).to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-    k_ptrs = k_base + slot[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = v_base + slot[:, None] * stride_vt + offs_d[None, :]
-    older = (visible & (offs_n != ctx - 1))[:, None] & d_mask[None, :]
-    k = tl.load(k_ptrs, mask=older, other=0.0)
-    v = tl.load(v_ptrs, mask=older, other=0.0)
-
-    wait_for_previous_kernel(USE_PDL)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    newest = (visible & (offs_n == ctx - 1))[:, None] & d_mask[None, :]  # in the first tile: read it now
-    k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
-    v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
-    for tile in range(tile_lo + 1, tile_hi):
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
+    table = BlockTables + b * stride_bt
+
+    for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + offs_n0
-        visible = _visible_keys(offs_n, ctx, span_lo, span_hi, start, HAS_SPANS)
+        visible = offs_n < ctx
+        if HAS_SPANS:
+            visible = visible | ((offs_n >= span_lo) & (offs_n < span_hi))
+        visible = visible & (offs_n >= start)
         page = tl.load(table + offs_n // PAGE_SIZE, mask=visible, other=0)
         slot = tl.maximum(page, 0).to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_mask = visible[:, None] & d_mask[None, :]
         k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile must not make NaNs
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)  # as flash kernels do: P rounded to the V dtype, products accumulated in fp32
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     if SPLIT:
         used = h_mask & (split * tiles_per_split < num_tiles)  # a split without tiles writes nothing
@@ -173,16 +141,16 @@ def _paged_decode_reduce_fn(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    ctx = tl.load(SeqLens + b)  # written before this step: read before waiting on the split kernel
+    ctx = tl.load(SeqLens + b)
     span_hi = ctx
     if HAS_SPANS:
         span_hi = tl.load(SpanHi + b)
     _, _, num_tiles, tiles_per_split = _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS)
-    wait_for_previous_kernel(USE_PDL)
     m = float("-inf")
     l_sum = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
