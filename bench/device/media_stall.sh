@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Do media arrivals stall running decodes? One device call (e4b preset, bf16): for each server mode in
+# MODES (insteps: encoders inside the step, the default; overlap: --overlap-encoder), start
+# `g4serve serve`, then
+#   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
+#   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
+# The text streams' ITL p50/p95/p99 in 2 against 1 is what an encode costs the decodes running beside it.
+#   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/media_stall.sh", carry=[".whl"])
+# CPU smoke test: SETUP=0 PRESET=tiny DEVICE=cpu BACKEND=torch DURATION=3 MODES=insteps OUT=/tmp/out bash ...
+# Results: $OUT/media_stall.tgz (every results.json and server log), the table in $OUT/summary.md.
+set -uo pipefail
+PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-stall}
+MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
+VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12}
+mkdir -p "$RES" "$OUT"
+if [ "${SETUP:-1}" = 1 ]; then
+  source bench/device/setup.sh
+else
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
+  timeout -k 5 $((DURATION + 60)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:8100 \
+    --duration "$DURATION" --drain-timeout 30 --no-plots --label "$mode-$1" --out "$RES/$mode/$1" "${@:2}" \
+    > "$RES/$mode/$1.log" 2>&1
+}
+TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY" --warmup 4)
+VIDEO=(--workload video --rates "$VIDEO_QPS" --warmup 2)
+for mode in $MODES; do
+  mkdir -p "$RES/$mode"
+  extra=$([ "$mode" = overlap ] && echo --overlap-encoder)
+  python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \
+    --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 180); do curl -sf localhost:8100/health > /dev/null && break; sleep 1; done
+  bench text-alone "${TEXT[@]}"
+  bench video-beside "${VIDEO[@]}" --seed 1 &
+  video=$!
+  bench text-beside-video "${TEXT[@]}"
+  wait $video
+  kill $server; wait $server 2>/dev/null
+done
+python3 - "$RES" > "$OUT/summary.md" <<'EOF'
+import json, pathlib, sys
+res = pathlib.Path(sys.argv[1])
+print("| mode | run | done | TTFT p50 / p95 ms | ITL p50 / p95 / p99 ms | out tok/s | server enc ms |")
+print("|---|---|---:|---|---|---:|---|")
+ms = lambda v: "–" if v is None else f"{v * 1e3:.1f}"
+for path in sorted(res.glob("*/*/results.json")):
+    for p in json.loads(path.read_text())["points"]:
+        enc = (p.get("server") or {}).get("encoder_mean_s")
+        print(f"| {path.parent.parent.name} | {path.parent.name} | {p['requests_completed']} | "
+              f"{ms(p['ttft_p50_s'])} / {ms(p['ttft_p95_s'])} | {ms(p['itl_p50_s'])} / {ms(p['itl_p95_s'])} / "
+              f"{ms(p['itl_p99_s'])} | {p['output_tokens_per_s']:.0f} | {ms(enc)} |")
+EOF
+cat "$OUT/summary.md"
+tar -czf "$OUT/media_stall.tgz" -C "$RES" .
