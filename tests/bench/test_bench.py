@@ -82,6 +82,7 @@ def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
         server = point["server"]  # the /metrics split: one observation per request of this point
         assert server["ttft_count"] == point["requests_completed"]
         assert server["queue_mean_s"] is not None and server["ttft_mean_s"] > 0
+        assert server["prepare_count"] == point["requests_completed"] and server["prepare_mean_s"] > 0
         assert server["encoder_count"] == 0  # text only
         assert server["prefix_cache_hit_tokens"] < 0.5 * point["mean_prompt_tokens"] * point["requests_completed"]
     for name in ("results.md", "ttft_p95.png", "itl_p50.png", "e2e_p95.png"):

@@ -306,6 +306,24 @@ def test_metrics_after_traffic(server, client):
     assert count >= 1
 
 
+def test_metrics_time_before_the_engine(server, client):
+    """One request adds one observation to each pre-engine histogram; processing is part of preparing."""
+    from g4serve.bench.loadgen import parse_prometheus
+
+    def scrape() -> dict[str, float]:
+        return parse_prometheus(httpx.get(f"{server.base_url}/metrics").text)
+
+    before = scrape()
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    server.wait_idle()
+    after = scrape()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("g4serve_request_pre")}
+    assert delta["g4serve_request_prepare_time_seconds_count"] == 1
+    assert delta["g4serve_request_preprocess_time_seconds_count"] == 1
+    preprocess = delta["g4serve_request_preprocess_time_seconds_sum"]
+    assert 0 < preprocess <= delta["g4serve_request_prepare_time_seconds_sum"] < 5
+
+
 def test_200_concurrent_streams(server):
     async def one(c: httpx.AsyncClient, i: int) -> int:
         body = {"model": "tiny", "messages": [{"role": "user", "content": f"request {i}: my balance?"}],

@@ -23,8 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-# Stage histograms whose mean g4serve's /metrics lets us split TTFT into (queue, encoder, rest).
+# Stage histograms whose mean g4serve's /metrics lets us split TTFT into (before the engine, queue, encoder, rest).
 SERVER_HISTOGRAMS = {
+    "prepare": "g4serve_request_prepare_time_seconds",
+    "preprocess": "g4serve_request_preprocess_time_seconds",
     "queue": "g4serve_request_queue_time_seconds",
     "encoder": "g4serve_request_encoder_time_seconds",
     "ttft": "g4serve_time_to_first_token_seconds",
@@ -445,7 +447,8 @@ async def scrape_metrics(client, base_url: str) -> dict[str, float] | None:
 
 
 def server_stage_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
-    """Mean queue / encoder / TTFT / E2E time of the requests the server finished during the point."""
+    """Mean prepare / preprocess / queue / encoder / TTFT / E2E time of the requests the server finished (the
+    preprocess histogram: processed) during the point."""
     if before is None or after is None:
         return None
     out: dict[str, Any] = {}

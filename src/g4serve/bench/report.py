@@ -179,12 +179,13 @@ def markdown_table(result: dict[str, Any]) -> str:
         "",
         (f"| {'QPS' if key == 'rate_qps' else 'conc.'} | sent | done | err | send QPS | TTFT p50/p95/p99 ms "
          "| ITL p50/p95 ms | E2E p50/p95/p99 s | out tok/s | req/s | prompt tok | out tok "
-         "| server queue / enc / TTFT ms |"),
+         "| server prep / queue / enc / TTFT ms |"),
         "|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---|",
     ]
     for p in points:
         server = p.get("server") or {}
-        split = " / ".join(_fmt(server.get(k), 1e3) for k in ("queue_mean_s", "encoder_mean_s", "ttft_mean_s")) \
+        split = " / ".join(_fmt(server.get(k), 1e3)
+                           for k in ("prepare_mean_s", "queue_mean_s", "encoder_mean_s", "ttft_mean_s")) \
             if server else "–"
         lines.append(
             f"| {p.get(key)} | {p['requests_sent']} | {p['requests_completed']} | {p['errors']} "

@@ -176,10 +176,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return params
 
     async def process(prompt: str | dict, add_special_tokens: bool) -> ProcessedPrompt:
+        began = time.monotonic()
         try:
-            return await engine.process(prompt, add_special_tokens)
+            processed = await engine.process(prompt, add_special_tokens)
         except (ValueError, OSError) as exc:
             raise bad_request(exc) from None
+        metrics.preprocess.observe(time.monotonic() - began)
+        return processed
 
     async def validate(processed: ProcessedPrompt, params: SamplingParams) -> None:
         """Run the engine's own admission checks (prompt length, context, grammar) before streaming.
@@ -202,17 +205,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for i in range(params.n)
         ]
 
-    def record(delta: StreamDelta) -> None:
+    def record(delta: StreamDelta, received: float) -> None:
         if delta.finished:
             metrics.observe_finished(delta.metrics, delta.num_prompt_tokens, delta.num_output_tokens,
-                                     delta.num_cached_tokens, delta.finish_reason)
+                                     delta.num_cached_tokens, delta.finish_reason, received=received)
 
-    async def merged(streams: list) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """Interleave several engine streams; closing this closes (and aborts) all of them."""
+    async def merged(streams: list, received: float) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Interleave several engine streams; closing this closes (and aborts) all of them. ``received``: when
+        the HTTP request reached its handler (``time.monotonic``), for the prepare-time metric."""
         if len(streams) == 1:
             try:
                 async for delta in streams[0]:
-                    record(delta)
+                    record(delta, received)
                     yield 0, delta
             finally:
                 await streams[0].aclose()
@@ -240,14 +244,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                record(item)
+                record(item, received)
                 yield index, item
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def collect(request: Request, streams: list, n: int) -> tuple[list[_Choice], int]:
+    async def collect(request: Request, streams: list, n: int, received: float) -> tuple[list[_Choice], int]:
         """Run streams to the end for a non-streaming response; a client disconnect aborts them.
 
         Returns the choices and the prompt tokens served from the prefix cache."""
@@ -256,7 +260,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
         async def consume() -> None:
             nonlocal cached
-            async for index, delta in merged(streams):
+            async for index, delta in merged(streams, received):
                 _accumulate(choices[index], delta)
                 cached = delta.num_cached_tokens
 
@@ -276,6 +280,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     # ---- chat completions ----------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        received = time.monotonic()
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request))
         model_name = check_model(req.model)
         if req.tools:
@@ -304,10 +309,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _chat_stream(merged(streams), request_id, model_name, created, params.n, include_usage,
+                _chat_stream(merged(streams, received), request_id, model_name, created, params.n, include_usage,
                              params.logprobs is not None),
                 media_type="text/event-stream")
-        choices, cached = await collect(request, streams, params.n)
+        choices, cached = await collect(request, streams, params.n, received)
         return {
             "id": request_id, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [
@@ -321,6 +326,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     # ---- completions ------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
+        received = time.monotonic()
         req: CompletionRequest = parse(CompletionRequest, await read_json(request))
         model_name = check_model(req.model)
         if req.suffix:
@@ -348,10 +354,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _completion_stream(merged(streams), request_id, model_name, created, prompt_tokens, include_usage,
+                _completion_stream(merged(streams, received), request_id, model_name, created, prompt_tokens, include_usage,
                                    params.logprobs is not None, echo_texts if req.echo else None, params.n),
                 media_type="text/event-stream")
-        choices, cached = await collect(request, streams, len(streams))
+        choices, cached = await collect(request, streams, len(streams), received)
         return {
             "id": request_id, "object": "text_completion", "created": created, "model": model_name,
             "choices": [

@@ -86,6 +86,14 @@ class ServerMetrics:
                                buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
         self.encoder = Histogram("g4serve_request_encoder_time_seconds", "Encoder time of a request's media",
                                  ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        # Before the engine: what a client's TTFT holds that the engine's (from arrival) does not.
+        self.prepare = Histogram("g4serve_request_prepare_time_seconds",
+                                 "HTTP request received (handler entry) to engine arrival: body, parsing, chat "
+                                 "template, media decoding and preprocessing, admission checks", ["model_name"],
+                                 buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.preprocess = Histogram("g4serve_request_preprocess_time_seconds",
+                                    "Prompt processing off the event loop: tokenization, media decoding, resizing, "
+                                    "patches", ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
         self.prompt_tokens = Counter("g4serve_prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("g4serve_generation_tokens", "Generated tokens of finished requests",
@@ -100,7 +108,9 @@ class ServerMetrics:
         r.register(_EngineCollector(engine_stats, _Throughput()))
 
     def observe_finished(self, metrics: RequestMetrics | None, prompt_tokens: int, output_tokens: int,
-                         cached_tokens: int, finish_reason: str | None) -> None:
+                         cached_tokens: int, finish_reason: str | None, received: float | None = None) -> None:
+        """A finished engine request; ``received``: when its HTTP request reached the handler (monotonic clock,
+        as the engine's arrival time), for the time spent before the engine."""
         self._finished.labels(self._model_name, finish_reason or "unknown").inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
@@ -117,6 +127,8 @@ class ServerMetrics:
             self.queue.observe(metrics.queue_time_s)
         if metrics.encoder_time_s:
             self.encoder.observe(metrics.encoder_time_s)
+        if received is not None:
+            self.prepare.observe(max(metrics.arrival_time - received, 0.0))
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(self._model_name, str(status)).inc()
