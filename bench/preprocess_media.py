@@ -4,7 +4,8 @@ Builds the benchmark's video request (``g4serve bench --workload video``: six 85
 URLs, seeded), then times, median and minimum of ``--reps`` after warm-up: the whole path the server runs off the
 event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_prompt``), and its pieces
 (decoding the frames serially and in the decode threads, frames to HWC arrays, the resize to the patch
-budget, patchify and the content hash of the uint8 patches the processor now keeps, and the rescale to float32,
+budget as the processor runs it (frames side by side in the media pool) and in one call, the sampled frames'
+decoding and HWC conversion together in the pool, patchify and the content hash of the uint8 patches the processor now keeps, and the rescale to float32,
 patchify and hash as it did before). Writes JSON with the machine, commit and command.
 
     python bench/preprocess_media.py                 # the embedded tiny model's processor settings
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import inspect
 import io
 import json
 import os
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torchvision.transforms.v2 import functional as tvF
 
 from g4serve.bench.meta import device_name, git_commit, write_result_json
 from g4serve.bench.workloads import VideoWorkload
@@ -36,7 +39,7 @@ from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.chat import split_chat_messages
 from g4serve.processing.image import load_image, patchify, rescale_pixels, resize_to_patch_budget
 from g4serve.processing.processor import _decode_all, content_hash
-from g4serve.processing.video import _frame_to_hwc
+from g4serve.processing.video import _frame_to_hwc, sample_video_frames
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         "resize_channels_last_ms": timed_ms(
             lambda: resize_to_patch_budget(frames, settings.patch_size, max_patches, settings.pooling_kernel_size),
             args.reps),
+        "resize_one_call_ms": timed_ms(  # all frames in one call of torch's uint8 kernel (one thread)
+            lambda: tvF.resize(frames.contiguous(memory_format=torch.channels_last), size=list(resized.shape[-2:]),
+                               interpolation=tvF.InterpolationMode.BICUBIC, antialias=True), args.reps),
         "resize_planar_input_ms": timed_ms(
             lambda: resize_to_patch_budget(frames.contiguous(), settings.patch_size, max_patches,
                                            settings.pooling_kernel_size), args.reps),
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         "content_hash_uint8_ms": timed_ms(lambda: content_hash("video", patches, positions), args.reps),
         "content_hash_float32_ms": timed_ms(lambda: content_hash("video", float_patches, positions), args.reps),
     }
+    if "load" in inspect.signature(sample_video_frames).parameters:  # absent on sources before the media pool
+        rows["sample_decode_hwc_pool_ms"] = timed_ms(lambda: sample_video_frames(jpegs, load=load_image), args.reps)
     print(f"{'piece':32s} {'median':>8s} {'min':>8s}")
     for name, value in rows.items():
         print(f"{name:32s} {value['median']:8.2f} {value['min']:8.2f}")

@@ -98,6 +98,37 @@ def test_long_predecoded_video_is_sampled_like_transformers():
     assert sample_video_frames(frames, fps=30.0).timestamps_s == ref["video_metadata"][0].timestamps
 
 
+def test_encoded_frames_decode_only_when_sampled_in_order():
+    """A list of encoded frames (what the server gets): the sampled ones are decoded side by side, in their
+    order, into the same pixels as the decoded frames give; an unsampled frame is never decoded."""
+    import io
+
+    from g4serve.processing.image import load_image
+
+    frames = _frames(45, 90, 200)
+    blobs = []
+    for f in frames:
+        buf = io.BytesIO()
+        PIL.Image.fromarray(f).save(buf, format="PNG")
+        blobs.append(buf.getvalue())
+    indices = sample_frame_indices(45, 32)
+    unsampled = next(i for i in range(45) if i not in indices)
+    blobs[unsampled] = b"not an image"
+    calls = []
+
+    def load(blob):
+        calls.append(blob)
+        return load_image(blob)
+
+    video = sample_video_frames(blobs, num_frames=32, load=load)
+    assert len(calls) == 32 and video.frame_indices == indices
+    assert np.array_equal(video.frames, frames[indices])
+    _assert_same(preprocess_video(video), _reference_pixels(frames[indices]))
+    blobs[indices[3]] = b"corrupt"
+    with pytest.raises(ValueError, match="could not decode image"):
+        sample_video_frames(blobs, num_frames=32, load=load)
+
+
 def test_max_soft_tokens_140_matches_transformers():
     frames = _frames(3, 300, 100)
     ref = _reference_pixels(frames, max_soft_tokens=140)

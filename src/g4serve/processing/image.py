@@ -14,6 +14,8 @@ import PIL.ImageOps
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
+from g4serve.processing.pool import map_in_pool
+
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 RESCALE_FACTOR = 1 / 255
 ImageInput = PIL.Image.Image | np.ndarray | torch.Tensor
@@ -132,14 +134,27 @@ def resize_to_patch_budget(
     The resize runs on a channels-last copy (none for a channels-last view such as decoded video frames):
     torch's antialiased uint8 kernels take it 2.5-4x faster than planar input (six 854x480 frames: 17.5 vs
     6.5 ms on two cores, bench/preprocess_media.py) and give the same bytes (tests/processing compare with
-    transformers)."""
+    transformers). Those kernels run one thread per call, so the frames of a video are resized in parallel
+    (``processing.pool``)."""
     height, width = pixels.shape[-2:]
     target = aspect_ratio_preserving_size(height, width, patch_size, max_patches, pooling_kernel_size)
     if target == (height, width):
         return pixels
-    batch = pixels.reshape(-1, *pixels.shape[-3:]).contiguous(memory_format=torch.channels_last)
-    out = tvF.resize(batch, size=list(target), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-    return out.contiguous().reshape(*pixels.shape[:-2], *target)
+    batch = pixels.reshape(-1, *pixels.shape[-3:])
+    out = batch.new_empty(batch.shape[0], batch.shape[1], *target)  # planar, as patchify reads it
+
+    def resize(i: int) -> None:
+        images = batch[i : i + 1].contiguous(memory_format=torch.channels_last)
+        out[i : i + 1].copy_(tvF.resize(images, size=list(target), interpolation=tvF.InterpolationMode.BICUBIC,
+                                        antialias=True))
+
+    if batch.shape[0] > 1 and not batch.is_cuda:
+        # The uint8 kernel takes a batch on one thread: a video's frames go side by side (the same bytes).
+        map_in_pool(resize, range(batch.shape[0]))
+    else:
+        out.copy_(tvF.resize(batch.contiguous(memory_format=torch.channels_last), size=list(target),
+                             interpolation=tvF.InterpolationMode.BICUBIC, antialias=True))
+    return out.reshape(*pixels.shape[:-2], *target)
 
 
 def patchify(pixels: torch.Tensor, patch_size: int, max_patches: int) -> tuple[torch.Tensor, torch.Tensor]:

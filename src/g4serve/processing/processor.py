@@ -8,10 +8,7 @@ begin/end markers around one soft token per encoder output vector; the media bec
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from g4serve.config import Gemma4Config
 from g4serve.processing.audio import AudioFeatureExtractor, load_audio, num_audio_soft_tokens, resample
 from g4serve.processing.chat import LocalFile
 from g4serve.processing.image import load_image, preprocess_images
+from g4serve.processing.pool import map_in_pool
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.processing.video import (
     VideoFrames,
@@ -140,10 +138,10 @@ class Gemma4Processor:
             return value
         if isinstance(value, (bytes, bytearray, str, Path)):
             return load_video(value, num_frames=self.settings.video_num_frames)
-        # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array.
-        if isinstance(value, (list, tuple)):
-            value = _decode_all(self._load_image, value)
-        return sample_video_frames(value, num_frames=self.settings.video_num_frames)
+        # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array; encoded
+        # frames are decoded only if sampled, in parallel.
+        load = self._load_image if isinstance(value, (list, tuple)) else None
+        return sample_video_frames(value, num_frames=self.settings.video_num_frames, load=load)
 
     def _load_audio(self, value: Any) -> np.ndarray:
         value = self._source(value)
@@ -282,11 +280,6 @@ class Gemma4Processor:
         return result
 
 
-@functools.cache
-def _decode_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="g4serve-decode")
-
-
 def _decode_all(load, values: list | tuple, name: str | None = None) -> list:
     """``load`` on every encoded input (bytes, paths, data already decoded pass through), the encoded ones
     in parallel threads: JPEG/PNG decoding releases the GIL, so a video's frames decode side by side.
@@ -300,8 +293,7 @@ def _decode_all(load, values: list | tuple, name: str | None = None) -> list:
 
     if sum(isinstance(v, encoded) for v in values) < 2:
         return [one(i, v) for i, v in enumerate(values)]
-    futures = [_decode_pool().submit(one, i, v) for i, v in enumerate(values)]
-    return [f.result() for f in futures]
+    return map_in_pool(lambda iv: one(*iv), list(enumerate(values)))
 
 
 def _named(where: str, load, value: Any) -> Any:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import av
 import numpy as np
@@ -14,6 +15,7 @@ import PIL.Image
 import torch
 
 from .image import check_max_soft_tokens, image_to_tensor, patchify, rescale_pixels, resize_to_patch_budget
+from .pool import map_in_pool
 
 DEFAULT_NUM_FRAMES = 32
 # transformers' Gemma4Processor.replace_video_token assumes this when the frame rate is unknown.
@@ -120,18 +122,24 @@ def _frame_to_hwc(frame: PIL.Image.Image | np.ndarray) -> np.ndarray:
 
 
 def sample_video_frames(
-    frames: np.ndarray | Sequence[PIL.Image.Image | np.ndarray],
+    frames: np.ndarray | Sequence[Any],
     fps: float | None = None,
     num_frames: int = DEFAULT_NUM_FRAMES,
+    load: Callable[[Any], PIL.Image.Image | np.ndarray] | None = None,
 ) -> VideoFrames:
-    """Sample pre-decoded frames (uint8 [F, H, W, C] array or list of PIL images / HWC arrays).
+    """Sample frames: a uint8 [F, H, W, C] array, or a list of PIL images / HWC arrays, or of anything
+    ``load`` turns into one (encoded images). Only the sampled frames are loaded, side by side in the media
+    pool with their HWC conversion.
 
     Mirrors Gemma4VideoProcessor on array input with `do_sample_frames=True`; `fps=None` means unknown.
     """
     if len(frames) == 0:
         raise ValueError("video has no frames")
     indices = sample_frame_indices(len(frames), num_frames)
-    picked = [_frame_to_hwc(frames[i]) for i in indices]
+    if isinstance(frames, np.ndarray):  # views, converted only if not uint8 HWC already
+        picked = [_frame_to_hwc(frames[i]) for i in indices]
+    else:
+        picked = map_in_pool(lambda i: _frame_to_hwc(load(frames[i]) if load else frames[i]), indices)
     if len({f.shape for f in picked}) > 1:
         raise ValueError(f"video frames differ in size: {sorted({f.shape[:2] for f in picked})}")
     return _video_frames(np.stack(picked), indices, fps)
