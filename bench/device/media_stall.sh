@@ -13,11 +13,7 @@ PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OU
 MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
 VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12}
 mkdir -p "$RES" "$OUT"
-if [ "${SETUP:-1}" = 1 ]; then
-  source bench/device/setup.sh
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-fi
+source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
   timeout -k 5 $((DURATION + 60)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:8100 \
