@@ -3,10 +3,11 @@
 Builds the benchmark's video request (``g4serve bench --workload video``: six 854x480 JPEG frames as data
 URLs, seeded), then times, median and minimum of ``--reps`` after warm-up: the whole path the server runs off the
 event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_prompt``), and its pieces
-(decoding the frames serially and in the decode threads, frames to HWC arrays, the resize to the patch
-budget as the processor runs it (frames side by side in the media pool) and in one call, the sampled frames'
-decoding and HWC conversion together in the pool, patchify and the content hash of the uint8 patches the processor now keeps, and the rescale to float32,
-patchify and hash as it did before). Writes JSON with the machine, commit and command.
+(decoding the frames serially and in the media pool, frames to HWC arrays, the resize to the patch budget
+as the processor runs it (frames side by side in the media pool) and in one call, the sampled frames'
+decoding and HWC conversion together in the pool, patchify and the content hash of the uint8 patches the
+processor now keeps, and the rescale to float32, patchify and hash as it did before). Writes JSON with the
+machine, commit and command.
 
     python bench/preprocess_media.py                 # the embedded tiny model's processor settings
     python bench/preprocess_media.py --frames 6 --size 854x480 --reps 30

@@ -354,8 +354,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _completion_stream(merged(streams, received), request_id, model_name, created, prompt_tokens, include_usage,
-                                   params.logprobs is not None, echo_texts if req.echo else None, params.n),
+                _completion_stream(merged(streams, received), request_id, model_name, created, prompt_tokens,
+                                   include_usage, params.logprobs is not None, echo_texts if req.echo else None,
+                                   params.n),
                 media_type="text/event-stream")
         choices, cached = await collect(request, streams, len(streams), received)
         return {
