@@ -14,17 +14,15 @@ bandwidth. Writes one JSON with the device, versions, command and every figure w
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-from g4serve.bench.meta import git_commit
+from g4serve.bench.meta import git_commit, write_result_json
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.sampling_params import SamplingParams
 
@@ -273,16 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     for b, prof in profiles.items():
         result[f"profile_batch{b}"] = prof["summary"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = out / f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_result_json(args.out, f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}",
+                             result)
     for b, prof in profiles.items():
         path.with_suffix(".profile.txt" if b == 1 else f".profile-b{b}.txt").write_text(prof["table"])
     if host_profile is not None:
         path.with_suffix(".cprofile.txt").write_text(host_profile)
-    print(f"wrote {path}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import platform
@@ -54,7 +55,6 @@ def _cuda_name(device: str | None) -> str | None:
 
 def cuda_environment() -> dict:
     """What a kernel benchmark's JSON records about where it ran (CUDA device 0)."""
-    import datetime as dt
     import shlex
     import sys
 
@@ -78,8 +78,6 @@ def cuda_environment() -> dict:
 def write_result_json(out_dir: str | Path, stem: str, result: dict) -> Path:
     """Write a benchmark's result as ``<out_dir>/<stem>-<UTC timestamp>.json`` (the folder is created),
     say so, and return the path."""
-    import datetime as dt
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem}-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S')}.json"
