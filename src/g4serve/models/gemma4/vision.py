@@ -140,9 +140,10 @@ def avg_pool_by_position(
     Padding patches (zero rows) land in cell 0 and add nothing. Pooling is a one-hot matmul, as in the
     reference: it is deterministic on GPU (a scatter-add would not be) and cheap next to the encoder.
     """
-    weights = F.one_hot(_pooling_cell(positions, k), length).float() / k**2  # [B, N, length]
+    cell = _pooling_cell(positions, k)
+    weights = F.one_hot(cell, length).float() / k**2  # [B, N, length]
     pooled = weights.transpose(1, 2) @ h.float()
-    return pooled.to(h.dtype), pooling_cells_used(positions, k, length)
+    return pooled.to(h.dtype), _cells_used(cell, length)
 
 
 def _pooling_cell(positions: torch.Tensor, k: int) -> torch.Tensor:
@@ -155,8 +156,12 @@ def _pooling_cell(positions: torch.Tensor, k: int) -> torch.Tensor:
 def pooling_cells_used(positions: torch.Tensor, k: int, length: int) -> torch.Tensor:
     """Which of the ``length`` cells hold a soft token [B, length] (``avg_pool_by_position``'s mask), from the
     positions alone: the host computes it from CPU positions instead of reading the device's back."""
-    used = torch.zeros(positions.shape[0], length, dtype=torch.bool, device=positions.device)
-    return used.scatter_(1, _pooling_cell(positions, k), True)
+    return _cells_used(_pooling_cell(positions, k), length)
+
+
+def _cells_used(cell: torch.Tensor, length: int) -> torch.Tensor:
+    used = torch.zeros(cell.shape[0], length, dtype=torch.bool, device=cell.device)
+    return used.scatter_(1, cell, True)
 
 
 class Gemma4VisionModel(nn.Module):
