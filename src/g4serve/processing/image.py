@@ -143,17 +143,15 @@ def resize_to_patch_budget(
     batch = pixels.reshape(-1, *pixels.shape[-3:])
     out = batch.new_empty(batch.shape[0], batch.shape[1], *target)  # planar, as patchify reads it
 
-    def resize(i: int) -> None:
-        images = batch[i : i + 1].contiguous(memory_format=torch.channels_last)
-        out[i : i + 1].copy_(tvF.resize(images, size=list(target), interpolation=tvF.InterpolationMode.BICUBIC,
-                                        antialias=True))
+    def resize(images: torch.Tensor) -> torch.Tensor:
+        return tvF.resize(images.contiguous(memory_format=torch.channels_last), size=list(target),
+                          interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
 
     if batch.shape[0] > 1 and not batch.is_cuda:
         # The uint8 kernel takes a batch on one thread: a video's frames go side by side (the same bytes).
-        map_in_pool(resize, range(batch.shape[0]))
+        map_in_pool(lambda i: out[i : i + 1].copy_(resize(batch[i : i + 1])), range(batch.shape[0]))
     else:
-        out.copy_(tvF.resize(batch.contiguous(memory_format=torch.channels_last), size=list(target),
-                             interpolation=tvF.InterpolationMode.BICUBIC, antialias=True))
+        out.copy_(resize(batch))
     return out.reshape(*pixels.shape[:-2], *target)
 
 
