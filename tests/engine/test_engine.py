@@ -162,6 +162,14 @@ def test_prefix_cache_hits_do_not_change_outputs(tiny_model_dir):
     assert warm.stats()["prefix_cache_hit_rate"] > 0
 
 
+# Batched encoding promises rounding-level agreement, not bits: BLAS picks its GEMM kernel by the row count,
+# so one image's soft tokens can differ by a few ulp when other images share its call (on an AVX-512 Xeon
+# 6 of 11 items differ, by up to 6.6e-7; with MKL forced to AVX2 there, all 11, by up to 2.0e-6, for values up
+# to 2.6: bench/results/h100-20261125-s7/1-parity-drift). The greedy tokens are what must not change:
+# test_mixed_batch_matches_each_alone runs the same prompts through the batched engine and one at a time.
+ENCODER_BATCH_ATOL = 1e-5
+
+
 def test_batched_encoder_matches_per_item(engine):
     items = []
     for i, prompt in enumerate(mixed_prompts()):
@@ -188,7 +196,8 @@ def test_batched_encoder_matches_per_item(engine):
     assert frame_call.num_items == len(videos)
     assert len([c for c in calls if c.tower == "audio"]) == 1
     for digest, tokens in alone.items():
-        assert torch.equal(engine.encoder_cache.get(digest), tokens), digest
+        torch.testing.assert_close(engine.encoder_cache.get(digest), tokens, rtol=0, atol=ENCODER_BATCH_ATOL,
+                                   msg=lambda m: f"{digest}: {m}")
 
 
 def test_fast_prefill_is_exact(tiny_model_dir):
