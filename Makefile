@@ -1,39 +1,57 @@
-# Two commands for a fresh machine: `make serve` (install + start the OpenAI-compatible server on the
-# embedded tiny model) and `make test` (install + run the test suite). Both create .venv themselves.
-# `make demo` runs text/image/video/audio generation offline and exits.
+# Two commands for a fresh machine: `make serve` (install what serving needs + start the OpenAI-compatible
+# server on the embedded tiny model) and `make test` (install with the test extras + run the test suite).
+# Both create .venv themselves; every install is pinned by constraints.txt.
+# `make demo` runs text/image/video/audio generation offline and exits. `make lint` checks style.
+# `make test-latest` (not part of CI) runs the oracle tests against the newest torch, torchvision,
+# transformers, tokenizers and xgrammar in .venv-latest and says which release drifted.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.g4serve-installed
-# torch/torchvision pinned to the builds CI and the dev machines cache locally.
-TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+CONSTRAINTS := constraints.txt
+# --no-build-isolation: the build backend is the pinned setuptools installed below, not the index's newest.
+PIP := $(BIN)/python -m pip install -q -c $(CONSTRAINTS)
+SERVE_STAMP := $(VENV)/.g4serve-serve
+TEST_STAMP := $(VENV)/.g4serve-test
+LINT_STAMP := $(VENV)/.g4serve-lint
 
-.PHONY: install serve demo test lint clean
+.PHONY: install serve demo test test-latest lint clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_PINS)
-	$(BIN)/python -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	$(PIP) --upgrade pip setuptools
 
-install: $(STAMP)
+$(SERVE_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(PIP) --no-build-isolation -e .
+	touch $@
 
-serve: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(PIP) --no-build-isolation -e ".[test]"
+	touch $@
+
+$(LINT_STAMP): $(CONSTRAINTS) | $(BIN)/python
+	$(PIP) ruff
+	touch $@
+
+install: $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(BIN)/g4serve serve --host $(HOST) --port $(PORT)
 
-demo: $(STAMP)
+demo: $(SERVE_STAMP)
 	$(BIN)/python -m g4serve.demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
-	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check src tests
+test-latest:
+	$(PYTHON) .ci/test_latest.py
+
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check src tests bench .ci
+	$(BIN)/ruff format --check src tests bench .ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-latest .pytest_cache
