@@ -486,7 +486,9 @@ class IncrementalDetokenizer:
 
     ``"".join(pieces) + flush() == tokenizer.decode(all_ids, skip_special_tokens)``. Text is held back
     while it could still change: after a byte-fallback token (the decoder turns a whole run of byte tokens
-    into one string, or into one U+FFFD per byte if the run is not valid UTF-8) and while it ends in U+FFFD.
+    into one string, or into one U+FFFD per byte if the run is not valid UTF-8, so a later byte can still
+    spoil earlier ones) and while it ends in a U+FFFD that may be an unfinished character (byte-level BPE
+    splits characters across tokens). A U+FFFD that the last token spells itself is text and goes out.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
@@ -519,12 +521,17 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         decode = self._tok.decode
         window = decode(self._ids[self._prefix:], self._skip)
-        if window.endswith("\ufffd") and not final:
+        if not final and window.endswith("\ufffd") and not self._last_token_ends_in_fffd():
             return ""
         delta = window[len(decode(self._ids[self._prefix:self._read], self._skip)):]
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
+
+    def _last_token_ends_in_fffd(self) -> bool:
+        """The trailing U+FFFD is the last token's own character (in its vocab string, so no later token can
+        change it), not the decoder's stand-in for bytes that are not (yet) valid UTF-8."""
+        return (self._tok.id_to_token(self._ids[-1]) or "").endswith("\ufffd")
 
 
 __all__ = ["GEMMA4_MULTIMODAL_TOKENS", "ChatTemplateError", "IncrementalDetokenizer", "Tokenizer",
