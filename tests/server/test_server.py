@@ -57,7 +57,8 @@ def _wav_base64(seconds: float = 1.0) -> str:
 # ---- happy paths ---------------------------------------------------------------------------------------
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny", "g4-tiny"]
-    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok", "model": "tiny"}
 
 
 def test_chat_completion_matches_offline_engine(server, client):
@@ -106,6 +107,24 @@ def test_completions_streaming_n_and_logprobs(client):
                                                               temperature=0, stream=True) for ch in chunk.choices]
     greedy = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0)
     assert "".join(pieces) == greedy.choices[0].text
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    # The tiny model's tokens often decode to no text (unused specials, bytes held in a run); a chunk must
+    # still carry their logprobs, or a streamed response loses most of them.
+    for seed in range(3):
+        full = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0.8,
+                                              seed=seed, logprobs=True)
+        chunks = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0.8,
+                                                seed=seed, logprobs=True, stream=True)
+        streamed = [lp.token for chunk in chunks for c in chunk.choices if c.logprobs for lp in c.logprobs.content]
+        assert streamed == [lp.token for lp in full.choices[0].logprobs.content]
+        assert len(streamed) == full.usage.completion_tokens
+        args = dict(model="tiny", prompt="Hello there", max_tokens=16, temperature=0.8, seed=seed, logprobs=1)
+        full = client.completions.create(**args)
+        tokens = [t for chunk in client.completions.create(**args, stream=True) for c in chunk.choices
+                  if c.logprobs for t in c.logprobs.tokens]
+        assert tokens == full.choices[0].logprobs.tokens and len(tokens) == full.usage.completion_tokens
 
 
 def test_chat_logprobs_and_stop(client):
@@ -348,6 +367,30 @@ def test_200_concurrent_streams(server):
     server.wait_idle()
 
 
+def test_health_after_the_engine_died(tiny_model_dir, server_factory):
+    """A dead engine: /health is a 503 whose body has the ``status`` health checkers read and the ``error``
+    object OpenAI clients read, and completions fail with the same reason."""
+    running = server_factory(tiny_model_dir, "--text-only")
+    running.app.state.engine.shutdown()  # what a crashed engine thread leaves behind: `dead` set
+    r = httpx.get(f"{running.base_url}/health")
+    assert r.status_code == 503
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    assert r.json() == {
+        "status": "unavailable",
+        "model": model,
+        "error": {
+            "message": "engine is not running: EngineDeadError('engine was shut down')",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        },
+    }
+    with pytest.raises(openai.APIStatusError) as exc_info:
+        client.chat.completions.create(model=model, messages=USER, max_tokens=2)
+    assert exc_info.value.status_code == 503 and "engine" in exc_info.value.message
+
+
 def test_api_key_and_text_only(tiny_model_dir, server_factory):
     running = server_factory(tiny_model_dir, "--api-key", "s3cret", "--text-only")
     r = httpx.post(f"{running.base_url}/v1/chat/completions", json=_chat(model=None))
@@ -358,7 +401,8 @@ def test_api_key_and_text_only(tiny_model_dir, server_factory):
     good = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="s3cret", max_retries=0)
     assert good.chat.completions.create(model=good.models.list().data[0].id, messages=USER,
                                         max_tokens=2).choices
-    assert httpx.get(f"{running.base_url}/health").status_code == 200  # health needs no key
+    health = httpx.get(f"{running.base_url}/health")  # health needs no key
+    assert health.status_code == 200 and health.json()["status"] == "ok"
     # Text-only mode: media are refused with a clear error, nothing loaded for them.
     r = httpx.post(f"{running.base_url}/v1/chat/completions", headers={"authorization": "Bearer s3cret"},
                    json=_chat(model=None, messages=[{"role": "user", "content": [

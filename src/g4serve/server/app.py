@@ -32,6 +32,7 @@ from g4serve.server.errors import (
     APIError,
     bad_request,
     error_response,
+    health_response,
     install_error_handlers,
     read_json_object,
 )
@@ -118,10 +119,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     # ---- plain endpoints -----------------------------------------------------------------------------
     @app.get("/health")
-    async def health() -> Response:
-        if engine.dead is not None:
-            return error_response(503, f"engine is not running: {engine.dead!r}")
-        return Response(status_code=200)
+    async def health() -> JSONResponse:
+        return health_response(engine, model=served[0])
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -520,8 +519,8 @@ async def _chat_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], request_i
                                          "logprobs": None, "finish_reason": None}], **extra})
 
     def event(index: int, choice: _Choice, delta: StreamDelta, new_logprobs) -> dict | None:
-        if not delta.text and not delta.finished:
-            return None  # held back (a possible stop string) or a token with no text yet
+        if not delta.text and not delta.finished and not (want_logprobs and new_logprobs):
+            return None  # held back (a possible stop string) or a token with no text yet, and no logprobs asked
         return {"index": index, "delta": {"content": delta.text} if delta.text else {},
                 "logprobs": _chat_logprobs(new_logprobs) if want_logprobs else None, **_finish_fields(delta)}
 
@@ -537,7 +536,7 @@ async def _completion_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], req
     def event(index: int, choice: _Choice, delta: StreamDelta, new_logprobs) -> dict | None:
         first = not choice.token_ids
         text = (echo[index // n] if echo and first else "") + delta.text
-        if not text and not delta.finished:
+        if not text and not delta.finished and not (want_logprobs and new_logprobs):
             return None
         return {"index": index, "text": text,
                 "logprobs": _completion_logprobs(new_logprobs) if want_logprobs else None, **_finish_fields(delta)}
