@@ -16,7 +16,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from g4serve.assistant.audio import AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve.assistant.pipeline import Assistant, StageClock
 from g4serve.assistant.qna import answer_events
-from g4serve.server.errors import APIError, error_response, install_error_handlers, read_json_object
+from g4serve.server.errors import (
+    APIError,
+    error_response,
+    health_response,
+    install_error_handlers,
+    read_json_object,
+)
 
 log = logging.getLogger("g4serve.assistant")
 
@@ -66,11 +72,9 @@ def build_app(assistant: Assistant, *, max_request_body_bytes: int = 8 << 20, wa
         return HTMLResponse(page)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> JSONResponse:
         engine = assistant.engine
-        if engine is not None and engine.dead is not None:
-            return error_response(503, f"engine is not running: {engine.dead!r}")
-        return JSONResponse({"status": "ok", "llm": engine is not None, "payee_version": assistant.db.version})
+        return health_response(engine, llm=engine is not None, payee_version=assistant.db.version)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

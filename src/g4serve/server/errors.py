@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,9 +36,25 @@ def param_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    error = {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}
+    return {"error": error}
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def health_response(engine: Any, **extra: Any) -> JSONResponse:
+    """``GET /health`` of every g4serve app, one shape: ``{"status": "ok", **extra}`` with 200 while
+    ``engine`` runs (or is None: an app serving without a model); once ``engine.dead`` is set, a 503 with
+    ``"status": "unavailable"`` and ``extra`` beside the usual ``error`` object, so load balancers that
+    read ``status`` and OpenAI clients that read ``error.message`` both understand it."""
+    dead = getattr(engine, "dead", None)
+    if dead is not None:
+        body = {"status": "unavailable", **extra, **error_body(503, f"engine is not running: {dead!r}")}
+        return JSONResponse(body, status_code=503)
+    return JSONResponse({"status": "ok", **extra})
 
 
 def bad_request(exc: Exception, prefix: str | None = None) -> APIError:
