@@ -11,15 +11,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 from PIL import Image
 
 from g4serve import LLM, SamplingParams
+from g4serve.assets import SAMPLE_NAMES, sample_path
 from g4serve.cli import main
 from g4serve.config import FULL, SLIDING, Gemma4Config
 from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
 from g4serve.models.gemma4.loader import load_model
+from g4serve.processing.audio import SAMPLING_RATE, load_audio
 from g4serve.processing.tokenizer import Tokenizer
+from g4serve.processing.video import load_video
 
 TINY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "processor_config.json", "preprocessor_config.json", "generation_config.json")
@@ -157,6 +161,42 @@ def test_generate_uses_the_embedded_model_by_default(tmp_path, monkeypatch, caps
     assert 1 <= len(out["token_ids"]) <= 2
     built = list((tmp_path / "cache").iterdir())
     assert len(built) == 1 and (built[0] / "g4serve_tiny.json").is_file()  # built once, no temp dirs left
+
+
+def test_generate_with_the_sample_image_video_and_audio(made, capsys):
+    """The README's ``--image/--video/--audio`` lines on the shipped samples: each medium adds its own
+    tokens to the prompt, and together they add exactly the sum."""
+    path = str(made["e"])
+    base = ["--model", path, "--prompt", "What is this?", "--max-tokens", "2"]
+    text_only = _generate_json(capsys, *base)["prompt_tokens"]
+    flags = {"--image": "sample.png", "--video": "sample.mp4", "--audio": "sample.wav"}
+    added = {}
+    for flag, name in flags.items():
+        out = _generate_json(capsys, *base, flag, str(sample_path(name)))
+        added[flag] = out["prompt_tokens"] - text_only
+        assert 1 <= len(out["token_ids"]) <= 2
+    assert added["--image"] > 3 and added["--audio"] > 3  # begin/end markers plus soft tokens
+    assert added["--video"] > 16 * 2  # 16 frames, each with its soft tokens and a timestamp
+    every = [a for flag, name in flags.items() for a in (flag, str(sample_path(name)))]
+    assert _generate_json(capsys, *base, *every)["prompt_tokens"] == text_only + sum(added.values())
+
+
+def test_sample_assets_exist_are_small_and_decode():
+    for name in SAMPLE_NAMES:
+        assert 0 < sample_path(name).stat().st_size < 200_000, name  # they ship in every wheel
+    with Image.open(sample_path("sample.png")) as image:
+        assert image.format == "PNG" and image.size == (320, 240)
+        image.convert("RGB").load()
+    video = load_video(sample_path("sample.mp4"))
+    assert len(video.frames) >= 8 and video.frames.shape[1:] == (120, 160, 3) and video.fps == 8.0
+    assert video.frames[0].std() > 0 and not np.array_equal(video.frames[0], video.frames[-1])  # it moves
+    info = soundfile.info(str(sample_path("sample.wav")))
+    assert (info.samplerate, info.channels, info.subtype) == (SAMPLING_RATE, 1, "PCM_16")
+    audio = load_audio(sample_path("sample.wav"))
+    assert audio.dtype == np.float32 and audio.ndim == 1 and 2.0 <= len(audio) / SAMPLING_RATE <= 3.5
+    assert 0.1 < np.abs(audio).max() <= 1.0  # speech, not silence
+    with pytest.raises(FileNotFoundError, match="sample.png, sample.mp4, sample.wav"):
+        sample_path("cat.png")
 
 
 @pytest.mark.parametrize("args,message", [

@@ -109,10 +109,14 @@ def make_tiny(out_dir: str | Path, variant: str = "e", seed: int = 0) -> Path:
     return out
 
 
+def cache_dir() -> Path:
+    """g4serve's cache directory: ``$G4SERVE_CACHE``, else ``~/.cache/g4serve`` (not created here)."""
+    return Path(os.environ.get("G4SERVE_CACHE", Path.home() / ".cache" / "g4serve"))
+
+
 def default_model_dir() -> Path:
     """The embedded default model, built on first use in the user's cache directory."""
-    cache = Path(os.environ.get("G4SERVE_CACHE", Path.home() / ".cache" / "g4serve"))
-    path = cache / f"tiny-e-v{TINY_FORMAT_VERSION}"
+    path = cache_dir() / f"tiny-e-v{TINY_FORMAT_VERSION}"
     marker = path / "g4serve_tiny.json"
     if not marker.is_file():
         # Build beside the target and rename, so a concurrent or interrupted build never
@@ -128,4 +132,4 @@ def default_model_dir() -> Path:
     return path
 
 
-__all__ = ["VARIANTS", "default_model_dir", "make_tiny", "tiny_config"]
+__all__ = ["VARIANTS", "cache_dir", "default_model_dir", "make_tiny", "tiny_config"]

@@ -52,12 +52,36 @@ def b64(data: bytes) -> str:
 def test_page_health_and_metrics(client):
     page = client.get("/")
     assert page.status_code == 200 and "getUserMedia" in page.text and "/v1/assistant/ws" in page.text
-    health = client.get("/health").json()
-    assert health["status"] == "ok" and health["llm"] is True
+    health = client.get("/health")
+    version = client.assistant.db.version
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "llm": True, "payee_version": version}
     client.post("/v1/assistant/turn", json={"session_id": "metrics", "text": "what's my balance"})
     metrics = client.get("/metrics").text
     assert 'g4serve_assistant_stage_seconds_bucket{le="0.0002",path="fast",stage="normalize"}' in metrics
     assert "g4serve_assistant_turns_total" in metrics
+
+
+def test_health_when_the_engine_died():
+    """The OpenAI server's /health shape: ``status`` for health checkers, ``error`` for API clients."""
+    from types import SimpleNamespace
+
+    assistant = Assistant(demo_db(), None)
+    assistant.engine = SimpleNamespace(dead=RuntimeError("boom"))  # only `dead` is read
+    with TestClient(build_app(assistant, warmup=False, owns_engine=False)) as c:
+        r = c.get("/health")
+    assert r.status_code == 503
+    assert r.json() == {
+        "status": "unavailable",
+        "llm": True,
+        "payee_version": assistant.db.version,
+        "error": {
+            "message": "engine is not running: RuntimeError('boom')",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        },
+    }
 
 
 def test_fast_path_turn(client):
@@ -266,3 +290,31 @@ def test_cli_import_payees_and_a_no_llm_app(tmp_path, capsys):
         with c.stream("POST", "/v1/assistant/qna", json={"question": "what is the overdraft fee"}) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert events[-1]["path"] == "extractive" and "$25" in events[1]["text"]
+
+
+def test_cli_default_db_is_in_the_cache_dir(tmp_path, monkeypatch, capsys):
+    """Without ``--db`` the database goes to ``<G4SERVE_CACHE>/assistant/``, never the working directory."""
+    from g4serve.assistant.cli import build_from_args, default_db_path
+    from g4serve.cli import build_parser, main
+
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("G4SERVE_CACHE", str(cache))
+    monkeypatch.chdir(work)
+    args = build_parser().parse_args(["assistant", "--no-llm"])
+    assert args.db is None and not cache.exists()  # parsing (and --help) creates nothing
+    expected = cache / "assistant" / "assistant.db"
+    assert default_db_path() == expected and expected.parent.is_dir()
+
+    with TestClient(build_from_args(args)) as c:
+        assert c.get("/health").json()["status"] == "ok"
+    assert expected.is_file()
+    csv_path = tmp_path / "payees.csv"
+    csv_path.write_text("payee_id,display_name,relationship\nzed_newman,Zed Newman,friend\n")
+    assert main(["assistant", "import-payees", str(csv_path)]) == 0
+    assert f"imported 1 payees into {expected}" in capsys.readouterr().out
+    assert list(work.iterdir()) == []  # no assistant.db, -wal or -shm here
+
+    override = tmp_path / "bank.db"
+    assert main(["assistant", "import-payees", str(csv_path), "--db", str(override)]) == 0
+    assert override.is_file()

@@ -10,7 +10,7 @@ from g4serve.config import PRESETS
 
 log = logging.getLogger("g4serve.assistant")
 
-DEFAULT_DB = "assistant.db"
+DEFAULT_DB_NAME = "assistant.db"
 
 
 def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,8 +19,12 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
                         "Gemma extraction and QnA; default: the embedded tiny model")
     p.add_argument("--no-llm", action="store_true",
                    help="no model: unsure utterances get a clarifying question, QnA answers extractively")
-    p.add_argument("--db", default=DEFAULT_DB, help=f"SQLite database (default ./{DEFAULT_DB}, seeded with demo "
-                                                    "data when it does not exist yet; ':memory:' for a throwaway one)")
+    db_help = (
+        f"SQLite database (default: <cache>/assistant/{DEFAULT_DB_NAME}, <cache> being $G4SERVE_CACHE or "
+        "~/.cache/g4serve; seeded with demo data when it does not exist yet; ':memory:' for a throwaway one)"
+    )
+    # Resolved at run time, not here: `g4serve --help` must not create the cache directory.
+    p.add_argument("--db", default=None, help=db_help)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--device", default="auto")
@@ -42,8 +46,23 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
                                                "[,aliases]) into the database")
     imp.add_argument("csv")
     # Own dest: argparse lets a subparser's default overwrite the parent's value of the same name.
-    imp.add_argument("--db", dest="import_db", default=None, help=f"database (default ./{DEFAULT_DB})")
+    imp.add_argument("--db", dest="import_db", default=None, help="database (default: as for the assistant)")
     p.set_defaults(func=run)
+
+
+def default_db_path() -> Path:
+    """``<cache>/assistant/assistant.db``, its directory created: a bare ``g4serve assistant`` must not
+    litter the working directory with the database and its SQLite ``-wal``/``-shm`` files."""
+    from g4serve.tiny import cache_dir
+
+    path = cache_dir() / "assistant" / DEFAULT_DB_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_db(path: str | None) -> str:
+    """``--db`` as given, else the default database in the cache directory."""
+    return path if path is not None else str(default_db_path())
 
 
 def open_db(path: str):
@@ -81,7 +100,9 @@ def build_from_args(args: argparse.Namespace):
 
     if not 0.0 < args.intent_threshold <= 1.0:
         raise ValueError(f"--intent-threshold: must be in (0, 1], got {args.intent_threshold}")
-    db = open_db(args.db)
+    db_path = resolve_db(args.db)
+    log.info("database %s", db_path)  # the default lives in the cache directory: say where
+    db = open_db(db_path)
     engine = None if args.no_llm else build_engine(args)
     assistant = Assistant(db, engine, recognizer=args.asr, intent_threshold=args.intent_threshold)
     return build_app(assistant)
@@ -89,7 +110,7 @@ def build_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     if args.assistant_command == "import-payees":
-        return import_payees(args.csv, args.import_db or args.db)
+        return import_payees(args.csv, resolve_db(args.import_db or args.db))
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
