@@ -69,14 +69,21 @@ def pytest(targets: list[str]) -> tuple[bool, list[str]]:
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *targets]
     result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
     print(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:])
-    failed = re.findall(r"^FAILED (\S+)", result.stdout, re.M) + re.findall(r"^ERROR (\S+)", result.stdout, re.M)
+    failed = re.findall(r"^FAILED (\S+)", result.stdout, re.M) + re.findall(
+        r"^ERROR (\S+)", result.stdout, re.M
+    )
     return result.returncode == 0, failed
 
 
 def requirements(names: list[str]) -> set[str]:
     """The direct requirements of ``names`` as installed in .venv-latest (lower-case)."""
     out = pip("show", *names).stdout
-    return {r.strip().lower() for line in re.findall(r"^Requires: (.*)$", out, re.M) for r in line.split(",") if r.strip()}
+    return {
+        r.strip().lower()
+        for line in re.findall(r"^Requires: (.*)$", out, re.M)
+        for r in line.split(",")
+        if r.strip()
+    }
 
 
 def main() -> int:
@@ -88,16 +95,34 @@ def main() -> int:
         venv.create(VENV, with_pip=True)
     # The pins without the floated packages: everything else stays as CI has it.
     VENV.mkdir(exist_ok=True)
-    loose.write_text("".join(line + "\n" for line in CONSTRAINTS.read_text().splitlines()
-                             if not any(re.match(rf"^{re.escape(p)}==", line, re.I) for p in floated)))
+    loose.write_text(
+        "".join(
+            line + "\n"
+            for line in CONSTRAINTS.read_text().splitlines()
+            if not any(re.match(rf"^{re.escape(p)}==", line, re.I) for p in floated)
+        )
+    )
     install(loose, "--upgrade", "pip", "setuptools")
-    args = ["--upgrade", "--upgrade-strategy", "only-if-needed", "--no-build-isolation", "-e", ".[test]", *floated]
+    args = [
+        "--upgrade",
+        "--upgrade-strategy",
+        "only-if-needed",
+        "--no-build-isolation",
+        "-e",
+        ".[test]",
+        *floated,
+    ]
     if not install(loose, *args, exit_on_error=False):
         # A newest release needs a newer version of something pinned: float its direct requirements too.
         released = sorted(requirements(floated) & set(pinned) - set(floated))
         print(f"the newest releases need newer requirements; floating their pins too: {', '.join(released)}")
-        loose.write_text("".join(line + "\n" for line in loose.read_text().splitlines()
-                                 if not any(re.match(rf"^{re.escape(p)}==", line, re.I) for p in released)))
+        loose.write_text(
+            "".join(
+                line + "\n"
+                for line in loose.read_text().splitlines()
+                if not any(re.match(rf"^{re.escape(p)}==", line, re.I) for p in released)
+            )
+        )
         install(loose, *args)
     newest = {p: installed(p) for p in floated}
     moved = {p: (pinned.get(p), v) for p, v in newest.items() if v != pinned.get(p)}
@@ -105,7 +130,10 @@ def main() -> int:
     for name, group in FLOATED.items():
         companions = [p for p in group[1:] if p in moved]
         line = f"{name:14s} {pinned.get(name, '-'):10s} {newest[name]}"
-        print(line + (f"  (+ {len(companions)} companions moved: {', '.join(companions)})" if companions else ""))
+        print(
+            line
+            + (f"  (+ {len(companions)} companions moved: {', '.join(companions)})" if companions else "")
+        )
     report: dict = {"pinned": {p: pinned.get(p) for p in floated}, "newest": newest, "culprits": {}}
     ok, failed = pytest(ORACLE_TESTS)
     report["failed_with_all_newest"] = failed
@@ -118,18 +146,28 @@ def main() -> int:
             install(loose, *(f"{p}=={newest[p]}" for p in group if newest[p]))
             alone_ok, alone_failed = pytest(failed)
             report["culprits"][name] = alone_failed
-            print(f"  {name} {newest[group[0]]} alone: "
-                  f"{'no failure' if alone_ok else f'{len(alone_failed)} of the failures'}")
+            print(
+                f"  {name} {newest[group[0]]} alone: "
+                f"{'no failure' if alone_ok else f'{len(alone_failed)} of the failures'}"
+            )
             install(CONSTRAINTS, *(f"{p}=={pinned[p]}" for p in group if p in pinned))
     (VENV / "drift.json").write_text(json.dumps(report, indent=2))
     if ok:
         names = [f"{n} {newest[n]}" for n in FLOATED if n in moved]
-        print("no drift: the oracle tests pass with the newest releases"
-              + (f" ({', '.join(names)})" if names else " (the pins are the newest)"))
+        print(
+            "no drift: the oracle tests pass with the newest releases"
+            + (f" ({', '.join(names)})" if names else " (the pins are the newest)")
+        )
         return 0
     culprits = [n for n, f in report["culprits"].items() if f]
-    print("drift: " + (", ".join(f"{n} {newest[FLOATED[n][0]]}" for n in culprits) if culprits
-                       else "only with several new releases together (none fails alone)"))
+    print(
+        "drift: "
+        + (
+            ", ".join(f"{n} {newest[FLOATED[n][0]]}" for n in culprits)
+            if culprits
+            else "only with several new releases together (none fails alone)"
+        )
+    )
     return 1 if os.environ.get("STRICT") == "1" else 0
 
 

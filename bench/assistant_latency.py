@@ -27,22 +27,41 @@ import numpy as np
 
 # Clear utterances: the fast path must decide these without the model.
 FAST_UTTERANCES = [
-    "what's my balance", "what is my savings balance", "show my recent transactions",
-    "show me my last three transactions", "send fifty dollars to John Smith", "transfer $120.50 to Priya Patel",
-    "pay City Electric 94 dollars and 20 cents", "lock my debit card", "unlock my credit card",
-    "I want to talk to a person", "what are your branch hours", "how much does an ATM withdrawal cost",
-    "send twenty euros to François Dubois", "pay my water bill", "who is Maria Gonzalez",
+    "what's my balance",
+    "what is my savings balance",
+    "show my recent transactions",
+    "show me my last three transactions",
+    "send fifty dollars to John Smith",
+    "transfer $120.50 to Priya Patel",
+    "pay City Electric 94 dollars and 20 cents",
+    "lock my debit card",
+    "unlock my credit card",
+    "I want to talk to a person",
+    "what are your branch hours",
+    "how much does an ATM withdrawal cost",
+    "send twenty euros to François Dubois",
+    "pay my water bill",
+    "who is Maria Gonzalez",
 ]
 # A transfer then its confirmation: the confirmation turn is timed too (it executes the transfer).
 CONFIRM_FLOWS = [("send 25 dollars to Tom Wilson", "yes"), ("pay Skyline Mobile 65 dollars", "no")]
 # Unclear utterances: the fast path hands these to Gemma (when one is attached).
 AMBIGUOUS_UTTERANCES = [
-    "send fifty to jon", "give catherine twenty bucks", "um the power thing needs paying I guess",
-    "can you sort out steven", "move some money to my sister", "the usual for the nanny",
+    "send fifty to jon",
+    "give catherine twenty bucks",
+    "um the power thing needs paying I guess",
+    "can you sort out steven",
+    "move some money to my sister",
+    "the usual for the nanny",
 ]
 SPOKEN_UTTERANCES = [
-    "what's my balance", "show my recent transactions", "send fifty dollars to john smith",
-    "lock my debit card", "pay city electric", "talk to a person", "transfer twenty dollars to priya patel",
+    "what's my balance",
+    "show my recent transactions",
+    "send fifty dollars to john smith",
+    "lock my debit card",
+    "pay city electric",
+    "talk to a person",
+    "transfer twenty dollars to priya patel",
     "what is my savings balance",
 ]
 
@@ -51,9 +70,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     arr = np.asarray(values, dtype=np.float64)
-    return {"n": len(values), "mean": round(float(arr.mean()), 3), "p50": round(float(np.percentile(arr, 50)), 3),
-            "p95": round(float(np.percentile(arr, 95)), 3), "p99": round(float(np.percentile(arr, 99)), 3),
-            "max": round(float(arr.max()), 3)}
+    return {
+        "n": len(values),
+        "mean": round(float(arr.mean()), 3),
+        "p50": round(float(np.percentile(arr, 50)), 3),
+        "p95": round(float(np.percentile(arr, 95)), 3),
+        "p99": round(float(np.percentile(arr, 99)), 3),
+        "max": round(float(arr.max()), 3),
+    }
 
 
 def stage_table(results: list[dict]) -> dict[str, dict[str, float]]:
@@ -68,8 +92,11 @@ def synthesize(text: str, out: Path, voice: str = "en-us", words_per_minute: int
     """espeak-ng speech at 16 kHz with 0.3 s of silence before and 0.8 s after (room for VAD end-pointing)."""
     from g4serve.assistant.audio import decode_wav
 
-    subprocess.run(["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", str(out), text], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", str(out), text],
+        check=True,
+        capture_output=True,
+    )
     speech = decode_wav(out.read_bytes())
     return np.concatenate([np.zeros(4800, np.float32), speech, np.zeros(12800, np.float32)])
 
@@ -108,10 +135,14 @@ async def bench_audio(assistant, repeats: int) -> dict:
                     break
             heard, clock = await assistant.in_audio_thread(utterance.finish)
             streamed.append((await assistant.decide(f"stream-{r}-{i}", heard.text, clock, heard)).to_dict())
-    return {"clips": len(clips), "audio_s": [round(a.size / 16000, 2) for _, a in clips],
-            "transcript_exact_match": round(exact / max(len(whole), 1), 3),
-            "whole_file_stages_ms": stage_table(whole), "streamed_stages_ms": stage_table(streamed),
-            "transcripts": {t: o["transcript"] for (t, _), o in zip(clips, whole[: len(clips)], strict=True)}}
+    return {
+        "clips": len(clips),
+        "audio_s": [round(a.size / 16000, 2) for _, a in clips],
+        "transcript_exact_match": round(exact / max(len(whole), 1), 3),
+        "whole_file_stages_ms": stage_table(whole),
+        "streamed_stages_ms": stage_table(streamed),
+        "transcripts": {t: o["transcript"] for (t, _), o in zip(clips, whole[: len(clips)], strict=True)},
+    }
 
 
 async def bench_llm(assistant, repeats: int) -> dict:
@@ -127,10 +158,16 @@ async def bench_llm(assistant, repeats: int) -> dict:
             candidates = index.find_in_utterance(text, k=5) or index.search(text, k=5)
             ex = await extractor.extract(text, candidates)
             calls.append(ex)
-    turns = [(await assistant.turn(f"gemma-{i}", text=t)).to_dict() for i, t in enumerate(AMBIGUOUS_UTTERANCES)]
+    turns = [
+        (await assistant.turn(f"gemma-{i}", text=t)).to_dict() for i, t in enumerate(AMBIGUOUS_UTTERANCES)
+    ]
     return {
-        "calls": len(calls), "valid": sum(c.valid for c in calls), "max_tokens": extractor.max_tokens,
-        "finish_reasons": {r: sum(c.finish_reason == r for c in calls) for r in {c.finish_reason for c in calls}},
+        "calls": len(calls),
+        "valid": sum(c.valid for c in calls),
+        "max_tokens": extractor.max_tokens,
+        "finish_reasons": {
+            r: sum(c.finish_reason == r for c in calls) for r in {c.finish_reason for c in calls}
+        },
         "llm_ms": percentiles([c.llm_ms for c in calls]),
         "validation_ms": percentiles([c.validation_ms for c in calls]),
         "prompt_tokens": percentiles([c.prompt_tokens for c in calls]),
@@ -142,8 +179,14 @@ async def bench_llm(assistant, repeats: int) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Assistant latency ({report['device']}, model {report['model']})", "",
-             f"commit {report['commit']}, {report['date']}", "", f"`{report['command']}`", ""]
+    lines = [
+        f"# Assistant latency ({report['device']}, model {report['model']})",
+        "",
+        f"commit {report['commit']}, {report['date']}",
+        "",
+        f"`{report['command']}`",
+        "",
+    ]
 
     def table(title: str, stages: dict) -> None:
         lines.extend([f"## {title}", "", "| stage | n | p50 ms | p95 ms | p99 ms |", "|---|---|---|---|---|"])
@@ -156,30 +199,47 @@ def markdown(report: dict) -> str:
         table("Fast path: transcript -> decision (no model)", figures["fast_path"]["stages_ms"])
     if "audio" in figures:
         a = figures["audio"]
-        lines.append(f"Audio: {a['clips']} espeak-ng clips, exact transcripts {a['transcript_exact_match']:.0%}\n")
+        lines.append(
+            f"Audio: {a['clips']} espeak-ng clips, exact transcripts {a['transcript_exact_match']:.0%}\n"
+        )
         table("Audio, whole WAV file", a["whole_file_stages_ms"])
         table("Audio, streamed in 100 ms chunks", a["streamed_stages_ms"])
     if "llm" in figures:
         llm = figures["llm"]
-        lines.append(f"Gemma extraction: {llm['calls']} calls, {llm['valid']} valid, max_tokens {llm['max_tokens']}\n")
-        table("Gemma extraction call", {k: llm[k] for k in ("llm_ms", "validation_ms", "prompt_tokens",
-                                                             "cached_tokens", "output_tokens")})
+        lines.append(
+            f"Gemma extraction: {llm['calls']} calls, {llm['valid']} valid, max_tokens {llm['max_tokens']}\n"
+        )
+        table(
+            "Gemma extraction call",
+            {
+                k: llm[k]
+                for k in ("llm_ms", "validation_ms", "prompt_tokens", "cached_tokens", "output_tokens")
+            },
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="checkpoint directory or preset; 'none' skips the LLM part")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="tiny", help="checkpoint directory or preset; 'none' skips the LLM part"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5, help="passes over the fast-path utterances")
     parser.add_argument("--audio-repeats", type=int, default=2)
     parser.add_argument("--llm-repeats", type=int, default=3)
-    parser.add_argument("--extraction-max-tokens", type=int, default=None,
-                        help="cap the extraction call at exactly N tokens (default: 96, raised to the schema's "
-                             "bound when the tokenizer needs more, as the assistant does); a random-weight preset "
-                             "borrows the tiny 1k tokenizer, so use 96 there to time the call the target is about")
+    parser.add_argument(
+        "--extraction-max-tokens",
+        type=int,
+        default=None,
+        help="cap the extraction call at exactly N tokens (default: 96, raised to the schema's "
+        "bound when the tokenizer needs more, as the assistant does); a random-weight preset "
+        "borrows the tiny 1k tokenizer, so use 96 there to time the call the target is about",
+    )
     parser.add_argument("--no-audio", action="store_true")
     parser.add_argument("--out", default="bench/results", help="directory for the JSON and markdown reports")
     args = parser.parse_args(argv)
@@ -198,9 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         from g4serve.engine.engine import EngineConfig
 
         kv = args.kv_cache_bytes or ((64 << 20) if args.device == "cpu" else None)
-        engine = AsyncLLMEngine.from_config(EngineConfig(
-            model=None if args.model == "tiny" else args.model, device=args.device, dtype=args.dtype,
-            kv_cache_bytes=kv, text_only=True, max_model_len=4096, gpu_memory_utilization=0.5))
+        engine = AsyncLLMEngine.from_config(
+            EngineConfig(
+                model=None if args.model == "tiny" else args.model,
+                device=args.device,
+                dtype=args.dtype,
+                kv_cache_bytes=kv,
+                text_only=True,
+                max_model_len=4096,
+                gpu_memory_utilization=0.5,
+            )
+        )
     assistant = Assistant(demo_db(), engine)
     if assistant.extractor is not None and args.extraction_max_tokens is not None:
         assistant.extractor.max_tokens = args.extraction_max_tokens  # exactly this cap; outputs may truncate
@@ -227,10 +295,15 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
     device = device_name(args.device)
     report = {
-        "benchmark": "assistant_latency", "commit": git_commit(), "device": device,
+        "benchmark": "assistant_latency",
+        "commit": git_commit(),
+        "device": device,
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]), "model": args.model,
-        "torch": torch.__version__, "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "model": args.model,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
         "units": {"*_ms": "milliseconds", "*_tokens": "tokens", "audio_s": "seconds"},
         "targets": {"fast_path_total_p95_ms": 50, "gemma_extraction_llm_p95_ms_h100_e4b": 150},
         "figures": figures,
@@ -246,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     fast = figures["fast_path"]["stages_ms"]["total"]
     print(f"fast path total p95 {fast['p95']:.2f} ms (target 50 ms)")
     if "llm" in figures:
-        print(f"extraction llm p50 {figures['llm']['llm_ms']['p50']:.1f} ms, p95 {figures['llm']['llm_ms']['p95']:.1f} ms")
+        print(
+            f"extraction llm p50 {figures['llm']['llm_ms']['p50']:.1f} ms, p95 {figures['llm']['llm_ms']['p95']:.1f} ms"
+        )
     return 0
 
 

@@ -38,8 +38,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--kinds", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     p.add_argument("--head-dims", type=int, nargs="+", default=[256, 512])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -48,15 +49,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--window", type=int, default=None, help="sliding window for every run (default: none, "
-                   "so both head dims read the same context)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding window for every run (default: none, so both head dims read the same context)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=512, help="new tokens per sequence in a prefill call")
-    p.add_argument("--max-prefill-tokens", type=int, default=16384,
-                   help="prefill calls with more query tokens (batch x chunk) are skipped")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=16384,
+        help="prefill calls with more query tokens (batch x chunk) are skipped",
+    )
     p.add_argument("--num-splits", type=int, default=None, help="decode split-KV count (default: the policy)")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs per shape")
-    p.add_argument("--cold-bytes", type=int, default=256 << 20,
-                   help="graph timing cycles over input copies until this many bytes lie between two uses")
+    p.add_argument(
+        "--cold-bytes",
+        type=int,
+        default=256 << 20,
+        help="graph timing cycles over input copies until this many bytes lie between two uses",
+    )
     p.add_argument("--graph-replays", type=int, default=7)
     p.add_argument("--warmup-ms", type=int, default=10, help="eager timing (do_bench)")
     p.add_argument("--rep-ms", type=int, default=50, help="eager timing (do_bench)")
@@ -91,13 +104,33 @@ def time_call(make_call, input_bytes: int, args) -> tuple[float, float]:
     return kernel_ms, eager_ms
 
 
-def _row(kind: str, head_dim: int, batch: int, context: int, overrides, kernel_ms: float, eager_ms: float,
-         total: int, kv_bytes: int, flops: float, **extra) -> dict:
-    return {"kind": kind, "head_dim": head_dim, "batch": batch, "context": context, **extra,
-            "config": overrides or None, "time_ms": kernel_ms, "eager_time_ms": eager_ms,
-            "bytes_moved": total,
-            "kv_bytes": kv_bytes, "achieved_gb_per_s": total / kernel_ms / 1e6,
-            "achieved_tflop_per_s": flops / kernel_ms / 1e9}
+def _row(
+    kind: str,
+    head_dim: int,
+    batch: int,
+    context: int,
+    overrides,
+    kernel_ms: float,
+    eager_ms: float,
+    total: int,
+    kv_bytes: int,
+    flops: float,
+    **extra,
+) -> dict:
+    return {
+        "kind": kind,
+        "head_dim": head_dim,
+        "batch": batch,
+        "context": context,
+        **extra,
+        "config": overrides or None,
+        "time_ms": kernel_ms,
+        "eager_time_ms": eager_ms,
+        "bytes_moved": total,
+        "kv_bytes": kv_bytes,
+        "achieved_gb_per_s": total / kernel_ms / 1e6,
+        "achieved_tflop_per_s": flops / kernel_ms / 1e9,
+    }
 
 
 def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides: dict | None = None) -> dict:
@@ -105,14 +138,29 @@ def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides
     overrides = dict(overrides or {})
     block_n = overrides.get("block_n") or decode_config(head_dim)["block_n"]
     kv_len = min(context, args.window + block_n) if args.window else context
-    splits = overrides.pop("num_splits", None) or args.num_splits or decode_num_splits(
-        batch, args.kv_heads, kv_len, block_n, torch.cuda.get_device_properties(0).multi_processor_count)
+    splits = (
+        overrides.pop("num_splits", None)
+        or args.num_splits
+        or decode_num_splits(
+            batch, args.kv_heads, kv_len, block_n, torch.cuda.get_device_properties(0).multi_processor_count
+        )
+    )
 
     def make_call():
         k_cache, v_cache, tables, q = _paged_inputs(batch, context, args, head_dim, dtype, 1)
         out = torch.empty_like(q)
-        return lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, args.page_size,
-                                              window=args.window, num_splits=splits, out=out, **overrides)
+        return lambda: paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            seq_lens,
+            args.page_size,
+            window=args.window,
+            num_splits=splits,
+            out=out,
+            **overrides,
+        )
 
     item = torch.empty((), dtype=dtype).element_size()
     keys = min(context, args.window) if args.window else context
@@ -120,12 +168,24 @@ def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides
     total = kv_bytes + 2 * batch * args.q_heads * head_dim * item + batch * -(-keys // args.page_size) * 4
     kernel_ms, eager_ms = time_call(make_call, 2 * batch * context * args.kv_heads * head_dim * item, args)
     flops = 4 * batch * args.q_heads * keys * head_dim
-    return _row("decode", head_dim, batch, context, overrides, kernel_ms, eager_ms, total, kv_bytes, flops,
-                num_splits=splits)
+    return _row(
+        "decode",
+        head_dim,
+        batch,
+        context,
+        overrides,
+        kernel_ms,
+        eager_ms,
+        total,
+        kv_bytes,
+        flops,
+        num_splits=splits,
+    )
 
 
-def bench_prefill(args, head_dim: int, batch: int, context: int, dtype,
-                  overrides: dict | None = None) -> dict | None:
+def bench_prefill(
+    args, head_dim: int, batch: int, context: int, dtype, overrides: dict | None = None
+) -> dict | None:
     chunk = min(args.prefill_chunk, context)
     if batch * chunk > args.max_prefill_tokens:
         return None
@@ -136,9 +196,20 @@ def bench_prefill(args, head_dim: int, batch: int, context: int, dtype,
     def make_call():
         k_cache, v_cache, tables, q = _paged_inputs(batch, context, args, head_dim, dtype, chunk)
         out = torch.empty_like(q)
-        return lambda: paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions,
-                                               args.page_size, chunk, window=args.window, out=out,
-                                               **(overrides or {}))
+        return lambda: paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            seq_lens,
+            starts,
+            positions,
+            args.page_size,
+            chunk,
+            window=args.window,
+            out=out,
+            **(overrides or {}),
+        )
 
     item = torch.empty((), dtype=dtype).element_size()
     # FLOPs: keys each query sees (causal, optional window), summed. Bytes: the visible keys read once.
@@ -150,20 +221,35 @@ def bench_prefill(args, head_dim: int, batch: int, context: int, dtype,
     qo_bytes = 2 * batch * chunk * args.q_heads * head_dim * item
     total = kv_bytes + qo_bytes + batch * -(-keys // args.page_size) * 4
     kernel_ms, eager_ms = time_call(make_call, 2 * batch * context * args.kv_heads * head_dim * item, args)
-    return _row("prefill", head_dim, batch, context, overrides, kernel_ms, eager_ms, total, kv_bytes, flops,
-                chunk=chunk)
+    return _row(
+        "prefill",
+        head_dim,
+        batch,
+        context,
+        overrides,
+        kernel_ms,
+        eager_ms,
+        total,
+        kv_bytes,
+        flops,
+        chunk=chunk,
+    )
 
 
 def sweep_configs(kind: str, head_dim: int) -> list[dict]:
     if kind == "decode":
-        return [{"block_n": bn, "num_warps": w, "num_stages": s}
-                for bn, w, s in itertools.product([16, 32, 64], [4, 8], [1, 2, 3])]
+        return [
+            {"block_n": bn, "num_warps": w, "num_stages": s}
+            for bn, w, s in itertools.product([16, 32, 64], [4, 8], [1, 2, 3])
+        ]
     if head_dim <= 256:
         grid = itertools.product([64, 128], [32, 64, 128], [4, 8, 16], [1, 2, 3], [1])
     else:  # the fp32 accumulator is BLOCK_M x 512: more warps or output-dim chunks keep it in registers
         grid = itertools.product([64, 128], [16, 32, 64], [8, 16], [1, 2], [1, 2])
-    return [{"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, "dv_chunks": dv}
-            for bm, bn, w, s, dv in grid]
+    return [
+        {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, "dv_chunks": dv}
+        for bm, bn, w, s, dv in grid
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -179,8 +265,13 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             row = benches[kind](args, head_dim, batch, context, dtype)
         except torch.cuda.OutOfMemoryError:
-            row = {"kind": kind, "head_dim": head_dim, "batch": batch, "context": context,
-                   "skipped": "out of memory"}
+            row = {
+                "kind": kind,
+                "head_dim": head_dim,
+                "batch": batch,
+                "context": context,
+                "skipped": "out of memory",
+            }
         if row is None:
             continue
         if args.sweep:
@@ -200,28 +291,46 @@ def main(argv: list[str] | None = None) -> dict:
         if "time_ms" in row:
             best = row.get("sweep_best")
             extra = f"  best {best['time_ms']:.4f} ms {best['config']}" if best else ""
-            print(f"{kind:8s} D={head_dim:4d} B={batch:3d} ctx={context:6d}  {row['time_ms']:.4f} ms "
-                  f"(eager {row['eager_time_ms']:.4f})  "
-                  f"{row['achieved_gb_per_s']:7.1f} GB/s  {row['achieved_tflop_per_s']:6.1f} TFLOP/s{extra}")
+            print(
+                f"{kind:8s} D={head_dim:4d} B={batch:3d} ctx={context:6d}  {row['time_ms']:.4f} ms "
+                f"(eager {row['eager_time_ms']:.4f})  "
+                f"{row['achieved_gb_per_s']:7.1f} GB/s  {row['achieved_tflop_per_s']:6.1f} TFLOP/s{extra}"
+            )
 
     # head_dim 512 vs 256: time per byte moved (1.0: the 512 kernel moves its bytes as fast as the 256 one).
     ratios = []
     for kind, batch, context in itertools.product(args.kinds, args.batch, args.context):
-        pick = {r["head_dim"]: r for r in rows
-                if (r["kind"], r["batch"], r["context"]) == (kind, batch, context) and "time_ms" in r}
+        pick = {
+            r["head_dim"]: r
+            for r in rows
+            if (r["kind"], r["batch"], r["context"]) == (kind, batch, context) and "time_ms" in r
+        }
         if 256 in pick and 512 in pick:
             per_byte = {d: pick[d]["time_ms"] / pick[d]["bytes_moved"] for d in (256, 512)}
-            ratios.append({"kind": kind, "batch": batch, "context": context,
-                               "d512_vs_d256_time_per_byte": per_byte[512] / per_byte[256],
-                               "within_1_3x": per_byte[512] / per_byte[256] <= 1.3})
+            ratios.append(
+                {
+                    "kind": kind,
+                    "batch": batch,
+                    "context": context,
+                    "d512_vs_d256_time_per_byte": per_byte[512] / per_byte[256],
+                    "within_1_3x": per_byte[512] / per_byte[256] <= 1.3,
+                }
+            )
     for r in ratios:
-        print(f"{r['kind']:8s} B={r['batch']:3d} ctx={r['context']:6d}  D512/D256 time per byte "
-              f"{r['d512_vs_d256_time_per_byte']:.2f}{'' if r['within_1_3x'] else '  (> 1.3)'}")
-    result = {"environment": env, "parameters": vars(args),
-                  "default_configs": {d: {"decode": decode_config(d),
-                                          "prefill": prefill_config(d, args.q_heads // args.kv_heads)}
-                                   for d in args.head_dims},
-                  "results": rows, "d512_vs_d256": ratios}
+        print(
+            f"{r['kind']:8s} B={r['batch']:3d} ctx={r['context']:6d}  D512/D256 time per byte "
+            f"{r['d512_vs_d256_time_per_byte']:.2f}{'' if r['within_1_3x'] else '  (> 1.3)'}"
+        )
+    result = {
+        "environment": env,
+        "parameters": vars(args),
+        "default_configs": {
+            d: {"decode": decode_config(d), "prefill": prefill_config(d, args.q_heads // args.kv_heads)}
+            for d in args.head_dims
+        },
+        "results": rows,
+        "d512_vs_d256": ratios,
+    }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

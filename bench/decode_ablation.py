@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         if name not in ABLATIONS:
             p.error(f"--ablate: unknown piece {name!r} (choose from {', '.join(ABLATIONS)})")
         ABLATIONS[name]()
-    sys.argv = [str(HERE / "engine_microbench.py"), *argv[split + 1:]]
+    sys.argv = [str(HERE / "engine_microbench.py"), *argv[split + 1 :]]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 

@@ -75,12 +75,17 @@ def prompt_ids(engine: LLMEngine, length: int, salt: int) -> dict:
     return {"prompt_token_ids": [engine.tokenizer.bos_token_id or 2, *ids[1:]]}
 
 
-def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, sampling: dict | None = None) -> dict:
+def bench_decode(
+    engine: LLMEngine, batch: int, prompt_len: int, steps: int, sampling: dict | None = None
+) -> dict:
     """Decode ITL at ``batch``; ``sampling``: SamplingParams fields of the requests (default greedy)."""
     params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(engine.make_request(f"d{batch}-{i}", engine.process_prompt(prompt_ids(engine, prompt_len, i)),
-                                               params))
+        engine.add_request(
+            engine.make_request(
+                f"d{batch}-{i}", engine.process_prompt(prompt_ids(engine, prompt_len, i)), params
+            )
+        )
     # Prefill everything (and one decode step so every request is in steady decode).
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
@@ -98,9 +103,15 @@ def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, sam
     total = time.perf_counter() - start
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    return {"batch": batch, "prompt_tokens": prompt_len, "steps": steps,
-            "itl_mean_ms": 1e3 * total / steps, "itl_p50_ms": 1e3 * statistics.median(times),
-            "itl_min_ms": 1e3 * min(times), "output_tokens_per_s": batch / statistics.median(times)}
+    return {
+        "batch": batch,
+        "prompt_tokens": prompt_len,
+        "steps": steps,
+        "itl_mean_ms": 1e3 * total / steps,
+        "itl_p50_ms": 1e3 * statistics.median(times),
+        "itl_min_ms": 1e3 * min(times),
+        "output_tokens_per_s": batch / statistics.median(times),
+    }
 
 
 def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
@@ -108,8 +119,9 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
     ttfts = []
     for rep in range(reps + 1):  # the first is warm-up
         # A fresh prompt each time: no prefix-cache hits.
-        request = engine.make_request(f"p{length}-{rep}", engine.process_prompt(prompt_ids(engine, length, 10_000 + rep)),
-                                      params)
+        request = engine.make_request(
+            f"p{length}-{rep}", engine.process_prompt(prompt_ids(engine, length, 10_000 + rep)), params
+        )
         _sync(engine.device)
         t0 = time.perf_counter()
         engine.add_request(request)
@@ -117,8 +129,13 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
         _sync(engine.device)
         if rep:
             ttfts.append(time.perf_counter() - t0)
-    return {"prompt_tokens": length, "reps": reps, "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
-            "ttft_p50_ms": 1e3 * statistics.median(ttfts), "ttft_min_ms": 1e3 * min(ttfts)}
+    return {
+        "prompt_tokens": length,
+        "reps": reps,
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
+        "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+        "ttft_min_ms": 1e3 * min(ttfts),
+    }
 
 
 def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int = 8) -> dict:
@@ -129,7 +146,9 @@ def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: in
     for i in range(batch):
         prompt = engine.process_prompt(prompt_ids(engine, prompt_len, 99 + i))
         engine.add_request(engine.make_request(f"prof-{i}", prompt, params))
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):  # prefill all
+    while any(
+        r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()
+    ):  # prefill all
         engine.step()
     engine.step()
     _sync(engine.device)
@@ -146,10 +165,17 @@ def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: in
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / steps
     kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / steps
     table = events.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40)
-    summary = {"steps": steps, "wall_ms_per_step": wall_ms, "device_ms_per_step": device_us / 1e3,
-               "device_ops_per_step": kernels}
-    print(f"profile (batch {batch}): {wall_ms:.2f} ms wall per step, {device_us / 1e3:.2f} ms of device time, "
-          f"{kernels:.0f} device ops", flush=True)
+    summary = {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms,
+        "device_ms_per_step": device_us / 1e3,
+        "device_ops_per_step": kernels,
+    }
+    print(
+        f"profile (batch {batch}): {wall_ms:.2f} ms wall per step, {device_us / 1e3:.2f} ms of device time, "
+        f"{kernels:.0f} device ops",
+        flush=True,
+    )
     return {"summary": summary, "table": table}
 
 
@@ -161,8 +187,11 @@ def host_profile_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: i
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(engine.make_request(f"h{i}", engine.process_prompt(prompt_ids(engine, prompt_len, 500 + i)),
-                                               params))
+        engine.add_request(
+            engine.make_request(
+                f"h{i}", engine.process_prompt(prompt_ids(engine, prompt_len, 500 + i)), params
+            )
+        )
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
     engine.step()
@@ -180,7 +209,9 @@ def host_profile_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="preset (e4b, ...) or checkpoint dir; default: embedded tiny model")
+    p.add_argument(
+        "--model", default=None, help="preset (e4b, ...) or checkpoint dir; default: embedded tiny model"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batches", default="1,8,32,64")
@@ -192,49 +223,82 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="launch each step before reading the previous one back (EngineConfig.async_scheduling; "
-                        "default: on)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="decode requests sample at this temperature (default 0: greedy, the argmax in the graph)")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch each step before reading the previous one back (EngineConfig.async_scheduling; "
+        "default: on)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="decode requests sample at this temperature (default 0: greedy, the argmax in the graph)",
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="decode requests' top_p (with --temperature)")
     p.add_argument("--top-k", type=int, default=0, help="decode requests' top_k (with --temperature)")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON")
-    p.add_argument("--profile-batches", default=None,
-                   help="comma-separated batch sizes to profile (implies --profile; default 1)")
-    p.add_argument("--cprofile", action="store_true",
-                   help="also run cProfile over decode steps at the largest batch: host-side hot spots next to the JSON")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile 8 decode steps at batch 1 (torch.profiler): kernel table next to the JSON",
+    )
+    p.add_argument(
+        "--profile-batches",
+        default=None,
+        help="comma-separated batch sizes to profile (implies --profile; default 1)",
+    )
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="also run cProfile over decode steps at the largest batch: host-side hot spots next to the JSON",
+    )
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
 
     batches = [int(b) for b in args.batches.split(",") if b]
     lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, text_only=True,
-                          max_num_seqs=max(batches), max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
-                          kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
-                          attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                          async_scheduling=args.async_scheduling)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        text_only=True,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=False,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
+    )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t0
     device = engine.device
-    print(f"loaded {args.model or 'tiny'} on {device} in {load_s:.1f}s; KV {engine.kv.capacity_tokens()}", flush=True)
+    print(
+        f"loaded {args.model or 'tiny'} on {device} in {load_s:.1f}s; KV {engine.kv.capacity_tokens()}",
+        flush=True,
+    )
 
     bandwidth = copy_bandwidth_gbps(device)
     weight_bytes = decode_weight_bytes(engine)
     floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-    print(f"copy bandwidth {bandwidth:.0f} GB/s; decode reads {weight_bytes / 1e9:.2f} GB of weights "
-          f"-> floor {floor_ms:.2f} ms/step at batch 1", flush=True)
+    print(
+        f"copy bandwidth {bandwidth:.0f} GB/s; decode reads {weight_bytes / 1e9:.2f} GB of weights "
+        f"-> floor {floor_ms:.2f} ms/step at batch 1",
+        flush=True,
+    )
 
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     decode = []
     for b in batches:
         row = bench_decode(engine, b, args.decode_prompt_tokens, args.decode_steps, sampling)
         decode.append(row)
-        print(f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
-              flush=True)
+        print(
+            f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
+            flush=True,
+        )
     graphed = engine.runner.num_graph_steps > 0
     prefill = []
     for length in lengths:
@@ -242,12 +306,19 @@ def main(argv: list[str] | None = None) -> int:
         prefill.append(row)
         print(f"prefill {length:5d} tokens: TTFT p50 {row['ttft_p50_ms']:.2f} ms", flush=True)
     # Last: CUPTI stays attached after a profile and slows later launches.
-    profile_batches = [int(b) for b in (args.profile_batches or ("1" if args.profile else "")).split(",") if b]
+    profile_batches = [
+        int(b) for b in (args.profile_batches or ("1" if args.profile else "")).split(",") if b
+    ]
     profiles = {b: profile_decode(engine, args.decode_prompt_tokens, b) for b in profile_batches}
-    host_profile = host_profile_decode(engine, max(batches), args.decode_prompt_tokens) if args.cprofile else None
+    host_profile = (
+        host_profile_decode(engine, max(batches), args.decode_prompt_tokens) if args.cprofile else None
+    )
 
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else platform.processor() or platform.machine())
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
     result = {
         "benchmark": "engine_microbench",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -271,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for b, prof in profiles.items():
         result[f"profile_batch{b}"] = prof["summary"]
-    path = write_result_json(args.out, f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}",
-                             result)
+    path = write_result_json(
+        args.out, f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}", result
+    )
     for b, prof in profiles.items():
         path.with_suffix(".profile.txt" if b == 1 else f".profile-b{b}.txt").write_text(prof["table"])
     if host_profile is not None:

@@ -35,8 +35,9 @@ EPILOGUE_NAMES = {PLAIN: "plain", GATE_UP: "gate_up+act", MUL: "act*other"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", default="e4b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--stream-mb", type=int, default=256, help="bytes of weight copies each graph cycles over")
@@ -55,11 +56,17 @@ def decode_shapes(preset: str) -> list[tuple[str, int, int, int, int]]:
         hd, kv = t.layer_head_dim(i), t.layer_num_kv_heads(i)
         q = t.num_attention_heads * hd
         kv_cols = 0 if i >= t.first_kv_shared_layer else kv * hd * (1 if t.layer_uses_k_as_v(i) else 2)
-        rows = [("qkv" if kv_cols else "q", PLAIN, q + kv_cols, h), ("o", PLAIN, h, q),
-                ("gate_up", GATE_UP, t.layer_intermediate_size(i), h), ("down", PLAIN, h, t.layer_intermediate_size(i))]
+        rows = [
+            ("qkv" if kv_cols else "q", PLAIN, q + kv_cols, h),
+            ("o", PLAIN, h, q),
+            ("gate_up", GATE_UP, t.layer_intermediate_size(i), h),
+            ("down", PLAIN, h, t.layer_intermediate_size(i)),
+        ]
         if t.hidden_size_per_layer_input:
-            rows += [("ple_gate", MUL, t.hidden_size_per_layer_input, h),
-                     ("ple_proj", PLAIN, h, t.hidden_size_per_layer_input)]
+            rows += [
+                ("ple_gate", MUL, t.hidden_size_per_layer_input, h),
+                ("ple_proj", PLAIN, h, t.hidden_size_per_layer_input),
+            ]
         for row in rows:
             seen[row] = seen.get(row, 0) + 1
     if t.hidden_size_per_layer_input:
@@ -72,10 +79,14 @@ def decode_shapes(preset: str) -> list[tuple[str, int, int, int, int]]:
 
 def _configs(m: int) -> list[dict[str, int]]:
     if m == 1:
-        return [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": 1}
-                for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))]
-    return [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
-            for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))]
+        return [
+            {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": 1}
+            for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))
+        ]
+    return [
+        {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
+        for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))
+    ]
 
 
 def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> dict:
@@ -83,7 +94,9 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
     weight_bytes = rows * k * 2
     copies = max(2, -(-args.stream_mb * 2**20 // weight_bytes))
     gen = torch.Generator("cuda").manual_seed(n * 7 + k)
-    weights = [torch.randn(rows, k, device="cuda", generator=gen).mul_(k**-0.5).bfloat16() for _ in range(copies)]
+    weights = [
+        torch.randn(rows, k, device="cuda", generator=gen).mul_(k**-0.5).bfloat16() for _ in range(copies)
+    ]
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     other = torch.randn(m, n, device="cuda", generator=gen).bfloat16() if ep == MUL else None
     activation = act if ep != PLAIN else None
@@ -100,10 +113,21 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
     base = time(cublas)
     default_cfg = gemv_config(m, n, k, ep)
     skinny = time(lambda w: skinny_matmul(x, w, ep, activation, other))
-    row = {"name": name, "epilogue": EPILOGUE_NAMES[ep], "n": n, "k": k, "rows": m, "weight_bytes": weight_bytes,
-           "cublas_ms": base, "skinny_ms": skinny, "skinny_config": default_cfg,
-           "cublas_gb_per_s": weight_bytes / base / 1e6, "skinny_gb_per_s": weight_bytes / skinny / 1e6,
-           "speedup": base / skinny, "engine_uses_skinny": use_skinny(m, n, k, ep)}
+    row = {
+        "name": name,
+        "epilogue": EPILOGUE_NAMES[ep],
+        "n": n,
+        "k": k,
+        "rows": m,
+        "weight_bytes": weight_bytes,
+        "cublas_ms": base,
+        "skinny_ms": skinny,
+        "skinny_config": default_cfg,
+        "cublas_gb_per_s": weight_bytes / base / 1e6,
+        "skinny_gb_per_s": weight_bytes / skinny / 1e6,
+        "speedup": base / skinny,
+        "engine_uses_skinny": use_skinny(m, n, k, ep),
+    }
     if args.sweep:
         trials = []
         for cfg in _configs(m):
@@ -130,16 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     act = PRESETS[args.preset]().text.hidden_activation
     shapes = decode_shapes(args.preset)
     results = []
-    head = f"{'shape':>15s} {'N':>7s} {'K':>6s} {'M':>2s} {'x/step':>6s} {'cuBLAS us':>10s} {'skinny us':>10s} " \
-           f"{'GB/s':>6s} {'speedup':>7s}" + (f" {'best us':>8s}  best tiles" if args.sweep else "")
+    head = (
+        f"{'shape':>15s} {'N':>7s} {'K':>6s} {'M':>2s} {'x/step':>6s} {'cuBLAS us':>10s} {'skinny us':>10s} "
+        f"{'GB/s':>6s} {'speedup':>7s}" + (f" {'best us':>8s}  best tiles" if args.sweep else "")
+    )
     print(head)
     for m in args.rows:
         for name, ep, n, k, count in shapes:
             r = bench_shape(args, name, ep, n, k, m, act)
             r["per_step"] = count
             results.append(r)
-            line = (f"{name:>15s} {n:7d} {k:6d} {m:2d} {count:6d} {r['cublas_ms'] * 1e3:10.2f} "
-                    f"{r['skinny_ms'] * 1e3:10.2f} {r['skinny_gb_per_s']:6.0f} {r['speedup']:7.2f}")
+            line = (
+                f"{name:>15s} {n:7d} {k:6d} {m:2d} {count:6d} {r['cublas_ms'] * 1e3:10.2f} "
+                f"{r['skinny_ms'] * 1e3:10.2f} {r['skinny_gb_per_s']:6.0f} {r['speedup']:7.2f}"
+            )
             if args.sweep:
                 line += f" {r['sweep']['best_ms'] * 1e3:8.2f}  {r['sweep']['best']}"
             print(line, flush=True)
@@ -149,18 +177,36 @@ def main(argv: list[str] | None = None) -> int:
         base = sum(r["cublas_ms"] * r["per_step"] for r in rs) * 1e3
         skinny = sum(r["skinny_ms"] * r["per_step"] for r in rs) * 1e3
         best = sum(min(r["skinny_ms"], r["cublas_ms"]) * r["per_step"] for r in rs) * 1e3
-        engine = sum((r["skinny_ms"] if r["engine_uses_skinny"] else r["cublas_ms"]) * r["per_step"] for r in rs) * 1e3
-        print(f"  M={m}: cuBLAS {base:8.1f}   skinny {skinny:8.1f}   min of both {best:8.1f}   "
-              f"engine's choice (use_skinny) {engine:8.1f}")
+        engine = (
+            sum((r["skinny_ms"] if r["engine_uses_skinny"] else r["cublas_ms"]) * r["per_step"] for r in rs)
+            * 1e3
+        )
+        print(
+            f"  M={m}: cuBLAS {base:8.1f}   skinny {skinny:8.1f}   min of both {best:8.1f}   "
+            f"engine's choice (use_skinny) {engine:8.1f}"
+        )
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     device = env["device_name"].lower().replace(" ", "-")
     path = out_dir / f"gemv_kernels_{stamp}_{device}_{args.preset}.json"
-    units = {"*_ms": "milliseconds per call (CUDA-graph replay, weights streamed from HBM)",
-             "*_gb_per_s": "1e9 bytes/s of weight", "per_step": "calls of this shape in one decode step"}
-    path.write_text(json.dumps({"environment": env, "preset": args.preset, "dtype": "bfloat16", "units": units,
-                                "results": results}, indent=2))
+    units = {
+        "*_ms": "milliseconds per call (CUDA-graph replay, weights streamed from HBM)",
+        "*_gb_per_s": "1e9 bytes/s of weight",
+        "per_step": "calls of this shape in one decode step",
+    }
+    path.write_text(
+        json.dumps(
+            {
+                "environment": env,
+                "preset": args.preset,
+                "dtype": "bfloat16",
+                "units": units,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {path}")
     return 0
 

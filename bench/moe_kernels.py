@@ -38,15 +38,26 @@ from g4serve.kernels.fused_moe import (
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
 
 ROOT = Path(__file__).resolve().parent.parent
-GATE_UP_TILES = [GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 3), GemmTiles(64, 64, 4, 4),
-                 GemmTiles(32, 64, 4, 4), GemmTiles(128, 64, 8, 3)]
-DOWN_TILES = [GemmTiles(64, 128, 4, 4), GemmTiles(64, 64, 4, 4), GemmTiles(32, 64, 4, 4),
-              GemmTiles(128, 64, 8, 3), GemmTiles(128, 128, 8, 3)]
+GATE_UP_TILES = [
+    GemmTiles(32, 128, 4, 4),
+    GemmTiles(64, 128, 4, 3),
+    GemmTiles(64, 64, 4, 4),
+    GemmTiles(32, 64, 4, 4),
+    GemmTiles(128, 64, 8, 3),
+]
+DOWN_TILES = [
+    GemmTiles(64, 128, 4, 4),
+    GemmTiles(64, 64, 4, 4),
+    GemmTiles(32, 64, 4, 4),
+    GemmTiles(128, 64, 8, 3),
+    GemmTiles(128, 128, 8, 3),
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", default="26b-a4b")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 512])
     p.add_argument("--copies", type=int, default=8, help="input copies (routings) a graph cycles over")
@@ -83,40 +94,86 @@ def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tenso
     tiles = moe_tiles(n, num_experts)
 
     def fused_calls(cfg: MoETiles | None = None):
-        return [lambda x=x, e=e, w=w: fused_moe(x, gate_up, down, e, w, activation, tiles=cfg)
-                for x, e, w, _ in inputs]
+        return [
+            lambda x=x, e=e, w=w: fused_moe(x, gate_up, down, e, w, activation, tiles=cfg)
+            for x, e, w, _ in inputs
+        ]
 
     fused_graph = graph_ms(fused_calls(), args)
     x0, e0, w0, l0 = inputs[0]
     fused_eager = do_bench(fused_calls()[0], warmup=args.warmup_ms, rep=args.rep_ms)
-    reference_eager = do_bench(lambda: fused_moe_reference(x0, gate_up, down, e0, w0, activation),
-                               warmup=args.warmup_ms, rep=args.rep_ms)
+    reference_eager = do_bench(
+        lambda: fused_moe_reference(x0, gate_up, down, e0, w0, activation),
+        warmup=args.warmup_ms,
+        rep=args.rep_ms,
+    )
 
     # pieces, each from a graph over the copies
-    align_kernel = graph_ms([lambda e=e: moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs],
-                            args)
-    align_torch = graph_ms([lambda e=e: moe_align(e, num_experts, tiles.block_m) for _, e, _, _ in inputs], args)
+    align_kernel = graph_ms(
+        [lambda e=e: moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs], args
+    )
+    align_torch = graph_ms(
+        [lambda e=e: moe_align(e, num_experts, tiles.block_m) for _, e, _, _ in inputs], args
+    )
     aligned = [moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs]
     hidden_act = torch.empty(n, inter, dtype=x0.dtype, device="cuda")
     per_slot = torch.empty(n, hidden, dtype=x0.dtype, device="cuda")
-    gemm1 = graph_ms([lambda x=x, a=a: _grouped_gemm(x, gate_up, hidden_act, inter, *a, tiles.block_m, tiles.gate_up,
-                                                     a_row_div=top_k, activation=activation)
-                      for (x, _, _, _), a in zip(inputs, aligned, strict=True)], args)
-    gemm2 = graph_ms([lambda w=w, a=a: _grouped_gemm(hidden_act, down, per_slot, hidden, *a, tiles.block_m,
-                                                     tiles.down, a_row_div=1, route_weights=w.reshape(-1))
-                      for (_, _, w, _), a in zip(inputs, aligned, strict=True)], args)
+    gemm1 = graph_ms(
+        [
+            lambda x=x, a=a: _grouped_gemm(
+                x,
+                gate_up,
+                hidden_act,
+                inter,
+                *a,
+                tiles.block_m,
+                tiles.gate_up,
+                a_row_div=top_k,
+                activation=activation,
+            )
+            for (x, _, _, _), a in zip(inputs, aligned, strict=True)
+        ],
+        args,
+    )
+    gemm2 = graph_ms(
+        [
+            lambda w=w, a=a: _grouped_gemm(
+                hidden_act,
+                down,
+                per_slot,
+                hidden,
+                *a,
+                tiles.block_m,
+                tiles.down,
+                a_row_div=1,
+                route_weights=w.reshape(-1),
+            )
+            for (_, _, w, _), a in zip(inputs, aligned, strict=True)
+        ],
+        args,
+    )
     route_kernel = graph_ms([lambda lg=lg: moe_route(lg, scale, top_k) for _, _, _, lg in inputs], args)
-    route_torch = graph_ms([lambda lg=lg: moe_route_reference(lg, scale, top_k) for _, _, _, lg in inputs], args)
+    route_torch = graph_ms(
+        [lambda lg=lg: moe_route_reference(lg, scale, top_k) for _, _, _, lg in inputs], args
+    )
 
     row = {
-        "tokens": num_tokens, "assignments": n, "experts_touched_mean": touched,
+        "tokens": num_tokens,
+        "assignments": n,
+        "experts_touched_mean": touched,
         "tiles": _tiles_dict(tiles),
-        "fused_graph_ms": fused_graph, "fused_eager_ms": fused_eager, "reference_eager_ms": reference_eager,
+        "fused_graph_ms": fused_graph,
+        "fused_eager_ms": fused_eager,
+        "reference_eager_ms": reference_eager,
         "speedup_graph_vs_reference": reference_eager / fused_graph,
-        "align_kernel_ms": align_kernel, "align_torch_ms": align_torch,
-        "gate_up_gemm_ms": gemm1, "down_gemm_ms": gemm2,
-        "route_kernel_ms": route_kernel, "route_torch_ms": route_torch,
-        "weight_bytes": weight_bytes, "achieved_weight_gb_per_s": weight_bytes / fused_graph / 1e6,
+        "align_kernel_ms": align_kernel,
+        "align_torch_ms": align_torch,
+        "gate_up_gemm_ms": gemm1,
+        "down_gemm_ms": gemm2,
+        "route_kernel_ms": route_kernel,
+        "route_torch_ms": route_torch,
+        "weight_bytes": weight_bytes,
+        "achieved_weight_gb_per_s": weight_bytes / fused_graph / 1e6,
         "gemms_weight_gb_per_s": weight_bytes / (gemm1 + gemm2) / 1e6,
         "achieved_tflop_per_s": flops / fused_graph / 1e9,
     }
@@ -143,10 +200,25 @@ def sweep(args, fused_calls, n: int, num_experts: int) -> dict:
         trials.append({"tiles": _tiles_dict(cfg), "fused_graph_ms": ms})
         return ms
 
-    best = min(((trial(MoETiles(bm, g, default.down)), MoETiles(bm, g, default.down))
-                for bm in (16, 32, 64) for g in GATE_UP_TILES), key=lambda p: p[0])
-    best = min([best] + [(trial(MoETiles(best[1].block_m, best[1].gate_up, d)),
-                          MoETiles(best[1].block_m, best[1].gate_up, d)) for d in DOWN_TILES], key=lambda p: p[0])
+    best = min(
+        (
+            (trial(MoETiles(bm, g, default.down)), MoETiles(bm, g, default.down))
+            for bm in (16, 32, 64)
+            for g in GATE_UP_TILES
+        ),
+        key=lambda p: p[0],
+    )
+    best = min(
+        [best]
+        + [
+            (
+                trial(MoETiles(best[1].block_m, best[1].gate_up, d)),
+                MoETiles(best[1].block_m, best[1].gate_up, d),
+            )
+            for d in DOWN_TILES
+        ],
+        key=lambda p: p[0],
+    )
     return {"best": _tiles_dict(best[1]), "best_ms": best[0], "trials": trials}
 
 
@@ -169,21 +241,51 @@ def main(argv: list[str] | None = None) -> int:
     for t in args.tokens:
         row = bench_tokens(args, t, gate_up, down, text.hidden_activation)
         rows.append(row)
-        print(f"T={t:5d} fused {row['fused_graph_ms'] * 1e3:8.1f} us (graph) {row['fused_eager_ms'] * 1e3:8.1f} us "
-              f"(eager) | loop {row['reference_eager_ms'] * 1e3:8.1f} us | x{row['speedup_graph_vs_reference']:.1f}"
-              + (f" | sweep best {row['sweep']['best_ms'] * 1e3:.1f} us" if args.sweep else ""), flush=True)
+        print(
+            f"T={t:5d} fused {row['fused_graph_ms'] * 1e3:8.1f} us (graph) {row['fused_eager_ms'] * 1e3:8.1f} us "
+            f"(eager) | loop {row['reference_eager_ms'] * 1e3:8.1f} us | x{row['speedup_graph_vs_reference']:.1f}"
+            + (f" | sweep best {row['sweep']['best_ms'] * 1e3:.1f} us" if args.sweep else ""),
+            flush=True,
+        )
 
-    print(f"\n{args.preset}: E={e} top-k={args.top_k} H={h} I={i} bf16, times in us "
-          f"(graph = replayed from a CUDA graph)")
-    cols = ["T", "fused", "eager", "loop", "speedup", "align_k", "align_t", "gemm1", "gemm2", "route_k",
-            "route_t", "experts", "GB/s", "TFLOP/s"]
+    print(
+        f"\n{args.preset}: E={e} top-k={args.top_k} H={h} I={i} bf16, times in us "
+        f"(graph = replayed from a CUDA graph)"
+    )
+    cols = [
+        "T",
+        "fused",
+        "eager",
+        "loop",
+        "speedup",
+        "align_k",
+        "align_t",
+        "gemm1",
+        "gemm2",
+        "route_k",
+        "route_t",
+        "experts",
+        "GB/s",
+        "TFLOP/s",
+    ]
     print("".join(f"{c:>9s}" for c in cols))
     for r in rows:
-        vals = [r["tokens"], r["fused_graph_ms"] * 1e3, r["fused_eager_ms"] * 1e3, r["reference_eager_ms"] * 1e3,
-                r["speedup_graph_vs_reference"], r["align_kernel_ms"] * 1e3, r["align_torch_ms"] * 1e3,
-                r["gate_up_gemm_ms"] * 1e3, r["down_gemm_ms"] * 1e3, r["route_kernel_ms"] * 1e3,
-                r["route_torch_ms"] * 1e3, r["experts_touched_mean"], r["achieved_weight_gb_per_s"],
-                r["achieved_tflop_per_s"]]
+        vals = [
+            r["tokens"],
+            r["fused_graph_ms"] * 1e3,
+            r["fused_eager_ms"] * 1e3,
+            r["reference_eager_ms"] * 1e3,
+            r["speedup_graph_vs_reference"],
+            r["align_kernel_ms"] * 1e3,
+            r["align_torch_ms"] * 1e3,
+            r["gate_up_gemm_ms"] * 1e3,
+            r["down_gemm_ms"] * 1e3,
+            r["route_kernel_ms"] * 1e3,
+            r["route_torch_ms"] * 1e3,
+            r["experts_touched_mean"],
+            r["achieved_weight_gb_per_s"],
+            r["achieved_tflop_per_s"],
+        ]
         print("".join(f"{v:9d}" if isinstance(v, int) else f"{v:9.1f}" for v in vals))
 
     out_dir = Path(args.out_dir)
@@ -191,11 +293,25 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     device = env["device_name"].lower().replace(" ", "-")
     path = out_dir / f"moe_kernels_{stamp}_{device}_{args.preset}.json"
-    units = {"*_ms": "milliseconds per call", "weight_bytes": "bytes of expert weights the batch touches",
-             "*_gb_per_s": "1e9 bytes/s of touched expert weights", "achieved_tflop_per_s": "1e12 FLOP/s"}
-    path.write_text(json.dumps({"environment": env, "preset": args.preset, "dtype": "bfloat16",
-                                "shapes": {"experts": e, "top_k": args.top_k, "hidden": h, "intermediate": i},
-                                "units": units, "results": rows}, indent=2))
+    units = {
+        "*_ms": "milliseconds per call",
+        "weight_bytes": "bytes of expert weights the batch touches",
+        "*_gb_per_s": "1e9 bytes/s of touched expert weights",
+        "achieved_tflop_per_s": "1e12 FLOP/s",
+    }
+    path.write_text(
+        json.dumps(
+            {
+                "environment": env,
+                "preset": args.preset,
+                "dtype": "bfloat16",
+                "shapes": {"experts": e, "top_k": args.top_k, "hidden": h, "intermediate": i},
+                "units": units,
+                "results": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {path}")
     return 0
 

@@ -41,45 +41,80 @@ MODALITIES = ("text", "image", "audio", "video")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b); "
-                   "default: the embedded tiny model")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b); "
+        "default: the embedded tiny model",
+    )
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, auto")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=64)
-    g.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
-                   help="text prompt length range in tokens (uniform, inclusive); media tokens come on top")
+    g.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[32, 256],
+        metavar=("MIN", "MAX"),
+        help="text prompt length range in tokens (uniform, inclusive); media tokens come on top",
+    )
     g.add_argument("--output-len", type=int, default=32, help="tokens generated per request (EOS ignored)")
-    g.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="tokens every prompt starts with (exercises the prefix cache); part of --input-len")
-    g.add_argument("--mix", default="text", help="comma-separated modalities assigned round-robin: text, image, "
-                   "audio, video (e.g. text,image,audio: a third of the requests each)")
+    g.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (exercises the prefix cache); part of --input-len",
+    )
+    g.add_argument(
+        "--mix",
+        default="text",
+        help="comma-separated modalities assigned round-robin: text, image, "
+        "audio, video (e.g. text,image,audio: a third of the requests each)",
+    )
     g.add_argument("--image-size", default="256x256", help="WxH of the random images")
     g.add_argument("--audio-seconds", type=float, default=2.0)
     g.add_argument("--video-frames", type=int, default=4)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--warmup-requests", type=int, default=4, help="short requests run (and not counted) first")
+    g.add_argument(
+        "--warmup-requests", type=int, default=4, help="short requests run (and not counted) first"
+    )
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV budget (default: the engine's: 256 MiB "
-                   "on CPU, gpu_memory_utilization on CUDA)")
+    g.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV budget (default: the engine's: 256 MiB on CPU, gpu_memory_utilization on CUDA)",
+    )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-fast-prefill", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--attention-backend", default=None,
-                   help="EngineConfig.attention_backend, where the engine has it (default: the engine's choice)")
-    g.add_argument("--load-towers", action="store_true",
-                   help="load the vision/audio towers for a text-only mix too (default: text-only mode)")
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        help="EngineConfig.attention_backend, where the engine has it (default: the engine's choice)",
+    )
+    g.add_argument(
+        "--load-towers",
+        action="store_true",
+        help="load the vision/audio towers for a text-only mix too (default: text-only mode)",
+    )
     g = p.add_argument_group("output")
-    g.add_argument("--compare-reference", action="store_true",
-                   help="also run every prompt alone through g4serve.engine.reference.generate_one")
+    g.add_argument(
+        "--compare-reference",
+        action="store_true",
+        help="also run every prompt alone through g4serve.engine.reference.generate_one",
+    )
     g.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     g.add_argument("--tag", default=None, help="suffix of the result file name (default: the mix)")
     g.add_argument("--no-save", action="store_true")
@@ -100,9 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- environment -----------------------------------------------------------------------------------------
 
+
 def _git(*cmd: str) -> str | None:
     try:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -176,6 +214,7 @@ class OtherLoad:
 
 # ---- workload ---------------------------------------------------------------------------------------------
 
+
 def _parse_size(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)x(\d+)", text)
     if not m:
@@ -183,8 +222,14 @@ def _parse_size(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def build_prompts(engine: LLMEngine, args: argparse.Namespace, n: int, rng: np.random.Generator,
-                  input_len: tuple[int, int], mix: list[str]) -> tuple[list[dict], list[str]]:
+def build_prompts(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    n: int,
+    rng: np.random.Generator,
+    input_len: tuple[int, int],
+    mix: list[str],
+) -> tuple[list[dict], list[str]]:
     """``n`` prompt dicts (``prompt_token_ids`` plus optional media) and the modality of each."""
     tok = engine.tokenizer
     vocab = min(tok.vocab_size, engine.model_config.text.vocab_size)
@@ -209,7 +254,9 @@ def build_prompts(engine: LLMEngine, args: argparse.Namespace, n: int, rng: np.r
             elif kind == "audio":
                 media = (0.2 * rng.standard_normal(int(16000 * args.audio_seconds))).astype(np.float32)
             else:
-                media = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(args.video_frames)]
+                media = [
+                    rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(args.video_frames)
+                ]
             prompt["multi_modal_data"] = {kind: [media]}  # a list of items: one image, clip or video
         prompts.append(prompt)
         kinds.append(kind)
@@ -217,6 +264,7 @@ def build_prompts(engine: LLMEngine, args: argparse.Namespace, n: int, rng: np.r
 
 
 # ---- statistics -------------------------------------------------------------------------------------------
+
 
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
@@ -232,25 +280,44 @@ def latency_figures(outputs: list[RequestOutput]) -> dict:
     itl = [x for m in metrics for x in m.itl_s]
     e2e = [m.finished_time - m.arrival_time for m in metrics if m.finished_time is not None]
     queue = [m.queue_time_s for m in metrics if m.queue_time_s is not None]
-    tpot = [(m.last_token_time - m.first_token_time) / (len(m.token_times) - 1) for m in metrics if len(m.token_times) > 1]
+    tpot = [
+        (m.last_token_time - m.first_token_time) / (len(m.token_times) - 1)
+        for m in metrics
+        if len(m.token_times) > 1
+    ]
     return {
-        "ttft_mean_s": _mean(ttft), "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95), "ttft_max_s": max(ttft),
-        "itl_mean_s": _mean(itl), "itl_p50_s": _pct(itl, 50), "itl_p95_s": _pct(itl, 95), "itl_p99_s": _pct(itl, 99),
+        "ttft_mean_s": _mean(ttft),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p95_s": _pct(ttft, 95),
+        "ttft_max_s": max(ttft),
+        "itl_mean_s": _mean(itl),
+        "itl_p50_s": _pct(itl, 50),
+        "itl_p95_s": _pct(itl, 95),
+        "itl_p99_s": _pct(itl, 99),
         "tpot_mean_s": _mean(tpot),
-        "e2e_latency_mean_s": _mean(e2e), "e2e_latency_p50_s": _pct(e2e, 50), "e2e_latency_p95_s": _pct(e2e, 95),
-        "queue_time_mean_s": _mean(queue), "queue_time_p95_s": _pct(queue, 95),
+        "e2e_latency_mean_s": _mean(e2e),
+        "e2e_latency_p50_s": _pct(e2e, 50),
+        "e2e_latency_p95_s": _pct(e2e, 95),
+        "queue_time_mean_s": _mean(queue),
+        "queue_time_p95_s": _pct(queue, 95),
     }
 
 
 # ---- runs -------------------------------------------------------------------------------------------------
 
-def run_engine(engine: LLMEngine, processed: list[ProcessedPrompt], params: SamplingParams, prefix: str) -> dict:
+
+def run_engine(
+    engine: LLMEngine, processed: list[ProcessedPrompt], params: SamplingParams, prefix: str
+) -> dict:
     """Submit everything at once, step until done; returns outputs, wall time and engine counters."""
     kv = engine.kv
     before = {
-        "steps": engine.num_steps, "preemptions": engine.scheduler.num_preemptions,
-        "hit_tokens": kv.prefix_hit_tokens, "query_tokens": kv.prefix_query_tokens,
-        "encoder_calls": len(engine.encoder.calls), "encoder_hits": engine.encoder_cache.hits,
+        "steps": engine.num_steps,
+        "preemptions": engine.scheduler.num_preemptions,
+        "hit_tokens": kv.prefix_hit_tokens,
+        "query_tokens": kv.prefix_query_tokens,
+        "encoder_calls": len(engine.encoder.calls),
+        "encoder_hits": engine.encoder_cache.hits,
         "encoder_misses": engine.encoder_cache.misses,
     }
     step_times: list[float] = []
@@ -269,7 +336,7 @@ def run_engine(engine: LLMEngine, processed: list[ProcessedPrompt], params: Samp
             if out.finished:
                 finished[out.request_id] = out
     elapsed = time.perf_counter() - t0
-    calls = engine.encoder.calls[before["encoder_calls"]:]
+    calls = engine.encoder.calls[before["encoder_calls"] :]
     return {
         "outputs": [finished[f"{prefix}{i}"] for i in range(len(processed))],
         "elapsed_s": elapsed,
@@ -307,12 +374,21 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     text_only = set(args.mix) == {"text"} and not args.load_towers
     extra = {} if args.attention_backend is None else {"attention_backend": args.attention_backend}
-    config = EngineConfig(**extra,
-        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, fast_prefill=not args.no_fast_prefill,
-        enable_chunked_prefill=not args.no_chunked_prefill, text_only=text_only, seed=args.seed,
+    config = EngineConfig(
+        **extra,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        fast_prefill=not args.no_fast_prefill,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        text_only=text_only,
+        seed=args.seed,
     )
     loadavg_start = os.getloadavg()
     t0 = time.perf_counter()
@@ -320,35 +396,52 @@ def main(argv: list[str] | None = None) -> dict:
     model_load_s = time.perf_counter() - t0
     env = environment(engine.device)
     text = engine.model_config.text
-    print(f"model {args.model or 'embedded tiny'} on {env['device_name']} ({engine.dtype}), "
-          f"KV capacity {engine.kv.capacity_tokens()} tokens, load {model_load_s:.2f}s", flush=True)
+    print(
+        f"model {args.model or 'embedded tiny'} on {env['device_name']} ({engine.dtype}), "
+        f"KV capacity {engine.kv.capacity_tokens()} tokens, load {model_load_s:.2f}s",
+        flush=True,
+    )
 
     rng = np.random.default_rng(args.seed)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
-                            seed=args.seed if args.temperature > 0 else None)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        seed=args.seed if args.temperature > 0 else None,
+    )
     prompts, kinds = build_prompts(engine, args, args.num_requests, rng, tuple(args.input_len), args.mix)
-    warm_prompts, _ = build_prompts(engine, args, args.warmup_requests, rng, (args.input_len[0],) * 2, args.mix)
+    warm_prompts, _ = build_prompts(
+        engine, args, args.warmup_requests, rng, (args.input_len[0],) * 2, args.mix
+    )
     t0 = time.perf_counter()
     processed = [engine.process_prompt(p) for p in prompts]
     preprocess_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     if warm_prompts:
-        run_engine(engine, [engine.process_prompt(p) for p in warm_prompts],
-                   SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "warmup-")
+        run_engine(
+            engine,
+            [engine.process_prompt(p) for p in warm_prompts],
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            "warmup-",
+        )
         engine.kv.reset_prefix_cache()
     warmup_s = time.perf_counter() - t0
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
 
-    print(f"running {args.num_requests} requests ({', '.join(f'{kinds.count(m)} {m}' for m in args.mix)}) ...",
-          flush=True)
+    print(
+        f"running {args.num_requests} requests ({', '.join(f'{kinds.count(m)} {m}' for m in args.mix)}) ...",
+        flush=True,
+    )
     with OtherLoad() as load:
         run = run_engine(engine, processed, params, "bench-")
     outputs, elapsed = run["outputs"], run["elapsed_s"]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert output_tokens == args.num_requests * args.output_len, "every request must generate --output-len tokens"
+    assert output_tokens == args.num_requests * args.output_len, (
+        "every request must generate --output-len tokens"
+    )
     steps = run["step_times_s"]
     figures = {
         "elapsed_s": elapsed,
@@ -358,12 +451,17 @@ def main(argv: list[str] | None = None) -> dict:
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         **latency_figures(outputs),
         "num_steps": run["num_steps"],
-        "step_time_mean_s": _mean(steps), "step_time_p50_s": _pct(steps, 50), "step_time_max_s": max(steps),
+        "step_time_mean_s": _mean(steps),
+        "step_time_p50_s": _pct(steps, 50),
+        "step_time_max_s": max(steps),
         "num_preemptions": run["num_preemptions"],
         "prefix_cache_hit_tokens": run["prefix_cache_hit_tokens"],
         "prefix_cache_query_tokens": run["prefix_cache_query_tokens"],
-        "prefix_cache_hit_ratio": (run["prefix_cache_hit_tokens"] / run["prefix_cache_query_tokens"]
-                                   if run["prefix_cache_query_tokens"] else 0.0),
+        "prefix_cache_hit_ratio": (
+            run["prefix_cache_hit_tokens"] / run["prefix_cache_query_tokens"]
+            if run["prefix_cache_query_tokens"]
+            else 0.0
+        ),
         "encoder_calls": run["encoder_calls"],
         "encoder_time_s": run["encoder_time_s"],
         "encoder_cache_hits": run["encoder_cache_hits"],
@@ -394,7 +492,8 @@ def main(argv: list[str] | None = None) -> dict:
             "output_tokens_per_s": output_tokens / ref["elapsed_s"],
             "total_tokens_per_s": (prompt_tokens + output_tokens) / ref["elapsed_s"],
             "request_latency_mean_s": _mean(ref["latencies_s"]),
-            "speedup_output_tokens_per_s": figures["output_tokens_per_s"] / (output_tokens / ref["elapsed_s"]),
+            "speedup_output_tokens_per_s": figures["output_tokens_per_s"]
+            / (output_tokens / ref["elapsed_s"]),
             "requests_with_identical_tokens": matches,
             "other_processes_cpu_s": ref_load.other_cpu_s,
             "other_processes_cpu_ratio": ref_load.other_cpu_ratio,
@@ -408,16 +507,21 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_1m_5m_15m_end": list(os.getloadavg()),
         "model": args.model or "embedded tiny (g4serve.tiny, variant e)",
         "model_summary": {
-            "num_hidden_layers": text.num_hidden_layers, "hidden_size": text.hidden_size,
-            "vocab_size": text.vocab_size, "sliding_window": text.sliding_window,
+            "num_hidden_layers": text.num_hidden_layers,
+            "hidden_size": text.hidden_size,
+            "vocab_size": text.vocab_size,
+            "sliding_window": text.sliding_window,
             "num_kv_shared_layers": text.num_kv_shared_layers,
             "parameters": sum(p.numel() for p in engine.model.parameters()),
             "dtype": str(engine.dtype).removeprefix("torch."),
         },
         "attention_backend": type(engine.runner.backend).__name__,
         "kv_capacity_tokens": engine.kv.capacity_tokens(),
-        "parameters": {**vars(args), "engine_config": cfg,
-                       "requests_per_modality": {m: kinds.count(m) for m in args.mix}},
+        "parameters": {
+            **vars(args),
+            "engine_config": cfg,
+            "requests_per_modality": {m: kinds.count(m) for m in args.mix},
+        },
         "figures": figures,
         "reference": reference,
     }
@@ -425,7 +529,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_save:
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", (env["device_name"] if engine.device.type == "cuda" else "cpu").lower()).strip("-")
+        slug = re.sub(
+            r"[^a-z0-9]+", "-", (env["device_name"] if engine.device.type == "cuda" else "cpu").lower()
+        ).strip("-")
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.tag or "-".join(args.mix))
         model = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(args.model).name if args.model else "tiny")
@@ -439,19 +545,27 @@ def print_summary(result: dict) -> None:
     f = result["figures"]
     print(f"  requests/s          {f['requests_per_s']:.2f}")
     print(f"  output tokens/s     {f['output_tokens_per_s']:.1f}")
-    print(f"  total tokens/s      {f['total_tokens_per_s']:.1f}   ({f['prompt_tokens_total']} prompt + "
-          f"{f['output_tokens_total']} output tokens in {f['elapsed_s']:.2f} s)")
+    print(
+        f"  total tokens/s      {f['total_tokens_per_s']:.1f}   ({f['prompt_tokens_total']} prompt + "
+        f"{f['output_tokens_total']} output tokens in {f['elapsed_s']:.2f} s)"
+    )
     print(f"  TTFT mean/p50/p95   {f['ttft_mean_s']:.3f} / {f['ttft_p50_s']:.3f} / {f['ttft_p95_s']:.3f} s")
     print(f"  ITL p50/p95         {f['itl_p50_s'] * 1e3:.1f} / {f['itl_p95_s'] * 1e3:.1f} ms")
     if f["other_processes_cpu_ratio"] is not None:
-        print(f"  other processes used {f['other_processes_cpu_ratio']:.0%} of the host's CPU time during the run")
-    print(f"  steps {f['num_steps']}, preemptions {f['num_preemptions']}, "
-          f"prefix-cache hit ratio {f['prefix_cache_hit_ratio']:.3f}, encoder calls {f['encoder_calls']}")
+        print(
+            f"  other processes used {f['other_processes_cpu_ratio']:.0%} of the host's CPU time during the run"
+        )
+    print(
+        f"  steps {f['num_steps']}, preemptions {f['num_preemptions']}, "
+        f"prefix-cache hit ratio {f['prefix_cache_hit_ratio']:.3f}, encoder calls {f['encoder_calls']}"
+    )
     ref = result["reference"]
     if ref:
-        print(f"  reference (one at a time): {ref['output_tokens_per_s']:.1f} output tokens/s -> continuous batching "
-              f"x{ref['speedup_output_tokens_per_s']:.2f}; identical tokens in "
-              f"{ref['requests_with_identical_tokens']}/{result['parameters']['num_requests']} requests")
+        print(
+            f"  reference (one at a time): {ref['output_tokens_per_s']:.1f} output tokens/s -> continuous batching "
+            f"x{ref['speedup_output_tokens_per_s']:.2f}; identical tokens in "
+            f"{ref['requests_with_identical_tokens']}/{result['parameters']['num_requests']} requests"
+        )
 
 
 if __name__ == "__main__":

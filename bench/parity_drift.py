@@ -25,7 +25,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests" / "models"), str(ROOT / "tests" / "engine")]
+sys.path[:0] = [
+    str(ROOT / "src"),
+    str(ROOT / "tests"),
+    str(ROOT / "tests" / "models"),
+    str(ROOT / "tests" / "engine"),
+]
 
 import conftest  # noqa: E402  (tests/: the tiny checkpoints the oracle tests build)
 import test_engine  # noqa: E402
@@ -70,12 +75,18 @@ def hf_soft_tokens(hf, kwargs: dict) -> torch.Tensor | None:
         out = inner.get_image_features(kwargs["pixel_values"], kwargs["image_position_ids"], return_dict=True)
         return torch.cat(list(out.pooler_output))
     if "pixel_values_videos" in kwargs:
-        out = inner.get_video_features(kwargs["pixel_values_videos"], kwargs["video_position_ids"],
-                                       kwargs["num_frames_per_video"], return_dict=True)
+        out = inner.get_video_features(
+            kwargs["pixel_values_videos"],
+            kwargs["video_position_ids"],
+            kwargs["num_frames_per_video"],
+            return_dict=True,
+        )
         pooled = out.pooler_output
         return torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
     if "input_features" in kwargs:
-        out = inner.get_audio_features(kwargs["input_features"], kwargs["input_features_mask"], return_dict=True)
+        out = inner.get_audio_features(
+            kwargs["input_features"], kwargs["input_features_mask"], return_dict=True
+        )
         mask = out.attention_mask if getattr(out, "attention_mask", None) is not None else None
         tokens = out.pooler_output
         return tokens[mask] if mask is not None else tokens.flatten(0, 1)
@@ -87,14 +98,16 @@ def parity_cases(workdir: Path) -> list[dict]:
     for variant in ("e", "moe", "31b"):
         path = conftest.build_hf_checkpoint(workdir / f"hf-{variant}", variant)
         hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager").eval()
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         llm = LLM(str(path), device="cpu", dtype="float32")
         for case_variant, prompt in parity.CASES:
             if case_variant != variant:
                 continue
             text, media = parity.PROMPTS[prompt]
-            processed = llm.processor(prompt=text, images=media.get("image"), videos=media.get("video"),
-                                      audio=media.get("audio"))
+            processed = llm.processor(
+                prompt=text, images=media.get("image"), videos=media.get("video"), audio=media.get("audio")
+            )
             kwargs = parity._hf_inputs(llm, processed)
             row = {"case": f"{variant}-{prompt}"}
             with torch.inference_mode():
@@ -116,22 +129,32 @@ def engine_encoder_case(workdir: Path) -> dict:
     from g4serve.tiny import make_tiny
 
     engine = test_engine.make_engine(make_tiny(workdir / "tiny-e", "e"))
-    items = [it for p in test_engine.mixed_prompts() if isinstance(p, dict) for it in engine.process_prompt(p).mm_items]
+    items = [
+        it
+        for p in test_engine.mixed_prompts()
+        if isinstance(p, dict)
+        for it in engine.process_prompt(p).mm_items
+    ]
     model = engine.model
     alone = {}
     with torch.inference_mode():
         for item in items:
             if item.modality == "audio":
-                (alone[item.content_hash],) = model.encode_audio(item.data["input_features"],
-                                                                 item.data["input_features_mask"])
+                (alone[item.content_hash],) = model.encode_audio(
+                    item.data["input_features"], item.data["input_features_mask"]
+                )
             else:
                 pixels = rescale_pixels(item.data["pixel_values"], video=item.modality == "video")
                 alone[item.content_hash] = torch.cat(model.encode_images(pixels, item.data["position_ids"]))
     engine.encoder.run(items)
     diffs = {d: _max_diff(engine.encoder_cache.get(d), t) for d, t in alone.items()}
-    row = {"case": "engine batched encoder vs per item", "max_diff": max(diffs.values()),
-           "items_bit_equal": sum(v == 0.0 for v in diffs.values()), "items": len(diffs),
-           "max_abs_value": max(t.abs().max().item() for t in alone.values())}
+    row = {
+        "case": "engine batched encoder vs per item",
+        "max_diff": max(diffs.values()),
+        "items_bit_equal": sum(v == 0.0 for v in diffs.values()),
+        "items": len(diffs),
+        "max_abs_value": max(t.abs().max().item() for t in alone.values()),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -141,13 +164,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the JSON here")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))  # as tests/conftest.py
-    env = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "processor": platform.processor(),
-           "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
-           "MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS")}
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "processor": platform.processor(),
+        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
+    }
     try:
-        env["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                if line.startswith("model name"))
+        env["cpu_model"] = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     print(json.dumps(env), flush=True)

@@ -48,9 +48,13 @@ def write_peer_tokenizer(out_dir: Path, vocab_size: int) -> Path:
     tok = build_tiny_tokenizer()
     base = tok.get_vocab_size()
     if vocab_size > base:
-        start = 1 + max(int(t[len("<unused"):-1]) for t in tok.get_vocab() if t.startswith("<unused"))
-        tok.add_special_tokens([AddedToken(f"<unused{start + i}>", special=True, normalized=False)
-                                for i in range(vocab_size - base)])
+        start = 1 + max(int(t[len("<unused") : -1]) for t in tok.get_vocab() if t.startswith("<unused"))
+        tok.add_special_tokens(
+            [
+                AddedToken(f"<unused{start + i}>", special=True, normalized=False)
+                for i in range(vocab_size - base)
+            ]
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
@@ -66,12 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8200)
-    p.add_argument("--tokenizer-dir", default=None,
-                   help="where to write the tokenizer; also the model name clients send (default /tmp/g4serve-peer-PRESET)")
-    p.add_argument("--continuous-batching", action="store_true", help="transformers serve --continuous-batching")
-    p.add_argument("--compile", action="store_true", help="transformers serve --compile (static cache + torch.compile)")
-    p.add_argument("--attn-implementation", default=None, help="transformers serve --attn-implementation (default: "
-                                                                  "sdpa, or the server's choice with --continuous-batching)")
+    p.add_argument(
+        "--tokenizer-dir",
+        default=None,
+        help="where to write the tokenizer; also the model name clients send (default /tmp/g4serve-peer-PRESET)",
+    )
+    p.add_argument(
+        "--continuous-batching", action="store_true", help="transformers serve --continuous-batching"
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="transformers serve --compile (static cache + torch.compile)"
+    )
+    p.add_argument(
+        "--attn-implementation",
+        default=None,
+        help="transformers serve --attn-implementation (default: "
+        "sdpa, or the server's choice with --continuous-batching)",
+    )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: the model is local
@@ -95,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.bos_token_id = SPECIAL_TOKENS.index("<bos>")
     model.generation_config.pad_token_id = SPECIAL_TOKENS.index("<pad>")
     build_s = time.perf_counter() - t0
-    tok_dir = write_peer_tokenizer(Path(args.tokenizer_dir or f"/tmp/g4serve-peer-{args.preset}"),
-                                   model.config.vocab_size)
+    tok_dir = write_peer_tokenizer(
+        Path(args.tokenizer_dir or f"/tmp/g4serve-peer-{args.preset}"), model.config.vocab_size
+    )
 
     def load_built_model(self, *a, **k):  # transformers serve's loader, handing over the model built above
         return model
@@ -104,14 +120,32 @@ def main(argv: list[str] | None = None) -> int:
     model_manager.ModelManager._load_model = load_built_model
     from transformers.cli.serve import Serve
 
-    info = {"peer": "transformers serve", "transformers": transformers.__version__, "torch": torch.__version__,
-            "preset": args.preset, "device": device, "dtype": args.dtype, "build_s": round(build_s, 1),
-            "model_name": str(tok_dir), "continuous_batching": args.continuous_batching, "compile": args.compile,
-            "attn_implementation": model.config._attn_implementation, "port": args.port}
+    info = {
+        "peer": "transformers serve",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "device": device,
+        "dtype": args.dtype,
+        "build_s": round(build_s, 1),
+        "model_name": str(tok_dir),
+        "continuous_batching": args.continuous_batching,
+        "compile": args.compile,
+        "attn_implementation": model.config._attn_implementation,
+        "port": args.port,
+    }
     print("[peer_serve] " + json.dumps(info), flush=True)
-    Serve(force_model=str(tok_dir), continuous_batching=args.continuous_batching, compile=args.compile,
-          attn_implementation=args.attn_implementation, device=device, dtype=args.dtype, host=args.host,
-          port=args.port, log_level=args.log_level)
+    Serve(
+        force_model=str(tok_dir),
+        continuous_batching=args.continuous_batching,
+        compile=args.compile,
+        attn_implementation=args.attn_implementation,
+        device=device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
     return 0
 
 

@@ -49,7 +49,9 @@ def build(preset_name: str, device: str, dtype: torch.dtype, seed: int):
 
     from g4serve.config import preset
 
-    cfg = Gemma4TextConfig(**{k: v for k, v in preset(preset_name).text.to_hf_dict().items() if k != "model_type"})
+    cfg = Gemma4TextConfig(
+        **{k: v for k, v in preset(preset_name).text.to_hf_dict().items() if k != "model_type"}
+    )
     cfg._attn_implementation = "sdpa"
     with torch.device(device):  # built where it runs: buffers (RoPE tables, scales) come out right
         model = Gemma4ForCausalLM(cfg).to(dtype=dtype)
@@ -70,15 +72,30 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, device: str, *, compiled: bool = True,
-                   max_cache_len: int | None = None) -> float:
+def timed_generate(
+    model,
+    ids: torch.Tensor,
+    new_tokens: int,
+    device: str,
+    *,
+    compiled: bool = True,
+    max_cache_len: int | None = None,
+) -> float:
     """One ``generate`` call with a static cache; ``max_cache_len`` sizes that cache the same for calls of
     different lengths, so that they share one cache and one compiled graph."""
     sync(device)
     t0 = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, cache_implementation="static", pad_token_id=0, disable_compile=not compiled,
-                   max_cache_len=max_cache_len)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+        disable_compile=not compiled,
+        max_cache_len=max_cache_len,
+    )
     sync(device)
     return time.perf_counter() - t0
 
@@ -133,10 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-lengths", default="128,512,2048")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="every row eager (disable_compile=True)")
-    p.add_argument("--compile", action="store_true", help="also wrap the forward in torch.compile(reduce-overhead)")
-    p.add_argument("--time-budget-s", type=float, default=None,
-                   help="stop starting rows after this many seconds from the start, and interrupt a row still "
-                        "running then (default: no limit)")
+    p.add_argument(
+        "--compile", action="store_true", help="also wrap the forward in torch.compile(reduce-overhead)"
+    )
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="stop starting rows after this many seconds from the start, and interrupt a row still "
+        "running then (default: no limit)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
@@ -151,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - start
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    print(f"transformers {tf_version}: {args.preset} on {args.device} ({args.dtype}) built in {load_s:.1f}s", flush=True)
+    print(
+        f"transformers {tf_version}: {args.preset} on {args.device} ({args.dtype}) built in {load_s:.1f}s",
+        flush=True,
+    )
 
     decode: list[dict] = []
     prefill: list[dict] = []
@@ -165,17 +191,29 @@ def main(argv: list[str] | None = None) -> int:
         from torch._dynamo.utils import counters
 
         result = {
-            "benchmark": "peer_transformers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "command": " ".join(["python3", *sys.argv]), "preset": args.preset,
+            "benchmark": "peer_transformers",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+            "command": " ".join(["python3", *sys.argv]),
+            "preset": args.preset,
             "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
-            "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
-            "compile": args.compile, "cache": "static", "attn_implementation": "sdpa", "load_s": load_s,
-            "decode_tokens": args.decode_tokens, "reps": args.reps, "time_budget_s": args.time_budget_s,
+            "torch": torch.__version__,
+            "transformers": tf_version,
+            "python": platform.python_version(),
+            "compile": args.compile,
+            "cache": "static",
+            "attn_implementation": "sdpa",
+            "load_s": load_s,
+            "decode_tokens": args.decode_tokens,
+            "reps": args.reps,
+            "time_budget_s": args.time_budget_s,
             "elapsed_s": time.perf_counter() - start,
             # transformers compiles the decoding forward itself for static caches on CUDA: record whether it did
             "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "decode": decode, "prefill": prefill, "skipped": skipped,
+            "decode": decode,
+            "prefill": prefill,
+            "skipped": skipped,
         }
         path.write_text(json.dumps(result, indent=2))
 
@@ -193,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - torch.compile wraps the RowTimeout raised inside it
             if not _caused_by(exc, RowTimeout):
                 raise
-            skipped.append({**what, "reason": f"interrupted at the time budget after {time.perf_counter() - t0:.0f} s"})
+            skipped.append(
+                {**what, "reason": f"interrupted at the time budget after {time.perf_counter() - t0:.0f} s"}
+            )
             save()
             print(f"interrupted {what} after {time.perf_counter() - t0:.0f} s (time budget)", flush=True)
             return None
@@ -203,8 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(1000, vocab, (b, 128), generator=gen).to(args.device)
 
         # The long and the short call share one cache size: one compilation per batch size, not two.
-        run = functools.partial(timed_generate, model, ids, device=args.device, compiled=compiled,
-                                max_cache_len=ids.shape[1] + args.decode_tokens)
+        run = functools.partial(
+            timed_generate,
+            model,
+            ids,
+            device=args.device,
+            compiled=compiled,
+            max_cache_len=ids.shape[1] + args.decode_tokens,
+        )
 
         def measure() -> dict:
             for _ in range(2):  # warm-up (and compilation)
@@ -215,15 +261,19 @@ def main(argv: list[str] | None = None) -> int:
                 long = run(args.decode_tokens)
                 short = run(1)
                 per_token.append((long - short) / (args.decode_tokens - 1))
-            return {"itl_p50_ms": 1e3 * statistics.median(per_token),
-                    "output_tokens_per_s": b / statistics.median(per_token)}
+            return {
+                "itl_p50_ms": 1e3 * statistics.median(per_token),
+                "output_tokens_per_s": b / statistics.median(per_token),
+            }
 
         return measure
 
     compiled_batches = [] if args.no_compile else _ints(args.batches)
     eager_batches = _ints(args.eager_batches) + (_ints(args.batches) if args.no_compile else [])
     for b in eager_batches:
-        row = run_row({"batch": b, "prompt_tokens": 128, "compiled": False}, measure_decode(b, compiled=False))
+        row = run_row(
+            {"batch": b, "prompt_tokens": 128, "compiled": False}, measure_decode(b, compiled=False)
+        )
         if row:
             decode.append(row)
             save()
@@ -242,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
             save()
             print(f"prefill {length:5d}: TTFT {row['ttft_p50_ms']:.2f} ms", flush=True)
     for b in compiled_batches:
-        row = run_row({"batch": b, "prompt_tokens": 128, "compiled": args.device.startswith("cuda")},
-                      measure_decode(b, compiled=True))
+        row = run_row(
+            {"batch": b, "prompt_tokens": 128, "compiled": args.device.startswith("cuda")},
+            measure_decode(b, compiled=True),
+        )
         if row:
             decode.append(row)
             save()
-            print(f"decode batch {b:3d}: {row['itl_p50_ms']:.2f} ms/token ({row['row_s']:.0f} s with compilation)",
-                  flush=True)
+            print(
+                f"decode batch {b:3d}: {row['itl_p50_ms']:.2f} ms/token ({row['row_s']:.0f} s with compilation)",
+                flush=True,
+            )
     save()
     print(f"wrote {path}")
     return 0

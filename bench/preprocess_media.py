@@ -46,8 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--frames", type=int, default=6)
     p.add_argument("--size", default="854x480", help="frame WIDTHxHEIGHT")
     p.add_argument("--reps", type=int, default=30)
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     def whole_request():
         messages, media = split_chat_messages(json.loads(body)["messages"], allow_local_files=False)
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return engine.process_prompt({"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False)
+        return engine.process_prompt(
+            {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+        )
 
     jpegs = []
     for frame in workload.frames(random.Random(0)):
@@ -99,32 +102,63 @@ def main(argv: list[str] | None = None) -> int:
         "decode_frames_threads_ms": timed_ms(lambda: _decode_all(load_image, jpegs), args.reps),
         "frames_to_hwc_ms": timed_ms(lambda: [_frame_to_hwc(im) for im in images], args.reps),
         "resize_channels_last_ms": timed_ms(
-            lambda: resize_to_patch_budget(frames, settings.patch_size, max_patches, settings.pooling_kernel_size),
-            args.reps),
+            lambda: resize_to_patch_budget(
+                frames, settings.patch_size, max_patches, settings.pooling_kernel_size
+            ),
+            args.reps,
+        ),
         "resize_one_call_ms": timed_ms(  # all frames in one call of torch's uint8 kernel (one thread)
-            lambda: tvF.resize(frames.contiguous(memory_format=torch.channels_last), size=list(resized.shape[-2:]),
-                               interpolation=tvF.InterpolationMode.BICUBIC, antialias=True), args.reps),
+            lambda: tvF.resize(
+                frames.contiguous(memory_format=torch.channels_last),
+                size=list(resized.shape[-2:]),
+                interpolation=tvF.InterpolationMode.BICUBIC,
+                antialias=True,
+            ),
+            args.reps,
+        ),
         "resize_planar_input_ms": timed_ms(
-            lambda: resize_to_patch_budget(frames.contiguous(), settings.patch_size, max_patches,
-                                           settings.pooling_kernel_size), args.reps),
+            lambda: resize_to_patch_budget(
+                frames.contiguous(), settings.patch_size, max_patches, settings.pooling_kernel_size
+            ),
+            args.reps,
+        ),
         "patchify_uint8_ms": timed_ms(lambda: patchify(resized, settings.patch_size, max_patches), args.reps),
         "rescale_and_patchify_float32_ms": timed_ms(  # the processor's path before it kept uint8 patches
-            lambda: patchify(rescale_pixels(resized, video=True), settings.patch_size, max_patches), args.reps),
+            lambda: patchify(rescale_pixels(resized, video=True), settings.patch_size, max_patches), args.reps
+        ),
         "content_hash_uint8_ms": timed_ms(lambda: content_hash("video", patches, positions), args.reps),
-        "content_hash_float32_ms": timed_ms(lambda: content_hash("video", float_patches, positions), args.reps),
+        "content_hash_float32_ms": timed_ms(
+            lambda: content_hash("video", float_patches, positions), args.reps
+        ),
     }
     if "load" in inspect.signature(sample_video_frames).parameters:  # absent on sources before the media pool
-        rows["sample_decode_hwc_pool_ms"] = timed_ms(lambda: sample_video_frames(jpegs, load=load_image), args.reps)
+        rows["sample_decode_hwc_pool_ms"] = timed_ms(
+            lambda: sample_video_frames(jpegs, load=load_image), args.reps
+        )
     print(f"{'piece':32s} {'median':>8s} {'min':>8s}")
     for name, value in rows.items():
         print(f"{name:32s} {value['median']:8.2f} {value['min']:8.2f}")
-    env = {"git_commit": git_commit(), "device_name": device_name("cpu"), "cpu_count": os.cpu_count(),
-           "torch_threads": torch.get_num_threads(), "python_version": platform.python_version(),
-           "torch_version": torch.__version__, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-           "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    write_result_json(args.out_dir, "preprocess_media", {
-        "environment": env, "workload": workload.params(), "reps": args.reps,
-        "units": {"*_ms": "milliseconds per call (median and min)"}, "results": rows})
+    env = {
+        "git_commit": git_commit(),
+        "device_name": device_name("cpu"),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    write_result_json(
+        args.out_dir,
+        "preprocess_media",
+        {
+            "environment": env,
+            "workload": workload.params(),
+            "reps": args.reps,
+            "units": {"*_ms": "milliseconds per call (median and min)"},
+            "results": rows,
+        },
+    )
     return 0
 
 

@@ -89,14 +89,20 @@ def time_kernel(logits: torch.Tensor, reps: int, block: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--vocab", type=int, default=262144, help="Gemma 4's vocabulary")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--kernel-blocks", type=int, nargs="*", default=[],
-                   help="also time the top-p kernel alone (CUDA events) at these block sizes")
+    p.add_argument(
+        "--kernel-blocks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the top-p kernel alone (CUDA events) at these block sizes",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
 

@@ -52,18 +52,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="854x480", help="frame WIDTHxHEIGHT")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip transformers' vision tower")
-    p.add_argument("--profile", action="store_true",
-                   help="also write torch.profiler kernel tables of the engine's encoder (graph replay on CUDA) "
-                        "and of the eager one next to the JSON, after the timings")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write torch.profiler kernel tables of the engine's encoder (graph replay on CUDA) "
+        "and of the eager one next to the JSON, after the timings",
+    )
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
     from g4serve.engine.engine import EngineConfig, LLMEngine
 
     width, height = (int(v) for v in args.size.lower().split("x"))
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=1,
-                                    kv_cache_bytes=256 << 20, max_num_batched_tokens=2048,
-                                    limit_mm_per_prompt={"image": 0, "video": 1, "audio": 0}))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=1,
+            kv_cache_bytes=256 << 20,
+            max_num_batched_tokens=2048,
+            limit_mm_per_prompt={"image": 0, "video": 1, "audio": 0},
+        )
+    )
     device = engine.device
     rng = np.random.default_rng(0)
     frames = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(args.frames)]
@@ -72,16 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     pixels = rescale_pixels(item.data["pixel_values"].to(device), video=True).to(engine.dtype)
     positions = item.data["position_ids"].to(device)
     soft_tokens = sum(e - s for s, e in item.spans)
-    print(f"{args.frames} frames {width}x{height} -> pixel_values {tuple(pixels.shape)}, {soft_tokens} soft tokens",
-          flush=True)
+    print(
+        f"{args.frames} frames {width}x{height} -> pixel_values {tuple(pixels.shape)}, {soft_tokens} soft tokens",
+        flush=True,
+    )
 
     with torch.inference_mode():
         positions_cpu = item.data["position_ids"]  # as the engine passes them: kept cells chosen on the host
-        ours = _time(lambda: engine.encoder.encode_images(pixels, positions, positions_cpu), device, args.reps)
+        ours = _time(
+            lambda: engine.encoder.encode_images(pixels, positions, positions_cpu), device, args.reps
+        )
         eager = _time(lambda: engine.model.encode_images(pixels, positions), device, args.reps)
-    rows = {"g4serve": {"median_ms": 1e3 * statistics.median(ours), "min_ms": 1e3 * min(ours),
-                        "cuda_graph": engine.encoder.vision_graphs is not None},
-            "g4serve_eager": {"median_ms": 1e3 * statistics.median(eager), "min_ms": 1e3 * min(eager)}}
+    rows = {
+        "g4serve": {
+            "median_ms": 1e3 * statistics.median(ours),
+            "min_ms": 1e3 * min(ours),
+            "cuda_graph": engine.encoder.vision_graphs is not None,
+        },
+        "g4serve_eager": {"median_ms": 1e3 * statistics.median(eager), "min_ms": 1e3 * min(eager)},
+    }
     print(f"g4serve eager encode_images: median {rows['g4serve_eager']['median_ms']:.2f} ms", flush=True)
     print(f"g4serve encode_images: median {rows['g4serve']['median_ms']:.2f} ms", flush=True)
 
@@ -89,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
         from transformers import Gemma4VisionConfig, Gemma4VisionModel
 
-        cfg = Gemma4VisionConfig(**{k: v for k, v in engine.model_config.vision.to_hf_dict().items()
-                                    if k != "model_type"})
+        cfg = Gemma4VisionConfig(
+            **{k: v for k, v in engine.model_config.vision.to_hf_dict().items() if k != "model_type"}
+        )
         cfg._attn_implementation = "sdpa"
         with torch.device(device):
             tower = Gemma4VisionModel(cfg).to(engine.dtype).eval()
@@ -99,13 +120,25 @@ def main(argv: list[str] | None = None) -> int:
             for param in tower.parameters():
                 param.normal_(0.0, 0.02, generator=gen)
         with torch.inference_mode():
-            theirs = _time(lambda: tower(pixel_values=pixels, pixel_position_ids=positions), device, args.reps)
-        rows["transformers"] = {"median_ms": 1e3 * statistics.median(theirs), "min_ms": 1e3 * min(theirs),
-                                "version": transformers.__version__, "attn_implementation": "sdpa",
-                                "note": "vision tower only (no projection to the text width)"}
-        print(f"transformers Gemma4VisionModel: median {rows['transformers']['median_ms']:.2f} ms", flush=True)
+            theirs = _time(
+                lambda: tower(pixel_values=pixels, pixel_position_ids=positions), device, args.reps
+            )
+        rows["transformers"] = {
+            "median_ms": 1e3 * statistics.median(theirs),
+            "min_ms": 1e3 * min(theirs),
+            "version": transformers.__version__,
+            "attn_implementation": "sdpa",
+            "note": "vision tower only (no projection to the text width)",
+        }
+        print(
+            f"transformers Gemma4VisionModel: median {rows['transformers']['median_ms']:.2f} ms", flush=True
+        )
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
     result = {
         "benchmark": "vision_encoder",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -124,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = write_result_json(args.out, f"vision-{Path(args.model).name}-{device.type}", result)
     if args.profile:  # last: the profiler stays attached and slows later launches
-        for label, fn in (("runner", lambda: engine.encoder.encode_images(pixels, positions, positions_cpu)),
-                          ("eager", lambda: engine.model.encode_images(pixels, positions))):
+        for label, fn in (
+            ("runner", lambda: engine.encoder.encode_images(pixels, positions, positions_cpu)),
+            ("eager", lambda: engine.model.encode_images(pixels, positions)),
+        ):
             table = _profile(fn, device)
             path.with_suffix(f".profile-{label}.txt").write_text(table)
             print(f"wrote {path.with_suffix(f'.profile-{label}.txt')}")

@@ -18,34 +18,92 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Special-token ids of g4serve's tiny tokenizer (g4serve.processing.tiny_tokenizer.SPECIAL_TOKENS).
-TOKEN_IDS = dict(boi_token_id=10, eoi_token_id=11, image_token_id=12, boa_token_id=13, eoa_token_index=14,
-                 audio_token_id=15, video_token_id=16)
+TOKEN_IDS = dict(
+    boi_token_id=10,
+    eoi_token_id=11,
+    image_token_id=12,
+    boa_token_id=13,
+    eoa_token_index=14,
+    audio_token_id=15,
+    video_token_id=16,
+)
 
-_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=2, head_dim=16, position_embedding_size=1024)
-_AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 4],
-              output_proj_dims=48)
-_TEXT = dict(vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=64, intermediate_size=128,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-             final_logit_softcapping=30.0, max_position_embeddings=4096, eos_token_id=[1, 6])
+_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    position_embedding_size=1024,
+)
+_AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    subsampling_conv_channels=[128, 4],
+    output_proj_dims=48,
+)
+_TEXT = dict(
+    vocab_size=1024,
+    vocab_size_per_layer_input=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=4096,
+    eos_token_id=[1, 6],
+)
 
 # The architectures the oracle tests cover, shrunk.
 VARIANTS: dict[str, dict] = {
     # E2B/E4B: per-layer embeddings, KV sharing, 5:1 sliding/full, proportional RoPE, audio.
-    "e": dict(text=dict(_TEXT, num_hidden_layers=12, layer_types=([SLIDING] * 5 + [FULL]) * 2,
-                        sliding_window=12, num_kv_shared_layers=4, hidden_size_per_layer_input=16),
-              audio=True),
+    "e": dict(
+        text=dict(
+            _TEXT,
+            num_hidden_layers=12,
+            layer_types=([SLIDING] * 5 + [FULL]) * 2,
+            sliding_window=12,
+            num_kv_shared_layers=4,
+            hidden_size_per_layer_input=16,
+        ),
+        audio=True,
+    ),
     # 26B-A4B: routed experts beside the dense MLP, K=V global layers, bidirectional image attention.
-    "moe": dict(text=dict(_TEXT, num_hidden_layers=6, layer_types=[SLIDING, SLIDING, FULL] * 2, sliding_window=12,
-                          hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
-                          enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-                          use_bidirectional_attention="vision"),
-                audio=False),
+    "moe": dict(
+        text=dict(
+            _TEXT,
+            num_hidden_layers=6,
+            layer_types=[SLIDING, SLIDING, FULL] * 2,
+            sliding_window=12,
+            hidden_size_per_layer_input=0,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            use_bidirectional_attention="vision",
+        ),
+        audio=False,
+    ),
     # 31B: dense, K=V global layers with fewer KV heads, bidirectional image attention.
-    "31b": dict(text=dict(_TEXT, num_hidden_layers=6, layer_types=[SLIDING, SLIDING, FULL] * 2, sliding_window=12,
-                          hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
-                          use_bidirectional_attention="vision"),
-                audio=False),
+    "31b": dict(
+        text=dict(
+            _TEXT,
+            num_hidden_layers=6,
+            layer_types=[SLIDING, SLIDING, FULL] * 2,
+            sliding_window=12,
+            hidden_size_per_layer_input=0,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            use_bidirectional_attention="vision",
+        ),
+        audio=False,
+    ),
 }
 
 
@@ -81,8 +139,12 @@ def build_hf_checkpoint(out: Path, variant: str, seed: int = 0) -> Path:
     from g4serve.tiny import _processor_configs
 
     spec = VARIANTS[variant]
-    cfg = Gemma4Config(text_config=spec["text"], vision_config=_VISION,
-                       audio_config=_AUDIO if spec["audio"] else None, **TOKEN_IDS)
+    cfg = Gemma4Config(
+        text_config=spec["text"],
+        vision_config=_VISION,
+        audio_config=_AUDIO if spec["audio"] else None,
+        **TOKEN_IDS,
+    )
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(cfg).eval()
     _randomize(model, seed)

@@ -25,8 +25,16 @@ from g4serve.processing.audio import SAMPLING_RATE, load_audio
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.processing.video import load_video
 
-TINY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-              "processor_config.json", "preprocessor_config.json", "generation_config.json")
+TINY_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "generation_config.json",
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +68,7 @@ def _generate_json(capsys, *args: str) -> dict:
 
 # ---- make-tiny ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", ["e", "moe", "31b"])
 def test_make_tiny_writes_a_complete_checkpoint(made, capsys, variant):
     path = made[variant]
@@ -87,9 +96,13 @@ def test_make_tiny_writes_a_complete_checkpoint(made, capsys, variant):
 
 def test_make_tiny_is_seeded(tmp_path, made):
     assert main(["make-tiny", str(tmp_path / "again"), "--variant", "moe"]) == 0
-    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (made["moe"] / "model.safetensors").read_bytes()
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
+        made["moe"] / "model.safetensors"
+    ).read_bytes()
     assert main(["make-tiny", str(tmp_path / "seed1"), "--variant", "moe", "--seed", "1"]) == 0
-    assert (tmp_path / "seed1" / "model.safetensors").read_bytes() != (made["moe"] / "model.safetensors").read_bytes()
+    assert (tmp_path / "seed1" / "model.safetensors").read_bytes() != (
+        made["moe"] / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize("variant", ["e", "moe", "31b"])
@@ -97,12 +110,15 @@ def test_transformers_loads_make_tiny_checkpoints_and_agrees(made, variant):
     from transformers import AutoTokenizer, Gemma4ForConditionalGeneration
 
     path = made[variant]
-    hf, info = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                              output_loading_info=True)
+    hf, info = Gemma4ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     hf_tok = AutoTokenizer.from_pretrained(path)
     messages = [{"role": "user", "content": "What is the balance of my savings account?"}]
-    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     ours = load_model(path, dtype="float32", device="cpu")
     assert Tokenizer.from_pretrained(path).encode_chat(messages) == list(ids)
     with torch.inference_mode():
@@ -119,19 +135,37 @@ def test_make_tiny_rejects_an_unknown_variant(tmp_path, capsys):
 
 # ---- generate ------------------------------------------------------------------------------------------------
 
+
 def test_generate_prints_the_completion(made, capsys):
     path = made["e"]
-    rc = main(["generate", "--model", str(path), "--device", "cpu", "--dtype", "float32",
-               "--prompt", "What is my balance?", "--max-tokens", "4"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prompt",
+            "What is my balance?",
+            "--max-tokens",
+            "4",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_bytes=8 << 20)
-    expected = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is my balance?"}]}],
-                        SamplingParams(temperature=0, max_tokens=4))[0]
+    expected = llm.chat(
+        [{"role": "user", "content": [{"type": "text", "text": "What is my balance?"}]}],
+        SamplingParams(temperature=0, max_tokens=4),
+    )[0]
     completion = expected.outputs[0]
     assert captured.out == completion.text + "\n"
-    assert (f"[{len(expected.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
-            f"finish={completion.finish_reason}") in captured.err
+    assert (
+        f"[{len(expected.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+        f"finish={completion.finish_reason}"
+    ) in captured.err
     assert len(completion.token_ids) == 4 or completion.finish_reason == "stop"
 
 
@@ -143,15 +177,19 @@ def test_generate_json_raw_and_image(made, tmp_path, capsys):
     tok = Tokenizer.from_pretrained(path)
     assert chat["prompt_tokens"] == len(tok.encode_chat([{"role": "user", "content": "Hello"}]))
     # Same greedy tokens on a second run.
-    assert _generate_json(capsys, "--model", path, "--prompt", "Hello", "--max-tokens", "4")["token_ids"] == chat["token_ids"]
+    assert (
+        _generate_json(capsys, "--model", path, "--prompt", "Hello", "--max-tokens", "4")["token_ids"]
+        == chat["token_ids"]
+    )
 
     raw = _generate_json(capsys, "--model", path, "--prompt", "Hello", "--raw", "--max-tokens", "3")
     assert raw["prompt_tokens"] == len(tok.encode("Hello"))
 
     image = tmp_path / "cat.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(image)
-    with_image = _generate_json(capsys, "--model", path, "--prompt", "Hello", "--image", str(image),
-                                "--max-tokens", "2")
+    with_image = _generate_json(
+        capsys, "--model", path, "--prompt", "Hello", "--image", str(image), "--max-tokens", "2"
+    )
     assert with_image["prompt_tokens"] > chat["prompt_tokens"] + 3  # <|image> + soft tokens + <image|>
 
 
@@ -199,16 +237,23 @@ def test_sample_assets_exist_are_small_and_decode():
         sample_path("cat.png")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "{tmp}/no-such-model"], "neither a checkpoint directory nor a preset"),
-    (["--model", "{tmp}"], "tokenizer.json"),  # a directory that is not a checkpoint
-    (["--model", "{e}", "--dtype", "float8"], "dtype: unknown dtype 'float8'"),
-    (["--model", "{e}", "--max-tokens", "0"], "max_tokens"),
-    (["--model", "{e}", "--temperature", "-1"], "temperature"),
-    (["--model", "{e}", "--image", "{tmp}/missing.png"], "image[0]"),
-    (["--model", "{e}", "--device", "cuda:0"] if not torch.cuda.is_available() else
-     ["--model", "{e}", "--device", "nonsense"], "device"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "{tmp}/no-such-model"], "neither a checkpoint directory nor a preset"),
+        (["--model", "{tmp}"], "tokenizer.json"),  # a directory that is not a checkpoint
+        (["--model", "{e}", "--dtype", "float8"], "dtype: unknown dtype 'float8'"),
+        (["--model", "{e}", "--max-tokens", "0"], "max_tokens"),
+        (["--model", "{e}", "--temperature", "-1"], "temperature"),
+        (["--model", "{e}", "--image", "{tmp}/missing.png"], "image[0]"),
+        (
+            ["--model", "{e}", "--device", "cuda:0"]
+            if not torch.cuda.is_available()
+            else ["--model", "{e}", "--device", "nonsense"],
+            "device",
+        ),
+    ],
+)
 def test_generate_errors_exit_2_with_a_message(made, tmp_path, capsys, args, message):
     argv = ["generate", "--prompt", "Hi", "--max-tokens", "2"]
     argv += [a.format(tmp=tmp_path, e=made["e"]) for a in args]
@@ -224,9 +269,29 @@ def test_bad_model_path_in_a_subprocess(tmp_path):
     """The installed entry point's exit status and stderr, end to end."""
     missing = tmp_path / "nowhere"
     env = {**os.environ, "G4SERVE_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "g4serve.cli", "generate", "--model", str(missing), "--prompt", "Hi",
-                           "--device", "cpu"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "g4serve.cli",
+            "generate",
+            "--model",
+            str(missing),
+            "--prompt",
+            "Hi",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
-    assert f"g4serve generate: error: model: {missing} is neither a checkpoint directory nor a preset" in proc.stderr
+    assert (
+        f"g4serve generate: error: model: {missing} is neither a checkpoint directory nor a preset"
+        in proc.stderr
+    )
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "cache").exists()  # nothing was built for a request that failed

@@ -39,8 +39,12 @@ def hf_configs(tmp_path_factory, shared):
 
     out = {}
     for variant, spec in shared.VARIANTS.items():
-        cfg = HFConfig(text_config=copy.deepcopy(spec["text"]), vision_config=dict(shared._VISION),
-                       audio_config=dict(shared._AUDIO) if spec["audio"] else None, **shared.TOKEN_IDS)
+        cfg = HFConfig(
+            text_config=copy.deepcopy(spec["text"]),
+            vision_config=dict(shared._VISION),
+            audio_config=dict(shared._AUDIO) if spec["audio"] else None,
+            **shared.TOKEN_IDS,
+        )
         path = tmp_path_factory.mktemp(f"cfg-{variant}")
         cfg.save_pretrained(path)
         out[variant] = (cfg, path)
@@ -62,6 +66,7 @@ def _hf_kv_source(text_cfg) -> list[int]:
 
 
 # ---- transformers-written config.json ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_transformers_config_json_parses_to_transformers_per_layer_facts(hf_configs, shared, variant):
@@ -88,7 +93,14 @@ def test_transformers_config_json_parses_to_transformers_per_layer_facts(hf_conf
         assert t.layer_num_kv_heads(i) == ht.per_layer_config[i].num_key_value_heads, f"layer {i}"
     assert [t.kv_source_layer(i) for i in range(t.num_hidden_layers)] == _hf_kv_source(ht)
     # Top-level token ids, including transformers' odd spelling eoa_token_index.
-    for name in ("boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id", "audio_token_id"):
+    for name in (
+        "boi_token_id",
+        "eoi_token_id",
+        "image_token_id",
+        "video_token_id",
+        "boa_token_id",
+        "audio_token_id",
+    ):
         assert getattr(cfg, name) == token_ids[name]
     assert cfg.eoa_token_id == token_ids["eoa_token_index"]
     assert cfg.vision is not None and cfg.vision.hidden_size == vision["hidden_size"]
@@ -189,10 +201,14 @@ def test_strict_false_ignores_unknown_fields():
 
 # ---- presets ----------------------------------------------------------------------------------------------
 
+
 def _effective_params(cfg: Gemma4Config) -> int:
     """Text parameters without any embedding table (the "effective" size of the E models)."""
     t = cfg.text
-    embeddings = t.vocab_size * t.hidden_size + t.vocab_size_per_layer_input * t.num_hidden_layers * t.hidden_size_per_layer_input
+    embeddings = (
+        t.vocab_size * t.hidden_size
+        + t.vocab_size_per_layer_input * t.num_hidden_layers * t.hidden_size_per_layer_input
+    )
     return approx_param_count(cfg) - embeddings
 
 
@@ -207,7 +223,12 @@ def test_e4b_preset_matches_the_published_config():
     """Every number in docs/gemma4.md's E4B section."""
     cfg = preset("e4b")
     t = cfg.text
-    assert (t.hidden_size, t.num_hidden_layers, t.vocab_size, t.intermediate_size) == (2560, 42, 262_144, 10240)
+    assert (t.hidden_size, t.num_hidden_layers, t.vocab_size, t.intermediate_size) == (
+        2560,
+        42,
+        262_144,
+        10240,
+    )
     assert t.tie_word_embeddings and cfg.tie_word_embeddings
     assert t.layer_types == ([SLIDING] * 5 + [FULL]) * 7
     assert t.sliding_window == 512
@@ -215,7 +236,11 @@ def test_e4b_preset_matches_the_published_config():
     assert {t.layer_head_dim(i) for i in range(42) if t.layer_types[i] == SLIDING} == {256}
     assert {t.layer_head_dim(i) for i in range(42) if t.layer_types[i] == FULL} == {512}
     assert t.rope_parameters[SLIDING] == {"rope_type": "default", "rope_theta": 10_000.0}
-    assert t.rope_parameters[FULL] == {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    assert t.rope_parameters[FULL] == {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1e6,
+    }
     assert t.num_kv_shared_layers == 18 and t.kv_producer_layers == list(range(24))
     # Each shared layer reuses the last producer of its type: sliding -> 22, full -> 23.
     assert {t.kv_source_layer(i) for i in range(24, 42) if t.layer_types[i] == SLIDING} == {22}
@@ -237,7 +262,12 @@ def test_e4b_preset_matches_the_published_config():
     assert cfg.audio is not None
     # Special tokens.
     assert (cfg.boi_token_id, cfg.image_token_id, cfg.eoi_token_id, cfg.video_token_id, cfg.boa_token_id) == (
-        255_999, 258_880, 258_882, 258_884, 256_000)
+        255_999,
+        258_880,
+        258_882,
+        258_884,
+        256_000,
+    )
 
 
 def test_e2b_preset_is_an_effective_2b_e_model():
@@ -298,6 +328,7 @@ def test_tiny_preset_switches_every_feature_on():
 
 # ---- errors name the field --------------------------------------------------------------------------------
 
+
 def _set(path: str, value):
     def apply(raw: dict) -> None:
         *parents, leaf = path.split(".")
@@ -308,6 +339,7 @@ def _set(path: str, value):
             del cur[leaf]
         else:
             cur[leaf] = value
+
     return apply
 
 
@@ -330,9 +362,16 @@ BAD_FIELDS = [
     ("text_config.per_layer_config", {"x": {"head_dim": 32}}, "text_config.per_layer_config['x']"),
     ("text_config.per_layer_config", {"2": {"intermediate_size": 32}}, "text_config.per_layer_config['2']"),
     ("text_config.per_layer_config", {"2": {"head_dim": 0}}, "text_config.per_layer_config['2'].head_dim"),
-    ("text_config.per_layer_config", {"2": {"num_key_value_heads": 0}},
-     "text_config.per_layer_config['2'].num_key_value_heads"),
-    ("text_config.per_layer_config", {"02": {"head_dim": 32}, "2": {"head_dim": 16}}, "text_config.per_layer_config"),
+    (
+        "text_config.per_layer_config",
+        {"2": {"num_key_value_heads": 0}},
+        "text_config.per_layer_config['2'].num_key_value_heads",
+    ),
+    (
+        "text_config.per_layer_config",
+        {"02": {"head_dim": 32}, "2": {"head_dim": 16}},
+        "text_config.per_layer_config",
+    ),
     ("text_config.per_layer_config", [{"head_dim": 32}], "text_config.per_layer_config"),
     # non-positive or non-integer sizes
     ("text_config.hidden_size", 0, "text_config.hidden_size"),
@@ -362,14 +401,27 @@ BAD_FIELDS = [
     # head counts, RoPE, vocabulary, MoE
     ("text_config.num_attention_heads", 3, "text_config.num_key_value_heads"),
     ("vision_config.num_key_value_heads", 3, "vision_config.num_key_value_heads"),
-    ("text_config.rope_parameters", {SLIDING: {"rope_type": "yarn", "rope_theta": 1e4},
-                                     FULL: {"rope_type": "default", "rope_theta": 1e6}},
-     "text_config.rope_parameters.sliding_attention.rope_type"),
-    ("text_config.rope_parameters", {SLIDING: {"rope_type": "default", "rope_theta": 1e4}},
-     "text_config.rope_parameters"),
-    ("text_config.rope_parameters", {SLIDING: {"rope_type": "default", "rope_theta": 1e4},
-                                     FULL: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 1.5}},
-     "text_config.rope_parameters.full_attention.partial_rotary_factor"),
+    (
+        "text_config.rope_parameters",
+        {
+            SLIDING: {"rope_type": "yarn", "rope_theta": 1e4},
+            FULL: {"rope_type": "default", "rope_theta": 1e6},
+        },
+        "text_config.rope_parameters.sliding_attention.rope_type",
+    ),
+    (
+        "text_config.rope_parameters",
+        {SLIDING: {"rope_type": "default", "rope_theta": 1e4}},
+        "text_config.rope_parameters",
+    ),
+    (
+        "text_config.rope_parameters",
+        {
+            SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+            FULL: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 1.5},
+        },
+        "text_config.rope_parameters.full_attention.partial_rotary_factor",
+    ),
     ("text_config.eos_token_id", [1, 5000], "text_config.eos_token_id"),
     ("text_config.pad_token_id", -1, "text_config.pad_token_id"),
     ("text_config.hidden_activation", "relu", "text_config.hidden_activation"),
@@ -410,8 +462,12 @@ def test_config_file_errors(tmp_path):
 
 def test_text_config_validate_catches_direct_construction():
     with pytest.raises(ConfigError, match="text_config.num_kv_shared_layers"):
-        TextConfig(num_hidden_layers=6, layer_types=[SLIDING] * 5 + [FULL], num_kv_shared_layers=6,
-                   rope_parameters={SLIDING: {"rope_theta": 1.0}, FULL: {"rope_theta": 1.0}}).validate()
+        TextConfig(
+            num_hidden_layers=6,
+            layer_types=[SLIDING] * 5 + [FULL],
+            num_kv_shared_layers=6,
+            rope_parameters={SLIDING: {"rope_theta": 1.0}, FULL: {"rope_theta": 1.0}},
+        ).validate()
 
 
 def test_derived_head_dim_with_zero_heads_names_the_field():
@@ -420,4 +476,6 @@ def test_derived_head_dim_with_zero_heads_names_the_field():
     with pytest.raises(ConfigError, match="text_config.num_attention_heads"):
         Gemma4Config.from_hf_dict(raw)
     raw["text_config"].update(num_attention_heads=4)
-    assert Gemma4Config.from_hf_dict(raw).text.head_dim == 16  # hidden_size / heads, as transformers derives it
+    assert (
+        Gemma4Config.from_hf_dict(raw).text.head_dim == 16
+    )  # hidden_size / heads, as transformers derives it

@@ -21,7 +21,11 @@ from g4serve.outputs import CompletionOutput, RequestOutput
 from g4serve.processing.tokenizer import IncrementalDetokenizer
 from g4serve.sampling_params import SamplingParamsError
 
-PROMPTS = ["The bank opened a new savings account", "Hello there, my friend", "It was a bright, cold day in April"]
+PROMPTS = [
+    "The bank opened a new savings account",
+    "Hello there, my friend",
+    "It was a bright, cold day in April",
+]
 USER_IMAGE = "<|turn>user\n<|image|>What is in the picture?<turn|>\n<|turn>model\n"
 EOS = 1  # <eos> of the tiny tokenizer; <turn|> (6) is the other EOS id
 
@@ -58,6 +62,7 @@ def _first_step_logprobs(llm: LLM, prompt_ids: list[int]) -> torch.Tensor:
 
 
 # ---- prompt forms --------------------------------------------------------------------------------------
+
 
 def test_string_prompt_and_token_ids_prompt_agree(llm):
     out = llm.generate(PROMPTS[0], _greedy(8))
@@ -103,9 +108,14 @@ def test_multimodal_prompt(llm):
     # The same pixels as an array or as PNG bytes give the same tokens; other pixels give others.
     png = io.BytesIO()
     _image(0).save(png, format="PNG")
-    same = llm.generate([{"prompt": USER_IMAGE, "multi_modal_data": {"image": np.asarray(_image(0))}},
-                         {"prompt": USER_IMAGE, "multi_modal_data": {"image": png.getvalue()}},
-                         {"prompt": USER_IMAGE, "multi_modal_data": {"image": _image(1)}}], _greedy(8))
+    same = llm.generate(
+        [
+            {"prompt": USER_IMAGE, "multi_modal_data": {"image": np.asarray(_image(0))}},
+            {"prompt": USER_IMAGE, "multi_modal_data": {"image": png.getvalue()}},
+            {"prompt": USER_IMAGE, "multi_modal_data": {"image": _image(1)}},
+        ],
+        _greedy(8),
+    )
     assert same[0].outputs[0].token_ids == same[1].outputs[0].token_ids == out.outputs[0].token_ids
     assert same[2].outputs[0].token_ids != out.outputs[0].token_ids  # the image reaches the decoder
 
@@ -116,7 +126,9 @@ def test_prompt_errors_name_the_field_and_leave_no_work(llm):
         llm.generate([PROMPTS[0], {"prompt_token_ids": [2, vocab]}], _greedy(4))
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="multi_modal_data.image"):
-        llm.generate({"prompt": USER_IMAGE + "<|image|>", "multi_modal_data": {"image": _image(0)}}, _greedy(4))
+        llm.generate(
+            {"prompt": USER_IMAGE + "<|image|>", "multi_modal_data": {"image": _image(0)}}, _greedy(4)
+        )
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"smell": b"x"}}, _greedy(4))
     with pytest.raises(ValueError, match="prompt"):
@@ -130,7 +142,9 @@ def test_prompt_errors_name_the_field_and_leave_no_work(llm):
 
 
 def test_bad_model_path_or_device_names_the_option(tmp_path, tiny_model_dir):
-    with pytest.raises(CheckpointError, match="model: .*does-not-exist.* neither a checkpoint directory nor a preset"):
+    with pytest.raises(
+        CheckpointError, match="model: .*does-not-exist.* neither a checkpoint directory nor a preset"
+    ):
         LLM(str(tmp_path / "does-not-exist"), device="cpu")
     with pytest.raises(ValueError, match="device: 'gpu0' is not a torch device"):
         LLM(str(tiny_model_dir), device="gpu0")
@@ -141,9 +155,12 @@ def test_bad_model_path_or_device_names_the_option(tmp_path, tiny_model_dir):
 
 # ---- chat ------------------------------------------------------------------------------------------------
 
+
 def test_chat_text(llm):
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "What is my balance?"}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is my balance?"},
+    ]
     out = llm.chat(messages, _greedy(6))[0]
     rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert rendered.startswith("<bos>") and rendered.endswith("<|turn>model\n")
@@ -151,7 +168,10 @@ def test_chat_text(llm):
     assert ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     bos = llm.tokenizer.bos_token_id
     assert ids[0] == bos and ids.count(bos) == 1  # the template's <bos>, not a second one
-    assert out.outputs[0].token_ids == llm.generate({"prompt_token_ids": ids}, _greedy(6))[0].outputs[0].token_ids
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate({"prompt_token_ids": ids}, _greedy(6))[0].outputs[0].token_ids
+    )
     # A list of conversations gives one output per conversation.
     two = llm.chat([messages, [{"role": "user", "content": "Hi"}]], _greedy(6))
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
@@ -165,8 +185,18 @@ def test_chat_text(llm):
 
 def test_chat_with_an_image_part(llm):
     image = _image(0)
-    out = llm.chat([{"role": "user", "content": [{"type": "image", "image": image},
-                                                 {"type": "text", "text": "What is in the picture?"}]}], _greedy(8))[0]
+    out = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": image},
+                    {"type": "text", "text": "What is in the picture?"},
+                ],
+            }
+        ],
+        _greedy(8),
+    )[0]
     # Same prompt and same tokens as the hand-written template with the image placeholder.
     direct = llm.generate({"prompt": USER_IMAGE, "multi_modal_data": {"image": image}}, _greedy(8))[0]
     assert out.prompt_token_ids == direct.prompt_token_ids
@@ -177,21 +207,39 @@ def test_chat_with_an_image_part(llm):
 # ---- SamplingParams ------------------------------------------------------------------------------------
 
 BAD_PARAMS = [
-    ({"n": 0}, "n"), ({"n": True}, "n"), ({"n": 1.5}, "n"),
-    ({"temperature": -0.1}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"n": True}, "n"),
+    ({"n": 1.5}, "n"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"),
-    ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"),
-    ({"seed": "42"}, "seed"), ({"seed": 1.0}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ({"stop": [""]}, "stop"), ({"stop": ["ok", 3]}, "stop"), ({"stop": 3}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": ["1"]}, "stop_token_ids"),
-    ({"stop_token_ids": 1}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
-    ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"seed": "42"}, "seed"),
+    ({"seed": 1.0}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["ok", 3]}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids"),
+    ({"stop_token_ids": 1}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
 ]
 
 
@@ -205,25 +253,45 @@ def test_sampling_params_errors_name_the_parameter(kwargs, name):
 
 def test_sampling_params_defaults_and_normalisation():
     p = SamplingParams()
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, p.logprobs) == (1, 1.0, 1.0, 0, 16, 0, None)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, p.logprobs) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        16,
+        0,
+        None,
+    )
     assert p.stop == [] and p.stop_token_ids == [] and not p.greedy
-    q = SamplingParams(temperature=0, top_k=-1, stop="END", stop_token_ids=(7,), max_tokens=None, min_tokens=3)
-    assert q.greedy and q.top_k == 0 and q.stop == ["END"] and q.stop_token_ids == [7] and q.max_tokens is None
+    q = SamplingParams(
+        temperature=0, top_k=-1, stop="END", stop_token_ids=(7,), max_tokens=None, min_tokens=3
+    )
+    assert (
+        q.greedy and q.top_k == 0 and q.stop == ["END"] and q.stop_token_ids == [7] and q.max_tokens is None
+    )
 
 
 # ---- seeds and n ---------------------------------------------------------------------------------------------
+
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=10)
     alone = llm.generate(PROMPTS[0], seeded)[0].outputs[0].token_ids
     assert llm.generate(PROMPTS[0], seeded)[0].outputs[0].token_ids == alone
-    others = [SamplingParams(temperature=1.0, max_tokens=14),  # unseeded: draws from the global generator
-              SamplingParams(temperature=1.0, seed=1234, max_tokens=3),  # same seed, other prompt
-              _greedy(5)]
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=14),  # unseeded: draws from the global generator
+        SamplingParams(temperature=1.0, seed=1234, max_tokens=3),  # same seed, other prompt
+        _greedy(5),
+    ]
     batch = llm.generate([PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[0]], others + [seeded])
     assert batch[3].outputs[0].token_ids == alone
-    other_seed = llm.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4321,
-                                                         max_tokens=10))[0].outputs[0].token_ids
+    other_seed = (
+        llm.generate(
+            PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=10)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
 
@@ -246,6 +314,7 @@ def test_n_returns_n_completions(llm):
 
 
 # ---- stop conditions -----------------------------------------------------------------------------------------
+
 
 def _prefix_texts(llm: LLM, token_ids: list[int]) -> list[str]:
     """The text known to be final after each number of tokens. The streaming detokenizer holds back byte-fallback
@@ -305,7 +374,9 @@ def test_stop_token_ids_and_max_tokens(llm):
     out = llm.generate(PROMPTS[0], _greedy(20, stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == ref.token_ids[: k + 1]  # the stop token is kept in token_ids ...
-    assert out.text == llm.tokenizer.decode(ref.token_ids[:k], skip_special_tokens=True)  # ... but not in text
+    assert out.text == llm.tokenizer.decode(
+        ref.token_ids[:k], skip_special_tokens=True
+    )  # ... but not in text
     short = llm.generate(PROMPTS[0], _greedy(5))[0].outputs[0]
     assert short.finish_reason == "length" and short.token_ids == ref.token_ids[:5]
 
@@ -325,7 +396,9 @@ def eos_llm(tiny_model_dir) -> tuple[LLM, str]:
 def test_eos_stops_unless_ignored(eos_llm):
     model_llm, prompt = eos_llm
     out = model_llm.generate(prompt, _greedy(8))[0].outputs[0]
-    assert out.token_ids == [EOS] and out.finish_reason == "stop" and out.stop_reason == EOS and out.text == ""
+    assert (
+        out.token_ids == [EOS] and out.finish_reason == "stop" and out.stop_reason == EOS and out.text == ""
+    )
     ignored = model_llm.generate(prompt, _greedy(4, ignore_eos=True))[0].outputs[0]
     assert ignored.token_ids[0] == EOS and len(ignored.token_ids) == 4 and ignored.finish_reason == "length"
 
@@ -349,6 +422,7 @@ def test_min_tokens_suppresses_eos(eos_llm):
 
 
 # ---- logprobs ------------------------------------------------------------------------------------------------
+
 
 def test_logprobs_match_a_manual_log_softmax(llm):
     res = llm.generate(PROMPTS[2], _greedy(4, logprobs=5))[0]

@@ -9,8 +9,12 @@ import time
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b); "
-                   "default: the embedded tiny model")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b); "
+        "default: the embedded tiny model",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--text-only", action="store_true", help="do not load the vision/audio towers")
@@ -29,8 +33,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from g4serve import LLM, SamplingParams
 
     # Sampling options first: a typo there should not cost a model load.
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, text_only=args.text_only)
     content: list[dict] = []
     for path in args.image or []:
@@ -48,13 +57,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     completion = out.outputs[0]
     if args.json:
-        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids,
-                          "finish_reason": completion.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-                          "elapsed_s": elapsed}))
+        print(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "finish_reason": completion.finish_reason,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "elapsed_s": elapsed,
+                }
+            )
+        )
     else:
         print(completion.text)
-        print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
-              f"finish={completion.finish_reason}, {elapsed:.2f}s]", file=sys.stderr)
+        print(
+            f"[{len(out.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+            f"finish={completion.finish_reason}, {elapsed:.2f}s]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -79,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny", help="write a tiny random Gemma 4 checkpoint")
     p.add_argument("dir")
-    p.add_argument("--variant", default="e", help="e (E2B/E4B-like, default), moe (26B-A4B-like), 31b (31B-like)")
+    p.add_argument(
+        "--variant", default="e", help="e (E2B/E4B-like, default), moe (26B-A4B-like), 31b (31B-like)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_tiny)
 

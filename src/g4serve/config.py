@@ -21,12 +21,35 @@ LAYER_TYPES = (SLIDING, FULL)
 # Keys every transformers PretrainedConfig serialises; they carry no architecture.
 _GENERIC_KEYS = frozenset(
     {
-        "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
-        "label2id", "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states",
-        "problem_type", "return_dict", "transformers_version", "initializer_range", "use_cache",
-        "attention_dropout", "_attn_implementation_autoset", "tokenizer_class", "task_specific_params",
-        "pruned_heads", "tie_encoder_decoder", "torchscript", "use_return_dict", "_commit_hash",
-        "quantization_config", "base_model_tp_plan", "base_model_pp_plan", "_from_model_config",
+        "_name_or_path",
+        "architectures",
+        "chunk_size_feed_forward",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+        "is_encoder_decoder",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "_attn_implementation_autoset",
+        "tokenizer_class",
+        "task_specific_params",
+        "pruned_heads",
+        "tie_encoder_decoder",
+        "torchscript",
+        "use_return_dict",
+        "_commit_hash",
+        "quantization_config",
+        "base_model_tp_plan",
+        "base_model_pp_plan",
+        "_from_model_config",
     }
 )
 
@@ -136,7 +159,9 @@ class TextConfig:
         for src in range(self.first_kv_shared_layer - 1, -1, -1):
             if self.layer_types[src] == layer_type:
                 return src
-        raise ConfigError(f"num_kv_shared_layers: no earlier {layer_type} layer produces K/V for layer {layer_idx}")
+        raise ConfigError(
+            f"num_kv_shared_layers: no earlier {layer_type} layer produces K/V for layer {layer_idx}"
+        )
 
     @property
     def kv_producer_layers(self) -> list[int]:
@@ -165,8 +190,11 @@ class TextConfig:
         kwargs = {k: copy.deepcopy(v) for k, v in raw.items() if k in known}
         if kwargs.get("hidden_size_per_layer_input") is None:
             kwargs["hidden_size_per_layer_input"] = 0
-        if (kwargs.get("head_dim") is None and _is_positive_int(kwargs.get("hidden_size"))
-                and _is_positive_int(kwargs.get("num_attention_heads"))):
+        if (
+            kwargs.get("head_dim") is None
+            and _is_positive_int(kwargs.get("hidden_size"))
+            and _is_positive_int(kwargs.get("num_attention_heads"))
+        ):
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         if kwargs.get("global_head_dim") is None:
             kwargs.pop("global_head_dim", None)
@@ -187,49 +215,83 @@ class TextConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
-                     "sliding_window", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "global_head_dim",
+            "sliding_window",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             _require(_is_positive_int(value), f"text_config.{name}", f"must be a positive int, got {value!r}")
         for name in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
             value = getattr(self, name)
-            _require(_is_int(value) and value >= 0, f"text_config.{name}", f"must be a non-negative int, got {value!r}")
+            _require(
+                _is_int(value) and value >= 0,
+                f"text_config.{name}",
+                f"must be a non-negative int, got {value!r}",
+            )
         _require(
             self.num_global_key_value_heads is None or _is_positive_int(self.num_global_key_value_heads),
             "text_config.num_global_key_value_heads",
             f"must be null or a positive int, got {self.num_global_key_value_heads!r}",
         )
         _require(
-            isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
+            isinstance(self.rms_norm_eps, (int, float))
+            and not isinstance(self.rms_norm_eps, bool)
             and self.rms_norm_eps >= 0,
             "text_config.rms_norm_eps",
             f"must be a non-negative number, got {self.rms_norm_eps!r}",
         )
-        _require(isinstance(self.layer_types, list), "text_config.layer_types",
-                 f"must be a list of layer types, got {type(self.layer_types).__name__}")
+        _require(
+            isinstance(self.layer_types, list),
+            "text_config.layer_types",
+            f"must be a list of layer types, got {type(self.layer_types).__name__}",
+        )
         _require(
             len(self.layer_types) == self.num_hidden_layers,
             "text_config.layer_types",
             f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}",
         )
-        _require(self.per_layer_config is None or isinstance(self.per_layer_config, dict), "text_config.per_layer_config",
-                 f"must be an object keyed by layer index, got {type(self.per_layer_config).__name__}")
+        _require(
+            self.per_layer_config is None or isinstance(self.per_layer_config, dict),
+            "text_config.per_layer_config",
+            f"must be an object keyed by layer index, got {type(self.per_layer_config).__name__}",
+        )
         seen_layers: dict[int, Any] = {}
         for key, override in (self.per_layer_config or {}).items():
             field_name = f"text_config.per_layer_config[{key!r}]"
-            _require(str(key).isdigit() and int(key) < self.num_hidden_layers, field_name,
-                     f"is not a layer index in [0, {self.num_hidden_layers})")
+            _require(
+                str(key).isdigit() and int(key) < self.num_hidden_layers,
+                field_name,
+                f"is not a layer index in [0, {self.num_hidden_layers})",
+            )
             # "05" and "5" name the same layer; two overrides for one layer are ambiguous.
-            _require(int(key) not in seen_layers, field_name, f"layer {int(key)} is also given as {seen_layers.get(int(key))!r}")
+            _require(
+                int(key) not in seen_layers,
+                field_name,
+                f"layer {int(key)} is also given as {seen_layers.get(int(key))!r}",
+            )
             seen_layers[int(key)] = key
-            _require(isinstance(override, dict) and set(override) <= {"head_dim", "num_key_value_heads"}, field_name,
-                     f"may only override head_dim and num_key_value_heads, got {override!r}")
+            _require(
+                isinstance(override, dict) and set(override) <= {"head_dim", "num_key_value_heads"},
+                field_name,
+                f"may only override head_dim and num_key_value_heads, got {override!r}",
+            )
             for name, value in override.items():
-                _require(_is_positive_int(value), f"{field_name}.{name}", f"must be a positive int, got {value!r}")
+                _require(
+                    _is_positive_int(value), f"{field_name}.{name}", f"must be a positive int, got {value!r}"
+                )
         for i, t in enumerate(self.layer_types):
             _require(t in LAYER_TYPES, f"text_config.layer_types[{i}]", f"unknown layer type {t!r}")
-        _require(self.layer_types[-1] == FULL, "text_config.layer_types", "the last layer must be full_attention")
+        _require(
+            self.layer_types[-1] == FULL, "text_config.layer_types", "the last layer must be full_attention"
+        )
         _require(
             0 <= self.num_kv_shared_layers < self.num_hidden_layers,
             "text_config.num_kv_shared_layers",
@@ -243,7 +305,11 @@ class TextConfig:
                 "every layer type of the shared layers needs an earlier layer of that type producing K/V",
             )
         for layer_type in set(self.layer_types):
-            _require(layer_type in self.rope_parameters, "text_config.rope_parameters", f"missing entry for {layer_type}")
+            _require(
+                layer_type in self.rope_parameters,
+                "text_config.rope_parameters",
+                f"missing entry for {layer_type}",
+            )
             rope = self.rope_parameters[layer_type]
             rope_type = rope.get("rope_type", "default")
             _require(
@@ -251,7 +317,9 @@ class TextConfig:
                 f"text_config.rope_parameters.{layer_type}.rope_type",
                 f"unsupported rope type {rope_type!r} (expected 'default' or 'proportional')",
             )
-            _require("rope_theta" in rope, f"text_config.rope_parameters.{layer_type}.rope_theta", "is required")
+            _require(
+                "rope_theta" in rope, f"text_config.rope_parameters.{layer_type}.rope_theta", "is required"
+            )
             factor = rope.get("partial_rotary_factor", 1.0)
             _require(
                 isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1,
@@ -265,7 +333,9 @@ class TextConfig:
                 "text_config.num_key_value_heads",
                 f"layer {i}: {self.num_attention_heads} query heads are not a multiple of {kv_heads} KV heads",
             )
-            _require(self.layer_head_dim(i) % 2 == 0, "text_config.head_dim", f"layer {i}: head dim must be even")
+            _require(
+                self.layer_head_dim(i) % 2 == 0, "text_config.head_dim", f"layer {i}: head dim must be even"
+            )
         _require(
             self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"),
             "text_config.hidden_activation",
@@ -279,24 +349,37 @@ class TextConfig:
         if self.enable_moe_block:
             for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
                 value = getattr(self, name)
-                _require(_is_positive_int(value), f"text_config.{name}",
-                         f"must be a positive int when enable_moe_block is true, got {value!r}")
+                _require(
+                    _is_positive_int(value),
+                    f"text_config.{name}",
+                    f"must be a positive int when enable_moe_block is true, got {value!r}",
+                )
             _require(
                 self.top_k_experts <= self.num_experts,
                 "text_config.top_k_experts",
                 f"{self.top_k_experts} exceeds num_experts={self.num_experts}",
             )
         if self.hidden_size_per_layer_input:
-            _require(self.vocab_size_per_layer_input > 0, "text_config.vocab_size_per_layer_input", "must be positive")
+            _require(
+                self.vocab_size_per_layer_input > 0,
+                "text_config.vocab_size_per_layer_input",
+                "must be positive",
+            )
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             if value is None and name == "bos_token_id":
                 continue  # the model never reads it
-            _require(_is_int(value) and 0 <= value < self.vocab_size, f"text_config.{name}",
-                     f"{value!r} is outside the vocabulary (size {self.vocab_size})")
+            _require(
+                _is_int(value) and 0 <= value < self.vocab_size,
+                f"text_config.{name}",
+                f"{value!r} is outside the vocabulary (size {self.vocab_size})",
+            )
         for eos in self.eos_token_ids:
-            _require(_is_int(eos) and 0 <= eos < self.vocab_size, "text_config.eos_token_id",
-                     f"{eos!r} is outside the vocabulary (size {self.vocab_size})")
+            _require(
+                _is_int(eos) and 0 <= eos < self.vocab_size,
+                "text_config.eos_token_id",
+                f"{eos!r} is outside the vocabulary (size {self.vocab_size})",
+            )
 
     def to_hf_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -327,7 +410,9 @@ class VisionConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 131_072
     attention_bias: bool = False
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "axial", "rope_theta": 100.0})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "axial", "rope_theta": 100.0}
+    )
     pooling_kernel_size: int = 3
     patch_size: int = 16
     position_embedding_size: int = 10 * 1024
@@ -345,10 +430,21 @@ class VisionConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "pooling_kernel_size", "patch_size", "position_embedding_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "pooling_kernel_size",
+            "patch_size",
+            "position_embedding_size",
+        ):
             value = getattr(self, name)
-            _require(_is_positive_int(value), f"vision_config.{name}", f"must be a positive int, got {value!r}")
+            _require(
+                _is_positive_int(value), f"vision_config.{name}", f"must be a positive int, got {value!r}"
+            )
         _require(
             self.rope_parameters.get("rope_type", "axial") == "axial",
             "vision_config.rope_parameters.rope_type",
@@ -394,10 +490,19 @@ class AudioConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "attention_chunk_size",
-                     "attention_context_left", "output_proj_dims", "conv_kernel_size"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "attention_chunk_size",
+            "attention_context_left",
+            "output_proj_dims",
+            "conv_kernel_size",
+        ):
             value = getattr(self, name)
-            _require(_is_positive_int(value), f"audio_config.{name}", f"must be a positive int, got {value!r}")
+            _require(
+                _is_positive_int(value), f"audio_config.{name}", f"must be a positive int, got {value!r}"
+            )
         _require(
             self.hidden_size % self.num_attention_heads == 0,
             "audio_config.num_attention_heads",
@@ -408,7 +513,11 @@ class AudioConfig:
             "audio_config.subsampling_conv_channels",
             "must list exactly two channel counts",
         )
-        _require(self.hidden_act in ("silu", "swish"), "audio_config.hidden_act", f"unsupported {self.hidden_act!r}")
+        _require(
+            self.hidden_act in ("silu", "swish"),
+            "audio_config.hidden_act",
+            f"unsupported {self.hidden_act!r}",
+        )
 
     def to_hf_dict(self) -> dict[str, Any]:
         return {**asdict(self), "model_type": "gemma4_audio"}
@@ -430,9 +539,24 @@ class Gemma4Config:
     architecture: str = "Gemma4ForConditionalGeneration"
 
     _TOP_KEYS = frozenset(
-        {"text_config", "vision_config", "audio_config", "boi_token_id", "eoi_token_id", "image_token_id",
-         "video_token_id", "boa_token_id", "eoa_token_index", "eoa_token_id", "audio_token_id",
-         "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "vision_soft_tokens_per_image"}
+        {
+            "text_config",
+            "vision_config",
+            "audio_config",
+            "boi_token_id",
+            "eoi_token_id",
+            "image_token_id",
+            "video_token_id",
+            "boa_token_id",
+            "eoa_token_index",
+            "eoa_token_id",
+            "audio_token_id",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "vision_soft_tokens_per_image",
+        }
     )
 
     @classmethod
@@ -441,7 +565,9 @@ class Gemma4Config:
         if model_type == "gemma4_text" or ("text_config" not in raw and "hidden_size" in raw):
             # A text-only Gemma4ForCausalLM checkpoint: the text config is the whole file.
             text = TextConfig.from_dict(raw, strict=strict)
-            return cls(text=text, tie_word_embeddings=text.tie_word_embeddings, architecture="Gemma4ForCausalLM")
+            return cls(
+                text=text, tie_word_embeddings=text.tie_word_embeddings, architecture="Gemma4ForCausalLM"
+            )
         _require(model_type in (None, "gemma4"), "model_type", f"expected 'gemma4', got {model_type!r}")
         _require("text_config" in raw and isinstance(raw["text_config"], dict), "text_config", "is required")
         _check_unknown("config.json", raw, set(cls._TOP_KEYS), strict)
@@ -449,8 +575,15 @@ class Gemma4Config:
         vision = VisionConfig.from_dict(raw["vision_config"], strict) if raw.get("vision_config") else None
         audio = AudioConfig.from_dict(raw["audio_config"], strict) if raw.get("audio_config") else None
         cfg = cls(text=text, vision=vision, audio=audio)
-        for name in ("boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
-                     "audio_token_id", "tie_word_embeddings"):
+        for name in (
+            "boi_token_id",
+            "eoi_token_id",
+            "image_token_id",
+            "video_token_id",
+            "boa_token_id",
+            "audio_token_id",
+            "tie_word_embeddings",
+        ):
             if raw.get(name) is not None:
                 setattr(cfg, name, raw[name])
         eoa = raw.get("eoa_token_id", raw.get("eoa_token_index"))
@@ -460,8 +593,15 @@ class Gemma4Config:
         return cfg
 
     def validate(self) -> None:
-        for name in ("boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
-                     "eoa_token_id", "audio_token_id"):
+        for name in (
+            "boi_token_id",
+            "eoi_token_id",
+            "image_token_id",
+            "video_token_id",
+            "boa_token_id",
+            "eoa_token_id",
+            "audio_token_id",
+        ):
             # Placeholder ids may lie past the text vocabulary (the model embeds them as padding).
             value = getattr(self, name)
             _require(_is_int(value) and value >= 0, name, f"must be a non-negative token id, got {value!r}")
@@ -510,54 +650,105 @@ class Gemma4Config:
 
 # ---- presets --------------------------------------------------------------------------------
 
+
 def _pattern(num_layers: int, period: int) -> list[str]:
     return [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
 
 
 def _preset_e2b() -> Gemma4Config:
     text = TextConfig(
-        hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
-        num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
-        layer_types=_pattern(35, 5), num_kv_shared_layers=20, hidden_size_per_layer_input=256,
-        use_double_wide_mlp=True, rope_parameters=default_rope_parameters(), eos_token_id=[1, 106],
+        hidden_size=1536,
+        intermediate_size=6144,
+        num_hidden_layers=35,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=512,
+        layer_types=_pattern(35, 5),
+        num_kv_shared_layers=20,
+        hidden_size_per_layer_input=256,
+        use_double_wide_mlp=True,
+        rope_parameters=default_rope_parameters(),
+        eos_token_id=[1, 106],
     )
     return Gemma4Config(text=text, vision=VisionConfig(), audio=AudioConfig())
 
 
 def _preset_e4b() -> Gemma4Config:
     text = TextConfig(
-        hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512,
-        layer_types=_pattern(42, 6), num_kv_shared_layers=18, hidden_size_per_layer_input=256,
-        rope_parameters=default_rope_parameters(), eos_token_id=[1, 106],
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=42,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=512,
+        layer_types=_pattern(42, 6),
+        num_kv_shared_layers=18,
+        hidden_size_per_layer_input=256,
+        rope_parameters=default_rope_parameters(),
+        eos_token_id=[1, 106],
     )
     return Gemma4Config(text=text, vision=VisionConfig(), audio=AudioConfig())
 
 
 def _large_vision() -> VisionConfig:
-    return VisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                        num_attention_heads=16, num_key_value_heads=16, head_dim=72)
+    return VisionConfig(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=72,
+    )
 
 
 def _preset_26b_a4b() -> Gemma4Config:
     text = TextConfig(
-        hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
-        num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
-        sliding_window=1024, layer_types=_pattern(30, 6), hidden_size_per_layer_input=0,
-        attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8,
-        moe_intermediate_size=704, max_position_embeddings=262_144, use_bidirectional_attention="vision",
-        rope_parameters=default_rope_parameters(), eos_token_id=[1, 106],
+        hidden_size=2816,
+        intermediate_size=2112,
+        num_hidden_layers=30,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=1024,
+        layer_types=_pattern(30, 6),
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+        max_position_embeddings=262_144,
+        use_bidirectional_attention="vision",
+        rope_parameters=default_rope_parameters(),
+        eos_token_id=[1, 106],
     )
     return Gemma4Config(text=text, vision=_large_vision())
 
 
 def _preset_31b() -> Gemma4Config:
     text = TextConfig(
-        hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
-        num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
-        sliding_window=1024, layer_types=_pattern(60, 6), hidden_size_per_layer_input=0,
-        attention_k_eq_v=True, max_position_embeddings=262_144, use_bidirectional_attention="vision",
-        rope_parameters=default_rope_parameters(), eos_token_id=[1, 106],
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=1024,
+        layer_types=_pattern(60, 6),
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        max_position_embeddings=262_144,
+        use_bidirectional_attention="vision",
+        rope_parameters=default_rope_parameters(),
+        eos_token_id=[1, 106],
     )
     return Gemma4Config(text=text, vision=_large_vision())
 
@@ -565,19 +756,52 @@ def _preset_31b() -> Gemma4Config:
 def _preset_tiny() -> Gemma4Config:
     """A few-MB model with every Gemma 4 feature switched on (PLE, KV sharing, 512-style global dims)."""
     text = TextConfig(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        sliding_window=16, layer_types=_pattern(6, 3), num_kv_shared_layers=2,
-        vocab_size_per_layer_input=1024, hidden_size_per_layer_input=16,
-        max_position_embeddings=4096, rope_parameters=default_rope_parameters(), eos_token_id=[1, 6],
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=16,
+        layer_types=_pattern(6, 3),
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=1024,
+        hidden_size_per_layer_input=16,
+        max_position_embeddings=4096,
+        rope_parameters=default_rope_parameters(),
+        eos_token_id=[1, 6],
     )
-    vision = VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=2, head_dim=16, position_embedding_size=1024)
-    audio = AudioConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        subsampling_conv_channels=[128, 4], output_proj_dims=48)
+    vision = VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        position_embedding_size=1024,
+    )
+    audio = AudioConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        subsampling_conv_channels=[128, 4],
+        output_proj_dims=48,
+    )
     # Token ids of the tiny tokenizer (see g4serve.processing.tiny_tokenizer.SPECIAL_TOKENS).
-    return Gemma4Config(text=text, vision=vision, audio=audio, boi_token_id=10, eoi_token_id=11,
-                        image_token_id=12, boa_token_id=13, eoa_token_id=14, audio_token_id=15, video_token_id=16)
+    return Gemma4Config(
+        text=text,
+        vision=vision,
+        audio=audio,
+        boi_token_id=10,
+        eoi_token_id=11,
+        image_token_id=12,
+        boa_token_id=13,
+        eoa_token_id=14,
+        audio_token_id=15,
+        video_token_id=16,
+    )
 
 
 PRESETS = {
@@ -619,6 +843,14 @@ def approx_param_count(cfg: Gemma4Config) -> int:
 
 
 __all__ = [
-    "AudioConfig", "ConfigError", "FULL", "Gemma4Config", "PRESETS", "SLIDING", "TextConfig", "VisionConfig",
-    "approx_param_count", "preset",
+    "AudioConfig",
+    "ConfigError",
+    "FULL",
+    "Gemma4Config",
+    "PRESETS",
+    "SLIDING",
+    "TextConfig",
+    "VisionConfig",
+    "approx_param_count",
+    "preset",
 ]

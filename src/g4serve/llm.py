@@ -44,8 +44,13 @@ class LLM:
         **engine_kwargs: Any,
     ):
         _check_device(str(device))
-        config = EngineConfig(model=None if model is None else str(model), device=str(device), dtype=str(dtype),
-                              text_only=text_only, **engine_kwargs)
+        config = EngineConfig(
+            model=None if model is None else str(model),
+            device=str(device),
+            dtype=str(dtype),
+            text_only=text_only,
+            **engine_kwargs,
+        )
         if limit_mm_per_prompt is not None and not text_only:
             config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **limit_mm_per_prompt}
         self.engine = LLMEngine(config)
@@ -98,12 +103,17 @@ class LLM:
                 template_messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
             )
             # The rendered template already starts with <bos>.
-            processed.append(self.engine.process_prompt({"prompt": text, "multi_modal_data": media.as_dict()},
-                                                        add_special_tokens=False))
+            processed.append(
+                self.engine.process_prompt(
+                    {"prompt": text, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+                )
+            )
         return self._run(processed, sampling_params)
 
     def _run(
-        self, processed: list[ProcessedPrompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self,
+        processed: list[ProcessedPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(processed)
@@ -152,7 +162,9 @@ def _check_device(device: str) -> None:
         if not torch.cuda.is_available():
             raise ValueError(f"device: {device!r} was requested but CUDA is not available on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {device!r} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+            raise ValueError(
+                f"device: {device!r} does not exist ({torch.cuda.device_count()} CUDA device(s))"
+            )
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -41,7 +41,9 @@ class SamplingParams:
             self.stop = [self.stop]
         # list("</s>") or list(5) would turn a wrong type into characters or a TypeError; name the field instead.
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
-            raise SamplingParamsError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
+            raise SamplingParamsError(
+                f"stop: must be a string or a list of strings, got {type(self.stop).__name__}"
+            )
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise SamplingParamsError(
                 f"stop_token_ids: must be a list of token ids, got {type(self.stop_token_ids).__name__}"
@@ -58,30 +60,64 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name}: {msg}")
 
         check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        check(_is_number(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
-        check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be -1, 0 or a positive integer, got {self.top_k!r}")
-        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
+        check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"
+        )
+        check(
+            _is_int(self.top_k) and self.top_k >= 0,
+            "top_k",
+            f"must be -1, 0 or a positive integer, got {self.top_k!r}",
+        )
+        check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}"
+        )
         check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}",
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
         )
-        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be >= 0, got {self.min_tokens!r}",
+        )
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            "min_tokens",
+            f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              f"must be non-negative token ids, got {self.stop_token_ids!r}")
+        check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative token ids, got {self.stop_token_ids!r}",
+        )
         check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}",
+            "logprobs",
+            f"must be an integer in [0, 20], got {self.logprobs!r}",
         )
-        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+        )
+        check(
+            _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        check(
+            _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
 
     @property
     def greedy(self) -> bool:

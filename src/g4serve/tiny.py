@@ -30,12 +30,21 @@ def tiny_config(variant: str = "e") -> Gemma4Config:
         return cfg
     t = cfg.text
     large = dict(
-        num_kv_shared_layers=0, hidden_size_per_layer_input=0, attention_k_eq_v=True,
-        num_global_key_value_heads=1, use_bidirectional_attention="vision",
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        use_bidirectional_attention="vision",
         layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
     )
     if variant == "moe":
-        large.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, intermediate_size=96)
+        large.update(
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            intermediate_size=96,
+        )
     elif variant != "31b":
         raise ValueError(f"variant: unknown tiny variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     fields = {**t.__dict__, **large}
@@ -68,21 +77,49 @@ def _random_state_dict(cfg: Gemma4Config, seed: int) -> dict[str, torch.Tensor]:
 def _processor_configs(cfg: Gemma4Config) -> dict[str, dict]:
     vision = cfg.vision or VisionConfig()
     image = {
-        "image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 280,
-        "patch_size": vision.patch_size, "pooling_kernel_size": vision.pooling_kernel_size,
-        "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": False,
-        "rescale_factor": 1 / 255, "resample": 3, "image_mean": [0.0] * 3, "image_std": [1.0] * 3,
+        "image_processor_type": "Gemma4ImageProcessor",
+        "max_soft_tokens": 280,
+        "patch_size": vision.patch_size,
+        "pooling_kernel_size": vision.pooling_kernel_size,
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": False,
+        "rescale_factor": 1 / 255,
+        "resample": 3,
+        "image_mean": [0.0] * 3,
+        "image_std": [1.0] * 3,
     }
-    video = {**image, "video_processor_type": "Gemma4VideoProcessor", "max_soft_tokens": 70, "num_frames": 32,
-             "do_sample_frames": True, "do_normalize": True}
+    video = {
+        **image,
+        "video_processor_type": "Gemma4VideoProcessor",
+        "max_soft_tokens": 70,
+        "num_frames": 32,
+        "do_sample_frames": True,
+        "do_normalize": True,
+    }
     video.pop("image_processor_type")
     audio = {
-        "feature_extractor_type": "Gemma4AudioFeatureExtractor", "feature_size": 128, "sampling_rate": 16000,
-        "frame_length": 320, "hop_length": 160, "fft_length": 512, "min_frequency": 0.0, "max_frequency": 8000.0,
-        "mel_floor": 0.001, "padding_value": 0.0, "return_attention_mask": True,
+        "feature_extractor_type": "Gemma4AudioFeatureExtractor",
+        "feature_size": 128,
+        "sampling_rate": 16000,
+        "frame_length": 320,
+        "hop_length": 160,
+        "fft_length": 512,
+        "min_frequency": 0.0,
+        "max_frequency": 8000.0,
+        "mel_floor": 0.001,
+        "padding_value": 0.0,
+        "return_attention_mask": True,
     }
-    processor = {"processor_class": "Gemma4Processor", "image_seq_length": 280, "audio_seq_length": 750,
-                 "audio_ms_per_token": 40, "image_processor": image, "video_processor": video}
+    processor = {
+        "processor_class": "Gemma4Processor",
+        "image_seq_length": 280,
+        "audio_seq_length": 750,
+        "audio_ms_per_token": 40,
+        "image_processor": image,
+        "video_processor": video,
+    }
     if cfg.audio is not None:
         processor["feature_extractor"] = audio
     return {
@@ -102,10 +139,15 @@ def make_tiny(out_dir: str | Path, variant: str = "e", seed: int = 0) -> Path:
     write_tiny_tokenizer(out, vocab_size=cfg.text.vocab_size)
     for name, content in _processor_configs(cfg).items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n")
-    generation = {"bos_token_id": cfg.text.bos_token_id, "eos_token_id": cfg.text.eos_token_ids,
-                  "pad_token_id": cfg.text.pad_token_id}
+    generation = {
+        "bos_token_id": cfg.text.bos_token_id,
+        "eos_token_id": cfg.text.eos_token_ids,
+        "pad_token_id": cfg.text.pad_token_id,
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    (out / "g4serve_tiny.json").write_text(json.dumps({"variant": variant, "seed": seed, "version": TINY_FORMAT_VERSION}) + "\n")
+    (out / "g4serve_tiny.json").write_text(
+        json.dumps({"variant": variant, "seed": seed, "version": TINY_FORMAT_VERSION}) + "\n"
+    )
     return out
 
 

@@ -30,8 +30,11 @@ def client(tiny_model_dir):
     from g4serve.engine.async_engine import AsyncLLMEngine
     from g4serve.engine.engine import EngineConfig
 
-    engine = AsyncLLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                                     kv_cache_bytes=32 << 20, text_only=True))
+    engine = AsyncLLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_bytes=32 << 20, text_only=True
+        )
+    )
     assistant = Assistant(demo_db(), engine)
     with TestClient(build_app(assistant)) as c:  # the lifespan warms up VAD, ASR and the grammars
         c.assistant = assistant
@@ -40,7 +43,9 @@ def client(tiny_model_dir):
 
 def speech(text: str, tmp_path, pad_after_s: float = 1.0) -> np.ndarray:
     wav = tmp_path / "say.wav"
-    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "165", "-w", str(wav), text], check=True, capture_output=True)
+    subprocess.run(
+        ["espeak-ng", "-v", "en-us", "-s", "165", "-w", str(wav), text], check=True, capture_output=True
+    )
     audio = decode_wav(wav.read_bytes())
     return np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(int(16000 * pad_after_s), np.float32)])
 
@@ -99,9 +104,15 @@ def test_fast_path_turn(client):
 def test_transfer_needs_a_confirmation_turn(client):
     db = client.assistant.db
     before = len(db.transfers(status="executed"))
-    first = client.post("/v1/assistant/turn", json={"session_id": "pay", "text": "send fifty dollars to John Smith"})
+    first = client.post(
+        "/v1/assistant/turn", json={"session_id": "pay", "text": "send fifty dollars to John Smith"}
+    )
     body = first.json()
-    assert body["intent"] == "transfer_money" and body["needs_confirmation"] is True and body["executed"] is False
+    assert (
+        body["intent"] == "transfer_money"
+        and body["needs_confirmation"] is True
+        and body["executed"] is False
+    )
     assert body["entities"]["amount_minor"] == 5000 and body["entities"]["currency"] == "USD"
     assert body["entities"]["payee_id"] == "john_smith"
     assert any(c["id"] == "john_smith" for c in body["candidates"])
@@ -134,8 +145,9 @@ def test_gemma_path_for_an_ambiguous_utterance(client):
 
 
 def test_qna_streams(client):
-    with client.stream("POST", "/v1/assistant/qna", json={"question": "when are your branches open",
-                                                           "max_tokens": 8}) as r:
+    with client.stream(
+        "POST", "/v1/assistant/qna", json={"question": "when are your branches open", "max_tokens": 8}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -144,7 +156,9 @@ def test_qna_streams(client):
     assert events[-1]["type"] == "done" and events[-1]["path"] == "gemma"
     assert sum(e["type"] == "delta" for e in events) >= 1
     # The turn endpoint answers a question at once from the best document.
-    turn = client.post("/v1/assistant/turn", json={"session_id": "q", "text": "what are your branch hours"}).json()
+    turn = client.post(
+        "/v1/assistant/turn", json={"session_id": "q", "text": "what are your branch hours"}
+    ).json()
     assert turn["intent"] == "qna" and turn["documents"][0] == "branch-hours" and "9 am" in turn["reply"]
 
 
@@ -190,9 +204,12 @@ def test_other_bad_requests(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = client.post("/v1/assistant/turn", json=["session_id"])
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
-    for body, field in [({}, "question"), ({"question": "  "}, "question"),
-                        ({"question": "hours", "max_tokens": 0}, "max_tokens"),
-                        ({"question": "hours", "session_id": 3}, "session_id")]:
+    for body, field in [
+        ({}, "question"),
+        ({"question": "  "}, "question"),
+        ({"question": "hours", "max_tokens": 0}, "max_tokens"),
+        ({"question": "hours", "session_id": 3}, "session_id"),
+    ]:
         r = client.post("/v1/assistant/qna", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
     assert client.get("/v1/assistant/audit").json()["error"]["param"] == "session_id"
@@ -285,7 +302,9 @@ def test_cli_import_payees_and_a_no_llm_app(tmp_path, capsys):
     args = build_parser().parse_args(["assistant", "--no-llm", "--db", str(db_path)])
     with TestClient(build_from_args(args)) as c:
         assert c.get("/health").json()["llm"] is False
-        r = c.post("/v1/assistant/turn", json={"session_id": "cli", "text": "send 10 dollars to Zed Newman"}).json()
+        r = c.post(
+            "/v1/assistant/turn", json={"session_id": "cli", "text": "send 10 dollars to Zed Newman"}
+        ).json()
         assert r["entities"]["payee_id"] == "zed_newman" and r["needs_confirmation"] is True
         with c.stream("POST", "/v1/assistant/qna", json={"question": "what is the overdraft fee"}) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]

@@ -66,17 +66,32 @@ def recognizer() -> PocketSphinxRecognizer:
 
 
 def _pad(audio: np.ndarray, before_s: float = 0.5, after_s: float = 1.0) -> np.ndarray:
-    return np.concatenate([np.zeros(int(before_s * SAMPLE_RATE), np.float32), audio,
-                           np.zeros(int(after_s * SAMPLE_RATE), np.float32)])
+    return np.concatenate(
+        [
+            np.zeros(int(before_s * SAMPLE_RATE), np.float32),
+            audio,
+            np.zeros(int(after_s * SAMPLE_RATE), np.float32),
+        ]
+    )
 
 
 # ---- audio decoding -----------------------------------------------------------------------------------------
 
 
-def _wav_bytes(payload: bytes, *, fmt: int = 1, channels: int = 1, rate: int = 16000, bits: int = 16) -> bytes:
+def _wav_bytes(
+    payload: bytes, *, fmt: int = 1, channels: int = 1, rate: int = 16000, bits: int = 16
+) -> bytes:
     block = channels * bits // 8
     fmt_chunk = struct.pack("<HHIIHH", fmt, channels, rate, rate * block, block, bits)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt_chunk + b"data" + struct.pack("<I", len(payload)) + payload
+    body = (
+        b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", 16)
+        + fmt_chunk
+        + b"data"
+        + struct.pack("<I", len(payload))
+        + payload
+    )
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
@@ -87,9 +102,16 @@ def test_wav_round_trip_pcm16():
     np.testing.assert_allclose(decoded, tone, atol=1 / 32767)
 
 
-@pytest.mark.parametrize(("fmt", "bits", "dtype", "scale"), [
-    (1, 8, np.uint8, None), (1, 24, None, None), (1, 32, "<i4", 2**31 - 1), (3, 32, "<f4", 1.0), (3, 64, "<f8", 1.0),
-])
+@pytest.mark.parametrize(
+    ("fmt", "bits", "dtype", "scale"),
+    [
+        (1, 8, np.uint8, None),
+        (1, 24, None, None),
+        (1, 32, "<i4", 2**31 - 1),
+        (3, 32, "<f4", 1.0),
+        (3, 64, "<f8", 1.0),
+    ],
+)
 def test_wav_sample_formats(fmt, bits, dtype, scale):
     values = np.array([0.0, 0.5, -0.5, 0.25] * 100)
     if bits == 8:
@@ -112,16 +134,19 @@ def test_wav_stereo_44k_is_downmixed_and_resampled():
     assert abs(np.abs(decoded).max() - 0.4) < 0.02  # the mean of the channels
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    (b"", "not a WAV file"),
-    (b"ID3\x03\x00garbage-mp3" * 4, "not a WAV file"),
-    (_wav_bytes(b""), "audio: empty"),
-    (_wav_bytes(b"\x00\x00" * 10, rate=0), "audio: sample rate 0"),
-    (_wav_bytes(b"\x00\x00" * 10, fmt=0x55), "unsupported WAV encoding"),
-    (_wav_bytes(b"\x00\x00" * 10, bits=12), "unsupported sample size"),
-    (_wav_bytes(b"\x00\x00" * 10, channels=0), "0 channels"),
-    (b"RIFF\x04\x00\x00\x00WAVE", "no 'fmt ' chunk"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "not a WAV file"),
+        (b"ID3\x03\x00garbage-mp3" * 4, "not a WAV file"),
+        (_wav_bytes(b""), "audio: empty"),
+        (_wav_bytes(b"\x00\x00" * 10, rate=0), "audio: sample rate 0"),
+        (_wav_bytes(b"\x00\x00" * 10, fmt=0x55), "unsupported WAV encoding"),
+        (_wav_bytes(b"\x00\x00" * 10, bits=12), "unsupported sample size"),
+        (_wav_bytes(b"\x00\x00" * 10, channels=0), "0 channels"),
+        (b"RIFF\x04\x00\x00\x00WAVE", "no 'fmt ' chunk"),
+    ],
+)
 def test_bad_wav_gives_actionable_error(data, message):
     with pytest.raises(AudioError, match=message):
         decode_wav(data)
@@ -170,8 +195,25 @@ def test_vocabulary_covers_intents_amounts_and_payees():
     vocab = DomainVocabulary.build(PAYEES + ["José Núñez"], version=7, aliases=["mom"])
     words = vocab.words()
     assert vocab.version == 7 and vocab.payee_names[-1] == "José Núñez"
-    for word in ("balance", "transfer", "lock", "card", "electric", "bill", "transactions", "person",
-                 "fifty", "hundred", "dollars", "cents", "smith", "garcia", "priya", "nunez", "mom"):
+    for word in (
+        "balance",
+        "transfer",
+        "lock",
+        "card",
+        "electric",
+        "bill",
+        "transactions",
+        "person",
+        "fifty",
+        "hundred",
+        "dollars",
+        "cents",
+        "smith",
+        "garcia",
+        "priya",
+        "nunez",
+        "mom",
+    ):
         assert word in words, word
     assert any(p.startswith("transfer") and p.endswith("dollars to john smith") for p in vocab.phrases)
     assert any(p.endswith("to my mom") for p in vocab.phrases)
@@ -199,8 +241,15 @@ def _parse_arpa(text: str) -> tuple[list[dict[tuple[str, ...], float]], list[dic
 
 def test_arpa_lm_is_normalised():
     """Every history's distribution, evaluated through the backoff weights, sums to one."""
-    text = arpa_from_phrases([("send fifty dollars to john", 2.0), ("send ten dollars to maria", 1.0),
-                              ("what's my balance", 1.0), ("lock my card", 0.5), ("my card", 1.0)])
+    text = arpa_from_phrases(
+        [
+            ("send fifty dollars to john", 2.0),
+            ("send ten dollars to maria", 1.0),
+            ("what's my balance", 1.0),
+            ("lock my card", 0.5),
+            ("my card", 1.0),
+        ]
+    )
     probs, backoffs = _parse_arpa(text)
     vocab = [g[0] for g in probs[1] if g != ("<s>",)]
 
@@ -209,7 +258,15 @@ def test_arpa_lm_is_normalised():
             return probs[len(gram)][gram]
         return backoffs[len(gram) - 1].get(gram[:-1], 1.0) * p(gram[1:])
 
-    histories = [("<s>",), ("my",), ("dollars",), ("<s>", "send"), ("send", "fifty"), ("lock", "my"), ("zzz",)]
+    histories = [
+        ("<s>",),
+        ("my",),
+        ("dollars",),
+        ("<s>", "send"),
+        ("send", "fifty"),
+        ("lock", "my"),
+        ("zzz",),
+    ]
     for history in histories:
         history = tuple(w for w in history if w in vocab or w == "<s>")
         assert math.isclose(sum(p((*history, w)) for w in vocab), 1.0, abs_tol=1e-4), history
@@ -218,8 +275,10 @@ def test_arpa_lm_is_normalised():
 
 
 def test_letter_to_sound_uses_model_phones():
-    phones = set("AA AE AH AO AW AY B CH D DH EH ER EY F G HH IH IY JH K L M N NG OW OY P R S SH T TH UH UW V W Y Z "
-                 "ZH".split())
+    phones = set(
+        "AA AE AH AO AW AY B CH D DH EH ER EY F G HH IH IY JH K L M N NG OW OY P R S SH T TH UH UW V W Y Z "
+        "ZH".split()
+    )
     for name in ("priya", "okafor", "nkechi", "xiaoling", "siobhan", "aditi", "thabo", "q", "'"):
         guess = guess_pronunciation(name).split()
         assert guess and set(guess) <= phones, (name, guess)
@@ -266,7 +325,10 @@ def test_vad_finds_speech_whole_file_and_streaming(vad, synth):
     segments = vad.speech_segments(audio)
     assert len(segments) == 1
     start, end = segments[0]
-    assert 0.5 < start < 1.0 and 0.8 + speech.size / SAMPLE_RATE - 0.5 < end < 0.8 + speech.size / SAMPLE_RATE + 0.4
+    assert (
+        0.5 < start < 1.0
+        and 0.8 + speech.size / SAMPLE_RATE - 0.5 < end < 0.8 + speech.size / SAMPLE_RATE + 0.4
+    )
     trimmed = vad.trim(audio)
     assert trimmed is not None and speech.size * 0.6 < trimmed.size < audio.size
 
@@ -277,7 +339,7 @@ def test_vad_finds_speech_whole_file_and_streaming(vad, synth):
     assert abs(events[0].t_s - start) < 0.1 and events[1].t_s > events[0].t_s + 0.4
     assert not stream.in_speech
     stream.reset()
-    assert stream.feed(audio[: 0]) == [] and stream.stream_s == 0.0
+    assert stream.feed(audio[:0]) == [] and stream.stream_s == 0.0
 
 
 # ---- recognition of synthesised speech: VAD -> ASR ----------------------------------------------------------
@@ -399,4 +461,3 @@ def test_noisy_speech_does_not_crash(recognizer, vad, synth):
     trimmed = vad.trim(noisy)
     transcript = recognizer.transcribe(noisy if trimmed is None else trimmed)
     assert isinstance(transcript.text, str)
-

@@ -44,7 +44,12 @@ def test_payee_lookup(db):
 
 
 def test_balance(db):
-    assert db.balance() == {"account_id": "chk-001", "name": "checking", "balance_minor": 123_456, "currency": "USD"}
+    assert db.balance() == {
+        "account_id": "chk-001",
+        "name": "checking",
+        "balance_minor": 123_456,
+        "currency": "USD",
+    }
     assert db.balance("jpy-001")["currency"] == "JPY"
     with pytest.raises(KeyError, match="nope"):
         db.balance("nope")
@@ -106,15 +111,18 @@ def test_scheduled_and_failed_transfers(db):
     assert db.balance()["balance_minor"] == 123_456
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("s", "john_smith", 100, "USD", "gift"), "kind"),
-    (("s", "john_smith", 0, "USD", "transfer"), "positive"),
-    (("s", "john_smith", -5, "USD", "transfer"), "positive"),
-    (("s", "john_smith", True, "USD", "transfer"), "positive"),
-    (("s", "john_smith", 12.5, "USD", "transfer"), "positive"),
-    (("s", "ghost", 100, "USD", "transfer"), "unknown payee"),
-    (("s", "john_smith", 100, "GBP", "transfer"), "no account in GBP"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("s", "john_smith", 100, "USD", "gift"), "kind"),
+        (("s", "john_smith", 0, "USD", "transfer"), "positive"),
+        (("s", "john_smith", -5, "USD", "transfer"), "positive"),
+        (("s", "john_smith", True, "USD", "transfer"), "positive"),
+        (("s", "john_smith", 12.5, "USD", "transfer"), "positive"),
+        (("s", "ghost", 100, "USD", "transfer"), "unknown payee"),
+        (("s", "john_smith", 100, "GBP", "transfer"), "no account in GBP"),
+    ],
+)
 def test_create_transfer_validates(db, args, message):
     with pytest.raises(ValueError, match=message):
         db.create_transfer(*args)
@@ -143,18 +151,30 @@ def test_version_bumps_on_every_payee_change(db):
     assert db.version == v + 2
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("", r"line 1: empty file"),
-    ("payee_id,display_name\nx,X\n", r"line 1, column 'relationship': missing required column"),
-    ("payee_id,display_name,relationship,nickname\nx,X,friend,xx\n", r"line 1, column 'nickname': unknown column"),
-    ("payee_id,display_name,relationship\nok,Fine,friend\nbad id,Bad,friend\n", r"line 3, column 'payee_id'"),
-    ("payee_id,display_name,relationship\nx,,friend\n", r"line 2, column 'display_name'"),
-    ("payee_id,display_name,relationship,kind\nx,X,friend,robot\n", r"line 2, column 'kind': 'robot'"),
-    ("payee_id,display_name,relationship\nx,X,friend\nx,Y,friend\n", r"line 3, column 'payee_id': 'x' repeats line 2"),
-    ("payee_id,display_name,relationship\nx,X,friend,extra\n", r"line 2: expected 3 fields, got 4"),
-    ("payee_id,display_name,relationship\nx,X\n", r"line 2: expected 3 fields, got 2"),
-    (f"payee_id,display_name,relationship\nx,{'A' * 101},friend\n", r"line 2, column 'display_name'"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", r"line 1: empty file"),
+        ("payee_id,display_name\nx,X\n", r"line 1, column 'relationship': missing required column"),
+        (
+            "payee_id,display_name,relationship,nickname\nx,X,friend,xx\n",
+            r"line 1, column 'nickname': unknown column",
+        ),
+        (
+            "payee_id,display_name,relationship\nok,Fine,friend\nbad id,Bad,friend\n",
+            r"line 3, column 'payee_id'",
+        ),
+        ("payee_id,display_name,relationship\nx,,friend\n", r"line 2, column 'display_name'"),
+        ("payee_id,display_name,relationship,kind\nx,X,friend,robot\n", r"line 2, column 'kind': 'robot'"),
+        (
+            "payee_id,display_name,relationship\nx,X,friend\nx,Y,friend\n",
+            r"line 3, column 'payee_id': 'x' repeats line 2",
+        ),
+        ("payee_id,display_name,relationship\nx,X,friend,extra\n", r"line 2: expected 3 fields, got 4"),
+        ("payee_id,display_name,relationship\nx,X\n", r"line 2: expected 3 fields, got 2"),
+        (f"payee_id,display_name,relationship\nx,{'A' * 101},friend\n", r"line 2, column 'display_name'"),
+    ],
+)
 def test_import_csv_errors_name_line_and_column(tmp_path, content, message):
     db = BankDB()
     path = tmp_path / "bad.csv"
@@ -176,8 +196,10 @@ def test_import_csv_accepts_bom_blank_lines_and_header_case(tmp_path):
 def test_audit_trail(db):
     db.audit("s1", "normalize", "rule", {"rule": "nfkc", "date": dt.date(2025, 5, 7)})
     db.audit_many("s2", [("intent", "balance_inquiry", {"confidence": 0.9}), ("policy", "answered", {})])
-    assert [(r["stage"], r["event"]) for r in db.audit_log("s2")] == [("intent", "balance_inquiry"),
-                                                                       ("policy", "answered")]
+    assert [(r["stage"], r["event"]) for r in db.audit_log("s2")] == [
+        ("intent", "balance_inquiry"),
+        ("policy", "answered"),
+    ]
     first = db.audit_log("s1")[0]
     assert first["detail"] == {"rule": "nfkc", "date": "2025-05-07"} and first["ts"] > 0
     assert len(db.audit_log()) == 3

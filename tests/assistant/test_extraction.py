@@ -22,8 +22,15 @@ from g4serve.assistant.extraction import (
 )
 from g4serve.assistant.intents import INTENTS
 
-REQUIRED = {"intent", "entities", "amount_minor", "currency", "recipient_candidate_id", "needs_confirmation",
-            "ambiguity_reason"}
+REQUIRED = {
+    "intent",
+    "entities",
+    "amount_minor",
+    "currency",
+    "recipient_candidate_id",
+    "needs_confirmation",
+    "ambiguity_reason",
+}
 
 
 @dataclass
@@ -45,8 +52,11 @@ def engine(tiny_model_dir):
     from g4serve.engine.async_engine import AsyncLLMEngine
     from g4serve.engine.engine import EngineConfig
 
-    eng = AsyncLLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                                  kv_cache_bytes=32 << 20, text_only=True))
+    eng = AsyncLLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_bytes=32 << 20, text_only=True
+        )
+    )
     yield eng
     eng.shutdown()
 
@@ -73,13 +83,17 @@ def test_fixed_prompt_part_is_a_token_prefix_of_every_prompt(extractor):
     tok = extractor.tokenizer
     fixed = extractor.fixed_prefix_ids
     assert EXTRACTION_SYSTEM in extractor.fixed_prefix and len(fixed) > 100
-    cases = [("send fifty to jon", JONS, "send $50.00 to jon"), ("pay the thing", [], None),
-             ("give catherine twenty bucks", MANY[:MAX_CANDIDATES], None), ("", [], None)]
+    cases = [
+        ("send fifty to jon", JONS, "send $50.00 to jon"),
+        ("pay the thing", [], None),
+        ("give catherine twenty bucks", MANY[:MAX_CANDIDATES], None),
+        ("", [], None),
+    ]
     for transcript, candidates, normalized in cases:
         prompt = extractor.prompt(transcript, candidates, normalized)
         ids = tok.encode(prompt, add_special_tokens=False)
         assert ids[: len(fixed)] == fixed, transcript
-        tail = prompt[len(extractor.fixed_prefix):]
+        tail = prompt[len(extractor.fixed_prefix) :]
         assert tail.startswith("Transcript: ") and transcript in tail  # per-call text comes last
         for cid, cand in zip(candidate_ids(len(candidates)), candidates, strict=True):
             assert f"{cid}: {cand.display_name}" in tail
@@ -87,8 +101,12 @@ def test_fixed_prompt_part_is_a_token_prefix_of_every_prompt(extractor):
 
 
 def test_extraction_always_parses_validates_and_picks_an_offered_candidate(engine, extractor):
-    cases = [("send fifty to jon", JONS), ("um the thing for the power", []),
-             ("give catherine twenty bucks tomorrow", MANY), ("what", JONS[:1])]
+    cases = [
+        ("send fifty to jon", JONS),
+        ("um the thing for the power", []),
+        ("give catherine twenty bucks tomorrow", MANY),
+        ("what", JONS[:1]),
+    ]
 
     async def run_all() -> list[Extraction]:
         return [await extractor.extract(text, cands) for text, cands in cases]
@@ -111,8 +129,15 @@ def test_extraction_always_parses_validates_and_picks_an_offered_candidate(engin
 
 
 def test_validate_refuses_what_the_grammar_should_never_produce(extractor):
-    good = {"intent": "transfer_money", "entities": {}, "amount_minor": 5000, "currency": "USD",
-            "recipient_candidate_id": "c2", "needs_confirmation": True, "ambiguity_reason": None}
+    good = {
+        "intent": "transfer_money",
+        "entities": {},
+        "amount_minor": 5000,
+        "currency": "USD",
+        "recipient_candidate_id": "c2",
+        "needs_confirmation": True,
+        "ambiguity_reason": None,
+    }
     assert extractor.validate(json.dumps(good), 2) == (good, None)
     for bad, n, where in [
         ({**good, "extra": 1}, 2, "(root)"),
@@ -131,26 +156,58 @@ def test_merge_keeps_deterministic_entities_and_maps_the_candidate():
     from g4serve.assistant.intents import IntentResult
 
     heard = [(5000, "USD"), (2000, "USD")]
-    base = IntentResult(intent="unknown", confidence=0.4, entities={"amount_minor": 5000, "currency": "USD"},
-                        candidates=JONS, needs_llm=True, ambiguity_reason="multiple_amounts", rules=["r"])
+    base = IntentResult(
+        intent="unknown",
+        confidence=0.4,
+        entities={"amount_minor": 5000, "currency": "USD"},
+        candidates=JONS,
+        needs_llm=True,
+        ambiguity_reason="multiple_amounts",
+        rules=["r"],
+    )
 
     def extraction(amount_minor, currency, cid="c2") -> Extraction:
-        out = {"intent": "transfer_money", "entities": {"payee_name": "jon"}, "amount_minor": amount_minor,
-               "currency": currency, "recipient_candidate_id": cid, "needs_confirmation": True,
-               "ambiguity_reason": None}
-        return Extraction(output=out, raw=json.dumps(out), valid=True, error=None, offered=[c.payee_id for c in JONS])
+        out = {
+            "intent": "transfer_money",
+            "entities": {"payee_name": "jon"},
+            "amount_minor": amount_minor,
+            "currency": currency,
+            "recipient_candidate_id": cid,
+            "needs_confirmation": True,
+            "ambiguity_reason": None,
+        }
+        return Extraction(
+            output=out, raw=json.dumps(out), valid=True, error=None, offered=[c.payee_id for c in JONS]
+        )
 
     merged = merge_into_result(base, extraction(9999, "EUR"), JONS, heard)
     assert merged.intent == "transfer_money" and not merged.needs_llm and "gemma_extraction" in merged.rules
-    assert (merged.entities["amount_minor"], merged.entities["currency"]) == (5000, "USD")  # not a model-only number
+    assert (merged.entities["amount_minor"], merged.entities["currency"]) == (
+        5000,
+        "USD",
+    )  # not a model-only number
     assert merged.entities["payee_id"] == "jon_smythe" and merged.entities["payee_name"] == "Jon Smythe"
     # The model may choose among the amounts that were said.
     assert merge_into_result(base, extraction(2000, "USD"), JONS, heard).entities["amount_minor"] == 2000
     # No amount heard: the model's number is dropped and the policy will ask.
-    bare = IntentResult(intent="unknown", confidence=0.4, entities={}, candidates=JONS, needs_llm=True,
-                        ambiguity_reason=None, rules=[])
+    bare = IntentResult(
+        intent="unknown",
+        confidence=0.4,
+        entities={},
+        candidates=JONS,
+        needs_llm=True,
+        ambiguity_reason=None,
+        rules=[],
+    )
     assert "amount_minor" not in merge_into_result(bare, extraction(9999, "USD"), JONS).entities
     # Candidates were offered and the model chose none: no payee survives.
-    guessed = IntentResult(intent="transfer_money", confidence=0.6, entities={"payee_id": "john_smith"},
-                           candidates=JONS, needs_llm=True, ambiguity_reason=None, rules=[])
+    guessed = IntentResult(
+        intent="transfer_money",
+        confidence=0.6,
+        entities={"payee_id": "john_smith"},
+        candidates=JONS,
+        needs_llm=True,
+        ambiguity_reason=None,
+        rules=[],
+    )
     assert "payee_id" not in merge_into_result(guessed, extraction(None, None, cid=None), JONS).entities

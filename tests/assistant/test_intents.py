@@ -52,53 +52,140 @@ CONFIDENT = [
     ("transaction history please", "recent_transactions", {}),
     ("list my latest purchases on savings", "recent_transactions", {"account": "sav-001"}),
     # transfers: spoken amounts, currencies, misspelled and phonetic names
-    ("Send fifty dollars to John Smith", "transfer_money",
-     {"amount_minor": 5000, "currency": "USD", "payee_id": "john_smith"}),
-    ("send $12.50 to catherine li tomorrow", "transfer_money",
-     {"amount_minor": 1250, "currency": "USD", "payee_id": "catherine_li", "date": "2025-05-08"}),
-    ("transfer twelve dollars fifty to Katherine Lee", "transfer_money",
-     {"amount_minor": 1250, "currency": "USD", "payee_id": "katherine_lee"}),
-    ("Please wire a hundred and five dollars to Priya Patel", "transfer_money",
-     {"amount_minor": 10500, "currency": "USD", "payee_id": "priya_patel"}),
+    (
+        "Send fifty dollars to John Smith",
+        "transfer_money",
+        {"amount_minor": 5000, "currency": "USD", "payee_id": "john_smith"},
+    ),
+    (
+        "send $12.50 to catherine li tomorrow",
+        "transfer_money",
+        {"amount_minor": 1250, "currency": "USD", "payee_id": "catherine_li", "date": "2025-05-08"},
+    ),
+    (
+        "transfer twelve dollars fifty to Katherine Lee",
+        "transfer_money",
+        {"amount_minor": 1250, "currency": "USD", "payee_id": "katherine_lee"},
+    ),
+    (
+        "Please wire a hundred and five dollars to Priya Patel",
+        "transfer_money",
+        {"amount_minor": 10500, "currency": "USD", "payee_id": "priya_patel"},
+    ),
     ("send prya patel twenty bucks", "transfer_money", {"amount_minor": 2000, "payee_id": "priya_patel"}),
     ("pay my friend john twenty dollars", "transfer_money", {"amount_minor": 2000, "payee_id": "john_smith"}),
-    ("give tom wilson twenty quid", "transfer_money", {"amount_minor": 2000, "currency": "GBP", "payee_id": "tom_wilson"}),
-    ("transfer 5000 yen to yuki tanaka", "transfer_money", {"amount_minor": 5000, "currency": "JPY", "payee_id": "yuki_tanaka"}),
-    ("send five thousand yen to yuki", "transfer_money", {"amount_minor": 5000, "currency": "JPY", "payee_id": "yuki_tanaka"}),
-    ("send fifty euros to hans mueller next friday", "transfer_money",
-     {"amount_minor": 5000, "currency": "EUR", "payee_id": "hans_muller", "date": "2025-05-09"}),
-    ("send ten thousand rupees to aisha kahn", "transfer_money",
-     {"amount_minor": 1_000_000, "currency": "INR", "payee_id": "aisha_khan"}),
-    ("send $1,200 to my mom", "transfer_money", {"amount_minor": 120_000, "currency": "USD", "payee_id": "mary_johnson"}),
-    ("send twelve fifty to olga ivanova", "transfer_money", {"amount_minor": 1250, "currency": "USD", "payee_id": "olga_ivanova"}),
-    ("transfer 75.25 dollars to kathryn lee", "transfer_money", {"amount_minor": 7525, "payee_id": "katherine_lee"}),
-    ("zelle shawn o brian forty dollars", "transfer_money", {"amount_minor": 4000, "payee_id": "sean_obrien"}),
-    ("send 30 euros to francois dubois", "transfer_money", {"amount_minor": 3000, "currency": "EUR",
-                                                           "payee_id": "francois_dubois"}),
-    ("send josé garcía 20€", "transfer_money", {"amount_minor": 2000, "currency": "EUR", "payee_id": "jose_garcia"}),
-    ("send my sister two hundred dollars on the 5th", "transfer_money",
-     {"amount_minor": 20000, "payee_id": "joan_smith", "date": "2025-06-05"}),
+    (
+        "give tom wilson twenty quid",
+        "transfer_money",
+        {"amount_minor": 2000, "currency": "GBP", "payee_id": "tom_wilson"},
+    ),
+    (
+        "transfer 5000 yen to yuki tanaka",
+        "transfer_money",
+        {"amount_minor": 5000, "currency": "JPY", "payee_id": "yuki_tanaka"},
+    ),
+    (
+        "send five thousand yen to yuki",
+        "transfer_money",
+        {"amount_minor": 5000, "currency": "JPY", "payee_id": "yuki_tanaka"},
+    ),
+    (
+        "send fifty euros to hans mueller next friday",
+        "transfer_money",
+        {"amount_minor": 5000, "currency": "EUR", "payee_id": "hans_muller", "date": "2025-05-09"},
+    ),
+    (
+        "send ten thousand rupees to aisha kahn",
+        "transfer_money",
+        {"amount_minor": 1_000_000, "currency": "INR", "payee_id": "aisha_khan"},
+    ),
+    (
+        "send $1,200 to my mom",
+        "transfer_money",
+        {"amount_minor": 120_000, "currency": "USD", "payee_id": "mary_johnson"},
+    ),
+    (
+        "send twelve fifty to olga ivanova",
+        "transfer_money",
+        {"amount_minor": 1250, "currency": "USD", "payee_id": "olga_ivanova"},
+    ),
+    (
+        "transfer 75.25 dollars to kathryn lee",
+        "transfer_money",
+        {"amount_minor": 7525, "payee_id": "katherine_lee"},
+    ),
+    (
+        "zelle shawn o brian forty dollars",
+        "transfer_money",
+        {"amount_minor": 4000, "payee_id": "sean_obrien"},
+    ),
+    (
+        "send 30 euros to francois dubois",
+        "transfer_money",
+        {"amount_minor": 3000, "currency": "EUR", "payee_id": "francois_dubois"},
+    ),
+    (
+        "send josé garcía 20€",
+        "transfer_money",
+        {"amount_minor": 2000, "currency": "EUR", "payee_id": "jose_garcia"},
+    ),
+    (
+        "send my sister two hundred dollars on the 5th",
+        "transfer_money",
+        {"amount_minor": 20000, "payee_id": "joan_smith", "date": "2025-06-05"},
+    ),
     ("move fifteen dollars to dad", "transfer_money", {"amount_minor": 1500, "payee_id": "robert_brown"}),
     ("send lee wei sixty dollars", "transfer_money", {"amount_minor": 6000, "payee_id": "li_wei"}),
-    ("transfer one thousand two hundred thirty four dollars and fifty six cents to johnny", "transfer_money",
-     {"amount_minor": 123_456, "currency": "USD", "payee_id": "john_smith"}),
-    ("send ninety nine cents to tom wilson", "transfer_money", {"amount_minor": 99, "currency": "USD", "payee_id": "tom_wilson"}),
+    (
+        "transfer one thousand two hundred thirty four dollars and fifty six cents to johnny",
+        "transfer_money",
+        {"amount_minor": 123_456, "currency": "USD", "payee_id": "john_smith"},
+    ),
+    (
+        "send ninety nine cents to tom wilson",
+        "transfer_money",
+        {"amount_minor": 99, "currency": "USD", "payee_id": "tom_wilson"},
+    ),
     ("send twenty thousand won to yuki tanaka", "transfer_money", {"amount_minor": 20000, "currency": "KRW"}),
-    ("send two point five kuwaiti dinars to ahmed hassan", "transfer_money",
-     {"amount_minor": 2500, "currency": "KWD", "payee_id": "ahmed_hassan"}),
-    ("send 40 to olga", "transfer_money", {"amount_minor": 4000, "currency": "USD", "payee_id": "olga_ivanova"}),
+    (
+        "send two point five kuwaiti dinars to ahmed hassan",
+        "transfer_money",
+        {"amount_minor": 2500, "currency": "KWD", "payee_id": "ahmed_hassan"},
+    ),
+    (
+        "send 40 to olga",
+        "transfer_money",
+        {"amount_minor": 4000, "currency": "USD", "payee_id": "olga_ivanova"},
+    ),
     # bill payments
-    ("pay my electric bill of eighty four dollars and twenty cents", "bill_payment",
-     {"amount_minor": 8420, "currency": "USD", "payee_id": "city_electric"}),
+    (
+        "pay my electric bill of eighty four dollars and twenty cents",
+        "bill_payment",
+        {"amount_minor": 8420, "currency": "USD", "payee_id": "city_electric"},
+    ),
     ("pay the water bill 45 dollars", "bill_payment", {"amount_minor": 4500, "payee_id": "metro_water"}),
-    ("pay fifty nine ninety nine to northside internet on the 5th", "bill_payment",
-     {"amount_minor": 5999, "payee_id": "northside_internet", "date": "2025-06-05"}),
+    (
+        "pay fifty nine ninety nine to northside internet on the 5th",
+        "bill_payment",
+        {"amount_minor": 5999, "payee_id": "northside_internet", "date": "2025-06-05"},
+    ),
     ("pay mike rosoft twelve dollars", "bill_payment", {"amount_minor": 1200, "payee_id": "microsoft"}),
-    ("pay 120 dollars to harbour insurance", "bill_payment", {"amount_minor": 12000, "payee_id": "harbor_insurance"}),
-    ("pay my credit card bill 300 dollars", "bill_payment", {"amount_minor": 30000, "payee_id": "platinum_card"}),
+    (
+        "pay 120 dollars to harbour insurance",
+        "bill_payment",
+        {"amount_minor": 12000, "payee_id": "harbor_insurance"},
+    ),
+    (
+        "pay my credit card bill 300 dollars",
+        "bill_payment",
+        {"amount_minor": 30000, "payee_id": "platinum_card"},
+    ),
     ("pay stream flicks 15.99", "bill_payment", {"amount_minor": 1599, "payee_id": "streamflix"}),
-    ("pay my rent 1500 dollars on the first", "transfer_money",  # the landlord is a person: a transfer
-     {"amount_minor": 150_000, "payee_id": "maria_gonzalez", "date": "2025-06-01"}),
+    (
+        "pay my rent 1500 dollars on the first",
+        "transfer_money",  # the landlord is a person: a transfer
+        {"amount_minor": 150_000, "payee_id": "maria_gonzalez", "date": "2025-06-01"},
+    ),
     # cards
     ("lock my card", "card_lock", {}),
     ("freeze my debit card", "card_lock", {"card": "card-debit"}),
@@ -169,10 +256,13 @@ def test_unsure_goes_to_llm(classifier, text, intent, reason):
         assert len(r.candidates) >= 2
 
 
-@pytest.mark.parametrize(("text", "intent", "payee_id"), [
-    ("I want to send money to Priya", "transfer_money", "priya_patel"),
-    ("pay my phone bill", "bill_payment", None),
-])
+@pytest.mark.parametrize(
+    ("text", "intent", "payee_id"),
+    [
+        ("I want to send money to Priya", "transfer_money", "priya_patel"),
+        ("pay my phone bill", "bill_payment", None),
+    ],
+)
 def test_missing_amount_is_asked_not_sent_to_the_llm(classifier, text, intent, payee_id):
     """No model can supply an amount nobody said: the policy asks "how much?" without a Gemma call."""
     r = classify(classifier, text)
@@ -212,14 +302,35 @@ def test_confirmations_are_recognized_before_intents(classifier):
     assert no.entities == {"confirmation": False} and not no.needs_llm
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("yes", True), ("Yeah.", True), ("yes please", True), ("ok", True), ("confirm", True), ("go ahead", True),
-    ("do it", True), ("that's right, send it", True), ("sure", True),
-    ("no", False), ("nope", False), ("cancel", False), ("cancel it", False), ("don't do that", False),
-    ("never mind", False), ("no, send it to joan instead", False), ("stop", False),
-    ("yes no", None), ("cancel my card", None), ("yes but make it sixty", None), ("what's my balance", None),
-    ("", None), ("lock my card", None), ("send fifty dollars to john", None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("yes", True),
+        ("Yeah.", True),
+        ("yes please", True),
+        ("ok", True),
+        ("confirm", True),
+        ("go ahead", True),
+        ("do it", True),
+        ("that's right, send it", True),
+        ("sure", True),
+        ("no", False),
+        ("nope", False),
+        ("cancel", False),
+        ("cancel it", False),
+        ("don't do that", False),
+        ("never mind", False),
+        ("no, send it to joan instead", False),
+        ("stop", False),
+        ("yes no", None),
+        ("cancel my card", None),
+        ("yes but make it sixty", None),
+        ("what's my balance", None),
+        ("", None),
+        ("lock my card", None),
+        ("send fifty dollars to john", None),
+    ],
+)
 def test_confirmation_of(text, expected):
     assert confirmation_of(text) is expected
 

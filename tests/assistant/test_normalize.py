@@ -12,55 +12,67 @@ from g4serve.assistant.normalize import format_money, minor_unit_exponent, norma
 NOW = dt.datetime(2025, 5, 7, 10, 0)  # a Wednesday
 
 
-@pytest.mark.parametrize(("text", "amount_minor", "currency"), [
-    ("send five thousand yen to bob", 5000, "JPY"),
-    ("twelve dollars fifty", 1250, "USD"),
-    ("twelve dollars and fifty cents", 1250, "USD"),
-    ("$12.50", 1250, "USD"),
-    ("send john twelve fifty", 1250, "USD"),  # a bare amount in a money sentence: the default currency
-    ("twelve fifty dollars", 1250, "USD"),
-    ("twelve oh five dollars", 1205, "USD"),
-    ("fifty euros", 5000, "EUR"),
-    ("€50", 5000, "EUR"),
-    ("12,50 €", 1250, "EUR"),  # decimal comma
-    ("two hundred pounds", 20000, "GBP"),
-    ("twenty quid", 2000, "GBP"),
-    ("£7.99", 799, "GBP"),
-    ("fifty p", 50, "GBP"),
-    ("ten thousand rupees", 1_000_000, "INR"),
-    ("₹250", 25000, "INR"),
-    ("twenty thousand won", 20000, "KRW"),
-    ("five kuwaiti dinars", 5000, "KWD"),
-    ("1.5 bahraini dinars", 1500, "BHD"),
-    ("a hundred and five dollars", 10500, "USD"),
-    ("one hundred and five dollars", 10500, "USD"),
-    ("$1,200", 120_000, "USD"),
-    ("$1,234,567.89", 123_456_789, "USD"),
-    ("a thousand bucks", 100_000, "USD"),
-    ("5k dollars", 500_000, "USD"),
-    ("send two grand", 200_000, "USD"),
-    ("fifty cents", 50, "USD"),
-    ("ninety nine cents", 99, "USD"),
-    ("two dollars", 200, "USD"),
-    ("one dollar", 100, "USD"),
-    ("transfer one thousand two hundred thirty four dollars and fifty six cents", 123_456, "USD"),
-    ("seventy five canadian dollars", 7500, "CAD"),
-    ("usd 40", 4000, "USD"),
-    ("40 usd", 4000, "USD"),
-    ("５０ dollars", 5000, "USD"),  # full-width digits
-    ("＄１２.５０", 1250, "USD"),
-    ("twelve fifty yen", 1250, "JPY"),  # no minor unit: twelve fifty is 1250
-])
+@pytest.mark.parametrize(
+    ("text", "amount_minor", "currency"),
+    [
+        ("send five thousand yen to bob", 5000, "JPY"),
+        ("twelve dollars fifty", 1250, "USD"),
+        ("twelve dollars and fifty cents", 1250, "USD"),
+        ("$12.50", 1250, "USD"),
+        ("send john twelve fifty", 1250, "USD"),  # a bare amount in a money sentence: the default currency
+        ("twelve fifty dollars", 1250, "USD"),
+        ("twelve oh five dollars", 1205, "USD"),
+        ("fifty euros", 5000, "EUR"),
+        ("€50", 5000, "EUR"),
+        ("12,50 €", 1250, "EUR"),  # decimal comma
+        ("two hundred pounds", 20000, "GBP"),
+        ("twenty quid", 2000, "GBP"),
+        ("£7.99", 799, "GBP"),
+        ("fifty p", 50, "GBP"),
+        ("ten thousand rupees", 1_000_000, "INR"),
+        ("₹250", 25000, "INR"),
+        ("twenty thousand won", 20000, "KRW"),
+        ("five kuwaiti dinars", 5000, "KWD"),
+        ("1.5 bahraini dinars", 1500, "BHD"),
+        ("a hundred and five dollars", 10500, "USD"),
+        ("one hundred and five dollars", 10500, "USD"),
+        ("$1,200", 120_000, "USD"),
+        ("$1,234,567.89", 123_456_789, "USD"),
+        ("a thousand bucks", 100_000, "USD"),
+        ("5k dollars", 500_000, "USD"),
+        ("send two grand", 200_000, "USD"),
+        ("fifty cents", 50, "USD"),
+        ("ninety nine cents", 99, "USD"),
+        ("two dollars", 200, "USD"),
+        ("one dollar", 100, "USD"),
+        ("transfer one thousand two hundred thirty four dollars and fifty six cents", 123_456, "USD"),
+        ("seventy five canadian dollars", 7500, "CAD"),
+        ("usd 40", 4000, "USD"),
+        ("40 usd", 4000, "USD"),
+        ("５０ dollars", 5000, "USD"),  # full-width digits
+        ("＄１２.５０", 1250, "USD"),
+        ("twelve fifty yen", 1250, "JPY"),  # no minor unit: twelve fifty is 1250
+    ],
+)
 def test_amounts(text, amount_minor, currency):
     n = normalize(text, now=NOW)
     assert n.money is not None, n.rules
     assert (n.money.amount_minor, n.money.currency) == (amount_minor, currency)
 
 
-@pytest.mark.parametrize("text", [
-    "what's my balance", "show my last 3 transactions", "lock the card ending in 4201", "pay my bill on the 5th",
-    "in 2 days at 3 pm", "call me at 5", "five thousand", "account number one two three four five six",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "what's my balance",
+        "show my last 3 transactions",
+        "lock the card ending in 4201",
+        "pay my bill on the 5th",
+        "in 2 days at 3 pm",
+        "call me at 5",
+        "five thousand",
+        "account number one two three four five six",
+    ],
+)
 def test_no_amount_without_money_words(text):
     assert normalize(text, now=NOW).money is None
 
@@ -94,17 +106,20 @@ def test_every_amount_is_kept_in_order():
     assert n.money == n.amounts[0]
 
 
-@pytest.mark.parametrize(("text", "digits"), [
-    ("card ending in four two oh one", ["4201"]),
-    ("card ending in four two zero one", ["4201"]),
-    ("the one ending in 42 01", ["4201"]),
-    ("last four digits are eight eight one two", ["8812"]),
-    ("ending with double four one two", ["4412"]),
-    ("account number one two three four five six", ["123456"]),
-    ("my pin is nine nine one", ["991"]),
-    ("send twelve oh five dollars", []),  # an amount, not a digit string
-    ("two hundred dollars", []),
-])
+@pytest.mark.parametrize(
+    ("text", "digits"),
+    [
+        ("card ending in four two oh one", ["4201"]),
+        ("card ending in four two zero one", ["4201"]),
+        ("the one ending in 42 01", ["4201"]),
+        ("last four digits are eight eight one two", ["8812"]),
+        ("ending with double four one two", ["4412"]),
+        ("account number one two three four five six", ["123456"]),
+        ("my pin is nine nine one", ["991"]),
+        ("send twelve oh five dollars", []),  # an amount, not a digit string
+        ("two hundred dollars", []),
+    ],
+)
 def test_digit_strings(text, digits):
     n = normalize(text, now=NOW)
     assert n.digits == digits
@@ -118,29 +133,32 @@ def test_digit_strings_are_not_amounts():
     assert (n.money.amount_minor, n.money.currency) == (2000, "USD")
 
 
-@pytest.mark.parametrize(("text", "date"), [
-    ("today", dt.date(2025, 5, 7)),
-    ("tomorrow morning", dt.date(2025, 5, 8)),
-    ("the day after tomorrow", dt.date(2025, 5, 9)),
-    ("yesterday", dt.date(2025, 5, 6)),
-    ("next friday", dt.date(2025, 5, 9)),
-    ("on friday", dt.date(2025, 5, 9)),
-    ("this wednesday", dt.date(2025, 5, 14)),  # strictly after today
-    ("on monday", dt.date(2025, 5, 12)),
-    ("on the 5th", dt.date(2025, 6, 5)),  # the 5th has passed this month
-    ("on the seventh", dt.date(2025, 5, 7)),  # today counts
-    ("on the twentieth", dt.date(2025, 5, 20)),
-    ("on the first", dt.date(2025, 6, 1)),
-    ("on the 31st", dt.date(2025, 5, 31)),
-    ("june third", dt.date(2025, 6, 3)),
-    ("the 3rd of june", dt.date(2025, 6, 3)),
-    ("march 5th", dt.date(2026, 3, 5)),  # already past this year
-    ("in two days", dt.date(2025, 5, 9)),
-    ("in a week", dt.date(2025, 5, 14)),
-    ("in 3 weeks", dt.date(2025, 5, 28)),
-    ("2025-12-24", dt.date(2025, 12, 24)),
-    ("send 50 dollars", None),
-])
+@pytest.mark.parametrize(
+    ("text", "date"),
+    [
+        ("today", dt.date(2025, 5, 7)),
+        ("tomorrow morning", dt.date(2025, 5, 8)),
+        ("the day after tomorrow", dt.date(2025, 5, 9)),
+        ("yesterday", dt.date(2025, 5, 6)),
+        ("next friday", dt.date(2025, 5, 9)),
+        ("on friday", dt.date(2025, 5, 9)),
+        ("this wednesday", dt.date(2025, 5, 14)),  # strictly after today
+        ("on monday", dt.date(2025, 5, 12)),
+        ("on the 5th", dt.date(2025, 6, 5)),  # the 5th has passed this month
+        ("on the seventh", dt.date(2025, 5, 7)),  # today counts
+        ("on the twentieth", dt.date(2025, 5, 20)),
+        ("on the first", dt.date(2025, 6, 1)),
+        ("on the 31st", dt.date(2025, 5, 31)),
+        ("june third", dt.date(2025, 6, 3)),
+        ("the 3rd of june", dt.date(2025, 6, 3)),
+        ("march 5th", dt.date(2026, 3, 5)),  # already past this year
+        ("in two days", dt.date(2025, 5, 9)),
+        ("in a week", dt.date(2025, 5, 14)),
+        ("in 3 weeks", dt.date(2025, 5, 28)),
+        ("2025-12-24", dt.date(2025, 12, 24)),
+        ("send 50 dollars", None),
+    ],
+)
 def test_dates_against_a_fixed_now(text, date):
     assert normalize(text, now=NOW).date == date
 
@@ -150,12 +168,23 @@ def test_day_of_month_skips_short_months():
     assert normalize("on the 30th", now=dt.datetime(2025, 12, 31)).date == dt.date(2026, 1, 30)
 
 
-@pytest.mark.parametrize(("text", "time_of_day"), [
-    ("tomorrow morning", "morning"), ("this afternoon", "afternoon"), ("tonight", "evening"),
-    ("at 3 pm", "15:00"), ("at three thirty pm", "15:30"), ("at 3:30 pm", "15:30"), ("12 am", "00:00"),
-    ("at 9 am tomorrow", "09:00"), ("at noon", "12:00"), ("at 17:45", "17:45"), ("at two pm", "14:00"),
-    ("send 50 dollars", None),
-])
+@pytest.mark.parametrize(
+    ("text", "time_of_day"),
+    [
+        ("tomorrow morning", "morning"),
+        ("this afternoon", "afternoon"),
+        ("tonight", "evening"),
+        ("at 3 pm", "15:00"),
+        ("at three thirty pm", "15:30"),
+        ("at 3:30 pm", "15:30"),
+        ("12 am", "00:00"),
+        ("at 9 am tomorrow", "09:00"),
+        ("at noon", "12:00"),
+        ("at 17:45", "17:45"),
+        ("at two pm", "14:00"),
+        ("send 50 dollars", None),
+    ],
+)
 def test_time_of_day(text, time_of_day):
     assert normalize(text, now=NOW).time_of_day == time_of_day
 
@@ -177,7 +206,15 @@ def test_casing_width_and_punctuation():
 def test_every_rule_is_logged_with_before_and_after():
     n = normalize("Send ＄１２.５０ to the card ending in four two oh one Tomorrow at 3 PM", now=NOW)
     names = [r.rule for r in n.rules]
-    for rule in ("nfkc", "lowercase", "spoken_digits", "digit_string", "money_symbol", "date_relative", "time_clock"):
+    for rule in (
+        "nfkc",
+        "lowercase",
+        "spoken_digits",
+        "digit_string",
+        "money_symbol",
+        "date_relative",
+        "time_clock",
+    ):
         assert rule in names, names
     assert names.index("nfkc") < names.index("lowercase") < names.index("money_symbol")
     by_name = {r.rule: r for r in n.rules}
@@ -187,8 +224,11 @@ def test_every_rule_is_logged_with_before_and_after():
     assert by_name["digit_string"].after == "4201"
     assert by_name["time_clock"].after == "15:00"
     # Rewrites chain: each rule's "before" is the previous rewrite's "after".
-    rewrites = [r for r in n.rules if r.rule in ("whitespace", "nfkc", "quotes", "lowercase", "punctuation",
-                                                "spoken_digits")]
+    rewrites = [
+        r
+        for r in n.rules
+        if r.rule in ("whitespace", "nfkc", "quotes", "lowercase", "punctuation", "spoken_digits")
+    ]
     for a, b in zip(rewrites, rewrites[1:], strict=False):
         assert a.after == b.before
 
@@ -202,9 +242,20 @@ def test_deterministic():
     assert normalize(text, now=NOW) == normalize(text, now=NOW)
 
 
-@pytest.mark.parametrize(("currency", "exponent"), [
-    ("USD", 2), ("EUR", 2), ("GBP", 2), ("INR", 2), ("JPY", 0), ("KRW", 0), ("KWD", 3), ("BHD", 3), ("jpy", 0),
-])
+@pytest.mark.parametrize(
+    ("currency", "exponent"),
+    [
+        ("USD", 2),
+        ("EUR", 2),
+        ("GBP", 2),
+        ("INR", 2),
+        ("JPY", 0),
+        ("KRW", 0),
+        ("KWD", 3),
+        ("BHD", 3),
+        ("jpy", 0),
+    ],
+)
 def test_minor_unit_exponent(currency, exponent):
     assert minor_unit_exponent(currency) == exponent
 
@@ -214,10 +265,21 @@ def test_unknown_currency_raises():
         minor_unit_exponent("XYZ")
 
 
-@pytest.mark.parametrize(("amount_minor", "currency", "text"), [
-    (1250, "USD", "$12.50"), (123_456, "USD", "$1,234.56"), (5000, "JPY", "¥5,000"), (5000, "EUR", "€50.00"),
-    (5, "GBP", "£0.05"), (10_000_000, "INR", "₹100,000.00"), (1500, "KWD", "KWD 1.500"), (1250, "CHF", "CHF 12.50"),
-    (-300, "USD", "-$3.00"), (0, "USD", "$0.00"), (1_000_000, "KRW", "₩1,000,000"),
-])
+@pytest.mark.parametrize(
+    ("amount_minor", "currency", "text"),
+    [
+        (1250, "USD", "$12.50"),
+        (123_456, "USD", "$1,234.56"),
+        (5000, "JPY", "¥5,000"),
+        (5000, "EUR", "€50.00"),
+        (5, "GBP", "£0.05"),
+        (10_000_000, "INR", "₹100,000.00"),
+        (1500, "KWD", "KWD 1.500"),
+        (1250, "CHF", "CHF 12.50"),
+        (-300, "USD", "-$3.00"),
+        (0, "USD", "$0.00"),
+        (1_000_000, "KRW", "₩1,000,000"),
+    ],
+)
 def test_format_money(amount_minor, currency, text):
     assert format_money(amount_minor, currency) == text

@@ -27,31 +27,34 @@ def small_index() -> PayeeIndex:
     return PayeeIndex(db)
 
 
-@pytest.mark.parametrize(("query", "payee_id"), [
-    ("prya patel", "priya_patel"),  # typo
-    ("kathryn lee", "katherine_lee"),  # spelling variant, same sounds
-    ("mike rosoft", "microsoft"),  # recogniser split a word
-    ("aysha kahn", "aisha_khan"),
-    ("hans muller", "hans_muller"),  # accent dropped
-    ("hans mueller", "hans_muller"),
-    ("sean obrien", "sean_obrien"),
-    ("shaun o'brien", "sean_obrien"),
-    ("stream flicks", "streamflix"),
-    ("harbour insurance", "harbor_insurance"),
-    ("north side internet", "northside_internet"),
-    ("frank dubois", "francois_dubois"),
-    ("jose garcia", "jose_garcia"),
-    ("José García", "jose_garcia"),
-    ("olga ivanova", "olga_ivanova"),
-    ("yuki tanaka", "yuki_tanaka"),
-    ("ahmad hasan", "ahmed_hassan"),
-    ("steve", "steven_clark"),
-    ("katie", "katherine_lee"),  # contact name "Kate"
-    ("mom", "mary_johnson"),  # alias
-    ("johnny", "john_smith"),  # contact name
-    ("electricity", "city_electric"),
-    ("phone company", "skyline_mobile"),
-])
+@pytest.mark.parametrize(
+    ("query", "payee_id"),
+    [
+        ("prya patel", "priya_patel"),  # typo
+        ("kathryn lee", "katherine_lee"),  # spelling variant, same sounds
+        ("mike rosoft", "microsoft"),  # recogniser split a word
+        ("aysha kahn", "aisha_khan"),
+        ("hans muller", "hans_muller"),  # accent dropped
+        ("hans mueller", "hans_muller"),
+        ("sean obrien", "sean_obrien"),
+        ("shaun o'brien", "sean_obrien"),
+        ("stream flicks", "streamflix"),
+        ("harbour insurance", "harbor_insurance"),
+        ("north side internet", "northside_internet"),
+        ("frank dubois", "francois_dubois"),
+        ("jose garcia", "jose_garcia"),
+        ("José García", "jose_garcia"),
+        ("olga ivanova", "olga_ivanova"),
+        ("yuki tanaka", "yuki_tanaka"),
+        ("ahmad hasan", "ahmed_hassan"),
+        ("steve", "steven_clark"),
+        ("katie", "katherine_lee"),  # contact name "Kate"
+        ("mom", "mary_johnson"),  # alias
+        ("johnny", "john_smith"),  # contact name
+        ("electricity", "city_electric"),
+        ("phone company", "skyline_mobile"),
+    ],
+)
 def test_top1_for_misspellings_and_aliases(index, query, payee_id):
     found = index.search(query)
     assert found[0].payee_id == payee_id, [(c.payee_id, c.score) for c in found]
@@ -65,15 +68,18 @@ def test_phonetic_flag_marks_matches_carried_by_sound(index):
     assert not index.search("john smith")[0].phonetic
 
 
-@pytest.mark.parametrize(("query", "close"), [
-    ("jon smyth", {"john_smith", "jon_smythe", "joan_smith"}),
-    ("catherine", {"catherine_li", "katherine_lee"}),
-    ("steven clarke", {"steven_clark", "stephen_clarke"}),
-    ("smith", {"john_smith", "joan_smith"}),
-])
+@pytest.mark.parametrize(
+    ("query", "close"),
+    [
+        ("jon smyth", {"john_smith", "jon_smythe", "joan_smith"}),
+        ("catherine", {"catherine_li", "katherine_lee"}),
+        ("steven clarke", {"steven_clark", "stephen_clarke"}),
+        ("smith", {"john_smith", "joan_smith"}),
+    ],
+)
 def test_confusable_names_are_ambiguous(index, query, close):
     found = index.search(query)
-    assert close <= {c.payee_id for c in found[:len(close)]}
+    assert close <= {c.payee_id for c in found[: len(close)]}
     payee, reason = resolve_payee(found)
     assert payee is None and reason.startswith(AMBIGUOUS_PAYEE)
 
@@ -94,21 +100,24 @@ def test_results_are_sorted_bounded_and_scored(index):
     assert index.search("") == []
 
 
-@pytest.mark.parametrize(("sentence", "payee_id"), [
-    ("send 50.00 usd to katherine lee tomorrow", "katherine_lee"),
-    ("pay city electric 84.20 usd", "city_electric"),
-    ("send 20.00 usd to my friend john", "john_smith"),  # relationship breaks the tie with Jon and Joan
-    ("send money to my sister", "joan_smith"),  # relationship alone
-    ("transfer 100.00 usd to my mom", "mary_johnson"),
-    ("pay my phone bill", "skyline_mobile"),
-    ("pay the water bill", "metro_water"),
-    ("pay my rent", "maria_gonzalez"),
-    ("pay 12.50 usd to mike rosoft", "microsoft"),
-    ("zelle shawn o brian 40.00 usd", "sean_obrien"),  # "o brian": a split name rejoined
-    ("send lee wei 60.00 usd", "li_wei"),  # both words explained beats "lee" alone
-    ("send 30.00 eur to hans mueller please", "hans_muller"),
-    ("send 20.00 usd to john smith quickly", "john_smith"),
-])
+@pytest.mark.parametrize(
+    ("sentence", "payee_id"),
+    [
+        ("send 50.00 usd to katherine lee tomorrow", "katherine_lee"),
+        ("pay city electric 84.20 usd", "city_electric"),
+        ("send 20.00 usd to my friend john", "john_smith"),  # relationship breaks the tie with Jon and Joan
+        ("send money to my sister", "joan_smith"),  # relationship alone
+        ("transfer 100.00 usd to my mom", "mary_johnson"),
+        ("pay my phone bill", "skyline_mobile"),
+        ("pay the water bill", "metro_water"),
+        ("pay my rent", "maria_gonzalez"),
+        ("pay 12.50 usd to mike rosoft", "microsoft"),
+        ("zelle shawn o brian 40.00 usd", "sean_obrien"),  # "o brian": a split name rejoined
+        ("send lee wei 60.00 usd", "li_wei"),  # both words explained beats "lee" alone
+        ("send 30.00 eur to hans mueller please", "hans_muller"),
+        ("send 20.00 usd to john smith quickly", "john_smith"),
+    ],
+)
 def test_find_in_utterance(index, sentence, payee_id):
     found = index.find_in_utterance(sentence)
     assert found, sentence

@@ -29,7 +29,9 @@ class FakeStream:
         from g4serve.assistant.asr import Transcript
 
         samples = sum(a.size for a in self.fed)
-        return Transcript(text=self.owner.say, partials=[], confidence=0.9, recognizer="fake", audio_s=samples / 16000)
+        return Transcript(
+            text=self.owner.say, partials=[], confidence=0.9, recognizer="fake", audio_s=samples / 16000
+        )
 
 
 class FakeRecognizer:
@@ -78,7 +80,12 @@ def turn(assistant, session, text):
 
 def test_fast_path_reports_every_stage(assistant):
     r = turn(assistant, "s", "what's my balance")
-    assert (r["intent"], r["path"], r["executed"], r["needs_llm"]) == ("balance_inquiry", "fast", False, False)
+    assert (r["intent"], r["path"], r["executed"], r["needs_llm"]) == (
+        "balance_inquiry",
+        "fast",
+        False,
+        False,
+    )
     assert r["reply"] == "Your checking balance is $1,234.56."
     assert {"normalize", "lookup", "intent", "policy", "total"} <= set(r["stages"])
     assert all(v >= 0 for v in r["stages"].values())
@@ -91,7 +98,9 @@ def test_money_moves_only_on_a_confirmation_turn_of_the_same_session(assistant):
     db = assistant.db
     r = turn(assistant, "a", "transfer $120.50 to Priya Patel")
     assert r["needs_confirmation"] and not r["executed"]
-    assert r["entities"] | {"amount_minor": 12050, "currency": "USD", "payee_id": "priya_patel"} == r["entities"]
+    assert (
+        r["entities"] | {"amount_minor": 12050, "currency": "USD", "payee_id": "priya_patel"} == r["entities"]
+    )
     assert [t["status"] for t in db.transfers()] == ["pending"]
     assert not turn(assistant, "b", "yes")["executed"]  # another session
     r = turn(assistant, "a", "what's my balance")  # an unrelated turn keeps the proposal and says so
@@ -140,16 +149,19 @@ def test_qna_turn_answers_from_the_knowledge_base_and_keeps_a_pending_reminder(a
     assert r["reply"].startswith("Branches are open") and "still have a request waiting" in r["reply"]
 
 
-@pytest.mark.parametrize(("question", "doc_id"), [
-    ("what time do branches open on saturday", "branch-hours"),
-    ("how much does it cost to use another bank's atm", "atm-fees"),
-    ("what is the overdraft fee", "overdraft"),
-    ("I need a new card, how long does replacement take", "card-replacement"),
-    ("what's the cutoff for international wires", "wire-cutoff"),
-    ("what interest rate does savings pay", "savings-rates"),
-    ("what is your routing number", "direct-deposit"),
-    ("how much can I take out of an atm per day", "atm-limits"),
-])
+@pytest.mark.parametrize(
+    ("question", "doc_id"),
+    [
+        ("what time do branches open on saturday", "branch-hours"),
+        ("how much does it cost to use another bank's atm", "atm-fees"),
+        ("what is the overdraft fee", "overdraft"),
+        ("I need a new card, how long does replacement take", "card-replacement"),
+        ("what's the cutoff for international wires", "wire-cutoff"),
+        ("what interest rate does savings pay", "savings-rates"),
+        ("what is your routing number", "direct-deposit"),
+        ("how much can I take out of an atm per day", "atm-limits"),
+    ],
+)
 def test_retrieval_finds_the_document(question, doc_id):
     hits = KnowledgeIndex().search(question)
     assert hits and hits[0].document.doc_id == doc_id, [(h.document.doc_id, round(h.score, 2)) for h in hits]
@@ -175,7 +187,10 @@ def test_payee_changes_rebuild_the_recogniser_vocabulary(assistant):
     assert "zed" not in recognizer.vocabularies[-1].words()
     assistant.db.upsert_payee(Payee("zed_newman", "Zed Newman", "friend", "person"))
     assert assistant.recognizer is recognizer
-    assert recognizer.vocabularies[-1].version == assistant.db.version and "zed" in recognizer.vocabularies[-1].words()
+    assert (
+        recognizer.vocabularies[-1].version == assistant.db.version
+        and "zed" in recognizer.vocabularies[-1].words()
+    )
     r = turn(assistant, "z", "send 10 dollars to Zed Newman")
     assert r["entities"]["payee_id"] == "zed_newman" and r["needs_confirmation"]
 
@@ -192,7 +207,10 @@ def test_streaming_utterance_end_points_and_times_its_stages():
     chunks = [np.full(1600, i, np.float32) for i in range(1, 9)]
     events = [utterance.feed(c) for c in chunks[:6]]
     assert events[:2] == [[], []]
-    assert events[2] == [{"type": "vad", "event": "start", "t_s": 0.2}, {"type": "partial", "text": "partial 1"}]
+    assert events[2] == [
+        {"type": "vad", "event": "start", "t_s": 0.2},
+        {"type": "partial", "text": "partial 1"},
+    ]
     assert events[5][0] == {"type": "vad", "event": "end", "t_s": 0.5} and utterance.ended
     assert utterance.feed(chunks[6]) == []  # after the end point: dropped
     stream = recognizer.streams[0]

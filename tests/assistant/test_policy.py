@@ -165,10 +165,15 @@ def test_an_amendment_keeps_what_it_does_not_change(bank):
     bank.say("send 5000 yen to yuki tanaka next friday")
     d = bank.say("actually make it 7000 yen")
     assert d.needs_confirmation
-    assert (d.action["amount_minor"], d.action["payee_id"], d.action["scheduled_for"]) == (7000, "yuki_tanaka",
-                                                                                         "2025-05-09")
+    assert (d.action["amount_minor"], d.action["payee_id"], d.action["scheduled_for"]) == (
+        7000,
+        "yuki_tanaka",
+        "2025-05-09",
+    )
     done = bank.say("yes")
-    assert done.executed and done.action["status"] == "scheduled" and "scheduled for Friday, May 9" in done.reply
+    assert (
+        done.executed and done.action["status"] == "scheduled" and "scheduled for Friday, May 9" in done.reply
+    )
 
 
 def test_ambiguous_payee_asks_and_the_answer_picks(bank):
@@ -241,7 +246,9 @@ def test_unknown_payee_from_the_fast_path_is_refused(bank):
 def test_model_results_are_rechecked_against_the_database(bank):
     ghost = bank.decide(gemma("transfer_money", payee_id="ghost", amount_minor=5000, currency="USD"))
     assert ghost.refused == UNKNOWN_PAYEE and bank.db.transfers() == []
-    named = bank.decide(gemma("transfer_money", payee_name="Zeb Quarterman", amount_minor=5000, currency="USD"))
+    named = bank.decide(
+        gemma("transfer_money", payee_name="Zeb Quarterman", amount_minor=5000, currency="USD")
+    )
     assert named.refused == UNKNOWN_PAYEE
     ok = bank.decide(gemma("transfer_money", payee_id="john_smith", amount_minor=5000, currency="USD"))
     assert ok.needs_confirmation and not ok.executed  # a confident model still needs the customer's yes
@@ -268,8 +275,9 @@ def test_biller_payee_makes_it_a_bill_payment(bank):
 
 
 def test_dates(bank):
-    past = bank.decide(gemma("transfer_money", payee_id="john_smith", amount_minor=100, currency="USD",
-                             date="2025-05-01"))
+    past = bank.decide(
+        gemma("transfer_money", payee_id="john_smith", amount_minor=100, currency="USD", date="2025-05-01")
+    )
     assert past.refused == DATE_IN_PAST
     later = bank.say("send 10 dollars to john smith on the 20th")
     assert later.action["scheduled_for"] == "2025-05-20" and "Tuesday, May 20" in later.reply
@@ -311,19 +319,32 @@ def test_unsure_card_lock_asks_first(bank):
     assert d.needs_confirmation and not d.executed
 
 
-@pytest.mark.parametrize(("text", "intent", "expected"), [
-    ("what's my balance", "balance_inquiry", "Your checking balance is $1,234.56."),
-    ("how much is in my savings account", "balance_inquiry", "Your savings balance is $8,250.00."),
-    ("what's the balance on my yen account", "balance_inquiry", "Your yen balance is ¥250,000."),
-    ("show me my last 2 transactions", "recent_transactions",
-     "Your last 2 transactions: Pizza Place, $32.40 on May 2; Transfer from checking, plus $500.00 on May 1."),
-    ("is john smith one of my payees", "recipient_lookup", "Yes, John Smith is one of your saved payees (friend)."),
-    ("find stephen clark", "recipient_lookup", "I found Stephen Clarke and Steven Clark."),
-    ("is gran one of my payees", "recipient_lookup", "I couldn't find gran among your saved payees."),
-    ("talk to a human", "human_handoff", "Connecting you to an agent now."),
-    ("check my balance and lock my card", "card_lock",
-     "I can do one thing at a time. What would you like to do first?"),
-])
+@pytest.mark.parametrize(
+    ("text", "intent", "expected"),
+    [
+        ("what's my balance", "balance_inquiry", "Your checking balance is $1,234.56."),
+        ("how much is in my savings account", "balance_inquiry", "Your savings balance is $8,250.00."),
+        ("what's the balance on my yen account", "balance_inquiry", "Your yen balance is ¥250,000."),
+        (
+            "show me my last 2 transactions",
+            "recent_transactions",
+            "Your last 2 transactions: Pizza Place, $32.40 on May 2; Transfer from checking, plus $500.00 on May 1.",
+        ),
+        (
+            "is john smith one of my payees",
+            "recipient_lookup",
+            "Yes, John Smith is one of your saved payees (friend).",
+        ),
+        ("find stephen clark", "recipient_lookup", "I found Stephen Clarke and Steven Clark."),
+        ("is gran one of my payees", "recipient_lookup", "I couldn't find gran among your saved payees."),
+        ("talk to a human", "human_handoff", "Connecting you to an agent now."),
+        (
+            "check my balance and lock my card",
+            "card_lock",
+            "I can do one thing at a time. What would you like to do first?",
+        ),
+    ],
+)
 def test_replies(bank, text, intent, expected):
     d = bank.say(text)
     assert (d.intent, d.reply) == (intent, expected)
@@ -363,8 +384,9 @@ def test_is_confirmation(bank):
 
 def test_wants_llm(bank):
     session = SessionState("w")
-    unsure = IntentResult("transfer_money", 0.6, {"amount_minor": 5000, "currency": "USD"}, [], True,
-                          "missing_payee", [])
+    unsure = IntentResult(
+        "transfer_money", 0.6, {"amount_minor": 5000, "currency": "USD"}, [], True, "missing_payee", []
+    )
     assert bank.policy.wants_llm(session, unsure)
     session.pending = bank.sessions.get("w").pending  # None
     bank.policy.decide(session, bank.classifier.classify(normalize("pay my phone bill")), "pay my phone bill")
@@ -401,8 +423,10 @@ def test_concurrent_yes_executes_once(bank):
     session = bank.sessions.get("s1")
     yes = bank.classifier.classify(normalize("yes"))
     results: list[Decision] = []
-    threads = [threading.Thread(target=lambda: results.append(bank.policy.decide(session, yes, "yes")))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(bank.policy.decide(session, yes, "yes")))
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -22,12 +22,32 @@ from g4serve.bench import cli, loadgen, report  # noqa: E402 - after the importo
 from g4serve.bench.workloads import WORKLOADS, make_workload  # noqa: E402
 
 REQUIRED_POINT_FIELDS = (
-    "requests_completed", "errors", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "itl_p50_s", "itl_p95_s",
-    "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "output_tokens_per_s", "requests_per_s", "mean_prompt_tokens",
+    "requests_completed",
+    "errors",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p95_s",
+    "e2e_p50_s",
+    "e2e_p95_s",
+    "e2e_p99_s",
+    "output_tokens_per_s",
+    "requests_per_s",
+    "mean_prompt_tokens",
     "mean_output_tokens",
 )
-REQUIRED_META_FIELDS = ("git_commit", "date", "device", "torch_version", "python_version", "model", "workload",
-                        "command", "label")
+REQUIRED_META_FIELDS = (
+    "git_commit",
+    "date",
+    "device",
+    "torch_version",
+    "python_version",
+    "model",
+    "workload",
+    "command",
+    "label",
+)
 
 
 def _serve_args(model_dir: Path) -> list[str]:
@@ -60,9 +80,26 @@ def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
     """Two rates against the server the bench starts itself; rate control, metrics, files, compare."""
     out = tmp_path / "a"
     rates, duration = (2.0, 4.0), 2.5
-    rc = cli.main(["bench", "--workload", "text", "--rates", ",".join(map(str, rates)), "--duration", str(duration),
-                   "--warmup", "2", "--out", str(out), "--label", "tiny-a", "--in-process-server",
-                   "--serve-args", " ".join(_serve_args(tiny_model_dir))])
+    rc = cli.main(
+        [
+            "bench",
+            "--workload",
+            "text",
+            "--rates",
+            ",".join(map(str, rates)),
+            "--duration",
+            str(duration),
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+            "--label",
+            "tiny-a",
+            "--in-process-server",
+            "--serve-args",
+            " ".join(_serve_args(tiny_model_dir)),
+        ]
+    )
     assert rc == 0
     result = json.loads((out / "results.json").read_text())
     meta = result["meta"]
@@ -84,7 +121,10 @@ def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
         assert server["queue_mean_s"] is not None and server["ttft_mean_s"] > 0
         assert server["prepare_count"] == point["requests_completed"] and server["prepare_mean_s"] > 0
         assert server["encoder_count"] == 0  # text only
-        assert server["prefix_cache_hit_tokens"] < 0.5 * point["mean_prompt_tokens"] * point["requests_completed"]
+        assert (
+            server["prefix_cache_hit_tokens"]
+            < 0.5 * point["mean_prompt_tokens"] * point["requests_completed"]
+        )
     for name in ("results.md", "ttft_p95.png", "itl_p50.png", "e2e_p95.png"):
         assert (out / name).stat().st_size > 0, name
     assert "| 2.0 |" in (out / "results.md").read_text()
@@ -97,8 +137,19 @@ def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "results.json").write_text(json.dumps(slow))
     cmp_dir = tmp_path / "cmp"
-    assert cli.main(["bench", "compare", str(out / "results.json"), str(tmp_path / "b" / "results.json"),
-                     "--out", str(cmp_dir)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "compare",
+                str(out / "results.json"),
+                str(tmp_path / "b" / "results.json"),
+                "--out",
+                str(cmp_dir),
+            ]
+        )
+        == 0
+    )
     table = (cmp_dir / "compare.md").read_text()
     assert "tiny-a" in table and "tiny-b" in table and "(2.00×)" in table
     for name in ("ttft_p95.png", "itl_p50.png", "e2e_p95.png"):
@@ -106,9 +157,27 @@ def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
 
 
 def test_default_own_server_is_a_subprocess(tiny_model_dir, tmp_path):
-    rc = cli.main(["bench", "--workload", "text", "--prompt-tokens", "100", "--rates", "8", "--num-requests", "3",
-                   "--warmup", "0", "--no-calibrate", "--no-plots", "--out", str(tmp_path),
-                   "--serve-args", " ".join(_serve_args(tiny_model_dir))])
+    rc = cli.main(
+        [
+            "bench",
+            "--workload",
+            "text",
+            "--prompt-tokens",
+            "100",
+            "--rates",
+            "8",
+            "--num-requests",
+            "3",
+            "--warmup",
+            "0",
+            "--no-calibrate",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+            "--serve-args",
+            " ".join(_serve_args(tiny_model_dir)),
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["meta"]["target"].startswith("subprocess")
@@ -118,9 +187,29 @@ def test_default_own_server_is_a_subprocess(tiny_model_dir, tmp_path):
 
 
 def test_concurrency_mode_with_httpx(server, tmp_path):
-    rc = cli.main(["bench", "--workload", "qna", "--output-tokens", "12", "--concurrency", "1,3", "--num-requests",
-                   "6", "--warmup", "1", "--base-url", server.base_url + "/v1", "--http-client", "httpx",
-                   "--out", str(tmp_path), "--no-plots", "--save-requests"])
+    rc = cli.main(
+        [
+            "bench",
+            "--workload",
+            "qna",
+            "--output-tokens",
+            "12",
+            "--concurrency",
+            "1,3",
+            "--num-requests",
+            "6",
+            "--warmup",
+            "1",
+            "--base-url",
+            server.base_url + "/v1",
+            "--http-client",
+            "httpx",
+            "--out",
+            str(tmp_path),
+            "--no-plots",
+            "--save-requests",
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["meta"]["model"] == "tiny" and result["meta"]["load"]["http_client"] == "httpx"
@@ -133,9 +222,28 @@ def test_concurrency_mode_with_httpx(server, tmp_path):
 
 
 def test_offline_mode(tiny_model_dir, tmp_path):
-    rc = cli.main(["bench", "--workload", "extraction", "--prompt-tokens", "512", "--output-tokens", "8",
-                   "--offline", "--concurrency", "1,2", "--num-requests", "4", "--warmup", "1",
-                   "--serve-args", " ".join(_serve_args(tiny_model_dir)), "--out", str(tmp_path)])
+    rc = cli.main(
+        [
+            "bench",
+            "--workload",
+            "extraction",
+            "--prompt-tokens",
+            "512",
+            "--output-tokens",
+            "8",
+            "--offline",
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "4",
+            "--warmup",
+            "1",
+            "--serve-args",
+            " ".join(_serve_args(tiny_model_dir)),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["meta"]["target"].startswith("offline") and result["meta"]["label"] == "g4serve-offline"
@@ -151,9 +259,28 @@ def test_extraction_grid(server, tmp_path):
     """`bench grid`: 2 prompt sizes x 2 output lengths x schema off/on, 2 requests per cell, files and order."""
     pytest.importorskip("g4serve.structured")
     pytest.importorskip("xgrammar")
-    rc = cli.main(["bench", "grid", "--prompt-tokens", "320,400", "--output-tokens", "4,160", "--requests-per-cell",
-                   "2", "--concurrency", "2", "--warmup", "1", "--base-url", server.base_url, "--label", "tiny-grid",
-                   "--out", str(tmp_path)])
+    rc = cli.main(
+        [
+            "bench",
+            "grid",
+            "--prompt-tokens",
+            "320,400",
+            "--output-tokens",
+            "4,160",
+            "--requests-per-cell",
+            "2",
+            "--concurrency",
+            "2",
+            "--warmup",
+            "1",
+            "--base-url",
+            server.base_url,
+            "--label",
+            "tiny-grid",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "grid.json").read_text())
     meta, cells = result["meta"], result["cells"]
@@ -161,7 +288,8 @@ def test_extraction_grid(server, tmp_path):
         assert meta.get(name), name
     assert meta["grid"]["requests_per_cell"] == 2 and meta["workload"]["calibration"]["measured"]
     assert [(c["prompt_tokens_target"], c["max_tokens"], c["schema"]) for c in cells] == [
-        (p, o, s) for p in (320, 400) for o in (4, 160) for s in (False, True)]
+        (p, o, s) for p in (320, 400) for o in (4, 160) for s in (False, True)
+    ]
     for cell in cells:
         for name in REQUIRED_POINT_FIELDS:
             assert cell.get(name) is not None, (name, cell)
@@ -175,7 +303,10 @@ def test_extraction_grid(server, tmp_path):
         else:
             assert cell["schema_valid_fraction"] == 1.0 and cell["mean_output_tokens"] < 160
     small = [c for c in cells if c["max_tokens"] == 4 and not c["schema"]]
-    assert small[0]["e2e_p50_s"] < [c for c in cells if c["max_tokens"] == 160 and not c["schema"]][0]["e2e_p50_s"]
+    assert (
+        small[0]["e2e_p50_s"]
+        < [c for c in cells if c["max_tokens"] == 160 and not c["schema"]][0]["e2e_p50_s"]
+    )
     table = (tmp_path / "grid.md").read_text()
     assert "| 400 | 160 | on | 2/2 | 0 |" in table and "100%" in table
     for name in ("e2e_p95.png", "ttft_p95.png"):
@@ -190,7 +321,13 @@ def _post(server, body: dict) -> dict:
 
 
 def _parts(request, kind: str) -> list[dict]:
-    return [p for m in request.messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind]
+    return [
+        p
+        for m in request.messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == kind
+    ]
 
 
 def test_every_workload_builds_valid_requests(server):
@@ -243,10 +380,13 @@ def test_extraction_schema_output_validates(server):
         client = loadgen.make_http_client("auto")
         try:
             url = server.base_url + "/v1/chat/completions"
-            bodies = [request_bytes(workload.request("schema", i), "tiny", ignore_eos=True, temperature=0.0)
-                      for i in range(3)]
-            return await asyncio.gather(*(loadgen.stream_chat(client, url, b, i, 0.0, None)
-                                          for i, b in enumerate(bodies)))
+            bodies = [
+                request_bytes(workload.request("schema", i), "tiny", ignore_eos=True, temperature=0.0)
+                for i in range(3)
+            ]
+            return await asyncio.gather(
+                *(loadgen.stream_chat(client, url, b, i, 0.0, None) for i, b in enumerate(bodies))
+            )
         finally:
             await client.aclose()
 
@@ -261,23 +401,53 @@ def test_parser_registers_bench_and_compare():
     parser = argparse.ArgumentParser(prog="g4serve")
     sub = parser.add_subparsers(dest="command", required=True)
     cli.add_bench_arguments(sub)
-    args = parser.parse_args(["bench", "--workload", "video", "--rates", "1,2.5", "--arrival", "poisson",
-                              "--duration", "5", "--out", "d", "--base-url", "http://x:1", "--model", "m",
-                              "--api-key", "k", "--label", "L", "--audio-seconds", "2,4"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "--workload",
+            "video",
+            "--rates",
+            "1,2.5",
+            "--arrival",
+            "poisson",
+            "--duration",
+            "5",
+            "--out",
+            "d",
+            "--base-url",
+            "http://x:1",
+            "--model",
+            "m",
+            "--api-key",
+            "k",
+            "--label",
+            "L",
+            "--audio-seconds",
+            "2,4",
+        ]
+    )
     assert args.func is cli.run_bench_command and args.command == "bench"
     assert args.rates == [1.0, 2.5] and args.arrival == "poisson" and args.audio_seconds == (2.0, 4.0)
     assert parser.parse_args(["bench", "--extra-body", '{"a": [1]}']).extra_body == {"a": [1]}
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--extra-body", "[1]"])
-    args = parser.parse_args(["bench", "grid", "--prompt-tokens", "128,512", "--output-tokens", "16", "--out", "d"])
-    assert args.func.__name__ == "run_grid_command" and args.prompt_tokens == [128, 512] and args.schema == "both"
+    args = parser.parse_args(
+        ["bench", "grid", "--prompt-tokens", "128,512", "--output-tokens", "16", "--out", "d"]
+    )
+    assert (
+        args.func.__name__ == "run_grid_command"
+        and args.prompt_tokens == [128, 512]
+        and args.schema == "both"
+    )
     args = parser.parse_args(["bench", "compare", "a.json", "b.json", "--out", "d", "--labels", "x,y"])
     assert args.func is cli.compare_command and args.files == ["a.json", "b.json"]
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--rates", "0,1"])
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--concurrency", "1.5"])
-    bad = parser.parse_args(["bench", "--workload", "text", "--rates", "1", "--concurrency", "2", "--out", "d"])
+    bad = parser.parse_args(
+        ["bench", "--workload", "text", "--rates", "1", "--concurrency", "2", "--out", "d"]
+    )
     with pytest.raises(ValueError, match="not both"):
         cli.run_bench_command(bad)
     assert cli.main(["bench", "--rates", "1"]) == 2  # --workload missing: a message, not a traceback
@@ -294,13 +464,15 @@ def test_arrival_plans_are_seeded_and_hold_the_rate():
 
 def test_itl_divides_multi_token_chunks_fairly():
     # 5 tokens in 3 content chunks: 4 tokens after the first chunk over 2 gaps, 2 tokens each.
-    result = loadgen.RequestResult(0, None, 0.0, ttft_s=0.1, e2e_s=0.5, chunk_times_s=[0.1, 0.3, 0.5],
-                                   output_tokens=5)
+    result = loadgen.RequestResult(
+        0, None, 0.0, ttft_s=0.1, e2e_s=0.5, chunk_times_s=[0.1, 0.3, 0.5], output_tokens=5
+    )
     values, weights = report.itl_samples(result)
     assert values == pytest.approx([0.1, 0.1]) and weights == [2.0, 2.0]
     assert report.tpot(result) == pytest.approx(0.1)
-    one_per_chunk = loadgen.RequestResult(0, None, 0.0, ttft_s=0.1, e2e_s=0.3, chunk_times_s=[0.1, 0.2, 0.3],
-                                          output_tokens=3)
+    one_per_chunk = loadgen.RequestResult(
+        0, None, 0.0, ttft_s=0.1, e2e_s=0.3, chunk_times_s=[0.1, 0.2, 0.3], output_tokens=3
+    )
     assert report.itl_samples(one_per_chunk) == ([pytest.approx(0.1)] * 2, [1.0, 1.0])
     assert report.weighted_percentile([1, 2, 3, 4], [1, 1, 1, 1], 50) == 2
     assert report.weighted_percentile([1, 10], [9, 1], 95) == 10
@@ -313,11 +485,18 @@ def test_prometheus_split():
         'g4serve_request_queue_time_seconds_count{model_name="m"} 2.0\n'
         'g4serve_time_to_first_token_seconds_sum{model_name="m"} 2.0\n'
         'g4serve_time_to_first_token_seconds_count{model_name="m"} 2.0\n'
-        'g4serve_prompt_tokens_total{model_name="m"} 100.0\nplain_gauge 3\n')
+        'g4serve_prompt_tokens_total{model_name="m"} 100.0\nplain_gauge 3\n'
+    )
     after = dict(before)
-    after.update({"g4serve_request_queue_time_seconds_sum": 2.0, "g4serve_request_queue_time_seconds_count": 4.0,
-                  "g4serve_time_to_first_token_seconds_sum": 5.0, "g4serve_time_to_first_token_seconds_count": 4.0,
-                  "g4serve_prompt_tokens_total": 300.0})
+    after.update(
+        {
+            "g4serve_request_queue_time_seconds_sum": 2.0,
+            "g4serve_request_queue_time_seconds_count": 4.0,
+            "g4serve_time_to_first_token_seconds_sum": 5.0,
+            "g4serve_time_to_first_token_seconds_count": 4.0,
+            "g4serve_prompt_tokens_total": 300.0,
+        }
+    )
     split = loadgen.server_stage_split(before, after)
     assert split["queue_mean_s"] == pytest.approx(0.5) and split["ttft_mean_s"] == pytest.approx(1.5)
     assert split["encoder_mean_s"] is None and split["prompt_tokens"] == 200
@@ -327,10 +506,12 @@ def test_prometheus_split():
 
 def test_fake_peer_without_metrics_or_usage():
     """A peer with no /metrics, multi-token chunks and no usage: parsed, timed, metrics skipped."""
-    chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"delta": {"content": "Hello"}}]},
-              {"choices": [{"delta": {"content": " world"}}]},
-              {"choices": [{"delta": {}, "finish_reason": "length"}]}]
+    chunks = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "Hello"}}]},
+        {"choices": [{"delta": {"content": " world"}}]},
+        {"choices": [{"delta": {}, "finish_reason": "length"}]},
+    ]
     sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -347,8 +528,9 @@ def test_fake_peer_without_metrics_or_usage():
         client._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         try:
             metrics = await loadgen.scrape_metrics(client, "http://peer")
-            ok = await loadgen.stream_chat(client, "http://peer/v1/chat/completions", b'{"max_tokens": 4}', 0, 0.0,
-                                           None)
+            ok = await loadgen.stream_chat(
+                client, "http://peer/v1/chat/completions", b'{"max_tokens": 4}', 0, 0.0, None
+            )
             bad = await loadgen.stream_chat(client, "http://peer/v1/other", b"{}", 1, 0.0, None)
             return metrics, ok, bad
         finally:
@@ -365,8 +547,10 @@ def test_stream_without_done_ends_at_finish_reason():
     just stops is not. --extra-body fields reach every request body."""
     from g4serve.bench.workloads import request_bytes
 
-    finished = [{"choices": [{"delta": {"content": "a"}}]},
-                {"choices": [{"delta": {}, "finish_reason": "length"}], "usage": {"completion_tokens": 1}}]
+    finished = [
+        {"choices": [{"delta": {"content": "a"}}]},
+        {"choices": [{"delta": {}, "finish_reason": "length"}], "usage": {"completion_tokens": 1}},
+    ]
     streams = {"/done-less": finished, "/cut": finished[:1]}
     bodies = []
 
@@ -379,10 +563,18 @@ def test_stream_without_done_ends_at_finish_reason():
         client = loadgen.make_http_client("httpx")
         await client._client.aclose()
         client._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        body = request_bytes(make_workload("text").request("t", 0), "m", ignore_eos=False, temperature=0.0,
-                             extra_body={"generation_config": '{"min_new_tokens": 9}', "max_tokens": 3})
+        body = request_bytes(
+            make_workload("text").request("t", 0),
+            "m",
+            ignore_eos=False,
+            temperature=0.0,
+            extra_body={"generation_config": '{"min_new_tokens": 9}', "max_tokens": 3},
+        )
         try:
-            return [await loadgen.stream_chat(client, f"http://peer{path}", body, 0, 0.0, None) for path in streams]
+            return [
+                await loadgen.stream_chat(client, f"http://peer{path}", body, 0, 0.0, None)
+                for path in streams
+            ]
         finally:
             await client.aclose()
 
@@ -412,10 +604,24 @@ def test_drain_deadline_counts_slow_requests_as_errors():
         client._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         pool = ThreadPoolExecutor(1)
         try:
-            rate = await loadgen.run_rate_point(client, "http://peer/v1/chat/completions", lambda i: b"{}", pool,
-                                                rate_qps=10, duration_s=0.3, drain_timeout_s=0.2)
-            closed = await loadgen.run_concurrency_point(client, "http://peer/v1/chat/completions", lambda i: b"{}",
-                                                         pool, concurrency=2, duration_s=0.2, drain_timeout_s=0.2)
+            rate = await loadgen.run_rate_point(
+                client,
+                "http://peer/v1/chat/completions",
+                lambda i: b"{}",
+                pool,
+                rate_qps=10,
+                duration_s=0.3,
+                drain_timeout_s=0.2,
+            )
+            closed = await loadgen.run_concurrency_point(
+                client,
+                "http://peer/v1/chat/completions",
+                lambda i: b"{}",
+                pool,
+                concurrency=2,
+                duration_s=0.2,
+                drain_timeout_s=0.2,
+            )
             return rate, closed
         finally:
             pool.shutdown()

@@ -55,9 +55,25 @@ def test_transformers_serve_peer_under_the_bench(tmp_path):
         pytest.importorskip(name)
     port = cli.free_port()
     tokenizer_dir = tmp_path / "peer-tiny"
-    proc = subprocess.Popen([sys.executable, str(BENCH / "peer_serve.py"), "--preset", "tiny", "--device", "cpu",
-                             "--dtype", "float32", "--port", str(port), "--tokenizer-dir", str(tokenizer_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(BENCH / "peer_serve.py"),
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--tokenizer-dir",
+            str(tokenizer_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -71,10 +87,35 @@ def test_transformers_serve_peer_under_the_bench(tmp_path):
             assert time.monotonic() < deadline, "transformers serve did not start"
             time.sleep(0.5)
         out = tmp_path / "run"
-        rc = cli.main(["bench", "--workload", "text", "--prompt-tokens", "200", "--output-tokens", "6", "--rates",
-                       "4", "--num-requests", "3", "--warmup", "1", "--base-url", f"http://127.0.0.1:{port}",
-                       "--model", str(tokenizer_dir), "--no-ignore-eos", "--extra-body", MIN_NEW_TOKENS,
-                       "--label", "transformers-serve", "--no-plots", "--out", str(out)])
+        rc = cli.main(
+            [
+                "bench",
+                "--workload",
+                "text",
+                "--prompt-tokens",
+                "200",
+                "--output-tokens",
+                "6",
+                "--rates",
+                "4",
+                "--num-requests",
+                "3",
+                "--warmup",
+                "1",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                str(tokenizer_dir),
+                "--no-ignore-eos",
+                "--extra-body",
+                MIN_NEW_TOKENS,
+                "--label",
+                "transformers-serve",
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
         assert rc == 0
     finally:
         proc.terminate()
@@ -94,18 +135,64 @@ def test_transformers_serve_peer_under_the_bench(tmp_path):
 
 def test_peer_generate_rows_and_time_budget(tmp_path):
     peer = _load("peer_transformers")
-    assert peer.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--eager-batches", "1",
-                      "--batches", "2", "--prefill-lengths", "16,32", "--decode-tokens", "3", "--reps", "1",
-                      "--time-budget-s", "600", "--out", str(tmp_path)]) == 0
+    assert (
+        peer.main(
+            [
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--eager-batches",
+                "1",
+                "--batches",
+                "2",
+                "--prefill-lengths",
+                "16,32",
+                "--decode-tokens",
+                "3",
+                "--reps",
+                "1",
+                "--time-budget-s",
+                "600",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     (path,) = tmp_path.glob("peer-transformers-tiny-*.json")
     result = json.loads(path.read_text())
-    assert [(r["batch"], r["compiled"]) for r in result["decode"]] == [(1, False), (2, False)]  # CPU: no compile
+    assert [(r["batch"], r["compiled"]) for r in result["decode"]] == [
+        (1, False),
+        (2, False),
+    ]  # CPU: no compile
     assert [r["prompt_tokens"] for r in result["prefill"]] == [16, 32] and not result["skipped"]
     assert all(r["ttft_p50_ms"] > 0 for r in result["prefill"])
     assert "git_commit" in result and result["transformers"] and result["decode_tokens"] == 3
     # A spent budget skips every row, and says so.
-    assert peer.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1",
-                      "--prefill-lengths", "16", "--time-budget-s", "0.001", "--out", str(tmp_path / "b")]) == 0
+    assert (
+        peer.main(
+            [
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--batches",
+                "1",
+                "--prefill-lengths",
+                "16",
+                "--time-budget-s",
+                "0.001",
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 0
+    )
     (path,) = (tmp_path / "b").glob("*.json")
     result = json.loads(path.read_text())
     assert not result["decode"] and not result["prefill"] and len(result["skipped"]) == 2

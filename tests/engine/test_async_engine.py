@@ -19,13 +19,30 @@ from g4serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-WORDS = ["balance", "transfer", "card", "savings", "loan", "branch", "payment", "statement", "interest", "account"]
+WORDS = [
+    "balance",
+    "transfer",
+    "card",
+    "savings",
+    "loan",
+    "branch",
+    "payment",
+    "statement",
+    "interest",
+    "account",
+]
 
 
 def make_engine(model_dir, **kw) -> LLMEngine:
     """As tests/engine/test_engine.py builds it: CPU, fp32, 16 MiB of KV cache."""
-    args = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "kv_cache_bytes": 16 << 20,
-            "max_num_batched_tokens": 256, "max_num_seqs": 32}
+    args = {
+        "model": str(model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_bytes": 16 << 20,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 32,
+    }
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 
@@ -57,7 +74,9 @@ async def _wait_until(cond, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _collect(aengine: AsyncLLMEngine, prompt, params: SamplingParams, request_id: str | None = None) -> list:
+async def _collect(
+    aengine: AsyncLLMEngine, prompt, params: SamplingParams, request_id: str | None = None
+) -> list:
     processed = await aengine.process(prompt)
     return [delta async for delta in aengine.generate(processed, params, request_id=request_id)]
 
@@ -85,8 +104,9 @@ def _sync_outputs(engine: LLMEngine, prompts: list, params: SamplingParams) -> d
     return {rid: out.outputs[0] for rid, out in engine.run_until_finished().items()}
 
 
-@pytest.mark.parametrize("overlap", [{"async_scheduling": False}, {"overlap_encoder": True}],
-                         ids=["sync-steps", "overlap-encoder"])
+@pytest.mark.parametrize(
+    "overlap", [{"async_scheduling": False}, {"overlap_encoder": True}], ids=["sync-steps", "overlap-encoder"]
+)
 def test_concurrent_streams_match_sync_engine(tiny_model_dir, overlap):
     aengine = AsyncLLMEngine(make_engine(tiny_model_dir, **overlap))
     try:
@@ -107,7 +127,9 @@ def _concurrent_streams_match_sync_engine(tiny_model_dir, aengine):
     expected = _sync_outputs(make_engine(tiny_model_dir), prompts, params)
 
     async def main():
-        streams = await asyncio.gather(*(_collect(aengine, p, params, request_id=str(i)) for i, p in enumerate(prompts)))
+        streams = await asyncio.gather(
+            *(_collect(aengine, p, params, request_id=str(i)) for i, p in enumerate(prompts))
+        )
         return {str(i): deltas for i, deltas in enumerate(streams)}
 
     streams = asyncio.run(main())
@@ -130,12 +152,17 @@ def test_multibyte_characters_stream_whole(aengine, monkeypatch):
     script = tokenizer.encode(text, add_special_tokens=False)
     assert any(t in tokenizer.byte_token_ids for t in script)  # the tiny tokenizer spells these in bytes
     assert script[-1] not in tokenizer.byte_token_ids
-    monkeypatch.setattr(aengine.engine.runner, "execute", _ScriptedTokens(aengine.engine.runner.execute, script))
+    monkeypatch.setattr(
+        aengine.engine.runner, "execute", _ScriptedTokens(aengine.engine.runner.execute, script)
+    )
 
     async def main():
-        plain = await _collect(aengine, _user("say it"), SamplingParams(max_tokens=len(script), ignore_eos=True))
-        stopped = await _collect(aengine, _user("say it"),
-                                 SamplingParams(max_tokens=len(script), ignore_eos=True, stop=["wörld"]))
+        plain = await _collect(
+            aengine, _user("say it"), SamplingParams(max_tokens=len(script), ignore_eos=True)
+        )
+        stopped = await _collect(
+            aengine, _user("say it"), SamplingParams(max_tokens=len(script), ignore_eos=True, stop=["wörld"])
+        )
         return plain, stopped
 
     plain, stopped = asyncio.run(main())
@@ -155,8 +182,12 @@ def test_text_held_back_at_finish_is_flushed(aengine, monkeypatch):
     text = "price: 5 €"
     script = tokenizer.encode(text, add_special_tokens=False)
     assert script[-1] in tokenizer.byte_token_ids  # the request finishes on the last byte of "€"
-    monkeypatch.setattr(aengine.engine.runner, "execute", _ScriptedTokens(aengine.engine.runner.execute, script))
-    deltas = asyncio.run(_collect(aengine, _user("price?"), SamplingParams(max_tokens=len(script), ignore_eos=True)))
+    monkeypatch.setattr(
+        aengine.engine.runner, "execute", _ScriptedTokens(aengine.engine.runner.execute, script)
+    )
+    deltas = asyncio.run(
+        _collect(aengine, _user("price?"), SamplingParams(max_tokens=len(script), ignore_eos=True))
+    )
     assert [t for d in deltas for t in d.token_ids] == script
     assert "".join(d.text for d in deltas) == text
 
@@ -275,8 +306,9 @@ def test_bad_submissions_do_not_kill_the_engine(aengine):
 
     async def main():
         processed = await aengine.process(_user("hello there"))
-        stream = aengine.generate(processed, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                                  request_id="dup")
+        stream = aengine.generate(
+            processed, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id="dup"
+        )
         first = await stream.__anext__()
         with pytest.raises(ValueError, match="request_id"):
             await aengine.generate(processed, GREEDY, request_id="dup").__anext__()

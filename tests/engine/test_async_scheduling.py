@@ -22,8 +22,10 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[object, SamplingParams]]) 
         engine.add_request(engine.make_request(rid, engine.process_prompt(prompt), params))
     outs = engine.run_until_finished()
     assert set(outs) == set(requests)
-    return {rid: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].logprobs)
-            for rid, o in outs.items()}
+    return {
+        rid: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].logprobs)
+        for rid, o in outs.items()
+    }
 
 
 def _both(model_dir, requests, **kw) -> tuple[dict, dict, LLMEngine]:
@@ -46,8 +48,12 @@ def test_mixed_media_workload_matches_sync(tiny_model_dir):
 def test_sampling_options_match_sync(tiny_model_dir):
     """Stops by token, string and length; min_tokens; seeded top-k/top-p/min-p sampling; logprobs; penalties
     and a grammar (these two read the last token on the host, so their steps do not overlap)."""
-    prompts = ["<|turn>user\nWhat is my balance?<turn|>\n<|turn>model\n", "savings loan branch payment " * 3,
-               "The capital of France is", "hi"]
+    prompts = [
+        "<|turn>user\nWhat is my balance?<turn|>\n<|turn>model\n",
+        "savings loan branch payment " * 3,
+        "The capital of France is",
+        "hi",
+    ]
     options = [
         SamplingParams(temperature=0, max_tokens=16),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["a", "e "]),
@@ -58,13 +64,26 @@ def test_sampling_options_match_sync(tiny_model_dir):
     ]
     requests = {f"{i}-{j}": (p, o) for i, p in enumerate(prompts) for j, o in enumerate(options)}
     # A token the tiny model produces early, as a stop token: some requests stop on it mid-batch.
-    probe = _run(make_engine(tiny_model_dir, text_only=True),
-                 {"probe": (prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))})
+    probe = _run(
+        make_engine(tiny_model_dir, text_only=True),
+        {"probe": (prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))},
+    )
     stop_ids = probe["probe"][0][3:4]
-    requests.update({f"stop-{i}": (p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                                                     stop_token_ids=stop_ids)) for i, p in enumerate(prompts)})
-    requests["json"] = (prompts[0], SamplingParams(temperature=0, max_tokens=24,
-                                                   structured_output=StructuredSpec.regex("[a-z]{3} [0-9]{2}")))
+    requests.update(
+        {
+            f"stop-{i}": (
+                p,
+                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=stop_ids),
+            )
+            for i, p in enumerate(prompts)
+        }
+    )
+    requests["json"] = (
+        prompts[0],
+        SamplingParams(
+            temperature=0, max_tokens=24, structured_output=StructuredSpec.regex("[a-z]{3} [0-9]{2}")
+        ),
+    )
     expected, got, _ = _both(tiny_model_dir, requests, text_only=True, max_num_seqs=48)
     assert got == expected
     assert any(reason == "stop" for _, _, reason, _ in got.values())
@@ -72,10 +91,16 @@ def test_sampling_options_match_sync(tiny_model_dir):
 
 
 def test_preemption_matches_sync(tiny_model_dir):
-    prompts = {str(i): ("savings loan branch payment statement " * (2 + i % 5),
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for i in range(12)}
-    expected, got, engine = _both(tiny_model_dir, prompts, kv_cache_bytes=1 << 18, text_only=True,
-                                  enable_prefix_caching=False)
+    prompts = {
+        str(i): (
+            "savings loan branch payment statement " * (2 + i % 5),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        )
+        for i in range(12)
+    }
+    expected, got, engine = _both(
+        tiny_model_dir, prompts, kv_cache_bytes=1 << 18, text_only=True, enable_prefix_caching=False
+    )
     assert got == expected
     assert engine.scheduler.num_preemptions > 0
 
@@ -84,12 +109,19 @@ def test_prefix_cache_hits_as_with_synchronous_steps(tiny_model_dir):
     """Blocks are registered with the prefix cache at launch: the next schedule frees sliding blocks that
     leave the window (16 tokens here), and one freed before its registration would be lost."""
     system = "you are the voice assistant of a bank. " * 2
-    waves = [{"a": (system + "what is my balance", GREEDY)},
-             {"b": (system + "send forty dollars to maria " * 3, GREEDY)}]
+    waves = [
+        {"a": (system + "what is my balance", GREEDY)},
+        {"b": (system + "send forty dollars to maria " * 3, GREEDY)},
+    ]
     hits = []
     for async_scheduling in (False, True):
-        engine = make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=48,
-                             async_scheduling=async_scheduling)
+        engine = make_engine(
+            tiny_model_dir,
+            text_only=True,
+            max_num_seqs=4,
+            max_num_batched_tokens=48,
+            async_scheduling=async_scheduling,
+        )
         for wave in waves:
             _run(engine, wave)
         hits.append(engine.kv.prefix_hit_tokens)
@@ -99,11 +131,13 @@ def test_prefix_cache_hits_as_with_synchronous_steps(tiny_model_dir):
 def test_padded_graph_buffers_take_pending_tokens(tiny_model_dir):
     """The decode and mixed runners' packed uploads, with the previous step's samples copied in on the
     device: in order (steady decode) and re-indexed (the batch shrinks, requests join mid-decode)."""
+
     def run(engine):
         out = {}
         for wave in range(2):
-            for i, (prompt, n) in enumerate(zip(["what is my balance", "send forty dollars to maria " * 3, "hi"],
-                                                (3, 7, 5))):
+            for i, (prompt, n) in enumerate(
+                zip(["what is my balance", "send forty dollars to maria " * 3, "hi"], (3, 7, 5))
+            ):
                 params = SamplingParams(temperature=0, max_tokens=n + wave, ignore_eos=True)
                 engine.add_request(engine.make_request(f"{wave}-{i}", engine.process_prompt(prompt), params))
                 # One step before the next request joins: it joins a running batch.
@@ -111,10 +145,19 @@ def test_padded_graph_buffers_take_pending_tokens(tiny_model_dir):
             out.update({rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()})
         return out
 
-    expected = run(make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=32,
-                               async_scheduling=False))
-    engine = make_engine(tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=32,
-                         attention_backend="triton", async_scheduling=True)
+    expected = run(
+        make_engine(
+            tiny_model_dir, text_only=True, max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=False
+        )
+    )
+    engine = make_engine(
+        tiny_model_dir,
+        text_only=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        attention_backend="triton",
+        async_scheduling=True,
+    )
     engine.runner.decode_graphs = engine.decode_graph_runner(capture=False)
     engine.runner.mixed_graphs = engine.mixed_graph_runner(capture=False)
     assert run(engine) == expected

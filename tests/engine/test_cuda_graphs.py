@@ -15,8 +15,17 @@ from g4serve.sampling_params import SamplingParams
 
 
 def _engine(model_dir, backend: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
-                                  max_num_seqs=4, attention_backend=backend, text_only=True))
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            kv_cache_bytes=16 << 20,
+            max_num_seqs=4,
+            attention_backend=backend,
+            text_only=True,
+        )
+    )
 
 
 def _generate(engine: LLMEngine) -> dict[str, list[int]]:
@@ -40,7 +49,9 @@ def test_padded_decode_steps_match_eager(tiny_model_dir):
         assert pool.num_free == pool.num_blocks
 
 
-@pytest.mark.parametrize("max_batch,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (64, [1, 2, 4, 8, 16, 24, 32, 48, 64])])
+@pytest.mark.parametrize(
+    "max_batch,sizes", [(1, [1]), (5, [1, 2, 4, 5]), (64, [1, 2, 4, 8, 16, 24, 32, 48, 64])]
+)
 def test_batch_sizes(max_batch, sizes):
     assert sizes_up_to(max_batch, DEFAULT_BATCH_SIZES) == sizes
 
@@ -48,23 +59,39 @@ def test_batch_sizes(max_batch, sizes):
 def test_padded_mixed_steps_match_eager(tiny_model_dir):
     """Prefill chunks, mixed prefill+decode steps and prefix-cache hits through the mixed runner's padded
     buffers (token buckets, padding sequences, YOCO on fixed rows) give the eager tokens."""
+
     def run(engine):
         system = "you are the voice assistant of a bank. " * 2
         # The second wave reuses the first's system-prompt blocks (prefix hits); its long prompt is chunked
         # (48-token budget) while the short one decodes beside it.
-        waves = ([system + "what is my balance", "hi"], [system + "send forty dollars to maria " * 3, "hello"])
+        waves = (
+            [system + "what is my balance", "hi"],
+            [system + "send forty dollars to maria " * 3, "hello"],
+        )
         out = {}
         for wave in waves:
             for i, prompt in enumerate(wave):
                 params = SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True)
-                engine.add_request(engine.make_request(f"{len(out)}-{i}", engine.process_prompt(prompt), params))
+                engine.add_request(
+                    engine.make_request(f"{len(out)}-{i}", engine.process_prompt(prompt), params)
+                )
             out.update({rid: o.outputs[0].token_ids for rid, o in engine.run_until_finished().items()})
         return out
 
     def engine_with(backend, **kw):
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                      kv_cache_bytes=16 << 20, max_num_seqs=4, max_num_batched_tokens=48,
-                                      attention_backend=backend, text_only=True, **kw))
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                device="cpu",
+                dtype="float32",
+                kv_cache_bytes=16 << 20,
+                max_num_seqs=4,
+                max_num_batched_tokens=48,
+                attention_backend=backend,
+                text_only=True,
+                **kw,
+            )
+        )
 
     expected = run(engine_with("torch"))
     for fast_prefill in (True, False):
@@ -86,9 +113,11 @@ def test_padded_media_steps_match_eager(tiny_model_dir):
     image = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8))
     audio = (0.2 * rng.standard_normal(16000)).astype(np.float32)
     turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
-    prompts = [{"prompt": turn.format("<|image|>What is this?"), "multi_modal_data": {"image": image}},
-               {"prompt": turn.format("<|audio|>Transcribe."), "multi_modal_data": {"audio": audio}},
-               turn.format("and now just text")]
+    prompts = [
+        {"prompt": turn.format("<|image|>What is this?"), "multi_modal_data": {"image": image}},
+        {"prompt": turn.format("<|audio|>Transcribe."), "multi_modal_data": {"audio": audio}},
+        turn.format("and now just text"),
+    ]
 
     def run(engine):
         out = {}
@@ -99,9 +128,17 @@ def test_padded_media_steps_match_eager(tiny_model_dir):
         return out
 
     def engine_with(backend):
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                      kv_cache_bytes=16 << 20, max_num_seqs=2, max_num_batched_tokens=256,
-                                      attention_backend=backend))
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                device="cpu",
+                dtype="float32",
+                kv_cache_bytes=16 << 20,
+                max_num_seqs=2,
+                max_num_batched_tokens=256,
+                attention_backend=backend,
+            )
+        )
 
     expected = run(engine_with("torch"))
     engine = engine_with("triton")

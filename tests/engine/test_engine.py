@@ -15,7 +15,9 @@ from g4serve.processing.image import rescale_pixels
 from g4serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-SYSTEM = "<|turn>system\nYou are the voice assistant of a bank. Answer briefly and never invent balances.<turn|>\n"
+SYSTEM = (
+    "<|turn>system\nYou are the voice assistant of a bank. Answer briefly and never invent balances.<turn|>\n"
+)
 
 
 def _image(seed: int, h: int = 64, w: int = 96) -> Image.Image:
@@ -44,20 +46,39 @@ def mixed_prompts() -> list:
     for i in range(8):
         prompts.append(SYSTEM + _user(f"question number {i}: what is {words[i]}?"))
     for i in range(4):
-        prompts.append({"prompt": _user(f"<|image|>What is in picture {i}?"), "multi_modal_data": {"image": _image(i)}})
-    prompts.append({"prompt": _user("<|image|><|image|>Compare them."),
-                    "multi_modal_data": {"image": [_image(10), _image(11, 120, 40)]}})
+        prompts.append(
+            {"prompt": _user(f"<|image|>What is in picture {i}?"), "multi_modal_data": {"image": _image(i)}}
+        )
+    prompts.append(
+        {
+            "prompt": _user("<|image|><|image|>Compare them."),
+            "multi_modal_data": {"image": [_image(10), _image(11, 120, 40)]},
+        }
+    )
     for i in range(2):
-        prompts.append({"prompt": _user("<|video|>What happens?"), "multi_modal_data": {"video": [_frames(20 + i, 6)]}})
+        prompts.append(
+            {"prompt": _user("<|video|>What happens?"), "multi_modal_data": {"video": [_frames(20 + i, 6)]}}
+        )
     for i in range(3):
-        prompts.append({"prompt": _user(f"<|audio|>Transcribe clip {i}."), "multi_modal_data": {"audio": _audio(i, 1 + i)}})
+        prompts.append(
+            {
+                "prompt": _user(f"<|audio|>Transcribe clip {i}."),
+                "multi_modal_data": {"audio": _audio(i, 1 + i)},
+            }
+        )
     assert len(prompts) == 32
     return prompts
 
 
 def make_engine(model_dir, **kw) -> LLMEngine:
-    args = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
-                max_num_batched_tokens=256, max_num_seqs=32)
+    args = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_bytes=16 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=32,
+    )
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 
@@ -70,7 +91,9 @@ def run_all(engine: LLMEngine, prompts: list, params=GREEDY) -> dict[str, list[i
 
 def reference_tokens(engine: LLMEngine, prompts: list, params=GREEDY) -> dict[str, list[int]]:
     return {
-        str(i): generate_one(engine.model, engine.make_request(f"ref{i}", engine.process_prompt(p), params)).output_token_ids
+        str(i): generate_one(
+            engine.model, engine.make_request(f"ref{i}", engine.process_prompt(p), params)
+        ).output_token_ids
         for i, p in enumerate(prompts)
     }
 
@@ -113,7 +136,9 @@ def test_sliding_window_blocks_are_freed(tiny_model_dir):
     engine = make_engine(tiny_model_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
     window, bs = engine.model_config.text.sliding_window, engine.config.block_size
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    engine.add_request(engine.make_request("long", engine.process_prompt(_user("tell me a long story " * 6)), params))
+    engine.add_request(
+        engine.make_request("long", engine.process_prompt(_user("tell me a long story " * 6)), params)
+    )
     max_sliding, full_counts = 0, []
     while engine.has_unfinished_requests():
         engine.step()
@@ -130,7 +155,9 @@ def test_sliding_window_blocks_are_freed(tiny_model_dir):
 
 def test_abort_mid_prefill_and_decode_frees_everything(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_num_batched_tokens=32)
-    engine.add_request(engine.make_request("decode", engine.process_prompt(_user("hi")), SamplingParams(max_tokens=50)))
+    engine.add_request(
+        engine.make_request("decode", engine.process_prompt(_user("hi")), SamplingParams(max_tokens=50))
+    )
     long_prompt = engine.process_prompt(_user("please read my last statement again " * 12))
     assert len(long_prompt.token_ids) > 4 * 32
     engine.add_request(engine.make_request("prefill", long_prompt, GREEDY))
@@ -148,7 +175,9 @@ def test_abort_mid_prefill_and_decode_frees_everything(tiny_model_dir):
 
 def test_prefix_cache_hits_do_not_change_outputs(tiny_model_dir):
     prompts = [SYSTEM + _user(f"what is the rate for product {i}?") for i in range(6)]
-    prompts += [{"prompt": SYSTEM + _user("<|image|>and this?"), "multi_modal_data": {"image": _image(3)}}] * 2
+    prompts += [
+        {"prompt": SYSTEM + _user("<|image|>and this?"), "multi_modal_data": {"image": _image(3)}}
+    ] * 2
     cold = make_engine(tiny_model_dir, enable_prefix_caching=False)
     warm = make_engine(tiny_model_dir)
     expected = run_all(cold, prompts)
@@ -192,12 +221,21 @@ def test_batched_encoder_matches_per_item(engine):
     # One call per tower and input shape: all image/video frames of every request together.
     videos = [it for it in items if it.modality == "video"]
     assert sum(c.num_items for c in calls) == len({it.content_hash for it in items})
-    frame_call = next(c for c in calls if c.tower == "vision" and c.num_inputs >= sum(v.data["pixel_values"].shape[0] for v in videos))
+    frame_call = next(
+        c
+        for c in calls
+        if c.tower == "vision" and c.num_inputs >= sum(v.data["pixel_values"].shape[0] for v in videos)
+    )
     assert frame_call.num_items == len(videos)
     assert len([c for c in calls if c.tower == "audio"]) == 1
     for digest, tokens in alone.items():
-        torch.testing.assert_close(engine.encoder_cache.get(digest), tokens, rtol=0, atol=ENCODER_BATCH_ATOL,
-                                   msg=lambda m: f"{digest}: {m}")
+        torch.testing.assert_close(
+            engine.encoder_cache.get(digest),
+            tokens,
+            rtol=0,
+            atol=ENCODER_BATCH_ATOL,
+            msg=lambda m: f"{digest}: {m}",
+        )
 
 
 def test_fast_prefill_is_exact(tiny_model_dir):

@@ -14,8 +14,17 @@ from g4serve.sampling_params import SamplingParams
 
 
 def _generate(model_dir, backend: str, fused: bool, monkeypatch) -> dict[str, list[int]]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
-                                    max_num_seqs=4, attention_backend=backend, text_only=True))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            kv_cache_bytes=16 << 20,
+            max_num_seqs=4,
+            attention_backend=backend,
+            text_only=True,
+        )
+    )
     calls = []
     if fused:
         engine.model.language_model.fuse_projections()

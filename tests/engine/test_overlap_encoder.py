@@ -24,7 +24,9 @@ def _run(engine, prompts, params=GREEDY) -> dict[str, list[int]]:
     outs = engine.run_until_finished()
     for rid, out in outs.items():  # the encoder's time is charged to the requests with media
         prompt = prompts[int(rid)]
-        assert (out.metrics.encoder_time_s > 0) == (isinstance(prompt, dict) and engine.encoder.calls != []), rid
+        assert (out.metrics.encoder_time_s > 0) == (
+            isinstance(prompt, dict) and engine.encoder.calls != []
+        ), rid
     return {rid: out.outputs[0].token_ids for rid, out in outs.items()}
 
 
@@ -32,8 +34,9 @@ def _run(engine, prompts, params=GREEDY) -> dict[str, list[int]]:
 def test_mixed_media_workload_matches_encoding_in_the_step(tiny_model_dir, async_scheduling):
     prompts = mixed_prompts()
     expected = _run(make_engine(tiny_model_dir), prompts)
-    engine = make_engine(tiny_model_dir, overlap_encoder=True, async_scheduling=async_scheduling,
-                         encoder_token_budget=64)
+    engine = make_engine(
+        tiny_model_dir, overlap_encoder=True, async_scheduling=async_scheduling, encoder_token_budget=64
+    )
     assert _run(engine, prompts) == expected
     assert engine.encoder.num_in_flight == 0 and engine.encoder.calls
     assert not engine.encoder_cache._refs  # every pin released
@@ -89,10 +92,16 @@ def test_requests_behind_one_waiting_for_its_encoder_are_admitted(tiny_model_dir
 
 
 def test_all_media_of_a_request_start_encoding_at_once(tiny_model_dir):
-    prompt = {"prompt": _user("<|image|> then <|audio|> then <|image|>"),
-              "multi_modal_data": {"image": [Image.fromarray(np.full((40, 56, 3), 9, np.uint8)),
-                                             Image.fromarray(np.full((56, 40, 3), 200, np.uint8))],
-                                   "audio": _audio(5, 1.0)}}
+    prompt = {
+        "prompt": _user("<|image|> then <|audio|> then <|image|>"),
+        "multi_modal_data": {
+            "image": [
+                Image.fromarray(np.full((40, 56, 3), 9, np.uint8)),
+                Image.fromarray(np.full((56, 40, 3), 200, np.uint8)),
+            ],
+            "audio": _audio(5, 1.0),
+        },
+    }
     expected = _run(make_engine(tiny_model_dir), [prompt])
     for min_text, computed in ((256, 0), (4, 7)):
         # The 7 text tokens before the first image wait for it, unless text that short may run ahead.
@@ -108,7 +117,10 @@ def test_all_media_of_a_request_start_encoding_at_once(tiny_model_dir):
 
 def test_pooling_cells_used_matches_pooling(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
-    images = [Image.fromarray(np.zeros((64, 96, 3), np.uint8)), Image.fromarray(np.zeros((120, 40, 3), np.uint8))]
+    images = [
+        Image.fromarray(np.zeros((64, 96, 3), np.uint8)),
+        Image.fromarray(np.zeros((120, 40, 3), np.uint8)),
+    ]
     processed = engine.process_prompt({"prompt": "<|image|><|image|>", "multi_modal_data": {"image": images}})
     k = engine.model_config.vision.pooling_kernel_size
     for item in processed.mm_items:
@@ -123,9 +135,15 @@ def test_host_side_selections_equal_device_side(tiny_model_dir):
     """What the side stream uses instead of reading masks back: the fixed-shape encoder with a host-made
     index for images, prefix slices of the placeholder counts for audio."""
     engine = make_engine(tiny_model_dir)
-    processed = engine.process_prompt({"prompt": "<|image|><|audio|><|audio|>", "multi_modal_data": {
-        "image": Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), np.uint8)),
-        "audio": [_audio(1, 1.0), _audio(2, 2.5)]}})
+    processed = engine.process_prompt(
+        {
+            "prompt": "<|image|><|audio|><|audio|>",
+            "multi_modal_data": {
+                "image": Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), np.uint8)),
+                "audio": [_audio(1, 1.0), _audio(2, 2.5)],
+            },
+        }
+    )
     image, *clips = processed.mm_items
     model = engine.model
     with torch.inference_mode():
@@ -138,12 +156,22 @@ def test_host_side_selections_equal_device_side(tiny_model_dir):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
         length = max(c.data["input_features"].shape[1] for c in clips)
-        feats = torch.cat([torch.nn.functional.pad(c.data["input_features"],
-                                                   (0, 0, 0, length - c.data["input_features"].shape[1]))
-                           for c in clips])
-        masks = torch.cat([torch.nn.functional.pad(c.data["input_features_mask"],
-                                                   (0, length - c.data["input_features_mask"].shape[1]))
-                           for c in clips])
+        feats = torch.cat(
+            [
+                torch.nn.functional.pad(
+                    c.data["input_features"], (0, 0, 0, length - c.data["input_features"].shape[1])
+                )
+                for c in clips
+            ]
+        )
+        masks = torch.cat(
+            [
+                torch.nn.functional.pad(
+                    c.data["input_features_mask"], (0, length - c.data["input_features_mask"].shape[1])
+                )
+                for c in clips
+            ]
+        )
         masked = model.encode_audio(feats, masks)
         sliced = model.encode_audio(feats, masks, [c.num_tokens for c in clips])
     for a, b in zip(masked, sliced):

@@ -17,8 +17,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 def _prompts():
     turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
-    return [turn.format(t) for t in ("What is my balance?", "Send 40 dollars to Maria tomorrow please",
-                                     "list my last five card payments " * 8)]
+    return [
+        turn.format(t)
+        for t in (
+            "What is my balance?",
+            "Send 40 dollars to Maria tomorrow please",
+            "list my last five card payments " * 8,
+        )
+    ]
 
 
 def _run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
@@ -33,7 +39,9 @@ def test_fp32_cuda_matches_cpu(hf_checkpoint):
     prompt agree to rounding noise and the engine's greedy tokens are identical."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    kw = dict(model=str(hf_checkpoint("e")), dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=256)
+    kw = dict(
+        model=str(hf_checkpoint("e")), dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=256
+    )
     cpu = LLMEngine(EngineConfig(device="cpu", **kw))
     gpu = LLMEngine(EngineConfig(device="cuda", **kw))
     ids = cpu.process_prompt(_prompts()[2]).token_ids
@@ -48,12 +56,21 @@ def test_fp32_cuda_matches_cpu(hf_checkpoint):
 def _logits(model, cfg, ids: list[int], device) -> torch.Tensor:
     n = len(ids)
     blocks = -(-n // 16)
-    cache = PagedKVCache(cfg, {"sliding_attention": blocks, "full_attention": blocks}, 16,
-                         model.language_model.embed_tokens.weight.dtype, device)
+    cache = PagedKVCache(
+        cfg,
+        {"sliding_attention": blocks, "full_attention": blocks},
+        16,
+        model.language_model.embed_tokens.weight.dtype,
+        device,
+    )
     table = list(range(blocks))
-    meta = contiguous_metadata([0], [n], {"sliding_attention": [table], "full_attention": [table]}, 16, device, [[]])
+    meta = contiguous_metadata(
+        [0], [n], {"sliding_attention": [table], "full_attention": [table]}, 16, device, [[]]
+    )
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids, device=device), meta, TorchAttention(cfg, cache))).float()
+        return model.compute_logits(
+            model(torch.tensor(ids, device=device), meta, TorchAttention(cfg, cache))
+        ).float()
 
 
 def test_e4b_bf16_close_to_fp32():
@@ -71,8 +88,10 @@ def test_e4b_bf16_close_to_fp32():
     cos = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
     top1 = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     err = (got - expected).abs().max().item()
-    print(f"e4b bf16 vs fp32: min cosine {cos.min().item():.5f}, top-1 agreement {top1:.3f}, "
-          f"max |diff| {err:.3f}, logit std {expected.std().item():.3f}")
+    print(
+        f"e4b bf16 vs fp32: min cosine {cos.min().item():.5f}, top-1 agreement {top1:.3f}, "
+        f"max |diff| {err:.3f}, logit std {expected.std().item():.3f}"
+    )
     assert cos.min().item() > 0.99
     assert top1 >= 0.9
 
@@ -83,8 +102,14 @@ def test_cuda_graph_decode_matches_eager(hf_checkpoint, variant):
     experts) against eager steps, fp32: the same greedy tokens, with batches that shrink as requests
     finish at different lengths."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    kw = dict(model=str(hf_checkpoint(variant)), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
-              max_num_batched_tokens=256, max_num_seqs=8)
+    kw = dict(
+        model=str(hf_checkpoint(variant)),
+        device="cuda",
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+    )
     eager = LLMEngine(EngineConfig(enforce_eager=True, **kw))
     graphed = LLMEngine(EngineConfig(**kw))
     assert eager.runner.decode_graphs is None and graphed.runner.decode_graphs is not None
@@ -103,8 +128,15 @@ def test_async_scheduling_matches_sync(hf_checkpoint, enforce_eager):
     the pending input token copied in on the device, alternating staging buffers): the tokens and
     logprobs of synchronous steps, for greedy, seeded sampling and stop tokens."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    kw = dict(model=str(hf_checkpoint("e")), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
-              max_num_batched_tokens=256, max_num_seqs=8, enforce_eager=enforce_eager)
+    kw = dict(
+        model=str(hf_checkpoint("e")),
+        device="cuda",
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        enforce_eager=enforce_eager,
+    )
     prompts = _prompts() + ["<|turn>user\nHi<turn|>\n<|turn>model\n"] * 2
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 16, 5)]
     params.append(SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, logprobs=2))
@@ -137,13 +169,22 @@ def test_vision_graphs_match_eager_encoder(hf_checkpoint):
     eager encoder's soft tokens, fp32."""
     import numpy as np
 
-    engine = LLMEngine(EngineConfig(model=str(hf_checkpoint("e")), device="cuda", dtype="float32",
-                                    kv_cache_bytes=64 << 20, max_num_batched_tokens=256))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(hf_checkpoint("e")),
+            device="cuda",
+            dtype="float32",
+            kv_cache_bytes=64 << 20,
+            max_num_batched_tokens=256,
+        )
+    )
     assert engine.encoder.vision_graphs is not None
     rng = np.random.default_rng(0)
     for _ in range(3):
         frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]
-        item = engine.process_prompt({"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}).mm_items[0]
+        item = engine.process_prompt(
+            {"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}
+        ).mm_items[0]
         pixels = rescale_pixels(item.data["pixel_values"].to("cuda"), video=True)
         positions = item.data["position_ids"].to("cuda")
         with torch.inference_mode():
@@ -160,7 +201,9 @@ def test_vision_encoder_cuda_matches_cpu_reference(hf_checkpoint):
     import numpy as np
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    kw = dict(model=str(hf_checkpoint("e")), dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=256)
+    kw = dict(
+        model=str(hf_checkpoint("e")), dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=256
+    )
     cpu = LLMEngine(EngineConfig(device="cpu", **kw))
     gpu = LLMEngine(EngineConfig(device="cuda", enforce_eager=True, **kw))
     rng = np.random.default_rng(1)
@@ -185,16 +228,30 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
     rng = np.random.default_rng(2)
     turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
     prompts = [
-        {"prompt": turn.format("<|image|>Describe."),
-         "multi_modal_data": {"image": Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))}},
-        {"prompt": turn.format("<|video|>What happens?"),
-         "multi_modal_data": {"video": [[rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]]}},
-        {"prompt": turn.format("<|audio|>Transcribe."),
-         "multi_modal_data": {"audio": (0.2 * rng.standard_normal(16000)).astype(np.float32)}},
+        {
+            "prompt": turn.format("<|image|>Describe."),
+            "multi_modal_data": {"image": Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))},
+        },
+        {
+            "prompt": turn.format("<|video|>What happens?"),
+            "multi_modal_data": {
+                "video": [[rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]]
+            },
+        },
+        {
+            "prompt": turn.format("<|audio|>Transcribe."),
+            "multi_modal_data": {"audio": (0.2 * rng.standard_normal(16000)).astype(np.float32)},
+        },
         turn.format("Plain text after the media."),
     ]
-    kw = dict(model=str(hf_checkpoint("e")), device="cuda", dtype="float32", kv_cache_bytes=64 << 20,
-              max_num_batched_tokens=256, max_num_seqs=8)
+    kw = dict(
+        model=str(hf_checkpoint("e")),
+        device="cuda",
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+    )
     eager = LLMEngine(EngineConfig(enforce_eager=True, **kw))
     graphed = LLMEngine(EngineConfig(**kw))
     assert graphed.runner.mixed_graphs.media

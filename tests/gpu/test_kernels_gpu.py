@@ -61,8 +61,9 @@ def test_decode_vs_reference(hq, hkv, head_dim, window, num_splits):
     lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device="cuda")
     # Scores of a few units to tens, as with Gemma 4's normalised q and k at scale 1.0.
     q = (torch.randn(len(DECODE_LENS), hq, head_dim, device="cuda", generator=gen) * 0.25).bfloat16()
-    out = paged_decode_attention(q, k, v, tables, lens, PAGE, window=window, num_splits=num_splits,
-                                 max_seq_len=max(DECODE_LENS))
+    out = paged_decode_attention(
+        q, k, v, tables, lens, PAGE, window=window, num_splits=num_splits, max_seq_len=max(DECODE_LENS)
+    )
     ref = paged_decode_reference(q, k, v, tables, lens, PAGE, window=window)
     _close(out, ref)
 
@@ -86,10 +87,31 @@ def test_prefill_vs_reference(hq, hkv, head_dim, window):
         inside = (positions >= 7950) & (positions < 8150)  # sequence 3's tokens 7950..8149
         lo[inside], hi[inside] = 7950, 8150
         span = {"span_lo": lo, "span_hi": hi}
-    out = paged_prefill_attention(q, k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-                                  starts, positions, PAGE, max(query_lens), window=window, **span)
-    ref = paged_prefill_reference(q, k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-                                  starts, positions, PAGE, window=window, **span)
+    out = paged_prefill_attention(
+        q,
+        k,
+        v,
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        starts,
+        positions,
+        PAGE,
+        max(query_lens),
+        window=window,
+        **span,
+    )
+    ref = paged_prefill_reference(
+        q,
+        k,
+        v,
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        starts,
+        positions,
+        PAGE,
+        window=window,
+        **span,
+    )
     _close(out, ref)
 
 
@@ -108,8 +130,15 @@ def test_kv_cache_write_vs_reference():
 def test_backend_matches_torch_attention_e4b_layers():
     """TritonAttention vs TorchAttention over an E4B-shaped layer pair (sliding 256 / global 512, 8/2
     heads): a mixed prefill + decode step, then pure decode steps, bf16."""
-    cfg = TextConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                     global_head_dim=512, sliding_window=512, layer_types=[SLIDING, FULL])
+    cfg = TextConfig(
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=512,
+        layer_types=[SLIDING, FULL],
+    )
     gen = torch.Generator("cuda").manual_seed(3)
     num_blocks = 512
     pools = {SLIDING: num_blocks, FULL: num_blocks}
@@ -117,8 +146,9 @@ def test_backend_matches_torch_attention_e4b_layers():
     backends = [TorchAttention(cfg, caches[0]), TritonAttention(cfg, caches[1])]
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     lens = [1500, 900, 40]
-    tables = {pool: [[perm.pop() for _ in range(-(-(n + 8) // PAGE))] for n in lens]
-              for pool in (SLIDING, FULL)}
+    tables = {
+        pool: [[perm.pop() for _ in range(-(-(n + 8) // PAGE))] for n in lens] for pool in (SLIDING, FULL)
+    }
     before = [0, 0, 0]
     for query_lens in ([1500, 900, 40], [1, 1, 1], [1, 1, 1]):
         meta = contiguous_metadata(before, query_lens, tables, PAGE, "cuda")
@@ -154,27 +184,42 @@ def test_fused_elementwise_kernels_on_e4b_shapes(dtype):
         ref = fused_rms_norm_reference(x, w, 1e-6, residual=res, scale=scale, next_weight=w2)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-        for head_dim, rope in ((256, {"rope_theta": 10000.0}),
-                               (512, {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25})):
+        for head_dim, rope in (
+            (256, {"rope_theta": 10000.0}),
+            (512, {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25}),
+        ):
             qkv = rand(t, 10 * head_dim, s=3)
             q = qkv[:, : 8 * head_dim].view(t, 8, head_dim)
             cos, sin = rope_cos_sin(torch.arange(t, device="cuda") * 7, text_inv_freq(rope, head_dim), dtype)
             wq = rand(head_dim)
-            torch.testing.assert_close(norm_rope(q, wq, 1e-6, cos, sin).float(),
-                                       norm_rope_reference(q, wq, 1e-6, cos, sin).float(), atol=tol, rtol=tol)
+            torch.testing.assert_close(
+                norm_rope(q, wq, 1e-6, cos, sin).float(),
+                norm_rope_reference(q, wq, 1e-6, cos, sin).float(),
+                atol=tol,
+                rtol=tol,
+            )
         # the vision tower's q/k norm + axial RoPE (head_dim 64, x/y halves)
         from g4serve.layers.rotary import vision_cos_sin, vision_inv_freq
 
         qv = rand(t, 12, 64, s=3)
-        cos, sin = vision_cos_sin(torch.randint(0, 48, (1, t, 2), device="cuda"), vision_inv_freq(100.0, 64), dtype)
+        cos, sin = vision_cos_sin(
+            torch.randint(0, 48, (1, t, 2), device="cuda"), vision_inv_freq(100.0, 64), dtype
+        )
         wv = rand(64)
-        torch.testing.assert_close(norm_rope(qv, wv, 1e-6, cos[0], sin[0], sections=2).float(),
-                                   norm_rope_reference(qv, wv, 1e-6, cos[0], sin[0], sections=2).float(),
-                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(
+            norm_rope(qv, wv, 1e-6, cos[0], sin[0], sections=2).float(),
+            norm_rope_reference(qv, wv, 1e-6, cos[0], sin[0], sections=2).float(),
+            atol=tol,
+            rtol=tol,
+        )
         gate_up = rand(t, 2 * 10240, s=3)
         a, b = gate_up[:, :10240], gate_up[:, 10240:]
-        torch.testing.assert_close(act_mul("gelu_pytorch_tanh", a, b).float(),
-                                   act_mul_reference("gelu_pytorch_tanh", a, b).float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(
+            act_mul("gelu_pytorch_tanh", a, b).float(),
+            act_mul_reference("gelu_pytorch_tanh", a, b).float(),
+            atol=tol,
+            rtol=tol,
+        )
 
 
 @pytest.mark.parametrize("m", [1, 2, 8])
@@ -186,9 +231,18 @@ def test_skinny_matmul_on_e4b_decode_shapes(m):
 
     gen = torch.Generator(device="cuda").manual_seed(m)
     act = "gelu_pytorch_tanh"
-    shapes = [(PLAIN, 3072, 2560), (PLAIN, 6144, 2560), (PLAIN, 2560, 2048), (PLAIN, 2560, 4096),
-              (PLAIN, 2560, 10240), (PLAIN, 2560, 256), (PLAIN, 10752, 2560), (PLAIN, 262144, 2560),
-              (GATE_UP, 10240, 2560), (MUL, 256, 2560)]
+    shapes = [
+        (PLAIN, 3072, 2560),
+        (PLAIN, 6144, 2560),
+        (PLAIN, 2560, 2048),
+        (PLAIN, 2560, 4096),
+        (PLAIN, 2560, 10240),
+        (PLAIN, 2560, 256),
+        (PLAIN, 10752, 2560),
+        (PLAIN, 262144, 2560),
+        (GATE_UP, 10240, 2560),
+        (MUL, 256, 2560),
+    ]
     for ep, n, k in shapes:
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(2 * n if ep == GATE_UP else n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
@@ -211,11 +265,18 @@ def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
 
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
     t, hq, hkv = 37, 8, 2
-    qkv = (3 * torch.randn(t, (hq + hkv * (1 if v_is_k else 2)) * head_dim, device="cuda", generator=gen)).bfloat16()
+    qkv = (
+        3 * torch.randn(t, (hq + hkv * (1 if v_is_k else 2)) * head_dim, device="cuda", generator=gen)
+    ).bfloat16()
     wq, wk = (torch.randn(head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    rope = {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25} if head_dim == 512 \
+    rope = (
+        {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+        if head_dim == 512
         else {"rope_theta": 10000.0}
-    cos, sin = rope_cos_sin(torch.arange(t, device="cuda") * 13, text_inv_freq(rope, head_dim), torch.bfloat16)
+    )
+    cos, sin = rope_cos_sin(
+        torch.arange(t, device="cuda") * 13, text_inv_freq(rope, head_dim), torch.bfloat16
+    )
     slots = torch.randperm(64, device="cuda", generator=gen)[:t]
     slots[::5] = -1
     cache = torch.zeros(2, 64, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -224,8 +285,9 @@ def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
     heads = qkv.view(t, -1, head_dim)
     k_raw = heads[:, hq : hq + hkv]
     v_raw = k_raw if v_is_k else heads[:, hq + hkv :]
-    kv_cache_write(norm_rope(k_raw, wk, 1e-6, cos, sin), norm_rope(v_raw, None, 1e-6), ref_cache[0], ref_cache[1],
-                   slots)
+    kv_cache_write(
+        norm_rope(k_raw, wk, 1e-6, cos, sin), norm_rope(v_raw, None, 1e-6), ref_cache[0], ref_cache[1], slots
+    )
     assert torch.equal(q, norm_rope(heads[:, :hq], wq, 1e-6, cos, sin))
     assert torch.equal(cache, ref_cache)
 
@@ -242,8 +304,12 @@ def test_top_p_sample_matches_the_sort_over_gemma_vocabulary(rows):
 
     vocab, trials = 262144, 8
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    kinds = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_p=0.5),
-             SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05)]
+    kinds = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_p=0.5),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05),
+    ]
     params = [kinds[i % len(kinds)] for i in range(rows)]
     b = SamplingBatch.build(params, [None] * rows, vocab, "cuda")
     same = total = 0

@@ -134,8 +134,9 @@ def test_moe_block_cuda_graph(expert_weights, num_tokens):
         eager = block()
         assert torch.equal(static_out, eager)  # new routing, same bits as eager
         weights, ids = router(static_x)
-        ref = fused_moe_reference(static_x.float(), experts.gate_up_proj.float(), experts.down_proj.float(),
-                                  ids, weights, ACT)
+        ref = fused_moe_reference(
+            static_x.float(), experts.gate_up_proj.float(), experts.down_proj.float(), ids, weights, ACT
+        )
         torch.testing.assert_close(static_out.float(), ref, atol=2e-2, rtol=2e-2)
         if previous is not None:
             assert not torch.equal(previous, static_out)

@@ -73,9 +73,18 @@ def _check_alignment(experts: torch.Tensor, num_experts: int, block_m: int, sort
     assert torch.equal(runs, (counts + block_m - 1) // block_m)
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,skew", [
-    (1, 4, 2, 16, None), (5, 8, 2, 16, None), (17, 8, 2, 16, "one"), (17, 8, 2, 16, "unused"),
-    (33, 8, 2, 32, None), (40, 128, 8, 16, None), (3, 4, 1, 16, None)])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,block_m,skew",
+    [
+        (1, 4, 2, 16, None),
+        (5, 8, 2, 16, None),
+        (17, 8, 2, 16, "one"),
+        (17, 8, 2, 16, "unused"),
+        (33, 8, 2, 32, None),
+        (40, 128, 8, 16, None),
+        (3, 4, 1, 16, None),
+    ],
+)
 def test_moe_align_invariants(num_tokens, num_experts, top_k, block_m, skew):
     gen = torch.Generator().manual_seed(num_tokens)
     experts, _ = _routing(num_tokens, num_experts, top_k, gen, skew)
@@ -98,11 +107,14 @@ def test_moe_align_skewed_counts():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 5, 17])
-@pytest.mark.parametrize("num_experts,hidden,inter,activation,skew", [
-    (4, 32, 16, "gelu_pytorch_tanh", None),
-    (8, 64, 48, "gelu_pytorch_tanh", "unused"),
-    (8, 32, 48, "silu", "one"),
-])
+@pytest.mark.parametrize(
+    "num_experts,hidden,inter,activation,skew",
+    [
+        (4, 32, 16, "gelu_pytorch_tanh", None),
+        (8, 64, 48, "gelu_pytorch_tanh", "unused"),
+        (8, 32, 48, "silu", "one"),
+    ],
+)
 def test_fused_moe_vs_reference(dtype, num_tokens, num_experts, hidden, inter, activation, skew):
     gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
     experts, weights = _routing(num_tokens, num_experts, 2, gen, skew)
@@ -178,6 +190,12 @@ def test_moe_layers_on_cpu_are_the_reference():
         x = torch.randn(6, 32, generator=gen)
         weights, experts = router(x)
         out = experts_layer(x, experts, weights)
-    ref = fused_moe_reference(x, experts_layer.gate_up_proj.detach(), experts_layer.down_proj.detach(),
-                              experts, weights, "gelu_pytorch_tanh")
+    ref = fused_moe_reference(
+        x,
+        experts_layer.gate_up_proj.detach(),
+        experts_layer.down_proj.detach(),
+        experts,
+        weights,
+        "gelu_pytorch_tanh",
+    )
     assert torch.equal(out, ref)

@@ -21,8 +21,10 @@ def _close(out, ref, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [48, 100])  # a power of two and a masked tail
-@pytest.mark.parametrize("with_residual,with_scale,with_next", [
-    (False, False, False), (True, False, True), (True, True, False), (False, True, True)])
+@pytest.mark.parametrize(
+    "with_residual,with_scale,with_next",
+    [(False, False, False), (True, False, True), (True, True, False), (False, True, True)],
+)
 def test_fused_rms_norm(dtype, n, with_residual, with_scale, with_next):
     gen = torch.Generator().manual_seed(n)
     x = (3 * torch.randn(5, n, generator=gen)).to(dtype)
@@ -54,8 +56,11 @@ def test_norm_rope_on_a_strided_view(dtype, head_dim, partial):
     fused = torch.randn(t, (heads + 2) * head_dim, generator=gen).to(dtype)
     q = fused[:, : heads * head_dim].view(t, heads, head_dim)
     w = torch.randn(head_dim, generator=gen).to(dtype)
-    rope = {"rope_theta": 10000.0} if partial == 1.0 else {"rope_type": "proportional", "rope_theta": 1e6,
-                                                           "partial_rotary_factor": partial}
+    rope = (
+        {"rope_theta": 10000.0}
+        if partial == 1.0
+        else {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": partial}
+    )
     cos, sin = rope_cos_sin(torch.tensor([0, 1, 5, 17, 300, 4095]), text_inv_freq(rope, head_dim), dtype)
     _close(norm_rope(q, w, 1e-6, cos, sin), norm_rope_reference(q, w, 1e-6, cos, sin), dtype)
     # v norm: no weight, no rotation
@@ -76,8 +81,11 @@ def test_norm_rope_over_several_token_blocks(sections):
     w = torch.randn(head_dim, generator=gen).to(torch.bfloat16)
     angles = torch.rand(t, head_dim, generator=gen) * 6
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    _close(norm_rope(x, w, 1e-6, cos, sin, sections), norm_rope_reference(x, w, 1e-6, cos, sin, sections),
-           torch.bfloat16)
+    _close(
+        norm_rope(x, w, 1e-6, cos, sin, sections),
+        norm_rope_reference(x, w, 1e-6, cos, sin, sections),
+        torch.bfloat16,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,10 +100,17 @@ def test_norm_rope_axial_sections(dtype):
     xy = torch.randint(0, 40, (1, t, 2), generator=gen)
     cos, sin = vision_cos_sin(xy, vision_inv_freq(100.0, head_dim), dtype)
     cos, sin = cos[0], sin[0]
-    _close(norm_rope(x, w, 1e-6, cos, sin, sections=2), norm_rope_reference(x, w, 1e-6, cos, sin, sections=2), dtype)
+    _close(
+        norm_rope(x, w, 1e-6, cos, sin, sections=2),
+        norm_rope_reference(x, w, 1e-6, cos, sin, sections=2),
+        dtype,
+    )
     # and a single section is not the same rotation
-    assert not torch.allclose(norm_rope(x, w, 1e-6, cos, sin).float(),
-                              norm_rope_reference(x, w, 1e-6, cos, sin, sections=2).float(), atol=1e-3)
+    assert not torch.allclose(
+        norm_rope(x, w, 1e-6, cos, sin).float(),
+        norm_rope_reference(x, w, 1e-6, cos, sin, sections=2).float(),
+        atol=1e-3,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

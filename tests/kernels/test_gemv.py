@@ -25,12 +25,15 @@ def _inputs(m, n, k, epilogue, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
-@pytest.mark.parametrize("m,n,k,block_n,block_k", [
-    (1, 40, 64, 8, 32),     # M=1, even K, full column blocks
-    (1, 37, 100, 4, 32),    # M=1, ragged K and a partial last column block
-    (3, 40, 96, 16, 32),    # M>1: tensor-core tiles with padded rows, partial column block
-    (8, 16, 80, 16, 32),    # M>1, ragged K
-])
+@pytest.mark.parametrize(
+    "m,n,k,block_n,block_k",
+    [
+        (1, 40, 64, 8, 32),  # M=1, even K, full column blocks
+        (1, 37, 100, 4, 32),  # M=1, ragged K and a partial last column block
+        (3, 40, 96, 16, 32),  # M>1: tensor-core tiles with padded rows, partial column block
+        (8, 16, 80, 16, 32),  # M>1, ragged K
+    ],
+)
 def test_skinny_matmul_matches_unfused_ops(dtype, epilogue, m, n, k, block_n, block_k):
     ep = EPILOGUES[epilogue]
     x, w, other = _inputs(m, n, k, ep, dtype, seed=m * 1000 + n + k)
@@ -54,8 +57,9 @@ def test_skinny_matmul_matches_unfused_ops(dtype, epilogue, m, n, k, block_n, bl
 
 def test_silu_gate_up():
     x, w, _ = _inputs(1, 24, 64, GATE_UP, torch.float32, seed=7)
-    out = skinny_matmul(x, w, GATE_UP, "silu", config={"block_n": 8, "block_k": 32, "num_warps": 4,
-                                                        "num_stages": 1})
+    out = skinny_matmul(
+        x, w, GATE_UP, "silu", config={"block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 1}
+    )
     torch.testing.assert_close(out, skinny_matmul_reference(x, w, GATE_UP, "silu"), atol=2e-5, rtol=2e-5)
 
 
@@ -80,8 +84,10 @@ def test_layers_dispatch_keeps_the_cpu_reference_path():
     x = torch.randn(1, 32, generator=gen)
     assert torch.equal(linear(x, layer), layer(x))
     gate, up = layer(x).chunk(2, dim=-1)
-    assert torch.equal(gate_up_act(x, layer, "gelu_pytorch_tanh"),
-                       act_mul_reference("gelu_pytorch_tanh", gate, up))
+    assert torch.equal(
+        gate_up_act(x, layer, "gelu_pytorch_tanh"), act_mul_reference("gelu_pytorch_tanh", gate, up)
+    )
     other = torch.randn(1, 48, generator=gen)
-    assert torch.equal(linear_act_mul(x, layer, other, "silu"),
-                       skinny_matmul_reference(x, layer.weight, MUL, "silu", other))
+    assert torch.equal(
+        linear_act_mul(x, layer, other, "silu"), skinny_matmul_reference(x, layer.weight, MUL, "silu", other)
+    )

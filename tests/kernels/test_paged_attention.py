@@ -34,8 +34,14 @@ def _paged_cache(num_blocks: int, page: int, kv_heads: int, head_dim: int, dtype
     return k.to(dtype), v.to(dtype)
 
 
-def _block_tables(seq_lens: list[int], page: int, num_blocks: int, gen, window: int | None = None,
-                  first_query_pos: list[int] | None = None) -> torch.Tensor:
+def _block_tables(
+    seq_lens: list[int],
+    page: int,
+    num_blocks: int,
+    gen,
+    window: int | None = None,
+    first_query_pos: list[int] | None = None,
+) -> torch.Tensor:
     """Random distinct blocks (never block 0); with a window, blocks no query can see are freed (-1)
     the way KVCacheManager frees them."""
     width = max(-(-n // page) for n in seq_lens)
@@ -44,7 +50,7 @@ def _block_tables(seq_lens: list[int], page: int, num_blocks: int, gen, window: 
     for i, n in enumerate(seq_lens):
         row = [perm.pop() for _ in range(-(-n // page))]
         if window is not None:
-            first = (first_query_pos[i] if first_query_pos else n - 1)
+            first = first_query_pos[i] if first_query_pos else n - 1
             for j in range(max(0, first - window + 1) // page):
                 row[j] = -1
         rows.append(row + [-1] * (width - len(row)))
@@ -70,8 +76,9 @@ def test_decode_matches_reference(head_dim, hq, hkv, page, seq_lens, window, num
     tables = _block_tables(seq_lens, page, 128, gen, window)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(len(seq_lens), hq, head_dim, generator=gen)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, page, window=window,
-                                 num_splits=num_splits, block_n=block_n)
+    out = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, page, window=window, num_splits=num_splits, block_n=block_n
+    )
     ref = paged_decode_reference(q, k_cache, v_cache, tables, lens, page, window=window)
     _close(out, ref, torch.float32)
 
@@ -96,8 +103,12 @@ def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, w
         return t
 
     monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: nan_empty(*t.shape, dtype=t.dtype, device=t.device))
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 8, window=window, num_splits=8, block_n=16)
+    monkeypatch.setattr(
+        torch, "empty_like", lambda t, **kw: nan_empty(*t.shape, dtype=t.dtype, device=t.device)
+    )
+    out = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 8, window=window, num_splits=8, block_n=16
+    )
     monkeypatch.undo()
     _close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens, 8, window=window), torch.float32)
     part_m = next(t for t in partials if t.dim() == 3 and t.shape[-1] == 8)
@@ -149,8 +160,9 @@ def test_decode_bidirectional_span_and_auto_splits():
     q = torch.randn(3, 4, 16, generator=gen)
     for window in (None, 8):
         spans = {"span_lo": lo, "span_hi": hi}
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 4, window=window, num_sms=2,
-                                     block_n=16, **spans)
+        out = paged_decode_attention(
+            q, k_cache, v_cache, tables, ctx, 4, window=window, num_sms=2, block_n=16, **spans
+        )
         ref = paged_decode_reference(q, k_cache, v_cache, tables, ctx, 4, window=window, **spans)
         _close(out, ref, torch.float32)
 
@@ -163,6 +175,7 @@ def test_decode_split_policy():
 
 
 # ---- prefill --------------------------------------------------------------------------------------
+
 
 def _varlen(before: list[int], query_lens: list[int]):
     starts = [0]
@@ -204,10 +217,24 @@ def test_prefill_matches_reference(head_dim, hq, hkv, page, before, query_lens, 
     if spans:
         lo, hi = _spans_per_token(positions, starts.tolist(), spans)
         span_kw = {"span_lo": lo, "span_hi": hi}
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions, page,
-                                  max(query_lens), window=window, block_m=16, block_n=8, **span_kw)
-    ref = paged_prefill_reference(q, k_cache, v_cache, tables, seq_lens, starts, positions, page,
-                                  window=window, **span_kw)
+    out = paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        seq_lens,
+        starts,
+        positions,
+        page,
+        max(query_lens),
+        window=window,
+        block_m=16,
+        block_n=8,
+        **span_kw,
+    )
+    ref = paged_prefill_reference(
+        q, k_cache, v_cache, tables, seq_lens, starts, positions, page, window=window, **span_kw
+    )
     _close(out, ref, torch.float32)
 
 
@@ -220,11 +247,25 @@ def test_prefill_subset_dv_chunks_and_bf16():
         tables = _block_tables(seq_lens.tolist(), 4, 64, gen)
         q = torch.randn(int(starts[-1]), 4, 32, generator=gen).to(dtype)
         out = torch.zeros_like(q)
-        paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions, 4, 10,
-                                seq_indices=torch.tensor([0, 2], dtype=torch.int32), out=out,
-                                block_m=16, block_n=8, dv_chunks=2)
-        ref = paged_prefill_reference(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts,
-                                      positions, 4)
+        paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            seq_lens,
+            starts,
+            positions,
+            4,
+            10,
+            seq_indices=torch.tensor([0, 2], dtype=torch.int32),
+            out=out,
+            block_m=16,
+            block_n=8,
+            dv_chunks=2,
+        )
+        ref = paged_prefill_reference(
+            q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts, positions, 4
+        )
         assert (out[10] == 0).all()
         keep = torch.tensor([i for i in range(16) if i != 10])
         _close(out[keep], ref[keep], dtype)
@@ -244,6 +285,7 @@ def test_prefill_gemma_head_dims(head_dim, hq, hkv):
 
 # ---- KV write ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_write_matches_reference(dtype):
     gen = torch.Generator().manual_seed(5)
@@ -258,11 +300,18 @@ def test_kv_cache_write_matches_reference(dtype):
 
 # ---- TritonAttention vs TorchAttention ---------------------------------------------------------------
 
+
 def _text_config(hq: int = 4, hkv: int = 2, bidirectional: bool = True) -> TextConfig:
     # Two KV producers (sliding D=16, full D=32) and one KV-shared layer of each type.
     return TextConfig(
-        num_hidden_layers=4, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=16, global_head_dim=32,
-        sliding_window=6, layer_types=[SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=2,
+        num_hidden_layers=4,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=6,
+        layer_types=[SLIDING, FULL, SLIDING, FULL],
+        num_kv_shared_layers=2,
         use_bidirectional_attention="vision" if bidirectional else None,
     )
 
@@ -272,8 +321,9 @@ class _Sequences:
 
     def __init__(self, cfg: TextConfig, page: int, num_blocks: int, gen):
         self.cfg, self.page = cfg, page
-        self.free = {pool: (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-                     for pool in (SLIDING, FULL)}
+        self.free = {
+            pool: (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist() for pool in (SLIDING, FULL)
+        }
         self.tables: dict[str, list[list[int]]] = {SLIDING: [], FULL: []}
         self.computed: list[int] = []
 
@@ -318,8 +368,9 @@ def _run_step(cfg, backends, meta, gen, dtype, keep=None):
     return outs
 
 
-@pytest.mark.parametrize("dtype, hq, hkv",
-                         [(torch.float32, 4, 2), (torch.float32, 4, 1), (torch.bfloat16, 4, 2)])
+@pytest.mark.parametrize(
+    "dtype, hq, hkv", [(torch.float32, 4, 2), (torch.float32, 4, 1), (torch.bfloat16, 4, 2)]
+)
 def test_triton_backend_matches_torch_backend(dtype, hq, hkv):
     """Prefill with a prefix hit and an image span, a mixed chunk + decode step, decodes across the
     sliding window and block boundaries, and a fast-prefill step (KV-shared layers on kept tokens)."""
@@ -375,14 +426,23 @@ def test_triton_backend_decode_only_splits_and_subset_sequences():
 
 # ---- in the engine ------------------------------------------------------------------------------------
 
+
 def test_engine_greedy_tokens_unchanged_with_triton_backend(tiny_model_dir):
     """Chunked prefill, mixed batches, prefix-cache hits and sliding-window frees on the tiny model."""
     from g4serve.engine.engine import EngineConfig, LLMEngine
     from g4serve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                    kv_cache_bytes=4 << 20, max_num_batched_tokens=24, max_num_seqs=4,
-                                    text_only=True))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            dtype="float32",
+            kv_cache_bytes=4 << 20,
+            max_num_batched_tokens=24,
+            max_num_seqs=4,
+            text_only=True,
+        )
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompts = ["a long question about the card payment statement " * 2, "Hi"]
 

@@ -67,10 +67,16 @@ def test_filters_match_transformers_warpers(candidates, monkeypatch):
 
 def test_candidate_path_used_only_when_every_sampled_row_sets_top_k():
     build = lambda rows: SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")  # noqa: E731
-    assert build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_k=7)]).max_top_k == 40
+    assert (
+        build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_k=7)]).max_top_k
+        == 40
+    )
     greedy = SamplingParams(temperature=0)  # takes the argmax whatever the filters say
     assert build([SamplingParams(temperature=1, top_k=40), greedy]).max_top_k == 40
-    assert build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_p=0.9)]).max_top_k is None
+    assert (
+        build([SamplingParams(temperature=1, top_k=40), SamplingParams(temperature=1, top_p=0.9)]).max_top_k
+        is None
+    )
 
 
 def test_candidate_race_draws_what_the_whole_row_draws(monkeypatch):
@@ -78,13 +84,21 @@ def test_candidate_race_draws_what_the_whole_row_draws(monkeypatch):
     the whole vocabulary and racing over it (top-k alone, with top-p, with min-p)."""
     from g4serve.layers.sampler import _race
 
-    rows = [SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.7, top_k=300, top_p=0.8),
-            SamplingParams(temperature=1.0, top_k=8, top_p=0.95, min_p=0.05), SamplingParams(temperature=0, top_k=5)]
+    rows = [
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=0.7, top_k=300, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=8, top_p=0.95, min_p=0.05),
+        SamplingParams(temperature=0, top_k=5),
+    ]
     batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
     assert batch.max_top_k == 300
     gen = torch.Generator().manual_seed(4)
     for trial in range(8):
-        scaled = torch.randn(len(rows), VOCAB, generator=gen) * (1 + trial) / batch.temperature.clamp(min=1).unsqueeze(1)
+        scaled = (
+            torch.randn(len(rows), VOCAB, generator=gen)
+            * (1 + trial)
+            / batch.temperature.clamp(min=1).unsqueeze(1)
+        )
         noise = torch.empty(len(rows), VOCAB).exponential_(generator=gen)
         on_candidates = _race(scaled, batch, noise)
         monkeypatch.setattr(sampler, "MAX_TOPK_CANDIDATES", 0)
@@ -121,18 +135,23 @@ def test_penalties_count_repeated_tokens_per_row():
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, VOCAB, generator=gen) * 4
-    params = [SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
-              SamplingParams(temperature=0.0, repetition_penalty=1.0, frequency_penalty=1.0),
-              SamplingParams(temperature=1.0, repetition_penalty=0.8)]
+    params = [
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(temperature=0.0, repetition_penalty=1.0, frequency_penalty=1.0),
+        SamplingParams(temperature=1.0, repetition_penalty=0.8),
+    ]
     outputs = [[7, 7, 7, 9, 100], [], [3, 3]]
     prompts = [[1, 2, 9], [5, 5, 6], []]
     b = SamplingBatch.build(params, [None] * 3, VOCAB, "cpu", output_tokens=outputs, prompt_tokens=prompts)
     got = _apply_penalties(logits, b)
     for i, p in enumerate(params):
-        seen = torch.tensor([prompts[i] + outputs[i]]) if prompts[i] + outputs[i] else torch.zeros(1, 0).long()
+        seen = (
+            torch.tensor([prompts[i] + outputs[i]]) if prompts[i] + outputs[i] else torch.zeros(1, 0).long()
+        )
         want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seen, logits[i : i + 1].clone())[0]
-        counts = torch.zeros(VOCAB).index_add_(0, torch.tensor(outputs[i], dtype=torch.long),
-                                               torch.ones(len(outputs[i])))
+        counts = torch.zeros(VOCAB).index_add_(
+            0, torch.tensor(outputs[i], dtype=torch.long), torch.ones(len(outputs[i]))
+        )
         want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
     assert b.output_counts[0, 7] == 3 and b.output_counts[2, 3] == 2

@@ -14,8 +14,11 @@ from g4serve.models.gemma4.audio import Gemma4AudioModel
 
 # subsampling_conv_channels[0] must equal the 128 mel bins (the reference sizes input_proj_linear from it).
 TINY = {
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "subsampling_conv_channels": [128, 4], "output_proj_dims": 48,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "subsampling_conv_channels": [128, 4],
+    "output_proj_dims": 48,
 }
 SECONDS = (1, 5)
 

@@ -13,16 +13,22 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.cfg.text
     n, bs = len(ids), 16
     blocks = -(-n // bs)
-    cache = PagedKVCache(cfg, {"sliding_attention": blocks, "full_attention": blocks}, bs, torch.float32, "cpu")
+    cache = PagedKVCache(
+        cfg, {"sliding_attention": blocks, "full_attention": blocks}, bs, torch.float32, "cpu"
+    )
     table = list(range(blocks))
-    meta = contiguous_metadata([0], [n], {"sliding_attention": [table], "full_attention": [table]}, bs, "cpu", [[]])
+    meta = contiguous_metadata(
+        [0], [n], {"sliding_attention": [table], "full_attention": [table]}, bs, "cpu", [[]]
+    )
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), meta, TorchAttention(cfg, cache)))
 
 
 @pytest.mark.parametrize("variant", ["e", "moe", "31b"])  # PLE + KV sharing; MoE; K-as-V full layers
 def test_fused_projections_match(hf_checkpoint, variant):
-    model = load_model(hf_checkpoint(variant), dtype="float32", device="cpu", with_vision=False, with_audio=False)
+    model = load_model(
+        hf_checkpoint(variant), dtype="float32", device="cpu", with_vision=False, with_audio=False
+    )
     ids = list(range(10, 50))
     before = _logits(model, ids)
     model.language_model.fuse_projections()

@@ -45,7 +45,10 @@ PROMPTS = {
         "<|turn>user\n<|image|>What is in this picture? And <|image|> this one?<turn|>\n<|turn>model\n",
         {"image": [_image(120, 200, 0), _image(300, 90, 1)]},
     ),
-    "video": ("<|turn>user\n<|video|>What happens in the video?<turn|>\n<|turn>model\n", {"video": [_frames(6, 2)]}),
+    "video": (
+        "<|turn>user\n<|video|>What happens in the video?<turn|>\n<|turn>model\n",
+        {"video": [_frames(6, 2)]},
+    ),
     "video1": ("<|turn>user\n<|video|>Describe it.<turn|>\n<|turn>model\n", {"video": [_frames(1, 3)]}),
     "audio": (
         "<|turn>user\n<|audio|>Transcribe, then answer: <|audio|><turn|>\n<|turn>model\n",
@@ -54,9 +57,17 @@ PROMPTS = {
 }
 
 CASES = [
-    ("e", "text"), ("e", "image"), ("e", "video"), ("e", "video1"), ("e", "audio"),
-    ("moe", "text"), ("moe", "image"), ("moe", "video"),
-    ("31b", "text"), ("31b", "image"), ("31b", "video"),
+    ("e", "text"),
+    ("e", "image"),
+    ("e", "video"),
+    ("e", "video1"),
+    ("e", "audio"),
+    ("moe", "text"),
+    ("moe", "image"),
+    ("moe", "video"),
+    ("31b", "text"),
+    ("31b", "image"),
+    ("31b", "video"),
 ]
 
 
@@ -71,8 +82,9 @@ def models(hf_checkpoint):
             path = hf_checkpoint(variant)
             # Eager attention: the reference math. (SDPA differs from eager itself by up to ~4e-4 on
             # these deliberately large random weights; g4serve matches eager to the bit on text.)
-            hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+            hf = Gemma4ForConditionalGeneration.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
             cache[variant] = (LLM(str(path), device="cpu", dtype="float32"), hf)
         return cache[variant]
 
@@ -93,19 +105,28 @@ def _hf_inputs(llm: LLM, processed) -> dict:
     for item in processed.mm_items:
         by_modality.setdefault(item.modality, []).append(item)
     if "image" in by_modality:
-        kwargs["pixel_values"] = torch.cat([rescale_pixels(it.data["pixel_values"]) for it in by_modality["image"]])
+        kwargs["pixel_values"] = torch.cat(
+            [rescale_pixels(it.data["pixel_values"]) for it in by_modality["image"]]
+        )
         kwargs["image_position_ids"] = torch.cat([it.data["position_ids"] for it in by_modality["image"]])
     if "video" in by_modality:
-        kwargs["pixel_values_videos"] = torch.cat([rescale_pixels(it.data["pixel_values"], video=True)
-                                                   for it in by_modality["video"]])
+        kwargs["pixel_values_videos"] = torch.cat(
+            [rescale_pixels(it.data["pixel_values"], video=True) for it in by_modality["video"]]
+        )
         kwargs["video_position_ids"] = torch.cat([it.data["position_ids"] for it in by_modality["video"]])
-        kwargs["num_frames_per_video"] = torch.tensor([it.data["pixel_values"].shape[0] for it in by_modality["video"]])
+        kwargs["num_frames_per_video"] = torch.tensor(
+            [it.data["pixel_values"].shape[0] for it in by_modality["video"]]
+        )
     if "audio" in by_modality:
         feats = [it.data["input_features"] for it in by_modality["audio"]]
         masks = [it.data["input_features_mask"] for it in by_modality["audio"]]
         length = max(f.shape[1] for f in feats)
-        kwargs["input_features"] = torch.cat([torch.nn.functional.pad(f, (0, 0, 0, length - f.shape[1])) for f in feats])
-        kwargs["input_features_mask"] = torch.cat([torch.nn.functional.pad(m, (0, length - m.shape[1])) for m in masks])
+        kwargs["input_features"] = torch.cat(
+            [torch.nn.functional.pad(f, (0, 0, 0, length - f.shape[1])) for f in feats]
+        )
+        kwargs["input_features_mask"] = torch.cat(
+            [torch.nn.functional.pad(m, (0, length - m.shape[1])) for m in masks]
+        )
     return kwargs
 
 
@@ -113,13 +134,25 @@ def _our_logits(llm: LLM, processed) -> torch.Tensor:
     model, cfg = llm.model, llm.config.text
     n = len(processed.token_ids)
     blocks = -(-n // 16)
-    cache = PagedKVCache(cfg, {"sliding_attention": blocks, "full_attention": blocks}, 16, torch.float32, "cpu")
+    cache = PagedKVCache(
+        cfg, {"sliding_attention": blocks, "full_attention": blocks}, 16, torch.float32, "cpu"
+    )
     table = list(range(blocks))
-    meta = contiguous_metadata([0], [n], {"sliding_attention": [table], "full_attention": [table]}, 16, "cpu",
-                               [bidirectional_spans(processed.mm_items)])
+    meta = contiguous_metadata(
+        [0],
+        [n],
+        {"sliding_attention": [table], "full_attention": [table]},
+        16,
+        "cpu",
+        [bidirectional_spans(processed.mm_items)],
+    )
     with torch.inference_mode():
-        hidden = model(torch.tensor(processed.token_ids), meta, TorchAttention(cfg, cache),
-                       mm_embeds=encode_items(model, processed.mm_items))
+        hidden = model(
+            torch.tensor(processed.token_ids),
+            meta,
+            TorchAttention(cfg, cache),
+            mm_embeds=encode_items(model, processed.mm_items),
+        )
         return model.compute_logits(hidden)
 
 
@@ -127,8 +160,9 @@ def _our_logits(llm: LLM, processed) -> torch.Tensor:
 def test_logits_match_transformers(models, variant, prompt):
     llm, hf = models(variant)
     text, media = PROMPTS[prompt]
-    processed = llm.processor(prompt=text, images=media.get("image"), videos=media.get("video"),
-                              audio=media.get("audio"))
+    processed = llm.processor(
+        prompt=text, images=media.get("image"), videos=media.get("video"), audio=media.get("audio")
+    )
     assert sum(it.num_tokens for it in processed.mm_items) == sum(
         t in (llm.config.image_token_id, llm.config.video_token_id, llm.config.audio_token_id)
         for t in processed.token_ids
@@ -141,17 +175,24 @@ def test_logits_match_transformers(models, variant, prompt):
     assert diff < LOGIT_ATOL, f"max |logit diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("variant,prompt", [("e", "text"), ("e", "image"), ("e", "audio"), ("moe", "video"),
-                                            ("31b", "image"), ("31b", "text")])
+@pytest.mark.parametrize(
+    "variant,prompt",
+    [("e", "text"), ("e", "image"), ("e", "audio"), ("moe", "video"), ("31b", "image"), ("31b", "text")],
+)
 def test_greedy_tokens_match_transformers(models, variant, prompt):
     llm, hf = models(variant)
     text, media = PROMPTS[prompt]
-    processed = llm.processor(prompt=text, images=media.get("image"), videos=media.get("video"),
-                              audio=media.get("audio"))
+    processed = llm.processor(
+        prompt=text, images=media.get("image"), videos=media.get("video"), audio=media.get("audio")
+    )
     inputs = _hf_inputs(llm, processed)
     with torch.inference_mode():
-        ref = hf.generate(**inputs, max_new_tokens=32, do_sample=False)[0, len(processed.token_ids):].tolist()
-    out = llm.generate({"prompt": text, "multi_modal_data": media}, SamplingParams(temperature=0, max_tokens=32))[0]
+        ref = hf.generate(**inputs, max_new_tokens=32, do_sample=False)[
+            0, len(processed.token_ids) :
+        ].tolist()
+    out = llm.generate(
+        {"prompt": text, "multi_modal_data": media}, SamplingParams(temperature=0, max_tokens=32)
+    )[0]
     assert out.prompt_token_ids == processed.token_ids
     assert out.outputs[0].token_ids == ref[: len(out.outputs[0].token_ids)]
     assert len(out.outputs[0].token_ids) == len(ref)

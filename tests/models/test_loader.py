@@ -74,6 +74,7 @@ def _assert_matches_file(model, tensors: dict[str, torch.Tensor], dtype: torch.d
 
 # ---- loading -------------------------------------------------------------------------------------------
 
+
 def test_single_file_loads_every_tensor_from_the_file(tiny_fp32, tiny_weights):
     _assert_matches_file(tiny_fp32, tiny_weights, torch.float32)
     # The tied LM head reads the (loaded) input embeddings.
@@ -93,10 +94,19 @@ def test_sharded_checkpoint_loads_identical_weights(tmp_path, tiny_model_dir, ti
         assert torch.equal(single[name], shards[name]), name
 
 
-@pytest.mark.parametrize("dtype,expected", [("float32", torch.float32), ("fp32", torch.float32),
-                                            ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16),
-                                            ("float16", torch.float16), ("fp16", torch.float16),
-                                            (torch.float16, torch.float16), ("auto", torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,expected",
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("fp16", torch.float16),
+        (torch.float16, torch.float16),
+        ("auto", torch.float32),
+    ],
+)
 def test_dtypes(tiny_model_dir, tiny_weights, dtype, expected):
     model = load_model(tiny_model_dir, dtype=dtype, device="cpu", with_audio=False)
     assert model.language_model.embed_tokens.weight.dtype == expected
@@ -118,8 +128,10 @@ def test_text_only_causal_lm_checkpoint(tmp_path, tiny_model_dir, tiny_weights, 
     raw = json.loads((tiny_model_dir / "config.json").read_text())["text_config"]
     (out / "config.json").write_text(json.dumps(raw))
     prefix = "model.language_model."
-    save_file({"model." + k[len(prefix):]: v for k, v in tiny_weights.items() if k.startswith(prefix)},
-              str(out / "model.safetensors"))
+    save_file(
+        {"model." + k[len(prefix) :]: v for k, v in tiny_weights.items() if k.startswith(prefix)},
+        str(out / "model.safetensors"),
+    )
     model = load_model(out, dtype="float32", device="cpu")
     assert model.cfg.architecture == "Gemma4ForCausalLM"
     assert model.vision_tower is None and model.audio_tower is None
@@ -128,7 +140,9 @@ def test_text_only_causal_lm_checkpoint(tmp_path, tiny_model_dir, tiny_weights, 
         assert torch.equal(value, ours[name]), name
 
 
-def test_tied_lm_head_and_unused_shared_kv_tensors_are_ignored(tmp_path, tiny_model_dir, tiny_weights, tiny_fp32):
+def test_tied_lm_head_and_unused_shared_kv_tensors_are_ignored(
+    tmp_path, tiny_model_dir, tiny_weights, tiny_fp32
+):
     """transformers may save lm_head.weight, and keeps K/V projections for KV-shared layers that never run them."""
     cfg = tiny_fp32.cfg.text
     shared = cfg.first_kv_shared_layer
@@ -137,11 +151,15 @@ def test_tied_lm_head_and_unused_shared_kv_tensors_are_ignored(tmp_path, tiny_mo
     tensors["lm_head.weight"] = torch.zeros_like(tiny_weights["model.language_model.embed_tokens.weight"])
     hd = cfg.layer_head_dim(shared)
     tensors[f"model.language_model.layers.{shared}.self_attn.k_proj.weight"] = torch.zeros(
-        cfg.layer_num_kv_heads(shared) * hd, cfg.hidden_size)
+        cfg.layer_num_kv_heads(shared) * hd, cfg.hidden_size
+    )
     tensors[f"model.language_model.layers.{shared}.self_attn.k_norm.weight"] = torch.zeros(hd)
-    model = load_model(_checkpoint(tiny_model_dir, tmp_path / "extra", tensors), dtype="float32", device="cpu")
-    assert torch.equal(model.language_model.embed_tokens.weight,
-                       tiny_weights["model.language_model.embed_tokens.weight"])
+    model = load_model(
+        _checkpoint(tiny_model_dir, tmp_path / "extra", tensors), dtype="float32", device="cpu"
+    )
+    assert torch.equal(
+        model.language_model.embed_tokens.weight, tiny_weights["model.language_model.embed_tokens.weight"]
+    )
 
 
 def test_towers_left_out_need_no_tower_weights(tmp_path, tiny_model_dir, tiny_weights):
@@ -154,6 +172,7 @@ def test_towers_left_out_need_no_tower_weights(tmp_path, tiny_model_dir, tiny_we
 
 
 # ---- errors ----------------------------------------------------------------------------------------------
+
 
 def test_missing_tensor(tmp_path, tiny_model_dir, tiny_weights):
     tensors = {k: v for k, v in tiny_weights.items() if k != DOWN_PROJ}
@@ -200,8 +219,12 @@ def test_corrupt_single_file(tmp_path, tiny_model_dir, damage):
     path = _checkpoint(tiny_model_dir, tmp_path / "c")
     data = (tiny_model_dir / "model.safetensors").read_bytes()
     header_len = 8 + int.from_bytes(data[:8], "little")
-    damaged = {"truncated": data[: len(data) // 2], "garbage": b"not a safetensors file" * 10, "empty": b"",
-               "header_only": data[:header_len]}[damage]
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "garbage": b"not a safetensors file" * 10,
+        "empty": b"",
+        "header_only": data[:header_len],
+    }[damage]
     (path / "model.safetensors").write_bytes(damaged)
     with pytest.raises(CheckpointError) as err:
         load_model(path, dtype="float32", device="cpu")
@@ -232,7 +255,9 @@ def test_index_errors(tmp_path, tiny_model_dir, tiny_weights):
     assert DOWN_PROJ in str(err.value) and wrong in str(err.value)
 
     # A shard that does not exist.
-    index_path.write_text(json.dumps({"weight_map": {**index["weight_map"], DOWN_PROJ: "model-gone.safetensors"}}))
+    index_path.write_text(
+        json.dumps({"weight_map": {**index["weight_map"], DOWN_PROJ: "model-gone.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match="model-gone.safetensors"):
         load_model(path, dtype="float32", device="cpu")
 
@@ -257,6 +282,7 @@ def test_missing_files(tmp_path, tiny_model_dir):
 
 
 # ---- presets with random weights ---------------------------------------------------------------------------
+
 
 def test_tiny_preset_random_weights_are_seeded():
     a = load_model("tiny", dtype="float32", device="cpu", seed=0)

@@ -14,8 +14,13 @@ from g4serve.models.gemma4.multimodal import MultimodalEmbedder
 from g4serve.models.gemma4.vision import Gemma4VisionModel
 
 TINY = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "head_dim": 16, "position_embedding_size": 1024,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "position_embedding_size": 1024,
 }
 IMAGE_SIZES = ((100, 100), (100, 300), (500, 64))  # (height, width)
 

@@ -50,7 +50,8 @@ def tok_byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     backend.train_from_iterator(["hello world, the bank account"], trainer)
     d = tmp_path_factory.mktemp("byte_level")
     backend.save(str(d / "tokenizer.json"))
@@ -84,8 +85,9 @@ def _check_stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
 def _kinds(tok: Tokenizer) -> dict[str, list[int]]:
     unused = [i for i in range(tok.vocab_size) if (tok.id_to_token(i) or "").startswith("<unused")]
     named = list(range(len(SPECIAL_TOKENS)))
-    normal = [i for i in range(tok.vocab_size)
-              if i not in tok.special_token_ids and i not in tok.byte_token_ids]
+    normal = [
+        i for i in range(tok.vocab_size) if i not in tok.special_token_ids and i not in tok.byte_token_ids
+    ]
     return {"bytes": sorted(tok.byte_token_ids), "unused": unused, "named": named, "normal": normal}
 
 
@@ -97,8 +99,14 @@ def test_tiny_vocab_composition(tok: Tokenizer) -> None:
     assert len(tok.special_token_ids) == 17 + 509
     assert all(tok.decode([i], skip_special_tokens=True) == "" for i in kinds["unused"] + kinds["named"])
     # Byte tokens 0x00-0x1F are control characters; a lone byte >= 0x80 is invalid UTF-8: U+FFFD.
-    assert [tok.decode(_byte(tok, b)) for b in (0x00, 0x1A, 0x41, 0x80, 0xC3, 0xFF)] == \
-        ["\x00", "\x1a", "A", FFFD, FFFD, FFFD]
+    assert [tok.decode(_byte(tok, b)) for b in (0x00, 0x1A, 0x41, 0x80, 0xC3, 0xFF)] == [
+        "\x00",
+        "\x1a",
+        "A",
+        FFFD,
+        FFFD,
+        FFFD,
+    ]
 
 
 def test_byte_fallback_decodes_a_whole_run_at_once(tok: Tokenizer) -> None:
@@ -127,16 +135,34 @@ def test_stream_equals_decode_over_whole_tiny_vocab(tok: Tokenizer, skip: bool) 
     rng = random.Random(20240312)
     kinds = _kinds(tok)
     unknown = [tok.vocab_size, tok.vocab_size + 7, 10**6]
-    pools = [list(range(tok.vocab_size)), kinds["bytes"], kinds["bytes"] + kinds["unused"][:20],
-             kinds["bytes"] + kinds["normal"], kinds["bytes"] + kinds["named"] + unknown,
-             kinds["bytes"][0x80:] + kinds["normal"][:10] + kinds["unused"][:5]]
+    pools = [
+        list(range(tok.vocab_size)),
+        kinds["bytes"],
+        kinds["bytes"] + kinds["unused"][:20],
+        kinds["bytes"] + kinds["normal"],
+        kinds["bytes"] + kinds["named"] + unknown,
+        kinds["bytes"][0x80:] + kinds["normal"][:10] + kinds["unused"][:5],
+    ]
     for n in range(600):
         pool = pools[n % len(pools)]
         _check_stream(tok, [rng.choice(pool) for _ in range(rng.randint(0, 40))], skip)
 
 
-@pytest.mark.parametrize("text", ["é", "€", "😀", "中文", "日本語のテキスト", "👨‍👩‍👧",
-                                  "naïve café €5 😀!", "Pay 5€ to 中文 now", "a\u00a0b", "Straße 🇩🇪"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "é",
+        "€",
+        "😀",
+        "中文",
+        "日本語のテキスト",
+        "👨‍👩‍👧",
+        "naïve café €5 😀!",
+        "Pay 5€ to 中文 now",
+        "a\u00a0b",
+        "Straße 🇩🇪",
+    ],
+)
 def test_multibyte_characters_stream_whole(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text, add_special_tokens=False)
     assert any(i in tok.byte_token_ids for i in ids)  # the tiny vocab spells these with byte fallback

@@ -33,27 +33,93 @@ def hf(tiny_dir: Path):
 
 
 _HANDWRITTEN = [
-    "", " ", "  ", "\n", "\t", "\r\n", " \n \t ", "Hello world", "hello  world", "  leading", "trailing  ",
-    "The bank account balance is $1,250.00.", "Transfer 10,000 EUR to DE44 5001 0517 5407 3249 31 today!",
-    "Interest: 3.5% p.a.; fee=0.00; total=994.12", "1234567890", "0.000001", "-42", "3.14159e-10",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "\r\n",
+    " \n \t ",
+    "Hello world",
+    "hello  world",
+    "  leading",
+    "trailing  ",
+    "The bank account balance is $1,250.00.",
+    "Transfer 10,000 EUR to DE44 5001 0517 5407 3249 31 today!",
+    "Interest: 3.5% p.a.; fee=0.00; total=994.12",
+    "1234567890",
+    "0.000001",
+    "-42",
+    "3.14159e-10",
     "2025-03-12",
-    "Café crème brûlée", "naïve façade", "Straße", "Ελληνικά", "Русский текст", "日本語のテキスト", "中文文本测试",
-    "한국어", "עברית", "العربية", "हिन्दी", "ไทย", "😀", "👍🏽", "👨‍👩‍👧‍👦", "🇩🇪🇫🇷", "emoji 😀 mid 🎉 text",
-    "math ∑ ∫ √ ∞ ≠ ≤", "\u00a0non-breaking\u2009thin", "zero\u200bwidth", "tab\tseparated\tvalues",
-    "line1\nline2\n\nline4", "trailing newline\n", "many     spaces", "\x00\x01\x7f",
+    "Café crème brûlée",
+    "naïve façade",
+    "Straße",
+    "Ελληνικά",
+    "Русский текст",
+    "日本語のテキスト",
+    "中文文本测试",
+    "한국어",
+    "עברית",
+    "العربية",
+    "हिन्दी",
+    "ไทย",
+    "😀",
+    "👍🏽",
+    "👨‍👩‍👧‍👦",
+    "🇩🇪🇫🇷",
+    "emoji 😀 mid 🎉 text",
+    "math ∑ ∫ √ ∞ ≠ ≤",
+    "\u00a0non-breaking\u2009thin",
+    "zero\u200bwidth",
+    "tab\tseparated\tvalues",
+    "line1\nline2\n\nline4",
+    "trailing newline\n",
+    "many     spaces",
+    "\x00\x01\x7f",
     "~!@#$%^&*()_+`-=[]{}|;':\",./<>?",
-    "<|image|>", "Look: <|image|> and <|audio|> and <|video|>", "<bos>hi<eos>", "<|turn>user\nhi<turn|>\n",
-    "<|think|>", "<|channel>thought\nhmm<channel|>answer", "<|imag", "<0x41>", "<unk> <pad> <mask>",
+    "<|image|>",
+    "Look: <|image|> and <|audio|> and <|video|>",
+    "<bos>hi<eos>",
+    "<|turn>user\nhi<turn|>\n",
+    "<|think|>",
+    "<|channel>thought\nhmm<channel|>answer",
+    "<|imag",
+    "<0x41>",
+    "<unk> <pad> <mask>",
     "<unused3>",
-    "<|turn>model\n", "text<|image>", "{\"name\": \"get_balance\", \"arguments\": {\"account\": \"4021\"}}",
-    "def f(x):\n    return x * 2\n", "SELECT * FROM accounts WHERE balance > 100;", "a" * 300, "ab " * 100,
+    "<|turn>model\n",
+    "text<|image>",
+    '{"name": "get_balance", "arguments": {"account": "4021"}}',
+    "def f(x):\n    return x * 2\n",
+    "SELECT * FROM accounts WHERE balance > 100;",
+    "a" * 300,
+    "ab " * 100,
 ]
 
 
 def _test_strings() -> list[str]:
     rng = random.Random(1234)
-    pieces = _HANDWRITTEN[1:] + ["bank", " the", "money", "\n\n", "  ", "é", "ü", "中", "😀", "🙂", "<|image|>",
-                                 "<eos>", "42", "3.5", "$", " account", "pay", "\u2581"]
+    pieces = _HANDWRITTEN[1:] + [
+        "bank",
+        " the",
+        "money",
+        "\n\n",
+        "  ",
+        "é",
+        "ü",
+        "中",
+        "😀",
+        "🙂",
+        "<|image|>",
+        "<eos>",
+        "42",
+        "3.5",
+        "$",
+        " account",
+        "pay",
+        "\u2581",
+    ]
     extra = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))) for _ in range(140)]
     return _HANDWRITTEN + extra
 
@@ -85,14 +151,21 @@ def test_tiny_tokenizer_is_deterministic_and_fast(tmp_path: Path) -> None:
 
 def test_special_token_ids(tok: Tokenizer, hf) -> None:
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (2, 1, 0, 3)
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (hf.bos_token_id, hf.eos_token_id,
-                                                                     hf.pad_token_id)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        hf.bos_token_id,
+        hf.eos_token_id,
+        hf.pad_token_id,
+    )
     assert tok.vocab_size == len(hf)
     assert tok.special_token_ids == {i for i, t in hf.added_tokens_decoder.items() if t.special}
     assert set(range(17)) <= tok.special_token_ids
     expected = {
-        "image_token": ("<|image|>", 12), "boi_token": ("<|image>", 10), "eoi_token": ("<image|>", 11),
-        "audio_token": ("<|audio|>", 15), "boa_token": ("<|audio>", 13), "eoa_token": ("<audio|>", 14),
+        "image_token": ("<|image|>", 12),
+        "boi_token": ("<|image>", 10),
+        "eoi_token": ("<image|>", 11),
+        "audio_token": ("<|audio|>", 15),
+        "boa_token": ("<|audio>", 13),
+        "eoa_token": ("<audio|>", 14),
         "video_token": ("<|video|>", 16),
     }
     for name, (token, token_id) in expected.items():
@@ -134,69 +207,119 @@ _IMG, _AUD = {"type": "image", "image": "cat.png"}, {"type": "audio", "audio": "
 _VID = {"type": "video"}
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
-    [{"role": "system", "content": "  You are a helpful bank assistant.  "},
-     {"role": "user", "content": "What is my balance?"},
-     {"role": "assistant", "content": "Your balance is $1,250.00."},
-     {"role": "user", "content": "Thanks! 😀"}],
-    [{"role": "user", "content": [_IMG, {"type": "text", "text": "  Describe this image.  "}]},
-     {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
-     {"role": "user", "content": [{"type": "text", "text": "And these?"}, _AUD, _VID, _IMG]}],
-    [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
-     {"role": "user", "content": "Think about 2+2"},
-     {"role": "assistant", "content": "<|channel>thought\nIt is 4.<channel|>The answer is 4.",
-      "reasoning_content": "It is 4."},
-     {"role": "user", "content": "Again"}],
-    [{"role": "user", "content": "What is the balance of account 4021?"},
-     {"role": "assistant", "content": None,
-      "tool_calls": [{"id": "c1", "type": "function",
-                      "function": {"name": "get_balance", "arguments": {"account": "4021"}}}]},
-     {"role": "tool", "tool_call_id": "c1", "content": "{\"balance\": 1250.0}"},
-     {"role": "assistant", "content": "Checking savings too.",
-      "tool_calls": [{"function": {"name": "get_balance", "arguments": "{\"account\": \"7788\"}"}},
-                     {"function": {"name": "get_rate", "arguments": {}}}]},
-     {"role": "tool", "content": [{"type": "text", "text": "{\"balance\": 3310.5}"}]},
-     {"role": "assistant", "content": "It is $1,250.00."},
-     {"role": "system", "content": "Mid-conversation system note."},
-     {"role": "model", "content": "Anything else?"}],
+    [
+        {"role": "system", "content": "  You are a helpful bank assistant.  "},
+        {"role": "user", "content": "What is my balance?"},
+        {"role": "assistant", "content": "Your balance is $1,250.00."},
+        {"role": "user", "content": "Thanks! 😀"},
+    ],
+    [
+        {"role": "user", "content": [_IMG, {"type": "text", "text": "  Describe this image.  "}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And these?"}, _AUD, _VID, _IMG]},
+    ],
+    [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "Think about 2+2"},
+        {
+            "role": "assistant",
+            "content": "<|channel>thought\nIt is 4.<channel|>The answer is 4.",
+            "reasoning_content": "It is 4.",
+        },
+        {"role": "user", "content": "Again"},
+    ],
+    [
+        {"role": "user", "content": "What is the balance of account 4021?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_balance", "arguments": {"account": "4021"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"balance": 1250.0}'},
+        {
+            "role": "assistant",
+            "content": "Checking savings too.",
+            "tool_calls": [
+                {"function": {"name": "get_balance", "arguments": '{"account": "7788"}'}},
+                {"function": {"name": "get_rate", "arguments": {}}},
+            ],
+        },
+        {"role": "tool", "content": [{"type": "text", "text": '{"balance": 3310.5}'}]},
+        {"role": "assistant", "content": "It is $1,250.00."},
+        {"role": "system", "content": "Mid-conversation system note."},
+        {"role": "model", "content": "Anything else?"},
+    ],
 ]
-TOOLS = [{"type": "function", "function": {
-    "name": "get_balance", "description": "Get the <balance> of an account & its currency (€).",
-    "parameters": {"type": "object", "properties": {"account": {"type": "string"}},
-                   "required": ["account"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_balance",
+            "description": "Get the <balance> of an account & its currency (€).",
+            "parameters": {
+                "type": "object",
+                "properties": {"account": {"type": "string"}},
+                "required": ["account"],
+            },
+        },
+    }
+]
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("enable_thinking", [None, False, True])
-def test_chat_template_matches_transformers(tok: Tokenizer, hf, conversation, add_generation_prompt,
-                                            enable_thinking) -> None:
+def test_chat_template_matches_transformers(
+    tok: Tokenizer, hf, conversation, add_generation_prompt, enable_thinking
+) -> None:
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     for tools in (None, TOOLS):
-        ours = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
-                                       **kwargs)
-        theirs = hf.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        ours = tok.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
+        theirs = hf.apply_chat_template(
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
         assert ours == theirs
-        ids = hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     return_dict=False, **kwargs)
+        ids = hf.apply_chat_template(
+            conversation,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+            **kwargs,
+        )
         assert tok.encode_chat(conversation, add_generation_prompt, tools, **kwargs) == list(ids)
 
 
 def test_chat_template_format(tok: Tokenizer) -> None:
-    conv = [{"role": "system", "content": "Sys"},
-            {"role": "user", "content": [_IMG, {"type": "text", "text": "Hi"}]}]
+    conv = [
+        {"role": "system", "content": "Sys"},
+        {"role": "user", "content": [_IMG, {"type": "text", "text": "Hi"}]},
+    ]
     assert tok.apply_chat_template(conv, enable_thinking=True) == (
-        "<bos><|turn>system\n<|think|>\nSys<turn|>\n<|turn>user\n<|image|>Hi<turn|>\n<|turn>model\n")
+        "<bos><|turn>system\n<|think|>\nSys<turn|>\n<|turn>user\n<|image|>Hi<turn|>\n<|turn>model\n"
+    )
     assert tok.apply_chat_template(conv[1:], add_generation_prompt=False) == (
-        "<bos><|turn>user\n<|image|>Hi<turn|>\n")
+        "<bos><|turn>user\n<|image|>Hi<turn|>\n"
+    )
     ids = tok.encode_chat(conv[1:])
     assert ids[:3] == [2, 5, tok.encode("user", add_special_tokens=False)[0]] and ids.count(2) == 1
     assert 12 in ids and tok.decode(ids) == tok.apply_chat_template(conv[1:])
     rendered = tok.apply_chat_template(CONVERSATIONS[4], add_generation_prompt=False)
-    assert ('<|turn>model\n{"name": "get_balance", "arguments": {"account": "4021"}}<turn|>\n'
-            '<|turn>tool\n{"balance": 1250.0}<turn|>\n') in rendered
-    assert ('<|turn>model\nChecking savings too.\n{"name": "get_balance", "arguments": {"account": "7788"}}\n'
-            '{"name": "get_rate", "arguments": {}}<turn|>\n') in rendered
+    assert (
+        '<|turn>model\n{"name": "get_balance", "arguments": {"account": "4021"}}<turn|>\n'
+        '<|turn>tool\n{"balance": 1250.0}<turn|>\n'
+    ) in rendered
+    assert (
+        '<|turn>model\nChecking savings too.\n{"name": "get_balance", "arguments": {"account": "7788"}}\n'
+        '{"name": "get_rate", "arguments": {}}<turn|>\n'
+    ) in rendered
 
 
 def test_chat_template_errors(tok: Tokenizer, hf) -> None:
@@ -235,17 +358,26 @@ def test_jinja_environment_matches_transformers(tok: Tokenizer, hf) -> None:
     class Blob:
         pass
 
-    conv = [{"role": "user", "content": "<b>\"é\"</b>"}, {"role": "user", "content": [{"type": "image",
-                                                                                          "image": Blob()}]},
-            {"role": "user", "content": "dropped by break"}]
+    conv = [
+        {"role": "user", "content": '<b>"é"</b>'},
+        {"role": "user", "content": [{"type": "image", "image": Blob()}]},
+        {"role": "user", "content": "dropped by break"},
+    ]
     for extra in ({}, {"extra": [1, 2]}):
         ours = tok.apply_chat_template(conv, tools=TOOLS, chat_template=_FEATURE_TEMPLATE, **extra)
-        theirs = hf.apply_chat_template(conv, tools=TOOLS, chat_template=_FEATURE_TEMPLATE, tokenize=False,
-                                        add_generation_prompt=True, **extra)
+        theirs = hf.apply_chat_template(
+            conv,
+            tools=TOOLS,
+            chat_template=_FEATURE_TEMPLATE,
+            tokenize=False,
+            add_generation_prompt=True,
+            **extra,
+        )
         assert ours == theirs and "<Blob>" in ours
 
 
 # ---- streaming ----
+
 
 def _stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
@@ -257,10 +389,18 @@ def _stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
 def test_incremental_detokenizer_property(tok: Tokenizer) -> None:
     rng = random.Random(99)
     byte_ids = sorted(tok.byte_token_ids)
-    text_ids = [i for t in ("bank", " account", "the", " ", "\n", "42", "é", "中", "😀") for i in
-                tok.encode(t, add_special_tokens=False)]
-    pools = [range(tok.vocab_size + 3), byte_ids, byte_ids + list(range(17)), byte_ids + text_ids,
-             text_ids + list(range(17)) + [5000]]
+    text_ids = [
+        i
+        for t in ("bank", " account", "the", " ", "\n", "42", "é", "中", "😀")
+        for i in tok.encode(t, add_special_tokens=False)
+    ]
+    pools = [
+        range(tok.vocab_size + 3),
+        byte_ids,
+        byte_ids + list(range(17)),
+        byte_ids + text_ids,
+        text_ids + list(range(17)) + [5000],
+    ]
     sequences = [tok.encode(t) for t in TEXTS]
     sequences += [[rng.choice(pools[k % len(pools)]) for _ in range(rng.randint(0, 50))] for k in range(400)]
     for ids in sequences:
@@ -287,6 +427,7 @@ def test_incremental_detokenizer_never_emits_partial_characters(tok: Tokenizer) 
 
 # ---- errors ----
 
+
 def test_load_errors(tmp_path: Path, tiny_dir: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         Tokenizer.from_pretrained(tmp_path / "missing")
@@ -311,6 +452,7 @@ def test_load_errors(tmp_path: Path, tiny_dir: Path) -> None:
 
 # ---- loading variants (transformers quirks) ----
 
+
 def _variant(src: Path, dst: Path, *, tokenizer_json=None, config=None) -> Path:
     dst.mkdir()
     tj = json.loads((src / "tokenizer.json").read_text())
@@ -330,17 +472,26 @@ def _set(d: dict, **kv) -> dict:
 VARIANTS = {
     # transformers v5 ignores add_bos_token when tokenizer.json exists; BOS comes from the post-processor.
     "no_post_processor": {"tokenizer_json": lambda j: _set(j, post_processor=None)},
-    "no_post_processor_add_bos_false": {"tokenizer_json": lambda j: _set(j, post_processor=None),
-                                        "config": lambda c: _set(c, add_bos_token=False)},
+    "no_post_processor_add_bos_false": {
+        "tokenizer_json": lambda j: _set(j, post_processor=None),
+        "config": lambda c: _set(c, add_bos_token=False),
+    },
     # GemmaTokenizer rebuilds normalizer/pre-tokenizer/decoder itself, whatever tokenizer.json says ...
     "gemma_class_other_pipeline": {"tokenizer_json": lambda j: _set(j, normalizer=None, decoder=None)},
     # ... while TokenizersBackend uses tokenizer.json as stored.
-    "backend_class_other_pipeline": {"tokenizer_json": lambda j: _set(j, normalizer=None, decoder=None),
-                                     "config": lambda c: _set(c, tokenizer_class="TokenizersBackend")},
+    "backend_class_other_pipeline": {
+        "tokenizer_json": lambda j: _set(j, normalizer=None, decoder=None),
+        "config": lambda c: _set(c, tokenizer_class="TokenizersBackend"),
+    },
     # Multimodal names as top-level keys, a token missing from the vocab, and no GemmaTokenizer defaults.
-    "top_level_tokens": {"config": lambda c: {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "image_token": "<|image|>",
-        "extra_special_tokens": ["<new_tok>"]}},
+    "top_level_tokens": {
+        "config": lambda c: {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<bos>",
+            "image_token": "<|image|>",
+            "extra_special_tokens": ["<new_tok>"],
+        }
+    },
 }
 
 
@@ -356,12 +507,14 @@ def test_loading_variants_match_transformers(tmp_path: Path, tiny_dir: Path, nam
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     conv = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(conv) == theirs.apply_chat_template(conv, tokenize=False,
-                                                                       add_generation_prompt=True)
+    assert ours.apply_chat_template(conv) == theirs.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=True
+    )
     assert ours.image_token_id == theirs.convert_tokens_to_ids("<|image|>")
 
 
 # ---- transformers' Gemma4Processor on the tiny tokenizer ----
+
 
 def test_gemma4_processor_loads_tiny_tokenizer(tiny_dir: Path, tok: Tokenizer) -> None:
     from transformers.models.gemma4 import (
@@ -371,13 +524,19 @@ def test_gemma4_processor_loads_tiny_tokenizer(tiny_dir: Path, tok: Tokenizer) -
     )
 
     processor = transformers.Gemma4Processor(
-        feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=Gemma4ImageProcessor(),
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessor(),
         tokenizer=transformers.AutoTokenizer.from_pretrained(str(tiny_dir)),
-        video_processor=Gemma4VideoProcessor(), chat_template=gemma4_chat_template(),
+        video_processor=Gemma4VideoProcessor(),
+        chat_template=gemma4_chat_template(),
     )
     assert (processor.image_token_id, processor.video_token_id, processor.audio_token_id) == (12, 16, 15)
     assert (processor.boi_token, processor.eoi_token, processor.boa_token, processor.eoa_token) == (
-        "<|image>", "<image|>", "<|audio>", "<audio|>")
+        "<|image>",
+        "<image|>",
+        "<|audio>",
+        "<audio|>",
+    )
     conv = CONVERSATIONS[2]
     rendered = processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     assert rendered == tok.apply_chat_template(conv)

@@ -226,7 +226,9 @@ def test_pil_frames_match_the_same_frames_as_an_array():
     ours = preprocess_video(sample_video_frames([PIL.Image.fromarray(f) for f in frames], num_frames=4))
     _assert_same(ours, _reference_pixels(frames))
     rgba = [PIL.Image.fromarray(np.dstack([f, np.full(f.shape[:2], 255, np.uint8)])) for f in frames]
-    assert torch.equal(preprocess_video(sample_video_frames(rgba, num_frames=4)).pixel_values, ours.pixel_values)
+    assert torch.equal(
+        preprocess_video(sample_video_frames(rgba, num_frames=4)).pixel_values, ours.pixel_values
+    )
 
 
 def test_channels_last_resize_gives_the_bytes_of_the_planar_resize():

@@ -36,7 +36,9 @@ class RunningServer:
                 return
             time.sleep(0.05)
         pools = {name: (p.num_free, p.num_blocks) for name, p in self.engine.kv.pools.items()}
-        raise AssertionError(f"engine not idle: requests={list(self.engine.requests)} pools(free, total)={pools}")
+        raise AssertionError(
+            f"engine not idle: requests={list(self.engine.requests)} pools(free, total)={pools}"
+        )
 
 
 def _free_port() -> int:
@@ -49,11 +51,24 @@ def start_server(model_dir, *extra: str) -> tuple[RunningServer, threading.Threa
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     port = _free_port()
-    args = parser.parse_args([str(model_dir), "--device", "cpu", "--dtype", "float32", "--port", str(port),
-                              "--kv-cache-bytes", str(32 << 20), *extra])
+    args = parser.parse_args(
+        [
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--kv-cache-bytes",
+            str(32 << 20),
+            *extra,
+        ]
+    )
     app = build_from_args(args)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
     thread = threading.Thread(target=server.run, name="g4serve-test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -72,9 +87,18 @@ def stop_server(running: RunningServer, thread: threading.Thread) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir) -> Iterator[RunningServer]:
     running, thread = start_server(
-        tiny_model_dir, "--served-model-name", "tiny", "g4-tiny", "--max-model-len", "1024",
-        "--limit-mm-per-prompt", '{"image": 2, "video": 1, "audio": 1}', "--max-request-body-bytes", str(4 << 20),
-        "--max-num-seqs", "64",
+        tiny_model_dir,
+        "--served-model-name",
+        "tiny",
+        "g4-tiny",
+        "--max-model-len",
+        "1024",
+        "--limit-mm-per-prompt",
+        '{"image": 2, "video": 1, "audio": 1}',
+        "--max-request-body-bytes",
+        str(4 << 20),
+        "--max-num-seqs",
+        "64",
     )
     yield running
     stop_server(running, thread)

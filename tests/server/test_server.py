@@ -77,8 +77,14 @@ def test_chat_completion_matches_offline_engine(server, client):
 
 def test_streaming_chat_equals_non_streaming(client):
     full = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -93,18 +99,31 @@ def test_streaming_chat_equals_non_streaming(client):
 
 
 def test_completions_streaming_n_and_logprobs(client):
-    resp = client.completions.create(model="tiny", prompt=["Hello there", "Transfer fifty"], max_tokens=6, n=2,
-                                     temperature=0.8, seed=7, logprobs=2)
+    resp = client.completions.create(
+        model="tiny",
+        prompt=["Hello there", "Transfer fifty"],
+        max_tokens=6,
+        n=2,
+        temperature=0.8,
+        seed=7,
+        logprobs=2,
+    )
     assert len(resp.choices) == 4 and sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
     for c in resp.choices:
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) <= 6
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
         assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
-    again = client.completions.create(model="tiny", prompt=["Hello there", "Transfer fifty"], max_tokens=6, n=2,
-                                      temperature=0.8, seed=7)
+    again = client.completions.create(
+        model="tiny", prompt=["Hello there", "Transfer fifty"], max_tokens=6, n=2, temperature=0.8, seed=7
+    )
     assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seeded: reproducible
-    pieces = [ch.text for chunk in client.completions.create(model="tiny", prompt="Hello there", max_tokens=6,
-                                                              temperature=0, stream=True) for ch in chunk.choices]
+    pieces = [
+        ch.text
+        for chunk in client.completions.create(
+            model="tiny", prompt="Hello there", max_tokens=6, temperature=0, stream=True
+        )
+        for ch in chunk.choices
+    ]
     greedy = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0)
     assert "".join(pieces) == greedy.choices[0].text
 
@@ -113,23 +132,33 @@ def test_streamed_logprobs_cover_every_token(client):
     # The tiny model's tokens often decode to no text (unused specials, bytes held in a run); a chunk must
     # still carry their logprobs, or a streamed response loses most of them.
     for seed in range(3):
-        full = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0.8,
-                                              seed=seed, logprobs=True)
-        chunks = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0.8,
-                                                seed=seed, logprobs=True, stream=True)
-        streamed = [lp.token for chunk in chunks for c in chunk.choices if c.logprobs for lp in c.logprobs.content]
+        full = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=16, temperature=0.8, seed=seed, logprobs=True
+        )
+        chunks = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=16, temperature=0.8, seed=seed, logprobs=True, stream=True
+        )
+        streamed = [
+            lp.token for chunk in chunks for c in chunk.choices if c.logprobs for lp in c.logprobs.content
+        ]
         assert streamed == [lp.token for lp in full.choices[0].logprobs.content]
         assert len(streamed) == full.usage.completion_tokens
         args = dict(model="tiny", prompt="Hello there", max_tokens=16, temperature=0.8, seed=seed, logprobs=1)
         full = client.completions.create(**args)
-        tokens = [t for chunk in client.completions.create(**args, stream=True) for c in chunk.choices
-                  if c.logprobs for t in c.logprobs.tokens]
+        tokens = [
+            t
+            for chunk in client.completions.create(**args, stream=True)
+            for c in chunk.choices
+            if c.logprobs
+            for t in c.logprobs.tokens
+        ]
         assert tokens == full.choices[0].logprobs.tokens and len(tokens) == full.usage.completion_tokens
 
 
 def test_chat_logprobs_and_stop(client):
-    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0, logprobs=True,
-                                          top_logprobs=3)
+    resp = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     for tok in content:
@@ -139,7 +168,9 @@ def test_chat_logprobs_and_stop(client):
     text = resp.choices[0].message.content
     if len(text) >= 3:  # stop on a string the model is known to produce
         stop = text[1:3]
-        cut = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0, stop=[stop])
+        cut = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=8, temperature=0, stop=[stop]
+        )
         assert cut.choices[0].finish_reason == "stop"
         assert cut.choices[0].message.content == text[: text.index(stop)]
 
@@ -152,14 +183,18 @@ def test_image_video_audio_inputs(server, client):
         {"type": "input_audio", "input_audio": {"data": _wav_base64(), "format": "wav"}},
         {"type": "text", "text": "What do you see and hear?"},
     ]
-    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
-                                          max_tokens=4, temperature=0)
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0
+    )
     assert resp.usage.completion_tokens >= 1
     # Soft tokens: 1 image + 8 sampled frames + 1 s of audio make the prompt long.
     assert resp.usage.prompt_tokens > 300
     frames = {"type": "video", "video": [_png_data_url(i, (48, 64)) for i in range(3)]}
-    resp = client.chat.completions.create(model="tiny", max_tokens=2,
-                                          messages=[{"role": "user", "content": [frames, {"type": "text", "text": "?"}]}])
+    resp = client.chat.completions.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": [frames, {"type": "text", "text": "?"}]}],
+    )
     assert resp.usage.completion_tokens >= 1
     server.wait_idle()
 
@@ -181,9 +216,15 @@ def test_constrained_json_schema_over_many_seeds(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "banking", "schema": schema, "strict": True}}
 
     async def one(c: openai.AsyncOpenAI, seed: int, thinking: bool) -> str:
-        resp = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=200, temperature=1.0,
-                                               seed=seed, response_format=fmt,
-                                               extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+        resp = await c.chat.completions.create(
+            model="tiny",
+            messages=USER,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,
+            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        )
         assert resp.choices[0].finish_reason == "stop", resp.choices[0]
         return resp.choices[0].message.content
 
@@ -197,8 +238,9 @@ def test_constrained_json_schema_over_many_seeds(client):
     # Whatever stopped on its own must be a JSON object, and some must stop.
     stopped = 0
     for seed in range(4):
-        obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=300, seed=seed,
-                                             response_format={"type": "json_object"})
+        obj = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=300, seed=seed, response_format={"type": "json_object"}
+        )
         if obj.choices[0].finish_reason == "stop":
             stopped += 1
             assert isinstance(json.loads(obj.choices[0].message.content), dict)
@@ -225,25 +267,112 @@ BAD_CHAT = [
     ("max_tokens zero", _chat(max_tokens=0), 400, "max_tokens"),
     ("max_tokens negative", _chat(max_tokens=-5), 400, "max_tokens"),
     ("max_tokens beyond context", _chat(max_tokens=5000), 400, "max_tokens"),
-    ("prompt beyond max-model-len", _chat(messages=[{"role": "user", "content": "balance " * 1500}]), 400, "prompt"),
-    ("too many images", _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": _png_data_url(i)}} for i in range(3)]}]), 400, "messages"),
-    ("undecodable image", _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}}]}]),
-     400, "image[0]"),
-    ("bad base64", _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]), 400, "messages[0].content[0]"),
-    ("remote url", _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]), 400, "messages[0].content[0]"),
-    ("undecodable audio", _chat(messages=[{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFFjunk").decode(), "format": "wav"}}]}]),
-     400, "audio[0]"),
-    ("unsupported part", _chat(messages=[{"role": "user", "content": [{"type": "hologram"}]}]), 400,
-     "messages[0].content[0].type"),
+    (
+        "prompt beyond max-model-len",
+        _chat(messages=[{"role": "user", "content": "balance " * 1500}]),
+        400,
+        "prompt",
+    ),
+    (
+        "too many images",
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _png_data_url(i)}} for i in range(3)
+                    ],
+                }
+            ]
+        ),
+        400,
+        "messages",
+    ),
+    (
+        "undecodable image",
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {
+                                "url": "data:image/png;base64," + base64.b64encode(b"nope").decode()
+                            },
+                        }
+                    ],
+                }
+            ]
+        ),
+        400,
+        "image[0]",
+    ),
+    (
+        "bad base64",
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}],
+                }
+            ]
+        ),
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "remote url",
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+                }
+            ]
+        ),
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "undecodable audio",
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "input_audio",
+                            "input_audio": {"data": base64.b64encode(b"RIFFjunk").decode(), "format": "wav"},
+                        }
+                    ],
+                }
+            ]
+        ),
+        400,
+        "audio[0]",
+    ),
+    (
+        "unsupported part",
+        _chat(messages=[{"role": "user", "content": [{"type": "hologram"}]}]),
+        400,
+        "messages[0].content[0].type",
+    ),
     ("top_logprobs too many", _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
-    ("invalid json schema", _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}), 400,
-     "response_format"),
+    (
+        "invalid json schema",
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                },
+            }
+        ),
+        400,
+        "response_format",
+    ),
     ("unknown response_format", _chat(response_format={"type": "yaml"}), 400, "response_format"),
 ]
 
@@ -253,21 +382,32 @@ def test_bad_chat_input(server, name, body, status, param):
     if param == "response_format":
         pytest.importorskip("g4serve.structured")
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=content,
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status
-    assert param in error["message"] and error["param"] is not None and error["param"].startswith(param.split("[")[0])
+    assert (
+        param in error["message"]
+        and error["param"] is not None
+        and error["param"].startswith(param.split("[")[0])
+    )
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"model": "tiny", "prompt": ""}, "prompt"),
-    ({"model": "tiny", "prompt": []}, "prompt"),
-    ({"model": "tiny", "prompt": [1, 2, 999999]}, "prompt_token_ids"),
-    ({"model": "tiny", "prompt": 42}, "prompt"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 99}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"model": "tiny", "prompt": ""}, "prompt"),
+        ({"model": "tiny", "prompt": []}, "prompt"),
+        ({"model": "tiny", "prompt": [1, 2, 999999]}, "prompt_token_ids"),
+        ({"model": "tiny", "prompt": 42}, "prompt"),
+        ({"model": "tiny", "prompt": "hi", "logprobs": 99}, "logprobs"),
+    ],
+)
 def test_bad_completion_input(server, body, param):
     r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -276,13 +416,19 @@ def test_bad_completion_input(server, body, param):
 
 def test_huge_body_is_rejected_and_server_keeps_serving(server, client):
     big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * (5 << 20)}])).encode()
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions", content=big, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
     # Chunked upload without a Content-Length is cut off while reading.
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=iter([big[i:i + 65536]
-                                                                           for i in range(0, len(big), 65536)]))
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=iter([big[i : i + 65536] for i in range(0, len(big), 65536)]),
+    )
     assert r.status_code == 413
-    assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage.completion_tokens >= 1
+    assert (
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage.completion_tokens >= 1
+    )
     server.wait_idle()
 
 
@@ -302,8 +448,11 @@ def test_disconnect_without_streaming_frees_blocks(server):
     body = json.dumps(_chat(max_tokens=400, ignore_eos=True)).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         deadline = time.monotonic() + 20
         while not server.engine.requests and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -314,14 +463,24 @@ def test_disconnect_without_streaming_frees_blocks(server):
 def test_metrics_after_traffic(server, client):
     client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
     text = httpx.get(f"{server.base_url}/metrics").text
-    for name in ("g4serve_time_to_first_token_seconds_count", "g4serve_inter_token_latency_seconds_bucket",
-                 "g4serve_e2e_request_latency_seconds_sum", "g4serve_request_queue_time_seconds_count",
-                 "g4serve_num_requests_running", "g4serve_num_requests_waiting",
-                 'g4serve_kv_cache_usage_ratio{pool="full_attention"}', "g4serve_prefix_cache_hit_rate",
-                 "g4serve_generation_tokens_per_second", "g4serve_request_success_total"):
+    for name in (
+        "g4serve_time_to_first_token_seconds_count",
+        "g4serve_inter_token_latency_seconds_bucket",
+        "g4serve_e2e_request_latency_seconds_sum",
+        "g4serve_request_queue_time_seconds_count",
+        "g4serve_num_requests_running",
+        "g4serve_num_requests_waiting",
+        'g4serve_kv_cache_usage_ratio{pool="full_attention"}',
+        "g4serve_prefix_cache_hit_rate",
+        "g4serve_generation_tokens_per_second",
+        "g4serve_request_success_total",
+    ):
         assert name in text, name
-    count = next(float(line.split()[-1]) for line in text.splitlines()
-                 if line.startswith("g4serve_time_to_first_token_seconds_count"))
+    count = next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("g4serve_time_to_first_token_seconds_count")
+    )
     assert count >= 1
 
 
@@ -345,8 +504,13 @@ def test_metrics_time_before_the_engine(server, client):
 
 def test_200_concurrent_streams(server):
     async def one(c: httpx.AsyncClient, i: int) -> int:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": f"request {i}: my balance?"}],
-                "max_tokens": 6, "stream": True, "seed": i}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"request {i}: my balance?"}],
+            "max_tokens": 6,
+            "stream": True,
+            "seed": i,
+        }
         tokens = 0
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -399,13 +563,21 @@ def test_api_key_and_text_only(tiny_model_dir, server_factory):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     good = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="s3cret", max_retries=0)
-    assert good.chat.completions.create(model=good.models.list().data[0].id, messages=USER,
-                                        max_tokens=2).choices
+    assert good.chat.completions.create(
+        model=good.models.list().data[0].id, messages=USER, max_tokens=2
+    ).choices
     health = httpx.get(f"{running.base_url}/health")  # health needs no key
     assert health.status_code == 200 and health.json()["status"] == "ok"
     # Text-only mode: media are refused with a clear error, nothing loaded for them.
-    r = httpx.post(f"{running.base_url}/v1/chat/completions", headers={"authorization": "Bearer s3cret"},
-                   json=_chat(model=None, messages=[{"role": "user", "content": [
-                       {"type": "image_url", "image_url": {"url": _png_data_url()}}]}]))
+    r = httpx.post(
+        f"{running.base_url}/v1/chat/completions",
+        headers={"authorization": "Bearer s3cret"},
+        json=_chat(
+            model=None,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url()}}]}
+            ],
+        ),
+    )
     assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
     assert running.engine.model.vision_tower is None

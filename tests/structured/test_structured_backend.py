@@ -50,6 +50,7 @@ def backend(tok) -> StructuredOutputBackend:
 
 # ---- the vocabulary ---------------------------------------------------------------------------------
 
+
 def test_tiny_vocab_matches_xgrammars_own_hf_detection(tiny_dir, tok, backend):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
@@ -63,7 +64,9 @@ def test_tiny_vocab_matches_xgrammars_own_hf_detection(tiny_dir, tok, backend):
         else:
             assert ours[i] == ref[i], (i, ours[i], ref[i])
     assert ref[tok.token_to_id("\u2581the")] == b" the" and ref[tok.token_to_id("<0x0A>")] == b"\n"
-    assert backend.json_info.decoded_vocab[tok.token_to_id("<0x0A>")] == b""  # JSON never needs raw control bytes
+    assert (
+        backend.json_info.decoded_vocab[tok.token_to_id("<0x0A>")] == b""
+    )  # JSON never needs raw control bytes
 
 
 def _write_variant(out: Path, backend_tok: HFTokenizer, config: dict) -> Tokenizer:
@@ -79,15 +82,24 @@ def test_byte_level_vocab_matches_xgrammar(tmp_path):
     bl = HFTokenizer(models.BPE())
     bl.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bl.decoder = decoders.ByteLevel()
-    bl.train_from_iterator([_CORPUS], BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = _write_variant(tmp_path / "bl", bl, {"tokenizer_class": "PreTrainedTokenizerFast",
-                                               "eos_token": "<|endoftext|>"})
+    bl.train_from_iterator(
+        [_CORPUS],
+        BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = _write_variant(
+        tmp_path / "bl", bl, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    )
     assert detect_vocab_type(tok) == ("byte_level", False)
     eos = tok.token_to_id("<|endoftext|>")
     backend = StructuredOutputBackend(tok, tok.vocab_size, [eos])
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "bl" / "tokenizer.json"),
-                                              eos_token="<|endoftext|>")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "bl" / "tokenizer.json"), eos_token="<|endoftext|>"
+    )
     theirs = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tok.vocab_size, stop_token_ids=[eos])
     assert theirs.vocab_type == xgr.VocabType.BYTE_LEVEL
     ref = theirs.decoded_vocab
@@ -104,9 +116,13 @@ def test_prefix_space_detected_like_xgrammar(tmp_path, tiny_dir):
     transformers = pytest.importorskip("transformers")
     sp = HFTokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tok = _write_variant(tmp_path / "sp", sp, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"})
+    tok = _write_variant(
+        tmp_path / "sp", sp, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
+    )
     assert detect_vocab_type(tok) == ("byte_fallback", True)
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "sp" / "tokenizer.json"), eos_token="<eos>")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "sp" / "tokenizer.json"), eos_token="<eos>"
+    )
     assert xgr.TokenizerInfo.from_huggingface(hf, stop_token_ids=[1]).add_prefix_space is True
 
 
@@ -117,8 +133,10 @@ def test_model_vocab_larger_than_tokenizer_is_padded(tok):
     matcher = padded.new_matcher(StructuredSpec.json_object())
     allowed = build_allowed_mask([matcher], tok.vocab_size + 40)
     assert allowed.shape == (1, tok.vocab_size + 40)
-    assert not allowed[0, tok.vocab_size:].any()
-    assert allowed[0].nonzero().flatten().tolist() == sorted([tok.token_to_id("{"), tok.token_to_id("<0x7B>")])
+    assert not allowed[0, tok.vocab_size :].any()
+    assert allowed[0].nonzero().flatten().tolist() == sorted(
+        [tok.token_to_id("{"), tok.token_to_id("<0x7B>")]
+    )
     with pytest.raises(ValueError, match="stop_token_ids"):
         StructuredOutputBackend(tok, tok.vocab_size, [])
     with pytest.raises(ValueError, match="stop_token_ids"):
@@ -126,6 +144,7 @@ def test_model_vocab_larger_than_tokenizer_is_padded(tok):
 
 
 # ---- cache and matchers ---------------------------------------------------------------------------------
+
 
 def test_compile_cache_is_lru_and_thread_safe(tok):
     backend = StructuredOutputBackend(tok, tok.vocab_size, STOP, cache_size=2)
@@ -208,6 +227,7 @@ def test_withheld_stop_tokens(backend, tok):
 
 # ---- bitmask unpacking ----------------------------------------------------------------------------------
 
+
 def _slow_unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     out = torch.zeros(bitmask.shape[0], vocab_size, dtype=torch.bool)
     for r in range(bitmask.shape[0]):
@@ -226,13 +246,21 @@ def test_unpack_matches_slow_reference(vocab_size):
     assert torch.equal(unpack_bitmask(bitmask, vocab_size), _slow_unpack(bitmask, vocab_size))
     # Big-endian hosts take the shift path: same answer.
     shifts = torch.arange(32, dtype=torch.int32)
-    assert torch.equal((((bitmask.unsqueeze(-1) >> shifts) & 1) != 0).view(3, -1)[:, :vocab_size],
-                       _slow_unpack(bitmask, vocab_size))
+    assert torch.equal(
+        (((bitmask.unsqueeze(-1) >> shifts) & 1) != 0).view(3, -1)[:, :vocab_size],
+        _slow_unpack(bitmask, vocab_size),
+    )
 
 
 def test_mask_builder_matches_per_row_fill(backend, tok):
-    specs = [StructuredSpec.json_object(), StructuredSpec.regex("[a-c]+x"), StructuredSpec.choice(["one", "two"])]
-    matchers = [backend.new_matcher(specs[i % 3]) if i % 4 else None for i in range(12)]  # >= 8 rows: batched fill
+    specs = [
+        StructuredSpec.json_object(),
+        StructuredSpec.regex("[a-c]+x"),
+        StructuredSpec.choice(["one", "two"]),
+    ]
+    matchers = [
+        backend.new_matcher(specs[i % 3]) if i % 4 else None for i in range(12)
+    ]  # >= 8 rows: batched fill
     builder = AllowedTokenMasks(tok.vocab_size, "cpu")
     for _ in range(2):  # the buffer is reused
         allowed = builder(matchers)
@@ -246,6 +274,7 @@ def test_mask_builder_matches_per_row_fill(backend, tok):
 
 
 # ---- random walks: whatever the model picks, the output is valid -----------------------------------------
+
 
 def _walk(backend, spec, tok, rng, max_steps=400, budget=None):
     """Sample tokens uniformly among the allowed ones (biased to end sooner, unless a ``budget`` of tokens
@@ -272,29 +301,65 @@ def _walk(backend, spec, tok, rng, max_steps=400, budget=None):
 
 
 FUZZ_SCHEMAS = [
-    {"type": "object", "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 8},
-        "age": {"type": "integer", "minimum": -5, "maximum": 130},
-        "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
-        "ok": {"type": "boolean"}, "none": {"type": "null"},
-        "kind": {"enum": ["a\"b", "c\\d", "é", 3, None]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3},
-        "inner": {"type": "object", "properties": {"x": {"type": "integer", "multipleOf": 3, "minimum": 0,
-                                                         "maximum": 99}},
-                  "required": ["x"], "additionalProperties": False}},
-     "required": ["name", "age", "ok", "inner"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 8},
+            "age": {"type": "integer", "minimum": -5, "maximum": 130},
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
+            "ok": {"type": "boolean"},
+            "none": {"type": "null"},
+            "kind": {"enum": ['a"b', "c\\d", "é", 3, None]},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 4},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "inner": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 99}},
+                "required": ["x"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "ok", "inner"],
+        "additionalProperties": False,
+    },
     {"type": "string", "pattern": "^[^a-z]{2,5}$"},
     {"type": "string", "maxLength": 6},
     {"type": "string", "format": "date"},
-    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "array", "prefixItems": [
-        {"const": "k"}, {"type": "boolean"}], "items": False}]},
-    {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                          "next": {"$ref": "#/$defs/node"}}, "required": ["v"]}},
-     "$ref": "#/$defs/node"},
-    {"type": "object", "required": ["must"], "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 5}},
+    {
+        "anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 9},
+            {"type": "array", "prefixItems": [{"const": "k"}, {"type": "boolean"}], "items": False},
+        ]
+    },
+    {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "next": {"$ref": "#/$defs/node"},
+                },
+                "required": ["v"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    {
+        "type": "object",
+        "required": ["must"],
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 5},
+    },
     {"type": "array", "minItems": 2, "maxItems": 3},
-    {"type": "object", "patternProperties": {"^k[0-9]$": {"type": "boolean"}}, "additionalProperties": False,
-     "maxProperties": 2},
+    {
+        "type": "object",
+        "patternProperties": {"^k[0-9]$": {"type": "boolean"}},
+        "additionalProperties": False,
+        "maxProperties": 2,
+    },
 ]
 
 
@@ -317,7 +382,7 @@ def test_random_walks_regex_choice_and_json_object(backend, tok):
     for _ in range(6):
         text = _walk(backend, StructuredSpec.regex(r"(\+[0-9]{2} )?[A-Z][a-z]{1,4}\.txt"), tok, rng)
         assert re.fullmatch(r"(\+[0-9]{2} )?[A-Z][a-z]{1,4}\.txt", text)
-        choices = ["yes", "no", "maybe so", "\u00e9t\u00e9 \U0001F600", 'say "hi"\n']
+        choices = ["yes", "no", "maybe so", "\u00e9t\u00e9 \U0001f600", 'say "hi"\n']
         assert _walk(backend, StructuredSpec.choice(choices), tok, rng) in choices
         grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | root'
         text = _walk(backend, StructuredSpec.grammar(grammar), tok, rng)
@@ -332,8 +397,11 @@ def test_budget_closes_the_grammar_in_time(backend, tok, budget):
     """Uniform noise never closes a free string by itself; within ``budget`` tokens the mask steers the
     grammar to its end, so the walk stops in time with valid output."""
     rng = random.Random(budget)
-    schema = {"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "array", "items": {}}},
-              "required": ["k"]}
+    schema = {
+        "type": "object",
+        "properties": {"k": {"type": "string"}, "v": {"type": "array", "items": {}}},
+        "required": ["k"],
+    }
     for _ in range(3):
         text = _walk(backend, StructuredSpec.json_object(), tok, rng, budget=budget)
         assert text is not None and isinstance(json.loads(text), dict)

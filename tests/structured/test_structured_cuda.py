@@ -12,7 +12,10 @@ import torch
 from g4serve.sampling_params import SamplingParams
 from g4serve.structured import StructuredSpec, unpack_bitmask
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_unpack_on_cuda_matches_cpu():
@@ -26,9 +29,17 @@ def test_engine_on_cuda(tiny_model_dir):
 
     engine = make_engine(tiny_model_dir, device="cuda")
     spec = StructuredSpec.json_schema(SCHEMA)
-    requests = {f"j{seed}": (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=200, structured_output=spec))
-                for seed in range(12)}
-    requests["obj"] = (PROMPT, SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredSpec.json_object()))
+    requests = {
+        f"j{seed}": (
+            PROMPT,
+            SamplingParams(temperature=1.0, seed=seed, max_tokens=200, structured_output=spec),
+        )
+        for seed in range(12)
+    }
+    requests["obj"] = (
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredSpec.json_object()),
+    )
     requests["free"] = (PROMPT, SamplingParams(temperature=0, max_tokens=16))
     results = run(engine, requests)
     for seed in range(12):

@@ -24,14 +24,23 @@ SCHEMA = {
         "ok": {"type": "boolean"},
         "kind": {"enum": ["card", "loan"]},
         "note": {"type": "string", "maxLength": 4},
-        "pts": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1,
-                "maxItems": 2},
+        "pts": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 1,
+            "maxItems": 2,
+        },
         "to": {
             "type": "object",
-            "properties": {"city": {"enum": ["Oslo", "Lima"]},
-                           "geo": {"type": "object", "properties": {"lat": {"type": "number", "minimum": -90,
-                                                                            "maximum": 90}},
-                                   "required": ["lat"], "additionalProperties": False}},
+            "properties": {
+                "city": {"enum": ["Oslo", "Lima"]},
+                "geo": {
+                    "type": "object",
+                    "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90}},
+                    "required": ["lat"],
+                    "additionalProperties": False,
+                },
+            },
             "required": ["city", "geo"],
             "additionalProperties": False,
         },
@@ -40,15 +49,25 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT = "<|turn>user\nDescribe the customer as JSON.<turn|>\n<|turn>model\n"
-FREE_PROMPTS = ["<|turn>user\nWhat is my balance?<turn|>\n<|turn>model\n",
-                "<|turn>user\nsavings loan branch payment<turn|>\n<|turn>model\n",
-                "The capital of France is", "<|turn>user\nhi<turn|>\n<|turn>model\n"]
+FREE_PROMPTS = [
+    "<|turn>user\nWhat is my balance?<turn|>\n<|turn>model\n",
+    "<|turn>user\nsavings loan branch payment<turn|>\n<|turn>model\n",
+    "The capital of France is",
+    "<|turn>user\nhi<turn|>\n<|turn>model\n",
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def make_engine(model_dir, **kw) -> LLMEngine:
-    args = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "kv_cache_bytes": 16 << 20,
-            "max_num_batched_tokens": 256, "max_num_seqs": 48, "text_only": True}
+    args = {
+        "model": str(model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_bytes": 16 << 20,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 48,
+        "text_only": True,
+    }
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 
@@ -79,10 +98,16 @@ def engine(tiny_model_dir):
 
 def test_schema_batch_with_free_requests(engine):
     alone = run(engine, {f"free{i}": (p, GREEDY) for i, p in enumerate(FREE_PROMPTS)})
-    spec = StructuredSpec.from_response_format({"type": "json_schema",
-                                                "json_schema": {"name": "customer", "schema": SCHEMA, "strict": True}})
-    requests = {f"json{seed}": (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=256,
-                                                       structured_output=spec)) for seed in range(30)}
+    spec = StructuredSpec.from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA, "strict": True}}
+    )
+    requests = {
+        f"json{seed}": (
+            PROMPT,
+            SamplingParams(temperature=1.0, seed=seed, max_tokens=256, structured_output=spec),
+        )
+        for seed in range(30)
+    }
     requests.update({f"free{i}": (p, GREEDY) for i, p in enumerate(FREE_PROMPTS)})  # one batch, shared steps
     results = run(engine, requests)
     for seed in range(30):
@@ -101,12 +126,24 @@ def test_json_object_regex_and_choice(engine):
     pattern = r"[A-Z]{2}-[0-9]{3,5}( ok)?"
     requests = {}
     for seed in range(6):
-        requests[f"obj{seed}"] = (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
-                                                         structured_output=StructuredSpec.json_object()))
-        requests[f"re{seed}"] = (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=32,
-                                                        structured_output=StructuredSpec.regex(pattern)))
-        requests[f"ch{seed}"] = (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=32,
-                                                        structured_output=StructuredSpec.choice(choices)))
+        requests[f"obj{seed}"] = (
+            PROMPT,
+            SamplingParams(
+                temperature=1.0, seed=seed, max_tokens=160, structured_output=StructuredSpec.json_object()
+            ),
+        )
+        requests[f"re{seed}"] = (
+            PROMPT,
+            SamplingParams(
+                temperature=1.0, seed=seed, max_tokens=32, structured_output=StructuredSpec.regex(pattern)
+            ),
+        )
+        requests[f"ch{seed}"] = (
+            PROMPT,
+            SamplingParams(
+                temperature=1.0, seed=seed, max_tokens=32, structured_output=StructuredSpec.choice(choices)
+            ),
+        )
     results = run(engine, requests)
     for seed in range(6):
         assert_exact_text(engine, results[f"re{seed}"])
@@ -125,12 +162,23 @@ def test_grammar_closes_within_max_tokens(engine):
     requests = {}
     for seed, max_tokens in enumerate([12, 30, 60]):
         for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-            params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                    structured_output=StructuredSpec.json_object())
+            params = SamplingParams(
+                temperature=temperature,
+                seed=seed,
+                max_tokens=max_tokens,
+                structured_output=StructuredSpec.json_object(),
+            )
             requests[f"obj-{name}-{max_tokens}"] = (PROMPT, params)
     for seed in range(4):  # the schema needs ~105 tokens at least; sampled freely, often more than 125
-        requests[f"schema{seed}"] = (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=125,
-                                                            structured_output=StructuredSpec.json_schema(SCHEMA)))
+        requests[f"schema{seed}"] = (
+            PROMPT,
+            SamplingParams(
+                temperature=1.0,
+                seed=seed,
+                max_tokens=125,
+                structured_output=StructuredSpec.json_schema(SCHEMA),
+            ),
+        )
     results = run(engine, requests)
     for rid, out in results.items():
         assert_exact_text(engine, out)
@@ -149,12 +197,29 @@ def test_stop_controls_cannot_break_the_grammar(engine):
     choice = StructuredSpec.choice(["yes", "no"])
     digits = StructuredSpec.regex("[0-9]{1,6}")
     requests = {
-        "min": (PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=40, min_tokens=30, structured_output=choice)),
-        "eos": (PROMPT, SamplingParams(temperature=1.0, seed=2, max_tokens=40, ignore_eos=True,
-                                       skip_special_tokens=False, structured_output=choice)),
-        "digits": (PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True,
-                                          structured_output=digits)),
-        "greedy": (PROMPT, SamplingParams(temperature=0, max_tokens=40, min_tokens=3, structured_output=digits)),
+        "min": (
+            PROMPT,
+            SamplingParams(temperature=1.0, seed=1, max_tokens=40, min_tokens=30, structured_output=choice),
+        ),
+        "eos": (
+            PROMPT,
+            SamplingParams(
+                temperature=1.0,
+                seed=2,
+                max_tokens=40,
+                ignore_eos=True,
+                skip_special_tokens=False,
+                structured_output=choice,
+            ),
+        ),
+        "digits": (
+            PROMPT,
+            SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, structured_output=digits),
+        ),
+        "greedy": (
+            PROMPT,
+            SamplingParams(temperature=0, max_tokens=40, min_tokens=3, structured_output=digits),
+        ),
     }
     results = run(engine, requests)
     for rid in ("min", "eos"):
@@ -172,8 +237,16 @@ def test_preempted_constrained_requests_stay_valid(tiny_model_dir):
     # Room for 768 tokens: six ~170-token requests cannot all stay; preempted ones recompute and go on.
     engine = make_engine(tiny_model_dir, kv_cache_bytes=3 << 18, enable_prefix_caching=False)
     spec = StructuredSpec.json_schema(SCHEMA)
-    results = run(engine, {f"j{seed}": (PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=256,
-                                                               structured_output=spec)) for seed in range(6)})
+    results = run(
+        engine,
+        {
+            f"j{seed}": (
+                PROMPT,
+                SamplingParams(temperature=1.0, seed=seed, max_tokens=256, structured_output=spec),
+            )
+            for seed in range(6)
+        },
+    )
     assert engine.scheduler.num_preemptions > 0
     for out in results.values():
         assert_exact_text(engine, out)
@@ -182,7 +255,9 @@ def test_preempted_constrained_requests_stay_valid(tiny_model_dir):
 
 
 def test_aborted_constrained_request_frees_its_blocks(engine):
-    params = SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured_output=StructuredSpec.json_schema(SCHEMA))
+    params = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=200, structured_output=StructuredSpec.json_schema(SCHEMA)
+    )
     engine.add_request(engine.make_request("abort-me", engine.process_prompt(PROMPT), params))
     for _ in range(4):
         engine.step()
@@ -197,14 +272,21 @@ def test_aborted_constrained_request_frees_its_blocks(engine):
 
 def test_compile_errors_surface_before_scheduling(engine):
     processed = engine.process_prompt(PROMPT)
-    bad = SamplingParams(structured_output=StructuredSpec("regex", "a{"))  # built directly: unchecked until compiled
+    bad = SamplingParams(
+        structured_output=StructuredSpec("regex", "a{")
+    )  # built directly: unchecked until compiled
     with pytest.raises(StructuredOutputError, match=r"^response_format.regex: cannot compile"):
         engine.make_request("bad", processed, bad)
     with pytest.raises(StructuredOutputError, match=r"^structured_output: expected a StructuredSpec"):
         engine.make_request("bad", processed, SamplingParams(structured_output={"type": "json_object"}))
     # A request built without make_request is checked by add_request, before anything is held for it.
-    request = Request(request_id="bad", prompt_token_ids=processed.token_ids, sampling_params=bad,
-                      eos_token_ids=engine.model_config.text.eos_token_ids, tokenizer=engine.tokenizer)
+    request = Request(
+        request_id="bad",
+        prompt_token_ids=processed.token_ids,
+        sampling_params=bad,
+        eos_token_ids=engine.model_config.text.eos_token_ids,
+        tokenizer=engine.tokenizer,
+    )
     with pytest.raises(StructuredOutputError):
         engine.add_request(request)
     assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
@@ -216,11 +298,18 @@ def test_llm_generate_with_structured_output(tiny_model_dir):
     from g4serve import LLM
 
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_bytes=8 << 20, text_only=True)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
-                                                                                 "maximum": 50}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    params = [SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=64, structured_output=StructuredSpec.json_schema(schema)),
-              SamplingParams(temperature=0, max_tokens=8)]
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=5, n=3, max_tokens=64, structured_output=StructuredSpec.json_schema(schema)
+        ),
+        SamplingParams(temperature=0, max_tokens=8),
+    ]
     constrained, free = llm.generate([PROMPT, PROMPT], params)
     assert len(constrained.outputs) == 3
     for completion in constrained.outputs:

@@ -8,7 +8,11 @@ import pytest
 
 from g4serve.structured import StructuredOutputError, StructuredSpec
 
-SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["b"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},
+    "required": ["b"],
+}
 
 
 def rf_schema(schema, **extra) -> dict:
@@ -26,12 +30,17 @@ def test_openai_shapes():
     assert list(spec.schema["properties"]) == ["b", "a"]
     assert spec.field == "response_format.json_schema.schema"
     # strict and name do not change the constraint: equal specs share one compiled grammar.
-    assert StructuredSpec.from_response_format({"type": "json_schema", "json_schema": {"schema": SCHEMA}}) == spec
+    assert (
+        StructuredSpec.from_response_format({"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+        == spec
+    )
     assert hash(StructuredSpec.json_schema(json.dumps(SCHEMA))) == hash(spec)
 
 
 def test_extensions():
-    assert StructuredSpec.from_response_format({"type": "regex", "regex": "[a-z]+"}) == StructuredSpec("regex", "[a-z]+")
+    assert StructuredSpec.from_response_format({"type": "regex", "regex": "[a-z]+"}) == StructuredSpec(
+        "regex", "[a-z]+"
+    )
     choice = StructuredSpec.from_response_format({"type": "choice", "choice": ["yes", "no", 'a "quoted" é']})
     assert choice.kind == "choice" and json.loads(choice.value) == ["yes", "no", 'a "quoted" é']
     grammar = StructuredSpec.from_response_format({"type": "grammar", "grammar": 'root ::= "a" | "b" root'})
@@ -39,57 +48,120 @@ def test_extensions():
     assert StructuredSpec.json_object().schema == {"type": "object"}
 
 
-@pytest.mark.parametrize(("response_format", "field"), [
-    (["json_object"], "response_format: must be an object"),
-    ({}, "response_format.type: is required"),
-    ({"type": "xml"}, "response_format.type: must be one of"),
-    ({"type": 3}, "response_format.type: must be one of"),
-    ({"type": "text", "extra": 1}, "response_format.extra: unknown field"),
-    ({"type": "json_object", "schema": {}}, "response_format.schema: unknown field"),
-    ({"type": "json_schema"}, "response_format.json_schema: is required"),
-    ({"type": "json_schema", "json_schema": "x"}, "response_format.json_schema: must be an object"),
-    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema: is required"),
-    ({"type": "json_schema", "json_schema": {"schema": {}, "foo": 1}}, "response_format.json_schema.foo: unknown field"),
-    (rf_schema(SCHEMA) | {"json_schema": {"name": "bad name!", "schema": SCHEMA}}, "response_format.json_schema.name:"),
-    ({"type": "json_schema", "json_schema": {"name": 5, "schema": SCHEMA}}, "response_format.json_schema.name:"),
-    (rf_schema(SCHEMA, strict="yes"), "response_format.json_schema.strict: must be a boolean"),
-    (rf_schema(SCHEMA, description=3), "response_format.json_schema.description: must be a string"),
-    (rf_schema([1, 2]), "response_format.json_schema.schema: must be a JSON object, got array"),
-    (rf_schema("{not json"), "response_format.json_schema.schema: not valid JSON"),
-    (rf_schema({"type": "foo"}), "response_format.json_schema.schema.type: not a valid JSON Schema"),
-    (rf_schema({"type": "object", "properties": {"a": {"type": "integer", "minimum": "0"}}}),
-     "response_format.json_schema.schema.properties.a.minimum: not a valid JSON Schema"),
-    (rf_schema({"type": "object", "required": "a"}), "response_format.json_schema.schema.required: not a valid JSON"),
-    (rf_schema({"type": "array", "items": {"type": "integer", "not": {"const": 3}}}),
-     "response_format.json_schema.schema.items.not: is not supported"),
-    (rf_schema({"anyOf": [{"type": "object", "if": {}, "then": {}}]}), "response_format.json_schema.schema.anyOf[0].if:"),
-    (rf_schema({"type": "array", "uniqueItems": True}), "response_format.json_schema.schema.uniqueItems:"),
-    (rf_schema({"type": "array", "contains": {"const": 1}}), "response_format.json_schema.schema.contains:"),
-    (rf_schema({"type": "object", "dependentRequired": {"a": ["b"]}}), "response_format.json_schema.schema.dependentRequired:"),
-    (rf_schema({"allOf": [{"type": "object"}, {"required": ["a"]}]}), "response_format.json_schema.schema.allOf: more than one"),
-    (rf_schema({"type": "number", "multipleOf": 0.5}), "response_format.json_schema.schema.multipleOf: is only supported"),
-    (rf_schema({"$defs": {"s": {"type": "string", "pattern": '^a"b$'}}, "$ref": "#/$defs/s"}),
-     "response_format.json_schema.schema.$defs.s.pattern: a pattern that matches a double quote"),
-    (rf_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["zz"],
-                "additionalProperties": False}), "response_format.json_schema.schema.required: 'zz' is required but"),
-    (rf_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
-     "response_format.json_schema.schema: cannot compile: "),
-    (rf_schema({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}}),
-     "response_format.json_schema.schema: cannot compile: "),
-    (rf_schema({"type": "string", "description": "x" * (1 << 18)}), "response_format.json_schema.schema: too large"),
-    ({"type": "regex"}, "response_format.regex: is required"),
-    ({"type": "regex", "regex": ""}, "response_format.regex: must be a non-empty string"),
-    ({"type": "regex", "regex": ["a"]}, "response_format.regex: must be a non-empty string"),
-    ({"type": "regex", "regex": "a{"}, "response_format.regex: cannot compile: Regex parsing error"),
-    ({"type": "regex", "regex": "(?<=a)b"}, "response_format.regex: cannot compile: "),
-    ({"type": "choice", "choice": []}, "response_format.choice: must be a non-empty list"),
-    ({"type": "choice", "choice": "yes"}, "response_format.choice: must be a non-empty list"),
-    ({"type": "choice", "choice": ["yes", 3]}, "response_format.choice[1]: must be a non-empty string"),
-    ({"type": "choice", "choice": ["yes", ""]}, "response_format.choice[1]: must be a non-empty string"),
-    ({"type": "grammar", "grammar": "root ::= "}, "response_format.grammar: cannot compile: EBNF parser error"),
-    ({"type": "grammar", "grammar": 'start ::= "a"'}, "response_format.grammar: cannot compile: "),
-    ({"type": "grammar", "grammar": "  "}, "response_format.grammar: must be a non-empty EBNF string"),
-])
+@pytest.mark.parametrize(
+    ("response_format", "field"),
+    [
+        (["json_object"], "response_format: must be an object"),
+        ({}, "response_format.type: is required"),
+        ({"type": "xml"}, "response_format.type: must be one of"),
+        ({"type": 3}, "response_format.type: must be one of"),
+        ({"type": "text", "extra": 1}, "response_format.extra: unknown field"),
+        ({"type": "json_object", "schema": {}}, "response_format.schema: unknown field"),
+        ({"type": "json_schema"}, "response_format.json_schema: is required"),
+        ({"type": "json_schema", "json_schema": "x"}, "response_format.json_schema: must be an object"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x"}},
+            "response_format.json_schema.schema: is required",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {}, "foo": 1}},
+            "response_format.json_schema.foo: unknown field",
+        ),
+        (
+            rf_schema(SCHEMA) | {"json_schema": {"name": "bad name!", "schema": SCHEMA}},
+            "response_format.json_schema.name:",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": 5, "schema": SCHEMA}},
+            "response_format.json_schema.name:",
+        ),
+        (rf_schema(SCHEMA, strict="yes"), "response_format.json_schema.strict: must be a boolean"),
+        (rf_schema(SCHEMA, description=3), "response_format.json_schema.description: must be a string"),
+        (rf_schema([1, 2]), "response_format.json_schema.schema: must be a JSON object, got array"),
+        (rf_schema("{not json"), "response_format.json_schema.schema: not valid JSON"),
+        (rf_schema({"type": "foo"}), "response_format.json_schema.schema.type: not a valid JSON Schema"),
+        (
+            rf_schema({"type": "object", "properties": {"a": {"type": "integer", "minimum": "0"}}}),
+            "response_format.json_schema.schema.properties.a.minimum: not a valid JSON Schema",
+        ),
+        (
+            rf_schema({"type": "object", "required": "a"}),
+            "response_format.json_schema.schema.required: not a valid JSON",
+        ),
+        (
+            rf_schema({"type": "array", "items": {"type": "integer", "not": {"const": 3}}}),
+            "response_format.json_schema.schema.items.not: is not supported",
+        ),
+        (
+            rf_schema({"anyOf": [{"type": "object", "if": {}, "then": {}}]}),
+            "response_format.json_schema.schema.anyOf[0].if:",
+        ),
+        (
+            rf_schema({"type": "array", "uniqueItems": True}),
+            "response_format.json_schema.schema.uniqueItems:",
+        ),
+        (
+            rf_schema({"type": "array", "contains": {"const": 1}}),
+            "response_format.json_schema.schema.contains:",
+        ),
+        (
+            rf_schema({"type": "object", "dependentRequired": {"a": ["b"]}}),
+            "response_format.json_schema.schema.dependentRequired:",
+        ),
+        (
+            rf_schema({"allOf": [{"type": "object"}, {"required": ["a"]}]}),
+            "response_format.json_schema.schema.allOf: more than one",
+        ),
+        (
+            rf_schema({"type": "number", "multipleOf": 0.5}),
+            "response_format.json_schema.schema.multipleOf: is only supported",
+        ),
+        (
+            rf_schema({"$defs": {"s": {"type": "string", "pattern": '^a"b$'}}, "$ref": "#/$defs/s"}),
+            "response_format.json_schema.schema.$defs.s.pattern: a pattern that matches a double quote",
+        ),
+        (
+            rf_schema(
+                {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["zz"],
+                    "additionalProperties": False,
+                }
+            ),
+            "response_format.json_schema.schema.required: 'zz' is required but",
+        ),
+        (
+            rf_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
+            "response_format.json_schema.schema: cannot compile: ",
+        ),
+        (
+            rf_schema(
+                {"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}}
+            ),
+            "response_format.json_schema.schema: cannot compile: ",
+        ),
+        (
+            rf_schema({"type": "string", "description": "x" * (1 << 18)}),
+            "response_format.json_schema.schema: too large",
+        ),
+        ({"type": "regex"}, "response_format.regex: is required"),
+        ({"type": "regex", "regex": ""}, "response_format.regex: must be a non-empty string"),
+        ({"type": "regex", "regex": ["a"]}, "response_format.regex: must be a non-empty string"),
+        ({"type": "regex", "regex": "a{"}, "response_format.regex: cannot compile: Regex parsing error"),
+        ({"type": "regex", "regex": "(?<=a)b"}, "response_format.regex: cannot compile: "),
+        ({"type": "choice", "choice": []}, "response_format.choice: must be a non-empty list"),
+        ({"type": "choice", "choice": "yes"}, "response_format.choice: must be a non-empty list"),
+        ({"type": "choice", "choice": ["yes", 3]}, "response_format.choice[1]: must be a non-empty string"),
+        ({"type": "choice", "choice": ["yes", ""]}, "response_format.choice[1]: must be a non-empty string"),
+        (
+            {"type": "grammar", "grammar": "root ::= "},
+            "response_format.grammar: cannot compile: EBNF parser error",
+        ),
+        ({"type": "grammar", "grammar": 'start ::= "a"'}, "response_format.grammar: cannot compile: "),
+        ({"type": "grammar", "grammar": "  "}, "response_format.grammar: must be a non-empty EBNF string"),
+    ],
+)
 def test_errors_name_the_field(response_format, field):
     with pytest.raises(StructuredOutputError) as info:
         StructuredSpec.from_response_format(response_format)
@@ -110,9 +182,18 @@ def test_required_without_property_is_declared():
     # xgrammar ignores required names missing from properties; the spec declares them so they appear.
     from g4serve.structured.spec import prepare_json_schema
 
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "x", "y1"],
-              "patternProperties": {"^y": {"type": "boolean"}}, "additionalProperties": {"type": "string"}}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a", "x", "y1"],
+        "patternProperties": {"^y": {"type": "boolean"}},
+        "additionalProperties": {"type": "string"},
+    }
     prepared = prepare_json_schema(schema)
-    assert prepared["properties"] == {"a": {"type": "integer"}, "x": {"type": "string"}, "y1": {"type": "boolean"}}
+    assert prepared["properties"] == {
+        "a": {"type": "integer"},
+        "x": {"type": "string"},
+        "y1": {"type": "boolean"},
+    }
     assert "x" not in schema["properties"]  # the caller's schema is untouched
     StructuredSpec.json_schema(schema)

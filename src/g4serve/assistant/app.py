@@ -37,8 +37,13 @@ def _index_html() -> str:
     return (resources.files("g4serve.assistant") / "static" / "index.html").read_text(encoding="utf-8")
 
 
-def build_app(assistant: Assistant, *, max_request_body_bytes: int = 8 << 20, warmup: bool = True,
-              owns_engine: bool = True) -> FastAPI:
+def build_app(
+    assistant: Assistant,
+    *,
+    max_request_body_bytes: int = 8 << 20,
+    warmup: bool = True,
+    owns_engine: bool = True,
+) -> FastAPI:
     """The assistant's FastAPI app; the engine (if any) is shut down with it when ``owns_engine``."""
 
     @contextlib.asynccontextmanager
@@ -61,8 +66,9 @@ def build_app(assistant: Assistant, *, max_request_body_bytes: int = 8 << 20, wa
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_request_body_bytes:
             metrics.errors.labels(status="413").inc()
-            return error_response(413, f"request body of {length} bytes exceeds the limit of "
-                                       f"{max_request_body_bytes} bytes")
+            return error_response(
+                413, f"request body of {length} bytes exceeds the limit of {max_request_body_bytes} bytes"
+            )
         return await call_next(request)
 
     page = _index_html()
@@ -92,8 +98,9 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
         body = await read_json_object(request, max_request_body_bytes)
         unknown = sorted(set(body) - allowed)
         if unknown:  # a typo ("txt") would otherwise read as a missing field
-            raise APIError(400, f"{unknown[0]}: unknown field (expected {', '.join(sorted(allowed))})",
-                           param=unknown[0])
+            raise APIError(
+                400, f"{unknown[0]}: unknown field (expected {', '.join(sorted(allowed))})", param=unknown[0]
+            )
         return body
 
     @router.post("/v1/assistant/turn")
@@ -111,11 +118,15 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
             if not text.strip():
                 raise APIError(400, "text: must not be empty", param="text")
             if len(text) > MAX_TEXT_CHARS:
-                raise APIError(400, f"text: at most {MAX_TEXT_CHARS} characters, got {len(text)}", param="text")
+                raise APIError(
+                    400, f"text: at most {MAX_TEXT_CHARS} characters, got {len(text)}", param="text"
+                )
             result = await assistant.turn(session_id, text=text, clock=clock)
             return JSONResponse(result.to_dict())
         if not isinstance(audio, str):
-            raise APIError(400, f"audio: must be a base64 WAV string, got {type(audio).__name__}", param="audio")
+            raise APIError(
+                400, f"audio: must be a base64 WAV string, got {type(audio).__name__}", param="audio"
+            )
         try:
             with clock.stage("decode"):
                 samples = await assistant.in_audio_thread(decode_base64_wav, audio)
@@ -136,8 +147,14 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
         if session_id is not None:
             check_session_id(session_id)
         max_tokens = body.get("max_tokens", 96)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_QNA_TOKENS:
-            raise APIError(400, f"max_tokens: must be an integer in [1, {MAX_QNA_TOKENS}]", param="max_tokens")
+        if (
+            isinstance(max_tokens, bool)
+            or not isinstance(max_tokens, int)
+            or not 1 <= max_tokens <= MAX_QNA_TOKENS
+        ):
+            raise APIError(
+                400, f"max_tokens: must be an integer in [1, {MAX_QNA_TOKENS}]", param="max_tokens"
+            )
 
         async def events():
             answer: list[str] = []
@@ -155,8 +172,12 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
             yield "data: [DONE]\n\n"
             assistant.metrics.qna.labels(path=done.get("path", "error")).inc()
             if session_id is not None:
-                assistant.db.audit(session_id, "qna", "answer", {"question": question, "answer": "".join(answer),
-                                                                 "path": done.get("path")})
+                assistant.db.audit(
+                    session_id,
+                    "qna",
+                    "answer",
+                    {"question": question, "answer": "".join(answer), "path": done.get("path")},
+                )
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -177,7 +198,9 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
             await ws.send_json({"type": "error", "message": exc.message, "param": exc.param})
             await ws.close(code=1008)
             return
-        await ws.send_json({"type": "ready", "session_id": session_id, "sample_rate": 16000, "format": "pcm_s16le"})
+        await ws.send_json(
+            {"type": "ready", "session_id": session_id, "sample_rate": 16000, "format": "pcm_s16le"}
+        )
         utterance = assistant.listen()
         try:
             while True:
@@ -210,15 +233,25 @@ def assistant_router(assistant: Assistant, max_request_body_bytes: int = 8 << 20
                 elif kind == "text":
                     text = control.get("text")
                     if not isinstance(text, str) or not text.strip() or len(text) > MAX_TEXT_CHARS:
-                        await ws.send_json({"type": "error", "param": "text",
-                                            "message": f"text: must be a non-empty string of at most {MAX_TEXT_CHARS} "
-                                                       "characters"})
+                        await ws.send_json(
+                            {
+                                "type": "error",
+                                "param": "text",
+                                "message": f"text: must be a non-empty string of at most {MAX_TEXT_CHARS} "
+                                "characters",
+                            }
+                        )
                         continue
                     result = await assistant.turn(session_id, text=text)
                     await ws.send_json({"type": "result", **result.to_dict()})
                 else:
-                    await ws.send_json({"type": "error", "param": "type", "message":
-                                        "type: control messages are JSON objects with type 'end', 'reset' or 'text'"})
+                    await ws.send_json(
+                        {
+                            "type": "error",
+                            "param": "type",
+                            "message": "type: control messages are JSON objects with type 'end', 'reset' or 'text'",
+                        }
+                    )
         except WebSocketDisconnect:
             return
 

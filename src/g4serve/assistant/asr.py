@@ -77,16 +77,61 @@ def _cmudict(path: str) -> dict[str, tuple[str, ...]]:
 # names (many not English), which is what the dictionary lacks: vowels get their "continental" values
 # (Priya, Maria, Okonkwo) rather than English ones.
 _GRAPHEMES: tuple[tuple[str, str], ...] = (
-    ("tch", "CH"), ("sch", "SH"), ("ph", "F"), ("sh", "SH"), ("ch", "CH"), ("th", "TH"), ("ng", "NG"),
-    ("ck", "K"), ("qu", "K W"), ("wh", "W"), ("kh", "K"), ("zh", "ZH"), ("dh", "D"), ("bh", "B"), ("gh", "G"),
-    ("xi", "SH IY"), ("ee", "IY"), ("ea", "IY"), ("oo", "UW"), ("ou", "AW"), ("ow", "OW"), ("oi", "OY"),
-    ("oy", "OY"), ("ai", "AY"), ("ay", "EY"), ("ei", "EY"), ("ey", "EY"), ("ie", "IY"), ("au", "AO"),
-    ("aw", "AO"), ("ue", "UW"), ("ao", "AW"),
+    ("tch", "CH"),
+    ("sch", "SH"),
+    ("ph", "F"),
+    ("sh", "SH"),
+    ("ch", "CH"),
+    ("th", "TH"),
+    ("ng", "NG"),
+    ("ck", "K"),
+    ("qu", "K W"),
+    ("wh", "W"),
+    ("kh", "K"),
+    ("zh", "ZH"),
+    ("dh", "D"),
+    ("bh", "B"),
+    ("gh", "G"),
+    ("xi", "SH IY"),
+    ("ee", "IY"),
+    ("ea", "IY"),
+    ("oo", "UW"),
+    ("ou", "AW"),
+    ("ow", "OW"),
+    ("oi", "OY"),
+    ("oy", "OY"),
+    ("ai", "AY"),
+    ("ay", "EY"),
+    ("ei", "EY"),
+    ("ey", "EY"),
+    ("ie", "IY"),
+    ("au", "AO"),
+    ("aw", "AO"),
+    ("ue", "UW"),
+    ("ao", "AW"),
 )
 _ENDINGS = {"or": "ER", "er": "ER", "ah": "AH"}
 _LETTERS = {
-    "a": "AA", "b": "B", "d": "D", "f": "F", "j": "JH", "k": "K", "l": "L", "m": "M", "n": "N", "o": "OW",
-    "p": "P", "q": "K", "r": "R", "s": "S", "t": "T", "u": "UW", "v": "V", "w": "W", "x": "K S", "z": "Z",
+    "a": "AA",
+    "b": "B",
+    "d": "D",
+    "f": "F",
+    "j": "JH",
+    "k": "K",
+    "l": "L",
+    "m": "M",
+    "n": "N",
+    "o": "OW",
+    "p": "P",
+    "q": "K",
+    "r": "R",
+    "s": "S",
+    "t": "T",
+    "u": "UW",
+    "v": "V",
+    "w": "W",
+    "x": "K S",
+    "z": "Z",
 }
 _VOWELS = set("aeiouy")
 
@@ -250,7 +295,11 @@ def jsgf_from_vocabulary(vocab: DomainVocabulary) -> str:
         pieces = re.split(r"(\{amount\}|\{name\})", template)
         body = " ".join(slots[p] if p in slots else " ".join(spoken_words(p)) for p in pieces)
         templates.append(" ".join(body.split()))
-    rules = ["#JSGF V1.0;", "grammar banking;", f"public <command> = {' | '.join(f'( {t} )' for t in templates)};"]
+    rules = [
+        "#JSGF V1.0;",
+        "grammar banking;",
+        f"public <command> = {' | '.join(f'( {t} )' for t in templates)};",
+    ]
     rules.append(f"<amount> = {alternatives(vocab.amounts)};")
     if vocab.names:
         rules.append(f"<name> = {alternatives(vocab.names)};")
@@ -285,9 +334,14 @@ class _DecoderRecipe:
                     f.write(text or "")
                 return path
 
-            search = ({"lm": written("domain.arpa", self.lm_text)} if self.mode == "lm"
-                      else {"lm": None, "jsgf": written("domain.gram", self.jsgf_text)})
-            return pocketsphinx.Decoder(loglevel="FATAL", dict=written("domain.dict", self.dict_text), **search)
+            search = (
+                {"lm": written("domain.arpa", self.lm_text)}
+                if self.mode == "lm"
+                else {"lm": None, "jsgf": written("domain.gram", self.jsgf_text)}
+            )
+            return pocketsphinx.Decoder(
+                loglevel="FATAL", dict=written("domain.dict", self.dict_text), **search
+            )
 
 
 class PocketSphinxStream:
@@ -303,8 +357,17 @@ class PocketSphinxStream:
     Call close() instead of finish() to abandon an utterance.
     """
 
-    def __init__(self, decoder: Any, recipe: _DecoderRecipe, release: Callable[[Any, _DecoderRecipe], None],
-                 name: str, *, live: bool = True, final_pass: bool = True, noise_floor: float = 1e-3) -> None:
+    def __init__(
+        self,
+        decoder: Any,
+        recipe: _DecoderRecipe,
+        release: Callable[[Any, _DecoderRecipe], None],
+        name: str,
+        *,
+        live: bool = True,
+        final_pass: bool = True,
+        noise_floor: float = 1e-3,
+    ) -> None:
         self._decoder = decoder
         self._recipe = recipe
         self._release = release
@@ -383,7 +446,11 @@ class PocketSphinxStream:
             text = _clean(hyp.hypstr) if hyp is not None else ""
             # Word posteriors from the lattice (already linear probabilities in pocketsphinx 5). Their mean
             # is the confidence: the whole-path posterior shrinks with length even when every word is sure.
-            words = [(re.sub(r"\(\d+\)$", "", seg.word), float(seg.prob)) for seg in decoder.seg()] if text else []
+            words = (
+                [(re.sub(r"\(\d+\)$", "", seg.word), float(seg.prob)) for seg in decoder.seg()]
+                if text
+                else []
+            )
             words = [(w, p) for w, p in words if _clean(w)]
             confidence = float(np.mean([p for _, p in words])) if words else None
             reusable = True
@@ -391,8 +458,15 @@ class PocketSphinxStream:
             if reusable:  # a decoder that failed mid-utterance may be in any state: let it go
                 self._release(self._decoder, self._recipe)
         self._decode_s += time.perf_counter() - start
-        return Transcript(text=text, partials=list(self._partials), confidence=confidence, recognizer=self._name,
-                          audio_s=self._samples / SAMPLE_RATE, decode_ms=self._decode_s * 1000.0, words=words)
+        return Transcript(
+            text=text,
+            partials=list(self._partials),
+            confidence=confidence,
+            recognizer=self._name,
+            audio_s=self._samples / SAMPLE_RATE,
+            decode_ms=self._decode_s * 1000.0,
+            words=words,
+        )
 
 
 class PocketSphinxRecognizer:
@@ -405,8 +479,15 @@ class PocketSphinxRecognizer:
     streams already running finish on their old decoder, which is then dropped.
     """
 
-    def __init__(self, vocabulary: DomainVocabulary | None = None, mode: str = "lm", *, max_idle: int = 4,
-                 final_pass: bool = True, noise_floor: float = 1e-3) -> None:
+    def __init__(
+        self,
+        vocabulary: DomainVocabulary | None = None,
+        mode: str = "lm",
+        *,
+        max_idle: int = 4,
+        final_pass: bool = True,
+        noise_floor: float = 1e-3,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown pocketsphinx mode {mode!r}; choose one of {MODES}")
         self.mode = mode
@@ -444,8 +525,15 @@ class PocketSphinxRecognizer:
             decoder = self._idle.pop() if self._idle else None
         if decoder is None:
             decoder = recipe.make()
-        return PocketSphinxStream(decoder, recipe, self._release, self.name, live=live,
-                                  final_pass=self.final_pass, noise_floor=self.noise_floor)
+        return PocketSphinxStream(
+            decoder,
+            recipe,
+            self._release,
+            self.name,
+            live=live,
+            final_pass=self.final_pass,
+            noise_floor=self.noise_floor,
+        )
 
     def transcribe(self, audio: np.ndarray) -> Transcript:
         """One whole utterance (trim it with the VAD first): a single batch-CMN pass, no partials."""
@@ -482,10 +570,18 @@ class PocketSphinxRecognizer:
         dict_path = pocketsphinx.get_model_path("en-us/cmudict-en-us.dict")
         prons = pronunciations(vocab.words(), dict_path)
         if self.mode == "lm":
-            return _DecoderRecipe(mode="lm", version=vocab.version, dict_text=dictionary_text(prons),
-                                  lm_text=arpa_from_phrases(vocab.weighted_phrases()))
-        return _DecoderRecipe(mode="jsgf", version=vocab.version, dict_text=dictionary_text(prons),
-                              jsgf_text=jsgf_from_vocabulary(vocab))
+            return _DecoderRecipe(
+                mode="lm",
+                version=vocab.version,
+                dict_text=dictionary_text(prons),
+                lm_text=arpa_from_phrases(vocab.weighted_phrases()),
+            )
+        return _DecoderRecipe(
+            mode="jsgf",
+            version=vocab.version,
+            dict_text=dictionary_text(prons),
+            jsgf_text=jsgf_from_vocabulary(vocab),
+        )
 
 
 def make_recognizer(name: str = "pocketsphinx", vocabulary: DomainVocabulary | None = None) -> Recognizer:
@@ -494,7 +590,9 @@ def make_recognizer(name: str = "pocketsphinx", vocabulary: DomainVocabulary | N
         return PocketSphinxRecognizer(vocabulary, mode="lm")
     if name.startswith("pocketsphinx-") and name.removeprefix("pocketsphinx-") in MODES:
         return PocketSphinxRecognizer(vocabulary, mode=name.removeprefix("pocketsphinx-"))
-    raise ValueError(f"unknown recognizer {name!r}; available: pocketsphinx, pocketsphinx-jsgf, pocketsphinx-general")
+    raise ValueError(
+        f"unknown recognizer {name!r}; available: pocketsphinx, pocketsphinx-jsgf, pocketsphinx-general"
+    )
 
 
 def _to_pcm16(samples: np.ndarray) -> bytes:
@@ -504,4 +602,3 @@ def _to_pcm16(samples: np.ndarray) -> bytes:
 def _clean(text: str) -> str:
     # Filler and noise tokens ("<sil>", "[NOISE]") are not words; the dictionary's word forms are.
     return " ".join(w for w in text.split() if not (w.startswith(("<", "[", "+"))))
-

@@ -14,11 +14,17 @@ DEFAULT_DB_NAME = "assistant.db"
 
 
 def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b: random weights) for the "
-                        "Gemma extraction and QnA; default: the embedded tiny model")
-    p.add_argument("--no-llm", action="store_true",
-                   help="no model: unsure utterances get a clarifying question, QnA answers extractively")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b: random weights) for the "
+        "Gemma extraction and QnA; default: the embedded tiny model",
+    )
+    p.add_argument(
+        "--no-llm",
+        action="store_true",
+        help="no model: unsure utterances get a clarifying question, QnA answers extractively",
+    )
     db_help = (
         f"SQLite database (default: <cache>/assistant/{DEFAULT_DB_NAME}, <cache> being $G4SERVE_CACHE or "
         "~/.cache/g4serve; seeded with demo data when it does not exist yet; ':memory:' for a throwaway one)"
@@ -31,19 +37,34 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="explicit KV-cache budget (CPU default 256 MiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                   help="the assistant's prompts are short: half the GPU is plenty by default")
+    p.add_argument(
+        "--kv-cache-bytes", type=int, default=None, help="explicit KV-cache budget (CPU default 256 MiB)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="the assistant's prompts are short: half the GPU is plenty by default",
+    )
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0, help="seed of random preset weights")
-    p.add_argument("--asr", default="pocketsphinx",
-                   help="speech recogniser: pocketsphinx (domain LM, default), pocketsphinx-jsgf, pocketsphinx-general")
-    p.add_argument("--intent-threshold", type=float, default=0.75,
-                   help="fast-path confidence below which Gemma extracts the intent")
+    p.add_argument(
+        "--asr",
+        default="pocketsphinx",
+        help="speech recogniser: pocketsphinx (domain LM, default), pocketsphinx-jsgf, pocketsphinx-general",
+    )
+    p.add_argument(
+        "--intent-threshold",
+        type=float,
+        default=0.75,
+        help="fast-path confidence below which Gemma extracts the intent",
+    )
     p.add_argument("--log-level", default="info")
     sub = p.add_subparsers(dest="assistant_command")
-    imp = sub.add_parser("import-payees", help="load payees from a CSV (payee_id,display_name,relationship[,kind]"
-                                               "[,aliases]) into the database")
+    imp = sub.add_parser(
+        "import-payees",
+        help="load payees from a CSV (payee_id,display_name,relationship[,kind][,aliases]) into the database",
+    )
     imp.add_argument("csv")
     # Own dest: argparse lets a subparser's default overwrite the parent's value of the same name.
     imp.add_argument("--db", dest="import_db", default=None, help="database (default: as for the assistant)")
@@ -84,12 +105,23 @@ def build_engine(args: argparse.Namespace):
 
     model = args.model
     if model is not None and model not in PRESETS and not Path(model).is_dir():
-        raise ValueError(f"--model: {model!r} is neither a checkpoint directory nor a preset "
-                         f"({', '.join(sorted(PRESETS))})")
-    config = EngineConfig(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=True, text_only=True,
-                          seed=args.seed, attention_backend=args.attention_backend)
+        raise ValueError(
+            f"--model: {model!r} is neither a checkpoint directory nor a preset "
+            f"({', '.join(sorted(PRESETS))})"
+        )
+    config = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=True,
+        text_only=True,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+    )
     return AsyncLLMEngine.from_config(config)
 
 
@@ -113,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
         return import_payees(args.csv, resolve_db(args.import_db or args.db))
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = build_from_args(args)
     log.info("assistant on http://%s:%d (web page at /)", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)

@@ -124,7 +124,8 @@ class BankDB:
                 "INSERT INTO payees (payee_id, display_name, relationship, kind, aliases) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (payee_id) DO UPDATE SET display_name = excluded.display_name, "
                 "relationship = excluded.relationship, kind = excluded.kind, aliases = excluded.aliases",
-                (p.payee_id, p.display_name, p.relationship, p.kind, ",".join(p.aliases)))
+                (p.payee_id, p.display_name, p.relationship, p.kind, ",".join(p.aliases)),
+            )
             n += 1
         if n:
             self._bump_version()
@@ -134,12 +135,15 @@ class BankDB:
         with self._lock:
             return [dict(r) for r in self._conn.execute("SELECT * FROM contacts ORDER BY contact_id")]
 
-    def add_contact(self, name: str, payee_id: str | None = None, phone: str | None = None,
-                    email: str | None = None) -> str:
+    def add_contact(
+        self, name: str, payee_id: str | None = None, phone: str | None = None, email: str | None = None
+    ) -> str:
         """A phone-book entry; when linked to a payee its name becomes one more way to say that payee."""
         contact_id = f"c-{uuid.uuid4().hex[:10]}"
         with self._lock, self._conn:
-            self._conn.execute("INSERT INTO contacts VALUES (?, ?, ?, ?, ?)", (contact_id, name, phone, email, payee_id))
+            self._conn.execute(
+                "INSERT INTO contacts VALUES (?, ?, ?, ?, ?)", (contact_id, name, phone, email, payee_id)
+            )
             if payee_id is not None:
                 self._bump_version()
         return contact_id
@@ -157,18 +161,25 @@ class BankDB:
     # --- accounts, cards, transactions ------------------------------------------------------------------
     def accounts(self) -> list[dict]:
         with self._lock:
-            return [dict(r) for r in self._conn.execute(
-                "SELECT account_id, name, balance_minor, currency FROM accounts ORDER BY rowid")]
+            return [
+                dict(r)
+                for r in self._conn.execute(
+                    "SELECT account_id, name, balance_minor, currency FROM accounts ORDER BY rowid"
+                )
+            ]
 
     def balance(self, account_id: str | None = None) -> dict:
         """One account's balance; without an id, the customer's first (main checking) account."""
         with self._lock:
             if account_id is None:
                 row = self._conn.execute(
-                    "SELECT account_id, name, balance_minor, currency FROM accounts ORDER BY rowid LIMIT 1").fetchone()
+                    "SELECT account_id, name, balance_minor, currency FROM accounts ORDER BY rowid LIMIT 1"
+                ).fetchone()
             else:
-                row = self._conn.execute("SELECT account_id, name, balance_minor, currency FROM accounts "
-                                         "WHERE account_id = ?", (account_id,)).fetchone()
+                row = self._conn.execute(
+                    "SELECT account_id, name, balance_minor, currency FROM accounts WHERE account_id = ?",
+                    (account_id,),
+                ).fetchone()
         if row is None:
             raise KeyError(f"no account {account_id!r}" if account_id else "no accounts")
         return dict(row)
@@ -196,8 +207,16 @@ class BankDB:
             raise KeyError(f"no card {card_id!r}")
 
     # --- transfers ------------------------------------------------------------------------------------
-    def create_transfer(self, session_id: str, payee_id: str, amount_minor: int, currency: str, kind: str,
-                        from_account_id: str | None = None, scheduled_for: dt.date | None = None) -> str:
+    def create_transfer(
+        self,
+        session_id: str,
+        payee_id: str,
+        amount_minor: int,
+        currency: str,
+        kind: str,
+        from_account_id: str | None = None,
+        scheduled_for: dt.date | None = None,
+    ) -> str:
         """Records a proposed transfer with status 'pending'; nothing moves until ``execute_transfer``.
 
         Without ``from_account_id`` the first account in ``currency`` pays. Raises ValueError on a bad
@@ -216,32 +235,51 @@ class BankDB:
             self._conn.execute(
                 "INSERT INTO transfers (transfer_id, session_id, payee_id, from_account_id, amount_minor, currency, "
                 "kind, status, scheduled_for, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
-                (transfer_id, session_id, payee_id, account, amount_minor, currency, kind,
-                 scheduled_for.isoformat() if scheduled_for else None, now, now))
+                (
+                    transfer_id,
+                    session_id,
+                    payee_id,
+                    account,
+                    amount_minor,
+                    currency,
+                    kind,
+                    scheduled_for.isoformat() if scheduled_for else None,
+                    now,
+                    now,
+                ),
+            )
         return transfer_id
 
     def account_for_currency(self, currency: str) -> dict | None:
         """The first account held in ``currency``, which pays transfers in that currency."""
         with self._lock:
-            row = self._conn.execute("SELECT account_id, name, balance_minor, currency FROM accounts "
-                                     "WHERE currency = ? ORDER BY rowid LIMIT 1", (currency,)).fetchone()
+            row = self._conn.execute(
+                "SELECT account_id, name, balance_minor, currency FROM accounts "
+                "WHERE currency = ? ORDER BY rowid LIMIT 1",
+                (currency,),
+            ).fetchone()
         return dict(row) if row else None
 
     def _paying_account(self, currency: str, account_id: str | None) -> str:
         if account_id is None:
-            row = self._conn.execute("SELECT account_id FROM accounts WHERE currency = ? ORDER BY rowid LIMIT 1",
-                                     (currency,)).fetchone()
+            row = self._conn.execute(
+                "SELECT account_id FROM accounts WHERE currency = ? ORDER BY rowid LIMIT 1", (currency,)
+            ).fetchone()
             if row is None:
                 raise ValueError(f"no account in {currency}")
             return row["account_id"]
-        row = self._conn.execute("SELECT currency FROM accounts WHERE account_id = ?", (account_id,)).fetchone()
+        row = self._conn.execute(
+            "SELECT currency FROM accounts WHERE account_id = ?", (account_id,)
+        ).fetchone()
         if row is None or row["currency"] != currency:
             raise ValueError(f"account {account_id!r} does not exist or is not in {currency}")
         return account_id
 
     def transfer(self, transfer_id: str) -> dict | None:
         with self._lock:
-            row = self._conn.execute("SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)).fetchone()
+            row = self._conn.execute(
+                "SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)
+            ).fetchone()
         return dict(row) if row else None
 
     def execute_transfer(self, transfer_id: str, today: dt.date | None = None) -> dict:
@@ -261,29 +299,47 @@ class BankDB:
             if t["scheduled_for"] and dt.date.fromisoformat(t["scheduled_for"]) > today:
                 status = "scheduled"
             else:
-                balance = self._conn.execute("SELECT balance_minor FROM accounts WHERE account_id = ?",
-                                             (t["from_account_id"],)).fetchone()["balance_minor"]
+                balance = self._conn.execute(
+                    "SELECT balance_minor FROM accounts WHERE account_id = ?", (t["from_account_id"],)
+                ).fetchone()["balance_minor"]
                 if balance < t["amount_minor"]:
                     status, note = "failed", "insufficient funds"
                 else:
-                    payee = self._conn.execute("SELECT display_name FROM payees WHERE payee_id = ?",
-                                               (t["payee_id"],)).fetchone()
+                    payee = self._conn.execute(
+                        "SELECT display_name FROM payees WHERE payee_id = ?", (t["payee_id"],)
+                    ).fetchone()
                     what = "Payment to" if t["kind"] == "bill_payment" else "Transfer to"
-                    self._conn.execute("UPDATE accounts SET balance_minor = balance_minor - ? WHERE account_id = ?",
-                                       (t["amount_minor"], t["from_account_id"]))
+                    self._conn.execute(
+                        "UPDATE accounts SET balance_minor = balance_minor - ? WHERE account_id = ?",
+                        (t["amount_minor"], t["from_account_id"]),
+                    )
                     self._conn.execute(
                         "INSERT INTO transactions (account_id, posted_on, description, amount_minor, currency) "
-                        "VALUES (?, ?, ?, ?, ?)", (t["from_account_id"], today.isoformat(),
-                                                   f"{what} {payee['display_name']}", -t["amount_minor"], t["currency"]))
-            self._conn.execute("UPDATE transfers SET status = ?, note = ?, updated_at = ? WHERE transfer_id = ?",
-                               (status, note, time.time(), transfer_id))
-            return dict(self._conn.execute("SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)).fetchone())
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (
+                            t["from_account_id"],
+                            today.isoformat(),
+                            f"{what} {payee['display_name']}",
+                            -t["amount_minor"],
+                            t["currency"],
+                        ),
+                    )
+            self._conn.execute(
+                "UPDATE transfers SET status = ?, note = ?, updated_at = ? WHERE transfer_id = ?",
+                (status, note, time.time(), transfer_id),
+            )
+            return dict(
+                self._conn.execute("SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)).fetchone()
+            )
 
     def cancel_transfer(self, transfer_id: str) -> None:
         """Cancels a pending transfer; cancelling one that is no longer pending is a no-op (idempotent)."""
         with self._lock, self._conn:
-            self._conn.execute("UPDATE transfers SET status = 'cancelled', updated_at = ? "
-                               "WHERE transfer_id = ? AND status = 'pending'", (time.time(), transfer_id))
+            self._conn.execute(
+                "UPDATE transfers SET status = 'cancelled', updated_at = ? "
+                "WHERE transfer_id = ? AND status = 'pending'",
+                (time.time(), transfer_id),
+            )
 
     def transfers(self, status: str | None = None) -> list[dict]:
         sql, args = "SELECT * FROM transfers", ()
@@ -299,12 +355,15 @@ class BankDB:
     def audit_many(self, session_id: str, rows: Iterable[tuple[str, str, dict]]) -> None:
         """Several audit rows in one transaction (one commit per turn, not per normalization rule)."""
         now = time.time()
-        values = [(now, session_id, stage, event, json.dumps(detail, default=str, sort_keys=True))
-                  for stage, event, detail in rows]
+        values = [
+            (now, session_id, stage, event, json.dumps(detail, default=str, sort_keys=True))
+            for stage, event, detail in rows
+        ]
         if values:
             with self._lock, self._conn:
-                self._conn.executemany("INSERT INTO audit (ts, session_id, stage, event, detail) VALUES (?, ?, ?, ?, ?)",
-                                       values)
+                self._conn.executemany(
+                    "INSERT INTO audit (ts, session_id, stage, event, detail) VALUES (?, ?, ?, ?, ?)", values
+                )
 
     def audit_log(self, session_id: str | None = None) -> list[dict]:
         sql, args = "SELECT * FROM audit", ()
@@ -326,14 +385,19 @@ class BankDB:
             c.executemany("INSERT OR IGNORE INTO accounts VALUES (?, 'cust-001', ?, ?, ?)", _DEMO_ACCOUNTS)
             added = 0
             for payee_id, name, relationship, kind, aliases in _DEMO_PAYEES:
-                added += c.execute("INSERT OR IGNORE INTO payees VALUES (?, ?, ?, ?, ?)",
-                                   (payee_id, name, relationship, kind, aliases)).rowcount
+                added += c.execute(
+                    "INSERT OR IGNORE INTO payees VALUES (?, ?, ?, ?, ?)",
+                    (payee_id, name, relationship, kind, aliases),
+                ).rowcount
             for contact in _DEMO_CONTACTS:
                 added += c.execute("INSERT OR IGNORE INTO contacts VALUES (?, ?, ?, ?, ?)", contact).rowcount
             c.executemany("INSERT OR IGNORE INTO cards VALUES (?, ?, ?, ?, ?, 0)", _DEMO_CARDS)
             if c.execute("SELECT COUNT(*) FROM transactions").fetchone()[0] == 0:
-                c.executemany("INSERT INTO transactions (account_id, posted_on, description, amount_minor, currency) "
-                              "VALUES (?, ?, ?, ?, ?)", _DEMO_TRANSACTIONS)
+                c.executemany(
+                    "INSERT INTO transactions (account_id, posted_on, description, amount_minor, currency) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    _DEMO_TRANSACTIONS,
+                )
             if added:
                 self._bump_version()
 
@@ -352,8 +416,10 @@ def _read_payees_csv(path: Path) -> list[Payee]:
         header = [h.strip().lower() for h in header]
         for col in header:
             if col not in CSV_REQUIRED + CSV_OPTIONAL:
-                raise ValueError(f"{path}: line 1, column {col!r}: unknown column "
-                                 f"(expected {', '.join(CSV_REQUIRED + CSV_OPTIONAL)})")
+                raise ValueError(
+                    f"{path}: line 1, column {col!r}: unknown column "
+                    f"(expected {', '.join(CSV_REQUIRED + CSV_OPTIONAL)})"
+                )
         for col in CSV_REQUIRED:
             if col not in header:
                 raise ValueError(f"{path}: line 1, column {col!r}: missing required column")
@@ -371,13 +437,21 @@ def _read_payees_csv(path: Path) -> list[Payee]:
             payee_id, name = row["payee_id"], row["display_name"]
             kind = row.get("kind") or "person"
             if not _PAYEE_ID.fullmatch(payee_id):
-                raise ValueError(f"{path}: line {line}, column 'payee_id': {payee_id!r} is not 1-64 of A-Z a-z 0-9 _ . -")
+                raise ValueError(
+                    f"{path}: line {line}, column 'payee_id': {payee_id!r} is not 1-64 of A-Z a-z 0-9 _ . -"
+                )
             if payee_id in seen:
-                raise ValueError(f"{path}: line {line}, column 'payee_id': {payee_id!r} repeats line {seen[payee_id]}")
+                raise ValueError(
+                    f"{path}: line {line}, column 'payee_id': {payee_id!r} repeats line {seen[payee_id]}"
+                )
             if not name or len(name) > _MAX_NAME_CHARS:
-                raise ValueError(f"{path}: line {line}, column 'display_name': must be 1-{_MAX_NAME_CHARS} characters")
+                raise ValueError(
+                    f"{path}: line {line}, column 'display_name': must be 1-{_MAX_NAME_CHARS} characters"
+                )
             if kind not in PAYEE_KINDS:
-                raise ValueError(f"{path}: line {line}, column 'kind': {kind!r} is not one of {', '.join(PAYEE_KINDS)}")
+                raise ValueError(
+                    f"{path}: line {line}, column 'kind': {kind!r} is not one of {', '.join(PAYEE_KINDS)}"
+                )
             aliases = tuple(a.strip() for a in row.get("aliases", "").split(";") if a.strip())
             seen[payee_id] = line
             payees.append(Payee(payee_id, name, row["relationship"], kind, aliases))
@@ -461,4 +535,3 @@ def demo_db(path: str | os.PathLike = ":memory:") -> BankDB:
     db = BankDB(path)
     db.seed_demo()
     return db
-

@@ -106,8 +106,15 @@ def _schema_json(n_candidates: int) -> str:
             "needs_confirmation": {"type": "boolean"},
             "ambiguity_reason": {"anyOf": [{"type": "string", "pattern": _REASON_PATTERN}, {"type": "null"}]},
         },
-        "required": ["intent", "entities", "amount_minor", "currency", "recipient_candidate_id",
-                     "needs_confirmation", "ambiguity_reason"],
+        "required": [
+            "intent",
+            "entities",
+            "amount_minor",
+            "currency",
+            "recipient_candidate_id",
+            "needs_confirmation",
+            "ambiguity_reason",
+        ],
         "additionalProperties": False,
     }
     return json.dumps(schema)
@@ -192,7 +199,9 @@ class Extractor:
 
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
-        self._validators = {n: jsonschema.Draft202012Validator(extraction_schema(n)) for n in range(MAX_CANDIDATES + 1)}
+        self._validators = {
+            n: jsonschema.Draft202012Validator(extraction_schema(n)) for n in range(MAX_CANDIDATES + 1)
+        }
         bound = max_output_bytes(extraction_schema(MAX_CANDIDATES))
         self.max_tokens = self._budget(max_tokens, bound)
         self._specs: dict[int, Any] = {}
@@ -209,16 +218,30 @@ class Extractor:
         """
         if requested is None:
             return bound_bytes
-        longest = {"intent": max(INTENTS, key=len),
-                   "entities": {"payee_name": "Alexandra Montgomery-Smith Jr.", "date": "2025-12-31",
-                                "card": "debit", "account": "checking"},
-                   "amount_minor": _MAX_AMOUNT_MINOR, "currency": "USD", "recipient_candidate_id": "c5",
-                   "needs_confirmation": True, "ambiguity_reason": "two payees match the name and no amount was said"}
+        longest = {
+            "intent": max(INTENTS, key=len),
+            "entities": {
+                "payee_name": "Alexandra Montgomery-Smith Jr.",
+                "date": "2025-12-31",
+                "card": "debit",
+                "account": "checking",
+            },
+            "amount_minor": _MAX_AMOUNT_MINOR,
+            "currency": "USD",
+            "recipient_candidate_id": "c5",
+            "needs_confirmation": True,
+            "ambiguity_reason": "two payees match the name and no amount was said",
+        }
         n = len(self.tokenizer.encode(json.dumps(longest), add_special_tokens=False))
         if n <= requested:
             return requested
-        log.warning("extraction: this tokenizer needs %d tokens for the longest output; max_tokens raised from %d "
-                    "to the schema's byte bound %d", n, requested, bound_bytes)
+        log.warning(
+            "extraction: this tokenizer needs %d tokens for the longest output; max_tokens raised from %d "
+            "to the schema's byte bound %d",
+            n,
+            requested,
+            bound_bytes,
+        )
         return bound_bytes
 
     # ---- prompt ---------------------------------------------------------------------------------------
@@ -242,7 +265,8 @@ class Extractor:
 
     def prompt(self, transcript: str, candidates: Sequence, normalized: str | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            self._messages_for(self.user_text(transcript, candidates, normalized)), add_generation_prompt=True)
+            self._messages_for(self.user_text(transcript, candidates, normalized)), add_generation_prompt=True
+        )
 
     def spec(self, n_candidates: int):
         from g4serve.structured import StructuredSpec
@@ -254,7 +278,9 @@ class Extractor:
     def params(self, n_candidates: int):
         from g4serve.sampling_params import SamplingParams
 
-        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, structured_output=self.spec(n_candidates))
+        return SamplingParams(
+            temperature=0.0, max_tokens=self.max_tokens, structured_output=self.spec(n_candidates)
+        )
 
     async def warmup(self) -> None:
         """Compile the grammar of every candidate count now (off the event loop), not on a user's turn, and
@@ -264,16 +290,21 @@ class Extractor:
         processed = await self.engine.process(self.prompt("warm up", []), add_special_tokens=False)
         loop = asyncio.get_running_loop()
         for n in range(MAX_CANDIDATES + 1):
-            await loop.run_in_executor(None, self.engine.engine.make_request, "assistant-warmup", processed,
-                                       self.params(n))
+            await loop.run_in_executor(
+                None, self.engine.engine.make_request, "assistant-warmup", processed, self.params(n)
+            )
         async for _ in self.engine.generate(processed, SamplingParams(temperature=0.0, max_tokens=1)):
             pass
 
     # ---- call -------------------------------------------------------------------------------------------
-    async def extract(self, transcript: str, candidates: Sequence, normalized: str | None = None) -> Extraction:
+    async def extract(
+        self, transcript: str, candidates: Sequence, normalized: str | None = None
+    ) -> Extraction:
         candidates = list(candidates)[:MAX_CANDIDATES]
         offered = [c.payee_id for c in candidates]
-        processed = await self.engine.process(self.prompt(transcript, candidates, normalized), add_special_tokens=False)
+        processed = await self.engine.process(
+            self.prompt(transcript, candidates, normalized), add_special_tokens=False
+        )
         t_start = time.perf_counter()
         pieces: list[str] = []
         out_tokens = cached = 0
@@ -287,10 +318,20 @@ class Extractor:
         raw = "".join(pieces)
         output, error = self.validate(raw, len(candidates))
         t_valid = time.perf_counter()
-        return Extraction(output=output, raw=raw, valid=error is None, error=error, offered=offered,
-                          llm_ms=(t_end - t_start) * 1000, validation_ms=(t_valid - t_end) * 1000,
-                          prompt_tokens=len(processed.token_ids), cached_tokens=cached, output_tokens=out_tokens,
-                          finish_reason=finish_reason, timeline={"llm_start": t_start, "llm_end": t_end})
+        return Extraction(
+            output=output,
+            raw=raw,
+            valid=error is None,
+            error=error,
+            offered=offered,
+            llm_ms=(t_end - t_start) * 1000,
+            validation_ms=(t_valid - t_end) * 1000,
+            prompt_tokens=len(processed.token_ids),
+            cached_tokens=cached,
+            output_tokens=out_tokens,
+            finish_reason=finish_reason,
+            timeline={"llm_start": t_start, "llm_end": t_end},
+        )
 
     def validate(self, raw: str, n_candidates: int) -> tuple[dict | None, str | None]:
         """Parse and check against the schema; the grammar should make this always pass, but the policy
@@ -306,8 +347,13 @@ class Extractor:
         return output, None
 
 
-def merge_into_result(base, extraction: Extraction, candidates: Sequence,
-                      heard_amounts: Sequence[tuple[int, str]] = (), confidence: float = 0.9):
+def merge_into_result(
+    base,
+    extraction: Extraction,
+    candidates: Sequence,
+    heard_amounts: Sequence[tuple[int, str]] = (),
+    confidence: float = 0.9,
+):
     """The fast path's ``IntentResult`` updated with a valid extraction; the policy re-validates it.
 
     The model fills gaps, it does not overrule the rules: its amount is used only when it is one of the
@@ -330,6 +376,12 @@ def merge_into_result(base, extraction: Extraction, candidates: Sequence,
         entities["payee_name"] = chosen.display_name
     elif candidates:
         entities.pop("payee_id", None)  # offered candidates and the model chose none: no guess survives
-    return dataclasses.replace(base, intent=out["intent"], confidence=confidence, entities=entities,
-                               needs_llm=False, ambiguity_reason=out.get("ambiguity_reason"),
-                               rules=[*(base.rules or []), "gemma_extraction"])
+    return dataclasses.replace(
+        base,
+        intent=out["intent"],
+        confidence=confidence,
+        entities=entities,
+        needs_llm=False,
+        ambiguity_reason=out.get("ambiguity_reason"),
+        rules=[*(base.rules or []), "gemma_extraction"],
+    )

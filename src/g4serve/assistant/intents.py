@@ -9,8 +9,18 @@ from dataclasses import dataclass, field
 from g4serve.assistant.normalize import Normalized
 from g4serve.assistant.payees import Candidate, PayeeIndex
 
-INTENTS: tuple[str, ...] = ("balance_inquiry", "recent_transactions", "transfer_money", "card_lock", "card_unlock",
-                            "bill_payment", "recipient_lookup", "human_handoff", "qna", "unknown")
+INTENTS: tuple[str, ...] = (
+    "balance_inquiry",
+    "recent_transactions",
+    "transfer_money",
+    "card_lock",
+    "card_unlock",
+    "bill_payment",
+    "recipient_lookup",
+    "human_handoff",
+    "qna",
+    "unknown",
+)
 MONEY_INTENTS = ("transfer_money", "bill_payment")
 ACTION_INTENTS = (*MONEY_INTENTS, "card_lock", "card_unlock")
 
@@ -41,71 +51,165 @@ def _rx(pattern: str) -> re.Pattern:
 _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
     "balance_inquiry": [
         ("balance", 0.9, _rx(r"\bbalances?\b")),
-        ("how_much_have", 0.85, _rx(r"\bhow much (?:money )?(?:do i have|have i got|is (?:there |left )?(?:in|on)|"
-                                    r"is left|i have|i got)\b")),
+        (
+            "how_much_have",
+            0.85,
+            _rx(
+                r"\bhow much (?:money )?(?:do i have|have i got|is (?:there |left )?(?:in|on)|"
+                r"is left|i have|i got)\b"
+            ),
+        ),
         ("available_funds", 0.85, _rx(r"\bavailable (?:funds|balance|credit)\b|\bfunds available\b")),
         ("whats_in_account", 0.7, _rx(r"\b(?:whats|what is) in my (?:\w+ )?(?:checking|savings|account)\b")),
         ("overdrawn", 0.8, _rx(r"\b(?:am i|is my account) overdrawn\b")),
     ],
     "recent_transactions": [
-        ("recent_items", 0.9, _rx(r"\b(?:recent|last|latest|past|previous) (?:\d+ )?(?:\w+ )?(?:transactions?|purchases|"
-                                  r"charges|activity|transfers|deposits|payments)\b")),
-        ("history", 0.9, _rx(r"\b(?:transaction|account|payment|spending) history\b|\bstatement\b|\baccount activity\b")),
-        ("show_items", 0.85, _rx(r"\b(?:show|list|see|read|tell|give)(?: me)?(?: my| the)? (?:\w+ )?"
-                                 r"(?:transactions|purchases|charges|activity)\b")),
-        ("what_did_i_spend", 0.8, _rx(r"\bwhat did i (?:spend|buy)\b|\bwhere did i spend\b|\bhow much did i spend\b|"
-                                      r"\bmy spending\b")),
+        (
+            "recent_items",
+            0.9,
+            _rx(
+                r"\b(?:recent|last|latest|past|previous) (?:\d+ )?(?:\w+ )?(?:transactions?|purchases|"
+                r"charges|activity|transfers|deposits|payments)\b"
+            ),
+        ),
+        (
+            "history",
+            0.9,
+            _rx(r"\b(?:transaction|account|payment|spending) history\b|\bstatement\b|\baccount activity\b"),
+        ),
+        (
+            "show_items",
+            0.85,
+            _rx(
+                r"\b(?:show|list|see|read|tell|give)(?: me)?(?: my| the)? (?:\w+ )?"
+                r"(?:transactions|purchases|charges|activity)\b"
+            ),
+        ),
+        (
+            "what_did_i_spend",
+            0.8,
+            _rx(
+                r"\bwhat did i (?:spend|buy)\b|\bwhere did i spend\b|\bhow much did i spend\b|"
+                r"\bmy spending\b"
+            ),
+        ),
         ("did_i_pay", 0.75, _rx(r"\b(?:did i|when did i) (?:last |already )?pay\b")),
         ("transactions_word", 0.6, _rx(r"\btransactions?\b")),
     ],
     "transfer_money": [
-        ("send_verb", 0.75, _rx(r"\b(?:send|sending|transfer|transferring|wire|zelle|venmo|reimburse|remit)\b")),
+        (
+            "send_verb",
+            0.75,
+            _rx(r"\b(?:send|sending|transfer|transferring|wire|zelle|venmo|reimburse|remit)\b"),
+        ),
         ("give_verb", 0.6, _rx(r"\b(?:give|move|pay back|owe)\b")),
         ("pay_verb", 0.5, _rx(r"\bpay(?:ing)?\b")),
         ("money_to", 0.6, _rx(r"\b(?:money|cash|funds)\b.* to\b")),
     ],
     "bill_payment": [
-        ("pay_bill", 0.9, _rx(r"\bpay(?:ing)? (?:off )?(?:my |the |this |our )?(?:\w+ ){0,2}(?:bills?|invoice|rent|"
-                              r"mortgage|subscription)\b")),
+        (
+            "pay_bill",
+            0.9,
+            _rx(
+                r"\bpay(?:ing)? (?:off )?(?:my |the |this |our )?(?:\w+ ){0,2}(?:bills?|invoice|rent|"
+                r"mortgage|subscription)\b"
+            ),
+        ),
         ("bill_word", 0.6, _rx(r"\b(?:bills?|invoice)\b")),
         ("pay_verb", 0.5, _rx(r"\bpay(?:ing)?\b")),
     ],
     "card_lock": [
-        ("lock_card", 0.9, _rx(r"\b(?:lock|freeze|block|disable|suspend|deactivate|cancel|turn off)\b(?: \w+){0,3} cards?\b")),
-        ("lost_stolen", 0.9, _rx(r"\b(?:lost|stolen|stole|missing|misplaced|cant find)\b(?: \w+){0,4} (?:cards?|wallet|purse)\b|"
-                                 r"\b(?:cards?|wallet|purse) (?:is |was |has been |got )?(?:lost|stolen|missing)\b")),
+        (
+            "lock_card",
+            0.9,
+            _rx(
+                r"\b(?:lock|freeze|block|disable|suspend|deactivate|cancel|turn off)\b(?: \w+){0,3} cards?\b"
+            ),
+        ),
+        (
+            "lost_stolen",
+            0.9,
+            _rx(
+                r"\b(?:lost|stolen|stole|missing|misplaced|cant find)\b(?: \w+){0,4} (?:cards?|wallet|purse)\b|"
+                r"\b(?:cards?|wallet|purse) (?:is |was |has been |got )?(?:lost|stolen|missing)\b"
+            ),
+        ),
         ("lock_word", 0.6, _rx(r"\b(?:lock|freeze|block)\b")),
         ("fraud", 0.5, _rx(r"\b(?:fraud|fraudulent|unauthorized|didnt make)\b")),
     ],
     "card_unlock": [
-        ("unlock_card", 0.9, _rx(r"\b(?:unlock|unfreeze|unblock|reactivate|re enable|reenable|enable|turn on|activate)\b"
-                                 r"(?: \w+){0,3} cards?\b")),
+        (
+            "unlock_card",
+            0.9,
+            _rx(
+                r"\b(?:unlock|unfreeze|unblock|reactivate|re enable|reenable|enable|turn on|activate)\b"
+                r"(?: \w+){0,3} cards?\b"
+            ),
+        ),
         ("found_card", 0.85, _rx(r"\bfound (?:my |the )?(?:\w+ )?(?:card|wallet)\b")),
         ("unlock_word", 0.6, _rx(r"\b(?:unlock|unfreeze|unblock)\b")),
     ],
     "recipient_lookup": [
         ("is_payee", 0.9, _rx(r"\b(?:is|are|do i have|have i got)\b.*\b(?:payees?|recipients?|contacts?)\b")),
-        ("list_payees", 0.9, _rx(r"\b(?:list|show|who are|read|tell)(?: me)?(?: all)?(?: of)?(?: my| the)? (?:saved )?"
-                                 r"(?:payees|recipients|contacts)\b")),
+        (
+            "list_payees",
+            0.9,
+            _rx(
+                r"\b(?:list|show|who are|read|tell)(?: me)?(?: all)?(?: of)?(?: my| the)? (?:saved )?"
+                r"(?:payees|recipients|contacts)\b"
+            ),
+        ),
         ("find_payee", 0.75, _rx(r"\b(?:find|look up|lookup|search for)\b")),
         ("who_is", 0.6, _rx(r"\bwho is\b")),
         ("payee_word", 0.6, _rx(r"\b(?:payees?|recipients?)\b")),
     ],
     "human_handoff": [
-        ("agent", 0.95, _rx(r"\b(?:human|agent|representative|real person|live person|operator|customer service|"
-                            r"actual person|advisor|banker)\b")),
-        ("talk_to_someone", 0.8, _rx(r"\b(?:talk|speak|chat) (?:to|with) (?:a |an |some )?(?:someone|somebody|person|people)\b")),
+        (
+            "agent",
+            0.95,
+            _rx(
+                r"\b(?:human|agent|representative|real person|live person|operator|customer service|"
+                r"actual person|advisor|banker)\b"
+            ),
+        ),
+        (
+            "talk_to_someone",
+            0.8,
+            _rx(r"\b(?:talk|speak|chat) (?:to|with) (?:a |an |some )?(?:someone|somebody|person|people)\b"),
+        ),
         ("frustration", 0.6, _rx(r"\b(?:this is useless|not helping|doesnt work|you dont understand)\b")),
     ],
     "qna": [
-        ("branch_atm", 0.85, _rx(r"\b(?:branch|branches|atm|atms|cash machine|nearest|near me|opening hours|hours|"
-                                 r"open on|open today|open tomorrow|close|closing)\b")),
-        ("fees_rates", 0.85, _rx(r"\b(?:fees?|charge for|interest|rates?|apr|apy|overdraft|minimum balance|"
-                                 r"routing number|swift|iban|sort code|limits?)\b")),
-        ("products", 0.8, _rx(r"\b(?:mortgage rates?|loans?|credit card offers?|certificate of deposit|"
-                              r"open (?:an|a new) account|new account|apply for|eligible|eligibility)\b")),
+        (
+            "branch_atm",
+            0.85,
+            _rx(
+                r"\b(?:branch|branches|atm|atms|cash machine|nearest|near me|opening hours|hours|"
+                r"open on|open today|open tomorrow|close|closing)\b"
+            ),
+        ),
+        (
+            "fees_rates",
+            0.85,
+            _rx(
+                r"\b(?:fees?|charge for|interest|rates?|apr|apy|overdraft|minimum balance|"
+                r"routing number|swift|iban|sort code|limits?)\b"
+            ),
+        ),
+        (
+            "products",
+            0.8,
+            _rx(
+                r"\b(?:mortgage rates?|loans?|credit card offers?|certificate of deposit|"
+                r"open (?:an|a new) account|new account|apply for|eligible|eligibility)\b"
+            ),
+        ),
         ("policy", 0.8, _rx(r"\b(?:policy|policies|privacy|terms|dispute|refund|insured|fdic|secure)\b")),
-        ("how_to", 0.8, _rx(r"\bhow (?:do|can|would|should) i\b|\bhow to\b|\bwhat happens if\b|\bis it possible\b")),
+        (
+            "how_to",
+            0.8,
+            _rx(r"\bhow (?:do|can|would|should) i\b|\bhow to\b|\bwhat happens if\b|\bis it possible\b"),
+        ),
         ("are_you_open", 0.9, _rx(r"\bwhat time (?:do you|does the|is the)\b|\bare you open\b")),
         ("what_is_question", 0.5, _rx(r"\b(?:whats|what is|what are) (?:the|your)\b")),
     ],
@@ -120,17 +224,104 @@ _LIMIT = _rx(r"\b(?:last|past|recent|latest|previous) (\d{1,2})\b")
 
 # Confirmation vocabulary. A turn confirms only if every word is from it, so "yes but make it sixty" or
 # "cancel my card" are not read as an answer to the pending question.
-_YES = {"yes", "yeah", "yep", "yup", "ya", "yea", "sure", "confirm", "confirmed", "correct", "right", "ok", "okay",
-        "affirmative", "absolutely", "definitely", "proceed", "approve", "approved", "go", "ahead"}
-_NO = {"no", "nope", "nah", "cancel", "cancelled", "stop", "dont", "not", "negative", "abort", "wrong", "never",
-       "mind", "nevermind"}
+_YES = {
+    "yes",
+    "yeah",
+    "yep",
+    "yup",
+    "ya",
+    "yea",
+    "sure",
+    "confirm",
+    "confirmed",
+    "correct",
+    "right",
+    "ok",
+    "okay",
+    "affirmative",
+    "absolutely",
+    "definitely",
+    "proceed",
+    "approve",
+    "approved",
+    "go",
+    "ahead",
+}
+_NO = {
+    "no",
+    "nope",
+    "nah",
+    "cancel",
+    "cancelled",
+    "stop",
+    "dont",
+    "not",
+    "negative",
+    "abort",
+    "wrong",
+    "never",
+    "mind",
+    "nevermind",
+}
 _STRONG_NO_FIRST = {"no", "nope", "nah", "negative"}
-_YES_PHRASES = {"do it", "send it", "pay it", "go for it", "please do", "of course", "sure thing", "lets do it",
-                "make it so", "sounds good"}
-_FILLER = {"please", "thanks", "thank", "you", "it", "that", "thats", "this", "do", "send", "pay", "transfer",
-           "the", "payment", "a", "um", "uh", "oh", "well", "sir", "its", "is", "all", "fine", "good", "great",
-           "perfect", "and", "just", "i", "said", "want", "to", "now", "of", "course", "lock", "unlock", "for", "thing",
-           "lets", "make", "so", "sounds"}
+_YES_PHRASES = {
+    "do it",
+    "send it",
+    "pay it",
+    "go for it",
+    "please do",
+    "of course",
+    "sure thing",
+    "lets do it",
+    "make it so",
+    "sounds good",
+}
+_FILLER = {
+    "please",
+    "thanks",
+    "thank",
+    "you",
+    "it",
+    "that",
+    "thats",
+    "this",
+    "do",
+    "send",
+    "pay",
+    "transfer",
+    "the",
+    "payment",
+    "a",
+    "um",
+    "uh",
+    "oh",
+    "well",
+    "sir",
+    "its",
+    "is",
+    "all",
+    "fine",
+    "good",
+    "great",
+    "perfect",
+    "and",
+    "just",
+    "i",
+    "said",
+    "want",
+    "to",
+    "now",
+    "of",
+    "course",
+    "lock",
+    "unlock",
+    "for",
+    "thing",
+    "lets",
+    "make",
+    "so",
+    "sounds",
+}
 
 
 def confirmation_of(text: str) -> bool | None:
@@ -175,8 +366,16 @@ class IntentClassifier:
         text = normalized.text
         confirmation = confirmation_of(text)
         if confirmation is not None:
-            return IntentResult("unknown", 1.0, {"confirmation": confirmation}, [], False, None,
-                                ["confirmation_yes" if confirmation else "confirmation_no"], {})
+            return IntentResult(
+                "unknown",
+                1.0,
+                {"confirmation": confirmation},
+                [],
+                False,
+                None,
+                ["confirmation_yes" if confirmation else "confirmation_no"],
+                {},
+            )
 
         scores: dict[str, float] = {}
         rules: list[str] = []
@@ -206,7 +405,9 @@ class IntentClassifier:
             payee, payee_reason = resolve_payee(candidates)
         if payee is not None:
             entities["payee_id"], entities["payee_name"] = payee.payee_id, payee.display_name
-        elif payee_reason in (None, PAYEE_NOT_FOUND) and wants_payee and (spans := self.index.name_spans(text)):
+        elif (
+            payee_reason in (None, PAYEE_NOT_FOUND) and wants_payee and (spans := self.index.name_spans(text))
+        ):
             # A name was said but matches no payee well: keep it, so the refusal can say which.
             entities["payee_name"] = max(spans, key=len)
             payee_reason = PAYEE_NOT_FOUND
@@ -215,8 +416,9 @@ class IntentClassifier:
         ranked = sorted(scores.items(), key=lambda kv: -kv[1])
         intent, best = ranked[0]
         if best < MIN_INTENT_SCORE:
-            return IntentResult("unknown", round(1 - best, 3), entities, candidates, True, NO_INTENT, rules,
-                                _rounded(scores))
+            return IntentResult(
+                "unknown", round(1 - best, 3), entities, candidates, True, NO_INTENT, rules, _rounded(scores)
+            )
         second = max((s for i, s in ranked[1:] if not _compatible(intent, i)), default=0.0)
         confidence = best * (1 - 0.5 * second**2)
         if second >= CONFLICT_SCORE:
@@ -237,12 +439,28 @@ class IntentClassifier:
 
         # A missing amount is not ambiguity: no model can supply it, the policy asks "how much?".
         needs_llm = any(r != MISSING_AMOUNT for r in reasons)
-        return IntentResult(intent, round(confidence, 3), entities, candidates, needs_llm,
-                            "; ".join(reasons) or None, rules, _rounded(scores))
+        return IntentResult(
+            intent,
+            round(confidence, 3),
+            entities,
+            candidates,
+            needs_llm,
+            "; ".join(reasons) or None,
+            rules,
+            _rounded(scores),
+        )
 
-    def _boost(self, scores: dict[str, float], rules: list[str], normalized: Normalized,
-               candidates: list[Candidate], payee: Candidate | None, nothing_matched: bool) -> None:
+    def _boost(
+        self,
+        scores: dict[str, float],
+        rules: list[str],
+        normalized: Normalized,
+        candidates: list[Candidate],
+        payee: Candidate | None,
+        nothing_matched: bool,
+    ) -> None:
         """Entities as evidence: an amount and a known payee make a money request likelier."""
+
         def add(intent: str, weight: float, rule: str) -> None:
             scores[intent] = 1 - (1 - scores[intent]) * (1 - weight)
             rules.append(f"{intent}:{rule}")

@@ -15,10 +15,34 @@ from text_to_num import alpha2digit
 
 # ISO 4217 minor-unit exponents of the currencies the assistant understands.
 _EXPONENTS = {
-    "USD": 2, "EUR": 2, "GBP": 2, "INR": 2, "CAD": 2, "AUD": 2, "NZD": 2, "SGD": 2, "HKD": 2, "CHF": 2,
-    "CNY": 2, "MXN": 2, "SEK": 2, "NOK": 2, "DKK": 2, "BRL": 2, "ZAR": 2, "AED": 2,
-    "JPY": 0, "KRW": 0, "VND": 0, "CLP": 0, "ISK": 0,
-    "KWD": 3, "BHD": 3, "OMR": 3, "JOD": 3, "TND": 3,
+    "USD": 2,
+    "EUR": 2,
+    "GBP": 2,
+    "INR": 2,
+    "CAD": 2,
+    "AUD": 2,
+    "NZD": 2,
+    "SGD": 2,
+    "HKD": 2,
+    "CHF": 2,
+    "CNY": 2,
+    "MXN": 2,
+    "SEK": 2,
+    "NOK": 2,
+    "DKK": 2,
+    "BRL": 2,
+    "ZAR": 2,
+    "AED": 2,
+    "JPY": 0,
+    "KRW": 0,
+    "VND": 0,
+    "CLP": 0,
+    "ISK": 0,
+    "KWD": 3,
+    "BHD": 3,
+    "OMR": 3,
+    "JOD": 3,
+    "TND": 3,
 }
 _SYMBOLS = {"USD": "$", "EUR": "€", "GBP": "£", "JPY": "¥", "INR": "₹", "KRW": "₩", "CAD": "CA$", "AUD": "A$"}
 _DOLLAR_FAMILY = ("USD", "CAD", "AUD", "NZD", "SGD", "HKD")
@@ -27,23 +51,78 @@ _DOLLAR = "$"  # a bare "dollars": the customer's default currency if it is a do
 # Spoken and written currency names -> ISO code. Longer names first in the regex, so "canadian dollars"
 # wins over "dollars".
 _CURRENCY_NAMES = {
-    "us dollars": "USD", "us dollar": "USD", "american dollars": "USD", "usd": "USD",
-    "dollars": _DOLLAR, "dollar": _DOLLAR, "bucks": _DOLLAR, "buck": _DOLLAR,
-    "canadian dollars": "CAD", "canadian dollar": "CAD", "cad": "CAD",
-    "australian dollars": "AUD", "australian dollar": "AUD", "aud": "AUD",
-    "euros": "EUR", "euro": "EUR", "eur": "EUR",
-    "british pounds": "GBP", "pounds sterling": "GBP", "pounds": "GBP", "pound": "GBP", "quid": "GBP",
-    "sterling": "GBP", "gbp": "GBP",
-    "japanese yen": "JPY", "yen": "JPY", "jpy": "JPY",
-    "indian rupees": "INR", "rupees": "INR", "rupee": "INR", "rs": "INR", "inr": "INR",
-    "korean won": "KRW", "won": "KRW", "krw": "KRW",
-    "chinese yuan": "CNY", "yuan": "CNY", "renminbi": "CNY", "rmb": "CNY", "cny": "CNY",
-    "swiss francs": "CHF", "swiss franc": "CHF", "francs": "CHF", "franc": "CHF", "chf": "CHF",
-    "mexican pesos": "MXN", "pesos": "MXN", "peso": "MXN", "mxn": "MXN",
-    "kuwaiti dinars": "KWD", "kuwaiti dinar": "KWD", "kwd": "KWD",
-    "bahraini dinars": "BHD", "bahraini dinar": "BHD", "bhd": "BHD",
+    "us dollars": "USD",
+    "us dollar": "USD",
+    "american dollars": "USD",
+    "usd": "USD",
+    "dollars": _DOLLAR,
+    "dollar": _DOLLAR,
+    "bucks": _DOLLAR,
+    "buck": _DOLLAR,
+    "canadian dollars": "CAD",
+    "canadian dollar": "CAD",
+    "cad": "CAD",
+    "australian dollars": "AUD",
+    "australian dollar": "AUD",
+    "aud": "AUD",
+    "euros": "EUR",
+    "euro": "EUR",
+    "eur": "EUR",
+    "british pounds": "GBP",
+    "pounds sterling": "GBP",
+    "pounds": "GBP",
+    "pound": "GBP",
+    "quid": "GBP",
+    "sterling": "GBP",
+    "gbp": "GBP",
+    "japanese yen": "JPY",
+    "yen": "JPY",
+    "jpy": "JPY",
+    "indian rupees": "INR",
+    "rupees": "INR",
+    "rupee": "INR",
+    "rs": "INR",
+    "inr": "INR",
+    "korean won": "KRW",
+    "won": "KRW",
+    "krw": "KRW",
+    "chinese yuan": "CNY",
+    "yuan": "CNY",
+    "renminbi": "CNY",
+    "rmb": "CNY",
+    "cny": "CNY",
+    "swiss francs": "CHF",
+    "swiss franc": "CHF",
+    "francs": "CHF",
+    "franc": "CHF",
+    "chf": "CHF",
+    "mexican pesos": "MXN",
+    "pesos": "MXN",
+    "peso": "MXN",
+    "mxn": "MXN",
+    "kuwaiti dinars": "KWD",
+    "kuwaiti dinar": "KWD",
+    "kwd": "KWD",
+    "bahraini dinars": "BHD",
+    "bahraini dinar": "BHD",
+    "bhd": "BHD",
 }
-_CODES_BEFORE = ("usd", "eur", "gbp", "jpy", "inr", "rs", "krw", "cny", "chf", "cad", "aud", "mxn", "kwd", "bhd")
+_CODES_BEFORE = (
+    "usd",
+    "eur",
+    "gbp",
+    "jpy",
+    "inr",
+    "rs",
+    "krw",
+    "cny",
+    "chf",
+    "cad",
+    "aud",
+    "mxn",
+    "kwd",
+    "bhd",
+)
 _SYMBOL_CURRENCY = {"$": _DOLLAR, "€": "EUR", "£": "GBP", "¥": "JPY", "₹": "INR", "₩": "KRW"}
 _SYMBOL_PREFIX = {"us": "USD", "c": "CAD", "a": "AUD"}  # us$, c$, a$
 # Minor-unit words: None means "the currency of the sentence" (cents of dollars or of euros).
@@ -58,39 +137,79 @@ _NOT_AMOUNT = r"(?:st|nd|rd|th|days?|weeks?|months?|years?|am|pm|oclock|%|percen
 _MAX_MINOR = 10**15
 
 _MONEY_PATTERNS: list[tuple[str, re.Pattern]] = [
-    ("money_symbol", re.compile(rf"(?<![\w$€£¥₹₩])(?P<pre>us|c|a)?(?P<sym>{_SYM}) ?(?P<n>{_NUM})(?: (?P<cw>{_CUR}))?\b")),
+    (
+        "money_symbol",
+        re.compile(rf"(?<![\w$€£¥₹₩])(?P<pre>us|c|a)?(?P<sym>{_SYM}) ?(?P<n>{_NUM})(?: (?P<cw>{_CUR}))?\b"),
+    ),
     ("money_symbol_after", re.compile(rf"\b(?P<n>{_NUM}) ?(?P<sym>{_SYM})")),
     # "12 50 dollars" (spoken "twelve fifty dollars"): twelve dollars fifty, not 1250 dollars.
     ("money_pair", re.compile(rf"\b(?P<major>\d{{1,3}}) (?P<minor>\d{{2}}) (?P<cw>{_CUR})\b")),
-    ("money_words", re.compile(
-        rf"\b(?P<n>{_NUM}) (?P<cw>{_CUR})\b(?:(?: and)? (?P<m>\d{{1,3}})(?: (?P<mw>{_MINOR}))?\b"
-        rf"(?! (?:{_CUR}|{_NOT_AMOUNT})))?")),
+    (
+        "money_words",
+        re.compile(
+            rf"\b(?P<n>{_NUM}) (?P<cw>{_CUR})\b(?:(?: and)? (?P<m>\d{{1,3}})(?: (?P<mw>{_MINOR}))?\b"
+            rf"(?! (?:{_CUR}|{_NOT_AMOUNT})))?"
+        ),
+    ),
     ("money_code_before", re.compile(rf"\b(?P<cw>{'|'.join(_CODES_BEFORE)}) ?(?P<n>{_NUM})\b")),
     ("money_minor_only", re.compile(rf"\b(?P<m>\d+) ?(?P<mw>{_MINOR})\b")),
 ]
 _CURRENCY_MENTION = re.compile(rf"(?:\b(?:{_CUR})\b|{_SYM})")
-_MONEY_VERBS = re.compile(r"\b(?:send|sending|transfer|transferring|pay|paying|wire|give|move|zelle|venmo|"
-                          r"reimburse|owe|deposit)\b")
+_MONEY_VERBS = re.compile(
+    r"\b(?:send|sending|transfer|transferring|pay|paying|wire|give|move|zelle|venmo|"
+    r"reimburse|owe|deposit)\b"
+)
 _BARE_PAIR = re.compile(rf"\b(?P<major>\d{{1,3}}) (?P<minor>\d{{2}})\b(?! ?{_NOT_AMOUNT})")
 _BARE_NUM = re.compile(rf"\b(?P<n>{_NUM})\b(?! ?{_NOT_AMOUNT})(?![.:\d])")
-_NOT_AMOUNT_BEFORE = {"last", "the", "at", "in", "on", "within", "next", "past", "first", "top", "ending", "number"}
+_NOT_AMOUNT_BEFORE = {
+    "last",
+    "the",
+    "at",
+    "in",
+    "on",
+    "within",
+    "next",
+    "past",
+    "first",
+    "top",
+    "ending",
+    "number",
+}
 
-_DIGIT_WORDS = {"zero": "0", "oh": "0", "o": "0", "one": "1", "two": "2", "three": "3", "four": "4",
-                "five": "5", "six": "6", "seven": "7", "eight": "8", "nine": "9"}
+_DIGIT_WORDS = {
+    "zero": "0",
+    "oh": "0",
+    "o": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+}
 _REPEAT_WORDS = {"double": 2, "triple": 3}
 _DIGIT_CUES = {"ending", "ends", "digits", "number", "account", "card", "last"}
 _SCALE_WORDS = {"hundred", "thousand", "million", "billion", "point", "and"}
-_CUE_DIGITS = re.compile(r"\b(?P<cue>(?:ending|ends) (?:in|with) |last (?:4|four) (?:digits )?(?:are |is )?|"
-                         r"(?:account|card) (?:number )?(?:is )?)(?P<d>\d+(?: \d+)*)\b(?![.:])")
+_CUE_DIGITS = re.compile(
+    r"\b(?P<cue>(?:ending|ends) (?:in|with) |last (?:4|four) (?:digits )?(?:are |is )?|"
+    r"(?:account|card) (?:number )?(?:is )?)(?P<d>\d+(?: \d+)*)\b(?![.:])"
+)
 _SMALL_NUMBERS = re.compile(
-    rf"\b(zero|one|two)\b(?= (?:{_CUR}|{_MINOR}|hundred|thousand|grand|am|pm|oclock|days?|weeks?|transactions?|payments?|\d))")
+    rf"\b(zero|one|two)\b(?= (?:{_CUR}|{_MINOR}|hundred|thousand|grand|am|pm|oclock|days?|weeks?|transactions?|payments?|\d))"
+)
 _SMALL_VALUES = {"zero": "0", "one": "1", "two": "2"}
-_ARTICLE_NUMBER = re.compile(r"\ban? (hundred|thousand|million|dollar|buck|euro|pound|quid|yen|rupee|grand)\b")
+_ARTICLE_NUMBER = re.compile(
+    r"\ban? (hundred|thousand|million|dollar|buck|euro|pound|quid|yen|rupee|grand)\b"
+)
 _SCALE = re.compile(r"\b(\d+(?:\.\d+)?) ?(k|grand|thousand|million|billion)\b")
 _SCALE_VALUES = {"k": 1000, "grand": 1000, "thousand": 1000, "million": 10**6, "billion": 10**9}
 
-_WEEKDAYS = {d: i for i, d in enumerate(("monday", "tuesday", "wednesday", "thursday", "friday", "saturday",
-                                         "sunday"))}
+_WEEKDAYS = {
+    d: i for i, d in enumerate(("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"))
+}
 _MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_name) if name}
 _MONTHS |= {name.lower(): i for i, name in enumerate(calendar.month_abbr) if name} | {"sept": 9}
 _MONTH_RE = "|".join(sorted(_MONTHS, key=len, reverse=True))
@@ -98,13 +217,21 @@ _ORD = r"(?:st|nd|rd|th)"
 _ORDINAL_WORDS = {"first": 1, "second": 2, "third": 3}
 _DATE_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("date_iso", re.compile(r"\b(?P<y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})\b")),
-    ("date_relative", re.compile(r"\b(?:the )?day after tomorrow\b|\btomorrow\b|\btoday\b|\btonight\b|\byesterday\b")),
+    (
+        "date_relative",
+        re.compile(r"\b(?:the )?day after tomorrow\b|\btomorrow\b|\btoday\b|\btonight\b|\byesterday\b"),
+    ),
     ("date_in", re.compile(r"\bin (?P<n>\d+|an?|one|two) (?P<unit>days?|weeks?)\b")),
     ("date_weekday", re.compile(rf"\b(?:(?:next|this|coming|on) )?(?P<wd>{'|'.join(_WEEKDAYS)})\b")),
     ("date_month_day", re.compile(rf"\b(?P<mon>{_MONTH_RE}) (?:the )?(?P<d>\d{{1,2}}){_ORD}?\b")),
     ("date_day_month", re.compile(rf"\b(?:the )?(?P<d>\d{{1,2}}){_ORD} (?:of )?(?P<mon>{_MONTH_RE})\b")),
-    ("date_day_of_month", re.compile(rf"\b(?:on )?the (?P<d>\d{{1,2}}){_ORD}\b|\bon (?P<d2>\d{{1,2}}){_ORD}\b|"
-                                     rf"\bon the (?P<w>first|second|third)\b")),
+    (
+        "date_day_of_month",
+        re.compile(
+            rf"\b(?:on )?the (?P<d>\d{{1,2}}){_ORD}\b|\bon (?P<d2>\d{{1,2}}){_ORD}\b|"
+            rf"\bon the (?P<w>first|second|third)\b"
+        ),
+    ),
 ]
 _TIME_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("time_clock", re.compile(r"\b(?P<h>\d{1,2})(?:[: ](?P<m>\d{2}))? ?(?P<ap>am|pm)\b")),
@@ -134,7 +261,7 @@ def is_known_currency(currency: object) -> bool:
 
 
 def format_money(amount_minor: int, currency: str) -> str:
-    """"$12.50", "¥5,000", "€50.00", "CHF 12.50": for replies that are read aloud."""
+    """ "$12.50", "¥5,000", "€50.00", "CHF 12.50": for replies that are read aloud."""
     exp = minor_unit_exponent(currency)
     sign = "-" if amount_minor < 0 else ""
     major, minor = divmod(abs(amount_minor), 10**exp)
@@ -188,7 +315,9 @@ class _Normalizer:
         self.digits: list[str] = []
 
     def run(self) -> Normalized:
-        self._text_rule("whitespace", lambda s: s)  # every rewrite collapses spaces; this logs the input's own
+        self._text_rule(
+            "whitespace", lambda s: s
+        )  # every rewrite collapses spaces; this logs the input's own
         self._text_rule("nfkc", lambda s: unicodedata.normalize("NFKC", s))
         self._text_rule("quotes", lambda s: s.translate(_QUOTES))
         self._text_rule("lowercase", str.lower)
@@ -208,8 +337,16 @@ class _Normalizer:
         time_of_day = self._time_of_day()
         text = self._restore(self.text)
         amounts = [m for _, m in sorted(self.amounts, key=lambda pm: self.text.index(pm[0]))]
-        return Normalized(self.original, text, amounts[0] if amounts else None, date, time_of_day,
-                          self.digits, self.rules, amounts)
+        return Normalized(
+            self.original,
+            text,
+            amounts[0] if amounts else None,
+            date,
+            time_of_day,
+            self.digits,
+            self.rules,
+            amounts,
+        )
 
     # --- text rewrites ------------------------------------------------------------------------------
     def _text_rule(self, name: str, fn: Callable[[str], str]) -> None:
@@ -223,8 +360,12 @@ class _Normalizer:
         return chr(_PLACEHOLDER_BASE + len(self.placeholders) - 1)
 
     def _restore(self, s: str) -> str:
-        return "".join(self.placeholders[ord(c) - _PLACEHOLDER_BASE]
-                       if _PLACEHOLDER_BASE <= ord(c) < _PLACEHOLDER_BASE + len(self.placeholders) else c for c in s)
+        return "".join(
+            self.placeholders[ord(c) - _PLACEHOLDER_BASE]
+            if _PLACEHOLDER_BASE <= ord(c) < _PLACEHOLDER_BASE + len(self.placeholders)
+            else c
+            for c in s
+        )
 
     # --- digit strings --------------------------------------------------------------------------------
     def _spoken_digits(self, s: str) -> str:
@@ -250,7 +391,7 @@ class _Normalizer:
                     break
             run = tokens[i:j]
             real = [t for t in run if t not in ("oh", "o")]
-            cue = any(t in _DIGIT_CUES for t in tokens[max(0, i - 3):i])
+            cue = any(t in _DIGIT_CUES for t in tokens[max(0, i - 3) : i])
             followed_by_scale = j < len(tokens) and tokens[j] in _SCALE_WORDS
             long_enough = len(digits) >= 3 or (len(digits) == 2 and (cue or "0" in digits))
             if real and long_enough and not followed_by_scale:
@@ -265,8 +406,11 @@ class _Normalizer:
 
     def _cue_digits(self) -> None:
         """Digits after "ending in", "last four", "account number": joined and kept out of amounts."""
+
         def joined(m: re.Match) -> str:
-            limit = 4 if m["cue"].startswith(("ending", "ends", "last")) else 19  # a card fragment is 4 digits
+            limit = (
+                4 if m["cue"].startswith(("ending", "ends", "last")) else 19
+            )  # a card fragment is 4 digits
             parts, rest = [], m["d"].split()
             while rest and len("".join(parts) + rest[0]) <= limit:
                 parts.append(rest.pop(0))
@@ -314,7 +458,11 @@ class _Normalizer:
             if exp == 3:
                 return m[0]
             # Spoken "twelve fifty": 12.50 in a currency with cents, 1250 in one without (yen).
-            value = Decimal(f"{groups['major']}.{groups['minor']}") if exp == 2 else Decimal(groups["major"] + groups["minor"])
+            value = (
+                Decimal(f"{groups['major']}.{groups['minor']}")
+                if exp == 2
+                else Decimal(groups["major"] + groups["minor"])
+            )
         elif rule == "money_minor_only":
             value = Decimal(groups["m"]).scaleb(-exp)
         else:
@@ -348,19 +496,23 @@ class _Normalizer:
         elsewhere ("send 20 to bob in euros"), else the customer's default currency."""
         for pattern in (_BARE_PAIR, _BARE_NUM):
             for m in pattern.finditer(self.text):
-                before = self.text[:m.start()].split()
+                before = self.text[: m.start()].split()
                 if before and before[-1] in _NOT_AMOUNT_BEFORE:
                     continue
                 exp = minor_unit_exponent(currency)
                 if pattern is _BARE_PAIR:
                     if exp == 3:
                         continue
-                    value = Decimal(f"{m['major']}.{m['minor']}") if exp == 2 else Decimal(m["major"] + m["minor"])
+                    value = (
+                        Decimal(f"{m['major']}.{m['minor']}")
+                        if exp == 2
+                        else Decimal(m["major"] + m["minor"])
+                    )
                 else:
                     value = Decimal(m["n"])
                 placeholder = self._record_money("money_default_currency", m[0], value, currency)
                 if placeholder:
-                    self.text = self.text[:m.start()] + placeholder + self.text[m.end():]
+                    self.text = self.text[: m.start()] + placeholder + self.text[m.end() :]
                 return
 
     # --- dates and times ------------------------------------------------------------------------------

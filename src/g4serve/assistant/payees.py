@@ -28,19 +28,41 @@ _MAX_SPAN_TOKENS = 4
 
 # What customers call a relationship -> the relationship stored on the payee.
 RELATIONSHIP_WORDS = {
-    "mom": "mother", "mum": "mother", "mother": "mother", "mommy": "mother",
-    "dad": "father", "father": "father", "daddy": "father",
-    "sister": "sister", "sis": "sister", "brother": "brother", "bro": "brother",
-    "wife": "wife", "husband": "husband", "son": "son", "daughter": "daughter",
-    "friend": "friend", "buddy": "friend", "pal": "friend",
-    "colleague": "colleague", "coworker": "colleague", "workmate": "colleague",
-    "neighbor": "neighbor", "neighbour": "neighbor", "landlord": "landlord", "landlady": "landlord",
-    "babysitter": "babysitter", "nanny": "babysitter", "boss": "boss", "roommate": "roommate",
+    "mom": "mother",
+    "mum": "mother",
+    "mother": "mother",
+    "mommy": "mother",
+    "dad": "father",
+    "father": "father",
+    "daddy": "father",
+    "sister": "sister",
+    "sis": "sister",
+    "brother": "brother",
+    "bro": "brother",
+    "wife": "wife",
+    "husband": "husband",
+    "son": "son",
+    "daughter": "daughter",
+    "friend": "friend",
+    "buddy": "friend",
+    "pal": "friend",
+    "colleague": "colleague",
+    "coworker": "colleague",
+    "workmate": "colleague",
+    "neighbor": "neighbor",
+    "neighbour": "neighbor",
+    "landlord": "landlord",
+    "landlady": "landlord",
+    "babysitter": "babysitter",
+    "nanny": "babysitter",
+    "boss": "boss",
+    "roommate": "roommate",
 }
 
 # Words of banking requests that are never (part of) a payee name in an utterance. Words of a payee's
 # display name are taken out of this set when the index is built (a payee "June Park" makes "june" a name).
-STOPWORDS = frozenset("""
+STOPWORDS = frozenset(
+    """
 a an the to for from of on in at by with and or but my me i im id ive you your our us we it its this that
 these those is are was were be been am do does did can could would will shall should may might must please
 pls thanks thank hey hi hello ok okay um uh er hmm so just now then also again want wanna like need
@@ -56,7 +78,8 @@ august september october november december st nd rd th
 dollars dollar bucks buck euros euro pounds pound quid yen rupees rupee won yuan francs franc pesos peso
 cents cent pence usd eur gbp jpy inr krw cny chf cad aud mxn kwd bhd
 zero oh one two three four five six seven eight nine ten hundred thousand
-""".split())
+""".split()
+)
 
 
 @dataclass
@@ -188,7 +211,7 @@ class PayeeIndex:
         for segment in _segments(tokens, built.stopwords):
             for n in range(min(len(segment), _MAX_SPAN_TOKENS), 0, -1):
                 for i in range(len(segment) - n + 1):
-                    span = " ".join(segment[i:i + n])
+                    span = " ".join(segment[i : i + n])
                     penalty = UNEXPLAINED_PENALTY * (len(segment) - n)
                     for c in self._score_span(built, span).values():
                         if c.score < 100.0:  # an exact name stays exact ("john smith jr")
@@ -232,7 +255,9 @@ class PayeeIndex:
         # Prefilters in C with the plain ratio (WRatio's partial matching costs 20x more): whole names,
         # single name words, and names by sound.
         picked = {i for _, _, i in process.extract(span, built.names, scorer=fuzz.ratio, limit=_PREFILTER)}
-        picked |= {i for _, _, i in process.extract(joined, built.joined, scorer=fuzz.ratio, limit=_PREFILTER)}
+        picked |= {
+            i for _, _, i in process.extract(joined, built.joined, scorer=fuzz.ratio, limit=_PREFILTER)
+        }
         for token in tokens:
             for word, _, _ in process.extract(token, built.words, scorer=fuzz.ratio, limit=_PREFILTER_WORDS):
                 picked.update(built.word_entries[word])
@@ -258,7 +283,7 @@ def _text_score(span: str, tokens: list[str], entry: _Entry, shared_words: froze
     score = max(fuzz.ratio(span, entry.name), fuzz.token_sort_ratio(span, entry.name))
     n = len(tokens)
     for i in range(len(entry.tokens) - n + 1 if n < len(entry.tokens) else 0):
-        window = entry.tokens[i:i + n]
+        window = entry.tokens[i : i + n]
         factor = PARTIAL_FACTOR - (0.1 if n == 1 and window[0] in shared_words else 0.0)
         score = max(score, factor * fuzz.ratio(span, " ".join(window)))
     return score
@@ -298,7 +323,9 @@ def _segments(tokens: list[str], stopwords: frozenset[str]) -> list[list[str]]:
 
 
 def _candidate(p: Payee, score: float, phonetic: bool, matched: str, span: str) -> Candidate:
-    return Candidate(p.payee_id, p.display_name, p.relationship, p.kind, round(score, 2), phonetic, matched, span)
+    return Candidate(
+        p.payee_id, p.display_name, p.relationship, p.kind, round(score, 2), phonetic, matched, span
+    )
 
 
 def _keep(best: dict[str, Candidate], c: Candidate) -> None:

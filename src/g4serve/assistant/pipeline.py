@@ -128,9 +128,18 @@ class Assistant:
     tens to hundreds of ms, run on one audio thread (``in_audio_thread``) and touch no database.
     """
 
-    def __init__(self, db: BankDB, engine=None, *, recognizer: Any = "pocketsphinx", limits_minor: dict | None = None,
-                 intent_threshold: float = 0.75, extraction_max_tokens: int | None = 96,
-                 metrics: AssistantMetrics | None = None, vad_min_silence_ms: int = 500):
+    def __init__(
+        self,
+        db: BankDB,
+        engine=None,
+        *,
+        recognizer: Any = "pocketsphinx",
+        limits_minor: dict | None = None,
+        intent_threshold: float = 0.75,
+        extraction_max_tokens: int | None = 96,
+        metrics: AssistantMetrics | None = None,
+        vad_min_silence_ms: int = 500,
+    ):
         self.db = db
         self.engine = engine
         self.metrics = metrics or AssistantMetrics()
@@ -172,8 +181,11 @@ class Assistant:
         version = self.db.version
         if self._recognizer is None or self._vocab_version != version:
             payees = self.db.payees()
-            vocab = DomainVocabulary.build([p.display_name for p in payees], version=version,
-                                           aliases=[a for p in payees for a in getattr(p, "aliases", ())])
+            vocab = DomainVocabulary.build(
+                [p.display_name for p in payees],
+                version=version,
+                aliases=[a for p in payees for a in getattr(p, "aliases", ())],
+            )
             if self._recognizer is None:
                 spec = self._recognizer_spec
                 self._recognizer = make_recognizer(spec, vocab) if isinstance(spec, str) else spec
@@ -231,16 +243,26 @@ class Assistant:
         transcript = stream.finish()
         clock.add("asr_final", (time.perf_counter() - start) * 1000)
         clock.mark("asr_final")
-        return Heard(text=transcript.text, confidence=transcript.confidence, recognizer=transcript.recognizer,
-                     audio_s=samples.size / SAMPLE_RATE, partials=list(transcript.partials))
+        return Heard(
+            text=transcript.text,
+            confidence=transcript.confidence,
+            recognizer=transcript.recognizer,
+            audio_s=samples.size / SAMPLE_RATE,
+            partials=list(transcript.partials),
+        )
 
     def listen(self) -> Utterance:
         """A streaming utterance (for the WebSocket): feed PCM chunks, get VAD/partial events."""
         return Utterance(self.vad(), self.recognizer)
 
     # ---- a turn ---------------------------------------------------------------------------------------------
-    async def turn(self, session_id: str, text: str | None = None, audio: bytes | np.ndarray | None = None,
-                   clock: StageClock | None = None) -> TurnResult:
+    async def turn(
+        self,
+        session_id: str,
+        text: str | None = None,
+        audio: bytes | np.ndarray | None = None,
+        clock: StageClock | None = None,
+    ) -> TurnResult:
         """One turn from text or audio (WAV bytes or float32 16 kHz samples).
 
         ``clock``: the caller's, when the turn began before this call (the server decoding base64 audio)."""
@@ -254,7 +276,9 @@ class Assistant:
             text = heard.text
         return await self.decide(session_id, text or "", clock, heard)
 
-    async def decide(self, session_id: str, text: str, clock: StageClock, heard: Heard | None = None) -> TurnResult:
+    async def decide(
+        self, session_id: str, text: str, clock: StageClock, heard: Heard | None = None
+    ) -> TurnResult:
         """Text (typed or transcribed) -> decision; serialized per session so a confirmation cannot race."""
         entry = self._session_locks.setdefault(session_id, [asyncio.Lock(), 0])  # [lock, turns using it]
         entry[1] += 1
@@ -269,25 +293,48 @@ class Assistant:
         result.stages["total"] = round((end - clock.t0) * 1000, 3)
         if "vad_end" in clock.timeline:
             # What a speaker waits for: from the end of their speech to the answer.
-            result.stages["after_vad_end"] = round(clock.timeline["response_sent"] - clock.timeline["vad_end"], 3)
+            result.stages["after_vad_end"] = round(
+                clock.timeline["response_sent"] - clock.timeline["vad_end"], 3
+            )
         result.timeline = dict(clock.timeline)
-        self.metrics.observe_turn(result.intent, result.path, result.stages, result.executed, result.refused,
-                                  llm_failed=bool(result.llm and not result.llm.get("valid")))
+        self.metrics.observe_turn(
+            result.intent,
+            result.path,
+            result.stages,
+            result.executed,
+            result.refused,
+            llm_failed=bool(result.llm and not result.llm.get("valid")),
+        )
         return result
 
     async def _decide(self, session_id: str, text: str, clock: StageClock, heard: Heard | None) -> TurnResult:
         asr = None
         audit: list[tuple[str, str, dict]] = []  # written in one transaction (the policy writes its own rows)
         if heard is not None:
-            asr = {"recognizer": heard.recognizer, "confidence": heard.confidence, "audio_s": round(heard.audio_s, 3),
-                   "partials": heard.partials}
+            asr = {
+                "recognizer": heard.recognizer,
+                "confidence": heard.confidence,
+                "audio_s": round(heard.audio_s, 3),
+                "partials": heard.partials,
+            }
             audit.append(("asr", "transcript", {"text": heard.text, **asr}))
         if not text.strip():
             audit.append(("turn", "not_heard", {"reply": NOT_HEARD_REPLY, "stages": dict(clock.stages)}))
             self.db.audit_many(session_id, audit)
-            return TurnResult(session_id=session_id, intent="unknown", confidence=0.0, entities={}, candidates=[],
-                              needs_confirmation=False, executed=False, path="fast", reply=NOT_HEARD_REPLY,
-                              transcript=text if heard is not None else None, stages=dict(clock.stages), asr=asr)
+            return TurnResult(
+                session_id=session_id,
+                intent="unknown",
+                confidence=0.0,
+                entities={},
+                candidates=[],
+                needs_confirmation=False,
+                executed=False,
+                path="fast",
+                reply=NOT_HEARD_REPLY,
+                transcript=text if heard is not None else None,
+                stages=dict(clock.stages),
+                asr=asr,
+            )
         self._refresh_index()
         session = self.sessions.get(session_id)
         with clock.stage("normalize"):
@@ -298,9 +345,17 @@ class Assistant:
         lookup_ms = self._timed_index.spent_s * 1000
         clock.add("lookup", lookup_ms)
         clock.add("intent", -lookup_ms)
-        audit.append(("normalize", "rules", {
-            "original": normalized.original, "text": normalized.text,
-            "rules": [_jsonable(dataclasses.asdict(r)) for r in normalized.rules]}))
+        audit.append(
+            (
+                "normalize",
+                "rules",
+                {
+                    "original": normalized.original,
+                    "text": normalized.text,
+                    "rules": [_jsonable(dataclasses.asdict(r)) for r in normalized.rules],
+                },
+            )
+        )
         path, llm_info = "fast", None
         candidates = list(result.candidates or [])
         # The policy says when the model may look: never at a yes/no or at an answer to its own question.
@@ -318,18 +373,49 @@ class Assistant:
                 documents = [h.document.doc_id for h in hits]
                 reply = _with_answer(reply, extractive_answer(hits))
         entities = _jsonable(dict(result.entities or {}))
-        audit.append(("turn", path, {"intent": decision.intent, "reply": reply, "documents": documents,
-                                     "stages": dict(clock.stages)}))
+        audit.append(
+            (
+                "turn",
+                path,
+                {
+                    "intent": decision.intent,
+                    "reply": reply,
+                    "documents": documents,
+                    "stages": dict(clock.stages),
+                },
+            )
+        )
         self.db.audit_many(session_id, audit)
         return TurnResult(
-            session_id=session_id, intent=decision.intent, confidence=round(float(result.confidence or 0.0), 4),
-            entities=entities, candidates=[_candidate(c) for c in candidates],
-            needs_confirmation=bool(decision.needs_confirmation), executed=bool(decision.executed), path=path,
-            reply=reply, needs_llm=needs_llm, transcript=text if heard is not None else None, normalized=normalized.text,
-            refused=decision.refused, action=_jsonable(decision.action), stages=dict(clock.stages), asr=asr,
-            llm=llm_info, documents=documents)
-    async def _extract(self, text: str, normalized, result, candidates: list, clock: StageClock,
-                       audit: list[tuple[str, str, dict]]):
+            session_id=session_id,
+            intent=decision.intent,
+            confidence=round(float(result.confidence or 0.0), 4),
+            entities=entities,
+            candidates=[_candidate(c) for c in candidates],
+            needs_confirmation=bool(decision.needs_confirmation),
+            executed=bool(decision.executed),
+            path=path,
+            reply=reply,
+            needs_llm=needs_llm,
+            transcript=text if heard is not None else None,
+            normalized=normalized.text,
+            refused=decision.refused,
+            action=_jsonable(decision.action),
+            stages=dict(clock.stages),
+            asr=asr,
+            llm=llm_info,
+            documents=documents,
+        )
+
+    async def _extract(
+        self,
+        text: str,
+        normalized,
+        result,
+        candidates: list,
+        clock: StageClock,
+        audit: list[tuple[str, str, dict]],
+    ):
         """Gemma extraction; returns the result for the policy and what the call did (for the response)."""
         from g4serve.assistant.extraction import MAX_CANDIDATES, merge_into_result
 
@@ -340,10 +426,16 @@ class Assistant:
         clock.mark("llm_end", extraction.timeline["llm_end"])
         clock.add("validation", extraction.validation_ms)
         clock.mark("validation")
-        info = {"valid": extraction.valid, "error": extraction.error, "output": extraction.output,
-                "offered": extraction.offered, "prompt_tokens": extraction.prompt_tokens,
-                "cached_tokens": extraction.cached_tokens, "output_tokens": extraction.output_tokens,
-                "finish_reason": extraction.finish_reason}
+        info = {
+            "valid": extraction.valid,
+            "error": extraction.error,
+            "output": extraction.output,
+            "offered": extraction.offered,
+            "prompt_tokens": extraction.prompt_tokens,
+            "cached_tokens": extraction.cached_tokens,
+            "output_tokens": extraction.output_tokens,
+            "finish_reason": extraction.finish_reason,
+        }
         audit.append(("llm", "extraction", {**info, "raw": extraction.raw}))
         if not extraction.valid:
             return result, info  # the fast path's reading goes to the policy, which asks rather than guesses
@@ -368,7 +460,9 @@ class Assistant:
             accounts = self.db.accounts()
             if account not in {a["account_id"] for a in accounts}:
                 word = account.strip().lower()
-                match = next((a["account_id"] for a in accounts if word in (a["name"], a["currency"].lower())), None)
+                match = next(
+                    (a["account_id"] for a in accounts if word in (a["name"], a["currency"].lower())), None
+                )
                 entities.pop("account") if match is None else entities.__setitem__("account", match)
         return entities
 
@@ -422,7 +516,10 @@ class Utterance:
         if self._stream is None:
             self._preroll.append(pcm)
             self._preroll_samples += pcm.size
-            while self._preroll and self._preroll_samples - self._preroll[0].size >= self._PREROLL_S * SAMPLE_RATE:
+            while (
+                self._preroll
+                and self._preroll_samples - self._preroll[0].size >= self._PREROLL_S * SAMPLE_RATE
+            ):
                 self._preroll_samples -= self._preroll.popleft().size
         for event in vad_events:
             events.append({"type": "vad", "event": event.kind, "t_s": round(event.t_s, 3)})
@@ -469,8 +566,13 @@ class Utterance:
             transcript = self._stream.finish()
             clock.add("asr_final", (time.perf_counter() - start) * 1000)
             clock.mark("asr_final")
-            heard = Heard(text=transcript.text, confidence=transcript.confidence, recognizer=transcript.recognizer,
-                          audio_s=transcript.audio_s, partials=list(transcript.partials))
+            heard = Heard(
+                text=transcript.text,
+                confidence=transcript.confidence,
+                recognizer=transcript.recognizer,
+                audio_s=transcript.audio_s,
+                partials=list(transcript.partials),
+            )
         self._stream = None
         self.reset()
         return heard, clock
@@ -482,13 +584,19 @@ _POLICY_QNA_FALLBACK = "Let me look that up for you."
 def _with_answer(policy_reply: str, answer: str) -> str:
     """The knowledge-base answer in place of the policy's placeholder, keeping any reminder it appended."""
     if policy_reply.startswith(_POLICY_QNA_FALLBACK):
-        return (answer + policy_reply[len(_POLICY_QNA_FALLBACK):]).strip()
+        return (answer + policy_reply[len(_POLICY_QNA_FALLBACK) :]).strip()
     return f"{answer} {policy_reply}".strip()
 
 
 def _candidate(c) -> dict[str, Any]:
-    return {"id": c.payee_id, "name": c.display_name, "score": round(float(c.score), 1),
-            "relationship": c.relationship, "kind": c.kind, "phonetic": bool(c.phonetic)}
+    return {
+        "id": c.payee_id,
+        "name": c.display_name,
+        "score": round(float(c.score), 1),
+        "relationship": c.relationship,
+        "kind": c.kind,
+        "phonetic": bool(c.phonetic),
+    }
 
 
 def _jsonable(value: Any) -> Any:

@@ -23,8 +23,15 @@ from g4serve.assistant.intents import (
 from g4serve.assistant.normalize import format_money, is_known_currency
 
 DEFAULT_LIMITS_MINOR = {
-    "USD": 500_000, "EUR": 500_000, "GBP": 400_000, "CAD": 700_000, "AUD": 700_000, "CHF": 500_000,
-    "JPY": 500_000, "INR": 40_000_000, "MXN": 10_000_000,
+    "USD": 500_000,
+    "EUR": 500_000,
+    "GBP": 400_000,
+    "CAD": 700_000,
+    "AUD": 700_000,
+    "CHF": 500_000,
+    "JPY": 500_000,
+    "INR": 40_000_000,
+    "MXN": 10_000_000,
 }
 CONFIRM_TTL_S = 120.0
 MAX_SPOKEN_TRANSACTIONS = 10
@@ -39,8 +46,19 @@ INVALID_AMOUNT = "invalid_amount"
 DATE_IN_PAST = "date_in_past"
 UNKNOWN_ACCOUNT = "unknown_account"
 
-_ORDINALS = {"first": 0, "1st": 0, "second": 1, "2nd": 1, "third": 2, "3rd": 2, "fourth": 3, "4th": 3,
-             "fifth": 4, "5th": 4, "last": -1}
+_ORDINALS = {
+    "first": 0,
+    "1st": 0,
+    "second": 1,
+    "2nd": 1,
+    "third": 2,
+    "3rd": 2,
+    "fourth": 3,
+    "4th": 3,
+    "fifth": 4,
+    "5th": 4,
+    "last": -1,
+}
 
 
 @dataclass
@@ -117,8 +135,13 @@ class Policy:
       yes like money, and so does a lock the fast path was unsure of.
     """
 
-    def __init__(self, db: BankDB, limits_minor: dict[str, int] | None = None, confirm_ttl_s: float = CONFIRM_TTL_S,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        db: BankDB,
+        limits_minor: dict[str, int] | None = None,
+        confirm_ttl_s: float = CONFIRM_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ):
         self.db = db
         self.limits_minor = dict(DEFAULT_LIMITS_MINOR if limits_minor is None else limits_minor)
         self.confirm_ttl_s = confirm_ttl_s
@@ -149,20 +172,64 @@ class Policy:
         """Handles a pending confirmation or question first, then the request; writes the audit rows."""
         with self._lock:
             session.turns += 1
-            rows: list[tuple[str, str, dict]] = [("intent", result.intent, {
-                "text": text, "confidence": result.confidence, "entities": result.entities,
-                "needs_llm": result.needs_llm, "ambiguity_reason": result.ambiguity_reason, "rules": result.rules})]
+            rows: list[tuple[str, str, dict]] = [
+                (
+                    "intent",
+                    result.intent,
+                    {
+                        "text": text,
+                        "confidence": result.confidence,
+                        "entities": result.entities,
+                        "needs_llm": result.needs_llm,
+                        "ambiguity_reason": result.ambiguity_reason,
+                        "rules": result.rules,
+                    },
+                )
+            ]
             if result.candidates:
-                rows.append(("lookup", "payee_candidates", {"candidates": [
-                    {"payee_id": c.payee_id, "score": c.score, "phonetic": c.phonetic, "span": c.span}
-                    for c in result.candidates]}))
+                rows.append(
+                    (
+                        "lookup",
+                        "payee_candidates",
+                        {
+                            "candidates": [
+                                {
+                                    "payee_id": c.payee_id,
+                                    "score": c.score,
+                                    "phonetic": c.phonetic,
+                                    "span": c.span,
+                                }
+                                for c in result.candidates
+                            ]
+                        },
+                    )
+                )
             decision = self._decide(session, result, text, rows)
             asking = session.pending is not None and session.pending.awaiting != "confirmation"
-            outcome = ("refused" if decision.refused else "executed" if decision.executed
-                       else "proposed" if decision.needs_confirmation else "asked" if asking else "answered")
-            rows.append(("policy", outcome, {"intent": decision.intent, "reply": decision.reply,
-                                             "refused": decision.refused, "action": decision.action,
-                                             "pending": session.pending.kind if session.pending else None}))
+            outcome = (
+                "refused"
+                if decision.refused
+                else "executed"
+                if decision.executed
+                else "proposed"
+                if decision.needs_confirmation
+                else "asked"
+                if asking
+                else "answered"
+            )
+            rows.append(
+                (
+                    "policy",
+                    outcome,
+                    {
+                        "intent": decision.intent,
+                        "reply": decision.reply,
+                        "refused": decision.refused,
+                        "action": decision.action,
+                        "pending": session.pending.kind if session.pending else None,
+                    },
+                )
+            )
             self.db.audit_many(session.session_id, rows)
             return decision
 
@@ -175,15 +242,24 @@ class Policy:
             pending = None
         if pending is None:
             if confirm is not None and result.intent == "unknown":
-                reply = ("That request timed out, so I didn't do anything. Please ask again." if expired
-                         else "There's nothing waiting for confirmation.")
+                reply = (
+                    "That request timed out, so I didn't do anything. Please ask again."
+                    if expired
+                    else "There's nothing waiting for confirmation."
+                )
                 return Decision("unknown", reply, False, False, None, None)
             return self._request(session, result, result.entities, text, rows)
 
         if confirm is False:
             self._drop(session, "cancelled", rows)
-            return Decision(pending.kind, "Okay, I've cancelled that.", False, False, None,
-                            {"type": "cancelled", "kind": pending.kind, "transfer_id": pending.transfer_id})
+            return Decision(
+                pending.kind,
+                "Okay, I've cancelled that.",
+                False,
+                False,
+                None,
+                {"type": "cancelled", "kind": pending.kind, "transfer_id": pending.transfer_id},
+            )
         if pending.awaiting == "confirmation":
             if confirm is True:
                 return self._execute(session, pending, rows)
@@ -215,14 +291,27 @@ class Policy:
         return decision
 
     # --- requests -----------------------------------------------------------------------------------
-    def _request(self, session: SessionState, result: IntentResult, entities: dict, text: str, rows: list,
-                 intent: str | None = None) -> Decision:
+    def _request(
+        self,
+        session: SessionState,
+        result: IntentResult,
+        entities: dict,
+        text: str,
+        rows: list,
+        intent: str | None = None,
+    ) -> Decision:
         """A request of this turn, or (``intent`` given) a draft whose missing slot this turn filled."""
         fresh = intent is None
         intent = intent or result.intent
         if fresh and CONFLICTING_INTENTS in (result.ambiguity_reason or ""):
-            return Decision(intent, "I can do one thing at a time. What would you like to do first?",
-                            False, False, None, None)
+            return Decision(
+                intent,
+                "I can do one thing at a time. What would you like to do first?",
+                False,
+                False,
+                None,
+                None,
+            )
         if intent in MONEY_INTENTS:
             return self._money(session, intent, entities, result, rows)
         if intent in ("card_lock", "card_unlock"):
@@ -234,15 +323,27 @@ class Policy:
         if intent == "recipient_lookup":
             return self._lookup(entities, result)
         if intent == "human_handoff":
-            return Decision(intent, "Connecting you to an agent now.", False, False, None, {"type": "handoff"})
+            return Decision(
+                intent, "Connecting you to an agent now.", False, False, None, {"type": "handoff"}
+            )
         if intent == "qna":
             # The app answers from the knowledge base (qna.py); this reply is only the fallback.
-            return Decision(intent, "Let me look that up for you.", False, False, None, {"type": "qna", "question": text})
-        return Decision("unknown", "Sorry, I didn't catch that. You can ask for your balance, recent transactions, "
-                        "a transfer, a bill payment, or to lock or unlock a card.", False, False, None, None)
+            return Decision(
+                intent, "Let me look that up for you.", False, False, None, {"type": "qna", "question": text}
+            )
+        return Decision(
+            "unknown",
+            "Sorry, I didn't catch that. You can ask for your balance, recent transactions, "
+            "a transfer, a bill payment, or to lock or unlock a card.",
+            False,
+            False,
+            None,
+            None,
+        )
 
-    def _money(self, session: SessionState, intent: str, entities: dict, result: IntentResult,
-               rows: list) -> Decision:
+    def _money(
+        self, session: SessionState, intent: str, entities: dict, result: IntentResult, rows: list
+    ) -> Decision:
         payee, refusal = self._payee(session, intent, entities, result)
         if refusal is not None:
             return refusal
@@ -252,53 +353,104 @@ class Policy:
         verb = "pay" if kind == "bill_payment" else "send"
         amount = entities.get("amount_minor")
         if amount is None:
-            session.pending = PendingAction(intent, None, {**entities, "payee_id": payee.payee_id,
-                                                           "payee_name": payee.display_name},
-                                            self.clock(), awaiting="amount")
-            return Decision(intent, self._question(session.pending), False, False, None,
-                            {"type": kind, "payee_id": payee.payee_id, "missing": "amount"})
+            session.pending = PendingAction(
+                intent,
+                None,
+                {**entities, "payee_id": payee.payee_id, "payee_name": payee.display_name},
+                self.clock(),
+                awaiting="amount",
+            )
+            return Decision(
+                intent,
+                self._question(session.pending),
+                False,
+                False,
+                None,
+                {"type": kind, "payee_id": payee.payee_id, "missing": "amount"},
+            )
         currency = str(entities.get("currency") or self._default_currency()).upper()
-        proposal = {"type": kind, "payee_id": payee.payee_id, "payee_name": payee.display_name,
-                    "amount_minor": amount, "currency": currency}
-        if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0 or not is_known_currency(currency):
-            return self._refuse(intent, INVALID_AMOUNT, "Sorry, I couldn't understand the amount. "
-                                "Please say it again, for example fifty dollars.", proposal)
+        proposal = {
+            "type": kind,
+            "payee_id": payee.payee_id,
+            "payee_name": payee.display_name,
+            "amount_minor": amount,
+            "currency": currency,
+        }
+        if (
+            isinstance(amount, bool)
+            or not isinstance(amount, int)
+            or amount <= 0
+            or not is_known_currency(currency)
+        ):
+            return self._refuse(
+                intent,
+                INVALID_AMOUNT,
+                "Sorry, I couldn't understand the amount. Please say it again, for example fifty dollars.",
+                proposal,
+            )
         limit = self.limits_minor.get(currency)
         if limit is None:
-            return self._refuse(intent, UNSUPPORTED_CURRENCY, f"Sorry, I can't make payments in {currency}.", proposal)
+            return self._refuse(
+                intent, UNSUPPORTED_CURRENCY, f"Sorry, I can't make payments in {currency}.", proposal
+            )
         if amount > limit:
-            return self._refuse(intent, OVER_LIMIT, f"Sorry, that's over your limit of {format_money(limit, currency)} "
-                                "per payment.", proposal)
+            return self._refuse(
+                intent,
+                OVER_LIMIT,
+                f"Sorry, that's over your limit of {format_money(limit, currency)} per payment.",
+                proposal,
+            )
         account, refusal = self._paying_account(intent, entities.get("account"), currency, proposal)
         if refusal is not None:
             return refusal
         if account["balance_minor"] < amount:
-            return self._refuse(intent, INSUFFICIENT_FUNDS, f"Your {account['name']} balance of "
-                                f"{format_money(account['balance_minor'], currency)} isn't enough to {verb} "
-                                f"{format_money(amount, currency)}.", proposal)
+            return self._refuse(
+                intent,
+                INSUFFICIENT_FUNDS,
+                f"Your {account['name']} balance of "
+                f"{format_money(account['balance_minor'], currency)} isn't enough to {verb} "
+                f"{format_money(amount, currency)}.",
+                proposal,
+            )
         date = _as_date(entities.get("date"))
         today = dt.date.fromtimestamp(self.clock())
         if date is not None and date < today:
             return self._refuse(intent, DATE_IN_PAST, "I can't schedule a payment in the past.", proposal)
         scheduled = date if date is not None and date > today else None
-        transfer_id = self.db.create_transfer(session.session_id, payee.payee_id, amount, currency, kind,
-                                              from_account_id=account["account_id"], scheduled_for=scheduled)
-        proposal |= {"transfer_id": transfer_id, "from_account_id": account["account_id"],
-                     "scheduled_for": scheduled.isoformat() if scheduled else None, "status": "pending"}
+        transfer_id = self.db.create_transfer(
+            session.session_id,
+            payee.payee_id,
+            amount,
+            currency,
+            kind,
+            from_account_id=account["account_id"],
+            scheduled_for=scheduled,
+        )
+        proposal |= {
+            "transfer_id": transfer_id,
+            "from_account_id": account["account_id"],
+            "scheduled_for": scheduled.isoformat() if scheduled else None,
+            "status": "pending",
+        }
         session.pending = PendingAction(intent, transfer_id, proposal, self.clock())
         rows.append(("policy", "transfer_created", proposal))
         return Decision(intent, self._question(session.pending), True, False, None, proposal)
 
-    def _payee(self, session: SessionState, intent: str, entities: dict,
-               result: IntentResult) -> tuple[Payee | None, Decision | None]:
+    def _payee(
+        self, session: SessionState, intent: str, entities: dict, result: IntentResult
+    ) -> tuple[Payee | None, Decision | None]:
         """The payee, re-read from the database, or the decision that asks or refuses instead."""
         kind = "bill_payment" if intent == "bill_payment" else "transfer"
         payee_id = entities.get("payee_id")
         if payee_id is not None:
             payee = self.db.payee(str(payee_id))
             if payee is None:  # an id from the model or a stale index: never trusted without the database
-                return None, self._refuse(intent, UNKNOWN_PAYEE, "I can't find that payee among your saved payees, "
-                                          "so I can't send money there.", {"type": kind, "payee_id": payee_id})
+                return None, self._refuse(
+                    intent,
+                    UNKNOWN_PAYEE,
+                    "I can't find that payee among your saved payees, so I can't send money there.",
+                    {"type": kind, "payee_id": payee_id},
+                )
             return payee, None
         name = entities.get("payee_name")
         if name:
@@ -309,21 +461,39 @@ class Policy:
         # Either way the customer picks; nothing is guessed.
         close = close_candidates(result.candidates)
         if close:
-            session.pending = PendingAction(intent, None, dict(entities), self.clock(), awaiting="payee",
-                                            choices=[c.payee_id for c in close])
-            return None, Decision(intent, self._question(session.pending), False, False, None,
-                                  {"type": kind, "missing": "payee", "choices": session.pending.choices})
+            session.pending = PendingAction(
+                intent,
+                None,
+                dict(entities),
+                self.clock(),
+                awaiting="payee",
+                choices=[c.payee_id for c in close],
+            )
+            return None, Decision(
+                intent,
+                self._question(session.pending),
+                False,
+                False,
+                None,
+                {"type": kind, "missing": "payee", "choices": session.pending.choices},
+            )
         if name or result.candidates:
             said = str(name or result.candidates[0].span)
-            return None, self._refuse(intent, UNKNOWN_PAYEE, f"I couldn't find {said} among your saved payees. "
-                                      "For your security I can only send money to saved payees.",
-                                      {"type": kind, "payee_name": said})
+            return None, self._refuse(
+                intent,
+                UNKNOWN_PAYEE,
+                f"I couldn't find {said} among your saved payees. "
+                "For your security I can only send money to saved payees.",
+                {"type": kind, "payee_name": said},
+            )
         session.pending = PendingAction(intent, None, dict(entities), self.clock(), awaiting="payee")
-        return None, Decision(intent, self._question(session.pending), False, False, None,
-                              {"type": kind, "missing": "payee"})
+        return None, Decision(
+            intent, self._question(session.pending), False, False, None, {"type": kind, "missing": "payee"}
+        )
 
-    def _paying_account(self, intent: str, requested: Any, currency: str,
-                        proposal: dict) -> tuple[dict | None, Decision | None]:
+    def _paying_account(
+        self, intent: str, requested: Any, currency: str, proposal: dict
+    ) -> tuple[dict | None, Decision | None]:
         if requested is not None:
             account = self._resolve_account(requested)
             if account is None:
@@ -332,8 +502,9 @@ class Policy:
                 return account, None
         account = self.db.account_for_currency(currency)
         if account is None:
-            return None, self._refuse(intent, NO_ACCOUNT, f"You don't have an account in {currency} to pay from.",
-                                      proposal)
+            return None, self._refuse(
+                intent, NO_ACCOUNT, f"You don't have an account in {currency} to pay from.", proposal
+            )
         return account, None
 
     def _card(self, session: SessionState, intent: str, entities: dict, unsure: bool) -> Decision:
@@ -346,22 +517,44 @@ class Policy:
                 reply = "All your cards are already locked." if lock else "None of your cards is locked."
                 return Decision(intent, reply, False, False, None, None)
             if len(relevant) > 1:
-                session.pending = PendingAction(intent, None, dict(entities), self.clock(), awaiting="card",
-                                                choices=[c["card_id"] for c in relevant])
-                return Decision(intent, self._question(session.pending), False, False, None,
-                                {"type": intent, "missing": "card", "choices": session.pending.choices})
+                session.pending = PendingAction(
+                    intent,
+                    None,
+                    dict(entities),
+                    self.clock(),
+                    awaiting="card",
+                    choices=[c["card_id"] for c in relevant],
+                )
+                return Decision(
+                    intent,
+                    self._question(session.pending),
+                    False,
+                    False,
+                    None,
+                    {"type": intent, "missing": "card", "choices": session.pending.choices},
+                )
             card = relevant[0]
         action = {"type": intent, "card_id": card["card_id"], "card": _card_name(card)}
         if card["locked"] == lock:
             state = "locked" if lock else "unlocked"
-            return Decision(intent, f"Your {_card_name(card)} is already {state}.", False, False, None, action)
+            return Decision(
+                intent, f"Your {_card_name(card)} is already {state}.", False, False, None, action
+            )
         if lock and not unsure:
             # Locking only protects the customer and is undone by an unlock, so it runs without a yes.
             self.db.set_card_locked(card["card_id"], True)
-            return Decision(intent, f"I've locked your {_card_name(card)}. Say unlock my card when you find it.",
-                            False, True, None, action | {"status": "locked"})
+            return Decision(
+                intent,
+                f"I've locked your {_card_name(card)}. Say unlock my card when you find it.",
+                False,
+                True,
+                None,
+                action | {"status": "locked"},
+            )
         session.pending = PendingAction(intent, None, action, self.clock())
-        return Decision(intent, self._question(session.pending), True, False, None, action | {"status": "pending"})
+        return Decision(
+            intent, self._question(session.pending), True, False, None, action | {"status": "pending"}
+        )
 
     def _balance(self, entities: dict) -> Decision:
         account = self._resolve_account(entities["account"]) if entities.get("account") else None
@@ -376,32 +569,64 @@ class Policy:
         txns = self.db.recent_transactions(limit, account["account_id"] if account else None)
         if not txns:
             return Decision("recent_transactions", "You have no transactions yet.", False, False, None, None)
-        spoken = "; ".join(f"{t['description']}, {_signed_money(t['amount_minor'], t['currency'])} on "
-                           f"{_spoken_date(t['posted_on'], weekday=False)}" for t in txns)
+        spoken = "; ".join(
+            f"{t['description']}, {_signed_money(t['amount_minor'], t['currency'])} on "
+            f"{_spoken_date(t['posted_on'], weekday=False)}"
+            for t in txns
+        )
         noun = "transaction" if len(txns) == 1 else f"{len(txns)} transactions"
-        return Decision("recent_transactions", f"Your last {noun}: {spoken}.", False, False, None,
-                        {"type": "transactions", "transaction_ids": [t["txn_id"] for t in txns]})
+        return Decision(
+            "recent_transactions",
+            f"Your last {noun}: {spoken}.",
+            False,
+            False,
+            None,
+            {"type": "transactions", "transaction_ids": [t["txn_id"] for t in txns]},
+        )
 
     def _lookup(self, entities: dict, result: IntentResult) -> Decision:
         intent = "recipient_lookup"
         if entities.get("payee_id"):
             payee = self.db.payee(str(entities["payee_id"]))
             if payee is not None:
-                return Decision(intent, f"Yes, {payee.display_name} is one of your saved payees "
-                                f"({payee.relationship}).", False, False, None,
-                                {"type": "lookup", "payee_ids": [payee.payee_id]})
+                return Decision(
+                    intent,
+                    f"Yes, {payee.display_name} is one of your saved payees ({payee.relationship}).",
+                    False,
+                    False,
+                    None,
+                    {"type": "lookup", "payee_ids": [payee.payee_id]},
+                )
         close = close_candidates(result.candidates)
         if close:
-            return Decision(intent, f"I found {_spoken_list([c.display_name for c in close])}.", False, False, None,
-                            {"type": "lookup", "payee_ids": [c.payee_id for c in close]})
+            return Decision(
+                intent,
+                f"I found {_spoken_list([c.display_name for c in close])}.",
+                False,
+                False,
+                None,
+                {"type": "lookup", "payee_ids": [c.payee_id for c in close]},
+            )
         said = entities.get("payee_name") or (result.candidates[0].span if result.candidates else None)
         if said:
-            return Decision(intent, f"I couldn't find {said} among your saved payees.", False, False, None,
-                            {"type": "lookup", "payee_ids": []})
+            return Decision(
+                intent,
+                f"I couldn't find {said} among your saved payees.",
+                False,
+                False,
+                None,
+                {"type": "lookup", "payee_ids": []},
+            )
         payees = self.db.payees()
         first = _spoken_list([p.display_name for p in payees[:5]])
-        return Decision(intent, f"You have {len(payees)} saved payees, including {first}.", False, False, None,
-                        {"type": "lookup", "payee_ids": [p.payee_id for p in payees]})
+        return Decision(
+            intent,
+            f"You have {len(payees)} saved payees, including {first}.",
+            False,
+            False,
+            None,
+            {"type": "lookup", "payee_ids": [p.payee_id for p in payees]},
+        )
 
     # --- pending actions ------------------------------------------------------------------------------
     def _execute(self, session: SessionState, pending: PendingAction, rows: list) -> Decision:
@@ -409,18 +634,36 @@ class Policy:
         today = dt.date.fromtimestamp(self.clock())
         if pending.kind in MONEY_INTENTS:
             transfer = self.db.transfer(pending.transfer_id or "")
-            if transfer is None or transfer["session_id"] != session.session_id or transfer["status"] != "pending":
+            if (
+                transfer is None
+                or transfer["session_id"] != session.session_id
+                or transfer["status"] != "pending"
+            ):
                 return self._refuse(pending.kind, "not_pending", "That request is no longer waiting.", None)
             done = self.db.execute_transfer(transfer["transfer_id"], today=today)
             rows.append(("execution", done["status"], done))
             action = pending.entities | {"status": done["status"]}
-            what = f"{format_money(done['amount_minor'], done['currency'])} to {pending.entities['payee_name']}"
+            what = (
+                f"{format_money(done['amount_minor'], done['currency'])} to {pending.entities['payee_name']}"
+            )
             if done["status"] == "failed":
-                return Decision(pending.kind, f"Sorry, that payment failed: {done['note']}.", False, False,
-                                INSUFFICIENT_FUNDS, action)
+                return Decision(
+                    pending.kind,
+                    f"Sorry, that payment failed: {done['note']}.",
+                    False,
+                    False,
+                    INSUFFICIENT_FUNDS,
+                    action,
+                )
             if done["status"] == "scheduled":
-                return Decision(pending.kind, f"Done. {what} is scheduled for "
-                                f"{_spoken_date(done['scheduled_for'])}.", False, True, None, action)
+                return Decision(
+                    pending.kind,
+                    f"Done. {what} is scheduled for {_spoken_date(done['scheduled_for'])}.",
+                    False,
+                    True,
+                    None,
+                    action,
+                )
             verb = "paid" if pending.kind == "bill_payment" else "sent"
             return Decision(pending.kind, f"Done. I've {verb} {what}.", False, True, None, action)
         card_id = pending.entities["card_id"]
@@ -428,8 +671,14 @@ class Policy:
         self.db.set_card_locked(card_id, lock)
         rows.append(("execution", "card_locked" if lock else "card_unlocked", {"card_id": card_id}))
         state = "locked" if lock else "unlocked"
-        return Decision(pending.kind, f"Done. Your {pending.entities['card']} is {state}.", False, True, None,
-                        pending.entities | {"status": state})
+        return Decision(
+            pending.kind,
+            f"Done. Your {pending.entities['card']} is {state}.",
+            False,
+            True,
+            None,
+            pending.entities | {"status": state},
+        )
 
     def _drop(self, session: SessionState, why: str, rows: list) -> None:
         pending = session.pending
@@ -438,10 +687,17 @@ class Policy:
             return
         if pending.transfer_id:
             self.db.cancel_transfer(pending.transfer_id)
-        rows.append(("policy", f"pending_{why}", {"kind": pending.kind, "transfer_id": pending.transfer_id,
-                                                  "awaiting": pending.awaiting}))
+        rows.append(
+            (
+                "policy",
+                f"pending_{why}",
+                {"kind": pending.kind, "transfer_id": pending.transfer_id, "awaiting": pending.awaiting},
+            )
+        )
 
-    def _fill(self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None) -> dict | None:
+    def _fill(
+        self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None
+    ) -> dict | None:
         """The draft's entities with the missing slot taken from this turn, or None if it is not there.
 
         A yes answers "did you mean John Smith?" when that was the only choice offered."""
@@ -470,7 +726,9 @@ class Policy:
                 entities[key] = result.entities[key]
         return entities
 
-    def _choice(self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None) -> str | None:
+    def _choice(
+        self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None
+    ) -> str | None:
         payee_id = result.entities.get("payee_id")
         if payee_id is not None and (not pending.choices or payee_id in pending.choices):
             return str(payee_id)
@@ -584,7 +842,11 @@ def _spoken_date(value: str | dt.date, weekday: bool = True) -> str:
 
 
 def _signed_money(amount_minor: int, currency: str) -> str:
-    return f"plus {format_money(amount_minor, currency)}" if amount_minor > 0 else format_money(-amount_minor, currency)
+    return (
+        f"plus {format_money(amount_minor, currency)}"
+        if amount_minor > 0
+        else format_money(-amount_minor, currency)
+    )
 
 
 def _spoken_list(items: list[str], conjunction: str = "and") -> str:

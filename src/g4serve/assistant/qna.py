@@ -26,13 +26,30 @@ _STOP = frozenset(
 )
 # Words customers say for what the documents call something else.
 _SYNONYMS = {
-    "open": ("hours",), "close": ("hours",), "closing": ("hours",), "opening": ("hours",),
-    "cost": ("fee", "fees"), "charge": ("fee", "fees"), "price": ("fee", "fees"),
-    "interest": ("rate", "apy"), "rate": ("apy",), "cash": ("withdraw", "atm"),
-    "stolen": ("lost",), "lost": ("stolen",), "replace": ("replacement",), "new": ("replacement",),
-    "wire": ("wires",), "deadline": ("cutoff", "before"), "cutoff": ("before",),
-    "check": ("cheque",), "checks": ("cheque",), "abroad": ("foreign", "international"),
-    "take": ("withdraw",), "withdraw": ("withdrawal",), "withdrawal": ("withdraw",), "maximum": ("limit",),
+    "open": ("hours",),
+    "close": ("hours",),
+    "closing": ("hours",),
+    "opening": ("hours",),
+    "cost": ("fee", "fees"),
+    "charge": ("fee", "fees"),
+    "price": ("fee", "fees"),
+    "interest": ("rate", "apy"),
+    "rate": ("apy",),
+    "cash": ("withdraw", "atm"),
+    "stolen": ("lost",),
+    "lost": ("stolen",),
+    "replace": ("replacement",),
+    "new": ("replacement",),
+    "wire": ("wires",),
+    "deadline": ("cutoff", "before"),
+    "cutoff": ("before",),
+    "check": ("cheque",),
+    "checks": ("cheque",),
+    "abroad": ("foreign", "international"),
+    "take": ("withdraw",),
+    "withdraw": ("withdrawal",),
+    "withdrawal": ("withdraw",),
+    "maximum": ("limit",),
     "most": ("limit",),
 }
 
@@ -102,8 +119,9 @@ def extractive_answer(hits: Sequence[Hit]) -> str:
     return hits[0].document.text
 
 
-async def answer_events(question: str, index: KnowledgeIndex, engine=None, max_tokens: int = 96,
-                        k: int = 3) -> AsyncIterator[dict]:
+async def answer_events(
+    question: str, index: KnowledgeIndex, engine=None, max_tokens: int = 96, k: int = 3
+) -> AsyncIterator[dict]:
     """Events of one streamed answer: ``documents``, then ``delta`` s of text, then ``done`` with stage timings (ms).
 
     ``engine`` is an ``AsyncLLMEngine`` or None (extractive answer).
@@ -113,8 +131,12 @@ async def answer_events(question: str, index: KnowledgeIndex, engine=None, max_t
     t0 = time.perf_counter()
     hits = index.search(question, k=k)
     stages = {"retrieval": round((time.perf_counter() - t0) * 1000, 3)}
-    yield {"type": "documents", "documents": [{"doc_id": h.document.doc_id, "title": h.document.title,
-                                               "score": round(h.score, 3)} for h in hits]}
+    yield {
+        "type": "documents",
+        "documents": [
+            {"doc_id": h.document.doc_id, "title": h.document.title, "score": round(h.score, 3)} for h in hits
+        ],
+    }
     if engine is None or not hits:
         # No grounding documents: a canned hand-off is safer than letting the model guess.
         yield {"type": "delta", "text": extractive_answer(hits)}

@@ -51,8 +51,13 @@ class VoiceActivityDetector:
     `speech_pad_ms`. Whole file: `speech_segments` / `trim` run a fresh state over the audio.
     """
 
-    def __init__(self, threshold: float = 0.5, min_silence_ms: int = 500, speech_pad_ms: int = 100,
-                 min_speech_ms: int = 250) -> None:
+    def __init__(
+        self,
+        threshold: float = 0.5,
+        min_silence_ms: int = 500,
+        speech_pad_ms: int = 100,
+        min_speech_ms: int = 250,
+    ) -> None:
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold}")
         self.threshold = threshold
@@ -135,9 +140,13 @@ class VoiceActivityDetector:
             return []
         probs = self.speech_probabilities(samples)
         stamps = get_speech_timestamps_from_probs(
-            probs.tolist(), sampling_rate=SAMPLE_RATE, threshold=self.threshold,
-            min_speech_duration_ms=self.min_speech_ms, min_silence_duration_ms=self.min_silence_ms,
-            speech_pad_ms=self.speech_pad_ms, neg_threshold=self.neg_threshold,
+            probs.tolist(),
+            sampling_rate=SAMPLE_RATE,
+            threshold=self.threshold,
+            min_speech_duration_ms=self.min_speech_ms,
+            min_silence_duration_ms=self.min_silence_ms,
+            speech_pad_ms=self.speech_pad_ms,
+            neg_threshold=self.neg_threshold,
             audio_length_samples=samples.size,
         )
         return [(s["start"] / SAMPLE_RATE, s["end"] / SAMPLE_RATE) for s in stamps]

@@ -12,8 +12,26 @@ AMOUNT_SLOT = "{amount}"
 NAME_SLOT = "{name}"
 
 _ONES = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-    "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
 )
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 
@@ -21,57 +39,177 @@ _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eigh
 # the LM's prior over intents does not follow how many amount x name combinations a family happens to
 # expand to. Transfers get more because they carry the words most worth getting right (amounts, names).
 _FAMILIES: dict[str, tuple[float, tuple[str, ...]]] = {
-    "balance": (1.0, (
-        "what's my balance", "what is my balance", "check my balance", "check my account balance",
-        "what's my checking balance", "what's my savings balance", "what is my checking account balance",
-        "what is the balance of my savings account", "how much money do i have",
-        "how much money is in my account", "how much is in my checking account",
-        "how much do i have in savings", "show me my balance", "tell me my balance", "account balance",
-        "balance", "what's in my account", "can you check my balance please",
-    )),
-    "transactions": (1.0, (
-        "show my recent transactions", "show me my recent transactions", "what are my recent transactions",
-        "what were my last five transactions", "show my last ten transactions", "list my transactions",
-        "show my last three transactions", "recent transactions", "transaction history",
-        "show me my recent activity", "what did i spend this week", "what did i spend last month",
-        "what are my latest purchases", "show my account activity", "what were my last two payments",
-        "did i pay " + NAME_SLOT, "when did i last pay " + NAME_SLOT,
-    )),
-    "transfer": (3.0, (
-        "transfer {amount} to {name}", "send {amount} to {name}", "pay {name} {amount}",
-        "pay {amount} to {name}", "send {name} {amount}", "wire {amount} to {name}",
-        "transfer {amount} to {name} please", "i want to transfer {amount} to {name}",
-        "i'd like to send {amount} to {name}", "can you send {amount} to {name}",
-        "please pay {name} {amount}", "move {amount} from checking to savings",
-        "transfer {amount} from savings to checking", "transfer {amount} from my savings to {name}",
-        "give {name} {amount}", "send money to {name}", "transfer money to {name}", "pay {name}",
-        "send {amount}", "transfer {amount}", "{amount}", "{name}", "to {name}",
-    )),
-    "bill": (1.0, (
-        "pay my electric bill", "pay the electric bill", "pay my electricity bill", "pay my water bill",
-        "pay my phone bill", "pay my internet bill", "pay my gas bill", "pay my cable bill",
-        "pay my credit card bill", "pay my rent", "pay my mortgage", "pay my bills",
-        "pay {amount} on my electric bill", "pay {amount} toward my credit card", "pay my bill to {name}",
-        "when is my electric bill due", "how much is my electric bill",
-    )),
-    "card": (1.0, (
-        "lock my card", "lock my debit card", "lock my credit card", "freeze my card", "freeze my debit card",
-        "block my card", "block my credit card", "unlock my card", "unfreeze my card", "i lost my card",
-        "i lost my wallet", "my card was stolen", "someone stole my card", "cancel my card",
-        "turn off my card", "please lock my card right now",
-    )),
-    "human": (1.0, (
-        "talk to a person", "talk to a human", "i want to talk to a person", "i want to talk to a human",
-        "let me talk to someone", "speak to an agent", "speak to a representative", "i need a human",
-        "connect me to a representative", "can i speak to someone", "customer service", "agent",
-        "representative", "operator", "human please", "get me a real person",
-    )),
-    "dialogue": (1.0, (
-        "yes", "no", "yeah", "yep", "nope", "yes please", "no thanks", "no thank you", "confirm", "cancel",
-        "correct", "that's right", "that's correct", "that's wrong", "go ahead", "do it", "stop",
-        "never mind", "wait", "hello", "hi", "thank you", "thanks", "goodbye", "bye", "help",
-        "what can you do", "start over", "repeat that",
-    )),
+    "balance": (
+        1.0,
+        (
+            "what's my balance",
+            "what is my balance",
+            "check my balance",
+            "check my account balance",
+            "what's my checking balance",
+            "what's my savings balance",
+            "what is my checking account balance",
+            "what is the balance of my savings account",
+            "how much money do i have",
+            "how much money is in my account",
+            "how much is in my checking account",
+            "how much do i have in savings",
+            "show me my balance",
+            "tell me my balance",
+            "account balance",
+            "balance",
+            "what's in my account",
+            "can you check my balance please",
+        ),
+    ),
+    "transactions": (
+        1.0,
+        (
+            "show my recent transactions",
+            "show me my recent transactions",
+            "what are my recent transactions",
+            "what were my last five transactions",
+            "show my last ten transactions",
+            "list my transactions",
+            "show my last three transactions",
+            "recent transactions",
+            "transaction history",
+            "show me my recent activity",
+            "what did i spend this week",
+            "what did i spend last month",
+            "what are my latest purchases",
+            "show my account activity",
+            "what were my last two payments",
+            "did i pay " + NAME_SLOT,
+            "when did i last pay " + NAME_SLOT,
+        ),
+    ),
+    "transfer": (
+        3.0,
+        (
+            "transfer {amount} to {name}",
+            "send {amount} to {name}",
+            "pay {name} {amount}",
+            "pay {amount} to {name}",
+            "send {name} {amount}",
+            "wire {amount} to {name}",
+            "transfer {amount} to {name} please",
+            "i want to transfer {amount} to {name}",
+            "i'd like to send {amount} to {name}",
+            "can you send {amount} to {name}",
+            "please pay {name} {amount}",
+            "move {amount} from checking to savings",
+            "transfer {amount} from savings to checking",
+            "transfer {amount} from my savings to {name}",
+            "give {name} {amount}",
+            "send money to {name}",
+            "transfer money to {name}",
+            "pay {name}",
+            "send {amount}",
+            "transfer {amount}",
+            "{amount}",
+            "{name}",
+            "to {name}",
+        ),
+    ),
+    "bill": (
+        1.0,
+        (
+            "pay my electric bill",
+            "pay the electric bill",
+            "pay my electricity bill",
+            "pay my water bill",
+            "pay my phone bill",
+            "pay my internet bill",
+            "pay my gas bill",
+            "pay my cable bill",
+            "pay my credit card bill",
+            "pay my rent",
+            "pay my mortgage",
+            "pay my bills",
+            "pay {amount} on my electric bill",
+            "pay {amount} toward my credit card",
+            "pay my bill to {name}",
+            "when is my electric bill due",
+            "how much is my electric bill",
+        ),
+    ),
+    "card": (
+        1.0,
+        (
+            "lock my card",
+            "lock my debit card",
+            "lock my credit card",
+            "freeze my card",
+            "freeze my debit card",
+            "block my card",
+            "block my credit card",
+            "unlock my card",
+            "unfreeze my card",
+            "i lost my card",
+            "i lost my wallet",
+            "my card was stolen",
+            "someone stole my card",
+            "cancel my card",
+            "turn off my card",
+            "please lock my card right now",
+        ),
+    ),
+    "human": (
+        1.0,
+        (
+            "talk to a person",
+            "talk to a human",
+            "i want to talk to a person",
+            "i want to talk to a human",
+            "let me talk to someone",
+            "speak to an agent",
+            "speak to a representative",
+            "i need a human",
+            "connect me to a representative",
+            "can i speak to someone",
+            "customer service",
+            "agent",
+            "representative",
+            "operator",
+            "human please",
+            "get me a real person",
+        ),
+    ),
+    "dialogue": (
+        1.0,
+        (
+            "yes",
+            "no",
+            "yeah",
+            "yep",
+            "nope",
+            "yes please",
+            "no thanks",
+            "no thank you",
+            "confirm",
+            "cancel",
+            "correct",
+            "that's right",
+            "that's correct",
+            "that's wrong",
+            "go ahead",
+            "do it",
+            "stop",
+            "never mind",
+            "wait",
+            "hello",
+            "hi",
+            "thank you",
+            "thanks",
+            "goodbye",
+            "bye",
+            "help",
+            "what can you do",
+            "start over",
+            "repeat that",
+        ),
+    ),
 }
 
 _CURRENCIES = ("dollars", "bucks", "euros", "pounds")
@@ -104,11 +242,25 @@ def spoken_amounts() -> list[str]:
     for value in values:
         unit = "dollar" if value == 1 else "dollars"
         amounts.append(f"{spoken_number(value)} {unit}")
-    amounts += ["a hundred dollars", "a thousand dollars", "one hundred and fifty dollars",
-                "two hundred and fifty dollars", "one dollar and fifty cents", "twelve fifty",
-                "nineteen ninety nine", "fifty cents", "ninety nine cents"]
-    amounts += [f"{spoken_number(d)} dollars and {spoken_number(c)} cents" for d in (2, 10, 20, 45, 100) for c in _CENTS]
-    amounts += [f"{spoken_number(v)} {c}" for c in _CURRENCIES[1:] for v in (5, 10, 20, 40, 50, 100, 200, 500)]
+    amounts += [
+        "a hundred dollars",
+        "a thousand dollars",
+        "one hundred and fifty dollars",
+        "two hundred and fifty dollars",
+        "one dollar and fifty cents",
+        "twelve fifty",
+        "nineteen ninety nine",
+        "fifty cents",
+        "ninety nine cents",
+    ]
+    amounts += [
+        f"{spoken_number(d)} dollars and {spoken_number(c)} cents"
+        for d in (2, 10, 20, 45, 100)
+        for c in _CENTS
+    ]
+    amounts += [
+        f"{spoken_number(v)} {c}" for c in _CURRENCIES[1:] for v in (5, 10, 20, 40, 50, 100, 200, 500)
+    ]
     return amounts
 
 
@@ -149,8 +301,15 @@ class DomainVocabulary:
             weights += [weight / len(expanded)] * len(expanded)
         # Payees that are billers ("city electric") are said as "pay city electric" too; that is in the
         # transfer templates already, so nothing separate is needed here.
-        return cls(phrases=phrases, payee_names=list(payee_names), version=version, weights=weights,
-                   templates=templates, amounts=amounts, names=names)
+        return cls(
+            phrases=phrases,
+            payee_names=list(payee_names),
+            version=version,
+            weights=weights,
+            templates=templates,
+            amounts=amounts,
+            names=names,
+        )
 
     def words(self) -> set[str]:
         """Every word the recogniser must be able to say."""

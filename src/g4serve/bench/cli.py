@@ -73,34 +73,80 @@ def _json_object(text: str) -> dict[str, Any]:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=list(WORKLOADS), default=None, help="what to send (required to run)")
-    g.add_argument("--prompt-tokens", type=int, default=None,
-                   help="target prompt tokens (text: 500; extraction: 128/512/1024/2048, default 512)")
-    g.add_argument("--output-tokens", type=int, default=None,
-                   help="max_tokens of every request (text/image/video/audio: 10; extraction: 16/32/64/128, "
-                        "default 32; qna: uniform in 128-512)")
-    g.add_argument("--image-size", default="1024x768", help="image workload: WIDTHxHEIGHT or SIZE (default 1024x768)")
+    g.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="target prompt tokens (text: 500; extraction: 128/512/1024/2048, default 512)",
+    )
+    g.add_argument(
+        "--output-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of every request (text/image/video/audio: 10; extraction: 16/32/64/128, "
+        "default 32; qna: uniform in 128-512)",
+    )
+    g.add_argument(
+        "--image-size", default="1024x768", help="image workload: WIDTHxHEIGHT or SIZE (default 1024x768)"
+    )
     g.add_argument("--num-frames", type=int, default=6, help="video workload: frames per video (default 6)")
-    g.add_argument("--frame-size", default="854x480", help="video workload: frame WIDTHxHEIGHT (default 480p)")
-    g.add_argument("--audio-seconds", type=_seconds_range, default=(3.0, 10.0),
-                   help="audio workload: clip length MIN,MAX seconds (default 3,10)")
-    g.add_argument("--schema", action="store_true",
-                   help="extraction workload: constrain answers with a shallow JSON schema (response_format)")
+    g.add_argument(
+        "--frame-size", default="854x480", help="video workload: frame WIDTHxHEIGHT (default 480p)"
+    )
+    g.add_argument(
+        "--audio-seconds",
+        type=_seconds_range,
+        default=(3.0, 10.0),
+        help="audio workload: clip length MIN,MAX seconds (default 3,10)",
+    )
+    g.add_argument(
+        "--schema",
+        action="store_true",
+        help="extraction workload: constrain answers with a shallow JSON schema (response_format)",
+    )
     g.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
-    g.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="do not probe the target's tokenizer; assume 1.3 tokens per word")
+    g.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="do not probe the target's tokenizer; assume 1.3 tokens per word",
+    )
 
     g = p.add_argument_group("load")
-    g.add_argument("--rates", type=_floats, default=None, help=f"open-loop request rates in QPS (default {DEFAULT_RATES})")
-    g.add_argument("--arrival", choices=["constant", "poisson"], default="constant",
-                   help="open-loop arrivals: fixed intervals or a Poisson process (default constant)")
-    g.add_argument("--concurrency", type=_ints, default=None,
-                   help=f"closed loop: concurrent requests per point instead of rates (offline default {DEFAULT_CONCURRENCY})")
-    g.add_argument("--duration", type=float, default=None, help="seconds of sending per point (default 30 "
-                                                                  "unless --num-requests)")
+    g.add_argument(
+        "--rates",
+        type=_floats,
+        default=None,
+        help=f"open-loop request rates in QPS (default {DEFAULT_RATES})",
+    )
+    g.add_argument(
+        "--arrival",
+        choices=["constant", "poisson"],
+        default="constant",
+        help="open-loop arrivals: fixed intervals or a Poisson process (default constant)",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=_ints,
+        default=None,
+        help=f"closed loop: concurrent requests per point instead of rates (offline default {DEFAULT_CONCURRENCY})",
+    )
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of sending per point (default 30 unless --num-requests)",
+    )
     g.add_argument("--num-requests", type=int, default=None, help="requests per point")
-    g.add_argument("--warmup", type=int, default=2, help="requests sent (and excluded) before the sweep (default 2)")
-    g.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds to wait for in-flight requests after a point's sending ends (default 60)")
+    g.add_argument(
+        "--warmup", type=int, default=2, help="requests sent (and excluded) before the sweep (default 2)"
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for in-flight requests after a point's sending ends (default 60)",
+    )
     add_request_arguments(g)
 
     g = p.add_argument_group("target")
@@ -109,20 +155,33 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for results.json, results.md and the plots")
-    g.add_argument("--label", default=None, help="system name in plots and comparisons (stored in results.json)")
-    g.add_argument("--save-requests", action="store_true", help="also write every request's timings to requests.jsonl")
+    g.add_argument(
+        "--label", default=None, help="system name in plots and comparisons (stored in results.json)"
+    )
+    g.add_argument(
+        "--save-requests", action="store_true", help="also write every request's timings to requests.jsonl"
+    )
     g.add_argument("--no-plots", dest="plots", action="store_false")
 
 
 def add_request_arguments(g) -> None:
     """How each request is sent (shared by ``bench`` and ``bench grid``)."""
-    g.add_argument("--request-timeout", type=float, default=600.0, help="per-request HTTP timeout (default 600)")
+    g.add_argument(
+        "--request-timeout", type=float, default=600.0, help="per-request HTTP timeout (default 600)"
+    )
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (for peers that reject it; output lengths then vary)")
-    g.add_argument("--skip-special-tokens", action="store_true",
-                   help="with ignore_eos, leave skip_special_tokens at the server's default (true): special tokens "
-                        "generated past the natural end then stream no chunk (default: send false)")
+    g.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (for peers that reject it; output lengths then vary)",
+    )
+    g.add_argument(
+        "--skip-special-tokens",
+        action="store_true",
+        help="with ignore_eos, leave skip_special_tokens at the server's default (true): special tokens "
+        "generated past the natural end then stream no chunk (default: send false)",
+    )
 
 
 def add_target_arguments(g) -> None:
@@ -130,33 +189,49 @@ def add_target_arguments(g) -> None:
     g.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start a g4serve)")
     g.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--extra-body", type=_json_object, default=None,
-                   help="a JSON object whose fields are added to every request body (a peer's own extensions, "
-                        "e.g. transformers serve's generation_config)")
-    g.add_argument("--serve-args", default="",
-                   help="flags for the g4serve this run starts (or for the engine with --offline), as for "
-                        "`g4serve serve`, e.g. \"--preset e4b --max-num-seqs 128\"")
-    g.add_argument("--in-process-server", action="store_true",
-                   help="run the own server on uvicorn in a thread of this process (starts faster, but it shares "
-                        "the GIL with the load generator, which skews latencies; default: a `g4serve serve` "
-                        "subprocess)")
+    g.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        help="a JSON object whose fields are added to every request body (a peer's own extensions, "
+        "e.g. transformers serve's generation_config)",
+    )
+    g.add_argument(
+        "--serve-args",
+        default="",
+        help="flags for the g4serve this run starts (or for the engine with --offline), as for "
+        '`g4serve serve`, e.g. "--preset e4b --max-num-seqs 128"',
+    )
+    g.add_argument(
+        "--in-process-server",
+        action="store_true",
+        help="run the own server on uvicorn in a thread of this process (starts faster, but it shares "
+        "the GIL with the load generator, which skews latencies; default: a `g4serve serve` "
+        "subprocess)",
+    )
     g.add_argument("--http-client", choices=["auto", "aiohttp", "httpx"], default="auto")
 
 
 def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
     """Register ``bench`` (and its ``compare`` and ``grid`` sub-modes) on the ``g4serve`` subparsers."""
     p = subparsers.add_parser(
-        "bench", help="benchmark a server (or the engine) under load; `bench compare` sets results side by side",
+        "bench",
+        help="benchmark a server (or the engine) under load; `bench compare` sets results side by side",
         description="Run a load sweep against g4serve or any OpenAI-compatible server. "
-                    "`g4serve bench compare A.json B.json --out DIR` compares results files; `g4serve bench grid` "
-                    "runs the extraction workload over prompt sizes x output lengths x schema on/off.")
+        "`g4serve bench compare A.json B.json --out DIR` compares results files; `g4serve bench grid` "
+        "runs the extraction workload over prompt sizes x output lengths x schema on/off.",
+    )
     add_run_arguments(p)
     p.set_defaults(func=run_bench_command)
     sub = p.add_subparsers(dest="bench_mode", metavar="{compare,grid}")
-    c = sub.add_parser("compare", help="plots and a markdown table of several results.json, with ratios to the first")
+    c = sub.add_parser(
+        "compare", help="plots and a markdown table of several results.json, with ratios to the first"
+    )
     c.add_argument("files", nargs="+", help="results.json files (the first is the baseline)")
     c.add_argument("--out", required=True, help="directory for compare.md and the plots")
-    c.add_argument("--labels", default=None, help="comma-separated names, one per file (default: their --label)")
+    c.add_argument(
+        "--labels", default=None, help="comma-separated names, one per file (default: their --label)"
+    )
     c.add_argument("--no-plots", dest="plots", action="store_false")
     c.set_defaults(func=compare_command)
     from g4serve.bench.grid import add_grid_arguments
@@ -222,9 +297,17 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    return make_workload(args.workload, seed=args.seed, prompt_tokens=args.prompt_tokens,
-                         output_tokens=args.output_tokens, image_size=args.image_size, num_frames=args.num_frames,
-                         frame_size=args.frame_size, audio_seconds=args.audio_seconds, schema=args.schema)
+    return make_workload(
+        args.workload,
+        seed=args.seed,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        image_size=args.image_size,
+        num_frames=args.num_frames,
+        frame_size=args.frame_size,
+        audio_seconds=args.audio_seconds,
+        schema=args.schema,
+    )
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -265,24 +348,47 @@ def _ms(seconds: float | None) -> str:
 
 def _progress(point: dict[str, Any]) -> None:
     x = point.get("rate_qps", point.get("concurrency"))
-    print(f"[bench] {point['mode']}={x}: {point['requests_completed']}/{point['requests_sent']} ok, "
-          f"{point['errors']} errors, TTFT p50 {_ms(point['ttft_p50_s'])} ms, ITL p50 {_ms(point['itl_p50_s'])} ms, "
-          f"{point['output_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    print(
+        f"[bench] {point['mode']}={x}: {point['requests_completed']}/{point['requests_sent']} ok, "
+        f"{point['errors']} errors, TTFT p50 {_ms(point['ttft_p50_s'])} ms, ITL p50 {_ms(point['itl_p50_s'])} ms, "
+        f"{point['output_tokens_per_s']:.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def _meta(args: argparse.Namespace, workload: Workload, *, model: str | None, target: str, label: str,
-          mode: str, http_client: str | None, warmup_errors: int) -> dict[str, Any]:
+def _meta(
+    args: argparse.Namespace,
+    workload: Workload,
+    *,
+    model: str | None,
+    target: str,
+    label: str,
+    mode: str,
+    http_client: str | None,
+    warmup_errors: int,
+) -> dict[str, Any]:
     return {
         "label": label,
         "model": model,
         "target": target,
         "workload": {**workload.params(), "calibration": workload.calibration},
-        "load": {"mode": mode, "rates_qps": args.rates, "concurrency": args.concurrency, "arrival": args.arrival,
-                 "duration_s": args.duration, "num_requests": args.num_requests, "warmup": args.warmup,
-                 "warmup_errors": warmup_errors, "drain_timeout_s": args.drain_timeout,
-                 "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                 "skip_special_tokens": args.skip_special_tokens or not args.ignore_eos,
-                 "extra_body": getattr(args, "extra_body", None), "http_client": http_client},
+        "load": {
+            "mode": mode,
+            "rates_qps": args.rates,
+            "concurrency": args.concurrency,
+            "arrival": args.arrival,
+            "duration_s": args.duration,
+            "num_requests": args.num_requests,
+            "warmup": args.warmup,
+            "warmup_errors": warmup_errors,
+            "drain_timeout_s": args.drain_timeout,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "skip_special_tokens": args.skip_special_tokens or not args.ignore_eos,
+            "extra_body": getattr(args, "extra_body", None),
+            "http_client": http_client,
+        },
         **run_environment(args),
     }
 
@@ -328,55 +434,98 @@ def _run_online(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
         return asyncio.run(_sweep(args, workload, base_url, location, own_server))
 
 
-async def _sweep(args: argparse.Namespace, workload: Workload, base_url: str, location: str,
-                 own_server: bool) -> dict[str, Any]:
+async def _sweep(
+    args: argparse.Namespace, workload: Workload, base_url: str, location: str, own_server: bool
+) -> dict[str, Any]:
     client = loadgen.make_http_client(args.http_client, args.api_key, args.request_timeout)
     chat_url = base_url + "/v1/chat/completions"
-    pool = ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="bench-build")
+    pool = ThreadPoolExecutor(
+        max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="bench-build"
+    )
     try:
         model = args.model or await _served_model(client, base_url)
         if workload.target_prompt_tokens is not None and args.calibrate:
-            counts = [await _count_prompt_tokens(client, chat_url, r, model, args.extra_body)
-                      for r in workload.calibration_probes()]
+            counts = [
+                await _count_prompt_tokens(client, chat_url, r, model, args.extra_body)
+                for r in workload.calibration_probes()
+            ]
             workload.set_calibration(counts)
 
         def builder(namespace: str):
-            return lambda i: request_bytes(workload.request(namespace, i), model, ignore_eos=args.ignore_eos,
-                                           temperature=args.temperature,
-                                           show_special_tokens=not args.skip_special_tokens,
-                                           extra_body=args.extra_body)
+            return lambda i: request_bytes(
+                workload.request(namespace, i),
+                model,
+                ignore_eos=args.ignore_eos,
+                temperature=args.temperature,
+                show_special_tokens=not args.skip_special_tokens,
+                extra_body=args.extra_body,
+            )
 
         warmup_errors = 0
         if args.warmup:
             conc = max(1, min(args.warmup, max(args.concurrency or [4])))
-            run = await loadgen.run_concurrency_point(client, chat_url, builder("warmup"), pool, concurrency=conc,
-                                                      num_requests=args.warmup, drain_timeout_s=args.drain_timeout)
+            run = await loadgen.run_concurrency_point(
+                client,
+                chat_url,
+                builder("warmup"),
+                pool,
+                concurrency=conc,
+                num_requests=args.warmup,
+                drain_timeout_s=args.drain_timeout,
+            )
             bad = [r for r in run.results if not r.ok]
             warmup_errors = len(bad)
             if bad:
-                print(f"[bench] warning: {len(bad)}/{len(run.results)} warm-up requests failed: {bad[0].error}",
-                      file=sys.stderr)
+                print(
+                    f"[bench] warning: {len(bad)}/{len(run.results)} warm-up requests failed: {bad[0].error}",
+                    file=sys.stderr,
+                )
         mode = "rate" if args.rates is not None else "concurrency"
         points, per_request = [], []
         for k, value in enumerate(args.rates if mode == "rate" else args.concurrency):
             before = await loadgen.scrape_metrics(client, base_url)
             if mode == "rate":
                 run = await loadgen.run_rate_point(
-                    client, chat_url, builder(f"point{k}"), pool, rate_qps=value, arrival=args.arrival,
-                    duration_s=args.duration, num_requests=args.num_requests, drain_timeout_s=args.drain_timeout,
-                    schedule_seed=f"{args.seed}:{k}:{value}")
+                    client,
+                    chat_url,
+                    builder(f"point{k}"),
+                    pool,
+                    rate_qps=value,
+                    arrival=args.arrival,
+                    duration_s=args.duration,
+                    num_requests=args.num_requests,
+                    drain_timeout_s=args.drain_timeout,
+                    schedule_seed=f"{args.seed}:{k}:{value}",
+                )
             else:
                 run = await loadgen.run_concurrency_point(
-                    client, chat_url, builder(f"point{k}"), pool, concurrency=int(value), duration_s=args.duration,
-                    num_requests=args.num_requests, drain_timeout_s=args.drain_timeout)
+                    client,
+                    chat_url,
+                    builder(f"point{k}"),
+                    pool,
+                    concurrency=int(value),
+                    duration_s=args.duration,
+                    num_requests=args.num_requests,
+                    drain_timeout_s=args.drain_timeout,
+                )
             after = await loadgen.scrape_metrics(client, base_url)
-            point = report.summarize_point(run, _point_load(args, value, mode), loadgen.server_stage_split(before, after))
+            point = report.summarize_point(
+                run, _point_load(args, value, mode), loadgen.server_stage_split(before, after)
+            )
             points.append(point)
             per_request.append([r.record() for r in run.results])
             _progress(point)
         label = args.label or ("g4serve" if own_server else urlparse(base_url).netloc or base_url)
-        meta = _meta(args, workload, model=model, target=f"{location} {base_url}", label=label, mode=mode,
-                     http_client=client.name, warmup_errors=warmup_errors)
+        meta = _meta(
+            args,
+            workload,
+            model=model,
+            target=f"{location} {base_url}",
+            label=label,
+            mode=mode,
+            http_client=client.name,
+            warmup_errors=warmup_errors,
+        )
         return {"meta": meta, "points": points, "_requests": per_request}
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -394,8 +543,9 @@ async def _served_model(client, base_url: str) -> str | None:
     return data[0]["id"] if data else None
 
 
-async def _count_prompt_tokens(client, chat_url: str, request, model: str | None,
-                               extra_body: dict[str, Any] | None = None) -> int:
+async def _count_prompt_tokens(
+    client, chat_url: str, request, model: str | None, extra_body: dict[str, Any] | None = None
+) -> int:
     """The server's ``usage.prompt_tokens`` for a request (a 1-token, non-streamed probe without schema)."""
     body = {**request.body(model, ignore_eos=False, stream=False), **(extra_body or {})}
     body.pop("response_format", None)
@@ -421,27 +571,49 @@ def _run_offline(args: argparse.Namespace, workload: Workload) -> dict[str, Any]
     try:
         warmup_errors = 0
         if args.warmup:
-            run = loadgen.run_offline_point(engine, lambda i: workload.request("warmup", i), prepare, pool,
-                                            concurrency=max(1, min(args.warmup, max(args.concurrency))),
-                                            num_requests=args.warmup, drain_timeout_s=args.drain_timeout,
-                                            id_prefix="warmup")
+            run = loadgen.run_offline_point(
+                engine,
+                lambda i: workload.request("warmup", i),
+                prepare,
+                pool,
+                concurrency=max(1, min(args.warmup, max(args.concurrency))),
+                num_requests=args.warmup,
+                drain_timeout_s=args.drain_timeout,
+                id_prefix="warmup",
+            )
             warmup_errors = sum(not r.ok for r in run.results)
         points, per_request = [], []
         for k, conc in enumerate(args.concurrency):
             namespace = f"point{k}"
-            run = loadgen.run_offline_point(engine, lambda i, ns=namespace: workload.request(ns, i),
-                                            prepare, pool, concurrency=conc, duration_s=args.duration,
-                                            num_requests=args.num_requests, drain_timeout_s=args.drain_timeout,
-                                            id_prefix=f"point{k}")
-            point = report.summarize_point(run, _point_load(args, conc, "concurrency"), report.offline_stages(run))
+            run = loadgen.run_offline_point(
+                engine,
+                lambda i, ns=namespace: workload.request(ns, i),
+                prepare,
+                pool,
+                concurrency=conc,
+                duration_s=args.duration,
+                num_requests=args.num_requests,
+                drain_timeout_s=args.drain_timeout,
+                id_prefix=f"point{k}",
+            )
+            point = report.summarize_point(
+                run, _point_load(args, conc, "concurrency"), report.offline_stages(run)
+            )
             points.append(point)
             per_request.append([r.record() for r in run.results])
             _progress(point)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    meta = _meta(args, workload, model=_offline_model_name(args.serve_args), target=f"offline LLMEngine on {engine.device}",
-                 label=args.label or "g4serve-offline", mode="concurrency", http_client=None,
-                 warmup_errors=warmup_errors)
+    meta = _meta(
+        args,
+        workload,
+        model=_offline_model_name(args.serve_args),
+        target=f"offline LLMEngine on {engine.device}",
+        label=args.label or "g4serve-offline",
+        mode="concurrency",
+        http_client=None,
+        warmup_errors=warmup_errors,
+    )
     meta["device"] = device_name(str(engine.device))
     return {"meta": meta, "points": points, "_requests": per_request}
 
@@ -462,15 +634,20 @@ def _offline_preparer(engine, args: argparse.Namespace):
     def prepare(request):
         messages, media = split_chat_messages(request.messages, allow_local_files=False)
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        processed = engine.process_prompt({"prompt": prompt, "multi_modal_data": media.as_dict()},
-                                          add_special_tokens=False)
+        processed = engine.process_prompt(
+            {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+        )
         spec = None
         if request.response_format is not None:
             from g4serve.structured import StructuredSpec
 
             spec = StructuredSpec.from_response_format(request.response_format)
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=args.temperature,
-                                ignore_eos=args.ignore_eos, structured_output=spec)
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            structured_output=spec,
+        )
         return processed, params
 
     return prepare
@@ -502,8 +679,9 @@ class InProcessServer:
         port = free_port()
         args = parser.parse_args(_serve_argv(serve_args, port))
         app = build_from_args(args)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+        )
         self.thread = threading.Thread(target=self.server.run, name="g4serve-bench-server", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s
@@ -527,13 +705,23 @@ class SubprocessServer:
         import urllib.request
 
         port = free_port()
-        cmd = [sys.executable, "-m", "g4serve.cli", "serve", *_serve_argv(serve_args, port), "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "g4serve.cli",
+            "serve",
+            *_serve_argv(serve_args, port),
+            "--log-level",
+            "warning",
+        ]
         self.proc = subprocess.Popen(cmd)
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"g4serve serve exited with status {self.proc.returncode}: {shlex.join(cmd)}")
+                raise RuntimeError(
+                    f"g4serve serve exited with status {self.proc.returncode}: {shlex.join(cmd)}"
+                )
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
                     if resp.status == 200:

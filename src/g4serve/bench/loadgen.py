@@ -65,9 +65,17 @@ class RequestResult:
 
     def record(self) -> dict[str, Any]:
         """A JSON-able summary (``--save-requests``)."""
-        return {"index": self.index, "scheduled_s": self.scheduled_s, "sent_s": self.sent_s, "ttft_s": self.ttft_s,
-                "e2e_s": self.e2e_s, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "num_chunks": len(self.chunk_times_s), "error": self.error}
+        return {
+            "index": self.index,
+            "scheduled_s": self.scheduled_s,
+            "sent_s": self.sent_s,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "num_chunks": len(self.chunk_times_s),
+            "error": self.error,
+        }
 
 
 @dataclass
@@ -95,8 +103,10 @@ class _HttpxClient:
         import httpx
 
         self._client = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
 
     async def get(self, url: str) -> tuple[int, str]:
         resp = await self._client.get(url)
@@ -107,8 +117,9 @@ class _HttpxClient:
         return resp.status_code, resp.text
 
     async def stream_lines(self, url: str, body: bytes) -> AsyncIterator[str]:
-        async with self._client.stream("POST", url, content=body,
-                                       headers={"content-type": "application/json"}) as resp:
+        async with self._client.stream(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        ) as resp:
             if resp.status_code != 200:
                 raise HTTPStatusError(resp.status_code, (await resp.aread()).decode(errors="replace"))
             async for line in resp.aiter_lines():
@@ -125,8 +136,11 @@ class _AiohttpClient:
         import aiohttp
 
         self._session = aiohttp.ClientSession(
-            headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 30.0)),
-            connector=aiohttp.TCPConnector(limit=0, force_close=False), read_bufsize=1 << 20)
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 30.0)),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            read_bufsize=1 << 20,
+        )
 
     async def get(self, url: str) -> tuple[int, str]:
         async with self._session.get(url) as resp:
@@ -171,8 +185,9 @@ def make_http_client(kind: str = "auto", api_key: str | None = None, timeout_s: 
 
 
 # ---- one streamed request --------------------------------------------------------------------------------
-async def stream_chat(client, url: str, body: bytes, index: int, t0: float,
-                      scheduled_s: float | None) -> RequestResult:
+async def stream_chat(
+    client, url: str, body: bytes, index: int, t0: float, scheduled_s: float | None
+) -> RequestResult:
     """Send one streaming chat request now; time the chunks that carry content and read ``usage``.
 
     The stream ends at ``data: [DONE]``, or at the end of the response after a chunk with ``finish_reason``
@@ -183,7 +198,9 @@ async def stream_chat(client, url: str, body: bytes, index: int, t0: float,
     chunks: list[float] = []
     text: list[str] = []
     done = False
-    finished = False  # a choice carried finish_reason: servers that send no [DONE] (transformers serve) end here
+    finished = (
+        False  # a choice carried finish_reason: servers that send no [DONE] (transformers serve) end here
+    )
     try:
         async for line in client.stream_lines(url, body):
             if not line.startswith("data:"):
@@ -196,13 +213,19 @@ async def stream_chat(client, url: str, body: bytes, index: int, t0: float,
             event = json.loads(data)
             if event.get("error"):
                 err = event["error"]
-                result.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)
+                result.error = "stream error: " + str(
+                    err.get("message", err) if isinstance(err, dict) else err
+                )
                 break
             carried = False
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") or {}
-                piece = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
-                    or choice.get("text")  # /v1/completions peers
+                piece = (
+                    delta.get("content")
+                    or delta.get("reasoning_content")
+                    or delta.get("reasoning")
+                    or choice.get("text")
+                )  # /v1/completions peers
                 if piece:
                     carried = True
                     text.append(piece)
@@ -237,8 +260,13 @@ async def stream_chat(client, url: str, body: bytes, index: int, t0: float,
 class Prefetcher:
     """Builds request bodies ``build(i)`` in worker threads, ``lookahead`` indices ahead of the sender."""
 
-    def __init__(self, build: Callable[[int], bytes], pool: ThreadPoolExecutor, lookahead: int,
-                 limit: int | None = None):
+    def __init__(
+        self,
+        build: Callable[[int], bytes],
+        pool: ThreadPoolExecutor,
+        lookahead: int,
+        limit: int | None = None,
+    ):
         self._build, self._pool, self._lookahead, self._limit = build, pool, max(1, lookahead), limit
         self._futures: dict[int, Future] = {}
         self._next = 0
@@ -284,12 +312,15 @@ def arrival_offsets(rate_qps: float, arrival: str, rng: random.Random) -> Iterat
         raise ValueError(f"--arrival: expected constant or poisson, got {arrival!r}")
 
 
-def planned_offsets(rate_qps: float, arrival: str, seed: str, duration_s: float | None,
-                    num_requests: int | None) -> list[float]:
+def planned_offsets(
+    rate_qps: float, arrival: str, seed: str, duration_s: float | None, num_requests: int | None
+) -> list[float]:
     """The whole send plan of an open-loop point: offsets below ``duration_s``, at most ``num_requests``."""
     out = []
     for offset in arrival_offsets(rate_qps, arrival, random.Random(seed)):
-        if (duration_s is not None and offset >= duration_s) or (num_requests is not None and len(out) >= num_requests):
+        if (duration_s is not None and offset >= duration_s) or (
+            num_requests is not None and len(out) >= num_requests
+        ):
             break
         out.append(offset)
     return out
@@ -299,8 +330,9 @@ def _lookahead(count_hint: float, body_bytes: int, budget_bytes: int = 256 << 20
     return int(max(8, min(count_hint, budget_bytes // max(body_bytes, 1))))
 
 
-async def _drain(tasks: list[tuple[asyncio.Task, int, float | None]], t0: float,
-                 drain_timeout_s: float) -> tuple[list[RequestResult], int]:
+async def _drain(
+    tasks: list[tuple[asyncio.Task, int, float | None]], t0: float, drain_timeout_s: float
+) -> tuple[list[RequestResult], int]:
     """Wait (bounded) for in-flight requests; those still running are cancelled and count as errors."""
     if not tasks:
         return [], 0
@@ -312,22 +344,36 @@ async def _drain(tasks: list[tuple[asyncio.Task, int, float | None]], t0: float,
     results = []
     for task, index, scheduled in tasks:
         if task.cancelled():  # cancelled before it ever ran
-            results.append(RequestResult(index, scheduled, math.nan, error="in flight at the drain deadline "
-                                                                          "(cancelled)"))
+            results.append(
+                RequestResult(index, scheduled, math.nan, error="in flight at the drain deadline (cancelled)")
+            )
         else:
             results.append(task.result())
     return results, len(pending)
 
 
-async def run_rate_point(client, url: str, build: Callable[[int], bytes], pool: ThreadPoolExecutor, *,
-                         rate_qps: float, arrival: str = "constant", duration_s: float | None = None,
-                         num_requests: int | None = None, drain_timeout_s: float = 60.0,
-                         schedule_seed: str = "0") -> PointRun:
+async def run_rate_point(
+    client,
+    url: str,
+    build: Callable[[int], bytes],
+    pool: ThreadPoolExecutor,
+    *,
+    rate_qps: float,
+    arrival: str = "constant",
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    drain_timeout_s: float = 60.0,
+    schedule_seed: str = "0",
+) -> PointRun:
     """Open loop: request ``i`` is sent at ``t0 + offset_i`` whatever the server does."""
     offsets = planned_offsets(rate_qps, arrival, schedule_seed, duration_s, num_requests)
     first = build(0) if offsets else b""
-    prefetch = Prefetcher(lambda i: first if i == 0 else build(i), pool,
-                          _lookahead(max(32, rate_qps * 10), len(first)), limit=len(offsets))
+    prefetch = Prefetcher(
+        lambda i: first if i == 0 else build(i),
+        pool,
+        _lookahead(max(32, rate_qps * 10), len(first)),
+        limit=len(offsets),
+    )
     await prefetch.prime()
     tasks: list[tuple[asyncio.Task, int, float]] = []
     t0 = time.perf_counter() + 0.01
@@ -345,9 +391,17 @@ async def run_rate_point(client, url: str, build: Callable[[int], bytes], pool: 
     return PointRun(results, t0, send_window, time.perf_counter() - t0, timed_out)
 
 
-async def run_concurrency_point(client, url: str, build: Callable[[int], bytes], pool: ThreadPoolExecutor, *,
-                                concurrency: int, duration_s: float | None = None, num_requests: int | None = None,
-                                drain_timeout_s: float = 60.0) -> PointRun:
+async def run_concurrency_point(
+    client,
+    url: str,
+    build: Callable[[int], bytes],
+    pool: ThreadPoolExecutor,
+    *,
+    concurrency: int,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    drain_timeout_s: float = 60.0,
+) -> PointRun:
     """Closed loop: ``concurrency`` workers, each sending its next request when its last one finished.
 
     Sending ends after ``duration_s`` or once ``num_requests`` were sent; requests still in flight then get
@@ -355,8 +409,12 @@ async def run_concurrency_point(client, url: str, build: Callable[[int], bytes],
     if concurrency <= 0:
         raise ValueError(f"--concurrency: must be positive, got {concurrency}")
     first = build(0)
-    prefetch = Prefetcher(lambda i: first if i == 0 else build(i), pool,
-                          _lookahead(max(32, 4 * concurrency), len(first)), limit=num_requests)
+    prefetch = Prefetcher(
+        lambda i: first if i == 0 else build(i),
+        pool,
+        _lookahead(max(32, 4 * concurrency), len(first)),
+        limit=num_requests,
+    )
     await prefetch.prime()
     next_index = 0
     results: list[RequestResult] = []
@@ -369,7 +427,8 @@ async def run_concurrency_point(client, url: str, build: Callable[[int], bytes],
         nonlocal next_index, last_send
         while True:
             if (num_requests is not None and next_index >= num_requests) or (
-                    duration_s is not None and time.perf_counter() - t0 >= duration_s):
+                duration_s is not None and time.perf_counter() - t0 >= duration_s
+            ):
                 sending_done.set()
                 return
             index = next_index
@@ -401,7 +460,9 @@ async def run_concurrency_point(client, url: str, build: Callable[[int], bytes],
         try:
             results.append(await task)
         except asyncio.CancelledError:  # cancelled before it ever ran
-            results.append(RequestResult(index, None, math.nan, error="in flight at the drain deadline (cancelled)"))
+            results.append(
+                RequestResult(index, None, math.nan, error="in flight at the drain deadline (cancelled)")
+            )
     if pending:
         await asyncio.wait(pending)
     prefetch.cancel()
@@ -446,7 +507,9 @@ async def scrape_metrics(client, base_url: str) -> dict[str, float] | None:
     return parsed if any(f"{name}_count" in parsed for name in SERVER_HISTOGRAMS.values()) else None
 
 
-def server_stage_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+def server_stage_split(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, Any] | None:
     """Mean prepare / preprocess / queue / encoder / TTFT / E2E time of the requests the server finished (the
     preprocess histogram: processed) during the point."""
     if before is None or after is None:
@@ -464,10 +527,18 @@ def server_stage_split(before: dict[str, float] | None, after: dict[str, float] 
 
 
 # ---- offline: the engine without HTTP -------------------------------------------------------------------------
-def run_offline_point(engine, generate: Callable[[int], Any], prepare: Callable[[Any], tuple[Any, Any]],
-                      pool: ThreadPoolExecutor, *, concurrency: int, duration_s: float | None = None,
-                      num_requests: int | None = None, drain_timeout_s: float = 60.0,
-                      id_prefix: str = "bench") -> PointRun:
+def run_offline_point(
+    engine,
+    generate: Callable[[int], Any],
+    prepare: Callable[[Any], tuple[Any, Any]],
+    pool: ThreadPoolExecutor,
+    *,
+    concurrency: int,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    drain_timeout_s: float = 60.0,
+    id_prefix: str = "bench",
+) -> PointRun:
     """Keep ``concurrency`` requests in ``engine`` (an ``LLMEngine``) until the point ends.
 
     ``generate(i)`` makes the workload's request ``i`` (synthetic media: built ahead in ``pool``, untimed);

@@ -79,7 +79,9 @@ def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(values)) if len(values) else None
 
 
-def summarize_point(run: PointRun, load: dict[str, Any], server: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize_point(
+    run: PointRun, load: dict[str, Any], server: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The metrics of one load point. ``load`` names the point (``mode``, ``rate_qps`` or ``concurrency``...)."""
     results = run.results
     ok = [r for r in results if r.ok]
@@ -94,7 +96,9 @@ def summarize_point(run: PointRun, load: dict[str, Any], server: dict[str, Any] 
         itl_weights += w
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
     sent = sorted(r.sent_s for r in results if math.isfinite(r.sent_s))
-    lags = [r.sent_s - r.scheduled_s for r in results if r.scheduled_s is not None and math.isfinite(r.sent_s)]
+    lags = [
+        r.sent_s - r.scheduled_s for r in results if r.scheduled_s is not None and math.isfinite(r.sent_s)
+    ]
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     wall = max(run.wall_s, 1e-9)
     first_errors: list[str] = []
@@ -110,7 +114,8 @@ def summarize_point(run: PointRun, load: dict[str, Any], server: dict[str, Any] 
         "errors": len(errors),
         "timed_out": run.timed_out,
         "first_errors": first_errors,
-        "achieved_send_rate_qps": (len(sent) - 1) / (sent[-1] - sent[0]) if len(sent) >= 2 and sent[-1] > sent[0]
+        "achieved_send_rate_qps": (len(sent) - 1) / (sent[-1] - sent[0])
+        if len(sent) >= 2 and sent[-1] > sent[0]
         else None,
         "send_lag_p50_s": percentile(lags, 50),
         "send_lag_max_s": max(lags) if lags else None,
@@ -147,9 +152,16 @@ def offline_stages(run: PointRun) -> dict[str, Any] | None:
         return None
     queue = [r.stages["queue_s"] for r in ok if r.stages.get("queue_s") is not None]
     encoder = [r.stages["encoder_s"] for r in ok if r.stages.get("encoder_s")]
-    return {"queue_mean_s": _mean(queue), "queue_count": len(queue), "encoder_mean_s": _mean(encoder),
-            "encoder_count": len(encoder), "ttft_mean_s": _mean([r.ttft_s for r in ok]), "ttft_count": len(ok),
-            "e2e_mean_s": _mean([r.e2e_s for r in ok]), "e2e_count": len(ok)}
+    return {
+        "queue_mean_s": _mean(queue),
+        "queue_count": len(queue),
+        "encoder_mean_s": _mean(encoder),
+        "encoder_count": len(encoder),
+        "ttft_mean_s": _mean([r.ttft_s for r in ok]),
+        "ttft_count": len(ok),
+        "e2e_mean_s": _mean([r.e2e_s for r in ok]),
+        "e2e_count": len(ok),
+    }
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
@@ -177,16 +189,23 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"- load: `{json.dumps(meta.get('load'))}`",
         f"- command: `{meta.get('command')}`",
         "",
-        (f"| {'QPS' if key == 'rate_qps' else 'conc.'} | sent | done | err | send QPS | TTFT p50/p95/p99 ms "
-         "| ITL p50/p95 ms | E2E p50/p95/p99 s | out tok/s | req/s | prompt tok | out tok "
-         "| server prep / queue / enc / TTFT ms |"),
+        (
+            f"| {'QPS' if key == 'rate_qps' else 'conc.'} | sent | done | err | send QPS | TTFT p50/p95/p99 ms "
+            "| ITL p50/p95 ms | E2E p50/p95/p99 s | out tok/s | req/s | prompt tok | out tok "
+            "| server prep / queue / enc / TTFT ms |"
+        ),
         "|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---|",
     ]
     for p in points:
         server = p.get("server") or {}
-        split = " / ".join(_fmt(server.get(k), 1e3)
-                           for k in ("prepare_mean_s", "queue_mean_s", "encoder_mean_s", "ttft_mean_s")) \
-            if server else "–"
+        split = (
+            " / ".join(
+                _fmt(server.get(k), 1e3)
+                for k in ("prepare_mean_s", "queue_mean_s", "encoder_mean_s", "ttft_mean_s")
+            )
+            if server
+            else "–"
+        )
         lines.append(
             f"| {p.get(key)} | {p['requests_sent']} | {p['requests_completed']} | {p['errors']} "
             f"| {_fmt(p.get('achieved_send_rate_qps'), digits=2)} "
@@ -194,14 +213,17 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"| {_fmt(p['itl_p50_s'], 1e3)} / {_fmt(p['itl_p95_s'], 1e3)} "
             f"| {_fmt(p['e2e_p50_s'], digits=3)} / {_fmt(p['e2e_p95_s'], digits=3)} / {_fmt(p['e2e_p99_s'], digits=3)} "
             f"| {_fmt(p['output_tokens_per_s'])} | {_fmt(p['requests_per_s'], digits=2)} "
-            f"| {_fmt(p['mean_prompt_tokens'], digits=0)} | {_fmt(p['mean_output_tokens'], digits=1)} | {split} |")
+            f"| {_fmt(p['mean_prompt_tokens'], digits=0)} | {_fmt(p['mean_output_tokens'], digits=1)} | {split} |"
+        )
     late = [p for p in points if (p.get("send_lag_max_s") or 0) > LATE_SEND_S]
     if late:
         worst_ms = max(p["send_lag_max_s"] for p in late) * 1e3
         where = ", ".join(str(p.get(key)) for p in late)
-        warning = (f"**Warning**: sends fell behind schedule (by up to {worst_ms:.0f} ms at {where}): the load "
-                   "generator was starved of CPU (or of the GIL, with --in-process-server); those points "
-                   "understate the offered load.")
+        warning = (
+            f"**Warning**: sends fell behind schedule (by up to {worst_ms:.0f} ms at {where}): the load "
+            "generator was starved of CPU (or of the GIL, with --in-process-server); those points "
+            "understate the offered load."
+        )
         lines += ["", warning]
     errs = [(p.get(key), e) for p in points for e in p.get("first_errors", [])]
     if errs:
@@ -209,7 +231,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_runs(out_dir: Path, runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> list[Path]:
+def plot_runs(
+    out_dir: Path, runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = ""
+) -> list[Path]:
     """One PNG per metric of ``PLOTS``, one line per (label, points); ``title`` prefixes each plot's title."""
     import matplotlib
 
@@ -229,7 +253,9 @@ def plot_runs(out_dir: Path, runs: Sequence[tuple[str, Sequence[dict[str, Any]]]
                 ax.plot(xs, [v * scale for v in ys], marker="o", label=label)
         ax.set_xlabel("request rate (QPS)" if key == "rate_qps" else "concurrency")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title + ': ' if title else ''}{ylabel} vs {'QPS' if key == 'rate_qps' else 'concurrency'}")
+        ax.set_title(
+            f"{title + ': ' if title else ''}{ylabel} vs {'QPS' if key == 'rate_qps' else 'concurrency'}"
+        )
         ax.grid(True, alpha=0.3)
         positive = [v for v in values if v > 0]
         if positive and max(positive) / min(positive) > 50:
@@ -254,15 +280,24 @@ def save_figure(fig, path: Path) -> Path:
 
 def write_results(out_dir: str | Path, result: dict[str, Any], *, plots: bool = True) -> dict[str, Path]:
     """``results.json``, ``results.md`` and the plots in ``out_dir`` (created)."""
+
     def plot(out: Path) -> list[Path]:
-        return plot_runs(out, [(result["meta"].get("label") or "run", result["points"])],
-                         title=result["meta"].get("workload", {}).get("name", ""))
+        return plot_runs(
+            out,
+            [(result["meta"].get("label") or "run", result["points"])],
+            title=result["meta"].get("workload", {}).get("name", ""),
+        )
 
     return write_outputs(out_dir, "results", result, markdown_table(result), plot if plots else None)
 
 
-def write_outputs(out_dir: str | Path, stem: str, result: dict[str, Any], markdown: str,
-                  plot: Callable[[Path], list[Path]] | None = None) -> dict[str, Path]:
+def write_outputs(
+    out_dir: str | Path,
+    stem: str,
+    result: dict[str, Any],
+    markdown: str,
+    plot: Callable[[Path], list[Path]] | None = None,
+) -> dict[str, Path]:
     """``<stem>.json`` (``result``), ``<stem>.md`` (``markdown``) and whatever ``plot(out_dir)`` draws, in
     ``out_dir`` (created) -> {"json", "md", plot file stems: paths}."""
     out = Path(out_dir)
@@ -302,8 +337,13 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def compare(paths: Sequence[str | Path], out_dir: str | Path, labels: Sequence[str] | None = None,
-            *, plots: bool = True) -> dict[str, Path]:
+def compare(
+    paths: Sequence[str | Path],
+    out_dir: str | Path,
+    labels: Sequence[str] | None = None,
+    *,
+    plots: bool = True,
+) -> dict[str, Path]:
     """Side-by-side plots and a markdown table of several results files, each value with its ratio to the
     first file's value at the same QPS (or concurrency)."""
     if len(paths) < 2:
@@ -311,8 +351,11 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, labels: Sequence[s
     runs = [load_results(p) for p in paths]
     if labels and len(labels) != len(runs):
         raise ValueError(f"--labels: {len(labels)} labels for {len(runs)} files")
-    names = list(labels) if labels else [r["meta"].get("label") or Path(p).parent.name or Path(p).stem
-                                          for r, p in zip(runs, paths)]
+    names = (
+        list(labels)
+        if labels
+        else [r["meta"].get("label") or Path(p).parent.name or Path(p).stem for r, p in zip(runs, paths)]
+    )
     names = [n if names.count(n) == 1 else f"{n} ({i + 1})" for i, n in enumerate(names)]
     keys = {x_key(r["points"]) for r in runs}
     if len(keys) > 1:
@@ -325,14 +368,17 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, labels: Sequence[s
     lines = [f"# g4serve bench compare ({key}; ratios to {names[0]})", ""]
     for name, r, path in zip(names, runs, paths):
         meta = r["meta"]
-        lines.append(f"- **{name}**: `{path}` — model `{meta.get('model')}`, workload "
-                     f"`{meta.get('workload', {}).get('name')}`, device {meta.get('device')}, "
-                     f"git `{meta.get('git_commit')}`, {meta.get('date')}")
+        lines.append(
+            f"- **{name}**: `{path}` — model `{meta.get('model')}`, workload "
+            f"`{meta.get('workload', {}).get('name')}`, device {meta.get('device')}, "
+            f"git `{meta.get('git_commit')}`, {meta.get('date')}"
+        )
     workloads = {json.dumps(r["meta"].get("workload"), sort_keys=True) for r in runs}
     if len(workloads) > 1:
         lines += ["", "**Warning**: the files were run with different workload parameters."]
-    header = [("QPS" if key == "rate_qps" else "conc."), "system", "done/sent", "err"] + [h for _, h, _, _ in
-                                                                                        COMPARE_METRICS]
+    header = [("QPS" if key == "rate_qps" else "conc."), "system", "done/sent", "err"] + [
+        h for _, h, _, _ in COMPARE_METRICS
+    ]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for x in xs:
         base = baseline.get(x)

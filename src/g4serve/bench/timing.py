@@ -7,7 +7,9 @@ from collections.abc import Callable
 import torch
 
 
-def graph_replay_ms(calls: list[Callable[[], object]], min_calls_per_graph: int = 32, replays: int = 7) -> float:
+def graph_replay_ms(
+    calls: list[Callable[[], object]], min_calls_per_graph: int = 32, replays: int = 7
+) -> float:
     """Median time of one call, from a CUDA graph that cycles over ``calls`` (at least
     ``min_calls_per_graph`` per replay, so launch gaps amortise), over ``replays`` replays."""
     for call in calls:  # compile and allocate outside the capture

@@ -43,9 +43,30 @@ Chloe Daniel Amara Noah Elena Omar Grace Ivan Lucia Samuel Hana Diego Nora Victo
 LAST_NAMES = """Lopez Smith Khan Chen Garcia Ali Brown Patel Muller Rossi Hassan Johnson Tanaka Williams
 Fernandez Martin Davis Okafor Wilson Petrova Haddad Taylor Ivanov Romero Clark Sato Torres Berg Nguyen
 Silva""".split()  # noqa: SIM905
-BILLERS = ["electricity", "water", "internet", "phone", "rent", "credit card", "insurance", "gas", "gym", "school"]
-WHEN = ["today", "tomorrow", "on Friday", "next Monday", "on the 1st", "at the end of the month", "in two days",
-        "this evening", "next week", "on March 12"]
+BILLERS = [
+    "electricity",
+    "water",
+    "internet",
+    "phone",
+    "rent",
+    "credit card",
+    "insurance",
+    "gas",
+    "gym",
+    "school",
+]
+WHEN = [
+    "today",
+    "tomorrow",
+    "on Friday",
+    "next Monday",
+    "on the 1st",
+    "at the end of the month",
+    "in two days",
+    "this evening",
+    "next week",
+    "on March 12",
+]
 ACCOUNTS = ["checking", "savings", "joint", "business", "travel"]
 COMMANDS = [
     "send {amount} dollars to {name} {when}",
@@ -76,10 +97,28 @@ EXTRACTION_SCHEMA: dict[str, Any] = {
     "required": ["intent", "amount", "currency", "payee", "date"],
     "additionalProperties": False,
 }
-QNA_TOPICS = ["compound interest", "a mortgage", "inflation", "an index fund", "a credit score", "a budget",
-              "the stock market", "an emergency fund", "currency exchange", "a savings account", "a pension",
-              "taxes on savings", "a credit card", "student loans", "insurance", "cryptocurrency",
-              "a central bank", "bonds", "a recession", "diversification"]
+QNA_TOPICS = [
+    "compound interest",
+    "a mortgage",
+    "inflation",
+    "an index fund",
+    "a credit score",
+    "a budget",
+    "the stock market",
+    "an emergency fund",
+    "currency exchange",
+    "a savings account",
+    "a pension",
+    "taxes on savings",
+    "a credit card",
+    "student loans",
+    "insurance",
+    "cryptocurrency",
+    "a central bank",
+    "bonds",
+    "a recession",
+    "diversification",
+]
 QNA_TEMPLATES = [
     "Explain how {topic} works, step by step, with a worked example.",
     "What are the advantages and disadvantages of {topic}? Give a detailed answer.",
@@ -100,13 +139,24 @@ class BenchRequest:
     response_format: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # e.g. frame sizes; not sent
 
-    def body(self, model: str | None, *, ignore_eos: bool = True, temperature: float = 0.0, stream: bool = True,
-             show_special_tokens: bool = True) -> dict[str, Any]:
+    def body(
+        self,
+        model: str | None,
+        *,
+        ignore_eos: bool = True,
+        temperature: float = 0.0,
+        stream: bool = True,
+        show_special_tokens: bool = True,
+    ) -> dict[str, Any]:
         """With ``ignore_eos`` (vLLM's extension) the output runs to ``max_tokens``; ``show_special_tokens``
         then also sends ``skip_special_tokens: false`` so that special tokens generated past the natural end
         (EOS, end of turn, ...) stream as chunks instead of vanishing from the client's timing."""
-        body: dict[str, Any] = {"messages": self.messages, "max_tokens": self.max_tokens, "temperature": temperature,
-                                "stream": stream}
+        body: dict[str, Any] = {
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            "temperature": temperature,
+            "stream": stream,
+        }
         if model:
             body["model"] = model
         if stream:
@@ -158,11 +208,17 @@ class Workload:
         base, probed = counts[0], counts[1:]
         per_word = max((sum(probed) / len(probed) - base) / probe_words, 1e-3)
         self.filler_words = max(0, round((self.target_prompt_tokens - base) / per_word))
-        self.calibration = {"base_prompt_tokens": base, "tokens_per_word": round(per_word, 4),
-                            "filler_words": self.filler_words, "measured": True}
+        self.calibration = {
+            "base_prompt_tokens": base,
+            "tokens_per_word": round(per_word, 4),
+            "filler_words": self.filler_words,
+            "measured": True,
+        }
         if base > self.target_prompt_tokens:
-            self.calibration["note"] = (f"the prompt without filler already has {base} tokens, more than the "
-                                        f"target {self.target_prompt_tokens}")
+            self.calibration["note"] = (
+                f"the prompt without filler already has {base} tokens, more than the "
+                f"target {self.target_prompt_tokens}"
+            )
 
     def calibrate(self, count_prompt_tokens: Callable[[BenchRequest], int]) -> None:
         """Set ``filler_words`` so prompts have ~``target_prompt_tokens`` tokens.
@@ -178,8 +234,12 @@ class Workload:
         if self.target_prompt_tokens is None:
             return
         self.filler_words = max(0, round((self.target_prompt_tokens - base_prompt_tokens) / tokens_per_word))
-        self.calibration = {"base_prompt_tokens": base_prompt_tokens, "tokens_per_word": tokens_per_word,
-                            "filler_words": self.filler_words, "measured": False}
+        self.calibration = {
+            "base_prompt_tokens": base_prompt_tokens,
+            "tokens_per_word": tokens_per_word,
+            "filler_words": self.filler_words,
+            "measured": False,
+        }
 
 
 # ---- text -----------------------------------------------------------------------------------------------
@@ -209,7 +269,11 @@ class TextWorkload(Workload):
         return BenchRequest([{"role": "user", "content": text}], self.output_tokens)
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "prompt_tokens": self.target_prompt_tokens, "output_tokens": self.output_tokens}
+        return {
+            **super().params(),
+            "prompt_tokens": self.target_prompt_tokens,
+            "output_tokens": self.output_tokens,
+        }
 
 
 # ---- media ------------------------------------------------------------------------------------------------
@@ -263,12 +327,20 @@ class ImageWorkload(Workload):
 
     def build(self, rng: random.Random, filler_words: int) -> BenchRequest:
         url = jpeg_data_url(synthetic_scene(rng, *self.size))
-        content = [{"type": "image_url", "image_url": {"url": url}},
-                   {"type": "text", "text": "What is shown in this picture?"}]
-        return BenchRequest([{"role": "user", "content": content}], self.output_tokens, info={"image_size": self.size})
+        content = [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is shown in this picture?"},
+        ]
+        return BenchRequest(
+            [{"role": "user", "content": content}], self.output_tokens, info={"image_size": self.size}
+        )
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "image_size": f"{self.size[0]}x{self.size[1]}", "output_tokens": self.output_tokens}
+        return {
+            **super().params(),
+            "image_size": f"{self.size[0]}x{self.size[1]}",
+            "output_tokens": self.output_tokens,
+        }
 
 
 class VideoWorkload(Workload):
@@ -278,7 +350,9 @@ class VideoWorkload(Workload):
 
     name = "video"
 
-    def __init__(self, seed: int = 0, num_frames: int = 6, frame_size: str = "854x480", output_tokens: int = 10):
+    def __init__(
+        self, seed: int = 0, num_frames: int = 6, frame_size: str = "854x480", output_tokens: int = 10
+    ):
         super().__init__(seed)
         self.num_frames = num_frames
         self.size = parse_size(frame_size)
@@ -301,13 +375,23 @@ class VideoWorkload(Workload):
 
     def build(self, rng: random.Random, filler_words: int) -> BenchRequest:
         urls = [jpeg_data_url(f) for f in self.frames(rng)]
-        content = [{"type": "video", "video": urls}, {"type": "text", "text": "Describe what happens in this video."}]
-        return BenchRequest([{"role": "user", "content": content}], self.output_tokens,
-                            info={"num_frames": len(urls), "frame_size": self.size})
+        content = [
+            {"type": "video", "video": urls},
+            {"type": "text", "text": "Describe what happens in this video."},
+        ]
+        return BenchRequest(
+            [{"role": "user", "content": content}],
+            self.output_tokens,
+            info={"num_frames": len(urls), "frame_size": self.size},
+        )
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "num_frames": self.num_frames, "frame_size": f"{self.size[0]}x{self.size[1]}",
-                "output_tokens": self.output_tokens}
+        return {
+            **super().params(),
+            "num_frames": self.num_frames,
+            "frame_size": f"{self.size[0]}x{self.size[1]}",
+            "output_tokens": self.output_tokens,
+        }
 
 
 def synthetic_wav(rng: random.Random, seconds: float, rate: int = AUDIO_RATE_HZ) -> bytes:
@@ -336,7 +420,9 @@ class AudioWorkload(Workload):
 
     name = "audio"
 
-    def __init__(self, seed: int = 0, min_seconds: float = 3.0, max_seconds: float = 10.0, output_tokens: int = 10):
+    def __init__(
+        self, seed: int = 0, min_seconds: float = 3.0, max_seconds: float = 10.0, output_tokens: int = 10
+    ):
         super().__init__(seed)
         if not 0 < min_seconds <= max_seconds:
             raise ValueError(f"audio seconds: need 0 < min <= max, got {min_seconds}, {max_seconds}")
@@ -346,22 +432,34 @@ class AudioWorkload(Workload):
     def build(self, rng: random.Random, filler_words: int) -> BenchRequest:
         seconds = round(rng.uniform(self.min_seconds, self.max_seconds), 2)
         data = base64.b64encode(synthetic_wav(rng, seconds)).decode("ascii")
-        content = [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
-                   {"type": "text", "text": "Transcribe this audio clip."}]
-        return BenchRequest([{"role": "user", "content": content}], self.output_tokens, info={"audio_seconds": seconds})
+        content = [
+            {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+            {"type": "text", "text": "Transcribe this audio clip."},
+        ]
+        return BenchRequest(
+            [{"role": "user", "content": content}], self.output_tokens, info={"audio_seconds": seconds}
+        )
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "audio_seconds": [self.min_seconds, self.max_seconds],
-                "output_tokens": self.output_tokens}
+        return {
+            **super().params(),
+            "audio_seconds": [self.min_seconds, self.max_seconds],
+            "output_tokens": self.output_tokens,
+        }
 
 
 # ---- banking extraction --------------------------------------------------------------------------------------
 def banking_command(rng: random.Random) -> str:
     account, account2 = rng.sample(ACCOUNTS, 2)
     amount = rng.choice([rng.randrange(5, 100), rng.randrange(100, 2000), round(rng.uniform(1, 500), 2)])
-    return rng.choice(COMMANDS).format(amount=amount, name=f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}",
-                                       when=rng.choice(WHEN), biller=rng.choice(BILLERS), account=account,
-                                       account2=account2)
+    return rng.choice(COMMANDS).format(
+        amount=amount,
+        name=f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}",
+        when=rng.choice(WHEN),
+        biller=rng.choice(BILLERS),
+        account=account,
+        account2=account2,
+    )
 
 
 def banking_context(rng: random.Random, n_words: int) -> str:
@@ -370,16 +468,25 @@ def banking_context(rng: random.Random, n_words: int) -> str:
     while words < n_words:
         kind = rng.random()
         if kind < 0.3:
-            line = (f"Payee: {rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}, account ending "
-                    f"{rng.randrange(1000, 10000)}")
+            line = (
+                f"Payee: {rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}, account ending "
+                f"{rng.randrange(1000, 10000)}"
+            )
         elif kind < 0.4:
             line = f"Account: {rng.choice(ACCOUNTS)}, balance {rng.randrange(0, 20000)}.{rng.randrange(100):02d} dollars"
         else:
             verb = rng.choice(["card payment", "transfer to", "deposit from", "direct debit", "refund from"])
-            other = rng.choice([f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}", f"{rng.choice(BILLERS)} company",
-                                " ".join(rng.choices(WORD_POOL, k=2))])
-            line = (f"March {rng.randrange(1, 29)}: {verb} {other}, {rng.randrange(1, 900)}."
-                    f"{rng.randrange(100):02d} dollars")
+            other = rng.choice(
+                [
+                    f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}",
+                    f"{rng.choice(BILLERS)} company",
+                    " ".join(rng.choices(WORD_POOL, k=2)),
+                ]
+            )
+            line = (
+                f"March {rng.randrange(1, 29)}: {verb} {other}, {rng.randrange(1, 900)}."
+                f"{rng.randrange(100):02d} dollars"
+            )
         taken = line.split()[: n_words - words]
         lines.append(" ".join(taken))
         words += len(taken)
@@ -398,7 +505,9 @@ class ExtractionWorkload(Workload):
     PROMPT_SIZES = (128, 512, 1024, 2048)
     OUTPUT_SIZES = (16, 32, 64, 128)
 
-    def __init__(self, seed: int = 0, prompt_tokens: int = 512, output_tokens: int = 32, schema: bool = False):
+    def __init__(
+        self, seed: int = 0, prompt_tokens: int = 512, output_tokens: int = 32, schema: bool = False
+    ):
         super().__init__(seed)
         self.target_prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
@@ -411,13 +520,19 @@ class ExtractionWorkload(Workload):
         messages = [{"role": "system", "content": EXTRACTION_INSTRUCTIONS}, {"role": "user", "content": user}]
         response_format = None
         if self.schema:
-            response_format = {"type": "json_schema",
-                               "json_schema": {"name": "banking_command", "schema": EXTRACTION_SCHEMA, "strict": True}}
+            response_format = {
+                "type": "json_schema",
+                "json_schema": {"name": "banking_command", "schema": EXTRACTION_SCHEMA, "strict": True},
+            }
         return BenchRequest(messages, self.output_tokens, response_format, info={"command": command})
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "prompt_tokens": self.target_prompt_tokens, "output_tokens": self.output_tokens,
-                "schema": self.schema}
+        return {
+            **super().params(),
+            "prompt_tokens": self.target_prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "schema": self.schema,
+        }
 
 
 # ---- open questions ------------------------------------------------------------------------------------------
@@ -426,8 +541,13 @@ class QnAWorkload(Workload):
 
     name = "qna"
 
-    def __init__(self, seed: int = 0, output_tokens: int | None = None, min_output_tokens: int = 128,
-                 max_output_tokens: int = 512):
+    def __init__(
+        self,
+        seed: int = 0,
+        output_tokens: int | None = None,
+        min_output_tokens: int = 128,
+        max_output_tokens: int = 512,
+    ):
         super().__init__(seed)
         if not 0 < min_output_tokens <= max_output_tokens:
             raise ValueError("qna: need 0 < min_output_tokens <= max_output_tokens")
@@ -446,14 +566,27 @@ class QnAWorkload(Workload):
 
 
 WORKLOADS: dict[str, type[Workload]] = {
-    "text": TextWorkload, "video": VideoWorkload, "image": ImageWorkload, "audio": AudioWorkload,
-    "extraction": ExtractionWorkload, "qna": QnAWorkload,
+    "text": TextWorkload,
+    "video": VideoWorkload,
+    "image": ImageWorkload,
+    "audio": AudioWorkload,
+    "extraction": ExtractionWorkload,
+    "qna": QnAWorkload,
 }
 
 
-def make_workload(name: str, *, seed: int = 0, prompt_tokens: int | None = None, output_tokens: int | None = None,
-                  image_size: str = "1024x768", num_frames: int = 6, frame_size: str = "854x480",
-                  audio_seconds: tuple[float, float] = (3.0, 10.0), schema: bool = False) -> Workload:
+def make_workload(
+    name: str,
+    *,
+    seed: int = 0,
+    prompt_tokens: int | None = None,
+    output_tokens: int | None = None,
+    image_size: str = "1024x768",
+    num_frames: int = 6,
+    frame_size: str = "854x480",
+    audio_seconds: tuple[float, float] = (3.0, 10.0),
+    schema: bool = False,
+) -> Workload:
     """The workload ``name`` with the options that apply to it (others are ignored; None keeps defaults)."""
     if name not in WORKLOADS:
         raise ValueError(f"--workload: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -472,11 +605,20 @@ def make_workload(name: str, *, seed: int = 0, prompt_tokens: int | None = None,
     return QnAWorkload(seed, **out)
 
 
-def request_bytes(request: BenchRequest, model: str | None, *, ignore_eos: bool, temperature: float,
-                  show_special_tokens: bool = True, extra_body: dict[str, Any] | None = None) -> bytes:
+def request_bytes(
+    request: BenchRequest,
+    model: str | None,
+    *,
+    ignore_eos: bool,
+    temperature: float,
+    show_special_tokens: bool = True,
+    extra_body: dict[str, Any] | None = None,
+) -> bytes:
     """The request's streamed body as compact JSON bytes (encoded once, off the send path); ``extra_body``'s
     fields are added to (or replace) the body's top-level fields."""
-    body = request.body(model, ignore_eos=ignore_eos, temperature=temperature, show_special_tokens=show_special_tokens)
+    body = request.body(
+        model, ignore_eos=ignore_eos, temperature=temperature, show_special_tokens=show_special_tokens
+    )
     if extra_body:
         body.update(extra_body)
     return json.dumps(body, separators=(",", ":")).encode()

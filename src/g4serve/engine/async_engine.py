@@ -50,7 +50,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (kind, payload) from the event loop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(preprocess_workers, thread_name_prefix="g4-preprocess")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            preprocess_workers, thread_name_prefix="g4-preprocess"
+        )
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()

@@ -67,9 +67,19 @@ class _GraphRunner:
     step N-1 sample the host has already read back.
     """
 
-    def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
-                 max_model_len: int, sizes: list[int], max_seqs: int, device: torch.device, capture: bool,
-                 decodable_vocab_size: int | None = None):
+    def __init__(
+        self,
+        model: Gemma4Model,
+        backend: AttentionBackend,
+        pools: list[str],
+        block_size: int,
+        max_model_len: int,
+        sizes: list[int],
+        max_seqs: int,
+        device: torch.device,
+        capture: bool,
+        decodable_vocab_size: int | None = None,
+    ):
         self.model = model
         self.decodable_vocab_size = decodable_vocab_size  # the greedy argmax skips ids past it
         self.backend = backend
@@ -85,11 +95,15 @@ class _GraphRunner:
         self.num_token_rows = 2 + len(self.pools)  # token ids, positions, one KV-slot row per pool
         self._tokens = torch.zeros(self.num_token_rows, self.max_size, dtype=torch.long, device=device)
         self._tokens[2:] = -1  # padded tokens write no KV
-        self._tables = torch.zeros(max_seqs, len(self.pools), self.max_blocks, dtype=torch.int32, device=device)
+        self._tables = torch.zeros(
+            max_seqs, len(self.pools), self.max_blocks, dtype=torch.int32, device=device
+        )
         pin = device.type == "cuda"
         self._host_sets = [
-            (torch.zeros(self._tokens.numel() + max_seqs, dtype=torch.long, pin_memory=pin),
-             torch.zeros(self._tables.numel() + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin))
+            (
+                torch.zeros(self._tokens.numel() + max_seqs, dtype=torch.long, pin_memory=pin),
+                torch.zeros(self._tables.numel() + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin),
+            )
             for _ in range(2)
         ]
         self._num_runs = 0
@@ -125,12 +139,21 @@ class _GraphRunner:
         logits = self._forward(n)
         return logits, logits[:, : self.decodable_vocab_size].argmax(dim=-1)
 
-    def _pack_tables(self, tables: dict[str, list[list[int]]], num_seqs: int, rows: int,
-                     token_pos: np.ndarray, token_seq: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    def _pack_tables(
+        self,
+        tables: dict[str, list[list[int]]],
+        num_seqs: int,
+        rows: int,
+        token_pos: np.ndarray,
+        token_seq: np.ndarray,
+        slots: np.ndarray,
+    ) -> np.ndarray:
         """Block tables of ``num_seqs`` sequences into the int32 staging ([rows, pools, width]) and each
         token's KV slot per pool into ``slots`` ([pools, tokens]; -1 where a sliding block was freed)."""
         width = max(len(t) for pool_tables in tables.values() for t in pool_tables)
-        staged = self._int_host.numpy()[: rows * len(self.pools) * width].reshape(rows, len(self.pools), width)
+        staged = self._int_host.numpy()[: rows * len(self.pools) * width].reshape(
+            rows, len(self.pools), width
+        )
         staged.fill(0)  # entries past a sequence's blocks are never read; 0 keeps padded rows in bounds
         bs = self.block_size
         for i, pool in enumerate(self.pools):
@@ -141,8 +164,14 @@ class _GraphRunner:
             slots[i] = np.where(block >= 0, block * bs + token_pos % bs, -1)
         return staged
 
-    def _upload(self, tokens: np.ndarray, tables: np.ndarray, extra_long: np.ndarray | None = None,
-                extra_int: np.ndarray | None = None, pending: PendingTokens | None = None) -> None:
+    def _upload(
+        self,
+        tokens: np.ndarray,
+        tables: np.ndarray,
+        extra_long: np.ndarray | None = None,
+        extra_int: np.ndarray | None = None,
+        pending: PendingTokens | None = None,
+    ) -> None:
         """Copy the packed host rows into the static buffers: ``tokens`` [token rows, n] (already in the
         long staging), ``tables`` [seqs, pools, width] (already in the int staging), then the extras;
         ``pending`` input tokens are then copied in on the device."""
@@ -167,10 +196,17 @@ class _GraphRunner:
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
-            self._graphs[n], self._outputs[n] = _capture(lambda n=n: self._forward_and_argmax(n), pool, self.device)
+            self._graphs[n], self._outputs[n] = _capture(
+                lambda n=n: self._forward_and_argmax(n), pool, self.device
+            )
         torch.cuda.synchronize(self.device)
-        log.info("captured %d %s CUDA graphs (sizes %s) in %.1fs", len(self._graphs), type(self).__name__,
-                 ",".join(map(str, self.sizes)), time.monotonic() - t0)
+        log.info(
+            "captured %d %s CUDA graphs (sizes %s) in %.1fs",
+            len(self._graphs),
+            type(self).__name__,
+            ",".join(map(str, self.sizes)),
+            time.monotonic() - t0,
+        )
 
     def _replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, greedy token ids) of the padded step, from the graph when captured."""
@@ -185,13 +221,34 @@ class DecodeGraphRunner(_GraphRunner):
     padded forward runs eagerly. ``max_model_len`` sizes the block tables and fixes each layer's split-KV
     count at capture time."""
 
-    def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
-                 max_model_len: int, batch_sizes: list[int], device: torch.device, capture: bool,
-                 decodable_vocab_size: int | None = None):
-        super().__init__(model, backend, pools, block_size, max_model_len, batch_sizes, max(batch_sizes), device,
-                         capture, decodable_vocab_size)
+    def __init__(
+        self,
+        model: Gemma4Model,
+        backend: AttentionBackend,
+        pools: list[str],
+        block_size: int,
+        max_model_len: int,
+        batch_sizes: list[int],
+        device: torch.device,
+        capture: bool,
+        decodable_vocab_size: int | None = None,
+    ):
+        super().__init__(
+            model,
+            backend,
+            pools,
+            block_size,
+            max_model_len,
+            batch_sizes,
+            max(batch_sizes),
+            device,
+            capture,
+            decodable_vocab_size,
+        )
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
-        self._seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # read by varlen kernels only
+        self._seq_lens = torch.ones(
+            self.max_batch, dtype=torch.int32, device=device
+        )  # read by varlen kernels only
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -221,8 +278,13 @@ class DecodeGraphRunner(_GraphRunner):
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: list[int], tables: dict[str, list[list[int]]],
-            pending: PendingTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        tables: dict[str, list[list[int]]],
+        pending: PendingTokens | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for ``len(token_ids)`` sequences -> logits [B, V] and greedy ids [B] (views of the
         graph's outputs, valid until this graph's next replay). ``tables[pool][i]``: sequence i's blocks in
         position order (-1: freed). ``pending``: input tokens still on the device."""
@@ -248,17 +310,39 @@ class MixedGraphRunner(_GraphRunner):
     row per sequence (its last token), as the eager fast prefill does; the graph returns [max_seqs, V]
     logits, one row per sequence."""
 
-    def __init__(self, model: Gemma4Model, backend: AttentionBackend, pools: list[str], block_size: int,
-                 max_model_len: int, token_buckets: list[int], max_seqs: int, device: torch.device, capture: bool,
-                 yoco: bool = True, decodable_vocab_size: int | None = None):
-        super().__init__(model, backend, pools, block_size, max_model_len, token_buckets, max_seqs, device, capture,
-                         decodable_vocab_size)
+    def __init__(
+        self,
+        model: Gemma4Model,
+        backend: AttentionBackend,
+        pools: list[str],
+        block_size: int,
+        max_model_len: int,
+        token_buckets: list[int],
+        max_seqs: int,
+        device: torch.device,
+        capture: bool,
+        yoco: bool = True,
+        decodable_vocab_size: int | None = None,
+    ):
+        super().__init__(
+            model,
+            backend,
+            pools,
+            block_size,
+            max_model_len,
+            token_buckets,
+            max_seqs,
+            device,
+            capture,
+            decodable_vocab_size,
+        )
         self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
         # Media soft tokens ride in a fixed-shape row buffer plus mask. Models whose sliding layers attend
         # bidirectionally inside images (26B-A4B, 31B) keep media steps eager: their per-token span bounds
         # would change the attention kernel's specialisation.
-        self.media = (model.cfg.text.use_bidirectional_attention != "vision"
-                      and (model.vision_tower is not None or model.audio_tower is not None))
+        self.media = model.cfg.text.use_bidirectional_attention != "vision" and (
+            model.vision_tower is not None or model.audio_tower is not None
+        )
         if self.media:
             hidden = model.cfg.text.hidden_size
             dtype = model.language_model.embed_tokens.weight.dtype
@@ -303,10 +387,18 @@ class MixedGraphRunner(_GraphRunner):
                 seq_lens_cpu=[1] * s,
                 max_decode_len=self.max_model_len,
             )
-            hidden = self.model(self._tokens[0, :n], meta, self.backend, keep_indices=self._last_rows,
-                                kept_meta=kept, mm_dense=self._dense(n))
+            hidden = self.model(
+                self._tokens[0, :n],
+                meta,
+                self.backend,
+                keep_indices=self._last_rows,
+                kept_meta=kept,
+                mm_dense=self._dense(n),
+            )
         else:
-            hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n))[self._last_rows]
+            hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n))[
+                self._last_rows
+            ]
         return self.model.compute_logits(hidden)
 
     def _dense(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -325,10 +417,16 @@ class MixedGraphRunner(_GraphRunner):
             self._mm_set = where
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], computed: list[int], query_lens: list[int],
-            tables: dict[str, list[list[int]]], mm_rows: list[torch.Tensor] | None = None,
-            mm_positions: list[int] | None = None,
-            pending: PendingTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        token_ids: list[int],
+        computed: list[int],
+        query_lens: list[int],
+        tables: dict[str, list[list[int]]],
+        mm_rows: list[torch.Tensor] | None = None,
+        mm_positions: list[int] | None = None,
+        pending: PendingTokens | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
         logits [num_seqs, V] and greedy ids [num_seqs], row i for sequence i's last new token (views,
         valid until this graph's next replay). ``mm_rows`` / ``mm_positions``: soft tokens and their flat
@@ -386,8 +484,9 @@ class VisionGraphRunner:
         self._pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()
-    def encode_padded(self, pixel_values: torch.Tensor, position_ids: torch.Tensor,
-                      no_padding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_padded(
+        self, pixel_values: torch.Tensor, position_ids: torch.Tensor, no_padding: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``Gemma4Model.encode_images_padded`` by graph replay: (soft tokens [B, L, H], cells used [B, L]),
         the graph's static outputs (valid until its next replay). ``no_padding``: every patch is real
         (frames of one size), so the graph runs attention without a mask (flash)."""
@@ -407,8 +506,9 @@ class VisionGraphRunner:
         t0 = time.monotonic()
         pixels, positions = pixel_values.clone(), position_ids.clone()
         no_padding = key[2]
-        graph, outputs = _capture(lambda: self.model.encode_images_padded(pixels, positions, no_padding), self._pool,
-                                  self.device)
+        graph, outputs = _capture(
+            lambda: self.model.encode_images_padded(pixels, positions, no_padding), self._pool, self.device
+        )
         self._graphs[key] = entry = (graph, pixels, positions, outputs)
         log.info("captured a vision-encoder CUDA graph for input %s in %.2fs", key[0], time.monotonic() - t0)
         return entry

@@ -122,8 +122,9 @@ class EncoderRunner:
     def num_in_flight(self) -> int:
         return sum(len(e.outputs) for e in self._encoding)
 
-    def encode_images(self, pixels: torch.Tensor, positions: torch.Tensor,
-                      positions_cpu: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def encode_images(
+        self, pixels: torch.Tensor, positions: torch.Tensor, positions_cpu: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Images / frames [B, N, 3*p*p] on the device -> per input soft tokens. Graph replays (and the
         side stream) take the fixed-shape encoder and keep the used cells by an index computed on the
         host from ``positions_cpu``; otherwise ``Gemma4Model.encode_images``."""
@@ -132,7 +133,11 @@ class EncoderRunner:
         if positions_cpu is None:
             positions_cpu = positions.cpu()
         no_padding = bool((positions_cpu >= 0).all())
-        encode = self.vision_graphs.encode_padded if self.vision_graphs is not None else self.model.encode_images_padded
+        encode = (
+            self.vision_graphs.encode_padded
+            if self.vision_graphs is not None
+            else self.model.encode_images_padded
+        )
         tokens, _ = encode(pixels, positions, no_padding)
         k = self.model.cfg.vision.pooling_kernel_size
         used = pooling_cells_used(positions_cpu, k, tokens.shape[1])
@@ -143,7 +148,11 @@ class EncoderRunner:
     def _new_items(self, items: list[MultimodalItem]) -> dict[str, MultimodalItem]:
         todo: dict[str, MultimodalItem] = {}
         for item in items:
-            if item.content_hash in self.cache or item.content_hash in todo or self.in_flight(item.content_hash):
+            if (
+                item.content_hash in self.cache
+                or item.content_hash in todo
+                or self.in_flight(item.content_hash)
+            ):
                 self.cache.hits += 1
             else:
                 todo[item.content_hash] = item
@@ -233,10 +242,18 @@ class EncoderRunner:
 
     def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
         # uint8 patches go up as they are and are rescaled on the device, exactly as the processor would
-        pixels = torch.cat([rescale_pixels(self._upload(it.data["pixel_values"]), video=it.modality == "video")
-                            .to(self.dtype) for it in items])
+        pixels = torch.cat(
+            [
+                rescale_pixels(self._upload(it.data["pixel_values"]), video=it.modality == "video").to(
+                    self.dtype
+                )
+                for it in items
+            ]
+        )
         positions_cpu = torch.cat([it.data["position_ids"] for it in items])
-        per_input = self.encode_images(pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu)
+        per_input = self.encode_images(
+            pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu
+        )
         cursor = 0
         for item in items:
             frames = item.data["pixel_values"].shape[0]
@@ -247,10 +264,24 @@ class EncoderRunner:
     def _encode_audio(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
         length = max(it.data["input_features"].shape[1] for it in items)
         pad = torch.nn.functional.pad
-        feats = torch.cat([pad(self._upload(it.data["input_features"]).to(self.dtype),
-                               (0, 0, 0, length - it.data["input_features"].shape[1])) for it in items])
-        masks = torch.cat([pad(self._upload(it.data["input_features_mask"]),
-                               (0, length - it.data["input_features_mask"].shape[1])) for it in items])
+        feats = torch.cat(
+            [
+                pad(
+                    self._upload(it.data["input_features"]).to(self.dtype),
+                    (0, 0, 0, length - it.data["input_features"].shape[1]),
+                )
+                for it in items
+            ]
+        )
+        masks = torch.cat(
+            [
+                pad(
+                    self._upload(it.data["input_features_mask"]),
+                    (0, length - it.data["input_features_mask"].shape[1]),
+                )
+                for it in items
+            ]
+        )
         # On the side stream, counts come from the prompt's placeholders: no read-back of the mask.
         lengths = [it.num_tokens for it in items] if self.stream is not None else None
         per_clip = self.model.encode_audio(feats, masks, lengths)

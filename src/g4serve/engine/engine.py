@@ -96,7 +96,9 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
 
@@ -128,8 +130,10 @@ class InflightStep:
     def needs_host_tokens(self) -> bool:
         """Whether a request sampled here needs its token on the host before its next step can launch: a
         grammar builds the next mask from it, penalties count it."""
-        return any(not r.finished and (r.grammar is not None or r.sampling_params.has_penalties)
-                   for r in self.result.requests)
+        return any(
+            not r.finished and (r.grammar is not None or r.sampling_params.has_penalties)
+            for r in self.result.requests
+        )
 
     def read(self) -> tuple[list, list | None, list | None, list | None]:
         """(token ids, logprobs, top ids, top logprobs) as lists, row per sampled request."""
@@ -151,17 +155,24 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = _resolve_device(config.device)
-        is_preset = isinstance(config.model, str) and config.model in PRESETS and not Path(config.model).exists()
+        is_preset = (
+            isinstance(config.model, str) and config.model in PRESETS and not Path(config.model).exists()
+        )
         model_dir = None if is_preset else Path(config.model) if config.model else default_model_dir()
         if model_dir is not None and not model_dir.is_dir():
-            raise CheckpointError(f"model: {config.model} is neither a checkpoint directory nor a preset "
-                                  f"({', '.join(PRESETS)})")
+            raise CheckpointError(
+                f"model: {config.model} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})"
+            )
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir or default_model_dir())
         limits = config.limit_mm_per_prompt
         self.model: Gemma4Model = load_model(
-            config.model if is_preset else model_dir, dtype=config.dtype, device=self.device,
+            config.model if is_preset else model_dir,
+            dtype=config.dtype,
+            device=self.device,
             with_vision=limits.get("image", 0) > 0 or limits.get("video", 0) > 0,
-            with_audio=limits.get("audio", 0) > 0, strict_config=config.strict_config, seed=config.seed,
+            with_audio=limits.get("audio", 0) > 0,
+            strict_config=config.strict_config,
+            seed=config.seed,
         )
         self.model_config = self.model.cfg
         if self.device.type == "cuda":
@@ -170,30 +181,44 @@ class LLMEngine:
             _map_special_tokens(self.model_config, self.tokenizer)
             self.model.init_nonpersistent_buffers()
         text = self.model_config.text
-        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
-        self.processor = Gemma4Processor(self.tokenizer, self.model_config, ProcessorSettings.from_dir(model_dir))
+        self.max_model_len = min(
+            config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
+        )
+        self.processor = Gemma4Processor(
+            self.tokenizer, self.model_config, ProcessorSettings.from_dir(model_dir)
+        )
 
         self.dtype = self.model.language_model.embed_tokens.weight.dtype
         num_blocks = self._plan_kv_blocks()
         self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, self.dtype, self.device)
         self.kv = KVCacheManager(text, num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.kv.capacity_tokens()
-        log.info("KV cache: %s", ", ".join(f"{pool} pool {tokens} tokens" for pool, tokens in capacity.items()))
+        log.info(
+            "KV cache: %s", ", ".join(f"{pool} pool {tokens} tokens" for pool, tokens in capacity.items())
+        )
         self._limit_context_to_kv(capacity)
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         self.encoder = EncoderRunner(self.model, self.encoder_cache, overlap=config.overlap_encoder)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                encoder_token_budget=config.encoder_token_budget, enable_chunked_prefill=config.enable_chunked_prefill,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                encoder_token_budget=config.encoder_token_budget,
+                enable_chunked_prefill=config.enable_chunked_prefill,
                 bidirectional_spans=text.use_bidirectional_attention == "vision",
                 overlap_encoder=config.overlap_encoder,
             ),
-            self.kv, encoder_cached=lambda digest: digest in self.encoder_cache,
+            self.kv,
+            encoder_cached=lambda digest: digest in self.encoder_cache,
             encoder_in_flight=self.encoder.in_flight,
         )
-        self.runner = ModelRunner(self.model, self._attention_backend(), config.block_size, config.fast_prefill,
-                                  decodable_vocab_size=self.tokenizer.vocab_size)
+        self.runner = ModelRunner(
+            self.model,
+            self._attention_backend(),
+            config.block_size,
+            config.fast_prefill,
+            decodable_vocab_size=self.tokenizer.vocab_size,
+        )
         self.requests: dict[str, Request] = {}
         # Constrained decoding loads xgrammar with the first request that needs it.
         self._structured: StructuredOutputBackend | None = None
@@ -209,7 +234,11 @@ class LLMEngine:
             pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
             self.runner.mixed_graphs.capture(pool)
             self.runner.decode_graphs.capture(pool)
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.model.vision_tower is not None:
+        if (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.model.vision_tower is not None
+        ):
             self.encoder.vision_graphs = VisionGraphRunner(self.model, self.device)
         if self.device.type == "cuda":
             self.warmup()
@@ -235,15 +264,27 @@ class LLMEngine:
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
     def _use_cuda_graphs(self) -> bool:
-        return not self.config.enforce_eager and self.device.type == "cuda" and self.attention_backend_name == "triton"
+        return (
+            not self.config.enforce_eager
+            and self.device.type == "cuda"
+            and self.attention_backend_name == "triton"
+        )
 
     def decode_graph_runner(self, capture: bool) -> DecodeGraphRunner:
         """Padded decode steps for every batch size up to ``max_cuda_graph_batch``; ``capture`` on CUDA only
         (without it the same padded forward runs eagerly, which is how the CPU tests check it)."""
-        max_batch = min(self.config.max_cuda_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
+        max_batch = min(
+            self.config.max_cuda_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs
+        )
         return DecodeGraphRunner(
-            self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
-            sizes_up_to(max_batch, DEFAULT_BATCH_SIZES), self.device, capture=capture,
+            self.model,
+            self.runner.backend,
+            self.kv.pool_types,
+            self.config.block_size,
+            self.max_model_len,
+            sizes_up_to(max_batch, DEFAULT_BATCH_SIZES),
+            self.device,
+            capture=capture,
             decodable_vocab_size=self.runner.decodable_vocab_size,
         )
 
@@ -251,9 +292,17 @@ class LLMEngine:
         """Text prefill / mixed steps up to ``max_num_batched_tokens`` tokens over up to ``max_num_seqs``
         sequences, per token bucket (``capture`` on CUDA only, as for decode)."""
         return MixedGraphRunner(
-            self.model, self.runner.backend, self.kv.pool_types, self.config.block_size, self.max_model_len,
-            sizes_up_to(self.config.max_num_batched_tokens, DEFAULT_TOKEN_BUCKETS), self.config.max_num_seqs, self.device,
-            capture=capture, yoco=self.config.fast_prefill, decodable_vocab_size=self.runner.decodable_vocab_size,
+            self.model,
+            self.runner.backend,
+            self.kv.pool_types,
+            self.config.block_size,
+            self.max_model_len,
+            sizes_up_to(self.config.max_num_batched_tokens, DEFAULT_TOKEN_BUCKETS),
+            self.config.max_num_seqs,
+            self.device,
+            capture=capture,
+            yoco=self.config.fast_prefill,
+            decodable_vocab_size=self.runner.decodable_vocab_size,
         )
 
     def _attention_backend(self):
@@ -280,7 +329,9 @@ class LLMEngine:
             else:
                 budget = 256 << 20  # CPU default: 256 MiB of KV cache
         if budget <= 0:
-            raise MemoryError("kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model")
+            raise MemoryError(
+                "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
+            )
         pools = [p for p in (SLIDING, FULL) if per_block[p]]
         bs = cfg.block_size
         out = {SLIDING: 0, FULL: 0}
@@ -304,8 +355,11 @@ class LLMEngine:
         if sliding and sliding < text.sliding_window + self.config.max_num_batched_tokens + bs:
             limit = min(limit, sliding - bs)
         if limit < self.max_model_len:
-            log.warning("KV cache holds %d tokens per sequence at most: max_model_len lowered from %d", limit,
-                        self.max_model_len)
+            log.warning(
+                "KV cache holds %d tokens per sequence at most: max_model_len lowered from %d",
+                limit,
+                self.max_model_len,
+            )
             self.max_model_len = max(limit, 1)
 
     def _activation_reserve(self) -> int:
@@ -330,17 +384,28 @@ class LLMEngine:
         for modality, values in media.items():
             limit = self.config.limit_mm_per_prompt.get(modality, 0)
             if len(values) > limit:
-                raise ValueError(f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt ({limit})")
+                raise ValueError(
+                    f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt ({limit})"
+                )
         if prompt.get("prompt") is not None and prompt.get("prompt_token_ids") is not None:
             raise ValueError("prompt: give either 'prompt' or 'prompt_token_ids', not both")
         return self.processor(
-            prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
-            images=media.get("image"), videos=media.get("video"), audio=media.get("audio"),
+            prompt=prompt.get("prompt"),
+            prompt_token_ids=prompt.get("prompt_token_ids"),
+            images=media.get("image"),
+            videos=media.get("video"),
+            audio=media.get("audio"),
             add_special_tokens=add_special_tokens,
         )
 
-    def make_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
         n_prompt = len(processed.token_ids)
         if n_prompt == 0:
             raise ValueError("prompt: is empty")
@@ -361,10 +426,17 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary (size {vocab})")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
-            request_id=request_id, prompt=processed.prompt, prompt_token_ids=processed.token_ids,
-            sampling_params=params, eos_token_ids=self.model_config.text.eos_token_ids, tokenizer=self.tokenizer,
-            mm_items=processed.mm_items, max_total_tokens=self.max_model_len, priority=priority,
-            grammar=self._new_grammar(params), **kwargs,
+            request_id=request_id,
+            prompt=processed.prompt,
+            prompt_token_ids=processed.token_ids,
+            sampling_params=params,
+            eos_token_ids=self.model_config.text.eos_token_ids,
+            tokenizer=self.tokenizer,
+            mm_items=processed.mm_items,
+            max_total_tokens=self.max_model_len,
+            priority=priority,
+            grammar=self._new_grammar(params),
+            **kwargs,
         )
 
     def _check_fits(self, processed: ProcessedPrompt, params: SamplingParams) -> None:
@@ -372,8 +444,10 @@ class LLMEngine:
         if self.scheduler.config.bidirectional_spans:
             longest = max((e - s for s, e in bidirectional_spans(processed.mm_items)), default=0)
             if longest > self.config.max_num_batched_tokens:
-                raise ValueError(f"multi_modal_data: an image of {longest} soft tokens must be prefilled in one "
-                                 f"step, but max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+                raise ValueError(
+                    f"multi_modal_data: an image of {longest} soft tokens must be prefilled in one "
+                    f"step, but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
+                )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -411,14 +485,16 @@ class LLMEngine:
         if not isinstance(spec, StructuredSpec):
             raise StructuredOutputError(
                 f"structured_output: expected a StructuredSpec (e.g. StructuredSpec.from_response_format(...)), "
-                f"got {type(spec).__name__}")
+                f"got {type(spec).__name__}"
+            )
         return self.structured_backend.new_matcher(spec)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to schedule, a launched step still to read back for one of them, or encodes in flight.
         (A launched step whose requests were all aborted is not waited for: the next step drops it.)"""
         inflight = self._inflight is not None and any(
-            r.status is not RequestStatus.FINISHED for r in self._inflight.batch.requests)
+            r.status is not RequestStatus.FINISHED for r in self._inflight.batch.requests
+        )
         return self.scheduler.has_unfinished() or inflight or self.encoder.num_in_flight > 0
 
     def run_until_finished(self) -> dict[str, RequestOutput]:
@@ -442,7 +518,10 @@ class LLMEngine:
     def _pin_media(self, request: Request) -> None:
         """Keep the request's encoder outputs cached until its prefill has consumed them."""
         for item in request.mm_items:
-            if item.content_hash not in request.pinned_media and item.spans[-1][1] > request.num_computed_tokens:
+            if (
+                item.content_hash not in request.pinned_media
+                and item.spans[-1][1] > request.num_computed_tokens
+            ):
                 request.pinned_media.add(item.content_hash)
                 self.encoder_cache.acquire(item.content_hash)
 
@@ -462,10 +541,15 @@ class LLMEngine:
         extra = []
         for i in range(have, full):
             lo, hi = i * bs, (i + 1) * bs
-            extra.append([it.content_hash for it in request.mm_items if it.offset < hi and it.spans[-1][1] > lo])
+            extra.append(
+                [it.content_hash for it in request.mm_items if it.offset < hi and it.spans[-1][1] > lo]
+            )
         request.block_hashes += KVCacheManager.hash_blocks(
-            request.token_ids_between(have * bs, full * bs), bs, extra,
-            previous=request.block_hashes[-1] if have else b"")
+            request.token_ids_between(have * bs, full * bs),
+            bs,
+            extra,
+            previous=request.block_hashes[-1] if have else b"",
+        )
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -515,7 +599,9 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
         """Run the model and sample, without waiting for the device; the requests' computed tokens
         advance now, their samples become pending outputs."""
-        result = self.runner.execute(batch, self.kv, self.encoder_cache, previous.result if previous else None)
+        result = self.runner.execute(
+            batch, self.kv, self.encoder_cache, previous.result if previous else None
+        )
         self.num_steps += 1
         computed = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
@@ -525,7 +611,9 @@ class LLMEngine:
             # Registered now, not at read-back: the next schedule may free sliding blocks that leave the
             # window, and a block freed unregistered is lost to the prefix cache. Steps run in stream order,
             # so whoever reuses a block launched here reads it after this step has written it.
-            self.kv.register_computed_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+            self.kv.register_computed_blocks(
+                request.request_id, request.block_hashes, request.num_computed_tokens
+            )
         for request in result.requests:
             request.num_pending_outputs += 1
         return InflightStep(batch, result, computed)
@@ -562,8 +650,12 @@ class LLMEngine:
                 continue
             if request.grammar is not None and not request.grammar.accept_token(token_ids[row]):
                 # The mask makes this impossible; never let one request's bad state fail the batch.
-                log.error("request %s: token %d violates its %s grammar; aborting it", request.request_id,
-                          token_ids[row], request.grammar.spec.kind)
+                log.error(
+                    "request %s: token %d violates its %s grammar; aborting it",
+                    request.request_id,
+                    token_ids[row],
+                    request.grammar.spec.kind,
+                )
                 request.abort()
                 continue
             top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
@@ -587,8 +679,12 @@ class LLMEngine:
 
     def output_of(self, request: Request) -> RequestOutput:
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=[request.completion()], finished=request.finished, metrics=request.metrics,
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[request.completion()],
+            finished=request.finished,
+            metrics=request.metrics,
             num_cached_tokens=request.metrics.prefix_hit_tokens,
         )
 
@@ -618,9 +714,15 @@ class LLMEngine:
 
 def _map_special_tokens(cfg, tok: Tokenizer) -> None:
     """Random-weight presets borrow the embedded tokenizer: point the config's special ids at its tokens."""
-    for attr, token in (("image_token_id", tok.image_token), ("video_token_id", tok.video_token),
-                        ("audio_token_id", tok.audio_token), ("boi_token_id", tok.boi_token),
-                        ("eoi_token_id", tok.eoi_token), ("boa_token_id", tok.boa_token), ("eoa_token_id", tok.eoa_token)):
+    for attr, token in (
+        ("image_token_id", tok.image_token),
+        ("video_token_id", tok.video_token),
+        ("audio_token_id", tok.audio_token),
+        ("boi_token_id", tok.boi_token),
+        ("eoi_token_id", tok.eoi_token),
+        ("boa_token_id", tok.boa_token),
+        ("eoa_token_id", tok.eoa_token),
+    ):
         setattr(cfg, attr, tok.token_to_id(token))
     eos = {tok.eos_token_id, tok.token_to_id("<turn|>")} - {None}
     cfg.text.eos_token_id = sorted(eos)

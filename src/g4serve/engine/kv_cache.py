@@ -99,7 +99,9 @@ class SequenceBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, cfg: TextConfig, num_blocks: dict[str, int], block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, cfg: TextConfig, num_blocks: dict[str, int], block_size: int, enable_prefix_caching: bool = True
+    ):
         self.block_size = block_size
         self.window = cfg.sliding_window
         self.pool_types = sorted(set(cfg.layer_types[: cfg.first_kv_shared_layer]))
@@ -143,7 +145,11 @@ class KVCacheManager:
         if seq is None or SLIDING not in self.pools:
             return {}
         first = self._first_needed_block(SLIDING, num_computed)
-        return {SLIDING: sum(1 for b in seq.tables[SLIDING][:first] if b >= 0 and self.pools[SLIDING].ref_count[b] == 1)}
+        return {
+            SLIDING: sum(
+                1 for b in seq.tables[SLIDING][:first] if b >= 0 and self.pools[SLIDING].ref_count[b] == 1
+            )
+        }
 
     # ---- allocation ---------------------------------------------------------------------------
     def allocate(self, seq_id: str, num_computed: int, num_new: int) -> bool:
@@ -189,8 +195,12 @@ class KVCacheManager:
 
     # ---- prefix caching -------------------------------------------------------------------------
     @staticmethod
-    def hash_blocks(token_ids: list[int], block_size: int, extra_keys: list[list[str]] | None = None,
-                    previous: bytes = b"") -> list[bytes]:
+    def hash_blocks(
+        token_ids: list[int],
+        block_size: int,
+        extra_keys: list[list[str]] | None = None,
+        previous: bytes = b"",
+    ) -> list[bytes]:
         """Chained digests of each full block of ``token_ids`` (extra_keys[i]: media hashes overlapping block i),
         continuing the chain after ``previous`` (the digest of the block before the first)."""
         out: list[bytes] = []

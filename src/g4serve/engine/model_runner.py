@@ -50,8 +50,14 @@ class PendingTokens:
 
 
 class ModelRunner:
-    def __init__(self, model: Gemma4Model, backend: AttentionBackend, block_size: int, fast_prefill: bool = True,
-                 decodable_vocab_size: int | None = None):
+    def __init__(
+        self,
+        model: Gemma4Model,
+        backend: AttentionBackend,
+        block_size: int,
+        fast_prefill: bool = True,
+        decodable_vocab_size: int | None = None,
+    ):
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -65,8 +71,9 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphRunner | None = None
         self.num_graph_steps = 0
 
-    def _mm_embeds(self, request: Request, start: int, end: int, cache: EncoderCache, base: int,
-                   positions: list[int]) -> list[torch.Tensor]:
+    def _mm_embeds(
+        self, request: Request, start: int, end: int, cache: EncoderCache, base: int, positions: list[int]
+    ) -> list[torch.Tensor]:
         """Rows of the request's soft tokens that fall in token range [start, end), in order; their
         flat-batch rows (the request's chunk starts at row ``base``) are appended to ``positions``."""
         out = []
@@ -83,8 +90,9 @@ class ModelRunner:
                 row += e - s
         return out
 
-    def _withhold_stops_before_min_tokens(self, sampled: list[Request],
-                                          allowed: torch.Tensor | None) -> torch.Tensor | None:
+    def _withhold_stops_before_min_tokens(
+        self, sampled: list[Request], allowed: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Free (unconstrained) rows short of ``min_tokens`` may not sample a stop token (vLLM semantics);
         constrained rows already got this from their grammar mask."""
         pending = [(row, r) for row, r in enumerate(sampled) if r.grammar is None and r.min_tokens_pending]
@@ -103,8 +111,13 @@ class ModelRunner:
         return allowed
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, kv: KVCacheManager, encoder_cache: EncoderCache,
-                previous: StepResult | None = None) -> StepResult:
+    def execute(
+        self,
+        batch: ScheduledBatch,
+        kv: KVCacheManager,
+        encoder_cache: EncoderCache,
+        previous: StepResult | None = None,
+    ) -> StepResult:
         """Run one scheduled step. ``previous``: the launched step whose samples are not on the host yet
         (async scheduling); a request's pending token is read from its output on the device."""
         token_ids: list[int] = []
@@ -120,7 +133,9 @@ class ModelRunner:
         spans = []
         for seq, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
-            mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, len(token_ids), mm_positions))
+            mm_rows.extend(
+                self._mm_embeds(request, start, start + n, encoder_cache, len(token_ids), mm_positions)
+            )
             chunk = request.token_ids_between(start, start + n)
             if len(chunk) < n:  # the chunk ends on the token the previous step sampled
                 assert len(chunk) == n - 1 and previous is not None, "only the last token may be pending"
@@ -137,18 +152,31 @@ class ModelRunner:
                 keep.append(len(token_ids) - 1)
                 sampled.append(request)
                 sampled_seqs.append(seq)
-        pending = PendingTokens(pending_rows, pending_src, previous.output.token_ids) if pending_rows else None
+        pending = (
+            PendingTokens(pending_rows, pending_src, previous.output.token_ids) if pending_rows else None
+        )
         computed = [r.num_computed_tokens for r in batch.requests]
         decode, mixed = self.decode_graphs, self.mixed_graphs
-        if not mm_rows and decode is not None and len(sampled) == len(batch.requests) == len(token_ids) \
-                and len(token_ids) <= decode.max_batch:
+        if (
+            not mm_rows
+            and decode is not None
+            and len(sampled) == len(batch.requests) == len(token_ids)
+            and len(token_ids) <= decode.max_batch
+        ):
             # A pure decode step: one text token per sequence, every one sampled.
             self.num_graph_steps += 1
-            return StepResult(sampled, self._sample(sampled, *decode.run(token_ids, computed, tables, pending)))
-        if mixed is not None and (not mm_rows or mixed.media) and len(token_ids) <= mixed.max_tokens \
-                and len(batch.requests) <= mixed.max_seqs:
-            logits, greedy = mixed.run(token_ids, computed, batch.num_new_tokens, tables, mm_rows, mm_positions,
-                                       pending)
+            return StepResult(
+                sampled, self._sample(sampled, *decode.run(token_ids, computed, tables, pending))
+            )
+        if (
+            mixed is not None
+            and (not mm_rows or mixed.media)
+            and len(token_ids) <= mixed.max_tokens
+            and len(batch.requests) <= mixed.max_seqs
+        ):
+            logits, greedy = mixed.run(
+                token_ids, computed, batch.num_new_tokens, tables, mm_rows, mm_positions, pending
+            )
             self.num_graph_steps += 1
             if not sampled:
                 return StepResult([], None)
@@ -156,22 +184,31 @@ class ModelRunner:
                 rows = to_device(sampled_seqs, torch.long, self.device)
                 logits, greedy = logits[rows], greedy[rows]
             return StepResult(sampled, self._sample(sampled, logits, greedy))
-        meta = contiguous_metadata(computed, batch.num_new_tokens, tables, self.block_size, self.device, spans)
+        meta = contiguous_metadata(
+            computed, batch.num_new_tokens, tables, self.block_size, self.device, spans
+        )
         ids = to_device(token_ids, torch.long, self.device)
         if pending is not None:
             pending.write_into(ids)
         mm_embeds = torch.cat(mm_rows) if mm_rows else None
         positions = to_device(mm_positions, torch.long, self.device) if mm_rows else None
-        hidden = self.model(ids, meta, self.backend, mm_embeds=mm_embeds, mm_positions=positions,
-                            keep_indices=keep if self.fast_prefill else None)
+        hidden = self.model(
+            ids,
+            meta,
+            self.backend,
+            mm_embeds=mm_embeds,
+            mm_positions=positions,
+            keep_indices=keep if self.fast_prefill else None,
+        )
         if not sampled:
             return StepResult([], None)
         if not self.fast_prefill:
             hidden = hidden[to_device(keep, torch.long, self.device)]
         return StepResult(sampled, self._sample(sampled, self.model.compute_logits(hidden)))
 
-    def _sample(self, sampled: list[Request], logits: torch.Tensor,
-                greedy: torch.Tensor | None = None) -> SamplerOutput:
+    def _sample(
+        self, sampled: list[Request], logits: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """Sample one token per row. ``greedy``: the argmax over the decodable ids, already computed (inside
         a CUDA graph); a batch of plain greedy requests takes it as is."""
         if greedy is not None and all(_plain_greedy(r) for r in sampled):
@@ -183,8 +220,11 @@ class ModelRunner:
         if any(r.grammar is not None for r in sampled):
             allowed = self.token_masks(
                 [r.grammar for r in sampled],
-                [len(r.output_token_ids) >= r.sampling_params.min_tokens and not r.sampling_params.ignore_eos
-                 for r in sampled],
+                [
+                    len(r.output_token_ids) >= r.sampling_params.min_tokens
+                    and not r.sampling_params.ignore_eos
+                    for r in sampled
+                ],
                 [r.max_output_tokens - len(r.output_token_ids) for r in sampled],
             )
         allowed = self._withhold_stops_before_min_tokens(sampled, allowed)
@@ -195,8 +235,12 @@ class ModelRunner:
         for request in sampled:
             request.init_generator(self.device)
         sampling = SamplingBatch.build(
-            [r.sampling_params for r in sampled], [r.generator for r in sampled], self.vocab_size, self.device,
-            output_tokens=[r.output_token_ids for r in sampled], prompt_tokens=[r.prompt_token_ids for r in sampled],
+            [r.sampling_params for r in sampled],
+            [r.generator for r in sampled],
+            self.vocab_size,
+            self.device,
+            output_tokens=[r.output_token_ids for r in sampled],
+            prompt_tokens=[r.prompt_token_ids for r in sampled],
             allowed=allowed,
         )
         return sample(logits, sampling)
@@ -206,5 +250,10 @@ def _plain_greedy(request: Request) -> bool:
     """Greedy with nothing that reshapes the logits or asks for them: no grammar, penalties, withheld stop
     tokens or logprobs."""
     p = request.sampling_params
-    return (p.greedy and request.grammar is None and p.logprobs is None and not request.min_tokens_pending
-            and not p.has_penalties)
+    return (
+        p.greedy
+        and request.grammar is None
+        and p.logprobs is None
+        and not request.min_tokens_pending
+        and not p.has_penalties
+    )

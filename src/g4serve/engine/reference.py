@@ -39,9 +39,12 @@ def encode_items(model: Gemma4Model, items: list[MultimodalItem]) -> torch.Tenso
         if item.modality in ("image", "video"):
             groups.setdefault((item.modality, item.data["pixel_values"].shape[1]), []).append(item)
     for (modality, _), group in groups.items():
-        pixels = torch.cat([rescale_pixels(it.data["pixel_values"].to(device), video=modality == "video")
-                            for it in group]).to(dtype)
-        per_input = model.encode_images(pixels, torch.cat([it.data["position_ids"] for it in group]).to(device))
+        pixels = torch.cat(
+            [rescale_pixels(it.data["pixel_values"].to(device), video=modality == "video") for it in group]
+        ).to(dtype)
+        per_input = model.encode_images(
+            pixels, torch.cat([it.data["position_ids"] for it in group]).to(device)
+        )
         cursor = 0
         for item in group:
             frames = item.data["pixel_values"].shape[0]
@@ -51,10 +54,18 @@ def encode_items(model: Gemma4Model, items: list[MultimodalItem]) -> torch.Tenso
     if clips:
         length = max(it.data["input_features"].shape[1] for it in clips)
         pad = torch.nn.functional.pad
-        feats = torch.cat([pad(it.data["input_features"], (0, 0, 0, length - it.data["input_features"].shape[1]))
-                           for it in clips]).to(device, dtype)
-        masks = torch.cat([pad(it.data["input_features_mask"], (0, length - it.data["input_features_mask"].shape[1]))
-                           for it in clips]).to(device)
+        feats = torch.cat(
+            [
+                pad(it.data["input_features"], (0, 0, 0, length - it.data["input_features"].shape[1]))
+                for it in clips
+            ]
+        ).to(device, dtype)
+        masks = torch.cat(
+            [
+                pad(it.data["input_features_mask"], (0, length - it.data["input_features_mask"].shape[1]))
+                for it in clips
+            ]
+        ).to(device)
         for item, clip_tokens in zip(clips, model.encode_audio(feats, masks)):
             tokens[id(item)] = [clip_tokens]
     return torch.cat([t for item in sorted(items, key=lambda it: it.offset) for t in tokens[id(item)]], dim=0)
@@ -68,7 +79,9 @@ def generate_one(model: Gemma4Model, request: Request) -> Request:
     dtype = model.language_model.embed_tokens.weight.dtype
     total = len(request.prompt_token_ids) + request.max_output_tokens
     num_blocks = -(-total // BLOCK_SIZE)
-    cache = PagedKVCache(cfg, {"sliding_attention": num_blocks, "full_attention": num_blocks}, BLOCK_SIZE, dtype, device)
+    cache = PagedKVCache(
+        cfg, {"sliding_attention": num_blocks, "full_attention": num_blocks}, BLOCK_SIZE, dtype, device
+    )
     backend = TorchAttention(cfg, cache)
     table = list(range(num_blocks))
     tables = {"sliding_attention": [table], "full_attention": [table]}
@@ -84,11 +97,17 @@ def generate_one(model: Gemma4Model, request: Request) -> Request:
     while not request.finished:
         meta = contiguous_metadata([computed], [len(tokens)], tables, BLOCK_SIZE, device, spans)
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        hidden = model(ids, meta, backend, mm_embeds=mm_embeds if computed == 0 else None, keep_indices=[len(tokens) - 1])
+        hidden = model(
+            ids, meta, backend, mm_embeds=mm_embeds if computed == 0 else None, keep_indices=[len(tokens) - 1]
+        )
         logits = model.compute_logits(hidden)
         batch = SamplingBatch.build(
-            [request.sampling_params], [request.generator], logits.shape[-1], device,
-            output_tokens=[request.output_token_ids], prompt_tokens=[request.prompt_token_ids],
+            [request.sampling_params],
+            [request.generator],
+            logits.shape[-1],
+            device,
+            output_tokens=[request.output_token_ids],
+            prompt_tokens=[request.prompt_token_ids],
         )
         out = sample(logits, batch)
         top = None

@@ -43,13 +43,17 @@ class Request:
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
-        self.logprobs: list[dict[int, Logprob]] | None = [] if self.sampling_params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            [] if self.sampling_params.logprobs is not None else None
+        )
         self.cumulative_logprob = 0.0
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by a launched step)
+        self.num_computed_tokens = (
+            0  # tokens whose K/V are in the cache (or being written by a launched step)
+        )
         # Async scheduling: tokens sampled by a launched step that the host has not read yet (0 or 1). They
         # count in num_tokens, so the next step can be scheduled (its input token is fed on the device).
         self.num_pending_outputs = 0
@@ -57,7 +61,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache digests of the full blocks so far
         self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
         self.generator: torch.Generator | None = None
-        self._detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=self.sampling_params.skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=self.sampling_params.skip_special_tokens
+        )
         self._stop_tokens = set(self.sampling_params.stop_token_ids)
         if not self.sampling_params.ignore_eos:
             self._stop_tokens.update(self.eos_token_ids)
@@ -169,7 +175,11 @@ class Request:
         if best is None:
             return False
         pos, stop = best
-        self.text = self.text[: pos + len(stop)] if self.sampling_params.include_stop_str_in_output else self.text[:pos]
+        self.text = (
+            self.text[: pos + len(stop)]
+            if self.sampling_params.include_stop_str_in_output
+            else self.text[:pos]
+        )
         self.finish_reason, self.stop_reason = "stop", stop
         return True
 
@@ -179,7 +189,11 @@ class Request:
 
     def take_stream_delta(self) -> str:
         """Text not yet streamed, holding back a tail that could still become a stop string."""
-        end = len(self.text) if self.finished else max(self._streamed_chars, len(self.text) - max(self._max_stop_len - 1, 0))
+        end = (
+            len(self.text)
+            if self.finished
+            else max(self._streamed_chars, len(self.text) - max(self._max_stop_len - 1, 0))
+        )
         delta = self.text[self._streamed_chars : end]
         self._streamed_chars = end
         return delta

@@ -100,8 +100,9 @@ class Scheduler:
                 return s - start if s > start else 0
         return num_new
 
-    def _clip_to_encoder(self, request: Request, start: int, num_new: int, budget: list[int],
-                         items: list[MultimodalItem]) -> int:
+    def _clip_to_encoder(
+        self, request: Request, start: int, num_new: int, budget: list[int], items: list[MultimodalItem]
+    ) -> int:
         """Stop the chunk before media whose soft tokens are neither cached nor affordable now. With
         ``overlap_encoder``, before any media not cached yet (or not at all, if the text before them is
         short); the encodes of all the request's media still ahead are started as the budget allows, so
@@ -194,8 +195,10 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             num_new = self._clip_to_spans(request, start, num_new)
-            unclipped, num_new = num_new, self._clip_to_encoder(request, start, num_new, encoder_budget,
-                                                                batch.encoder_items)
+            unclipped, num_new = (
+                num_new,
+                self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items),
+            )
             if num_new <= 0 and unclipped > 0 and cfg.overlap_encoder:
                 continue  # its media are encoding: later requests need not wait for them
             if num_new <= 0 or not self.kv.allocate(request.request_id, start, num_new):

@@ -15,8 +15,18 @@ GELU_TANH, SILU = 0, 1
 _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, "swish": SILU}
 
 
-def _act_mul_fn(A, B, Out, n_cols, stride_a, stride_b, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                USE_PDL: tl.constexpr):
+def _act_mul_fn(
+    A,
+    B,
+    Out,
+    n_cols,
+    stride_a,
+    stride_b,
+    stride_o,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -45,7 +55,15 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor, block: int = 1024
     out = torch.empty(a2d.shape, dtype=a.dtype, device=a.device)
     if a2d.shape[0]:
         _act_mul[a.device][(a2d.shape[0], -(-n // block))](
-            a2d, b2d, out, n, a2d.stride(0), b2d.stride(0), out.stride(0), ACT=_KINDS[activation], BLOCK=block,
+            a2d,
+            b2d,
+            out,
+            n,
+            a2d.stride(0),
+            b2d.stride(0),
+            out.stride(0),
+            ACT=_KINDS[activation],
+            BLOCK=block,
             **pdl(a.device, a2d.shape[0]),
             num_warps=4,
         )

@@ -46,8 +46,13 @@ class TritonAttention:
     the single-token sequences of a mixed batch instead of sending everything to the prefill kernel.
     """
 
-    def __init__(self, cfg: TextConfig, cache: PagedKVCache, decode_num_splits: int | None = None,
-                 split_mixed: bool = True):
+    def __init__(
+        self,
+        cfg: TextConfig,
+        cache: PagedKVCache,
+        decode_num_splits: int | None = None,
+        split_mixed: bool = True,
+    ):
         self.cfg = cfg
         self.cache = cache
         self.kv_source = [cfg.kv_source_layer(i) for i in range(cfg.num_hidden_layers)]
@@ -106,14 +111,19 @@ class TritonAttention:
     def _token_spans(meta: AttentionMetadata, query_lens: list[int]):
         """Per query token, the [lo, hi) union of the bidirectional spans holding it (hi cut at its
         sequence's length), or (-1, -1): the compact form both kernels take."""
-        entries = [(i, lo, hi) for i, spans in enumerate(meta.bidirectional_spans or [])
-                   for lo, hi in spans if lo < hi]
+        entries = [
+            (i, lo, hi)
+            for i, spans in enumerate(meta.bidirectional_spans or [])
+            for lo, hi in spans
+            if lo < hi
+        ]
         if not entries:
             return None, None
         device = meta.positions.device
         span = torch.tensor(entries, dtype=torch.long, device=device)  # [E, 3]: seq, lo, hi
         seq_of_token = torch.repeat_interleave(
-            torch.arange(meta.num_seqs, device=device), torch.tensor(query_lens, device=device))
+            torch.arange(meta.num_seqs, device=device), torch.tensor(query_lens, device=device)
+        )
         pos = meta.positions[:, None]
         inside = (span[None, :, 0] == seq_of_token[:, None]) & (span[None, :, 1] <= pos)
         inside &= pos < span[None, :, 2]
@@ -133,8 +143,14 @@ class TritonAttention:
             return None
         return kv[0], kv[1], meta.slot_mapping[self.cfg.layer_types[layer_idx]]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         cfg = self.cfg
         layer_type = cfg.layer_types[layer_idx]
         src = self.kv_source[layer_idx]
@@ -163,23 +179,43 @@ class TritonAttention:
             if num_splits is None:
                 block_n = decode_config(q.shape[-1])["block_n"]
                 kv_len = min(plan.decode_max_len, window + block_n) if window else plan.decode_max_len
-                num_splits = decode_num_splits(plan.num_decode, kv.shape[2], kv_len, block_n,
-                                               self._sm_count(q.device))
+                num_splits = decode_num_splits(
+                    plan.num_decode, kv.shape[2], kv_len, block_n, self._sm_count(q.device)
+                )
 
             def pick(t: torch.Tensor | None) -> torch.Tensor | None:
                 return t if t is None or rows is None else t[rows]
 
             result = paged_decode_attention(
-                pick(q), kv[0], kv[1], dec_table, plan.decode_ctx, bs, window=window,
-                span_lo=pick(span_lo), span_hi=pick(span_hi), num_splits=num_splits,
+                pick(q),
+                kv[0],
+                kv[1],
+                dec_table,
+                plan.decode_ctx,
+                bs,
+                window=window,
+                span_lo=pick(span_lo),
+                span_hi=pick(span_hi),
+                num_splits=num_splits,
                 out=out if rows is None else None,
             )
             if rows is not None:
                 out.index_copy_(0, rows, result)
         if plan.num_prefill:
             paged_prefill_attention(
-                q, kv[0], kv[1], table, meta.seq_lens, meta.query_start_loc, meta.positions, bs,
-                plan.prefill_max_query_len, window=window, span_lo=span_lo, span_hi=span_hi,
-                seq_indices=plan.prefill_seqs, out=out,
+                q,
+                kv[0],
+                kv[1],
+                table,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.positions,
+                bs,
+                plan.prefill_max_query_len,
+                window=window,
+                span_lo=span_lo,
+                span_hi=span_hi,
+                seq_indices=plan.prefill_seqs,
+                out=out,
             )
         return out

@@ -74,7 +74,9 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     sorted_experts, order = torch.sort(flat, stable=True)
     # starts[e]: index of expert e's first assignment in sorted order (searchsorted, not bincount: bincount
     # sizes its output from the max value, a device sync).
-    starts = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device, dtype=flat.dtype))
+    starts = torch.searchsorted(
+        sorted_experts, torch.arange(num_experts + 1, device=device, dtype=flat.dtype)
+    )
     counts = starts[1:] - starts[:-1]
     padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
     padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
@@ -91,9 +93,16 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 def _moe_align_fn(
-    Experts, SortedIds, BlockExpert,
-    n, num_slots, num_blocks,
-    BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    Experts,
+    SortedIds,
+    BlockExpert,
+    n,
+    num_slots,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """``moe_align`` in one program (one launch instead of ~25 small torch ops; decode sizes).
 
@@ -141,7 +150,9 @@ def _moe_align_fn(
 _moe_align = DualKernel(_moe_align_fn)
 
 
-def moe_align_kernel(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_kernel(
+    experts: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_align`` as one Triton program: the same outputs, bit for bit."""
     flat = experts.reshape(-1)
     if not flat.is_contiguous():
@@ -155,8 +166,17 @@ def moe_align_kernel(experts: torch.Tensor, num_experts: int, block_m: int) -> t
         # the one-hot tile is CHUNK x E_BLOCK: ~32 int32 per thread at 8 warps
         chunk = max(16, min(next_pow2(n), 8192 // e_block))
         _moe_align[flat.device][(1,)](
-            flat, sorted_ids, block_expert, n, sorted_ids.shape[0], num_blocks,
-            BLOCK_M=block_m, E_BLOCK=e_block, CHUNK=chunk, FILL=1024, num_warps=8,
+            flat,
+            sorted_ids,
+            block_expert,
+            n,
+            sorted_ids.shape[0],
+            num_blocks,
+            BLOCK_M=block_m,
+            E_BLOCK=e_block,
+            CHUNK=chunk,
+            FILL=1024,
+            num_warps=8,
         )
     return sorted_ids, block_expert
 
@@ -177,12 +197,31 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 def _moe_gemm_fn(
-    A, W, Out, SortedIds, BlockExpert, RouteWeights,
-    N, K, num_assignments, gate_offset,
-    stride_am, stride_we, stride_wn, stride_wk, stride_om,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    A,
+    W,
+    Out,
+    SortedIds,
+    BlockExpert,
+    RouteWeights,
+    N,
+    K,
+    num_assignments,
+    gate_offset,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Out[id, cols] = A[id // A_ROW_DIV] @ W[expert, cols].T for the BLOCK_M assignment ids of one block.
 
@@ -242,28 +281,62 @@ def _moe_gemm_fn(
         y = y * tl.load(RouteWeights + ids, mask=valid, other=0.0)[:, None]
     out_ptrs = Out + ids[:, None].to(tl.int64) * stride_om + cols[None, :]
     # rounded first, the cast in the store is exact
-    tl.store(out_ptrs, _round_to(y, Out.dtype.element_ty).to(Out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptrs,
+        _round_to(y, Out.dtype.element_ty).to(Out.dtype.element_ty),
+        mask=valid[:, None] & col_ok[None, :],
+    )
 
 
 _moe_gemm = DualKernel(_moe_gemm_fn)
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, sorted_ids: torch.Tensor,
-                  block_expert: torch.Tensor, block_m: int, tiles: GemmTiles, *, a_row_div: int,
-                  activation: str | None = None, route_weights: torch.Tensor | None = None) -> None:
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    block_m: int,
+    tiles: GemmTiles,
+    *,
+    a_row_div: int,
+    activation: str | None = None,
+    route_weights: torch.Tensor | None = None,
+) -> None:
     k = w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1
     upcast, precision = dot_settings(a.dtype, a.device)
     grid = (block_expert.shape[0], -(-n // tiles.block_n))
     _moe_gemm[a.device][grid](
-        a, w, out, sorted_ids, block_expert, route_weights if route_weights is not None else a,
-        n, k, out.shape[0], n if activation else 0,  # out has one row per assignment: T*k is the sentinel
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        A_ROW_DIV=a_row_div, GATED=activation is not None, ACT=_KINDS[activation] if activation else 0,
+        a,
+        w,
+        out,
+        sorted_ids,
+        block_expert,
+        route_weights if route_weights is not None else a,
+        n,
+        k,
+        out.shape[0],
+        n if activation else 0,  # out has one row per assignment: T*k is the sentinel
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATED=activation is not None,
+        ACT=_KINDS[activation] if activation else 0,
         ROUTE_WEIGHT=route_weights is not None,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
-        UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
@@ -298,11 +371,31 @@ def fused_moe(
         align = moe_align_kernel if n <= align_kernel_max else moe_align
         sorted_ids, block_expert = align(experts[start:stop], num_experts, cfg.block_m)
         hidden_act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-        _grouped_gemm(x[start:stop], gate_up, hidden_act, inter, sorted_ids, block_expert, cfg.block_m,
-                      cfg.gate_up, a_row_div=top_k, activation=activation)
+        _grouped_gemm(
+            x[start:stop],
+            gate_up,
+            hidden_act,
+            inter,
+            sorted_ids,
+            block_expert,
+            cfg.block_m,
+            cfg.gate_up,
+            a_row_div=top_k,
+            activation=activation,
+        )
         per_slot = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-        _grouped_gemm(hidden_act, down, per_slot, hidden, sorted_ids, block_expert, cfg.block_m, cfg.down,
-                      a_row_div=1, route_weights=weights[start:stop].reshape(-1))
+        _grouped_gemm(
+            hidden_act,
+            down,
+            per_slot,
+            hidden,
+            sorted_ids,
+            block_expert,
+            cfg.block_m,
+            cfg.down,
+            a_row_div=1,
+            route_weights=weights[start:stop].reshape(-1),
+        )
         out[start:stop] = per_slot.view(stop - start, top_k, hidden).sum(1, dtype=torch.float32)
     return out
 
@@ -328,4 +421,12 @@ def fused_moe_reference(
     return out
 
 
-__all__ = ["GemmTiles", "MoETiles", "fused_moe", "fused_moe_reference", "moe_align", "moe_align_kernel", "moe_tiles"]
+__all__ = [
+    "GemmTiles",
+    "MoETiles",
+    "fused_moe",
+    "fused_moe_reference",
+    "moe_align",
+    "moe_align_kernel",
+    "moe_tiles",
+]

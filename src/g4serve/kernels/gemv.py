@@ -32,11 +32,28 @@ MAX_ROWS = 8  # token rows the kernel is built for (its tensor-core tile is 16 r
 
 
 def _gemv_fn(
-    X, W, E, Y, M, N, K,
-    stride_xm, stride_wn, stride_em, stride_ym, up_offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EPILOGUE: tl.constexpr, ACT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    X,
+    W,
+    E,
+    Y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_em,
+    stride_ym,
+    up_offset,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,8 +112,9 @@ def _gemv_fn(
             w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
             u_next = w_next
             if EPILOGUE == 1:
-                u_next = tl.load(w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0,
-                                 eviction_policy="evict_first")
+                u_next = tl.load(
+                    w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first"
+                )
             xf = x.to(tl.float32)  # [1, BLOCK_K]
             acc += w.to(tl.float32) * xf
             if EPILOGUE == 1:
@@ -125,11 +143,17 @@ def _gemv_fn(
         if EPILOGUE == 1:
             b = y_up.to(out_ty).to(tl.float32)
         else:
-            b = tl.load(E + offs_m[:, None] * stride_em + offs_n[None, :],
-                        mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            b = tl.load(
+                E + offs_m[:, None] * stride_em + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
         y = g * b
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(out_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
+        y.to(out_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 _gemv = DualKernel(_gemv_fn)
@@ -155,8 +179,12 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]
         if k <= 512:
             return {"block_n": 4, "block_k": k_pow2, "num_warps": 4, "num_stages": 1}
         block_k = 1024 if k % 1024 == 0 else 512
-        return {"block_n": 2 if block_k == 1024 else 1, "block_k": block_k, "num_warps": 8 if n <= 512 else 4,
-                "num_stages": 1}
+        return {
+            "block_n": 2 if block_k == 1024 else 1,
+            "block_k": block_k,
+            "num_warps": 8 if n <= 512 else 4,
+            "num_stages": 1,
+        }
     if epilogue == GATE_UP:
         return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 3}
     if n <= 512:
@@ -194,12 +222,30 @@ def skinny_matmul(
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
     grid = (-(-n // cfg["block_n"]),)
     _gemv[x.device][grid](
-        x, weight, other if other is not None else y, y, m, n, k,
-        x.stride(0), weight.stride(0), other.stride(0) if other is not None else 0, y.stride(0), n * weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        EPILOGUE=epilogue, ACT=_KINDS[activation] if epilogue != PLAIN else 0, USE_DOT=use_dot,
-        EVEN_K=k % cfg["block_k"] == 0, UPCAST=upcast, DOT_PRECISION=precision, **pdl(x.device, m),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x,
+        weight,
+        other if other is not None else y,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        other.stride(0) if other is not None else 0,
+        y.stride(0),
+        n * weight.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        EPILOGUE=epilogue,
+        ACT=_KINDS[activation] if epilogue != PLAIN else 0,
+        USE_DOT=use_dot,
+        EVEN_K=k % cfg["block_k"] == 0,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        **pdl(x.device, m),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return y
 
@@ -219,5 +265,13 @@ def skinny_matmul_reference(
     return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
 
 
-__all__ = ["GATE_UP", "MAX_ROWS", "MUL", "PLAIN", "gemv_config", "skinny_matmul", "skinny_matmul_reference",
-           "use_skinny"]
+__all__ = [
+    "GATE_UP",
+    "MAX_ROWS",
+    "MUL",
+    "PLAIN",
+    "gemv_config",
+    "skinny_matmul",
+    "skinny_matmul_reference",
+    "use_skinny",
+]

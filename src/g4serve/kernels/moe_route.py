@@ -10,13 +10,23 @@ from g4serve.kernels._launch import DualKernel, next_pow2
 
 
 def _moe_route_fn(
-    Logits, Scale, Weights, Experts,
-    num_experts, stride_l, stride_w, stride_e,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    Logits,
+    Scale,
+    Weights,
+    Experts,
+    num_experts,
+    stride_l,
+    stride_w,
+    stride_e,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
-    logits = tl.load(Logits + row * stride_l + cols, mask=cols < num_experts, other=float("-inf")).to(tl.float32)
+    logits = tl.load(Logits + row * stride_l + cols, mask=cols < num_experts, other=float("-inf")).to(
+        tl.float32
+    )
     num = tl.exp(logits - tl.max(logits, 0))
     probs = num / tl.sum(num, 0)
     slots = tl.arange(0, BLOCK_K)
@@ -38,7 +48,9 @@ def _moe_route_fn(
 _moe_route = DualKernel(_moe_route_fn)
 
 
-def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] fp32, experts [T, k] int64), experts by falling probability."""
     num_tokens, num_experts = logits.shape
     assert logits.stride(-1) == 1
@@ -46,9 +58,17 @@ def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) 
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens:
         _moe_route[logits.device][(num_tokens,)](
-            logits, per_expert_scale, weights, experts,
-            num_experts, logits.stride(0), weights.stride(0), experts.stride(0),
-            TOP_K=top_k, BLOCK_E=next_pow2(max(num_experts, 16)), BLOCK_K=next_pow2(max(top_k, 2)),
+            logits,
+            per_expert_scale,
+            weights,
+            experts,
+            num_experts,
+            logits.stride(0),
+            weights.stride(0),
+            experts.stride(0),
+            TOP_K=top_k,
+            BLOCK_E=next_pow2(max(num_experts, 16)),
+            BLOCK_K=next_pow2(max(top_k, 2)),
             num_warps=1 if num_experts <= 256 else 4,
         )
     return weights, experts

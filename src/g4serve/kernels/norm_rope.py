@@ -30,9 +30,20 @@ def rows_per_program(num_tokens: int, head_dim: int) -> tuple[int, int]:
 
 
 @triton.jit
-def normed_head_rows(X, W, Cos, Sin, row_ok, eps,
-                     HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, OUT_TY: tl.constexpr):
+def normed_head_rows(
+    X,
+    W,
+    Cos,
+    Sin,
+    row_ok,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    OUT_TY: tl.constexpr,
+):
     """Head rows whose first elements are at X ([R, 1] pointers; Cos/Sin: the rows' cos/sin), valid where
     ``row_ok`` [R, 1]: rms-normed (times W), rounded to OUT_TY as the unfused model rounds it, then rotated in
     fp32. RoPE rotates each pair of PART-wide pieces (2j, 2j+1) as one rotate_half section: one section is the
@@ -63,27 +74,59 @@ def normed_head_rows(X, W, Cos, Sin, row_ok, eps,
 
 
 def _norm_rope_fn(
-    X, W, Cos, Sin, Out,
-    eps, num_tokens,
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
-    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+    X,
+    W,
+    Cos,
+    Sin,
+    Out,
+    eps,
+    num_tokens,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    HEAD_DIM: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (token blocks, heads): BLOCK_T tokens of one head per program."""
     wait_for_previous_kernel(USE_PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
     h = tl.program_id(1)
-    y, col, mask = normed_head_rows(X + t * stride_xt + h * stride_xh, W, Cos + t * stride_ct, Sin + t * stride_st,
-                                    t < num_tokens, eps, HEAD_DIM, PART, BLOCK_D, HAS_W, HAS_ROPE,
-                                    Out.dtype.element_ty)
+    y, col, mask = normed_head_rows(
+        X + t * stride_xt + h * stride_xh,
+        W,
+        Cos + t * stride_ct,
+        Sin + t * stride_st,
+        t < num_tokens,
+        eps,
+        HEAD_DIM,
+        PART,
+        BLOCK_D,
+        HAS_W,
+        HAS_ROPE,
+        Out.dtype.element_ty,
+    )
     tl.store(Out + t * stride_ot + h * stride_oh + col, y.to(Out.dtype.element_ty), mask=mask)
 
 
 _norm_rope = DualKernel(_norm_rope_fn)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
-              sin: torch.Tensor | None = None, sections: int = 1) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    sections: int = 1,
+) -> torch.Tensor:
     """x [T, H, D] (unit last stride) -> rms_norm over D (times ``weight``), then RoPE with cos/sin [T, D]
     when given (``sections`` 2: the vision tower's axial RoPE, each half of D rotated on its own); a new
     contiguous [T, H, D] in x's dtype."""
@@ -97,17 +140,39 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         assert cos.stride(-1) == 1 and sin.stride(-1) == 1
     block_t, num_warps = rows_per_program(num_tokens, head_dim)
     _norm_rope[x.device][(triton.cdiv(num_tokens, block_t), num_heads)](
-        x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out,
-        eps, num_tokens, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        cos.stride(0) if has_rope else 0, sin.stride(0) if has_rope else 0,
-        HEAD_DIM=head_dim, PART=head_dim // (2 * sections), BLOCK_D=next_pow2(head_dim), BLOCK_T=block_t,
-        HAS_W=weight is not None, HAS_ROPE=has_rope, **pdl(x.device, num_tokens), num_warps=num_warps,
+        x,
+        weight if weight is not None else x,
+        cos if has_rope else x,
+        sin if has_rope else x,
+        out,
+        eps,
+        num_tokens,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0) if has_rope else 0,
+        sin.stride(0) if has_rope else 0,
+        HEAD_DIM=head_dim,
+        PART=head_dim // (2 * sections),
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_T=block_t,
+        HAS_W=weight is not None,
+        HAS_ROPE=has_rope,
+        **pdl(x.device, num_tokens),
+        num_warps=num_warps,
     )
     return out
 
 
-def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
-                        sin: torch.Tensor | None = None, sections: int = 1) -> torch.Tensor:
+def norm_rope_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    sections: int = 1,
+) -> torch.Tensor:
     y = rms_norm_reference(x, weight, eps)
     if cos is None:
         return y

@@ -23,8 +23,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
-                 HAS_SPANS: tl.constexpr):
+def _split_tiles(
+    ctx, span_hi, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr
+):
     """The key tiles of a sequence's query and their split: (first key, first tile, number of tiles,
     tiles per split). Keys [start, end): the causal context [0, ctx) (the query sits at ctx - 1), widened
     by a bidirectional span ending at ``span_hi``, cut by the sliding window. Splits from
@@ -41,21 +42,46 @@ def _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N: tl.constexpr, SLIDIN
 
 
 def _paged_decode_fn(
-    Q, K, V, BlockTables, SeqLens, SpanLo, SpanHi,
-    Out, PartM, PartL, PartAcc,
-    stride_qb, stride_qh,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
+    Q,
+    K,
+    V,
+    BlockTables,
+    SeqLens,
+    SpanLo,
+    SpanHi,
+    Out,
+    PartM,
+    PartL,
+    PartAcc,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    stride_ob, stride_oh,
-    stride_pb, stride_ph,  # PartM / PartL [B, Hq, S] (split stride 1)
-    stride_ab, stride_ah, stride_as,  # PartAcc [B, Hq, S, D] (dim stride 1)
-    qk_scale, window, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,  # PartM / PartL [B, Hq, S] (split stride 1)
+    stride_ab,
+    stride_ah,
+    stride_as,  # PartAcc [B, Hq, S, D] (dim stride 1)
+    qk_scale,
+    window,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_SPANS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
@@ -69,8 +95,11 @@ def _paged_decode_fn(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h
 
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -80,8 +109,9 @@ def _paged_decode_fn(
     if HAS_SPANS:
         span_lo = tl.load(SpanLo + b)
         span_hi = tl.load(SpanHi + b)
-    start, first_tile, num_tiles, tiles_per_split = _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N,
-                                                                 SLIDING, HAS_SPANS)
+    start, first_tile, num_tiles, tiles_per_split = _split_tiles(
+        ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS
+    )
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
@@ -133,13 +163,27 @@ def _paged_decode_fn(
 
 
 def _paged_decode_reduce_fn(
-    PartM, PartL, PartAcc, Out, SeqLens, SpanHi,
-    stride_pb, stride_ph,
-    stride_ab, stride_ah, stride_as,
-    stride_ob, stride_oh,
-    window, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr,
+    PartM,
+    PartL,
+    PartAcc,
+    Out,
+    SeqLens,
+    SpanHi,
+    stride_pb,
+    stride_ph,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_ob,
+    stride_oh,
+    window,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_SPANS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
@@ -150,15 +194,18 @@ def _paged_decode_reduce_fn(
     span_hi = ctx
     if HAS_SPANS:
         span_hi = tl.load(SpanHi + b)
-    _, _, num_tiles, tiles_per_split = _split_tiles(ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS)
+    _, _, num_tiles, tiles_per_split = _split_tiles(
+        ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS
+    )
     m = float("-inf")
     l_sum = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(tl.cdiv(num_tiles, tiles_per_split)):  # the used splits only
         m_s = tl.load(PartM + b * stride_pb + h * stride_ph + s)
         l_s = tl.load(PartL + b * stride_pb + h * stride_ph + s)
-        acc_s = tl.load(PartAcc + b * stride_ab + h * stride_ah + s * stride_as + offs_d,
-                        mask=d_mask, other=0.0)
+        acc_s = tl.load(
+            PartAcc + b * stride_ab + h * stride_ah + s * stride_as + offs_d, mask=d_mask, other=0.0
+        )
         m_new = tl.maximum(m, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits carry (-inf, 0, 0)
         alpha = tl.exp2(m - m_safe)
@@ -187,8 +234,13 @@ def decode_config(head_dim: int) -> dict[str, int]:
 
 
 def decode_num_splits(
-    num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, num_sms: int = 132,
-    min_tiles_per_split: int = 4, max_splits: int = 64,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    block_n: int,
+    num_sms: int = 132,
+    min_tiles_per_split: int = 4,
+    max_splits: int = 64,
 ) -> int:
     """Split-KV policy: enough programs for ~4 per SM, each with at least ``min_tiles_per_split`` tiles.
 
@@ -257,31 +309,70 @@ def paged_decode_attention(
         part_m = part_l = part_acc = out  # never written
     block_d = max(16, next_pow2(head_dim))
     _paged_decode[q.device][(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, span_lo, span_hi,
-        out, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        span_lo,
+        span_hi,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        part_m.stride(0) if split else 0, part_m.stride(1) if split else 0,
+        out.stride(0),
+        out.stride(1),
+        part_m.stride(0) if split else 0,
+        part_m.stride(1) if split else 0,
         *(part_acc.stride()[:3] if split else (0, 0, 0)),
-        scale * LOG2E, int(window or 0), num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
-        BLOCK_N=block_n, PAGE_SIZE=page_size,
-        SLIDING=bool(window), HAS_SPANS=has_spans, SPLIT=split,
-        UPCAST=upcast, DOT_PRECISION=precision, **pdl(q.device, batch),
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        scale * LOG2E,
+        int(window or 0),
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        GROUP=group,
+        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        SLIDING=bool(window),
+        HAS_SPANS=has_spans,
+        SPLIT=split,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        **pdl(q.device, batch),
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
     if split:
         _paged_decode_reduce[q.device][(batch, num_q_heads)](
-            part_m, part_l, part_acc, out, seq_lens, span_hi,
-            part_m.stride(0), part_m.stride(1),
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            out.stride(0), out.stride(1),
-            int(window or 0), num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-            SLIDING=bool(window), HAS_SPANS=has_spans, **pdl(q.device, batch),
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            seq_lens,
+            span_hi,
+            part_m.stride(0),
+            part_m.stride(1),
+            part_acc.stride(0),
+            part_acc.stride(1),
+            part_acc.stride(2),
+            out.stride(0),
+            out.stride(1),
+            int(window or 0),
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            SLIDING=bool(window),
+            HAS_SPANS=has_spans,
+            **pdl(q.device, batch),
             num_warps=4 if head_dim <= 256 else 8,
         )
     return out
@@ -304,8 +395,20 @@ def paged_decode_reference(
     positions = seq_lens.long() - 1
     key_lens = seq_lens.long() if span_hi is None else torch.maximum(seq_lens.long(), span_hi.long())
     query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
-    return paged_prefill_reference(q, k_cache, v_cache, block_tables, key_lens, query_start_loc, positions,
-                                   page_size, window=window, span_lo=span_lo, span_hi=span_hi, scale=scale)
+    return paged_prefill_reference(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        key_lens,
+        query_start_loc,
+        positions,
+        page_size,
+        window=window,
+        span_lo=span_lo,
+        span_hi=span_hi,
+        scale=scale,
+    )
 
 
 __all__ = ["decode_config", "decode_num_splits", "paged_decode_attention", "paged_decode_reference"]

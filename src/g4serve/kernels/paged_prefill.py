@@ -21,18 +21,42 @@ LOG2E = 1.4426950408889634
 
 
 def _paged_prefill_fn(
-    Q, K, V, Out, BlockTables, SeqLens, QueryStartLoc, Positions, SpanLo, SpanHi, SeqIndices,
-    stride_qt, stride_qh,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
-    stride_ot, stride_oh,
+    Q,
+    K,
+    V,
+    Out,
+    BlockTables,
+    SeqLens,
+    QueryStartLoc,
+    Positions,
+    SpanLo,
+    SpanHi,
+    SeqIndices,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_bt,
-    qk_scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV_CHUNKS: tl.constexpr,
-    GROUP: tl.constexpr, QUERIES_PER_TILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr, HAS_SEQ_INDICES: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_DV_CHUNKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    QUERIES_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_SPANS: tl.constexpr,
+    HAS_SEQ_INDICES: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     seq = tl.program_id(1)
@@ -89,8 +113,11 @@ def _paged_prefill_fn(
         in_range = (offs_n >= start) & (offs_n < end)
         page = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0)
         slot = tl.maximum(page, 0).to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=in_range[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(
+            k_base + slot[:, None] * stride_kt + offs_d[None, :],
+            mask=in_range[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -108,8 +135,11 @@ def _paged_prefill_fn(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
-                    mask=in_range[:, None] & dv_mask[None, :], other=0.0)
+        v = tl.load(
+            v_base + slot[:, None] * stride_vt + offs_dv[None, :],
+            mask=in_range[:, None] & dv_mask[None, :],
+            other=0.0,
+        )
         p = p.to(v.dtype)  # P rounded to the V dtype as in flash kernels; products accumulate in fp32
         if UPCAST:
             p = p.to(tl.float32)
@@ -119,15 +149,19 @@ def _paged_prefill_fn(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_row = q_idx.to(tl.int64) * stride_ot + heads * stride_oh
-    tl.store(Out + o_row[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty),
-             mask=row_valid[:, None] & dv_mask[None, :])
+    tl.store(
+        Out + o_row[:, None] + offs_dv[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & dv_mask[None, :],
+    )
 
 
 _paged_prefill = DualKernel(_paged_prefill_fn)
 
 
-def prefill_config(head_dim: int, group: int, num_programs_hint: int | None = None,
-                   num_sms: int | None = None) -> dict[str, int]:
+def prefill_config(
+    head_dim: int, group: int, num_programs_hint: int | None = None, num_sms: int | None = None
+) -> dict[str, int]:
     """Tile sizes per head dim, from sweeps on an H100 (bench/attention_kernels.py --sweep).
 
     D=256: 128-row tiles, 64 keys, 8 warps, 2 stages (8 q / 2 KV heads, 8 x 512-token chunks at 4096
@@ -139,15 +173,25 @@ def prefill_config(head_dim: int, group: int, num_programs_hint: int | None = No
     few KV heads), 64-row tiles on 4 warps are 1.2x faster. Dims up to 128 are untuned (tests only).
     """
     if head_dim <= 128:
-        cfg = {"block_m": 128, "block_n": 64, "num_warps": 8 if head_dim > 64 else 4, "num_stages": 2,
-               "dv_chunks": 1}
+        cfg = {
+            "block_m": 128,
+            "block_n": 64,
+            "num_warps": 8 if head_dim > 64 else 4,
+            "num_stages": 2,
+            "dv_chunks": 1,
+        }
     elif head_dim <= 256:
         cfg = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "dv_chunks": 1}
     else:
         cfg = {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2, "dv_chunks": 2}
     if num_programs_hint is not None and num_sms and num_programs_hint * 2 <= num_sms and head_dim > 128:
-        cfg = {"block_m": 64, "block_n": 64 if head_dim <= 256 else 32, "num_warps": 4, "num_stages": 2,
-               "dv_chunks": cfg["dv_chunks"]}
+        cfg = {
+            "block_m": 64,
+            "block_n": 64 if head_dim <= 256 else 32,
+            "num_warps": 4,
+            "num_stages": 2,
+            "dv_chunks": cfg["dv_chunks"],
+        }
     cfg["block_m"] = max(cfg["block_m"], next_pow2(group))
     return cfg
 
@@ -213,20 +257,44 @@ def paged_prefill_attention(
         span_lo = span_hi = positions  # never read
     grid = (-(-max_query_len // queries_per_tile), num_seqs, num_kv_heads * dv_chunks)
     _paged_prefill[q.device][grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, positions, span_lo, span_hi,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        positions,
+        span_lo,
+        span_hi,
         seq_indices if seq_indices is not None else seq_lens,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
-        scale * LOG2E, int(window or 0),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_DV_CHUNKS=dv_chunks,
-        GROUP=group, QUERIES_PER_TILE=queries_per_tile,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        SLIDING=bool(window), HAS_SPANS=has_spans, HAS_SEQ_INDICES=seq_indices is not None,
-        UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        scale * LOG2E,
+        int(window or 0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        NUM_DV_CHUNKS=dv_chunks,
+        GROUP=group,
+        QUERIES_PER_TILE=queries_per_tile,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        SLIDING=bool(window),
+        HAS_SPANS=has_spans,
+        HAS_SEQ_INDICES=seq_indices is not None,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
     return out
 

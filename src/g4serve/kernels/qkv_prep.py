@@ -21,11 +21,33 @@ from g4serve.kernels.norm_rope import norm_rope_reference, normed_head_rows, row
 
 
 def _qkv_prep_fn(
-    QKV, Wq, Wk, Cos, Sin, QOut, KCache, VCache, Slots,
-    eps, num_tokens, stride_t, stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
-    stride_ct, stride_st,
-    HQ: tl.constexpr, HKV: tl.constexpr, V_HEAD0: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    QKV,
+    Wq,
+    Wk,
+    Cos,
+    Sin,
+    QOut,
+    KCache,
+    VCache,
+    Slots,
+    eps,
+    num_tokens,
+    stride_t,
+    stride_qo_t,
+    stride_qo_h,
+    stride_kc_t,
+    stride_kc_h,
+    stride_vc_t,
+    stride_vc_h,
+    stride_ct,
+    stride_st,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    V_HEAD0: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Grid (token blocks, head rows): BLOCK_T tokens of one q, k or v head per program."""
@@ -38,30 +60,61 @@ def _qkv_prep_fn(
     sin = Sin + t * stride_st
     out_ty = QOut.dtype.element_ty
     if h < HQ:
-        y, col, mask = normed_head_rows(row + h * HEAD_DIM, Wq, cos, sin, t_ok, eps, HEAD_DIM, PART, BLOCK_D,
-                                        True, True, out_ty)
+        y, col, mask = normed_head_rows(
+            row + h * HEAD_DIM, Wq, cos, sin, t_ok, eps, HEAD_DIM, PART, BLOCK_D, True, True, out_ty
+        )
         tl.store(QOut + t * stride_qo_t + h * stride_qo_h + col, y.to(out_ty), mask=mask)
     else:
         slot = tl.load(Slots + t, mask=t_ok, other=-1).to(tl.int64)
         keep = slot >= 0
         if h < HQ + HKV:
-            y, col, mask = normed_head_rows(row + h * HEAD_DIM, Wk, cos, sin, keep, eps, HEAD_DIM, PART, BLOCK_D,
-                                            True, True, out_ty)
-            tl.store(KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + col,
-                     y.to(KCache.dtype.element_ty), mask=mask)
+            y, col, mask = normed_head_rows(
+                row + h * HEAD_DIM, Wk, cos, sin, keep, eps, HEAD_DIM, PART, BLOCK_D, True, True, out_ty
+            )
+            tl.store(
+                KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + col,
+                y.to(KCache.dtype.element_ty),
+                mask=mask,
+            )
         else:
-            y, col, mask = normed_head_rows(row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM, Wk, cos, sin, keep, eps,
-                                            HEAD_DIM, PART, BLOCK_D, False, False, out_ty)
-            tl.store(VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + col,
-                     y.to(VCache.dtype.element_ty), mask=mask)
+            y, col, mask = normed_head_rows(
+                row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM,
+                Wk,
+                cos,
+                sin,
+                keep,
+                eps,
+                HEAD_DIM,
+                PART,
+                BLOCK_D,
+                False,
+                False,
+                out_ty,
+            )
+            tl.store(
+                VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + col,
+                y.to(VCache.dtype.element_ty),
+                mask=mask,
+            )
 
 
 _qkv_prep = DualKernel(_qkv_prep_fn)
 
 
-def qkv_prep(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
-             k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slots: torch.Tensor, v_is_k: bool = False) -> torch.Tensor:
+def qkv_prep(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    v_is_k: bool = False,
+) -> torch.Tensor:
     """qkv [T, (Hq + Hkv (+ Hkv)) * D] (unit last stride; raw v heads after k unless ``v_is_k``: V is then
     the raw K projection, as with attention_k_eq_v) -> q [T, Hq, D] normed and rotated; normed+rotated
     K and normed V go into k_cache / v_cache [S, Hkv, D] rows ``slots`` [T] (-1: skip)."""
@@ -74,20 +127,53 @@ def qkv_prep(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: t
         return q
     block_t, num_warps = rows_per_program(num_tokens, head_dim)
     _qkv_prep[qkv.device][(triton.cdiv(num_tokens, block_t), num_q_heads + 2 * num_kv_heads)](
-        qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
-        eps, num_tokens, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), cos.stride(0), sin.stride(0),
-        HQ=num_q_heads, HKV=num_kv_heads, V_HEAD0=num_q_heads + (0 if v_is_k else num_kv_heads),
-        HEAD_DIM=head_dim, PART=head_dim // 2, BLOCK_D=next_pow2(head_dim), BLOCK_T=block_t,
-        **pdl(qkv.device, num_tokens), num_warps=num_warps,
+        qkv,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        eps,
+        num_tokens,
+        qkv.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HQ=num_q_heads,
+        HKV=num_kv_heads,
+        V_HEAD0=num_q_heads + (0 if v_is_k else num_kv_heads),
+        HEAD_DIM=head_dim,
+        PART=head_dim // 2,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_T=block_t,
+        **pdl(qkv.device, num_tokens),
+        num_warps=num_warps,
     )
     return q
 
 
-def qkv_prep_reference(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
-                       k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       v_is_k: bool = False) -> torch.Tensor:
+def qkv_prep_reference(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    v_is_k: bool = False,
+) -> torch.Tensor:
     """The unfused ops: norm_rope on q and k, the weightless v norm, then the cache write."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     heads = qkv.view(t, -1, d)

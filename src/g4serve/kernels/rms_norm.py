@@ -15,11 +15,25 @@ from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previou
 
 
 def _rms_norm_fn(
-    X, Res, W, W2, Scale, Out, Out2,
-    n_cols, eps,
-    stride_x, stride_r, stride_o, stride_o2,
-    HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM2: tl.constexpr,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    X,
+    Res,
+    W,
+    W2,
+    Scale,
+    Out,
+    Out2,
+    n_cols,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_o2,
+    HAS_W: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_NORM2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -67,11 +81,25 @@ def fused_rms_norm(
     if rows:
         block = next_pow2(n)
         _rms_norm[x.device][(rows,)](
-            x2d, res2d, weight if weight is not None else x2d, next_weight if next_weight is not None else x2d,
-            scale if scale is not None else x2d, out, out2,
-            n, eps, x2d.stride(0), res2d.stride(0), out.stride(0), out2.stride(0),
-            HAS_W=weight is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-            HAS_NORM2=next_weight is not None, BLOCK=block, **pdl(x.device, rows),
+            x2d,
+            res2d,
+            weight if weight is not None else x2d,
+            next_weight if next_weight is not None else x2d,
+            scale if scale is not None else x2d,
+            out,
+            out2,
+            n,
+            eps,
+            x2d.stride(0),
+            res2d.stride(0),
+            out.stride(0),
+            out2.stride(0),
+            HAS_W=weight is not None,
+            HAS_RES=residual is not None,
+            HAS_SCALE=scale is not None,
+            HAS_NORM2=next_weight is not None,
+            BLOCK=block,
+            **pdl(x.device, rows),
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)

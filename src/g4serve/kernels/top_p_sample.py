@@ -27,8 +27,7 @@ import triton.language as tl
 from g4serve.kernels._launch import DualKernel
 
 
-def _top_p_sample_fn(Logits, Noise, Temperature, TopP, MinP, Out, V, stride_l, stride_n,
-                     BLOCK: tl.constexpr):
+def _top_p_sample_fn(Logits, Noise, Temperature, TopP, MinP, Out, V, stride_l, stride_n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     logits = Logits + row * stride_l
     noise = Noise + row * stride_n
@@ -93,8 +92,14 @@ def _top_p_sample_fn(Logits, Noise, Temperature, TopP, MinP, Out, V, stride_l, s
 _top_p_sample = DualKernel(_top_p_sample_fn)
 
 
-def top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 noise: torch.Tensor, block: int = 8192) -> torch.Tensor:
+def top_p_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    noise: torch.Tensor,
+    block: int = 8192,
+) -> torch.Tensor:
     """logits [B, V] (unit last stride), temperature / top_p / min_p [B] fp32 (temperature > 0), noise [B, V]
     fp32 Exp(1) draws -> [B] long: per row, ``argmax(softmax(logits / t) / noise)`` over the tokens that
     top-p and then min-p keep (``layers/sampler.py``'s filters without top-k)."""
@@ -104,8 +109,17 @@ def top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     if rows:
         block = min(block, triton.next_power_of_2(vocab))
         _top_p_sample[logits.device][(rows,)](
-            logits, noise, temperature.float().contiguous(), top_p.float().contiguous(), min_p.float().contiguous(),
-            out, vocab, logits.stride(0), noise.stride(0), BLOCK=block, num_warps=16 if block >= 4096 else 4,
+            logits,
+            noise,
+            temperature.float().contiguous(),
+            top_p.float().contiguous(),
+            min_p.float().contiguous(),
+            out,
+            vocab,
+            logits.stride(0),
+            noise.stride(0),
+            BLOCK=block,
+            num_warps=16 if block >= 4096 else 4,
         )
     return out.long()
 

@@ -86,8 +86,9 @@ class AttentionBackend(Protocol):
         """
         ...
 
-    def kv_write_target(self, layer_idx: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor] | None:
+    def kv_write_target(
+        self, layer_idx: int, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(k_cache, v_cache, slots) for a KV-producing layer whose prologue kernel writes its new K/V rows
         itself (then ``attend`` gets k = v = None); None: pass k/v to ``attend`` instead."""
         ...
@@ -130,7 +131,9 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         out = {SLIDING: 0, FULL: 0}
         for layer in cfg.kv_producer_layers:
-            out[cfg.layer_types[layer]] += 2 * block_size * cfg.layer_num_kv_heads(layer) * cfg.layer_head_dim(layer) * itemsize
+            out[cfg.layer_types[layer]] += (
+                2 * block_size * cfg.layer_num_kv_heads(layer) * cfg.layer_head_dim(layer) * itemsize
+            )
         return out
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -194,7 +197,9 @@ class TorchAttention:
         return out
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
     """q [L, Hq, D], k/v [S, Hkv, D], allowed [L, S] -> [L, Hq, D]; scale 1.0.
 
     Scores, softmax and the weighted sum run in fp32 whatever the input dtype, as a flash kernel's
@@ -210,7 +215,9 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return torch.einsum("hls,shd->lhd", probs, v.float()).to(q.dtype)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor | None
+) -> torch.Tensor:
     """Unscaled attention for encoders: q [B, H, N, D], k/v [B, Hkv, M, D], boolean ``attend``
     broadcastable to [B, H, N, M] (None: every key, which lets SDPA pick its flash kernel) -> [B, H, N, D].
 

@@ -36,12 +36,23 @@ def add_rms_norm(
     """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``)."""
     assert next_norm is None or next_norm.eps == norm.eps, "one eps for both norms of a fused pass"
     fn = fused_rms_norm if x.is_cuda else fused_rms_norm_reference
-    return fn(x, norm.weight, norm.eps, residual=residual, scale=scale,
-              next_weight=next_norm.weight if next_norm is not None else None)
+    return fn(
+        x,
+        norm.weight,
+        norm.eps,
+        residual=residual,
+        scale=scale,
+        next_weight=next_norm.weight if next_norm is not None else None,
+    )
 
 
-def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor | None = None,
-              sin: torch.Tensor | None = None, sections: int = 1) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor,
+    norm: RMSNorm,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    sections: int = 1,
+) -> torch.Tensor:
     """x [T, H, D] -> ``apply_rope(norm(x), cos, sin)`` (just ``norm(x)`` without cos/sin); ``sections=2``:
     ``apply_axial_rope`` (the vision tower's x/y halves)."""
     if x.is_cuda and x.stride(-1) == 1:
@@ -72,7 +83,9 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; decode-sized CUDA inputs stream the weight through the skinny kernel."""
-    return _gemv.skinny_matmul(x, weight) if _skinny(x, weight, bias, _gemv.PLAIN) else F.linear(x, weight, bias)
+    return (
+        _gemv.skinny_matmul(x, weight) if _skinny(x, weight, bias, _gemv.PLAIN) else F.linear(x, weight, bias)
+    )
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -94,11 +107,29 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
     return act_mul(activation, layer(x), other)
 
 
-def qkv_norm_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: RMSNorm, k_norm: RMSNorm,
-                        cos: torch.Tensor, sin: torch.Tensor,
-                        target: tuple[torch.Tensor, torch.Tensor, torch.Tensor], v_is_k: bool) -> torch.Tensor:
+def qkv_norm_rope_write(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: RMSNorm,
+    k_norm: RMSNorm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    target: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    v_is_k: bool,
+) -> torch.Tensor:
     """q = rope(q_norm(q)) [T, Hq, D]; rope(k_norm(k)) and v_norm(v) written to ``target`` = (k_cache,
     v_cache, slots), one kernel. ``v_is_k``: V is the raw K projection (attention_k_eq_v)."""
     assert q_norm.eps == k_norm.eps
-    return qkv_prep(qkv, num_heads, num_kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin, *target,
-                    v_is_k=v_is_k)
+    return qkv_prep(
+        qkv,
+        num_heads,
+        num_kv_heads,
+        q_norm.weight,
+        k_norm.weight,
+        q_norm.eps,
+        cos,
+        sin,
+        *target,
+        v_is_k=v_is_k,
+    )

@@ -30,7 +30,9 @@ def text_inv_freq(rope: dict[str, Any], head_dim: int) -> torch.Tensor:
     return inv / factor
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [..., head_dim] for integer ``positions`` [...]."""
     freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -87,10 +87,15 @@ class SamplingBatch:
         return batch
 
 
-def _row_token_pairs(tokens: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_token_pairs(
+    tokens: list[list[int]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token id) of every token of every row's list, on the device in one copy."""
-    pairs = to_device([[i for i, toks in enumerate(tokens) for _ in toks], [t for toks in tokens for t in toks]],
-                      torch.long, device)
+    pairs = to_device(
+        [[i for i, toks in enumerate(tokens) for _ in toks], [t for toks in tokens for t in toks]],
+        torch.long,
+        device,
+    )
     return pairs[0], pairs[1]
 
 

@@ -13,9 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _PART_MODALITY = {
-    "image": "image", "image_url": "image", "image_pil": "image",
-    "video": "video", "video_url": "video",
-    "audio": "audio", "input_audio": "audio", "audio_url": "audio",
+    "image": "image",
+    "image_url": "image",
+    "image_pil": "image",
+    "video": "video",
+    "video_url": "video",
+    "audio": "audio",
+    "input_audio": "audio",
+    "audio_url": "audio",
 }
 
 
@@ -69,8 +74,10 @@ def _media_value(part: dict[str, Any], kind: str, where: str, allow_local_files:
     if isinstance(value, str):
         return _url_value(value, f"{where}.{kind}", allow_local_files)
     if kind == "video" and isinstance(value, list):  # frames, each possibly a data: URL of an image
-        return [_url_value(f, f"{where}.video[{i}]", allow_local_files) if isinstance(f, str) else f
-                for i, f in enumerate(value)]
+        return [
+            _url_value(f, f"{where}.video[{i}]", allow_local_files) if isinstance(f, str) else f
+            for i, f in enumerate(value)
+        ]
     return value  # already-decoded media: PIL image, array, frames, (waveform, rate), bytes
 
 
@@ -79,7 +86,7 @@ def _url_value(url: str, where: str, allow_local_files: bool) -> Any:
         return decode_data_url(url, where)
     if url.startswith(("http://", "https://")):
         raise ValueError(f"{where}: remote URLs are not fetched; send the media as a base64 data: URL")
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url[len("file://") :] if url.startswith("file://") else url
     if not allow_local_files:
         raise ValueError(f"{where}: local files are not allowed here; send the media as a base64 data: URL")
     return LocalFile(path)

@@ -144,8 +144,12 @@ def resize_to_patch_budget(
     out = batch.new_empty(batch.shape[0], batch.shape[1], *target)  # planar, as patchify reads it
 
     def resize(images: torch.Tensor) -> torch.Tensor:
-        return tvF.resize(images.contiguous(memory_format=torch.channels_last), size=list(target),
-                          interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+        return tvF.resize(
+            images.contiguous(memory_format=torch.channels_last),
+            size=list(target),
+            interpolation=tvF.InterpolationMode.BICUBIC,
+            antialias=True,
+        )
 
     if batch.shape[0] > 1 and not batch.is_cuda:
         # The uint8 kernel takes a batch on one thread: a video's frames go side by side (the same bytes).

@@ -109,14 +109,22 @@ class Gemma4Processor:
         self.settings = settings or ProcessorSettings()
         self.audio_extractor = AudioFeatureExtractor()
         tok = tokenizer
-        self.image_token, self.video_token, self.audio_token = tok.image_token, tok.video_token, tok.audio_token
+        self.image_token, self.video_token, self.audio_token = (
+            tok.image_token,
+            tok.video_token,
+            tok.audio_token,
+        )
         self.boi, self.eoi, self.boa, self.eoa = tok.boi_token, tok.eoi_token, tok.boa_token, tok.eoa_token
         self.placeholder_ids = {
-            "image": cfg.image_token_id, "video": cfg.video_token_id, "audio": cfg.audio_token_id,
+            "image": cfg.image_token_id,
+            "video": cfg.video_token_id,
+            "audio": cfg.audio_token_id,
         }
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, tokenizer: Tokenizer, cfg: Gemma4Config) -> Gemma4Processor:
+    def from_pretrained(
+        cls, model_dir: str | Path, tokenizer: Tokenizer, cfg: Gemma4Config
+    ) -> Gemma4Processor:
         return cls(tokenizer, cfg, ProcessorSettings.from_dir(model_dir))
 
     # ---- media decoding --------------------------------------------------------------------
@@ -173,27 +181,44 @@ class Gemma4Processor:
         if images:
             loaded = _decode_all(self._load_image, images, name="image")
             # uint8 patches: the encoder rescales them on the device (a quarter of the bytes to copy and hash)
-            feats = preprocess_images(loaded, max_soft_tokens=s.image_max_soft_tokens, patch_size=s.patch_size,
-                                      pooling_kernel_size=s.pooling_kernel_size, rescale=False)
+            feats = preprocess_images(
+                loaded,
+                max_soft_tokens=s.image_max_soft_tokens,
+                patch_size=s.patch_size,
+                pooling_kernel_size=s.pooling_kernel_size,
+                rescale=False,
+            )
             for i, n in enumerate(feats.num_soft_tokens):
-                data = {"pixel_values": feats.pixel_values[i : i + 1], "position_ids": feats.position_ids[i : i + 1]}
+                data = {
+                    "pixel_values": feats.pixel_values[i : i + 1],
+                    "position_ids": feats.position_ids[i : i + 1],
+                }
                 items["image"].append((data, content_hash("image", *data.values())))
                 expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
         for i, value in enumerate(videos):
             frames = _named(f"video[{i}]", self._load_video, value)
-            feats = preprocess_video(frames, max_soft_tokens=s.video_max_soft_tokens, patch_size=s.patch_size,
-                                     pooling_kernel_size=s.pooling_kernel_size, rescale=False)
+            feats = preprocess_video(
+                frames,
+                max_soft_tokens=s.video_max_soft_tokens,
+                patch_size=s.patch_size,
+                pooling_kernel_size=s.pooling_kernel_size,
+                rescale=False,
+            )
             data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
             items["video"].append((data, content_hash("video", *data.values())))
             expansions["video"].append(
-                video_prompt_text(frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi)
+                video_prompt_text(
+                    frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
+                )
             )
         if audio:
             waves = [_named(f"audio[{i}]", self._load_audio, v) for i, v in enumerate(audio)]
             feats = self.audio_extractor(waves)
             for i, wave in enumerate(waves):
-                data = {"input_features": feats.input_features[i : i + 1],
-                        "input_features_mask": feats.input_features_mask[i : i + 1]}
+                data = {
+                    "input_features": feats.input_features[i : i + 1],
+                    "input_features_mask": feats.input_features_mask[i : i + 1],
+                }
                 n = num_audio_soft_tokens(len(wave), s.audio_seq_length)
                 items["audio"].append((data, content_hash("audio", *data.values())))
                 expansions["audio"].append(f"{self.boa}{self.audio_token * n}{self.eoa}")
@@ -241,8 +266,12 @@ class Gemma4Processor:
                 out.append(tid)
                 continue
             if counters[modality] >= len(expansions[modality]):
-                raise ValueError(f"multi_modal_data.{modality}: more placeholders in prompt_token_ids than inputs")
-            out.extend(self.tokenizer.encode(expansions[modality][counters[modality]], add_special_tokens=False))
+                raise ValueError(
+                    f"multi_modal_data.{modality}: more placeholders in prompt_token_ids than inputs"
+                )
+            out.extend(
+                self.tokenizer.encode(expansions[modality][counters[modality]], add_special_tokens=False)
+            )
             counters[modality] += 1
         for modality, used in counters.items():
             if used != len(expansions[modality]):

@@ -15,9 +15,23 @@ from g4serve.processing.tokenizer import GEMMA4_MULTIMODAL_TOKENS, set_gemma_pip
 
 # Ids 0..16 in this order; the ``tiny`` preset in g4serve.config hard-codes them.
 SPECIAL_TOKENS: list[str] = [
-    "<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
-    "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>",
-    "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>", "<|video|>",
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+    "<|image>",
+    "<image|>",
+    "<|image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
 ]
 
 _CORPUS = """\
@@ -45,15 +59,22 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     ``<unusedN>`` specials up to exactly ``vocab_size`` tokens."""
     n_fixed = len(SPECIAL_TOKENS) + 256
     if vocab_size < n_fixed + len(_ALPHABET):
-        raise ValueError(f"vocab_size: {vocab_size} is too small; the tiny tokenizer needs at least "
-                         f"{n_fixed + len(_ALPHABET)} tokens")
+        raise ValueError(
+            f"vocab_size: {vocab_size} is too small; the tiny tokenizer needs at least "
+            f"{n_fixed + len(_ALPHABET)} tokens"
+        )
     # Train on SentencePiece-style words ("▁word") so no merge spans a word boundary.
     trainer_tok = Tokenizer(models.BPE())
     trainer_tok.normalizer = normalizers.Replace(" ", "\u2581")
     words = Regex("\u2581*[^\u2581\n]+|\u2581+|\n+")
     trainer_tok.pre_tokenizer = pre_tokenizers.Split(words, behavior="isolated")
-    trainer = BpeTrainer(vocab_size=vocab_size - n_fixed, min_frequency=2, show_progress=False,
-                         initial_alphabet=_ALPHABET, limit_alphabet=len(_ALPHABET))
+    trainer = BpeTrainer(
+        vocab_size=vocab_size - n_fixed,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=_ALPHABET,
+        limit_alphabet=len(_ALPHABET),
+    )
     trainer_tok.train_from_iterator([_CORPUS], trainer)
     learned = json.loads(trainer_tok.to_str())["model"]
     learned_tokens = sorted(learned["vocab"], key=learned["vocab"].__getitem__)
@@ -64,8 +85,9 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     unused = [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens + unused)}
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True,
-                               byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
     # The pipeline transformers' GemmaTokenizer builds, so transformers and g4serve load it identically.
     set_gemma_pipeline(tok)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + unused])
@@ -80,9 +102,13 @@ def tokenizer_config(model_max_length: int = 4096) -> dict:
     """The tokenizer_config.json that makes transformers load the tiny tokenizer as Gemma 4's."""
     return {
         "tokenizer_class": "GemmaTokenizer",
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
         "mask_token": "<mask>",
-        "add_bos_token": True, "add_eos_token": False,
+        "add_bos_token": True,
+        "add_eos_token": False,
         # Named multimodal tokens (image_token, boi_token, ...): transformers' Gemma4Processor reads them.
         "extra_special_tokens": dict(GEMMA4_MULTIMODAL_TOKENS),
         "model_max_length": model_max_length,
@@ -199,5 +225,10 @@ _CHAT_TEMPLATE = """\
 {%- endif -%}
 """
 
-__all__ = ["SPECIAL_TOKENS", "build_tiny_tokenizer", "gemma4_chat_template",
-           "tokenizer_config", "write_tiny_tokenizer"]
+__all__ = [
+    "SPECIAL_TOKENS",
+    "build_tiny_tokenizer",
+    "gemma4_chat_template",
+    "tokenizer_config",
+    "write_tiny_tokenizer",
+]

@@ -23,15 +23,26 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # GemmaTokenizer.__init__ defaults for tokens the config leaves out.
 _GEMMA_NAMED_DEFAULTS = MappingProxyType(
-    {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-     "mask_token": "<mask>"}
+    {
+        "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    }
 )
 # Gemma 4 multimodal tokens; used when tokenizer_config.json does not name them but the vocab has them.
-GEMMA4_MULTIMODAL_TOKENS = MappingProxyType({
-    "image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
-    "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
-    "video_token": "<|video|>",
-})
+GEMMA4_MULTIMODAL_TOKENS = MappingProxyType(
+    {
+        "image_token": "<|image|>",
+        "boi_token": "<|image>",
+        "eoi_token": "<image|>",
+        "audio_token": "<|audio|>",
+        "boa_token": "<|audio>",
+        "eoa_token": "<audio|>",
+        "video_token": "<|video|>",
+    }
+)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -98,6 +109,7 @@ def _apply_gemma_tokenizer_class(backend: tokenizers.Tokenizer, unk_token: str |
 
 # ---- chat-template rendering, mirroring transformers.utils.chat_template_utils ----
 
+
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) renders its body unchanged."""
 
@@ -144,8 +156,13 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Unlike jinja's own filter this does not HTML-escape, exactly as transformers.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -156,8 +173,12 @@ def compile_chat_template(template: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, dict=_TemplateDict(), namespace=_TemplateNamespace,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(
+        raise_exception=_raise_exception,
+        dict=_TemplateDict(),
+        namespace=_TemplateNamespace,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+    )
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
@@ -220,8 +241,13 @@ class Tokenizer:
     eoa_token_id: int | None
     video_token_id: int | None
 
-    def __init__(self, backend: tokenizers.Tokenizer, config: Mapping[str, Any] | None = None,
-                 chat_template: str | Mapping[str, str] | None = None, name_or_path: str = "") -> None:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: Mapping[str, Any] | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        name_or_path: str = "",
+    ) -> None:
         config = dict(config or {})
         self.name_or_path = name_or_path
         self._backend = backend
@@ -238,19 +264,26 @@ class Tokenizer:
                 _apply_gemma_tokenizer_class(backend, named["unk_token"])
         # Model-specific tokens: top-level "*_token" keys, then the extra_special_tokens dict (transformers).
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
-        specific = {k: _token_content(v) for k, v in config.items()
-                    if k.endswith("_token") and k not in _NAMED_TOKENS and _token_content(v) is not None}
+        specific = {
+            k: _token_content(v)
+            for k, v in config.items()
+            if k.endswith("_token") and k not in _NAMED_TOKENS and _token_content(v) is not None
+        }
         if isinstance(extra, Mapping):
             specific.update({k: _token_content(v) for k, v in extra.items()})
         extra_list = [_token_content(t) for t in extra] if isinstance(extra, list) else []
         self._template_tokens = {k: v for k, v in {**named, **specific}.items() if v is not None}
-        self._add_config_tokens(config.get("added_tokens_decoder") or {},
-                                list(self._template_tokens.values()) + [t for t in extra_list if t])
+        self._add_config_tokens(
+            config.get("added_tokens_decoder") or {},
+            list(self._template_tokens.values()) + [t for t in extra_list if t],
+        )
 
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._byte_ids = frozenset(
-            i for b in range(256) for name in {f"<0x{b:02X}>", f"<0x{b:02x}>"}
+            i
+            for b in range(256)
+            for name in {f"<0x{b:02X}>", f"<0x{b:02x}>"}
             if (i := backend.token_to_id(name)) is not None
         )
         self.bos_token, self.eos_token = named["bos_token"], named["eos_token"]
@@ -379,8 +412,18 @@ class Tokenizer:
         """Text of ``ids``; unknown ids are dropped, as in transformers."""
         text = self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         if self._cleanup:  # transformers only cleans up for non-BPE models
-            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+            for a, b in (
+                (" .", "."),
+                (" ?", "?"),
+                (" !", "!"),
+                (" ,", ","),
+                (" ' ", "'"),
+                (" n't", "n't"),
+                (" 'm", "'m"),
+                (" 's", "'s"),
+                (" 've", "'ve"),
+                (" 're", "'re"),
+            ):
                 text = text.replace(a, b)
         return text
 
@@ -398,19 +441,29 @@ class Tokenizer:
                 return self.chat_template["tool_use"]
             if "default" in self.chat_template:
                 return self.chat_template["default"]
-            raise ValueError(f"{self.name_or_path}: several chat templates and no default; pass "
-                             f"chat_template= one of {sorted(self.chat_template)}")
+            raise ValueError(
+                f"{self.name_or_path}: several chat templates and no default; pass "
+                f"chat_template= one of {sorted(self.chat_template)}"
+            )
         if chat_template is not None:
             return chat_template
         if self.chat_template is None:
-            raise ValueError(f"{self.name_or_path}: no chat template (chat_template.jinja or "
-                             "tokenizer_config.json)")
+            raise ValueError(
+                f"{self.name_or_path}: no chat template (chat_template.jinja or tokenizer_config.json)"
+            )
         return self.chat_template
 
-    def apply_chat_template(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[Mapping[str, Any]] | None = None, *, documents: list | None = None,
-                            chat_template: str | None = None, continue_final_message: bool | str = False,
-                            **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[Mapping[str, Any]] | None = None,
+        *,
+        documents: list | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool | str = False,
+        **template_kwargs: Any,
+    ) -> str:
         """Render one conversation to a prompt string exactly as transformers' ``apply_chat_template(...,
         tokenize=False)``; extra keyword arguments (e.g. ``enable_thinking``) reach the template."""
         template = self.get_chat_template(chat_template, tools)
@@ -434,15 +487,23 @@ class Tokenizer:
         kwargs = _plain({**self._template_tokens, **template_kwargs})
         try:
             rendered = self._compiled[template].render(
-                messages=chat, tools=_plain(tools), documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt, **kwargs,
+                messages=chat,
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
         return rendered if final is None else self._cut_at_tag(rendered, final)
 
-    def encode_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Prompt token ids. The template writes <bos> itself, so no special tokens are added (no double BOS),
         as in transformers' ``apply_chat_template(tokenize=True)``."""
         prompt = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
@@ -477,7 +538,7 @@ class Tokenizer:
             raise ValueError("continue_final_message: the template dropped part of the final message")
         loc = rendered.rindex(_CONTINUE_TAG.strip())
         # A template that trims the message also trimmed the tag's space: then trim what precedes it too.
-        spaced = rendered[loc:loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+        spaced = rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG
         return rendered[:loc] if spaced else rendered[:loc].rstrip()
 
 
@@ -520,10 +581,10 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         decode = self._tok.decode
-        window = decode(self._ids[self._prefix:], self._skip)
+        window = decode(self._ids[self._prefix :], self._skip)
         if not final and window.endswith("\ufffd") and not self._last_token_ends_in_fffd():
             return ""
-        delta = window[len(decode(self._ids[self._prefix:self._read], self._skip)):]
+        delta = window[len(decode(self._ids[self._prefix : self._read], self._skip)) :]
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
@@ -534,5 +595,11 @@ class IncrementalDetokenizer:
         return (self._tok.id_to_token(self._ids[-1]) or "").endswith("\ufffd")
 
 
-__all__ = ["GEMMA4_MULTIMODAL_TOKENS", "ChatTemplateError", "IncrementalDetokenizer", "Tokenizer",
-           "compile_chat_template", "set_gemma_pipeline"]
+__all__ = [
+    "GEMMA4_MULTIMODAL_TOKENS",
+    "ChatTemplateError",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "compile_chat_template",
+    "set_gemma_pipeline",
+]

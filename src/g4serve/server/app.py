@@ -108,8 +108,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_request_body_bytes:
             metrics.observe_error(413)
-            return error_response(413, f"request body of {length} bytes exceeds the limit of "
-                                       f"{config.max_request_body_bytes} bytes")
+            return error_response(
+                413,
+                f"request body of {length} bytes exceeds the limit of {config.max_request_body_bytes} bytes",
+            )
         task = asyncio.current_task()
         in_flight.add(task)
         try:
@@ -129,9 +131,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "g4serve", "root": served[0],
-             "max_model_len": inner.max_model_len} for name in served]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "g4serve",
+                    "root": served[0],
+                    "max_model_len": inner.max_model_len,
+                }
+                for name in served
+            ],
+        }
 
     # ---- request parsing ---------------------------------------------------------------------------
     async def read_json(request: Request) -> dict:
@@ -148,14 +161,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     def check_model(name: str | None) -> str:
         if name is None or name in served:
             return name or served[0]
-        raise APIError(404, f"model: the model '{name}' does not exist; this server serves {served}", param="model")
+        raise APIError(
+            404, f"model: the model '{name}' does not exist; this server serves {served}", param="model"
+        )
 
     def check_media(media_lists: dict[str, list]) -> None:
         for modality, items in media_lists.items():
             limit = config.limit_mm_per_prompt.get(modality, 0)
             if len(items) > limit:
-                raise APIError(400, f"messages: {len(items)} {modality} input(s) exceed the limit of {limit} per "
-                                    f"prompt (--limit-mm-per-prompt)", param="messages")
+                raise APIError(
+                    400,
+                    f"messages: {len(items)} {modality} input(s) exceed the limit of {limit} per "
+                    f"prompt (--limit-mm-per-prompt)",
+                    param="messages",
+                )
             for item in items:
                 if isinstance(item, LocalFile):
                     _check_local_path(item.path, config.allowed_local_media_path)
@@ -189,7 +208,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         Off the event loop: a new JSON schema compiles here (about a second on a 262k vocabulary),
         into the grammar cache that the request itself then hits."""
         try:
-            await asyncio.get_running_loop().run_in_executor(None, inner.make_request, "validate", processed, params)
+            await asyncio.get_running_loop().run_in_executor(
+                None, inner.make_request, "validate", processed, params
+            )
         except ValueError as exc:
             raise bad_request(exc) from None
 
@@ -199,15 +220,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if params.n == 1:
             return [engine.generate(processed, params, request_id=base_id, priority=priority)]
         return [
-            engine.generate(processed, replace(params, n=1, seed=None if params.seed is None else params.seed + i),
-                            request_id=f"{base_id}-{i}", priority=priority)
+            engine.generate(
+                processed,
+                replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                request_id=f"{base_id}-{i}",
+                priority=priority,
+            )
             for i in range(params.n)
         ]
 
     def record(delta: StreamDelta, received: float) -> None:
         if delta.finished:
-            metrics.observe_finished(delta.metrics, delta.num_prompt_tokens, delta.num_output_tokens,
-                                     delta.num_cached_tokens, delta.finish_reason, received=received)
+            metrics.observe_finished(
+                delta.metrics,
+                delta.num_prompt_tokens,
+                delta.num_output_tokens,
+                delta.num_cached_tokens,
+                delta.finish_reason,
+                received=received,
+            )
 
     async def merged(streams: list, received: float) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Interleave several engine streams; closing this closes (and aborts) all of them. ``received``: when
@@ -287,20 +318,26 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, "top_logprobs: must be in [0, 20]", param="top_logprobs")
         try:
-            messages, media = split_chat_messages(req.messages,
-                                                  allow_local_files=config.allowed_local_media_path is not None)
+            messages, media = split_chat_messages(
+                req.messages, allow_local_files=config.allowed_local_media_path is not None
+            )
         except ValueError as exc:
             raise bad_request(exc) from None
         check_media(media.as_dict())
         try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                   **(req.chat_template_kwargs or {}))
+            prompt = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+            )
         except (ValueError, TypeError) as exc:
             raise bad_request(exc, "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input problem
-            raise APIError(400, f"messages: the chat template could not be applied: {exc}", "messages") from None
+            raise APIError(
+                400, f"messages: the chat template could not be applied: {exc}", "messages"
+            ) from None
         params = sampling_params(req, req.effective_max_tokens(), req.num_logprobs())
-        processed = await process({"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False)
+        processed = await process(
+            {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+        )
         await validate(processed, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = start(processed, params, request_id, req.priority)
@@ -308,17 +345,33 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _chat_stream(merged(streams, received), request_id, model_name, created, params.n, include_usage,
-                             params.logprobs is not None),
-                media_type="text/event-stream")
+                _chat_stream(
+                    merged(streams, received),
+                    request_id,
+                    model_name,
+                    created,
+                    params.n,
+                    include_usage,
+                    params.logprobs is not None,
+                ),
+                media_type="text/event-stream",
+            )
         choices, cached = await collect(request, streams, params.n, received)
         return {
-            "id": request_id, "object": "chat.completion", "created": created, "model": model_name,
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
             "choices": [
-                {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                 "logprobs": _chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                for i, c in enumerate(choices)],
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": _chat_logprobs(c.logprobs) if params.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for i, c in enumerate(choices)
+            ],
             "usage": usage(len(processed.token_ids), sum(len(c.token_ids) for c in choices), cached),
         }
 
@@ -349,23 +402,41 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             streams += start(processed, params, f"{request_id}-{p_index}", req.priority)
         created = int(time.time())
         prompt_tokens = sum(len(p.token_ids) for p in processed_all)
-        echo_texts = [p.prompt if p.prompt is not None else tokenizer.decode(p.token_ids) for p in processed_all]
+        echo_texts = [
+            p.prompt if p.prompt is not None else tokenizer.decode(p.token_ids) for p in processed_all
+        ]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _completion_stream(merged(streams, received), request_id, model_name, created, prompt_tokens,
-                                   include_usage, params.logprobs is not None, echo_texts if req.echo else None,
-                                   params.n),
-                media_type="text/event-stream")
+                _completion_stream(
+                    merged(streams, received),
+                    request_id,
+                    model_name,
+                    created,
+                    prompt_tokens,
+                    include_usage,
+                    params.logprobs is not None,
+                    echo_texts if req.echo else None,
+                    params.n,
+                ),
+                media_type="text/event-stream",
+            )
         choices, cached = await collect(request, streams, len(streams), received)
         return {
-            "id": request_id, "object": "text_completion", "created": created, "model": model_name,
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
             "choices": [
-                {"index": i,
-                 "text": (echo_texts[i // params.n] if req.echo else "") + "".join(c.text),
-                 "logprobs": _completion_logprobs(c.logprobs) if params.logprobs is not None else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                for i, c in enumerate(choices)],
+                {
+                    "index": i,
+                    "text": (echo_texts[i // params.n] if req.echo else "") + "".join(c.text),
+                    "logprobs": _completion_logprobs(c.logprobs) if params.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for i, c in enumerate(choices)
+            ],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached),
         }
 
@@ -393,8 +464,11 @@ def _field_path(loc: tuple, body: dict) -> str:
 
 def _check_local_path(path: str, allowed: str | None) -> None:
     if allowed is None:
-        raise APIError(400, "messages: local media files are not allowed (start the server with "
-                            "--allowed-local-media-path)", param="messages")
+        raise APIError(
+            400,
+            "messages: local media files are not allowed (start the server with --allowed-local-media-path)",
+            param="messages",
+        )
     resolved, root = Path(path).resolve(), Path(allowed).resolve()
     if root != resolved and root not in resolved.parents:
         raise APIError(400, f"messages: {path!r} is outside --allowed-local-media-path", param="messages")
@@ -471,11 +545,18 @@ def _sse(payload: dict) -> str:
 
 def _sse_error(exc: BaseException) -> str:
     status = 503 if isinstance(exc, EngineDeadError) else 500
-    return _sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": status}})
+    return _sse(
+        {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": status}}
+    )
 
 
-async def _sse_events(deltas: AsyncIterator[tuple[int, StreamDelta]], base: dict, include_usage: bool,
-                      choice_event, prompt_tokens: int | None = None) -> AsyncIterator[str]:
+async def _sse_events(
+    deltas: AsyncIterator[tuple[int, StreamDelta]],
+    base: dict,
+    include_usage: bool,
+    choice_event,
+    prompt_tokens: int | None = None,
+) -> AsyncIterator[str]:
     """Server-sent events of one response: a chunk per delta that ``choice_event(index, choice, delta,
     new_logprobs)`` turns into a choice (None: nothing to send yet), then usage and ``[DONE]``."""
     extra = {"usage": None} if include_usage else {}
@@ -510,27 +591,60 @@ def _finish_fields(delta: StreamDelta) -> dict[str, Any]:
     return {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
-async def _chat_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], request_id: str, model: str, created: int,
-                       n: int, include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
+async def _chat_stream(
+    deltas: AsyncIterator[tuple[int, StreamDelta]],
+    request_id: str,
+    model: str,
+    created: int,
+    n: int,
+    include_usage: bool,
+    want_logprobs: bool,
+) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if include_usage else {}
     for i in range(n):
-        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}], **extra})
+        yield _sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                **extra,
+            }
+        )
 
     def event(index: int, choice: _Choice, delta: StreamDelta, new_logprobs) -> dict | None:
         if not delta.text and not delta.finished and not (want_logprobs and new_logprobs):
-            return None  # held back (a possible stop string) or a token with no text yet, and no logprobs asked
-        return {"index": index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": _chat_logprobs(new_logprobs) if want_logprobs else None, **_finish_fields(delta)}
+            return (
+                None  # held back (a possible stop string) or a token with no text yet, and no logprobs asked
+            )
+        return {
+            "index": index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": _chat_logprobs(new_logprobs) if want_logprobs else None,
+            **_finish_fields(delta),
+        }
 
     async for line in _sse_events(deltas, base, include_usage, event):
         yield line
 
 
-async def _completion_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], request_id: str, model: str,
-                             created: int, prompt_tokens: int, include_usage: bool, want_logprobs: bool,
-                             echo: list[str] | None, n: int) -> AsyncIterator[str]:
+async def _completion_stream(
+    deltas: AsyncIterator[tuple[int, StreamDelta]],
+    request_id: str,
+    model: str,
+    created: int,
+    prompt_tokens: int,
+    include_usage: bool,
+    want_logprobs: bool,
+    echo: list[str] | None,
+    n: int,
+) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
 
     def event(index: int, choice: _Choice, delta: StreamDelta, new_logprobs) -> dict | None:
@@ -538,8 +652,12 @@ async def _completion_stream(deltas: AsyncIterator[tuple[int, StreamDelta]], req
         text = (echo[index // n] if echo and first else "") + delta.text
         if not text and not delta.finished and not (want_logprobs and new_logprobs):
             return None
-        return {"index": index, "text": text,
-                "logprobs": _completion_logprobs(new_logprobs) if want_logprobs else None, **_finish_fields(delta)}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": _completion_logprobs(new_logprobs) if want_logprobs else None,
+            **_finish_fields(delta),
+        }
 
     async for line in _sse_events(deltas, base, include_usage, event, prompt_tokens):
         yield line

@@ -13,9 +13,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestEntityTooLarge", 422: "UnprocessableEntityError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 # Messages from the engine and processors start with the field they are about: "max_tokens: ...".
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]'\"-]*):\s")
 

@@ -15,10 +15,50 @@ from prometheus_client.core import GaugeMetricFamily
 
 from g4serve.outputs import RequestMetrics
 
-_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                  0.5, 1.0, 2.5)
+_LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 class _EngineCollector:
@@ -34,23 +74,32 @@ class _EngineCollector:
         running.add_metric([], stats["num_running"])
         waiting = GaugeMetricFamily("g4serve_num_requests_waiting", "Requests waiting to be scheduled")
         waiting.add_metric([], stats["num_waiting"])
-        kv = GaugeMetricFamily("g4serve_kv_cache_usage_ratio", "Fraction of KV blocks in use, per pool", labels=["pool"])
+        kv = GaugeMetricFamily(
+            "g4serve_kv_cache_usage_ratio", "Fraction of KV blocks in use, per pool", labels=["pool"]
+        )
         for pool, used in stats["kv_usage"].items():
             kv.add_metric([pool], used)
-        capacity = GaugeMetricFamily("g4serve_kv_cache_capacity_tokens", "KV capacity in tokens, per pool",
-                                     labels=["pool"])
+        capacity = GaugeMetricFamily(
+            "g4serve_kv_cache_capacity_tokens", "KV capacity in tokens, per pool", labels=["pool"]
+        )
         for pool, tokens in stats["kv_capacity_tokens"].items():
             capacity.add_metric([pool], tokens)
-        hit = GaugeMetricFamily("g4serve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried")
+        hit = GaugeMetricFamily(
+            "g4serve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried"
+        )
         hit.add_metric([], stats["prefix_cache_hit_rate"])
-        tps = GaugeMetricFamily("g4serve_generation_tokens_per_second", "Generated tokens per second, last 10 s")
+        tps = GaugeMetricFamily(
+            "g4serve_generation_tokens_per_second", "Generated tokens per second, last 10 s"
+        )
         tps.add_metric([], self._throughput.rate(stats["generation_tokens_total"]))
         preempt = GaugeMetricFamily("g4serve_num_preemptions", "Preemptions (recompute) since start")
         preempt.add_metric([], stats["num_preemptions"])
         steps = GaugeMetricFamily("g4serve_num_steps", "Engine steps since start")
         steps.add_metric([], stats["num_steps"])
-        overlapped = GaugeMetricFamily("g4serve_num_overlapped_steps",
-                                       "Steps launched before the previous step was read back (async scheduling)")
+        overlapped = GaugeMetricFamily(
+            "g4serve_num_overlapped_steps",
+            "Steps launched before the previous step was read back (async scheduling)",
+        )
         overlapped.add_metric([], stats["num_overlapped_steps"])
         return [running, waiting, kv, capacity, hit, tps, preempt, steps, overlapped]
 
@@ -76,39 +125,93 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         r = self.registry
-        self.ttft = Histogram("g4serve_time_to_first_token_seconds", "Arrival to first token", ["model_name"],
-                              buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
-        self.itl = Histogram("g4serve_inter_token_latency_seconds", "Time between consecutive output tokens",
-                             ["model_name"], buckets=_ITL_BUCKETS_S, registry=r).labels(**labels)
-        self.e2e = Histogram("g4serve_e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
-                             buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
-        self.queue = Histogram("g4serve_request_queue_time_seconds", "Arrival to first scheduled", ["model_name"],
-                               buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
-        self.encoder = Histogram("g4serve_request_encoder_time_seconds", "Encoder time of a request's media",
-                                 ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.ttft = Histogram(
+            "g4serve_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.itl = Histogram(
+            "g4serve_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            ["model_name"],
+            buckets=_ITL_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            "g4serve_e2e_request_latency_seconds",
+            "Arrival to last token",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.queue = Histogram(
+            "g4serve_request_queue_time_seconds",
+            "Arrival to first scheduled",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.encoder = Histogram(
+            "g4serve_request_encoder_time_seconds",
+            "Encoder time of a request's media",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
         # Before the engine: what a client's TTFT holds that the engine's (from arrival) does not.
-        self.prepare = Histogram("g4serve_request_prepare_time_seconds",
-                                 "HTTP request received (handler entry) to engine arrival: body, parsing, chat "
-                                 "template, media decoding and preprocessing, admission checks", ["model_name"],
-                                 buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
-        self.preprocess = Histogram("g4serve_request_preprocess_time_seconds",
-                                    "Prompt processing off the event loop: tokenization, media decoding, resizing, "
-                                    "patches", ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=r).labels(**labels)
-        self.prompt_tokens = Counter("g4serve_prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
-                                     registry=r).labels(**labels)
-        self.generation_tokens = Counter("g4serve_generation_tokens", "Generated tokens of finished requests",
-                                         ["model_name"], registry=r).labels(**labels)
-        self.cached_tokens = Counter("g4serve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                     ["model_name"], registry=r).labels(**labels)
-        self._finished = Counter("g4serve_request_success", "Finished requests by finish reason",
-                                 ["model_name", "finished_reason"], registry=r)
-        self.errors = Counter("g4serve_request_errors", "Requests rejected or failed, by HTTP status",
-                              ["model_name", "status"], registry=r)
+        self.prepare = Histogram(
+            "g4serve_request_prepare_time_seconds",
+            "HTTP request received (handler entry) to engine arrival: body, parsing, chat "
+            "template, media decoding and preprocessing, admission checks",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.preprocess = Histogram(
+            "g4serve_request_preprocess_time_seconds",
+            "Prompt processing off the event loop: tokenization, media decoding, resizing, patches",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.prompt_tokens = Counter(
+            "g4serve_prompt_tokens", "Prompt tokens of finished requests", ["model_name"], registry=r
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "g4serve_generation_tokens", "Generated tokens of finished requests", ["model_name"], registry=r
+        ).labels(**labels)
+        self.cached_tokens = Counter(
+            "g4serve_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self._finished = Counter(
+            "g4serve_request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "g4serve_request_errors",
+            "Requests rejected or failed, by HTTP status",
+            ["model_name", "status"],
+            registry=r,
+        )
         self._model_name = model_name
         r.register(_EngineCollector(engine_stats, _Throughput()))
 
-    def observe_finished(self, metrics: RequestMetrics | None, prompt_tokens: int, output_tokens: int,
-                         cached_tokens: int, finish_reason: str | None, received: float | None = None) -> None:
+    def observe_finished(
+        self,
+        metrics: RequestMetrics | None,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_tokens: int,
+        finish_reason: str | None,
+        received: float | None = None,
+    ) -> None:
         """A finished engine request; ``received``: when its HTTP request reached the handler (monotonic clock,
         as the engine's arrival time), for the time spent before the engine."""
         self._finished.labels(self._model_name, finish_reason or "unknown").inc()

@@ -54,12 +54,26 @@ class _SamplingFields(_Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters; ``SamplingParamsError`` (naming the field) on bad values."""
         kwargs: dict[str, Any] = dict(
-            n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            n=self.n,
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
         )
         # OpenAI's defaults where the field is absent (temperature 1, no truncation, no penalties).
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -132,6 +146,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 __all__ = [
-    "ChatCompletionRequest", "CompletionRequest", "ErrorInfo", "ErrorResponse", "FinishReason", "StreamOptions",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ErrorInfo",
+    "ErrorResponse",
+    "FinishReason",
+    "StreamOptions",
     "usage",
 ]

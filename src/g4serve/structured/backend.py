@@ -49,7 +49,10 @@ def detect_vocab_type(tokenizer: Tokenizer) -> tuple[str, bool]:
 
 def _uses_byte_level(backend: Any) -> bool:
     # A component's state is its tokenizer.json entry; nested ones (Sequence) included.
-    return any(c is not None and b'"type":"ByteLevel"' in c.__getstate__() for c in (backend.decoder, backend.pre_tokenizer))
+    return any(
+        c is not None and b'"type":"ByteLevel"' in c.__getstate__()
+        for c in (backend.decoder, backend.pre_tokenizer)
+    )
 
 
 def encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
@@ -127,8 +130,9 @@ class StructuredMatcher:
             self._last_token = int(token_id)
         return ok
 
-    def fill_allowed(self, bitmask: torch.Tensor, row: int = 0, allow_stop: bool = True,
-                     budget: int | None = None) -> None:
+    def fill_allowed(
+        self, bitmask: torch.Tensor, row: int = 0, allow_stop: bool = True, budget: int | None = None
+    ) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (xgrammar's packed int32 layout: bit
         ``t % 32`` of word ``t // 32``). With ``allow_stop=False`` stop tokens are withheld unless
         nothing else is allowed: the grammar's end always wins. ``budget`` (tokens left, this one
@@ -262,8 +266,11 @@ def closing_orders(decoded: Sequence[bytes], stop_token_ids: Sequence[int]) -> t
     def order(*groups: list) -> tuple[int, ...]:
         return (*stop_token_ids, *(t for group in groups for _, t in sorted(group)))
 
-    return (order(brackets, quotes, separators, colons, values), order(quotes, brackets, separators, colons, values),
-            tuple(probes))
+    return (
+        order(brackets, quotes, separators, colons, values),
+        order(quotes, brackets, separators, colons, values),
+        tuple(probes),
+    )
 
 
 def closing_score(decoded: Sequence[bytes]) -> np.ndarray:
@@ -287,8 +294,15 @@ class StructuredOutputBackend:
     entries, keyed by the spec); ``compile`` and ``new_matcher`` may be called from any thread.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int], *,
-                 cache_size: int = 256, compile_threads: int = 2):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        cache_size: int = 256,
+        compile_threads: int = 2,
+    ):
         import xgrammar as xgr
 
         stop = sorted({int(t) for t in stop_token_ids})
@@ -301,8 +315,11 @@ class StructuredOutputBackend:
         self.vocab_type, self.add_prefix_space = detect_vocab_type(tokenizer)
         self.cache_size = cache_size
         self._xgr = xgr
-        vocab_type = {BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK, BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL,
-                      RAW: xgr.VocabType.RAW}[self.vocab_type]
+        vocab_type = {
+            BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK,
+            BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL,
+            RAW: xgr.VocabType.RAW,
+        }[self.vocab_type]
         tokens = encoded_vocab(tokenizer, vocab_size)
         full = self._info(tokens, vocab_type)
         decoded = full.decoded_vocab
@@ -316,8 +333,13 @@ class StructuredOutputBackend:
             for info_name, info in (("text", self.text_info), ("json", self.json_info))
         }
         text_decoded = self.text_info.decoded_vocab
-        self.matcher_vocab = MatcherVocab(vocab_size, tuple(stop), stop_keep_mask(stop, vocab_size),
-                                          *closing_orders(text_decoded, stop), closing_score(text_decoded))
+        self.matcher_vocab = MatcherVocab(
+            vocab_size,
+            tuple(stop),
+            stop_keep_mask(stop, vocab_size),
+            *closing_orders(text_decoded, stop),
+            closing_score(text_decoded),
+        )
         self._cache: OrderedDict[StructuredSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._pending: dict[StructuredSpec, Future] = {}  # specs being compiled now
         self._lock = threading.Lock()
@@ -325,14 +347,21 @@ class StructuredOutputBackend:
         self.cache_misses = 0
 
     def _info(self, tokens: list[str], vocab_type) -> xgrammar.TokenizerInfo:
-        return self._xgr.TokenizerInfo(tokens, vocab_type, vocab_size=self.vocab_size,
-                                       stop_token_ids=self.stop_token_ids, add_prefix_space=self.add_prefix_space)
+        return self._xgr.TokenizerInfo(
+            tokens,
+            vocab_type,
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_token_ids,
+            add_prefix_space=self.add_prefix_space,
+        )
 
     def compile(self, spec: StructuredSpec) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``spec`` (cached); StructuredOutputError if it cannot be compiled.
         Concurrent calls for one new spec compile it once; cache hits never wait for another compile."""
         if not isinstance(spec, StructuredSpec):
-            raise StructuredOutputError(f"structured_output: expected a StructuredSpec, got {type(spec).__name__}")
+            raise StructuredOutputError(
+                f"structured_output: expected a StructuredSpec, got {type(spec).__name__}"
+            )
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
@@ -369,7 +398,9 @@ class StructuredOutputBackend:
         try:
             return compiler.compile_grammar(grammar)
         except RuntimeError as exc:
-            raise StructuredOutputError(f"{spec.field}: cannot compile: {clean_xgrammar_error(exc)}") from None
+            raise StructuredOutputError(
+                f"{spec.field}: cannot compile: {clean_xgrammar_error(exc)}"
+            ) from None
 
     def new_matcher(self, spec: StructuredSpec) -> StructuredMatcher:
         matcher = self._xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids)
@@ -377,5 +408,9 @@ class StructuredOutputBackend:
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {"hits": self.cache_hits, "misses": self.cache_misses, "size": len(self._cache),
-                    "max_size": self.cache_size}
+            return {
+                "hits": self.cache_hits,
+                "misses": self.cache_misses,
+                "size": len(self._cache),
+                "max_size": self.cache_size,
+            }

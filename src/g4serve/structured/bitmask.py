@@ -55,14 +55,19 @@ class AllowedTokenMasks:
     def _bitmask(self, rows: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.shape[0] < rows:
             size = max(rows, 2 * self._buffer.shape[0] if self._buffer is not None else rows)
-            self._buffer = torch.empty(size, bitmask_words(self.vocab_size), dtype=torch.int32,
-                                       pin_memory=self.device.type == "cuda")
+            self._buffer = torch.empty(
+                size, bitmask_words(self.vocab_size), dtype=torch.int32, pin_memory=self.device.type == "cuda"
+            )
         bitmask = self._buffer[:rows]
         bitmask.fill_(-1)  # unconstrained rows: everything allowed
         return bitmask
 
-    def __call__(self, matchers: Sequence[StructuredMatcher | None], allow_stop: Sequence[bool] | None = None,
-                 budgets: Sequence[int] | None = None) -> torch.Tensor | None:
+    def __call__(
+        self,
+        matchers: Sequence[StructuredMatcher | None],
+        allow_stop: Sequence[bool] | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> torch.Tensor | None:
         """``[B, V]`` bool mask for rows with a matcher (other rows all True), or None if no row has one.
         ``allow_stop[i]`` False withholds stop tokens from row i while its grammar allows anything else
         (min_tokens, ignore_eos). ``budgets[i]`` is how many tokens row i may still produce (this one
@@ -76,7 +81,9 @@ class AllowedTokenMasks:
                 import xgrammar as xgr
 
                 self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask([matchers[i]._matcher for i in rows], bitmask, rows)
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [matchers[i]._matcher for i in rows], bitmask, rows
+            )
         else:
             for i in rows:
                 matchers[i].fill_allowed(bitmask, i)
@@ -92,8 +99,12 @@ class AllowedTokenMasks:
         return unpack_bitmask(bitmask.to(self.device, non_blocking=True), self.vocab_size, self._table)
 
 
-def build_allowed_mask(matchers: Sequence[StructuredMatcher | None], vocab_size: int,
-                       device: torch.device | str = "cpu", allow_stop: Sequence[bool] | None = None,
-                       budgets: Sequence[int] | None = None) -> torch.Tensor | None:
+def build_allowed_mask(
+    matchers: Sequence[StructuredMatcher | None],
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+    allow_stop: Sequence[bool] | None = None,
+    budgets: Sequence[int] | None = None,
+) -> torch.Tensor | None:
     """One-off form of ``AllowedTokenMasks``: ``[B, V]`` bool allowed tokens, or None if no row is constrained."""
     return AllowedTokenMasks(vocab_size, device)(matchers, allow_stop, budgets)

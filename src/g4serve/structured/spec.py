@@ -27,12 +27,36 @@ _FIELDS = {
     "grammar": "response_format.grammar",
 }
 # Keywords xgrammar parses but does not enforce (checked by fuzzing its grammars against jsonschema).
-_UNSUPPORTED = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
-                "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
+_UNSUPPORTED = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "dependentRequired",
+    "dependencies",
+    "contains",
+    "minContains",
+    "maxContains",
+    "$dynamicRef",
+    "$recursiveRef",
+)
 # Where subschemas live (2020-12 and draft 7).
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "propertyNames", "contains", "not", "if",
-               "then", "else", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+_SCHEMA_ONE = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "contentSchema",
+)
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 # A pattern that names a double quote or a backslash would put it raw inside a JSON string.
 _QUOTE_IN_PATTERN = re.compile(r'"|\\\\|\\x(22|5c)|\\u00(22|5c)', re.IGNORECASE)
@@ -59,7 +83,9 @@ class StructuredSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise StructuredOutputError(f"response_format.type: must be one of {', '.join(KINDS)}; got {self.kind!r}")
+            raise StructuredOutputError(
+                f"response_format.type: must be one of {', '.join(KINDS)}; got {self.kind!r}"
+            )
         if not isinstance(self.value, str):
             raise StructuredOutputError(f"{self.field}: must be a string, got {type(self.value).__name__}")
 
@@ -81,7 +107,9 @@ class StructuredSpec:
         return cls("json_object")
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any] | str, field: str = _FIELDS["json_schema"]) -> StructuredSpec:
+    def json_schema(
+        cls, schema: Mapping[str, Any] | str, field: str = _FIELDS["json_schema"]
+    ) -> StructuredSpec:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -113,12 +141,16 @@ class StructuredSpec:
     def choice(cls, choices: Sequence[str]) -> StructuredSpec:
         field = _FIELDS["choice"]
         if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices:
-            raise StructuredOutputError(f"{field}: must be a non-empty list of strings, got {_type_name(choices)}")
+            raise StructuredOutputError(
+                f"{field}: must be a non-empty list of strings, got {_type_name(choices)}"
+            )
         if len(choices) > MAX_CHOICES:
             raise StructuredOutputError(f"{field}: at most {MAX_CHOICES} choices, got {len(choices)}")
         for i, choice in enumerate(choices):
             if not isinstance(choice, str) or not choice:
-                raise StructuredOutputError(f"{field}[{i}]: must be a non-empty string, got {_type_name(choice)}")
+                raise StructuredOutputError(
+                    f"{field}[{i}]: must be a non-empty string, got {_type_name(choice)}"
+                )
         value = json.dumps(list(choices), ensure_ascii=False)
         _check_size(field, value)
         spec = cls("choice", value)
@@ -144,15 +176,24 @@ class StructuredSpec:
         if response_format is None:
             return None
         if not isinstance(response_format, Mapping):
-            raise StructuredOutputError(f"response_format: must be an object, got {_type_name(response_format)}")
+            raise StructuredOutputError(
+                f"response_format: must be an object, got {_type_name(response_format)}"
+            )
         kind = response_format.get("type")
         if kind is None:
             raise StructuredOutputError("response_format.type: is required")
         if kind not in ("text", *KINDS):
             raise StructuredOutputError(
-                f"response_format.type: must be one of text, {', '.join(KINDS)}; got {kind!r}")
-        payload = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",),
-                   "choice": ("choice",), "grammar": ("grammar",)}[kind]
+                f"response_format.type: must be one of text, {', '.join(KINDS)}; got {kind!r}"
+            )
+        payload = {
+            "text": (),
+            "json_object": (),
+            "json_schema": ("json_schema",),
+            "regex": ("regex",),
+            "choice": ("choice",),
+            "grammar": ("grammar",),
+        }[kind]
         _no_unknown("response_format", response_format, {"type", *payload})
         for key in payload:
             if key not in response_format:
@@ -169,16 +210,22 @@ class StructuredSpec:
             return cls.grammar(response_format["grammar"])
         js = response_format["json_schema"]
         if not isinstance(js, Mapping):
-            raise StructuredOutputError(f"response_format.json_schema: must be an object, got {_type_name(js)}")
+            raise StructuredOutputError(
+                f"response_format.json_schema: must be an object, got {_type_name(js)}"
+            )
         _no_unknown("response_format.json_schema", js, {"name", "description", "schema", "strict"})
         name = js.get("name")
         if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
             raise StructuredOutputError(
-                "response_format.json_schema.name: must be 1-64 letters, digits, '_' or '-', got " + repr(name))
+                "response_format.json_schema.name: must be 1-64 letters, digits, '_' or '-', got "
+                + repr(name)
+            )
         if js.get("description") is not None and not isinstance(js["description"], str):
             raise StructuredOutputError("response_format.json_schema.description: must be a string")
         if js.get("strict") is not None and not isinstance(js["strict"], bool):
-            raise StructuredOutputError(f"response_format.json_schema.strict: must be a boolean, got {js['strict']!r}")
+            raise StructuredOutputError(
+                f"response_format.json_schema.strict: must be a boolean, got {js['strict']!r}"
+            )
         if "schema" not in js:
             raise StructuredOutputError("response_format.json_schema.schema: is required")
         # Output is always constrained, strict or not: a non-strict schema is enforced too.
@@ -204,16 +251,20 @@ def check_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> None
         if node.get("uniqueItems") is True:
             raise StructuredOutputError(f"{path}.uniqueItems: is not supported by constrained decoding")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            raise StructuredOutputError(f"{path}.allOf: more than one subschema is not supported by constrained "
-                                        "decoding; merge them into one schema")
+            raise StructuredOutputError(
+                f"{path}.allOf: more than one subschema is not supported by constrained "
+                "decoding; merge them into one schema"
+            )
         if "multipleOf" in node and node.get("type") != "integer":
             raise StructuredOutputError(f"{path}.multipleOf: is only supported with type 'integer'")
         patterns = [(f"{path}.pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
         patterns += [(f"{path}.patternProperties", p) for p in node.get("patternProperties") or {}]
         for where, pattern in patterns:
             if _QUOTE_IN_PATTERN.search(pattern):
-                raise StructuredOutputError(f"{where}: a pattern that matches a double quote or a backslash is "
-                                            "not supported by constrained decoding")
+                raise StructuredOutputError(
+                    f"{where}: a pattern that matches a double quote or a backslash is "
+                    "not supported by constrained decoding"
+                )
 
 
 def prepare_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> dict:
@@ -228,16 +279,23 @@ def prepare_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> di
         for name in required:
             if name in props:
                 continue
-            matches = [sub for pattern, sub in (node.get("patternProperties") or {}).items() if re.search(pattern, name)]
+            matches = [
+                sub
+                for pattern, sub in (node.get("patternProperties") or {}).items()
+                if re.search(pattern, name)
+            ]
             if len(matches) > 1:
-                raise StructuredOutputError(f"{path}.required: {name!r} matches several patternProperties; "
-                                            "declare it in properties")
+                raise StructuredOutputError(
+                    f"{path}.required: {name!r} matches several patternProperties; declare it in properties"
+                )
             extra = node.get("additionalProperties", True)
             if matches:
                 sub = matches[0]
             elif extra is False:
-                raise StructuredOutputError(f"{path}.required: {name!r} is required but additionalProperties is "
-                                            "false, so no JSON value satisfies the schema")
+                raise StructuredOutputError(
+                    f"{path}.required: {name!r} is required but additionalProperties is "
+                    "false, so no JSON value satisfies the schema"
+                )
             else:
                 sub = {} if extra is True else extra
             props[name] = sub
@@ -315,6 +373,13 @@ def _join(field: str, parts: list) -> str:
 
 
 def _type_name(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", int: "integer",
-             float: "number"}
+    names = {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        type(None): "null",
+        int: "integer",
+        float: "number",
+    }
     return names.get(type(value), type(value).__name__)

@@ -25,9 +25,14 @@ from g4serve.models.gemma4.model import Gemma4Model
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 _SHARED_KV_PARAM = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
@@ -96,12 +101,12 @@ def local_name(hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return None  # tied to the input embeddings
     if hf_name.startswith("model.language_model."):
-        return hf_name[len("model."):]
+        return hf_name[len("model.") :]
     for tower in ("vision_tower", "audio_tower", "embed_vision", "embed_audio"):
         if hf_name.startswith(f"model.{tower}."):
-            return hf_name[len("model."):]
+            return hf_name[len("model.") :]
     if hf_name.startswith("model."):  # Gemma4ForCausalLM: model.layers..., model.embed_tokens...
-        return "language_model." + hf_name[len("model."):]
+        return "language_model." + hf_name[len("model.") :]
     return hf_name
 
 
@@ -111,8 +116,13 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
     params = dict(model.state_dict(keep_vars=True))
     first_shared = model.cfg.text.first_kv_shared_layer
     skipped_towers = tuple(
-        prefix for prefix, module in (("vision_tower.", model.vision_tower), ("embed_vision.", model.embed_vision),
-                                      ("audio_tower.", model.audio_tower), ("embed_audio.", model.embed_audio))
+        prefix
+        for prefix, module in (
+            ("vision_tower.", model.vision_tower),
+            ("embed_vision.", model.embed_vision),
+            ("audio_tower.", model.audio_tower),
+            ("embed_audio.", model.embed_audio),
+        )
         if module is None
     )
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -219,7 +229,9 @@ def load_model(
         return net
     model_dir = Path(model)
     if not model_dir.is_dir():
-        raise CheckpointError(f"model: {model_dir} is neither a directory nor a preset ({', '.join(PRESETS)})")
+        raise CheckpointError(
+            f"model: {model_dir} is neither a directory nor a preset ({', '.join(PRESETS)})"
+        )
     cfg = Gemma4Config.from_pretrained(model_dir, strict=strict_config)
     net = build_model(cfg, torch_dtype, device, with_vision, with_audio)
     load_weights(net, model_dir)

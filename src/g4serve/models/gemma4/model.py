@@ -28,10 +28,14 @@ class Gemma4Model(nn.Module):
         self.audio_tower = self.embed_audio = None
         if cfg.vision is not None and with_vision:
             self.vision_tower = Gemma4VisionModel(cfg.vision)
-            self.embed_vision = MultimodalEmbedder(cfg.vision.hidden_size, text_hidden, cfg.vision.rms_norm_eps)
+            self.embed_vision = MultimodalEmbedder(
+                cfg.vision.hidden_size, text_hidden, cfg.vision.rms_norm_eps
+            )
         if cfg.audio is not None and with_audio:
             self.audio_tower = Gemma4AudioModel(cfg.audio)
-            self.embed_audio = MultimodalEmbedder(cfg.audio.output_proj_dims, text_hidden, cfg.audio.rms_norm_eps)
+            self.embed_audio = MultimodalEmbedder(
+                cfg.audio.output_proj_dims, text_hidden, cfg.audio.rms_norm_eps
+            )
         self.register_buffer(
             "mm_token_ids",
             torch.tensor([cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id]),
@@ -64,8 +68,9 @@ class Gemma4Model(nn.Module):
         counts = ((position_ids != -1).all(dim=-1).sum(dim=-1) // k2).tolist()
         return list(torch.split(tokens, counts))
 
-    def encode_images_padded(self, pixel_values: torch.Tensor, position_ids: torch.Tensor,
-                             no_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_images_padded(
+        self, pixel_values: torch.Tensor, position_ids: torch.Tensor, no_padding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``encode_images`` with fixed shapes (for CUDA graphs): soft tokens of every pooling cell
         [B, L, text_hidden] and the cells that hold one [B, L] (row-wise ops, so the kept rows are the same).
         ``no_padding``: every patch is real (checked by the caller), so attention needs no mask."""
@@ -74,8 +79,9 @@ class Gemma4Model(nn.Module):
         tokens, is_used = self.vision_tower.forward_padded(pixel_values, position_ids, no_padding)
         return self.embed_vision(tokens), is_used
 
-    def encode_audio(self, features: torch.Tensor, mask: torch.Tensor,
-                     lengths: list[int] | None = None) -> list[torch.Tensor]:
+    def encode_audio(
+        self, features: torch.Tensor, mask: torch.Tensor, lengths: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """Log-mel features [B, T, 128] with validity mask -> per clip soft tokens [n_i, text_hidden].
         ``lengths``: each clip's soft-token count, known on the host (the processor's); a clip's valid
         frames are a prefix, so its tokens are then sliced without reading the device's mask back."""
@@ -117,7 +123,9 @@ class Gemma4Model(nn.Module):
             embeds = torch.where(mask.unsqueeze(-1), rows.to(embeds.dtype), embeds)
         elif mm_embeds is not None and mm_embeds.shape[0] and mm_positions is not None:
             if mm_positions.shape[0] != mm_embeds.shape[0]:
-                raise ValueError(f"{mm_positions.shape[0]} multimodal positions but {mm_embeds.shape[0]} soft tokens")
+                raise ValueError(
+                    f"{mm_positions.shape[0]} multimodal positions but {mm_embeds.shape[0]} soft tokens"
+                )
             embeds = embeds.index_copy(0, mm_positions, mm_embeds.to(embeds.dtype))
         elif mm_embeds is not None and mm_embeds.shape[0]:
             if int(is_mm.sum()) != mm_embeds.shape[0]:

@@ -24,8 +24,10 @@ class ClippableLinear(nn.Module):
     def drop_unbounded_clipping(self) -> None:
         """Stop clamping when every bound is infinite (random presets; a checkpoint without calibration):
         the clamps change nothing and cost four elementwise kernels per call. Done once at load time."""
-        if self.use_clipping and all(torch.isinf(getattr(self, name)).all() for name in
-                                     ("input_min", "input_max", "output_min", "output_max")):
+        if self.use_clipping and all(
+            torch.isinf(getattr(self, name)).all()
+            for name in ("input_min", "input_max", "output_min", "output_max")
+        ):
             self.use_clipping = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,11 @@ class TextAttention(nn.Module):
         if not self.is_kv_shared:
             self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
             # attention_k_eq_v: full layers take V from the raw K projection.
-            self.v_proj = None if cfg.layer_uses_k_as_v(layer_idx) else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            self.v_proj = (
+                None
+                if cfg.layer_uses_k_as_v(layer_idx)
+                else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            )
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
@@ -68,12 +72,21 @@ class TextAttention(nn.Module):
     @torch.no_grad()
     def fuse_projections(self) -> None:
         """Stack the q/k/v projections into one GEMM (the fast path; the split is a view per step)."""
-        parts = [p for p in (self.q_proj, getattr(self, "k_proj", None), getattr(self, "v_proj", None)) if p is not None]
+        parts = [
+            p
+            for p in (self.q_proj, getattr(self, "k_proj", None), getattr(self, "v_proj", None))
+            if p is not None
+        ]
         if len(parts) == 1 or self.qkv_proj is not None:
             return
         weight = torch.cat([p.weight for p in parts])
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
-                          device=weight.device, dtype=weight.dtype)
+        fused = nn.Linear(
+            weight.shape[1],
+            weight.shape[0],
+            bias=parts[0].bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
         fused.weight.copy_(weight)
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in parts]))
@@ -112,8 +125,17 @@ class TextAttention(nn.Module):
         if self.qkv_proj is not None and not self.is_kv_shared:
             target = backend.kv_write_target(self.layer_idx, meta)  # TritonAttention: on CUDA
         if target is not None:  # norms, RoPE and the K/V cache write in one kernel
-            q = qkv_norm_rope_write(linear(x, self.qkv_proj), self.num_heads, self.num_kv_heads, self.q_norm,
-                                    self.k_norm, cos, sin, target, v_is_k=not self._v_in_qkv)
+            q = qkv_norm_rope_write(
+                linear(x, self.qkv_proj),
+                self.num_heads,
+                self.num_kv_heads,
+                self.q_norm,
+                self.k_norm,
+                cos,
+                sin,
+                target,
+                v_is_k=not self._v_in_qkv,
+            )
             out = backend.attend(self.layer_idx, q, None, None, meta)
             return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
         q, k_raw, v_raw = self._project(x)  # v_raw is k_raw where attention_k_eq_v
@@ -141,8 +163,9 @@ class GatedMLP(nn.Module):
         if self.gate_up_proj is not None:
             return
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                      dtype=weight.dtype)
+        self.gate_up_proj = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype
+        )
         self.gate_up_proj.weight.copy_(weight)
         self.gate_proj = self.up_proj = None
 
@@ -173,7 +196,9 @@ class DecoderLayer(nn.Module):
         self.enable_moe = cfg.enable_moe_block
         if self.enable_moe:
             self.router = MoERouter(hidden, cfg.num_experts, cfg.top_k_experts, eps)
-            self.experts = MoEExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.hidden_activation)
+            self.experts = MoEExperts(
+                cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.hidden_activation
+            )
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
@@ -195,8 +220,9 @@ class DecoderLayer(nn.Module):
         residual = h
         h = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, meta, backend)
         # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
-        h, x = add_rms_norm(h, self.post_attention_layernorm, residual=residual,
-                            next_norm=self.pre_feedforward_layernorm)
+        h, x = add_rms_norm(
+            h, self.post_attention_layernorm, residual=residual, next_norm=self.pre_feedforward_layernorm
+        )
 
         residual = h
         out = self.mlp(x)
@@ -207,13 +233,23 @@ class DecoderLayer(nn.Module):
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
         if not self.ple_dim:
             # (residual + post_feedforward_layernorm(out)) * layer_scalar
-            return add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, scale=self.layer_scalar,
-                                next_norm=next_norm)
+            return add_rms_norm(
+                out,
+                self.post_feedforward_layernorm,
+                residual=residual,
+                scale=self.layer_scalar,
+                next_norm=next_norm,
+            )
         h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
         # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
         gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
-        return add_rms_norm(linear(gate, self.per_layer_projection), self.post_per_layer_input_norm, residual=h,
-                            scale=self.layer_scalar, next_norm=next_norm)
+        return add_rms_norm(
+            linear(gate, self.per_layer_projection),
+            self.post_per_layer_input_norm,
+            residual=h,
+            scale=self.layer_scalar,
+            next_norm=next_norm,
+        )
 
 
 class Gemma4TextModel(nn.Module):
@@ -234,7 +270,9 @@ class Gemma4TextModel(nn.Module):
             self.embed_tokens_per_layer = ScaledEmbedding(
                 cfg.vocab_size_per_layer_input, num_layers * self.ple_dim, self.ple_dim**0.5
             )
-            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, num_layers * self.ple_dim, bias=False)
+            self.per_layer_model_projection = nn.Linear(
+                cfg.hidden_size, num_layers * self.ple_dim, bias=False
+            )
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg.rms_norm_eps)
         for layer_type, inv in self._inv_freqs().items():
             self.register_buffer(f"{layer_type}_inv_freq", inv, persistent=False)
@@ -284,10 +322,13 @@ class Gemma4TextModel(nn.Module):
         h = inputs_embeds
         ple = self.per_layer_inputs(text_ids, inputs_embeds) if self.ple_dim else None
         tables = {
-            t: rope_cos_sin(meta.positions, getattr(self, f"{t}_inv_freq"), h.dtype) for t in set(cfg.layer_types)
+            t: rope_cos_sin(meta.positions, getattr(self, f"{t}_inv_freq"), h.dtype)
+            for t in set(cfg.layer_types)
         }
         sliced = False
-        normed = None  # the next layer's input_layernorm(h), fused into the previous layer's last residual add
+        normed = (
+            None  # the next layer's input_layernorm(h), fused into the previous layer's last residual add
+        )
         for i, layer in enumerate(self.layers):
             if i == cfg.first_kv_shared_layer and keep_indices is not None and cfg.num_kv_shared_layers:
                 idx = _as_index(keep_indices, h.device)
@@ -298,7 +339,9 @@ class Gemma4TextModel(nn.Module):
                 sliced = True
             cos, sin = tables[layer.layer_type]
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, normed = layer(h, ple[:, i] if ple is not None else None, cos, sin, meta, backend, normed, next_norm)
+            h, normed = layer(
+                h, ple[:, i] if ple is not None else None, cos, sin, meta, backend, normed, next_norm
+            )
         h = normed  # self.norm(h), from the last layer
         if keep_indices is not None and not sliced:
             h = h[_as_index(keep_indices, h.device)]

@@ -95,14 +95,21 @@ class VisionEncoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor | None,
-        normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: torch.Tensor | None,
+        normed: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (h, ``next_norm(h)``). ``normed``: this layer's ``input_layernorm(h)`` when the previous layer
         computed it in its last residual add (one pass over h instead of two)."""
         # h = h + post_attention_layernorm(attn); x = pre_feedforward_layernorm(h); h = h + post_ff_norm(mlp(x))
         attn = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, attend)
-        h, x = add_rms_norm(attn, self.post_attention_layernorm, residual=h, next_norm=self.pre_feedforward_layernorm)
+        h, x = add_rms_norm(
+            attn, self.post_attention_layernorm, residual=h, next_norm=self.pre_feedforward_layernorm
+        )
         return add_rms_norm(self.mlp(x), self.post_feedforward_layernorm, residual=h, next_norm=next_norm)
 
 
@@ -120,7 +127,9 @@ class VisionEncoder(nn.Module):
         """Recompute the fp32 RoPE frequencies after the module was materialised from the meta device."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, is_valid: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, is_valid: torch.Tensor | None
+    ) -> torch.Tensor:
         """``is_valid`` [B, N]: the real patches; None: all are (no mask, so SDPA may take its flash kernel)."""
         cos, sin = vision_cos_sin(positions, self.inv_freq, h.dtype)
         # Bidirectional attention; every query (padding ones too) sees only the image's real patches.
@@ -180,8 +189,9 @@ class Gemma4VisionModel(nn.Module):
         h, is_used = self._pooled(pixel_values, pixel_position_ids)
         return self._finish(h[is_used]).to(h.dtype)
 
-    def forward_padded(self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor,
-                       no_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_padded(
+        self, pixel_values: torch.Tensor, pixel_position_ids: torch.Tensor, no_padding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fixed-shape variant (CUDA graphs): soft tokens for every pooling cell [B, L, hidden] and which
         cells hold one [B, L]; ``forward`` equals ``out[is_used]``. ``no_padding``: the caller checked that
         every patch is real (video frames of one size), so attention runs without a mask."""
