@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fast path total p95 {fast['p95']:.2f} ms (target 50 ms)")
     if "llm" in figures:
         print(
-            f"extraction llm p50 {figures['llm']['llm_ms']['p50']:.1f} ms, p95 {figures['llm']['llm_ms']['p95']:.1f} ms"
+            f"extraction llm p50 {figures['llm']['llm_ms']['p50']:.1f} ms, "
+            f"p95 {figures['llm']['llm_ms']['p95']:.1f} ms"
         )
     return 0
 

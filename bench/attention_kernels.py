@@ -252,7 +252,7 @@ def sweep_configs(kind: str, head_dim: int) -> list[dict]:
     ]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:  # noqa: C901 - benchmark main: the shape loop with its optional config sweep, then the head-dim ratio table
     args = parse_args(argv)
     assert torch.cuda.is_available(), "bench/attention_kernels.py needs a CUDA device"
     dtype = DTYPES[args.dtype]

@@ -12,7 +12,8 @@ Pieces (``--ablate``, comma-separated):
   attention  the whole attention call (prologue aside): its output is q
 
   python bench/decode_ablation.py --ablate norms,prep -- --model e4b --device cuda \\
-      --attention-backend triton --batches 1,8 --decode-steps 16 --prefill-lengths 512 --tag=-ablate-norms-prep
+      --attention-backend triton --batches 1,8 --decode-steps 16 --prefill-lengths 512 \\
+      --tag=-ablate-norms-prep
 """
 
 from __future__ import annotations

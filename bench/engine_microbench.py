@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_decode(engine, b, args.decode_prompt_tokens, args.decode_steps, sampling)
         decode.append(row)
         print(
-            f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, {row['output_tokens_per_s']:.0f} tok/s",
+            f"decode batch {b:3d}: ITL p50 {row['itl_p50_ms']:.2f} ms, "
+            f"{row['output_tokens_per_s']:.0f} tok/s",
             flush=True,
         )
     graphed = engine.runner.num_graph_steps > 0

@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_tokens(args, t, gate_up, down, text.hidden_activation)
         rows.append(row)
         print(
-            f"T={t:5d} fused {row['fused_graph_ms'] * 1e3:8.1f} us (graph) {row['fused_eager_ms'] * 1e3:8.1f} us "
-            f"(eager) | loop {row['reference_eager_ms'] * 1e3:8.1f} us | x{row['speedup_graph_vs_reference']:.1f}"
+            f"T={t:5d} fused {row['fused_graph_ms'] * 1e3:8.1f} us (graph) "
+            f"{row['fused_eager_ms'] * 1e3:8.1f} us (eager) | loop {row['reference_eager_ms'] * 1e3:8.1f} us "
+            f"| x{row['speedup_graph_vs_reference']:.1f}"
             + (f" | sweep best {row['sweep']['best_ms'] * 1e3:.1f} us" if args.sweep else ""),
             flush=True,
         )

@@ -198,7 +198,8 @@ def _host_busy_cpu_s() -> float | None:
 
 
 class OtherLoad:
-    """CPU time other processes took while a run was timed: on a shared machine, a sign the figures are off."""
+    """CPU time other processes took while a run was timed: on a shared machine, a sign the figures are
+    off."""
 
     def __enter__(self) -> Self:
         self.host0, self.own0, self.wall0 = _host_busy_cpu_s(), time.process_time(), time.perf_counter()
@@ -553,7 +554,8 @@ def print_summary(result: dict) -> None:
     print(f"  ITL p50/p95         {f['itl_p50_s'] * 1e3:.1f} / {f['itl_p95_s'] * 1e3:.1f} ms")
     if f["other_processes_cpu_ratio"] is not None:
         print(
-            f"  other processes used {f['other_processes_cpu_ratio']:.0%} of the host's CPU time during the run"
+            f"  other processes used {f['other_processes_cpu_ratio']:.0%} of the host's "
+            "CPU time during the run"
         )
     print(
         f"  steps {f['num_steps']}, preemptions {f['num_preemptions']}, "
@@ -562,7 +564,8 @@ def print_summary(result: dict) -> None:
     ref = result["reference"]
     if ref:
         print(
-            f"  reference (one at a time): {ref['output_tokens_per_s']:.1f} output tokens/s -> continuous batching "
+            f"  reference (one at a time): {ref['output_tokens_per_s']:.1f} output tokens/s "
+            "-> continuous batching "
             f"x{ref['speedup_output_tokens_per_s']:.2f}; identical tokens in "
             f"{ref['requests_with_identical_tokens']}/{result['parameters']['num_requests']} requests"
         )

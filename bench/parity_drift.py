@@ -1,9 +1,10 @@
 """Where do g4serve's logits and transformers' part ways on this CPU? A diagnostic for oracle drift.
 
-For every case of tests/models/test_gemma4_parity.py it prints and saves the largest logit difference
-against transformers' eager model, twice: with each modality's items encoded in one call, as transformers
-batches them (``encode_items``, what the test uses), and with one encoder call per item. The soft tokens of both encodings are compared with transformers' own. Then it compares
-the engine's batched encoder with per-item encoding on the tiny model (tests/engine's mixed prompts).
+For every case of tests/models/test_gemma4_parity.py it prints and saves the largest logit difference against
+transformers' eager model, twice: with each modality's items encoded in one call, as transformers batches them
+(``encode_items``, what the test uses), and with one encoder call per item. The soft tokens of both encodings
+are compared with transformers' own. Then it compares the engine's batched encoder with per-item encoding on
+the tiny model (tests/engine's mixed prompts).
 
     python bench/parity_drift.py --out drift.json
 
@@ -69,7 +70,8 @@ def our_logits(llm, processed, mm_embeds) -> torch.Tensor:
 
 
 def hf_soft_tokens(hf, kwargs: dict) -> torch.Tensor | None:
-    """transformers' own soft tokens for the prompt, in prompt order (images, videos, audio: one kind a case)."""
+    """transformers' own soft tokens for the prompt, in prompt order (images, videos, audio: one kind a
+    case)."""
     inner = hf.model
     if "pixel_values" in kwargs:
         out = inner.get_image_features(kwargs["pixel_values"], kwargs["image_position_ids"], return_dict=True)

@@ -6,11 +6,11 @@ text model of a preset's shapes, for `g4serve bench --base-url` to drive with th
         --no-ignore-eos --extra-body '{"generation_config": "{\\"min_new_tokens\\": 100000}"}' \\
         --label transformers-serve ...
 
-Everything that serves requests is transformers' own `transformers serve` code (`transformers.cli.serve.Serve`:
-its FastAPI app, chat-completions handler, chat template, streamer, and its sequential `generate` or
-continuous-batching manager), started with the flags given here. One thing differs from
-`transformers serve DIR`: instead of reading a 15 GB checkpoint back from disk, its model loader hands over
-the model built in memory (the same weight recipe as `bench/peer_transformers.py` and g4serve's presets:
+Everything that serves requests is transformers' own `transformers serve` code
+(`transformers.cli.serve.Serve`: its FastAPI app, chat-completions handler, chat template, streamer, and its
+sequential `generate` or continuous-batching manager), started with the flags given here. One thing differs
+from `transformers serve DIR`: instead of reading a 15 GB checkpoint back from disk, its model loader hands
+over the model built in memory (the same weight recipe as `bench/peer_transformers.py` and g4serve's presets:
 N(0, 0.02) matrices, ones for norms), so a device run spends no minute writing and reading weights.
 
 The tokenizer is g4serve's embedded tiny tokenizer (the one g4serve's presets serve with), padded with
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tokenizer-dir",
         default=None,
-        help="where to write the tokenizer; also the model name clients send (default /tmp/g4serve-peer-PRESET)",
+        help="where to write the tokenizer; also the model name clients send "
+        "(default /tmp/g4serve-peer-PRESET)",
     )
     p.add_argument(
         "--continuous-batching", action="store_true", help="transformers serve --continuous-batching"
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = build(args.preset, device, getattr(torch, args.dtype), args.seed)
     if args.attn_implementation:
         model.set_attn_implementation(args.attn_implementation)
-    # g4serve serves presets with its tiny tokenizer and maps EOS to its <eos> and <turn|> (engine._map_special_tokens).
+    # g4serve serves presets with its tiny tokenizer and maps EOS to its <eos> and <turn|>
+    # (engine._map_special_tokens).
     eos = [SPECIAL_TOKENS.index("<eos>"), SPECIAL_TOKENS.index("<turn|>")]
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = eos

@@ -16,11 +16,11 @@ forward) and cost no compilation, as does every prefill row (the prefill forward
 `torch.compile(mode="reduce-overhead")` (on transformers 5.17 that path fails: its static cache
 overwrites a CUDA-graph output).
 
-Rows run cheapest first: eager decode rows, prefill rows, then the compiled decode rows, one batch size
-at a time (each new batch size compiles anew: the 270 s device run of 2026-11-23 spent its last
-~100 s on batch 8 without finishing). A decode row's long and short calls use one static-cache
-size (`max_cache_len`), so they share one compiled graph; before, each compiled twice. `--time-budget-s` bounds the whole run: a row that would
-start after the budget is skipped, and a row still running when it ends is interrupted; both are listed
+Rows run cheapest first: eager decode rows, prefill rows, then the compiled decode rows, one batch size at a
+time (each new batch size compiles anew: the 270 s device run of 2026-11-23 spent its last ~100 s on batch 8
+without finishing). A decode row's long and short calls use one static-cache size (`max_cache_len`), so they
+share one compiled graph; before, each compiled twice. `--time-budget-s` bounds the whole run: a row that
+would start after the budget is skipped, and a row still running when it ends is interrupted; both are listed
 under `skipped`. The JSON is rewritten after every row, so a run cut short keeps what it measured.
 """
 
@@ -139,7 +139,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901 - benchmark main: its argparse options, the row closures sharing the run's state, three row loops
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="e4b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             "reps": args.reps,
             "time_budget_s": args.time_budget_s,
             "elapsed_s": time.perf_counter() - start,
-            # transformers compiles the decoding forward itself for static caches on CUDA: record whether it did
+            # transformers compiles the decoding forward itself for static caches on CUDA: record whether it
+            # did
             "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
             "decode": decode,
             "prefill": prefill,
@@ -300,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             decode.append(row)
             save()
             print(
-                f"decode batch {b:3d}: {row['itl_p50_ms']:.2f} ms/token ({row['row_s']:.0f} s with compilation)",
+                f"decode batch {b:3d}: {row['itl_p50_ms']:.2f} ms/token "
+                f"({row['row_s']:.0f} s with compilation)",
                 flush=True,
             )
     save()

@@ -1,8 +1,8 @@
 """Request preprocessing on the CPU: what a video (or image) request costs before it reaches the engine.
 
 Builds the benchmark's video request (``g4serve bench --workload video``: six 854x480 JPEG frames as data
-URLs, seeded), then times, median and minimum of ``--reps`` after warm-up: the whole path the server runs off the
-event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_prompt``), and its pieces
+URLs, seeded), then times, median and minimum of ``--reps`` after warm-up: the whole path the server runs off
+the event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_prompt``), and its pieces
 (decoding the frames serially and in the media pool, frames to HWC arrays, the resize to the patch budget
 as the processor runs it (frames side by side in the media pool) and in one call, the sampled frames'
 decoding and HWC conversion together in the pool, patchify and the content hash of the uint8 patches the

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     positions = item.data["position_ids"].to(device)
     soft_tokens = sum(e - s for s, e in item.spans)
     print(
-        f"{args.frames} frames {width}x{height} -> pixel_values {tuple(pixels.shape)}, {soft_tokens} soft tokens",
+        f"{args.frames} frames {width}x{height} -> pixel_values {tuple(pixels.shape)}, "
+        f"{soft_tokens} soft tokens",
         flush=True,
     )
 

@@ -1,5 +1,6 @@
-"""The command line: ``g4serve make-tiny`` writes checkpoints that g4serve and transformers both load (and agree
-on), ``g4serve generate`` prints a completion, and bad input exits non-zero with a message naming the problem."""
+"""The command line: ``g4serve make-tiny`` writes checkpoints that g4serve and transformers both load (and
+agree on), ``g4serve generate`` prints a completion, and bad input exits non-zero with a message naming the
+problem."""
 
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def test_make_tiny_rejects_an_unknown_variant(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-# ---- generate ------------------------------------------------------------------------------------------------
+# ---- generate ----------------------------------------------------------------------------------------------
 
 
 def test_generate_prints_the_completion(made, capsys):

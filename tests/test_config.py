@@ -179,7 +179,8 @@ def test_text_only_causal_lm_config(tmp_path, shared):
 
 
 def test_global_head_dim_spelling_is_accepted():
-    """Older transformers versions wrote global_head_dim / num_global_key_value_heads instead of per_layer_config."""
+    """Older transformers versions wrote global_head_dim / num_global_key_value_heads instead of
+    per_layer_config."""
     raw = preset("tiny").to_hf_dict()
     raw["text_config"].update(global_head_dim=48, num_global_key_value_heads=1, attention_k_eq_v=True)
     t = Gemma4Config.from_hf_dict(raw).text

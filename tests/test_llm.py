@@ -271,7 +271,7 @@ def test_sampling_params_defaults_and_normalisation():
     )
 
 
-# ---- seeds and n ---------------------------------------------------------------------------------------------
+# ---- seeds and n -------------------------------------------------------------------------------------------
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
@@ -313,13 +313,13 @@ def test_n_returns_n_completions(llm):
         assert [c.token_ids for c in res.outputs] == [expected, expected]
 
 
-# ---- stop conditions -----------------------------------------------------------------------------------------
+# ---- stop conditions ---------------------------------------------------------------------------------------
 
 
 def _prefix_texts(llm: LLM, token_ids: list[int]) -> list[str]:
-    """The text known to be final after each number of tokens. The streaming detokenizer holds back byte-fallback
-    runs (a later byte can still turn them into U+FFFD), so a stop string inside one is seen only when the run
-    ends."""
+    """The text known to be final after each number of tokens. The streaming detokenizer holds back
+    byte-fallback runs (a later byte can still turn them into U+FFFD), so a stop string inside one is seen
+    only when the run ends."""
     detok = IncrementalDetokenizer(llm.tokenizer, skip_special_tokens=True)
     texts = [""]
     for token in token_ids:
@@ -328,7 +328,8 @@ def _prefix_texts(llm: LLM, token_ids: list[int]) -> list[str]:
 
 
 def _find_stop(texts: list[str], across_tokens: bool) -> tuple[str, int, int]:
-    """A two-character ASCII stop string first occurring at ``pos`` of the final text, completed by token ``k``."""
+    """A two-character ASCII stop string first occurring at ``pos`` of the final text, completed by token
+    ``k``."""
     final = texts[-1]
     boundaries = {len(t) for t in texts}
     for pos in range(1, len(final) - 1):
@@ -421,7 +422,7 @@ def test_min_tokens_suppresses_eos(eos_llm):
     assert stop_id not in out.outputs[0].token_ids[:2]
 
 
-# ---- logprobs ------------------------------------------------------------------------------------------------
+# ---- logprobs ----------------------------------------------------------------------------------------------
 
 
 def test_logprobs_match_a_manual_log_softmax(llm):

@@ -263,30 +263,7 @@ class TextConfig:
             "text_config.per_layer_config",
             f"must be an object keyed by layer index, got {type(self.per_layer_config).__name__}",
         )
-        seen_layers: dict[int, Any] = {}
-        for key, override in (self.per_layer_config or {}).items():
-            field_name = f"text_config.per_layer_config[{key!r}]"
-            _require(
-                str(key).isdigit() and int(key) < self.num_hidden_layers,
-                field_name,
-                f"is not a layer index in [0, {self.num_hidden_layers})",
-            )
-            # "05" and "5" name the same layer; two overrides for one layer are ambiguous.
-            _require(
-                int(key) not in seen_layers,
-                field_name,
-                f"layer {int(key)} is also given as {seen_layers.get(int(key))!r}",
-            )
-            seen_layers[int(key)] = key
-            _require(
-                isinstance(override, dict) and set(override) <= {"head_dim", "num_key_value_heads"},
-                field_name,
-                f"may only override head_dim and num_key_value_heads, got {override!r}",
-            )
-            for name, value in override.items():
-                _require(
-                    _is_positive_int(value), f"{field_name}.{name}", f"must be a positive int, got {value!r}"
-                )
+        self._validate_per_layer_config()
         for i, t in enumerate(self.layer_types):
             _require(t in LAYER_TYPES, f"text_config.layer_types[{i}]", f"unknown layer type {t!r}")
         _require(
@@ -304,38 +281,8 @@ class TextConfig:
                 "text_config.num_kv_shared_layers",
                 "every layer type of the shared layers needs an earlier layer of that type producing K/V",
             )
-        for layer_type in set(self.layer_types):
-            _require(
-                layer_type in self.rope_parameters,
-                "text_config.rope_parameters",
-                f"missing entry for {layer_type}",
-            )
-            rope = self.rope_parameters[layer_type]
-            rope_type = rope.get("rope_type", "default")
-            _require(
-                rope_type in ("default", "proportional"),
-                f"text_config.rope_parameters.{layer_type}.rope_type",
-                f"unsupported rope type {rope_type!r} (expected 'default' or 'proportional')",
-            )
-            _require(
-                "rope_theta" in rope, f"text_config.rope_parameters.{layer_type}.rope_theta", "is required"
-            )
-            factor = rope.get("partial_rotary_factor", 1.0)
-            _require(
-                isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1,
-                f"text_config.rope_parameters.{layer_type}.partial_rotary_factor",
-                f"must be in (0, 1], got {factor!r}",
-            )
-        for i in range(self.num_hidden_layers):
-            kv_heads = self.layer_num_kv_heads(i)
-            _require(
-                self.num_attention_heads % kv_heads == 0,
-                "text_config.num_key_value_heads",
-                f"layer {i}: {self.num_attention_heads} query heads are not a multiple of {kv_heads} KV heads",
-            )
-            _require(
-                self.layer_head_dim(i) % 2 == 0, "text_config.head_dim", f"layer {i}: head dim must be even"
-            )
+        self._validate_rope_parameters()
+        self._validate_layer_heads()
         _require(
             self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"),
             "text_config.hidden_activation",
@@ -365,6 +312,74 @@ class TextConfig:
                 "text_config.vocab_size_per_layer_input",
                 "must be positive",
             )
+        self._validate_token_ids()
+
+    def _validate_per_layer_config(self) -> None:
+        seen_layers: dict[int, Any] = {}
+        for key, override in (self.per_layer_config or {}).items():
+            field_name = f"text_config.per_layer_config[{key!r}]"
+            _require(
+                str(key).isdigit() and int(key) < self.num_hidden_layers,
+                field_name,
+                f"is not a layer index in [0, {self.num_hidden_layers})",
+            )
+            # "05" and "5" name the same layer; two overrides for one layer are ambiguous.
+            _require(
+                int(key) not in seen_layers,
+                field_name,
+                f"layer {int(key)} is also given as {seen_layers.get(int(key))!r}",
+            )
+            seen_layers[int(key)] = key
+            _require(
+                isinstance(override, dict) and set(override) <= {"head_dim", "num_key_value_heads"},
+                field_name,
+                f"may only override head_dim and num_key_value_heads, got {override!r}",
+            )
+            for name, value in override.items():
+                _require(
+                    _is_positive_int(value), f"{field_name}.{name}", f"must be a positive int, got {value!r}"
+                )
+
+    def _validate_rope_parameters(self) -> None:
+        for layer_type in set(self.layer_types):
+            _require(
+                layer_type in self.rope_parameters,
+                "text_config.rope_parameters",
+                f"missing entry for {layer_type}",
+            )
+            rope = self.rope_parameters[layer_type]
+            rope_type = rope.get("rope_type", "default")
+            _require(
+                rope_type in ("default", "proportional"),
+                f"text_config.rope_parameters.{layer_type}.rope_type",
+                f"unsupported rope type {rope_type!r} (expected 'default' or 'proportional')",
+            )
+            _require(
+                "rope_theta" in rope, f"text_config.rope_parameters.{layer_type}.rope_theta", "is required"
+            )
+            factor = rope.get("partial_rotary_factor", 1.0)
+            _require(
+                isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1,
+                f"text_config.rope_parameters.{layer_type}.partial_rotary_factor",
+                f"must be in (0, 1], got {factor!r}",
+            )
+
+    def _validate_layer_heads(self) -> None:
+        for i in range(self.num_hidden_layers):
+            kv_heads = self.layer_num_kv_heads(i)
+            _require(
+                self.num_attention_heads % kv_heads == 0,
+                "text_config.num_key_value_heads",
+                (
+                    f"layer {i}: {self.num_attention_heads} query heads are not a multiple of "
+                    f"{kv_heads} KV heads"
+                ),
+            )
+            _require(
+                self.layer_head_dim(i) % 2 == 0, "text_config.head_dim", f"layer {i}: head dim must be even"
+            )
+
+    def _validate_token_ids(self) -> None:
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             if value is None and name == "bos_token_id":

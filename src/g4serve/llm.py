@@ -150,8 +150,8 @@ class LLM:
 
 
 def _check_device(device: str) -> None:
-    """Turn torch's device errors (a RuntimeError, or a CUDA init failure deep in the loader) into a ValueError
-    that names the option."""
+    """Turn torch's device errors (a RuntimeError, or a CUDA init failure deep in the loader) into a
+    ValueError that names the option."""
     if device == "auto":
         return
     try:

@@ -39,7 +39,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        # list("</s>") or list(5) would turn a wrong type into characters or a TypeError; name the field instead.
+        # list("</s>") or list(5) would turn a wrong type into characters or a TypeError; name the field
+        # instead.
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
             raise SamplingParamsError(
                 f"stop: must be a string or a list of strings, got {type(self.stop).__name__}"

@@ -75,7 +75,7 @@ def _pad(audio: np.ndarray, before_s: float = 0.5, after_s: float = 1.0) -> np.n
     )
 
 
-# ---- audio decoding -----------------------------------------------------------------------------------------
+# ---- audio decoding ----------------------------------------------------------------------------------------
 
 
 def _wav_bytes(
@@ -180,7 +180,7 @@ def test_pcm16_chunks():
         pcm16_bytes_to_float(b"\x00\x01\x02")
 
 
-# ---- vocabulary, LM, pronunciations -------------------------------------------------------------------------
+# ---- vocabulary, LM, pronunciations ------------------------------------------------------------------------
 
 
 def test_spoken_numbers_and_words():
@@ -307,7 +307,7 @@ def test_dictionary_has_names_cmudict_lacks(recognizer):
     assert recognizer.pronunciation("giraffe") is None  # out of the domain dictionary
 
 
-# ---- VAD ----------------------------------------------------------------------------------------------------
+# ---- VAD ---------------------------------------------------------------------------------------------------
 
 
 def test_vad_silence_and_noise_have_no_speech(vad):
@@ -342,7 +342,7 @@ def test_vad_finds_speech_whole_file_and_streaming(vad, synth):
     assert stream.feed(audio[:0]) == [] and stream.stream_s == 0.0
 
 
-# ---- recognition of synthesised speech: VAD -> ASR ----------------------------------------------------------
+# ---- recognition of synthesised speech: VAD -> ASR ---------------------------------------------------------
 
 CLEAR_UTTERANCES = [
     ("transfer fifty dollars to john smith", {"transfer", "fifty", "smith"}),

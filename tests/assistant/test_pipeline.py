@@ -1,5 +1,6 @@
 """The assistant pipeline without a model: fast-path turns with stage timings, confirmation across turns,
-clarifying questions instead of guesses, payee changes reaching the recogniser, streaming end-pointing, QnA."""
+clarifying questions instead of guesses, payee changes reaching the recogniser, streaming end-pointing,
+QnA."""
 
 from __future__ import annotations
 

@@ -328,7 +328,10 @@ def test_unsure_card_lock_asks_first(bank):
         (
             "show me my last 2 transactions",
             "recent_transactions",
-            "Your last 2 transactions: Pizza Place, $32.40 on May 2; Transfer from checking, plus $500.00 on May 1.",
+            (
+                "Your last 2 transactions: Pizza Place, $32.40 on May 2; "
+                "Transfer from checking, plus $500.00 on May 1."
+            ),
         ),
         (
             "is john smith one of my payees",

@@ -75,7 +75,7 @@ def _check_point(point: dict, *, output_tokens: int | None = None) -> None:
         assert point["mean_output_tokens"] == output_tokens  # ignore_eos holds the length
 
 
-# ---- end to end -----------------------------------------------------------------------------------------------
+# ---- end to end --------------------------------------------------------------------------------------------
 def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
     """Two rates against the server the bench starts itself; rate control, metrics, files, compare."""
     out = tmp_path / "a"
@@ -256,7 +256,8 @@ def test_offline_mode(tiny_model_dir, tmp_path):
 
 
 def test_extraction_grid(server, tmp_path):
-    """`bench grid`: 2 prompt sizes x 2 output lengths x schema off/on, 2 requests per cell, files and order."""
+    """`bench grid`: 2 prompt sizes x 2 output lengths x schema off/on, 2 requests per cell, files and
+    order."""
     pytest.importorskip("g4serve.structured")
     pytest.importorskip("xgrammar")
     rc = cli.main(
@@ -313,7 +314,7 @@ def test_extraction_grid(server, tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
-# ---- workloads ----------------------------------------------------------------------------------------------------
+# ---- workloads ---------------------------------------------------------------------------------------------
 def _post(server, body: dict) -> dict:
     resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -396,7 +397,7 @@ def test_extraction_schema_output_validates(server):
         assert result.output_tokens < 160  # the grammar ended it, ignore_eos or not
 
 
-# ---- units -------------------------------------------------------------------------------------------------------
+# ---- units -------------------------------------------------------------------------------------------------
 def test_parser_registers_bench_and_compare():
     parser = argparse.ArgumentParser(prog="g4serve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -543,8 +544,8 @@ def test_fake_peer_without_metrics_or_usage():
 
 
 def test_stream_without_done_ends_at_finish_reason():
-    """transformers serve sends no [DONE]: a stream whose last chunk carries finish_reason is complete; one that
-    just stops is not. --extra-body fields reach every request body."""
+    """transformers serve sends no [DONE]: a stream whose last chunk carries finish_reason is complete; one
+    that just stops is not. --extra-body fields reach every request body."""
     from g4serve.bench.workloads import request_bytes
 
     finished = [

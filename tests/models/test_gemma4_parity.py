@@ -38,7 +38,8 @@ def _audio(seconds: float, seed: int) -> np.ndarray:
 
 PROMPTS = {
     "text": (
-        "<|turn>user\nHow much money is in my savings account, and when was the last transfer?<turn|>\n<|turn>model\n",
+        "<|turn>user\nHow much money is in my savings account, and when was the last transfer?"
+        "<turn|>\n<|turn>model\n",
         {},
     ),
     "image": (

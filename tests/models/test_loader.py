@@ -143,7 +143,8 @@ def test_text_only_causal_lm_checkpoint(tmp_path, tiny_model_dir, tiny_weights, 
 def test_tied_lm_head_and_unused_shared_kv_tensors_are_ignored(
     tmp_path, tiny_model_dir, tiny_weights, tiny_fp32
 ):
-    """transformers may save lm_head.weight, and keeps K/V projections for KV-shared layers that never run them."""
+    """transformers may save lm_head.weight, and keeps K/V projections for KV-shared layers that never run
+    them."""
     cfg = tiny_fp32.cfg.text
     shared = cfg.first_kv_shared_layer
     assert f"language_model.layers.{shared}.self_attn.k_proj.weight" not in tiny_fp32.state_dict()

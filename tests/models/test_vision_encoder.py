@@ -101,7 +101,8 @@ def test_batch_invariance(batch):
 
 @torch.no_grad()
 def test_fixed_shape_variant_keeps_the_same_tokens(batch):
-    """``forward_padded`` (what the encoder CUDA graphs capture) holds ``forward``'s tokens at its used cells."""
+    """``forward_padded`` (what the encoder CUDA graphs capture) holds ``forward``'s tokens at its used
+    cells."""
     _, ours = _models("sdpa", standardize=True, use_clipped_linears=True)
     pixels, positions = batch["pixel_values"], batch["image_position_ids"]
     padded, used = ours.forward_padded(pixels, positions)

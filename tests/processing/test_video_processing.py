@@ -221,7 +221,8 @@ def test_bad_videos_raise(tmp_path):
 
 
 def test_pil_frames_match_the_same_frames_as_an_array():
-    """RGB PIL frames take the zero-copy path to HWC arrays; palette / alpha frames still convert like images."""
+    """RGB PIL frames take the zero-copy path to HWC arrays; palette / alpha frames still convert like
+    images."""
     frames = _frames(4, height=480, width=854)
     ours = preprocess_video(sample_video_frames([PIL.Image.fromarray(f) for f in frames], num_frames=4))
     _assert_same(ours, _reference_pixels(frames))
@@ -232,8 +233,8 @@ def test_pil_frames_match_the_same_frames_as_an_array():
 
 
 def test_channels_last_resize_gives_the_bytes_of_the_planar_resize():
-    """resize_to_patch_budget resizes a channels-last copy (the fast uint8 kernels); the bytes must be those of
-    torchvision's resize on planar input, which is what transformers runs."""
+    """resize_to_patch_budget resizes a channels-last copy (the fast uint8 kernels); the bytes must be those
+    of torchvision's resize on planar input, which is what transformers runs."""
     import torchvision.transforms.v2.functional as tvF
 
     from g4serve.processing.image import aspect_ratio_preserving_size, resize_to_patch_budget

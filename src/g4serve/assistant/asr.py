@@ -136,7 +136,7 @@ _LETTERS = {
 _VOWELS = set("aeiouy")
 
 
-def guess_pronunciation(word: str) -> str:
+def guess_pronunciation(word: str) -> str:  # noqa: C901 - letter-to-sound rules, one branch per rule in the order they apply
     """A letter-to-sound guess in the en-us model's phone set, for words the dictionary lacks.
 
     Rules, not a trained g2p (pocketsphinx 5 ships none): good enough for the recogniser to match a name
@@ -207,7 +207,7 @@ def dictionary_text(prons: dict[str, tuple[str, ...]]) -> str:
 # Language model and grammar
 
 
-def arpa_from_phrases(weighted_phrases: Iterable[tuple[str, float]], order: int = 3) -> str:
+def arpa_from_phrases(weighted_phrases: Iterable[tuple[str, float]], order: int = 3) -> str:  # noqa: C901 - one pass of the Witten-Bell estimator; splitting it would spread one formula over helpers
     """A backoff n-gram LM in ARPA format, Witten-Bell discounted, from weighted sentences.
 
     Witten-Bell because it needs no count-of-counts statistics (which a small synthetic corpus distorts)

@@ -65,7 +65,8 @@ def decode_wav(data: bytes, max_seconds: float = 30.0) -> np.ndarray:
         if chunk_id == b"fmt ":
             fmt = _parse_fmt(body)
         elif chunk_id == b"data":
-            # Streaming writers leave the size 0 or 0xFFFFFFFF; a truncated file ends early: take what is there.
+            # Streaming writers leave the size 0 or 0xFFFFFFFF; a truncated file ends early: take what is
+            # there.
             payload = data[pos + 8 :] if size in (0, 0xFFFFFFFF) else body
             break
         pos += 8 + size + (size & 1)  # chunks are word-aligned

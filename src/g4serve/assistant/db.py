@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS cards (
     network TEXT NOT NULL, last4 TEXT NOT NULL, locked INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS transactions (
     txn_id INTEGER PRIMARY KEY AUTOINCREMENT, account_id TEXT NOT NULL REFERENCES accounts,
-    posted_on TEXT NOT NULL, description TEXT NOT NULL, amount_minor INTEGER NOT NULL, currency TEXT NOT NULL);
+    posted_on TEXT NOT NULL, description TEXT NOT NULL, amount_minor INTEGER NOT NULL, \
+currency TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS transfers (
     transfer_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, payee_id TEXT NOT NULL REFERENCES payees,
     from_account_id TEXT NOT NULL REFERENCES accounts, amount_minor INTEGER NOT NULL CHECK (amount_minor > 0),
@@ -121,7 +122,8 @@ class BankDB:
         n = 0
         for p in payees:
             self._conn.execute(
-                "INSERT INTO payees (payee_id, display_name, relationship, kind, aliases) VALUES (?, ?, ?, ?, ?) "
+                "INSERT INTO payees (payee_id, display_name, relationship, kind, aliases) "
+                "VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (payee_id) DO UPDATE SET display_name = excluded.display_name, "
                 "relationship = excluded.relationship, kind = excluded.kind, aliases = excluded.aliases",
                 (p.payee_id, p.display_name, p.relationship, p.kind, ",".join(p.aliases)),
@@ -233,8 +235,9 @@ class BankDB:
                 raise ValueError(f"unknown payee {payee_id!r}")
             account = self._paying_account(currency, from_account_id)
             self._conn.execute(
-                "INSERT INTO transfers (transfer_id, session_id, payee_id, from_account_id, amount_minor, currency, "
-                "kind, status, scheduled_for, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
+                "INSERT INTO transfers (transfer_id, session_id, payee_id, from_account_id, amount_minor, "
+                "currency, kind, status, scheduled_for, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
                 (
                     transfer_id,
                     session_id,
@@ -314,7 +317,8 @@ class BankDB:
                         (t["amount_minor"], t["from_account_id"]),
                     )
                     self._conn.execute(
-                        "INSERT INTO transactions (account_id, posted_on, description, amount_minor, currency) "
+                        "INSERT INTO transactions "
+                        "(account_id, posted_on, description, amount_minor, currency) "
                         "VALUES (?, ?, ?, ?, ?)",
                         (
                             t["from_account_id"],
@@ -407,6 +411,20 @@ def _payee(row: sqlite3.Row, contact_names: tuple[str, ...]) -> Payee:
     return Payee(row["payee_id"], row["display_name"], row["relationship"], row["kind"], aliases)
 
 
+def _check_payees_header(path: Path, header: list[str]) -> None:
+    for col in header:
+        if col not in CSV_REQUIRED + CSV_OPTIONAL:
+            raise ValueError(
+                f"{path}: line 1, column {col!r}: unknown column "
+                f"(expected {', '.join(CSV_REQUIRED + CSV_OPTIONAL)})"
+            )
+    for col in CSV_REQUIRED:
+        if col not in header:
+            raise ValueError(f"{path}: line 1, column {col!r}: missing required column")
+    if len(set(header)) != len(header):
+        raise ValueError(f"{path}: line 1: duplicate column names")
+
+
 def _read_payees_csv(path: Path) -> list[Payee]:
     with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
@@ -414,17 +432,7 @@ def _read_payees_csv(path: Path) -> list[Payee]:
         if header is None:
             raise ValueError(f"{path}: line 1: empty file, expected header {','.join(CSV_REQUIRED)}")
         header = [h.strip().lower() for h in header]
-        for col in header:
-            if col not in CSV_REQUIRED + CSV_OPTIONAL:
-                raise ValueError(
-                    f"{path}: line 1, column {col!r}: unknown column "
-                    f"(expected {', '.join(CSV_REQUIRED + CSV_OPTIONAL)})"
-                )
-        for col in CSV_REQUIRED:
-            if col not in header:
-                raise ValueError(f"{path}: line 1, column {col!r}: missing required column")
-        if len(set(header)) != len(header):
-            raise ValueError(f"{path}: line 1: duplicate column names")
+        _check_payees_header(path, header)
         payees: list[Payee] = []
         seen: dict[str, int] = {}
         for fields in reader:

@@ -32,11 +32,13 @@ _MAX_AMOUNT_MINOR = 99_999_999_999  # 11 digits: a billion dollars is beyond any
 
 # The fixed part of the prompt: instructions, rules, the schema in words, and examples. It never changes
 # between calls, and the transcript and candidates come after it, so the engine's prefix cache serves it.
-EXTRACTION_SYSTEM = f"""You turn one utterance of a bank customer into a JSON object for the bank's voice assistant.
+EXTRACTION_SYSTEM = f"""You turn one utterance of a bank customer into a JSON object \
+for the bank's voice assistant.
 
 Rules:
 - intent is one of: {", ".join(INTENTS)}.
-- Amounts: amount_minor is the amount in minor units (cents): "fifty dollars" is 5000, "12.50 euros" is 1250. \
+- Amounts: amount_minor is the amount in minor units (cents): "fifty dollars" is 5000, \
+"12.50 euros" is 1250. \
 Use null when no amount was said. Never guess an amount.
 - currency is an ISO 4217 code ({", ".join(CURRENCIES)}) or null; dollars mean USD unless said otherwise.
 - recipient_candidate_id is the id (c1, c2, ...) of the listed candidate the customer means, or null when \
@@ -46,7 +48,8 @@ none matches or several match equally well. Choose only from the listed candidat
 - entities may hold payee_name (as said), date (YYYY-MM-DD), card (debit or credit) and account \
 (checking or savings); leave out what was not said.
 
-Output schema: {{"intent": str, "entities": {{"payee_name"?: str, "date"?: str, "card"?: str, "account"?: str}}, \
+Output schema: {{"intent": str, \
+"entities": {{"payee_name"?: str, "date"?: str, "card"?: str, "account"?: str}}, \
 "amount_minor": int|null, "currency": str|null, "recipient_candidate_id": str|null, \
 "needs_confirmation": bool, "ambiguity_reason": str|null}}
 
@@ -63,7 +66,8 @@ Transcript: can you take care of the power company thing
 Candidates:
 c1: City Electric (biller)
 Output: {{"intent": "bill_payment", "entities": {{"payee_name": "power company"}}, "amount_minor": null, \
-"currency": null, "recipient_candidate_id": "c1", "needs_confirmation": true, "ambiguity_reason": "no amount"}}
+"currency": null, "recipient_candidate_id": "c1", "needs_confirmation": true, \
+"ambiguity_reason": "no amount"}}
 
 Example 3
 Transcript: um my card is like gone I think

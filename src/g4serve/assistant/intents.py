@@ -130,7 +130,8 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             "lost_stolen",
             0.9,
             _rx(
-                r"\b(?:lost|stolen|stole|missing|misplaced|cant find)\b(?: \w+){0,4} (?:cards?|wallet|purse)\b|"
+                r"\b(?:lost|stolen|stole|missing|misplaced|cant find)\b(?: \w+){0,4} "
+                r"(?:cards?|wallet|purse)\b|"
                 r"\b(?:cards?|wallet|purse) (?:is |was |has been |got )?(?:lost|stolen|missing)\b"
             ),
         ),
@@ -362,7 +363,7 @@ class IntentClassifier:
         self.db = index.db
         self.threshold = threshold
 
-    def classify(self, normalized: Normalized) -> IntentResult:
+    def classify(self, normalized: Normalized) -> IntentResult:  # noqa: C901 - one scoring pass: pattern scores, payee lookup and ambiguity reasons share the turn's state
         text = normalized.text
         confirmation = confirmation_of(text)
         if confirmation is not None:
@@ -467,7 +468,8 @@ class IntentClassifier:
 
         money_words = any(scores[i] > 0 for i in MONEY_INTENTS)
         if nothing_matched and (normalized.money is not None or payee is not None):
-            # A bare "fifty dollars" or "to john smith": a transfer fragment (answers "how much?", "to whom?").
+            # A bare "fifty dollars" or "to john smith": a transfer fragment (answers "how much?", "to
+            # whom?").
             intent = "bill_payment" if payee is not None and payee.kind == "biller" else "transfer_money"
             add(intent, 0.6, "fragment")
             return

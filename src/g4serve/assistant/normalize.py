@@ -133,7 +133,10 @@ _CUR = "|".join(sorted(map(re.escape, _CURRENCY_NAMES), key=len, reverse=True))
 _MINOR = "|".join(sorted(_MINOR_NAMES, key=len, reverse=True))
 _SYM = "[$€£¥₹₩]"
 # Words after a number that make it something other than an amount: a date, a time, a count.
-_NOT_AMOUNT = r"(?:st|nd|rd|th|days?|weeks?|months?|years?|am|pm|oclock|%|percent|times|transactions?|payments?|purchases?|digits?)\b"
+_NOT_AMOUNT = (
+    r"(?:st|nd|rd|th|days?|weeks?|months?|years?|am|pm|oclock|%|percent|times|"
+    r"transactions?|payments?|purchases?|digits?)\b"
+)
 _MAX_MINOR = 10**15
 
 _MONEY_PATTERNS: list[tuple[str, re.Pattern]] = [
@@ -198,7 +201,8 @@ _CUE_DIGITS = re.compile(
     r"(?:account|card) (?:number )?(?:is )?)(?P<d>\d+(?: \d+)*)\b(?![.:])"
 )
 _SMALL_NUMBERS = re.compile(
-    rf"\b(zero|one|two)\b(?= (?:{_CUR}|{_MINOR}|hundred|thousand|grand|am|pm|oclock|days?|weeks?|transactions?|payments?|\d))"
+    rf"\b(zero|one|two)\b(?= (?:{_CUR}|{_MINOR}|hundred|thousand|grand|am|pm|oclock|"
+    r"days?|weeks?|transactions?|payments?|\d))"
 )
 _SMALL_VALUES = {"zero": "0", "one": "1", "two": "2"}
 _ARTICLE_NUMBER = re.compile(

@@ -196,7 +196,7 @@ class PayeeIndex:
                 _keep(best, _candidate(p, RELATIONSHIP_SCORE, False, p.relationship, q))
         return _top(best, k)
 
-    def find_in_utterance(self, text: str, k: int = 5) -> list[Candidate]:
+    def find_in_utterance(self, text: str, k: int = 5) -> list[Candidate]:  # noqa: C901 - span enumeration (segments x lengths x offsets x candidates) plus the relationship bonus
         """Candidates for the name said inside a sentence ("send 50 usd to jon smyth tomorrow").
 
         The sentence is cut into runs of words that are not request words, numbers or dates; every span

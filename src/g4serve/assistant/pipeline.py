@@ -209,7 +209,8 @@ class Assistant:
         self._audio_thread.shutdown(wait=False, cancel_futures=True)
 
     async def warmup(self, audio: bool = True) -> None:
-        """Load the VAD and ASR models (``audio``) and compile the extraction grammars before the first turn."""
+        """Load the VAD and ASR models (``audio``) and compile the extraction grammars before the first
+        turn."""
         if audio:
             recognizer = self.recognizer  # builds the vocabulary on this thread (it reads the database)
             silence = np.zeros(SAMPLE_RATE // 2, dtype=np.float32)
@@ -255,7 +256,7 @@ class Assistant:
         """A streaming utterance (for the WebSocket): feed PCM chunks, get VAD/partial events."""
         return Utterance(self.vad(), self.recognizer)
 
-    # ---- a turn ---------------------------------------------------------------------------------------------
+    # ---- a turn --------------------------------------------------------------------------------------------
     async def turn(
         self,
         session_id: str,
@@ -499,6 +500,15 @@ class Utterance:
     def in_speech(self) -> bool:
         return self._stream is not None
 
+    def _keep_preroll(self, pcm: np.ndarray) -> None:
+        """Keep the last ``_PREROLL_S`` seconds of audio before speech starts, for the recogniser."""
+        self._preroll.append(pcm)
+        self._preroll_samples += pcm.size
+        while (
+            self._preroll and self._preroll_samples - self._preroll[0].size >= self._PREROLL_S * SAMPLE_RATE
+        ):
+            self._preroll_samples -= self._preroll.popleft().size
+
     def feed(self, pcm: np.ndarray) -> list[dict]:
         """Events for the client: ``{"type": "vad", "event": ...}`` and ``{"type": "partial", "text": ...}``.
 
@@ -514,13 +524,7 @@ class Utterance:
         if self.clock is not None:
             self.clock.add("vad", (time.perf_counter() - t_vad) * 1000)
         if self._stream is None:
-            self._preroll.append(pcm)
-            self._preroll_samples += pcm.size
-            while (
-                self._preroll
-                and self._preroll_samples - self._preroll[0].size >= self._PREROLL_S * SAMPLE_RATE
-            ):
-                self._preroll_samples -= self._preroll.popleft().size
+            self._keep_preroll(pcm)
         for event in vad_events:
             events.append({"type": "vad", "event": event.kind, "t_s": round(event.t_s, 3)})
             if event.kind == "start" and self._stream is None:

@@ -233,7 +233,7 @@ class Policy:
             self.db.audit_many(session.session_id, rows)
             return decision
 
-    def _decide(self, session: SessionState, result: IntentResult, text: str, rows: list) -> Decision:
+    def _decide(self, session: SessionState, result: IntentResult, text: str, rows: list) -> Decision:  # noqa: C901 - the state machine of a pending action: expire, cancel, confirm, fill a slot, replace, abandon
         pending = session.pending
         confirm = confirmation_of(text)  # the literal words, never a model's reading of them
         expired = pending is not None and self.clock() - pending.created_at > self.confirm_ttl_s
@@ -560,7 +560,10 @@ class Policy:
         account = self._resolve_account(entities["account"]) if entities.get("account") else None
         if account is None:
             account = self.db.balance()
-        reply = f"Your {account['name']} balance is {format_money(account['balance_minor'], account['currency'])}."
+        reply = (
+            f"Your {account['name']} balance is "
+            f"{format_money(account['balance_minor'], account['currency'])}."
+        )
         return Decision("balance_inquiry", reply, False, False, None, {"type": "balance", **account})
 
     def _transactions(self, entities: dict) -> Decision:
@@ -767,7 +770,10 @@ class Policy:
 
     def _reminder(self, pending: PendingAction) -> str:
         if pending.awaiting == "confirmation":
-            return f"You still have a request waiting: {self._summary(pending)}. Say yes to confirm or no to cancel."
+            return (
+                f"You still have a request waiting: {self._summary(pending)}. "
+                "Say yes to confirm or no to cancel."
+            )
         return self._question(pending)
 
     # --- helpers --------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""QnA over the knowledge base: a small BM25 retriever and a streamed Gemma answer grounded in the top documents.
+"""QnA over the knowledge base: a small BM25 retriever and a streamed Gemma answer grounded in the top
+documents.
 
-Without an engine the answer is the best document's text (extractive), so the endpoint works with ``--no-llm``.
+Without an engine the answer is the best document's text (extractive), so the endpoint works with
+``--no-llm``.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def extractive_answer(hits: Sequence[Hit]) -> str:
 async def answer_events(
     question: str, index: KnowledgeIndex, engine=None, max_tokens: int = 96, k: int = 3
 ) -> AsyncIterator[dict]:
-    """Events of one streamed answer: ``documents``, then ``delta`` s of text, then ``done`` with stage timings (ms).
+    """Events of one streamed answer: ``documents``, then ``delta`` s of text, then ``done`` with stage
+    timings (ms).
 
     ``engine`` is an ``AsyncLLMEngine`` or None (extractive answer).
     """

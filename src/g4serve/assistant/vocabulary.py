@@ -1,5 +1,6 @@
 """The assistant's spoken domain: intent phrasings, spoken amounts and payee names, as the sentence corpus
-and slot templates that bias the speech recogniser (an n-gram LM or a grammar is built from them in asr.py)."""
+and slot templates that bias the speech recogniser (an n-gram LM or a grammar is built from them in
+asr.py)."""
 
 from __future__ import annotations
 
@@ -265,14 +266,16 @@ def spoken_amounts() -> list[str]:
 
 
 def spoken_words(text: str) -> list[str]:
-    """Lower-case ASCII word tokens as the recogniser's dictionary spells them ("García-López" -> garcia lopez)."""
+    """Lower-case ASCII word tokens as the recogniser's dictionary spells them ("García-López" -> garcia
+    lopez)."""
     ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
     return re.findall(r"[a-z]+(?:'[a-z]+)*", ascii_text.lower())
 
 
 @dataclass
 class DomainVocabulary:
-    """What users of the banking assistant say; rebuild with `build` (and a new version) when payees change."""
+    """What users of the banking assistant say; rebuild with `build` (and a new version) when payees
+    change."""
 
     phrases: list[str]  # the LM corpus: lower-case space-separated sentences
     payee_names: list[str]  # as given, for display and for callers that diff vocabularies

@@ -35,7 +35,7 @@ DEFAULT_RATES = "1,2,4"
 DEFAULT_CONCURRENCY = "1,2,4,8"
 
 
-# ---- argparse -------------------------------------------------------------------------------------------------
+# ---- argparse ----------------------------------------------------------------------------------------------
 def _floats(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -129,7 +129,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=_ints,
         default=None,
-        help=f"closed loop: concurrent requests per point instead of rates (offline default {DEFAULT_CONCURRENCY})",
+        help="closed loop: concurrent requests per point instead of rates "
+        f"(offline default {DEFAULT_CONCURRENCY})",
     )
     g.add_argument(
         "--duration",
@@ -241,7 +242,8 @@ def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """A stand-alone ``g4serve``-like parser holding only ``bench`` (tests, ``python -m g4serve.bench.cli``)."""
+    """A stand-alone ``g4serve``-like parser holding only ``bench``
+    (tests, ``python -m g4serve.bench.cli``)."""
     parser = argparse.ArgumentParser(prog="g4serve")
     add_bench_arguments(parser.add_subparsers(dest="command", required=True))
     return parser
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-# ---- compare --------------------------------------------------------------------------------------------------
+# ---- compare -----------------------------------------------------------------------------------------------
 def compare_command(args: argparse.Namespace) -> int:
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     written = report.compare(args.files, args.out, labels, plots=args.plots)
@@ -267,8 +269,8 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- run ----------------------------------------------------------------------------------------------------------
-def _check_args(args: argparse.Namespace) -> None:
+# ---- run ---------------------------------------------------------------------------------------------------
+def _check_args(args: argparse.Namespace) -> None:  # noqa: C901 - a flat list of independent argument checks and defaults, one guard each
     if args.workload is None:
         raise ValueError("--workload is required (text, video, image, audio, extraction, qna)")
     if args.out is None:
@@ -350,7 +352,8 @@ def _progress(point: dict[str, Any]) -> None:
     x = point.get("rate_qps", point.get("concurrency"))
     print(
         f"[bench] {point['mode']}={x}: {point['requests_completed']}/{point['requests_sent']} ok, "
-        f"{point['errors']} errors, TTFT p50 {_ms(point['ttft_p50_s'])} ms, ITL p50 {_ms(point['itl_p50_s'])} ms, "
+        f"{point['errors']} errors, TTFT p50 {_ms(point['ttft_p50_s'])} ms, "
+        f"ITL p50 {_ms(point['itl_p50_s'])} ms, "
         f"{point['output_tokens_per_s']:.1f} tok/s",
         file=sys.stderr,
         flush=True,
@@ -414,7 +417,7 @@ def command_line(args: argparse.Namespace) -> str:
     return getattr(args, "command_line", None) or shlex.join(["g4serve", *sys.argv[1:]])
 
 
-# ---- online -----------------------------------------------------------------------------------------------------
+# ---- online ------------------------------------------------------------------------------------------------
 @contextmanager
 def serving_target(args: argparse.Namespace) -> Iterator[tuple[str, str, bool]]:
     """(base URL, location, whether we started the server): ``--base-url`` as given, or a server started
@@ -556,7 +559,7 @@ async def _count_prompt_tokens(
     return int(json.loads(text)["usage"]["prompt_tokens"])
 
 
-# ---- offline ---------------------------------------------------------------------------------------------------
+# ---- offline -----------------------------------------------------------------------------------------------
 def _run_offline(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     from g4serve.engine.engine import LLMEngine
     from g4serve.server.launch import add_serve_arguments, engine_config_from_args
@@ -653,7 +656,7 @@ def _offline_preparer(engine, args: argparse.Namespace):
     return prepare
 
 
-# ---- own server --------------------------------------------------------------------------------------------------
+# ---- own server --------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

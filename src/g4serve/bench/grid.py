@@ -5,8 +5,9 @@ E2E and TTFT p95 against prompt size, one line per output length, solid without 
 
 Cells run in grid order (prompt size, then output length, then schema off before on); every cell sends
 ``--requests-per-cell`` requests of its own (no two cells share a request). The files are rewritten after
-every cell (``meta.complete`` is false until the last), so a run stopped by a time limit keeps its cells. The prompt's cost per word is
-measured once with the target's tokenizer (as ``g4serve bench`` does) and reused for every prompt size.
+every cell (``meta.complete`` is false until the last), so a run stopped by a time limit keeps its cells. The
+prompt's cost per word is measured once with the target's tokenizer (as ``g4serve bench`` does) and reused for
+every prompt size.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def _progress(p: dict[str, Any]) -> None:
 
     valid = "" if p["schema_valid_fraction"] is None else f", schema-valid {p['schema_valid_fraction']:.0%}"
     print(
-        f"[grid] prompt {p['prompt_tokens_target']} / out {p['max_tokens']} / schema {'on' if p['schema'] else 'off'}: "
+        f"[grid] prompt {p['prompt_tokens_target']} / out {p['max_tokens']} / "
+        f"schema {'on' if p['schema'] else 'off'}: "
         f"{p['requests_completed']}/{p['requests_sent']} ok, TTFT p50 {_ms(p['ttft_p50_s'])} ms, "
         f"E2E p95 {_ms(p['e2e_p95_s'])} ms{valid}",
         file=sys.stderr,
@@ -317,7 +319,7 @@ def _meta(
     }
 
 
-# ---- files ----------------------------------------------------------------------------------------------------
+# ---- files -------------------------------------------------------------------------------------------------
 def markdown_grid(result: dict[str, Any]) -> str:
     meta, cells = result["meta"], result["cells"]
     load = (
@@ -326,11 +328,15 @@ def markdown_grid(result: dict[str, Any]) -> str:
         else f"{meta['grid']['rate_qps']} QPS"
     )
     lines = [
-        f"# g4serve bench grid: {meta['label']} — extraction, {load}, {meta['grid']['requests_per_cell']} requests "
+        f"# g4serve bench grid: {meta['label']} — extraction, {load}, "
+        f"{meta['grid']['requests_per_cell']} requests "
         "per cell",
         "",
         f"- model: `{meta.get('model')}`; target: {meta.get('target')}",
-        f"- device: {meta.get('device')}; torch {meta.get('torch_version')}; python {meta.get('python_version')}",
+        (
+            f"- device: {meta.get('device')}; torch {meta.get('torch_version')}; "
+            f"python {meta.get('python_version')}"
+        ),
         f"- git: `{meta.get('git_commit')}`; date: {meta.get('date')}",
         f"- load: `{json.dumps(meta['load'])}`; calibration: `{json.dumps(meta['workload']['calibration'])}`",
         f"- command: `{meta.get('command')}`",

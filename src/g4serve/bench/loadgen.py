@@ -23,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-# Stage histograms whose mean g4serve's /metrics lets us split TTFT into (before the engine, queue, encoder, rest).
+# Stage histograms whose mean g4serve's /metrics lets us split TTFT into (before the engine, queue, encoder,
+# rest).
 SERVER_HISTOGRAMS = {
     "prepare": "g4serve_request_prepare_time_seconds",
     "preprocess": "g4serve_request_preprocess_time_seconds",
@@ -185,7 +186,7 @@ def make_http_client(kind: str = "auto", api_key: str | None = None, timeout_s: 
 
 
 # ---- one streamed request --------------------------------------------------------------------------------
-async def stream_chat(
+async def stream_chat(  # noqa: C901 - one pass over an SSE stream: [DONE], error, choices and usage chunks update one request's timings
     client, url: str, body: bytes, index: int, t0: float, scheduled_s: float | None
 ) -> RequestResult:
     """Send one streaming chat request now; time the chunks that carry content and read ``usage``.
@@ -391,7 +392,7 @@ async def run_rate_point(
     return PointRun(results, t0, send_window, time.perf_counter() - t0, timed_out)
 
 
-async def run_concurrency_point(
+async def run_concurrency_point(  # noqa: C901 - closed-loop driver: worker closure, send deadline and drain share one point's state
     client,
     url: str,
     build: Callable[[int], bytes],
@@ -526,8 +527,8 @@ def server_stage_split(
     return out
 
 
-# ---- offline: the engine without HTTP -------------------------------------------------------------------------
-def run_offline_point(
+# ---- offline: the engine without HTTP ----------------------------------------------------------------------
+def run_offline_point(  # noqa: C901 - the engine step loop with its send, drain-deadline and abort phases over one point's state
     engine,
     generate: Callable[[int], Any],
     prepare: Callable[[Any], tuple[Any, Any]],

@@ -33,7 +33,7 @@ MAX_FIRST_ERRORS = 5
 LATE_SEND_S = 0.05  # a send this late (open loop) is flagged in results.md
 
 
-# ---- statistics ---------------------------------------------------------------------------------------------
+# ---- statistics --------------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (``q`` in [0, 100]); None for no values."""
     if not len(values):
@@ -82,7 +82,8 @@ def _mean(values: Sequence[float]) -> float | None:
 def summarize_point(
     run: PointRun, load: dict[str, Any], server: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The metrics of one load point. ``load`` names the point (``mode``, ``rate_qps`` or ``concurrency``...)."""
+    """The metrics of one load point. ``load`` names the point (``mode``, ``rate_qps`` or
+    ``concurrency``...)."""
     results = run.results
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
@@ -164,7 +165,7 @@ def offline_stages(run: PointRun) -> dict[str, Any] | None:
     }
 
 
-# ---- files ---------------------------------------------------------------------------------------------------
+# ---- files -------------------------------------------------------------------------------------------------
 def x_key(points: Sequence[dict[str, Any]]) -> str:
     """``rate_qps`` for open-loop sweeps, ``concurrency`` for closed-loop ones."""
     return "concurrency" if points and points[0].get("mode") == "concurrency" else "rate_qps"
@@ -183,15 +184,19 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"# g4serve bench: {meta.get('label')} — {meta['workload']['name']}",
         "",
         f"- model: `{meta.get('model')}`; target: {meta.get('target')}",
-        f"- device: {meta.get('device')}; torch {meta.get('torch_version')}; python {meta.get('python_version')}",
+        (
+            f"- device: {meta.get('device')}; torch {meta.get('torch_version')}; "
+            f"python {meta.get('python_version')}"
+        ),
         f"- git: `{meta.get('git_commit')}`; date: {meta.get('date')}",
         f"- workload: `{json.dumps(meta['workload'])}`",
         f"- load: `{json.dumps(meta.get('load'))}`",
         f"- command: `{meta.get('command')}`",
         "",
         (
-            f"| {'QPS' if key == 'rate_qps' else 'conc.'} | sent | done | err | send QPS | TTFT p50/p95/p99 ms "
-            "| ITL p50/p95 ms | E2E p50/p95/p99 s | out tok/s | req/s | prompt tok | out tok "
+            f"| {'QPS' if key == 'rate_qps' else 'conc.'} | sent | done | err | send QPS "
+            "| TTFT p50/p95/p99 ms | ITL p50/p95 ms | E2E p50/p95/p99 s | out tok/s | req/s | prompt tok "
+            "| out tok "
             "| server prep / queue / enc / TTFT ms |"
         ),
         "|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---|",
@@ -211,9 +216,11 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"| {_fmt(p.get('achieved_send_rate_qps'), digits=2)} "
             f"| {_fmt(p['ttft_p50_s'], 1e3)} / {_fmt(p['ttft_p95_s'], 1e3)} / {_fmt(p['ttft_p99_s'], 1e3)} "
             f"| {_fmt(p['itl_p50_s'], 1e3)} / {_fmt(p['itl_p95_s'], 1e3)} "
-            f"| {_fmt(p['e2e_p50_s'], digits=3)} / {_fmt(p['e2e_p95_s'], digits=3)} / {_fmt(p['e2e_p99_s'], digits=3)} "
+            f"| {_fmt(p['e2e_p50_s'], digits=3)} / {_fmt(p['e2e_p95_s'], digits=3)} "
+            f"/ {_fmt(p['e2e_p99_s'], digits=3)} "
             f"| {_fmt(p['output_tokens_per_s'])} | {_fmt(p['requests_per_s'], digits=2)} "
-            f"| {_fmt(p['mean_prompt_tokens'], digits=0)} | {_fmt(p['mean_output_tokens'], digits=1)} | {split} |"
+            f"| {_fmt(p['mean_prompt_tokens'], digits=0)} | {_fmt(p['mean_output_tokens'], digits=1)} "
+            f"| {split} |"
         )
     late = [p for p in points if (p.get("send_lag_max_s") or 0) > LATE_SEND_S]
     if late:
@@ -318,7 +325,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-# ---- compare ----------------------------------------------------------------------------------------------------
+# ---- compare -----------------------------------------------------------------------------------------------
 COMPARE_METRICS = (  # key, header, scale, digits
     ("ttft_p50_s", "TTFT p50 ms", 1e3, 1),
     ("ttft_p95_s", "TTFT p95 ms", 1e3, 1),
@@ -337,7 +344,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def compare(
+def compare(  # noqa: C901 - one markdown table: input checks, header, and per-point rows with ratios to the baseline
     paths: Sequence[str | Path],
     out_dir: str | Path,
     labels: Sequence[str] | None = None,

@@ -79,8 +79,8 @@ COMMANDS = [
     "cancel the payment to {name} scheduled {when}",
 ]
 EXTRACTION_INSTRUCTIONS = (
-    "You are the command parser of a mobile banking assistant. Read the customer's saved payees, accounts and "
-    "recent activity below, then turn the customer's spoken command into one JSON object with the fields "
+    "You are the command parser of a mobile banking assistant. Read the customer's saved payees, accounts "
+    "and recent activity below, then turn the customer's spoken command into one JSON object with the fields "
     "intent (transfer, pay_bill, balance, schedule or cancel), amount, currency, payee, source_account and "
     "date. Use the context to resolve names and accounts. Answer with the JSON object only."
 )
@@ -448,7 +448,7 @@ class AudioWorkload(Workload):
         }
 
 
-# ---- banking extraction --------------------------------------------------------------------------------------
+# ---- banking extraction ------------------------------------------------------------------------------------
 def banking_command(rng: random.Random) -> str:
     account, account2 = rng.sample(ACCOUNTS, 2)
     amount = rng.choice([rng.randrange(5, 100), rng.randrange(100, 2000), round(rng.uniform(1, 500), 2)])
@@ -473,7 +473,10 @@ def banking_context(rng: random.Random, n_words: int) -> str:
                 f"{rng.randrange(1000, 10000)}"
             )
         elif kind < 0.4:
-            line = f"Account: {rng.choice(ACCOUNTS)}, balance {rng.randrange(0, 20000)}.{rng.randrange(100):02d} dollars"
+            line = (
+                f"Account: {rng.choice(ACCOUNTS)}, balance "
+                f"{rng.randrange(0, 20000)}.{rng.randrange(100):02d} dollars"
+            )
         else:
             verb = rng.choice(["card payment", "transfer to", "deposit from", "direct debit", "refund from"])
             other = rng.choice(
@@ -535,7 +538,7 @@ class ExtractionWorkload(Workload):
         }
 
 
-# ---- open questions ------------------------------------------------------------------------------------------
+# ---- open questions ----------------------------------------------------------------------------------------
 class QnAWorkload(Workload):
     """Open questions with long answers: ``output_tokens`` fixed, or uniform in [min_output, max_output]."""
 

@@ -330,7 +330,8 @@ class LLMEngine:
                 budget = 256 << 20  # CPU default: 256 MiB of KV cache
         if budget <= 0:
             raise MemoryError(
-                "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
+                "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens "
+                "or use a smaller model"
             )
         pools = [p for p in (SLIDING, FULL) if per_block[p]]
         bs = cfg.block_size
@@ -411,7 +412,8 @@ class LLMEngine:
             raise ValueError("prompt: is empty")
         if n_prompt >= self.max_model_len:
             raise ValueError(
-                f"prompt: {n_prompt} tokens leave no room to generate within max_model_len={self.max_model_len}"
+                f"prompt: {n_prompt} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
             )
         if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -478,13 +480,15 @@ class LLMEngine:
             return self._structured
 
     def _new_grammar(self, params: SamplingParams) -> StructuredMatcher | None:
-        """The request's grammar state; compile errors raise StructuredOutputError here, before it is queued."""
+        """The request's grammar state; compile errors raise StructuredOutputError here, before it is
+        queued."""
         spec = params.structured_output
         if spec is None:
             return None
         if not isinstance(spec, StructuredSpec):
             raise StructuredOutputError(
-                f"structured_output: expected a StructuredSpec (e.g. StructuredSpec.from_response_format(...)), "
+                "structured_output: expected a StructuredSpec "
+                "(e.g. StructuredSpec.from_response_format(...)), "
                 f"got {type(spec).__name__}"
             )
         return self.structured_backend.new_matcher(spec)
@@ -567,12 +571,7 @@ class LLMEngine:
             if self.config.overlap_encoder:
                 self._collect_encodes()
             batch = self.scheduler.schedule()
-            for request in batch.preempted:
-                self._pin_media(request)  # it will recompute from scratch
-            now = time.monotonic()
-            for request in batch.requests:
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = now
+            self._note_scheduled(batch)
             if batch.encoder_items:
                 self._encode(batch)
             current = self._launch(batch, previous) if batch.requests else None
@@ -587,14 +586,28 @@ class LLMEngine:
                 else:
                     outputs += self._complete(current)
         except BaseException:
-            # The requests of a launched step that was not read back are in an unknown state.
-            for step in (previous, current):
-                for request in step.batch.requests if step is not None else ():
-                    if request.status is not RequestStatus.FINISHED:
-                        self.abort_request(request.request_id)
+            self._abort_unread(previous, current)
             self._inflight = None
             raise
         return outputs
+
+    def _note_scheduled(self, batch: ScheduledBatch) -> None:
+        """Bookkeeping for a new schedule: preempted requests re-pin their media, first-time requests
+        record when they were first scheduled."""
+        for request in batch.preempted:
+            self._pin_media(request)  # it will recompute from scratch
+        now = time.monotonic()
+        for request in batch.requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+
+    def _abort_unread(self, *steps: InflightStep | None) -> None:
+        """Abort the unfinished requests of launched steps that were not read back: their state is
+        unknown."""
+        for step in steps:
+            for request in step.batch.requests if step is not None else ():
+                if request.status is not RequestStatus.FINISHED:
+                    self.abort_request(request.request_id)
 
     def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
         """Run the model and sample, without waiting for the device; the requests' computed tokens

@@ -201,8 +201,8 @@ class KVCacheManager:
         extra_keys: list[list[str]] | None = None,
         previous: bytes = b"",
     ) -> list[bytes]:
-        """Chained digests of each full block of ``token_ids`` (extra_keys[i]: media hashes overlapping block i),
-        continuing the chain after ``previous`` (the digest of the block before the first)."""
+        """Chained digests of each full block of ``token_ids`` (extra_keys[i]: media hashes overlapping
+        block i), continuing the chain after ``previous`` (the digest of the block before the first)."""
         out: list[bytes] = []
         prev = previous
         for i in range(len(token_ids) // block_size):

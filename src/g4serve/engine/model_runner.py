@@ -184,6 +184,24 @@ class ModelRunner:
                 rows = to_device(sampled_seqs, torch.long, self.device)
                 logits, greedy = logits[rows], greedy[rows]
             return StepResult(sampled, self._sample(sampled, logits, greedy))
+        return self._execute_eager(
+            batch, token_ids, computed, tables, spans, pending, mm_rows, mm_positions, keep, sampled
+        )
+
+    def _execute_eager(
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        computed: list[int],
+        tables: dict[str, list[list[int]]],
+        spans: list,
+        pending: PendingTokens | None,
+        mm_rows: list[torch.Tensor],
+        mm_positions: list[int],
+        keep: list[int],
+        sampled: list[Request],
+    ) -> StepResult:
+        """``execute``'s path without a CUDA graph: contiguous attention metadata and an eager forward."""
         meta = contiguous_metadata(
             computed, batch.num_new_tokens, tables, self.block_size, self.device, spans
         )

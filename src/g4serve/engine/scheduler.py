@@ -177,7 +177,13 @@ class Scheduler:
             # Could not fit even alone: preempt it (recompute later when memory frees up).
             self._preempt(request, batch)
 
-        # Waiting requests, admitted while budget, sequence slots and blocks last.
+        self._admit_waiting(batch, budget, encoder_budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, encoder_budget: list[int]) -> None:
+        """Waiting requests, admitted into ``batch`` while the token budget, sequence slots and blocks
+        last."""
+        cfg = self.config
         self.waiting.sort(key=self.priority)
         admitted = []
         for request in self.waiting:
@@ -211,4 +217,3 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        return batch

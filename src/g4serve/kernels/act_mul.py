@@ -1,4 +1,5 @@
-"""``act(a) * b`` in one pass (the gated MLP's GELU-tanh/SiLU gate, and the PLE gate), and its torch reference.
+"""``act(a) * b`` in one pass (the gated MLP's GELU-tanh/SiLU gate, and the PLE gate), and its torch
+reference.
 
 The activation's result is rounded to the input dtype before the product, as the unfused model rounds it.
 """

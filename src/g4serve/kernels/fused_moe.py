@@ -270,7 +270,8 @@ def _moe_gemm_fn(
 
     y = _round_to(acc, Out.dtype.element_ty)
     if GATED:
-        # as kernels/act_mul.py: 0.5 g (1 + tanh(z)) = g sigmoid(2z); the activation rounded before the product
+        # as kernels/act_mul.py: 0.5 g (1 + tanh(z)) = g sigmoid(2z); the activation rounded before the
+        # product
         if ACT == 0:
             z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
             g = y * tl.sigmoid(2.0 * z)

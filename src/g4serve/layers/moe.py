@@ -25,7 +25,8 @@ class MoERouter(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k]); softmax, top-k, renormalise, per-expert scale."""
+        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k]); softmax, top-k, renormalise, per-expert
+        scale."""
         x = rms_norm(x, None, self.eps) * self.scale * self.hidden**-0.5
         logits = self.proj(x)
         route = moe_route if logits.is_cuda else moe_route_reference

@@ -215,9 +215,9 @@ def load_audio(data: bytes | str | os.PathLike, target_sr: int = SAMPLING_RATE) 
     """Decode audio bytes or a file to float32 mono at `target_sr`.
 
     libsndfile (soundfile) first, as transformers' soundfile backend does (wav, flac, ogg/vorbis/opus, mp3);
-    anything it rejects (aac/m4a, webm, mp4 audio, ...) goes through PyAV/FFmpeg. Channels are averaged and the
-    result is resampled with `resample` (torchaudio's sinc algorithm; transformers uses soxr, so resampled
-    audio is close to, not identical with, transformers' loader).
+    anything it rejects (aac/m4a, webm, mp4 audio, ...) goes through PyAV/FFmpeg. Channels are averaged and
+    the result is resampled with `resample` (torchaudio's sinc algorithm; transformers uses soxr, so
+    resampled audio is close to, not identical with, transformers' loader).
     """
 
     def source() -> io.BytesIO | str:

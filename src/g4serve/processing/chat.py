@@ -92,6 +92,22 @@ def _url_value(url: str, where: str, allow_local_files: bool) -> Any:
     return LocalFile(path)
 
 
+def _content_part(part: Any, pwhere: str, media: MediaInputs, allow_local_files: bool) -> dict[str, Any]:
+    """One validated content part, template-ready; a media part's value is appended to ``media``."""
+    if not isinstance(part, dict):
+        raise ValueError(f"{pwhere}: must be an object")
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{pwhere}.text: must be a string")
+        return {"type": "text", "text": part["text"]}
+    if kind in _PART_MODALITY:
+        modality = _PART_MODALITY[kind]
+        getattr(media, modality).append(_media_value(part, kind, pwhere, allow_local_files))
+        return {"type": modality}
+    raise ValueError(f"{pwhere}.type: unsupported content type {kind!r}")
+
+
 def split_chat_messages(
     messages: list[dict[str, Any]], allow_local_files: bool = True
 ) -> tuple[list[dict[str, Any]], MediaInputs]:
@@ -115,21 +131,9 @@ def split_chat_messages(
             continue
         if not isinstance(content, list):
             raise ValueError(f"{where}.content: must be a string or a list of parts")
-        parts = []
-        for j, part in enumerate(content):
-            pwhere = f"{where}.content[{j}]"
-            if not isinstance(part, dict):
-                raise ValueError(f"{pwhere}: must be an object")
-            kind = part.get("type")
-            if kind == "text":
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"{pwhere}.text: must be a string")
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind in _PART_MODALITY:
-                modality = _PART_MODALITY[kind]
-                getattr(media, modality).append(_media_value(part, kind, pwhere, allow_local_files))
-                parts.append({"type": modality})
-            else:
-                raise ValueError(f"{pwhere}.type: unsupported content type {kind!r}")
+        parts = [
+            _content_part(part, f"{where}.content[{j}]", media, allow_local_files)
+            for j, part in enumerate(content)
+        ]
         out.append({**msg, "content": parts})
     return out, media

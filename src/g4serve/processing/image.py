@@ -36,7 +36,8 @@ def check_max_soft_tokens(max_soft_tokens: int) -> None:
 def aspect_ratio_preserving_size(
     height: int, width: int, patch_size: int, max_patches: int, pooling_kernel_size: int
 ) -> tuple[int, int]:
-    """Largest (h, w), both multiples of pooling_kernel_size * patch_size, that fit in `max_patches` patches."""
+    """Largest (h, w), both multiples of pooling_kernel_size * patch_size, that fit in `max_patches`
+    patches."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image must be non-empty, got {height}x{width}")
     target_px = max_patches * patch_size**2
@@ -54,7 +55,8 @@ def aspect_ratio_preserving_size(
         target_h, target_w = min(math.floor(height / width) * side, max_side), side
     if target_h * target_w > target_px:
         raise ValueError(
-            f"resizing {height}x{width} to {target_h}x{target_w} exceeds {max_patches} patches of size {patch_size}"
+            f"resizing {height}x{width} to {target_h}x{target_w} exceeds {max_patches} patches "
+            f"of size {patch_size}"
         )
     return target_h, target_w
 
@@ -71,7 +73,8 @@ def num_soft_tokens_for_size(
 
 
 def load_image(data: bytes) -> PIL.Image.Image:
-    """Decode image bytes the way transformers.image_utils.load_image does (EXIF transpose, convert("RGB"))."""
+    """Decode image bytes the way transformers.image_utils.load_image does (EXIF transpose,
+    convert("RGB"))."""
     try:
         image = PIL.Image.open(io.BytesIO(data))
         image.load()  # decode now so truncated/corrupt payloads fail here, not later
@@ -88,6 +91,14 @@ def _rgba_to_rgb(image: torch.Tensor) -> torch.Tensor:
     return tvF.to_dtype(image, torch.uint8, scale=True).movedim(-1, -3)
 
 
+def _pil_to_tensor(image: PIL.Image.Image) -> torch.Tensor:
+    """uint8 [3, H, W] RGB tensor of a PIL image of any mode (alpha composited over white)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        white = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = PIL.Image.alpha_composite(white, image.convert("RGBA"))
+    return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
 def image_to_tensor(image: ImageInput) -> torch.Tensor:
     """uint8 [3, H, W] RGB tensor, converted like TorchvisionBackend.process_image.
 
@@ -95,10 +106,7 @@ def image_to_tensor(image: ImageInput) -> torch.Tensor:
     torch tensors are CHW when the first dim is 1/3/4 (transformers' rule), else HWC.
     """
     if isinstance(image, PIL.Image.Image):
-        if "A" in image.getbands() or image.info.get("transparency") is not None:
-            white = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
-            image = PIL.Image.alpha_composite(white, image.convert("RGBA"))
-        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+        return _pil_to_tensor(image)
     if isinstance(image, np.ndarray):
         if image.ndim == 3:
             image = np.moveaxis(image, -1, 0)

@@ -276,7 +276,8 @@ class Gemma4Processor:
         for modality, used in counters.items():
             if used != len(expansions[modality]):
                 raise ValueError(
-                    f"multi_modal_data.{modality}: {len(expansions[modality])} input(s) but {used} placeholder(s)"
+                    f"multi_modal_data.{modality}: {len(expansions[modality])} input(s) "
+                    f"but {used} placeholder(s)"
                 )
         return out
 

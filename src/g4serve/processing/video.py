@@ -67,7 +67,8 @@ def _open(source: str | os.PathLike | bytes) -> av.container.InputContainer:
 
 
 def _decode(source: str | os.PathLike | bytes, wanted: set[int] | None) -> tuple[dict[int, np.ndarray], int]:
-    """Decode the first video stream in order; RGB arrays for `wanted` indices, plus the number of frames seen."""
+    """Decode the first video stream in order; RGB arrays for `wanted` indices, plus the number of frames
+    seen."""
     picked: dict[int, np.ndarray] = {}
     count = 0
     last = max(wanted) if wanted else -1
@@ -99,7 +100,8 @@ def _probe(source: str | os.PathLike | bytes) -> tuple[int, float | None]:
 
 
 def load_video(source: str | os.PathLike | bytes, num_frames: int = DEFAULT_NUM_FRAMES) -> VideoFrames:
-    """Decode a video file (path or raw bytes: mp4, webm, ...) and sample frames like transformers' PyAV loader."""
+    """Decode a video file (path or raw bytes: mp4, webm, ...) and sample frames like transformers' PyAV
+    loader."""
     total, fps = _probe(source)
     if total <= 0:
         # Containers such as webm carry no frame count: count by decoding (transformers fails here).
@@ -152,8 +154,8 @@ def preprocess_video(
     pooling_kernel_size: int = 3,
     rescale: bool = True,
 ) -> VideoFeatures:
-    """Gemma4VideoProcessor._preprocess on already-sampled frames (raw frames count as frames 0..F-1 at 24 fps).
-    ``rescale=False``: uint8 patches, as ``preprocess_images``."""
+    """Gemma4VideoProcessor._preprocess on already-sampled frames (raw frames count as frames 0..F-1 at
+    24 fps). ``rescale=False``: uint8 patches, as ``preprocess_images``."""
     check_max_soft_tokens(max_soft_tokens)
     if not isinstance(video, VideoFrames):
         video = sample_video_frames(video, num_frames=len(video) or 1)

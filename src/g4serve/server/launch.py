@@ -16,7 +16,8 @@ MODALITIES = ("image", "video", "audio")
 
 
 def parse_mm_limits(text: str) -> dict[str, int]:
-    """``'{"image": 2, "audio": 1}'`` (vLLM's JSON form) or ``image=2,audio=1``; unnamed modalities keep defaults."""
+    """``'{"image": 2, "audio": 1}'`` (vLLM's JSON form) or ``image=2,audio=1``; unnamed modalities keep
+    defaults."""
     text = text.strip()
     try:
         raw = (

@@ -212,8 +212,8 @@ class ServerMetrics:
         finish_reason: str | None,
         received: float | None = None,
     ) -> None:
-        """A finished engine request; ``received``: when its HTTP request reached the handler (monotonic clock,
-        as the engine's arrival time), for the time spent before the engine."""
+        """A finished engine request; ``received``: when its HTTP request reached the handler (monotonic
+        clock, as the engine's arrival time), for the time spent before the engine."""
         self._finished.labels(self._model_name, finish_reason or "unknown").inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)

@@ -151,7 +151,8 @@ class StructuredMatcher:
         suits JSON; where it finds no way out (some regexes and grammars) the model keeps the choice."""
         if self._check_below is None:
             first = self._closing_path(min(budget, MAX_CLOSING_PLAN))
-            # No greedy way out of this grammar (e.g. a regex the greedy walk loops in): leave it to the model.
+            # No greedy way out of this grammar (e.g. a regex the greedy walk loops in): leave it to the
+            # model.
             self._check_below = CLOSE_WINDOW + len(first) if first is not None else 0
         if budget > self._check_below:
             return None

@@ -71,7 +71,8 @@ class AllowedTokenMasks:
         """``[B, V]`` bool mask for rows with a matcher (other rows all True), or None if no row has one.
         ``allow_stop[i]`` False withholds stop tokens from row i while its grammar allows anything else
         (min_tokens, ignore_eos). ``budgets[i]`` is how many tokens row i may still produce (this one
-        included): near the end the grammar is steered to close in time (``StructuredMatcher.forced_token``)."""
+        included): near the end the grammar is steered to close in time
+        (``StructuredMatcher.forced_token``)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
@@ -106,5 +107,6 @@ def build_allowed_mask(
     allow_stop: Sequence[bool] | None = None,
     budgets: Sequence[int] | None = None,
 ) -> torch.Tensor | None:
-    """One-off form of ``AllowedTokenMasks``: ``[B, V]`` bool allowed tokens, or None if no row is constrained."""
+    """One-off form of ``AllowedTokenMasks``: ``[B, V]`` bool allowed tokens, or None if no row is
+    constrained."""
     return AllowedTokenMasks(vocab_size, device)(matchers, allow_stop, budgets)

@@ -168,7 +168,7 @@ class StructuredSpec:
         return spec
 
     @classmethod
-    def from_response_format(cls, response_format: Mapping[str, Any] | None) -> StructuredSpec | None:
+    def from_response_format(cls, response_format: Mapping[str, Any] | None) -> StructuredSpec | None:  # noqa: C901 - validates the envelope, then one dispatch branch per response_format.type
         """Parse OpenAI's ``response_format``: ``{"type": "text"}`` (None), ``{"type": "json_object"}``,
         ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``; and the
         extensions ``{"type": "regex", "regex": ...}``, ``{"type": "choice", "choice": [...]}`` and
@@ -208,7 +208,12 @@ class StructuredSpec:
             return cls.choice(response_format["choice"])
         if kind == "grammar":
             return cls.grammar(response_format["grammar"])
-        js = response_format["json_schema"]
+        return cls._from_json_schema_format(response_format["json_schema"])
+
+    @classmethod
+    def _from_json_schema_format(cls, js: Any) -> StructuredSpec:
+        """``response_format.json_schema``: ``{"name": ..., "description": ..., "schema": {...},
+        "strict": ...}``."""
         if not isinstance(js, Mapping):
             raise StructuredOutputError(
                 f"response_format.json_schema: must be an object, got {_type_name(js)}"

@@ -110,12 +110,9 @@ def local_name(hf_name: str) -> str | None:
     return hf_name
 
 
-def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | None = None) -> None:
-    model_dir = Path(model_dir)
-    files = _checkpoint_index(model_dir)
-    params = dict(model.state_dict(keep_vars=True))
-    first_shared = model.cfg.text.first_kv_shared_layer
-    skipped_towers = tuple(
+def _skipped_towers(model: Gemma4Model) -> tuple[str, ...]:
+    """Name prefixes of the towers this model was built without; their checkpoint tensors are ignored."""
+    return tuple(
         prefix
         for prefix, module in (
             ("vision_tower.", model.vision_tower),
@@ -125,6 +122,15 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
         )
         if module is None
     )
+
+
+def _tensors_by_file(
+    model: Gemma4Model, model_dir: Path, files: dict[str, Path], params: dict[str, torch.Tensor]
+) -> dict[Path, list[tuple[str, str]]]:
+    """The checkpoint tensors to load, as (checkpoint name, parameter name) per file; tensors of absent
+    towers and unused KV-shared projections are skipped, any other tensor the model lacks is an error."""
+    first_shared = model.cfg.text.first_kv_shared_layer
+    skipped_towers = _skipped_towers(model)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     unexpected = []
     for hf_name, path in files.items():
@@ -140,6 +146,14 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
         by_file.setdefault(path, []).append((hf_name, name))
     if unexpected:
         raise CheckpointError(f"{model_dir}: unexpected tensors not in this model: {_names(unexpected)}")
+    return by_file
+
+
+def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | None = None) -> None:
+    model_dir = Path(model_dir)
+    files = _checkpoint_index(model_dir)
+    params = dict(model.state_dict(keep_vars=True))
+    by_file = _tensors_by_file(model, model_dir, files, params)
     loaded: set[str] = set()
     total = sum(len(v) for v in by_file.values())
     show = sys.stderr.isatty() if progress is None else progress
@@ -154,20 +168,7 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
                                 f"{path.name}: does not contain tensor {hf_name}, which "
                                 "model.safetensors.index.json places there"
                             )
-                        tensor = f.get_tensor(hf_name)
-                        target = params[name]
-                        if tuple(tensor.shape) != tuple(target.shape):
-                            raise CheckpointError(
-                                f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                                f"expected {tuple(target.shape)}"
-                            )
-                        if target.is_floating_point() and not tensor.is_floating_point():
-                            # copy_ would silently turn integer or bool data into weights.
-                            raise CheckpointError(
-                                f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}, expected a floating-point tensor"
-                            )
-                        with torch.no_grad():
-                            target.copy_(tensor)
+                        _copy_checked(path, hf_name, f.get_tensor(hf_name), params[name])
                         loaded.add(name)
                         bar.update(1)
             except (SafetensorError, OSError) as exc:
@@ -175,6 +176,21 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensors: {_names(missing)}")
+
+
+def _copy_checked(path: Path, hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy checkpoint tensor ``hf_name`` of file ``path`` into ``target`` after checking shape and dtype."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    if target.is_floating_point() and not tensor.is_floating_point():
+        # copy_ would silently turn integer or bool data into weights.
+        raise CheckpointError(
+            f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}, expected a floating-point tensor"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
 
 
 def _names(names: list[str], limit: int = 8) -> str:

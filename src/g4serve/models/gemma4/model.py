@@ -50,7 +50,8 @@ class Gemma4Model(nn.Module):
 
     def prepare_fast_path(self) -> None:
         """Accelerator weight layout, once after loading: stacked decoder projections, and no clamps in the
-        towers' linears whose bounds are all infinite. The CPU reference path keeps the checkpoint's layout."""
+        towers' linears whose bounds are all infinite. The CPU reference path keeps the checkpoint's
+        layout."""
         from g4serve.models.gemma4.multimodal import ClippableLinear
 
         self.language_model.fuse_projections()
@@ -130,7 +131,8 @@ class Gemma4Model(nn.Module):
         elif mm_embeds is not None and mm_embeds.shape[0]:
             if int(is_mm.sum()) != mm_embeds.shape[0]:
                 raise ValueError(
-                    f"{int(is_mm.sum())} multimodal placeholder tokens but {mm_embeds.shape[0]} soft tokens given"
+                    f"{int(is_mm.sum())} multimodal placeholder tokens but "
+                    f"{mm_embeds.shape[0]} soft tokens given"
                 )
             embeds = embeds.masked_scatter(is_mm.unsqueeze(-1), mm_embeds.to(embeds.dtype))
         return lm(embeds, text_ids, meta, backend, keep_indices, kept_meta)

@@ -105,7 +105,8 @@ class VisionEncoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (h, ``next_norm(h)``). ``normed``: this layer's ``input_layernorm(h)`` when the previous layer
         computed it in its last residual add (one pass over h instead of two)."""
-        # h = h + post_attention_layernorm(attn); x = pre_feedforward_layernorm(h); h = h + post_ff_norm(mlp(x))
+        # h = h + post_attention_layernorm(attn); x = pre_feedforward_layernorm(h);
+        # h = h + post_ff_norm(mlp(x))
         attn = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, attend)
         h, x = add_rms_norm(
             attn, self.post_attention_layernorm, residual=h, next_norm=self.pre_feedforward_layernorm
@@ -130,7 +131,8 @@ class VisionEncoder(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, is_valid: torch.Tensor | None
     ) -> torch.Tensor:
-        """``is_valid`` [B, N]: the real patches; None: all are (no mask, so SDPA may take its flash kernel)."""
+        """``is_valid`` [B, N]: the real patches; None: all are (no mask, so SDPA may take its flash
+        kernel)."""
         cos, sin = vision_cos_sin(positions, self.inv_freq, h.dtype)
         # Bidirectional attention; every query (padding ones too) sees only the image's real patches.
         attend = is_valid[:, None, None, :] if is_valid is not None else None
