@@ -63,7 +63,7 @@ def _no_reduce() -> None:
 
 
 def _no_attention() -> None:
-    from g4serve.kernels.backend import TritonAttention
+    from g4serve.layers.attention import TritonAttention
 
     TritonAttention.attend = lambda self, layer_idx, q, k, v, meta: q
 

@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from g4serve.bench import cli, loadgen, report  # noqa: E402 - after the importorskips
+from g4serve.bench import cli, common, loadgen, report  # noqa: E402 - after the importorskips
 from g4serve.bench.workloads import WORKLOADS, make_workload  # noqa: E402
 
 REQUIRED_POINT_FIELDS = (
@@ -56,7 +56,7 @@ def _serve_args(model_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    running = cli.InProcessServer([*_serve_args(tiny_model_dir), "--served-model-name", "tiny"])
+    running = common.InProcessServer([*_serve_args(tiny_model_dir), "--served-model-name", "tiny"])
     yield running
     running.stop()
 

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
-from g4serve.bench import cli
+from g4serve.bench import cli, common
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 MIN_NEW_TOKENS = json.dumps({"generation_config": json.dumps({"min_new_tokens": 100_000})})
@@ -53,7 +53,7 @@ def test_peer_tokenizer_is_the_tiny_one_padded(tmp_path):
 def test_transformers_serve_peer_under_the_bench(tmp_path):
     for name in ("fastapi", "uvicorn", "openai", "typer"):
         pytest.importorskip(name)
-    port = cli.free_port()
+    port = common.free_port()
     tokenizer_dir = tmp_path / "peer-tiny"
     proc = subprocess.Popen(
         [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.kernels.backend import TritonAttention
+from g4serve.layers.attention import TritonAttention
 from g4serve.sampling_params import SamplingParams
 
 

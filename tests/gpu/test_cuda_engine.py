@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.engine.kv_cache import PagedKVCache
+from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.processing.image import rescale_pixels
 from g4serve.sampling_params import SamplingParams
 

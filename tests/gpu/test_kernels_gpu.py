@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from g4serve.config import FULL, SLIDING, TextConfig
-from g4serve.kernels.backend import TritonAttention
+from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.kernels.kv_cache_write import kv_cache_write, kv_cache_write_reference
 from g4serve.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from g4serve.kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.layers.attention import TorchAttention, TritonAttention, contiguous_metadata
 
 pytestmark = pytest.mark.gpu
 

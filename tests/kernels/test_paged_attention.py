@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from g4serve.config import FULL, SLIDING, TextConfig
-from g4serve.kernels.backend import TritonAttention
+from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.kernels.kv_cache_write import kv_cache_write, kv_cache_write_reference
 from g4serve.kernels.paged_decode import decode_num_splits, paged_decode_attention, paged_decode_reference
 from g4serve.kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.layers.attention import TorchAttention, TritonAttention, contiguous_metadata
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 

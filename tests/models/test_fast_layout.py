@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.engine.kv_cache import PagedKVCache
+from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.models.gemma4.loader import load_model
 
 

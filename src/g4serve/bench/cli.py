@@ -3,7 +3,8 @@
 ``add_bench_arguments(subparsers)`` registers both on the top-level ``g4serve`` parser. Without
 ``--base-url`` the run starts its own g4serve on a free port (a ``g4serve serve`` subprocess, or uvicorn
 in a thread of this process with ``--in-process-server``) and stops it at the end; ``--offline`` drives
-``LLMEngine`` with no HTTP at all.
+``LLMEngine`` with no HTTP at all. What ``bench grid`` (``grid.py``) shares with it (argument groups,
+the target server, the probes, the run environment) is in ``common.py``.
 """
 
 from __future__ import annotations
@@ -12,23 +13,27 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
-import socket
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from g4serve.bench import loadgen, report
-from g4serve.bench.meta import device_name, git_commit
+from g4serve.bench.common import (
+    add_request_arguments,
+    add_target_arguments,
+    count_prompt_tokens,
+    floats,
+    ints,
+    ms,
+    run_environment,
+    served_model,
+    serving_target,
+)
+from g4serve.bench.grid import add_grid_arguments
+from g4serve.bench.meta import device_name
 from g4serve.bench.workloads import WORKLOADS, Workload, make_workload, request_bytes
 
 DEFAULT_RATES = "1,2,4"
@@ -36,38 +41,11 @@ DEFAULT_CONCURRENCY = "1,2,4,8"
 
 
 # ---- argparse ----------------------------------------------------------------------------------------------
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def _ints(text: str) -> list[int]:
-    values = _floats(text)
-    if any(v != int(v) for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return [int(v) for v in values]
-
-
 def _seconds_range(text: str) -> tuple[float, float]:
-    values = _floats(text)
+    values = floats(text)
     if len(values) not in (1, 2):
         raise argparse.ArgumentTypeError(f"expected MIN,MAX seconds, got {text!r}")
     return (values[0], values[-1])
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,7 +93,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
     g.add_argument(
         "--rates",
-        type=_floats,
+        type=floats,
         default=None,
         help=f"open-loop request rates in QPS (default {DEFAULT_RATES})",
     )
@@ -127,7 +105,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--concurrency",
-        type=_ints,
+        type=ints,
         default=None,
         help="closed loop: concurrent requests per point instead of rates "
         f"(offline default {DEFAULT_CONCURRENCY})",
@@ -165,54 +143,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plots", dest="plots", action="store_false")
 
 
-def add_request_arguments(g) -> None:
-    """How each request is sent (shared by ``bench`` and ``bench grid``)."""
-    g.add_argument(
-        "--request-timeout", type=float, default=600.0, help="per-request HTTP timeout (default 600)"
-    )
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument(
-        "--no-ignore-eos",
-        dest="ignore_eos",
-        action="store_false",
-        help="do not send ignore_eos (for peers that reject it; output lengths then vary)",
-    )
-    g.add_argument(
-        "--skip-special-tokens",
-        action="store_true",
-        help="with ignore_eos, leave skip_special_tokens at the server's default (true): special tokens "
-        "generated past the natural end then stream no chunk (default: send false)",
-    )
-
-
-def add_target_arguments(g) -> None:
-    """Which server receives the requests (shared by ``bench`` and ``bench grid``)."""
-    g.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start a g4serve)")
-    g.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument(
-        "--extra-body",
-        type=_json_object,
-        default=None,
-        help="a JSON object whose fields are added to every request body (a peer's own extensions, "
-        "e.g. transformers serve's generation_config)",
-    )
-    g.add_argument(
-        "--serve-args",
-        default="",
-        help="flags for the g4serve this run starts (or for the engine with --offline), as for "
-        '`g4serve serve`, e.g. "--preset e4b --max-num-seqs 128"',
-    )
-    g.add_argument(
-        "--in-process-server",
-        action="store_true",
-        help="run the own server on uvicorn in a thread of this process (starts faster, but it shares "
-        "the GIL with the load generator, which skews latencies; default: a `g4serve serve` "
-        "subprocess)",
-    )
-    g.add_argument("--http-client", choices=["auto", "aiohttp", "httpx"], default="auto")
-
-
 def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
     """Register ``bench`` (and its ``compare`` and ``grid`` sub-modes) on the ``g4serve`` subparsers."""
     p = subparsers.add_parser(
@@ -235,8 +165,6 @@ def add_bench_arguments(subparsers) -> argparse.ArgumentParser:
     )
     c.add_argument("--no-plots", dest="plots", action="store_false")
     c.set_defaults(func=compare_command)
-    from g4serve.bench.grid import add_grid_arguments
-
     add_grid_arguments(sub)
     return p
 
@@ -291,9 +219,9 @@ def _check_args(args: argparse.Namespace) -> None:  # noqa: C901 - a flat list o
         args.duration = 30.0
     if args.concurrency is None and (args.offline or args.rates is None):
         if args.offline:
-            args.concurrency = _ints(DEFAULT_CONCURRENCY)
+            args.concurrency = ints(DEFAULT_CONCURRENCY)
         else:
-            args.rates = _floats(DEFAULT_RATES)
+            args.rates = floats(DEFAULT_RATES)
     if args.warmup < 0:
         raise ValueError("--warmup: must be >= 0")
 
@@ -344,16 +272,12 @@ def _point_load(args: argparse.Namespace, value: float, mode: str) -> dict[str, 
     return {"mode": "concurrency", "concurrency": int(value)}
 
 
-def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
 def _progress(point: dict[str, Any]) -> None:
     x = point.get("rate_qps", point.get("concurrency"))
     print(
         f"[bench] {point['mode']}={x}: {point['requests_completed']}/{point['requests_sent']} ok, "
-        f"{point['errors']} errors, TTFT p50 {_ms(point['ttft_p50_s'])} ms, "
-        f"ITL p50 {_ms(point['itl_p50_s'])} ms, "
+        f"{point['errors']} errors, TTFT p50 {ms(point['ttft_p50_s'])} ms, "
+        f"ITL p50 {ms(point['itl_p50_s'])} ms, "
         f"{point['output_tokens_per_s']:.1f} tok/s",
         file=sys.stderr,
         flush=True,
@@ -396,42 +320,7 @@ def _meta(
     }
 
 
-def run_environment(args: argparse.Namespace) -> dict[str, Any]:
-    """Where and how a load run ran: the server flags, commit, date, device, versions and command line
-    (every results file's meta ends with these)."""
-    return {
-        "serve_args": args.serve_args or None,
-        "git_commit": git_commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": device_name(),
-        "torch_version": _torch_version(),
-        "python_version": platform.python_version(),
-        "host": platform.node(),
-        "command": command_line(args),
-    }
-
-
-def command_line(args: argparse.Namespace) -> str:
-    """The command as typed: ``g4serve bench ...`` whether run as ``g4serve``, ``python -m g4serve.cli`` or
-    ``python -m g4serve.bench.cli``."""
-    return getattr(args, "command_line", None) or shlex.join(["g4serve", *sys.argv[1:]])
-
-
 # ---- online ------------------------------------------------------------------------------------------------
-@contextmanager
-def serving_target(args: argparse.Namespace) -> Iterator[tuple[str, str, bool]]:
-    """(base URL, location, whether we started the server): ``--base-url`` as given, or a server started
-    here from ``--serve-args`` (in this process with ``--in-process-server``) and stopped on exit."""
-    if args.base_url:
-        yield args.base_url.rstrip("/").removesuffix("/v1"), "external", False
-        return
-    server = (InProcessServer if args.in_process_server else SubprocessServer)(shlex.split(args.serve_args))
-    try:
-        yield server.base_url, server.location, True
-    finally:
-        server.stop()
-
-
 def _run_online(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     with serving_target(args) as (base_url, location, own_server):
         return asyncio.run(_sweep(args, workload, base_url, location, own_server))
@@ -446,10 +335,10 @@ async def _sweep(
         max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="bench-build"
     )
     try:
-        model = args.model or await _served_model(client, base_url)
+        model = args.model or await served_model(client, base_url)
         if workload.target_prompt_tokens is not None and args.calibrate:
             counts = [
-                await _count_prompt_tokens(client, chat_url, r, model, args.extra_body)
+                await count_prompt_tokens(client, chat_url, r, model, args.extra_body)
                 for r in workload.calibration_probes()
             ]
             workload.set_calibration(counts)
@@ -533,30 +422,6 @@ async def _sweep(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         await client.aclose()
-
-
-async def _served_model(client, base_url: str) -> str | None:
-    try:
-        status, text = await client.get(base_url + "/v1/models")
-    except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"--base-url: cannot reach {base_url}/v1/models: {exc}") from None
-    if status != 200:
-        raise ValueError(f"--base-url: {base_url}/v1/models answered HTTP {status}: {text[:200]}")
-    data = json.loads(text).get("data") or []
-    return data[0]["id"] if data else None
-
-
-async def _count_prompt_tokens(
-    client, chat_url: str, request, model: str | None, extra_body: dict[str, Any] | None = None
-) -> int:
-    """The server's ``usage.prompt_tokens`` for a request (a 1-token, non-streamed probe without schema)."""
-    body = {**request.body(model, ignore_eos=False, stream=False), **(extra_body or {})}
-    body.pop("response_format", None)
-    body["max_tokens"] = 1
-    status, text = await client.post(chat_url, json.dumps(body).encode())
-    if status != 200:
-        raise ValueError(f"calibration probe failed: HTTP {status}: {text[:300]}")
-    return int(json.loads(text)["usage"]["prompt_tokens"])
 
 
 # ---- offline -----------------------------------------------------------------------------------------------
@@ -654,105 +519,6 @@ def _offline_preparer(engine, args: argparse.Namespace):
         return processed, params
 
     return prepare
-
-
-# ---- own server --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_argv(serve_args: list[str], port: int) -> list[str]:
-    return [*serve_args, "--host", "127.0.0.1", "--port", str(port)]
-
-
-class InProcessServer:
-    """g4serve on uvicorn in a background thread of this process (shares the GIL with the load generator)."""
-
-    location = "in-process g4serve"
-
-    def __init__(self, serve_args: list[str], start_timeout_s: float = 600.0):
-        import uvicorn
-
-        from g4serve.server.launch import add_serve_arguments, build_from_args
-
-        parser = argparse.ArgumentParser(prog="--serve-args")
-        add_serve_arguments(parser)
-        port = free_port()
-        args = parser.parse_args(_serve_argv(serve_args, port))
-        app = build_from_args(args)
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
-        )
-        self.thread = threading.Thread(target=self.server.run, name="g4serve-bench-server", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + start_timeout_s
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the in-process g4serve did not start")
-            time.sleep(0.02)
-        self.base_url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-
-class SubprocessServer:
-    """``g4serve serve`` in a child process; waits for /health, stops it with SIGTERM (then SIGKILL)."""
-
-    location = "subprocess g4serve"
-
-    def __init__(self, serve_args: list[str], start_timeout_s: float = 900.0):
-        import urllib.request
-
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "g4serve.cli",
-            "serve",
-            *_serve_argv(serve_args, port),
-            "--log-level",
-            "warning",
-        ]
-        self.proc = subprocess.Popen(cmd)
-        self.base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"g4serve serve exited with status {self.proc.returncode}: {shlex.join(cmd)}"
-                )
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"g4serve serve did not become healthy in {start_timeout_s:.0f} s")
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _torch_version() -> str | None:
-    try:
-        import torch
-
-        return torch.__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

@@ -23,6 +23,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 from g4serve.bench import loadgen, report
+from g4serve.bench.common import (
+    add_request_arguments,
+    add_target_arguments,
+    count_prompt_tokens,
+    ints,
+    ms,
+    run_environment,
+    served_model,
+    serving_target,
+)
 from g4serve.bench.workloads import EXTRACTION_SCHEMA, ExtractionWorkload, request_bytes
 
 CELL_COLUMNS = (  # key, header, scale, digits
@@ -40,8 +50,6 @@ PLOTS = (
 
 
 def add_grid_arguments(sub) -> argparse.ArgumentParser:
-    from g4serve.bench.cli import _ints, add_request_arguments, add_target_arguments
-
     p = sub.add_parser(
         "grid",
         help="the extraction workload over prompt sizes x output lengths x schema on/off",
@@ -51,13 +59,13 @@ def add_grid_arguments(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("grid")
     g.add_argument(
         "--prompt-tokens",
-        type=_ints,
+        type=ints,
         default=list(ExtractionWorkload.PROMPT_SIZES),
         help="target prompt sizes in tokens (default 128,512,1024,2048)",
     )
     g.add_argument(
         "--output-tokens",
-        type=_ints,
+        type=ints,
         default=list(ExtractionWorkload.OUTPUT_SIZES),
         help="max_tokens values (default 16,32,64,128)",
     )
@@ -102,8 +110,6 @@ def add_grid_arguments(sub) -> argparse.ArgumentParser:
 
 
 def run_grid_command(args: argparse.Namespace) -> int:
-    from g4serve.bench.cli import serving_target
-
     if args.requests_per_cell <= 0 or args.concurrency <= 0 or (args.rate is not None and args.rate <= 0):
         raise ValueError("--requests-per-cell, --concurrency and --rate must be positive")
     if args.warmup < 0:
@@ -125,20 +131,18 @@ def grid_cells(args: argparse.Namespace) -> list[tuple[int, int, bool]]:
 async def _grid(
     args: argparse.Namespace, base_url: str, location: str, *, own_server: bool
 ) -> dict[str, Any]:
-    from g4serve.bench.cli import _count_prompt_tokens, _served_model
-
     client = loadgen.make_http_client(args.http_client, args.api_key, args.request_timeout)
     chat_url = base_url + "/v1/chat/completions"
     pool = ThreadPoolExecutor(
         max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="grid-build"
     )
     try:
-        model = args.model or await _served_model(client, base_url)
+        model = args.model or await served_model(client, base_url)
         counts = None
         if args.calibrate:
             probe = ExtractionWorkload(args.seed)
             counts = [
-                await _count_prompt_tokens(client, chat_url, r, model, args.extra_body)
+                await count_prompt_tokens(client, chat_url, r, model, args.extra_body)
                 for r in probe.calibration_probes()
             ]
 
@@ -262,14 +266,12 @@ def schema_valid_fraction(results: list[loadgen.RequestResult]) -> float | None:
 
 
 def _progress(p: dict[str, Any]) -> None:
-    from g4serve.bench.cli import _ms
-
     valid = "" if p["schema_valid_fraction"] is None else f", schema-valid {p['schema_valid_fraction']:.0%}"
     print(
         f"[grid] prompt {p['prompt_tokens_target']} / out {p['max_tokens']} / "
         f"schema {'on' if p['schema'] else 'off'}: "
-        f"{p['requests_completed']}/{p['requests_sent']} ok, TTFT p50 {_ms(p['ttft_p50_s'])} ms, "
-        f"E2E p95 {_ms(p['e2e_p95_s'])} ms{valid}",
+        f"{p['requests_completed']}/{p['requests_sent']} ok, TTFT p50 {ms(p['ttft_p50_s'])} ms, "
+        f"E2E p95 {ms(p['e2e_p95_s'])} ms{valid}",
         file=sys.stderr,
         flush=True,
     )
@@ -285,8 +287,6 @@ def _meta(
     calibration: dict | None,
     warmup_errors: int,
 ) -> dict[str, Any]:
-    from g4serve.bench.cli import run_environment
-
     return {
         "label": label,
         "model": model,

@@ -18,17 +18,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from g4serve.engine.inputs import PendingTokens
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.transfer import to_device
-
-if TYPE_CHECKING:
-    from g4serve.engine.model_runner import PendingTokens
 
 log = logging.getLogger("g4serve.cuda_graphs")
 

@@ -2,15 +2,31 @@
 reference.
 
 The activation's result is rounded to the input dtype before the product, as the unfused model rounds it.
+``ACTIVATIONS`` (the torch activations named as in Gemma 4 configs) lives here, beside the kernel it is the
+reference of; the models and ``fused_moe`` take it from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
-from g4serve.layers.activation import ACTIVATIONS
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_tanh": gelu_tanh,
+    "silu": F.silu,
+    "swish": F.silu,
+}
 
 GELU_TANH, SILU = 0, 1
 _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, "swish": SILU}

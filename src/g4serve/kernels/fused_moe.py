@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
-from g4serve.layers.activation import ACTIVATIONS
+from g4serve.kernels.act_mul import ACTIVATIONS
 
 GELU_TANH, SILU = 0, 1
 _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, "swish": SILU}

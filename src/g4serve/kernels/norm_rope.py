@@ -3,7 +3,8 @@ either weight or RoPE) as one kernel over (token, head) rows, and its torch refe
 
 Reads strided [T, H, D] views (e.g. slices of a fused QKV projection) and writes a contiguous
 [T, H, D]. The norm result is rounded to the input dtype before the rotation, as the unfused model
-rounds it; the rotation itself runs in fp32 and is rounded once.
+rounds it; the rotation itself runs in fp32 and is rounded once. The reference's rotations
+(``apply_rope``, ``apply_axial_rope``) live here too; their cos/sin tables come from ``layers/rotary.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.rms_norm import rms_norm_reference
-from g4serve.layers.rotary import apply_axial_rope, apply_rope
 
 # Token rows per program: about 4k elements of a head's rows in one tile (64 tokens of a vision head, 16 of a
 # 256-wide text head), fewer when the launch has fewer tokens. One (token, head) row per program, as before,
@@ -165,6 +165,28 @@ def norm_rope(
     return out
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, H, D] with cos/sin [T, D]."""
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, N, H, D]: RoPE applied separately to the x half and the y half of D."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    parts = []
+    for sl in (slice(0, half), slice(half, 2 * half)):
+        parts.append(x[..., sl] * cos[..., sl] + rotate_half(x[..., sl]) * sin[..., sl])
+    return torch.cat(parts, dim=-1)
+
+
 def norm_rope_reference(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -181,4 +203,4 @@ def norm_rope_reference(
     return apply_axial_rope(y.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)).squeeze(0)
 
 
-__all__ = ["norm_rope", "norm_rope_reference"]
+__all__ = ["apply_axial_rope", "apply_rope", "norm_rope", "norm_rope_reference"]

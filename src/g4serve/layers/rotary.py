@@ -6,7 +6,9 @@
   *whole* head dim;
 - vision: axial 2-D RoPE, half the head dim per spatial axis.
 The inverse frequencies are computed with the same expressions as transformers so that
-fp32 results are bit-identical.
+fp32 results are bit-identical. This file makes the cos/sin tables; applying them (``apply_rope``,
+``apply_axial_rope``) is the torch reference of the fused norm + RoPE kernel, beside it in
+``kernels/norm_rope.py``.
 """
 
 from __future__ import annotations
@@ -39,18 +41,6 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [T, H, D] with cos/sin [T, D]."""
-    cos = cos.unsqueeze(-2)
-    sin = sin.unsqueeze(-2)
-    return (x * cos) + (rotate_half(x) * sin)
-
-
 def vision_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     spatial_dim = head_dim // 2
     return 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
@@ -65,13 +55,3 @@ def vision_cos_sin(
     cos = torch.cat([cos[:, :, 0], cos[:, :, 0], cos[:, :, 1], cos[:, :, 1]], dim=-1)
     sin = torch.cat([sin[:, :, 0], sin[:, :, 0], sin[:, :, 1], sin[:, :, 1]], dim=-1)
     return cos.to(dtype), sin.to(dtype)
-
-
-def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [B, N, H, D]: RoPE applied separately to the x half and the y half of D."""
-    half = x.shape[-1] // 2
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    parts = []
-    for sl in (slice(0, half), slice(half, 2 * half)):
-        parts.append(x[..., sl] * cos[..., sl] + rotate_half(x[..., sl]) * sin[..., sl])
-    return torch.cat(parts, dim=-1)

@@ -18,7 +18,8 @@ from g4serve.config import SLIDING, TextConfig
 from g4serve.kernels.kv_cache_write import kv_cache_write
 from g4serve.kernels.paged_decode import decode_config, decode_num_splits, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention
-from g4serve.layers.attention import AttentionMetadata, PagedKVCache
+from g4serve.layers.attention.metadata import AttentionMetadata
+from g4serve.layers.attention.torch_backend import KVTensors
 
 
 @dataclass
@@ -49,7 +50,7 @@ class TritonAttention:
     def __init__(
         self,
         cfg: TextConfig,
-        cache: PagedKVCache,
+        cache: KVTensors,
         decode_num_splits: int | None = None,
         split_mixed: bool = True,
     ):

@@ -6,7 +6,7 @@
   pool at once.
 - KV-shared layers own no blocks: they read their producer layer's cache (see PagedKVCache).
 
-Blocks are addressed by id; the tensors live in ``layers.attention.PagedKVCache``. Full blocks
+Blocks are addressed by id; the tensors live in ``tensors.py: PagedKVCache``. Full blocks
 are hashed by their tokens (chained with the previous block's hash, and the content hash of
 any image/video/audio they overlap) and stay findable after their owner frees them, until the
 pool needs the space (LRU), so later requests with the same prefix reuse them.
