@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.engine.reference import generate_one
 from g4serve.outputs import RequestOutput
 from g4serve.processing.processor import ProcessedPrompt
+from g4serve.reference import generate_one
 from g4serve.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--compare-reference",
         action="store_true",
-        help="also run every prompt alone through g4serve.engine.reference.generate_one",
+        help="also run every prompt alone through g4serve.reference.generate_one",
     )
     g.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     g.add_argument("--tag", default=None, help="suffix of the result file name (default: the mix)")

@@ -39,8 +39,8 @@ import test_gemma4_parity as parity  # noqa: E402
 import transformers  # noqa: E402
 
 from g4serve import LLM  # noqa: E402
-from g4serve.engine.reference import encode_items  # noqa: E402
 from g4serve.processing.image import rescale_pixels  # noqa: E402
+from g4serve.reference import encode_items  # noqa: E402
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attn_implementation:
         model.set_attn_implementation(args.attn_implementation)
     # g4serve serves presets with its tiny tokenizer and maps EOS to its <eos> and <turn|>
-    # (engine._map_special_tokens).
+    # (loader.adopt_tokenizer_special_ids).
     eos = [SPECIAL_TOKENS.index("<eos>"), SPECIAL_TOKENS.index("<turn|>")]
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = eos

@@ -20,7 +20,8 @@ from g4serve import LLM, SamplingParams
 from g4serve.assets import SAMPLE_NAMES, sample_path
 from g4serve.cli import main
 from g4serve.config import FULL, SLIDING, Gemma4Config
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.engine.kv_cache import PagedKVCache
+from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.models.gemma4.loader import load_model
 from g4serve.processing.audio import SAMPLING_RATE, load_audio
 from g4serve.processing.tokenizer import Tokenizer

@@ -15,7 +15,8 @@ from PIL import Image
 
 from g4serve import LLM, SamplingParams
 from g4serve.config import FULL, SLIDING
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.engine.kv_cache import PagedKVCache
+from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.models.gemma4.loader import CheckpointError
 from g4serve.outputs import CompletionOutput, RequestOutput
 from g4serve.processing.tokenizer import IncrementalDetokenizer

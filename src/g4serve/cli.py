@@ -8,16 +8,28 @@ import sys
 import time
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    from g4serve.engine_args import add_engine_arguments
+
     p.add_argument(
         "--model",
         default=None,
         help="checkpoint directory or preset (tiny, e2b, e4b, 26b-a4b, 31b); "
         "default: the embedded tiny model",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--text-only", action="store_true", help="do not load the vision/audio towers")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="use the prompt as-is instead of the chat template")
+    p.add_argument("--image", action="append", help="image file (repeatable)")
+    p.add_argument("--video", action="append", help="video file (repeatable)")
+    p.add_argument("--audio", action="append", help="audio file (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    # --seed above is the sampling seed; a preset's random weights keep the engine's default seed.
+    add_engine_arguments(p, exclude=("seed",))
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -31,6 +43,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from g4serve import LLM, SamplingParams
+    from g4serve.engine_args import engine_config_from_args
 
     # Sampling options first: a typo there should not cost a model load.
     params = SamplingParams(
@@ -40,7 +53,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, text_only=args.text_only)
+    llm = LLM.from_config(engine_config_from_args(args, model=args.model))
     content: list[dict] = []
     for path in args.image or []:
         content.append({"type": "image", "image": path})
@@ -78,6 +91,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+ASSISTANT_EXTRA_HINT = "the assistant needs its extra: pip install 'g4serve[assistant]'"
+
+
+def _assistant_unavailable(args: argparse.Namespace) -> int:
+    raise ValueError(f"{ASSISTANT_EXTRA_HINT} (missing: {args.assistant_missing})")
+
+
+def _add_assistant_parser(sub: argparse._SubParsersAction) -> None:
+    """``g4serve assistant``: the arguments of the separate ``g4serve_assistant`` package, imported here,
+    when the parser is built, never when ``g4serve`` is (its ``cli`` module imports nothing of the
+    ``assistant`` extra; its ``run`` refuses with the install hint when the extra is missing). Without the
+    package at all, the subcommand takes any arguments (``main`` lets them through) and exits 2 with the same
+    hint."""
+    p = sub.add_parser("assistant", help="serve the voice banking assistant (HTTP, WebSocket, web page)")
+    try:
+        from g4serve_assistant.cli import add_assistant_arguments
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("g4serve_assistant"):
+            raise
+        p.set_defaults(func=_assistant_unavailable, assistant_missing=exc.name)
+        return
+    add_assistant_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="g4serve", description="Fast serving for the Gemma 4 family.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,10 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     p.set_defaults(func=serve)
 
-    p = sub.add_parser("assistant", help="serve the voice banking assistant (HTTP, WebSocket, web page)")
-    from g4serve.assistant.cli import add_assistant_arguments
-
-    add_assistant_arguments(p)
+    _add_assistant_parser(sub)
 
     from g4serve.bench.cli import add_bench_arguments
 
@@ -106,24 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser("generate", help="generate one completion offline")
-    _add_model_args(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--raw", action="store_true", help="use the prompt as-is instead of the chat template")
-    p.add_argument("--image", action="append", help="image file (repeatable)")
-    p.add_argument("--video", action="append", help="video file (repeatable)")
-    p.add_argument("--audio", action="append", help="audio file (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    _add_generate_args(p)
     p.set_defaults(func=_cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    # As parse_args, except that without the assistant package its subcommand takes any arguments.
+    if unknown and args.func is not _assistant_unavailable:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -56,6 +56,15 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` on a whole ``EngineConfig`` (e.g. from ``g4serve.engine_args``' flags)."""
+        _check_device(str(config.device))
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -10,7 +10,7 @@ import torch
 from test_engine import assert_pools_free, make_engine, mixed_prompts  # tests/engine is on sys.path
 
 from g4serve.engine.engine import InflightStep, LLMEngine
-from g4serve.engine.model_runner import PendingTokens
+from g4serve.engine.inputs import PendingTokens
 from g4serve.sampling_params import SamplingParams
 from g4serve.structured import StructuredSpec
 
@@ -158,8 +158,7 @@ def test_padded_graph_buffers_take_pending_tokens(tiny_model_dir):
         attention_backend="triton",
         async_scheduling=True,
     )
-    engine.runner.decode_graphs = engine.decode_graph_runner(capture=False)
-    engine.runner.mixed_graphs = engine.mixed_graph_runner(capture=False)
+    engine.runner.decode_graphs, engine.runner.mixed_graphs = engine.runner.graph_runners(capture=False)
     assert run(engine) == expected
     assert engine.runner.num_graph_steps == engine.num_steps
     assert engine.num_overlapped_steps > 6

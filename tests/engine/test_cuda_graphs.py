@@ -41,7 +41,7 @@ def _generate(engine: LLMEngine) -> dict[str, list[int]]:
 def test_padded_decode_steps_match_eager(tiny_model_dir):
     expected = _generate(_engine(tiny_model_dir, "torch"))
     engine = _engine(tiny_model_dir, "triton")
-    engine.runner.decode_graphs = graphs = engine.decode_graph_runner(capture=False)
+    engine.runner.decode_graphs = graphs = engine.runner.graph_runners(capture=False)[0]
     assert graphs.batch_sizes == [1, 2, 4]
     assert _generate(engine) == expected
     assert engine.runner.num_graph_steps >= 6  # every decode step went through the padded buffers
@@ -96,7 +96,7 @@ def test_padded_mixed_steps_match_eager(tiny_model_dir):
     expected = run(engine_with("torch"))
     for fast_prefill in (True, False):
         engine = engine_with("triton", fast_prefill=fast_prefill)
-        engine.runner.mixed_graphs = engine.mixed_graph_runner(capture=False)
+        engine.runner.mixed_graphs = engine.runner.graph_runners(capture=False)[1]
         assert engine.runner.mixed_graphs.sizes == [16, 32, 48]
         assert run(engine) == expected
         assert engine.runner.num_graph_steps >= 6
@@ -142,7 +142,7 @@ def test_padded_media_steps_match_eager(tiny_model_dir):
 
     expected = run(engine_with("torch"))
     engine = engine_with("triton")
-    engine.runner.mixed_graphs = graphs = engine.mixed_graph_runner(capture=False)
+    engine.runner.mixed_graphs = graphs = engine.runner.graph_runners(capture=False)[1]
     assert graphs.media
     assert run(engine) == expected
     assert engine.runner.num_graph_steps >= 6

@@ -10,8 +10,8 @@ from PIL import Image
 
 from g4serve.config import FULL, SLIDING
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.engine.reference import generate_one
 from g4serve.processing.image import rescale_pixels
+from g4serve.reference import generate_one
 from g4serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

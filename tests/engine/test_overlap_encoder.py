@@ -106,7 +106,7 @@ def test_all_media_of_a_request_start_encoding_at_once(tiny_model_dir):
     for min_text, computed in ((256, 0), (4, 7)):
         # The 7 text tokens before the first image wait for it, unless text that short may run ahead.
         engine = make_engine(tiny_model_dir, overlap_encoder=True)
-        engine.scheduler.config.min_text_before_pending_media = min_text
+        engine.scheduler.min_text_before_pending_media = min_text
         engine.add_request(engine.make_request("0", engine.process_prompt(prompt), GREEDY))
         engine.step()
         assert engine.encoder.num_in_flight == 3  # both images and the clip, before any of them is needed

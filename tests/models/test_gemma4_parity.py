@@ -12,10 +12,11 @@ import torch
 from PIL import Image
 
 from g4serve import LLM, SamplingParams
-from g4serve.engine.reference import encode_items
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.engine.kv_cache import PagedKVCache
+from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.processing.image import rescale_pixels
 from g4serve.processing.processor import bidirectional_spans
+from g4serve.reference import encode_items
 
 LOGIT_ATOL = 1e-4
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from g4serve.engine.cuda_graphs import VisionGraphRunner
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.models.gemma4.vision import pooling_cells_used
 from g4serve.processing.image import rescale_pixels
@@ -100,15 +101,20 @@ class EncoderRunner:
     ``overlap`` the engine ``start`` s encodes ahead of the steps that need them, on a side CUDA stream,
     and ``poll`` moves finished ones into the cache; decode steps keep running meanwhile. Nothing here
     reads the device back (soft-token counts and kept cells come from host-side inputs), so the host
-    keeps launching steps while the encoder runs."""
+    keeps launching steps while the encoder runs. ``cuda_graphs``: replay the vision encoder as CUDA graphs
+    (``VisionGraphRunner``), on CUDA."""
 
-    def __init__(self, model: Gemma4Model, cache: EncoderCache, overlap: bool = False):
+    def __init__(
+        self, model: Gemma4Model, cache: EncoderCache, overlap: bool = False, cuda_graphs: bool = False
+    ):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
         self.dtype = model.language_model.embed_tokens.weight.dtype
         self.calls: list[EncoderCall] = []
-        self.vision_graphs = None  # a VisionGraphRunner when the engine replays encoder CUDA graphs
+        self.vision_graphs: VisionGraphRunner | None = None
+        if cuda_graphs and self.device.type == "cuda" and model.vision_tower is not None:
+            self.vision_graphs = VisionGraphRunner(model, self.device)
         self.stream: torch.cuda.Stream | None = None
         if overlap and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)

@@ -11,27 +11,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from g4serve.config import FULL, PRESETS, SLIDING
-from g4serve.engine.cuda_graphs import (
-    DEFAULT_BATCH_SIZES,
-    DEFAULT_TOKEN_BUCKETS,
-    DecodeGraphRunner,
-    MixedGraphRunner,
-    VisionGraphRunner,
-    sizes_up_to,
-)
+from g4serve.engine.config import EngineConfig
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
-from g4serve.engine.kv_cache import KVCacheManager
+from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache
+from g4serve.engine.kv_cache.planning import (
+    activation_reserve,
+    kv_budget,
+    max_sequence_tokens,
+    plan_kv_blocks,
+)
 from g4serve.engine.model_runner import ModelRunner, StepResult
 from g4serve.engine.request import Request, RequestStatus
-from g4serve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from g4serve.layers.attention import PagedKVCache, TorchAttention
-from g4serve.models.gemma4.loader import CheckpointError, load_model
+from g4serve.engine.scheduler import ScheduledBatch, Scheduler
+from g4serve.layers.attention import BACKENDS, resolve_backend_name
+from g4serve.models.gemma4.loader import adopt_tokenizer_special_ids, checkpoint_dir, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
 from g4serve.processing.processor import (
@@ -51,60 +47,6 @@ from g4serve.structured import (
 from g4serve.tiny import default_model_dir
 
 log = logging.getLogger("g4serve.engine")
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # checkpoint dir or preset; None: embedded tiny model
-    tokenizer: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_bytes: int | None = None  # explicit KV budget (required on CPU unless the default is fine)
-    enable_prefix_caching: bool = True
-    fast_prefill: bool = True  # skip KV-shared layers for prompt tokens whose logits are not needed
-    enable_chunked_prefill: bool = True
-    encoder_cache_tokens: int = 16384
-    encoder_token_budget: int = 4096
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 32, "video": 4, "audio": 8})
-    text_only: bool = False
-    strict_config: bool = True
-    seed: int = 0
-    attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the PyTorch reference elsewhere
-    # On CUDA with the Triton backend, decode, prefill/mixed and vision-encoder steps replay CUDA graphs
-    # unless this is set (vLLM's --enforce-eager).
-    enforce_eager: bool = False
-    max_cuda_graph_batch: int | None = None  # largest graphed decode batch; None: max_num_seqs
-    # Schedule and launch step N+1 before reading step N's samples back (vLLM's --async-scheduling): the
-    # host's scheduling, input packing and output processing (0.3-2 ms a step on an H100 host) then
-    # overlap the device's work. Requests stopped by a token or string compute one extra, discarded token.
-    async_scheduling: bool = True
-    # Encode media ahead of the prefills that need them, on a side CUDA stream, while other requests'
-    # steps keep running (without it, a step with new media runs its encoder first and stalls its decodes).
-    overlap_encoder: bool = False
-
-    def __post_init__(self) -> None:
-        if self.text_only:
-            self.limit_mm_per_prompt = {"image": 0, "video": 0, "audio": 0}
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
-
-    @property
-    def text_only_mode(self) -> bool:
-        return all(v == 0 for v in self.limit_mm_per_prompt.values())
 
 
 class InflightStep:
@@ -152,21 +94,16 @@ def _resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
+    """Wires the parts together: model and tokenizer, KV cache, encoder, scheduler, model runner."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = _resolve_device(config.device)
-        is_preset = (
-            isinstance(config.model, str) and config.model in PRESETS and not Path(config.model).exists()
-        )
-        model_dir = None if is_preset else Path(config.model) if config.model else default_model_dir()
-        if model_dir is not None and not model_dir.is_dir():
-            raise CheckpointError(
-                f"model: {config.model} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})"
-            )
+        model_dir = checkpoint_dir(config.model) if config.model else default_model_dir()
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir or default_model_dir())
         limits = config.limit_mm_per_prompt
         self.model: Gemma4Model = load_model(
-            config.model if is_preset else model_dir,
+            model_dir or config.model,
             dtype=config.dtype,
             device=self.device,
             with_vision=limits.get("image", 0) > 0 or limits.get("video", 0) > 0,
@@ -175,49 +112,49 @@ class LLMEngine:
             seed=config.seed,
         )
         self.model_config = self.model.cfg
+        text = self.model_config.text
         if self.device.type == "cuda":
             self.model.prepare_fast_path()
-        if is_preset:
-            _map_special_tokens(self.model_config, self.tokenizer)
+        if model_dir is None:  # a preset
+            adopt_tokenizer_special_ids(self.model_config, self.tokenizer)
             self.model.init_nonpersistent_buffers()
-        text = self.model_config.text
-        self.max_model_len = min(
-            config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
-        )
         self.processor = Gemma4Processor(
             self.tokenizer, self.model_config, ProcessorSettings.from_dir(model_dir)
         )
-
         self.dtype = self.model.language_model.embed_tokens.weight.dtype
-        num_blocks = self._plan_kv_blocks()
+
+        budget = config.kv_cache_bytes
+        if budget is None:
+            reserve = activation_reserve(text, config.max_num_batched_tokens, self.dtype)
+            budget = kv_budget(self.device, config.gpu_memory_utilization, reserve)
+        num_blocks = plan_kv_blocks(
+            text, config.block_size, self.dtype, budget, config.max_num_seqs, config.max_num_batched_tokens
+        )
         self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, self.dtype, self.device)
         self.kv = KVCacheManager(text, num_blocks, config.block_size, config.enable_prefix_caching)
-        capacity = self.kv.capacity_tokens()
-        log.info(
-            "KV cache: %s", ", ".join(f"{pool} pool {tokens} tokens" for pool, tokens in capacity.items())
-        )
-        self._limit_context_to_kv(capacity)
+        self.max_model_len = self._max_model_len(self.kv.capacity_tokens())
+
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
-        self.encoder = EncoderRunner(self.model, self.encoder_cache, overlap=config.overlap_encoder)
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.encoder = EncoderRunner(
+            self.model, self.encoder_cache, overlap=config.overlap_encoder, cuda_graphs=graphs
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                encoder_token_budget=config.encoder_token_budget,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                bidirectional_spans=text.use_bidirectional_attention == "vision",
-                overlap_encoder=config.overlap_encoder,
-            ),
+            config,
             self.kv,
             encoder_cached=lambda digest: digest in self.encoder_cache,
             encoder_in_flight=self.encoder.in_flight,
+            bidirectional_spans=text.use_bidirectional_attention == "vision",
         )
+        self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.runner = ModelRunner(
             self.model,
-            self._attention_backend(),
-            config.block_size,
-            config.fast_prefill,
+            BACKENDS[self.attention_backend_name](text, self.kv_cache),
+            config,
+            self.kv.pool_types,
+            self.max_model_len,
             decodable_vocab_size=self.tokenizer.vocab_size,
+            cuda_graphs=graphs and self.attention_backend_name == "triton",
         )
         self.requests: dict[str, Request] = {}
         # Constrained decoding loads xgrammar with the first request that needs it.
@@ -228,21 +165,23 @@ class LLMEngine:
         self.num_overlapped_steps = 0  # steps launched while the previous one was still in flight
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        if self._use_cuda_graphs():
-            self.runner.decode_graphs = self.decode_graph_runner(capture=True)
-            self.runner.mixed_graphs = self.mixed_graph_runner(capture=True)
-            pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
-            self.runner.mixed_graphs.capture(pool)
-            self.runner.decode_graphs.capture(pool)
-        if (
-            self.device.type == "cuda"
-            and not self.config.enforce_eager
-            and self.model.vision_tower is not None
-        ):
-            self.encoder.vision_graphs = VisionGraphRunner(self.model, self.device)
         if self.device.type == "cuda":
             self.warmup()
         self.started = time.monotonic()
+
+    def _max_model_len(self, capacity: dict[str, int]) -> int:
+        """The config's (or the model's) context length, capped where one sequence would not fit the KV
+        pools alone (then preemption could never make room for it)."""
+        log.info("KV cache: %s", ", ".join(f"{pool} pool {n} tokens" for pool, n in capacity.items()))
+        text, cfg = self.model_config.text, self.config
+        length = min(cfg.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        limit = max_sequence_tokens(capacity, text, cfg.block_size, cfg.max_num_batched_tokens)
+        if limit is not None and limit < length:
+            log.warning(
+                "KV cache holds %d tokens per sequence at most: max_model_len lowered from %d", limit, length
+            )
+            length = max(limit, 1)
+        return length
 
     def warmup(self) -> None:
         """Compile the kernels (Triton JIT, cuBLAS heuristics) on a throwaway prefill and decode, so the first
@@ -263,141 +202,10 @@ class LLMEngine:
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
-    def _use_cuda_graphs(self) -> bool:
-        return (
-            not self.config.enforce_eager
-            and self.device.type == "cuda"
-            and self.attention_backend_name == "triton"
-        )
-
-    def decode_graph_runner(self, capture: bool) -> DecodeGraphRunner:
-        """Padded decode steps for every batch size up to ``max_cuda_graph_batch``; ``capture`` on CUDA only
-        (without it the same padded forward runs eagerly, which is how the CPU tests check it)."""
-        max_batch = min(
-            self.config.max_cuda_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs
-        )
-        return DecodeGraphRunner(
-            self.model,
-            self.runner.backend,
-            self.kv.pool_types,
-            self.config.block_size,
-            self.max_model_len,
-            sizes_up_to(max_batch, DEFAULT_BATCH_SIZES),
-            self.device,
-            capture=capture,
-            decodable_vocab_size=self.runner.decodable_vocab_size,
-        )
-
-    def mixed_graph_runner(self, capture: bool) -> MixedGraphRunner:
-        """Text prefill / mixed steps up to ``max_num_batched_tokens`` tokens over up to ``max_num_seqs``
-        sequences, per token bucket (``capture`` on CUDA only, as for decode)."""
-        return MixedGraphRunner(
-            self.model,
-            self.runner.backend,
-            self.kv.pool_types,
-            self.config.block_size,
-            self.max_model_len,
-            sizes_up_to(self.config.max_num_batched_tokens, DEFAULT_TOKEN_BUCKETS),
-            self.config.max_num_seqs,
-            self.device,
-            capture=capture,
-            yoco=self.config.fast_prefill,
-            decodable_vocab_size=self.runner.decodable_vocab_size,
-        )
-
-    def _attention_backend(self):
-        name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        self.attention_backend_name = name
-        if name == "triton":  # on CPU it runs in Triton's interpreter: for tests only
-            from g4serve.kernels.backend import TritonAttention
-
-            return TritonAttention(self.model_config.text, self.kv_cache)
-        return TorchAttention(self.model_config.text, self.kv_cache)
-
-    # ---- memory planning ------------------------------------------------------------------------
-    def _plan_kv_blocks(self) -> dict[str, int]:
-        cfg, text = self.config, self.model_config.text
-        per_block = PagedKVCache.bytes_per_block(text, cfg.block_size, self.dtype)
-        budget = cfg.kv_cache_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used_by_others = total - free
-                budget = int(total * cfg.gpu_memory_utilization) - used_by_others - self._activation_reserve()
-            else:
-                budget = 256 << 20  # CPU default: 256 MiB of KV cache
-        if budget <= 0:
-            raise MemoryError(
-                "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens "
-                "or use a smaller model"
-            )
-        pools = [p for p in (SLIDING, FULL) if per_block[p]]
-        bs = cfg.block_size
-        out = {SLIDING: 0, FULL: 0}
-        if SLIDING in pools:
-            # A sliding sequence never needs more than its window plus one chunk.
-            window_blocks = -(-(text.sliding_window + cfg.max_num_batched_tokens) // bs) + 1
-            want = cfg.max_num_seqs * window_blocks
-            share = budget // 2 if FULL in pools else budget
-            out[SLIDING] = max(1, min(want, share // per_block[SLIDING]))
-            budget -= out[SLIDING] * per_block[SLIDING]
-        if FULL in pools:
-            out[FULL] = max(1, budget // per_block[FULL])
-        return out
-
-    def _limit_context_to_kv(self, capacity: dict[str, int]) -> None:
-        """One sequence must always fit alone, or preemption could never make room for it: cap max_model_len
-        at the full pool, and at the sliding pool when that is smaller than a window plus a chunk."""
-        limit = capacity.get(FULL) or self.max_model_len
-        text, bs = self.model_config.text, self.config.block_size
-        sliding = capacity.get(SLIDING, 0)
-        if sliding and sliding < text.sliding_window + self.config.max_num_batched_tokens + bs:
-            limit = min(limit, sliding - bs)
-        if limit < self.max_model_len:
-            log.warning(
-                "KV cache holds %d tokens per sequence at most: max_model_len lowered from %d",
-                limit,
-                self.max_model_len,
-            )
-            self.max_model_len = max(limit, 1)
-
-    def _activation_reserve(self) -> int:
-        text = self.model_config.text
-        tokens = self.config.max_num_batched_tokens
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        width = max(text.intermediate_size * 2, text.vocab_size // 8, text.hidden_size * 8)
-        return 2 * tokens * width * itemsize + (1 << 30)
-
     # ---- requests ----------------------------------------------------------------------------------
     def process_prompt(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop)."""
-        if isinstance(prompt, str):
-            return self.processor(prompt=prompt, add_special_tokens=add_special_tokens)
-        if not isinstance(prompt, dict):
-            raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
-        mm = prompt.get("multi_modal_data") or {}
-        unknown = set(mm) - {"image", "video", "audio"}
-        if unknown:
-            raise ValueError(f"multi_modal_data: unknown modality {sorted(unknown)[0]!r}")
-        media = {k: (v if isinstance(v, list) else [v]) for k, v in mm.items()}
-        for modality, values in media.items():
-            limit = self.config.limit_mm_per_prompt.get(modality, 0)
-            if len(values) > limit:
-                raise ValueError(
-                    f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt ({limit})"
-                )
-        if prompt.get("prompt") is not None and prompt.get("prompt_token_ids") is not None:
-            raise ValueError("prompt: give either 'prompt' or 'prompt_token_ids', not both")
-        return self.processor(
-            prompt=prompt.get("prompt"),
-            prompt_token_ids=prompt.get("prompt_token_ids"),
-            images=media.get("image"),
-            videos=media.get("video"),
-            audio=media.get("audio"),
-            add_special_tokens=add_special_tokens,
-        )
+        return self.processor.process(prompt, self.config.limit_mm_per_prompt, add_special_tokens)
 
     def make_request(
         self,
@@ -443,7 +251,7 @@ class LLMEngine:
 
     def _check_fits(self, processed: ProcessedPrompt, params: SamplingParams) -> None:
         """Refuse what could never be scheduled, instead of letting it wait forever at the queue's head."""
-        if self.scheduler.config.bidirectional_spans:
+        if self.scheduler.bidirectional_spans:
             longest = max((e - s for s, e in bidirectional_spans(processed.mm_items)), default=0)
             if longest > self.config.max_num_batched_tokens:
                 raise ValueError(
@@ -723,19 +531,3 @@ class LLMEngine:
             "generation_tokens_total": self.num_generated_tokens,
             "generation_tokens_per_s": self.num_generated_tokens / elapsed,
         }
-
-
-def _map_special_tokens(cfg, tok: Tokenizer) -> None:
-    """Random-weight presets borrow the embedded tokenizer: point the config's special ids at its tokens."""
-    for attr, token in (
-        ("image_token_id", tok.image_token),
-        ("video_token_id", tok.video_token),
-        ("audio_token_id", tok.audio_token),
-        ("boi_token_id", tok.boi_token),
-        ("eoi_token_id", tok.eoi_token),
-        ("boa_token_id", tok.boa_token),
-        ("eoa_token_id", tok.eoa_token),
-    ):
-        setattr(cfg, attr, tok.token_to_id(token))
-    eos = {tok.eos_token_id, tok.token_to_id("<turn|>")} - {None}
-    cfg.text.eos_token_id = sorted(eos)

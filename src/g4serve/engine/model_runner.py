@@ -1,21 +1,34 @@
-"""Turns a scheduled batch into flat model inputs, runs the decoder and samples.
+"""Turns a scheduled batch into model inputs, runs the decoder and samples: ``prepare`` -> ``forward`` ->
+``sample``.
 
-Inputs: the scheduled tokens of every request concatenated, their positions, paged-cache
-addressing for both pools, bidirectional image spans, and the soft tokens of any media the
-chunk covers. Only the last token of requests that finish their known tokens this step needs
-logits; with fast prefill the KV-shared layers run on those tokens alone. With async scheduling
-a request's input token may be the previous step's sample, not yet on the host: it is copied
-into the step's token ids on the device (``PendingTokens``).
+``prepare(batch)`` packs a ``StepInputs``: the scheduled tokens of every request concatenated, how many
+each had computed before, paged-cache addressing for both pools, bidirectional image spans, and the soft
+tokens of any media the chunk covers. Only the last token of requests that finish their known tokens this
+step needs logits; with fast prefill the KV-shared layers run on those tokens alone. With async scheduling
+a request's input token may be the previous step's sample, not yet on the host: it is copied into the
+step's token ids on the device (``inputs.PendingTokens``).
+
+``forward`` replays a CUDA graph when the runner owns one that fits the step (pure decodes; text or
+mixed steps up to a token bucket), else runs the model eagerly; ``sample`` applies the requests'
+sampling parameters, grammar masks and stop-token rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from g4serve.engine.cuda_graphs import DecodeGraphRunner, MixedGraphRunner
+from g4serve.engine.config import EngineConfig
+from g4serve.engine.cuda_graphs import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_TOKEN_BUCKETS,
+    DecodeGraphRunner,
+    MixedGraphRunner,
+    sizes_up_to,
+)
 from g4serve.engine.encoder_runner import EncoderCache
+from g4serve.engine.inputs import PendingTokens
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request
 from g4serve.engine.scheduler import ScheduledBatch
@@ -27,88 +40,91 @@ from g4serve.transfer import to_device
 
 
 @dataclass
+class StepInputs:
+    """One step's model inputs, packed on the host (``ModelRunner.prepare``)."""
+
+    token_ids: list[int] = field(default_factory=list)  # every sequence's new tokens, concatenated
+    computed: list[int] = field(default_factory=list)  # tokens each sequence had computed before the step
+    num_new_tokens: list[int] = field(default_factory=list)
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)  # pool -> each sequence's blocks
+    spans: list = field(default_factory=list)  # each sequence's bidirectional (image) spans
+    pending: PendingTokens | None = None  # input tokens still on the device (async scheduling)
+    mm_rows: list[torch.Tensor] = field(default_factory=list)  # soft tokens of the media the step covers
+    mm_positions: list[int] = field(default_factory=list)  # their flat rows
+    keep: list[int] = field(default_factory=list)  # flat rows whose logits are needed
+    sampled: list[Request] = field(default_factory=list)  # requests that sample a token, in row order
+    sampled_seqs: list[int] = field(default_factory=list)  # their sequence index in the batch
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """One text token per sequence, every one sampled."""
+        return not self.mm_rows and len(self.sampled) == len(self.computed) == len(self.token_ids)
+
+
+@dataclass
 class StepResult:
     requests: list[Request]  # requests that sampled a token this step, in row order
     output: SamplerOutput | None
 
 
-@dataclass
-class PendingTokens:
-    """Input tokens still on the device: flat row ``rows[i]`` of this step takes ``tokens[src[i]]``."""
-
-    rows: list[int]
-    src: list[int]
-    tokens: torch.Tensor
-
-    def write_into(self, ids: torch.Tensor) -> None:
-        k = len(self.rows)
-        if self.rows == self.src and self.rows[-1] == k - 1:  # steady decode: same requests, same order
-            ids[:k].copy_(self.tokens[:k])
-            return
-        index = to_device([self.rows, self.src], torch.long, ids.device)
-        ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
-
-
 class ModelRunner:
+    """Runs steps of ``model``. ``cuda_graphs``: capture decode and mixed-step CUDA graphs now (CUDA and the
+    Triton backend only); ``graph_runners(capture=False)`` builds the same padded steps eagerly, which is
+    how the CPU tests check them."""
+
     def __init__(
         self,
         model: Gemma4Model,
         backend: AttentionBackend,
-        block_size: int,
-        fast_prefill: bool = True,
+        config: EngineConfig,
+        pools: list[str],
+        max_model_len: int,
         decodable_vocab_size: int | None = None,
+        cuda_graphs: bool = False,
     ):
         self.model = model
         self.backend = backend
-        self.block_size = block_size
-        self.fast_prefill = fast_prefill
+        self.config = config
+        self.pools = pools
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.fast_prefill = config.fast_prefill
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.text.vocab_size
         self.decodable_vocab_size = min(decodable_vocab_size or self.vocab_size, self.vocab_size)
         self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
-        # Set by the engine when steps are replayed as CUDA graphs.
         self.decode_graphs: DecodeGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None
         self.num_graph_steps = 0
+        if cuda_graphs:
+            self.decode_graphs, self.mixed_graphs = self.graph_runners(capture=True)
+            pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
+            self.mixed_graphs.capture(pool)
+            self.decode_graphs.capture(pool)
 
-    def _mm_embeds(
-        self, request: Request, start: int, end: int, cache: EncoderCache, base: int, positions: list[int]
-    ) -> list[torch.Tensor]:
-        """Rows of the request's soft tokens that fall in token range [start, end), in order; their
-        flat-batch rows (the request's chunk starts at row ``base``) are appended to ``positions``."""
-        out = []
-        for item in request.mm_items:
-            if item.offset >= end or item.spans[-1][1] <= start:
-                continue
-            tokens = cache.get(item.content_hash)
-            row = 0
-            for s, e in item.spans:
-                lo, hi = max(s, start), min(e, end)
-                if lo < hi:
-                    out.append(tokens[row + lo - s : row + hi - s])
-                    positions.extend(range(base + lo - start, base + hi - start))
-                row += e - s
-        return out
-
-    def _withhold_stops_before_min_tokens(
-        self, sampled: list[Request], allowed: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Free (unconstrained) rows short of ``min_tokens`` may not sample a stop token (vLLM semantics);
-        constrained rows already got this from their grammar mask."""
-        pending = [(row, r) for row, r in enumerate(sampled) if r.grammar is None and r.min_tokens_pending]
-        if not pending:
-            return allowed
-        if allowed is None:
-            allowed = torch.ones(len(sampled), self.vocab_size, dtype=torch.bool, device=self.device)
-        rows, cols = [], []
-        for row, request in pending:
-            stops = [t for t in request.stop_token_ids if t < self.vocab_size]
-            rows += [row] * len(stops)
-            cols += stops
-        if rows:
-            index = to_device([rows, cols], torch.long, self.device)
-            allowed[index[0], index[1]] = False
-        return allowed
+    def graph_runners(self, capture: bool) -> tuple[DecodeGraphRunner, MixedGraphRunner]:
+        """Padded decode steps for every batch size up to ``max_cuda_graph_batch``, and text / mixed steps up
+        to ``max_num_batched_tokens`` tokens over up to ``max_num_seqs`` sequences, per token bucket."""
+        cfg = self.config
+        common = (self.model, self.backend, self.pools, self.block_size, self.max_model_len)
+        max_batch = min(cfg.max_cuda_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs)
+        decode = DecodeGraphRunner(
+            *common,
+            sizes_up_to(max_batch, DEFAULT_BATCH_SIZES),
+            self.device,
+            capture=capture,
+            decodable_vocab_size=self.decodable_vocab_size,
+        )
+        mixed = MixedGraphRunner(
+            *common,
+            sizes_up_to(cfg.max_num_batched_tokens, DEFAULT_TOKEN_BUCKETS),
+            cfg.max_num_seqs,
+            self.device,
+            capture=capture,
+            yoco=self.fast_prefill,
+            decodable_vocab_size=self.decodable_vocab_size,
+        )
+        return decode, mixed
 
     @torch.inference_mode()
     def execute(
@@ -120,111 +136,126 @@ class ModelRunner:
     ) -> StepResult:
         """Run one scheduled step. ``previous``: the launched step whose samples are not on the host yet
         (async scheduling); a request's pending token is read from its output on the device."""
-        token_ids: list[int] = []
+        inputs = self.prepare(batch, kv, encoder_cache, previous)
+        logits, greedy = self.forward(inputs)
+        if logits is None:  # every sequence is still mid-prompt
+            return StepResult([], None)
+        return StepResult(inputs.sampled, self.sample(inputs.sampled, logits, greedy))
+
+    # ---- prepare -------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        batch: ScheduledBatch,
+        kv: KVCacheManager,
+        encoder_cache: EncoderCache,
+        previous: StepResult | None = None,
+    ) -> StepInputs:
+        step = StepInputs(
+            computed=[r.num_computed_tokens for r in batch.requests],
+            num_new_tokens=list(batch.num_new_tokens),
+            tables={pool: [] for pool in kv.pool_types},
+        )
         pending_rows: list[int] = []
         pending_src: list[int] = []
         previous_rows: dict[int, int] | None = None
-        mm_rows: list[torch.Tensor] = []
-        mm_positions: list[int] = []
-        keep: list[int] = []
-        sampled: list[Request] = []
-        sampled_seqs: list[int] = []  # batch index of each sampled request
-        tables: dict[str, list[list[int]]] = {pool: [] for pool in kv.pool_types}
-        spans = []
         for seq, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = request.num_computed_tokens
-            mm_rows.extend(
-                self._mm_embeds(request, start, start + n, encoder_cache, len(token_ids), mm_positions)
-            )
+            start, base = request.num_computed_tokens, len(step.token_ids)
+            step.mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, base, step))
             chunk = request.token_ids_between(start, start + n)
             if len(chunk) < n:  # the chunk ends on the token the previous step sampled
                 assert len(chunk) == n - 1 and previous is not None, "only the last token may be pending"
                 if previous_rows is None:
                     previous_rows = {id(r): row for row, r in enumerate(previous.requests)}
-                pending_rows.append(len(token_ids) + n - 1)
+                pending_rows.append(base + n - 1)
                 pending_src.append(previous_rows[id(request)])
                 chunk.append(0)
-            token_ids.extend(chunk)
+            step.token_ids.extend(chunk)
             for pool, table in kv.block_tables(request.request_id).items():
-                tables[pool].append(table)
-            spans.append(request.bidirectional_spans)
+                step.tables[pool].append(table)
+            step.spans.append(request.bidirectional_spans)
             if start + n == request.num_tokens:
-                keep.append(len(token_ids) - 1)
-                sampled.append(request)
-                sampled_seqs.append(seq)
-        pending = (
-            PendingTokens(pending_rows, pending_src, previous.output.token_ids) if pending_rows else None
-        )
-        computed = [r.num_computed_tokens for r in batch.requests]
+                step.keep.append(len(step.token_ids) - 1)
+                step.sampled.append(request)
+                step.sampled_seqs.append(seq)
+        if pending_rows:
+            step.pending = PendingTokens(pending_rows, pending_src, previous.output.token_ids)
+        return step
+
+    def _mm_embeds(
+        self, request: Request, start: int, end: int, cache: EncoderCache, base: int, step: StepInputs
+    ) -> list[torch.Tensor]:
+        """Rows of the request's soft tokens that fall in token range [start, end), in order; their
+        flat-batch rows (the request's chunk starts at row ``base``) are appended to ``step.mm_positions``."""
+        out = []
+        for item in request.mm_items:
+            if item.offset >= end or item.spans[-1][1] <= start:
+                continue
+            tokens = cache.get(item.content_hash)
+            row = 0
+            for s, e in item.spans:
+                lo, hi = max(s, start), min(e, end)
+                if lo < hi:
+                    out.append(tokens[row + lo - s : row + hi - s])
+                    step.mm_positions.extend(range(base + lo - start, base + hi - start))
+                row += e - s
+        return out
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits [len(step.sampled), V] of the sampled rows (None when no row samples), and their greedy ids
+        when a CUDA graph computed them."""
         decode, mixed = self.decode_graphs, self.mixed_graphs
-        if (
-            not mm_rows
-            and decode is not None
-            and len(sampled) == len(batch.requests) == len(token_ids)
-            and len(token_ids) <= decode.max_batch
-        ):
-            # A pure decode step: one text token per sequence, every one sampled.
+        if decode is not None and step.is_pure_decode and len(step.token_ids) <= decode.max_batch:
             self.num_graph_steps += 1
-            return StepResult(
-                sampled, self._sample(sampled, *decode.run(token_ids, computed, tables, pending))
-            )
+            return decode.run(step.token_ids, step.computed, step.tables, step.pending)
         if (
             mixed is not None
-            and (not mm_rows or mixed.media)
-            and len(token_ids) <= mixed.max_tokens
-            and len(batch.requests) <= mixed.max_seqs
+            and (not step.mm_rows or mixed.media)
+            and len(step.token_ids) <= mixed.max_tokens
+            and len(step.computed) <= mixed.max_seqs
         ):
-            logits, greedy = mixed.run(
-                token_ids, computed, batch.num_new_tokens, tables, mm_rows, mm_positions, pending
-            )
             self.num_graph_steps += 1
-            if not sampled:
-                return StepResult([], None)
-            if len(sampled) < len(batch.requests):  # rows of sequences still mid-prompt are dropped
-                rows = to_device(sampled_seqs, torch.long, self.device)
+            logits, greedy = mixed.run(
+                step.token_ids,
+                step.computed,
+                step.num_new_tokens,
+                step.tables,
+                step.mm_rows,
+                step.mm_positions,
+                step.pending,
+            )
+            if not step.sampled:
+                return None, None
+            if len(step.sampled) < len(step.computed):  # rows of sequences still mid-prompt are dropped
+                rows = to_device(step.sampled_seqs, torch.long, self.device)
                 logits, greedy = logits[rows], greedy[rows]
-            return StepResult(sampled, self._sample(sampled, logits, greedy))
-        return self._execute_eager(
-            batch, token_ids, computed, tables, spans, pending, mm_rows, mm_positions, keep, sampled
-        )
+            return logits, greedy
+        return self._forward_eager(step), None
 
-    def _execute_eager(
-        self,
-        batch: ScheduledBatch,
-        token_ids: list[int],
-        computed: list[int],
-        tables: dict[str, list[list[int]]],
-        spans: list,
-        pending: PendingTokens | None,
-        mm_rows: list[torch.Tensor],
-        mm_positions: list[int],
-        keep: list[int],
-        sampled: list[Request],
-    ) -> StepResult:
-        """``execute``'s path without a CUDA graph: contiguous attention metadata and an eager forward."""
+    def _forward_eager(self, step: StepInputs) -> torch.Tensor | None:
+        """``forward`` without a CUDA graph: contiguous attention metadata and an eager forward."""
         meta = contiguous_metadata(
-            computed, batch.num_new_tokens, tables, self.block_size, self.device, spans
+            step.computed, step.num_new_tokens, step.tables, self.block_size, self.device, step.spans
         )
-        ids = to_device(token_ids, torch.long, self.device)
-        if pending is not None:
-            pending.write_into(ids)
-        mm_embeds = torch.cat(mm_rows) if mm_rows else None
-        positions = to_device(mm_positions, torch.long, self.device) if mm_rows else None
+        ids = to_device(step.token_ids, torch.long, self.device)
+        if step.pending is not None:
+            step.pending.write_into(ids)
         hidden = self.model(
             ids,
             meta,
             self.backend,
-            mm_embeds=mm_embeds,
-            mm_positions=positions,
-            keep_indices=keep if self.fast_prefill else None,
+            mm_embeds=torch.cat(step.mm_rows) if step.mm_rows else None,
+            mm_positions=to_device(step.mm_positions, torch.long, self.device) if step.mm_rows else None,
+            keep_indices=step.keep if self.fast_prefill else None,
         )
-        if not sampled:
-            return StepResult([], None)
+        if not step.sampled:
+            return None
         if not self.fast_prefill:
-            hidden = hidden[to_device(keep, torch.long, self.device)]
-        return StepResult(sampled, self._sample(sampled, self.model.compute_logits(hidden)))
+            hidden = hidden[to_device(step.keep, torch.long, self.device)]
+        return self.model.compute_logits(hidden)
 
-    def _sample(
+    # ---- sample --------------------------------------------------------------------------------------
+    def sample(
         self, sampled: list[Request], logits: torch.Tensor, greedy: torch.Tensor | None = None
     ) -> SamplerOutput:
         """Sample one token per row. ``greedy``: the argmax over the decodable ids, already computed (inside
@@ -262,6 +293,26 @@ class ModelRunner:
             allowed=allowed,
         )
         return sample(logits, sampling)
+
+    def _withhold_stops_before_min_tokens(
+        self, sampled: list[Request], allowed: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Free (unconstrained) rows short of ``min_tokens`` may not sample a stop token (vLLM semantics);
+        constrained rows already got this from their grammar mask."""
+        pending = [(row, r) for row, r in enumerate(sampled) if r.grammar is None and r.min_tokens_pending]
+        if not pending:
+            return allowed
+        if allowed is None:
+            allowed = torch.ones(len(sampled), self.vocab_size, dtype=torch.bool, device=self.device)
+        rows, cols = [], []
+        for row, request in pending:
+            stops = [t for t in request.stop_token_ids if t < self.vocab_size]
+            rows += [row] * len(stops)
+            cols += stops
+        if rows:
+            index = to_device([rows, cols], torch.long, self.device)
+            allowed[index[0], index[1]] = False
+        return allowed
 
 
 def _plain_greedy(request: Request) -> bool:

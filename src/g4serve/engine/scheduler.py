@@ -15,25 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from g4serve.engine.config import EngineConfig
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request, RequestStatus
 from g4serve.processing.processor import MultimodalItem
 
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    encoder_token_budget: int = 4096  # soft tokens the encoders may produce per step
-    enable_chunked_prefill: bool = True
-    bidirectional_spans: bool = False  # set when the model attends bidirectionally inside images
-    # Media are encoded ahead, off the step (EncoderRunner.start): a chunk stops before media whose soft
-    # tokens are not cached yet, and the encodes it asks for run while other requests' steps go on.
-    overlap_encoder: bool = False
-    # With overlap_encoder, text before media still encoding runs ahead only if it is at least this long;
-    # shorter text waits and goes with the media: every step reads all the weights (~4 ms for E4B on an
-    # H100), more than a short chunk saves.
-    min_text_before_pending_media: int = 256
+# With overlap_encoder, text before media still encoding runs ahead only if it is at least this long; shorter
+# text waits and goes with the media: every step reads all the weights (~4 ms for E4B on an H100), more than a
+# short chunk saves.
+MIN_TEXT_BEFORE_PENDING_MEDIA = 256
 
 
 @dataclass
@@ -59,13 +49,22 @@ def fcfs_priority(request: Request) -> tuple:
 class Scheduler:
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: EngineConfig,
         kv: KVCacheManager,
         encoder_cached: Callable[[str], bool],
         priority: Callable[[Request], tuple] = fcfs_priority,
         encoder_in_flight: Callable[[str], bool] = lambda digest: False,
+        bidirectional_spans: bool = False,
     ):
+        """``config``: the step's limits (``max_num_seqs``, ``max_num_batched_tokens``,
+        ``encoder_token_budget``, ``enable_chunked_prefill``, ``overlap_encoder``). ``bidirectional_spans``:
+        the model attends bidirectionally inside images, so a chunk never splits one. With
+        ``overlap_encoder`` media are encoded ahead, off the step (``EncoderRunner.start``): a chunk stops
+        before media whose soft tokens are not cached yet, and the encodes it asks for run while other
+        requests' steps go on."""
         self.config = config
+        self.bidirectional_spans = bidirectional_spans
+        self.min_text_before_pending_media = MIN_TEXT_BEFORE_PENDING_MEDIA
         self.kv = kv
         self.encoder_cached = encoder_cached
         self.encoder_in_flight = encoder_in_flight
@@ -91,7 +90,7 @@ class Scheduler:
     # ---- helpers ----------------------------------------------------------------------------
     def _clip_to_spans(self, request: Request, start: int, num_new: int) -> int:
         """Shorten a chunk so it does not end inside a bidirectional span (0: wait for more budget)."""
-        if not self.config.bidirectional_spans:
+        if not self.bidirectional_spans:
             return num_new
         end = start + num_new
         for s, e in request.bidirectional_spans:
@@ -115,7 +114,7 @@ class Scheduler:
                     self._afford(item, budget, items)
                 text = max(0, item.offset - start)
                 if text < num_new:  # the chunk would reach these media
-                    num_new = text if text >= self.config.min_text_before_pending_media else 0
+                    num_new = text if text >= self.min_text_before_pending_media else 0
             return num_new
         end = start + num_new
         for item in request.mm_items:
@@ -191,7 +190,8 @@ class Scheduler:
                 break
             if request.awaiting_last_token:  # preempted with its last token pending: it finishes unscheduled
                 continue
-            if request.num_computed_tokens == 0 and request.request_id not in self.kv.seqs:
+            fresh = request.num_computed_tokens == 0 and request.request_id not in self.kv.seqs
+            if fresh:
                 hit = self.kv.find_cached_prefix(request.request_id, request.block_hashes, request.num_tokens)
                 request.num_computed_tokens = hit
                 request.metrics.prefix_hit_tokens = hit
@@ -208,6 +208,11 @@ class Scheduler:
             if num_new <= 0 and unclipped > 0 and cfg.overlap_encoder:
                 continue  # its media are encoding: later requests need not wait for them
             if num_new <= 0 or not self.kv.allocate(request.request_id, start, num_new):
+                if fresh:
+                    # Give the prefix hit back: a waiting request holding cached blocks that no preemption
+                    # can reclaim could starve the running ones and itself (test_scheduler_unit.py).
+                    self.kv.free(request.request_id)
+                    request.num_computed_tokens = request.metrics.prefix_hit_tokens = 0
                 break  # keep FCFS order: later requests wait behind this one
             admitted.append(request)
             batch.requests.append(request)

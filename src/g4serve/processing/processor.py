@@ -164,6 +164,37 @@ class Gemma4Processor:
         return np.asarray(value, dtype=np.float32)
 
     # ---- main entry ------------------------------------------------------------------------
+    def process(
+        self, prompt: str | dict, limits: dict[str, int], add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
+        """A prompt as ``LLM.generate`` takes it: a string, or a dict with ``prompt`` or ``prompt_token_ids``
+        and ``multi_modal_data`` (one item or a list per modality, at most ``limits[modality]`` each)."""
+        if isinstance(prompt, str):
+            return self(prompt=prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, dict):
+            raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+        mm = prompt.get("multi_modal_data") or {}
+        unknown = set(mm) - {"image", "video", "audio"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: unknown modality {sorted(unknown)[0]!r}")
+        media = {k: (v if isinstance(v, list) else [v]) for k, v in mm.items()}
+        for modality, values in media.items():
+            if len(values) > limits.get(modality, 0):
+                raise ValueError(
+                    f"multi_modal_data.{modality}: {len(values)} item(s) exceed limit_mm_per_prompt "
+                    f"({limits.get(modality, 0)})"
+                )
+        if prompt.get("prompt") is not None and prompt.get("prompt_token_ids") is not None:
+            raise ValueError("prompt: give either 'prompt' or 'prompt_token_ids', not both")
+        return self(
+            prompt=prompt.get("prompt"),
+            prompt_token_ids=prompt.get("prompt_token_ids"),
+            images=media.get("image"),
+            videos=media.get("video"),
+            audio=media.get("audio"),
+            add_special_tokens=add_special_tokens,
+        )
+
     def __call__(
         self,
         prompt: str | None = None,

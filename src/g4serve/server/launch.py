@@ -3,41 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
 
 from g4serve.config import PRESETS
+from g4serve.engine.config import EngineConfig
+from g4serve.engine_args import add_engine_arguments
+from g4serve.engine_args import engine_config_from_args as engine_config
 
 log = logging.getLogger("g4serve.server")
-
-MODALITIES = ("image", "video", "audio")
-
-
-def parse_mm_limits(text: str) -> dict[str, int]:
-    """``'{"image": 2, "audio": 1}'`` (vLLM's JSON form) or ``image=2,audio=1``; unnamed modalities keep
-    defaults."""
-    text = text.strip()
-    try:
-        raw = (
-            json.loads(text)
-            if text.startswith("{")
-            else dict(kv.split("=", 1) for kv in text.split(",") if kv)
-        )
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: cannot parse {text!r}: {exc}") from None
-    out = {}
-    for key, value in raw.items():
-        if key not in MODALITIES:
-            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: unknown modality {key!r}")
-        try:
-            out[key] = int(value)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {key} must be an integer") from None
-        if out[key] < 0:
-            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {key} must be >= 0")
-    return out
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,55 +39,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("G4SERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 (default: $G4SERVE_API_KEY)",
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument(
-        "--kv-cache-bytes", type=int, default=None, help="explicit KV-cache budget (CPU default 256 MiB)"
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="auto: Triton kernels on CUDA, the PyTorch reference on CPU",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run decode steps eagerly (default on CUDA: captured CUDA graphs replayed per batch size)",
-    )
-    p.add_argument(
-        "--max-cuda-graph-batch",
-        type=int,
-        default=None,
-        help="largest decode batch replayed as a CUDA graph (default: --max-num-seqs)",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="launch each step before the previous step's tokens are read back, so scheduling and "
-        "output processing overlap the GPU (a stopped request computes one discarded token; "
-        "default: on)",
-    )
-    p.add_argument(
-        "--overlap-encoder",
-        action="store_true",
-        help="encode images, video and audio ahead of the prefills that need them, on a side CUDA "
-        "stream, while other requests keep decoding (default: inside the step, before its forward)",
-    )
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument(
-        "--limit-mm-per-prompt",
-        type=parse_mm_limits,
-        default={},
-        help='media per prompt, e.g. \'{"image": 4, "video": 1, "audio": 2}\'; all 0 = text-only',
-    )
-    p.add_argument("--text-only", action="store_true", help="do not load the vision/audio towers")
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
@@ -125,41 +51,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds to let running requests finish on shutdown before aborting them",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of random preset weights")
     p.add_argument("--log-level", default="info")
+    add_engine_arguments(p)  # every EngineConfig option, with its default and help from the field
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    from g4serve.engine.engine import EngineConfig
-
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = args.preset or args.model
     if model is not None and model not in PRESETS and not Path(model).is_dir():
         raise SystemExit(
             f"g4serve serve: error: {model!r} is neither a checkpoint directory nor a preset "
             f"({', '.join(sorted(PRESETS))})"
         )
-    config = EngineConfig(
-        model=model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_bytes=args.kv_cache_bytes,
-        enable_prefix_caching=args.enable_prefix_caching,
-        text_only=args.text_only,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        max_cuda_graph_batch=args.max_cuda_graph_batch,
-        async_scheduling=args.async_scheduling,
-        overlap_encoder=args.overlap_encoder,
-    )
-    if not args.text_only and args.limit_mm_per_prompt:
-        config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **args.limit_mm_per_prompt}
-    return config
+    return engine_config(args, model=model)
 
 
 def served_names(args: argparse.Namespace) -> list[str]:

@@ -253,3 +253,26 @@ def load_model(
     load_weights(net, model_dir)
     log.info("loaded %s (%s, %s)", model_dir, torch_dtype, device)
     return net
+
+
+def checkpoint_dir(model: str | Path) -> Path | None:
+    """The checkpoint directory ``model`` names, or None when it names a preset (a directory of the same
+    name wins); ``CheckpointError`` when it is neither."""
+    from g4serve.config import PRESETS
+
+    if Path(model).is_dir():
+        return Path(model)
+    if isinstance(model, str) and model in PRESETS and not Path(model).exists():
+        return None
+    raise CheckpointError(
+        f"model: {model} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})"
+    )
+
+
+def adopt_tokenizer_special_ids(cfg: Gemma4Config, tokenizer) -> None:
+    """Random-weight presets borrow the embedded tokenizer: point the config's special ids at its tokens
+    (``tokenizer``: a ``g4serve.processing.tokenizer.Tokenizer``)."""
+    for attr in ("image", "video", "audio", "boi", "eoi", "boa", "eoa"):
+        setattr(cfg, f"{attr}_token_id", tokenizer.token_to_id(getattr(tokenizer, f"{attr}_token")))
+    eos = {tokenizer.eos_token_id, tokenizer.token_to_id("<turn|>")} - {None}
+    cfg.text.eos_token_id = sorted(eos)

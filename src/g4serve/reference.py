@@ -10,8 +10,9 @@ import time
 
 import torch
 
+from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.engine.request import Request
-from g4serve.layers.attention import PagedKVCache, TorchAttention, contiguous_metadata
+from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.layers.sampler import SamplingBatch, sample
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.processing.image import rescale_pixels

@@ -1,0 +1,99 @@
+"""``EngineConfig``: every engine option, its one default and its help text.
+
+A default written anywhere else would drift from this one: the scheduler reads its limits from this object,
+and ``g4serve.engine_args`` makes the CLI flags of ``g4serve serve``, ``g4serve generate``, the bench and the
+assistant from these fields (their metadata: ``help``; ``cli=False``: no flag; ``choices``; ``parse``: a
+parser named in ``engine_args.PARSERS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MODALITIES = ("image", "video", "audio")
+
+
+def _opt(default: Any = None, help: str = "", **meta: Any) -> Any:
+    """A config field: its default, its flag's help text, and flag options."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _opt(None, "checkpoint directory or preset; None: the embedded tiny model", cli=False)
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
+    device: str = _opt("auto", "cpu, cuda, cuda:1, ... (auto: cuda if available)")
+    dtype: str = _opt("auto", "auto, float32, bfloat16, float16 (auto: bfloat16 on CUDA, float32 on CPU)")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's)")
+    max_num_seqs: int = _opt(64, "sequences in one step")
+    max_num_batched_tokens: int = _opt(2048, "tokens in one step: decodes plus prefill chunks")
+    block_size: int = _opt(16, "tokens per KV-cache block (a power of two)")
+    gpu_memory_utilization: float = _opt(
+        0.9, "share of the GPU's memory the engine may use, KV cache included"
+    )
+    # Explicit KV budget; on CPU without it the engine takes 256 MiB.
+    kv_cache_bytes: int | None = _opt(None, "explicit KV-cache budget in bytes (CPU default 256 MiB)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")
+    fast_prefill: bool = _opt(
+        True, "skip the KV-shared layers for prompt tokens whose logits are not needed (E2B/E4B)"
+    )
+    enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps beside the decodes")
+    encoder_cache_tokens: int = _opt(16384, "soft tokens of encoded media kept for reuse")
+    encoder_token_budget: int = _opt(4096, "soft tokens the media encoders may produce in one step")
+    limit_mm_per_prompt: dict[str, int] = _opt(
+        {"image": 32, "video": 4, "audio": 8},
+        'media per prompt, e.g. \'{"image": 4, "video": 1}\' or image=4,video=1; all 0 = text-only',
+        parse="mm_limits",
+    )
+    text_only: bool = _opt(False, "do not load the vision/audio towers")
+    strict_config: bool = _opt(True, "reject config.json keys g4serve does not know", cli=False)
+    seed: int = _opt(0, "seed of random preset weights")
+    attention_backend: str = _opt(
+        "auto",
+        "auto: Triton kernels on CUDA, the PyTorch reference elsewhere",
+        choices=("auto", "torch", "triton"),
+    )
+    # On CUDA with the Triton backend, decode, prefill/mixed and vision-encoder steps replay CUDA graphs
+    # unless this is set (vLLM's --enforce-eager).
+    enforce_eager: bool = _opt(False, "run every step eagerly (default on CUDA: captured CUDA graphs)")
+    max_cuda_graph_batch: int | None = _opt(
+        None, "largest decode batch replayed as a CUDA graph (default: max-num-seqs)"
+    )
+    # Schedule and launch step N+1 before reading step N's samples back (vLLM's --async-scheduling): the
+    # host's scheduling, input packing and output processing (0.3-2 ms a step on an H100 host) then
+    # overlap the device's work. Requests stopped by a token or string compute one extra, discarded token.
+    async_scheduling: bool = _opt(
+        True,
+        "launch each step before the previous step's tokens are read back (a stopped request "
+        "computes one discarded token)",
+    )
+    # Encode media ahead of the prefills that need them, on a side CUDA stream, while other requests'
+    # steps keep running (without it, a step with new media runs its encoder first and stalls its decodes).
+    overlap_encoder: bool = _opt(
+        False, "encode images, video and audio ahead of the prefills that need them, on a side CUDA stream"
+    )
+
+    def __post_init__(self) -> None:
+        if self.text_only:
+            self.limit_mm_per_prompt = {"image": 0, "video": 0, "audio": 0}
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+
+    @property
+    def text_only_mode(self) -> bool:
+        return all(v == 0 for v in self.limit_mm_per_prompt.values())
+
+
+__all__ = ["MODALITIES", "EngineConfig"]

@@ -1,0 +1,69 @@
+"""How many KV blocks each pool gets, and how long one sequence may then grow.
+
+Pure functions of the model's text config and the engine's limits (no tensors), so the unit tests check
+them without a model. ``kv_budget`` is the one place that asks the device how much memory is free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from g4serve.config import FULL, SLIDING, TextConfig
+from g4serve.engine.kv_cache.tensors import PagedKVCache
+
+CPU_KV_BYTES = 256 << 20  # the KV budget on CPU when none is given
+
+
+def activation_reserve(text: TextConfig, max_num_batched_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes kept free for one step's activations (the widest intermediate, twice) plus 1 GiB of slack."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    width = max(text.intermediate_size * 2, text.vocab_size // 8, text.hidden_size * 8)
+    return 2 * max_num_batched_tokens * width * itemsize + (1 << 30)
+
+
+def kv_budget(device: torch.device, gpu_memory_utilization: float, reserve: int) -> int:
+    """Bytes the KV cache may take: the allowed share of the GPU minus what others use and ``reserve``."""
+    if device.type != "cuda":
+        return CPU_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * gpu_memory_utilization) - (total - free) - reserve
+
+
+def plan_kv_blocks(
+    text: TextConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    budget: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> dict[str, int]:
+    """Blocks per pool within ``budget`` bytes. A sliding sequence never needs more than its window plus one
+    chunk, so the sliding pool takes that for every sequence (at most half the budget when a full pool
+    exists); the full pool takes the rest."""
+    if budget <= 0:
+        raise MemoryError(
+            "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
+        )
+    per_block = PagedKVCache.bytes_per_block(text, block_size, dtype)
+    out = {SLIDING: 0, FULL: 0}
+    if per_block[SLIDING]:
+        window_blocks = -(-(text.sliding_window + max_num_batched_tokens) // block_size) + 1
+        share = budget // 2 if per_block[FULL] else budget
+        out[SLIDING] = max(1, min(max_num_seqs * window_blocks, share // per_block[SLIDING]))
+        budget -= out[SLIDING] * per_block[SLIDING]
+    if per_block[FULL]:
+        out[FULL] = max(1, budget // per_block[FULL])
+    return out
+
+
+def max_sequence_tokens(
+    capacity: dict[str, int], text: TextConfig, block_size: int, max_num_batched_tokens: int
+) -> int | None:
+    """The longest sequence the pools hold alone (None: no limit). One sequence must always fit, or
+    preemption could never make room for it: the full pool's capacity, and the sliding pool's when that is
+    smaller than a window plus a chunk."""
+    limit = capacity.get(FULL) or None
+    sliding = capacity.get(SLIDING, 0)
+    if sliding and sliding < text.sliding_window + max_num_batched_tokens + block_size:
+        limit = min(limit or sliding, sliding - block_size)
+    return limit

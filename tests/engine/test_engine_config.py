@@ -1,0 +1,67 @@
+"""EngineConfig is the one source of the engine's defaults: the CLI flags are made from its fields and the
+scheduler reads it, so a default written once cannot drift between `g4serve serve`, LLM() and the engine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from g4serve.engine.config import EngineConfig
+from g4serve.engine_args import add_engine_arguments, engine_config_from_args
+from g4serve.server.launch import add_serve_arguments
+from g4serve.server.launch import engine_config_from_args as serve_engine_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return parser
+
+
+def test_no_flags_give_the_dataclass_defaults():
+    assert engine_config_from_args(_parser().parse_args([])) == EngineConfig()
+
+
+def test_every_option_has_a_flag_with_help():
+    parser = _parser()
+    flags = {a.dest: a for a in parser._actions if a.dest != "help"}
+    for f in dataclasses.fields(EngineConfig):
+        if f.metadata.get("cli", True):
+            assert f.name in flags, f"EngineConfig.{f.name} has no flag"
+            assert flags[f.name].help, f"--{f.name.replace('_', '-')} has no help"
+    assert set(flags) <= {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_flags_set_the_fields():
+    args = _parser().parse_args(
+        "--max-num-seqs 8 --max-num-batched-tokens 512 --no-async-scheduling --no-enable-prefix-caching "
+        "--kv-cache-bytes 1048576 --attention-backend torch --enforce-eager "
+        "--limit-mm-per-prompt image=2".split()
+    )
+    config = engine_config_from_args(args, model="tiny")
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.kv_cache_bytes) == (8, 512, 1 << 20)
+    assert not config.async_scheduling and not config.enable_prefix_caching and config.enforce_eager
+    assert config.attention_backend == "torch" and config.model == "tiny"
+    assert config.limit_mm_per_prompt == {
+        "image": 2,
+        "video": 4,
+        "audio": 8,
+    }  # the others keep their defaults
+
+
+def test_bad_flag_values_are_rejected():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--attention-backend", "cudnn"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--limit-mm-per-prompt", "pictures=2"])
+
+
+def test_serve_takes_its_engine_flags_from_the_config():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["tiny", "--max-num-seqs", "4", "--text-only"])
+    config = serve_engine_config(args)
+    assert config == EngineConfig(model="tiny", max_num_seqs=4, text_only=True)
+    assert config.text_only_mode
