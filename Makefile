@@ -1,5 +1,6 @@
 # Two commands for a fresh machine: `make serve` (install what serving needs + start the OpenAI-compatible
-# server on the embedded tiny model) and `make test` (install with the test extras + run the test suite).
+# server on the embedded tiny model) and `make test` (install with the test and assistant extras + run the
+# test suite).
 # Both create .venv themselves; every install is pinned by constraints.txt.
 # `make demo` runs text/image/video/audio generation offline and exits. `make lint` checks style.
 # `make test-latest` (not part of CI) runs the oracle tests against the newest torch, torchvision,
@@ -28,7 +29,7 @@ $(SERVE_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	touch $@
 
 $(TEST_STAMP): $(SERVE_STAMP)
-	$(PIP) --no-build-isolation -e ".[test]"
+	$(PIP) --no-build-isolation -e ".[test,assistant]"
 	touch $@
 
 $(LINT_STAMP): $(CONSTRAINTS) | $(BIN)/python

@@ -90,7 +90,7 @@ def stage_table(results: list[dict]) -> dict[str, dict[str, float]]:
 
 def synthesize(text: str, out: Path, voice: str = "en-us", words_per_minute: int = 165) -> np.ndarray:
     """espeak-ng speech at 16 kHz with 0.3 s of silence before and 0.8 s after (room for VAD end-pointing)."""
-    from g4serve.assistant.audio import decode_wav
+    from g4serve_assistant.audio import decode_wav
 
     subprocess.run(
         ["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", str(out), text],
@@ -116,8 +116,8 @@ async def bench_fast(assistant, repeats: int) -> dict:
 
 
 async def bench_audio(assistant, repeats: int) -> dict:
-    from g4serve.assistant.app import pcm16_chunks
-    from g4serve.assistant.audio import pcm16_bytes_to_float
+    from g4serve_assistant.app import pcm16_chunks
+    from g4serve_assistant.audio import pcm16_bytes_to_float
 
     with tempfile.TemporaryDirectory() as tmp:
         clips = [(text, synthesize(text, Path(tmp) / f"{i}.wav")) for i, text in enumerate(SPOKEN_UTTERANCES)]
@@ -148,7 +148,7 @@ async def bench_audio(assistant, repeats: int) -> dict:
 async def bench_llm(assistant, repeats: int) -> dict:
     extractor = assistant.extractor
     index = assistant.classifier.index if hasattr(assistant.classifier, "index") else None
-    from g4serve.assistant.payees import PayeeIndex
+    from g4serve_assistant.payees import PayeeIndex
 
     index = index or PayeeIndex(assistant.db)
     calls = []
@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from g4serve.assistant.db import demo_db
-    from g4serve.assistant.pipeline import Assistant
     from g4serve.bench.meta import device_name, git_commit
+    from g4serve_assistant.db import demo_db
+    from g4serve_assistant.pipeline import Assistant
 
     if args.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))

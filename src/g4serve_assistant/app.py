@@ -13,9 +13,6 @@ import numpy as np
 from fastapi import APIRouter, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from g4serve.assistant.audio import AudioError, decode_base64_wav, pcm16_bytes_to_float
-from g4serve.assistant.pipeline import Assistant, StageClock
-from g4serve.assistant.qna import answer_events
 from g4serve.server.errors import (
     APIError,
     error_response,
@@ -23,8 +20,11 @@ from g4serve.server.errors import (
     install_error_handlers,
     read_json_object,
 )
+from g4serve_assistant.audio import AudioError, decode_base64_wav, pcm16_bytes_to_float
+from g4serve_assistant.pipeline import Assistant, StageClock
+from g4serve_assistant.qna import answer_events
 
-log = logging.getLogger("g4serve.assistant")
+log = logging.getLogger("g4serve_assistant")
 
 MAX_SESSION_ID_CHARS = 128
 MAX_TEXT_CHARS = 1000
@@ -34,7 +34,7 @@ _QNA_FIELDS = {"question", "session_id", "max_tokens"}
 
 
 def _index_html() -> str:
-    return (resources.files("g4serve.assistant") / "static" / "index.html").read_text(encoding="utf-8")
+    return (resources.files("g4serve_assistant") / "static" / "index.html").read_text(encoding="utf-8")
 
 
 def build_app(

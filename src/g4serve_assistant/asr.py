@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from g4serve.assistant.audio import SAMPLE_RATE
-from g4serve.assistant.vocabulary import AMOUNT_SLOT, NAME_SLOT, DomainVocabulary, spoken_words
+from g4serve_assistant.audio import SAMPLE_RATE
+from g4serve_assistant.vocabulary import AMOUNT_SLOT, NAME_SLOT, DomainVocabulary, spoken_words
 
 MODES = ("lm", "jsgf", "general")
 _LEAD_SAMPLES = SAMPLE_RATE // 5  # 200 ms of silence around each utterance

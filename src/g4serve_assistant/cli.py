@@ -1,16 +1,49 @@
-"""``g4serve assistant``: serve the voice banking assistant, or ``import-payees CSV`` into its database."""
+"""``g4serve assistant`` (or ``g4serve-assistant``): serve the voice banking assistant, or ``import-payees
+CSV`` into its database.
+
+This module imports nothing of the ``assistant`` extra at import time: ``g4serve`` builds its parser from
+``add_assistant_arguments`` whether or not the extra is installed, and ``run`` says what to install.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import sys
 from pathlib import Path
 
-from g4serve.config import PRESETS
+from g4serve.engine_args import add_engine_arguments, engine_config_from_args
 
-log = logging.getLogger("g4serve.assistant")
+log = logging.getLogger("g4serve_assistant")
 
 DEFAULT_DB_NAME = "assistant.db"
+# Where the assistant's engine differs from `g4serve serve`'s: its prompts are short, and it shares the GPU.
+ASSISTANT_ENGINE_DEFAULTS = {"max_model_len": 4096, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
+EXTRA_HINT = "the assistant needs its extra: pip install 'g4serve[assistant]'"
+# Import names of the `assistant` extra's distributions (pyproject.toml): rapidfuzz, jellyfish, text2num,
+# silero-vad, pocketsphinx, websockets (uvicorn's WebSocket transport for /v1/assistant/ws).
+EXTRA_MODULES = ("rapidfuzz", "jellyfish", "text_to_num", "silero_vad", "pocketsphinx", "websockets")
+
+
+class MissingExtraError(ValueError):
+    """The ``assistant`` extra is not installed; the message says what to install."""
+
+    def __init__(self, missing: list[str] | tuple[str, ...]):
+        super().__init__(f"{EXTRA_HINT} (missing: {', '.join(missing)})")
+        self.missing = tuple(missing)
+
+
+def missing_extra_modules() -> list[str]:
+    """The extra's modules that cannot be found (found by name only: nothing is imported)."""
+    return [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
+
+
+def require_extra() -> None:
+    """Raise ``MissingExtraError`` unless every module of the ``assistant`` extra is installed."""
+    missing = missing_extra_modules()
+    if missing:
+        raise MissingExtraError(missing)
 
 
 def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,21 +66,6 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=None, help=db_help)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument(
-        "--kv-cache-bytes", type=int, default=None, help="explicit KV-cache budget (CPU default 256 MiB)"
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.5,
-        help="the assistant's prompts are short: half the GPU is plenty by default",
-    )
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--seed", type=int, default=0, help="seed of random preset weights")
     p.add_argument(
         "--asr",
         default="pocketsphinx",
@@ -60,6 +78,20 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
         help="fast-path confidence below which Gemma extracts the intent",
     )
     p.add_argument("--log-level", default="info")
+    # The engine's flags, as `g4serve serve` has them; the assistant sends no media (text-only, forced) and
+    # its prompts are short.
+    add_engine_arguments(
+        p,
+        exclude=(
+            "text_only",
+            "limit_mm_per_prompt",
+            "overlap_encoder",
+            "encoder_cache_tokens",
+            "encoder_token_budget",
+        ),
+        defaults=ASSISTANT_ENGINE_DEFAULTS,
+        notes={"gpu_memory_utilization": "the assistant's prompts are short: half the GPU is plenty"},
+    )
     sub = p.add_subparsers(dest="assistant_command")
     imp = sub.add_parser(
         "import-payees",
@@ -88,7 +120,7 @@ def resolve_db(path: str | None) -> str:
 
 def open_db(path: str):
     """The database at ``path``; a new one (or ':memory:') is seeded with the demo customer."""
-    from g4serve.assistant.db import BankDB
+    from g4serve_assistant.db import BankDB
 
     new = path == ":memory:" or not Path(path).exists()
     db = BankDB(path)
@@ -101,34 +133,14 @@ def open_db(path: str):
 def build_engine(args: argparse.Namespace):
     """The engine as ``g4serve serve`` builds it, text-only (the assistant sends no media to the model)."""
     from g4serve.engine.async_engine import AsyncLLMEngine
-    from g4serve.engine.engine import EngineConfig
 
-    model = args.model
-    if model is not None and model not in PRESETS and not Path(model).is_dir():
-        raise ValueError(
-            f"--model: {model!r} is neither a checkpoint directory nor a preset "
-            f"({', '.join(sorted(PRESETS))})"
-        )
-    config = EngineConfig(
-        model=model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_bytes=args.kv_cache_bytes,
-        enable_prefix_caching=True,
-        text_only=True,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-    )
-    return AsyncLLMEngine.from_config(config)
+    return AsyncLLMEngine.from_config(engine_config_from_args(args, model=args.model, text_only=True))
 
 
 def build_from_args(args: argparse.Namespace):
     """The app (separate from ``run`` so tests can build it in-process)."""
-    from g4serve.assistant.app import build_app
-    from g4serve.assistant.pipeline import Assistant
+    from g4serve_assistant.app import build_app
+    from g4serve_assistant.pipeline import Assistant
 
     if not 0.0 < args.intent_threshold <= 1.0:
         raise ValueError(f"--intent-threshold: must be in (0, 1], got {args.intent_threshold}")
@@ -141,6 +153,17 @@ def build_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    """The chosen command; ``MissingExtraError`` (a ``ValueError``) first when the extra is not installed."""
+    require_extra()
+    try:
+        return _run(args)
+    except ModuleNotFoundError as exc:  # found by name above, yet broken: still the extra's install to fix
+        if (exc.name or "").partition(".")[0] in EXTRA_MODULES:
+            raise MissingExtraError([exc.name]) from exc
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.assistant_command == "import-payees":
         return import_payees(args.csv, resolve_db(args.import_db or args.db))
     import uvicorn
@@ -164,3 +187,27 @@ def import_payees(csv_path: str, db_path: str) -> int:
         db.close()
     print(f"imported {n} payees into {db_path}")
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="g4serve-assistant",
+        description="The voice banking assistant (HTTP, WebSocket, web page), as `g4serve assistant`.",
+    )
+    add_assistant_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``g4serve-assistant`` console script: errors in the input (and a missing extra) exit 2 with one
+    line on stderr, as ``g4serve`` does."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"g4serve-assistant: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

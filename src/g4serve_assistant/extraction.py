@@ -3,7 +3,6 @@ schema, temperature 0, and jsonschema validation before anything reaches the pol
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -13,9 +12,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from g4serve.assistant.intents import INTENTS
+from g4serve_assistant.intents import INTENTS
 
-log = logging.getLogger("g4serve.assistant")
+log = logging.getLogger("g4serve_assistant")
 
 MAX_CANDIDATES = 5
 # Currencies the extraction may name (ISO 4217); anything else is not a currency this bank moves money in.
@@ -202,7 +201,7 @@ class Extractor:
         import jsonschema
 
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self._validators = {
             n: jsonschema.Draft202012Validator(extraction_schema(n)) for n in range(MAX_CANDIDATES + 1)
         }
@@ -292,11 +291,8 @@ class Extractor:
         from g4serve.sampling_params import SamplingParams
 
         processed = await self.engine.process(self.prompt("warm up", []), add_special_tokens=False)
-        loop = asyncio.get_running_loop()
         for n in range(MAX_CANDIDATES + 1):
-            await loop.run_in_executor(
-                None, self.engine.engine.make_request, "assistant-warmup", processed, self.params(n)
-            )
+            await self.engine.validate(processed, self.params(n))
         async for _ in self.engine.generate(processed, SamplingParams(temperature=0.0, max_tokens=1)):
             pass
 

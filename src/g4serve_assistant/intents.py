@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from g4serve.assistant.normalize import Normalized
-from g4serve.assistant.payees import Candidate, PayeeIndex
+from g4serve_assistant.normalize import Normalized
+from g4serve_assistant.payees import Candidate, PayeeIndex
 
 INTENTS: tuple[str, ...] = (
     "balance_inquiry",

@@ -14,7 +14,7 @@ from functools import lru_cache
 import jellyfish
 from rapidfuzz import fuzz, process
 
-from g4serve.assistant.db import BankDB, Payee
+from g4serve_assistant.db import BankDB, Payee
 
 MIN_SCORE = 60.0  # below this a name is noise, not a candidate
 RELATIONSHIP_SCORE = 90.0  # "my sister": sure of the relationship, not of the person if several share it

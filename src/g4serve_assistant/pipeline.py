@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from g4serve.assistant.audio import SAMPLE_RATE, decode_wav
-from g4serve.assistant.db import BankDB
-from g4serve.assistant.intents import IntentClassifier
-from g4serve.assistant.metrics import AssistantMetrics
-from g4serve.assistant.normalize import normalize
-from g4serve.assistant.payees import PayeeIndex
-from g4serve.assistant.policy import Policy, SessionStore
-from g4serve.assistant.qna import KnowledgeIndex, extractive_answer
+from g4serve_assistant.audio import SAMPLE_RATE, decode_wav
+from g4serve_assistant.db import BankDB
+from g4serve_assistant.intents import IntentClassifier
+from g4serve_assistant.metrics import AssistantMetrics
+from g4serve_assistant.normalize import normalize
+from g4serve_assistant.payees import PayeeIndex
+from g4serve_assistant.policy import Policy, SessionStore
+from g4serve_assistant.qna import KnowledgeIndex, extractive_answer
 
 NOT_HEARD_REPLY = "Sorry, I didn't catch that. Could you say it again?"
 # Chunk size when a whole recording is fed to the streaming recogniser: small enough that the first
@@ -159,7 +159,7 @@ class Assistant:
         self._audio_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="g4-assistant-audio")
         self.extractor = None
         if engine is not None:
-            from g4serve.assistant.extraction import Extractor
+            from g4serve_assistant.extraction import Extractor
 
             self.extractor = Extractor(engine, max_tokens=extraction_max_tokens)
         self._refresh_index()
@@ -175,8 +175,8 @@ class Assistant:
     @property
     def recognizer(self) -> Any:
         """The speech recogniser, its vocabulary rebuilt from the payees whenever the database changed."""
-        from g4serve.assistant.asr import make_recognizer
-        from g4serve.assistant.vocabulary import DomainVocabulary
+        from g4serve_assistant.asr import make_recognizer
+        from g4serve_assistant.vocabulary import DomainVocabulary
 
         version = self.db.version
         if self._recognizer is None or self._vocab_version != version:
@@ -197,7 +197,7 @@ class Assistant:
         return self._recognizer
 
     def vad(self):
-        from g4serve.assistant.vad import VoiceActivityDetector
+        from g4serve_assistant.vad import VoiceActivityDetector
 
         return VoiceActivityDetector(min_silence_ms=self.vad_min_silence_ms)
 
@@ -418,7 +418,7 @@ class Assistant:
         audit: list[tuple[str, str, dict]],
     ):
         """Gemma extraction; returns the result for the policy and what the call did (for the response)."""
-        from g4serve.assistant.extraction import MAX_CANDIDATES, merge_into_result
+        from g4serve_assistant.extraction import MAX_CANDIDATES, merge_into_result
 
         offered = candidates[:MAX_CANDIDATES]
         extraction = await self.extractor.extract(text, offered, normalized=normalized.text)

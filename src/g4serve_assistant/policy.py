@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from g4serve.assistant.db import BankDB, Payee
-from g4serve.assistant.intents import (
+from g4serve_assistant.db import BankDB, Payee
+from g4serve_assistant.intents import (
     ACTION_INTENTS,
     CONFLICTING_INTENTS,
     MONEY_INTENTS,
@@ -20,7 +20,7 @@ from g4serve.assistant.intents import (
     close_candidates,
     confirmation_of,
 )
-from g4serve.assistant.normalize import format_money, is_known_currency
+from g4serve_assistant.normalize import format_money, is_known_currency
 
 DEFAULT_LIMITS_MINOR = {
     "USD": 500_000,

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from g4serve.assistant.knowledge import DOCUMENTS, Document
+from g4serve_assistant.knowledge import DOCUMENTS, Document
 
 QNA_SYSTEM = (
     "You are the voice assistant of a bank. Answer the customer's question in one or two short spoken "
@@ -146,7 +146,7 @@ async def answer_events(
         stages["total"] = round((time.perf_counter() - t0) * 1000, 3)
         yield {"type": "done", "path": "extractive", "stages": stages}
         return
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     prompt = tokenizer.apply_chat_template(build_qna_messages(question, hits), add_generation_prompt=True)
     processed = await engine.process(prompt, add_special_tokens=False)
     t_llm = time.perf_counter()

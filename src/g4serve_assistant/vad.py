@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from g4serve.assistant.audio import SAMPLE_RATE
+from g4serve_assistant.audio import SAMPLE_RATE
 
 WINDOW = 512  # samples per model step at 16 kHz (32 ms); the model accepts nothing else
 _CONTEXT = 64  # samples of the previous window the model sees in front of each window

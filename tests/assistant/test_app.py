@@ -16,11 +16,11 @@ import pytest
 pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from g4serve.assistant.app import build_app, pcm16_chunks  # noqa: E402
-from g4serve.assistant.audio import decode_wav, encode_wav  # noqa: E402
-from g4serve.assistant.db import demo_db  # noqa: E402
-from g4serve.assistant.extraction import candidate_ids  # noqa: E402
-from g4serve.assistant.pipeline import NOT_HEARD_REPLY, Assistant  # noqa: E402
+from g4serve_assistant.app import build_app, pcm16_chunks  # noqa: E402
+from g4serve_assistant.audio import decode_wav, encode_wav  # noqa: E402
+from g4serve_assistant.db import demo_db  # noqa: E402
+from g4serve_assistant.extraction import candidate_ids  # noqa: E402
+from g4serve_assistant.pipeline import NOT_HEARD_REPLY, Assistant  # noqa: E402
 
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
 
@@ -281,9 +281,9 @@ def test_websocket_needs_a_session_id(client):
 
 
 def test_cli_import_payees_and_a_no_llm_app(tmp_path, capsys):
-    from g4serve.assistant.cli import build_from_args
-    from g4serve.assistant.db import BankDB
     from g4serve.cli import build_parser, main
+    from g4serve_assistant.cli import build_from_args
+    from g4serve_assistant.db import BankDB
 
     db_path = tmp_path / "bank.db"
     csv_path = tmp_path / "payees.csv"
@@ -313,8 +313,8 @@ def test_cli_import_payees_and_a_no_llm_app(tmp_path, capsys):
 
 def test_cli_default_db_is_in_the_cache_dir(tmp_path, monkeypatch, capsys):
     """Without ``--db`` the database goes to ``<G4SERVE_CACHE>/assistant/``, never the working directory."""
-    from g4serve.assistant.cli import build_from_args, default_db_path
     from g4serve.cli import build_parser, main
+    from g4serve_assistant.cli import build_from_args, default_db_path
 
     cache, work = tmp_path / "cache", tmp_path / "work"
     work.mkdir()

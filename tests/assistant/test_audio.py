@@ -14,14 +14,14 @@ import threading
 import numpy as np
 import pytest
 
-from g4serve.assistant.asr import (
+from g4serve_assistant.asr import (
     PocketSphinxRecognizer,
     arpa_from_phrases,
     guess_pronunciation,
     jsgf_from_vocabulary,
     make_recognizer,
 )
-from g4serve.assistant.audio import (
+from g4serve_assistant.audio import (
     SAMPLE_RATE,
     AudioError,
     decode_base64_wav,
@@ -29,8 +29,8 @@ from g4serve.assistant.audio import (
     encode_wav,
     pcm16_bytes_to_float,
 )
-from g4serve.assistant.vad import VoiceActivityDetector
-from g4serve.assistant.vocabulary import DomainVocabulary, spoken_number, spoken_words
+from g4serve_assistant.vad import VoiceActivityDetector
+from g4serve_assistant.vocabulary import DomainVocabulary, spoken_number, spoken_words
 
 PAYEES = ["John Smith", "Maria Garcia", "Wei Chen", "Priya Patel", "City Electric"]
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from g4serve.assistant.db import BankDB, Payee, demo_db
+from g4serve_assistant.db import BankDB, Payee, demo_db
 
 DATA = Path(__file__).parent / "data"
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jsonschema
 import pytest
 
-from g4serve.assistant.extraction import (
+from g4serve_assistant.extraction import (
     EXTRACTION_SYSTEM,
     MAX_CANDIDATES,
     Extraction,
@@ -20,7 +20,7 @@ from g4serve.assistant.extraction import (
     max_output_bytes,
     merge_into_result,
 )
-from g4serve.assistant.intents import INTENTS
+from g4serve_assistant.intents import INTENTS
 
 REQUIRED = {
     "intent",
@@ -153,7 +153,7 @@ def test_validate_refuses_what_the_grammar_should_never_produce(extractor):
 
 
 def test_merge_keeps_deterministic_entities_and_maps_the_candidate():
-    from g4serve.assistant.intents import IntentResult
+    from g4serve_assistant.intents import IntentResult
 
     heard = [(5000, "USD"), (2000, "USD")]
     base = IntentResult(
@@ -211,3 +211,25 @@ def test_merge_keeps_deterministic_entities_and_maps_the_candidate():
         rules=[],
     )
     assert "payee_id" not in merge_into_result(guessed, extraction(None, None, cid=None), JONS).entities
+
+
+def test_warmup_compiles_every_grammar_through_the_public_validate(engine, extractor):
+    """``AsyncLLMEngine.validate`` checks a request as ``generate`` would, without queuing it; the warm-up
+    compiles each candidate count's grammar through it, so no user's turn pays for a compile."""
+    from g4serve.sampling_params import SamplingParams
+
+    backend = engine.engine.structured_backend  # test-only peek at the grammar cache
+
+    async def run() -> None:
+        await extractor.warmup()
+        processed = await engine.process(extractor.prompt("x", []), add_special_tokens=False)
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.validate(processed, SamplingParams(max_tokens=engine.max_model_len))
+        before = backend.cache_info()
+        for n in range(MAX_CANDIDATES + 1):
+            await engine.validate(processed, extractor.params(n))
+        after = backend.cache_info()
+        assert after["misses"] == before["misses"] and after["hits"] >= before["hits"] + MAX_CANDIDATES + 1
+
+    asyncio.run(run())
+    assert not engine.engine.requests  # nothing was queued

@@ -6,8 +6,8 @@ import datetime as dt
 
 import pytest
 
-from g4serve.assistant.db import demo_db
-from g4serve.assistant.intents import (
+from g4serve_assistant.db import demo_db
+from g4serve_assistant.intents import (
     AMBIGUOUS_PAYEE,
     CONFLICTING_INTENTS,
     INTENTS,
@@ -21,8 +21,8 @@ from g4serve.assistant.intents import (
     confirmation_of,
     resolve_payee,
 )
-from g4serve.assistant.normalize import normalize
-from g4serve.assistant.payees import Candidate, PayeeIndex
+from g4serve_assistant.normalize import normalize
+from g4serve_assistant.payees import Candidate, PayeeIndex
 
 NOW = dt.datetime(2025, 5, 7, 10, 0)  # a Wednesday
 

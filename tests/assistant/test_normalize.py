@@ -7,7 +7,7 @@ import datetime as dt
 
 import pytest
 
-from g4serve.assistant.normalize import format_money, minor_unit_exponent, normalize
+from g4serve_assistant.normalize import format_money, minor_unit_exponent, normalize
 
 NOW = dt.datetime(2025, 5, 7, 10, 0)  # a Wednesday
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from g4serve.assistant.db import BankDB, Payee, demo_db
-from g4serve.assistant.intents import AMBIGUOUS_PAYEE, resolve_payee
-from g4serve.assistant.payees import PayeeIndex, simplify_name
+from g4serve_assistant.db import BankDB, Payee, demo_db
+from g4serve_assistant.intents import AMBIGUOUS_PAYEE, resolve_payee
+from g4serve_assistant.payees import PayeeIndex, simplify_name
 
 DATA = Path(__file__).parent / "data"
 

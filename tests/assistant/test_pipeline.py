@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pytest
 
-from g4serve.assistant.db import Payee, demo_db
-from g4serve.assistant.knowledge import DOCUMENTS
-from g4serve.assistant.metrics import AssistantMetrics
-from g4serve.assistant.pipeline import NOT_HEARD_REPLY, Assistant, StageClock, Utterance
-from g4serve.assistant.qna import KnowledgeIndex, answer_events
-from g4serve.assistant.vad import VadEvent
+from g4serve_assistant.db import Payee, demo_db
+from g4serve_assistant.knowledge import DOCUMENTS
+from g4serve_assistant.metrics import AssistantMetrics
+from g4serve_assistant.pipeline import NOT_HEARD_REPLY, Assistant, StageClock, Utterance
+from g4serve_assistant.qna import KnowledgeIndex, answer_events
+from g4serve_assistant.vad import VadEvent
 
 
 class FakeStream:
@@ -27,7 +27,7 @@ class FakeStream:
         return f"partial {len(self.fed)}"
 
     def finish(self):
-        from g4serve.assistant.asr import Transcript
+        from g4serve_assistant.asr import Transcript
 
         samples = sum(a.size for a in self.fed)
         return Transcript(

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from g4serve.assistant.db import demo_db
-from g4serve.assistant.intents import IntentClassifier, IntentResult
-from g4serve.assistant.normalize import normalize
-from g4serve.assistant.payees import PayeeIndex
-from g4serve.assistant.policy import (
+from g4serve_assistant.db import demo_db
+from g4serve_assistant.intents import IntentClassifier, IntentResult
+from g4serve_assistant.normalize import normalize
+from g4serve_assistant.payees import PayeeIndex
+from g4serve_assistant.policy import (
     DATE_IN_PAST,
     INSUFFICIENT_FUNDS,
     INVALID_AMOUNT,

@@ -21,6 +21,7 @@ from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.engine.request import Request
 from g4serve.outputs import RequestMetrics, RequestOutput
 from g4serve.processing.processor import ProcessedPrompt
+from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
 
 log = logging.getLogger("g4serve.async_engine")
@@ -163,6 +164,29 @@ class AsyncLLMEngine:
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (chat template, ``encode``, ``decode``); read-only use is thread-safe."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output tokens) one request may reach."""
+        return self.engine.max_model_len
+
+    async def validate(self, processed: ProcessedPrompt, params: SamplingParams, priority: int = 0) -> None:
+        """Check a request as ``generate`` would, without queuing it: its length against ``max_model_len``,
+        its token ids, and its structured-output grammar, compiled here (into the backend's grammar cache,
+        so a later ``generate`` with the same spec starts at once). Raises what ``generate`` would raise
+        (``ValueError``, ``StructuredOutputError``). Runs in the preprocessing pool: compiling a grammar
+        can take a while and must not stall the event loop."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            self._pool, lambda: self.engine.make_request("validate", processed, params, priority=priority)
+        )
 
     async def generate(
         self,

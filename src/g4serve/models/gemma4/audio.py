@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from g4serve.config import AudioConfig
-from g4serve.layers.activation import ACTIVATIONS
+from g4serve.kernels.act_mul import ACTIVATIONS
 from g4serve.layers.norm import RMSNorm
 from g4serve.models.gemma4.multimodal import ClippableLinear
 
