@@ -15,7 +15,7 @@ SERVE_STAMP := $(VENV)/.g4serve-serve
 TEST_STAMP := $(VENV)/.g4serve-test
 LINT_STAMP := $(VENV)/.g4serve-lint
 
-.PHONY: install serve demo test test-latest lint clean
+.PHONY: install serve demo test test-latest check-no-extras lint clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -50,9 +50,13 @@ test: $(TEST_STAMP)
 test-latest:
 	$(PYTHON) .ci/test_latest.py
 
+# A plain `pip install .` (no extras) in .venv-noextras serves text, image, video and audio.
+check-no-extras:
+	$(PYTHON) .ci/check_no_extras.py
+
 lint: $(LINT_STAMP)
 	$(BIN)/ruff check src tests bench .ci
 	$(BIN)/ruff format --check src tests bench .ci
 
 clean:
-	rm -rf $(VENV) .venv-latest .pytest_cache
+	rm -rf $(VENV) .venv-latest .venv-noextras .pytest_cache
