@@ -291,7 +291,7 @@ class Extractor:
         from g4serve.sampling_params import SamplingParams
 
         processed = await self.engine.process(self.prompt("warm up", []), add_special_tokens=False)
-        for n in range(MAX_CANDIDATES + 1):
+        for n in range(MAX_CANDIDATES + 1):  # admitted only to compile the grammar: never queued
             await self.engine.validate(processed, self.params(n))
         async for _ in self.engine.generate(processed, SamplingParams(temperature=0.0, max_tokens=1)):
             pass

@@ -75,6 +75,31 @@ def test_chat_completion_matches_offline_engine(server, client):
     assert again.choices[0].message.content == choice.message.content
 
 
+def test_each_engine_request_is_admitted_once(server, client, monkeypatch):
+    """The engine's admission (length, token ids, grammar compile) runs once per engine request: for a chat,
+    a constrained chat and each of a completion's n choices, not a second time when the request is added."""
+    pytest.importorskip("g4serve.structured")
+    engine = server.engine
+    admitted: list[str] = []
+    make_request = engine.make_request
+
+    def counted(request_id, *args, **kwargs):
+        admitted.append(request_id)
+        return make_request(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "make_request", counted)
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, temperature=0)
+    assert len(admitted) == 1 and admitted[0].startswith("chatcmpl-")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, response_format=fmt)
+    assert len(admitted) == 2
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=3, n=3, seed=1)
+    children = admitted[2:]
+    assert len(children) == 3 and len(set(children)) == 3  # one per choice, each once
+    server.wait_idle()
+
+
 def test_streaming_chat_equals_non_streaming(client):
     full = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0)
     stream = client.chat.completions.create(

@@ -1,8 +1,8 @@
-"""Asyncio front of the engine for the server: submit, stream deltas, abort.
+"""Asyncio front of the engine for the server: process, admit (``validate``), stream (``add``), abort.
 
 The synchronous ``LLMEngine`` runs in one background thread that loops on ``step()`` while
-work exists; prompt processing (tokenizing, decoding and resizing media) runs in a thread
-pool so it never delays a step. Each request's outputs flow to the caller through an
+work exists; prompt processing (tokenizing, decoding and resizing media) and admission run in a
+thread pool so they never delay a step. Each request's outputs flow to the caller through an
 asyncio queue as ``StreamDelta`` s (new text, new token ids, finish reason).
 """
 
@@ -17,7 +17,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.engine.config import EngineConfig
+from g4serve.engine.engine import LLMEngine
 from g4serve.engine.request import Request
 from g4serve.outputs import RequestMetrics, RequestOutput
 from g4serve.processing.processor import ProcessedPrompt
@@ -175,17 +176,30 @@ class AsyncLLMEngine:
         """The longest sequence (prompt + output tokens) one request may reach."""
         return self.engine.max_model_len
 
-    async def validate(self, processed: ProcessedPrompt, params: SamplingParams, priority: int = 0) -> None:
-        """Check a request as ``generate`` would, without queuing it: its length against ``max_model_len``,
-        its token ids, and its structured-output grammar, compiled here (into the backend's grammar cache,
-        so a later ``generate`` with the same spec starts at once). Raises what ``generate`` would raise
-        (``ValueError``, ``StructuredOutputError``). Runs in the preprocessing pool: compiling a grammar
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration (read-only)."""
+        return self.engine.config
+
+    async def validate(
+        self,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> Request:
+        """Admit a request: its length against ``max_model_len``, its token ids, and its structured-output
+        grammar, compiled here (into the backend's grammar cache). Returns the engine request, not yet
+        queued, for ``add``: this is the one place a request is checked. Raises ``ValueError`` /
+        ``StructuredOutputError`` naming the field. Runs in the preprocessing pool: compiling a grammar
         can take a while and must not stall the event loop."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.dead!r}")
+        request_id = request_id or self.new_request_id()
+        self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(
-            self._pool, lambda: self.engine.make_request("validate", processed, params, priority=priority)
+        return await loop.run_in_executor(
+            self._pool, lambda: self.engine.make_request(request_id, processed, params, priority=priority)
         )
 
     async def generate(
@@ -195,15 +209,29 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[StreamDelta]:
-        """Submit one request and yield its deltas until it finishes; cancelling the iterator aborts it."""
+        """``validate`` then ``add``: submit one request and yield its deltas until it finishes; closing or
+        cancelling the iterator aborts it."""
+        request = await self.validate(processed, params, priority=priority, request_id=request_id)
+        stream = self.add(request)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    def _check_free(self, request_id: str) -> None:
+        if request_id in self._streams:
+            # The engine thread would refuse it too, but only after this stream had replaced the
+            # running request's stream, leaving that consumer waiting forever.
+            raise ValueError(f"request_id: {request_id!r} is already in use by a running request")
+
+    async def add(self, request: Request) -> AsyncIterator[StreamDelta]:
+        """Queue an admitted request (from ``validate``) and yield its deltas until it finishes; closing or
+        cancelling the iterator aborts it."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.dead!r}")
-        request_id = request_id or self.new_request_id()
-        if request_id in self._streams:
-            # Checked here: the engine thread would refuse it too, but only after this stream had
-            # replaced the running request's stream, leaving that consumer waiting forever.
-            raise ValueError(f"request_id: {request_id!r} is already in use by a running request")
-        request = self.engine.make_request(request_id, processed, params, priority=priority)
+        request_id = request.request_id
+        self._check_free(request_id)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q, request)
@@ -242,7 +270,7 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine thread (after the step in progress) and end every open stream with
-        ``EngineDeadError``; later ``generate``/``process`` calls raise it at once. Idempotent."""
+        ``EngineDeadError``; later ``process``/``validate``/``add`` calls raise it at once. Idempotent."""
         if self.dead is None:
             self.dead = EngineDeadError("engine was shut down")
         self._stop.set()

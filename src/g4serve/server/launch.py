@@ -84,7 +84,7 @@ def build_from_args(args: argparse.Namespace):
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_local_media_path=args.allowed_local_media_path,
         drain_timeout_s=args.drain_timeout,
-        limit_mm_per_prompt=dict(engine.engine.config.limit_mm_per_prompt),
+        limit_mm_per_prompt=dict(engine.config.limit_mm_per_prompt),
     )
     return build_app(engine, config)
 

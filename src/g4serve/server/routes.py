@@ -1,0 +1,42 @@
+"""The HTTP routes, one ``APIRouter`` per API family; each handler hands the request to the serving object
+``build_app`` put on ``app.state`` (``serving_chat``, ``serving_completion``, ``serving_models``).
+
+- ``openai``: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``;
+- ``system``: ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from g4serve.server.errors import health_response
+
+openai = APIRouter()
+system = APIRouter()
+
+
+@openai.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await request.app.state.serving_chat.create(request)
+
+
+@openai.post("/v1/completions")
+async def completions(request: Request):
+    return await request.app.state.serving_completion.create(request)
+
+
+@openai.get("/v1/models")
+async def models(request: Request) -> dict:
+    return request.app.state.serving_models.list_models()
+
+
+@system.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state
+    return health_response(state.engine, model=state.serving_models.base_model)
+
+
+@system.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

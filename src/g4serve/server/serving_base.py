@@ -1,0 +1,256 @@
+"""What the OpenAI endpoints share (vLLM's ``OpenAIServing``): parsing a body into its pydantic model,
+the model name, media limits, sampling parameters, prompt processing, admission, and the engine streams of
+a request's choices (merged, or collected for a whole response) and their metrics.
+
+Admission happens once per engine request: ``OpenAIServing.admit`` asks ``AsyncLLMEngine.validate`` (the
+engine's own checks: prompt length, context, token ids, grammar) for every choice before anything streams,
+and the admitted requests are what ``stream`` adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from g4serve.engine.async_engine import AsyncLLMEngine, StreamDelta
+from g4serve.processing.chat import LocalFile
+from g4serve.processing.processor import ProcessedPrompt
+from g4serve.sampling_params import SamplingParams, SamplingParamsError
+from g4serve.server.config import ServerConfig
+from g4serve.server.errors import APIError, bad_request, read_json_object
+from g4serve.server.metrics import ServerMetrics
+from g4serve.server.serving_models import OpenAIServingModels
+from g4serve.server.streaming import Choice, accumulate
+
+if TYPE_CHECKING:
+    from g4serve.engine.request import Request as EngineRequest
+
+
+class OpenAIServing:
+    """The base of one endpoint's serving object: its ``create(request)`` turns the HTTP request into
+    admitted engine requests and answers with their output, whole or streamed."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        models: OpenAIServingModels,
+        config: ServerConfig,
+        metrics: ServerMetrics,
+    ):
+        self.engine = engine
+        self.models = models
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+
+    # ---- request parsing ---------------------------------------------------------------------------
+    async def read(self, request: Request, model: type[BaseModel]) -> Any:
+        body = await read_json_object(request, self.config.max_request_body_bytes)
+        try:
+            return model.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            path = field_path(err["loc"], body) or "body"
+            raise APIError(400, f"{path}: {err['msg']}", param=path) from None
+
+    def check_model(self, name: str | None) -> str:
+        return self.models.check_model(name)
+
+    def check_media(self, media_lists: dict[str, list]) -> None:
+        for modality, items in media_lists.items():
+            limit = self.config.limit_mm_per_prompt.get(modality, 0)
+            if len(items) > limit:
+                raise APIError(
+                    400,
+                    f"messages: {len(items)} {modality} input(s) exceed the limit of {limit} per "
+                    f"prompt (--limit-mm-per-prompt)",
+                    param="messages",
+                )
+            for item in items:
+                if isinstance(item, LocalFile):
+                    check_local_path(item.path, self.config.allowed_local_media_path)
+
+    @staticmethod
+    def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if max_tokens is not None and max_tokens <= 0:
+            raise APIError(400, f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
+        if req.n > 16:
+            raise APIError(400, f"n: at most 16 choices per request, got {req.n}", param="n")
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+        except SamplingParamsError as exc:
+            raise bad_request(exc) from None
+        spec = structured_spec(req.response_format)
+        if spec is not None:
+            params = replace(params, structured_output=spec)
+        return params
+
+    async def process(self, prompt: str | dict, add_special_tokens: bool) -> ProcessedPrompt:
+        began = time.monotonic()
+        try:
+            processed = await self.engine.process(prompt, add_special_tokens)
+        except (ValueError, OSError) as exc:
+            raise bad_request(exc) from None
+        self.metrics.preprocess.observe(time.monotonic() - began)
+        return processed
+
+    # ---- admission and engine streams ------------------------------------------------------------------
+    async def admit(
+        self, processed: ProcessedPrompt, params: SamplingParams, base_id: str, priority: int
+    ) -> list[EngineRequest]:
+        """The engine's admission checks, once per choice (``n`` > 1 fans out with seeds seed, seed+1, ...),
+        before anything streams. Off the event loop: a new JSON schema compiles here (about a second on a
+        262k vocabulary), into the grammar cache the other choices then hit."""
+        if params.n == 1:
+            children = [(base_id, params)]
+        else:
+            children = [
+                (
+                    f"{base_id}-{i}",
+                    replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                )
+                for i in range(params.n)
+            ]
+        try:
+            return [
+                await self.engine.validate(processed, child, request_id=rid, priority=priority)
+                for rid, child in children
+            ]
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    def stream(self, requests: list[EngineRequest]) -> list[AsyncIterator[StreamDelta]]:
+        return [self.engine.add(request) for request in requests]
+
+    def record(self, delta: StreamDelta, received: float) -> None:
+        if delta.finished:
+            self.metrics.observe_finished(
+                delta.metrics,
+                delta.num_prompt_tokens,
+                delta.num_output_tokens,
+                delta.num_cached_tokens,
+                delta.finish_reason,
+                received=received,
+            )
+
+    async def merged(self, streams: list, received: float) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Interleave several engine streams; closing this closes (and aborts) all of them. ``received``: when
+        the HTTP request reached its handler (``time.monotonic``), for the prepare-time metric."""
+        if len(streams) == 1:
+            try:
+                async for delta in streams[0]:
+                    self.record(delta, received)
+                    yield 0, delta
+            finally:
+                await streams[0].aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
+        open_streams = len(tasks)
+        try:
+            while open_streams:
+                index, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                self.record(item, received)
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(
+        self, request: Request, streams: list, n: int, received: float
+    ) -> tuple[list[Choice], int]:
+        """Run streams to the end for a non-streaming response; a client disconnect aborts them.
+
+        Returns the choices and the prompt tokens served from the prefix cache."""
+        choices = [Choice() for _ in range(n)]
+        cached = 0
+
+        async def consume() -> None:
+            nonlocal cached
+            async for index, delta in self.merged(streams, received):
+                accumulate(choices[index], delta)
+                cached = delta.num_cached_tokens
+
+        task = asyncio.create_task(consume())
+        try:
+            while not (await asyncio.wait({task}, timeout=0.25))[0]:
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
+            task.result()  # re-raises an engine failure
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return choices, cached
+
+
+async def _pump(index: int, stream, queue: asyncio.Queue) -> None:
+    try:
+        async for delta in stream:
+            await queue.put((index, delta))
+    except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+        await queue.put((index, exc))
+        raise
+    finally:
+        await stream.aclose()
+        await queue.put((index, None))
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+def field_path(loc: tuple, body: dict) -> str:
+    """pydantic's error location -> the request's field path ("messages.0.content" ->
+    "messages[0].content")."""
+    parts: list[str] = []
+    node: Any = body
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+        elif isinstance(node, dict) and part in node:
+            parts.append(("." if parts else "") + part)
+            node = node[part]
+        elif not parts:
+            parts.append(str(part))
+            node = None
+        # else: a union-branch or type tag pydantic adds ("str", "list[int]"): not a field
+    return "".join(parts)
+
+
+def check_local_path(path: str, allowed: str | None) -> None:
+    if allowed is None:
+        raise APIError(
+            400,
+            "messages: local media files are not allowed (start the server with --allowed-local-media-path)",
+            param="messages",
+        )
+    resolved, root = Path(path).resolve(), Path(allowed).resolve()
+    if root != resolved and root not in resolved.parents:
+        raise APIError(400, f"messages: {path!r} is outside --allowed-local-media-path", param="messages")
+    if not resolved.is_file():
+        raise APIError(400, f"messages: local media file {path!r} does not exist", param="messages")
+
+
+def structured_spec(response_format: dict | None):
+    if response_format is None:
+        return None
+    from g4serve.structured import StructuredOutputError, StructuredSpec
+
+    try:
+        return StructuredSpec.from_response_format(response_format)
+    except StructuredOutputError as exc:
+        raise bad_request(exc) from None
