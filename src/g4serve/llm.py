@@ -43,7 +43,6 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         **engine_kwargs: Any,
     ):
-        _check_device(str(device))
         config = EngineConfig(
             model=None if model is None else str(model),
             device=str(device),
@@ -53,17 +52,19 @@ class LLM:
         )
         if limit_mm_per_prompt is not None and not text_only:
             config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **limit_mm_per_prompt}
-        self.engine = LLMEngine(config)
-        self._ids = itertools.count()
+        self._start(config)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An ``LLM`` on a whole ``EngineConfig`` (e.g. from ``g4serve.engine_args``' flags)."""
-        _check_device(str(config.device))
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
+        llm._start(config)
         return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        _check_device(str(config.device))
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODALITIES = ("image", "video", "audio")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers.attention.BACKENDS, plus auto
 
 
 def _opt(default: Any = None, help: str = "", **meta: Any) -> Any:
@@ -54,7 +55,7 @@ class EngineConfig:
     attention_backend: str = _opt(
         "auto",
         "auto: Triton kernels on CUDA, the PyTorch reference elsewhere",
-        choices=("auto", "torch", "triton"),
+        choices=ATTENTION_BACKENDS,
     )
     # On CUDA with the Triton backend, decode, prefill/mixed and vision-encoder steps replay CUDA graphs
     # unless this is set (vLLM's --enforce-eager).
@@ -84,7 +85,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}"
             )
@@ -96,4 +97,4 @@ class EngineConfig:
         return all(v == 0 for v in self.limit_mm_per_prompt.values())
 
 
-__all__ = ["MODALITIES", "EngineConfig"]
+__all__ = ["ATTENTION_BACKENDS", "MODALITIES", "EngineConfig"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 
 from g4serve.config import PRESETS
 from g4serve.engine.config import EngineConfig
@@ -56,12 +55,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from g4serve.models.gemma4.loader import CheckpointError, checkpoint_dir
+
     model = args.preset or args.model
-    if model is not None and model not in PRESETS and not Path(model).is_dir():
-        raise SystemExit(
-            f"g4serve serve: error: {model!r} is neither a checkpoint directory nor a preset "
-            f"({', '.join(sorted(PRESETS))})"
-        )
+    if model is not None:
+        try:
+            checkpoint_dir(model)  # before anything loads: a typo exits at once
+        except CheckpointError as exc:
+            raise SystemExit(f"g4serve serve: error: {exc}") from None
     return engine_config(args, model=model)
 
 
