@@ -34,10 +34,14 @@ def parse_mm_limits(text: str) -> dict[str, int]:
     for key, value in raw.items():
         if key not in MODALITIES:
             raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: unknown modality {key!r}")
-        try:
-            out[key] = int(value)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {key} must be an integer") from None
+        # A JSON integer or decimal digits: floats (2.7, Infinity) and booleans are refused, not truncated.
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | str)
+            or not str(value).strip().lstrip("-").isdigit()
+        ):
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {key} must be an integer")
+        out[key] = int(value)
         if out[key] < 0:
             raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {key} must be >= 0")
     return out

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from g4serve.engine.config import EngineConfig
-from g4serve.engine_args import add_engine_arguments, engine_config_from_args
+from g4serve.engine_args import add_engine_arguments, engine_config_from_args, parse_mm_limits
 from g4serve.server.launch import add_serve_arguments
 from g4serve.server.launch import engine_config_from_args as serve_engine_config
 
@@ -56,6 +56,26 @@ def test_bad_flag_values_are_rejected():
         _parser().parse_args(["--attention-backend", "cudnn"])
     with pytest.raises(SystemExit):
         _parser().parse_args(["--limit-mm-per-prompt", "pictures=2"])
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"image": Infinity}', "image must be an integer"),  # int(inf) would overflow
+        ('{"image": 2.7}', "image must be an integer"),  # not truncated to 2
+        ('{"image": true}', "image must be an integer"),
+        ('{"image": [1]}', "image must be an integer"),
+        ("image=abc", "image must be an integer"),
+        ("image=-1", "image must be >= 0"),
+        ("image", "cannot parse"),
+        ('{"image": 2', "cannot parse"),
+        ('{"image": {"image": {"image": 1}}}', "image must be an integer"),
+    ],
+)
+def test_hostile_mm_limits_get_a_clear_error(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        parse_mm_limits(text)
+    assert parse_mm_limits('{"image": 2}') == {"image": 2} and parse_mm_limits(" audio=0 ") == {"audio": 0}
 
 
 def test_serve_takes_its_engine_flags_from_the_config():
