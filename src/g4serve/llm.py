@@ -138,7 +138,7 @@ class LLM:
             base = str(next(self._ids))
             ids = []
             for index in range(p.n):
-                child = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + index)
+                child = p if p.n == 1 else p.for_choice(index)
                 rid = base if p.n == 1 else f"{base}-{index}"
                 requests.append(self.engine.make_request(rid, proc, child))
                 ids.append(rid)

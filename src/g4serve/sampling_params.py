@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -11,6 +12,14 @@ if TYPE_CHECKING:
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message starts with the parameter's name."""
+
+
+# Bounds that keep every value representable where the engine puts it (fp32/int64 tensors, torch.Generator
+# seeds) and meaningful: past these a request is not asking for anything different, only for an overflow.
+MAX_INT_PARAM = 2**31 - 1  # n, top_k, max_tokens, min_tokens, stop_token_ids
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_TEMPERATURE = 100.0  # the distribution is uniform long before this
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
@@ -60,33 +69,39 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(f"{name}: {msg}")
 
-        check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         check(
-            _is_number(self.temperature) and self.temperature >= 0,
+            _is_int(self.n) and 1 <= self.n <= MAX_INT_PARAM, "n", f"must be an integer >= 1, got {self.n!r}"
+        )
+        check(
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
-            f"must be >= 0, got {self.temperature!r}",
+            f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}",
         )
         check(
             _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"
         )
         check(
-            _is_int(self.top_k) and self.top_k >= 0,
+            _is_int(self.top_k) and 0 <= self.top_k <= MAX_INT_PARAM,
             "top_k",
             f"must be -1, 0 or a positive integer, got {self.top_k!r}",
         )
         check(
             _is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}"
         )
-        check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
+            self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),
+            "seed",
+            f"must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}",
         )
         check(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT_PARAM),
+            "max_tokens",
+            f"must be an integer in [1, {MAX_INT_PARAM}], got {self.max_tokens!r}",
+        )
+        check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT_PARAM,
             "min_tokens",
-            f"must be >= 0, got {self.min_tokens!r}",
+            f"must be an integer in [0, {MAX_INT_PARAM}], got {self.min_tokens!r}",
         )
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -95,7 +110,7 @@ class SamplingParams:
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and 0 <= t <= MAX_INT_PARAM for t in self.stop_token_ids),
             "stop_token_ids",
             f"must be non-negative token ids, got {self.stop_token_ids!r}",
         )
@@ -105,20 +120,28 @@ class SamplingParams:
             f"must be an integer in [0, 20], got {self.logprobs!r}",
         )
         check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            "must be > 0",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}",
         )
         check(
             _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
             "presence_penalty",
-            "must be in [-2, 2]",
+            f"must be in [-2, 2], got {self.presence_penalty!r}",
         )
         check(
             _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
             "frequency_penalty",
-            "must be in [-2, 2]",
+            f"must be in [-2, 2], got {self.frequency_penalty!r}",
         )
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of an ``n``-choice request: one choice, seeded ``seed + index``
+        (wrapping within the seed range) so the choices differ and each is reproducible."""
+        seed = self.seed
+        if seed is not None:
+            seed = MIN_SEED + (seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1)
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
@@ -131,7 +154,8 @@ class SamplingParams:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float: NaN and the infinities are refused wherever a number is taken."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_int(x: object) -> bool:

@@ -211,9 +211,10 @@ def test_abort_while_a_step_is_in_flight(tiny_model_dir):
     assert_pools_free(engine)
 
 
-def test_a_failed_launch_aborts_the_step_in_flight(tiny_model_dir, monkeypatch):
-    """The in-flight step's requests can no longer be trusted and are aborted; a request that was only
-    scheduled into the failed step runs on once the runner works again."""
+def test_a_failed_launch_fails_its_batch_and_the_step_in_flight(tiny_model_dir, monkeypatch):
+    """The in-flight step's requests can no longer be trusted, and the failed step's batch is not retried (a
+    request that makes every launch fail would otherwise fail it forever): both fail with an error output;
+    a request added afterwards runs once the runner works again."""
     engine = make_engine(tiny_model_dir, text_only=True, async_scheduling=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request(engine.make_request("a", engine.process_prompt("what is my balance"), params))
@@ -222,12 +223,15 @@ def test_a_failed_launch_aborts_the_step_in_flight(tiny_model_dir, monkeypatch):
     execute = engine.runner.execute
     monkeypatch.setattr(engine.runner, "execute", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     engine.add_request(engine.make_request("b", engine.process_prompt("hi"), params))
-    with pytest.raises(RuntimeError, match="boom"):
-        engine.step()
-    assert list(engine.requests) == ["b"] and engine._inflight is None
+    failed = engine.step()
+    assert sorted(o.request_id for o in failed) == ["a", "b"]
+    assert all(o.finished and o.outputs[0].finish_reason == "error" and o.error for o in failed)
+    assert not engine.requests and engine._inflight is None
+    assert_pools_free(engine)
     monkeypatch.setattr(engine.runner, "execute", execute)
+    engine.add_request(engine.make_request("c", engine.process_prompt("hi"), params))
     outputs = engine.run_until_finished()
-    assert len(outputs["b"].outputs[0].token_ids) == 8
+    assert len(outputs["c"].outputs[0].token_ids) == 8
     assert_pools_free(engine)
 
 

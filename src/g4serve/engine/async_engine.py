@@ -47,6 +47,26 @@ class EngineDeadError(RuntimeError):
     """The engine thread crashed; the server should report 500s and restart."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine could not run this request (a fault in its step); the engine serves on."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _error_args(error: EngineDeadError | RequestFailedError) -> tuple:
+    """Arguments that rebuild ``error`` (raised again in each stream's own task, with its traceback)."""
+    return (error.request_id, str(error)) if isinstance(error, RequestFailedError) else (str(error),)
+
+
+def dead_message(dead: BaseException) -> str:
+    """Why the engine stopped, for clients: without the exception's text (it may hold internals)."""
+    if isinstance(dead, EngineDeadError):
+        return str(dead)
+    return f"engine is not running: it crashed ({type(dead).__name__})"
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, preprocess_workers: int = 4):
         self.engine = engine
@@ -77,18 +97,19 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 try:
-                    outputs = engine.step()
-                except Exception as exc:  # fail the step's requests, keep serving
-                    log.exception("engine step failed; aborting the requests in flight")
+                    outputs = engine.step()  # fails a faulty step's requests itself, in their outputs
+                except Exception as exc:  # a fault outside any step's requests: nobody may be left waiting
+                    log.exception("engine step raised; failing every request")
                     self._fail_all(exc)
                     continue
                 for out in outputs:
                     self._publish(out)
         except BaseException as exc:  # everything must reach the waiting clients
             log.exception("engine thread crashed")
-            self.dead = exc
+            self.dead = EngineDeadError(dead_message(exc))
+            self.dead.__cause__ = exc
             for loop, q, _ in list(self._streams.values()):
-                self._send(loop, q, exc)
+                self._send(loop, q, self.dead)
 
     @staticmethod
     def _send(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item: object) -> bool:
@@ -106,9 +127,14 @@ class AsyncLLMEngine:
             self._send(loop, q, exc)
 
     def _fail_all(self, exc: Exception) -> None:
+        """Fail every open stream (the engine's requests are aborted first, so none keeps its KV blocks)."""
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-            self._fail_stream(request_id, exc)
+        for request_id in list(self._streams):
+            self._fail_stream(
+                request_id,
+                RequestFailedError(request_id, f"internal error ({type(exc).__name__}) in the engine"),
+            )
 
     def _drain_commands(self) -> None:
         while True:
@@ -123,7 +149,10 @@ class AsyncLLMEngine:
                     log.exception("request %s: could not be added", payload.request_id)
                     if self.engine.requests.get(payload.request_id) is payload:
                         self.engine.abort_request(payload.request_id)
-                    self._fail_stream(payload.request_id, exc)
+                    # A ValueError names the field at fault; anything else is ours, told without internals.
+                    internal = f"internal error ({type(exc).__name__})"
+                    message = str(exc) if isinstance(exc, ValueError) else internal
+                    self._fail_stream(payload.request_id, RequestFailedError(payload.request_id, message))
             elif kind == "abort":
                 request = self.engine.requests.get(payload)
                 if request is not None:
@@ -135,11 +164,22 @@ class AsyncLLMEngine:
         if entry is None:
             return
         loop, q, request = entry
+        if out.error is not None:
+            self._send(loop, q, RequestFailedError(out.request_id, out.error))
+            return
         completion = out.outputs[0]
-        # Computed here, on the engine thread, so text and finish state are read consistently.
+        try:
+            # Here, on the engine thread, so text and finish state are read consistently.
+            text = request.take_stream_delta()
+        except Exception as exc:  # this request's state is broken: it fails alone
+            log.exception("request %s: its output could not be streamed", out.request_id)
+            self.engine.abort_request(out.request_id)
+            message = f"internal error ({type(exc).__name__}) while streaming request {out.request_id}"
+            self._send(loop, q, RequestFailedError(out.request_id, message))
+            return
         delta = StreamDelta(
             request_id=out.request_id,
-            text=request.take_stream_delta(),
+            text=text,
             token_ids=list(completion.token_ids),
             finished=out.finished,
             finish_reason=completion.finish_reason,
@@ -159,7 +199,7 @@ class AsyncLLMEngine:
     # ---- event-loop side ---------------------------------------------------------------------------
     async def process(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
         if self.dead is not None:
-            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            raise EngineDeadError(dead_message(self.dead))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.engine.process_prompt, prompt, add_special_tokens)
 
@@ -194,7 +234,7 @@ class AsyncLLMEngine:
         ``StructuredOutputError`` naming the field. Runs in the preprocessing pool: compiling a grammar
         can take a while and must not stall the event loop."""
         if self.dead is not None:
-            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            raise EngineDeadError(dead_message(self.dead))
         request_id = request_id or self.new_request_id()
         self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
         loop = asyncio.get_running_loop()
@@ -229,7 +269,7 @@ class AsyncLLMEngine:
         """Queue an admitted request (from ``validate``) and yield its deltas until it finishes; closing or
         cancelling the iterator aborts it."""
         if self.dead is not None:
-            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            raise EngineDeadError(dead_message(self.dead))
         request_id = request.request_id
         self._check_free(request_id)
         loop = asyncio.get_running_loop()
@@ -237,7 +277,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = (loop, q, request)
         if self.dead is not None:  # shut down (from another thread) since the check above
             self._streams.pop(request_id, None)
-            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+            raise EngineDeadError(dead_message(self.dead))
         self._commands.put(("add", request))
         self._wake.set()
         sent_tokens = 0
@@ -247,9 +287,9 @@ class AsyncLLMEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
-                    if isinstance(item, EngineDeadError):  # shut down
-                        raise EngineDeadError(str(item)) from item
-                    raise EngineDeadError(f"engine failed: {item!r}") from item
+                    if isinstance(item, (EngineDeadError, RequestFailedError)):
+                        raise type(item)(*_error_args(item)) from item
+                    raise EngineDeadError(dead_message(item)) from item
                 item.token_ids = item.token_ids[sent_tokens:]
                 sent_tokens += len(item.token_ids)
                 finished = item.finished

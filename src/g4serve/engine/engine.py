@@ -367,8 +367,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs of the requests that got a token. With async
         scheduling these come from the step launched by the previous call, read back after this call
-        launched the next one."""
+        launched the next one.
+
+        A fault while scheduling, encoding, preparing, running or sampling fails exactly the requests of
+        the step (and of the launched step not yet read back, whose tokens it consumed): each ends with
+        finish_reason "error" and an ``error`` message in its output, returns its KV blocks, and the engine
+        serves on. A fault in one request's read-back (grammar, detokenizer) fails that request alone."""
         previous, self._inflight = self._inflight, None
+        batch: ScheduledBatch | None = None
         current: InflightStep | None = None
         outputs: list[RequestOutput] = []
         try:
@@ -393,10 +399,40 @@ class LLMEngine:
                     self._inflight = current
                 else:
                     outputs += self._complete(current)
-        except BaseException:
-            self._abort_unread(previous, current)
-            self._inflight = None
+        except Exception as exc:
+            outputs += self._fail_step(exc, previous, batch)
+        except BaseException:  # KeyboardInterrupt, SystemExit: stop, leaving no request half-run
+            self._fail_step(None, previous, batch)
             raise
+        return outputs
+
+    def _fail_step(
+        self, exc: Exception | None, previous: InflightStep | None, batch: ScheduledBatch | None
+    ) -> list[RequestOutput]:
+        """Fail the unfinished requests of a step that raised: its batch, and the launched step it would have
+        read back. When the fault came before the step had a batch (scheduler, encoder poll) and nothing was
+        in flight, no request's state can be vouched for: all of them fail, rather than the same fault
+        repeating every step while their clients wait."""
+        self._inflight = None
+        suspects = list(batch.requests if batch is not None else ())
+        suspects += previous.batch.requests if previous is not None else ()
+        if batch is None and previous is None:
+            suspects = list(self.requests.values())
+        failed = list({id(r): r for r in suspects if r.status is not RequestStatus.FINISHED}.values())
+        reason = "interrupted" if exc is None else type(exc).__name__
+        if exc is not None:
+            log.error(
+                "engine step failed (%s); failing its %d request(s): %s",
+                reason,
+                len(failed),
+                ", ".join(r.request_id for r in failed),
+                exc_info=exc,
+            )
+        outputs = []
+        for request in failed:
+            request.fail(f"internal error ({reason}) while running the step of request {request.request_id}")
+            self._finish(request)
+            outputs.append(self.output_of(request))
         return outputs
 
     def _note_scheduled(self, batch: ScheduledBatch) -> None:
@@ -408,14 +444,6 @@ class LLMEngine:
         for request in batch.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-
-    def _abort_unread(self, *steps: InflightStep | None) -> None:
-        """Abort the unfinished requests of launched steps that were not read back: their state is
-        unknown."""
-        for step in steps:
-            for request in step.batch.requests if step is not None else ():
-                if request.status is not RequestStatus.FINISHED:
-                    self.abort_request(request.request_id)
 
     def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
         """Run the model and sample, without waiting for the device; the requests' computed tokens
@@ -469,20 +497,12 @@ class LLMEngine:
             request.num_pending_outputs -= 1
             if request.finished:
                 continue
-            if request.grammar is not None and not request.grammar.accept_token(token_ids[row]):
-                # The mask makes this impossible; never let one request's bad state fail the batch.
-                log.error(
-                    "request %s: token %d violates its %s grammar; aborting it",
-                    request.request_id,
-                    token_ids[row],
-                    request.grammar.spec.kind,
-                )
-                request.abort()
-                continue
-            top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
-            request.append_token(token_ids[row], None if logprobs is None else logprobs[row], top, now)
-            self.num_generated_tokens += 1
-            self._extend_block_hashes(request)
+            try:
+                self._accept(request, row, token_ids, logprobs, top_ids, top_lps, now)
+            except Exception as exc:  # one request's bad state (grammar, detokenizer) fails it alone
+                log.exception("request %s: its sampled token could not be taken", request.request_id)
+                reason = type(exc).__name__
+                request.fail(f"internal error ({reason}) while reading back request {request.request_id}")
         sampled = set(map(id, step.result.requests))
         outputs = []
         for request, computed in zip(step.batch.requests, step.computed):
@@ -498,6 +518,17 @@ class LLMEngine:
                     self._finish(request)
         return outputs
 
+    def _accept(self, request: Request, row: int, token_ids, logprobs, top_ids, top_lps, now: float) -> None:
+        """Append row ``row``'s sampled token (and its logprobs) to ``request``."""
+        token = token_ids[row]
+        if request.grammar is not None and not request.grammar.accept_token(token):
+            # The mask makes this impossible: the request's state is broken, not the client's input.
+            raise RuntimeError(f"token {token} violates the request's {request.grammar.spec.kind} grammar")
+        top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
+        request.append_token(token, None if logprobs is None else logprobs[row], top, now)
+        self.num_generated_tokens += 1
+        self._extend_block_hashes(request)
+
     def output_of(self, request: Request) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
@@ -507,6 +538,7 @@ class LLMEngine:
             finished=request.finished,
             metrics=request.metrics,
             num_cached_tokens=request.metrics.prefix_hit_tokens,
+            error=request.error,
         )
 
     # ---- introspection ------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why the engine failed it (finish_reason "error")
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.num_computed_tokens = (
             0  # tokens whose K/V are in the cache (or being written by a launched step)
@@ -186,6 +187,12 @@ class Request:
     def abort(self) -> None:
         if not self.finished:
             self.finish_reason = "abort"
+
+    def fail(self, error: str) -> None:
+        """End the request because the engine could not run it (a fault in its step, not the client's
+        doing); ``error`` is the message its client gets."""
+        if not self.finished:
+            self.finish_reason, self.error = "error", error
 
     def take_stream_delta(self) -> str:
         """Text not yet streamed, holding back a tail that could still become a stop string."""
