@@ -308,11 +308,17 @@ class AsyncLLMEngine:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not yet running: submitted to the engine thread, or waiting in its scheduler
+        (read from the event loop: a length, exact enough for admission control)."""
+        return self._commands.qsize() + len(self.engine.scheduler.waiting)
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine thread (after the step in progress) and end every open stream with
         ``EngineDeadError``; later ``process``/``validate``/``add`` calls raise it at once. Idempotent."""
         if self.dead is None:
-            self.dead = EngineDeadError("engine was shut down")
+            self.dead = EngineDeadError("engine is not running: it was shut down")
         self._stop.set()
         self._wake.set()
         if self._thread is not threading.current_thread():

@@ -133,6 +133,10 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, self.dtype, self.device)
         self.kv = KVCacheManager(text, num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(self.kv.capacity_tokens())
+        # No token spells more characters than the vocabulary's longest piece, so a longer text than this
+        # cannot fit in max_model_len tokens: refused before the tokenizer spends seconds on it.
+        longest_piece = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(longest_piece, 1)
 
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         graphs = self.device.type == "cuda" and not config.enforce_eager
@@ -204,7 +208,20 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def process_prompt(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
-        """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop)."""
+        """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop). A prompt
+        too long to fit ``max_model_len`` whatever its tokens is refused before any of that work."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) and len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt: {len(text)} characters cannot fit in max_model_len={self.max_model_len} tokens "
+                f"(at most {self.max_prompt_chars} characters)"
+            )
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if isinstance(ids, list) and len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
         return self.processor.process(prompt, self.config.limit_mm_per_prompt, add_special_tokens)
 
     def make_request(

@@ -2,8 +2,8 @@
 
 ``build_app`` wires the parts: the serving objects (``serving_chat.OpenAIServingChat``,
 ``serving_completion.OpenAIServingCompletion``, ``serving_models.OpenAIServingModels``) on ``app.state``,
-the routers of ``routes.py``, the error handlers, and a middleware that checks the API key and the body
-size before anything reads the body.
+the routers of ``routes.py``, the error handlers, and ``guard.GuardMiddleware`` (the API key and the body
+size, checked before anything reads the body).
 Every request is validated before it reaches the engine, so a bad one costs a 400 naming the field and
 nothing else; a client that disconnects aborts its requests, which frees their KV blocks.
 """
@@ -18,11 +18,13 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from g4serve.server import routes
 from g4serve.server.config import ServerConfig
 from g4serve.server.errors import error_response, install_error_handlers
+from g4serve.server.guard import GuardMiddleware
 from g4serve.server.metrics import ServerMetrics
+from g4serve.server.serving_base import WaitingLimit
 from g4serve.server.serving_chat import OpenAIServingChat
 from g4serve.server.serving_completion import OpenAIServingCompletion
 from g4serve.server.serving_models import OpenAIServingModels
@@ -56,8 +58,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.config = config
     app.state.metrics = metrics
     app.state.serving_models = models = OpenAIServingModels(served, engine.max_model_len)
-    app.state.serving_chat = OpenAIServingChat(engine, models, config, metrics)
-    app.state.serving_completion = OpenAIServingCompletion(engine, models, config, metrics)
+    waiting = WaitingLimit(config.max_waiting_requests, engine)  # one queue limit for both endpoints
+    app.state.serving_chat = OpenAIServingChat(engine, models, config, metrics, waiting)
+    app.state.serving_completion = OpenAIServingCompletion(engine, models, config, metrics, waiting)
     app.include_router(routes.system)
     app.include_router(routes.openai)
 
@@ -69,25 +72,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         metrics.observe_error(status)
         return error_response(status, str(exc))
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        """API key for /v1, and a body-size limit checked before anything reads the body."""
-        if config.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                metrics.observe_error(401)
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_request_body_bytes:
-            metrics.observe_error(413)
-            return error_response(
-                413,
-                f"request body of {length} bytes exceeds the limit of {config.max_request_body_bytes} bytes",
-            )
-        task = asyncio.current_task()
-        in_flight.add(task)
-        try:
-            return await call_next(request)
-        finally:
-            in_flight.discard(task)
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_request: Request, exc: RequestFailedError) -> JSONResponse:
+        metrics.observe_error(500)
+        return error_response(500, str(exc))
+
+    app.add_middleware(GuardMiddleware, config=config, count_error=metrics.observe_error, in_flight=in_flight)
 
     return app

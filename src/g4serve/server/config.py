@@ -12,4 +12,13 @@ class ServerConfig:
     max_request_body_bytes: int = 64 << 20
     allowed_local_media_path: str | None = None  # local media files allowed only under this directory
     drain_timeout_s: float = 30.0
+    # Requests being prepared or queued for the engine past which new ones get 429 (None: no limit).
+    max_waiting_requests: int | None = 1024
+    metrics_public: bool = False  # /metrics readable without the API key (for scrapers)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    # accept chat_template_kwargs.chat_template (rendered sandboxed, under ChatTemplateLimits)
+    trust_request_chat_template: bool = False
+
+    def is_public(self, path: str) -> bool:
+        """Paths open without the API key: liveness, and the metrics when asked for."""
+        return path == "/health" or (self.metrics_public and path == "/metrics")

@@ -20,22 +20,31 @@ _TYPES = {
     405: "MethodNotAllowed",
     413: "RequestEntityTooLarge",
     422: "UnprocessableEntityError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 # Messages from the engine and processors start with the field they are about: "max_tokens: ...".
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]'\"-]*):\s")
+# "<foo.Bar object at 0x7f...>" and bare addresses: what a repr leaks about the process, never sent.
+_OBJECT_REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{6,}\b")
+# JSON bodies nest at most this deep (a chat request with media parts is about 6; a JSON schema rarely 20):
+# deeper structures are refused before any code recurses into them.
+MAX_JSON_DEPTH = 64
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param if param is not None else param_of(message)
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param)
+        return error_response(self.status, self.message, self.param, self.headers)
 
 
 def param_of(message: str) -> str | None:
@@ -44,12 +53,15 @@ def param_of(message: str) -> str | None:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    message = _OBJECT_REPR.sub("<object>", message)
     error = {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}
     return {"error": error}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def health_response(engine: Any, **extra: Any) -> JSONResponse:
@@ -59,7 +71,7 @@ def health_response(engine: Any, **extra: Any) -> JSONResponse:
     read ``status`` and OpenAI clients that read ``error.message`` both understand it."""
     dead = getattr(engine, "dead", None)
     if dead is not None:
-        body = {"status": "unavailable", **extra, **error_body(503, f"engine is not running: {dead!r}")}
+        body = {"status": "unavailable", **extra, **error_body(503, str(dead))}
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", **extra})
 
@@ -88,7 +100,11 @@ def install_error_handlers(app: FastAPI, count_error: Callable[[int], None], log
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, str(exc))
+        # The first error's field and message; str(exc) would echo the input back.
+        errors = exc.errors()
+        err = errors[0] if errors else {}
+        path = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or "body"
+        return error_response(400, f"{path}: {err.get('msg', 'invalid request')}", path)
 
     @app.exception_handler(Exception)
     async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -106,10 +122,34 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
         if size > max_bytes:
             raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
         chunks.append(chunk)
+    return parse_json_object(b"".join(chunks))
+
+
+def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """``raw`` as a JSON object nested at most ``max_depth`` deep; anything else is a 400 naming ``body``.
+    Deeper structures are refused here, so no later code (pydantic, JSON-schema compilers, templates)
+    recurses into them."""
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"body: malformed JSON: {exc}", param="body") from None
+    except RecursionError:  # the parser itself gave up, far past max_depth
+        raise APIError(400, f"body: JSON nested more than {max_depth} levels deep", param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, "body: must be a JSON object", param="body")
+    if json_depth(body) > max_depth:
+        raise APIError(400, f"body: JSON nested more than {max_depth} levels deep", param="body")
     return body
+
+
+def json_depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value`` (a scalar is 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest

@@ -36,7 +36,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("G4SERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $G4SERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every path but /health, /metrics included unless "
+        "--metrics-public (default: $G4SERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (for a Prometheus scraper inside the network)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests being prepared or queued for the engine past which new ones are answered 429 with "
+        "Retry-After (0: no limit)",
     )
     p.add_argument(
         "--allowed-local-media-path",
@@ -44,6 +57,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="allow file:// media under this directory (default: data: URLs only)",
     )
     p.add_argument("--max-request-body-bytes", type=int, default=64 << 20)
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat template in a request's chat_template_kwargs.chat_template (rendered in a "
+        "sandboxed worker process with time, memory and size limits); default: refused with a 400",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -85,7 +104,10 @@ def build_from_args(args: argparse.Namespace):
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_local_media_path=args.allowed_local_media_path,
         drain_timeout_s=args.drain_timeout,
+        max_waiting_requests=args.max_waiting_requests or None,
+        metrics_public=args.metrics_public,
         limit_mm_per_prompt=dict(engine.config.limit_mm_per_prompt),
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     return build_app(engine, config)
 

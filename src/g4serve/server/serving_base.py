@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,40 @@ if TYPE_CHECKING:
     from g4serve.engine.request import Request as EngineRequest
 
 
+class WaitingLimit:
+    """``--max-waiting-requests``: requests being prepared (tokenized, media decoded, admitted) plus those
+    queued in the engine. Past the limit a new request is answered 429 with ``Retry-After`` before its body
+    is read, so an overloaded server sheds load at the cost of a header, not of its latency."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, limit: int | None, engine: AsyncLLMEngine):
+        self.limit = limit
+        self.engine = engine
+        self.num_preparing = 0  # the event loop's own count: no lock needed
+
+    @property
+    def num_waiting(self) -> int:
+        return self.num_preparing + self.engine.num_waiting
+
+    def check(self) -> None:
+        if self.limit is not None and self.num_waiting >= self.limit:
+            raise APIError(
+                429,
+                f"server busy: {self.num_waiting} requests are waiting (--max-waiting-requests "
+                f"{self.limit}); retry after {self.RETRY_AFTER_S} s",
+                headers={"Retry-After": str(self.RETRY_AFTER_S)},
+            )
+
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator[None]:
+        self.num_preparing += 1
+        try:
+            yield
+        finally:
+            self.num_preparing -= 1
+
+
 class OpenAIServing:
     """The base of one endpoint's serving object: its ``create(request)`` turns the HTTP request into
     admitted engine requests and answers with their output, whole or streamed."""
@@ -44,15 +78,20 @@ class OpenAIServing:
         models: OpenAIServingModels,
         config: ServerConfig,
         metrics: ServerMetrics,
+        waiting: WaitingLimit | None = None,
     ):
         self.engine = engine
         self.models = models
         self.config = config
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
+        # Shared by the endpoints of one app (build_app passes one); a serving object alone counts its own.
+        self.waiting = waiting or WaitingLimit(config.max_waiting_requests, engine)
 
     # ---- request parsing ---------------------------------------------------------------------------
     async def read(self, request: Request, model: type[BaseModel]) -> Any:
+        """The body as ``model``; a full waiting queue answers 429 before the body is even read."""
+        self.waiting.check()
         body = await read_json_object(request, self.config.max_request_body_bytes)
         try:
             return model.model_validate(body)
@@ -96,7 +135,8 @@ class OpenAIServing:
     async def process(self, prompt: str | dict, add_special_tokens: bool) -> ProcessedPrompt:
         began = time.monotonic()
         try:
-            processed = await self.engine.process(prompt, add_special_tokens)
+            with self.waiting.preparing():
+                processed = await self.engine.process(prompt, add_special_tokens)
         except (ValueError, OSError) as exc:
             raise bad_request(exc) from None
         self.metrics.preprocess.observe(time.monotonic() - began)
@@ -112,18 +152,13 @@ class OpenAIServing:
         if params.n == 1:
             children = [(base_id, params)]
         else:
-            children = [
-                (
-                    f"{base_id}-{i}",
-                    replace(params, n=1, seed=None if params.seed is None else params.seed + i),
-                )
-                for i in range(params.n)
-            ]
+            children = [(f"{base_id}-{i}", params.for_choice(i)) for i in range(params.n)]
         try:
-            return [
-                await self.engine.validate(processed, child, request_id=rid, priority=priority)
-                for rid, child in children
-            ]
+            with self.waiting.preparing():
+                return [
+                    await self.engine.validate(processed, child, request_id=rid, priority=priority)
+                    for rid, child in children
+                ]
         except ValueError as exc:
             raise bad_request(exc) from None
 

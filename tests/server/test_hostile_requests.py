@@ -1,0 +1,186 @@
+"""Issue 19's repros against a live server on the tiny model: each hostile request gets a 4xx naming its
+field (or a safe result) fast, and the requests running beside it are unharmed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+USER = [{"role": "user", "content": "What is my checking account balance?"}]
+
+
+def _chat(**fields) -> dict:
+    return {"model": "tiny", "messages": USER, "max_tokens": 4, **fields}
+
+
+async def _post(client: httpx.AsyncClient, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return await client.post("/v1/chat/completions", content=content, headers=headers, **kw)
+
+
+def _beside_long_requests(server, hostile: list, n_long: int = 3) -> tuple[list, list]:
+    """Send the hostile bodies while ``n_long`` max_tokens=200 requests run; both lists of responses."""
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            long = [
+                asyncio.create_task(
+                    _post(client, _chat(max_tokens=200, ignore_eos=True, temperature=0, seed=i))
+                )
+                for i in range(n_long)
+            ]
+            await asyncio.sleep(0.3)  # the long ones are decoding
+            bad = await asyncio.gather(*(_post(client, body) for body in hostile))
+            return list(await asyncio.gather(*long)), list(bad)
+
+    long, bad = asyncio.run(main())
+    server.wait_idle()
+    return long, bad
+
+
+def _assert_unharmed(long: list) -> None:
+    for r in long:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 200
+
+
+def _error(r: httpx.Response) -> dict:
+    error = r.json()["error"]
+    assert " at 0x" not in error["message"] and "object at" not in error["message"]
+    return error
+
+
+def test_seed_overflow_is_a_400_and_hangs_nobody(server):
+    """Repro 1: a seed past 2^64 used to fail the engine step and leave every request beside it hanging."""
+    long, bad = _beside_long_requests(
+        server, [_chat(seed=18446744073709551616), _chat(seed=-(2**63) - 1), _chat(n=3, seed=2**64 - 2)]
+    )
+    _assert_unharmed(long)
+    assert [r.status_code for r in bad[:2]] == [400, 400]
+    assert all(_error(r)["param"] == "seed" for r in bad[:2])
+    assert bad[2].status_code == 200  # n choices past the top of the seed range wrap around it
+    assert len(bad[2].json()["choices"]) == 3
+
+
+NON_FINITE = [
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"temperature":Infinity}', "temperature"),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"temperature":NaN}', "temperature"),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"temperature":1e308}', "temperature"),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"top_p":-Infinity}', "top_p"),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"repetition_penalty":1e300}', None),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"presence_penalty":NaN}', None),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"top_k":9223372036854775808}', "top_k"),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"min_tokens":99999999999999}', None),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"x"}],"stop_token_ids":[4294967296]}', None),
+]
+
+
+@pytest.mark.parametrize("body,param", NON_FINITE, ids=[p or b[60:80].decode() for b, p in NON_FINITE])
+def test_numbers_must_be_finite_and_in_range(server, body, param):
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    error = _error(r)
+    if param is not None:
+        assert error["param"] == param
+
+
+def _nested(depth: int) -> dict:
+    node: dict = {"type": "string"}
+    for _ in range(depth):
+        node = {"type": "object", "properties": {"a": node}}
+    return node
+
+
+def test_deep_nesting_is_a_400(server):
+    """Repro 5: a JSON body or schema nested 200+ deep used to be a 500 RecursionError."""
+    deep_body = b'{"model":"tiny","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(250)}}
+    long, bad = _beside_long_requests(
+        server,
+        [deep_body, _chat(response_format=schema), _chat(messages=[{"role": "user", "content": [[[]]]}])],
+    )
+    _assert_unharmed(long)
+    assert [r.status_code for r in bad] == [400, 400, 400]
+    assert [_error(r)["param"] for r in bad[:2]] == ["body", "body"]
+
+
+def test_huge_prompt_is_refused_before_tokenizing(server):
+    """Repro 4: a 3.9 MB prompt (under the body limit) used to be tokenized in full before the length check,
+    delaying everyone; now it is refused from its length in characters, and a small request beside it
+    stays fast."""
+    huge = _chat(messages=[{"role": "user", "content": "balance " * 500_000}])
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            began = time.monotonic()
+            bad = asyncio.gather(*(_post(client, huge) for _ in range(4)))
+            small = await _post(client, _chat(max_tokens=1))
+            small_s = time.monotonic() - began
+            return await bad, small, small_s
+
+    bad, small, small_s = asyncio.run(main())
+    assert all(r.status_code == 400 and _error(r)["param"] == "prompt" for r in bad)
+    assert "characters cannot fit" in bad[0].json()["error"]["message"]
+    assert small.status_code == 200 and small_s < 10
+
+
+def test_full_waiting_queue_answers_429(tiny_model_dir, server_factory):
+    """Repro 4: the waiting queue had no limit. One sequence at a time, two may wait: the next is a 429 with
+    Retry-After; once the queue drains, requests are served again."""
+    running = server_factory(
+        tiny_model_dir, "--text-only", "--max-num-seqs", "1", "--max-waiting-requests", "2"
+    )
+    body = _chat(model=None, max_tokens=3000, ignore_eos=True, temperature=0)
+    scheduler = running.engine.scheduler
+
+    async def until(condition) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, "the engine never got there"
+            await asyncio.sleep(0.005)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=running.base_url, timeout=60) as client:
+            admitted = [asyncio.create_task(_post(client, body))]
+            await until(lambda: len(scheduler.running) == 1)
+            admitted += [asyncio.create_task(_post(client, body)) for _ in range(2)]
+            await until(lambda: len(scheduler.waiting) == 2)
+            refused = await _post(client, body)
+            for task in admitted:  # disconnect: the admitted requests are aborted, their blocks freed
+                task.cancel()
+            await asyncio.gather(*admitted, return_exceptions=True)
+            return refused
+
+    refused = asyncio.run(main())
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert "--max-waiting-requests" in _error(refused)["message"]
+    running.wait_idle()
+    # Room again: served.
+    r = httpx.post(f"{running.base_url}/v1/chat/completions", json=_chat(model=None, max_tokens=3), timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_api_key_guards_everything_but_health(tiny_model_dir, server_factory):
+    """Repro 5: /metrics, /docs and /openapi.json were open with --api-key; the key is compared in constant
+    time (hmac.compare_digest)."""
+    running = server_factory(tiny_model_dir, "--text-only", "--api-key", "s3cret")
+    for path in ("/metrics", "/docs", "/openapi.json", "/v1/models", "/redoc"):
+        r = httpx.get(f"{running.base_url}{path}")
+        assert r.status_code == 401, path
+        wrong = httpx.get(f"{running.base_url}{path}", headers={"authorization": "Bearer s3creT"})
+        assert wrong.status_code == 401, path
+    good = {"authorization": "Bearer s3cret"}
+    for path in ("/metrics", "/openapi.json", "/v1/models"):
+        assert httpx.get(f"{running.base_url}{path}", headers=good).status_code == 200, path
+    assert httpx.get(f"{running.base_url}/health").status_code == 200
+    public = server_factory(tiny_model_dir, "--text-only", "--api-key", "s3cret", "--metrics-public")
+    assert httpx.get(f"{public.base_url}/metrics").status_code == 200
+    assert httpx.get(f"{public.base_url}/openapi.json").status_code == 401
