@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from g4serve.processing.limits import MediaLimits
+
 MODALITIES = ("image", "video", "audio")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers.attention.BACKENDS, plus auto
 
@@ -48,6 +50,15 @@ class EngineConfig:
         {"image": 32, "video": 4, "audio": 8},
         'media per prompt, e.g. \'{"image": 4, "video": 1}\' or image=4,video=1; all 0 = text-only',
         parse="mm_limits",
+    )
+    # Caps on decoding a request's media (processing.limits.MediaLimits holds the rest of them).
+    max_media_bytes: int = _opt(
+        512 << 20, "encoded media bytes one request may carry (data: URLs, files, frames)"
+    )
+    max_media_pixels: int = _opt(8192 * 8192, "pixels of one decoded image or video frame")
+    max_video_frames: int = _opt(9000, "frames one video (or list of frames) may have")
+    max_audio_seconds: float = _opt(
+        30.0, "seconds of each audio clip decoded; the rest is dropped (the model hears 30)"
     )
     text_only: bool = _opt(False, "do not load the vision/audio towers")
     strict_config: bool = _opt(True, "reject config.json keys g4serve does not know", cli=False)
@@ -95,6 +106,18 @@ class EngineConfig:
     @property
     def text_only_mode(self) -> bool:
         return all(v == 0 for v in self.limit_mm_per_prompt.values())
+
+    def media_limits(self) -> MediaLimits:
+        """The media caps the processor decodes a request's media under (``Gemma4Processor.process``)."""
+        return MediaLimits(
+            max_media_bytes=self.max_media_bytes,
+            max_media_item_bytes=min(MediaLimits.max_media_item_bytes, self.max_media_bytes),
+            max_media_pixels=self.max_media_pixels,
+            max_video_frames=self.max_video_frames,
+            # Decoding work follows the frame cap: max_video_frames frames of 1080p.
+            video_max_decoded_pixels=self.max_video_frames * 1920 * 1080,
+            max_audio_seconds=self.max_audio_seconds,
+        )
 
 
 __all__ = ["ATTENTION_BACKENDS", "MODALITIES", "EngineConfig"]

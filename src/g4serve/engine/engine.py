@@ -121,6 +121,7 @@ class LLMEngine:
         self.processor = Gemma4Processor(
             self.tokenizer, self.model_config, ProcessorSettings.from_dir(model_dir)
         )
+        self.media_limits = config.media_limits()  # what one request's media may cost to decode
         self.dtype = self.model.language_model.embed_tokens.weight.dtype
 
         budget = config.kv_cache_bytes
@@ -211,18 +212,28 @@ class LLMEngine:
         """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop). A prompt
         too long to fit ``max_model_len`` whatever its tokens is refused before any of that work."""
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        if isinstance(text, str) and len(text) > self.max_prompt_chars:
-            raise ValueError(
-                f"prompt: {len(text)} characters cannot fit in max_model_len={self.max_model_len} tokens "
-                f"(at most {self.max_prompt_chars} characters)"
-            )
+        if isinstance(text, str):
+            if len(text) > self.max_prompt_chars:
+                raise ValueError(
+                    f"prompt: {len(text)} characters cannot fit in max_model_len={self.max_model_len} "
+                    f"tokens (at most {self.max_prompt_chars} characters)"
+                )
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:  # JSON's "\ud800": a lone surrogate is no character
+                    raise ValueError(
+                        f"prompt: invalid Unicode at character {exc.start} (a lone surrogate)"
+                    ) from None
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if isinstance(ids, list) and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: {len(ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        return self.processor.process(prompt, self.config.limit_mm_per_prompt, add_special_tokens)
+        return self.processor.process(
+            prompt, self.config.limit_mm_per_prompt, add_special_tokens, media_limits=self.media_limits
+        )
 
     def make_request(
         self,

@@ -13,6 +13,8 @@ import av
 import numpy as np
 import torch
 
+from g4serve.processing.limits import MediaLimits, check_item_bytes, read_media_file
+
 SAMPLING_RATE = 16_000
 _MAX_KERNEL_ELEMENTS = 1 << 22
 
@@ -190,49 +192,221 @@ def _resample_ffmpeg(waveform: np.ndarray, orig_sr: int, target_sr: int) -> np.n
     return np.pad(out, (0, max(0, n - len(out))))[:n]
 
 
-def _decode_soundfile(data: io.BytesIO | str) -> tuple[np.ndarray, int]:
-    import soundfile  # optional: without it PyAV decodes everything
-
-    with soundfile.SoundFile(data) as f:
-        return f.read(dtype="float32", always_2d=True).T, f.samplerate
+# libsndfile formats read directly; anything else goes to PyAV, whose demuxers are whitelisted.
+_SOUNDFILE_FORMATS = frozenset({"WAV", "WAVEX", "W64", "RF64", "FLAC", "OGG", "MP3", "AIFF", "CAF"})
+_BLOCK_FRAMES = 1 << 16
 
 
-def _decode_pyav(data: io.BytesIO | str) -> tuple[np.ndarray, int]:
-    with av.open(data) as container:
-        if not container.streams.audio:
-            raise ValueError("no audio stream")
-        stream = container.streams.audio[0]
-        # Only a sample-format change to planar float32; channels and rate stay as decoded.
-        to_float = av.AudioResampler(format="fltp")
-        chunks = [f.to_ndarray() for frame in container.decode(stream) for f in to_float.resample(frame)]
-        chunks += [f.to_ndarray() for f in to_float.resample(None)]
-        if not chunks:
-            return np.zeros((1, 0), np.float32), stream.rate
-        return np.concatenate(chunks, axis=1), stream.rate
+class _NotForSoundfile(Exception):
+    """libsndfile cannot (or may not) read these bytes: PyAV gets them."""
 
 
-def load_audio(data: bytes | str | os.PathLike, target_sr: int = SAMPLING_RATE) -> np.ndarray:
-    """Decode audio bytes or a file to float32 mono at `target_sr`.
+def check_sample_rate(rate: int, limits: MediaLimits) -> int:
+    """``rate`` if it lies in the accepted range, else a ValueError naming the limits."""
+    if isinstance(rate, (float, np.floating)) and math.isfinite(rate):
+        rate = int(rate)  # as int() always took a float rate from the Python API
+    if not isinstance(rate, (int, np.integer)) or isinstance(rate, bool):
+        raise ValueError(f"audio sample rate must be a number of Hz, got {type(rate).__name__}")
+    if not limits.audio_min_sample_rate <= rate <= limits.audio_max_sample_rate:
+        raise ValueError(
+            f"audio sample rate {int(rate)} Hz is outside {limits.audio_min_sample_rate}.."
+            f"{limits.audio_max_sample_rate} Hz (audio_min_sample_rate, audio_max_sample_rate)"
+        )
+    return int(rate)
 
-    libsndfile (soundfile) first, as transformers' soundfile backend does (wav, flac, ogg/vorbis/opus, mp3);
-    anything it rejects (aac/m4a, webm, mp4 audio, ...) goes through PyAV/FFmpeg. Channels are averaged and
-    the result is resampled with `resample` (torchaudio's sinc algorithm; transformers uses soxr, so
-    resampled audio is close to, not identical with, transformers' loader).
-    """
 
-    def source() -> io.BytesIO | str:
-        return (
-            io.BytesIO(bytes(data)) if isinstance(data, (bytes, bytearray, memoryview)) else os.fspath(data)
+def _check_channels(channels: int, limits: MediaLimits) -> None:
+    if channels > limits.audio_max_channels:
+        raise ValueError(
+            f"audio has {channels} channels, over the limit of {limits.audio_max_channels} "
+            "(audio_max_channels)"
         )
 
+
+def output_samples_cap(limits: MediaLimits, target_sr: int = SAMPLING_RATE) -> int:
+    """Samples at ``target_sr`` kept of one clip: ``max_audio_seconds`` of them."""
+    return math.ceil(limits.max_audio_seconds * target_sr)
+
+
+def input_frames_needed(orig_sr: int, target_sr: int, limits: MediaLimits) -> int:
+    """Source frames to decode so that resampling yields the first ``output_samples_cap`` samples exactly as
+    resampling the whole clip would: the kept span plus the resampler's reach past it (both the sinc
+    kernel and FFmpeg's filter), with room to spare."""
+    out_cap = output_samples_cap(limits, target_sr)
+    if orig_sr == target_sr:
+        return out_cap
+    gcd = math.gcd(orig_sr, target_sr)
+    orig, new = orig_sr // gcd, target_sr // gcd
+    width = math.ceil(6 * orig / (min(orig, new) * 0.99))
+    margin = 2 * (width + orig) + 64 * math.ceil(orig_sr / target_sr) + 1024
+    return math.ceil(out_cap * orig_sr / target_sr) + margin
+
+
+def _frames_to_decode(orig_sr: int, target_sr: int, limits: MediaLimits) -> int:
+    """Frames to read: what the kept seconds need, or one past the hard cap (reading it means too long)."""
+    return min(input_frames_needed(orig_sr, target_sr, limits), limits.audio_max_frames + 1)
+
+
+def _check_decoded_frames(n: int, limits: MediaLimits) -> None:
+    if n > limits.audio_max_frames:
+        raise ValueError(
+            f"audio: more than {limits.audio_max_frames} sample frames to decode (audio_max_frames); "
+            f"lower max_audio_seconds or send a lower sample rate"
+        )
+
+
+def _mono(chunk: np.ndarray) -> np.ndarray:
+    """[C, n] float32 -> [n]: channels averaged (the same arithmetic on a block as on the whole clip)."""
+    return chunk.mean(axis=0) if chunk.shape[0] > 1 else chunk[0]
+
+
+def _decode_soundfile(data: bytes, target_sr: int, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    """Mono float32 and its rate, reading only the frames needed; ``_NotForSoundfile`` if libsndfile cannot
+    read the bytes or the format is not one it is trusted with."""
     try:
-        waveform, sr = _decode_soundfile(source())
-    except (ImportError, RuntimeError, TypeError) as sf_error:  # LibsndfileError is a RuntimeError
+        import soundfile  # optional: without it PyAV decodes everything
+    except ImportError:
+        raise _NotForSoundfile from None
+    try:
+        f = soundfile.SoundFile(io.BytesIO(data))
+    except (RuntimeError, TypeError, ValueError):  # LibsndfileError is a RuntimeError
+        raise _NotForSoundfile from None
+    with f:
+        if f.format not in _SOUNDFILE_FORMATS:
+            raise _NotForSoundfile
+        sr = check_sample_rate(f.samplerate, limits)
+        _check_channels(f.channels, limits)
+        want = _frames_to_decode(sr, target_sr, limits)
+        if 0 <= f.frames < want:
+            want = f.frames
+        blocks, got = [], 0
         try:
-            waveform, sr = _decode_pyav(source())
-        except (av.FFmpegError, OSError, ValueError) as av_error:
-            raise ValueError(f"could not decode audio: {av_error} (soundfile: {sf_error})") from av_error
-    if waveform.size == 0:
+            while got < want:
+                block = f.read(min(_BLOCK_FRAMES, want - got), dtype="float32", always_2d=True)
+                if len(block) == 0:
+                    break
+                blocks.append(_mono(block.T))
+                got += len(block)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError("could not decode audio: the data is corrupt or truncated") from exc
+    _check_decoded_frames(got, limits)
+    return (np.concatenate(blocks) if blocks else np.zeros(0, np.float32)), sr
+
+
+def ffmpeg_error(kind: str, exc: av.FFmpegError, demuxers: tuple[str, ...], opening: bool) -> ValueError:
+    """A client-facing message for an FFmpeg failure: never a path, a file's existence or an object repr."""
+    if opening and isinstance(exc, av.ArgumentError):
+        # What avformat_open_input answers when the probed demuxer is not in format_whitelist.
+        return ValueError(
+            f"could not decode {kind}: format not allowed (allowed containers: {', '.join(demuxers)})"
+        )
+    if opening and isinstance(exc, av.InvalidDataError):
+        return ValueError(f"could not decode {kind}: unrecognised or invalid data")
+    reason = exc.strerror if isinstance(getattr(exc, "strerror", None), str) else type(exc).__name__
+    return ValueError(f"could not decode {kind}: {reason}")
+
+
+def open_media(
+    data: bytes, kind: str, demuxers: tuple[str, ...], limits: MediaLimits
+) -> av.container.InputContainer:
+    """``av.open`` on in-memory bytes, allowing only ``demuxers`` and no protocols (so no demuxer can reach
+    another file or URL), with bounded probing and decoder frame sizes."""
+    try:
+        return av.open(
+            io.BytesIO(data),
+            options=limits.codec_options(),
+            container_options=limits.ffmpeg_options(demuxers),
+        )
+    except av.FFmpegError as exc:
+        raise ffmpeg_error(kind, exc, demuxers, opening=True) from None
+    except (OSError, ValueError):
+        raise ValueError(f"could not decode {kind}: unrecognised or invalid data") from None
+
+
+def _decode_pyav(data: bytes, target_sr: int, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    with open_media(data, "audio", limits.audio_demuxers, limits) as container:
+        if not container.streams.audio:
+            raise ValueError("could not decode audio: no audio stream")
+        stream = container.streams.audio[0]
+        if stream.rate:
+            check_sample_rate(stream.rate, limits)
+        if stream.channels:
+            _check_channels(stream.channels, limits)
+        try:
+            chunks, sr = _decode_stream(container, stream, target_sr, limits)
+        except av.FFmpegError as exc:
+            raise ffmpeg_error("audio", exc, limits.audio_demuxers, opening=False) from None
+    if sr is None or not chunks:
+        return np.zeros(0, np.float32), sr or target_sr
+    mono = np.concatenate(chunks)[: _frames_to_decode(sr, target_sr, limits)]
+    _check_decoded_frames(len(mono), limits)
+    return mono, sr
+
+
+def _decode_stream(
+    container, stream, target_sr: int, limits: MediaLimits
+) -> tuple[list[np.ndarray], int | None]:
+    """Mono chunks of the stream, decoding stopped as soon as the frames the kept seconds need are in."""
+    sr = stream.rate or None
+    want = _frames_to_decode(sr, target_sr, limits) if sr else None
+    # Only a sample-format change to planar float32; channels and rate stay as decoded.
+    to_float = av.AudioResampler(format="fltp")
+    chunks, got = [], 0
+    for frame in container.decode(stream):
+        check_sample_rate(frame.sample_rate, limits)
+        _check_channels(frame.layout.nb_channels, limits)
+        if sr is None:
+            sr = frame.sample_rate
+            want = _frames_to_decode(sr, target_sr, limits)
+        for f in to_float.resample(frame):
+            chunks.append(_mono(f.to_ndarray()))
+            got += chunks[-1].shape[0]
+        if got >= want:
+            return chunks, sr
+    chunks += [_mono(f.to_ndarray()) for f in to_float.resample(None)]
+    return chunks, sr
+
+
+def fit_waveform(
+    mono: np.ndarray, sr: int, target_sr: int = SAMPLING_RATE, limits: MediaLimits | None = None
+) -> np.ndarray:
+    """A mono waveform at ``sr`` -> float32 at ``target_sr``, at most ``max_audio_seconds`` long: the rate is
+    checked and the clip trimmed *before* resampling (to the span the kept seconds need), so neither a tiny
+    nor a huge header rate can make resampling expensive."""
+    limits = limits or MediaLimits()
+    sr = check_sample_rate(sr, limits)
+    want = input_frames_needed(sr, target_sr, limits)
+    _check_decoded_frames(min(len(mono), want), limits)
+    out = resample(mono[:want], sr, target_sr)[: output_samples_cap(limits, target_sr)]
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def load_audio(
+    data: bytes | str | os.PathLike,
+    target_sr: int = SAMPLING_RATE,
+    limits: MediaLimits | None = None,
+) -> np.ndarray:
+    """Decode audio bytes or a file to float32 mono at `target_sr`, at most ``limits.max_audio_seconds``
+    (default 30 s, what the model hears) of it.
+
+    libsndfile (soundfile) first, as transformers' soundfile backend does (wav, flac, ogg/vorbis/opus, mp3);
+    anything it rejects (aac/m4a, webm, mp4 audio, ...) goes through PyAV/FFmpeg, restricted to the
+    ``limits.audio_demuxers`` whitelist. A file is read into memory first (at most
+    ``max_media_item_bytes``), so neither decoder ever opens a path. Only the frames the kept seconds need
+    are decoded; the sample rate must lie in the accepted range. Channels are averaged and the result is
+    resampled with `resample` (torchaudio's sinc algorithm; transformers uses soxr, so resampled audio is
+    close to, not identical with, transformers' loader).
+    """
+    limits = limits or MediaLimits()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = bytes(data)
+        check_item_bytes(len(data), limits.max_media_item_bytes)
+    else:
+        data = read_media_file(data, limits.max_media_item_bytes)
+    try:
+        mono, sr = _decode_soundfile(data, target_sr, limits)
+    except _NotForSoundfile:
+        mono, sr = _decode_pyav(data, target_sr, limits)
+    if mono.size == 0:
         raise ValueError("audio contains no samples")
-    mono = waveform.mean(axis=0) if waveform.shape[0] > 1 else waveform[0]
-    return np.ascontiguousarray(resample(mono, sr, target_sr), dtype=np.float32)
+    return fit_waveform(mono, sr, target_sr, limits)

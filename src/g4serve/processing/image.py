@@ -14,6 +14,7 @@ import PIL.ImageOps
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
+from g4serve.processing.limits import MediaBudget, MediaLimits, check_item_bytes, limits_of
 from g4serve.processing.pool import map_in_pool
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
@@ -72,11 +73,34 @@ def num_soft_tokens_for_size(
     return (h // patch_size) * (w // patch_size) // pooling_kernel_size**2
 
 
-def load_image(data: bytes) -> PIL.Image.Image:
+def load_image(
+    data: bytes, limits: MediaLimits | None = None, budget: MediaBudget | None = None
+) -> PIL.Image.Image:
     """Decode image bytes the way transformers.image_utils.load_image does (EXIF transpose,
-    convert("RGB"))."""
+    convert("RGB")).
+
+    Only ``limits.image_formats`` are tried, and the size the header announces must fit
+    ``max_media_pixels`` (and ``budget``, the request's ``max_request_pixels``) before any pixel decodes:
+    a decompression bomb is a ValueError, never a warning or a gigabyte allocation."""
+    limits = limits_of(limits, budget)
+    check_item_bytes(len(data), limits.max_media_item_bytes)
     try:
-        image = PIL.Image.open(io.BytesIO(data))
+        image = PIL.Image.open(io.BytesIO(data), formats=list(limits.image_formats))
+    except PIL.UnidentifiedImageError:
+        raise ValueError(
+            f"could not decode image: not an image in an allowed format ({', '.join(limits.image_formats)})"
+        ) from None
+    except Exception as e:  # PIL raises a zoo of types (OSError, SyntaxError, DecompressionBombError...)
+        raise ValueError(f"could not decode image: {e}") from e
+    width, height = image.size
+    if width * height > limits.max_media_pixels:
+        raise ValueError(
+            f"image of {width}x{height} exceeds the limit of {limits.max_media_pixels} pixels "
+            "(max_media_pixels)"
+        )
+    if budget is not None:
+        budget.charge_pixels(width * height)
+    try:
         image.load()  # decode now so truncated/corrupt payloads fail here, not later
         image = PIL.ImageOps.exif_transpose(image)
         return image.convert("RGB")

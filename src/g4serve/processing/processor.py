@@ -9,6 +9,7 @@ begin/end markers around one soft token per encoder output vector; the media bec
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,23 @@ import numpy as np
 import torch
 
 from g4serve.config import Gemma4Config
-from g4serve.processing.audio import AudioFeatureExtractor, load_audio, num_audio_soft_tokens, resample
+from g4serve.processing.audio import (
+    SAMPLING_RATE,
+    AudioFeatureExtractor,
+    fit_waveform,
+    load_audio,
+    num_audio_soft_tokens,
+    output_samples_cap,
+)
 from g4serve.processing.chat import LocalFile
 from g4serve.processing.image import load_image, preprocess_images
+from g4serve.processing.limits import (
+    MediaBudget,
+    MediaBudgetError,
+    MediaLimits,
+    check_item_bytes,
+    read_media_file,
+)
 from g4serve.processing.pool import map_in_pool
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.processing.video import (
@@ -129,46 +144,67 @@ class Gemma4Processor:
 
     # ---- media decoding --------------------------------------------------------------------
     @staticmethod
-    def _source(value: Any) -> Any:
-        return value.path if isinstance(value, LocalFile) else value
-
-    def _load_image(self, value: Any) -> Any:
-        value = self._source(value)
-        if isinstance(value, (bytes, bytearray)):
-            return load_image(bytes(value))
-        if isinstance(value, str):
-            return load_image(Path(value).read_bytes())
+    def _read(value: Any, limits: MediaLimits) -> Any:
+        """Local files (``LocalFile``, or a path string from the Python API) -> their bytes, read here with
+        the per-item byte cap (and the ``--allowed-local-media-path`` check again), so no decoder ever gets
+        a path; anything else as it is."""
+        if isinstance(value, LocalFile):
+            return read_media_file(value.path, limits.max_media_item_bytes, value.root)
+        if isinstance(value, (str, Path)):
+            return read_media_file(value, limits.max_media_item_bytes)
         return value
 
-    def _load_video(self, value: Any) -> VideoFrames:
-        value = self._source(value)
+    def _load_image(self, value: Any, budget: MediaBudget | None = None) -> Any:
+        budget = budget or MediaBudget()
+        value = self._read(value, budget.limits)
+        if isinstance(value, (bytes, bytearray)):
+            return load_image(bytes(value), budget=budget)
+        return value
+
+    def _load_video(self, value: Any, budget: MediaBudget | None = None) -> VideoFrames:
+        budget = budget or MediaBudget()
+        limits = budget.limits
         if isinstance(value, VideoFrames):
             return value
-        if isinstance(value, (bytes, bytearray, str, Path)):
-            return load_video(value, num_frames=self.settings.video_num_frames)
+        value = self._read(value, limits)
+        if isinstance(value, (bytes, bytearray)):
+            return load_video(bytes(value), num_frames=self.settings.video_num_frames, budget=budget)
+        _check_frame_list(value, limits)
         # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array; encoded
         # frames are decoded only if sampled, in parallel.
-        load = self._load_image if isinstance(value, (list, tuple)) else None
+        load = (lambda v: self._load_image(v, budget)) if isinstance(value, (list, tuple)) else None
         return sample_video_frames(value, num_frames=self.settings.video_num_frames, load=load)
 
-    def _load_audio(self, value: Any) -> np.ndarray:
-        value = self._source(value)
+    def _load_audio(self, value: Any, budget: MediaBudget | None = None) -> np.ndarray:
+        budget = budget or MediaBudget()
+        limits = budget.limits
+        value = self._read(value, limits)
         if isinstance(value, tuple):  # (waveform, sampling_rate)
             wave, rate = value
             wave = np.asarray(wave, dtype=np.float32)
             if wave.ndim == 2:  # (channels, samples) -> mono
                 wave = wave.mean(axis=0)
-            return resample(wave, int(rate), 16000).astype(np.float32)
-        if isinstance(value, (bytes, bytearray, str)):
-            return load_audio(value)
-        return np.asarray(value, dtype=np.float32)
+            wave = fit_waveform(wave, rate, SAMPLING_RATE, limits)
+        elif isinstance(value, (bytes, bytearray)):
+            wave = load_audio(bytes(value), limits=limits)
+        else:
+            wave = np.asarray(value, dtype=np.float32)[: output_samples_cap(limits)]
+        budget.charge_audio(len(wave), SAMPLING_RATE)
+        return wave
 
     # ---- main entry ------------------------------------------------------------------------
     def process(
-        self, prompt: str | dict, limits: dict[str, int], add_special_tokens: bool = True
+        self,
+        prompt: str | dict,
+        limits: dict[str, int],
+        add_special_tokens: bool = True,
+        *,
+        media_limits: MediaLimits | None = None,
     ) -> ProcessedPrompt:
         """A prompt as ``LLM.generate`` takes it: a string, or a dict with ``prompt`` or ``prompt_token_ids``
-        and ``multi_modal_data`` (one item or a list per modality, at most ``limits[modality]`` each)."""
+        and ``multi_modal_data`` (one item or a list per modality, at most ``limits[modality]`` each).
+        ``media_limits``: the caps of decoding its media and the request's media budget (default
+        ``MediaLimits()``)."""
         if isinstance(prompt, str):
             return self(prompt=prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, dict):
@@ -193,6 +229,7 @@ class Gemma4Processor:
             videos=media.get("video"),
             audio=media.get("audio"),
             add_special_tokens=add_special_tokens,
+            media_limits=media_limits,
         )
 
     def __call__(
@@ -203,14 +240,17 @@ class Gemma4Processor:
         videos: list[Any] | None = None,
         audio: list[Any] | None = None,
         add_special_tokens: bool = True,
+        media_limits: MediaLimits | None = None,
     ) -> ProcessedPrompt:
         images, videos, audio = list(images or []), list(videos or []), list(audio or [])
         s = self.settings
+        budget = MediaBudget(media_limits)
+        _check_encoded_media({"image": images, "video": videos, "audio": audio}, budget.limits)
         expansions: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]] = {"image": [], "video": [], "audio": []}
 
         if images:
-            loaded = _decode_all(self._load_image, images, name="image")
+            loaded = _decode_all(lambda v: self._load_image(v, budget), images, name="image")
             # uint8 patches: the encoder rescales them on the device (a quarter of the bytes to copy and hash)
             feats = preprocess_images(
                 loaded,
@@ -227,7 +267,7 @@ class Gemma4Processor:
                 items["image"].append((data, content_hash("image", *data.values())))
                 expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
         for i, value in enumerate(videos):
-            frames = _named(f"video[{i}]", self._load_video, value)
+            frames = _named(f"video[{i}]", lambda v: self._load_video(v, budget), value)
             feats = preprocess_video(
                 frames,
                 max_soft_tokens=s.video_max_soft_tokens,
@@ -243,7 +283,9 @@ class Gemma4Processor:
                 )
             )
         if audio:
-            waves = [_named(f"audio[{i}]", self._load_audio, v) for i, v in enumerate(audio)]
+            waves = [
+                _named(f"audio[{i}]", lambda v: self._load_audio(v, budget), v) for i, v in enumerate(audio)
+            ]
             feats = self.audio_extractor(waves)
             for i, wave in enumerate(waves):
                 data = {
@@ -358,11 +400,56 @@ def _decode_all(load, values: list | tuple, name: str | None = None) -> list:
 
 
 def _named(where: str, load, value: Any) -> Any:
-    """Decode one media input; failures name the input (``image[1]: could not decode image: ...``)."""
+    """Decode one media input; failures name the input (``image[1]: could not decode image: ...``), except
+    the request's budget, which names ``multi_modal_data``."""
     try:
         return load(value)
+    except MediaBudgetError:
+        raise
     except (ValueError, OSError, TypeError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
+
+
+def _encoded_size(value: Any) -> int:
+    """Encoded bytes of one input: its length, a local file's size, 0 for already-decoded media (and for a
+    file that cannot be read, whose reader reports it)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, (LocalFile, str, Path)):
+        try:
+            return os.stat(value.path if isinstance(value, LocalFile) else value).st_size
+        except (OSError, ValueError):
+            return 0
+    return 0
+
+
+def _check_frame_list(frames: Any, limits: MediaLimits) -> None:
+    if hasattr(frames, "__len__") and len(frames) > limits.max_video_frames:
+        raise ValueError(
+            f"{len(frames)} frames exceed the limit of {limits.max_video_frames} (max_video_frames)"
+        )
+
+
+def _check_encoded_media(media: dict[str, list[Any]], limits: MediaLimits) -> None:
+    """Before anything decodes: each item's (and each frame's) encoded size, the frame count of frame lists,
+    and the request's encoded total."""
+    total = 0
+    for modality, values in media.items():
+        for i, value in enumerate(values):
+            if modality == "video" and isinstance(value, (list, tuple)):
+                _named(f"video[{i}]", lambda v: _check_frame_list(v, limits), value)
+                parts = value
+            else:
+                parts = [value]
+            for part in parts:
+                size = _encoded_size(part)
+                _named(f"{modality}[{i}]", lambda n: check_item_bytes(n, limits.max_media_item_bytes), size)
+                total += size
+    if total > limits.max_media_bytes:
+        raise MediaBudgetError(
+            f"multi_modal_data: {total} bytes of encoded media exceed the limit of {limits.max_media_bytes} "
+            "per request (max_media_bytes)"
+        )
 
 
 def bidirectional_spans(items: list[MultimodalItem]) -> list[tuple[int, int]]:

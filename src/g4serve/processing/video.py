@@ -3,7 +3,6 @@ transformers' Gemma4VideoProcessor (defaults: 32 uniformly sampled frames, 70 so
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,7 +13,9 @@ import numpy as np
 import PIL.Image
 import torch
 
+from .audio import ffmpeg_error, open_media
 from .image import check_max_soft_tokens, image_to_tensor, patchify, rescale_pixels, resize_to_patch_budget
+from .limits import MediaBudget, MediaLimits, check_item_bytes, limits_of, read_media_file
 from .pool import map_in_pool
 
 DEFAULT_NUM_FRAMES = 32
@@ -57,40 +58,121 @@ def _video_frames(frames: np.ndarray, indices: Sequence[int], fps: float | None)
     return VideoFrames(frames, [i / rate for i in indices], fps, list(indices))
 
 
-def _open(source: str | os.PathLike | bytes) -> av.container.InputContainer:
+@dataclass(frozen=True)
+class _Encoded:
+    """A video's bytes (read into memory: FFmpeg never gets a path) and the limits to decode them under."""
+
+    data: bytes
+    limits: MediaLimits
+
+
+def _encoded(source: str | os.PathLike | bytes | _Encoded, limits: MediaLimits | None = None) -> _Encoded:
+    if isinstance(source, _Encoded):
+        return source
+    limits = limits or MediaLimits()
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        check_item_bytes(len(source), limits.max_media_item_bytes)
+        return _Encoded(bytes(source), limits)
     try:
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            return av.open(io.BytesIO(bytes(source)))
-        return av.open(os.fspath(source))
-    except (av.FFmpegError, OSError, ValueError) as e:
-        raise ValueError(f"could not decode video: {e}") from e
+        return _Encoded(read_media_file(source, limits.max_media_item_bytes), limits)
+    except ValueError as e:
+        raise ValueError(f"could not decode video: {e}") from None
 
 
-def _decode(source: str | os.PathLike | bytes, wanted: set[int] | None) -> tuple[dict[int, np.ndarray], int]:
+def _open(source: str | os.PathLike | bytes | _Encoded) -> av.container.InputContainer:
+    enc = _encoded(source)
+    # The audio demuxers too, so an audio file sent as video is answered "no video stream".
+    demuxers = tuple(dict.fromkeys(enc.limits.video_demuxers + enc.limits.audio_demuxers))
+    return open_media(enc.data, "video", demuxers, enc.limits)
+
+
+def _check_frame_count(count: int, limits: MediaLimits) -> None:
+    if count > limits.max_video_frames:
+        raise ValueError(
+            f"video has {count} frames, over the limit of {limits.max_video_frames} (max_video_frames)"
+        )
+
+
+def _check_frame_size(width: int, height: int, limits: MediaLimits) -> None:
+    if width * height > limits.max_media_pixels:
+        raise ValueError(
+            f"video frames of {width}x{height} exceed the limit of {limits.max_media_pixels} pixels per "
+            "frame (max_media_pixels)"
+        )
+
+
+def _check_decoded_pixels(total: int, limits: MediaLimits) -> None:
+    if total > limits.video_max_decoded_pixels:
+        raise ValueError(
+            f"decoding this video takes more than {limits.video_max_decoded_pixels} pixels over all its "
+            "frames (video_max_decoded_pixels); send a shorter or smaller video"
+        )
+
+
+def _check_header(
+    stream: av.video.stream.VideoStream,
+    wanted: set[int] | None,
+    limits: MediaLimits,
+    budget: MediaBudget | None,
+) -> None:
+    """Refuse from the header alone, before anything decodes: frame size, frame count, total work, and the
+    pixels the sampled frames will keep."""
+    if stream.codec_context is None:
+        raise ValueError("could not decode video: no decoder for its codec")
+    width, height = stream.codec_context.width, stream.codec_context.height
+    _check_frame_size(width, height, limits)
+    _check_frame_count(stream.frames, limits)
+    _check_decoded_pixels(max(stream.frames, (max(wanted) + 1) if wanted else 0) * width * height, limits)
+    if budget is not None and wanted:
+        budget.check_pixels(len(wanted) * width * height)
+
+
+def _decode(
+    source: str | os.PathLike | bytes | _Encoded, wanted: set[int] | None, budget: MediaBudget | None = None
+) -> tuple[dict[int, np.ndarray], int]:
     """Decode the first video stream in order; RGB arrays for `wanted` indices, plus the number of frames
-    seen."""
+    seen. Every decoded frame counts against the frame, per-frame pixel and total pixel caps, whatever size
+    the header announced; the kept frames against the request's pixel budget."""
+    enc = _encoded(source)
+    limits = enc.limits
     picked: dict[int, np.ndarray] = {}
-    count = 0
+    count = decoded = kept = 0
     last = max(wanted) if wanted else -1
-    with _open(source) as container:
+    with _open(enc) as container:
         if not container.streams.video:
             raise ValueError("could not decode video: no video stream")
         stream = container.streams.video[0]
+        _check_header(stream, wanted, limits, budget)
         stream.thread_type = "AUTO"
+        stream.codec_context.options = {**stream.codec_context.options, **limits.codec_options()}
         try:
             for frame in container.decode(stream):
                 if wanted is not None and count > last:
                     break
+                pixels = frame.width * frame.height
+                _check_frame_size(frame.width, frame.height, limits)
+                _check_frame_count(count + 1, limits)
+                decoded += pixels
+                _check_decoded_pixels(decoded, limits)
                 if wanted is not None and count in wanted:
+                    kept += pixels
+                    if budget is not None:
+                        budget.check_pixels(kept)
                     # Same conversion as transformers' read_video_pyav.
                     picked[count] = frame.to_ndarray(format="rgb24")
                 count += 1
+        except av.ArgumentError:
+            # What the decoder answers for a frame over its max_pixels option (or a malformed one).
+            raise ValueError(
+                "could not decode video: invalid data, or a frame over the limit of "
+                f"{limits.max_media_pixels} pixels (max_media_pixels)"
+            ) from None
         except av.FFmpegError as e:
-            raise ValueError(f"could not decode video: {e}") from e
+            raise ffmpeg_error("video", e, limits.video_demuxers, opening=False) from None
     return picked, count
 
 
-def _probe(source: str | os.PathLike | bytes) -> tuple[int, float | None]:
+def _probe(source: str | os.PathLike | bytes | _Encoded) -> tuple[int, float | None]:
     with _open(source) as container:
         if not container.streams.video:
             raise ValueError("could not decode video: no video stream")
@@ -99,20 +181,39 @@ def _probe(source: str | os.PathLike | bytes) -> tuple[int, float | None]:
         return stream.frames, float(stream.average_rate) if stream.average_rate else None
 
 
-def load_video(source: str | os.PathLike | bytes, num_frames: int = DEFAULT_NUM_FRAMES) -> VideoFrames:
+def load_video(
+    source: str | os.PathLike | bytes,
+    num_frames: int = DEFAULT_NUM_FRAMES,
+    limits: MediaLimits | None = None,
+    budget: MediaBudget | None = None,
+) -> VideoFrames:
     """Decode a video file (path or raw bytes: mp4, webm, ...) and sample frames like transformers' PyAV
-    loader."""
-    total, fps = _probe(source)
+    loader.
+
+    A file is read into memory first (at most ``max_media_item_bytes``); FFmpeg only gets bytes and only the
+    ``limits.video_demuxers``. The header's frame size and count are checked before decoding, every decoded
+    frame again (``max_media_pixels``, ``max_video_frames``, ``video_max_decoded_pixels``), and the kept
+    frames count against ``budget`` (the request's ``max_request_pixels``), charged once they are in.
+    """
+    enc = _encoded(source, limits_of(limits, budget))
+    total, fps = _probe(enc)
+    _check_frame_count(total, enc.limits)
     if total <= 0:
         # Containers such as webm carry no frame count: count by decoding (transformers fails here).
-        total = _decode(source, None)[1]
+        total = _decode(enc, None)[1]
     indices = sample_frame_indices(total, num_frames)
-    picked, seen = _decode(source, set(indices))
+    picked, seen = _decode(enc, set(indices), budget)
     if len(picked) < len(indices):
         # The header over-promised frames; resample over what actually decodes.
         indices = sample_frame_indices(seen, num_frames)
-        picked, _ = _decode(source, set(indices))
-    return _video_frames(np.stack([picked[i] for i in indices]), indices, fps)
+        picked, _ = _decode(enc, set(indices), budget)
+    sizes = {picked[i].shape for i in indices}
+    if len(sizes) > 1:
+        raise ValueError(f"video frames differ in size: {sorted(shape[:2] for shape in sizes)}")
+    frames = np.stack([picked[i] for i in indices])
+    if budget is not None:
+        budget.charge_pixels(frames.shape[0] * frames.shape[1] * frames.shape[2])
+    return _video_frames(frames, indices, fps)
 
 
 def _frame_to_hwc(frame: PIL.Image.Image | np.ndarray) -> np.ndarray:

@@ -14,14 +14,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from g4serve.engine.async_engine import AsyncLLMEngine, StreamDelta
-from g4serve.processing.chat import LocalFile
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams, SamplingParamsError
 from g4serve.server.config import ServerConfig
@@ -113,9 +111,6 @@ class OpenAIServing:
                     f"prompt (--limit-mm-per-prompt)",
                     param="messages",
                 )
-            for item in items:
-                if isinstance(item, LocalFile):
-                    check_local_path(item.path, self.config.allowed_local_media_path)
 
     @staticmethod
     def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -264,20 +259,6 @@ def field_path(loc: tuple, body: dict) -> str:
             node = None
         # else: a union-branch or type tag pydantic adds ("str", "list[int]"): not a field
     return "".join(parts)
-
-
-def check_local_path(path: str, allowed: str | None) -> None:
-    if allowed is None:
-        raise APIError(
-            400,
-            "messages: local media files are not allowed (start the server with --allowed-local-media-path)",
-            param="messages",
-        )
-    resolved, root = Path(path).resolve(), Path(allowed).resolve()
-    if root != resolved and root not in resolved.parents:
-        raise APIError(400, f"messages: {path!r} is outside --allowed-local-media-path", param="messages")
-    if not resolved.is_file():
-        raise APIError(400, f"messages: local media file {path!r} does not exist", param="messages")
 
 
 def structured_spec(response_format: dict | None):
