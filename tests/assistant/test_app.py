@@ -81,7 +81,7 @@ def test_health_when_the_engine_died():
         "llm": True,
         "payee_version": assistant.db.version,
         "error": {
-            "message": "engine is not running: RuntimeError('boom')",
+            "message": "engine is not running: it crashed (RuntimeError)",
             "type": "ServiceUnavailableError",
             "param": None,
             "code": 503,

@@ -7,17 +7,21 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
-import jinja2.ext
 import numpy as np
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+
+from g4serve.processing.chat_template import (
+    ChatTemplateError,
+    RequestTemplateRenderer,
+    cached_chat_template,
+    compile_chat_template,
+)
 
 # Named special tokens transformers knows (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in its order.
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -45,10 +49,6 @@ GEMMA4_MULTIMODAL_TOKENS = MappingProxyType(
 )
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-class ChatTemplateError(ValueError):
-    """The chat template rejected the conversation (its ``raise_exception``) or cannot render it."""
 
 
 def _read_json(path: Path) -> Any:
@@ -105,84 +105,6 @@ def _apply_gemma_tokenizer_class(backend: tokenizers.Tokenizer, unk_token: str |
     model.byte_fallback, model.fuse_unk, model.dropout, model.ignore_merges = True, True, None, False
     model.continuing_subword_prefix, model.end_of_word_suffix, model.unk_token = None, None, unk_token
     set_gemma_pipeline(backend)
-
-
-# ---- chat-template rendering, mirroring transformers.utils.chat_template_utils ----
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) renders its body unchanged."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja's namespace(), refusing underscore attributes like transformers does (sandbox hardening)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's own signature trick: `self` may be a key
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} may not start with '_'")
-
-
-class _TemplateDict:
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Unlike jinja's own filter this does not HTML-escape, exactly as transformers.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in the jinja environment transformers uses."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception,
-        dict=_TemplateDict(),
-        namespace=_TemplateNamespace,
-        strftime_now=lambda fmt: datetime.now().strftime(fmt),
-    )
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template: syntax error at line {exc.lineno}: {exc.message}") from None
 
 
 def _plain(value: Any) -> Any:  # noqa: C901 - one flat isinstance dispatch, a single return per input type
@@ -300,7 +222,6 @@ class Tokenizer:
             setattr(self, name + "_id", self._id_or_none(token))
 
         self.chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
-        self._compiled: dict[str, jinja2.Template] = {}
 
     def _add_config_tokens(self, added_tokens_decoder: Mapping[str, Any], special: list[str]) -> None:
         """Register tokens as TokenizersBackend.__init__ does: added_tokens_decoder entries that differ
@@ -465,10 +386,54 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render one conversation to a prompt string exactly as transformers' ``apply_chat_template(...,
-        tokenize=False)``; extra keyword arguments (e.g. ``enable_thinking``) reach the template."""
+        tokenize=False)``; extra keyword arguments (e.g. ``enable_thinking``) reach the template.
+        ``chat_template`` (a template's name or text) is trusted: see ``apply_request_chat_template``."""
         template = self.get_chat_template(chat_template, tools)
-        if template not in self._compiled:
-            self._compiled[template] = compile_chat_template(template)
+        compiled = cached_chat_template(template)
+
+        def render(variables: dict[str, Any]) -> str:
+            return compiled.render(**variables)
+
+        return self._render_chat(
+            render,
+            template,
+            messages,
+            add_generation_prompt,
+            tools,
+            documents,
+            continue_final_message,
+            template_kwargs,
+        )
+
+    def apply_request_chat_template(
+        self,
+        messages: list[Mapping[str, Any]],
+        template: str,
+        renderer: RequestTemplateRenderer,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """``apply_chat_template`` with an untrusted template (one a request supplied): ``renderer`` renders
+        it in its sandboxed worker process under its limits (``ChatTemplateLimitError`` past one)."""
+
+        def render(variables: dict[str, Any]) -> str:
+            return renderer.render(template, variables)
+
+        return self._render_chat(
+            render, template, messages, add_generation_prompt, None, None, False, template_kwargs
+        )
+
+    def _render_chat(
+        self,
+        render: Callable[[dict[str, Any]], str],
+        template: str,
+        messages: list[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[Mapping[str, Any]] | None,
+        documents: list | None,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any],
+    ) -> str:
         if not messages:
             raise ValueError("messages: cannot apply the chat template to an empty conversation")
         if continue_final_message and add_generation_prompt:
@@ -485,14 +450,15 @@ class Tokenizer:
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
             chat, final = self._tag_final_message(chat, field, template)
         kwargs = _plain({**self._template_tokens, **template_kwargs})
+        variables = dict(
+            messages=chat,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
         try:
-            rendered = self._compiled[template].render(
-                messages=chat,
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
+            rendered = render(variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
         return rendered if final is None else self._cut_at_tag(rendered, final)

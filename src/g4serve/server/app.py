@@ -52,6 +52,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         for task in list(in_flight):
             task.cancel()  # aborts the request in the engine
         engine.shutdown()
+        app.state.serving_chat.close()
 
     app = FastAPI(title="g4serve", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine

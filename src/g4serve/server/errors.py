@@ -71,7 +71,11 @@ def health_response(engine: Any, **extra: Any) -> JSONResponse:
     read ``status`` and OpenAI clients that read ``error.message`` both understand it."""
     dead = getattr(engine, "dead", None)
     if dead is not None:
-        body = {"status": "unavailable", **extra, **error_body(503, str(dead))}
+        # The engine's own EngineDeadError says why; any other exception's text may hold internals.
+        message = str(dead)
+        if not message.startswith("engine is not running"):
+            message = f"engine is not running: it crashed ({type(dead).__name__})"
+        body = {"status": "unavailable", **extra, **error_body(503, message)}
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", **extra})
 
@@ -135,6 +139,8 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
         raise APIError(400, f"body: malformed JSON: {exc}", param="body") from None
     except RecursionError:  # the parser itself gave up, far past max_depth
         raise APIError(400, f"body: JSON nested more than {max_depth} levels deep", param="body") from None
+    except ValueError:  # an integer literal past Python's 4300-digit conversion limit
+        raise APIError(400, "body: a JSON number has too many digits", param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, "body: must be a JSON object", param="body")
     if json_depth(body) > max_depth:

@@ -88,6 +88,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: StrictStr | None = None  # vLLM's field; refused unless --trust-request-chat-template
     add_generation_prompt: StrictBool = True
     tools: list[dict[str, Any]] | None = None
 
