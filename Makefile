@@ -15,7 +15,7 @@ SERVE_STAMP := $(VENV)/.g4serve-serve
 TEST_STAMP := $(VENV)/.g4serve-test
 LINT_STAMP := $(VENV)/.g4serve-lint
 
-.PHONY: install serve demo test test-latest check-no-extras lint clean
+.PHONY: install serve demo test test-fuzz test-latest check-no-extras lint clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -46,6 +46,11 @@ demo: $(SERVE_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fuzz and soak suite at full size (random hypothesis examples, 10 min of schemathesis, 300 streams + 100
+# cancels); `make test` runs a short, derandomized version of it.
+test-fuzz: $(TEST_STAMP)
+	G4SERVE_FUZZ=full $(BIN)/python -m pytest -q tests/fuzz
 
 test-latest:
 	$(PYTHON) .ci/test_latest.py
