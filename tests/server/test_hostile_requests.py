@@ -164,7 +164,9 @@ def test_full_waiting_queue_answers_429(tiny_model_dir, server_factory):
     assert "--max-waiting-requests" in _error(refused)["message"]
     running.wait_idle()
     # Room again: served.
-    r = httpx.post(f"{running.base_url}/v1/chat/completions", json=_chat(model=None, max_tokens=3), timeout=30)
+    r = httpx.post(
+        f"{running.base_url}/v1/chat/completions", json=_chat(model=None, max_tokens=3), timeout=30
+    )
     assert r.status_code == 200, r.text
 
 
