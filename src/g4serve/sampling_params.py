@@ -20,6 +20,8 @@ MAX_INT_PARAM = 2**31 - 1  # n, top_k, max_tokens, min_tokens, stop_token_ids
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_TEMPERATURE = 100.0  # the distribution is uniform long before this
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -41,6 +43,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Added to a token's logit before sampling (OpenAI's logit_bias): token id -> bias in [-100, 100].
+    logit_bias: dict[int, float] | None = None
     # Constrained decoding: output must match this spec (StructuredSpec.from_response_format, .json_schema,
     # .regex, .choice, ...); the engine compiles it when the request is made.
     structured_output: StructuredSpec | None = field(default=None, repr=False)
@@ -134,6 +138,7 @@ class SamplingParams:
             "frequency_penalty",
             f"must be in [-2, 2], got {self.frequency_penalty!r}",
         )
+        self._check_logit_bias()
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an ``n``-choice request: one choice, seeded ``seed + index``
@@ -142,6 +147,22 @@ class SamplingParams:
         if seed is not None:
             seed = MIN_SEED + (seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1)
         return replace(self, n=1, seed=seed)
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise SamplingParamsError(f"logit_bias: must map token ids to numbers, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            if not (_is_int(token) and 0 <= token <= MAX_INT_PARAM):
+                raise SamplingParamsError(f"logit_bias: keys must be token ids, got {str(token)[:40]!r}")
+            if not (_is_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise SamplingParamsError(
+                    f"logit_bias[{token}]: must be a number in [-100, 100], got {str(value)[:40]}"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -155,3 +155,35 @@ def test_penalties_count_repeated_tokens_per_row():
         want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
     assert b.output_counts[0, 7] == 3 and b.output_counts[2, 3] == 2
+
+
+def test_logit_bias_shifts_only_its_rows_tokens():
+    """OpenAI's logit_bias: +100 all but forces a token, -100 bans one; rows without a bias are untouched,
+    greedy or sampled."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0.8, seed=1, logit_bias={int(logits[1].argmax()): -100.0, 3: 100.0}),
+        SamplingParams(temperature=0),
+    ]
+    generators = [None, torch.Generator().manual_seed(1), None]
+    batch = SamplingBatch.build(params, generators, 50, "cpu")
+    tokens = sample(logits.clone(), batch).token_ids.tolist()
+    assert tokens == [7, 3, int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize(
+    "bias,match",
+    [
+        ({5: float("inf")}, r"logit_bias\[5\]"),
+        ({5: 101}, r"logit_bias\[5\]"),
+        ({-1: 1.0}, "keys must be token ids"),
+        ({2**40: 1.0}, "keys must be token ids"),
+        ({i: 1.0 for i in range(1025)}, "at most 1024"),
+        ([1, 2], "must map token ids"),
+    ],
+)
+def test_logit_bias_is_validated(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)

@@ -186,3 +186,72 @@ def test_api_key_guards_everything_but_health(tiny_model_dir, server_factory):
     public = server_factory(tiny_model_dir, "--text-only", "--api-key", "s3cret", "--metrics-public")
     assert httpx.get(f"{public.base_url}/metrics").status_code == 200
     assert httpx.get(f"{public.base_url}/openapi.json").status_code == 401
+
+
+LOGIT_BIAS = [
+    (_chat(logit_bias={"5": 1e9}), "logit_bias[5]"),
+    (_chat(logit_bias={"x": 1}), "logit_bias"),
+    (_chat(logit_bias={"99999999": 1}), "logit_bias"),  # past the vocabulary
+    (_chat(logit_bias={"1" * 5000: 1}), "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("body,param", LOGIT_BIAS, ids=["huge", "not-an-id", "outside-vocab", "long-key"])
+def test_logit_bias_is_validated(server, body, param):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert _error(r)["param"] == param
+
+
+def test_logit_bias_steers_the_tokens(server):
+    token = server.engine.tokenizer.encode("balance", add_special_tokens=False)[0]
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    body["logit_bias"] = {str(token): 100}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    text = server.engine.tokenizer.decode([token])
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == [text] * 4
+
+
+def _wav_bytes(rate: int, seconds_of_samples: int) -> bytes:
+    """A mono 16-bit WAV whose header claims ``rate`` Hz (any 32-bit value, written by hand)."""
+    import struct
+
+    data = b"\x00\x01" * seconds_of_samples
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+def _audio_chat(payload: bytes) -> dict:
+    import base64
+
+    part = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(payload).decode(), "format": "wav"},
+    }
+    return _chat(messages=[{"role": "user", "content": [part, {"type": "text", "text": "what was said?"}]}])
+
+
+def test_hostile_media_is_a_400_beside_running_requests(server, tmp_path, monkeypatch):
+    """Repros 2 and 4: an ffconcat playlist naming a file the server can read, a 64 KB WAV claiming 1 Hz
+    (resampled x16,000 it cost 3.9 GB) and one claiming 2^31 Hz (an OverflowError 500)."""
+    secret = tmp_path / "secret.wav"
+    secret.write_bytes(_wav_bytes(16000, 16000))
+    monkeypatch.chdir(tmp_path)  # the playlist's relative path resolves here
+    playlist = b"ffconcat version 1.0\nfile 'secret.wav'\n"
+    missing = b"ffconcat version 1.0\nfile 'nothing-here.wav'\n"
+    long, bad = _beside_long_requests(
+        server,
+        [
+            _audio_chat(playlist),
+            _audio_chat(missing),
+            _audio_chat(_wav_bytes(1, 32_000)),
+            _audio_chat(_wav_bytes(2**31, 16_000)),
+        ],
+    )
+    _assert_unharmed(long)
+    assert [r.status_code for r in bad] == [400, 400, 400, 400], [r.text for r in bad]
+    # The answer does not tell whether the playlist's file exists.
+    assert _error(bad[0])["message"] == _error(bad[1])["message"]
+    assert "secret" not in bad[0].text

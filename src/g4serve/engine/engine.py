@@ -262,6 +262,9 @@ class LLMEngine:
         bad = next((t for t in processed.token_ids if not 0 <= t < vocab and t not in placeholders), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary (size {vocab})")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (size {vocab})")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
             request_id=request_id,

@@ -316,8 +316,8 @@ class ModelRunner:
 
 
 def _plain_greedy(request: Request) -> bool:
-    """Greedy with nothing that reshapes the logits or asks for them: no grammar, penalties, withheld stop
-    tokens or logprobs."""
+    """Greedy with nothing that reshapes the logits or asks for them: no grammar, penalties, logit bias,
+    withheld stop tokens or logprobs."""
     p = request.sampling_params
     return (
         p.greedy
@@ -325,4 +325,5 @@ def _plain_greedy(request: Request) -> bool:
         and p.logprobs is None
         and not request.min_tokens_pending
         and not p.has_penalties
+        and not p.logit_bias
     )

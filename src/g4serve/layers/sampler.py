@@ -36,6 +36,7 @@ class SamplingBatch:
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt (repetition)
+    logit_bias: torch.Tensor | None = None  # [B, V] fp32 added to the logits (OpenAI's logit_bias)
     # Which filters some row uses, known on the host: testing the device tensors would wait for the GPU.
     uses_top_k: bool = True
     uses_top_p: bool = True
@@ -74,6 +75,8 @@ class SamplingBatch:
             uses_min_p=any(p.min_p > 0 for p in params),
             max_top_k=_max_top_k(params),
         )
+        if any(p.logit_bias for p in params):
+            batch.logit_bias = _logit_bias(params, vocab_size, device)
         if penalties:
             batch.repetition_penalty = packed[:, 4].float()
             batch.presence_penalty = packed[:, 5].float()
@@ -85,6 +88,21 @@ class SamplingBatch:
             rows, ids = _row_token_pairs(prompt_tokens or [], device)
             batch.prompt_mask[rows, ids] = True
         return batch
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[B, V] of each row's logit_bias (zero elsewhere), filled in one copy."""
+    rows, ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if token < vocab_size:
+                rows.append(row)
+                ids.append(token)
+                values.append(float(value))
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+    index = to_device([rows, ids], torch.long, device)
+    bias[index[0], index[1]] = to_device(values, torch.float32, device)
+    return bias
 
 
 def _row_token_pairs(
@@ -194,6 +212,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     raw = logits
     if b.output_counts is not None:
         logits = _apply_penalties(logits, b)
+    if b.logit_bias is not None:
+        logits = logits + b.logit_bias
     if b.allowed is not None:
         logits = logits.masked_fill(~b.allowed, float("-inf"))
     greedy_tokens = logits.argmax(dim=-1)

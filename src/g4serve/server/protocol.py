@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from g4serve.sampling_params import SamplingParams
+from g4serve.sampling_params import SamplingParams, SamplingParamsError
 
 Number = float  # strict mode: ints and floats pass, strings and booleans do not
 
@@ -42,6 +42,7 @@ class _SamplingFields(_Request):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -79,7 +80,19 @@ class _SamplingFields(_Request):
                 kwargs[name] = value
         if self.top_k is not None:
             kwargs["top_k"] = self.top_k
+        if self.logit_bias:
+            kwargs["logit_bias"] = _token_keys(self.logit_bias)
         return SamplingParams(**kwargs)
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings ("50256")."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise SamplingParamsError(f"logit_bias: keys must be token ids, got {key[:40]!r}")
+        out[int(key)] = value
+    return out
 
 
 class ChatCompletionRequest(_SamplingFields):
