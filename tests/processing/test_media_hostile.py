@@ -470,9 +470,14 @@ def test_normal_media_unchanged_by_the_limits(processor):
 
 def test_engine_config_knobs():
     limits = EngineConfig(
-        max_audio_seconds=10, max_video_frames=5, max_media_pixels=99, max_media_bytes=1000
+        max_audio_seconds=10,
+        max_video_frames=5,
+        max_media_pixels=99,
+        max_media_bytes=1000,
+        max_request_pixels=777,
     ).media_limits()
     assert (limits.max_audio_seconds, limits.max_video_frames, limits.max_media_pixels) == (10, 5, 99)
+    assert limits.max_request_pixels == 777
     assert limits.max_media_bytes == 1000 and limits.max_media_item_bytes == 1000
     assert limits.video_max_decoded_pixels == 5 * 1920 * 1080
     assert EngineConfig().media_limits() == MediaLimits()

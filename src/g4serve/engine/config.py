@@ -56,6 +56,10 @@ class EngineConfig:
         512 << 20, "encoded media bytes one request may carry (data: URLs, files, frames)"
     )
     max_media_pixels: int = _opt(8192 * 8192, "pixels of one decoded image or video frame")
+    max_request_pixels: int = _opt(
+        MediaLimits.max_request_pixels,
+        "decoded pixels one request keeps: its images plus the sampled frames of its videos",
+    )
     max_video_frames: int = _opt(9000, "frames one video (or list of frames) may have")
     max_audio_seconds: float = _opt(
         30.0, "seconds of each audio clip decoded; the rest is dropped (the model hears 30)"
@@ -113,6 +117,7 @@ class EngineConfig:
             max_media_bytes=self.max_media_bytes,
             max_media_item_bytes=min(MediaLimits.max_media_item_bytes, self.max_media_bytes),
             max_media_pixels=self.max_media_pixels,
+            max_request_pixels=self.max_request_pixels,
             max_video_frames=self.max_video_frames,
             # Decoding work follows the frame cap: max_video_frames frames of 1080p.
             video_max_decoded_pixels=self.max_video_frames * 1920 * 1080,
