@@ -328,6 +328,7 @@ class _Normalizer:
         self._text_rule("fold_accents", _fold_latin_accents)
         self._text_rule("thousands_separator", lambda s: re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s))
         self._text_rule("decimal_comma", lambda s: re.sub(r"(?<=\d),(?=\d{1,2}(?!\d))", ".", s))
+        self._text_rule("minus_sign", _spell_minus)  # before punctuation drops the sign of "-$50"
         self._text_rule("punctuation", _strip_punctuation)
         self._text_rule("article_number", lambda s: _ARTICLE_NUMBER.sub(r"one \1", s))
         self._text_rule("spoken_digits", self._spoken_digits)
@@ -476,9 +477,11 @@ class _Normalizer:
                 if exp == 0 or minor >= 1 or value != value.to_integral_value():
                     return m[0]  # "5000 yen 50" or "12.5 dollars 30": not a major + minor amount
                 value += minor
-        return self._record_money(rule, m[0], value, currency) or m[0]
+        return self._record_money(rule, m[0], value, currency, _negated(m)) or m[0]
 
-    def _record_money(self, rule: str, span: str, value: Decimal, currency: str) -> str | None:
+    def _record_money(
+        self, rule: str, span: str, value: Decimal, currency: str, negative: bool = False
+    ) -> str | None:
         exp = minor_unit_exponent(currency)
         try:
             scaled = value.scaleb(exp)
@@ -488,8 +491,11 @@ class _Normalizer:
             # More decimals than the currency has ("5000.5 yen"): refuse to guess; logged for the audit.
             self.rules.append(RuleApplied("money_rejected", span, f"{currency} has {exp} decimals"))
             return None
-        money = Money(int(scaled), currency, self._restore(span))
-        canonical = f"{_plain_amount(money.amount_minor, exp)} {currency.lower()}"
+        # "minus fifty", "-$50": kept negative, so the policy refuses it with its reason instead of
+        # quietly paying the absolute value.
+        # The text keeps its "minus" before the amount.
+        money = Money(-int(scaled) if negative else int(scaled), currency, self._restore(span))
+        canonical = f"{_plain_amount(abs(money.amount_minor), exp)} {currency.lower()}"
         self.rules.append(RuleApplied(rule, money.text, canonical))
         placeholder = self._placeholder(canonical)
         self.amounts.append((placeholder, money))
@@ -514,7 +520,7 @@ class _Normalizer:
                     )
                 else:
                     value = Decimal(m["n"])
-                placeholder = self._record_money("money_default_currency", m[0], value, currency)
+                placeholder = self._record_money("money_default_currency", m[0], value, currency, _negated(m))
                 if placeholder:
                     self.text = self.text[: m.start()] + placeholder + self.text[m.end() :]
                 return
@@ -606,6 +612,24 @@ def _strip_punctuation(s: str) -> str:
 def _scale(m: re.Match) -> str:
     value = Decimal(m[1]) * _SCALE_VALUES[m[2]]
     return str(int(value)) if value == value.to_integral_value() else m[0]
+
+
+# A minus sign written before an amount ("-$50", "-50", "$-50"), not one inside a word, date or number.
+_MINUS_BEFORE_AMOUNT = re.compile(r"(?<![\w-])[-\u2212]\s?(?=[$£€¥]?\d)")
+_MINUS_AFTER_SYMBOL = re.compile(r"([$£€¥])[-\u2212](?=\d)")
+
+
+def _spell_minus(s: str) -> str:
+    return _MINUS_BEFORE_AMOUNT.sub("minus ", _MINUS_AFTER_SYMBOL.sub(r"minus \1", s))
+
+
+_NEGATION_BEFORE = re.compile(r"(?:\bminus|\bnegative|-)\s*$")
+
+
+def _negated(m: re.Match) -> bool:
+    """Whether the amount ``m`` matched is said or written negative: "minus 50", "negative 20", "-$50",
+    "$-50"."""
+    return bool(_NEGATION_BEFORE.search(m.string[max(0, m.start() - 12) : m.start()]))
 
 
 def _plain_amount(amount_minor: int, exp: int) -> str:

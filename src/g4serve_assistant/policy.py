@@ -376,12 +376,18 @@ class Policy:
             "amount_minor": amount,
             "currency": currency,
         }
-        if (
-            isinstance(amount, bool)
-            or not isinstance(amount, int)
-            or amount <= 0
-            or not is_known_currency(currency)
-        ):
+        if isinstance(amount, int) and not isinstance(amount, bool) and amount <= 0:
+            return self._refuse(
+                intent,
+                INVALID_AMOUNT,
+                f"I can only {verb} an amount above zero"
+                + (f", and {format_money(amount, currency)} is below it." if amount < 0 else ".")
+                + " How much would you like to "
+                + verb
+                + "?",
+                proposal,
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int) or not is_known_currency(currency):
             return self._refuse(
                 intent,
                 INVALID_AMOUNT,

@@ -436,3 +436,29 @@ def test_concurrent_yes_executes_once(bank):
         t.join()
     assert sum(d.executed for d in results) == 1
     assert bank.checking() == CHECKING - 5000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "send minus fifty dollars to John Smith",
+        "send -$50 to John Smith",
+        "send $-50 to John Smith",
+        "transfer negative 20 dollars to John Smith",
+        "pay john smith \u221250 dollars",
+    ],
+)
+def test_a_negative_amount_is_refused_with_its_reason(bank, text):
+    """Issue 20: "minus fifty" / "-$50" was proposed as +$50.00, the sign dropped."""
+    assert [m.amount_minor for m in normalize(text).amounts] in ([-5000], [-2000])
+    d = bank.say(text)
+    assert d.refused == INVALID_AMOUNT and not d.needs_confirmation and not d.executed
+    assert "above zero" in d.reply and "-$" in d.reply
+    assert bank.db.transfers() == [] and bank.checking() == CHECKING
+
+
+def test_a_zero_amount_is_refused_and_dashes_elsewhere_are_not_signs(bank):
+    d = bank.say("send zero dollars to John Smith")
+    assert d.refused == INVALID_AMOUNT and "above zero" in d.reply
+    for text, minor in [("pay t-mobile 20 dollars", 2000), ("send 50 dollars on 2025-05-09", 5000)]:
+        assert [m.amount_minor for m in normalize(text, now=NOW).amounts] == [minor]
