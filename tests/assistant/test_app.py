@@ -337,3 +337,14 @@ def test_cli_default_db_is_in_the_cache_dir(tmp_path, monkeypatch, capsys):
     override = tmp_path / "bank.db"
     assert main(["assistant", "import-payees", str(csv_path), "--db", str(override)]) == 0
     assert override.is_file()
+
+
+def test_a_lone_surrogate_is_a_400_and_the_audit_stays_readable(client):
+    """Issue 20: text holding "\\ud800" was audited, and that session's audit read answered 500 forever."""
+    raw = b'{"session_id": "surrogate", "text": "pay bob \\ud800 fifty dollars"}'
+    r = client.post("/v1/assistant/turn", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
+    question = b'{"session_id": "surrogate", "question": "hours? \\udfff"}'
+    r = client.post("/v1/assistant/qna", content=question, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert client.get("/v1/assistant/audit", params={"session_id": "surrogate"}).status_code == 200

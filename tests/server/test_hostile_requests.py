@@ -255,3 +255,13 @@ def test_hostile_media_is_a_400_beside_running_requests(server, tmp_path, monkey
     # The answer does not tell whether the playlist's file exists.
     assert _error(bad[0])["message"] == _error(bad[1])["message"]
     assert "secret" not in bad[0].text
+
+
+def test_lone_surrogates_are_a_400(server):
+    """JSON's "\\ud800" decodes to no character; found by the fuzzer as a 500 from the tokenizer."""
+    for path, raw in [
+        ("/v1/chat/completions", b'{"model":"tiny","messages":[{"role":"user","content":"\\ud800"}]}'),
+        ("/v1/completions", b'{"model":"tiny","prompt":"a\\udfffb","max_tokens":2}'),
+    ]:
+        r = httpx.post(f"{server.base_url}{path}", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and _error(r)["param"] == "body", r.text

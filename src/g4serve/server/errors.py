@@ -143,19 +143,47 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
         raise APIError(400, "body: a JSON number has too many digits", param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, "body: must be a JSON object", param="body")
-    if json_depth(body) > max_depth:
+    depth, valid_text = json_shape(body)
+    if depth > max_depth:
         raise APIError(400, f"body: JSON nested more than {max_depth} levels deep", param="body")
+    if not valid_text:
+        # JSON's "\ud800" escapes decode to lone surrogates, which are no text: they fail whatever encodes
+        # them later (a tokenizer, a database row, a response), so they stop here.
+        raise APIError(400, "body: a string holds invalid Unicode (a lone surrogate)", param="body")
     return body
 
 
 def json_depth(value: Any) -> int:
     """How deep lists and dicts nest in ``value`` (a scalar is 0), without recursing."""
-    deepest, stack = 0, [(value, 1)]
+    return json_shape(value)[0]
+
+
+def json_shape(value: Any) -> tuple[int, bool]:
+    """(how deep lists and dicts nest in ``value``, whether every string and key in it is valid Unicode),
+    in one pass without recursing."""
+    deepest, valid, stack = 0, True, [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
-        if children is None:
+        if isinstance(node, str):
+            valid = valid and _valid_text(node)
+            continue
+        if isinstance(node, dict):
+            valid = valid and all(_valid_text(key) for key in node)
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
             continue
         deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, str)))
+    return deepest, valid
+
+
+def _valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
