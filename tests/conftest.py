@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from g4serve.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny-e"), "e")
+
+
+def _wav_claiming(rate: int, num_bytes: int = 64_000, channels: int = 1) -> bytes:
+    """A PCM16 RIFF/WAVE file whose header claims any sample rate (the wave module refuses odd ones)."""
+    block = channels * 2
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, (rate * block) & 0xFFFFFFFF, block, 16)
+    data = bytes(num_bytes)
+    riff = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(riff)) + riff
+
+
+@pytest.fixture(scope="session")
+def wav_claiming():
+    """``wav_claiming(rate, num_bytes=64_000, channels=1)``: hostile WAV bytes for the media tests."""
+    return _wav_claiming

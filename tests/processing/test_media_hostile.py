@@ -35,15 +35,6 @@ SR = 16_000
 
 
 # ---- builders ----------------------------------------------------------------------------------------
-def _wav_header_bytes(rate: int, num_bytes: int = 64_000, channels: int = 1) -> bytes:
-    """A PCM16 RIFF/WAVE file whose header claims any sample rate (the wave module refuses odd ones)."""
-    block = channels * 2
-    fmt = struct.pack("<HHIIHH", 1, channels, rate, (rate * block) & 0xFFFFFFFF, block, 16)
-    data = bytes(num_bytes)
-    riff = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data
-    return b"RIFF" + struct.pack("<I", len(riff)) + riff
-
-
 def _wav(samples: np.ndarray, rate: int) -> bytes:
     buffer = io.BytesIO()
     with wave_io.open(buffer, "wb") as w:
@@ -187,10 +178,10 @@ def test_demuxer_whitelist_is_configurable():
 
 # ---- audio: rates and lengths ------------------------------------------------------------------------
 @pytest.mark.parametrize("sf", [True, False], ids=["soundfile", "pyav-only"])
-def test_one_hz_wav_is_refused_cheaply(monkeypatch, sf):
+def test_one_hz_wav_is_refused_cheaply(monkeypatch, sf, wav_claiming):
     if not sf:
         monkeypatch.setitem(sys.modules, "soundfile", None)
-    data = _wav_header_bytes(1)  # 64 KB claiming 1 Hz: 32,000 s, which resampling x16,000 made 3.9 GB
+    data = wav_claiming(1)  # 64 KB claiming 1 Hz: 32,000 s, which resampling x16,000 made 3.9 GB
     tracemalloc.start()
     began = time.perf_counter()
     with pytest.raises(ValueError, match=r"sample rate 1 Hz is outside 1000\.\.384000 Hz"):
@@ -202,13 +193,13 @@ def test_one_hz_wav_is_refused_cheaply(monkeypatch, sf):
 
 
 @pytest.mark.parametrize("rate", [2**31, 2**31 - 1, 2**32 - 1, 0, 999, 384_001])
-def test_absurd_sample_rates_are_value_errors(rate):
+def test_absurd_sample_rates_are_value_errors(rate, wav_claiming):
     with pytest.raises(ValueError, match="could not decode audio|sample rate"):
-        load_audio(_wav_header_bytes(rate))
+        load_audio(wav_claiming(rate))
 
 
-def test_lowest_rate_is_trimmed_before_resampling():
-    data = _wav_header_bytes(1_000)  # 32 s at 1 kHz: the model hears 30 s
+def test_lowest_rate_is_trimmed_before_resampling(wav_claiming):
+    data = wav_claiming(1_000)  # 32 s at 1 kHz: the model hears 30 s
     began = time.perf_counter()
     wave = load_audio(data)
     assert time.perf_counter() - began < 1.0
@@ -230,12 +221,12 @@ def test_long_audio_is_trimmed_exactly(rate, monkeypatch):
     assert short.shape == (40_000,) and np.array_equal(short, full[:40_000])
 
 
-def test_audio_frame_cap_and_channel_cap():
+def test_audio_frame_cap_and_channel_cap(wav_claiming):
     data = _wav(np.zeros(48_000 * 2, np.float32), 48_000)
     with pytest.raises(ValueError, match="audio_max_frames"):
         load_audio(data, limits=MediaLimits(audio_max_frames=50_000))
     with pytest.raises(ValueError, match="channels.*audio_max_channels"):
-        load_audio(_wav_header_bytes(16_000, num_bytes=100 * 2 * 10, channels=100))
+        load_audio(wav_claiming(16_000, num_bytes=100 * 2 * 10, channels=100))
 
 
 def test_waveform_objects_obey_the_rate_range(processor):

@@ -213,16 +213,6 @@ def test_logit_bias_steers_the_tokens(server):
     assert r.json()["choices"][0]["logprobs"]["tokens"] == [text] * 4
 
 
-def _wav_bytes(rate: int, seconds_of_samples: int) -> bytes:
-    """A mono 16-bit WAV whose header claims ``rate`` Hz (any 32-bit value, written by hand)."""
-    import struct
-
-    data = b"\x00\x01" * seconds_of_samples
-    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
-    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
-    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
-
-
 def _audio_chat(payload: bytes) -> dict:
     import base64
 
@@ -233,11 +223,11 @@ def _audio_chat(payload: bytes) -> dict:
     return _chat(messages=[{"role": "user", "content": [part, {"type": "text", "text": "what was said?"}]}])
 
 
-def test_hostile_media_is_a_400_beside_running_requests(server, tmp_path, monkeypatch):
+def test_hostile_media_is_a_400_beside_running_requests(server, tmp_path, monkeypatch, wav_claiming):
     """Repros 2 and 4: an ffconcat playlist naming a file the server can read, a 64 KB WAV claiming 1 Hz
     (resampled x16,000 it cost 3.9 GB) and one claiming 2^31 Hz (an OverflowError 500)."""
     secret = tmp_path / "secret.wav"
-    secret.write_bytes(_wav_bytes(16000, 16000))
+    secret.write_bytes(wav_claiming(16000, 32_000))
     monkeypatch.chdir(tmp_path)  # the playlist's relative path resolves here
     playlist = b"ffconcat version 1.0\nfile 'secret.wav'\n"
     missing = b"ffconcat version 1.0\nfile 'nothing-here.wav'\n"
@@ -246,8 +236,8 @@ def test_hostile_media_is_a_400_beside_running_requests(server, tmp_path, monkey
         [
             _audio_chat(playlist),
             _audio_chat(missing),
-            _audio_chat(_wav_bytes(1, 32_000)),
-            _audio_chat(_wav_bytes(2**31, 16_000)),
+            _audio_chat(wav_claiming(1)),
+            _audio_chat(wav_claiming(2**31, 32_000)),
         ],
     )
     _assert_unharmed(long)

@@ -55,18 +55,6 @@ class RequestFailedError(RuntimeError):
         self.request_id = request_id
 
 
-def _error_args(error: EngineDeadError | RequestFailedError) -> tuple:
-    """Arguments that rebuild ``error`` (raised again in each stream's own task, with its traceback)."""
-    return (error.request_id, str(error)) if isinstance(error, RequestFailedError) else (str(error),)
-
-
-def dead_message(dead: BaseException) -> str:
-    """Why the engine stopped, for clients: without the exception's text (it may hold internals)."""
-    if isinstance(dead, EngineDeadError):
-        return str(dead)
-    return f"engine is not running: it crashed ({type(dead).__name__})"
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, preprocess_workers: int = 4):
         self.engine = engine
@@ -78,7 +66,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
-        self.dead: BaseException | None = None
+        self.dead: EngineDeadError | None = None  # why the engine stopped (its text is safe to show)
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
 
@@ -106,7 +94,8 @@ class AsyncLLMEngine:
                     self._publish(out)
         except BaseException as exc:  # everything must reach the waiting clients
             log.exception("engine thread crashed")
-            self.dead = EngineDeadError(dead_message(exc))
+            # Its type only: the exception's text may hold internals.
+            self.dead = EngineDeadError(f"engine is not running: it crashed ({type(exc).__name__})")
             self.dead.__cause__ = exc
             for loop, q, _ in list(self._streams.values()):
                 self._send(loop, q, self.dead)
@@ -199,7 +188,7 @@ class AsyncLLMEngine:
     # ---- event-loop side ---------------------------------------------------------------------------
     async def process(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
         if self.dead is not None:
-            raise EngineDeadError(dead_message(self.dead))
+            raise EngineDeadError(str(self.dead))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.engine.process_prompt, prompt, add_special_tokens)
 
@@ -234,7 +223,7 @@ class AsyncLLMEngine:
         ``StructuredOutputError`` naming the field. Runs in the preprocessing pool: compiling a grammar
         can take a while and must not stall the event loop."""
         if self.dead is not None:
-            raise EngineDeadError(dead_message(self.dead))
+            raise EngineDeadError(str(self.dead))
         request_id = request_id or self.new_request_id()
         self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
         loop = asyncio.get_running_loop()
@@ -269,7 +258,7 @@ class AsyncLLMEngine:
         """Queue an admitted request (from ``validate``) and yield its deltas until it finishes; closing or
         cancelling the iterator aborts it."""
         if self.dead is not None:
-            raise EngineDeadError(dead_message(self.dead))
+            raise EngineDeadError(str(self.dead))
         request_id = request.request_id
         self._check_free(request_id)
         loop = asyncio.get_running_loop()
@@ -277,7 +266,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = (loop, q, request)
         if self.dead is not None:  # shut down (from another thread) since the check above
             self._streams.pop(request_id, None)
-            raise EngineDeadError(dead_message(self.dead))
+            raise EngineDeadError(str(self.dead))
         self._commands.put(("add", request))
         self._wake.set()
         sent_tokens = 0
@@ -287,9 +276,9 @@ class AsyncLLMEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
-                    if isinstance(item, (EngineDeadError, RequestFailedError)):
-                        raise type(item)(*_error_args(item)) from item
-                    raise EngineDeadError(dead_message(item)) from item
+                    if isinstance(item, RequestFailedError):
+                        raise item  # made for this stream alone
+                    raise EngineDeadError(str(item)) from item  # `dead`, shared: a fresh error per stream
                 item.token_ids = item.token_ids[sent_tokens:]
                 sent_tokens += len(item.token_ids)
                 finished = item.finished

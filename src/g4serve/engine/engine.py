@@ -225,12 +225,6 @@ class LLMEngine:
                     raise ValueError(
                         f"prompt: invalid Unicode at character {exc.start} (a lone surrogate)"
                     ) from None
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        if isinstance(ids, list) and len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: {len(ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
         return self.processor.process(
             prompt, self.config.limit_mm_per_prompt, add_special_tokens, media_limits=self.media_limits
         )

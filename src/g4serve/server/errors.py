@@ -153,11 +153,6 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     return body
 
 
-def json_depth(value: Any) -> int:
-    """How deep lists and dicts nest in ``value`` (a scalar is 0), without recursing."""
-    return json_shape(value)[0]
-
-
 def json_shape(value: Any) -> tuple[int, bool]:
     """(how deep lists and dicts nest in ``value``, whether every string and key in it is valid Unicode),
     in one pass without recursing."""
