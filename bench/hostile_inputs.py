@@ -1,0 +1,125 @@
+"""What a hostile request costs the server before it is refused (issue 19's repros), on the CPU.
+
+Times (median and minimum of ``--reps`` after one warm-up) and the peak of Python-tracked allocations
+(``tracemalloc``: numpy buffers included, torch tensors not) of each refusal, beside the cost of a normal
+input of the same kind:
+
+- a 5 MB prompt (``LLMEngine.process_prompt`` on the embedded tiny model, max_model_len 4096), against a
+  4 KB one that is tokenized;
+- a 64 KB WAV whose header claims 1 Hz, and one claiming 2^31 Hz, against a 5 s 16 kHz WAV decoded
+  (``load_audio``);
+- an ffconcat playlist sent as audio;
+- a JSON body nested 100,000 levels deep (``parse_json_object``), against a 1 MB flat body.
+
+Writes JSON with the machine, commit and command.
+
+    python bench/hostile_inputs.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import platform
+import shlex
+import statistics
+import struct
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import numpy as np
+import soundfile
+
+from g4serve.bench.meta import device_name, git_commit, write_result_json
+from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.processing.audio import load_audio
+from g4serve.server.errors import APIError, parse_json_object
+
+
+def wav_claiming(rate: int, num_bytes: int = 64_000) -> bytes:
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    data = bytes(num_bytes)
+    riff = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(riff)) + riff
+
+
+def measure(call: Callable[[], object], reps: int) -> dict:
+    """Median / minimum seconds and peak traced bytes of ``call``; whether it raised (a refusal)."""
+
+    def once() -> bool:
+        try:
+            call()
+        except (ValueError, APIError):
+            return True
+        return False
+
+    refused = once()  # warm-up
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - began)
+    tracemalloc.start()
+    once()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {
+        "refused": refused,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "peak_traced_bytes": peak,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out-dir", default="bench/results")
+    args = parser.parse_args()
+
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", kv_cache_bytes=32 << 20))
+    normal_wav = io.BytesIO()
+    t = np.arange(5 * 16_000) / 16_000
+    soundfile.write(normal_wav, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16_000, format="WAV")
+    deep = b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    flat = json.dumps({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}).encode()
+    huge, small = "balance " * 655_360, "balance " * 512  # built once, outside the timing
+    cases = {
+        "prompt_5MB": lambda: engine.process_prompt(huge),
+        "prompt_4KB (tokenized)": lambda: engine.process_prompt(small),
+        "wav_1Hz_64KB": lambda: load_audio(wav_claiming(1)),
+        "wav_2^31Hz": lambda: load_audio(wav_claiming(2**31, 32_000)),
+        "wav_16kHz_5s (decoded)": lambda: load_audio(normal_wav.getvalue()),
+        "ffconcat_as_audio": lambda: load_audio(b"ffconcat version 1.0\nfile 'x.wav'\n"),
+        "json_nested_100000": lambda: parse_json_object(deep),
+        "json_flat_1MB (parsed)": lambda: parse_json_object(flat),
+    }
+    results = {name: measure(call, args.reps) for name, call in cases.items()}
+    for name, r in results.items():
+        verdict = "refused" if r["refused"] else "accepted"
+        print(
+            f"{name:26s} {verdict:8s} median {r['median_s'] * 1e3:8.2f} ms  min {r['min_s'] * 1e3:8.2f} ms  "
+            f"peak {r['peak_traced_bytes'] / 2**20:8.2f} MiB"
+        )
+    write_result_json(
+        args.out_dir,
+        "hostile_inputs",
+        {
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "device": device_name("cpu"),
+            "machine": platform.platform(),
+            "python": platform.python_version(),
+            "commit": git_commit(),
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "reps": args.reps,
+            "cases": results,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
