@@ -14,7 +14,7 @@ from functools import lru_cache
 import jellyfish
 from rapidfuzz import fuzz, process
 
-from g4serve_assistant.db import BankDB, Payee
+from g4serve_assistant.bank import CustomerBank, Payee
 
 MIN_SCORE = 60.0  # below this a name is noise, not a candidate
 RELATIONSHIP_SCORE = 90.0  # "my sister": sure of the relationship, not of the person if several share it
@@ -166,7 +166,7 @@ class _Built:
 class PayeeIndex:
     """Top-k payee candidates for a name as heard; rebuilt lazily when ``db.version`` changes."""
 
-    def __init__(self, db: BankDB):
+    def __init__(self, db: CustomerBank):
         self.db = db
         self._lock = threading.Lock()
         self._built = _Built(db.payees(), db.version)
