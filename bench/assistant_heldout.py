@@ -4,7 +4,7 @@ intent classifier with no model, scored per intent, with the fraction the fast p
 
     python bench/assistant_heldout.py --out bench/results
 
-Writes assistant_heldout.json (commit, date, command, per-intent accuracy, Gemma fraction, timings, every
+Writes assistant_<cases>.json (commit, date, command, per-intent accuracy, Gemma fraction, timings, every
 miss) and a markdown table beside it, and prints the table.
 """
 
@@ -70,7 +70,7 @@ class Heldout:
         return self.classifier(case["customer"]).classify(normalized)
 
 
-def load(data_dir: Path = DATA) -> Heldout:
+def load(data_dir: Path = DATA, cases: str = "heldout.jsonl") -> Heldout:
     spec = json.loads((data_dir / "heldout_customers.json").read_text())
     customers = {
         cid: StaticCustomer(
@@ -82,9 +82,12 @@ def load(data_dir: Path = DATA) -> Heldout:
         )
         for cid, c in spec["customers"].items()
     }
-    lines = (data_dir / "heldout.jsonl").read_text().splitlines()
-    cases = [json.loads(line) for line in lines if line.strip()]
-    return Heldout(dt.datetime.fromisoformat(spec["now"]), customers, cases)
+    lines = (data_dir / cases).read_text().splitlines()
+    return Heldout(
+        dt.datetime.fromisoformat(spec["now"]),
+        customers,
+        [json.loads(line) for line in lines if line.strip()],
+    )
 
 
 def mistakes(case: dict, result: IntentResult) -> list[str]:  # noqa: C901 - one check per label kind
@@ -211,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--data", default=str(DATA), help="directory of heldout.jsonl and heldout_customers.json"
     )
+    parser.add_argument(
+        "--cases",
+        default="heldout.jsonl",
+        help="file of cases in --data: heldout.jsonl (the set the rules were tuned on) or "
+        "heldout_fresh.jsonl "
+        "(written before any tuning and not looked at since)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the set")
     parser.add_argument("--out", default="bench/results", help="directory for the JSON and markdown reports")
     parser.add_argument("--misses", action="store_true", help="print every miss after the table")
@@ -218,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from g4serve.bench.meta import device_name, git_commit
 
-    figures = run(load(Path(args.data)), args.repeats)
+    figures = run(load(Path(args.data), args.cases), args.repeats)
     report = {
         "benchmark": "assistant_heldout",
         "commit": git_commit(),
@@ -227,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "python": platform.python_version(),
         "units": {"accuracy": "fraction of cases", "to_gemma": "fraction of cases", "*_ms": "milliseconds"},
+        "cases": args.cases,
         "figures": figures,
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "assistant_heldout.json"
+    path = out_dir / f"assistant_{Path(args.cases).stem}.json"
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     path.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
