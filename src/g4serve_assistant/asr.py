@@ -35,6 +35,8 @@ class Transcript:
     audio_s: float = 0.0
     decode_ms: float = 0.0  # processing time spent in the recogniser, summed over feed() and finish()
     words: list[tuple[str, float]] = field(default_factory=list)  # (word, posterior) when available
+    error: str | None = None  # why the text is empty when the recogniser failed (gemma: timeout, request)
+    details: dict[str, Any] = field(default_factory=dict)  # recogniser-specific (gemma: tokens, raw output)
 
 
 class RecognizerStream(Protocol):
@@ -584,14 +586,28 @@ class PocketSphinxRecognizer:
         )
 
 
-def make_recognizer(name: str = "pocketsphinx", vocabulary: DomainVocabulary | None = None) -> Recognizer:
-    """A recogniser by name: 'pocketsphinx' (domain LM), 'pocketsphinx-jsgf', 'pocketsphinx-general'."""
+def make_recognizer(
+    name: str = "pocketsphinx",
+    vocabulary: DomainVocabulary | None = None,
+    *,
+    engine: Any = None,
+    loop: Any = None,
+) -> Recognizer:
+    """A recogniser by name: 'pocketsphinx' (domain LM), 'pocketsphinx-jsgf', 'pocketsphinx-general', or
+    'gemma' (the served model hears the audio: ``engine``, an AsyncLLMEngine with its audio tower loaded,
+    and ``loop``, the event loop serving it, by default the running one; build a ``GemmaRecognizer`` for its
+    other options). The pocketsphinx recognisers ignore ``engine`` and ``loop``."""
     if name in ("pocketsphinx", "pocketsphinx-lm"):
         return PocketSphinxRecognizer(vocabulary, mode="lm")
     if name.startswith("pocketsphinx-") and name.removeprefix("pocketsphinx-") in MODES:
         return PocketSphinxRecognizer(vocabulary, mode=name.removeprefix("pocketsphinx-"))
+    if name == "gemma":
+        from g4serve_assistant.asr_gemma import GemmaRecognizer
+
+        return GemmaRecognizer(engine, vocabulary, loop=loop)
     raise ValueError(
-        f"unknown recognizer {name!r}; available: pocketsphinx, pocketsphinx-jsgf, pocketsphinx-general"
+        f"unknown recognizer {name!r}; available: pocketsphinx, pocketsphinx-jsgf, pocketsphinx-general, "
+        "gemma"
     )
 
 

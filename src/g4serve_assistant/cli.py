@@ -69,7 +69,8 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--asr",
         default="pocketsphinx",
-        help="speech recogniser: pocketsphinx (domain LM, default), pocketsphinx-jsgf, pocketsphinx-general",
+        help="speech recogniser: pocketsphinx (domain LM, default), pocketsphinx-jsgf, pocketsphinx-general, "
+        "gemma (the served model hears the audio: E2B/E4B only, not with --no-llm)",
     )
     p.add_argument(
         "--intent-threshold",
@@ -78,8 +79,8 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
         help="fast-path confidence below which Gemma extracts the intent",
     )
     p.add_argument("--log-level", default="info")
-    # The engine's flags, as `g4serve serve` has them; the assistant sends no media (text-only, forced) and
-    # its prompts are short.
+    # The engine's flags, as `g4serve serve` has them; the assistant sends no media (text-only, forced; audio
+    # alone with --asr gemma) and its prompts are short.
     add_engine_arguments(
         p,
         exclude=(
@@ -131,10 +132,16 @@ def open_db(path: str):
 
 
 def build_engine(args: argparse.Namespace):
-    """The engine as ``g4serve serve`` builds it, text-only (the assistant sends no media to the model)."""
+    """The engine as ``g4serve serve`` builds it, text-only (the assistant sends no media to the model), or
+    with the audio tower alone for ``--asr gemma`` (ValueError for a model without one)."""
     from g4serve.engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine.from_config(engine_config_from_args(args, model=args.model, text_only=True))
+    media: dict = {"text_only": True}
+    if args.asr == "gemma":
+        from g4serve_assistant.asr_gemma import audio_engine_options
+
+        media = audio_engine_options(args.model)
+    return AsyncLLMEngine.from_config(engine_config_from_args(args, model=args.model, **media))
 
 
 def build_from_args(args: argparse.Namespace):
@@ -144,6 +151,8 @@ def build_from_args(args: argparse.Namespace):
 
     if not 0.0 < args.intent_threshold <= 1.0:
         raise ValueError(f"--intent-threshold: must be in (0, 1], got {args.intent_threshold}")
+    if args.asr == "gemma" and args.no_llm:
+        raise ValueError("--asr gemma: the recogniser is the served model, so it cannot run with --no-llm")
     db_path = resolve_db(args.db)
     log.info("database %s", db_path)  # the default lives in the cache directory: say where
     db = open_db(db_path)

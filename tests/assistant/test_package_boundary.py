@@ -38,6 +38,8 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     },
     # band-limited resampling to 16 kHz: a pure function (array in, array out), no engine state
     "g4serve.processing.audio": {"resample"},
+    # a model's config, read without its weights: whether it has the audio tower `--asr gemma` needs
+    "g4serve.config": {"Gemma4Config", "preset"},
 }
 # What the assistant may touch on an AsyncLLMEngine (an `engine` variable or attribute, or the class).
 ENGINE_SURFACE = {"from_config", "process", "generate", "validate", "tokenizer", "shutdown", "dead"}
