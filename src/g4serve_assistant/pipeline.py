@@ -7,8 +7,9 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime as dt
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from g4serve_assistant.audio import SAMPLE_RATE, decode_wav
-from g4serve_assistant.db import BankDB
+from g4serve_assistant.audit import AuditLog, AuditRow
+from g4serve_assistant.bank import BankBackend, CustomerBank
 from g4serve_assistant.intents import IntentClassifier
 from g4serve_assistant.metrics import AssistantMetrics
 from g4serve_assistant.normalize import normalize
@@ -58,6 +60,30 @@ class StageClock:
             self.mark(name, end)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who a turn is for, as the app established it: the customer (from a verified token), their
+    server-issued session, the client (address, user agent, origin, token id: for the audit trail) and the
+    pending action the client's confirmation names, if any."""
+
+    customer_id: str
+    session_id: str
+    client: dict = field(default_factory=dict)
+    action_id: str | None = None
+
+
+class _Customer:
+    """One customer's bank view with the lookup, classifier and policy built over it; rebuilt when the
+    customer's payee version moves."""
+
+    def __init__(self, view: CustomerBank, policy: Policy, threshold: float):
+        self.view = view
+        self.version = view.version
+        self.index = _TimedIndex(PayeeIndex(view))
+        self.classifier = IntentClassifier(self.index, threshold=threshold)
+        self.policy = policy
+
+
 @dataclass
 class Heard:
     """What the audio front end produced for one utterance."""
@@ -80,6 +106,7 @@ class TurnResult:
     executed: bool
     path: str  # 'fast' | 'gemma'
     reply: str
+    pending: dict[str, Any] | None = None  # awaiting a yes: {action_id, kind, expires_at}; name it to confirm
     needs_llm: bool = False  # the fast path was unsure (without a model, the policy asked instead)
     transcript: str | None = None
     normalized: str | None = None
@@ -99,11 +126,20 @@ class _TimedIndex:
     """A PayeeIndex that adds the time spent in its searches to the turn's ``lookup`` stage.
 
     The classifier runs the lookup inside ``classify``; timing through this proxy reports lookup and
-    intent separately without looking up twice."""
+    intent separately without looking up twice. The time is per thread: turns of one customer's sessions
+    may classify at once."""
 
     def __init__(self, index: PayeeIndex):
         self._index = index
-        self.spent_s = 0.0
+        self._spent = threading.local()
+
+    @property
+    def spent_s(self) -> float:
+        return getattr(self._spent, "s", 0.0)
+
+    @spent_s.setter
+    def spent_s(self, value: float) -> None:
+        self._spent.s = value
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._index, name)
@@ -123,35 +159,47 @@ class _TimedIndex:
 class Assistant:
     """The banking assistant: deterministic core, audio front end and optional Gemma, behind ``turn``.
 
-    Money never moves here: ``Policy`` decides, and it executes a transfer only on a confirmation turn.
-    Database work happens on the caller's (event-loop) thread; audio decoding, VAD and ASR, which take
-    tens to hundreds of ms, run on one audio thread (``in_audio_thread``) and touch no database.
+    It serves many customers of one ``BankBackend``: each turn names its ``Caller`` (customer, session,
+    client), and every lookup, decision and audit row is that customer's. Money never moves here:
+    ``Policy`` decides, and it executes a transfer only on a confirmation turn that names the action.
+    Bank and policy work runs in worker threads (a bank behind HTTP must not stall the event loop);
+    audio decoding, VAD and ASR, which take tens to hundreds of ms, run on one audio thread
+    (``in_audio_thread``) and touch no bank.
     """
 
     def __init__(
         self,
-        db: BankDB,
+        bank: BankBackend,
         engine=None,
         *,
+        audit: AuditLog | None = None,
         recognizer: Any = "pocketsphinx",
         limits_minor: dict | None = None,
         intent_threshold: float = 0.75,
         extraction_max_tokens: int | None = 96,
         metrics: AssistantMetrics | None = None,
         vad_min_silence_ms: int = 500,
+        max_cached_customers: int = 1024,
+        max_cached_recognizers: int = 8,
     ):
-        self.db = db
+        self.bank = bank
+        self.audit = audit if audit is not None else AuditLog()
         self.engine = engine
         self.metrics = metrics or AssistantMetrics()
         self.sessions = SessionStore()
-        self.policy = Policy(db, limits_minor=limits_minor)
+        self.limits_minor = limits_minor
         self.intent_threshold = intent_threshold
         self.knowledge = KnowledgeIndex()
         self.vad_min_silence_ms = vad_min_silence_ms
         self._recognizer_spec = recognizer
-        self._recognizer: Any = None
-        self._vocab_version: int | None = None
-        self._index_version: int | None = None
+        # Per customer: lookup, classifier and policy (cheap), and the recogniser biased to their payees
+        # (a language model each: tens of ms to build, so fewer are kept).
+        self._customers: OrderedDict[str, _Customer] = OrderedDict()
+        self._recognizers: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+        self._max_customers = max_cached_customers
+        self._max_recognizers = max_cached_recognizers
+        self._cache_lock = threading.Lock()
+        self._policy_lock = threading.RLock()
         self._session_locks: dict[str, list] = {}
         # All audio work (decoding, VAD, ASR) runs on this one thread. Why one: torch calls from several
         # threads each start their own OpenMP team, whose spinning workers starve one another on a small
@@ -162,39 +210,58 @@ class Assistant:
             from g4serve_assistant.extraction import Extractor
 
             self.extractor = Extractor(engine, max_tokens=extraction_max_tokens)
-        self._refresh_index()
 
-    # ---- components that follow the database -------------------------------------------------------
-    def _refresh_index(self) -> None:
-        if self._index_version == self.db.version:
-            return
-        self._timed_index = _TimedIndex(PayeeIndex(self.db))
-        self.classifier = IntentClassifier(self._timed_index, threshold=self.intent_threshold)
-        self._index_version = self.db.version
+    # ---- components that follow the customer's records ----------------------------------------------
+    def customer(self, customer_id: str) -> _Customer:
+        """The customer's view, lookup and policy (UnknownCustomerError when the bank has no such one)."""
+        with self._cache_lock:
+            cached = self._customers.get(customer_id)
+            if cached is not None:
+                self._customers.move_to_end(customer_id)
+        if cached is not None and cached.view.version == cached.version:
+            return cached
+        view = self.bank.customer(customer_id)
+        policy = Policy(view, limits_minor=self.limits_minor, lock=self._policy_lock)
+        built = _Customer(view, policy, self.intent_threshold)
+        with self._cache_lock:
+            self._customers[customer_id] = built
+            while len(self._customers) > self._max_customers:
+                self._customers.popitem(last=False)
+        return built
 
-    @property
-    def recognizer(self) -> Any:
-        """The speech recogniser, its vocabulary rebuilt from the payees whenever the database changed."""
+    def recognizer(self, customer_id: str) -> Any:
+        """The speech recogniser biased to this customer's payees, rebuilt when they changed."""
         from g4serve_assistant.asr import make_recognizer
         from g4serve_assistant.vocabulary import DomainVocabulary
 
-        version = self.db.version
-        if self._recognizer is None or self._vocab_version != version:
-            payees = self.db.payees()
-            vocab = DomainVocabulary.build(
-                [p.display_name for p in payees],
-                version=version,
-                aliases=[a for p in payees for a in getattr(p, "aliases", ())],
-            )
-            if self._recognizer is None:
-                spec = self._recognizer_spec
-                self._recognizer = make_recognizer(spec, vocab) if isinstance(spec, str) else spec
-                if not isinstance(spec, str):
-                    self._recognizer.update_vocabulary(vocab)
-            else:
-                self._recognizer.update_vocabulary(vocab)
-            self._vocab_version = version
-        return self._recognizer
+        view = self.customer(customer_id).view
+        version = view.version
+        spec = self._recognizer_spec
+        key = customer_id if isinstance(spec, str) else "*"  # a given object serves everyone
+        with self._cache_lock:
+            cached = self._recognizers.get(key)
+            if cached is not None:
+                self._recognizers.move_to_end(key)
+        if cached is not None and cached[0] == (customer_id, version):
+            return cached[1]
+        payees = view.payees()
+        vocab = DomainVocabulary.build(
+            [p.display_name for p in payees],
+            version=version,
+            aliases=[a for p in payees for a in getattr(p, "aliases", ())],
+        )
+        if isinstance(spec, str):
+            recognizer = cached[1] if cached is not None else make_recognizer(spec, vocab, engine=self.engine)
+            if cached is not None:
+                recognizer.update_vocabulary(vocab)
+        else:
+            recognizer = spec
+            recognizer.update_vocabulary(vocab)
+        with self._cache_lock:
+            self._recognizers[key] = ((customer_id, version), recognizer)
+            while len(self._recognizers) > self._max_recognizers:
+                self._recognizers.popitem(last=False)
+        return recognizer
 
     def vad(self):
         from g4serve_assistant.vad import VoiceActivityDetector
@@ -212,9 +279,20 @@ class Assistant:
         """Load the VAD and ASR models (``audio``) and compile the extraction grammars before the first
         turn."""
         if audio:
-            recognizer = self.recognizer  # builds the vocabulary on this thread (it reads the database)
+            from g4serve_assistant.asr import make_recognizer
+            from g4serve_assistant.vocabulary import DomainVocabulary
+
+            # No customer yet: the intent vocabulary alone loads the acoustic model and the VAD once.
+            spec = self._recognizer_spec
+            vocab = DomainVocabulary.build([], version=0, aliases=[])
             silence = np.zeros(SAMPLE_RATE // 2, dtype=np.float32)
-            await self.in_audio_thread(lambda: (self.vad().trim(silence), recognizer.transcribe(silence)))
+
+            def load() -> None:
+                self.vad().trim(silence)
+                if isinstance(spec, str):
+                    make_recognizer(spec, vocab, engine=self.engine).transcribe(silence)
+
+            await self.in_audio_thread(load)
         if self.extractor is not None:
             await self.extractor.warmup()
 
@@ -252,14 +330,14 @@ class Assistant:
             partials=list(transcript.partials),
         )
 
-    def listen(self) -> Utterance:
+    def listen(self, customer_id: str) -> Utterance:
         """A streaming utterance (for the WebSocket): feed PCM chunks, get VAD/partial events."""
-        return Utterance(self.vad(), self.recognizer)
+        return Utterance(self.vad(), self.recognizer(customer_id))
 
     # ---- a turn --------------------------------------------------------------------------------------------
     async def turn(
         self,
-        session_id: str,
+        caller: Caller,
         text: str | None = None,
         audio: bytes | np.ndarray | None = None,
         clock: StageClock | None = None,
@@ -272,24 +350,25 @@ class Assistant:
         clock = clock or StageClock()
         heard = None
         if audio is not None:
-            recognizer = self.recognizer  # vocabulary refresh reads the database: on this thread
+            recognizer = await asyncio.to_thread(self.recognizer, caller.customer_id)
             heard = await self.in_audio_thread(self.hear, audio, clock, recognizer)
             text = heard.text
-        return await self.decide(session_id, text or "", clock, heard)
+        return await self.decide(caller, text or "", clock, heard)
 
     async def decide(
-        self, session_id: str, text: str, clock: StageClock, heard: Heard | None = None
+        self, caller: Caller, text: str, clock: StageClock, heard: Heard | None = None
     ) -> TurnResult:
         """Text (typed or transcribed) -> decision; serialized per session so a confirmation cannot race."""
-        entry = self._session_locks.setdefault(session_id, [asyncio.Lock(), 0])  # [lock, turns using it]
+        key = caller.session_id
+        entry = self._session_locks.setdefault(key, [asyncio.Lock(), 0])  # [lock, turns using it]
         entry[1] += 1
         try:
             async with entry[0]:
-                result = await self._decide(session_id, text, clock, heard)
+                result = await self._decide(caller, text, clock, heard)
         finally:
             entry[1] -= 1
             if entry[1] == 0:  # nobody holds or waits for it: do not keep one lock per session ever seen
-                del self._session_locks[session_id]
+                del self._session_locks[key]
         end = clock.mark("response_sent")
         result.stages["total"] = round((end - clock.t0) * 1000, 3)
         if "vad_end" in clock.timeline:
@@ -308,9 +387,29 @@ class Assistant:
         )
         return result
 
-    async def _decide(self, session_id: str, text: str, clock: StageClock, heard: Heard | None) -> TurnResult:
+    def record(self, caller: Caller, rows: list[AuditRow]) -> None:
+        """Appends one attempt's rows to the audit trail under the caller's customer, session and client."""
+        self.audit.append(
+            rows, customer_id=caller.customer_id, session_id=caller.session_id, client=caller.client
+        )
+
+    def _understand(self, caller: Caller, text: str, clock: StageClock):
+        """Normalize and classify on the customer's records (a worker thread: the bank may be remote)."""
+        customer = self.customer(caller.customer_id)
+        session = self.sessions.get(caller.session_id, caller.customer_id)
+        with clock.stage("normalize"):
+            normalized = normalize(text)
+        customer.index.spent_s = 0.0
+        with clock.stage("intent"):
+            result = customer.classifier.classify(normalized)
+        lookup_ms = customer.index.spent_s * 1000
+        clock.add("lookup", lookup_ms)
+        clock.add("intent", -lookup_ms)
+        return customer, session, normalized, result
+
+    async def _decide(self, caller: Caller, text: str, clock: StageClock, heard: Heard | None) -> TurnResult:
         asr = None
-        audit: list[tuple[str, str, dict]] = []  # written in one transaction (the policy writes its own rows)
+        audit: list[AuditRow] = []  # the whole turn is appended at once, the policy's rows included
         if heard is not None:
             asr = {
                 "recognizer": heard.recognizer,
@@ -318,12 +417,19 @@ class Assistant:
                 "audio_s": round(heard.audio_s, 3),
                 "partials": heard.partials,
             }
-            audit.append(("asr", "transcript", {"text": heard.text, **asr}))
+            audit.append(AuditRow("asr", "transcript", {"text": heard.text, **asr}))
         if not text.strip():
-            audit.append(("turn", "not_heard", {"reply": NOT_HEARD_REPLY, "stages": dict(clock.stages)}))
-            self.db.audit_many(session_id, audit)
+            audit.append(
+                AuditRow(
+                    "turn",
+                    "not_heard",
+                    {"reply": NOT_HEARD_REPLY, "stages": dict(clock.stages)},
+                    outcome="not_heard",
+                )
+            )
+            await asyncio.to_thread(self.record, caller, audit)
             return TurnResult(
-                session_id=session_id,
+                session_id=caller.session_id,
                 intent="unknown",
                 confidence=0.0,
                 entities={},
@@ -336,18 +442,9 @@ class Assistant:
                 stages=dict(clock.stages),
                 asr=asr,
             )
-        self._refresh_index()
-        session = self.sessions.get(session_id)
-        with clock.stage("normalize"):
-            normalized = normalize(text)
-        self._timed_index.spent_s = 0.0
-        with clock.stage("intent"):
-            result = self.classifier.classify(normalized)
-        lookup_ms = self._timed_index.spent_s * 1000
-        clock.add("lookup", lookup_ms)
-        clock.add("intent", -lookup_ms)
+        customer, session, normalized, result = await asyncio.to_thread(self._understand, caller, text, clock)
         audit.append(
-            (
+            AuditRow(
                 "normalize",
                 "rules",
                 {
@@ -361,21 +458,26 @@ class Assistant:
         candidates = list(result.candidates or [])
         # The policy says when the model may look: never at a yes/no or at an answer to its own question.
         # Without a model (or when its output does not validate) the policy asks the clarifying question.
-        needs_llm = self.policy.wants_llm(session, result)
+        needs_llm = customer.policy.wants_llm(session, result)
         if self.extractor is not None and needs_llm:
             path = "gemma"
-            result, llm_info = await self._extract(text, normalized, result, candidates, clock, audit)
+            result, llm_info = await self._extract(
+                customer, text, normalized, result, candidates, clock, audit
+            )
         documents = None
         with clock.stage("policy"):
-            decision = self.policy.decide(session, result, normalized.text)
+            decision = await asyncio.to_thread(
+                customer.policy.decide, session, result, normalized.text, caller.action_id
+            )
             reply = decision.reply
             if decision.intent == "qna":
                 hits = self.knowledge.search(normalized.text)
                 documents = [h.document.doc_id for h in hits]
                 reply = _with_answer(reply, extractive_answer(hits))
         entities = _jsonable(dict(result.entities or {}))
+        audit.extend(decision.audit)
         audit.append(
-            (
+            AuditRow(
                 "turn",
                 path,
                 {
@@ -384,11 +486,12 @@ class Assistant:
                     "documents": documents,
                     "stages": dict(clock.stages),
                 },
+                outcome=decision.audit[-1].outcome if decision.audit else None,
             )
         )
-        self.db.audit_many(session_id, audit)
+        await asyncio.to_thread(self.record, caller, audit)
         return TurnResult(
-            session_id=session_id,
+            session_id=caller.session_id,
             intent=decision.intent,
             confidence=round(float(result.confidence or 0.0), 4),
             entities=entities,
@@ -397,6 +500,7 @@ class Assistant:
             executed=bool(decision.executed),
             path=path,
             reply=reply,
+            pending=decision.pending,
             needs_llm=needs_llm,
             transcript=text if heard is not None else None,
             normalized=normalized.text,
@@ -410,12 +514,13 @@ class Assistant:
 
     async def _extract(
         self,
+        customer: _Customer,
         text: str,
         normalized,
         result,
         candidates: list,
         clock: StageClock,
-        audit: list[tuple[str, str, dict]],
+        audit: list[AuditRow],
     ):
         """Gemma extraction; returns the result for the policy and what the call did (for the response)."""
         from g4serve_assistant.extraction import MAX_CANDIDATES, merge_into_result
@@ -437,35 +542,13 @@ class Assistant:
             "output_tokens": extraction.output_tokens,
             "finish_reason": extraction.finish_reason,
         }
-        audit.append(("llm", "extraction", {**info, "raw": extraction.raw}))
+        audit.append(AuditRow("llm", "extraction", {**info, "raw": extraction.raw}))
         if not extraction.valid:
             return result, info  # the fast path's reading goes to the policy, which asks rather than guesses
         heard_amounts = [(m.amount_minor, m.currency) for m in normalized.amounts]
         merged = merge_into_result(result, extraction, offered, heard_amounts)
-        merged.entities = self._resolve_references(merged.entities)
+        merged.entities = await asyncio.to_thread(_resolve_references, customer.view, merged.entities)
         return merged, info
-
-    def _resolve_references(self, entities: dict) -> dict:
-        """Card and account words from the model ("debit", "savings") as the database ids the policy acts on;
-        a word that names nothing is dropped rather than passed on."""
-        entities = dict(entities)
-        card = entities.get("card")
-        if isinstance(card, str):
-            cards = self.db.cards()
-            if card not in {c["card_id"] for c in cards}:
-                word = card.strip().lower()
-                match = next((c["card_id"] for c in cards if word in (c["kind"], c["network"])), None)
-                entities.pop("card") if match is None else entities.__setitem__("card", match)
-        account = entities.get("account")
-        if isinstance(account, str):
-            accounts = self.db.accounts()
-            if account not in {a["account_id"] for a in accounts}:
-                word = account.strip().lower()
-                match = next(
-                    (a["account_id"] for a in accounts if word in (a["name"], a["currency"].lower())), None
-                )
-                entities.pop("account") if match is None else entities.__setitem__("account", match)
-        return entities
 
 
 class Utterance:
@@ -616,3 +699,26 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _resolve_references(view: CustomerBank, entities: dict) -> dict:
+    """Card and account words from the model ("debit", "savings") as the database ids the policy acts on;
+    a word that names nothing is dropped rather than passed on."""
+    entities = dict(entities)
+    card = entities.get("card")
+    if isinstance(card, str):
+        cards = view.cards()
+        if card not in {c["card_id"] for c in cards}:
+            word = card.strip().lower()
+            match = next((c["card_id"] for c in cards if word in (c["kind"], c["network"])), None)
+            entities.pop("card") if match is None else entities.__setitem__("card", match)
+    account = entities.get("account")
+    if isinstance(account, str):
+        accounts = view.accounts()
+        if account not in {a["account_id"] for a in accounts}:
+            word = account.strip().lower()
+            match = next(
+                (a["account_id"] for a in accounts if word in (a["name"], a["currency"].lower())), None
+            )
+            entities.pop("account") if match is None else entities.__setitem__("account", match)
+    return entities

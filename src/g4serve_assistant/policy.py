@@ -1,9 +1,11 @@
-"""The policy between understanding and the bank: money moves only after an explicit yes in the same
-session; payees, accounts, amounts and limits are re-checked against the database; every turn is audited."""
+"""The policy between understanding and the bank: money moves only after an explicit yes that names the
+pending action, in the same session of the same customer; payees, accounts, amounts, dates and limits are
+re-checked against the customer's own records; every turn returns its audit rows."""
 
 from __future__ import annotations
 
 import datetime as dt
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -11,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from g4serve_assistant.db import BankDB, Payee
+from g4serve_assistant.audit import AuditRow
+from g4serve_assistant.bank import CustomerBank, Payee
 from g4serve_assistant.intents import (
     ACTION_INTENTS,
     CONFLICTING_INTENTS,
@@ -33,7 +36,8 @@ DEFAULT_LIMITS_MINOR = {
     "INR": 40_000_000,
     "MXN": 10_000_000,
 }
-CONFIRM_TTL_S = 120.0
+CONFIRM_TTL_S = 60.0
+MAX_SCHEDULE_AHEAD_DAYS = 366
 MAX_SPOKEN_TRANSACTIONS = 10
 
 # Refusal codes (Decision.refused).
@@ -45,6 +49,8 @@ INSUFFICIENT_FUNDS = "insufficient_funds"
 INVALID_AMOUNT = "invalid_amount"
 DATE_IN_PAST = "date_in_past"
 UNKNOWN_ACCOUNT = "unknown_account"
+INVALID_DATE = "invalid_date"
+CONFIRMATION_MISMATCH = "confirmation_mismatch"
 
 _ORDINALS = {
     "first": 0,
@@ -67,13 +73,20 @@ class PendingAction:
     transfer_id: str | None
     entities: dict
     created_at: float
-    awaiting: str = "confirmation"  # or a missing slot: "amount" | "payee" | "card"
+    awaiting: str = "confirmation"  # or a missing slot: "amount" | "payee" | "card" | "date"
     choices: list[str] = field(default_factory=list)  # payee or card ids offered for the missing slot
+    # What a confirmation must name: unguessable, one per proposal, so a "yes" can only confirm the action
+    # its client was shown (not one that replaced it meanwhile). It is also the execution's idempotency key.
+    action_id: str = field(default_factory=lambda: f"a-{secrets.token_urlsafe(16)}")
+
+    def expires_at(self, ttl_s: float) -> float:
+        return self.created_at + ttl_s
 
 
 @dataclass
 class SessionState:
     session_id: str
+    customer_id: str
     pending: PendingAction | None = None
     turns: int = 0
 
@@ -86,6 +99,8 @@ class Decision:
     executed: bool
     refused: str | None
     action: dict | None  # what was done or proposed
+    audit: list[AuditRow] = field(default_factory=list)  # the turn's rows, for the caller to append
+    pending: dict | None = None  # the action awaiting a confirmation: {action_id, kind, expires_at}
 
 
 class SessionStore:
@@ -100,11 +115,15 @@ class SessionStore:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, session_id: str) -> SessionState:
+    def get(self, session_id: str, customer_id: str) -> SessionState:
+        """The dialogue state of a session; the session ids are server-issued per customer, and a state is
+        never handed to another customer even if an id were reused."""
         with self._lock:
             state = self._sessions.get(session_id)
+            if state is not None and state.customer_id != customer_id:
+                raise PermissionError(f"session {session_id} belongs to another customer")
             if state is None:
-                state = self._sessions[session_id] = SessionState(session_id)
+                state = self._sessions[session_id] = SessionState(session_id, customer_id)
                 while len(self._sessions) > self.max_sessions:
                     self._sessions.popitem(last=False)
             else:
@@ -124,9 +143,10 @@ class Policy:
     """Turns an ``IntentResult`` (fast path or Gemma) into a checked, audited ``Decision``.
 
     Confirmation rules:
-    - a transfer or bill payment always ends its turn as a pending proposal; only a later turn of the same
-      session that is a plain yes (``confirmation_of`` on the literal words, never a model's reading)
-      executes it; a plain no or cancel cancels it; it expires after ``confirm_ttl_s``;
+    - a transfer or bill payment always ends its turn as a pending proposal with an ``action_id``; only a
+      later turn of the same session that is a plain yes (``confirmation_of`` on the literal words, never
+      a model's reading) and names that ``action_id`` executes it, once (the id is the idempotency key);
+      a plain no or cancel cancels it; it expires after ``confirm_ttl_s``;
     - a new transfer, bill payment or card request replaces the pending action (which is cancelled); what
       the new money request leaves unsaid comes from the replaced one ("make it sixty dollars");
     - any other turn (balance, question, unclear words) is answered and the action keeps waiting, with a
@@ -137,18 +157,20 @@ class Policy:
 
     def __init__(
         self,
-        db: BankDB,
+        db: CustomerBank,
         limits_minor: dict[str, int] | None = None,
         confirm_ttl_s: float = CONFIRM_TTL_S,
         clock: Callable[[], float] = time.time,
+        lock: threading.RLock | None = None,
     ):
-        self.db = db
+        self.db = db  # one customer's records: every id the policy acts on is looked up in them
         self.limits_minor = dict(DEFAULT_LIMITS_MINOR if limits_minor is None else limits_minor)
         self.confirm_ttl_s = confirm_ttl_s
         self.clock = clock
         # One decision at a time: a turn reads and then writes session and bank state, and two turns of
-        # one session (a retried request) must not both execute the same confirmation.
-        self._lock = threading.RLock()
+        # one session (a retried request) must not both execute the same confirmation. Shared by the
+        # policies of all customers (``lock``), as a session's turns may come from any thread.
+        self._lock = lock or threading.RLock()
 
     def is_confirmation(self, text: str) -> bool | None:
         return confirmation_of(text)
@@ -168,8 +190,13 @@ class Policy:
         return "card" not in result.entities
 
     # --- the turn -----------------------------------------------------------------------------------
-    def decide(self, session: SessionState, result: IntentResult, text: str) -> Decision:
-        """Handles a pending confirmation or question first, then the request; writes the audit rows."""
+    def decide(
+        self, session: SessionState, result: IntentResult, text: str, action_id: str | None = None
+    ) -> Decision:
+        """Handles a pending confirmation or question first, then the request; ``action_id`` is what the
+        client's confirmation names. The decision carries its audit rows (``Decision.audit``)."""
+        if session.customer_id != self.db.customer_id:
+            raise PermissionError("the session and the bank view belong to different customers")
         with self._lock:
             session.turns += 1
             rows: list[tuple[str, str, dict]] = [
@@ -204,7 +231,7 @@ class Policy:
                         },
                     )
                 )
-            decision = self._decide(session, result, text, rows)
+            decision = self._decide(session, result, text, rows, action_id)
             asking = session.pending is not None and session.pending.awaiting != "confirmation"
             outcome = (
                 "refused"
@@ -217,6 +244,13 @@ class Policy:
                 if asking
                 else "answered"
             )
+            pending = session.pending
+            if pending is not None and pending.awaiting == "confirmation":
+                decision.pending = {
+                    "action_id": pending.action_id,
+                    "kind": pending.kind,
+                    "expires_at": round(pending.expires_at(self.confirm_ttl_s), 3),
+                }
             rows.append(
                 (
                     "policy",
@@ -226,14 +260,19 @@ class Policy:
                         "reply": decision.reply,
                         "refused": decision.refused,
                         "action": decision.action,
-                        "pending": session.pending.kind if session.pending else None,
+                        "pending": pending.kind if pending else None,
+                        "action_id": pending.action_id if pending else None,
+                        "confirmation_named": action_id,
                     },
                 )
             )
-            self.db.audit_many(session.session_id, rows)
+            decision.audit = [AuditRow(stage, event, detail) for stage, event, detail in rows[:-1]]
+            decision.audit.append(AuditRow(*rows[-1], outcome=outcome))
             return decision
 
-    def _decide(self, session: SessionState, result: IntentResult, text: str, rows: list) -> Decision:  # noqa: C901 - the state machine of a pending action: expire, cancel, confirm, fill a slot, replace, abandon
+    def _decide(  # noqa: C901 - the state machine of a pending action: expire, cancel, confirm, fill a slot, replace, abandon
+        self, session: SessionState, result: IntentResult, text: str, rows: list, action_id: str | None
+    ) -> Decision:
         pending = session.pending
         confirm = confirmation_of(text)  # the literal words, never a model's reading of them
         expired = pending is not None and self.clock() - pending.created_at > self.confirm_ttl_s
@@ -262,6 +301,18 @@ class Policy:
             )
         if pending.awaiting == "confirmation":
             if confirm is True:
+                if action_id is None or not secrets.compare_digest(action_id, pending.action_id):
+                    # A yes confirms only the action its client names: never "whatever is pending now".
+                    rows.append(
+                        ("policy", "confirmation_refused", {"named": action_id, "pending": pending.action_id})
+                    )
+                    return self._refuse(
+                        pending.kind,
+                        CONFIRMATION_MISMATCH,
+                        "That confirmation doesn't match the request waiting: "
+                        f"{self._summary(pending)}. Confirm it on screen, or say no to cancel.",
+                        {"type": "confirmation", "named": action_id},
+                    )
                 return self._execute(session, pending, rows)
         else:
             filled = self._fill(pending, result, text, confirm)
@@ -418,11 +469,9 @@ class Policy:
                 f"{format_money(amount, currency)}.",
                 proposal,
             )
-        date = _as_date(entities.get("date"))
-        today = dt.date.fromtimestamp(self.clock())
-        if date is not None and date < today:
-            return self._refuse(intent, DATE_IN_PAST, "I can't schedule a payment in the past.", proposal)
-        scheduled = date if date is not None and date > today else None
+        scheduled, refusal = self._schedule(session, intent, entities, payee, proposal, rows)
+        if refusal is not None:
+            return refusal
         transfer_id = self.db.create_transfer(
             session.session_id,
             payee.payee_id,
@@ -439,8 +488,35 @@ class Policy:
             "status": "pending",
         }
         session.pending = PendingAction(intent, transfer_id, proposal, self.clock())
+        proposal["action_id"] = session.pending.action_id
         rows.append(("policy", "transfer_created", proposal))
         return Decision(intent, self._question(session.pending), True, False, None, proposal)
+
+    def _schedule(
+        self, session: SessionState, intent: str, entities: dict, payee: Payee, proposal: dict, rows: list
+    ) -> tuple[dt.date | None, Decision | None]:
+        """The date a payment is scheduled for (None: now), or the decision that asks or refuses instead."""
+        today = dt.date.fromtimestamp(self.clock())
+        date = _as_date(entities.get("date"))
+        if entities.get("date") is not None and date is None:
+            # An impossible date ("8888-00-95") is a question, never a value: nothing is scheduled on it.
+            draft = {k: v for k, v in entities.items() if k != "date"} | {
+                "payee_id": payee.payee_id,
+                "payee_name": payee.display_name,
+            }
+            session.pending = PendingAction(intent, None, draft, self.clock(), awaiting="date")
+            rows.append(("policy", "invalid_date", {"date": str(entities.get("date"))[:100]}))
+            question = self._question(session.pending)
+            return None, Decision(intent, question, False, False, None, proposal | {"missing": "date"})
+        if date is not None and date < today:
+            return None, self._refuse(
+                intent, DATE_IN_PAST, "I can't schedule a payment in the past.", proposal
+            )
+        if date is not None and (date - today).days > MAX_SCHEDULE_AHEAD_DAYS:
+            return None, self._refuse(
+                intent, INVALID_DATE, "I can only schedule a payment up to a year ahead.", proposal
+            )
+        return (date if date is not None and date > today else None), None
 
     def _payee(
         self, session: SessionState, intent: str, entities: dict, result: IntentResult
@@ -559,7 +635,12 @@ class Policy:
             )
         session.pending = PendingAction(intent, None, action, self.clock())
         return Decision(
-            intent, self._question(session.pending), True, False, None, action | {"status": "pending"}
+            intent,
+            self._question(session.pending),
+            True,
+            False,
+            None,
+            action | {"status": "pending", "action_id": session.pending.action_id},
         )
 
     def _balance(self, entities: dict) -> Decision:
@@ -590,7 +671,7 @@ class Policy:
             False,
             False,
             None,
-            {"type": "transactions", "transaction_ids": [t["txn_id"] for t in txns]},
+            {"type": "transactions", "transaction_ids": [t.get("txn_id") for t in txns]},
         )
 
     def _lookup(self, entities: dict, result: IntentResult) -> Decision:
@@ -649,7 +730,9 @@ class Policy:
                 or transfer["status"] != "pending"
             ):
                 return self._refuse(pending.kind, "not_pending", "That request is no longer waiting.", None)
-            done = self.db.execute_transfer(transfer["transfer_id"], today=today)
+            done = self.db.execute_transfer(
+                transfer["transfer_id"], idempotency_key=pending.action_id, today=today
+            )
             rows.append(("execution", done["status"], done))
             action = pending.entities | {"status": done["status"]}
             what = (
@@ -704,7 +787,7 @@ class Policy:
             )
         )
 
-    def _fill(
+    def _fill(  # noqa: C901 - one branch per kind of slot (amount, payee, date, card), then the carried slots
         self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None
     ) -> dict | None:
         """The draft's entities with the missing slot taken from this turn, or None if it is not there.
@@ -724,9 +807,13 @@ class Policy:
                 return None
             payee = self.db.payee(payee_id)
             entities["payee_id"], entities["payee_name"] = payee_id, payee.display_name if payee else None
+        elif pending.awaiting == "date":
+            date = _as_date(result.entities.get("date"))
+            if date is None:
+                return None
+            entities["date"] = date
         else:
-            card = _resolve_card(self.db.cards(), result.entities.get("card"))
-            card_id = card["card_id"] if card else _ordinal_choice(text, pending.choices, confirm)
+            card_id = self._card_choice(pending, result, text, confirm)
             if card_id is None:
                 return None
             entities["card"] = card_id
@@ -734,6 +821,12 @@ class Policy:
             if entities.get(key) is None and result.entities.get(key) is not None:
                 entities[key] = result.entities[key]
         return entities
+
+    def _card_choice(
+        self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None
+    ) -> str | None:
+        card = _resolve_card(self.db.cards(), result.entities.get("card"))
+        return card["card_id"] if card else _ordinal_choice(text, pending.choices, confirm)
 
     def _choice(
         self, pending: PendingAction, result: IntentResult, text: str, confirm: bool | None
@@ -763,6 +856,9 @@ class Policy:
             names = [f"your {_card_name(cards[c])}" for c in pending.choices if c in cards]
             verb = "lock" if pending.kind == "card_lock" else "unlock"
             return f"Which card should I {verb}: {_spoken_list(names, 'or')}?"
+        if pending.awaiting == "date":
+            verb = "pay" if pending.kind == "bill_payment" else "send"
+            return f"I didn't catch a valid date. On which day should I {verb} this to {e.get('payee_name')}?"
         summary = self._summary(pending)
         return f"{summary[0].upper()}{summary[1:]}? Say yes to confirm or no to cancel."
 

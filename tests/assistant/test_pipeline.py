@@ -10,10 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from g4serve_assistant.db import Payee, demo_db
+from g4serve_assistant.bank import Payee
+from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, demo_bank
 from g4serve_assistant.knowledge import DOCUMENTS
 from g4serve_assistant.metrics import AssistantMetrics
-from g4serve_assistant.pipeline import NOT_HEARD_REPLY, Assistant, StageClock, Utterance
+from g4serve_assistant.pipeline import NOT_HEARD_REPLY, Assistant, Caller, StageClock, Utterance
 from g4serve_assistant.qna import KnowledgeIndex, answer_events
 from g4serve_assistant.vad import VadEvent
 
@@ -72,11 +73,21 @@ class ScriptedVad:
 
 @pytest.fixture
 def assistant():
-    return Assistant(demo_db(), None, recognizer=FakeRecognizer())
+    assistant = Assistant(demo_bank(), None, recognizer=FakeRecognizer())
+    assistant.db = assistant.bank.customer(DEMO_CUSTOMER_ID)  # the demo customer's records, for the asserts
+    return assistant
 
 
-def turn(assistant, session, text):
-    return asyncio.run(assistant.turn(session, text=text)).to_dict()
+SHOWN = object()
+
+
+def turn(assistant, session, text, customer=DEMO_CUSTOMER_ID, action_id=SHOWN):
+    """A typed turn; like the web page, the client names the pending action it was last shown."""
+    shown = assistant.__dict__.setdefault("_shown", {})
+    named = shown.get(session) if action_id is SHOWN else action_id
+    r = asyncio.run(assistant.turn(Caller(customer, session, {"ip": "test"}, named), text=text)).to_dict()
+    shown[session] = (r["pending"] or {}).get("action_id")
+    return r
 
 
 def test_fast_path_reports_every_stage(assistant):
@@ -183,11 +194,11 @@ def test_knowledge_base_and_extractive_stream():
 
 
 def test_payee_changes_rebuild_the_recogniser_vocabulary(assistant):
-    recognizer = assistant.recognizer
+    recognizer = assistant.recognizer(DEMO_CUSTOMER_ID)
     assert recognizer.vocabularies[-1].version == assistant.db.version
     assert "zed" not in recognizer.vocabularies[-1].words()
     assistant.db.upsert_payee(Payee("zed_newman", "Zed Newman", "friend", "person"))
-    assert assistant.recognizer is recognizer
+    assert assistant.recognizer(DEMO_CUSTOMER_ID) is recognizer
     assert (
         recognizer.vocabularies[-1].version == assistant.db.version
         and "zed" in recognizer.vocabularies[-1].words()
@@ -197,9 +208,12 @@ def test_payee_changes_rebuild_the_recogniser_vocabulary(assistant):
 
 
 def test_whole_recording_turn_with_silence_and_with_speech(assistant):
-    r = asyncio.run(assistant.turn("au", audio=np.zeros(16000, np.float32))).to_dict()
+    caller = Caller(DEMO_CUSTOMER_ID, "au")
+    r = asyncio.run(assistant.turn(caller, audio=np.zeros(16000, np.float32))).to_dict()
     assert r["reply"] == NOT_HEARD_REPLY and r["transcript"] == "" and "vad" in r["stages"]
-    assert assistant.recognizer.streams == []  # no speech: the recogniser never ran
+    assert assistant.recognizer(DEMO_CUSTOMER_ID).streams == []  # no speech: the recogniser never ran
+    rows = assistant.audit.entries(DEMO_CUSTOMER_ID, "au")
+    assert [(r["stage"], r["outcome"]) for r in rows] == [("asr", None), ("turn", "not_heard")]
 
 
 def test_streaming_utterance_end_points_and_times_its_stages():
@@ -230,7 +244,7 @@ def test_streaming_utterance_end_points_and_times_its_stages():
 def test_stream_turn_reports_time_after_the_end_point(assistant):
     clock = StageClock()
     clock.mark("vad_end")
-    r = asyncio.run(assistant.decide("st", "what's my balance", clock)).to_dict()
+    r = asyncio.run(assistant.decide(Caller(DEMO_CUSTOMER_ID, "st"), "what's my balance", clock)).to_dict()
     assert r["stages"]["after_vad_end"] <= r["stages"]["total"]
 
 
@@ -243,3 +257,37 @@ def test_endless_speech_is_cut_at_max_utterance_length():
     utterance = Utterance(AlwaysSpeech(), FakeRecognizer(), max_utterance_s=1.0)
     events = [e for _ in range(15) for e in utterance.feed(np.zeros(1600, np.float32))]
     assert events[-1] == {"type": "vad", "event": "end", "reason": "max_utterance_s"} and utterance.ended
+
+
+def test_customers_are_isolated(assistant):
+    """Two customers of one assistant: each sees and pays only their own payees, and one cannot confirm
+    (or even name) the other's pending action."""
+    other = assistant.bank.customer(DEMO_CUSTOMER_2_ID)
+    mine = turn(assistant, "a", "send fifty dollars to John Smith")
+    assert mine["needs_confirmation"] and mine["entities"]["payee_id"] == "john_smith"
+    assert (
+        turn(assistant, "b", "what's my balance", customer=DEMO_CUSTOMER_2_ID)["reply"]
+        != turn(assistant, "a2", "what's my balance")["reply"]
+    )
+    # The second customer has a Jon Smith of their own: their "John Smith" can only ever be theirs.
+    r = turn(assistant, "b", "send fifty dollars to John Smith", customer=DEMO_CUSTOMER_2_ID)
+    theirs = {p.payee_id for p in other.payees()}
+    assert r["candidates"] and {c["id"] for c in r["candidates"]} <= theirs
+    assert r["action"]["payee_id"] in theirs and other.payee("john_smith") is None
+    turn(assistant, "b", "no", customer=DEMO_CUSTOMER_2_ID)
+    # The other customer's client replays the first one's session and action id: refused, nothing moves.
+    with pytest.raises(PermissionError):
+        turn(assistant, "a", "yes", customer=DEMO_CUSTOMER_2_ID, action_id=mine["pending"]["action_id"])
+    assert assistant.db.transfers(status="executed") == [] and other.transfers(status="executed") == []
+    assert turn(assistant, "a", "yes")["executed"]
+
+
+def test_every_turn_is_audited_with_customer_client_and_outcome(assistant):
+    turn(assistant, "s", "send fifty dollars to John Smith")
+    turn(assistant, "s", "yes", action_id="a-wrong")
+    turn(assistant, "s", "yes")
+    rows = assistant.audit.entries(DEMO_CUSTOMER_ID, "s")
+    assert {r["customer_id"] for r in rows} == {DEMO_CUSTOMER_ID} and rows[0]["client"] == {"ip": "test"}
+    turns = [r for r in rows if r["stage"] == "turn"]
+    assert [r["outcome"] for r in turns] == ["proposed", "refused", "executed"]
+    assert assistant.audit.verify().ok

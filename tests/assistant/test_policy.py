@@ -1,5 +1,6 @@
-"""Policy: no money moves without a confirmation turn in the same session, cancel and expiry, limits,
-unknown payees and model-made results re-checked against the database, card rules, and the audit trail."""
+"""Policy: no money moves without a confirmation turn in the same session that names the pending action,
+cancel and expiry, limits, dates, unknown payees and model-made results re-checked against the customer's
+records, card rules, and the turn's audit rows."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from g4serve_assistant.intents import IntentClassifier, IntentResult
 from g4serve_assistant.normalize import normalize
 from g4serve_assistant.payees import PayeeIndex
 from g4serve_assistant.policy import (
+    CONFIRMATION_MISMATCH,
     DATE_IN_PAST,
     INSUFFICIENT_FUNDS,
     INVALID_AMOUNT,
+    INVALID_DATE,
     NO_ACCOUNT,
     OVER_LIMIT,
     UNKNOWN_PAYEE,
@@ -30,8 +33,12 @@ NOW = dt.datetime(2025, 5, 7, 10, 0)  # a Wednesday
 CHECKING = 123_456
 
 
+SHOWN = object()  # say()'s default: name the action this session's client was last shown, as the page does
+
+
 class Bank:
-    """A demo bank with the fast path and the policy on a clock the test moves."""
+    """A demo customer with the fast path and the policy on a clock the test moves. Like the web page, a
+    session's client names the pending action it was last shown when it says yes."""
 
     def __init__(self, **policy_kwargs):
         self.db = demo_db()
@@ -39,13 +46,22 @@ class Bank:
         self.now = NOW.timestamp()
         self.policy = Policy(self.db, clock=lambda: self.now, **policy_kwargs)
         self.sessions = SessionStore()
+        self.shown: dict[str, str | None] = {}
+        self.audit: dict[str, list] = {}
 
-    def say(self, text: str, session: str = "s1") -> Decision:
+    def session(self, session: str = "s1") -> SessionState:
+        return self.sessions.get(session, self.db.customer_id)
+
+    def say(self, text: str, session: str = "s1", action_id=SHOWN) -> Decision:
         result = self.classifier.classify(normalize(text, now=dt.datetime.fromtimestamp(self.now)))
-        return self.policy.decide(self.sessions.get(session), result, text)
+        return self.decide(result, text, session, action_id)
 
-    def decide(self, result: IntentResult, text: str = "", session: str = "s1") -> Decision:
-        return self.policy.decide(self.sessions.get(session), result, text)
+    def decide(self, result: IntentResult, text: str = "", session: str = "s1", action_id=SHOWN) -> Decision:
+        named = self.shown.get(session) if action_id is SHOWN else action_id
+        d = self.policy.decide(self.session(session), result, text, named)
+        self.shown[session] = d.pending["action_id"] if d.pending else None
+        self.audit.setdefault(session, []).extend(d.audit)
+        return d
 
     def checking(self) -> int:
         return self.db.balance("chk-001")["balance_minor"]
@@ -117,9 +133,9 @@ def test_confirmation_in_another_session_does_nothing(bank):
 
 def test_a_transfer_of_another_session_is_never_executed(bank):
     bank.say("send fifty dollars to John Smith", session="alice")
-    stolen = bank.sessions.get("alice").pending
-    bank.sessions.get("mallory").pending = stolen  # a bug or a forged state must not move money
-    d = bank.say("yes", session="mallory")
+    stolen = bank.session("alice").pending
+    bank.session("mallory").pending = stolen  # a bug or a forged state must not move money
+    d = bank.say("yes", session="mallory", action_id=stolen.action_id)
     assert not d.executed and d.refused
     assert bank.executed() == []
 
@@ -209,7 +225,7 @@ def test_missing_payee_is_asked_for_and_moving_on_drops_the_draft(bank):
     assert d.reply == "Who would you like to pay?"
     other = bank.say("what's my balance")
     assert other.reply == "Your checking balance is $1,234.56."  # no stale reminder
-    assert bank.sessions.get("s1").pending is None
+    assert bank.session("s1").pending is None
 
 
 def test_limits_are_refused(bank):
@@ -363,7 +379,10 @@ def test_audit_rows_for_every_stage(bank):
     bank.say("send fifty dollars to John Smith")
     bank.say("yes")
     bank.say("send 9000 dollars to priya patel")
-    log = bank.db.audit_log("s1")
+    log = [
+        {"stage": r.stage, "event": r.event, "detail": r.detail, "outcome": r.outcome}
+        for r in bank.audit["s1"]
+    ]
     stages = [(r["stage"], r["event"]) for r in log]
     assert ("intent", "transfer_money") in stages
     assert ("lookup", "payee_candidates") in stages
@@ -376,7 +395,11 @@ def test_audit_rows_for_every_stage(bank):
     assert executed["detail"]["payee_id"] == "john_smith" and executed["detail"]["amount_minor"] == 5000
     refused = [r for r in log if r["event"] == "refused"][-1]
     assert refused["detail"]["refused"] == OVER_LIMIT
-    assert bank.db.audit_log("s2") == []
+    assert [r["outcome"] for r in log if r["stage"] == "policy" and r["outcome"]] == [
+        "proposed",
+        "executed",
+        "refused",
+    ]
 
 
 def test_is_confirmation(bank):
@@ -386,12 +409,12 @@ def test_is_confirmation(bank):
 
 
 def test_wants_llm(bank):
-    session = SessionState("w")
+    session = SessionState("w", bank.db.customer_id)
     unsure = IntentResult(
         "transfer_money", 0.6, {"amount_minor": 5000, "currency": "USD"}, [], True, "missing_payee", []
     )
     assert bank.policy.wants_llm(session, unsure)
-    session.pending = bank.sessions.get("w").pending  # None
+    session.pending = bank.session("w").pending  # None
     bank.policy.decide(session, bank.classifier.classify(normalize("pay my phone bill")), "pay my phone bill")
     assert session.pending.awaiting == "amount"
     assert not bank.policy.wants_llm(session, unsure)  # the amount answers our own question
@@ -401,17 +424,19 @@ def test_wants_llm(bank):
 
 def test_session_store_is_bounded_and_thread_safe():
     store = SessionStore(max_sessions=3)
-    a = store.get("a")
-    assert store.get("a") is a
+    a = store.get("a", "c1")
+    assert store.get("a", "c1") is a
+    with pytest.raises(PermissionError):
+        store.get("a", "c2")  # a session's dialogue state is never handed to another customer
     for sid in ("b", "c", "d"):
-        store.get(sid)
-    assert len(store) == 3 and store.get("a") is not a  # "a" was least recently used: evicted
+        store.get(sid, "c1")
+    assert len(store) == 3 and store.get("a", "c1") is not a  # "a" was least recently used: evicted
 
     store = SessionStore()
     seen: list[SessionState] = []
 
     def grab() -> None:
-        seen.extend(store.get(f"s{i % 10}") for i in range(200))
+        seen.extend(store.get(f"s{i % 10}", "c1") for i in range(200))
 
     threads = [threading.Thread(target=grab) for _ in range(4)]
     for t in threads:
@@ -423,11 +448,12 @@ def test_session_store_is_bounded_and_thread_safe():
 
 def test_concurrent_yes_executes_once(bank):
     bank.say("send fifty dollars to John Smith")
-    session = bank.sessions.get("s1")
+    session = bank.session("s1")
     yes = bank.classifier.classify(normalize("yes"))
     results: list[Decision] = []
+    named = bank.shown["s1"]
     threads = [
-        threading.Thread(target=lambda: results.append(bank.policy.decide(session, yes, "yes")))
+        threading.Thread(target=lambda: results.append(bank.policy.decide(session, yes, "yes", named)))
         for _ in range(4)
     ]
     for t in threads:
@@ -462,3 +488,70 @@ def test_a_zero_amount_is_refused_and_dashes_elsewhere_are_not_signs(bank):
     assert d.refused == INVALID_AMOUNT and "above zero" in d.reply
     for text, minor in [("pay t-mobile 20 dollars", 2000), ("send 50 dollars on 2025-05-09", 5000)]:
         assert [m.amount_minor for m in normalize(text, now=NOW).amounts] == [minor]
+
+
+def test_a_yes_must_name_the_pending_action(bank):
+    """Issue 20: a confirmation names the action it confirms, in the same session of the same customer."""
+    d = bank.say("send fifty dollars to John Smith")
+    action_id = d.pending["action_id"]
+    assert d.action["action_id"] == action_id and d.pending["kind"] == "transfer_money"
+    assert d.pending["expires_at"] == pytest.approx(bank.now + 60)
+    for named in (None, "a-made-up", action_id + "x"):
+        refused = bank.say("yes", action_id=named)
+        assert not refused.executed and refused.refused == CONFIRMATION_MISMATCH
+        assert "send $50.00 to John Smith" in refused.reply
+    assert bank.executed() == [] and bank.checking() == CHECKING
+    assert bank.say("yes", action_id=action_id).executed
+    assert bank.checking() == CHECKING - 5000
+
+
+def test_a_yes_naming_a_replaced_action_confirms_nothing(bank):
+    """The client was shown the $50 proposal; meanwhile a $500 one replaced it. Its yes must not pay $500."""
+    first = bank.say("send fifty dollars to John Smith")
+    bank.say("make it five hundred dollars")
+    d = bank.say("yes", action_id=first.pending["action_id"])
+    assert not d.executed and d.refused == CONFIRMATION_MISMATCH
+    assert bank.executed() == [] and bank.checking() == CHECKING
+
+
+def test_the_action_id_is_the_idempotency_key(bank):
+    d = bank.say("send fifty dollars to John Smith")
+    bank.say("yes")
+    (done,) = bank.executed()
+    assert (
+        done["transfer_id"] == d.action["transfer_id"] and done["idempotency_key"] == d.pending["action_id"]
+    )
+
+
+def test_confirmations_expire_after_60_s(bank):
+    bank.say("send fifty dollars to John Smith")
+    bank.now += 61
+    d = bank.say("yes")
+    assert not d.executed and "timed out" in d.reply and bank.executed() == []
+
+
+@pytest.mark.parametrize("date", ["8888-00-95", "2025-02-30", "tomorrowish", "2025-13-01"])
+def test_an_impossible_date_is_a_question_never_a_value(bank, date):
+    """Issue 20's repro: the model answered date "8888-00-95", which passed validation."""
+    d = bank.decide(
+        gemma("transfer_money", payee_id="john_smith", amount_minor=5000, currency="USD", date=date)
+    )
+    assert not d.executed and not d.needs_confirmation and d.refused is None
+    assert "valid date" in d.reply and "John Smith" in d.reply
+    assert bank.db.transfers() == []  # nothing was proposed, let alone scheduled
+    answered = bank.say("on the 20th")
+    assert answered.needs_confirmation and answered.action["scheduled_for"] == "2025-05-20"
+    assert answered.action["amount_minor"] == 5000 and answered.action["payee_id"] == "john_smith"
+
+
+def test_a_date_beyond_a_year_is_refused(bank):
+    d = bank.decide(
+        gemma("transfer_money", payee_id="john_smith", amount_minor=100, currency="USD", date="2027-01-01")
+    )
+    assert d.refused == INVALID_DATE and bank.db.transfers() == []
+
+
+def test_a_policy_of_one_customer_refuses_another_customers_session(bank):
+    other = SessionState("s9", "cust-002")
+    with pytest.raises(PermissionError):
+        bank.policy.decide(other, bank.classifier.classify(normalize("yes")), "yes")
