@@ -10,8 +10,10 @@ import contextlib
 import json
 import logging
 import secrets
+import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,7 @@ MAX_SESSION_ID_CHARS = 128
 MAX_ACTION_ID_CHARS = 64
 MAX_TEXT_CHARS = 1000
 MAX_QNA_TOKENS = 256
+MAX_IMPORT_BYTES = 16 << 20
 WS_AUTH_TIMEOUT_S = 10.0
 _TURN_FIELDS = {"session_id", "text", "audio", "action_id"}
 _QNA_FIELDS = {"question", "session_id", "max_tokens"}
@@ -519,7 +522,7 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
     return router
 
 
-def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:
+def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:  # noqa: C901 - route closures of one router, each with its own request checks
     """Operator routes under ``/v1/assistant/admin``, each behind the admin API key."""
     router = APIRouter()
 
@@ -545,6 +548,34 @@ def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:
             raise APIError(400, str(exc)) from None
         gate.audit_request(request, customer_id, "auth", "token_minted", {"ttl_s": ttl}, "token_minted")
         return JSONResponse({"token": token, "customer_id": customer_id})
+
+    @router.post("/v1/assistant/admin/import/{kind}")
+    async def import_csv(request: Request, kind: str) -> JSONResponse:
+        """``{"csv": "<the file's text>", "customer_id": …}``: the CLI's imports over HTTP, for a bank store
+        that supports them (SQLiteBank); the same validation, one transaction."""
+        operator(request)
+        method = {
+            "payees": "import_payees_csv",
+            "customers": "import_customers_csv",
+            "cards": "import_cards_csv",
+        }
+        if kind not in method or not hasattr(assistant.bank, method[kind]):
+            raise APIError(404, f"kind: no {kind!r} import for this bank backend", param="kind")
+        body = await read_json_object(request, MAX_IMPORT_BYTES)
+        text, customer_id = body.get("csv"), body.get("customer_id")
+        if not isinstance(text, str) or not text.strip():
+            raise APIError(400, "csv: required, the CSV file's text", param="csv")
+        if (kind == "payees") != isinstance(customer_id, str):
+            raise APIError(400, "customer_id: required for payees (only)", param="customer_id")
+        args = (customer_id,) if kind == "payees" else ()
+        try:
+            result = await asyncio.to_thread(
+                _import_text, getattr(assistant.bank, method[kind]), text, kind, args
+            )
+        except ValueError as exc:
+            raise APIError(400, f"csv: {exc}", param="csv") from None
+        gate.audit_request(request, customer_id, "admin", f"import_{kind}", {"result": result}, "imported")
+        return JSONResponse({"kind": kind, "imported": result})
 
     @router.get("/v1/assistant/admin/audit")
     async def audit(
@@ -717,6 +748,18 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
                 )
     except WebSocketDisconnect:
         return
+
+
+def _import_text(importer, text: str, kind: str, args: tuple):
+    """Runs a file importer on text: it is validated as a whole and written in one transaction, as from
+    the CLI. Error messages name the line and column, not the temporary path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{kind}.csv"
+        path.write_text(text, encoding="utf-8")
+        try:
+            return importer(path, *args)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace(str(path), f"{kind}.csv")) from None
 
 
 def _token_request(body: dict) -> float | None:

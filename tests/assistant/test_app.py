@@ -585,3 +585,41 @@ def test_a_lone_surrogate_is_a_400_and_the_audit_stays_readable(alex):
     r = alex.client.post("/v1/assistant/qna", content=question, headers=headers)
     assert r.status_code == 400
     assert alex.audit() is not None
+
+
+def test_admin_imports_need_the_key_and_validate(tmp_path):
+    from g4serve_assistant.db import SQLiteBank
+
+    bank = SQLiteBank(tmp_path / "bank.db")
+    assistant = Assistant(bank, None, recognizer=None)
+    with TestClient(build_app(assistant, access(), warmup=False)) as c:
+        customers = (
+            "customer_id,name,account_id,account_name,currency,balance_minor\nc-9,Ada,a1,checking,USD,1000\n"
+        )
+        payees = "payee_id,display_name,relationship\nzed,Zed Newman,friend\n"
+        assert c.post("/v1/assistant/admin/import/customers", json={"csv": customers}).status_code == 401
+        r = c.post("/v1/assistant/admin/import/customers", json={"csv": customers}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        r = c.post(
+            "/v1/assistant/admin/import/payees", json={"csv": payees, "customer_id": "c-9"}, headers=ADMIN
+        )
+        assert r.status_code == 200 and r.json()["imported"] == 1
+        bad = c.post(
+            "/v1/assistant/admin/import/payees",
+            json={"csv": "payee_id,name\nx,y\n", "customer_id": "c-9"},
+            headers=ADMIN,
+        )
+        assert bad.status_code == 400 and "payees.csv: line 1" in bad.json()["error"]["message"]
+        assert (
+            c.post("/v1/assistant/admin/import/payees", json={"csv": payees}, headers=ADMIN).status_code
+            == 400
+        )
+        assert (
+            c.post("/v1/assistant/admin/import/secrets", json={"csv": payees}, headers=ADMIN).status_code
+            == 404
+        )
+        ada = Customer(c, "c-9")
+        r = ada.turn("send 5 dollars to Zed Newman")
+        assert r["needs_confirmation"] and r["entities"]["payee_id"] == "zed"
+        rows = c.get("/v1/assistant/admin/audit", params={"limit": 100}, headers=ADMIN).json()["entries"]
+        assert {"import_customers", "import_payees"} <= {r["event"] for r in rows}
