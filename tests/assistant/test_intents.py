@@ -110,7 +110,7 @@ CONFIDENT = [
         {"amount_minor": 1250, "currency": "USD", "payee_id": "olga_ivanova"},
     ),
     (
-        "transfer 75.25 dollars to kathryn lee",
+        "transfer 75.25 dollars to katherine lee",
         "transfer_money",
         {"amount_minor": 7525, "payee_id": "katherine_lee"},
     ),
@@ -220,6 +220,11 @@ UNSURE = [
     ("send jon smyth fifty bucks", "transfer_money", AMBIGUOUS_PAYEE),  # John Smith, Jon Smythe, Joan Smith
     ("pay catherine twenty dollars", "transfer_money", AMBIGUOUS_PAYEE),  # Catherine Li or Katherine Lee
     ("send steven clarke 10 dollars", "transfer_money", AMBIGUOUS_PAYEE),  # Steven Clark or Stephen Clarke
+    (
+        "transfer 75.25 dollars to kathryn lee",
+        "transfer_money",
+        AMBIGUOUS_PAYEE,
+    ),  # heard as either Kat(h)erine
     ("send 50 dollars to my friend", "transfer_money", AMBIGUOUS_PAYEE),  # eight friends
     ("transfer 100 dollars", "transfer_money", MISSING_PAYEE),
     ("send 20 dollars to zeb quarterman", "transfer_money", PAYEE_NOT_FOUND),

@@ -3,15 +3,46 @@ sentences, and the rebuild when the database's payees change."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
 
-from g4serve_assistant.db import BankDB, Payee, demo_db
+from g4serve_assistant.bank import Payee
+from g4serve_assistant.db import demo_db
 from g4serve_assistant.intents import AMBIGUOUS_PAYEE, resolve_payee
 from g4serve_assistant.payees import PayeeIndex, simplify_name
 
 DATA = Path(__file__).parent / "data"
+
+
+class PayeeList:
+    """One customer's payees as the index reads them (``payees()``, ``version``), without a database."""
+
+    def __init__(self, payees: list[Payee]):
+        self._payees = {p.payee_id: p for p in payees}
+        self.version = 1
+
+    def payees(self) -> list[Payee]:
+        return list(self._payees.values())
+
+    def upsert(self, payee: Payee) -> None:
+        self._payees[payee.payee_id] = payee
+        self.version += 1
+
+
+def csv_payees(path: Path) -> list[Payee]:
+    with path.open(newline="") as f:
+        return [
+            Payee(
+                r["payee_id"],
+                r["display_name"],
+                r["relationship"],
+                r["kind"] or "person",
+                tuple(a for a in (r.get("aliases") or "").split(";") if a),
+            )
+            for r in csv.DictReader(f)
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +53,13 @@ def index() -> PayeeIndex:
 @pytest.fixture
 def small_index() -> PayeeIndex:
     """Payees from the CSV fixture: John Smith without the demo's Jon Smythe and Joan Smith."""
-    db = BankDB()
-    db.import_payees_csv(DATA / "payees.csv")
-    return PayeeIndex(db)
+    return PayeeIndex(PayeeList(csv_payees(DATA / "payees.csv")))
 
 
 @pytest.mark.parametrize(
     ("query", "payee_id"),
     [
         ("prya patel", "priya_patel"),  # typo
-        ("kathryn lee", "katherine_lee"),  # spelling variant, same sounds
         ("mike rosoft", "microsoft"),  # recogniser split a word
         ("aysha kahn", "aisha_khan"),
         ("hans muller", "hans_muller"),  # accent dropped
@@ -47,7 +75,6 @@ def small_index() -> PayeeIndex:
         ("olga ivanova", "olga_ivanova"),
         ("yuki tanaka", "yuki_tanaka"),
         ("ahmad hasan", "ahmed_hassan"),
-        ("steve", "steven_clark"),
         ("katie", "katherine_lee"),  # contact name "Kate"
         ("mom", "mary_johnson"),  # alias
         ("johnny", "john_smith"),  # contact name
@@ -75,6 +102,8 @@ def test_phonetic_flag_marks_matches_carried_by_sound(index):
         ("catherine", {"catherine_li", "katherine_lee"}),
         ("steven clarke", {"steven_clark", "stephen_clarke"}),
         ("smith", {"john_smith", "joan_smith"}),
+        ("kathryn lee", {"katherine_lee", "catherine_li"}),  # Kathryn ~ Katherine, Lee ~ Li: heard alike
+        ("steve", {"steven_clark", "stephen_clarke"}),  # both are Steve
     ],
 )
 def test_confusable_names_are_ambiguous(index, query, close):
@@ -138,23 +167,20 @@ def test_name_spans(index):
 
 
 def test_a_name_word_is_not_a_stopword(index):
-    db = BankDB()
-    db.upsert_payee(Payee("june_park", "June Park", "friend", "person"))
-    found = PayeeIndex(db).find_in_utterance("send 5.00 usd to june park")
+    payees = PayeeList([Payee("june_park", "June Park", "friend", "person")])
+    found = PayeeIndex(payees).find_in_utterance("send 5.00 usd to june park")
     assert found and found[0].payee_id == "june_park"
 
 
-def test_rebuilds_when_payees_change(tmp_path):
-    db = demo_db()
-    index = PayeeIndex(db)
+def test_rebuilds_when_payees_change():
+    payees = PayeeList(csv_payees(DATA / "payees.csv"))
+    index = PayeeIndex(payees)
     version = index.version
     assert all(c.payee_id != "zeb" for c in index.search("zeb quarterman"))
-    csv = tmp_path / "new.csv"
-    csv.write_text("payee_id,display_name,relationship\nzeb,Zeb Quarterman,friend\n")
-    assert db.import_payees_csv(csv) == 1
+    payees.upsert(Payee("zeb", "Zeb Quarterman", "friend", "person"))
     assert index.search("zeb quarterman")[0].payee_id == "zeb"
-    assert index.version == db.version > version
-    db.upsert_payee(Payee("zeb", "Zebulon Quarterman", "friend", "person"))
+    assert index.version == payees.version > version
+    payees.upsert(Payee("zeb", "Zebulon Quarterman", "friend", "person"))
     assert index.search("zebulon")[0].display_name == "Zebulon Quarterman"
 
 
