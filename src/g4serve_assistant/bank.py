@@ -10,6 +10,10 @@ from typing import Protocol, runtime_checkable
 
 PAYEE_KINDS = ("person", "biller")
 TRANSFER_KINDS = ("transfer", "bill_payment")
+TRANSFER_STATUSES = ("pending", "executed", "scheduled", "failed", "cancelled")
+# 10^13 minor units: $100 billion, ¥10 trillion. Far above any payment a voice turn makes, far below the
+# 2^63 of SQLite's INTEGER, so sums and differences of bounded amounts can never overflow.
+MAX_AMOUNT_MINOR = 10**13
 
 
 @dataclass(frozen=True)
@@ -25,10 +29,41 @@ class UnknownCustomerError(KeyError):
     """The customer id names no customer of this bank."""
 
 
+class BankUnavailableError(RuntimeError):
+    """The bank could not answer: unreachable, timed out, a 5xx, our credentials refused, or an answer that
+    is not what the API promises. Nothing is known about the request's effect; retry with the same
+    idempotency key."""
+
+
+def check_idempotency_key(key: object) -> str:
+    """``key`` if it is 1-255 printable ASCII characters without spaces (an HTTP header value as is), else
+    ValueError."""
+    if not isinstance(key, str) or not 1 <= len(key) <= 255 or not all("!" <= ch <= "~" for ch in key):
+        raise ValueError(
+            f"idempotency key must be 1-255 printable ASCII characters without spaces, got {key!r}"
+        )
+    return key
+
+
+def check_amount_minor(amount_minor: object) -> int:
+    """``amount_minor`` if it is an int in ``[1, MAX_AMOUNT_MINOR]``, else ValueError (bools and floats
+    too: money is exact integers of minor units)."""
+    if (
+        isinstance(amount_minor, bool)
+        or not isinstance(amount_minor, int)
+        or not 0 < amount_minor <= MAX_AMOUNT_MINOR
+    ):
+        raise ValueError(
+            f"amount_minor must be a positive int of at most {MAX_AMOUNT_MINOR}, got {amount_minor!r}"
+        )
+    return amount_minor
+
+
 @runtime_checkable
 class CustomerBank(Protocol):
     """One customer's records. Every id it takes (payee, account, card, transfer) is looked up within this
-    customer only: another customer's id is as unknown as a made-up one."""
+    customer only: another customer's id is as unknown as a made-up one. A remote bank's view may raise
+    ``BankUnavailableError`` from any method, and ``UnknownCustomerError`` once the customer is gone."""
 
     customer_id: str
 
@@ -50,7 +85,8 @@ class CustomerBank(Protocol):
         """The first account held in ``currency`` (it pays transfers in that currency)."""
 
     def recent_transactions(self, limit: int = 5, account_id: str | None = None) -> list[dict]:
-        """``[{account_id, posted_on, description, amount_minor, currency}]``, newest first."""
+        """``[{account_id, posted_on, description, amount_minor, currency}]``, newest first (posted_on an ISO
+        date). An account that is not this customer's has none."""
 
     def cards(self) -> list[dict]:
         """``[{card_id, account_id, kind, network, last4, locked: bool}]``."""
@@ -68,23 +104,30 @@ class CustomerBank(Protocol):
         from_account_id: str | None = None,
         scheduled_for: dt.date | None = None,
     ) -> str:
-        """Records a proposal with status 'pending' and returns its id; nothing moves. ValueError for a bad
-        kind, a non-positive or non-int amount, or a payee or account that is not this customer's."""
+        """Records a proposal with status 'pending' and returns its id; nothing moves. Without
+        ``from_account_id`` the first account in ``currency`` pays. ValueError for a bad kind, an amount
+        ``check_amount_minor`` refuses, or a payee or account that is not this customer's (or an account in
+        another currency)."""
 
     def transfer(self, transfer_id: str) -> dict | None:
         """``{transfer_id, session_id, payee_id, from_account_id, amount_minor, currency, kind, status,
-        scheduled_for, note, idempotency_key, ...}``, or None (also for another customer's transfer)."""
+        scheduled_for, note, idempotency_key, customer_id, created_at, updated_at}``, or None (also for
+        another customer's transfer). ``scheduled_for`` is an ISO date or None; ``note`` says why a transfer
+        failed; ``created_at``/``updated_at`` are Unix seconds."""
 
     def execute_transfer(self, transfer_id: str, idempotency_key: str, today: dt.date | None = None) -> dict:
         """Moves the money of a pending transfer atomically: status 'executed', 'scheduled' (a later date)
         or 'failed' (insufficient funds). Idempotent under ``idempotency_key``: a repeat with the same key
         returns the same transfer without moving money again; any other call on a transfer that is no
-        longer pending raises ValueError."""
+        longer pending raises ValueError, as do an unknown transfer and a key this customer already used on
+        another transfer. A key is 1-255 printable ASCII characters without spaces (it travels as an HTTP
+        header)."""
 
     def cancel_transfer(self, transfer_id: str) -> None:
-        """Cancels a pending transfer; a no-op when it is no longer pending."""
+        """Cancels a pending transfer; a no-op when it is no longer pending or is not this customer's."""
 
-    def transfers(self, status: str | None = None) -> list[dict]: ...
+    def transfers(self, status: str | None = None) -> list[dict]:
+        """This customer's transfers as in ``transfer()``, oldest first; only those in ``status`` if given."""
 
 
 @runtime_checkable

@@ -1,214 +1,610 @@
-"""SQLite store of the voice banking assistant: customer, accounts, payees, contacts, cards, transactions,
-transfers and the audit trail. One connection behind a lock, so any thread may call any method."""
+"""The SQLite bank (``SQLiteBank``, the embedded ``BankBackend``): customers and their accounts, cards,
+payees, contacts, transactions and transfers, its schema migrated in place under ``PRAGMA user_version``, the
+demo customers and the CSV imports. One connection behind a lock, so any thread may call any method."""
 
 from __future__ import annotations
 
 import csv
 import datetime as dt
-import json
 import os
 import re
 import sqlite3
 import threading
 import time
+import unicodedata
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-PAYEE_KINDS = ("person", "biller")
-TRANSFER_KINDS = ("transfer", "bill_payment")
+from g4serve_assistant.bank import (
+    MAX_AMOUNT_MINOR,
+    PAYEE_KINDS,
+    TRANSFER_KINDS,
+    Payee,
+    UnknownCustomerError,
+    check_amount_minor,
+    check_idempotency_key,
+)
+
+__all__ = [
+    "DEMO_CUSTOMER_2_ID",
+    "DEMO_CUSTOMER_ID",
+    "SCHEMA_VERSION",
+    "MigrationError",
+    "Payee",
+    "SQLiteBank",
+    "SQLiteCustomerBank",
+    "SchemaTooNewError",
+    "demo_bank",
+    "demo_db",
+]
+
+DEMO_CUSTOMER_ID = "cust-001"
+DEMO_CUSTOMER_2_ID = "cust-002"
 CSV_REQUIRED = ("payee_id", "display_name", "relationship")
 CSV_OPTIONAL = ("kind", "aliases")
-_PAYEE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+CUSTOMERS_CSV = ("customer_id", "name", "account_id", "account_name", "currency", "balance_minor")
+CARDS_CSV = ("customer_id", "card_id", "account_id", "kind", "network", "last4")
+CARD_KINDS = ("debit", "credit")
+# Ids travel in URL paths (http_bank) and audit rows: a leading dot is refused so "." and ".." never name one.
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 _MAX_NAME_CHARS = 100
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS customers (customer_id TEXT PRIMARY KEY, name TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS accounts (
-    account_id TEXT PRIMARY KEY, customer_id TEXT NOT NULL REFERENCES customers, name TEXT NOT NULL,
-    currency TEXT NOT NULL, balance_minor INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS payees (
-    payee_id TEXT PRIMARY KEY, display_name TEXT NOT NULL, relationship TEXT NOT NULL DEFAULT '',
-    kind TEXT NOT NULL CHECK (kind IN ('person', 'biller')), aliases TEXT NOT NULL DEFAULT '');
-CREATE TABLE IF NOT EXISTS contacts (
-    contact_id TEXT PRIMARY KEY, name TEXT NOT NULL, phone TEXT, email TEXT, payee_id TEXT REFERENCES payees);
-CREATE TABLE IF NOT EXISTS cards (
-    card_id TEXT PRIMARY KEY, account_id TEXT NOT NULL REFERENCES accounts, kind TEXT NOT NULL,
-    network TEXT NOT NULL, last4 TEXT NOT NULL, locked INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS transactions (
-    txn_id INTEGER PRIMARY KEY AUTOINCREMENT, account_id TEXT NOT NULL REFERENCES accounts,
-    posted_on TEXT NOT NULL, description TEXT NOT NULL, amount_minor INTEGER NOT NULL, \
-currency TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS transfers (
-    transfer_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, payee_id TEXT NOT NULL REFERENCES payees,
-    from_account_id TEXT NOT NULL REFERENCES accounts, amount_minor INTEGER NOT NULL CHECK (amount_minor > 0),
-    currency TEXT NOT NULL, kind TEXT NOT NULL CHECK (kind IN ('transfer', 'bill_payment')),
-    status TEXT NOT NULL, scheduled_for TEXT, note TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS audit (
-    audit_id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, session_id TEXT NOT NULL,
-    stage TEXT NOT NULL, event TEXT NOT NULL, detail TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS audit_by_session ON audit (session_id, audit_id);
-INSERT OR IGNORE INTO meta (key, value) VALUES ('payee_version', 0);
-"""
+_MAX_TRANSACTIONS = 1000  # recent_transactions' cap: a reply reads a few, an API page stays bounded
+_DEMO_DATA_ERROR = "holds demo data; import into a new database"
 
 
-@dataclass(frozen=True)
-class Payee:
-    payee_id: str
-    display_name: str
-    relationship: str
-    kind: str  # 'person' | 'biller'
-    aliases: tuple[str, ...] = ()  # other names the customer uses: "mom", "electricity", contact names
+class SchemaTooNewError(ValueError):
+    """The database was written by a newer version of this code; opening it could corrupt it."""
 
 
-class BankDB:
-    """The bank's records for one demo customer, plus transfers and the audit trail."""
+class MigrationError(RuntimeError):
+    """A migration found data it cannot place; the database is left as it was."""
+
+
+# --- schema and migrations --------------------------------------------------------------------------------
+# Version 1: every row belongs to a customer. Composite keys make a cross-customer reference impossible in
+# the schema itself: a card, transaction or transfer can only name an account (or payee) of its own customer.
+_SCHEMA_1 = (
+    """CREATE TABLE customers (
+    customer_id TEXT PRIMARY KEY, name TEXT NOT NULL,
+    demo INTEGER NOT NULL DEFAULT 0 CHECK (demo IN (0, 1)),
+    payee_version INTEGER NOT NULL DEFAULT 0)""",
+    """CREATE TABLE accounts (
+    customer_id TEXT NOT NULL REFERENCES customers, account_id TEXT NOT NULL, name TEXT NOT NULL,
+    currency TEXT NOT NULL, balance_minor INTEGER NOT NULL,
+    PRIMARY KEY (customer_id, account_id))""",
+    """CREATE TABLE payees (
+    customer_id TEXT NOT NULL REFERENCES customers, payee_id TEXT NOT NULL, display_name TEXT NOT NULL,
+    relationship TEXT NOT NULL DEFAULT '', kind TEXT NOT NULL CHECK (kind IN ('person', 'biller')),
+    aliases TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (customer_id, payee_id))""",
+    """CREATE TABLE contacts (
+    customer_id TEXT NOT NULL REFERENCES customers, contact_id TEXT NOT NULL, name TEXT NOT NULL,
+    phone TEXT, email TEXT, payee_id TEXT,
+    PRIMARY KEY (customer_id, contact_id),
+    FOREIGN KEY (customer_id, payee_id) REFERENCES payees (customer_id, payee_id))""",
+    """CREATE TABLE cards (
+    customer_id TEXT NOT NULL, card_id TEXT NOT NULL, account_id TEXT NOT NULL, kind TEXT NOT NULL,
+    network TEXT NOT NULL, last4 TEXT NOT NULL, locked INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (customer_id, card_id),
+    FOREIGN KEY (customer_id, account_id) REFERENCES accounts (customer_id, account_id))""",
+    """CREATE TABLE transactions (
+    txn_id INTEGER PRIMARY KEY AUTOINCREMENT, customer_id TEXT NOT NULL, account_id TEXT NOT NULL,
+    posted_on TEXT NOT NULL, description TEXT NOT NULL, amount_minor INTEGER NOT NULL, currency TEXT NOT NULL,
+    FOREIGN KEY (customer_id, account_id) REFERENCES accounts (customer_id, account_id))""",
+    "CREATE INDEX transactions_by_account ON transactions (customer_id, account_id, posted_on)",
+    """CREATE TABLE transfers (
+    transfer_id TEXT PRIMARY KEY, customer_id TEXT NOT NULL, session_id TEXT NOT NULL,
+    payee_id TEXT NOT NULL, from_account_id TEXT NOT NULL,
+    amount_minor INTEGER NOT NULL CHECK (amount_minor > 0), currency TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('transfer', 'bill_payment')),
+    status TEXT NOT NULL CHECK (status IN ('pending', 'executed', 'scheduled', 'failed', 'cancelled')),
+    scheduled_for TEXT, note TEXT, idempotency_key TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    FOREIGN KEY (customer_id, payee_id) REFERENCES payees (customer_id, payee_id),
+    FOREIGN KEY (customer_id, from_account_id) REFERENCES accounts (customer_id, account_id),
+    UNIQUE (customer_id, idempotency_key))""",
+    "CREATE INDEX transfers_by_customer ON transfers (customer_id, status)",
+)
+# Tables of the single-customer schema (user_version 0) that version 1 rebuilds. Its `audit` table is not the
+# bank's any more (audit.py keeps its own): it stays as it is, rows and all.
+_LEGACY_TABLES = ("meta", "customers", "accounts", "payees", "contacts", "cards", "transactions", "transfers")
+_LEGACY_OWNED = ("payees", "contacts", "transfers")  # rows with no customer column in version 0
+_LEGACY_DEMO_CUSTOMER = ("cust-001", "Alex Morgan")  # what version 0's seed_demo wrote
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _count(conn: sqlite3.Connection, table: str) -> int:
+    return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608 - our own table names
+
+
+# Version 0's rows into version 1's tables. A card or transaction belongs to its account's customer (a LEFT
+# JOIN, so that an orphan fails the NOT NULL and the migration instead of vanishing); payees, contacts and
+# transfers to the database's one customer, :owner.
+_LEGACY_COPIES = {
+    "accounts": "INSERT INTO accounts SELECT customer_id, account_id, name, currency, balance_minor "
+    "FROM v0_accounts ORDER BY rowid",
+    "payees": "INSERT INTO payees SELECT :owner, payee_id, display_name, relationship, kind, aliases "
+    "FROM v0_payees ORDER BY rowid",
+    "contacts": "INSERT INTO contacts SELECT :owner, contact_id, name, phone, email, payee_id "
+    "FROM v0_contacts ORDER BY rowid",
+    "cards": "INSERT INTO cards SELECT a.customer_id, c.card_id, c.account_id, c.kind, c.network, "
+    "c.last4, c.locked FROM v0_cards c LEFT JOIN v0_accounts a USING (account_id) ORDER BY c.rowid",
+    "transactions": "INSERT INTO transactions SELECT t.txn_id, a.customer_id, t.account_id, t.posted_on, "
+    "t.description, t.amount_minor, t.currency FROM v0_transactions t "
+    "LEFT JOIN v0_accounts a USING (account_id) ORDER BY t.txn_id",
+    "transfers": "INSERT INTO transfers SELECT transfer_id, :owner, session_id, payee_id, from_account_id, "
+    "amount_minor, currency, kind, status, scheduled_for, note, NULL, created_at, updated_at "
+    "FROM v0_transfers ORDER BY rowid",
+}
+
+
+def _migrate_1_customers_own_their_rows(conn: sqlite3.Connection) -> None:
+    """Creates the version-1 schema; a version-0 database's rows move into it, its payees, contacts and
+    transfers given to its one customer (cust-001 when it was seeded)."""
+    legacy = _tables(conn) & set(_LEGACY_TABLES)
+    if legacy and "customers" not in legacy:
+        raise MigrationError(f"tables {sorted(legacy)} without customers: not an assistant database")
+    for table in legacy:
+        conn.execute(f"ALTER TABLE {table} RENAME TO v0_{table}")
+    for statement in _SCHEMA_1:
+        conn.execute(statement)
+    if not legacy:
+        return  # a new database
+    owner = _move_legacy_customers(conn, legacy)
+    for table, sql in _LEGACY_COPIES.items():
+        if table in legacy:
+            conn.execute(sql, {"owner": owner})
+            old, new = _count(conn, f"v0_{table}"), _count(conn, table)
+            if old != new:
+                raise MigrationError(f"{table}: {old} rows, {new} copied")
+    for table in legacy:
+        conn.execute(f"DROP TABLE v0_{table}")
+
+
+def _move_legacy_customers(conn: sqlite3.Connection, legacy: set[str]) -> str | None:
+    """Copies version 0's customers and returns the one that owns its payees, contacts and transfers. The
+    customer version 0's seed wrote is marked demo: that database holds the demo data (and whatever was
+    imported beside it, which is why imports now refuse a demo database)."""
+    owned = sum(_count(conn, f"v0_{t}") for t in _LEGACY_OWNED if t in legacy)
+    customers = [tuple(r) for r in conn.execute("SELECT customer_id, name FROM v0_customers ORDER BY rowid")]
+    if owned and len(customers) > 1:
+        raise MigrationError(
+            f"the database has {len(customers)} customers and payees, contacts or transfers without one: "
+            "whose they are cannot be told"
+        )
+    if owned and not customers:  # payees imported into a never-seeded database: they get a customer
+        customers = [(DEMO_CUSTOMER_ID, "Customer")]
+    owner = customers[0][0] if customers else None
+    version = 0
+    if "meta" in legacy:
+        row = conn.execute("SELECT value FROM v0_meta WHERE key = 'payee_version'").fetchone()
+        version = row[0] if row else 0
+    for customer_id, name in customers:
+        conn.execute(
+            "INSERT INTO customers (customer_id, name, demo, payee_version) VALUES (?, ?, ?, ?)",
+            (
+                customer_id,
+                name,
+                int((customer_id, name) == _LEGACY_DEMO_CUSTOMER),
+                version * (customer_id == owner),
+            ),
+        )
+    return owner
+
+
+# The ordered migrations: MIGRATIONS[i] takes a database from user_version i to i + 1, in one transaction.
+# Append only; a released step never changes.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_1_customers_own_their_rows]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _user_version(conn: sqlite3.Connection) -> int:
+    return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(conn: sqlite3.Connection, name: str = "database") -> int:
+    """Brings the database at ``conn`` (autocommit mode) to ``SCHEMA_VERSION``, one transaction per step, and
+    returns the version it found. SchemaTooNewError for a database newer than this code."""
+    found = _user_version(conn)
+    if found > len(MIGRATIONS):
+        raise SchemaTooNewError(
+            f"{name}: schema version {found} is newer than this g4serve_assistant's {len(MIGRATIONS)}; "
+            "upgrade g4serve or use another database"
+        )
+    for target in range(found + 1, len(MIGRATIONS) + 1):
+        # Tables are renamed and rebuilt, so foreign keys are checked once at the end of the step (the
+        # pragma cannot change inside a transaction). IMMEDIATE: a second process waits, then sees the step
+        # done and skips it.
+        conn.execute("PRAGMA foreign_keys = OFF")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if _user_version(conn) < target:
+                    MIGRATIONS[target - 1](conn)
+                    bad = [tuple(r) for r in conn.execute("PRAGMA foreign_key_check")]
+                    if bad:
+                        raise MigrationError(f"{name}: step {target} leaves broken references: {bad[:3]}")
+                    conn.execute(f"PRAGMA user_version = {target}")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        finally:
+            conn.execute("PRAGMA foreign_keys = ON")
+    return found
+
+
+# --- the bank ---------------------------------------------------------------------------------------------
+class SQLiteBank:
+    """All customers of the embedded bank; ``customer(id)`` is the view the policy gets."""
 
     def __init__(self, path: str | os.PathLike = ":memory:"):
         self.path = str(path)
         # One connection shared by all threads: sqlite3 objects are not thread-safe, so every use holds
         # the lock (statements are microseconds, so contention is negligible at voice-turn rates).
-        self._conn = sqlite3.connect(self.path, check_same_thread=False)
+        # isolation_level=None: transactions are ours (BEGIN IMMEDIATE ... COMMIT), not the module's guesses.
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
-        with self._lock, self._conn:
-            if self.path != ":memory:":
-                self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            self._conn.executescript(_SCHEMA)
+        try:
+            with self._lock:
+                if self.path != ":memory:":
+                    self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute("PRAGMA foreign_keys=ON")
+                migrate(self._conn, self.path)
+        except BaseException:
+            self._conn.close()
+            raise
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    # --- payees -------------------------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: all of it or none of it. IMMEDIATE takes the write lock up front, so a
+        second connection to the file waits instead of failing half-way."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """Several reads that see one state of the database (another connection may write in between)."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                yield self._conn
+            finally:
+                self._conn.execute("COMMIT")
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return _user_version(self._conn)
+
+    # --- customers --------------------------------------------------------------------------------------
+    def customer(self, customer_id: str) -> SQLiteCustomerBank:
+        self.customer_name(customer_id)
+        return SQLiteCustomerBank(self, customer_id)
+
+    def customer_name(self, customer_id: str) -> str:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT name FROM customers WHERE customer_id = ?", (customer_id,)
+            ).fetchone()
+        if row is None:
+            raise UnknownCustomerError(customer_id)
+        return row["name"]
+
+    def customers(self) -> list[dict]:
+        """``[{customer_id, name, demo: bool}]`` in the order they were added."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT customer_id, name, demo FROM customers ORDER BY rowid"
+            ).fetchall()
+        return [dict(r, demo=bool(r["demo"])) for r in rows]
+
+    def holds_demo_data(self) -> bool:
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM customers WHERE demo = 1 LIMIT 1").fetchone() is not None
+
+    def add_customer(self, customer_id: str, name: str) -> SQLiteCustomerBank:
+        """A new customer without accounts; ValueError for a bad or taken id, a bad name, or a database that
+        holds demo data (real and demo customers never share one)."""
+        if not isinstance(customer_id, str) or not ID_PATTERN.fullmatch(customer_id):
+            raise ValueError(f"customer id {customer_id!r} is not 1-64 of A-Z a-z 0-9 _ . - (no leading dot)")
+        if _text_problem(name):
+            raise ValueError(f"customer name: {_text_problem(name)}")
+        with self._write() as c:
+            self._refuse_demo(c)
+            if c.execute("SELECT 1 FROM customers WHERE customer_id = ?", (customer_id,)).fetchone():
+                raise ValueError(f"customer {customer_id!r} exists")
+            c.execute("INSERT INTO customers (customer_id, name) VALUES (?, ?)", (customer_id, name))
+        return SQLiteCustomerBank(self, customer_id)
+
+    def _refuse_demo(self, c: sqlite3.Connection) -> None:
+        if c.execute("SELECT 1 FROM customers WHERE demo = 1 LIMIT 1").fetchone():
+            raise ValueError(f"{self.path}: {_DEMO_DATA_ERROR}")
+
+    # --- imports ----------------------------------------------------------------------------------------
+    def import_payees_csv(self, path: str | os.PathLike, customer_id: str) -> int:
+        """Upserts one customer's payees from a CSV with columns payee_id,display_name,relationship[,kind]
+        [,aliases] (``aliases`` ';'-separated) and returns how many rows it wrote.
+
+        The whole file is validated first and written in one transaction: a bad row imports nothing.
+        ValueError naming the file, line and column of the first problem; naming the customer when it is
+        not in the database; and for a database that holds demo data.
+        """
+        rows = _read_payees_csv(Path(path))
+        with self._write() as c:
+            self._refuse_demo(c)
+            if not c.execute("SELECT 1 FROM customers WHERE customer_id = ?", (customer_id,)).fetchone():
+                raise ValueError(
+                    f"{path}: customer {customer_id!r} is not in the database (import-customers first)"
+                )
+            return _upsert_payees(c, customer_id, rows)
+
+    def import_customers_csv(self, path: str | os.PathLike) -> tuple[int, int]:
+        """Customers and their accounts from a CSV with one row per account:
+        customer_id,name,account_id,account_name,currency,balance_minor (an integer of minor units).
+
+        New customers and accounts are added; those already there get the file's name and balance (an
+        account's currency never changes: that is an error). Validated whole first, written in one
+        transaction; ValueError naming file, line and column, or the demo data. Returns (customers,
+        accounts) in the file.
+        """
+        path = Path(path)
+        rows = _read_customers_csv(path)
+        with self._write() as c:
+            self._refuse_demo(c)
+            for line, row in rows:
+                c.execute(
+                    "INSERT INTO customers (customer_id, name) VALUES (?, ?) "
+                    "ON CONFLICT (customer_id) DO UPDATE SET name = excluded.name",
+                    (row["customer_id"], row["name"]),
+                )
+                old = c.execute(
+                    "SELECT currency FROM accounts WHERE customer_id = ? AND account_id = ?",
+                    (row["customer_id"], row["account_id"]),
+                ).fetchone()
+                if old is not None and old["currency"] != row["currency"]:
+                    raise ValueError(
+                        f"{path}: line {line}, column 'currency': account {row['account_id']!r} is held in "
+                        f"{old['currency']}, not {row['currency']} (an account's currency does not change)"
+                    )
+                c.execute(
+                    "INSERT INTO accounts (customer_id, account_id, name, currency, balance_minor) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (customer_id, account_id) DO UPDATE SET "
+                    "name = excluded.name, balance_minor = excluded.balance_minor",
+                    (
+                        row["customer_id"],
+                        row["account_id"],
+                        row["account_name"],
+                        row["currency"],
+                        row["balance"],
+                    ),
+                )
+        return len({r["customer_id"] for _, r in rows}), len(rows)
+
+    def import_cards_csv(self, path: str | os.PathLike) -> int:
+        """Cards from a CSV customer_id,card_id,account_id,kind,network,last4, each on an account its customer
+        holds (import-customers first). Upserts; a card already there keeps its lock. Validated whole first,
+        written in one transaction; ValueError naming file, line and column, or the demo data."""
+        path = Path(path)
+        rows = _read_cards_csv(path)
+        with self._write() as c:
+            self._refuse_demo(c)
+            for line, row in rows:
+                cid, aid = row["customer_id"], row["account_id"]
+                if not c.execute("SELECT 1 FROM customers WHERE customer_id = ?", (cid,)).fetchone():
+                    raise ValueError(f"{path}: line {line}, column 'customer_id': no customer {cid!r}")
+                if not c.execute(
+                    "SELECT 1 FROM accounts WHERE customer_id = ? AND account_id = ?", (cid, aid)
+                ).fetchone():
+                    raise ValueError(
+                        f"{path}: line {line}, column 'account_id': customer {cid!r} has no account {aid!r}"
+                    )
+                c.execute(
+                    "INSERT INTO cards (customer_id, card_id, account_id, kind, network, last4) "
+                    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (customer_id, card_id) DO UPDATE SET "
+                    "account_id = excluded.account_id, kind = excluded.kind, network = excluded.network, "
+                    "last4 = excluded.last4",
+                    (cid, row["card_id"], aid, row["kind"], row["network"], row["last4"]),
+                )
+        return len(rows)
+
+    # --- demo data --------------------------------------------------------------------------------------
+    def seed_demo(self) -> None:
+        """The two demo customers (``DEMO_CUSTOMER_ID``, ``DEMO_CUSTOMER_2_ID``), marked demo: accounts,
+        payees with confusable names, contacts, cards and transactions. Idempotent: rows that exist are left
+        alone and a payee version moves only if payees were added. ValueError when the database holds
+        customers that are not demo data."""
+        with self._write() as c:
+            if c.execute("SELECT 1 FROM customers WHERE demo = 0 LIMIT 1").fetchone():
+                raise ValueError(
+                    f"{self.path}: holds customers that are not demo data; "
+                    "the demo seeds only a new or demo database"
+                )
+            for customer_id, name, data in _DEMO_CUSTOMERS:
+                _seed_customer(c, customer_id, name, data)
+
+
+class SQLiteCustomerBank:
+    """One customer's view of a ``SQLiteBank``: every statement is scoped to ``customer_id``."""
+
+    def __init__(self, bank: SQLiteBank, customer_id: str):
+        self.bank = bank
+        self.customer_id = customer_id
+
+    def __repr__(self) -> str:
+        return f"SQLiteCustomerBank({self.bank.path!r}, {self.customer_id!r})"
+
+    # --- payees -----------------------------------------------------------------------------------------
     @property
     def version(self) -> int:
-        """Bumped on every change to payees or contacts; the payee index rebuilds when it moves.
+        """Moves on every change to this customer's payees or contacts; the payee index rebuilds when it does.
 
         Kept in the database (not in this object) so a second connection to the same file sees it too.
         """
-        with self._lock:
-            return self._conn.execute("SELECT value FROM meta WHERE key = 'payee_version'").fetchone()[0]
-
-    def _bump_version(self) -> None:
-        self._conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'payee_version'")
+        with self.bank._lock:
+            row = self.bank._conn.execute(
+                "SELECT payee_version FROM customers WHERE customer_id = ?", (self.customer_id,)
+            ).fetchone()
+        if row is None:
+            raise UnknownCustomerError(self.customer_id)
+        return row[0]
 
     def payees(self) -> list[Payee]:
-        with self._lock:
-            rows = self._conn.execute("SELECT * FROM payees ORDER BY payee_id").fetchall()
-            contacts = self._contact_names()
+        with self.bank._read() as c:
+            rows = c.execute(
+                "SELECT * FROM payees WHERE customer_id = ? ORDER BY payee_id", (self.customer_id,)
+            ).fetchall()
+            contacts = self._contact_names(c)
         return [_payee(r, contacts.get(r["payee_id"], ())) for r in rows]
 
     def payee(self, payee_id: str) -> Payee | None:
-        with self._lock:
-            row = self._conn.execute("SELECT * FROM payees WHERE payee_id = ?", (payee_id,)).fetchone()
-            contacts = self._contact_names() if row else {}
+        with self.bank._read() as c:
+            row = c.execute(
+                "SELECT * FROM payees WHERE customer_id = ? AND payee_id = ?", (self.customer_id, payee_id)
+            ).fetchone()
+            contacts = self._contact_names(c) if row else {}
         return _payee(row, contacts.get(payee_id, ())) if row else None
 
-    def _contact_names(self) -> dict[str, tuple[str, ...]]:
+    def _contact_names(self, c: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
         names: dict[str, list[str]] = {}
-        for r in self._conn.execute("SELECT payee_id, name FROM contacts WHERE payee_id IS NOT NULL"):
+        for r in c.execute(
+            "SELECT payee_id, name FROM contacts WHERE customer_id = ? AND payee_id IS NOT NULL "
+            "ORDER BY rowid",
+            (self.customer_id,),
+        ):
             names.setdefault(r["payee_id"], []).append(r["name"])
         return {k: tuple(v) for k, v in names.items()}
 
     def upsert_payee(self, payee: Payee) -> None:
-        with self._lock, self._conn:
-            self._upsert_payees([payee])
+        """Adds or replaces one of this customer's payees (tests and tools; the bank-level imports are what
+        keep demo and real data apart)."""
+        with self.bank._write() as c:
+            _upsert_payees(c, self.customer_id, [payee])
 
-    def _upsert_payees(self, payees: Iterable[Payee]) -> int:
-        n = 0
-        for p in payees:
-            self._conn.execute(
-                "INSERT INTO payees (payee_id, display_name, relationship, kind, aliases) "
-                "VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (payee_id) DO UPDATE SET display_name = excluded.display_name, "
-                "relationship = excluded.relationship, kind = excluded.kind, aliases = excluded.aliases",
-                (p.payee_id, p.display_name, p.relationship, p.kind, ",".join(p.aliases)),
-            )
-            n += 1
-        if n:
-            self._bump_version()
-        return n
+    def import_payees_csv(self, path: str | os.PathLike) -> int:
+        """``SQLiteBank.import_payees_csv`` for this customer, without its demo-data guard: it edits this
+        customer's list whatever the database holds (tests add payees to a demo customer this way)."""
+        rows = _read_payees_csv(Path(path))
+        with self.bank._write() as c:
+            return _upsert_payees(c, self.customer_id, rows)
 
     def contacts(self) -> list[dict]:
-        with self._lock:
-            return [dict(r) for r in self._conn.execute("SELECT * FROM contacts ORDER BY contact_id")]
+        with self.bank._lock:
+            rows = self.bank._conn.execute(
+                "SELECT contact_id, name, phone, email, payee_id FROM contacts WHERE customer_id = ? "
+                "ORDER BY contact_id",
+                (self.customer_id,),
+            ).fetchall()
+        return [dict(r) for r in rows]
 
     def add_contact(
         self, name: str, payee_id: str | None = None, phone: str | None = None, email: str | None = None
     ) -> str:
-        """A phone-book entry; when linked to a payee its name becomes one more way to say that payee."""
+        """A phone-book entry; when linked to a payee its name becomes one more way to say that payee.
+        ValueError for a payee that is not this customer's."""
         contact_id = f"c-{uuid.uuid4().hex[:10]}"
-        with self._lock, self._conn:
-            self._conn.execute(
-                "INSERT INTO contacts VALUES (?, ?, ?, ?, ?)", (contact_id, name, phone, email, payee_id)
+        with self.bank._write() as c:
+            if (
+                payee_id is not None
+                and not c.execute(
+                    "SELECT 1 FROM payees WHERE customer_id = ? AND payee_id = ?",
+                    (self.customer_id, payee_id),
+                ).fetchone()
+            ):
+                raise ValueError(f"unknown payee {payee_id!r}")
+            c.execute(
+                "INSERT INTO contacts (customer_id, contact_id, name, phone, email, payee_id) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (self.customer_id, contact_id, name, phone, email, payee_id),
             )
             if payee_id is not None:
-                self._bump_version()
+                _bump_version(c, self.customer_id)
         return contact_id
 
-    def import_payees_csv(self, path: str | os.PathLike) -> int:
-        """Upserts payees from a CSV with columns payee_id,display_name,relationship[,kind][,aliases].
-
-        The whole file is validated first and written in one transaction: a bad row imports nothing.
-        ``aliases`` is ';'-separated. Raises ValueError naming the file, line and column of the first problem.
-        """
-        rows = _read_payees_csv(Path(path))
-        with self._lock, self._conn:
-            return self._upsert_payees(rows)
-
     # --- accounts, cards, transactions ------------------------------------------------------------------
+    _ACCOUNT_COLUMNS = "account_id, name, balance_minor, currency"
+
     def accounts(self) -> list[dict]:
-        with self._lock:
-            return [
-                dict(r)
-                for r in self._conn.execute(
-                    "SELECT account_id, name, balance_minor, currency FROM accounts ORDER BY rowid"
-                )
-            ]
+        with self.bank._lock:
+            rows = self.bank._conn.execute(
+                f"SELECT {self._ACCOUNT_COLUMNS} FROM accounts WHERE customer_id = ? ORDER BY rowid",
+                (self.customer_id,),
+            ).fetchall()
+        return [dict(r) for r in rows]
 
     def balance(self, account_id: str | None = None) -> dict:
         """One account's balance; without an id, the customer's first (main checking) account."""
-        with self._lock:
-            if account_id is None:
-                row = self._conn.execute(
-                    "SELECT account_id, name, balance_minor, currency FROM accounts ORDER BY rowid LIMIT 1"
-                ).fetchone()
-            else:
-                row = self._conn.execute(
-                    "SELECT account_id, name, balance_minor, currency FROM accounts WHERE account_id = ?",
-                    (account_id,),
-                ).fetchone()
+        sql = f"SELECT {self._ACCOUNT_COLUMNS} FROM accounts WHERE customer_id = ?"
+        args: tuple = (self.customer_id,)
+        if account_id is not None:
+            sql, args = sql + " AND account_id = ?", (*args, account_id)
+        with self.bank._lock:
+            row = self.bank._conn.execute(sql + " ORDER BY rowid LIMIT 1", args).fetchone()
         if row is None:
             raise KeyError(f"no account {account_id!r}" if account_id else "no accounts")
         return dict(row)
 
+    def account_for_currency(self, currency: str) -> dict | None:
+        """The first account held in ``currency``, which pays transfers in that currency."""
+        with self.bank._lock:
+            row = self.bank._conn.execute(
+                f"SELECT {self._ACCOUNT_COLUMNS} FROM accounts WHERE customer_id = ? AND currency = ? "
+                "ORDER BY rowid LIMIT 1",
+                (self.customer_id, currency),
+            ).fetchone()
+        return dict(row) if row else None
+
     def recent_transactions(self, limit: int = 5, account_id: str | None = None) -> list[dict]:
-        """Newest first."""
-        sql = "SELECT * FROM transactions"
-        args: tuple = ()
+        """Newest first, at most ``limit`` (capped at 1000)."""
+        sql = (
+            "SELECT account_id, posted_on, description, amount_minor, currency FROM transactions "
+            "WHERE customer_id = ?"
+        )
+        args: tuple = (self.customer_id,)
         if account_id is not None:
-            sql += " WHERE account_id = ?"
-            args = (account_id,)
+            sql, args = sql + " AND account_id = ?", (*args, account_id)
         sql += " ORDER BY posted_on DESC, txn_id DESC LIMIT ?"
-        with self._lock:
-            return [dict(r) for r in self._conn.execute(sql, (*args, max(0, int(limit))))]
+        with self.bank._lock:
+            rows = self.bank._conn.execute(
+                sql, (*args, min(max(0, int(limit)), _MAX_TRANSACTIONS))
+            ).fetchall()
+        return [dict(r) for r in rows]
 
     def cards(self) -> list[dict]:
-        with self._lock:
-            rows = self._conn.execute("SELECT * FROM cards ORDER BY rowid").fetchall()
+        with self.bank._lock:
+            rows = self.bank._conn.execute(
+                "SELECT card_id, account_id, kind, network, last4, locked FROM cards WHERE customer_id = ? "
+                "ORDER BY rowid",
+                (self.customer_id,),
+            ).fetchall()
         return [dict(r, locked=bool(r["locked"])) for r in rows]
 
     def set_card_locked(self, card_id: str, locked: bool) -> None:
-        with self._lock, self._conn:
-            cur = self._conn.execute("UPDATE cards SET locked = ? WHERE card_id = ?", (int(locked), card_id))
-        if cur.rowcount == 0:
-            raise KeyError(f"no card {card_id!r}")
+        with self.bank._write() as c:
+            cur = c.execute(
+                "UPDATE cards SET locked = ? WHERE customer_id = ? AND card_id = ?",
+                (int(bool(locked)), self.customer_id, card_id),
+            )
+            if cur.rowcount == 0:
+                raise KeyError(f"no card {card_id!r}")
 
-    # --- transfers ------------------------------------------------------------------------------------
+    # --- transfers --------------------------------------------------------------------------------------
     def create_transfer(
         self,
         session_id: str,
@@ -222,24 +618,33 @@ class BankDB:
         """Records a proposed transfer with status 'pending'; nothing moves until ``execute_transfer``.
 
         Without ``from_account_id`` the first account in ``currency`` pays. Raises ValueError on a bad
-        kind, amount, payee or account.
+        kind, amount, date, payee or account.
         """
         if kind not in TRANSFER_KINDS:
             raise ValueError(f"kind must be one of {TRANSFER_KINDS}, got {kind!r}")
-        if isinstance(amount_minor, bool) or not isinstance(amount_minor, int) or amount_minor <= 0:
-            raise ValueError(f"amount_minor must be a positive int, got {amount_minor!r}")
+        check_amount_minor(amount_minor)
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        # A datetime is a date too, but its isoformat() would not read back as one.
+        if scheduled_for is not None and (
+            isinstance(scheduled_for, dt.datetime) or not isinstance(scheduled_for, dt.date)
+        ):
+            raise ValueError(f"scheduled_for must be a date, got {scheduled_for!r}")
         transfer_id = f"t-{uuid.uuid4().hex[:12]}"
         now = time.time()
-        with self._lock, self._conn:
-            if self._conn.execute("SELECT 1 FROM payees WHERE payee_id = ?", (payee_id,)).fetchone() is None:
+        with self.bank._write() as c:
+            if not c.execute(
+                "SELECT 1 FROM payees WHERE customer_id = ? AND payee_id = ?", (self.customer_id, payee_id)
+            ).fetchone():
                 raise ValueError(f"unknown payee {payee_id!r}")
-            account = self._paying_account(currency, from_account_id)
-            self._conn.execute(
-                "INSERT INTO transfers (transfer_id, session_id, payee_id, from_account_id, amount_minor, "
-                "currency, kind, status, scheduled_for, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
+            account = self._paying_account(c, currency, from_account_id)
+            c.execute(
+                "INSERT INTO transfers (transfer_id, customer_id, session_id, payee_id, from_account_id, "
+                "amount_minor, currency, kind, status, scheduled_for, note, idempotency_key, created_at, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, NULL, NULL, ?, ?)",
                 (
                     transfer_id,
+                    self.customer_id,
                     session_id,
                     payee_id,
                     account,
@@ -253,293 +658,471 @@ class BankDB:
             )
         return transfer_id
 
-    def account_for_currency(self, currency: str) -> dict | None:
-        """The first account held in ``currency``, which pays transfers in that currency."""
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT account_id, name, balance_minor, currency FROM accounts "
-                "WHERE currency = ? ORDER BY rowid LIMIT 1",
-                (currency,),
-            ).fetchone()
-        return dict(row) if row else None
-
-    def _paying_account(self, currency: str, account_id: str | None) -> str:
+    def _paying_account(self, c: sqlite3.Connection, currency: str, account_id: str | None) -> str:
         if account_id is None:
-            row = self._conn.execute(
-                "SELECT account_id FROM accounts WHERE currency = ? ORDER BY rowid LIMIT 1", (currency,)
+            row = c.execute(
+                "SELECT account_id FROM accounts WHERE customer_id = ? AND currency = ? "
+                "ORDER BY rowid LIMIT 1",
+                (self.customer_id, currency),
             ).fetchone()
             if row is None:
                 raise ValueError(f"no account in {currency}")
             return row["account_id"]
-        row = self._conn.execute(
-            "SELECT currency FROM accounts WHERE account_id = ?", (account_id,)
+        row = c.execute(
+            "SELECT currency FROM accounts WHERE customer_id = ? AND account_id = ?",
+            (self.customer_id, account_id),
         ).fetchone()
         if row is None or row["currency"] != currency:
             raise ValueError(f"account {account_id!r} does not exist or is not in {currency}")
         return account_id
 
+    def _transfer_row(self, c: sqlite3.Connection, transfer_id: str) -> sqlite3.Row | None:
+        return c.execute(
+            "SELECT * FROM transfers WHERE customer_id = ? AND transfer_id = ?",
+            (self.customer_id, transfer_id),
+        ).fetchone()
+
     def transfer(self, transfer_id: str) -> dict | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)
-            ).fetchone()
+        with self.bank._lock:
+            row = self._transfer_row(self.bank._conn, transfer_id)
         return dict(row) if row else None
 
-    def execute_transfer(self, transfer_id: str, today: dt.date | None = None) -> dict:
-        """Moves the money of a pending transfer, atomically, at most once.
+    def execute_transfer(self, transfer_id: str, idempotency_key: str, today: dt.date | None = None) -> dict:
+        """Moves the money of a pending transfer, atomically, at most once, and returns the transfer.
 
         A transfer scheduled after ``today`` becomes 'scheduled' (a job outside this demo would run it);
-        one the account cannot cover becomes 'failed'. Raises ValueError unless the transfer is pending.
+        one the account cannot cover becomes 'failed'. The key is stored on the transfer: the same call
+        again returns it as stored and moves nothing. ValueError for an unknown transfer, a bad key, a key
+        this customer used on another transfer, and a transfer that is no longer pending.
         """
+        check_idempotency_key(idempotency_key)
         today = today or dt.date.today()
-        with self._lock, self._conn:
-            t = self._conn.execute("SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)).fetchone()
+        with self.bank._write() as c:
+            t = self._transfer_row(c, transfer_id)
             if t is None:
                 raise ValueError(f"no transfer {transfer_id!r}")
+            if t["idempotency_key"] == idempotency_key:
+                return dict(t)  # a retry of the call that already ran
             if t["status"] != "pending":
                 raise ValueError(f"transfer {transfer_id} is {t['status']}, not pending")
-            status, note = "executed", None
-            if t["scheduled_for"] and dt.date.fromisoformat(t["scheduled_for"]) > today:
-                status = "scheduled"
-            else:
-                balance = self._conn.execute(
-                    "SELECT balance_minor FROM accounts WHERE account_id = ?", (t["from_account_id"],)
-                ).fetchone()["balance_minor"]
-                if balance < t["amount_minor"]:
-                    status, note = "failed", "insufficient funds"
-                else:
-                    payee = self._conn.execute(
-                        "SELECT display_name FROM payees WHERE payee_id = ?", (t["payee_id"],)
-                    ).fetchone()
-                    what = "Payment to" if t["kind"] == "bill_payment" else "Transfer to"
-                    self._conn.execute(
-                        "UPDATE accounts SET balance_minor = balance_minor - ? WHERE account_id = ?",
-                        (t["amount_minor"], t["from_account_id"]),
-                    )
-                    self._conn.execute(
-                        "INSERT INTO transactions "
-                        "(account_id, posted_on, description, amount_minor, currency) "
-                        "VALUES (?, ?, ?, ?, ?)",
-                        (
-                            t["from_account_id"],
-                            today.isoformat(),
-                            f"{what} {payee['display_name']}",
-                            -t["amount_minor"],
-                            t["currency"],
-                        ),
-                    )
-            self._conn.execute(
-                "UPDATE transfers SET status = ?, note = ?, updated_at = ? WHERE transfer_id = ?",
-                (status, note, time.time(), transfer_id),
+            other = c.execute(
+                "SELECT transfer_id FROM transfers WHERE customer_id = ? AND idempotency_key = ?",
+                (self.customer_id, idempotency_key),
+            ).fetchone()
+            if other is not None:
+                raise ValueError(f"idempotency key already used for transfer {other['transfer_id']}")
+            status, note = self._settle(c, t, today)
+            c.execute(
+                "UPDATE transfers SET status = ?, note = ?, idempotency_key = ?, updated_at = ? "
+                "WHERE customer_id = ? AND transfer_id = ?",
+                (status, note, idempotency_key, time.time(), self.customer_id, transfer_id),
             )
-            return dict(
-                self._conn.execute("SELECT * FROM transfers WHERE transfer_id = ?", (transfer_id,)).fetchone()
-            )
+            return dict(self._transfer_row(c, transfer_id))
+
+    def _settle(self, c: sqlite3.Connection, t: sqlite3.Row, today: dt.date) -> tuple[str, str | None]:
+        """Debits the paying account for a transfer due today; (status, note) of the outcome."""
+        if t["scheduled_for"] and dt.date.fromisoformat(t["scheduled_for"]) > today:
+            return "scheduled", None
+        balance = c.execute(
+            "SELECT balance_minor FROM accounts WHERE customer_id = ? AND account_id = ?",
+            (self.customer_id, t["from_account_id"]),
+        ).fetchone()["balance_minor"]
+        if balance < t["amount_minor"]:
+            return "failed", "insufficient funds"
+        payee = c.execute(
+            "SELECT display_name FROM payees WHERE customer_id = ? AND payee_id = ?",
+            (self.customer_id, t["payee_id"]),
+        ).fetchone()
+        what = "Payment to" if t["kind"] == "bill_payment" else "Transfer to"
+        c.execute(
+            "UPDATE accounts SET balance_minor = balance_minor - ? WHERE customer_id = ? AND account_id = ?",
+            (t["amount_minor"], self.customer_id, t["from_account_id"]),
+        )
+        c.execute(
+            "INSERT INTO transactions "
+            "(customer_id, account_id, posted_on, description, amount_minor, currency) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                self.customer_id,
+                t["from_account_id"],
+                today.isoformat(),
+                f"{what} {payee['display_name']}",
+                -t["amount_minor"],
+                t["currency"],
+            ),
+        )
+        return "executed", None
 
     def cancel_transfer(self, transfer_id: str) -> None:
-        """Cancels a pending transfer; cancelling one that is no longer pending is a no-op (idempotent)."""
-        with self._lock, self._conn:
-            self._conn.execute(
+        """Cancels a pending transfer; a no-op for one no longer pending (idempotent) or not this
+        customer's."""
+        with self.bank._write() as c:
+            c.execute(
                 "UPDATE transfers SET status = 'cancelled', updated_at = ? "
-                "WHERE transfer_id = ? AND status = 'pending'",
-                (time.time(), transfer_id),
+                "WHERE customer_id = ? AND transfer_id = ? AND status = 'pending'",
+                (time.time(), self.customer_id, transfer_id),
             )
 
     def transfers(self, status: str | None = None) -> list[dict]:
-        sql, args = "SELECT * FROM transfers", ()
+        sql, args = "SELECT * FROM transfers WHERE customer_id = ?", (self.customer_id,)
         if status is not None:
-            sql, args = sql + " WHERE status = ?", (status,)
-        with self._lock:
-            return [dict(r) for r in self._conn.execute(sql + " ORDER BY created_at, rowid", args)]
-
-    # --- audit ----------------------------------------------------------------------------------------
-    def audit(self, session_id: str, stage: str, event: str, detail: dict) -> None:
-        self.audit_many(session_id, [(stage, event, detail)])
-
-    def audit_many(self, session_id: str, rows: Iterable[tuple[str, str, dict]]) -> None:
-        """Several audit rows in one transaction (one commit per turn, not per normalization rule)."""
-        now = time.time()
-        values = [
-            (now, session_id, stage, event, json.dumps(detail, default=str, sort_keys=True))
-            for stage, event, detail in rows
-        ]
-        if values:
-            with self._lock, self._conn:
-                self._conn.executemany(
-                    "INSERT INTO audit (ts, session_id, stage, event, detail) VALUES (?, ?, ?, ?, ?)", values
-                )
-
-    def audit_log(self, session_id: str | None = None) -> list[dict]:
-        sql, args = "SELECT * FROM audit", ()
-        if session_id is not None:
-            sql, args = sql + " WHERE session_id = ?", (session_id,)
-        with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY audit_id", args).fetchall()
-        return [dict(r, detail=json.loads(r["detail"])) for r in rows]
-
-    # --- demo data ------------------------------------------------------------------------------------
-    def seed_demo(self) -> None:
-        """One customer with accounts, ~30 payees (confusable names on purpose), 2 cards and ~20 transactions.
-
-        Idempotent: rows that exist are left alone, and the payee version only moves if payees were added.
-        """
-        with self._lock, self._conn:
-            c = self._conn
-            c.execute("INSERT OR IGNORE INTO customers VALUES ('cust-001', 'Alex Morgan')")
-            c.executemany("INSERT OR IGNORE INTO accounts VALUES (?, 'cust-001', ?, ?, ?)", _DEMO_ACCOUNTS)
-            added = 0
-            for payee_id, name, relationship, kind, aliases in _DEMO_PAYEES:
-                added += c.execute(
-                    "INSERT OR IGNORE INTO payees VALUES (?, ?, ?, ?, ?)",
-                    (payee_id, name, relationship, kind, aliases),
-                ).rowcount
-            for contact in _DEMO_CONTACTS:
-                added += c.execute("INSERT OR IGNORE INTO contacts VALUES (?, ?, ?, ?, ?)", contact).rowcount
-            c.executemany("INSERT OR IGNORE INTO cards VALUES (?, ?, ?, ?, ?, 0)", _DEMO_CARDS)
-            if c.execute("SELECT COUNT(*) FROM transactions").fetchone()[0] == 0:
-                c.executemany(
-                    "INSERT INTO transactions (account_id, posted_on, description, amount_minor, currency) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    _DEMO_TRANSACTIONS,
-                )
-            if added:
-                self._bump_version()
+            sql, args = sql + " AND status = ?", (*args, status)
+        with self.bank._lock:
+            return [dict(r) for r in self.bank._conn.execute(sql + " ORDER BY created_at, rowid", args)]
 
 
+# --- rows -------------------------------------------------------------------------------------------------
 def _payee(row: sqlite3.Row, contact_names: tuple[str, ...]) -> Payee:
     aliases = tuple(a for a in row["aliases"].split(",") if a) + contact_names
     return Payee(row["payee_id"], row["display_name"], row["relationship"], row["kind"], aliases)
 
 
-def _check_payees_header(path: Path, header: list[str]) -> None:
+def _bump_version(c: sqlite3.Connection, customer_id: str) -> None:
+    c.execute("UPDATE customers SET payee_version = payee_version + 1 WHERE customer_id = ?", (customer_id,))
+
+
+def _upsert_payees(c: sqlite3.Connection, customer_id: str, payees: Iterable[Payee]) -> int:
+    n = 0
+    for p in payees:
+        c.execute(
+            "INSERT INTO payees (customer_id, payee_id, display_name, relationship, kind, aliases) "
+            "VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (customer_id, payee_id) DO UPDATE SET display_name = excluded.display_name, "
+            "relationship = excluded.relationship, kind = excluded.kind, aliases = excluded.aliases",
+            (customer_id, p.payee_id, p.display_name, p.relationship, p.kind, ",".join(p.aliases)),
+        )
+        n += 1
+    if n:
+        _bump_version(c, customer_id)
+    return n
+
+
+def _seed_customer(c: sqlite3.Connection, customer_id: str, name: str, data: dict) -> None:
+    c.execute(
+        "INSERT OR IGNORE INTO customers (customer_id, name, demo) VALUES (?, ?, 1)", (customer_id, name)
+    )
+    c.executemany(
+        "INSERT OR IGNORE INTO accounts (customer_id, account_id, name, currency, balance_minor) "
+        "VALUES (?, ?, ?, ?, ?)",
+        [(customer_id, *a) for a in data["accounts"]],
+    )
+    added = 0
+    for payee in data["payees"]:
+        added += c.execute(
+            "INSERT OR IGNORE INTO payees (customer_id, payee_id, display_name, relationship, kind, aliases) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (customer_id, *payee),
+        ).rowcount
+    for contact in data["contacts"]:
+        added += c.execute(
+            "INSERT OR IGNORE INTO contacts (customer_id, contact_id, name, phone, email, payee_id) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (customer_id, *contact),
+        ).rowcount
+    c.executemany(
+        "INSERT OR IGNORE INTO cards (customer_id, card_id, account_id, kind, network, last4) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        [(customer_id, *card) for card in data["cards"]],
+    )
+    if not c.execute("SELECT 1 FROM transactions WHERE customer_id = ? LIMIT 1", (customer_id,)).fetchone():
+        c.executemany(
+            "INSERT INTO transactions "
+            "(customer_id, account_id, posted_on, description, amount_minor, currency) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            [(customer_id, *t) for t in data["transactions"]],
+        )
+    if added:
+        _bump_version(c, customer_id)
+
+
+# --- CSV files --------------------------------------------------------------------------------------------
+def _text_problem(value: object, max_chars: int = _MAX_NAME_CHARS) -> str | None:
+    """Why ``value`` is not a usable name (read aloud, shown on a page, written to audit rows), or None."""
+    if not isinstance(value, str) or not value or len(value) > max_chars:
+        return f"must be 1-{max_chars} characters"
+    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in value):  # Cs: lone surrogates encode nowhere
+        return "holds control characters"
+    return None
+
+
+def _read_csv(
+    path: Path, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> Iterator[tuple[int, dict]]:
+    """(line, {column: stripped value}) of each non-blank row, after checking the header; ValueError naming
+    the file, line and column of the first problem."""
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise ValueError(f"{path}: line 1: empty file, expected header {','.join(required)}")
+            header = [h.strip().lower() for h in header]
+            _check_header(path, header, required, optional)
+            for fields in reader:
+                line = reader.line_num
+                if not any(f.strip() for f in fields):
+                    continue  # blank line
+                if len(fields) != len(header):
+                    raise ValueError(f"{path}: line {line}: expected {len(header)} fields, got {len(fields)}")
+                yield line, {col: value.strip() for col, value in zip(header, fields, strict=True)}
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except csv.Error as exc:
+        raise ValueError(f"{path}: line {reader.line_num}: {exc}") from None
+
+
+def _check_header(
+    path: Path, header: list[str], required: tuple[str, ...], optional: tuple[str, ...]
+) -> None:
     for col in header:
-        if col not in CSV_REQUIRED + CSV_OPTIONAL:
+        if col not in required + optional:
             raise ValueError(
-                f"{path}: line 1, column {col!r}: unknown column "
-                f"(expected {', '.join(CSV_REQUIRED + CSV_OPTIONAL)})"
+                f"{path}: line 1, column {col!r}: unknown column (expected {', '.join(required + optional)})"
             )
-    for col in CSV_REQUIRED:
+    for col in required:
         if col not in header:
             raise ValueError(f"{path}: line 1, column {col!r}: missing required column")
     if len(set(header)) != len(header):
         raise ValueError(f"{path}: line 1: duplicate column names")
 
 
+def _check_id(path: Path, line: int, column: str, value: str) -> None:
+    if not ID_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"{path}: line {line}, column {column!r}: {value!r} is not 1-64 of A-Z a-z 0-9 _ . - "
+            "(no leading dot)"
+        )
+
+
+def _check_text(path: Path, line: int, column: str, value: str, required: bool = True) -> None:
+    problem = _text_problem(value) if (value or required) else None
+    if problem:
+        raise ValueError(f"{path}: line {line}, column {column!r}: {problem}")
+
+
+def _check_unique(path: Path, line: int, column: str, key: object, seen: dict, label: str) -> None:
+    if key in seen:
+        raise ValueError(f"{path}: line {line}, column {column!r}: {label} repeats line {seen[key]}")
+    seen[key] = line
+
+
 def _read_payees_csv(path: Path) -> list[Payee]:
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{path}: line 1: empty file, expected header {','.join(CSV_REQUIRED)}")
-        header = [h.strip().lower() for h in header]
-        _check_payees_header(path, header)
-        payees: list[Payee] = []
-        seen: dict[str, int] = {}
-        for fields in reader:
-            line = reader.line_num
-            if not any(f.strip() for f in fields):
-                continue  # blank line
-            if len(fields) != len(header):
-                raise ValueError(f"{path}: line {line}: expected {len(header)} fields, got {len(fields)}")
-            row = {col: value.strip() for col, value in zip(header, fields, strict=True)}
-            payee_id, name = row["payee_id"], row["display_name"]
-            kind = row.get("kind") or "person"
-            if not _PAYEE_ID.fullmatch(payee_id):
-                raise ValueError(
-                    f"{path}: line {line}, column 'payee_id': {payee_id!r} is not 1-64 of A-Z a-z 0-9 _ . -"
-                )
-            if payee_id in seen:
-                raise ValueError(
-                    f"{path}: line {line}, column 'payee_id': {payee_id!r} repeats line {seen[payee_id]}"
-                )
-            if not name or len(name) > _MAX_NAME_CHARS:
-                raise ValueError(
-                    f"{path}: line {line}, column 'display_name': must be 1-{_MAX_NAME_CHARS} characters"
-                )
-            if kind not in PAYEE_KINDS:
-                raise ValueError(
-                    f"{path}: line {line}, column 'kind': {kind!r} is not one of {', '.join(PAYEE_KINDS)}"
-                )
-            aliases = tuple(a.strip() for a in row.get("aliases", "").split(";") if a.strip())
-            seen[payee_id] = line
-            payees.append(Payee(payee_id, name, row["relationship"], kind, aliases))
+    payees: list[Payee] = []
+    seen: dict[str, int] = {}
+    for line, row in _read_csv(path, CSV_REQUIRED, CSV_OPTIONAL):
+        payee_id, name = row["payee_id"], row["display_name"]
+        kind = row.get("kind") or "person"
+        _check_id(path, line, "payee_id", payee_id)
+        _check_unique(path, line, "payee_id", payee_id, seen, repr(payee_id))
+        _check_text(path, line, "display_name", name)
+        _check_text(path, line, "relationship", row["relationship"], required=False)
+        if kind not in PAYEE_KINDS:
+            raise ValueError(
+                f"{path}: line {line}, column 'kind': {kind!r} is not one of {', '.join(PAYEE_KINDS)}"
+            )
+        aliases = tuple(a.strip() for a in row.get("aliases", "").split(";") if a.strip())
+        for alias in aliases:
+            if "," in alias or _text_problem(alias):  # stored ','-joined
+                raise ValueError(f"{path}: line {line}, column 'aliases': {alias!r} is not a name")
+        payees.append(Payee(payee_id, name, row["relationship"], kind, aliases))
     return payees
 
 
-# Demo data. Confusable names are deliberate: they exercise the phonetic index and the ambiguity path.
-_DEMO_ACCOUNTS = [
-    ("chk-001", "checking", "USD", 123_456),
-    ("sav-001", "savings", "USD", 825_000),
-    ("eur-001", "euro", "EUR", 150_000),
-    ("jpy-001", "yen", "JPY", 250_000),
-]
-_DEMO_PAYEES = [
-    ("john_smith", "John Smith", "friend", "person", ""),
-    ("jon_smythe", "Jon Smythe", "colleague", "person", ""),
-    ("joan_smith", "Joan Smith", "sister", "person", ""),
-    ("katherine_lee", "Katherine Lee", "friend", "person", ""),
-    ("catherine_li", "Catherine Li", "colleague", "person", ""),
-    ("mary_johnson", "Mary Johnson", "mother", "person", "mom,mum,mommy"),
-    ("robert_brown", "Robert Brown", "father", "person", "dad,daddy"),
-    ("sean_obrien", "Sean O'Brien", "friend", "person", ""),
-    ("stephen_clarke", "Stephen Clarke", "colleague", "person", ""),
-    ("steven_clark", "Steven Clark", "neighbor", "person", ""),
-    ("priya_patel", "Priya Patel", "friend", "person", ""),
-    ("aisha_khan", "Aisha Khan", "friend", "person", ""),
-    ("li_wei", "Li Wei", "colleague", "person", ""),
-    ("jose_garcia", "José García", "friend", "person", ""),
-    ("maria_gonzalez", "Maria Gonzalez", "landlord", "person", "rent"),
-    ("ahmed_hassan", "Ahmed Hassan", "friend", "person", ""),
-    ("yuki_tanaka", "Yuki Tanaka", "friend", "person", ""),
-    ("hans_muller", "Hans Müller", "colleague", "person", ""),
-    ("francois_dubois", "François Dubois", "friend", "person", ""),
-    ("olga_ivanova", "Olga Ivanova", "babysitter", "person", "nanny"),
-    ("tom_wilson", "Tom Wilson", "brother", "person", ""),
-    ("city_electric", "City Electric", "utility", "biller", "electric,electricity,power,electric company"),
-    ("metro_water", "Metro Water Utility", "utility", "biller", "water"),
-    ("skyline_mobile", "Skyline Mobile", "phone", "biller", "phone,cell phone,mobile,phone company"),
-    ("northside_internet", "Northside Internet", "internet", "biller", "internet,broadband,wifi"),
-    ("evergreen_gas", "Evergreen Gas", "utility", "biller", "gas"),
-    ("microsoft", "Microsoft", "subscription", "biller", ""),
-    ("harbor_insurance", "Harbor Insurance", "insurance", "biller", "insurance,car insurance"),
-    ("platinum_card", "Platinum Card Services", "credit card", "biller", "credit card"),
-    ("streamflix", "StreamFlix", "subscription", "biller", "streaming"),
-]
-_DEMO_CONTACTS = [
-    ("c-demo-01", "Johnny", "+1 555 0101", None, "john_smith"),
-    ("c-demo-02", "Kate", "+1 555 0102", None, "katherine_lee"),
-    ("c-demo-03", "Gran", "+1 555 0103", None, None),  # in the phone book, not a payee: cannot be paid
-]
-_DEMO_CARDS = [
-    ("card-debit", "chk-001", "debit", "visa", "4201"),
-    ("card-credit", "chk-001", "credit", "mastercard", "8812"),
-]
-_DEMO_TRANSACTIONS = [
-    ("chk-001", "2025-04-18", "Payroll Acme Corp", 310_000, "USD"),
-    ("chk-001", "2025-04-19", "Corner Coffee", -450, "USD"),
-    ("chk-001", "2025-04-20", "Fresh Market", -8_732, "USD"),
-    ("chk-001", "2025-04-21", "City Electric", -9_420, "USD"),
-    ("chk-001", "2025-04-22", "Transfer to John Smith", -5_000, "USD"),
-    ("chk-001", "2025-04-23", "Metro Transit", -275, "USD"),
-    ("chk-001", "2025-04-24", "Skyline Mobile", -6_500, "USD"),
-    ("chk-001", "2025-04-25", "Book Nook", -2_399, "USD"),
-    ("chk-001", "2025-04-26", "Fresh Market", -6_110, "USD"),
-    ("chk-001", "2025-04-27", "Rent Maria Gonzalez", -150_000, "USD"),
-    ("chk-001", "2025-04-28", "Corner Coffee", -525, "USD"),
-    ("chk-001", "2025-04-29", "StreamFlix", -1_599, "USD"),
-    ("chk-001", "2025-04-30", "ATM withdrawal", -10_000, "USD"),
-    ("chk-001", "2025-05-01", "Northside Internet", -5_999, "USD"),
-    ("chk-001", "2025-05-02", "Pizza Place", -3_240, "USD"),
-    ("sav-001", "2025-04-20", "Interest", 1_234, "USD"),
-    ("sav-001", "2025-05-01", "Transfer from checking", 50_000, "USD"),
-    ("eur-001", "2025-04-22", "Café de Paris", -1_850, "EUR"),
-    ("eur-001", "2025-04-29", "Transfer to François Dubois", -4_000, "EUR"),
-    ("jpy-001", "2025-04-25", "Tokyo Ramen", -1_200, "JPY"),
-]
+_BALANCE = re.compile(r"-?[0-9]{1,16}")  # ASCII digits only: int() would also take "1_000" and "١٢"
 
 
-def demo_db(path: str | os.PathLike = ":memory:") -> BankDB:
-    """A seeded database: the shortest way to a working assistant in tests and demos."""
-    db = BankDB(path)
-    db.seed_demo()
-    return db
+def _read_customers_csv(path: Path) -> list[tuple[int, dict]]:
+    from g4serve_assistant.normalize import is_known_currency  # the normalizer's currencies, and only those
+
+    rows: list[tuple[int, dict]] = []
+    accounts: dict[tuple[str, str], int] = {}
+    names: dict[str, tuple[str, int]] = {}
+    for line, row in _read_csv(path, CUSTOMERS_CSV):
+        _check_id(path, line, "customer_id", row["customer_id"])
+        _check_text(path, line, "name", row["name"])
+        _check_id(path, line, "account_id", row["account_id"])
+        _check_text(path, line, "account_name", row["account_name"])
+        key = (row["customer_id"], row["account_id"])
+        _check_unique(path, line, "account_id", key, accounts, f"account {row['account_id']!r} of {key[0]!r}")
+        name, first = names.setdefault(row["customer_id"], (row["name"], line))
+        if name != row["name"]:
+            raise ValueError(
+                f"{path}: line {line}, column 'name': {row['name']!r}, but line {first} says {name!r}"
+            )
+        if not is_known_currency(row["currency"]):
+            raise ValueError(
+                f"{path}: line {line}, column 'currency': {row['currency']!r} is not a known ISO code"
+            )
+        text = row["balance_minor"]
+        if not _BALANCE.fullmatch(text) or abs(int(text)) > MAX_AMOUNT_MINOR:
+            raise ValueError(
+                f"{path}: line {line}, column 'balance_minor': {text!r} is not an integer of minor units "
+                f"(12.50 USD is 1250) within ±{MAX_AMOUNT_MINOR}"
+            )
+        rows.append((line, dict(row, currency=row["currency"].upper(), balance=int(text))))
+    return rows
+
+
+def _read_cards_csv(path: Path) -> list[tuple[int, dict]]:
+    rows: list[tuple[int, dict]] = []
+    seen: dict[tuple[str, str], int] = {}
+    for line, row in _read_csv(path, CARDS_CSV):
+        _check_id(path, line, "customer_id", row["customer_id"])
+        _check_id(path, line, "card_id", row["card_id"])
+        _check_id(path, line, "account_id", row["account_id"])
+        key = (row["customer_id"], row["card_id"])
+        _check_unique(path, line, "card_id", key, seen, f"card {row['card_id']!r} of {key[0]!r}")
+        kind, network = row["kind"].lower(), row["network"].lower()
+        if kind not in CARD_KINDS:
+            raise ValueError(
+                f"{path}: line {line}, column 'kind': {row['kind']!r} is not one of {', '.join(CARD_KINDS)}"
+            )
+        if not re.fullmatch(r"[a-z][a-z ]{0,29}", network):
+            raise ValueError(f"{path}: line {line}, column 'network': {row['network']!r} is not 1-30 letters")
+        if not re.fullmatch(r"[0-9]{4}", row["last4"]):
+            raise ValueError(f"{path}: line {line}, column 'last4': {row['last4']!r} is not 4 digits")
+        rows.append((line, dict(row, kind=kind, network=network)))
+    return rows
+
+
+# --- demo data --------------------------------------------------------------------------------------------
+# Confusable names are deliberate: they exercise the phonetic index and the ambiguity path. cust-001 is the
+# single demo customer of before, unchanged. cust-002 reuses some of cust-001's ids for other things (payee
+# priya_patel is Priya Patil, metro_water is Metro Water Services, card-debit is another card) so that a
+# leak between customers shows, and has confusable names of its own (two Priyas, Mohammed Ali / Muhammad
+# Aly, Chloé / Claire Martin) and a second water biller beside Thames Water.
+_DEMO_1 = {
+    "accounts": [
+        ("chk-001", "checking", "USD", 123_456),
+        ("sav-001", "savings", "USD", 825_000),
+        ("eur-001", "euro", "EUR", 150_000),
+        ("jpy-001", "yen", "JPY", 250_000),
+    ],
+    "payees": [
+        ("john_smith", "John Smith", "friend", "person", ""),
+        ("jon_smythe", "Jon Smythe", "colleague", "person", ""),
+        ("joan_smith", "Joan Smith", "sister", "person", ""),
+        ("katherine_lee", "Katherine Lee", "friend", "person", ""),
+        ("catherine_li", "Catherine Li", "colleague", "person", ""),
+        ("mary_johnson", "Mary Johnson", "mother", "person", "mom,mum,mommy"),
+        ("robert_brown", "Robert Brown", "father", "person", "dad,daddy"),
+        ("sean_obrien", "Sean O'Brien", "friend", "person", ""),
+        ("stephen_clarke", "Stephen Clarke", "colleague", "person", ""),
+        ("steven_clark", "Steven Clark", "neighbor", "person", ""),
+        ("priya_patel", "Priya Patel", "friend", "person", ""),
+        ("aisha_khan", "Aisha Khan", "friend", "person", ""),
+        ("li_wei", "Li Wei", "colleague", "person", ""),
+        ("jose_garcia", "José García", "friend", "person", ""),
+        ("maria_gonzalez", "Maria Gonzalez", "landlord", "person", "rent"),
+        ("ahmed_hassan", "Ahmed Hassan", "friend", "person", ""),
+        ("yuki_tanaka", "Yuki Tanaka", "friend", "person", ""),
+        ("hans_muller", "Hans Müller", "colleague", "person", ""),
+        ("francois_dubois", "François Dubois", "friend", "person", ""),
+        ("olga_ivanova", "Olga Ivanova", "babysitter", "person", "nanny"),
+        ("tom_wilson", "Tom Wilson", "brother", "person", ""),
+        (
+            "city_electric",
+            "City Electric",
+            "utility",
+            "biller",
+            "electric,electricity,power,electric company",
+        ),
+        ("metro_water", "Metro Water Utility", "utility", "biller", "water"),
+        ("skyline_mobile", "Skyline Mobile", "phone", "biller", "phone,cell phone,mobile,phone company"),
+        ("northside_internet", "Northside Internet", "internet", "biller", "internet,broadband,wifi"),
+        ("evergreen_gas", "Evergreen Gas", "utility", "biller", "gas"),
+        ("microsoft", "Microsoft", "subscription", "biller", ""),
+        ("harbor_insurance", "Harbor Insurance", "insurance", "biller", "insurance,car insurance"),
+        ("platinum_card", "Platinum Card Services", "credit card", "biller", "credit card"),
+        ("streamflix", "StreamFlix", "subscription", "biller", "streaming"),
+    ],
+    "contacts": [
+        ("c-demo-01", "Johnny", "+1 555 0101", None, "john_smith"),
+        ("c-demo-02", "Kate", "+1 555 0102", None, "katherine_lee"),
+        ("c-demo-03", "Gran", "+1 555 0103", None, None),  # in the phone book, not a payee: cannot be paid
+    ],
+    "cards": [
+        ("card-debit", "chk-001", "debit", "visa", "4201"),
+        ("card-credit", "chk-001", "credit", "mastercard", "8812"),
+    ],
+    "transactions": [
+        ("chk-001", "2025-04-18", "Payroll Acme Corp", 310_000, "USD"),
+        ("chk-001", "2025-04-19", "Corner Coffee", -450, "USD"),
+        ("chk-001", "2025-04-20", "Fresh Market", -8_732, "USD"),
+        ("chk-001", "2025-04-21", "City Electric", -9_420, "USD"),
+        ("chk-001", "2025-04-22", "Transfer to John Smith", -5_000, "USD"),
+        ("chk-001", "2025-04-23", "Metro Transit", -275, "USD"),
+        ("chk-001", "2025-04-24", "Skyline Mobile", -6_500, "USD"),
+        ("chk-001", "2025-04-25", "Book Nook", -2_399, "USD"),
+        ("chk-001", "2025-04-26", "Fresh Market", -6_110, "USD"),
+        ("chk-001", "2025-04-27", "Rent Maria Gonzalez", -150_000, "USD"),
+        ("chk-001", "2025-04-28", "Corner Coffee", -525, "USD"),
+        ("chk-001", "2025-04-29", "StreamFlix", -1_599, "USD"),
+        ("chk-001", "2025-04-30", "ATM withdrawal", -10_000, "USD"),
+        ("chk-001", "2025-05-01", "Northside Internet", -5_999, "USD"),
+        ("chk-001", "2025-05-02", "Pizza Place", -3_240, "USD"),
+        ("sav-001", "2025-04-20", "Interest", 1_234, "USD"),
+        ("sav-001", "2025-05-01", "Transfer from checking", 50_000, "USD"),
+        ("eur-001", "2025-04-22", "Café de Paris", -1_850, "EUR"),
+        ("eur-001", "2025-04-29", "Transfer to François Dubois", -4_000, "EUR"),
+        ("jpy-001", "2025-04-25", "Tokyo Ramen", -1_200, "JPY"),
+    ],
+}
+_DEMO_2 = {
+    "accounts": [
+        ("chk-002", "checking", "GBP", 245_000),
+        ("sav-002", "savings", "GBP", 1_200_000),
+        ("usd-002", "dollar", "USD", 40_000),
+    ],
+    "payees": [
+        ("priya_patel", "Priya Patil", "sister", "person", ""),
+        ("priya_sharma", "Priya Sharma", "colleague", "person", ""),
+        ("jon_smith", "Jon Smith", "friend", "person", ""),
+        ("joanne_smyth", "Joanne Smyth", "neighbor", "person", ""),
+        ("mohammed_ali", "Mohammed Ali", "friend", "person", ""),
+        ("muhammad_aly", "Muhammad Aly", "colleague", "person", ""),
+        ("grace_okafor", "Grace Okafor", "mother", "person", "mum,mom"),
+        ("daniel_okafor", "Daniel Okafor", "brother", "person", ""),
+        ("chloe_martin", "Chloé Martin", "friend", "person", ""),
+        ("claire_martin", "Claire Martin", "landlord", "person", "rent"),
+        ("thames_water", "Thames Water", "utility", "biller", "water,water bill"),
+        ("metro_water", "Metro Water Services", "utility", "biller", ""),
+        ("london_power", "London Power", "utility", "biller", "electric,electricity,power"),
+        ("orbit_mobile", "Orbit Mobile", "phone", "biller", "phone,mobile"),
+        ("camden_council", "Camden Council", "council tax", "biller", "council tax"),
+    ],
+    "contacts": [
+        ("c-demo-11", "Pri", "+44 20 7946 0011", None, "priya_patel"),
+        ("c-demo-12", "Mo", "+44 20 7946 0012", None, "mohammed_ali"),
+    ],
+    "cards": [
+        ("card-debit", "chk-002", "debit", "visa", "5532"),
+        ("card-travel", "usd-002", "credit", "amex", "1009"),
+    ],
+    "transactions": [
+        ("chk-002", "2025-04-18", "Salary Northwind Ltd", 285_000, "GBP"),
+        ("chk-002", "2025-04-19", "Corner Shop", -4_215, "GBP"),
+        ("chk-002", "2025-04-21", "Thames Water", -3_850, "GBP"),
+        ("chk-002", "2025-04-22", "Transfer to Priya Patil", -2_000, "GBP"),
+        ("chk-002", "2025-04-24", "Travelcard top-up", -2_000, "GBP"),
+        ("chk-002", "2025-04-25", "Orbit Mobile", -1_800, "GBP"),
+        ("chk-002", "2025-04-27", "Rent Claire Martin", -120_000, "GBP"),
+        ("chk-002", "2025-04-30", "London Power", -6_420, "GBP"),
+        ("sav-002", "2025-04-30", "Interest", 1_510, "GBP"),
+        ("usd-002", "2025-04-26", "Blue Bottle Coffee", -650, "USD"),
+    ],
+}
+_DEMO_CUSTOMERS = ((DEMO_CUSTOMER_ID, "Alex Morgan", _DEMO_1), (DEMO_CUSTOMER_2_ID, "Sam Okafor", _DEMO_2))
+
+
+def demo_bank(path: str | os.PathLike = ":memory:") -> SQLiteBank:
+    """A bank seeded with the two demo customers: the shortest way to a working assistant in tests and
+    demos."""
+    bank = SQLiteBank(path)
+    bank.seed_demo()
+    return bank
+
+
+def demo_db(path: str | os.PathLike = ":memory:") -> SQLiteCustomerBank:
+    """The first demo customer's view of a fresh ``demo_bank`` (for tests of payees and intents)."""
+    return demo_bank(path).customer(DEMO_CUSTOMER_ID)
