@@ -138,28 +138,40 @@ def build_app(
             max_age=600,
         )
 
-    page = _index_html()
-
-    @app.get("/", response_class=HTMLResponse)
-    async def index() -> HTMLResponse:
-        return HTMLResponse(page, headers=_PAGE_HEADERS)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        engine = assistant.engine
-        return health_response(engine, llm=engine is not None)
-
-    @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        if not access.metrics_public:
-            gate.admin(request)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    app.include_router(pages_router(assistant, gate))
     if access.test_login:
         app.include_router(test_login_router(gate))
     app.include_router(assistant_router(assistant, gate, max_request_body_bytes))
     app.include_router(admin_router(assistant, gate))
     return app
+
+
+def pages_router(assistant: Assistant, gate: Gate) -> APIRouter:
+    """The web page, health and Prometheus metrics (behind the operator key unless public)."""
+    router = APIRouter()
+    access, metrics = gate.access, assistant.metrics
+    page = _index_html()
+
+    @router.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page, headers=_PAGE_HEADERS)
+
+    @router.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(status_code=204)  # no icon; a 404 would be a console error on every page load
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        engine = assistant.engine
+        return health_response(engine, llm=engine is not None)
+
+    @router.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        if not access.metrics_public:
+            gate.admin(request)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return router
 
 
 def install_assistant_errors(app: FastAPI) -> None:

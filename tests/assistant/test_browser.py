@@ -128,8 +128,7 @@ class Console:
         page.on("pageerror", lambda exc: self.errors.append(f"uncaught: {exc}"))
 
     def _console(self, message) -> None:
-        # The browser's own /favicon.ico request (the app serves no icon) is not the page's doing.
-        if message.type == "error" and not message.location.get("url", "").endswith("/favicon.ico"):
+        if message.type == "error":
             self.errors.append(f"console error: {message.text} ({message.location.get('url')})")
 
     def unexpected(self, allowed: re.Pattern | None = None) -> list[str]:
