@@ -23,7 +23,6 @@ from starlette.middleware.cors import CORSMiddleware
 
 from g4serve.server.errors import (
     APIError,
-    error_body,
     error_response,
     health_response,
     install_error_handlers,
@@ -640,9 +639,8 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
             client=client,
         )
         with contextlib.suppress(Exception):
-            error = error_body(exc.status, exc.message, exc.param)["error"]
             await ws.send_json(
-                {"type": "error", "message": error["message"], "param": exc.param, "code": exc.status}
+                {"type": "error", "message": exc.message, "param": exc.param, "code": exc.status}
             )
 
     # The handshake carries no token (browsers cannot set headers on a WebSocket); the first message does.
