@@ -93,6 +93,8 @@ class Heard:
     recognizer: str = ""
     audio_s: float = 0.0
     partials: list[str] = field(default_factory=list)
+    error: str | None = None  # why the recogniser gave no text (gemma: a timeout or a failed request)
+    details: dict[str, Any] = field(default_factory=dict)  # recogniser-specific, for the audit trail
 
 
 @dataclass
@@ -328,6 +330,8 @@ class Assistant:
             recognizer=transcript.recognizer,
             audio_s=samples.size / SAMPLE_RATE,
             partials=list(transcript.partials),
+            error=transcript.error,
+            details=dict(transcript.details),
         )
 
     def listen(self, customer_id: str) -> Utterance:
@@ -417,7 +421,8 @@ class Assistant:
                 "audio_s": round(heard.audio_s, 3),
                 "partials": heard.partials,
             }
-            audit.append(AuditRow("asr", "transcript", {"text": heard.text, **asr}))
+            detail = {"text": heard.text, **asr, "error": heard.error, "details": _jsonable(heard.details)}
+            audit.append(AuditRow("asr", "transcript", detail))
         if not text.strip():
             audit.append(
                 AuditRow(
@@ -659,6 +664,8 @@ class Utterance:
                 recognizer=transcript.recognizer,
                 audio_s=transcript.audio_s,
                 partials=list(transcript.partials),
+                error=transcript.error,
+                details=dict(transcript.details),
             )
         self._stream = None
         self.reset()
