@@ -1,5 +1,5 @@
-"""``g4serve assistant`` (or ``g4serve-assistant``): serve the voice banking assistant, or ``import-payees
-CSV`` into its database.
+"""``g4serve assistant`` (or ``g4serve-assistant``): serve the voice banking assistant over a bank (the SQLite
+database, or a bank's REST API with ``--bank-url``), or import customers, cards and payees into the database.
 
 This module imports nothing of the ``assistant`` extra at import time: ``g4serve`` builds its parser from
 ``add_assistant_arguments`` whether or not the extra is installed, and ``run`` says what to install.
@@ -14,16 +14,28 @@ import sys
 from pathlib import Path
 
 from g4serve.engine_args import add_engine_arguments, engine_config_from_args
+from g4serve_assistant.access_cli import add_access_arguments, add_mint_token_parser
 
 log = logging.getLogger("g4serve_assistant")
 
 DEFAULT_DB_NAME = "assistant.db"
+DEFAULT_AUDIT_DB_NAME = "audit.db"  # the audit trail's file when the bank is not a SQLite file (--bank-url)
+BANK_KEY_ENV = "G4SERVE_ASSISTANT_BANK_API_KEY"
 # Where the assistant's engine differs from `g4serve serve`'s: its prompts are short, and it shares the GPU.
 ASSISTANT_ENGINE_DEFAULTS = {"max_model_len": 4096, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
 EXTRA_HINT = "the assistant needs its extra: pip install 'g4serve[assistant]'"
 # Import names of the `assistant` extra's distributions (pyproject.toml): rapidfuzz, jellyfish, text2num,
-# silero-vad, pocketsphinx, websockets (uvicorn's WebSocket transport for /v1/assistant/ws).
-EXTRA_MODULES = ("rapidfuzz", "jellyfish", "text_to_num", "silero_vad", "pocketsphinx", "websockets")
+# silero-vad, pocketsphinx, websockets (uvicorn's WebSocket transport for /v1/assistant/ws), pyjwt, httpx.
+EXTRA_MODULES = (
+    "rapidfuzz",
+    "jellyfish",
+    "text_to_num",
+    "silero_vad",
+    "pocketsphinx",
+    "websockets",
+    "jwt",
+    "httpx",
+)
 
 
 class MissingExtraError(ValueError):
@@ -58,12 +70,7 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no model: unsure utterances get a clarifying question, QnA answers extractively",
     )
-    db_help = (
-        f"SQLite database (default: <cache>/assistant/{DEFAULT_DB_NAME}, <cache> being $G4SERVE_CACHE or "
-        "~/.cache/g4serve; seeded with demo data when it does not exist yet; ':memory:' for a throwaway one)"
-    )
-    # Resolved at run time, not here: `g4serve --help` must not create the cache directory.
-    p.add_argument("--db", default=None, help=db_help)
+    add_bank_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument(
@@ -93,15 +100,64 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
         defaults=ASSISTANT_ENGINE_DEFAULTS,
         notes={"gpu_memory_utilization": "the assistant's prompts are short: half the GPU is plenty"},
     )
+    add_access_arguments(p)
     sub = p.add_subparsers(dest="assistant_command")
-    imp = sub.add_parser(
-        "import-payees",
-        help="load payees from a CSV (payee_id,display_name,relationship[,kind][,aliases]) into the database",
-    )
-    imp.add_argument("csv")
-    # Own dest: argparse lets a subparser's default overwrite the parent's value of the same name.
-    imp.add_argument("--db", dest="import_db", default=None, help="database (default: as for the assistant)")
+    add_import_commands(sub)
+    add_mint_token_parser(sub)
     p.set_defaults(func=run)
+
+
+def add_bank_arguments(p: argparse.ArgumentParser) -> None:
+    """Which bank the assistant serves: the SQLite database (``--db``, ``--demo``) or a bank's API."""
+    g = p.add_argument_group("bank (docs/assistant.md, Bank backends)")
+    # Resolved at run time, not here: `g4serve --help` must not create the cache directory.
+    g.add_argument(
+        "--db",
+        default=None,
+        help=f"SQLite bank database (default: <cache>/assistant/{DEFAULT_DB_NAME}, <cache> being "
+        "$G4SERVE_CACHE or ~/.cache/g4serve; created empty, migrated when older; ':memory:' for a "
+        "throwaway one)",
+    )
+    g.add_argument(
+        "--demo",
+        action="store_true",
+        help="seed the two demo customers (cust-001, cust-002) into a new or demo database, and turn on "
+        "/test-login; a database with imported customers refuses it",
+    )
+    g.add_argument(
+        "--bank-url",
+        default=None,
+        metavar="URL",
+        help="serve over a bank's REST API at URL (HTTPBank) instead of the SQLite database",
+    )
+    g.add_argument(
+        "--bank-api-key-file",
+        default=None,
+        metavar="FILE",
+        help=f"file holding the bearer key for --bank-url (or ${BANK_KEY_ENV})",
+    )
+    g.add_argument("--bank-timeout", type=float, default=5.0, help="seconds for each request to --bank-url")
+
+
+def add_import_commands(sub: argparse._SubParsersAction) -> None:
+    """``import-customers``, ``import-cards`` and ``import-payees``: CSV files into the SQLite database, each
+    validated whole and written in one transaction. A database with the demo customers refuses them."""
+    for name, columns in (
+        (
+            "import-customers",
+            "customer_id,name,account_id,account_name,currency,balance_minor: one row per account",
+        ),
+        ("import-cards", "customer_id,card_id,account_id,kind,network,last4"),
+        ("import-payees", "payee_id,display_name,relationship[,kind][,aliases] of one customer"),
+    ):
+        imp = sub.add_parser(name, help=f"load a CSV ({columns}) into the database")
+        imp.add_argument("csv")
+        if name == "import-payees":
+            imp.add_argument("--customer", required=True, metavar="ID", help="whose payees these are")
+        # Own dest: argparse lets a subparser's default overwrite the parent's value of the same name.
+        imp.add_argument(
+            "--db", dest="import_db", default=None, help="database (default: as for the assistant)"
+        )
 
 
 def default_db_path() -> Path:
@@ -119,16 +175,55 @@ def resolve_db(path: str | None) -> str:
     return path if path is not None else str(default_db_path())
 
 
-def open_db(path: str):
-    """The database at ``path``; a new one (or ':memory:') is seeded with the demo customer."""
-    from g4serve_assistant.db import BankDB
+def open_bank(args: argparse.Namespace):
+    """The ``BankBackend`` the flags name: an ``HTTPBank`` for ``--bank-url``, else the SQLite database,
+    seeded with the demo customers for ``--demo`` and nothing otherwise."""
+    if args.bank_url is None:
+        if args.bank_api_key_file is not None:
+            raise ValueError("--bank-api-key-file: only with --bank-url")
+        bank = open_sqlite_bank(resolve_db(args.db), demo=args.demo)
+        if not bank.customers():
+            log.warning("%s has no customers: import some (import-customers) or start with --demo", bank.path)
+        return bank
+    if args.db is not None or args.demo:
+        raise ValueError(
+            "--bank-url: the bank is its API, so neither --db nor --demo (demo customers live in --db)"
+        )
+    from g4serve_assistant.access_cli import read_secret
+    from g4serve_assistant.http_bank import HTTPBank
 
-    new = path == ":memory:" or not Path(path).exists()
-    db = BankDB(path)
-    if new:
-        db.seed_demo()
-        log.info("created %s with demo data", path)
-    return db
+    key = read_secret(args.bank_api_key_file, BANK_KEY_ENV, "bank API key")
+    bank = HTTPBank(
+        args.bank_url, api_key=key.decode("ascii", "replace") if key else None, timeout_s=args.bank_timeout
+    )
+    log.info("bank API %s", bank.base_url)
+    return bank
+
+
+def open_sqlite_bank(path: str, demo: bool = False):
+    """The SQLite bank at ``path`` (created or migrated); with ``demo`` the demo customers are seeded (a
+    ValueError when it holds imported ones)."""
+    from g4serve_assistant.db import SQLiteBank
+
+    log.info("database %s", path)  # the default lives in the cache directory: say where
+    bank = SQLiteBank(path)
+    if demo:
+        try:
+            bank.seed_demo()
+        except BaseException:
+            bank.close()
+            raise
+        log.info("demo customers in %s", path)
+    return bank
+
+
+def audit_db_path(args: argparse.Namespace) -> str:
+    """``--audit-db``, else the bank's SQLite file (its own table there), else a file in the cache."""
+    if args.audit_db is not None:
+        return args.audit_db
+    if args.bank_url is None:
+        return resolve_db(args.db)
+    return str(default_db_path().with_name(DEFAULT_AUDIT_DB_NAME))
 
 
 def build_engine(args: argparse.Namespace):
@@ -146,19 +241,23 @@ def build_engine(args: argparse.Namespace):
 
 def build_from_args(args: argparse.Namespace):
     """The app (separate from ``run`` so tests can build it in-process)."""
+    from g4serve_assistant.access_cli import access_from_args
     from g4serve_assistant.app import build_app
+    from g4serve_assistant.audit import AuditLog
     from g4serve_assistant.pipeline import Assistant
 
     if not 0.0 < args.intent_threshold <= 1.0:
         raise ValueError(f"--intent-threshold: must be in (0, 1], got {args.intent_threshold}")
     if args.asr == "gemma" and args.no_llm:
         raise ValueError("--asr gemma: the recogniser is the served model, so it cannot run with --no-llm")
-    db_path = resolve_db(args.db)
-    log.info("database %s", db_path)  # the default lives in the cache directory: say where
-    db = open_db(db_path)
+    access, audit_key = access_from_args(args, demo=args.demo)
+    bank = open_bank(args)
+    audit = AuditLog(audit_db_path(args), key=audit_key)
     engine = None if args.no_llm else build_engine(args)
-    assistant = Assistant(db, engine, recognizer=args.asr, intent_threshold=args.intent_threshold)
-    return build_app(assistant)
+    assistant = Assistant(
+        bank, engine, audit=audit, recognizer=args.asr, intent_threshold=args.intent_threshold
+    )
+    return build_app(assistant, access)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,8 +272,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.assistant_command == "import-payees":
-        return import_payees(args.csv, resolve_db(args.import_db or args.db))
+    if args.assistant_command in IMPORTS:
+        return import_csv(args.assistant_command, args.csv, resolve_db(args.import_db or args.db), args)
+    if args.assistant_command == "mint-token":
+        from g4serve_assistant.access_cli import mint_token
+
+        return mint_token(args)
     import uvicorn
 
     logging.basicConfig(
@@ -186,15 +289,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def import_payees(csv_path: str, db_path: str) -> int:
+IMPORTS = ("import-customers", "import-cards", "import-payees")
+
+
+def import_csv(command: str, csv_path: str, db_path: str, args: argparse.Namespace) -> int:
+    """One of ``IMPORTS`` into the SQLite database at ``db_path`` (created when new, never seeded)."""
     if not Path(csv_path).is_file():
         raise FileNotFoundError(f"{csv_path}: no such file")
-    db = open_db(db_path)
+    bank = open_sqlite_bank(db_path)
     try:
-        n = db.import_payees_csv(csv_path)
+        if command == "import-customers":
+            customers, accounts = bank.import_customers_csv(csv_path)
+            what = f"{customers} customers with {accounts} accounts"
+        elif command == "import-cards":
+            what = f"{bank.import_cards_csv(csv_path)} cards"
+        else:
+            what = f"{bank.import_payees_csv(csv_path, args.customer)} payees of {args.customer}"
     finally:
-        db.close()
-    print(f"imported {n} payees into {db_path}")
+        bank.close()
+    print(f"imported {what} into {db_path}")
     return 0
 
 
