@@ -208,6 +208,10 @@ _SMALL_VALUES = {"zero": "0", "one": "1", "two": "2"}
 _ARTICLE_NUMBER = re.compile(
     r"\ban? (hundred|thousand|million|dollar|buck|euro|pound|quid|yen|rupee|grand)\b"
 )
+# A note by its nickname: "a tenner", "a fiver", in the customer's own currency (pounds in the UK, dollars
+# in the US).
+_NOTE_NICKNAME = re.compile(r"\b(?:an? |one )?(fiver|tenner)\b")
+_NOTE_VALUES = {"fiver": "5", "tenner": "10"}
 _SCALE = re.compile(r"\b(\d+(?:\.\d+)?) ?(k|grand|thousand|million|billion)\b")
 _SCALE_VALUES = {"k": 1000, "grand": 1000, "thousand": 1000, "million": 10**6, "billion": 10**9}
 
@@ -330,6 +334,7 @@ class _Normalizer:
         self._text_rule("decimal_comma", lambda s: re.sub(r"(?<=\d),(?=\d{1,2}(?!\d))", ".", s))
         self._text_rule("minus_sign", _spell_minus)  # before punctuation drops the sign of "-$50"
         self._text_rule("punctuation", _strip_punctuation)
+        self._text_rule("note_nickname", self._note_nickname)
         self._text_rule("article_number", lambda s: _ARTICLE_NUMBER.sub(r"one \1", s))
         self._text_rule("spoken_digits", self._spoken_digits)
         self._text_rule("number_words", lambda s: alpha2digit(s, "en"))
@@ -371,6 +376,11 @@ class _Normalizer:
             else c
             for c in s
         )
+
+    def _note_nickname(self, s: str) -> str:
+        code = self.default_currency.lower()
+        unit = f" {code}" if code in _CURRENCY_NAMES else ""
+        return _NOTE_NICKNAME.sub(lambda m: _NOTE_VALUES[m[1]] + unit, s)
 
     # --- digit strings --------------------------------------------------------------------------------
     def _spoken_digits(self, s: str) -> str:

@@ -86,6 +86,23 @@ def test_default_currency_is_injectable():
     assert normalize("send 20 to bob in euros").money.currency == "EUR"  # the sentence names it
 
 
+@pytest.mark.parametrize(
+    ("text", "currency", "amount_minor", "code"),
+    [
+        ("send sam a tenner", "GBP", 1000, "GBP"),
+        ("move a fiver to emma", "GBP", 500, "GBP"),
+        ("give him a fiver", "USD", 500, "USD"),  # a five-dollar bill in the US
+        ("lend me a tenner", "CAD", 1000, "CAD"),
+        ("pay a tenner to bob", "NZD", 1000, "NZD"),  # a currency with no spoken name: the default
+    ],
+)
+def test_note_nicknames_are_amounts_in_the_customers_currency(text, currency, amount_minor, code):
+    n = normalize(text, now=NOW, default_currency=currency)
+    assert (n.money.amount_minor, n.money.currency) == (amount_minor, code)
+    assert any(r.rule == "note_nickname" for r in n.rules)
+    assert normalize("the fiverr website", now=NOW, default_currency=currency).money is None
+
+
 def test_more_decimals_than_the_currency_has_is_refused_and_logged():
     n = normalize("send 5000.5 yen to yuki", now=NOW)
     assert n.money is None
