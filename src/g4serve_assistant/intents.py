@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from g4serve_assistant.normalize import Normalized
-from g4serve_assistant.payees import Candidate, PayeeIndex
+from g4serve_assistant.payees import ACCEPT_SCORE, Candidate, PayeeIndex
 
 INTENTS: tuple[str, ...] = (
     "balance_inquiry",
@@ -24,10 +24,10 @@ INTENTS: tuple[str, ...] = (
 MONEY_INTENTS = ("transfer_money", "bill_payment")
 ACTION_INTENTS = (*MONEY_INTENTS, "card_lock", "card_unlock")
 
-# Payee resolution: a candidate is taken when it scores ACCEPT_SCORE or more and leads the next one by
-# more than PAYEE_MARGIN points (or is the only exact match); otherwise the payee is ambiguous.
-ACCEPT_SCORE = 80.0
+# Payee resolution: a candidate is taken when it scores ACCEPT_SCORE (payees.py) or more and leads the next
+# one by more than PAYEE_MARGIN points (or is the only exact match); otherwise the payee is ambiguous.
 PAYEE_MARGIN = 8.0
+FRAGMENT_PAYEE_SCORE = 90.0  # a payee named this well makes a bare name a money request ("to john smith")
 CONFLICT_SCORE = 0.7  # two different intents both this strong: the utterance asks for two things
 MIN_INTENT_SCORE = 0.5  # below this nothing matched: intent "unknown"
 
@@ -48,6 +48,10 @@ def _rx(pattern: str) -> re.Pattern:
 
 # intent -> [(rule, weight, pattern)]. Weights combine as a noisy-or: independent evidence adds up but a
 # score never reaches 1. The text is normalized: lowercase, no apostrophes ("whats"), amounts "50.00 usd".
+# Phrasings are how callers talk to a phone bank: indirect ("I was wondering what's in my account"), British
+# and American ("current account", "chequing", "nicked", "put a stop on it"), and around the word itself
+# ("take the block off", "what's gone out").
+_CARD = r"(?:cards?|visa|mastercard|amex)"  # what a caller locks or unlocks
 _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
     "balance_inquiry": [
         ("balance", 0.9, _rx(r"\bbalances?\b")),
@@ -55,13 +59,36 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             "how_much_have",
             0.85,
             _rx(
-                r"\bhow much (?:money )?(?:do i have|have i got|is (?:there |left )?(?:in|on)|"
-                r"is left|i have|i got)\b"
+                r"\bhow much (?:money |cash |funds )?(?:do i have|have i got|ive got|i have|i got|have i|"
+                r"is (?:there |left )?(?:in|on)|is left|left)\b"
             ),
         ),
         ("available_funds", 0.85, _rx(r"\bavailable (?:funds|balance|credit)\b|\bfunds available\b")),
-        ("whats_in_account", 0.7, _rx(r"\b(?:whats|what is) in my (?:\w+ )?(?:checking|savings|account)\b")),
-        ("overdrawn", 0.8, _rx(r"\b(?:am i|is my account) overdrawn\b")),
+        (
+            "whats_in_account",
+            0.85,
+            _rx(r"\b(?:whats|what is) in my (?:\w+ )?(?:checking|chequing|current|savings|account)\b"),
+        ),
+        (
+            "account_standing",
+            0.8,
+            # "what's my checking at", "how's my savings looking"; not its number, rate or fees.
+            _rx(
+                r"\b(?:whats|what is|hows|how is|how are) my (?:checking|chequing|current|savings?|accounts?)"
+                r"(?: account)?(?: at| looking| look| doing)?\b"
+                r"(?!.*\b(?:number|rates?|interest|fees?|limits?)\b)"
+            ),
+        ),
+        ("overdrawn", 0.8, _rx(r"\b(?:am i|is my account) overdrawn\b|\bin the (?:red|black)\b")),
+        (
+            "money_in_account",
+            0.85,
+            _rx(
+                r"\b(?:is there|have i got|do i have|any) (?:any )?(?:money|funds|cash) (?:in|on|left)\b|"
+                r"\b(?:check|know|see) (?:my )?(?:funds|money)\b"
+            ),
+        ),
+        ("enough", 0.85, _rx(r"\b(?:do i have|have i got|is there) enough\b")),
     ],
     "recent_transactions": [
         (
@@ -89,18 +116,37 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             "what_did_i_spend",
             0.8,
             _rx(
-                r"\bwhat did i (?:spend|buy)\b|\bwhere did i spend\b|\bhow much did i spend\b|"
-                r"\bmy spending\b"
+                r"\b(?:what|where|how much) (?:did i|have i|ive)(?: been)? "
+                r"(?:spend|spent|spending|buy|bought)\b|"
+                r"\bmy spending\b|\bthings i (?:bought|spent|paid)\b"
             ),
         ),
-        ("did_i_pay", 0.75, _rx(r"\b(?:did i|when did i) (?:last |already )?pay\b")),
+        ("did_i_pay", 0.85, _rx(r"\b(?:did i|when did i|have i) (?:last |already )?(?:pay|paid)\b")),
+        # Money that moved: "what's gone out", "has my salary come in", "did my rent go through".
+        (
+            "money_moved",
+            0.85,
+            _rx(
+                r"\b(?:gone|went|came|going|coming) (?:out|in|through)\b|\bcome (?:in|out|through) yet\b|"
+                r"\b(?:has|have|did)\b.*\bcome (?:in|through)\b|"
+                r"\b(?:go|gone|went) through\b|\bget paid\b|\bbeen paid\b"
+            ),
+        ),
+        (
+            "was_there",
+            0.8,
+            _rx(
+                r"\b(?:was there|were there|any) (?:a |an |any )?(?:payments?|charges?|transactions?|"
+                r"deposits?|purchases?)\b|\bthat (?:charge|payment|transaction)\b"
+            ),
+        ),
         ("transactions_word", 0.6, _rx(r"\btransactions?\b")),
     ],
     "transfer_money": [
         (
             "send_verb",
             0.75,
-            _rx(r"\b(?:send|sending|transfer|transferring|wire|zelle|venmo|reimburse|remit)\b"),
+            _rx(r"\b(?:send|sending|transfer|transferring|wire|zelle|venmo|interac|reimburse|remit)\b"),
         ),
         ("give_verb", 0.6, _rx(r"\b(?:give|move|pay back|owe)\b")),
         ("pay_verb", 0.5, _rx(r"\bpay(?:ing)?\b")),
@@ -117,26 +163,50 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
         ),
         ("bill_word", 0.6, _rx(r"\b(?:bills?|invoice)\b")),
         ("pay_verb", 0.5, _rx(r"\bpay(?:ing)?\b")),
+        ("make_payment", 0.7, _rx(r"\bmake (?:a |the )?payment\b|\bsettle (?:up|my|the|our|this)\b")),
     ],
     "card_lock": [
         (
             "lock_card",
             0.9,
             _rx(
-                r"\b(?:lock|freeze|block|disable|suspend|deactivate|cancel|turn off)\b(?: \w+){0,3} cards?\b"
+                r"\b(?:lock|freeze|block|disable|suspend|deactivate|cancel|turn off|stop)\b(?: \w+){0,3} "
+                + _CARD
+                + r"\b"
             ),
         ),
         (
             "lost_stolen",
             0.9,
             _rx(
-                r"\b(?:lost|stolen|stole|missing|misplaced|cant find)\b(?: \w+){0,4} "
-                r"(?:cards?|wallet|purse)\b|"
-                r"\b(?:cards?|wallet|purse) (?:is |was |has been |got )?(?:lost|stolen|missing)\b"
+                r"\b(?:lost|stolen|stole|nicked|pinched|missing|misplaced|cant find)\b(?: \w+){0,4} "
+                r"(?:cards?|wallet|purse|visa|mastercard)\b|"
+                r"\bleft (?:my|the) (?:\w+ )?(?:cards?|wallet|purse)\b|"
+                r"\b(?:cards?|wallet|purse|visa|mastercard) (?:is |was |has been |got |been )?"
+                r"(?:lost|stolen|missing|nicked|pinched)\b"
             ),
         ),
+        ("put_a_stop", 0.9, _rx(r"\b(?:put|place) (?:a )?(?:stop|hold|block|freeze|lock) on\b")),
+        (
+            "someone_using",
+            0.85,
+            _rx(r"\b(?:someone|somebody|someones|somebodys)(?: has| is)?(?: been)? (?:using|used)\b"),
+        ),
         ("lock_word", 0.6, _rx(r"\b(?:lock|freeze|block)\b")),
-        ("fraud", 0.5, _rx(r"\b(?:fraud|fraudulent|unauthorized|didnt make)\b")),
+        ("fraud", 0.6, _rx(r"\b(?:fraud|fraudulent|unauthori[sz]ed)\b")),
+        # "payments on my card I didn't make": the card comes first, since it may be in a thief's hands.
+        (
+            "not_mine",
+            0.85,
+            _rx(
+                r"\b(?:didnt make|dont recogni[sz]e|didnt authori[sz]e|wasnt me|not mine)\b.*\b"
+                + _CARD
+                + r"\b|"
+                r"\b"
+                + _CARD
+                + r"\b.*\b(?:didnt make|dont recogni[sz]e|didnt authori[sz]e|wasnt me|not mine)\b"
+            ),
+        ),
     ],
     "card_unlock": [
         (
@@ -144,11 +214,26 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             0.9,
             _rx(
                 r"\b(?:unlock|unfreeze|unblock|reactivate|re enable|reenable|enable|turn on|activate)\b"
-                r"(?: \w+){0,3} cards?\b"
+                r"(?: \w+){0,3} (?:" + _CARD + r"|it|them)\b"
             ),
         ),
-        ("found_card", 0.85, _rx(r"\bfound (?:my |the )?(?:\w+ )?(?:card|wallet)\b")),
+        ("found_card", 0.85, _rx(r"\bfound (?:my |the )?(?:\w+ )?(?:card|wallet|purse)\b")),
         ("unlock_word", 0.6, _rx(r"\b(?:unlock|unfreeze|unblock)\b")),
+        # "take the block off", "remove the lock": the lock word names what goes, not what is asked.
+        (
+            "remove_lock",
+            0.9,
+            _rx(
+                r"\b(?:remove|lift|take off|take away|take)\b(?: \w+){0,2} (?:lock|block|freeze|hold|stop)\b"
+            ),
+        ),
+        (
+            "back_on",
+            0.85,
+            _rx(r"\b(?:turn|switch|put) (?:it|them|my (?:\w+ )?" + _CARD + r"|the " + _CARD + r") back on\b"),
+        ),
+        ("turned_up", 0.75, _rx(r"\b(?:turned up|found it|got it back)\b")),
+        ("use_again", 0.85, _rx(r"\buse (?:it|them|my (?:\w+ )?" + _CARD + r") again\b")),
     ],
     "recipient_lookup": [
         ("is_payee", 0.9, _rx(r"\b(?:is|are|do i have|have i got)\b.*\b(?:payees?|recipients?|contacts?)\b")),
@@ -157,10 +242,20 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             0.9,
             _rx(
                 r"\b(?:list|show|who are|read|tell)(?: me)?(?: all)?(?: of)?(?: my| the)? (?:saved )?"
-                r"(?:payees|recipients|contacts)\b"
+                r"(?:payees|recipients|contacts)\b|\b(?:payee|recipient|contact)s? list\b|"
+                r"\blist of (?:payees|recipients|contacts)\b|\bsaved (?:as )?(?:payees|recipients)\b"
             ),
         ),
-        ("find_payee", 0.75, _rx(r"\b(?:find|look up|lookup|search for)\b")),
+        (
+            "on_file",
+            0.85,
+            _rx(
+                r"\b(?:is|are|do i have|have i(?: got| added)?|did i (?:add|save))\b.*"
+                r"\b(?:on file|set up|saved|added|on (?:my|the) (?:payee )?list)\b"
+            ),
+        ),
+        ("who_can_i_pay", 0.9, _rx(r"\bwho (?:can|could) i (?:send|pay|transfer)\b")),
+        ("find_payee", 0.75, _rx(r"(?<!cant )(?<!cannot )\b(?:find|look up|lookup|search for)\b")),
         ("who_is", 0.6, _rx(r"\bwho is\b")),
         ("payee_word", 0.6, _rx(r"\b(?:payees?|recipients?)\b")),
     ],
@@ -170,14 +265,27 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             0.95,
             _rx(
                 r"\b(?:human|agent|representative|real person|live person|operator|customer service|"
-                r"actual person|advisor|banker)\b"
+                r"actual person|advisor|adviser|banker|(?:your|a) (?:manager|supervisor))\b"
             ),
         ),
         (
             "talk_to_someone",
-            0.8,
-            _rx(r"\b(?:talk|speak|chat) (?:to|with) (?:a |an |some )?(?:someone|somebody|person|people)\b"),
+            0.85,
+            _rx(
+                r"\b(?:talk|speak|chat)\b.*\b(?:someone|somebody|person|people)\b|"
+                r"\b(?:someone|somebody|person) (?:i can |to )?(?:talk|speak)\b"
+            ),
         ),
+        (
+            "put_through",
+            0.9,
+            _rx(
+                r"\b(?:put me through|transfer me|connect me|pass me)\b|"
+                r"\b(?:fraud|security|claims|complaints?|mortgage|loans?) (?:team|department)\b"
+            ),
+        ),
+        ("complaint", 0.85, _rx(r"\b(?:complaint|complain)\b")),
+        ("call_back", 0.85, _rx(r"\b(?:call|ring|phone) me(?: back)?\b|\bcall ?back\b")),
         ("frustration", 0.6, _rx(r"\b(?:this is useless|not helping|doesnt work|you dont understand)\b")),
     ],
     "qna": [
@@ -194,7 +302,8 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             0.85,
             _rx(
                 r"\b(?:fees?|charge for|interest|rates?|apr|apy|overdraft|minimum balance|"
-                r"routing number|swift|iban|sort code|limits?)\b"
+                r"routing number|swift|iban|sort code|limits?)\b|\bcost(?:s)? to\b|\bdo you charge\b|"
+                r"\bhow much (?:does it|would it|will it|is it to)\b"
             ),
         ),
         (
@@ -202,24 +311,54 @@ _PATTERNS: dict[str, list[tuple[str, float, re.Pattern]]] = {
             0.8,
             _rx(
                 r"\b(?:mortgage rates?|loans?|credit card offers?|certificate of deposit|"
-                r"open (?:an|a new) account|new account|apply for|eligible|eligibility)\b"
+                r"open (?:an|a new|a) (?:\w+ )?account|new account|apply for|eligible|eligibility)\b|"
+                r"\b(?:can i get|can i have|could i get) (?:a |an )?"
+                r"(?:mortgage|loan|credit card|overdraft)\b|"
+                r"\bdo you (?:do|offer|have) (?:\w+ )?(?:accounts?|mortgages?|loans?|isas?|savings)\b"
             ),
         ),
-        ("policy", 0.8, _rx(r"\b(?:policy|policies|privacy|terms|dispute|refund|insured|fdic|secure)\b")),
+        (
+            "policy",
+            0.8,
+            _rx(
+                r"\b(?:policy|policies|privacy|terms|dispute|refund|insured|fdic|secure|protected|guarantee)\b"
+            ),
+        ),
         (
             "how_to",
             0.8,
-            _rx(r"\bhow (?:do|can|would|should) i\b|\bhow to\b|\bwhat happens if\b|\bis it possible\b"),
+            _rx(
+                r"\bhow (?:do|can|would|should) i\b|\bhow to\b|\bwhat happens if\b|\bis it possible\b|"
+                r"\bhow (?:long|soon|quickly) (?:does|do|will|would|is)\b"
+            ),
         ),
         ("are_you_open", 0.9, _rx(r"\bwhat time (?:do you|does the|is the)\b|\bare you open\b")),
-        ("what_is_question", 0.5, _rx(r"\b(?:whats|what is|what are) (?:the|your)\b")),
+        # Weak alone ("what's the weather"): below MIN_INTENT_SCORE unless another rule agrees.
+        ("what_is_question", 0.45, _rx(r"\b(?:whats|what is|what are) (?:the|your)\b")),
     ],
 }
 # "How do I send money abroad?", "the fee for a wire": a question about the bank, whose action words are
 # not a request (unless an amount says otherwise).
 _QUESTION_DEMOTION = 0.2
+# Rules whose phrasing rules out readings that its words would also fire, demoted as questions are: "can
+# you transfer me to the fraud team" asks for a person, not a transfer; "take the block off" asks for no
+# lock; "when did I last pay the electric bill" asks about the past.
+_RULES_OUT: dict[str, tuple[str, ...]] = {
+    # A caller who asks for a person wants the person, whatever it is about: "about my card", "a transfer".
+    "human_handoff:put_through": (*ACTION_INTENTS, "qna"),
+    "human_handoff:talk_to_someone": (*ACTION_INTENTS, "qna"),
+    "card_unlock:remove_lock": ("card_lock",),
+    "recipient_lookup:who_can_i_pay": MONEY_INTENTS,
+    "recipient_lookup:on_file": MONEY_INTENTS,
+    "recent_transactions:did_i_pay": MONEY_INTENTS,
+    "recent_transactions:money_moved": MONEY_INTENTS,
+    "balance_inquiry:enough": MONEY_INTENTS,
+}
 
-_ACCOUNT_WORDS = _rx(r"\b(checking|current|savings|saving)\b|\b(\w+) account\b")
+_ACCOUNT_WORDS = _rx(r"\b(checking|chequing|current|savings|saving)\b|\b(\w+) account\b")
+# What callers call the main account (British "current", Canadian "chequing") and the savings account.
+_ACCOUNT_NAMES = {"current": "checking", "chequing": "checking", "saving": "savings"}
+_ACCOUNT_CUES = ("account", "checking", "chequing", "saving", "current")
 _CARD_KIND = _rx(r"\b(debit|credit|visa|mastercard)\b(?: card)?")
 _LIMIT = _rx(r"\b(?:last|past|recent|latest|previous) (\d{1,2})\b")
 
@@ -414,6 +553,8 @@ class IntentClassifier:
             payee_reason = PAYEE_NOT_FOUND
 
         self._boost(scores, rules, normalized, candidates, payee, nothing_matched)
+        for ruled_out in {i for rule in rules for i in _RULES_OUT.get(rule, ())}:
+            scores[ruled_out] *= _QUESTION_DEMOTION  # after the boosts: an amount does not make it a request
         ranked = sorted(scores.items(), key=lambda kv: -kv[1])
         intent, best = ranked[0]
         if best < MIN_INTENT_SCORE:
@@ -467,9 +608,10 @@ class IntentClassifier:
             rules.append(f"{intent}:{rule}")
 
         money_words = any(scores[i] > 0 for i in MONEY_INTENTS)
-        if nothing_matched and (normalized.money is not None or payee is not None):
+        named = payee is not None and payee.score >= FRAGMENT_PAYEE_SCORE
+        if nothing_matched and (normalized.money is not None or named):
             # A bare "fifty dollars" or "to john smith": a transfer fragment (answers "how much?", "to
-            # whom?").
+            # whom?"). A name only like a payee's ("weather" for the alias "water") is no fragment.
             intent = "bill_payment" if payee is not None and payee.kind == "biller" else "transfer_money"
             add(intent, 0.6, "fragment")
             return
@@ -503,7 +645,7 @@ class IntentClassifier:
             card = self._card(text, normalized.digits)
             if card is not None:
                 entities["card"] = card
-        if "account" in text or "checking" in text or "saving" in text or "current" in text:
+        if any(word in text for word in _ACCOUNT_CUES):
             account = self._account(text)
             if account is not None:
                 entities["account"] = account
@@ -525,7 +667,7 @@ class IntentClassifier:
     def _account(self, text: str) -> str | None:
         accounts = self.db.accounts()
         for m in _ACCOUNT_WORDS.finditer(text):
-            word = {"current": "checking", "saving": "savings"}.get(m[1] or "", m[1] or m[2])
+            word = _ACCOUNT_NAMES.get(m[1] or "", m[1] or m[2])
             for a in accounts:
                 if word in (a["name"], a["currency"].lower(), a["account_id"]):
                     return a["account_id"]

@@ -366,6 +366,46 @@ def test_question_about_a_procedure_is_not_an_action(classifier):
     assert r.intent == "qna" and not r.needs_llm
 
 
+@pytest.mark.parametrize(
+    ("text", "intent", "entities"),
+    [
+        # A phrasing that rules out what its words would also say.
+        ("can you transfer me to the fraud team", "human_handoff", {}),
+        ("I want to speak to someone about a transfer", "human_handoff", {}),
+        ("take the block off my card please", "card_unlock", {}),
+        ("remove the lock on my credit card", "card_unlock", {"card": "card-credit"}),
+        ("when did I last pay the electric bill", "recent_transactions", {}),
+        ("did my rent go through", "recent_transactions", {}),
+        ("do I have enough to pay priya 50 dollars", "balance_inquiry", {}),
+        ("who can I send money to", "recipient_lookup", {}),
+        ("is city electric saved as a payee", "recipient_lookup", {"payee_id": "city_electric"}),
+        ("I can't find my card anywhere", "card_lock", {}),  # lost, not a payee search
+        # New rules that must not take what is not theirs.
+        ("how much is left on my credit card", "balance_inquiry", {}),
+        ("can I come in to the branch tomorrow", "qna", {}),
+        ("what's the interest rate on my savings account", "qna", {}),
+        ("send 50 dollars to john smith for the phone bill", "transfer_money", {"payee_id": "john_smith"}),
+        # British and Canadian words for the accounts.
+        ("what's in my current account", "balance_inquiry", {"account": "chk-001"}),
+        ("what's the balance of my chequing account", "balance_inquiry", {"account": "chk-001"}),
+        ("my purse got nicked, put a stop on my cards", "card_lock", {}),
+    ],
+)
+def test_phrasings_decide_their_reading(classifier, text, intent, entities):
+    r = classify(classifier, text)
+    assert r.intent == intent, (r.intent, r.scores, r.rules)
+    assert not r.needs_llm, r.ambiguity_reason
+    for key, value in entities.items():
+        assert r.entities.get(key) == value, (key, r.entities)
+
+
+def test_chatter_alone_is_no_question_for_the_bank(classifier):
+    """A "what's the ..." with nothing about the bank in it is not sent to the knowledge base."""
+    for text in ("what's the weather like today", "what's the score in the game"):
+        r = classify(classifier, text)
+        assert r.intent == "unknown" and r.needs_llm, (text, r.scores)
+
+
 def test_resolve_payee_rules():
     def cand(pid: str, score: float) -> Candidate:
         return Candidate(pid, pid, "friend", "person", score, False)
