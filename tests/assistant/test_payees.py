@@ -11,7 +11,7 @@ import pytest
 from g4serve_assistant.bank import Payee
 from g4serve_assistant.db import demo_db
 from g4serve_assistant.intents import AMBIGUOUS_PAYEE, resolve_payee
-from g4serve_assistant.payees import PayeeIndex, simplify_name
+from g4serve_assistant.payees import PayeeIndex, simplify_name, sound_key
 
 DATA = Path(__file__).parent / "data"
 
@@ -190,6 +190,100 @@ def test_contact_linked_to_a_payee_is_a_name_for_it():
     assert not any(c.payee_id == "olga_ivanova" for c in index.search("babs"))
     db.add_contact("Babs", payee_id="olga_ivanova", phone="+1 555 0199")
     assert index.search("babs")[0].payee_id == "olga_ivanova"
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("sarah", "sara"),
+        ("chris", "kris"),
+        ("lee", "li"),
+        ("way", "wei"),
+        ("smyth", "smith"),
+        ("smythe", "smith"),
+        ("taylor", "tailor"),
+        ("stephen", "steven"),
+        ("brown", "braun"),
+        ("connor", "conner"),
+        ("clarke", "clark"),
+        ("katherine", "catherine"),
+        ("patel", "patil"),
+    ],
+)
+def test_homophones_share_a_sound_key(a, b):
+    assert sound_key(a) == sound_key(b)
+
+
+@pytest.mark.parametrize(("a", "b"), [("tom", "tim"), ("dan", "don"), ("jon", "jan"), ("mike", "michael")])
+def test_different_names_keep_different_sound_keys(a, b):
+    assert sound_key(a) != sound_key(b)  # mike/michael are one person by the nickname table, not by sound
+
+
+def two_waters(*extra: Payee) -> PayeeIndex:
+    return PayeeIndex(
+        PayeeList(
+            [
+                Payee("thames_water", "Thames Water", "utility", "biller"),
+                Payee("metro_water", "Metro Water", "utility", "biller", ("water",)),
+                *extra,
+            ]
+        )
+    )
+
+
+def test_a_word_of_several_payees_names_none_of_them():
+    index = two_waters()
+    found = index.find_in_utterance("pay the water bill")
+    assert {c.payee_id for c in found[:2]} == {"thames_water", "metro_water"}
+    assert found[0].score == found[1].score and resolve_payee(found)[0] is None
+    # The same alias with no other water company is the customer's name for it.
+    alone = PayeeIndex(PayeeList([Payee("metro_water", "Metro Water", "utility", "biller", ("water",))]))
+    assert alone.find_in_utterance("pay the water bill")[0].score == 100.0
+    # Said in full, the name wins over the alias that matches a part of it.
+    payee, reason = resolve_payee(index.find_in_utterance("pay my thames water bill"))
+    assert payee is not None and payee.payee_id == "thames_water", reason
+
+
+def test_a_run_after_for_is_the_purpose_unless_nothing_else_names_a_payee():
+    index = two_waters(
+        Payee("kris_tailor", "Kris Tailor", "roommate", "person"),
+        Payee("harbourfront", "Harbourfront Property Management", "landlord", "biller", ("rent",)),
+    )
+    payee, reason = resolve_payee(index.find_in_utterance("send kris tailor 60.00 cad for the rent"))
+    assert payee is not None and payee.payee_id == "kris_tailor", reason
+    payee, reason = resolve_payee(index.find_in_utterance("send 60.00 cad for the rent"))
+    assert payee is not None and payee.payee_id == "harbourfront", reason
+
+
+def test_words_in_another_order_are_a_part_of_the_name():
+    both = PayeeIndex(
+        PayeeList(
+            [Payee("li_wei", "Li Wei", "friend", "person"), Payee("wei_li", "Wei Li", "colleague", "person")]
+        )
+    )
+    for said, payee_id in (("li wei", "li_wei"), ("wei li", "wei_li"), ("lee way", "li_wei")):
+        payee, reason = resolve_payee(both.find_in_utterance(f"send {said} 30.00 usd"))
+        assert payee is not None and payee.payee_id == payee_id, (said, reason)
+    one = PayeeIndex(PayeeList([Payee("li_wei", "Li Wei", "friend", "person")]))
+    assert resolve_payee(one.find_in_utterance("send wei li 30.00 usd"))[0].payee_id == "li_wei"
+
+
+def test_a_nickname_reaches_the_long_name_and_asks_when_another_fits():
+    index = PayeeIndex(
+        PayeeList(
+            [
+                Payee("mike_brown", "Mike Brown", "brother", "person"),
+                Payee("michael_braun", "Michael Braun", "colleague", "person"),
+                Payee("samantha_patil", "Samantha Patil", "colleague", "person"),
+            ]
+        )
+    )
+    assert resolve_payee(index.search("sam patil"))[0].payee_id == "samantha_patil"
+    assert resolve_payee(index.search("michael braun"))[0].payee_id == "michael_braun"  # spelled: no doubt
+    payee, reason = resolve_payee(index.search("michael brown"))  # Mike Brown by nickname, Braun by sound
+    assert payee is None and reason.startswith(AMBIGUOUS_PAYEE)
+    payee, _ = resolve_payee(index.find_in_utterance("send my brother mike 20.00 usd"))
+    assert payee is not None and payee.payee_id == "mike_brown"
 
 
 def test_simplify_name():
