@@ -1,31 +1,34 @@
-"""The SQLite bank (``SQLiteBank``, the embedded ``BankBackend``): customers and their accounts, cards,
-payees, contacts, transactions and transfers, its schema migrated in place under ``PRAGMA user_version``, the
-demo customers and the CSV imports. One connection behind a lock, so any thread may call any method."""
+"""The SQLite bank (``SQLiteBank``, the embedded ``BankBackend``): customers' accounts, cards, payees,
+contacts, transactions and transfers; the schema migrated under ``PRAGMA user_version``; demo seeding
+(demo_data.py) and imports (bank_csv.py). One connection behind a lock: any thread may call any method."""
 
 from __future__ import annotations
 
-import csv
 import datetime as dt
 import os
-import re
 import sqlite3
 import threading
 import time
-import unicodedata
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from g4serve_assistant.bank import (
-    MAX_AMOUNT_MINOR,
-    PAYEE_KINDS,
     TRANSFER_KINDS,
     Payee,
     UnknownCustomerError,
     check_amount_minor,
     check_idempotency_key,
 )
+from g4serve_assistant.bank_csv import (
+    ID_PATTERN,
+    read_cards_csv,
+    read_customers_csv,
+    read_payees_csv,
+    text_problem,
+)
+from g4serve_assistant.demo_data import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, DEMO_CUSTOMERS
 
 __all__ = [
     "DEMO_CUSTOMER_2_ID",
@@ -40,16 +43,6 @@ __all__ = [
     "demo_db",
 ]
 
-DEMO_CUSTOMER_ID = "cust-001"
-DEMO_CUSTOMER_2_ID = "cust-002"
-CSV_REQUIRED = ("payee_id", "display_name", "relationship")
-CSV_OPTIONAL = ("kind", "aliases")
-CUSTOMERS_CSV = ("customer_id", "name", "account_id", "account_name", "currency", "balance_minor")
-CARDS_CSV = ("customer_id", "card_id", "account_id", "kind", "network", "last4")
-CARD_KINDS = ("debit", "credit")
-# Ids travel in URL paths (http_bank) and audit rows: a leading dot is refused so "." and ".." never name one.
-ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
-_MAX_NAME_CHARS = 100
 _MAX_TRANSACTIONS = 1000  # recent_transactions' cap: a reply reads a few, an API page stays bounded
 _DEMO_DATA_ERROR = "holds demo data; import into a new database"
 
@@ -324,8 +317,8 @@ class SQLiteBank:
         holds demo data (real and demo customers never share one)."""
         if not isinstance(customer_id, str) or not ID_PATTERN.fullmatch(customer_id):
             raise ValueError(f"customer id {customer_id!r} is not 1-64 of A-Z a-z 0-9 _ . - (no leading dot)")
-        if _text_problem(name):
-            raise ValueError(f"customer name: {_text_problem(name)}")
+        if text_problem(name):
+            raise ValueError(f"customer name: {text_problem(name)}")
         with self._write() as c:
             self._refuse_demo(c)
             if c.execute("SELECT 1 FROM customers WHERE customer_id = ?", (customer_id,)).fetchone():
@@ -346,7 +339,7 @@ class SQLiteBank:
         ValueError naming the file, line and column of the first problem; naming the customer when it is
         not in the database; and for a database that holds demo data.
         """
-        rows = _read_payees_csv(Path(path))
+        rows = read_payees_csv(Path(path))
         with self._write() as c:
             self._refuse_demo(c)
             if not c.execute("SELECT 1 FROM customers WHERE customer_id = ?", (customer_id,)).fetchone():
@@ -365,7 +358,7 @@ class SQLiteBank:
         accounts) in the file.
         """
         path = Path(path)
-        rows = _read_customers_csv(path)
+        rows = read_customers_csv(path)
         with self._write() as c:
             self._refuse_demo(c)
             for line, row in rows:
@@ -402,7 +395,7 @@ class SQLiteBank:
         holds (import-customers first). Upserts; a card already there keeps its lock. Validated whole first,
         written in one transaction; ValueError naming file, line and column, or the demo data."""
         path = Path(path)
-        rows = _read_cards_csv(path)
+        rows = read_cards_csv(path)
         with self._write() as c:
             self._refuse_demo(c)
             for line, row in rows:
@@ -436,7 +429,7 @@ class SQLiteBank:
                     f"{self.path}: holds customers that are not demo data; "
                     "the demo seeds only a new or demo database"
                 )
-            for customer_id, name, data in _DEMO_CUSTOMERS:
+            for customer_id, name, data in DEMO_CUSTOMERS:
                 _seed_customer(c, customer_id, name, data)
 
 
@@ -500,7 +493,7 @@ class SQLiteCustomerBank:
     def import_payees_csv(self, path: str | os.PathLike) -> int:
         """``SQLiteBank.import_payees_csv`` for this customer, without its demo-data guard: it edits this
         customer's list whatever the database holds (tests add payees to a demo customer this way)."""
-        rows = _read_payees_csv(Path(path))
+        rows = read_payees_csv(Path(path))
         with self.bank._write() as c:
             return _upsert_payees(c, self.customer_id, rows)
 
@@ -833,286 +826,6 @@ def _seed_customer(c: sqlite3.Connection, customer_id: str, name: str, data: dic
         )
     if added:
         _bump_version(c, customer_id)
-
-
-# --- CSV files --------------------------------------------------------------------------------------------
-def _text_problem(value: object, max_chars: int = _MAX_NAME_CHARS) -> str | None:
-    """Why ``value`` is not a usable name (read aloud, shown on a page, written to audit rows), or None."""
-    if not isinstance(value, str) or not value or len(value) > max_chars:
-        return f"must be 1-{max_chars} characters"
-    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in value):  # Cs: lone surrogates encode nowhere
-        return "holds control characters"
-    return None
-
-
-def _read_csv(
-    path: Path, required: tuple[str, ...], optional: tuple[str, ...] = ()
-) -> Iterator[tuple[int, dict]]:
-    """(line, {column: stripped value}) of each non-blank row, after checking the header; ValueError naming
-    the file, line and column of the first problem."""
-    try:
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if header is None:
-                raise ValueError(f"{path}: line 1: empty file, expected header {','.join(required)}")
-            header = [h.strip().lower() for h in header]
-            _check_header(path, header, required, optional)
-            for fields in reader:
-                line = reader.line_num
-                if not any(f.strip() for f in fields):
-                    continue  # blank line
-                if len(fields) != len(header):
-                    raise ValueError(f"{path}: line {line}: expected {len(header)} fields, got {len(fields)}")
-                yield line, {col: value.strip() for col, value in zip(header, fields, strict=True)}
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    except csv.Error as exc:
-        raise ValueError(f"{path}: line {reader.line_num}: {exc}") from None
-
-
-def _check_header(
-    path: Path, header: list[str], required: tuple[str, ...], optional: tuple[str, ...]
-) -> None:
-    for col in header:
-        if col not in required + optional:
-            raise ValueError(
-                f"{path}: line 1, column {col!r}: unknown column (expected {', '.join(required + optional)})"
-            )
-    for col in required:
-        if col not in header:
-            raise ValueError(f"{path}: line 1, column {col!r}: missing required column")
-    if len(set(header)) != len(header):
-        raise ValueError(f"{path}: line 1: duplicate column names")
-
-
-def _check_id(path: Path, line: int, column: str, value: str) -> None:
-    if not ID_PATTERN.fullmatch(value):
-        raise ValueError(
-            f"{path}: line {line}, column {column!r}: {value!r} is not 1-64 of A-Z a-z 0-9 _ . - "
-            "(no leading dot)"
-        )
-
-
-def _check_text(path: Path, line: int, column: str, value: str, required: bool = True) -> None:
-    problem = _text_problem(value) if (value or required) else None
-    if problem:
-        raise ValueError(f"{path}: line {line}, column {column!r}: {problem}")
-
-
-def _check_unique(path: Path, line: int, column: str, key: object, seen: dict, label: str) -> None:
-    if key in seen:
-        raise ValueError(f"{path}: line {line}, column {column!r}: {label} repeats line {seen[key]}")
-    seen[key] = line
-
-
-def _read_payees_csv(path: Path) -> list[Payee]:
-    payees: list[Payee] = []
-    seen: dict[str, int] = {}
-    for line, row in _read_csv(path, CSV_REQUIRED, CSV_OPTIONAL):
-        payee_id, name = row["payee_id"], row["display_name"]
-        kind = row.get("kind") or "person"
-        _check_id(path, line, "payee_id", payee_id)
-        _check_unique(path, line, "payee_id", payee_id, seen, repr(payee_id))
-        _check_text(path, line, "display_name", name)
-        _check_text(path, line, "relationship", row["relationship"], required=False)
-        if kind not in PAYEE_KINDS:
-            raise ValueError(
-                f"{path}: line {line}, column 'kind': {kind!r} is not one of {', '.join(PAYEE_KINDS)}"
-            )
-        aliases = tuple(a.strip() for a in row.get("aliases", "").split(";") if a.strip())
-        for alias in aliases:
-            if "," in alias or _text_problem(alias):  # stored ','-joined
-                raise ValueError(f"{path}: line {line}, column 'aliases': {alias!r} is not a name")
-        payees.append(Payee(payee_id, name, row["relationship"], kind, aliases))
-    return payees
-
-
-_BALANCE = re.compile(r"-?[0-9]{1,16}")  # ASCII digits only: int() would also take "1_000" and "١٢"
-
-
-def _read_customers_csv(path: Path) -> list[tuple[int, dict]]:
-    from g4serve_assistant.normalize import is_known_currency  # the normalizer's currencies, and only those
-
-    rows: list[tuple[int, dict]] = []
-    accounts: dict[tuple[str, str], int] = {}
-    names: dict[str, tuple[str, int]] = {}
-    for line, row in _read_csv(path, CUSTOMERS_CSV):
-        _check_id(path, line, "customer_id", row["customer_id"])
-        _check_text(path, line, "name", row["name"])
-        _check_id(path, line, "account_id", row["account_id"])
-        _check_text(path, line, "account_name", row["account_name"])
-        key = (row["customer_id"], row["account_id"])
-        _check_unique(path, line, "account_id", key, accounts, f"account {row['account_id']!r} of {key[0]!r}")
-        name, first = names.setdefault(row["customer_id"], (row["name"], line))
-        if name != row["name"]:
-            raise ValueError(
-                f"{path}: line {line}, column 'name': {row['name']!r}, but line {first} says {name!r}"
-            )
-        if not is_known_currency(row["currency"]):
-            raise ValueError(
-                f"{path}: line {line}, column 'currency': {row['currency']!r} is not a known ISO code"
-            )
-        text = row["balance_minor"]
-        if not _BALANCE.fullmatch(text) or abs(int(text)) > MAX_AMOUNT_MINOR:
-            raise ValueError(
-                f"{path}: line {line}, column 'balance_minor': {text!r} is not an integer of minor units "
-                f"(12.50 USD is 1250) within ±{MAX_AMOUNT_MINOR}"
-            )
-        rows.append((line, dict(row, currency=row["currency"].upper(), balance=int(text))))
-    return rows
-
-
-def _read_cards_csv(path: Path) -> list[tuple[int, dict]]:
-    rows: list[tuple[int, dict]] = []
-    seen: dict[tuple[str, str], int] = {}
-    for line, row in _read_csv(path, CARDS_CSV):
-        _check_id(path, line, "customer_id", row["customer_id"])
-        _check_id(path, line, "card_id", row["card_id"])
-        _check_id(path, line, "account_id", row["account_id"])
-        key = (row["customer_id"], row["card_id"])
-        _check_unique(path, line, "card_id", key, seen, f"card {row['card_id']!r} of {key[0]!r}")
-        kind, network = row["kind"].lower(), row["network"].lower()
-        if kind not in CARD_KINDS:
-            raise ValueError(
-                f"{path}: line {line}, column 'kind': {row['kind']!r} is not one of {', '.join(CARD_KINDS)}"
-            )
-        if not re.fullmatch(r"[a-z][a-z ]{0,29}", network):
-            raise ValueError(f"{path}: line {line}, column 'network': {row['network']!r} is not 1-30 letters")
-        if not re.fullmatch(r"[0-9]{4}", row["last4"]):
-            raise ValueError(f"{path}: line {line}, column 'last4': {row['last4']!r} is not 4 digits")
-        rows.append((line, dict(row, kind=kind, network=network)))
-    return rows
-
-
-# --- demo data --------------------------------------------------------------------------------------------
-# Confusable names are deliberate: they exercise the phonetic index and the ambiguity path. cust-001 is the
-# single demo customer of before, unchanged. cust-002 reuses some of cust-001's ids for other things (payee
-# priya_patel is Priya Patil, metro_water is Metro Water Services, card-debit is another card) so that a
-# leak between customers shows, and has confusable names of its own (two Priyas, Mohammed Ali / Muhammad
-# Aly, Chloé / Claire Martin) and a second water biller beside Thames Water.
-_DEMO_1 = {
-    "accounts": [
-        ("chk-001", "checking", "USD", 123_456),
-        ("sav-001", "savings", "USD", 825_000),
-        ("eur-001", "euro", "EUR", 150_000),
-        ("jpy-001", "yen", "JPY", 250_000),
-    ],
-    "payees": [
-        ("john_smith", "John Smith", "friend", "person", ""),
-        ("jon_smythe", "Jon Smythe", "colleague", "person", ""),
-        ("joan_smith", "Joan Smith", "sister", "person", ""),
-        ("katherine_lee", "Katherine Lee", "friend", "person", ""),
-        ("catherine_li", "Catherine Li", "colleague", "person", ""),
-        ("mary_johnson", "Mary Johnson", "mother", "person", "mom,mum,mommy"),
-        ("robert_brown", "Robert Brown", "father", "person", "dad,daddy"),
-        ("sean_obrien", "Sean O'Brien", "friend", "person", ""),
-        ("stephen_clarke", "Stephen Clarke", "colleague", "person", ""),
-        ("steven_clark", "Steven Clark", "neighbor", "person", ""),
-        ("priya_patel", "Priya Patel", "friend", "person", ""),
-        ("aisha_khan", "Aisha Khan", "friend", "person", ""),
-        ("li_wei", "Li Wei", "colleague", "person", ""),
-        ("jose_garcia", "José García", "friend", "person", ""),
-        ("maria_gonzalez", "Maria Gonzalez", "landlord", "person", "rent"),
-        ("ahmed_hassan", "Ahmed Hassan", "friend", "person", ""),
-        ("yuki_tanaka", "Yuki Tanaka", "friend", "person", ""),
-        ("hans_muller", "Hans Müller", "colleague", "person", ""),
-        ("francois_dubois", "François Dubois", "friend", "person", ""),
-        ("olga_ivanova", "Olga Ivanova", "babysitter", "person", "nanny"),
-        ("tom_wilson", "Tom Wilson", "brother", "person", ""),
-        (
-            "city_electric",
-            "City Electric",
-            "utility",
-            "biller",
-            "electric,electricity,power,electric company",
-        ),
-        ("metro_water", "Metro Water Utility", "utility", "biller", "water"),
-        ("skyline_mobile", "Skyline Mobile", "phone", "biller", "phone,cell phone,mobile,phone company"),
-        ("northside_internet", "Northside Internet", "internet", "biller", "internet,broadband,wifi"),
-        ("evergreen_gas", "Evergreen Gas", "utility", "biller", "gas"),
-        ("microsoft", "Microsoft", "subscription", "biller", ""),
-        ("harbor_insurance", "Harbor Insurance", "insurance", "biller", "insurance,car insurance"),
-        ("platinum_card", "Platinum Card Services", "credit card", "biller", "credit card"),
-        ("streamflix", "StreamFlix", "subscription", "biller", "streaming"),
-    ],
-    "contacts": [
-        ("c-demo-01", "Johnny", "+1 555 0101", None, "john_smith"),
-        ("c-demo-02", "Kate", "+1 555 0102", None, "katherine_lee"),
-        ("c-demo-03", "Gran", "+1 555 0103", None, None),  # in the phone book, not a payee: cannot be paid
-    ],
-    "cards": [
-        ("card-debit", "chk-001", "debit", "visa", "4201"),
-        ("card-credit", "chk-001", "credit", "mastercard", "8812"),
-    ],
-    "transactions": [
-        ("chk-001", "2025-04-18", "Payroll Acme Corp", 310_000, "USD"),
-        ("chk-001", "2025-04-19", "Corner Coffee", -450, "USD"),
-        ("chk-001", "2025-04-20", "Fresh Market", -8_732, "USD"),
-        ("chk-001", "2025-04-21", "City Electric", -9_420, "USD"),
-        ("chk-001", "2025-04-22", "Transfer to John Smith", -5_000, "USD"),
-        ("chk-001", "2025-04-23", "Metro Transit", -275, "USD"),
-        ("chk-001", "2025-04-24", "Skyline Mobile", -6_500, "USD"),
-        ("chk-001", "2025-04-25", "Book Nook", -2_399, "USD"),
-        ("chk-001", "2025-04-26", "Fresh Market", -6_110, "USD"),
-        ("chk-001", "2025-04-27", "Rent Maria Gonzalez", -150_000, "USD"),
-        ("chk-001", "2025-04-28", "Corner Coffee", -525, "USD"),
-        ("chk-001", "2025-04-29", "StreamFlix", -1_599, "USD"),
-        ("chk-001", "2025-04-30", "ATM withdrawal", -10_000, "USD"),
-        ("chk-001", "2025-05-01", "Northside Internet", -5_999, "USD"),
-        ("chk-001", "2025-05-02", "Pizza Place", -3_240, "USD"),
-        ("sav-001", "2025-04-20", "Interest", 1_234, "USD"),
-        ("sav-001", "2025-05-01", "Transfer from checking", 50_000, "USD"),
-        ("eur-001", "2025-04-22", "Café de Paris", -1_850, "EUR"),
-        ("eur-001", "2025-04-29", "Transfer to François Dubois", -4_000, "EUR"),
-        ("jpy-001", "2025-04-25", "Tokyo Ramen", -1_200, "JPY"),
-    ],
-}
-_DEMO_2 = {
-    "accounts": [
-        ("chk-002", "checking", "GBP", 245_000),
-        ("sav-002", "savings", "GBP", 1_200_000),
-        ("usd-002", "dollar", "USD", 40_000),
-    ],
-    "payees": [
-        ("priya_patel", "Priya Patil", "sister", "person", ""),
-        ("priya_sharma", "Priya Sharma", "colleague", "person", ""),
-        ("jon_smith", "Jon Smith", "friend", "person", ""),
-        ("joanne_smyth", "Joanne Smyth", "neighbor", "person", ""),
-        ("mohammed_ali", "Mohammed Ali", "friend", "person", ""),
-        ("muhammad_aly", "Muhammad Aly", "colleague", "person", ""),
-        ("grace_okafor", "Grace Okafor", "mother", "person", "mum,mom"),
-        ("daniel_okafor", "Daniel Okafor", "brother", "person", ""),
-        ("chloe_martin", "Chloé Martin", "friend", "person", ""),
-        ("claire_martin", "Claire Martin", "landlord", "person", "rent"),
-        ("thames_water", "Thames Water", "utility", "biller", "water,water bill"),
-        ("metro_water", "Metro Water Services", "utility", "biller", ""),
-        ("london_power", "London Power", "utility", "biller", "electric,electricity,power"),
-        ("orbit_mobile", "Orbit Mobile", "phone", "biller", "phone,mobile"),
-        ("camden_council", "Camden Council", "council tax", "biller", "council tax"),
-    ],
-    "contacts": [
-        ("c-demo-11", "Pri", "+44 20 7946 0011", None, "priya_patel"),
-        ("c-demo-12", "Mo", "+44 20 7946 0012", None, "mohammed_ali"),
-    ],
-    "cards": [
-        ("card-debit", "chk-002", "debit", "visa", "5532"),
-        ("card-travel", "usd-002", "credit", "amex", "1009"),
-    ],
-    "transactions": [
-        ("chk-002", "2025-04-18", "Salary Northwind Ltd", 285_000, "GBP"),
-        ("chk-002", "2025-04-19", "Corner Shop", -4_215, "GBP"),
-        ("chk-002", "2025-04-21", "Thames Water", -3_850, "GBP"),
-        ("chk-002", "2025-04-22", "Transfer to Priya Patil", -2_000, "GBP"),
-        ("chk-002", "2025-04-24", "Travelcard top-up", -2_000, "GBP"),
-        ("chk-002", "2025-04-25", "Orbit Mobile", -1_800, "GBP"),
-        ("chk-002", "2025-04-27", "Rent Claire Martin", -120_000, "GBP"),
-        ("chk-002", "2025-04-30", "London Power", -6_420, "GBP"),
-        ("sav-002", "2025-04-30", "Interest", 1_510, "GBP"),
-        ("usd-002", "2025-04-26", "Blue Bottle Coffee", -650, "USD"),
-    ],
-}
-_DEMO_CUSTOMERS = ((DEMO_CUSTOMER_ID, "Alex Morgan", _DEMO_1), (DEMO_CUSTOMER_2_ID, "Sam Okafor", _DEMO_2))
 
 
 def demo_bank(path: str | os.PathLike = ":memory:") -> SQLiteBank:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from g4serve_assistant import db as current
+from g4serve_assistant.demo_data import DEMO_1
 
 # db.py's _SCHEMA at commit 002abfa, unchanged.
 LEGACY_SCHEMA = """
@@ -52,7 +52,7 @@ def build_legacy_db(path: Path, *, seeded: bool = True) -> None:
     class did)."""
     conn = sqlite3.connect(path)
     conn.executescript(LEGACY_SCHEMA)
-    demo = current._DEMO_1
+    demo = DEMO_1
     with conn:
         if seeded:
             conn.execute("INSERT INTO customers VALUES ('cust-001', 'Alex Morgan')")
