@@ -82,6 +82,9 @@ class _Customer:
         self.index = _TimedIndex(PayeeIndex(view))
         self.classifier = IntentClassifier(self.index, threshold=threshold)
         self.policy = policy
+        # A bare "twenty" is in the customer's own money: their main account's currency.
+        accounts = view.accounts()
+        self.currency = accounts[0]["currency"] if accounts else "USD"
 
 
 @dataclass
@@ -402,7 +405,7 @@ class Assistant:
         customer = self.customer(caller.customer_id)
         session = self.sessions.get(caller.session_id, caller.customer_id)
         with clock.stage("normalize"):
-            normalized = normalize(text)
+            normalized = normalize(text, default_currency=customer.currency)
         customer.index.spent_s = 0.0
         with clock.stage("intent"):
             result = customer.classifier.classify(normalized)

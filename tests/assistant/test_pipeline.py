@@ -293,3 +293,10 @@ def test_every_turn_is_audited_with_customer_client_and_outcome(assistant):
     turns = [r for r in rows if r["stage"] == "turn"]
     assert [r["outcome"] for r in turns] == ["proposed", "refused", "executed"]
     assert assistant.audit.verify().ok
+
+
+def test_a_bare_amount_is_in_the_customers_own_currency(assistant):
+    """cust-002 banks in pounds: their "send twenty to Thames Water" is GBP 20, not USD."""
+    r = turn(assistant, "gbp", "pay thames water twenty", customer=DEMO_CUSTOMER_2_ID)
+    assert (r["entities"]["amount_minor"], r["entities"]["currency"]) == (2000, "GBP")
+    assert turn(assistant, "usd", "send twenty to Tom Wilson")["entities"]["currency"] == "USD"
