@@ -73,6 +73,10 @@ def add_mint_token_parser(sub: argparse._SubParsersAction) -> None:
     )
     mint.add_argument("--customer", required=True)
     mint.add_argument("--ttl", type=float, default=900.0, help="seconds")
+    # Own dest: argparse lets a subparser's default overwrite the parent's value of the same name.
+    mint.add_argument(
+        "--session-secret-file", dest="mint_secret_file", default=None, help="as for the assistant"
+    )
 
 
 def read_secret(path: str | None, env: str, what: str, min_bytes: int = 0) -> bytes | None:
@@ -140,7 +144,8 @@ def audit_key(secret: bytes | None) -> bytes | None:
 def mint_token(args: argparse.Namespace) -> int:
     from g4serve_assistant.auth import MIN_SECRET_BYTES, TokenSigner
 
-    secret = read_secret(args.session_secret_file, SECRET_ENV, "session secret", MIN_SECRET_BYTES)
+    path = getattr(args, "mint_secret_file", None) or args.session_secret_file
+    secret = read_secret(path, SECRET_ENV, "session secret", MIN_SECRET_BYTES)
     if secret is None:
         raise ValueError(f"mint-token: needs --session-secret-file or ${SECRET_ENV} (the server's secret)")
     print(TokenSigner(secret).mint(args.customer, args.ttl))

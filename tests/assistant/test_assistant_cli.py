@@ -16,6 +16,9 @@ from fake_bank import FakeBank, FakeBankServer
 from starlette.testclient import TestClient
 
 from g4serve.cli import build_parser, main
+from g4serve_assistant.access_cli import audit_key
+from g4serve_assistant.audit import AuditLog
+from g4serve_assistant.auth import TokenSigner
 from g4serve_assistant.cli import build_from_args, open_bank
 from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, SQLiteBank, demo_bank
 from g4serve_assistant.http_bank import HTTPBank
@@ -258,3 +261,54 @@ def test_an_empty_bank_key_file_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="bank API key"):
         open_bank(args)
+
+
+def test_tokens_minted_with_the_secret_open_sessions_and_the_audit_is_keyed(tmp_path, capsys):
+    """What a deployment does: the bank's login mints tokens with the shared secret; the operator reads and
+    verifies the audit with the operator key; no test login."""
+    secret, admin = tmp_path / "secret", tmp_path / "admin.key"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef-extra\n")
+    admin.write_text("operator-key-0123456789\n")
+    db = str(tmp_path / "bank.db")
+    assert (
+        main(["assistant", "mint-token", "--customer", "cust-001", "--session-secret-file", str(secret)]) == 0
+    )
+    token = capsys.readouterr().out.strip()
+    argv = ["assistant", "--no-llm", "--demo", "--db", db, "--session-secret-file", str(secret)]
+    argv += ["--admin-api-key-file", str(admin)]
+    app = build_from_args(build_parser().parse_args(argv))
+    with TestClient(app) as client:
+        ok = client.post("/v1/assistant/sessions", json={}, headers={"authorization": f"Bearer {token}"})
+        assert ok.status_code == 201 and ok.json()["customer_id"] == "cust-001"
+        session = ok.json()["session_id"]
+        r = client.post(
+            "/v1/assistant/turn",
+            json={"session_id": session, "text": "what's my balance"},
+            headers={"authorization": f"Bearer {token}"},
+        )
+        assert r.status_code == 200 and r.json()["intent"] == "balance_inquiry"
+        forged = TokenSigner(b"x" * 32).mint("cust-001")
+        assert (
+            client.post(
+                "/v1/assistant/sessions", json={}, headers={"authorization": f"Bearer {forged}"}
+            ).status_code
+            == 401
+        )
+        operator = {"authorization": "Bearer operator-key-0123456789"}
+        check = client.get("/v1/assistant/admin/audit/verify", headers=operator).json()
+        assert check["ok"] and check["rows"] >= 3
+    # The chain is keyed from the secret: it verifies with it, not without.
+    assert AuditLog(db, key=audit_key(secret.read_bytes().strip())).verify().ok
+    assert not AuditLog(db).verify().ok
+
+
+def test_access_flag_errors(tmp_path):
+    short = tmp_path / "short"
+    short.write_text("too short")
+    for argv, message in [
+        (["--session-secret-file", str(short)], "at least 32 bytes"),
+        (["--allowed-origin", "evil.example"], "allowed origin"),
+        (["--rate-limit-customer", "0"], "--rate-limit-customer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build_from_args(build_parser().parse_args(["assistant", "--no-llm", "--db", ":memory:", *argv]))
