@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from g4serve_assistant.asr import Transcript
 from g4serve_assistant.audio import SAMPLE_RATE
+from g4serve_assistant.transcript import Transcript
 from g4serve_assistant.vocabulary import AMOUNT_SLOT, NAME_SLOT, DomainVocabulary, spoken_words
 
 log = logging.getLogger("g4serve_assistant")
