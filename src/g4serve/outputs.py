@@ -21,6 +21,13 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # Of token_ids, how many jump-forward appended because the grammar forced them (no forward sampled them).
+    num_forced_tokens: int = 0
+
+    @property
+    def num_decoded_tokens(self) -> int:
+        """Tokens sampled by the model (one forward each): ``len(token_ids) - num_forced_tokens``."""
+        return len(self.token_ids) - self.num_forced_tokens
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -41,6 +41,12 @@ class StreamDelta:
     logprobs: list | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    num_forced_tokens: int = 0  # of the num_output_tokens, how many jump-forward appended (not sampled)
+
+    @property
+    def num_decoded_tokens(self) -> int:
+        """Output tokens so far that the model sampled, one forward each."""
+        return self.num_output_tokens - self.num_forced_tokens
 
 
 class EngineDeadError(RuntimeError):
@@ -178,6 +184,7 @@ class AsyncLLMEngine:
             logprobs=completion.logprobs,
             metrics=out.metrics,
             num_cached_tokens=out.num_cached_tokens,
+            num_forced_tokens=completion.num_forced_tokens,
         )
         if not self._send(loop, q, delta):
             # The consumer's event loop closed without closing the stream: stop generating for it.

@@ -86,6 +86,16 @@ class EngineConfig:
         "launch each step before the previous step's tokens are read back (a stopped request "
         "computes one discarded token)",
     )
+    # Constrained requests take the text their grammar forces (JSON keys and punctuation, the rest of an enum
+    # value once its prefix is unique) as output tokens at once; the next step computes them in one forward,
+    # as a chunk, instead of one decode step each. Off by default: outputs stay valid, but their tokens are
+    # the tokenizer's spelling of the forced text, not necessarily the ones the model would have sampled, so
+    # outputs can differ from decoding without it (docs/api.md, "Jump-forward decoding").
+    jump_forward: bool = _opt(
+        False,
+        "structured output: append the text the grammar forces in one step instead of decoding it token by "
+        "token (requests asking for logprobs decode every token)",
+    )
     # Encode media ahead of the prefills that need them, on a side CUDA stream, while other requests'
     # steps keep running (without it, a step with new media runs its encoder first and stalls its decodes).
     overlap_encoder: bool = _opt(

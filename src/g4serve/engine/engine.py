@@ -168,7 +168,8 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # async scheduling: launched, not yet read back
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps launched while the previous one was still in flight
-        self.num_generated_tokens = 0
+        self.num_generated_tokens = 0  # output tokens, forced ones included
+        self.num_forced_tokens = 0  # of those, the ones jump-forward appended
         self.num_prompt_tokens = 0
         if self.device.type == "cuda":
             self.warmup()
@@ -203,6 +204,7 @@ class LLMEngine:
         self.run_until_finished()
         self.kv.reset_prefix_cache()
         self.num_steps = self.num_overlapped_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.num_forced_tokens = 0
         self.scheduler.num_preemptions = 0
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
@@ -271,6 +273,7 @@ class LLMEngine:
             max_total_tokens=self.max_model_len,
             priority=priority,
             grammar=self._new_grammar(params),
+            jump_forward=self._jumps(params),
             **kwargs,
         )
 
@@ -284,11 +287,31 @@ class LLMEngine:
                     f"step, but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
                 )
 
+    def _jumps(self, params: SamplingParams) -> bool:
+        """Whether a request jumps over forced text: jump-forward is on, its output is constrained, and it
+        asks for no logprobs (forced tokens are not sampled, so they would have none)."""
+        return self.config.jump_forward and params.structured_output is not None and params.logprobs is None
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if request.grammar is None:
             request.grammar = self._new_grammar(request.sampling_params)
+            request.jump_forward = self._jumps(request.sampling_params)
+        params = request.sampling_params
+        if (
+            request.jump_forward
+            and request.grammar is not None
+            and not request.output_token_ids
+            and not (params.stop or params.stop_token_ids)
+        ):
+            # Text the grammar forces before any token ('{"intent": "') joins the prompt's prefill. The
+            # request must not end before its first step: one token is left for the model, and a request with
+            # stop strings or stop ids of its own (which forced text could hit) first jumps after a sample.
+            forced = request.grammar.jump_forward(None, request.max_output_tokens - 1)
+            request.append_forced(forced)
+            self.num_generated_tokens += request.num_forced_tokens
+            self.num_forced_tokens += request.num_forced_tokens
         self._extend_block_hashes(request)
         self._pin_media(request)
         self.requests[request.request_id] = request
@@ -549,9 +572,21 @@ class LLMEngine:
         if request.grammar is not None and not request.grammar.accept_token(token):
             # The mask makes this impossible: the request's state is broken, not the client's input.
             raise RuntimeError(f"token {token} violates the request's {request.grammar.spec.kind} grammar")
+        tokens = [token]
+        if request.jump_forward:
+            # The sampled token's K/V is not computed yet (a grammar request is read back before its next step
+            # is scheduled), so the jump may re-spell it with the forced text that follows; the next step
+            # computes them all as one chunk.
+            budget = request.max_output_tokens - len(request.output_token_ids)
+            tokens = request.grammar.jump_forward(token, budget)
         top = list(zip(top_ids[row], top_lps[row])) if top_ids is not None else None
-        request.append_token(token, None if logprobs is None else logprobs[row], top, now)
-        self.num_generated_tokens += 1
+        before = len(request.output_token_ids)
+        forced_before = request.num_forced_tokens
+        request.append_token(tokens[0], None if logprobs is None else logprobs[row], top, now)
+        if len(tokens) > 1:
+            request.append_forced(tokens[1:], now)
+        self.num_generated_tokens += len(request.output_token_ids) - before
+        self.num_forced_tokens += request.num_forced_tokens - forced_before
         self._extend_block_hashes(request)
 
     def output_of(self, request: Request) -> RequestOutput:
@@ -586,5 +621,6 @@ class LLMEngine:
             "num_overlapped_steps": self.num_overlapped_steps,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
+            "forced_tokens_total": self.num_forced_tokens,
             "generation_tokens_per_s": self.num_generated_tokens / elapsed,
         }

@@ -39,6 +39,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Constrained decoding: the grammar state of sampling_params.structured_output (set by the engine).
     grammar: StructuredMatcher | None = None
+    # Jump-forward (EngineConfig.jump_forward): text the grammar forces becomes output tokens at once.
+    jump_forward: bool = False
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
@@ -47,6 +49,8 @@ class Request:
             [] if self.sampling_params.logprobs is not None else None
         )
         self.cumulative_logprob = 0.0
+        self.num_forced_tokens = 0  # outputs appended by jump-forward, not sampled (they count as outputs)
+        self._untimed_tokens = 0  # forced before the first sample: they reach the client with it
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -134,11 +138,36 @@ class Request:
         now: float | None = None,
     ) -> None:
         """Record one sampled token and decide whether the request is done."""
-        now = time.monotonic() if now is None else now
+        self._record_time(time.monotonic() if now is None else now)
+        self._append(token_id, logprob, top)
+
+    def append_forced(self, token_ids: list[int], now: float | None = None) -> None:
+        """Record tokens the grammar forced (jump-forward): outputs like sampled ones (max_tokens, stop
+        tokens and strings, detokenizing), without logprobs; the ones after a stop are dropped. ``now``
+        None: forced at admission, before any sample; they are timed with the first sampled token."""
+        for token_id in token_ids:
+            if self.finished:
+                return
+            if now is None:
+                self._untimed_tokens += 1
+            else:
+                self._record_time(now)
+            self.num_forced_tokens += 1
+            self._append(token_id, None, None)
+
+    @property
+    def num_decoded_tokens(self) -> int:
+        """Outputs that were sampled (one forward each), as opposed to forced."""
+        return len(self.output_token_ids) - self.num_forced_tokens
+
+    def _record_time(self, now: float) -> None:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
-        self.metrics.token_times.append(now)
+        self.metrics.token_times.extend([now] * (self._untimed_tokens + 1))
+        self._untimed_tokens = 0
         self.metrics.last_token_time = now
+
+    def _append(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             entry = {token_id: Logprob(logprob, decoded_token=self.tokenizer.decode([token_id]))}
@@ -150,7 +179,13 @@ class Request:
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         min_tokens_done = len(self.output_token_ids) >= self.sampling_params.min_tokens
-        grammar_done = self.grammar is not None and self.grammar.is_terminated()
+        # With jump-forward the grammar may already stand past this token (on the stop token that ends it):
+        # the grammar is done at that stop token, not before.
+        grammar_done = (
+            self.grammar is not None
+            and self.grammar.is_terminated()
+            and token_id in self.grammar.vocab.stop_token_ids
+        )
         if grammar_done or (token_id in self._stop_tokens and min_tokens_done):
             # A grammar ends on a stop token whatever min_tokens and ignore_eos say: its output is complete.
             self.finish_reason, self.stop_reason = "stop", token_id
@@ -214,4 +249,5 @@ class Request:
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            num_forced_tokens=self.num_forced_tokens,
         )

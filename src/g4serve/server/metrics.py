@@ -101,7 +101,16 @@ class _EngineCollector:
             "Steps launched before the previous step was read back (async scheduling)",
         )
         overlapped.add_metric([], stats["num_overlapped_steps"])
-        return [running, waiting, kv, capacity, hit, tps, preempt, steps, overlapped]
+        forced = GaugeMetricFamily(
+            "g4serve_generation_forced_tokens",
+            "Output tokens appended by jump-forward (forced by a grammar, not decoded) since start",
+        )
+        forced.add_metric([], stats["forced_tokens_total"])
+        decoded = GaugeMetricFamily(
+            "g4serve_generation_decoded_tokens", "Output tokens sampled by the model since start"
+        )
+        decoded.add_metric([], stats["generation_tokens_total"] - stats["forced_tokens_total"])
+        return [running, waiting, kv, capacity, hit, tps, preempt, steps, overlapped, forced, decoded]
 
 
 class _Throughput:

@@ -148,7 +148,11 @@ class ErrorResponse(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, forced_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``forced_tokens`` (of the completion tokens, those jump-forward appended
+    without decoding them, ``--jump-forward``) goes into ``completion_tokens_details`` when there are any."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -156,6 +160,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
     if cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if forced_tokens:
+        out["completion_tokens_details"] = {"forced_tokens": forced_tokens}
     return out
 
 

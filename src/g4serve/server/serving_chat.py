@@ -96,7 +96,12 @@ class OpenAIServingChat(OpenAIServing):
                 }
                 for i, c in enumerate(choices)
             ],
-            "usage": usage(len(processed.token_ids), sum(len(c.token_ids) for c in choices), cached),
+            "usage": usage(
+                len(processed.token_ids),
+                sum(len(c.token_ids) for c in choices),
+                cached,
+                sum(c.num_forced_tokens for c in choices),
+            ),
         }
 
     async def render(self, req: ChatCompletionRequest, messages: list) -> str:

@@ -70,7 +70,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 }
                 for i, c in enumerate(choices)
             ],
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached),
+            "usage": usage(
+                prompt_tokens,
+                sum(len(c.token_ids) for c in choices),
+                cached,
+                sum(c.num_forced_tokens for c in choices),
+            ),
         }
 
     @staticmethod

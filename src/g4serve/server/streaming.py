@@ -24,12 +24,14 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_forced_tokens: int = 0  # of token_ids, those jump-forward appended
 
 
 def accumulate(choice: Choice, delta: StreamDelta) -> None:
     choice.text.append(delta.text)
     choice.logprobs.extend(delta_logprobs(choice, delta))
     choice.token_ids.extend(delta.token_ids)
+    choice.num_forced_tokens = delta.num_forced_tokens
     if delta.finished:
         choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -90,7 +92,10 @@ async def sse_events(
         await deltas.aclose()
     if include_usage:
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        yield sse({**base, "choices": [], "usage": usage(prompt_tokens or 0, completion_tokens, cached)})
+        forced = sum(c.num_forced_tokens for c in choices.values())
+        yield sse(
+            {**base, "choices": [], "usage": usage(prompt_tokens or 0, completion_tokens, cached, forced)}
+        )
     yield "data: [DONE]\n\n"
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from g4serve.processing.tokenizer import Tokenizer
+from g4serve.structured.jump_forward import JumpForwardVocab, plan_jump
 from g4serve.structured.spec import StructuredOutputError, StructuredSpec, build_grammar, clean_xgrammar_error
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class MatcherVocab:
     closing_order_in_text: tuple[int, ...]  # the same inside a string: '"' before '}' and ']'
     text_probes: tuple[int, ...]  # letters allowed only inside strings: where they fit, we are in one
     closing_score: np.ndarray  # [vocab_size] int32: when no closer fits, the closing takes the best-scored
+    jump: JumpForwardVocab | None = None  # jump-forward decoding's view of the vocabulary
 
 
 class StructuredMatcher:
@@ -129,6 +131,12 @@ class StructuredMatcher:
             self.num_accepted += 1
             self._last_token = int(token_id)
         return ok
+
+    def jump_forward(self, sampled: int | None, budget: int) -> list[int]:
+        """Advance over the text the grammar forces now; the output tokens that stand for ``sampled`` (just
+        accepted; None before the first token) and that text, at most ``budget`` of them
+        (``jump_forward.plan_jump``)."""
+        return plan_jump(self, sampled, budget)
 
     def fill_allowed(
         self, bitmask: torch.Tensor, row: int = 0, allow_stop: bool = True, budget: int | None = None
@@ -340,6 +348,7 @@ class StructuredOutputBackend:
             stop_keep_mask(stop, vocab_size),
             *closing_orders(text_decoded, stop),
             closing_score(text_decoded),
+            JumpForwardVocab(lambda text: tokenizer.encode(text, add_special_tokens=False), text_decoded),
         )
         self._cache: OrderedDict[StructuredSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self._pending: dict[StructuredSpec, Future] = {}  # specs being compiled now
