@@ -1,5 +1,6 @@
-"""Gemma extraction for utterances the fast path is unsure of: a stable prompt, a shallow constrained JSON
-schema, temperature 0, and jsonschema validation before anything reaches the policy."""
+"""Gemma extraction for utterances the fast path is unsure of: a stable prompt, a compact constrained JSON
+schema (the model chooses the intent, a candidate and the amount's words; everything else is deterministic),
+temperature 0, and jsonschema validation before anything reaches the policy."""
 
 from __future__ import annotations
 
@@ -12,67 +13,64 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from g4serve_assistant.intents import INTENTS
+from g4serve_assistant.intents import AMBIGUOUS_PAYEE, INTENTS
+from g4serve_assistant.normalize import _CURRENCY_NAMES, _MINOR_NAMES, normalize
 
 log = logging.getLogger("g4serve_assistant")
 
 MAX_CANDIDATES = 5
-# Currencies the extraction may name (ISO 4217); anything else is not a currency this bank moves money in.
-CURRENCIES = ("USD", "EUR", "GBP", "CAD", "AUD", "CHF", "JPY", "MXN", "INR")
-MONEY_INTENTS = ("transfer_money", "bill_payment")
 DEFAULT_MAX_TOKENS = 96
-# Strings are bounded and ASCII-only: together with the integer bound, every valid output has a known
-# maximum length, so a budget of that many tokens always lets the JSON close (tokens are >= 1 byte).
-_NAME_PATTERN = "^[A-Za-z0-9 .'&-]{0,32}$"
-_WORD_PATTERN = "^[a-z0-9 -]{0,16}$"
-_DATE_PATTERN = "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"
-_REASON_PATTERN = "^[A-Za-z0-9 ,.'-]{0,48}$"
-_MAX_AMOUNT_MINOR = 99_999_999_999  # 11 digits: a billion dollars is beyond any limit the policy allows
 
-# The fixed part of the prompt: instructions, rules, the schema in words, and examples. It never changes
-# between calls, and the transcript and candidates come after it, so the engine's prefix cache serves it.
-EXTRACTION_SYSTEM = f"""You turn one utterance of a bank customer into a JSON object \
-for the bank's voice assistant.
+# The amount as said, in the words the normalizer reads as money: number words, digits (with a symbol,
+# thousands commas and cents), currency and minor-unit names (its own lists), "minus" (a negative amount is
+# refused by the policy with its reason, not paid as its absolute value). Any other word could never name
+# an amount the normalizer heard, which is the only amount the merge takes. At most AMOUNT_MAX_WORDS words:
+# "a hundred and five dollars and twenty cents" is 8.
+_NUMBER_WORDS = (
+    "zero oh one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred "
+    "thousand million a an and point minus negative"
+).split()
+AMOUNT_WORDS = tuple(
+    sorted(
+        {*_NUMBER_WORDS, *(w for name in (*_CURRENCY_NAMES, *_MINOR_NAMES) for w in name.split())},
+        key=lambda w: (-len(w), w),  # longest first: a regex alternation tries them in order
+    )
+)
+AMOUNT_MAX_WORDS = 10
+_DIGITS = r"[$£€]?[0-9][0-9,]{0,8}(\.[0-9]{1,2})?"
+_AMOUNT_WORD = "(" + "|".join(AMOUNT_WORDS) + "|" + _DIGITS + ")"
+AMOUNT_PATTERN = f"^{_AMOUNT_WORD}( {_AMOUNT_WORD}){{0,{AMOUNT_MAX_WORDS - 1}}}$"
+_AMOUNT_MAX_CHARS = AMOUNT_MAX_WORDS * max(max(map(len, AMOUNT_WORDS)), 13) + AMOUNT_MAX_WORDS - 1
 
-Rules:
-- intent is one of: {", ".join(INTENTS)}.
-- Amounts: amount_minor is the amount in minor units (cents): "fifty dollars" is 5000, \
-"12.50 euros" is 1250. \
-Use null when no amount was said. Never guess an amount.
-- currency is an ISO 4217 code ({", ".join(CURRENCIES)}) or null; dollars mean USD unless said otherwise.
-- recipient_candidate_id is the id (c1, c2, ...) of the listed candidate the customer means, or null when \
-none matches or several match equally well. Choose only from the listed candidates.
-- needs_confirmation is true for transfer_money and bill_payment, otherwise false.
-- ambiguity_reason says in a few words what is unclear (two payees match, no amount, ...), or null.
-- entities may hold payee_name (as said), date (YYYY-MM-DD), card (debit or credit) and account \
-(checking or savings); leave out what was not said.
+# The fixed part of the prompt: instructions, the schema in words, and examples. It never changes between
+# calls, and the transcript and candidates come after it, so the engine's prefix cache serves it.
+EXTRACTION_SYSTEM = f"""You read one utterance of a bank customer for the bank's voice assistant and \
+answer with a JSON object of three fields.
 
-Output schema: {{"intent": str, \
-"entities": {{"payee_name"?: str, "date"?: str, "card"?: str, "account"?: str}}, \
-"amount_minor": int|null, "currency": str|null, "recipient_candidate_id": str|null, \
-"needs_confirmation": bool, "ambiguity_reason": str|null}}
+- intent: one of {", ".join(INTENTS)}.
+- candidate: the id (c1, c2, ...) of the listed candidate the customer means, or null when none matches \
+or several match equally well. Choose only from the listed candidates.
+- amount_words: the amount exactly as the customer said it ("sixty pounds", "$12.50", "twenty bucks"), \
+or null when no amount was said. Never make up an amount. When the transcript holds no amount, it is null.
 
 Example 1
 Transcript: send fifty bucks to jon
 Candidates:
 c1: Jon Smith (friend)
 c2: Joan Miller (family)
-Output: {{"intent": "transfer_money", "entities": {{"payee_name": "jon"}}, "amount_minor": 5000, \
-"currency": "USD", "recipient_candidate_id": "c1", "needs_confirmation": true, "ambiguity_reason": null}}
+Output: {{"intent": "transfer_money", "candidate": "c1", "amount_words": "fifty bucks"}}
 
 Example 2
 Transcript: can you take care of the power company thing
 Candidates:
 c1: City Electric (biller)
-Output: {{"intent": "bill_payment", "entities": {{"payee_name": "power company"}}, "amount_minor": null, \
-"currency": null, "recipient_candidate_id": "c1", "needs_confirmation": true, \
-"ambiguity_reason": "no amount"}}
+Output: {{"intent": "bill_payment", "candidate": "c1", "amount_words": null}}
 
 Example 3
 Transcript: um my card is like gone I think
 Candidates: none
-Output: {{"intent": "card_lock", "entities": {{"card": "debit"}}, "amount_minor": null, "currency": null, \
-"recipient_candidate_id": null, "needs_confirmation": false, "ambiguity_reason": "card type not said"}}
+Output: {{"intent": "card_lock", "candidate": null, "amount_words": null}}
 
 Answer with the JSON object only."""
 
@@ -81,53 +79,39 @@ def candidate_ids(n: int) -> list[str]:
     """Ids offered to the model: positional (c1..cN), not database ids.
 
     Why: the schema's enum is compiled into a grammar per distinct id set (about a second for a 262k
-    vocabulary); positional ids give MAX_CANDIDATES + 1 schemas, all compiled at start-up, and keep
-    payee ids out of the prompt (the model never sees or echoes internal identifiers).
+    vocabulary); positional ids give MAX_CANDIDATES + 1 schemas per amount shape, all compiled at start-up,
+    and keep payee ids out of the prompt (the model never sees or echoes internal identifiers).
     """
     return [f"c{i + 1}" for i in range(n)]
 
 
-@lru_cache(maxsize=MAX_CANDIDATES + 1)
-def _schema_json(n_candidates: int) -> str:
+@lru_cache(maxsize=2 * (MAX_CANDIDATES + 1))
+def _schema_json(n_candidates: int, amount_heard: bool) -> str:
+    # No amount heard: the merge could take no amount the model read, so the grammar writes null for it.
+    amount = (
+        {"anyOf": [{"type": "string", "pattern": AMOUNT_PATTERN}, {"type": "null"}]}
+        if amount_heard
+        else {"type": "null"}
+    )
     schema = {
         "type": "object",
         "properties": {
             "intent": {"type": "string", "enum": list(INTENTS)},
-            "entities": {
-                "type": "object",
-                "properties": {
-                    "payee_name": {"type": "string", "pattern": _NAME_PATTERN},
-                    "date": {"type": "string", "pattern": _DATE_PATTERN},
-                    "card": {"type": "string", "pattern": _WORD_PATTERN},
-                    "account": {"type": "string", "pattern": _WORD_PATTERN},
-                },
-                "additionalProperties": False,
-            },
-            "amount_minor": {"type": ["integer", "null"], "minimum": 0, "maximum": _MAX_AMOUNT_MINOR},
-            "currency": {"enum": [*CURRENCIES, None]},
-            "recipient_candidate_id": {"enum": [*candidate_ids(n_candidates), None]},
-            "needs_confirmation": {"type": "boolean"},
-            "ambiguity_reason": {"anyOf": [{"type": "string", "pattern": _REASON_PATTERN}, {"type": "null"}]},
+            "candidate": {"enum": [*candidate_ids(n_candidates), None]},
+            "amount_words": amount,
         },
-        "required": [
-            "intent",
-            "entities",
-            "amount_minor",
-            "currency",
-            "recipient_candidate_id",
-            "needs_confirmation",
-            "ambiguity_reason",
-        ],
+        "required": ["intent", "candidate", "amount_words"],
         "additionalProperties": False,
     }
     return json.dumps(schema)
 
 
-def extraction_schema(n_candidates: int) -> dict:
-    """The JSON schema of one extraction with ``n_candidates`` offered candidates (0..MAX_CANDIDATES)."""
+def extraction_schema(n_candidates: int, amount_heard: bool = True) -> dict:
+    """The JSON schema of one extraction with ``n_candidates`` offered candidates (0..MAX_CANDIDATES);
+    without ``amount_heard`` the amount can only be null."""
     if not 0 <= n_candidates <= MAX_CANDIDATES:
         raise ValueError(f"n_candidates: must be in [0, {MAX_CANDIDATES}], got {n_candidates}")
-    return json.loads(_schema_json(n_candidates))
+    return json.loads(_schema_json(n_candidates, bool(amount_heard)))
 
 
 def max_output_bytes(schema: dict) -> int:
@@ -139,20 +123,12 @@ def max_output_bytes(schema: dict) -> int:
         return max(max_output_bytes(s) for s in schema["anyOf"])
     if "enum" in schema:
         return max(len(json.dumps(v).encode()) for v in schema["enum"])
-    types = schema.get("type")
-    types = types if isinstance(types, list) else [types]
     sizes = []
-    for t in types:
+    for t in schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]:
         if t == "null":
             sizes.append(4)
-        elif t == "boolean":
-            sizes.append(5)
-        elif t == "integer":
-            if "maximum" not in schema or schema.get("minimum", -1) < 0:
-                raise ValueError("integer without bounds")
-            sizes.append(len(str(schema["maximum"])))
-        elif t == "string":
-            sizes.append(2 + _pattern_max_chars(schema.get("pattern")))
+        elif t == "string" and schema.get("pattern") == AMOUNT_PATTERN:
+            sizes.append(2 + 2 * _AMOUNT_MAX_CHARS)  # £ and € take two bytes
         elif t == "object":
             props = schema.get("properties", {})
             parts = [len(json.dumps(k)) + 2 + max_output_bytes(s) for k, s in props.items()]
@@ -162,13 +138,21 @@ def max_output_bytes(schema: dict) -> int:
     return max(sizes)
 
 
-def _pattern_max_chars(pattern: str | None) -> int:
-    # Only this module's patterns: one ASCII class with a {m,n} count, or the fixed date.
-    if pattern == _DATE_PATTERN:
-        return 10
-    if pattern and pattern.endswith("}$") and "," in pattern:
-        return int(pattern.rsplit(",", 1)[1].rstrip("}$"))
-    raise ValueError(f"unbounded string pattern {pattern!r}")
+def heard_amounts(text: str) -> list[tuple[int, str]]:
+    """The (amount_minor, currency) pairs the normalizer hears in ``text``, as the pipeline gets them."""
+    return [(m.amount_minor, m.currency) for m in normalize(text).amounts]
+
+
+def amount_of_words(words: str, heard: Sequence[tuple[int, str]]) -> tuple[int, str] | None:
+    """The heard amount that the model's ``words`` name, or None: the words must read as exactly one amount
+    (a bare number matches by value, whatever currency was heard with it)."""
+    parsed = normalize(f"pay {words}")
+    if len(parsed.amounts) != 1:
+        return None
+    said = parsed.amounts[0]
+    bare = any(r.rule == "money_default_currency" for r in parsed.rules)
+    matches = [(a, c) for a, c in heard if a == said.amount_minor and (bare or c == said.currency)]
+    return matches[0] if matches else None
 
 
 @dataclass
@@ -185,12 +169,15 @@ class Extraction:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    decoded_tokens: int = 0  # of output_tokens, those the model sampled (one forward each)
+    forced_tokens: int = 0  # of output_tokens, those the grammar forced (jump-forward; no forward)
     finish_reason: str | None = None
+    amount_heard: bool = True  # whether the schema let the model say an amount
     timeline: dict[str, float] = field(default_factory=dict)  # perf_counter() of request start/end
 
     @property
     def payee_id(self) -> str | None:
-        cid = (self.output or {}).get("recipient_candidate_id")
+        cid = (self.output or {}).get("candidate")
         return self.offered[int(cid[1:]) - 1] if cid else None
 
 
@@ -203,11 +190,13 @@ class Extractor:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._validators = {
-            n: jsonschema.Draft202012Validator(extraction_schema(n)) for n in range(MAX_CANDIDATES + 1)
+            (n, heard): jsonschema.Draft202012Validator(extraction_schema(n, heard))
+            for n in range(MAX_CANDIDATES + 1)
+            for heard in (True, False)
         }
         bound = max_output_bytes(extraction_schema(MAX_CANDIDATES))
         self.max_tokens = self._budget(max_tokens, bound)
-        self._specs: dict[int, Any] = {}
+        self._specs: dict[tuple[int, bool], Any] = {}
         marker = "\x00TRANSCRIPT\x00"
         rendered = self.tokenizer.apply_chat_template(self._messages_for(marker), add_generation_prompt=True)
         self.fixed_prefix = rendered[: rendered.index(marker)]
@@ -216,25 +205,13 @@ class Extractor:
     def _budget(self, requested: int | None, bound_bytes: int) -> int:
         """``requested`` tokens unless this tokenizer cannot write the longest valid output in that many.
 
-        Gemma's 262k vocabulary writes it in ~60 tokens, so the 96-token cap holds; a small test tokenizer
-        (the tiny model's 1k BPE) needs several times that, and a truncated JSON would never parse.
+        Gemma's 262k vocabulary writes it in a few dozen tokens, so the 96-token cap holds; a small test
+        tokenizer (the tiny model's 1k BPE) needs more, and a truncated JSON would never parse.
         """
         if requested is None:
             return bound_bytes
-        longest = {
-            "intent": max(INTENTS, key=len),
-            "entities": {
-                "payee_name": "Alexandra Montgomery-Smith Jr.",
-                "date": "2025-12-31",
-                "card": "debit",
-                "account": "checking",
-            },
-            "amount_minor": _MAX_AMOUNT_MINOR,
-            "currency": "USD",
-            "recipient_candidate_id": "c5",
-            "needs_confirmation": True,
-            "ambiguity_reason": "two payees match the name and no amount was said",
-        }
+        words = " ".join(sorted(AMOUNT_WORDS, key=len)[-AMOUNT_MAX_WORDS:])
+        longest = {"intent": max(INTENTS, key=len), "candidate": "c5", "amount_words": words}
         n = len(self.tokenizer.encode(json.dumps(longest), add_special_tokens=False))
         if n <= requested:
             return requested
@@ -271,52 +248,65 @@ class Extractor:
             self._messages_for(self.user_text(transcript, candidates, normalized)), add_generation_prompt=True
         )
 
-    def spec(self, n_candidates: int):
+    def spec(self, n_candidates: int, amount_heard: bool = True):
         from g4serve.structured import StructuredSpec
 
-        if n_candidates not in self._specs:
-            self._specs[n_candidates] = StructuredSpec.json_schema(extraction_schema(n_candidates))
-        return self._specs[n_candidates]
+        key = (n_candidates, bool(amount_heard))
+        if key not in self._specs:
+            self._specs[key] = StructuredSpec.json_schema(extraction_schema(*key))
+        return self._specs[key]
 
-    def params(self, n_candidates: int):
+    def params(self, n_candidates: int, amount_heard: bool = True):
         from g4serve.sampling_params import SamplingParams
 
         return SamplingParams(
-            temperature=0.0, max_tokens=self.max_tokens, structured_output=self.spec(n_candidates)
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            structured_output=self.spec(n_candidates, amount_heard),
         )
 
     async def warmup(self) -> None:
-        """Compile the grammar of every candidate count now (off the event loop), not on a user's turn, and
-        prefill the fixed prompt once so the first user's call finds it in the prefix cache."""
+        """Compile the grammar of every candidate count and amount shape now (off the event loop), not on a
+        user's turn, and prefill the fixed prompt once so the first user's call finds it in the prefix
+        cache."""
         from g4serve.sampling_params import SamplingParams
 
         processed = await self.engine.process(self.prompt("warm up", []), add_special_tokens=False)
         for n in range(MAX_CANDIDATES + 1):  # admitted only to compile the grammar: never queued
-            await self.engine.validate(processed, self.params(n))
+            for heard in (True, False):
+                await self.engine.validate(processed, self.params(n, heard))
         async for _ in self.engine.generate(processed, SamplingParams(temperature=0.0, max_tokens=1)):
             pass
 
     # ---- call -------------------------------------------------------------------------------------------
     async def extract(
-        self, transcript: str, candidates: Sequence, normalized: str | None = None
+        self,
+        transcript: str,
+        candidates: Sequence,
+        normalized: str | None = None,
+        heard: Sequence[tuple[int, str]] | None = None,
     ) -> Extraction:
+        """One constrained call. ``heard``: the amounts the normalizer heard in the transcript (computed here
+        when not given); without any, the schema lets the model say no amount."""
         candidates = list(candidates)[:MAX_CANDIDATES]
         offered = [c.payee_id for c in candidates]
+        amount_heard = bool(heard_amounts(transcript) if heard is None else heard)
         processed = await self.engine.process(
             self.prompt(transcript, candidates, normalized), add_special_tokens=False
         )
         t_start = time.perf_counter()
         pieces: list[str] = []
-        out_tokens = cached = 0
+        out_tokens = cached = forced = 0
         finish_reason = None
-        async for delta in self.engine.generate(processed, self.params(len(candidates))):
+        async for delta in self.engine.generate(processed, self.params(len(candidates), amount_heard)):
             pieces.append(delta.text)
             out_tokens, cached = delta.num_output_tokens, delta.num_cached_tokens
+            forced = delta.num_forced_tokens
             if delta.finished:
                 finish_reason = delta.finish_reason
         t_end = time.perf_counter()
         raw = "".join(pieces)
-        output, error = self.validate(raw, len(candidates))
+        output, error = self.validate(raw, len(candidates), amount_heard)
         t_valid = time.perf_counter()
         return Extraction(
             output=output,
@@ -329,18 +319,24 @@ class Extractor:
             prompt_tokens=len(processed.token_ids),
             cached_tokens=cached,
             output_tokens=out_tokens,
+            decoded_tokens=out_tokens - forced,
+            forced_tokens=forced,
             finish_reason=finish_reason,
+            amount_heard=amount_heard,
             timeline={"llm_start": t_start, "llm_end": t_end},
         )
 
-    def validate(self, raw: str, n_candidates: int) -> tuple[dict | None, str | None]:
+    def validate(
+        self, raw: str, n_candidates: int, amount_heard: bool = True
+    ) -> tuple[dict | None, str | None]:
         """Parse and check against the schema; the grammar should make this always pass, but the policy
         acts on money, so nothing is trusted unchecked (a truncated output, a grammar bug)."""
         try:
             output = json.loads(raw)
         except json.JSONDecodeError as exc:
             return None, f"not JSON: {exc}"
-        errors = sorted(self._validators[n_candidates].iter_errors(output), key=lambda e: list(e.path))
+        validator = self._validators[(n_candidates, bool(amount_heard))]
+        errors = sorted(validator.iter_errors(output), key=lambda e: list(e.path))
         if errors:
             where = "/".join(str(p) for p in errors[0].path) or "(root)"
             return None, f"{where}: {errors[0].message}"
@@ -356,32 +352,49 @@ def merge_into_result(
 ):
     """The fast path's ``IntentResult`` updated with a valid extraction; the policy re-validates it.
 
-    The model fills gaps, it does not overrule the rules: its amount is used only when it is one of the
-    amounts the normalizer heard (``heard_amounts``, (amount_minor, currency) pairs: the model chose which
-    one), never a number only the model read. Without one the policy asks "how much?". ``confidence`` is a
-    fixed, uncalibrated value.
+    The model chooses, it does not supply values: its intent and its candidate are taken; its amount words
+    only when they name one of the amounts the normalizer heard (``heard_amounts``, (amount_minor, currency)
+    pairs: the model chose which one, ``amount_of_words``), never a number only the model read; currency,
+    minor units, dates, cards and accounts stay the normalizer's and the rules'. Without an amount the policy
+    asks "how much?". ``confidence`` is a fixed, uncalibrated value.
     """
     out = extraction.output or {}
     entities = dict(base.entities or {})
-    for key, value in (out.get("entities") or {}).items():
-        entities.setdefault(key, value)
-    amount = out.get("amount_minor")
-    heard = [(a, c) for a, c in heard_amounts if a == amount and out.get("currency") in (None, c)]
-    if amount is not None and heard:
-        entities["amount_minor"], entities["currency"] = heard[0]
+    words = out.get("amount_words")
+    chosen_amount = amount_of_words(words, heard_amounts) if isinstance(words, str) else None
+    if chosen_amount is not None:
+        entities["amount_minor"], entities["currency"] = chosen_amount
     payee_id = extraction.payee_id
+    reason = None
     if payee_id is not None:
         chosen = next(c for c in candidates if c.payee_id == payee_id)
         entities["payee_id"] = payee_id
         entities["payee_name"] = chosen.display_name
     elif candidates:
         entities.pop("payee_id", None)  # offered candidates and the model chose none: no guess survives
+        reason = f"{AMBIGUOUS_PAYEE}: the model chose none of the candidates"
     return dataclasses.replace(
         base,
         intent=out["intent"],
         confidence=confidence,
         entities=entities,
         needs_llm=False,
-        ambiguity_reason=out.get("ambiguity_reason"),
+        ambiguity_reason=reason,
         rules=[*(base.rules or []), "gemma_extraction"],
     )
+
+
+__all__ = [
+    "AMOUNT_PATTERN",
+    "AMOUNT_WORDS",
+    "EXTRACTION_SYSTEM",
+    "MAX_CANDIDATES",
+    "Extraction",
+    "Extractor",
+    "amount_of_words",
+    "candidate_ids",
+    "extraction_schema",
+    "heard_amounts",
+    "max_output_bytes",
+    "merge_into_result",
+]
