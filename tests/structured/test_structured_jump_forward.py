@@ -1,6 +1,7 @@
 """Jump-forward planning without a model (``structured/jump_forward.py``): which tokens stand for the forced
-text, how they meet the sampled token and the model's next choice, and random walks that jump after every
-token and must still end in valid output whose tokens the grammar accepts one by one."""
+text, how they meet the sampled token and the model's next choice, the closing planner taking forced text
+whole, and random walks that jump after every token and must still end in valid output whose tokens the
+grammar accepts one by one."""
 
 from __future__ import annotations
 
@@ -111,6 +112,40 @@ def test_a_mergeable_tail_is_left_to_the_model(backend, tok):
     assert allowed[tok.token_to_id("\u2581they")] and allowed[tok.token_to_id("\u2581the")]
     m2 = backend.new_matcher(StructuredSpec.choice([" the x", " the y"]))  # nothing extends " the ": forced
     assert tok.decode(m2.jump_forward(None, budget=10)).startswith(" the")
+
+
+def test_forced_tokens_keep_to_the_json_vocabulary(backend, tok):
+    """Forced tokens are taken by their bytes, without xgrammar's vocabulary check: JSON grammars must still
+    never take a raw control character, even where a pattern asks for one (JSON could not parse it)."""
+    newline, quote, a = tok.token_to_id("<0x0A>"), tok.token_to_id('"'), tok.token_to_id("a")
+    spec = StructuredSpec.json_schema({"type": "string", "pattern": "^a\nb$"})
+    m = backend.new_matcher(spec)
+    assert m.accept_forced(quote) and m.accept_forced(a)
+    assert not m.accept_forced(newline) and not m.accept_token(newline)
+    text = backend.new_matcher(StructuredSpec.regex("a\nb"))
+    assert text.accept_forced(a) and text.accept_forced(newline)  # text grammars take it
+    jumped = backend.new_matcher(spec).jump_forward(None, budget=10)
+    assert b"\n" not in b"".join(backend.matcher_vocab.jump.decoded[t] for t in jumped)
+    closing = backend.new_matcher(spec)  # nor does the budget's closing path, which takes forced text whole
+    assert closing.forced_token(budget=3) is None and closing._closing[1] is None
+
+
+def test_closing_path_takes_forced_text_whole(backend, tok):
+    """The budget's closing path spells forced text as the tokenizer does, in one step per stretch: a valid
+    way to the end, as short as the greedy token-by-token walk or shorter."""
+    schema = {
+        "type": "object",
+        "properties": {"intent": {"enum": ["card_lock", "transfer_money"]}, "n": {"enum": ["c1", None]}},
+        "required": ["intent", "n"],
+        "additionalProperties": False,
+    }
+    m = backend.new_matcher(StructuredSpec.json_schema(schema))
+    assert m.forced_token(budget=40) is not None  # tight: the closing starts now
+    path = m._closing[1]
+    replay = backend.new_matcher(StructuredSpec.json_schema(schema))
+    assert all(replay.accept_token(t) for t in path) and replay.is_completed()
+    text = tok.decode(path)
+    assert text.startswith('{"intent": "') and '", "n": ' in text and len(path) < len(text)
 
 
 def test_a_sampled_stop_token_ends_without_a_jump(backend, tok):

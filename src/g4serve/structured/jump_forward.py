@@ -24,6 +24,8 @@ class StructuredMatcher(Protocol):
 
     def accept_token(self, token_id: int) -> bool: ...
 
+    def accept_forced(self, token_id: int) -> bool: ...
+
     def rollback(self, num_tokens: int = 1) -> None: ...
 
     def is_completed(self) -> bool: ...
@@ -36,9 +38,17 @@ class JumpForwardVocab:
     ``encode``, each token's bytes as the grammar reads them, and a sorted index of those bytes that finds
     every token extending a given one."""
 
-    def __init__(self, encode: Callable[[str], list[int]], decoded: Sequence[bytes]):
+    def __init__(
+        self,
+        encode: Callable[[str], list[int]],
+        decoded: Sequence[bytes],
+        json_excluded: Sequence[bool] = (),
+    ):
         self.encode = encode
         self.decoded = list(decoded)
+        # Tokens JSON grammars never take (raw control characters) though other grammars do.
+        self.json_excluded = np.zeros(len(self.decoded), dtype=bool)
+        self.json_excluded[: len(json_excluded)] = json_excluded
         order = sorted((raw, i) for i, raw in enumerate(self.decoded) if raw)
         self._keys = [raw for raw, _ in order]
         self._ids = np.array([i for _, i in order], dtype=np.int64)
@@ -157,17 +167,33 @@ def _take(
     covered = sum(len(vocab.decoded[t]) for t in tokens[:-1])
     if not cut and covered >= head and _extendable(matcher, vocab, last):
         return tokens[:-1]
-    if matcher.accept_token(last):
+    if matcher.accept_forced(last):
         return tokens
     if len(tokens) > 1:
         matcher.rollback(len(tokens) - 1)
     return None
 
 
+def take_forced_text(matcher: Any, vocab: JumpForwardVocab, json: bool) -> list[int]:
+    """On an ``xgrammar.GrammarMatcher`` (the closing planner's fork; ``json``: compiled on the JSON
+    vocabulary): accept the text the grammar forces now and return the tokenizer's spelling of it; []
+    (matcher unchanged) when nothing is forced or that spelling is not the grammar's to take."""
+    try:
+        text = matcher.find_jump_forward_string()
+    except UnicodeDecodeError:
+        return []
+    tokens = vocab.tokenize(text.encode()) if text else None
+    if json and tokens and vocab.json_excluded[tokens].any():
+        return []
+    # The text is what the grammar forces, so it is taken (as one string: the fork is never rolled back);
+    # the tokens only count the path's length.
+    return tokens if tokens and matcher.accept_string(text) else []
+
+
 def _accept_all(matcher: StructuredMatcher, tokens: list[int]) -> int | None:
     """Accept every token or none; how many were accepted (None: the grammar refused one)."""
     for n, token in enumerate(tokens):
-        if not matcher.accept_token(token):
+        if not matcher.accept_forced(token):
             if n:
                 matcher.rollback(n)
             return None
