@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from g4serve_assistant.audit import AuditRow
-from g4serve_assistant.bank import CustomerBank, Payee
+from g4serve_assistant.bank import BankUnavailableError, CustomerBank, Payee
 from g4serve_assistant.intents import (
     ACTION_INTENTS,
     CONFLICTING_INTENTS,
@@ -723,16 +723,27 @@ class Policy:
         session.pending = None
         today = dt.date.fromtimestamp(self.clock())
         if pending.kind in MONEY_INTENTS:
-            transfer = self.db.transfer(pending.transfer_id or "")
-            if (
-                transfer is None
-                or transfer["session_id"] != session.session_id
-                or transfer["status"] != "pending"
-            ):
-                return self._refuse(pending.kind, "not_pending", "That request is no longer waiting.", None)
-            done = self.db.execute_transfer(
-                transfer["transfer_id"], idempotency_key=pending.action_id, today=today
-            )
+            try:
+                transfer = self.db.transfer(pending.transfer_id or "")
+                # Executed under this very key: an earlier try whose answer was lost. The bank returns
+                # what it did, and nothing moves again.
+                retried = transfer is not None and transfer.get("idempotency_key") == pending.action_id
+                if (
+                    transfer is None
+                    or transfer["session_id"] != session.session_id
+                    or (transfer["status"] != "pending" and not retried)
+                ):
+                    return self._refuse(
+                        pending.kind, "not_pending", "That request is no longer waiting.", None
+                    )
+                done = self.db.execute_transfer(
+                    transfer["transfer_id"], idempotency_key=pending.action_id, today=today
+                )
+            except BankUnavailableError:
+                # Whether the money moved is unknown: the action waits, and the customer's retried yes
+                # sends the same idempotency key, so the bank pays at most once.
+                session.pending = pending
+                raise
             rows.append(("execution", done["status"], done))
             action = pending.entities | {"status": done["status"]}
             what = (

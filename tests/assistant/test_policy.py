@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from g4serve_assistant.bank import BankUnavailableError
 from g4serve_assistant.db import demo_db
 from g4serve_assistant.intents import IntentClassifier, IntentResult
 from g4serve_assistant.normalize import normalize
@@ -555,3 +556,36 @@ def test_a_policy_of_one_customer_refuses_another_customers_session(bank):
     other = SessionState("s9", "cust-002")
     with pytest.raises(PermissionError):
         bank.policy.decide(other, bank.classifier.classify(normalize("yes")), "yes")
+
+
+class LostAnswer:
+    """A bank whose first execute moves the money and then fails to answer (the reply was lost)."""
+
+    def __init__(self, view, before: bool = False):
+        self.view, self.calls, self.before = view, 0, before
+
+    def __getattr__(self, name):
+        return getattr(self.view, name)
+
+    def execute_transfer(self, transfer_id, idempotency_key, today=None):
+        self.calls += 1
+        if self.calls == 1 and self.before:
+            raise BankUnavailableError("timed out before the bank got it")
+        done = self.view.execute_transfer(transfer_id, idempotency_key, today)
+        if self.calls == 1:
+            raise BankUnavailableError("the answer was lost")
+        return done
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_a_yes_retried_after_the_bank_failed_pays_once(bank, before):
+    lossy = LostAnswer(bank.db, before)
+    bank.policy.db = lossy
+    bank.say("send fifty dollars to John Smith")
+    with pytest.raises(BankUnavailableError):
+        bank.say("yes")
+    assert bank.session().pending is not None  # still waiting for the retried yes
+    done = bank.say("yes")  # the client retries with the same action id
+    assert done.executed and lossy.calls == 2
+    assert bank.checking() == CHECKING - 5000 and len(bank.executed()) == 1
+    assert not bank.say("yes").executed
