@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import threading
-import time
 from typing import Annotated
 
-import uvicorn
 from fastapi import Body, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from served import UvicornThread
 
 from g4serve_assistant.bank import UnknownCustomerError, check_idempotency_key
 from g4serve_assistant.db import SQLiteBank, SQLiteCustomerBank
@@ -218,29 +216,9 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
-class FakeBankServer:
+class FakeBankServer(UvicornThread):
     """``FakeBank`` under uvicorn on 127.0.0.1 in a daemon thread; ``url`` once started."""
 
     def __init__(self, fake: FakeBank):
+        super().__init__(fake.app, lifespan="off", start_timeout_s=10)
         self.fake = fake
-        self.url = ""
-        # Port 0 and uvicorn's own socket: a socket bound here and handed over answered 40 ms late (Nagle
-        # and delayed ACKs), 2 ms this way.
-        config = uvicorn.Config(fake.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> FakeBankServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the fake bank did not start")
-            time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=5)

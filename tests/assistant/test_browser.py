@@ -9,14 +9,12 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
+from served import UvicornThread
 
 from g4serve_assistant.app import AccessSettings, build_app
 from g4serve_assistant.auth import TokenSigner
@@ -53,31 +51,6 @@ class TypedOnly:
         raise AssertionError("the browser test only types: nothing should reach the recogniser")
 
 
-class ThreadedUvicorn:
-    """An app served by uvicorn on 127.0.0.1 and a free port, from a background thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> ThreadedUvicorn:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-
 @dataclass
 class Served:
     url: str
@@ -104,7 +77,7 @@ def served():
     bank = demo_bank()
     assistant = Assistant(bank, engine=None, recognizer=TypedOnly())
     app = build_app(assistant, AccessSettings.ephemeral(test_login=True), warmup=False)
-    with ThreadedUvicorn(app) as server:
+    with UvicornThread(app) as server:
         yield Served(server.url, bank, assistant)
     bank.close()
 
