@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from g4serve.processing.tiny_tokenizer import SPECIAL_TOKENS, write_tiny_tokenizer
+from g4serve.processing.tiny_tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, write_tiny_tokenizer
 from g4serve.processing.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FFFD = "\ufffd"
@@ -84,7 +84,7 @@ def _check_stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
 
 def _kinds(tok: Tokenizer) -> dict[str, list[int]]:
     unused = [i for i in range(tok.vocab_size) if (tok.id_to_token(i) or "").startswith("<unused")]
-    named = list(range(len(SPECIAL_TOKENS)))
+    named = list(range(len(SPECIAL_TOKENS))) + [tok.token_to_id(t) for t in TOOL_TOKENS]
     normal = [
         i for i in range(tok.vocab_size) if i not in tok.special_token_ids and i not in tok.byte_token_ids
     ]
@@ -95,8 +95,8 @@ def test_tiny_vocab_composition(tok: Tokenizer) -> None:
     """The numbers behind "the tiny model's replies look like noise"."""
     kinds = _kinds(tok)
     assert tok.vocab_size == 1024
-    assert {k: len(v) for k, v in kinds.items()} == {"bytes": 256, "unused": 509, "named": 17, "normal": 242}
-    assert len(tok.special_token_ids) == 17 + 509
+    assert {k: len(v) for k, v in kinds.items()} == {"bytes": 256, "unused": 502, "named": 24, "normal": 242}
+    assert len(tok.special_token_ids) == 24 + 502
     assert all(tok.decode([i], skip_special_tokens=True) == "" for i in kinds["unused"] + kinds["named"])
     # Byte tokens 0x00-0x1F are control characters; a lone byte >= 0x80 is invalid UTF-8: U+FFFD.
     assert [tok.decode(_byte(tok, b)) for b in (0x00, 0x1A, 0x41, 0x80, 0xC3, 0xFF)] == [

@@ -312,24 +312,43 @@ def test_chat_template_format(tok: Tokenizer) -> None:
     assert ids[:3] == [2, 5, tok.encode("user", add_special_tokens=False)[0]] and ids.count(2) == 1
     assert 12 in ids and tok.decode(ids) == tok.apply_chat_template(conv[1:])
     rendered = tok.apply_chat_template(CONVERSATIONS[4], add_generation_prompt=False)
+    # Gemma 4's tool syntax: a call, its result in the same model turn (named after the call it answers).
     assert (
-        '<|turn>model\n{"name": "get_balance", "arguments": {"account": "4021"}}<turn|>\n'
-        '<|turn>tool\n{"balance": 1250.0}<turn|>\n'
+        '<|turn>model\n<|tool_call>call:get_balance{account:<|"|>4021<|"|>}<tool_call|>'
+        '<|tool_response>response:get_balance{value:<|"|>{"balance": 1250.0}<|"|>}<tool_response|>'
     ) in rendered
+    declared = tok.apply_chat_template(CONVERSATIONS[0], tools=TOOLS)
     assert (
-        '<|turn>model\nChecking savings too.\n{"name": "get_balance", "arguments": {"account": "7788"}}\n'
-        '{"name": "get_rate", "arguments": {}}<turn|>\n'
-    ) in rendered
+        '<|tool>declaration:get_balance{description:<|"|>Get the <balance> of an account & its currency (€).'
+        '<|"|>,parameters:{properties:{account:{type:<|"|>STRING<|"|>}},required:[<|"|>account<|"|>],'
+        'type:<|"|>OBJECT<|"|>}}<tool|>'
+    ) in declared
+
+
+_RAISING_TEMPLATE = """\
+{%- for m in messages -%}
+{%- if m['role'] not in ['user', 'assistant'] -%}
+{{ raise_exception('Unknown chat role: ' + m['role']) }}
+{%- endif -%}
+{%- for part in m['content'] if m['content'] is not string -%}
+{%- if part['type'] != 'text' -%}
+{{ raise_exception('Unsupported content type: ' + part['type']) }}
+{%- endif -%}
+{%- endfor -%}
+{{ m['content'] if m['content'] is string else '' }}
+{%- endfor -%}"""
 
 
 def test_chat_template_errors(tok: Tokenizer, hf) -> None:
+    """A template's raise_exception is a ChatTemplateError here (a jinja TemplateError in transformers)."""
     bad = [{"role": "wizard", "content": "hi"}]
     with pytest.raises(ChatTemplateError, match="wizard"):
-        tok.apply_chat_template(bad)
+        tok.apply_chat_template(bad, chat_template=_RAISING_TEMPLATE)
     with pytest.raises(jinja2.TemplateError, match="wizard"):
-        hf.apply_chat_template(bad, tokenize=False)
+        hf.apply_chat_template(bad, tokenize=False, chat_template=_RAISING_TEMPLATE)
+    hologram = [{"role": "user", "content": [{"type": "hologram"}]}]
     with pytest.raises(ChatTemplateError, match="Unsupported content type"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "hologram"}]}])
+        tok.apply_chat_template(hologram, chat_template=_RAISING_TEMPLATE)
     with pytest.raises(ValueError, match="empty"):
         tok.apply_chat_template([])
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the chat template below is Gemma 4's own, verbatim
 """A tiny Gemma 4-style tokenizer (byte-fallback BPE, Gemma special tokens, chat template) built locally.
 
 ``write_tiny_tokenizer`` trains it deterministically in a few milliseconds on an embedded corpus.
@@ -32,6 +33,17 @@ SPECIAL_TOKENS: list[str] = [
     "<audio|>",
     "<|audio|>",
     "<|video|>",
+]
+# Gemma 4's tool-calling tokens. They take the last ids of the vocabulary (after the ``<unusedN>`` fillers),
+# so the ids above and every learned token keep their place.
+TOOL_TOKENS: list[str] = [
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
 ]
 
 _CORPUS = """\
@@ -69,7 +81,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     words = Regex("\u2581*[^\u2581\n]+|\u2581+|\n+")
     trainer_tok.pre_tokenizer = pre_tokenizers.Split(words, behavior="isolated")
     trainer = BpeTrainer(
-        vocab_size=vocab_size - n_fixed,
+        vocab_size=vocab_size - n_fixed - len(TOOL_TOKENS),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=_ALPHABET,
@@ -82,7 +94,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     tokens = SPECIAL_TOKENS + [f"<0x{b:02X}>" for b in range(256)] + learned_tokens
     # Like Gemma's reserved <unusedN> tokens, these fill the vocab up to the model's embedding size, so every
     # id a (random) model can sample decodes to something.
-    unused = [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    unused = [f"<unused{i}>" for i in range(vocab_size - len(tokens) - len(TOOL_TOKENS))] + TOOL_TOKENS
     vocab = {tok: i for i, tok in enumerate(tokens + unused)}
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
     tok = Tokenizer(
@@ -129,15 +141,160 @@ def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 1024) -> Path:
 
 
 def gemma4_chat_template() -> str:
-    """The Gemma 4 chat template (jinja, transformers conventions) used by the tiny checkpoint."""
+    """Gemma 4's own chat template (google/gemma-4-E2B-it's chat_template.jinja): tool declarations
+    ``<|tool>declaration:f{...}<tool|>``, calls ``<|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>``, results
+    ``<|tool_response>response:f{...}<tool_response|>``, thoughts ``<|channel>thought\n...<channel|>``."""
     return _CHAT_TEMPLATE
 
 
-_CHAT_TEMPLATE = """\
-{#- Gemma 4 chat format: <bos>, an optional system turn (with <|think|> when thinking is on, and the
-    tool list), then <|turn>{role}\\n...<turn|>\\n per message; the assistant role is rendered as `model`. -#}
+_CHAT_TEMPLATE = r"""{%- macro format_parameters(properties, required) -%}
+    {%- set standard_keys = ['description', 'type', 'properties', 'required', 'nullable'] -%}
+    {%- set ns = namespace(found_first=false) -%}
+    {%- for key, value in properties | dictsort -%}
+        {%- set add_comma = false -%}
+        {%- if key not in standard_keys -%}
+            {%- if ns.found_first %},{% endif -%}
+            {%- set ns.found_first = true -%}
+            {{ key }}:{
+            {%- if value['description'] -%}
+                description:<|"|>{{ value['description'] }}<|"|>
+                {%- set add_comma = true -%}
+            {%- endif -%}
+            {%- if value['type'] | upper == 'STRING' -%}
+                {%- if value['enum'] -%}
+                    {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+                    enum:{{ format_argument(value['enum']) }}
+                {%- endif -%}
+            {%- elif value['type'] | upper == 'ARRAY' -%}
+                {%- if value['items'] is mapping and value['items'] -%}
+                    {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+                    items:{
+                    {%- set ns_items = namespace(found_first=false) -%}
+                    {%- for item_key, item_value in value['items'] | dictsort -%}
+                        {%- if item_value is not none -%}
+                            {%- if ns_items.found_first %},{% endif -%}
+                            {%- set ns_items.found_first = true -%}
+                            {%- if item_key == 'properties' -%}
+                                properties:{
+                                {%- if item_value is mapping -%}
+                                    {{- format_parameters(item_value, value['items']['required'] | default([])) -}}
+                                {%- endif -%}
+                                }
+                            {%- elif item_key == 'required' -%}
+                                required:[
+                                {%- for req_item in item_value -%}
+                                    <|"|>{{- req_item -}}<|"|>
+                                    {%- if not loop.last %},{% endif -%}
+                                {%- endfor -%}
+                                ]
+                            {%- elif item_key == 'type' -%}
+                                {%- if item_value is string -%}
+                                    type:{{ format_argument(item_value | upper) }}
+                                {%- else -%}
+                                    type:{{ format_argument(item_value | map('upper') | list) }}
+                                {%- endif -%}
+                            {%- else -%}
+                                {{ item_key }}:{{ format_argument(item_value) }}
+                            {%- endif -%}
+                        {%- endif -%}
+                    {%- endfor -%}
+                    }
+                {%- endif -%}
+            {%- endif -%}
+            {%- if value['nullable'] %}
+                {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+                nullable:true
+            {%- endif -%}
+            {%- if value['type'] | upper == 'OBJECT' -%}
+                {%- if value['properties'] is defined and value['properties'] is mapping -%}
+                    {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+                    properties:{
+                    {{- format_parameters(value['properties'], value['required'] | default([])) -}}
+                    }
+                {%- elif value is mapping -%}
+                    {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+                    properties:{
+                    {{- format_parameters(value, value['required'] | default([])) -}}
+                    }
+                {%- endif -%}
+                {%- if value['required'] -%}
+                    {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+                    required:[
+                    {%- for item in value['required'] | default([]) -%}
+                        <|"|>{{- item -}}<|"|>
+                        {%- if not loop.last %},{% endif -%}
+                    {%- endfor -%}
+                    ]
+                {%- endif -%}
+            {%- endif -%}
+            {%- if add_comma %},{%- else -%} {%- set add_comma = true -%} {% endif -%}
+            type:<|"|>{{ value['type'] | upper }}<|"|>}
+        {%- endif -%}
+    {%- endfor -%}
+{%- endmacro -%}
+{%- macro format_function_declaration(tool_data) -%}
+    declaration:{{- tool_data['function']['name'] -}}{description:<|"|>{{- tool_data['function']['description'] -}}<|"|>
+    {%- set params = tool_data['function']['parameters'] -%}
+    {%- if params -%}
+        ,parameters:{
+        {%- if params['properties'] -%}
+            properties:{ {{- format_parameters(params['properties'], params['required']) -}} },
+        {%- endif -%}
+        {%- if params['required'] -%}
+            required:[
+            {%- for item in params['required'] -%}
+                <|"|>{{- item -}}<|"|>
+                {{- ',' if not loop.last -}}
+            {%- endfor -%}
+            ],
+        {%- endif -%}
+        {%- if params['type'] -%}
+            type:<|"|>{{- params['type'] | upper -}}<|"|>}
+        {%- endif -%}
+    {%- endif -%}
+    {%- if 'response' in tool_data['function'] -%}
+        {%- set response_declaration = tool_data['function']['response'] -%}
+        ,response:{
+        {%- if response_declaration['description'] -%}
+            description:<|"|>{{- response_declaration['description'] -}}<|"|>,
+        {%- endif -%}
+        {%- if response_declaration['type'] | upper == 'OBJECT' -%}
+            type:<|"|>{{- response_declaration['type'] | upper -}}<|"|>}
+        {%- endif -%}
+    {%- endif -%}
+    }
+{%- endmacro -%}
+{%- macro format_argument(argument, escape_keys=True) -%}
+    {%- if argument is string -%}
+        {{- '<|"|>' + argument + '<|"|>' -}}
+    {%- elif argument is boolean -%}
+        {{- 'true' if argument else 'false' -}}
+    {%- elif argument is mapping -%}
+        {{- '{' -}}
+        {%- set ns = namespace(found_first=false) -%}
+        {%- for key, value in argument | dictsort -%}
+            {%- if ns.found_first %},{% endif -%}
+            {%- set ns.found_first = true -%}
+            {%- if escape_keys -%}
+                {{- '<|"|>' + key + '<|"|>' -}}
+            {%- else -%}
+                {{- key -}}
+            {%- endif -%}
+            :{{- format_argument(value, escape_keys=escape_keys) -}}
+        {%- endfor -%}
+        {{- '}' -}}
+    {%- elif argument is sequence -%}
+        {{- '[' -}}
+        {%- for item in argument -%}
+            {{- format_argument(item, escape_keys=escape_keys) -}}
+            {%- if not loop.last %},{% endif -%}
+        {%- endfor -%}
+        {{- ']' -}}
+    {%- else -%}
+        {{- argument -}}
+    {%- endif -%}
+{%- endmacro -%}
 {%- macro strip_thinking(text) -%}
-    {#- Earlier model thoughts (<|channel>thought ... <channel|>) are not fed back to the model. -#}
     {%- set ns = namespace(result='') -%}
     {%- for part in text.split('<channel|>') -%}
         {%- if '<|channel>' in part -%}
@@ -148,85 +305,173 @@ _CHAT_TEMPLATE = """\
     {%- endfor -%}
     {{- ns.result | trim -}}
 {%- endmacro -%}
-{%- macro render_content(content, is_model) -%}
-    {%- if content is string -%}
-        {{- strip_thinking(content) if is_model else (content | trim) -}}
-    {%- elif content is iterable -%}
-        {%- for item in content -%}
-            {%- if item['type'] == 'text' -%}
-                {{- strip_thinking(item['text']) if is_model else (item['text'] | trim) -}}
-            {%- elif item['type'] == 'image' -%}
-                {{- '<|image|>' -}}
-            {%- elif item['type'] == 'audio' -%}
-                {{- '<|audio|>' -}}
-            {%- elif item['type'] == 'video' -%}
-                {{- '<|video|>' -}}
-            {%- else -%}
-                {{- raise_exception('Unsupported content type: ' + item['type'] | string) -}}
-            {%- endif -%}
+{%- macro format_tool_response_block(tool_name, response) -%}
+    {{- '<|tool_response>' -}}
+    {%- if response is mapping -%}
+        {{- 'response:' + tool_name + '{' -}}
+        {%- for key, value in response | dictsort -%}
+            {{- key -}}:{{- format_argument(value, escape_keys=False) -}}
+            {%- if not loop.last %},{% endif -%}
         {%- endfor -%}
+        {{- '}' -}}
+    {%- else -%}
+        {{- 'response:' + tool_name + '{value:' + format_argument(response, escape_keys=False) + '}' -}}
     {%- endif -%}
+    {{- '<tool_response|>' -}}
 {%- endmacro -%}
-{{- bos_token -}}
+{%- set ns = namespace(prev_message_type=None) -%}
 {%- set loop_messages = messages -%}
-{%- set has_system = messages | length > 0 and messages[0]['role'] in ['system', 'developer'] -%}
-{%- set thinking = enable_thinking is defined and enable_thinking -%}
-{%- if thinking or tools or has_system -%}
-    {{- '<|turn>system\\n' -}}
-    {%- if thinking -%}
-        {{- '<|think|>\\n' -}}
+{{- bos_token -}}
+{%- if (enable_thinking is defined and enable_thinking) or tools or messages[0]['role'] in ['system', 'developer'] -%}
+    {{- '<|turn>system\n' -}}
+    {%- if enable_thinking is defined and enable_thinking -%}
+        {{- '<|think|>\n' -}}
+        {%- set ns.prev_message_type = 'think' -%}
     {%- endif -%}
-    {%- if has_system -%}
-        {{- render_content(messages[0]['content'], false) -}}
+    {%- if messages[0]['role'] in ['system', 'developer'] -%}
+        {{- messages[0]['content'] | trim -}}
         {%- set loop_messages = messages[1:] -%}
     {%- endif -%}
     {%- if tools -%}
-        {%- if has_system -%}
-            {{- '\\n\\n' -}}
-        {%- endif -%}
-        {{- 'You can call the following tools. To call one, reply with a JSON object '
-            '{"name": <tool name>, "arguments": <object>}.' -}}
-        {%- for tool in tools -%}
-            {{- '\\n' + (tool | tojson) -}}
-        {%- endfor -%}
+        {%- for tool in tools %}
+            {{- '<|tool>' -}}
+            {{- format_function_declaration(tool) | trim -}}
+            {{- '<tool|>' -}}
+        {%- endfor %}
+        {%- set ns.prev_message_type = 'tool' -%}
     {%- endif -%}
-    {{- '<turn|>\\n' -}}
-{%- endif -%}
+    {{- '<turn|>\n' -}}
+{%- endif %}
+{%- set ns_turn = namespace(last_user_idx=-1) -%}
+{%- for i in range(loop_messages | length) -%}
+    {%- if loop_messages[i]['role'] == 'user' -%}
+        {%- set ns_turn.last_user_idx = i -%}
+    {%- endif -%}
+{%- endfor -%}
 {%- for message in loop_messages -%}
-    {%- set role = message['role'] -%}
-    {%- if role in ['assistant', 'model'] -%}
-        {%- set role = 'model' -%}
-    {%- elif role == 'developer' -%}
-        {%- set role = 'system' -%}
-    {%- elif role not in ['user', 'system', 'tool'] -%}
-        {{- raise_exception('Unknown chat role: ' + role | string) -}}
-    {%- endif -%}
-    {{- '<|turn>' + role + '\\n' -}}
-    {%- set body = '' -%}
-    {%- if message['content'] is defined -%}
-        {%- set body = render_content(message['content'], role == 'model') -%}
-    {%- endif -%}
-    {{- body -}}
-    {%- if role == 'model' and message['tool_calls'] is defined -%}
-        {%- for call in message['tool_calls'] -%}
-            {%- set fn = call['function'] if call['function'] is defined else call -%}
-            {%- if body or not loop.first -%}
-                {{- '\\n' -}}
+    {%- if message['role'] != 'tool' -%}
+    {%- set ns.prev_message_type = None -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {%- set prev_nt = namespace(role=None, found=false) -%}
+    {%- if loop.index0 > 0 -%}
+        {%- for j in range(loop.index0 - 1, -1, -1) -%}
+            {%- if not prev_nt.found -%}
+                {%- if loop_messages[j]['role'] != 'tool' -%}
+                    {%- set prev_nt.role = loop_messages[j]['role'] -%}
+                    {%- set prev_nt.found = true -%}
+                {%- endif -%}
             {%- endif -%}
-            {#- OpenAI sends arguments as a JSON string: keep it as JSON rather than quoting it again. -#}
-            {%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -%}
-            {{- '{"name": ' + (fn['name'] | tojson) + ', "arguments": ' + args + '}' -}}
         {%- endfor -%}
     {%- endif -%}
-    {{- '<turn|>\\n' -}}
+    {%- set continue_same_model_turn = (role == 'model' and prev_nt.role == 'assistant') -%}
+    {%- if not continue_same_model_turn -%}
+        {{- '<|turn>' + role + '\n' }}
+    {%- endif -%}
+    {%- set thinking_text = message.get('reasoning') or message.get('reasoning_content') -%}
+    {%- if thinking_text and loop.index0 > ns_turn.last_user_idx and message.get('tool_calls') -%}
+        {{- '<|channel>thought\n' + thinking_text + '\n<channel|>' -}}
+    {%- endif -%}
+            {%- if message['tool_calls'] -%}
+                {%- for tool_call in message['tool_calls'] -%}
+                    {%- set function = tool_call['function'] -%}
+                    {{- '<|tool_call>call:' + function['name'] + '{' -}}
+                    {%- if function['arguments'] is mapping -%}
+                        {%- set ns_args = namespace(found_first=false) -%}
+                        {%- for key, value in function['arguments'] | dictsort -%}
+                            {%- if ns_args.found_first %},{% endif -%}
+                            {%- set ns_args.found_first = true -%}
+                            {{- key -}}:{{- format_argument(value, escape_keys=False) -}}
+                        {%- endfor -%}
+                    {%- elif function['arguments'] is string -%}
+                        {{- function['arguments'] -}}
+                    {%- endif -%}
+                    {{- '}<tool_call|>' -}}
+                {%- endfor -%}
+                {%- set ns.prev_message_type = 'tool_call' -%}
+            {%- endif -%}
+            {%- set ns_tr_out = namespace(flag=false) -%}
+            {%- if message.get('tool_responses') -%}
+                {%- for tool_response in message['tool_responses'] -%}
+                    {{- format_tool_response_block(tool_response['name'] | default('unknown'), tool_response['response']) -}}
+                    {%- set ns_tr_out.flag = true -%}
+                    {%- set ns.prev_message_type = 'tool_response' -%}
+                {%- endfor -%}
+            {%- elif message.get('tool_calls') -%}
+                {%- set ns_tool_scan = namespace(stopped=false) -%}
+                {%- for k in range(loop.index0 + 1, loop_messages | length) -%}
+                    {%- if ns_tool_scan.stopped -%}
+                    {%- elif loop_messages[k]['role'] != 'tool' -%}
+                        {%- set ns_tool_scan.stopped = true -%}
+                    {%- else -%}
+                        {%- set follow = loop_messages[k] -%}
+                        {%- set ns_tname = namespace(name=follow.get('name') | default('unknown')) -%}
+                        {%- for tc in message['tool_calls'] -%}
+                            {%- if tc.get('id') == follow.get('tool_call_id') -%}
+                                {%- set ns_tname.name = tc['function']['name'] -%}
+                            {%- endif -%}
+                        {%- endfor -%}
+                        {%- set tool_body = follow.get('content') -%}
+                        {%- if tool_body is string -%}
+                            {{- format_tool_response_block(ns_tname.name, tool_body) -}}
+                        {%- elif tool_body is sequence and tool_body is not string -%}
+                            {%- set ns_txt = namespace(s='') -%}
+                            {%- for part in tool_body -%}
+                                {%- if part.get('type') == 'text' -%}
+                                    {%- set ns_txt.s = ns_txt.s + (part.get('text') | default('')) -%}
+                                {%- endif -%}
+                            {%- endfor -%}
+                            {{- format_tool_response_block(ns_tname.name, ns_txt.s) -}}
+                        {%- else -%}
+                            {{- format_tool_response_block(ns_tname.name, tool_body) -}}
+                        {%- endif -%}
+                        {%- set ns_tr_out.flag = true -%}
+                        {%- set ns.prev_message_type = 'tool_response' -%}
+                    {%- endif -%}
+                {%- endfor -%}
+            {%- endif -%}
+            {%- if message['content'] is string -%}
+                {%- if role == 'model' -%}
+                    {{- strip_thinking(message['content']) -}}
+                {%- else -%}
+                    {{- message['content'] | trim -}}
+                {%- endif -%}
+            {%- elif message['content'] is sequence -%}
+                {%- for item in message['content'] -%}
+                    {%- if item['type'] == 'text' -%}
+                        {%- if role == 'model' -%}
+                            {{- strip_thinking(item['text']) -}}
+                        {%- else -%}
+                            {{- item['text'] | trim -}}
+                        {%- endif -%}
+                    {%- elif item['type'] == 'image' -%}
+                        {{- '<|image|>' -}}
+                        {%- set ns.prev_message_type = 'image' -%}
+                    {%- elif item['type'] == 'audio' -%}
+                        {{- '<|audio|>' -}}
+                        {%- set ns.prev_message_type = 'audio' -%}
+                    {%- elif item['type'] == 'video' -%}
+                        {{- '<|video|>' -}}
+                        {%- set ns.prev_message_type = 'video' -%}
+                    {%- endif -%}
+                {%- endfor -%}
+            {%- endif -%}
+        {%- if ns.prev_message_type == 'tool_call' and not ns_tr_out.flag -%}
+            {{- '<|tool_response>' -}}
+        {%- elif not (ns_tr_out.flag and not message.get('content')) -%}
+            {{- '<turn|>\n' -}}
+        {%- endif -%}
+    {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-    {{- '<|turn>model\\n' -}}
+    {%- if ns.prev_message_type != 'tool_response' and ns.prev_message_type != 'tool_call' -%}
+        {{- '<|turn>model\n' -}}
+    {%- endif -%}
 {%- endif -%}
 """
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "TOOL_TOKENS",
     "build_tiny_tokenizer",
     "gemma4_chat_template",
     "tokenizer_config",
