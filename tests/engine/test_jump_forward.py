@@ -215,17 +215,20 @@ def test_logprobs_requests_decode_every_token(jf_engine):
 
 def test_prefix_cache_reuses_forced_tokens(tiny_model_dir):
     """Text forced at admission is part of the known tokens, hashed like the prompt: an identical greedy
-    request finds the blocks the first one computed, past its prompt, and outputs the same tokens."""
+    request finds the blocks the first one computed, past its prompt (this prompt's last block is completed
+    by the forced text), and outputs the same tokens. Usage counts only the prompt's part of the hit."""
     engine = make_engine(tiny_model_dir, jump_forward=True, text_only=True)
-    first = _run(engine, {"a": (PROMPTS[0], _params())})["a"]
-    prompt_len = len(engine.process_prompt(PROMPTS[0]).token_ids)
-    request = engine.make_request("b", engine.process_prompt(PROMPTS[0]), _params())
+    prompt = "<|turn>user\nDescribe the customer please please as JSON.<turn|>\n<|turn>model\n"
+    first = _run(engine, {"a": (prompt, _params())})["a"]
+    prompt_len = len(engine.process_prompt(prompt).token_ids)
+    request = engine.make_request("b", engine.process_prompt(prompt), _params())
     engine.add_request(request)
     known = request.num_tokens  # prompt + the text forced at admission
-    assert known > prompt_len
-    second = engine.run_until_finished()["b"]
     bs = engine.config.block_size
-    assert second.num_cached_tokens == (known - 1) // bs * bs > prompt_len // bs * bs - bs
+    assert (known - 1) // bs * bs > prompt_len  # a full block ends inside the forced text
+    second = engine.run_until_finished()["b"]
+    assert second.metrics.prefix_hit_tokens == (known - 1) // bs * bs
+    assert second.num_cached_tokens == prompt_len
     assert second.outputs[0].token_ids == first.token_ids
     assert_pools_free(engine)
 

@@ -597,7 +597,9 @@ class LLMEngine:
             outputs=[request.completion()],
             finished=request.finished,
             metrics=request.metrics,
-            num_cached_tokens=request.metrics.prefix_hit_tokens,
+            # Prompt tokens served from the cache: with jump-forward a hit may reach into the text forced at
+            # admission, which is output, not prompt (metrics.prefix_hit_tokens keeps the whole hit).
+            num_cached_tokens=min(request.metrics.prefix_hit_tokens, len(request.prompt_token_ids)),
             error=request.error,
         )
 
