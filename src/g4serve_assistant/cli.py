@@ -22,7 +22,12 @@ DEFAULT_DB_NAME = "assistant.db"
 DEFAULT_AUDIT_DB_NAME = "audit.db"  # the audit trail's file when the bank is not a SQLite file (--bank-url)
 BANK_KEY_ENV = "G4SERVE_ASSISTANT_BANK_API_KEY"
 # Where the assistant's engine differs from `g4serve serve`'s: its prompts are short, and it shares the GPU.
-ASSISTANT_ENGINE_DEFAULTS = {"max_model_len": 4096, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
+ASSISTANT_ENGINE_DEFAULTS = {
+    "max_model_len": 4096,
+    "max_num_seqs": 32,
+    "gpu_memory_utilization": 0.5,
+    "jump_forward": True,  # the extraction's keys and punctuation are forced: 304 -> 35 ms on an H100
+}
 EXTRA_HINT = "the assistant needs its extra: pip install 'g4serve[assistant]'"
 # Import names of the `assistant` extra's distributions (pyproject.toml): rapidfuzz, jellyfish, text2num,
 # silero-vad, pocketsphinx, websockets (uvicorn's WebSocket transport for /v1/assistant/ws), pyjwt, httpx.
