@@ -217,6 +217,13 @@ class AsyncLLMEngine:
         """The engine's configuration (read-only)."""
         return self.engine.config
 
+    @property
+    def accepts_audio(self) -> bool:
+        """Whether requests may carry audio: the model has an audio tower (Gemma 4 E2B, E4B), loaded because
+        ``limit_mm_per_prompt`` lets audio in (not ``--text-only``)."""
+        engine = self.engine
+        return engine.model.audio_tower is not None and engine.config.limit_mm_per_prompt.get("audio", 0) > 0
+
     async def validate(
         self,
         processed: ProcessedPrompt,

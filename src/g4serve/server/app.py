@@ -28,6 +28,7 @@ from g4serve.server.serving_base import WaitingLimit
 from g4serve.server.serving_chat import OpenAIServingChat
 from g4serve.server.serving_completion import OpenAIServingCompletion
 from g4serve.server.serving_models import OpenAIServingModels
+from g4serve.server.serving_speech import OpenAIServingSpeech
 
 log = logging.getLogger("g4serve.server")
 
@@ -62,6 +63,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     waiting = WaitingLimit(config.max_waiting_requests, engine)  # one queue limit for both endpoints
     app.state.serving_chat = OpenAIServingChat(engine, models, config, metrics, waiting)
     app.state.serving_completion = OpenAIServingCompletion(engine, models, config, metrics, waiting)
+    app.state.serving_speech = OpenAIServingSpeech(engine, models, config, metrics, waiting)
     app.include_router(routes.system)
     app.include_router(routes.openai)
 

@@ -1,7 +1,8 @@
 """The HTTP routes, one ``APIRouter`` per API family; each handler hands the request to the serving object
 ``build_app`` put on ``app.state`` (``serving_chat``, ``serving_completion``, ``serving_models``).
 
-- ``openai``: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``;
+- ``openai``: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/transcriptions``,
+  ``POST /v1/audio/translations`` (``serving_speech``), ``GET /v1/models``;
 - ``system``: ``GET /health``, ``GET /metrics``.
 """
 
@@ -24,6 +25,16 @@ async def chat_completions(request: Request):
 @openai.post("/v1/completions")
 async def completions(request: Request):
     return await request.app.state.serving_completion.create(request)
+
+
+@openai.post("/v1/audio/transcriptions")
+async def transcriptions(request: Request):
+    return await request.app.state.serving_speech.create(request, "transcribe")
+
+
+@openai.post("/v1/audio/translations")
+async def translations(request: Request):
+    return await request.app.state.serving_speech.create(request, "translate")
 
 
 @openai.get("/v1/models")
