@@ -104,6 +104,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: StrictStr | None = None  # vLLM's field; refused unless --trust-request-chat-template
     add_generation_prompt: StrictBool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None  # "auto" | "none" | "required" | a named function
+    parallel_tool_calls: StrictBool = True
+    reasoning_effort: StrictStr | None = None  # any effort but "none" turns Gemma 4's thinking on
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

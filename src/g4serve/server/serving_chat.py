@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -23,9 +25,12 @@ from g4serve.processing.chat_template import (
     check_chat_template_kwargs,
 )
 from g4serve.server.errors import APIError, bad_request
+from g4serve.server.gemma4_output import Gemma4OutputParser
+from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
 from g4serve.server.protocol import ChatCompletionRequest, usage
 from g4serve.server.serving_base import OpenAIServing
 from g4serve.server.streaming import Choice, finish_fields, ranked, safe_logprob, sse, sse_events
+from g4serve.structured import StructuredOutputError, StructuredSpec
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -46,8 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         received = time.monotonic()
         req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         model_name = self.check_model(req.model)
-        if req.tools:
-            raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
+        tools, forced = self.tool_plan(req)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, "top_logprobs: must be in [0, 20]", param="top_logprobs")
         try:
@@ -58,8 +62,29 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:
             raise bad_request(exc) from None
         self.check_media(media.as_dict())
-        prompt = await self.render(req, messages)
+        messages = [_template_message(m, i) for i, m in enumerate(messages)]
+        thinking = self.thinking(req)
+        prompt = await self.render(req, messages, tools, thinking)
         params = self.sampling_params(req, req.effective_max_tokens(), req.num_logprobs())
+        parse = bool(tools) or thinking
+        if parse:  # the markers must reach the parser; it keeps every special token out of the answer
+            params = replace(params, skip_special_tokens=False)
+        if forced is not None:
+            if params.structured_output is not None:
+                raise APIError(
+                    400, "response_format: cannot be combined with a forced tool_choice", "tool_choice"
+                )
+            try:
+                params = replace(params, structured_output=StructuredSpec.grammar(forced))
+            except StructuredOutputError as exc:
+                raise APIError(400, f"tools: {exc}", "tools") from None
+        parser_factory = None
+        if parse:
+            specials = frozenset(self.tokenizer.convert_ids_to_tokens(self.tokenizer.special_token_ids)) - {
+                None
+            }
+            parse_tools = bool(tools) and req.tool_choice != "none"
+            parser_factory = functools.partial(Gemma4OutputParser, specials, parse_tools)
         processed = await self.process(
             {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
         )
@@ -77,6 +102,7 @@ class OpenAIServingChat(OpenAIServing):
                     params.n,
                     include_usage,
                     params.logprobs is not None,
+                    parser_factory,
                 ),
                 media_type="text/event-stream",
             )
@@ -89,9 +115,8 @@ class OpenAIServingChat(OpenAIServing):
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    **chat_message(c, parser_factory),
                     "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
                 for i, c in enumerate(choices)
@@ -104,7 +129,46 @@ class OpenAIServingChat(OpenAIServing):
             ),
         }
 
-    async def render(self, req: ChatCompletionRequest, messages: list) -> str:
+    def tool_plan(self, req: ChatCompletionRequest) -> tuple[list | None, str | None]:
+        """(the tools the template renders, the grammar that forces a call or None)."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice: needs tools", "tool_choice")
+            return None, None
+        schemas = check_tools(req.tools)
+        if choice in (None, "auto", "none"):
+            return req.tools, None
+        if choice == "required":
+            return req.tools, forced_call_grammar(schemas, list(schemas), req.parallel_tool_calls)
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+            raise APIError(
+                400,
+                "tool_choice: must be 'auto', 'none', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in schemas:
+            raise APIError(400, f"tool_choice.function.name: no tool named {str(name)[:64]!r}", "tool_choice")
+        return req.tools, forced_call_grammar(schemas, [name], False)
+
+    @staticmethod
+    def thinking(req: ChatCompletionRequest) -> bool:
+        kwargs = req.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            return bool(kwargs["enable_thinking"])
+        if req.reasoning_effort is not None:
+            if req.reasoning_effort not in ("none", "minimal", "low", "medium", "high"):
+                raise APIError(
+                    400, "reasoning_effort: must be none, minimal, low, medium or high", "reasoning_effort"
+                )
+            return req.reasoning_effort != "none"
+        return False
+
+    async def render(
+        self, req: ChatCompletionRequest, messages: list, tools: list | None = None, thinking: bool = False
+    ) -> str:
         """The prompt, rendered off the event loop: the model's chat template in a thread, or a template the
         request supplies (``chat_template_kwargs.chat_template``, only with --trust-request-chat-template)
         in the sandboxed worker process under its limits. Every template failure is a 400."""
@@ -127,7 +191,9 @@ class OpenAIServingChat(OpenAIServing):
             kwargs = check_chat_template_kwargs(raw, reserved=frozenset(tokenizer.special_tokens_map))
         except ValueError as exc:
             raise bad_request(exc) from None
-        call, executor, where = self._template_call(req, messages, source, kwargs, where)
+        if thinking:
+            kwargs["enable_thinking"] = True
+        call, executor, where = self._template_call(req, messages, source, kwargs, where, tools)
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, call)
         except ChatTemplateError as exc:  # the template's raise_exception, a syntax error, a limit
@@ -138,7 +204,9 @@ class OpenAIServingChat(OpenAIServing):
             detail = str(exc)[:300] or type(exc).__name__
             raise APIError(400, f"{where}: the chat template could not be applied: {detail}", where) from None
 
-    def _template_call(self, req: ChatCompletionRequest, messages: list, source, kwargs: dict, where: str):
+    def _template_call(
+        self, req: ChatCompletionRequest, messages: list, source, kwargs: dict, where: str, tools=None
+    ):
         """(the render call, the executor it runs in, the field its errors name)."""
         tokenizer = self.tokenizer
         named = isinstance(tokenizer.chat_template, dict) and source in tokenizer.chat_template
@@ -147,6 +215,7 @@ class OpenAIServingChat(OpenAIServing):
                 tokenizer.apply_chat_template,
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
+                tools=tools,
                 chat_template=source,  # None, or the name of one of the model's own templates
                 **kwargs,
             )
@@ -167,6 +236,53 @@ class OpenAIServingChat(OpenAIServing):
         return call, executor, where
 
 
+def _template_message(message: dict, index: int) -> dict:
+    """OpenAI sends a call's arguments as a JSON string; Gemma 4's template renders them from a dict."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    if not isinstance(calls, list):
+        raise APIError(400, f"messages[{index}].tool_calls: must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"messages[{index}].tool_calls[{j}].function.name: is required", "messages")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise APIError(
+                    400, f"messages[{index}].tool_calls[{j}].function.arguments: not valid JSON", "messages"
+                ) from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return {**message, "tool_calls": out}
+
+
+def chat_message(choice: Choice, parser_factory) -> dict[str, Any]:
+    """The message and finish_reason of a whole choice."""
+    text = "".join(choice.text)
+    if parser_factory is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": choice.finish_reason}
+    parser = parser_factory()
+    first, last = parser.feed(text), parser.finish()
+    message: dict[str, Any] = {"role": "assistant", "content": (first.content + last.content) or None}
+    if parser.reasoning_started:
+        message["reasoning_content"] = first.reasoning + last.reasoning
+    calls = parser.complete_calls
+    finish = choice.finish_reason
+    if calls:
+        message["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls
+        ]
+        finish = "tool_calls" if finish == "stop" else finish
+    elif message["content"] is None:
+        message["content"] = ""
+    return {"message": message, "finish_reason": finish}
+
+
 def token_entry(text: str | None, logprob: float) -> dict[str, Any]:
     text = text or ""
     return {"token": text, "logprob": safe_logprob(logprob), "bytes": list(text.encode("utf-8"))}
@@ -182,7 +298,7 @@ def chat_logprobs(entries: list[dict[int, Logprob]]) -> dict[str, Any]:
     return {"content": content}
 
 
-async def chat_stream(
+async def chat_stream(  # noqa: C901 - plain and parsed (tools, reasoning) deltas
     deltas: AsyncIterator[tuple[int, StreamDelta]],
     request_id: str,
     model: str,
@@ -190,6 +306,7 @@ async def chat_stream(
     n: int,
     include_usage: bool,
     want_logprobs: bool,
+    parser_factory=None,
 ) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if include_usage else {}
@@ -209,7 +326,47 @@ async def chat_stream(
             }
         )
 
+    parsers: dict[int, Gemma4OutputParser] = {}
+    called: set[int] = set()
+
+    def parsed_event(index: int, delta: StreamDelta, new_logprobs) -> dict | None:
+        parser = parsers.setdefault(index, parser_factory())
+        out = parser.feed(delta.text)
+        if delta.finished:
+            last = parser.finish()
+            out.content += last.content
+            out.reasoning += last.reasoning
+            out.tool_calls += last.tool_calls
+        body: dict[str, Any] = {}
+        if out.content:
+            body["content"] = out.content
+        if out.reasoning:
+            body["reasoning_content"] = out.reasoning
+        if out.tool_calls:
+            called.add(index)
+            body["tool_calls"] = [
+                {
+                    "index": t.index,
+                    **({"id": t.id, "type": "function"} if t.id else {}),
+                    "function": {**({"name": t.name} if t.name else {}), "arguments": t.arguments},
+                }
+                for t in out.tool_calls
+            ]
+        if not body and not delta.finished and not (want_logprobs and new_logprobs):
+            return None
+        finish = finish_fields(delta)
+        if delta.finished and parser.complete_calls and delta.finish_reason == "stop":
+            finish["finish_reason"] = "tool_calls"
+        return {
+            "index": index,
+            "delta": body,
+            "logprobs": chat_logprobs(new_logprobs) if want_logprobs else None,
+            **finish,
+        }
+
     def event(index: int, choice: Choice, delta: StreamDelta, new_logprobs) -> dict | None:
+        if parser_factory is not None:
+            return parsed_event(index, delta, new_logprobs)
         if not delta.text and not delta.finished and not (want_logprobs and new_logprobs):
             return (
                 None  # held back (a possible stop string) or a token with no text yet, and no logprobs asked

@@ -1,0 +1,166 @@
+"""OpenAI ``tools`` for Gemma 4: checking them, and the EBNF grammar that forces a well-formed call
+(``tool_choice`` ``required`` or named) whose arguments follow the function's JSON schema, in Gemma 4's own
+argument syntax (unquoted keys, strings between ``<|"|>``). Keys come in sorted order, as the chat template
+renders them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from g4serve.server.errors import APIError
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# Schema keywords the grammar enforces or that do not constrain values; anything else is refused.
+_KNOWN = {
+    "type",
+    "properties",
+    "required",
+    "items",
+    "enum",
+    "description",
+    "title",
+    "default",
+    "additionalProperties",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "nullable",
+    "$schema",
+    "examples",
+}
+MAX_CALLS = 8  # parallel calls one forced answer may hold
+
+
+def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict]:
+    """``{name: parameters schema}``; a 400 naming the field for a malformed tool."""
+    out: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+            raise APIError(400, f"{where}: must be {{'type': 'function', 'function': {{...}}}}", where)
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise APIError(400, f"{where}.function.name: must be 1-64 letters, digits, '_' or '-'", where)
+        if name in out:
+            raise APIError(400, f"{where}.function.name: {name!r} is declared twice", where)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise APIError(400, f"{where}.function.parameters: must be a JSON schema object", where)
+        out[name] = params
+    return out
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.rules: list[str] = []
+        self.count = 0
+
+    def rule(self, body: str, hint: str = "r") -> str:
+        self.count += 1
+        name = f"{hint}{self.count}"
+        self.rules.append(f"{name} ::= {body}")
+        return name
+
+    def value(self, schema: Any, where: str) -> str:  # noqa: C901 - one branch per JSON type
+        if not isinstance(schema, dict):
+            raise APIError(400, f"{where}: must be a JSON schema object", "tools")
+        unknown = set(schema) - _KNOWN
+        if unknown:
+            raise APIError(
+                400,
+                f"{where}: {sorted(unknown)[0]!r} is not supported when the call is forced "
+                "(tool_choice required or named)",
+                "tools",
+            )
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise APIError(400, f"{where}.enum: must be a non-empty list", "tools")
+            return self.rule(" | ".join(_literal(v, where) for v in values), "enum")
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self.rule(" | ".join(self.value({**schema, "type": k}, where) for k in kind), "any")
+        if kind == "string":
+            limit = schema.get("maxLength")
+            chars = f"[^<\\\\]{{0,{int(limit)}}}" if isinstance(limit, int) else "[^<\\\\]*"
+            return self.rule(f'"<|\\"|>" {chars} "<|\\"|>"', "str")
+        if kind == "integer":
+            return self.rule('"-"? ("0" | [1-9] [0-9]{0,15})', "int")
+        if kind == "number":
+            return self.rule('"-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,15})?', "num")
+        if kind == "boolean":
+            return self.rule('"true" | "false"', "bool")
+        if kind == "null":
+            return self.rule('"null"', "null")
+        if kind == "array":
+            item = self.value(schema.get("items", {"type": "string"}), f"{where}.items")
+            lo, hi = int(schema.get("minItems", 0)), int(schema.get("maxItems", 16))
+            if lo > hi:
+                raise APIError(400, f"{where}: minItems exceeds maxItems", "tools")
+            if hi == 0:
+                return self.rule('"[]"', "arr")
+            rest = f'("," {item}){{{max(lo - 1, 0)},{hi - 1}}}'
+            body = f'"[" {item} {rest} "]"'
+            return self.rule(body + (' | "[]"' if lo == 0 else ""), "arr")
+        if kind == "object" or (kind is None and "properties" in schema):
+            return self.object(schema, where)
+        raise APIError(400, f"{where}.type: {kind!r} is not supported when the call is forced", "tools")
+
+    def object(self, schema: dict, where: str) -> str:
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        missing = required - set(props)
+        if missing:
+            raise APIError(
+                400, f"{where}.required: {sorted(missing)[0]!r} has no schema in properties", "tools"
+            )
+        keys = sorted(props)
+        for key in keys:
+            if not _KEY.fullmatch(key):
+                raise APIError(
+                    400, f"{where}.properties: key {key!r} cannot be a Gemma 4 argument name", "tools"
+                )
+        items = [f'"{k}:" {self.value(props[k], f"{where}.properties.{k}")}' for k in keys]
+        # first[i]: members from i on, none written yet; after[i]: from i on, after one was written.
+        first, after = ['""'] * (len(keys) + 1), ['""'] * (len(keys) + 1)
+        for i in range(len(keys) - 1, -1, -1):
+            if keys[i] in required:
+                after[i] = self.rule(f'"," {items[i]} {after[i + 1]}', "a")
+                first[i] = self.rule(f"{items[i]} {after[i + 1]}", "f")
+            else:
+                after[i] = self.rule(f'("," {items[i]})? {after[i + 1]}', "a")
+                first[i] = self.rule(f"{items[i]} {after[i + 1]} | {first[i + 1]}", "f")
+        return self.rule(f'"{{" {first[0]} "}}"', "obj")
+
+
+def _literal(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        if "<" in value or "\\" in value:
+            raise APIError(400, f"{where}.enum: values with '<' or '\\\\' are not supported", "tools")
+        return json.dumps(f'<|"|>{value}<|"|>')
+    if isinstance(value, bool) or value is None or isinstance(value, (int, float)):
+        return json.dumps(json.dumps(value))
+    raise APIError(400, f"{where}.enum: only strings, numbers, booleans and null are supported", "tools")
+
+
+def forced_call_grammar(schemas: dict[str, dict], names: list[str], parallel: bool) -> str:
+    """EBNF: one call (or up to ``MAX_CALLS`` with ``parallel``) of one of ``names``."""
+    builder = _Builder()
+    calls = []
+    for name in names:
+        args = builder.object(
+            schemas[name] if schemas[name].get("type", "object") == "object" else {},
+            f"tools[{list(schemas).index(name)}].function.parameters",
+        )
+        calls.append(builder.rule(f'"<|tool_call>call:{name}" {args} "<tool_call|>"', "call"))
+    call = builder.rule(" | ".join(calls), "calls")
+    root = f"{call}{{1,{MAX_CALLS}}}" if parallel else call
+    return "\n".join([f"root ::= {root}", *builder.rules])
+
+
+__all__ = ["MAX_CALLS", "check_tools", "forced_call_grammar"]
