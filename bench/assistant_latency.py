@@ -183,7 +183,7 @@ async def bench_extraction(engine, extractor, repeats: int) -> dict:
                     "repeat": r,
                     "utterance": text,
                     "candidates": len(ex.offered),
-                    "amount_heard": ex.amount_heard,
+                    "amounts_offered": len(ex.amounts),
                     "llm_ms": round(ex.llm_ms, 3),
                     "validation_ms": round(ex.validation_ms, 3),
                     "prompt_tokens": ex.prompt_tokens,

@@ -1,5 +1,6 @@
 """Gemma extraction for utterances the fast path is unsure of: a stable prompt, a compact constrained JSON
-schema (the model chooses the intent, a candidate and the amount's words; everything else is deterministic),
+schema (the model chooses the intent, a candidate and which heard amount's words the request is for;
+everything else is deterministic),
 temperature 0, and jsonschema validation before anything reaches the policy."""
 
 from __future__ import annotations
@@ -14,63 +15,46 @@ from functools import lru_cache
 from typing import Any
 
 from g4serve_assistant.intents import AMBIGUOUS_PAYEE, INTENTS
-from g4serve_assistant.normalize import _CURRENCY_NAMES, _MINOR_NAMES, normalize
+from g4serve_assistant.normalize import Money, normalize
 
 log = logging.getLogger("g4serve_assistant")
 
 MAX_CANDIDATES = 5
+MAX_AMOUNTS = 3  # amounts the normalizer heard that the model may choose among ("fifty ... no, sixty")
 DEFAULT_MAX_TOKENS = 96
 
-# The amount as said, in the words the normalizer reads as money: number words, digits (with a symbol,
-# thousands commas and cents), currency and minor-unit names (its own lists), "minus" (a negative amount is
-# refused by the policy with its reason, not paid as its absolute value). Any other word could never name
-# an amount the normalizer heard, which is the only amount the merge takes. At most AMOUNT_MAX_WORDS words:
-# "a hundred and five dollars and twenty cents" is 8.
-_NUMBER_WORDS = (
-    "zero oh one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-    "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred "
-    "thousand million a an and point minus negative"
-).split()
-AMOUNT_WORDS = tuple(
-    sorted(
-        {*_NUMBER_WORDS, *(w for name in (*_CURRENCY_NAMES, *_MINOR_NAMES) for w in name.split())},
-        key=lambda w: (-len(w), w),  # longest first: a regex alternation tries them in order
-    )
-)
-AMOUNT_MAX_WORDS = 10
-_DIGITS = r"[$£€]?[0-9][0-9,]{0,8}(\.[0-9]{1,2})?"
-_AMOUNT_WORD = "(" + "|".join(AMOUNT_WORDS) + "|" + _DIGITS + ")"
-AMOUNT_PATTERN = f"^{_AMOUNT_WORD}( {_AMOUNT_WORD}){{0,{AMOUNT_MAX_WORDS - 1}}}$"
-_AMOUNT_MAX_CHARS = AMOUNT_MAX_WORDS * max(max(map(len, AMOUNT_WORDS)), 13) + AMOUNT_MAX_WORDS - 1
-
 # The fixed part of the prompt: instructions, the schema in words, and examples. It never changes between
-# calls, and the transcript and candidates come after it, so the engine's prefix cache serves it.
+# calls, and the transcript, candidates and amounts come after it, so the engine's prefix cache serves it.
 EXTRACTION_SYSTEM = f"""You read one utterance of a bank customer for the bank's voice assistant and \
 answer with a JSON object of three fields.
 
 - intent: one of {", ".join(INTENTS)}.
 - candidate: the id (c1, c2, ...) of the listed candidate the customer means, or null when none matches \
 or several match equally well. Choose only from the listed candidates.
-- amount_words: the amount exactly as the customer said it ("sixty pounds", "$12.50", "twenty bucks"), \
-or null when no amount was said. Never make up an amount. When the transcript holds no amount, it is null.
+- amount: the id (a1, a2, ...) of the listed amount, as heard in the customer's words, that the request is \
+for, or null when none is. Never make up an amount: when no amount is listed, it is null.
 
 Example 1
 Transcript: send fifty bucks to jon
 Candidates:
 c1: Jon Smith (friend)
 c2: Joan Miller (family)
-Output: {{"intent": "transfer_money", "candidate": "c1", "amount_words": "fifty bucks"}}
+Amounts:
+a1: fifty bucks
+Output: {{"intent": "transfer_money", "candidate": "c1", "amount": "a1"}}
 
 Example 2
 Transcript: can you take care of the power company thing
 Candidates:
 c1: City Electric (biller)
-Output: {{"intent": "bill_payment", "candidate": "c1", "amount_words": null}}
+Amounts: none
+Output: {{"intent": "bill_payment", "candidate": "c1", "amount": null}}
 
 Example 3
 Transcript: um my card is like gone I think
 Candidates: none
-Output: {{"intent": "card_lock", "candidate": null, "amount_words": null}}
+Amounts: none
+Output: {{"intent": "card_lock", "candidate": null, "amount": null}}
 
 Answer with the JSON object only."""
 
@@ -79,39 +63,45 @@ def candidate_ids(n: int) -> list[str]:
     """Ids offered to the model: positional (c1..cN), not database ids.
 
     Why: the schema's enum is compiled into a grammar per distinct id set (about a second for a 262k
-    vocabulary); positional ids give MAX_CANDIDATES + 1 schemas per amount shape, all compiled at start-up,
-    and keep payee ids out of the prompt (the model never sees or echoes internal identifiers).
+    vocabulary); positional ids give (MAX_CANDIDATES + 1) x (MAX_AMOUNTS + 1) schemas, all compiled at
+    start-up, and keep payee ids out of the prompt (the model never sees or echoes internal identifiers).
     """
     return [f"c{i + 1}" for i in range(n)]
 
 
-@lru_cache(maxsize=2 * (MAX_CANDIDATES + 1))
-def _schema_json(n_candidates: int, amount_heard: bool) -> str:
-    # No amount heard: the merge could take no amount the model read, so the grammar writes null for it.
-    amount = (
-        {"anyOf": [{"type": "string", "pattern": AMOUNT_PATTERN}, {"type": "null"}]}
-        if amount_heard
-        else {"type": "null"}
-    )
+def amount_ids(n: int) -> list[str]:
+    """Ids of the heard amounts offered to the model (a1..aN), each listed with the words it was heard in.
+
+    The model chooses which of the customer's amount words the request is for; it never writes a number.
+    A choice is two tokens at most (jump-forward writes the rest), where free-form amount words cost one
+    decoded token a word, and only an amount the normalizer heard can be chosen at all.
+    """
+    return [f"a{i + 1}" for i in range(n)]
+
+
+@lru_cache(maxsize=(MAX_CANDIDATES + 1) * (MAX_AMOUNTS + 1))
+def _schema_json(n_candidates: int, n_amounts: int) -> str:
     schema = {
         "type": "object",
         "properties": {
             "intent": {"type": "string", "enum": list(INTENTS)},
             "candidate": {"enum": [*candidate_ids(n_candidates), None]},
-            "amount_words": amount,
+            "amount": {"enum": [*amount_ids(n_amounts), None]},
         },
-        "required": ["intent", "candidate", "amount_words"],
+        "required": ["intent", "candidate", "amount"],
         "additionalProperties": False,
     }
     return json.dumps(schema)
 
 
-def extraction_schema(n_candidates: int, amount_heard: bool = True) -> dict:
-    """The JSON schema of one extraction with ``n_candidates`` offered candidates (0..MAX_CANDIDATES);
-    without ``amount_heard`` the amount can only be null."""
+def extraction_schema(n_candidates: int, n_amounts: int = 0) -> dict:
+    """The JSON schema of one extraction with ``n_candidates`` offered candidates (0..MAX_CANDIDATES) and
+    ``n_amounts`` heard amounts (0..MAX_AMOUNTS)."""
     if not 0 <= n_candidates <= MAX_CANDIDATES:
         raise ValueError(f"n_candidates: must be in [0, {MAX_CANDIDATES}], got {n_candidates}")
-    return json.loads(_schema_json(n_candidates, bool(amount_heard)))
+    if not 0 <= n_amounts <= MAX_AMOUNTS:
+        raise ValueError(f"n_amounts: must be in [0, {MAX_AMOUNTS}], got {n_amounts}")
+    return json.loads(_schema_json(n_candidates, n_amounts))
 
 
 def max_output_bytes(schema: dict) -> int:
@@ -127,8 +117,6 @@ def max_output_bytes(schema: dict) -> int:
     for t in schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]:
         if t == "null":
             sizes.append(4)
-        elif t == "string" and schema.get("pattern") == AMOUNT_PATTERN:
-            sizes.append(2 + 2 * _AMOUNT_MAX_CHARS)  # £ and € take two bytes
         elif t == "object":
             props = schema.get("properties", {})
             parts = [len(json.dumps(k)) + 2 + max_output_bytes(s) for k, s in props.items()]
@@ -138,21 +126,10 @@ def max_output_bytes(schema: dict) -> int:
     return max(sizes)
 
 
-def heard_amounts(text: str) -> list[tuple[int, str]]:
-    """The (amount_minor, currency) pairs the normalizer hears in ``text``, as the pipeline gets them."""
-    return [(m.amount_minor, m.currency) for m in normalize(text).amounts]
-
-
-def amount_of_words(words: str, heard: Sequence[tuple[int, str]]) -> tuple[int, str] | None:
-    """The heard amount that the model's ``words`` name, or None: the words must read as exactly one amount
-    (a bare number matches by value, whatever currency was heard with it)."""
-    parsed = normalize(f"pay {words}")
-    if len(parsed.amounts) != 1:
-        return None
-    said = parsed.amounts[0]
-    bare = any(r.rule == "money_default_currency" for r in parsed.rules)
-    matches = [(a, c) for a, c in heard if a == said.amount_minor and (bare or c == said.currency)]
-    return matches[0] if matches else None
+def heard_amounts(text: str, default_currency: str = "USD") -> list[Money]:
+    """The amounts the normalizer hears in ``text`` (each with the words it was heard in), as the pipeline
+    gets them."""
+    return list(normalize(text, default_currency=default_currency).amounts)
 
 
 @dataclass
@@ -172,13 +149,19 @@ class Extraction:
     decoded_tokens: int = 0  # of output_tokens, those the model sampled (one forward each)
     forced_tokens: int = 0  # of output_tokens, those the grammar forced (jump-forward; no forward)
     finish_reason: str | None = None
-    amount_heard: bool = True  # whether the schema let the model say an amount
+    amounts: list[tuple[int, str]] = field(default_factory=list)  # (amount_minor, currency) behind a1..aN
     timeline: dict[str, float] = field(default_factory=dict)  # perf_counter() of request start/end
 
     @property
     def payee_id(self) -> str | None:
         cid = (self.output or {}).get("candidate")
         return self.offered[int(cid[1:]) - 1] if cid else None
+
+    @property
+    def amount(self) -> tuple[int, str] | None:
+        """The heard amount the model chose, as (amount_minor, currency)."""
+        aid = (self.output or {}).get("amount")
+        return self.amounts[int(aid[1:]) - 1] if aid else None
 
 
 class Extractor:
@@ -190,13 +173,13 @@ class Extractor:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._validators = {
-            (n, heard): jsonschema.Draft202012Validator(extraction_schema(n, heard))
+            (n, k): jsonschema.Draft202012Validator(extraction_schema(n, k))
             for n in range(MAX_CANDIDATES + 1)
-            for heard in (True, False)
+            for k in range(MAX_AMOUNTS + 1)
         }
-        bound = max_output_bytes(extraction_schema(MAX_CANDIDATES))
+        bound = max_output_bytes(extraction_schema(MAX_CANDIDATES, MAX_AMOUNTS))
         self.max_tokens = self._budget(max_tokens, bound)
-        self._specs: dict[tuple[int, bool], Any] = {}
+        self._specs: dict[tuple[int, int], Any] = {}
         marker = "\x00TRANSCRIPT\x00"
         rendered = self.tokenizer.apply_chat_template(self._messages_for(marker), add_generation_prompt=True)
         self.fixed_prefix = rendered[: rendered.index(marker)]
@@ -210,8 +193,11 @@ class Extractor:
         """
         if requested is None:
             return bound_bytes
-        words = " ".join(sorted(AMOUNT_WORDS, key=len)[-AMOUNT_MAX_WORDS:])
-        longest = {"intent": max(INTENTS, key=len), "candidate": "c5", "amount_words": words}
+        longest = {
+            "intent": max(INTENTS, key=len),
+            "candidate": candidate_ids(MAX_CANDIDATES)[-1],
+            "amount": amount_ids(MAX_AMOUNTS)[-1],
+        }
         n = len(self.tokenizer.encode(json.dumps(longest), add_special_tokens=False))
         if n <= requested:
             return requested
@@ -230,8 +216,11 @@ class Extractor:
         return [{"role": "system", "content": EXTRACTION_SYSTEM}, {"role": "user", "content": user_text}]
 
     @staticmethod
-    def user_text(transcript: str, candidates: Sequence, normalized: str | None = None) -> str:
-        """The per-call tail: transcript (and its normalized form), then the offered candidates."""
+    def user_text(
+        transcript: str, candidates: Sequence, normalized: str | None = None, amounts: Sequence[Money] = ()
+    ) -> str:
+        """The per-call tail: transcript (and its normalized form), the offered candidates, then the heard
+        amounts in the words they were heard in."""
         lines = [f"Transcript: {transcript.strip()}"]
         if normalized and normalized.strip() != transcript.strip():
             lines.append(f"Normalized: {normalized.strip()}")
@@ -241,40 +230,48 @@ class Extractor:
                 lines.append(f"{cid}: {cand.display_name} ({cand.relationship or cand.kind})")
         else:
             lines.append("Candidates: none")
+        if amounts:
+            lines.append("Amounts:")
+            for aid, money in zip(amount_ids(len(amounts)), amounts, strict=True):
+                lines.append(f"{aid}: {money.text.strip()}")
+        else:
+            lines.append("Amounts: none")
         return "\n".join(lines)
 
-    def prompt(self, transcript: str, candidates: Sequence, normalized: str | None = None) -> str:
+    def prompt(
+        self, transcript: str, candidates: Sequence, normalized: str | None = None, amounts: Sequence = ()
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            self._messages_for(self.user_text(transcript, candidates, normalized)), add_generation_prompt=True
+            self._messages_for(self.user_text(transcript, candidates, normalized, amounts)),
+            add_generation_prompt=True,
         )
 
-    def spec(self, n_candidates: int, amount_heard: bool = True):
+    def spec(self, n_candidates: int, n_amounts: int = 0):
         from g4serve.structured import StructuredSpec
 
-        key = (n_candidates, bool(amount_heard))
+        key = (n_candidates, n_amounts)
         if key not in self._specs:
             self._specs[key] = StructuredSpec.json_schema(extraction_schema(*key))
         return self._specs[key]
 
-    def params(self, n_candidates: int, amount_heard: bool = True):
+    def params(self, n_candidates: int, n_amounts: int = 0):
         from g4serve.sampling_params import SamplingParams
 
         return SamplingParams(
             temperature=0.0,
             max_tokens=self.max_tokens,
-            structured_output=self.spec(n_candidates, amount_heard),
+            structured_output=self.spec(n_candidates, n_amounts),
         )
 
     async def warmup(self) -> None:
-        """Compile the grammar of every candidate count and amount shape now (off the event loop), not on a
-        user's turn, and prefill the fixed prompt once so the first user's call finds it in the prefix
-        cache."""
+        """Compile the grammar of every candidate and amount count now (off the event loop), not on a user's
+        turn, and prefill the fixed prompt once so the first user's call finds it in the prefix cache."""
         from g4serve.sampling_params import SamplingParams
 
         processed = await self.engine.process(self.prompt("warm up", []), add_special_tokens=False)
         for n in range(MAX_CANDIDATES + 1):  # admitted only to compile the grammar: never queued
-            for heard in (True, False):
-                await self.engine.validate(processed, self.params(n, heard))
+            for k in range(MAX_AMOUNTS + 1):
+                await self.engine.validate(processed, self.params(n, k))
         async for _ in self.engine.generate(processed, SamplingParams(temperature=0.0, max_tokens=1)):
             pass
 
@@ -284,21 +281,21 @@ class Extractor:
         transcript: str,
         candidates: Sequence,
         normalized: str | None = None,
-        heard: Sequence[tuple[int, str]] | None = None,
+        heard: Sequence[Money] | None = None,
     ) -> Extraction:
-        """One constrained call. ``heard``: the amounts the normalizer heard in the transcript (computed here
-        when not given); without any, the schema lets the model say no amount."""
+        """One constrained call. ``heard``: the amounts the normalizer heard (the pipeline's, in the
+        customer's currency; computed here when not given), of which the model may choose one."""
         candidates = list(candidates)[:MAX_CANDIDATES]
         offered = [c.payee_id for c in candidates]
-        amount_heard = bool(heard_amounts(transcript) if heard is None else heard)
+        amounts = list(heard_amounts(transcript) if heard is None else heard)[:MAX_AMOUNTS]
         processed = await self.engine.process(
-            self.prompt(transcript, candidates, normalized), add_special_tokens=False
+            self.prompt(transcript, candidates, normalized, amounts), add_special_tokens=False
         )
         t_start = time.perf_counter()
         pieces: list[str] = []
         out_tokens = cached = forced = 0
         finish_reason = None
-        async for delta in self.engine.generate(processed, self.params(len(candidates), amount_heard)):
+        async for delta in self.engine.generate(processed, self.params(len(candidates), len(amounts))):
             pieces.append(delta.text)
             out_tokens, cached = delta.num_output_tokens, delta.num_cached_tokens
             forced = delta.num_forced_tokens
@@ -306,7 +303,7 @@ class Extractor:
                 finish_reason = delta.finish_reason
         t_end = time.perf_counter()
         raw = "".join(pieces)
-        output, error = self.validate(raw, len(candidates), amount_heard)
+        output, error = self.validate(raw, len(candidates), len(amounts))
         t_valid = time.perf_counter()
         return Extraction(
             output=output,
@@ -322,20 +319,18 @@ class Extractor:
             decoded_tokens=out_tokens - forced,
             forced_tokens=forced,
             finish_reason=finish_reason,
-            amount_heard=amount_heard,
+            amounts=[(m.amount_minor, m.currency) for m in amounts],
             timeline={"llm_start": t_start, "llm_end": t_end},
         )
 
-    def validate(
-        self, raw: str, n_candidates: int, amount_heard: bool = True
-    ) -> tuple[dict | None, str | None]:
+    def validate(self, raw: str, n_candidates: int, n_amounts: int = 0) -> tuple[dict | None, str | None]:
         """Parse and check against the schema; the grammar should make this always pass, but the policy
         acts on money, so nothing is trusted unchecked (a truncated output, a grammar bug)."""
         try:
             output = json.loads(raw)
         except json.JSONDecodeError as exc:
             return None, f"not JSON: {exc}"
-        validator = self._validators[(n_candidates, bool(amount_heard))]
+        validator = self._validators[(n_candidates, n_amounts)]
         errors = sorted(validator.iter_errors(output), key=lambda e: list(e.path))
         if errors:
             where = "/".join(str(p) for p in errors[0].path) or "(root)"
@@ -343,27 +338,17 @@ class Extractor:
         return output, None
 
 
-def merge_into_result(
-    base,
-    extraction: Extraction,
-    candidates: Sequence,
-    heard_amounts: Sequence[tuple[int, str]] = (),
-    confidence: float = 0.9,
-):
+def merge_into_result(base, extraction: Extraction, candidates: Sequence, confidence: float = 0.9):
     """The fast path's ``IntentResult`` updated with a valid extraction; the policy re-validates it.
 
-    The model chooses, it does not supply values: its intent and its candidate are taken; its amount words
-    only when they name one of the amounts the normalizer heard (``heard_amounts``, (amount_minor, currency)
-    pairs: the model chose which one, ``amount_of_words``), never a number only the model read; currency,
-    minor units, dates, cards and accounts stay the normalizer's and the rules'. Without an amount the policy
-    asks "how much?". ``confidence`` is a fixed, uncalibrated value.
+    The model chooses, it does not supply values: its intent, its candidate and its choice among the heard
+    amounts are taken; currency, minor units, dates, cards and accounts stay the normalizer's and the
+    rules'. Without an amount the policy asks "how much?". ``confidence`` is a fixed, uncalibrated value.
     """
     out = extraction.output or {}
     entities = dict(base.entities or {})
-    words = out.get("amount_words")
-    chosen_amount = amount_of_words(words, heard_amounts) if isinstance(words, str) else None
-    if chosen_amount is not None:
-        entities["amount_minor"], entities["currency"] = chosen_amount
+    if extraction.amount is not None:
+        entities["amount_minor"], entities["currency"] = extraction.amount
     payee_id = extraction.payee_id
     reason = None
     if payee_id is not None:
@@ -385,13 +370,12 @@ def merge_into_result(
 
 
 __all__ = [
-    "AMOUNT_PATTERN",
-    "AMOUNT_WORDS",
     "EXTRACTION_SYSTEM",
+    "MAX_AMOUNTS",
     "MAX_CANDIDATES",
     "Extraction",
     "Extractor",
-    "amount_of_words",
+    "amount_ids",
     "candidate_ids",
     "extraction_schema",
     "heard_amounts",

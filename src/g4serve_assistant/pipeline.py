@@ -534,7 +534,9 @@ class Assistant:
         from g4serve_assistant.extraction import MAX_CANDIDATES, merge_into_result
 
         offered = candidates[:MAX_CANDIDATES]
-        extraction = await self.extractor.extract(text, offered, normalized=normalized.text)
+        extraction = await self.extractor.extract(
+            text, offered, normalized=normalized.text, heard=normalized.amounts
+        )
         clock.add("llm", extraction.llm_ms)
         clock.mark("llm_start", extraction.timeline["llm_start"])
         clock.mark("llm_end", extraction.timeline["llm_end"])
@@ -548,13 +550,14 @@ class Assistant:
             "prompt_tokens": extraction.prompt_tokens,
             "cached_tokens": extraction.cached_tokens,
             "output_tokens": extraction.output_tokens,
+            "decoded_tokens": extraction.decoded_tokens,
+            "forced_tokens": extraction.forced_tokens,
             "finish_reason": extraction.finish_reason,
         }
         audit.append(AuditRow("llm", "extraction", {**info, "raw": extraction.raw}))
         if not extraction.valid:
             return result, info  # the fast path's reading goes to the policy, which asks rather than guesses
-        heard_amounts = [(m.amount_minor, m.currency) for m in normalized.amounts]
-        merged = merge_into_result(result, extraction, offered, heard_amounts)
+        merged = merge_into_result(result, extraction, offered)
         merged.entities = await asyncio.to_thread(_resolve_references, customer.view, merged.entities)
         return merged, info
 

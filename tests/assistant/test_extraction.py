@@ -1,6 +1,7 @@
-"""Gemma extraction on the tiny random model: the compact schema (intent, candidate, amount words), whose
-constrained output always parses and validates, only offered candidates and heard amounts come back, no
-date or other value comes from the model, and the prompt's fixed part is a token prefix of every prompt."""
+"""Gemma extraction on the tiny random model: the compact schema (intent, candidate, which heard amount),
+whose constrained output always parses and validates, only offered candidates and heard amounts come back,
+no date or other value comes from the model, and the prompt's fixed part is a token prefix of every
+prompt."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ import jsonschema
 import pytest
 
 from g4serve_assistant.extraction import (
-    AMOUNT_PATTERN,
-    AMOUNT_WORDS,
     EXTRACTION_SYSTEM,
+    MAX_AMOUNTS,
     MAX_CANDIDATES,
     Extraction,
     Extractor,
-    amount_of_words,
+    amount_ids,
     candidate_ids,
     extraction_schema,
     heard_amounts,
@@ -28,7 +28,7 @@ from g4serve_assistant.extraction import (
 )
 from g4serve_assistant.intents import INTENTS, IntentResult
 
-REQUIRED = {"intent", "candidate", "amount_words"}
+REQUIRED = {"intent", "candidate", "amount"}
 
 
 @dataclass
@@ -70,57 +70,28 @@ def extractor(engine):
 # ---- the schema ------------------------------------------------------------------------------------------
 
 
-def test_schema_is_compact_bounded_and_offers_only_candidate_ids():
+def test_schema_is_compact_bounded_and_offers_only_ids():
     for n in range(MAX_CANDIDATES + 1):
-        for heard in (True, False):
-            schema = extraction_schema(n, heard)
+        for k in range(MAX_AMOUNTS + 1):
+            schema = extraction_schema(n, k)
             jsonschema.Draft202012Validator.check_schema(schema)
             assert set(schema["required"]) == set(schema["properties"]) == REQUIRED
             assert schema["additionalProperties"] is False
             assert schema["properties"]["intent"]["enum"] == list(INTENTS)
             assert schema["properties"]["candidate"]["enum"] == [*candidate_ids(n), None]
-            assert max_output_bytes(schema) < 400  # every value is bounded
-        assert extraction_schema(n, amount_heard=False)["properties"]["amount_words"] == {"type": "null"}
+            assert schema["properties"]["amount"]["enum"] == [*amount_ids(k), None]
+            assert max_output_bytes(schema) < 120  # every value is one of a few short strings
     with pytest.raises(ValueError, match="n_candidates"):
         extraction_schema(MAX_CANDIDATES + 1)
+    with pytest.raises(ValueError, match="n_amounts"):
+        extraction_schema(0, MAX_AMOUNTS + 1)
 
 
-def test_amount_words_are_what_the_normalizer_reads():
-    """Every word of the pattern is plain letters; amounts as customers say them fit it and map back to the
-    amount the normalizer heard in the sentence; other words do not fit."""
-    assert all(re.fullmatch("[a-z]+", w) for w in AMOUNT_WORDS)
-    pattern = re.compile(AMOUNT_PATTERN)
-    said = [
-        ("send sixty pounds to jon", "sixty pounds"),
-        ("give catherine twenty bucks", "twenty bucks"),
-        ("transfer $120.50 to priya", "$120.50"),
-        ("pay a hundred and five dollars and twenty cents", "a hundred and five dollars and twenty cents"),
-        ("send fifty to jon", "fifty"),
-        ("pay 12.50 euros and 3 dollars", "3 dollars"),
-        ("send 1,250.50 euros to mum", "1,250.50 euros"),
-        ("send minus fifty dollars to bob", "minus fifty dollars"),
-    ]
-    for sentence, words in said:
-        assert pattern.fullmatch(words), words
-        heard = heard_amounts(sentence)
-        assert amount_of_words(words, heard) in heard, (sentence, words)
-    for words in [
-        "8888-00-95",
-        "send it all",
-        "fifty dollars to jon",
-        "one two three four five six seven eight nine ten eleven",
-    ]:
-        assert not pattern.fullmatch(words), words
-
-
-def test_amount_of_words_takes_only_a_heard_amount():
-    heard = [(5000, "USD"), (2000, "EUR")]
-    assert amount_of_words("fifty dollars", heard) == (5000, "USD")
-    assert amount_of_words("twenty", heard) == (2000, "EUR")  # a bare number: the currency heard with it
-    assert amount_of_words("twenty dollars", heard) is None  # said in another currency than heard
-    assert amount_of_words("ninety nine dollars", heard) is None  # a number only the model read
-    assert amount_of_words("fifty dollars and twenty euros", heard) is None  # two amounts: which?
-    assert amount_of_words("fifty dollars", []) is None
+def test_heard_amounts_carry_the_words_they_were_heard_in():
+    heard = heard_amounts("send fifty dollars no sixty dollars to jon")
+    assert [(m.amount_minor, m.currency) for m in heard] == [(5000, "USD"), (6000, "USD")]
+    assert [m.text.strip() for m in heard] == ["50 dollars", "60 dollars"]  # as the normalizer spells them
+    assert [(m.amount_minor, m.currency) for m in heard_amounts("pay twenty", "GBP")] == [(2000, "GBP")]
 
 
 # ---- the prompt ------------------------------------------------------------------------------------------
@@ -137,13 +108,17 @@ def test_fixed_prompt_part_is_a_token_prefix_of_every_prompt(extractor):
         ("", [], None),
     ]
     for transcript, candidates, normalized in cases:
-        prompt = extractor.prompt(transcript, candidates, normalized)
+        prompt = extractor.prompt(transcript, candidates, normalized, heard_amounts(transcript))
         ids = tok.encode(prompt, add_special_tokens=False)
         assert ids[: len(fixed)] == fixed, transcript
         tail = prompt[len(extractor.fixed_prefix) :]
         assert tail.startswith("Transcript: ") and transcript in tail  # per-call text comes last
         for cid, cand in zip(candidate_ids(len(candidates)), candidates, strict=True):
             assert f"{cid}: {cand.display_name}" in tail
+        amounts = heard_amounts(transcript)
+        for aid, money in zip(amount_ids(len(amounts)), amounts, strict=True):
+            assert f"{aid}: {money.text.strip()}" in tail
+        assert amounts or "Amounts: none" in tail
         assert "john_smith" not in prompt  # database ids never reach the model
 
 
@@ -153,7 +128,7 @@ def test_prompt_examples_validate():
     assert len(outputs) == 3
     for text in outputs:
         out = json.loads(text)
-        jsonschema.validate(out, extraction_schema(2, amount_heard=out["amount_words"] is not None))
+        jsonschema.validate(out, extraction_schema(2, 1))
 
 
 # ---- the call ----------------------------------------------------------------------------------------------
@@ -174,10 +149,11 @@ def _check_calls(extractor: Extractor, results: list[Extraction]) -> None:
         assert r.finish_reason == "stop"
         out = json.loads(r.raw)
         assert out == r.output and set(out) == REQUIRED  # no missing and no extra fields
-        assert r.amount_heard == bool(heard_amounts(text))
-        jsonschema.validate(out, extraction_schema(len(offered), r.amount_heard))
-        if not r.amount_heard:
-            assert out["amount_words"] is None
+        heard = [(m.amount_minor, m.currency) for m in heard_amounts(text)]
+        assert r.amounts == heard
+        jsonschema.validate(out, extraction_schema(len(offered), len(heard)))
+        assert out["amount"] in [*amount_ids(len(heard)), None]
+        assert r.amount is None or r.amount in heard  # only an amount that was said can come back
         assert out["candidate"] in [*candidate_ids(len(offered)), None]
         assert r.offered == [c.payee_id for c in offered]
         assert r.payee_id is None or r.payee_id in r.offered
@@ -214,20 +190,22 @@ def test_without_jump_forward_every_token_is_decoded(tiny_model_dir):
 
 
 def test_validate_refuses_what_the_grammar_should_never_produce(extractor):
-    good = {"intent": "transfer_money", "candidate": "c2", "amount_words": "fifty dollars"}
-    assert extractor.validate(json.dumps(good), 2) == (good, None)
-    for bad, n, heard, where in [
-        ({**good, "extra": 1}, 2, True, "(root)"),
-        ({**good, "candidate": "c3"}, 2, True, "candidate"),
-        ({**good, "intent": "buy_stocks"}, 2, True, "intent"),
-        ({**good, "amount_words": "fifty dollars to jon"}, 2, True, "amount_words"),
-        ({**good, "amount_words": "fifty dollars"}, 2, False, "amount_words"),  # nothing was heard
+    good = {"intent": "transfer_money", "candidate": "c2", "amount": "a1"}
+    assert extractor.validate(json.dumps(good), 2, 1) == (good, None)
+    for bad, n, k, where in [
+        ({**good, "extra": 1}, 2, 1, "(root)"),
+        ({**good, "candidate": "c3"}, 2, 1, "candidate"),
+        ({**good, "intent": "buy_stocks"}, 2, 1, "intent"),
+        ({**good, "amount": "a2"}, 2, 1, "amount"),
+        ({**good, "amount": "a1"}, 2, 0, "amount"),  # nothing was heard
+        ({**good, "amount": "fifty dollars"}, 2, 1, "amount"),  # words, not a choice
+        ({**good, "amount": 5000}, 2, 1, "amount"),
         # Issue 20's repro: an impossible date passed validation. There is no field a date could be in.
-        ({**good, "intent": "card_unlock", "date": "8888-00-95"}, 2, True, "(root)"),
-        ({**good, "entities": {"date": "8888-00-95"}}, 2, True, "(root)"),
-        ({**good, "amount_words": "8888-00-95"}, 2, True, "amount_words"),
+        ({**good, "intent": "card_unlock", "date": "8888-00-95"}, 2, 1, "(root)"),
+        ({**good, "entities": {"date": "8888-00-95"}}, 2, 1, "(root)"),
+        ({**good, "amount": "8888-00-95"}, 2, 1, "amount"),
     ]:
-        output, error = extractor.validate(json.dumps(bad), n, heard)
+        output, error = extractor.validate(json.dumps(bad), n, k)
         assert output is None and error.startswith(where), (bad, error)
     output, error = extractor.validate('{"intent": "transfer_mo', 2)
     assert output is None and error.startswith("not JSON")
@@ -236,10 +214,18 @@ def test_validate_refuses_what_the_grammar_should_never_produce(extractor):
 # ---- the merge -----------------------------------------------------------------------------------------
 
 
-def _extraction(words, cid="c2", intent="transfer_money", **extra) -> Extraction:
-    out = {"intent": intent, "candidate": cid, "amount_words": words, **extra}
+HEARD = [(5000, "USD"), (2000, "USD")]
+
+
+def _extraction(aid, cid="c2", intent="transfer_money", amounts=HEARD, **extra) -> Extraction:
+    out = {"intent": intent, "candidate": cid, "amount": aid, **extra}
     return Extraction(
-        output=out, raw=json.dumps(out), valid=True, error=None, offered=[c.payee_id for c in JONS]
+        output=out,
+        raw=json.dumps(out),
+        valid=True,
+        error=None,
+        offered=[c.payee_id for c in JONS],
+        amounts=list(amounts),
     )
 
 
@@ -256,20 +242,17 @@ def _result(**entities) -> IntentResult:
 
 
 def test_merge_takes_choices_not_values():
-    heard = [(5000, "USD"), (2000, "USD")]
     base = _result(amount_minor=5000, currency="USD", card="card_1")
-    merged = merge_into_result(base, _extraction("ninety nine euros"), JONS, heard)
+    merged = merge_into_result(base, _extraction("a1"), JONS)
     assert merged.intent == "transfer_money" and not merged.needs_llm and "gemma_extraction" in merged.rules
-    assert (merged.entities["amount_minor"], merged.entities["currency"]) == (5000, "USD")  # not the model's
+    assert (merged.entities["amount_minor"], merged.entities["currency"]) == (5000, "USD")
     assert merged.entities["payee_id"] == "jon_smythe" and merged.entities["payee_name"] == "Jon Smythe"
     assert merged.entities["card"] == "card_1" and merged.ambiguity_reason is None
-    # The model chooses among the amounts that were said, in its words.
-    assert (
-        merge_into_result(base, _extraction("twenty dollars"), JONS, heard).entities["amount_minor"] == 2000
-    )
-    assert merge_into_result(base, _extraction("twenty"), JONS, heard).entities["amount_minor"] == 2000
-    # No amount heard: the model's words are dropped and the policy will ask.
-    merged = merge_into_result(_result(), _extraction("ninety nine dollars"), JONS)
+    # The model chooses among the amounts that were said ("fifty, no, twenty dollars").
+    assert merge_into_result(base, _extraction("a2"), JONS).entities["amount_minor"] == 2000
+    # No choice: the fast path's reading stays; none heard at all: the policy will ask.
+    assert merge_into_result(base, _extraction(None), JONS).entities["amount_minor"] == 5000
+    merged = merge_into_result(_result(), _extraction(None, amounts=[]), JONS)
     assert "amount_minor" not in merged.entities and "currency" not in merged.entities
     # Candidates were offered and the model chose none: no payee survives, and the payee stays ambiguous.
     guessed = merge_into_result(_result(payee_id="john_smith"), _extraction(None, cid=None), JONS)
@@ -280,9 +263,9 @@ def test_merge_never_takes_a_date_or_other_value_from_the_model():
     """Even an output that somehow skipped validation adds nothing but the choices: issue 20's card_unlock
     with date "8888-00-95" cannot reach the policy."""
     bad = _extraction(
-        None, cid=None, intent="card_unlock", date="8888-00-95", entities={"date": "8888-00-95"}
+        None, cid=None, intent="card_unlock", date="8888-00-95", entities={"date": "8888-00-95"}, amounts=[]
     )
-    merged = merge_into_result(_result(), bad, [], [])
+    merged = merge_into_result(_result(), bad, [])
     assert merged.intent == "card_unlock" and merged.entities == {}
 
 
@@ -301,10 +284,10 @@ def test_warmup_compiles_every_grammar_through_the_public_validate(engine, extra
             await engine.validate(processed, SamplingParams(max_tokens=engine.max_model_len))
         before = backend.cache_info()
         for n in range(MAX_CANDIDATES + 1):
-            for heard in (True, False):
-                await engine.validate(processed, extractor.params(n, heard))
+            for k in range(MAX_AMOUNTS + 1):
+                await engine.validate(processed, extractor.params(n, k))
         after = backend.cache_info()
-        shapes = 2 * (MAX_CANDIDATES + 1)
+        shapes = (MAX_AMOUNTS + 1) * (MAX_CANDIDATES + 1)
         assert after["misses"] == before["misses"] and after["hits"] >= before["hits"] + shapes
 
     asyncio.run(run())
