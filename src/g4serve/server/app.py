@@ -24,10 +24,12 @@ from g4serve.server.config import ServerConfig
 from g4serve.server.errors import error_response, install_error_handlers
 from g4serve.server.guard import GuardMiddleware
 from g4serve.server.metrics import ServerMetrics
+from g4serve.server.response_store import ResponseStore
 from g4serve.server.serving_base import WaitingLimit
 from g4serve.server.serving_chat import OpenAIServingChat
 from g4serve.server.serving_completion import OpenAIServingCompletion
 from g4serve.server.serving_models import OpenAIServingModels
+from g4serve.server.serving_responses import OpenAIServingResponses
 from g4serve.server.serving_speech import OpenAIServingSpeech
 
 log = logging.getLogger("g4serve.server")
@@ -64,6 +66,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.serving_chat = OpenAIServingChat(engine, models, config, metrics, waiting)
     app.state.serving_completion = OpenAIServingCompletion(engine, models, config, metrics, waiting)
     app.state.serving_speech = OpenAIServingSpeech(engine, models, config, metrics, waiting)
+    store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
+    app.state.serving_responses = OpenAIServingResponses(
+        engine, models, config, metrics, waiting, chat=app.state.serving_chat, store=store
+    )
     app.include_router(routes.system)
     app.include_router(routes.openai)
 

@@ -18,6 +18,9 @@ class ServerConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     # accept chat_template_kwargs.chat_template (rendered sandboxed, under ChatTemplateLimits)
     trust_request_chat_template: bool = False
+    # /v1/responses kept for previous_response_id and GET: least recently used out past either bound
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 256 << 20
 
     def is_public(self, path: str) -> bool:
         """Paths open without the API key: liveness, and the metrics when asked for."""

@@ -69,6 +69,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds to let running requests finish on shutdown before aborting them",
     )
+    p.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=1024,
+        help="/v1/responses kept in memory for previous_response_id (least recently used out first; 0: none)",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=256 << 20,
+        help="bytes of stored /v1/responses (their JSON, media data URLs included) past which the least "
+        "recently used go",
+    )
     p.add_argument("--log-level", default="info")
     add_engine_arguments(p)  # every EngineConfig option, with its default and help from the field
 
@@ -108,6 +121,8 @@ def build_from_args(args: argparse.Namespace):
         metrics_public=args.metrics_public,
         limit_mm_per_prompt=dict(engine.config.limit_mm_per_prompt),
         trust_request_chat_template=args.trust_request_chat_template,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
     )
     return build_app(engine, config)
 

@@ -2,7 +2,8 @@
 ``build_app`` put on ``app.state`` (``serving_chat``, ``serving_completion``, ``serving_models``).
 
 - ``openai``: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/transcriptions``,
-  ``POST /v1/audio/translations`` (``serving_speech``), ``GET /v1/models``;
+  ``POST /v1/audio/translations`` (``serving_speech``), ``POST``/``GET``/``DELETE /v1/responses``
+  (``serving_responses``), ``GET /v1/models``;
 - ``system``: ``GET /health``, ``GET /metrics``.
 """
 
@@ -35,6 +36,21 @@ async def transcriptions(request: Request):
 @openai.post("/v1/audio/translations")
 async def translations(request: Request):
     return await request.app.state.serving_speech.create(request, "translate")
+
+
+@openai.post("/v1/responses")
+async def responses(request: Request):
+    return await request.app.state.serving_responses.create(request)
+
+
+@openai.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> dict:
+    return request.app.state.serving_responses.retrieve(request, response_id)
+
+
+@openai.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> dict:
+    return request.app.state.serving_responses.delete(request, response_id)
 
 
 @openai.get("/v1/models")
