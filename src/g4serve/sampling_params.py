@@ -48,6 +48,11 @@ class SamplingParams:
     # Constrained decoding: output must match this spec (StructuredSpec.from_response_format, .json_schema,
     # .regex, .choice, ...); the engine compiles it when the request is made.
     structured_output: StructuredSpec | None = field(default=None, repr=False)
+    # Thinking is on (Gemma 4's thought channel may open first): structured_output applies after the channel
+    # closes, not from the first token (structured/reasoning.py).
+    thinking: bool = False
+    # Thought tokens after which the engine forces the channel's closing marker (None: no budget).
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -137,6 +142,13 @@ class SamplingParams:
             _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
             "frequency_penalty",
             f"must be in [-2, 2], got {self.frequency_penalty!r}",
+        )
+        check(isinstance(self.thinking, bool), "thinking", f"must be a boolean, got {self.thinking!r}")
+        check(
+            self.max_reasoning_tokens is None
+            or (_is_int(self.max_reasoning_tokens) and 0 <= self.max_reasoning_tokens <= MAX_INT_PARAM),
+            "max_reasoning_tokens",
+            f"must be an integer in [0, {MAX_INT_PARAM}], got {self.max_reasoning_tokens!r}",
         )
         self._check_logit_bias()
 

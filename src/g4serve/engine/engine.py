@@ -44,6 +44,7 @@ from g4serve.structured import (
     StructuredOutputError,
     StructuredSpec,
 )
+from g4serve.structured.reasoning import THOUGHT_CLOSE_TOKEN, THOUGHT_OPEN_TOKEN, ThoughtGate, thought_markers
 from g4serve.tiny import default_model_dir
 
 log = logging.getLogger("g4serve.engine")
@@ -165,6 +166,7 @@ class LLMEngine:
         # Constrained decoding loads xgrammar with the first request that needs it.
         self._structured: StructuredOutputBackend | None = None
         self._structured_lock = threading.Lock()
+        self.thought_markers = thought_markers(self.tokenizer)
         self._inflight: InflightStep | None = None  # async scheduling: launched, not yet read back
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps launched while the previous one was still in flight
@@ -335,19 +337,30 @@ class LLMEngine:
                 self._structured = StructuredOutputBackend(self.tokenizer, text.vocab_size, stop)
             return self._structured
 
-    def _new_grammar(self, params: SamplingParams) -> StructuredMatcher | None:
+    def _new_grammar(self, params: SamplingParams) -> StructuredMatcher | ThoughtGate | None:
         """The request's grammar state; compile errors raise StructuredOutputError here, before it is
-        queued."""
+        queued. With thinking on, or a reasoning budget, the grammar waits behind the thought channel."""
         spec = params.structured_output
-        if spec is None:
-            return None
-        if not isinstance(spec, StructuredSpec):
-            raise StructuredOutputError(
-                "structured_output: expected a StructuredSpec "
-                "(e.g. StructuredSpec.from_response_format(...)), "
-                f"got {type(spec).__name__}"
+        inner = None
+        if spec is not None:
+            if not isinstance(spec, StructuredSpec):
+                raise StructuredOutputError(
+                    "structured_output: expected a StructuredSpec "
+                    "(e.g. StructuredSpec.from_response_format(...)), "
+                    f"got {type(spec).__name__}"
+                )
+            inner = self.structured_backend.new_matcher(spec)
+        budget = params.max_reasoning_tokens is not None
+        if not (budget or (params.thinking and inner is not None)):
+            return inner
+        if self.thought_markers is None:
+            if not budget:  # no thought channel in this vocabulary: nothing to wait for
+                return inner
+            raise ValueError(
+                f"max_reasoning_tokens: this model's tokenizer has no {THOUGHT_OPEN_TOKEN} / "
+                f"{THOUGHT_CLOSE_TOKEN} thought channel"
             )
-        return self.structured_backend.new_matcher(spec)
+        return ThoughtGate(self.thought_markers, inner, params.max_reasoning_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to schedule, a launched step still to read back for one of them, or encodes in flight.

@@ -298,8 +298,13 @@ class ModelRunner:
         self, sampled: list[Request], allowed: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Free (unconstrained) rows short of ``min_tokens`` may not sample a stop token (vLLM semantics);
-        constrained rows already got this from their grammar mask."""
-        pending = [(row, r) for row, r in enumerate(sampled) if r.grammar is None and r.min_tokens_pending]
+        constrained rows already got this from their grammar mask (a thought gate without a grammar, spec
+        None, constrains no stop token)."""
+        pending = [
+            (row, r)
+            for row, r in enumerate(sampled)
+            if (r.grammar is None or r.grammar.spec is None) and r.min_tokens_pending
+        ]
         if not pending:
             return allowed
         if allowed is None:

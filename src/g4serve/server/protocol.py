@@ -107,6 +107,18 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: StrictStr | dict[str, Any] | None = None  # "auto" | "none" | "required" | a named function
     parallel_tool_calls: StrictBool = True
     reasoning_effort: StrictStr | None = None  # any effort but "none" turns Gemma 4's thinking on
+    # Thought tokens after which the engine closes the thought channel; thinking_token_budget is vLLM's name.
+    max_reasoning_tokens: StrictInt | None = None
+    thinking_token_budget: StrictInt | None = None
+
+    def reasoning_budget(self) -> int | None:
+        """max_reasoning_tokens (or vLLM's thinking_token_budget); SamplingParamsError if both differ."""
+        a, b = self.max_reasoning_tokens, self.thinking_token_budget
+        if a is not None and b is not None and a != b:
+            raise SamplingParamsError(
+                f"max_reasoning_tokens: ({a}) and its alias thinking_token_budget ({b}) disagree"
+            )
+        return a if a is not None else b
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -152,10 +164,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, forced_tokens: int = 0
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    forced_tokens: int = 0,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     """OpenAI's usage object; ``forced_tokens`` (of the completion tokens, those jump-forward appended
-    without decoding them, ``--jump-forward``) goes into ``completion_tokens_details`` when there are any."""
+    without decoding them, ``--jump-forward``) goes into ``completion_tokens_details`` when there are any,
+    ``reasoning_tokens`` (those of the thought channel, its markers included) whenever it is not None."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -163,8 +180,13 @@ def usage(
     }
     if cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    details: dict[str, int] = {}
+    if reasoning_tokens is not None:
+        details["reasoning_tokens"] = reasoning_tokens
     if forced_tokens:
-        out["completion_tokens_details"] = {"forced_tokens": forced_tokens}
+        details["forced_tokens"] = forced_tokens
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 

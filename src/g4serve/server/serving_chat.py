@@ -24,6 +24,7 @@ from g4serve.processing.chat_template import (
     RequestTemplateRenderer,
     check_chat_template_kwargs,
 )
+from g4serve.sampling_params import SamplingParamsError
 from g4serve.server.errors import APIError, bad_request
 from g4serve.server.gemma4_output import Gemma4OutputParser
 from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
@@ -31,6 +32,7 @@ from g4serve.server.protocol import ChatCompletionRequest, usage
 from g4serve.server.serving_base import OpenAIServing
 from g4serve.server.streaming import Choice, finish_fields, ranked, safe_logprob, sse, sse_events
 from g4serve.structured import StructuredOutputError, StructuredSpec
+from g4serve.structured.reasoning import reasoning_token_count, thought_markers
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -66,7 +68,8 @@ class OpenAIServingChat(OpenAIServing):
         thinking = self.thinking(req)
         prompt = await self.render(req, messages, tools, thinking)
         params = self.sampling_params(req, req.effective_max_tokens(), req.num_logprobs())
-        parse = bool(tools) or thinking
+        params, count_reasoning = self.reasoning_plan(req, params, thinking)
+        parse = bool(tools) or thinking or params.max_reasoning_tokens is not None
         if parse:  # the markers must reach the parser; it keeps every special token out of the answer
             params = replace(params, skip_special_tokens=False)
         if forced is not None:
@@ -103,6 +106,7 @@ class OpenAIServingChat(OpenAIServing):
                     include_usage,
                     params.logprobs is not None,
                     parser_factory,
+                    count_reasoning,
                 ),
                 media_type="text/event-stream",
             )
@@ -126,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
                 sum(len(c.token_ids) for c in choices),
                 cached,
                 sum(c.num_forced_tokens for c in choices),
+                None if count_reasoning is None else sum(count_reasoning(c.token_ids) for c in choices),
             ),
         }
 
@@ -152,6 +157,19 @@ class OpenAIServingChat(OpenAIServing):
         if name not in schemas:
             raise APIError(400, f"tool_choice.function.name: no tool named {str(name)[:64]!r}", "tool_choice")
         return req.tools, forced_call_grammar(schemas, [name], False)
+
+    def reasoning_plan(self, req: ChatCompletionRequest, params, thinking: bool):
+        """(the parameters with thinking and the reasoning budget, the counter of a choice's reasoning
+        tokens for usage or None). The grammar (response_format, a forced call) of a thinking request waits
+        for the thought channel to close."""
+        try:
+            params = replace(params, thinking=thinking, max_reasoning_tokens=req.reasoning_budget())
+        except SamplingParamsError as exc:
+            raise bad_request(exc) from None
+        markers = thought_markers(self.tokenizer)
+        if markers is None or not (thinking or params.max_reasoning_tokens is not None):
+            return params, None
+        return params, functools.partial(reasoning_token_count, markers=markers)
 
     @staticmethod
     def thinking(req: ChatCompletionRequest) -> bool:
@@ -307,6 +325,7 @@ async def chat_stream(  # noqa: C901 - plain and parsed (tools, reasoning) delta
     include_usage: bool,
     want_logprobs: bool,
     parser_factory=None,
+    count_reasoning=None,
 ) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if include_usage else {}
@@ -378,5 +397,5 @@ async def chat_stream(  # noqa: C901 - plain and parsed (tools, reasoning) delta
             **finish_fields(delta),
         }
 
-    async for line in sse_events(deltas, base, include_usage, event):
+    async for line in sse_events(deltas, base, include_usage, event, count_reasoning=count_reasoning):
         yield line

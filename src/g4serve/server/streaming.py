@@ -67,9 +67,11 @@ async def sse_events(
     include_usage: bool,
     choice_event,
     prompt_tokens: int | None = None,
+    count_reasoning=None,
 ) -> AsyncIterator[str]:
     """Server-sent events of one response: a chunk per delta that ``choice_event(index, choice, delta,
-    new_logprobs)`` turns into a choice (None: nothing to send yet), then usage and ``[DONE]``."""
+    new_logprobs)`` turns into a choice (None: nothing to send yet), then usage and ``[DONE]``.
+    ``count_reasoning(token_ids)``: a choice's reasoning tokens, for usage (None: not reported)."""
     extra = {"usage": None} if include_usage else {}
     choices: dict[int, Choice] = {}
     cached = 0
@@ -93,9 +95,11 @@ async def sse_events(
     if include_usage:
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         forced = sum(c.num_forced_tokens for c in choices.values())
-        yield sse(
-            {**base, "choices": [], "usage": usage(prompt_tokens or 0, completion_tokens, cached, forced)}
+        reasoning = (
+            None if count_reasoning is None else sum(count_reasoning(c.token_ids) for c in choices.values())
         )
+        total = usage(prompt_tokens or 0, completion_tokens, cached, forced, reasoning)
+        yield sse({**base, "choices": [], "usage": total})
     yield "data: [DONE]\n\n"
 
 

@@ -73,10 +73,10 @@ class AllowedTokenMasks:
         (min_tokens, ignore_eos). ``budgets[i]`` is how many tokens row i may still produce (this one
         included): near the end the grammar is steered to close in time
         (``StructuredMatcher.forced_token``)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+        if all(m is None for m in matchers):
             return None
         bitmask = self._bitmask(len(matchers))
+        rows = _fill_gated_rows(bitmask, matchers, allow_stop, budgets)
         if len(rows) >= _PARALLEL_ROWS:
             if self._batch_matcher is None:
                 import xgrammar as xgr
@@ -98,6 +98,24 @@ class AllowedTokenMasks:
         for group in withheld.values():
             withhold_stop_tokens(bitmask, group, matchers[group[0]].stop_keep_mask)
         return unpack_bitmask(bitmask.to(self.device, non_blocking=True), self.vocab_size, self._table)
+
+
+def _fill_gated_rows(
+    bitmask: torch.Tensor,
+    matchers: Sequence[StructuredMatcher | None],
+    allow_stop: Sequence[bool] | None,
+    budgets: Sequence[int] | None,
+) -> list[int]:
+    """Fill the rows of thought gates (structured/reasoning.py) whole: free while the model thinks, their
+    grammar after. Returns the rows of plain matchers, left to fill."""
+    rows = []
+    for i, m in enumerate(matchers):
+        if isinstance(m, StructuredMatcher):
+            rows.append(i)
+        elif m is not None:
+            stop = True if allow_stop is None else allow_stop[i]
+            m.fill_allowed(bitmask, i, stop, None if budgets is None else budgets[i])
+    return rows
 
 
 def build_allowed_mask(
