@@ -194,6 +194,19 @@ def test_json_schema_output(server, client):
     )
     value = json.loads(resp.output_text)
     assert set(value) == {"amount", "ok"} and isinstance(value["amount"], int)
+    # With reasoning on, the grammar waits for the thought channel (as chat does; vllm#54881): the answer is
+    # still exactly one JSON value under the schema, and no marker leaks into it.
+    for seed_effort in ("low", "high"):
+        resp = client.responses.create(
+            model="tiny",
+            input="Give me JSON.",
+            reasoning={"effort": seed_effort},
+            text={"format": {"type": "json_schema", "name": "pay", "schema": schema, "strict": True}},
+            max_output_tokens=200,
+        )
+        assert resp.status == "completed", resp
+        value = json.loads(resp.output_text)
+        assert set(value) == {"amount", "ok"} and "<|channel>" not in resp.output_text
     server.wait_idle()
 
 

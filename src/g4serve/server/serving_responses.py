@@ -81,6 +81,8 @@ class OpenAIServingResponses(OpenAIServing):
         thinking = self.chat.thinking(chat_req)
         prompt = await self.chat.render(chat_req, messages, tools, thinking)
         params = self.sampling_params(chat_req, req.max_output_tokens, None)
+        # As in chat: with thinking on, a grammar (text.format, a forced call) waits for the thought to close.
+        params, _ = self.chat.reasoning_plan(chat_req, params, thinking)
         # The markers must reach the parser; it keeps every special token out of the answer.
         params = replace(params, skip_special_tokens=False)
         if forced is not None:
