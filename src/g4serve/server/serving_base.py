@@ -215,18 +215,25 @@ class OpenAIServing:
                 accumulate(choices[index], delta)
                 cached = delta.num_cached_tokens
 
-        task = asyncio.create_task(consume())
-        try:
-            while not (await asyncio.wait({task}, timeout=0.25))[0]:
-                if await request.is_disconnected():
-                    raise APIError(499, "client disconnected")
-            task.result()  # re-raises an engine failure
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await run_watching_client(request, consume())
         return choices, cached
+
+
+async def run_watching_client(request: Request, work) -> None:
+    """Runs the coroutine ``work`` to its end for a non-streaming answer, asking every 0.25 s whether the
+    client is still there: a disconnect cancels it (its streams abort their requests) and is a 499. An
+    engine failure inside ``work`` is re-raised."""
+    task = asyncio.create_task(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=0.25))[0]:
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _pump(index: int, stream, queue: asyncio.Queue) -> None:

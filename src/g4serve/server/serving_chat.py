@@ -72,15 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         parse = bool(tools) or thinking or params.max_reasoning_tokens is not None
         if parse:  # the markers must reach the parser; it keeps every special token out of the answer
             params = replace(params, skip_special_tokens=False)
-        if forced is not None:
-            if params.structured_output is not None:
-                raise APIError(
-                    400, "response_format: cannot be combined with a forced tool_choice", "tool_choice"
-                )
-            try:
-                params = replace(params, structured_output=StructuredSpec.grammar(forced))
-            except StructuredOutputError as exc:
-                raise APIError(400, f"tools: {exc}", "tools") from None
+        params = self.force_call(params, forced, "response_format")
         parser_factory = None
         if parse:
             specials = frozenset(self.tokenizer.convert_ids_to_tokens(self.tokenizer.special_token_ids)) - {
@@ -157,6 +149,21 @@ class OpenAIServingChat(OpenAIServing):
         if name not in schemas:
             raise APIError(400, f"tool_choice.function.name: no tool named {str(name)[:64]!r}", "tool_choice")
         return req.tools, forced_call_grammar(schemas, [name], False)
+
+    @staticmethod
+    def force_call(params, forced, format_field: str):
+        """``params`` with the grammar of a forced tool call (``tool_plan``'s), if any; a forced call and a
+        structured output format (``format_field``) cannot both hold."""
+        if forced is None:
+            return params
+        if params.structured_output is not None:
+            raise APIError(
+                400, f"{format_field}: cannot be combined with a forced tool_choice", "tool_choice"
+            )
+        try:
+            return replace(params, structured_output=StructuredSpec.grammar(forced))
+        except StructuredOutputError as exc:
+            raise APIError(400, f"tools: {exc}", "tools") from None
 
     def reasoning_plan(self, req: ChatCompletionRequest, params, thinking: bool):
         """(the parameters with thinking and the reasoning budget, the counter of a choice's reasoning

@@ -5,8 +5,6 @@ Responses event stream. ``previous_response_id`` reads the bounded ``ResponseSto
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
 import json
 import re
@@ -27,9 +25,8 @@ from g4serve.server.gemma4_output import Gemma4OutputParser, ParsedDelta
 from g4serve.server.protocol import ChatCompletionRequest
 from g4serve.server.response_store import ResponseStore
 from g4serve.server.responses_protocol import ResponsesRequest, input_messages
-from g4serve.server.serving_base import OpenAIServing
+from g4serve.server.serving_base import OpenAIServing, run_watching_client
 from g4serve.server.serving_chat import OpenAIServingChat, _template_message
-from g4serve.structured import StructuredOutputError, StructuredSpec
 
 _THOUGHT_STATES = ("label", "reasoning")
 _MESSAGE_INDEX = re.compile(r"^messages\[(\d+)\]")
@@ -85,15 +82,7 @@ class OpenAIServingResponses(OpenAIServing):
         params, _ = self.chat.reasoning_plan(chat_req, params, thinking)
         # The markers must reach the parser; it keeps every special token out of the answer.
         params = replace(params, skip_special_tokens=False)
-        if forced is not None:
-            if params.structured_output is not None:
-                raise APIError(
-                    400, "text.format: cannot be combined with a forced tool_choice", "tool_choice"
-                )
-            try:
-                params = replace(params, structured_output=StructuredSpec.grammar(forced))
-            except StructuredOutputError as exc:
-                raise APIError(400, f"tools: {exc}", "tools") from None
+        params = OpenAIServingChat.force_call(params, forced, "text.format")
         specials = frozenset(self.tokenizer.convert_ids_to_tokens(self.tokenizer.special_token_ids)) - {None}
         parse_tools = bool(tools) and chat_req.tool_choice != "none"
         processed = await self.process(
@@ -176,17 +165,7 @@ class OpenAIServingResponses(OpenAIServing):
                 if event["type"] in _FINAL_EVENTS:
                     final.update(event["response"])
 
-        task = asyncio.create_task(consume())
-        try:
-            while not (await asyncio.wait({task}, timeout=0.25))[0]:
-                if await request.is_disconnected():
-                    raise APIError(499, "client disconnected")
-            task.result()  # re-raises an engine failure
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await run_watching_client(request, consume())
         return final
 
 
