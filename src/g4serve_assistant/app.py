@@ -182,7 +182,7 @@ def install_assistant_errors(app: FastAPI) -> None:
     @app.exception_handler(AuthError)
     async def _refused(_request: Request, exc: AuthError) -> JSONResponse:
         metrics.errors.labels(status=str(exc.status)).inc()
-        return error_response(exc.status, exc.message, exc.param, _auth_headers(exc))
+        return _api(exc).response()
 
     @app.exception_handler(BankUnavailableError)
     async def _bank_down(_request: Request, exc: BankUnavailableError) -> JSONResponse:
@@ -232,10 +232,7 @@ def test_login_router(gate: Gate) -> APIRouter:
     @router.post("/test-login")
     async def test_login(request: Request) -> JSONResponse:
         body = await read_json_object(request, 4096)
-        try:
-            customer_id = await gate.known_customer(body.get("customer_id"))
-        except AuthError as exc:
-            raise _api(exc) from None
+        customer_id = await gate.known_customer(body.get("customer_id"))
         token = gate.access.signer.mint(customer_id)
         gate.audit_request(request, customer_id, "auth", "test_login", {}, "token_minted")
         return JSONResponse({"token": token, "customer_id": customer_id})
@@ -380,6 +377,8 @@ def _auth_headers(exc: AuthError) -> dict[str, str] | None:
 
 
 def _api(exc: AuthError) -> APIError:
+    """The error response of a refusal raised anywhere (a route, the guard's handler): its status, message,
+    field (named by ``param`` or the message's prefix) and auth headers."""
     return APIError(exc.status, exc.message, exc.param, _auth_headers(exc))
 
 
@@ -387,7 +386,8 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
     assistant: Assistant, gate: Gate, max_request_body_bytes: int = 8 << 20
 ) -> APIRouter:
     """The ``/v1/assistant`` endpoints, mountable on any FastAPI app (the OpenAI server included); the app
-    that mounts them must also run ``Gate.check_http`` (``build_app``'s middleware does)."""
+    that mounts them must also run ``install_guard`` (the checks before routing) and
+    ``install_assistant_errors`` (refusals as error responses), as ``build_app`` does."""
     router = APIRouter()
 
     async def read_json(request: Request, allowed: set[str]) -> dict:
@@ -404,13 +404,10 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
     ) -> tuple[Claims, str]:
         """The token's customer (first: a bad body is then audited as that customer's attempt), then the
         session, which must be theirs."""
-        try:
-            claims = claims or gate.customer(request)
-            if not need_session:
-                return claims, ""
-            sid = gate.session(session_id, claims)
-        except AuthError as exc:
-            raise _api(exc) from None
+        claims = claims or gate.customer(request)
+        if not need_session:
+            return claims, ""
+        sid = gate.session(session_id, claims)
         request.state.session_id = sid
         return claims, sid
 
@@ -418,10 +415,7 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
     async def new_session(request: Request) -> JSONResponse:
         claims, _ = authorize(request, need_session=False)
         await read_json(request, set())  # no fields; still JSON, still bounded
-        try:
-            await gate.known_customer(claims.customer_id)
-        except AuthError as exc:
-            raise _api(exc) from None
+        await gate.known_customer(claims.customer_id)
         session = gate.sessions.create(claims.customer_id, request.state.client)
         gate.audit_request(
             request, claims.customer_id, "auth", "session_created", {}, "session_created", session.session_id
@@ -537,24 +531,16 @@ def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:  # noqa: C901 -
     """Operator routes under ``/v1/assistant/admin``, each behind the admin API key."""
     router = APIRouter()
 
-    def operator(request: Request) -> None:
-        try:
-            gate.admin(request)
-        except AuthError as exc:
-            raise _api(exc) from None
-
     @router.post("/v1/assistant/admin/tokens")
     async def mint(request: Request) -> JSONResponse:
         """A customer session token, for a bank that lets the assistant mint them (it must have
         authenticated the customer itself first)."""
-        operator(request)
+        gate.admin(request)
         body = await read_json_object(request, 4096)
         ttl = _token_request(body)
+        customer_id = await gate.known_customer(body.get("customer_id"))
         try:
-            customer_id = await gate.known_customer(body.get("customer_id"))
             token = gate.access.signer.mint(customer_id, ttl)
-        except AuthError as exc:
-            raise _api(exc) from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         gate.audit_request(request, customer_id, "auth", "token_minted", {"ttl_s": ttl}, "token_minted")
@@ -564,7 +550,7 @@ def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:  # noqa: C901 -
     async def import_csv(request: Request, kind: str) -> JSONResponse:
         """``{"csv": "<the file's text>", "customer_id": …}``: the CLI's imports over HTTP, for a bank store
         that supports them (SQLiteBank); the same validation, one transaction."""
-        operator(request)
+        gate.admin(request)
         method = {
             "payees": "import_payees_csv",
             "customers": "import_customers_csv",
@@ -592,7 +578,7 @@ def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:  # noqa: C901 -
     async def audit(
         request: Request, customer_id: str | None = None, session_id: str | None = None, limit: int = 1000
     ) -> JSONResponse:
-        operator(request)
+        gate.admin(request)
         if not 1 <= limit <= 100_000:
             raise APIError(400, "limit: must be in [1, 100000]", param="limit")
         entries = await asyncio.to_thread(assistant.audit.entries, customer_id, session_id, limit)
@@ -600,7 +586,7 @@ def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:  # noqa: C901 -
 
     @router.get("/v1/assistant/admin/audit/verify")
     async def verify(request: Request) -> JSONResponse:
-        operator(request)
+        gate.admin(request)
         check = await asyncio.to_thread(assistant.audit.verify)
         seq, head = assistant.audit.head()
         return JSONResponse({**check.to_dict(), "head_seq": seq, "head_hash": head})
