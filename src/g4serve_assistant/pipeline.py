@@ -239,8 +239,8 @@ class Assistant:
         from g4serve_assistant.asr import make_recognizer
         from g4serve_assistant.vocabulary import DomainVocabulary
 
-        view = self.customer(customer_id).view
-        version = view.version
+        customer = self.customer(customer_id)  # reads the payee version once (a GET for a remote bank)
+        view, version = customer.view, customer.version
         spec = self._recognizer_spec
         key = customer_id if isinstance(spec, str) else "*"  # a given object serves everyone
         with self._cache_lock:
