@@ -132,6 +132,11 @@ def heard_amounts(text: str, default_currency: str = "USD") -> list[Money]:
     return list(normalize(text, default_currency=default_currency).amounts)
 
 
+def _listing(title: str, entries: list[str]) -> list[str]:
+    """A titled list of the prompt's tail ("Candidates:" and one line each), or "<title>: none"."""
+    return [f"{title}:", *entries] if entries else [f"{title}: none"]
+
+
 @dataclass
 class Extraction:
     """One extraction call: what the model said, whether it validated, and how long it took."""
@@ -224,18 +229,17 @@ class Extractor:
         lines = [f"Transcript: {transcript.strip()}"]
         if normalized and normalized.strip() != transcript.strip():
             lines.append(f"Normalized: {normalized.strip()}")
-        if candidates:
-            lines.append("Candidates:")
-            for cid, cand in zip(candidate_ids(len(candidates)), candidates, strict=True):
-                lines.append(f"{cid}: {cand.display_name} ({cand.relationship or cand.kind})")
-        else:
-            lines.append("Candidates: none")
-        if amounts:
-            lines.append("Amounts:")
-            for aid, money in zip(amount_ids(len(amounts)), amounts, strict=True):
-                lines.append(f"{aid}: {money.text.strip()}")
-        else:
-            lines.append("Amounts: none")
+        lines += _listing(
+            "Candidates",
+            [
+                f"{cid}: {cand.display_name} ({cand.relationship or cand.kind})"
+                for cid, cand in zip(candidate_ids(len(candidates)), candidates, strict=True)
+            ],
+        )
+        lines += _listing(
+            "Amounts",
+            [f"{aid}: {m.text.strip()}" for aid, m in zip(amount_ids(len(amounts)), amounts, strict=True)],
+        )
         return "\n".join(lines)
 
     def prompt(
