@@ -3,28 +3,38 @@ driven by the official ``openai`` client and raw multipart HTTP.
 
 The random model's transcript is noise: the tests hold the API contract (shapes, formats, events, errors)
 and that the text is what the engine itself produces greedily for Gemma 4's ASR/AST instruction with
-the same audio, not what it says."""
+the same audio (clip by clip for a recording longer than the 30 s the model hears), not what it says."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
 import struct
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 import soundfile
 
+from g4serve.engine.async_engine import StreamDelta
 from g4serve.processing.asr_prompt import (
+    TranscriptStream,
     TranslationStream,
     extract_translation,
+    join_transcripts,
     language_name,
     speech_instruction,
     speech_messages,
 )
+from g4serve.processing.audio import load_audio
+from g4serve.processing.audio_chunks import speech_chunk_bounds
+from g4serve.processing.limits import MediaLimits
 from g4serve.sampling_params import SamplingParams
+from g4serve.server.serving_base import OpenAIServing
+from g4serve.server.serving_speech import ClipsInOrder, _TokenCounts, speech_stream
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("python_multipart")
@@ -54,16 +64,64 @@ def _wav(seconds: float = 1.0, rate: int = 16000, seed: int = 0) -> bytes:
 
 
 WAV = _wav()
+RATE = 16_000
+# 70 s with two pauses in reach of a cut (28-30 s and 57.x-59.x s): three clips.
+PAUSES = ((28.8, 29.2), (57.5, 57.9))
+
+
+def _long_wav(seconds: float = 70.0) -> bytes:
+    rng = np.random.default_rng(5)
+    t = np.arange(round(RATE * seconds)) / RATE
+    wave = 0.3 * np.sin(2 * np.pi * 330 * t) + 0.05 * rng.standard_normal(t.size)
+    for start, end in PAUSES:
+        wave[round(start * RATE) : round(end * RATE)] = 0.0
+    buf = io.BytesIO()
+    soundfile.write(buf, wave.astype(np.float32), RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+LONG = _long_wav()
 
 
 def _direct(llm, task: str, language: str | None, wav: bytes, prompt: str | None = None) -> str:
-    """The engine's own greedy answer to Gemma 4's instruction with this audio, through ``LLM.chat``."""
-    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    """The engine's own greedy answer to Gemma 4's instruction with this audio, through ``LLM.chat``,
+    stripped (as the server answers)."""
+    return _direct_clips(llm, task, language, [wav], prompt)[0].strip()
+
+
+def _direct_clips(llm, task: str, language: str | None, wavs: list[bytes], prompt: str | None = None):
+    """``_direct`` of several clips, in one batch."""
     text = {"type": "text", "text": speech_instruction(task, language, prompt)}
-    out = llm.chat(
-        [{"role": "user", "content": [part, text]}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    )
-    return out[0].outputs[0].text
+    conversations = [
+        [{"role": "user", "content": [{"type": "input_audio", "input_audio": _audio_part(wav)}, text]}]
+        for wav in wavs
+    ]
+    out = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    return [o.outputs[0].text for o in out]
+
+
+def _audio_part(wav: bytes) -> dict:
+    return {"data": base64.b64encode(wav).decode(), "format": "wav"}
+
+
+def _clips(wav: bytes) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """Where the server cuts this recording (the same decoding, the same cut function), and each clip as a
+    WAV file of float samples (exact)."""
+    wave = load_audio(wav, RATE, MediaLimits(max_audio_seconds=600.0))
+    bounds = speech_chunk_bounds(wave, 30 * RATE, RATE)
+    files = []
+    for start, end in bounds:
+        buf = io.BytesIO()
+        soundfile.write(buf, wave[start:end], RATE, format="WAV", subtype="FLOAT")
+        files.append(buf.getvalue())
+    return bounds, files
+
+
+@pytest.fixture(scope="module")
+def long_answers(llm):
+    """The clips of ``LONG`` and the engine's greedy transcription of each."""
+    bounds, files = _clips(LONG)
+    return bounds, _direct_clips(llm, "transcribe", None, files)
 
 
 def _post(server, path: str = "transcriptions", files=None, data=None, **kw) -> httpx.Response:
@@ -117,6 +175,70 @@ def test_translation_is_read_after_the_english_marker_also_when_streamed():
         stream = TranslationStream()
         sent = "".join(stream.feed(p) for p in pieces) + stream.finish()
         assert sent == extract_translation("".join(pieces))
+
+
+CLIP_REPLIES = [
+    [" Guten", " Morgen. ", " \n"],
+    ["  ", "\n"],  # a clip of silence: nothing said
+    ["Wie geht", "'s?\nEng", "lish: How", " are you?  "],
+    ["no marker ", " here "],
+]
+
+
+def test_clip_answers_are_stripped_and_joined_by_one_space_also_when_streamed():
+    assert join_transcripts([" a b ", "", "  ", "c\n", "d"]) == "a b c d"
+    assert join_transcripts([]) == join_transcripts(["  "]) == ""
+    for extract in (False, True):
+        stream = TranscriptStream(extract)
+        sent = []
+        for pieces in CLIP_REPLIES:
+            sent += [stream.feed(piece) for piece in pieces] + [stream.end_clip()]
+        replies = ["".join(pieces) for pieces in CLIP_REPLIES]
+        expected = join_transcripts([extract_translation(r) if extract else r for r in replies])
+        assert "".join(sent) == stream.text == expected
+    assert expected == "Guten Morgen. How are you? no marker  here"
+
+
+def test_clips_decoded_at_once_are_sent_in_clip_order():
+    in_order = ClipsInOrder(len(CLIP_REPLIES), extract=False)
+    arrivals = [(i, j) for i, pieces in enumerate(CLIP_REPLIES) for j in range(len(pieces))]
+    arrivals.sort(key=lambda at: (-at[0], at[1]))  # the last clip first, each clip's own pieces in order
+    sent = []
+    for i, j in arrivals:
+        pieces = in_order.add(i, CLIP_REPLIES[i][j], finished=j == len(CLIP_REPLIES[i]) - 1)
+        assert not pieces or i == 0 or sent  # nothing of a later clip goes before the first clip's text
+        sent += pieces
+    assert "".join(sent) == join_transcripts(["".join(pieces) for pieces in CLIP_REPLIES])
+    assert sent[0] == "Guten"
+
+
+def _delta(index: int, text: str, finished: bool = False) -> StreamDelta:
+    return StreamDelta(f"clip-{index}", text, [1], finished, "stop" if finished else None, None, 10, 1)
+
+
+def test_a_failing_clip_ends_the_stream_with_an_error_and_closes_every_clip():
+    closed = []
+
+    async def clip(index: int, fail: bool):
+        try:
+            yield _delta(index, f"clip{index}")
+            await asyncio.sleep(0.01)
+            if fail:
+                raise RuntimeError("internal error while streaming request clip-1")
+            await asyncio.Event().wait()  # still decoding when the other clip fails
+        finally:
+            closed.append(index)
+
+    async def run() -> list[dict]:
+        serving = SimpleNamespace(record=lambda delta, received: None)
+        deltas = OpenAIServing.merged(serving, [clip(0, False), clip(1, True), clip(2, False)], 0.0)
+        events = speech_stream(deltas, 3, False, _TokenCounts(30, 25))
+        return [json.loads(event[len("data: ") :]) async for event in events]
+
+    events = asyncio.run(run())
+    assert events[0] == {"type": "transcript.text.delta", "delta": "clip0"}
+    assert len(events) == 2 and events[1]["error"]["code"] == 500, events
+    assert sorted(closed) == [0, 1, 2]
 
 
 # ---- happy paths ---------------------------------------------------------------------------------------
@@ -201,6 +323,81 @@ def test_a_client_leaving_a_stream_frees_its_blocks(server):
     server.wait_idle()
 
 
+def test_a_long_recording_is_heard_in_clips_and_joined(server, client, long_answers):
+    bounds, answers = long_answers
+    assert len(bounds) == 3
+    resp = client.audio.transcriptions.create(model="tiny", file=("long.wav", LONG), extra_body=EXTRA)
+    assert resp.text == join_transcripts(answers)
+    usage = resp.usage.model_dump()
+    assert abs(usage["input_token_details"]["audio_tokens"] - 25 * 70) <= 3  # 25 a second, in 3 clips
+    assert usage["input_tokens"] == sum(usage["input_token_details"].values())
+    # max_completion_tokens holds for each clip.
+    assert 3 <= usage["output_tokens"] <= 3 * MAX_TOKENS
+    verbose = client.audio.transcriptions.create(
+        model="tiny", file=("long.wav", LONG), response_format="verbose_json", extra_body=EXTRA
+    )
+    assert verbose.text == resp.text and verbose.duration == 70.0
+    segments = verbose.segments
+    assert [(s.start, s.end) for s in segments] == [
+        (round(a / RATE, 3), round(b / RATE, 3)) for a, b in bounds
+    ]
+    assert segments[0].start == 0.0 and segments[-1].end == verbose.duration
+    for segment, following in zip(segments, segments[1:]):
+        assert segment.start < segment.end == following.start < following.end
+    # Each cut lands in the pause before its 30 s limit.
+    for segment, (pause_start, pause_end) in zip(segments, PAUSES):
+        assert pause_start < segment.end < pause_end
+    assert [s.id for s in segments] == [0, 1, 2] and [s.text for s in segments] == [
+        a.strip() for a in answers
+    ]
+    assert sum(len(s.tokens) for s in segments) == verbose.usage.output_tokens
+    assert verbose.usage.input_tokens == usage["input_tokens"]
+    # SRT: a cue per segment with text, at the segment's times.
+    srt = client.audio.transcriptions.create(
+        model="tiny", file=("long.wav", LONG), response_format="srt", extra_body=EXTRA
+    )
+    timings = [line for line in srt.splitlines() if " --> " in line]
+    assert timings == [f"{_srt_time(s.start)} --> {_srt_time(s.end)}" for s in segments if s.text]
+    assert srt.startswith("1\n") and len(timings) >= 1
+    server.wait_idle()
+
+
+def _srt_time(seconds: float) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"
+
+
+def test_a_long_recording_streams_clip_after_clip(server, client, long_answers):
+    _, answers = long_answers
+    events = list(
+        client.audio.transcriptions.create(
+            model="tiny", file=("long.wav", LONG), stream=True, extra_body=EXTRA
+        )
+    )
+    *deltas, done = events
+    assert deltas and all(e.type == "transcript.text.delta" for e in deltas)
+    # In clip order: the deltas spell the clips' answers one after the other.
+    assert "".join(e.delta for e in deltas) == done.text == join_transcripts(answers)
+    assert 3 <= done.usage.output_tokens <= 3 * MAX_TOKENS
+    server.wait_idle()
+
+
+def test_a_client_leaving_a_long_stream_aborts_every_clip(server):
+    # The default output budget (up to 448 tokens a clip): the clips are still decoding when the client goes.
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/audio/transcriptions",
+        files={"file": ("long.wav", LONG)},
+        data={"model": "tiny", "stream": "true"},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[len("data: ") :])["type"] == "transcript.text.delta"
+        assert any(request_id.startswith("trsc-") for request_id in list(server.engine.requests))
+    server.wait_idle()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the openai client's, on translations
 def test_translation_is_english_text_from_the_ast_instruction(server, client, llm):
     resp = client.audio.translations.create(model="tiny", file=("a.wav", WAV), extra_body=EXTRA)
@@ -219,6 +416,25 @@ def test_translation_is_english_text_from_the_ast_instruction(server, client, ll
         server,
         "translations",
         files={"file": ("a.wav", WAV)},
+        data={"model": "tiny", "stream": "true", **{k: str(v) for k, v in EXTRA.items()}},
+    )
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == expected
+    assert "".join(e["delta"] for e in events[:-1]) == expected
+    server.wait_idle()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the openai client's, on translations
+def test_a_long_translation_joins_each_clips_translation(server, client, llm):
+    _, files = _clips(LONG)
+    answers = _direct_clips(llm, "translate", None, files)
+    expected = join_transcripts([extract_translation(answer) for answer in answers])
+    resp = client.audio.translations.create(model="tiny", file=("long.wav", LONG), extra_body=EXTRA)
+    assert resp.text == expected
+    r = _post(
+        server,
+        "translations",
+        files={"file": ("long.wav", LONG)},
         data={"model": "tiny", "stream": "true", **{k: str(v) for k, v in EXTRA.items()}},
     )
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
@@ -256,7 +472,8 @@ HOSTILE = {
         "file",
         "could not decode audio",
     ),
-    "too-long": ({"file": ("a.wav", _wav(31.0))}, MODEL, "file", "longer than 30 s"),
+    # Over max_request_audio_seconds (600 s; at 1 kHz to stay under the body limit).
+    "too-long": ({"file": ("a.wav", _wav(600.1, rate=1000))}, MODEL, "file", "longer than 600 s"),
     "huge-rate": ({"file": ("a.wav", _wav_claiming(1_000_000))}, MODEL, "file", "sample rate"),
     "rate-2^31": ({"file": ("a.wav", _wav_claiming(2**31))}, MODEL, "file", "audio"),
     "tiny-rate": ({"file": ("a.wav", _wav_claiming(1))}, MODEL, "file", "sample rate"),

@@ -1,6 +1,7 @@
 """Gemma 4's speech instructions: the ASR (transcribe) and AST (transcribe, then translate into English)
-prompts of Google's Gemma 4 audio usage, as one user turn holding the audio and then the instruction, and
-the translation read back out of an AST answer (``<transcription>\\nEnglish: <translation>``)."""
+prompts of Google's Gemma 4 audio usage, as one user turn holding the audio and then the instruction, the
+translation read back out of an AST answer (``<transcription>\\nEnglish: <translation>``), and the answers
+of a long recording's clips joined into one transcript, whole or as they stream."""
 
 from __future__ import annotations
 
@@ -110,11 +111,63 @@ class TranslationStream:
         return "" if self.open else self.reply
 
 
+def join_transcripts(answers: list[str]) -> str:
+    """The transcript of a recording heard in clips: each clip's answer (its translation, for a
+    translation) stripped, the non-empty ones joined by one space."""
+    return " ".join(stripped for stripped in (answer.strip() for answer in answers) if stripped)
+
+
+class TranscriptStream:
+    """``join_transcripts`` (after ``extract_translation`` when ``extract``) over the clips' replies
+    streamed one clip after the other: ``feed`` a clip's text as it comes and ``end_clip`` once its reply
+    is complete; each returns what may be sent now. Whitespace at the end of what a clip has said so far is
+    held back until more of its text follows."""
+
+    def __init__(self, extract: bool) -> None:
+        self.extract = extract
+        self.sent: list[str] = []
+        self._translation = TranslationStream() if extract else None
+        self._started = False  # the current clip has said something that is not whitespace
+        self._held = ""
+
+    @property
+    def text(self) -> str:
+        """Everything sent so far."""
+        return "".join(self.sent)
+
+    def feed(self, text: str) -> str:
+        return self._tell(self._translation.feed(text) if self._translation else text)
+
+    def end_clip(self) -> str:
+        told = self._tell(self._translation.finish()) if self._translation else ""
+        self._translation = TranslationStream() if self.extract else None
+        self._started, self._held = False, ""
+        return told
+
+    def _tell(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+            self._held = " " if self.sent else ""  # the space between two clips' answers
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        told = self._held + body
+        self._held = text[len(body) :]
+        self.sent.append(told)
+        return told
+
+
 __all__ = [
     "LANGUAGE_NAMES",
     "TRANSLATION_MARKER",
+    "TranscriptStream",
     "TranslationStream",
     "extract_translation",
+    "join_transcripts",
     "language_name",
     "speech_instruction",
     "speech_messages",

@@ -1,8 +1,9 @@
 """``POST /v1/audio/transcriptions`` and ``POST /v1/audio/translations`` (OpenAI's speech-to-text API): a
-multipart upload -> the audio decoded under the server's media caps -> Gemma 4's ASR or AST instruction
-with the audio in one user turn -> one engine request through the audio tower (greedy unless
-``temperature`` says otherwise), answered as json, text, verbose_json, srt or vtt, or streamed as
-``transcript.text.delta`` / ``transcript.text.done`` events."""
+multipart upload -> the audio decoded under the server's media caps and cut into clips of at most
+``max_audio_seconds`` (at quiet moments) -> per clip, Gemma 4's ASR or AST instruction with the clip in one
+user turn, one engine request through the audio tower (greedy unless ``temperature`` says otherwise), all
+clips submitted together -> their answers joined in order, as json, text, verbose_json (a segment per
+clip), srt or vtt, or streamed as ``transcript.text.delta`` / ``transcript.text.done`` events."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import Request
@@ -24,23 +25,31 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from g4serve.engine.async_engine import EngineDeadError, StreamDelta
 from g4serve.processing.asr_prompt import (
-    TranslationStream,
+    TranscriptStream,
     extract_translation,
+    join_transcripts,
     language_name,
     speech_messages,
 )
 from g4serve.processing.audio import SAMPLING_RATE, load_audio, output_samples_cap
+from g4serve.processing.audio_chunks import speech_chunk_bounds
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams
 from g4serve.server.errors import APIError
 from g4serve.server.serving_base import OpenAIServing
 from g4serve.server.streaming import Choice, sse, sse_error
 
+if TYPE_CHECKING:
+    from g4serve.engine.request import Request as EngineRequest
+
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 STREAM_FORMATS = ("json", "text")
-# Output tokens when the request sets no max_completion_tokens: Whisper's decoder limit; 30 s of speech
-# is about 100 words.
+# Output tokens of each clip when the request sets no max_completion_tokens: Whisper's decoder limit; 30 s
+# of speech is about 100 words.
 DEFAULT_MAX_TOKENS = 448
+# A long recording at 48 kHz (most recorders') must decode up to max_request_audio_seconds, past the
+# default frame cap of a single clip (audio_max_frames, 16M frames: 333 s at 48 kHz).
+_LONG_AUDIO_RATE = 48_000
 MAX_PROMPT_CHARS = 4096
 # The form: one file part, a few text fields of at most 64 KiB each (starlette refuses more while parsing);
 # a second file part is parsed (within the body limit) so that the error can name its field.
@@ -89,26 +98,19 @@ class OpenAIServingSpeech(OpenAIServing):
         received = time.monotonic()
         req = await self.read_speech(request, task)
         wave = await self.decode(req.audio)
-        processed = await self.prepare(req, wave)
-        params = self.speech_params(req, processed)
-        request_id = f"{'trsc' if task == 'transcribe' else 'trsl'}-{uuid.uuid4().hex}"
-        try:
-            admitted = await self.admit(processed, params, request_id, priority=0)
-        except APIError as exc:
-            if exc.param == "max_tokens":  # this API's name for it
-                raise APIError(
-                    400, exc.message.replace("max_tokens", "max_completion_tokens"), None
-                ) from None
-            raise
-        streams = self.stream(admitted)
-        counts = _TokenCounts(len(processed.token_ids), sum(it.num_tokens for it in processed.mm_items))
+        bounds = speech_chunk_bounds(wave, max(output_samples_cap(self.media_limits), 2), SAMPLING_RATE)
+        prompts = await self.prepare(req, [wave[start:end] for start, end in bounds])
+        streams = self.stream(await self.admit_clips(req, prompts))
+        counts = _TokenCounts.of(prompts)
         if req.stream:
+            deltas = self.merged(streams, received)  # every clip decodes at once (one engine batch)
             return StreamingResponse(
-                speech_stream(self.merged(streams, received), req.extracts_translation, counts),
+                speech_stream(deltas, len(streams), req.extracts_translation, counts),
                 media_type="text/event-stream",
             )
-        choices, _ = await self.collect(request, streams, 1, received)
-        return speech_response(req, choices[0], counts, len(wave) / SAMPLING_RATE)
+        choices, _ = await self.collect(request, streams, len(streams), received)
+        clips = [_Clip(start / SAMPLING_RATE, end / SAMPLING_RATE) for start, end in bounds]
+        return speech_response(req, choices, clips, counts, len(wave) / SAMPLING_RATE)
 
     # ---- the form ----------------------------------------------------------------------------------
     async def read_speech(self, request: Request, task: str) -> SpeechRequest:
@@ -207,36 +209,64 @@ class OpenAIServingSpeech(OpenAIServing):
     async def decode(self, data: bytes) -> np.ndarray:
         """The upload as 16 kHz mono, decoded off the event loop under the server's media caps (the demuxer
         whitelist, sample rate and channel limits, the decoded-frame cap). Audio longer than
-        ``max_audio_seconds`` is refused, not cut: a transcript of part of the file would read as whole."""
+        ``max_request_audio_seconds`` is refused, not cut: a transcript of part of the file would read as
+        whole."""
         limits = self.media_limits
-        # Decode a second past the cap: a clip that fills it is longer than the cap allows.
-        probe = replace(limits, max_audio_seconds=limits.max_audio_seconds + 1.0)
+        cap_s = limits.max_request_audio_seconds
+        # Decode a second past the cap: a recording that fills it is longer than the cap allows.
+        probe = replace(
+            limits,
+            max_audio_seconds=cap_s + 1.0,
+            audio_max_frames=max(limits.audio_max_frames, math.ceil((cap_s + 1.0) * _LONG_AUDIO_RATE)),
+        )
         try:
             with self.waiting.preparing():
                 wave = await asyncio.to_thread(load_audio, data, SAMPLING_RATE, probe)
         except (ValueError, OSError) as exc:
             raise APIError(400, f"file: {exc}", param="file") from None
-        if len(wave) > output_samples_cap(limits):
+        if len(wave) > math.ceil(cap_s * SAMPLING_RATE):
             raise APIError(
                 400,
-                f"file: the audio is longer than {limits.max_audio_seconds:g} s, the most one request "
-                "transcribes (--max-audio-seconds); send it in segments",
+                f"file: the audio is longer than {cap_s:g} s, the most one request transcribes "
+                "(max_request_audio_seconds); send it in parts",
                 param="file",
             )
         return wave
 
-    async def prepare(self, req: SpeechRequest, wave: np.ndarray) -> ProcessedPrompt:
-        """Gemma 4's instruction in the model's chat template (rendered in a thread), then the processor:
-        the audio's log-mel features and its soft tokens in the prompt."""
+    async def prepare(self, req: SpeechRequest, clips: list[np.ndarray]) -> list[ProcessedPrompt]:
+        """Gemma 4's instruction in the model's chat template (rendered once, in a thread), then the processor
+        for each clip (in its pool, all at once): the clip's log-mel features and its soft tokens in the
+        prompt."""
         messages = speech_messages(req.task, req.language, req.prompt)
         render = functools.partial(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
         prompt = await asyncio.to_thread(render)
+        return list(await asyncio.gather(*(self._process_clip(prompt, clip) for clip in clips)))
+
+    async def _process_clip(self, prompt: str, clip: np.ndarray) -> ProcessedPrompt:
         try:
-            return await self.process({"prompt": prompt, "multi_modal_data": {"audio": [wave]}}, False)
+            return await self.process({"prompt": prompt, "multi_modal_data": {"audio": [clip]}}, False)
         except APIError as exc:
             if exc.param and exc.param.startswith(("audio", "multi_modal_data")):
                 raise APIError(400, f"file: {exc.message.partition(': ')[2]}", param="file") from None
             raise
+
+    async def admit_clips(self, req: SpeechRequest, prompts: list[ProcessedPrompt]) -> list[EngineRequest]:
+        """One admitted engine request per clip, each with its own output budget (``max_completion_tokens``
+        or the default); none is queued before every clip is admitted."""
+        base_id = f"{'trsc' if req.task == 'transcribe' else 'trsl'}-{uuid.uuid4().hex}"
+        admitted = []
+        for index, processed in enumerate(prompts):
+            params = self.speech_params(req, processed)
+            request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+            try:
+                admitted += await self.admit(processed, params, request_id, priority=0)
+            except APIError as exc:
+                if exc.param == "max_tokens":  # this API's name for it
+                    raise APIError(
+                        400, exc.message.replace("max_tokens", "max_completion_tokens"), None
+                    ) from None
+                raise
+        return admitted
 
     def speech_params(self, req: SpeechRequest, processed: ProcessedPrompt) -> SamplingParams:
         max_tokens = req.max_tokens
@@ -342,9 +372,26 @@ def _check_list_field(name: str, value: Any) -> None:
 
 # ---- responses ------------------------------------------------------------------------------------------
 @dataclass
+class _Clip:
+    """Where one clip lies in the recording, in seconds."""
+
+    start_s: float
+    end_s: float
+
+
+@dataclass
 class _TokenCounts:
+    """The prompt tokens of every clip's request together."""
+
     prompt_tokens: int
     audio_tokens: int
+
+    @classmethod
+    def of(cls, prompts: list[ProcessedPrompt]) -> _TokenCounts:
+        return cls(
+            sum(len(p.token_ids) for p in prompts),
+            sum(item.num_tokens for p in prompts for item in p.mm_items),
+        )
 
     def usage(self, output_tokens: int) -> dict[str, Any]:
         """OpenAI's token usage of a transcription."""
@@ -360,42 +407,66 @@ class _TokenCounts:
         }
 
 
-def speech_response(req: SpeechRequest, choice: Choice, counts: _TokenCounts, duration_s: float):
-    reply = "".join(choice.text)
-    text = extract_translation(reply) if req.extracts_translation else reply
-    usage = counts.usage(len(choice.token_ids))
+def speech_response(
+    req: SpeechRequest, choices: list[Choice], clips: list[_Clip], counts: _TokenCounts, duration_s: float
+):
+    """The answer to a whole (not streamed) request: ``choices[i]`` is what the model said of ``clips[i]``."""
+    answers = [_answer(req, choice) for choice in choices]
+    text = join_transcripts(answers)
+    usage = counts.usage(sum(len(choice.token_ids) for choice in choices))
     if req.response_format == "json":
         return {"text": text, "usage": usage}
     if req.response_format == "text":
         return PlainTextResponse(text)
+    segments = [
+        _segment(index, req, choice, answer, clip)
+        for index, (choice, answer, clip) in enumerate(zip(choices, answers, clips))
+    ]
     if req.response_format == "srt":
-        return PlainTextResponse(
-            f"1\n{_timestamp(0.0, ',')} --> {_timestamp(duration_s, ',')}\n{_cue(text)}\n\n"
-        )
+        return PlainTextResponse(_cues(segments, ","))
     if req.response_format == "vtt":
-        cue = f"{_timestamp(0.0, '.')} --> {_timestamp(duration_s, '.')}\n{_cue(text)}\n\n"
-        return PlainTextResponse(f"WEBVTT\n\n{cue}", media_type="text/vtt")
-    encoded = text.encode("utf-8")
-    segment = {
-        "id": 0,
-        "seek": 0,
-        "start": 0.0,
-        "end": round(duration_s, 3),
-        "text": text,
-        "tokens": list(choice.token_ids),
-        "temperature": req.temperature,
-        "avg_logprob": _avg_logprob(choice),
-        "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
-    }
+        return PlainTextResponse(f"WEBVTT\n\n{_cues(segments, '.')}", media_type="text/vtt")
     body = {
         "task": "transcribe" if req.task == "transcribe" else "translate",
         "language": req.language.lower() if req.language else None,
         "duration": round(duration_s, 3),
         "text": text,
-        "segments": [segment],
+        "segments": segments,
         "usage": usage,
     }
     return JSONResponse(body)
+
+
+def _answer(req: SpeechRequest, choice: Choice) -> str:
+    """One clip's part of the transcript (stripped, as ``join_transcripts`` joins it)."""
+    reply = "".join(choice.text)
+    return (extract_translation(reply) if req.extracts_translation else reply).strip()
+
+
+def _segment(index: int, req: SpeechRequest, choice: Choice, answer: str, clip: _Clip) -> dict[str, Any]:
+    """A verbose_json segment: one clip, with its times in the recording."""
+    encoded = answer.encode("utf-8")
+    return {
+        "id": index,
+        "seek": round(clip.start_s * 100),  # in 10 ms frames, as Whisper's
+        "start": round(clip.start_s, 3),
+        "end": round(clip.end_s, 3),
+        "text": answer,
+        "tokens": list(choice.token_ids),
+        "temperature": req.temperature,
+        "avg_logprob": _avg_logprob(choice),
+        "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
+    }
+
+
+def _cues(segments: list[dict[str, Any]], decimal: str) -> str:
+    """SRT (``,``) or WebVTT (``.``) cues: one per segment that has text, numbered for SRT."""
+    cues = []
+    for segment in (s for s in segments if s["text"]):
+        number = f"{len(cues) + 1}\n" if decimal == "," else ""
+        timing = f"{_timestamp(segment['start'], decimal)} --> {_timestamp(segment['end'], decimal)}"
+        cues.append(f"{number}{timing}\n{_cue(segment['text'])}\n\n")
+    return "".join(cues)
 
 
 def _avg_logprob(choice: Choice) -> float:
@@ -421,32 +492,52 @@ def _cue(text: str) -> str:
     return "\n".join(lines)
 
 
+class ClipsInOrder:
+    """The text of clips decoded at once, released in clip order: what a clip says waits until every clip
+    before it has finished; ``add`` returns the pieces of the transcript that may be sent now."""
+
+    def __init__(self, num_clips: int, extract: bool):
+        self.transcript = TranscriptStream(extract)
+        self._waiting: list[list[str]] = [[] for _ in range(num_clips)]
+        self._finished = [False] * num_clips
+        self._current = 0  # the clip being sent
+
+    def add(self, index: int, text: str, finished: bool) -> list[str]:
+        self._waiting[index].append(text)
+        self._finished[index] = finished
+        pieces: list[str] = []
+        while self._current < len(self._waiting):
+            waiting = self._waiting[self._current]
+            pieces += [self.transcript.feed(t) for t in waiting]
+            waiting.clear()
+            if not self._finished[self._current]:
+                break
+            pieces.append(self.transcript.end_clip())
+            self._current += 1
+        return [piece for piece in pieces if piece]
+
+
 async def speech_stream(
-    deltas: AsyncIterator[tuple[int, StreamDelta]], extract: bool, counts: _TokenCounts
+    deltas: AsyncIterator[tuple[int, StreamDelta]], num_clips: int, extract: bool, counts: _TokenCounts
 ) -> AsyncIterator[str]:
-    """OpenAI's transcription events: ``transcript.text.delta`` per piece of text, then
-    ``transcript.text.done`` with the whole text and the usage. A translation sends nothing before the
-    ``English:`` marker of the model's answer (all of it at the end when the marker never comes)."""
-    translation = TranslationStream() if extract else None
-    sent: list[str] = []
+    """OpenAI's transcription events: ``transcript.text.delta`` per piece of text, clip after clip, then
+    ``transcript.text.done`` with the whole text and the usage. A translation sends nothing of a clip before
+    the ``English:`` marker of the model's answer (all of it at the clip's end when the marker never comes).
+    Closing this (the client left) or a failing clip closes ``deltas``, which aborts every clip's request."""
+    in_order = ClipsInOrder(num_clips, extract)
     output_tokens = 0
     try:
-        async for _, delta in deltas:
+        async for index, delta in deltas:
             output_tokens += len(delta.token_ids)
-            text = translation.feed(delta.text) if translation else delta.text
-            if text:
-                sent.append(text)
-                yield sse({"type": "transcript.text.delta", "delta": text})
+            for piece in in_order.add(index, delta.text, delta.finished):
+                yield sse({"type": "transcript.text.delta", "delta": piece})
     except (EngineDeadError, RuntimeError) as exc:
         yield sse_error(exc)
         return
     finally:
         await deltas.aclose()
-    rest = translation.finish() if translation else ""
-    if rest:
-        sent.append(rest)
-        yield sse({"type": "transcript.text.delta", "delta": rest})
-    yield sse({"type": "transcript.text.done", "text": "".join(sent), "usage": counts.usage(output_tokens)})
+    text = in_order.transcript.text
+    yield sse({"type": "transcript.text.done", "text": text, "usage": counts.usage(output_tokens)})
 
 
-__all__ = ["OpenAIServingSpeech", "SpeechRequest", "speech_response", "speech_stream"]
+__all__ = ["ClipsInOrder", "OpenAIServingSpeech", "SpeechRequest", "speech_response", "speech_stream"]
