@@ -6,12 +6,14 @@ import base64
 import io
 import json
 import re
+import time
 
 import httpx
 import numpy as np
 import pytest
 
 from g4serve.server.response_store import ResponseStore
+from g4serve.server.serving_responses import _Prompt
 
 openai = pytest.importorskip("openai")
 soundfile = pytest.importorskip("soundfile")
@@ -31,6 +33,7 @@ TOOLS = [
     {"type": "function", "name": "get_rate", "parameters": {"type": "object", "properties": {}}},
 ]
 QUESTION = "What is the balance of account 4021?"
+LONG = "Tell me a long story."  # greedy, the tiny model writes 600+ tokens without an end-of-turn
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +53,17 @@ def _wav_base64() -> str:
     buf = io.BytesIO()
     soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000, format="WAV")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def _finished(client, response_id: str, timeout_s: float = 30.0):
+    """Poll a background response until it has left queued/in_progress."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = client.responses.retrieve(response_id)
+        if resp.status not in ("queued", "in_progress"):
+            return resp
+        assert time.monotonic() < deadline, f"still {resp.status}"
+        time.sleep(0.05)
 
 
 def test_text_in_text_out(server, client):
@@ -303,3 +317,294 @@ def test_bad_input_is_400_naming_the_field(server, client):
         assert re.search(field, r.json()["error"]["message"]), (body, r.text)
     server.wait_idle()
     assert client.responses.create(model="tiny", input="still up", max_output_tokens=1).status
+
+
+# ---- truncation ----------------------------------------------------------------------------------------
+def _long_conversation() -> list[dict]:
+    """A developer message, six long turns and a short last one: about 3,000 tokens, past max_model_len."""
+    items = [{"role": "developer", "content": "Rules: be brief."}]
+    for i in range(6):
+        items.append({"role": "user", "content": f"turn {i} " + "word " * 150})
+        items.append({"role": "assistant", "content": "noted " * 10})
+    items.append({"role": "user", "content": "And now?"})
+    return items
+
+
+def test_truncation_auto_keeps_the_newest_turns_that_fit(server, client):
+    items = _long_conversation()
+    for truncation in ({}, {"truncation": "disabled"}):
+        with pytest.raises(openai.BadRequestError, match=r"input: the conversation \(\d+ tokens\)") as info:
+            client.responses.create(model="tiny", input=items, max_output_tokens=4, **truncation)
+        assert info.value.param == "input"
+    resp = client.responses.create(
+        model="tiny", input=items, max_output_tokens=4, truncation="auto", temperature=0
+    )
+    assert resp.truncation == "auto" and resp.status in ("completed", "incomplete")
+    # The prompt is the developer message and the longest tail of whole turns that leaves 4 output tokens.
+    tok = server.app.state.engine.tokenizer
+
+    def length(messages: list[dict]) -> int:
+        messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        return len(tok.encode(text, add_special_tokens=False))
+
+    starts = [k for k in range(1, len(items), 2) if length(items[:1] + items[k:]) + 4 <= 1024]
+    assert starts[0] > 1  # some turns went
+    assert resp.usage.input_tokens == length(items[:1] + items[starts[0] :])
+    # The stored conversation is the whole one: a later turn can truncate differently.
+    assert len(list(client.responses.input_items.list(resp.id))) == len(items)
+    server.wait_idle()
+
+
+def test_truncation_auto_refuses_what_cannot_fit(server, client):
+    items = [
+        {"role": "user", "content": "short"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "word " * 1100},
+    ]
+    with pytest.raises(openai.BadRequestError, match="even the last turn alone") as info:
+        client.responses.create(model="tiny", input=items, max_output_tokens=4, truncation="auto")
+    assert info.value.param == "input"
+    with pytest.raises(openai.BadRequestError, match="even the last turn alone"):  # one turn, nothing to drop
+        client.responses.create(model="tiny", input="word " * 1100, truncation="auto")
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens"):
+        client.responses.create(model="tiny", input="hi", max_output_tokens=1024, truncation="auto")
+    with pytest.raises(openai.BadRequestError, match="truncation"):
+        client.responses.create(model="tiny", input="hi", truncation="sometimes")
+    assert client.responses.create(model="tiny", input="still up", max_output_tokens=1).status
+
+
+def test_truncation_cuts_only_between_whole_turns():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conversation = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "user", "content": "meanwhile"},  # no cut: the call's output comes after it
+        {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "1"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "b"},
+        {"role": "system", "content": "a late rule"},  # kept wherever the cut falls
+        {"role": "user", "content": "c"},
+    ]
+    prompt = _Prompt([], conversation[:2], conversation[2:], None, None, False)
+    assert prompt.turn_starts() == [5, 7]
+
+
+# ---- background ----------------------------------------------------------------------------------------
+def test_background_runs_to_the_end(server, client):
+    fg = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=8, temperature=0)
+    bg = client.responses.create(
+        model="tiny", input=QUESTION, max_output_tokens=8, temperature=0, background=True
+    )
+    assert bg.background and bg.status == "queued" and bg.id.startswith("resp_")
+    done = _finished(client, bg.id)
+    assert done.status == fg.status and done.background
+    assert done.output_text == fg.output_text and done.usage.output_tokens == fg.usage.output_tokens
+    assert done.usage.input_tokens == fg.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="has finished"):
+        client.responses.cancel(bg.id)
+    with pytest.raises(openai.BadRequestError, match="background=true") as info:
+        client.responses.cancel(fg.id)
+    assert info.value.param == "response_id"
+    after = client.responses.create(
+        model="tiny", previous_response_id=bg.id, input="More?", max_output_tokens=2
+    )
+    assert after.usage.input_tokens > done.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="background") as info:
+        client.responses.create(model="tiny", input="x", background=True, store=False)
+    assert info.value.param == "background"
+    server.wait_idle()
+
+
+def test_background_cancel_aborts_and_frees_every_kv_block(server, client):
+    bg = client.responses.create(
+        model="tiny", input=LONG, max_output_tokens=900, temperature=0, background=True
+    )
+    # Another key's client sees nothing of it: not to read, list, cancel or delete.
+    other = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="someone-else", max_retries=0)
+    for call in (other.responses.retrieve, other.responses.cancel, other.responses.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(bg.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.input_items.list(bg.id)
+    cancelled = client.responses.cancel(bg.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 900
+    server.wait_idle()  # the engine request aborted: no request left, every KV block free
+    assert not server.app.state.serving_responses.background
+    assert client.responses.retrieve(bg.id).status == "cancelled"
+    assert client.responses.cancel(bg.id).status == "cancelled"  # again: the same answer
+    assert [i.type for i in client.responses.input_items.list(bg.id)] == ["message"]
+    # A running one cannot be continued yet; DELETE cancels it first.
+    running = client.responses.create(
+        model="tiny", input=LONG, max_output_tokens=900, temperature=0, background=True
+    )
+    with pytest.raises(openai.BadRequestError, match="still running") as info:
+        client.responses.create(model="tiny", previous_response_id=running.id, input="and?")
+    assert info.value.param == "previous_response_id"
+    client.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
+    server.wait_idle()
+
+
+def test_background_limit_is_a_429(server, client):
+    serving = server.app.state.serving_responses
+    limit, serving.max_background = serving.max_background, 0
+    try:
+        with pytest.raises(openai.RateLimitError, match="background"):
+            client.responses.create(model="tiny", input="x", max_output_tokens=1, background=True)
+    finally:
+        serving.max_background = limit
+    server.wait_idle()
+
+
+def test_background_stream_resumes_after_a_dropped_connection(server, client):
+    stream = client.responses.create(
+        model="tiny", input=QUESTION, max_output_tokens=12, temperature=0, background=True, stream=True
+    )
+    first = []
+    for event in stream:
+        first.append(event)
+        if len(first) == 5:
+            break
+    stream.close()  # the connection goes; the response runs on
+    assert [e.type for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0].response.status == "queued" and first[0].response.background
+    response_id = first[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    assert [e.sequence_number for e in rest] == list(range(5, 5 + len(rest)))
+    final = rest[-1].response
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    replay = list(client.responses.retrieve(response_id, stream=True))  # finished: all of it again
+    assert [e.type for e in replay] == [e.type for e in first + rest]
+    text = "".join(e.delta for e in replay if e.type == "response.output_text.delta")
+    whole = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=12, temperature=0)
+    assert text == final.output_text == whole.output_text
+    with pytest.raises(openai.BadRequestError, match="stream"):  # created without background and stream
+        client.responses.retrieve(whole.id, stream=True)
+    server.wait_idle()
+
+
+def test_shutdown_cancels_background_responses(tiny_model_dir, server_factory):
+    running = server_factory(tiny_model_dir, "--served-model-name", "tiny", "--drain-timeout", "0")
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="k", max_retries=0)
+    bg = client.responses.create(
+        model="tiny", input=LONG, max_output_tokens=900, temperature=0, background=True
+    )
+    _ = client.responses.retrieve(bg.id)
+    serving = running.app.state.serving_responses
+    running.server.should_exit = True
+    deadline = time.monotonic() + 20
+    while serving.background and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not serving.background
+    assert serving.store.get(ResponseStore.owner("Bearer k"), bg.id).response["status"] == "cancelled"
+    engine = running.engine
+    assert not engine.requests and all(p.num_free == p.num_blocks for p in engine.kv.pools.values())
+
+
+# ---- include -------------------------------------------------------------------------------------------
+def test_include_output_text_logprobs(server, client):
+    fields = dict(model="tiny", input="hi", max_output_tokens=5, temperature=0)
+    plain = client.responses.create(**fields)
+    assert all(
+        part.logprobs == [] for item in plain.output if item.type == "message" for part in item.content
+    )
+    resp = client.responses.create(**fields, include=["message.output_text.logprobs"], top_logprobs=2)
+    assert resp.top_logprobs == 2 and resp.output_text == plain.output_text
+    (message,) = [item for item in resp.output if item.type == "message"]
+    part = message.content[0]
+    assert part.logprobs and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text  # special tokens have none
+    # The same numbers as chat's for those tokens (chat lists every token, special ones too).
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    chat_entries = iter((c.token, c.logprob) for c in chat.choices[0].logprobs.content)
+    for lp in part.logprobs:  # a subsequence of chat's, in order
+        assert any(
+            token == lp.token and logprob == pytest.approx(lp.logprob) for token, logprob in chat_entries
+        )
+    events = list(
+        client.responses.create(
+            **fields, include=["message.output_text.logprobs"], top_logprobs=2, stream=True
+        )
+    )
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [lp.token for lp in part.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == streamed
+    # Accepted and nothing to do: input items always carry their image URLs.
+    assert client.responses.create(**fields, include=["message.input_image.image_url"]).status
+    server.wait_idle()
+
+
+def test_include_refuses_what_it_cannot_give(server, client):
+    cases = [
+        ("reasoning.encrypted_content", "does not encrypt reasoning"),
+        ("file_search_call.results", "built-in tools"),
+        ("message.output_text.everything", "unknown value"),
+    ]
+    for value, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message) as info:
+            client.responses.create(model="tiny", input="x", include=[value])
+        assert info.value.param == "include"
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.responses.create(model="tiny", input="x", top_logprobs=21)
+
+
+# ---- input items ---------------------------------------------------------------------------------------
+def test_input_items_list_and_pages(server, client):
+    first = client.responses.create(
+        model="tiny",
+        input=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        max_output_tokens=2,
+        temperature=0,
+    )
+    second = client.responses.create(
+        model="tiny", previous_response_id=first.id, input="again", max_output_tokens=2
+    )
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [(i.type, getattr(i, "role", None)) for i in items] == [
+        ("message", "developer"),
+        ("message", "user"),
+        *[(o.type, getattr(o, "role", None)) for o in first.output],
+        ("message", "user"),
+    ]
+    assert items[0].content[0].type == "input_text" and items[-1].content[0].text == "again"
+    assert [i.id for i in items[2:-1]] == [o.id for o in first.output]  # the first turn's own output items
+    assert len({i.id for i in items}) == len(items)
+    page = client.responses.input_items.list(second.id, limit=2)  # newest first by default
+    assert [i.id for i in page.data] == [items[-1].id, items[-2].id]
+    assert page.first_id == items[-1].id and page.last_id == items[-2].id and page.has_more
+    # The client pages with after=<last id> until has_more is false.
+    assert [i.id for i in client.responses.input_items.list(second.id, limit=1)] == [
+        i.id for i in items[::-1]
+    ]
+    url = f"{server.base_url}/v1/responses/{second.id}/input_items"
+    for params, field in (
+        ({"limit": 0}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"after": "msg_nope"}, "after"),
+    ):
+        r = httpx.get(url, params=params, headers={"Authorization": "Bearer unused"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    # An item id the conversation has already (earlier output sent back, say) is replaced: ids never repeat.
+    again = [{"type": "message", "role": "user", "content": "x", "id": items[0].id}]
+    third = client.responses.create(
+        model="tiny", previous_response_id=second.id, input=again, max_output_tokens=1
+    )
+    ids = [i.id for i in client.responses.input_items.list(third.id, limit=100)]
+    assert len(ids) == len(set(ids)) == len(items) + len(second.output) + 1
+    server.wait_idle()

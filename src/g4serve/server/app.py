@@ -48,7 +48,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def lifespan(_app: FastAPI):
         log.info("serving %s (max_model_len=%d)", ", ".join(served), engine.max_model_len)
         yield
-        # Graceful shutdown: let running requests finish (uvicorn stopped accepting new ones).
+        # Graceful shutdown: let running requests finish (uvicorn stopped accepting new ones); in_flight also
+        # holds the background /v1/responses tasks, so they get the same drain and are cancelled after it.
         deadline = time.monotonic() + config.drain_timeout_s
         while in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -68,7 +69,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.serving_speech = OpenAIServingSpeech(engine, models, config, metrics, waiting)
     store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
     app.state.serving_responses = OpenAIServingResponses(
-        engine, models, config, metrics, waiting, chat=app.state.serving_chat, store=store
+        engine,
+        models,
+        config,
+        metrics,
+        waiting,
+        chat=app.state.serving_chat,
+        store=store,
+        in_flight=in_flight,
     )
     app.include_router(routes.system)
     app.include_router(routes.openai)

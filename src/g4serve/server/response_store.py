@@ -1,13 +1,14 @@
-"""The stored responses behind ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``: in memory,
-least recently used out first, bounded by a count and by bytes. Entries belong to the API key that created
-them (a digest of the ``Authorization`` header), so one key's client never reads another's."""
+"""The stored responses behind ``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}`` and
+``GET /v1/responses/{id}/input_items``: in memory, least recently used out first, bounded by a count and by
+bytes. Entries belong to the API key that created them (a digest of the ``Authorization`` header), so one
+key's client never reads another's."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -16,6 +17,10 @@ class StoredResponse:
     response: dict[str, Any]  # the response object as it was answered
     history: list[dict[str, Any]]  # the conversation as chat messages, this response's output included
     num_bytes: int
+    # The conversation's Responses items before this response's output (GET .../input_items).
+    items: list[dict[str, Any]] = field(default_factory=list)
+    # A background stream's server-sent events, numbered by their index, for GET ?stream=true (else None).
+    events: list[str] | None = None
 
 
 class ResponseStore:
@@ -33,16 +38,25 @@ class ResponseStore:
         """The key entries are filed under: the credential's digest (never the credential itself)."""
         return hashlib.sha256((authorization or "").encode()).hexdigest()
 
-    def put(self, owner: str, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
-        """Store (evicting the least recently used past the bounds); False when the entry alone is too big."""
-        num_bytes = len(json.dumps(response, separators=(",", ":"))) + len(
-            json.dumps(history, separators=(",", ":"))
-        )
+    def put(
+        self,
+        owner: str,
+        response: dict[str, Any],
+        history: list[dict[str, Any]],
+        items: list[dict[str, Any]] | None = None,
+        events: list[str] | None = None,
+    ) -> bool:
+        """Store (evicting the least recently used past the bounds); False when the entry alone is too big.
+        Its bytes count every part: the response, the messages, the items and the events, each as JSON (so
+        a media data URL counts in the messages and again in the items)."""
+        items = items or []
+        num_bytes = sum(len(json.dumps(part, separators=(",", ":"))) for part in (response, history, items))
+        num_bytes += sum(len(event) for event in events or ())
         if self.max_entries < 1 or num_bytes > self.max_bytes:
             return False
         key = (owner, response["id"])
         self.delete(owner, response["id"])
-        self._entries[key] = StoredResponse(response, history, num_bytes)
+        self._entries[key] = StoredResponse(response, history, num_bytes, items, events)
         self.num_bytes += num_bytes
         while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)

@@ -2,8 +2,8 @@
 ``build_app`` put on ``app.state`` (``serving_chat``, ``serving_completion``, ``serving_models``).
 
 - ``openai``: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/transcriptions``,
-  ``POST /v1/audio/translations`` (``serving_speech``), ``POST``/``GET``/``DELETE /v1/responses``
-  (``serving_responses``), ``GET /v1/models``;
+  ``POST /v1/audio/translations`` (``serving_speech``), ``POST``/``GET``/``DELETE /v1/responses``, its
+  ``cancel`` and ``input_items`` (``serving_responses``), ``GET /v1/models``;
 - ``system``: ``GET /health``, ``GET /metrics``.
 """
 
@@ -44,13 +44,23 @@ async def responses(request: Request):
 
 
 @openai.get("/v1/responses/{response_id}")
-async def get_response(request: Request, response_id: str) -> dict:
+async def get_response(request: Request, response_id: str):
     return request.app.state.serving_responses.retrieve(request, response_id)
 
 
 @openai.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> dict:
-    return request.app.state.serving_responses.delete(request, response_id)
+    return await request.app.state.serving_responses.delete(request, response_id)
+
+
+@openai.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str) -> dict:
+    return await request.app.state.serving_responses.cancel(request, response_id)
+
+
+@openai.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(request: Request, response_id: str) -> dict:
+    return request.app.state.serving_responses.input_items(request, response_id)
 
 
 @openai.get("/v1/models")

@@ -1,12 +1,16 @@
-"""``POST /v1/responses`` (OpenAI's Responses API), ``GET`` and ``DELETE /v1/responses/{id}``. The request
-becomes chat messages and chat fields, rendered and checked by the chat endpoint's own code; the output is
-parsed by ``Gemma4OutputParser`` into reasoning, message and function_call items, answered whole or as the
-Responses event stream. ``previous_response_id`` reads the bounded ``ResponseStore``."""
+"""``POST /v1/responses`` (OpenAI's Responses API), ``GET``/``DELETE /v1/responses/{id}``, its ``cancel``
+and ``input_items``. The request becomes chat messages and chat fields, rendered and checked by the chat
+endpoint's own code (the oldest turns dropped to fit with ``truncation: "auto"``); the output is parsed by
+``Gemma4OutputParser`` into reasoning, message and function_call items, answered whole, as the Responses
+event stream, or run as a background task read back with ``GET``. ``previous_response_id`` reads the
+bounded ``ResponseStore``."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import logging
 import re
 import time
 import uuid
@@ -20,39 +24,149 @@ from pydantic import ValidationError
 
 from g4serve.engine.async_engine import EngineDeadError
 from g4serve.processing.chat import split_chat_messages
+from g4serve.processing.processor import ProcessedPrompt
 from g4serve.server.errors import APIError
 from g4serve.server.gemma4_output import Gemma4OutputParser, ParsedDelta
 from g4serve.server.protocol import ChatCompletionRequest
-from g4serve.server.response_store import ResponseStore
-from g4serve.server.responses_protocol import ResponsesRequest, input_messages
-from g4serve.server.serving_base import OpenAIServing, run_watching_client
-from g4serve.server.serving_chat import OpenAIServingChat, _template_message
+from g4serve.server.response_store import ResponseStore, StoredResponse
+from g4serve.server.responses_protocol import ResponsesRequest, input_messages, response_items
+from g4serve.server.serving_base import OpenAIServing, WaitingLimit, run_watching_client
+from g4serve.server.serving_chat import OpenAIServingChat, _template_message, chat_logprobs
+
+log = logging.getLogger("g4serve.server")
 
 _THOUGHT_STATES = ("label", "reasoning")
 _MESSAGE_INDEX = re.compile(r"^messages\[(\d+)\]")
 _FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+_RUNNING = ("queued", "in_progress")
+MAX_LIST_LIMIT = 100  # input_items: OpenAI's page sizes, 1 to 100 (default 20)
+
+
+class _Background:
+    """A background response while its task runs: the run (whose ``response`` GET shows), the conversation's
+    items, and for a streamed one its server-sent events so far (numbered by their index)."""
+
+    def __init__(self, run: _Run, history: list, items: list, events: list[str] | None):
+        self.run = run
+        self.history = history
+        self.items = items
+        self.events = events
+        self.task: asyncio.Task | None = None
+        self.done = False
+        self.changed = asyncio.Event()  # replaced on every change; waiters hold the old one
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if self.events is not None:
+            self.events.append(_sse_line(event, len(self.events)))
+        self.wake()
+
+    def wake(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
 
 
 class OpenAIServingResponses(OpenAIServing):
-    def __init__(self, *args, chat: OpenAIServingChat, store: ResponseStore, **kwargs):
+    def __init__(
+        self, *args, chat: OpenAIServingChat, store: ResponseStore, in_flight: set | None = None, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.chat = chat
         self.store = store
+        # Background tasks join the app's in-flight set: the shutdown lets them finish within the drain
+        # timeout, then cancels them (as it does running HTTP requests).
+        self.in_flight: set[asyncio.Task] = in_flight if in_flight is not None else set()
+        self.background: dict[tuple[str, str], _Background] = {}
+        # Running or queued background responses: as many as the server lets wait (--max-waiting-requests),
+        # or the engine's batch (--max-num-seqs) where that limit is off.
+        self.max_background = self.config.max_waiting_requests or self.engine.config.max_num_seqs
 
-    # ---- GET / DELETE ------------------------------------------------------------------------------
-    def _stored(self, request: Request, response_id: str, where: str = "response_id"):
+    # ---- GET / DELETE / cancel / input_items ------------------------------------------------------------
+    def _stored(self, request: Request, response_id: str, where: str = "response_id") -> StoredResponse:
         entry = self.store.get(self._owner(request), response_id)
         if entry is None:
             raise APIError(404, f"{where}: no stored response {response_id[:64]!r}", where)
         return entry
 
-    def retrieve(self, request: Request, response_id: str) -> dict[str, Any]:
-        return self._stored(request, response_id).response
+    def retrieve(self, request: Request, response_id: str):
+        """The response (a running background one as it stands), or with ``?stream=true`` a background
+        stream's events after ``starting_after``, then the live ones until it ends."""
+        stream = _query_bool(request, "stream")
+        after = _query_int(request, "starting_after", -1)
+        job = self.background.get((self._owner(request), response_id))
+        if job is None:
+            entry = self._stored(request, response_id)
+            response, events = entry.response, entry.events
+        else:
+            response, events = copy.deepcopy(job.run.response), job.events
+        if not stream:
+            return response
+        if events is None:
+            raise APIError(
+                400,
+                f"stream: response {response_id[:64]!r} was not created with background=true and "
+                "stream=true: it has no events to stream",
+                "stream",
+            )
+        return StreamingResponse(_replay(events, after, job), media_type="text/event-stream")
 
-    def delete(self, request: Request, response_id: str) -> dict[str, Any]:
+    async def delete(self, request: Request, response_id: str) -> dict[str, Any]:
+        owner = self._owner(request)
+        job = self.background.get((owner, response_id))
+        if job is not None:  # a running background response: stopped, then forgotten
+            await _cancelled(job)
         self._stored(request, response_id)
-        self.store.delete(self._owner(request), response_id)
+        self.store.delete(owner, response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def cancel(self, request: Request, response_id: str) -> dict[str, Any]:
+        """Cancel a background response: its engine request is aborted (its KV blocks freed), and it is kept
+        ``cancelled`` with the output so far. Cancelling it again answers the same; a finished or a
+        foreground response is a 400."""
+        job = self.background.get((self._owner(request), response_id))
+        if job is not None:
+            await _cancelled(job)
+            return copy.deepcopy(job.run.response)
+        response = self._stored(request, response_id).response
+        if not response.get("background"):
+            raise APIError(
+                400,
+                "response_id: only a response created with background=true can be cancelled",
+                "response_id",
+            )
+        if response["status"] != "cancelled":
+            raise APIError(
+                400,
+                f"response_id: cannot cancel a response that has finished (status {response['status']!r})",
+                "response_id",
+            )
+        return response
+
+    def input_items(self, request: Request, response_id: str) -> dict[str, Any]:
+        """The items of the conversation that led to the response (earlier turns' inputs and outputs with
+        ``previous_response_id``, then this request's input), in OpenAI's list shape and paging."""
+        job = self.background.get((self._owner(request), response_id))
+        items = job.items if job is not None else self._stored(request, response_id).items
+        limit = _query_int(request, "limit", 20)
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise APIError(400, f"limit: must be between 1 and {MAX_LIST_LIMIT}", "limit")
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order: must be 'asc' or 'desc'", "order")
+        ordered = items if order == "asc" else items[::-1]
+        start = 0
+        after = request.query_params.get("after")
+        if after is not None:
+            start = next((i + 1 for i, item in enumerate(ordered) if item.get("id") == after), None)
+            if start is None:
+                raise APIError(400, f"after: no item {after[:64]!r} in this response's input", "after")
+        page = ordered[start : start + limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(ordered),
+        }
 
     @staticmethod
     def _owner(request: Request) -> str:
@@ -64,20 +178,25 @@ class OpenAIServingResponses(OpenAIServing):
         req: ResponsesRequest = await self.read(request, ResponsesRequest)
         req.check()
         model_name = self.check_model(req.model)
+        owner = self._owner(request)
+        if req.background:
+            self._check_background_room()
         history: list[dict[str, Any]] = []
+        items: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            history = list(self._stored(request, req.previous_response_id, "previous_response_id").history)
+            previous = self._previous(owner, req.previous_response_id)
+            history = list(previous.history)
+            items = [*previous.items, *previous.response["output"]]
         known_calls = {
             c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls") or () if "id" in c
         }
         turn = input_messages(req.input, known_calls)
+        items += response_items(req.input, {item["id"] for item in items})
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         chat_req = self._chat_request(req)
         tools, forced = self.chat.tool_plan(chat_req)
-        messages, media = self._split(system, history, turn)
         thinking = self.chat.thinking(chat_req)
-        prompt = await self.chat.render(chat_req, messages, tools, thinking)
-        params = self.sampling_params(chat_req, req.max_output_tokens, None)
+        params = self.sampling_params(chat_req, req.max_output_tokens, req.num_logprobs())
         # As in chat: with thinking on, a grammar (text.format, a forced call) waits for the thought to close.
         params, _ = self.chat.reasoning_plan(chat_req, params, thinking)
         # The markers must reach the parser; it keeps every special token out of the answer.
@@ -85,30 +204,49 @@ class OpenAIServingResponses(OpenAIServing):
         params = OpenAIServingChat.force_call(params, forced, "text.format")
         specials = frozenset(self.tokenizer.convert_ids_to_tokens(self.tokenizer.special_token_ids)) - {None}
         parse_tools = bool(tools) and chat_req.tool_choice != "none"
-        processed = await self.process(
-            {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
-        )
+        prompt = _Prompt(system, history, turn, chat_req, tools, thinking)
+        processed = await self._fit(prompt, req)
         response_id = f"resp_{uuid.uuid4().hex}"
-        streams = self.stream(await self.admit(processed, params, response_id, 0))
-        skeleton = _skeleton(req, response_id, model_name)
+        admitted = await self.admit(processed, params, response_id, 0)
+        if req.background:
+            self._check_background_room()  # again: others may have started while this one was prepared
+        streams = self.stream(admitted)
         run = _Run(
-            skeleton,
+            _skeleton(req, response_id, model_name),
             Gemma4OutputParser(specials, parse_tools),
             len(processed.token_ids),
             self.merged(streams, received),
-            raise_errors=not req.stream,
+            raise_errors=not (req.stream or req.background),
+            want_logprobs=params.logprobs is not None,
+            special_tokens=specials,
         )
-        on_done = None
+        conversation = [*history, *turn]
+        if req.background:
+            return self._start_background(owner, run, conversation, items, req.stream)
         if req.store:
-            owner = self._owner(request)
 
             def on_done(response: dict[str, Any]) -> None:
-                self.store.put(owner, response, [*history, *turn, *_output_messages(response["output"])])
+                self.store.put(owner, response, _history(conversation, response), items)
 
-        run.on_done = on_done
+            run.on_done = on_done
         if req.stream:
             return StreamingResponse(_sse(run.events()), media_type="text/event-stream")
         return await self._whole(request, run.events())
+
+    def _previous(self, owner: str, response_id: str) -> StoredResponse:
+        if (owner, response_id) in self.background:
+            raise APIError(
+                400,
+                f"previous_response_id: response {response_id[:64]!r} is still running in the background; "
+                "wait until GET /v1/responses/{id} shows it finished",
+                "previous_response_id",
+            )
+        entry = self.store.get(owner, response_id)
+        if entry is None:
+            raise APIError(
+                404, f"previous_response_id: no stored response {response_id[:64]!r}", "previous_response_id"
+            )
+        return entry
 
     def _chat_request(self, req: ResponsesRequest) -> ChatCompletionRequest:
         """The chat fields this request amounts to, for the chat endpoint's own checks and rendering."""
@@ -129,15 +267,82 @@ class OpenAIServingResponses(OpenAIServing):
             err = exc.errors()[0]
             raise APIError(400, f"{err['loc'][0]}: {err['msg']}", str(err["loc"][0])) from None
 
-    def _split(self, system: list, history: list, turn: list):
-        """Chat messages ready for the template, and their media, checked as the chat endpoint checks them;
-        an error names the Responses field (``input[2].content[1]...``), not the chat message."""
-        messages = [*system, *history, *turn]
-        first_input = len(system) + len(history)
+    # ---- the prompt, and truncation ---------------------------------------------------------------------
+    async def _fit(self, prompt: _Prompt, req: ResponsesRequest) -> ProcessedPrompt:
+        """The processed prompt of the whole conversation when it fits ``max_model_len`` with the output
+        budget (``max_output_tokens``, else one token); otherwise, with ``truncation: "auto"``, of the
+        longest tail of whole turns that fits (a binary search over the turns' starts: each try renders and
+        tokenizes). A conversation that does not fit, or whose last turn alone does not, is a 400 naming
+        ``input``."""
+        limit = self.engine.max_model_len
+        budget = req.max_output_tokens or 1
+        if budget >= limit:
+            raise APIError(
+                400,
+                f"max_output_tokens: {budget} leaves no room for the input within max_model_len={limit}",
+                "max_output_tokens",
+            )
+        budget_text = f"max_output_tokens={budget}" if req.max_output_tokens else "one output token"
+        whole, size = await self._try(prompt, 0, limit - budget)
+        if whole is not None:
+            return whole
+        advice = "shorten it, lower max_output_tokens, or set truncation to 'auto' to drop the oldest turns"
+        if req.truncation != "auto":
+            raise APIError(
+                400,
+                f"input: the conversation ({size}) and {budget_text} exceed max_model_len={limit}: {advice}",
+                "input",
+            )
+        starts = prompt.turn_starts()
+        last, size = (None, size) if not starts else await self._try(prompt, starts[-1], limit - budget)
+        if last is None:
+            raise APIError(
+                400,
+                f"input: even the last turn alone ({size}) and {budget_text} exceed max_model_len={limit}, "
+                "so truncation 'auto' cannot make it fit",
+                "input",
+            )
+        low, high, best = 0, len(starts) - 1, last  # starts[high] fits; find the first start that does
+        while low < high:
+            middle = (low + high) // 2
+            processed, _ = await self._try(prompt, starts[middle], limit - budget)
+            if processed is None:
+                low = middle + 1
+            else:
+                high, best = middle, processed
+        log.debug("responses: truncation dropped %d of %d messages", starts[high], len(prompt.conversation))
+        return best
+
+    async def _try(self, prompt: _Prompt, start: int, max_tokens: int) -> tuple[ProcessedPrompt | None, str]:
+        """(the processed prompt of the conversation from message ``start`` on, or None where it is longer
+        than ``max_tokens``; its size in words)."""
+        messages, media = self._split(prompt, start)
+        text = await self.chat.render(prompt.chat_req, messages, prompt.tools, prompt.thinking)
+        try:
+            processed = await self.process(
+                {"prompt": text, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+            )
+        except APIError as exc:
+            if exc.message.startswith("prompt:") and "cannot fit" in exc.message:  # refused before tokenizing
+                return None, f"{len(text)} characters"
+            raise
+        size = len(processed.token_ids)
+        return (processed if size <= max_tokens else None), f"{size} tokens"
+
+    def _split(self, prompt: _Prompt, start: int = 0):
+        """Chat messages ready for the template (the conversation from message ``start`` on, its system
+        messages kept), and their media, checked as the chat endpoint checks them; an error names the
+        Responses field (``input[2].content[1]...``), not the chat message."""
+        kept = [i for i, m in enumerate(prompt.conversation) if i >= start or m.get("role") == "system"]
+        messages = [*prompt.system, *(prompt.conversation[i] for i in kept)]
+        first_input = len(prompt.history)
 
         def rename(match: re.Match) -> str:
-            index = int(match.group(1))
-            return f"input[{index - first_input}]" if index >= first_input else "previous_response_id"
+            index = int(match.group(1)) - len(prompt.system)
+            if index < 0:
+                return "instructions"
+            original = kept[index]
+            return f"input[{original - first_input}]" if original >= first_input else "previous_response_id"
 
         try:
             root = self.config.allowed_local_media_path
@@ -156,6 +361,7 @@ class OpenAIServingResponses(OpenAIServing):
             raise APIError(400, _MESSAGE_INDEX.sub(rename, exc.message), "input") from None
         return messages, media
 
+    # ---- running it -------------------------------------------------------------------------------------
     async def _whole(self, request: Request, events: AsyncIterator[dict]) -> dict[str, Any]:
         """Run the events to the end for a non-streaming answer; a client disconnect aborts the request."""
         final: dict[str, Any] = {}
@@ -168,13 +374,141 @@ class OpenAIServingResponses(OpenAIServing):
         await run_watching_client(request, consume())
         return final
 
+    def _check_background_room(self) -> None:
+        if len(self.background) >= self.max_background:
+            retry = WaitingLimit.RETRY_AFTER_S
+            raise APIError(
+                429,
+                f"background: {len(self.background)} background responses are running, the server's limit "
+                f"(--max-waiting-requests, or --max-num-seqs without it); retry after {retry} s",
+                "background",
+                headers={"Retry-After": str(retry)},
+            )
+
+    def _start_background(self, owner: str, run: _Run, conversation: list, items: list, stream: bool):
+        """Run the response as a server task, not tied to this connection; answer at once (queued), or with
+        ``stream`` the events as they come (a dropped connection resumes with GET ``?stream=true``)."""
+        key = (owner, run.response["id"])
+        job = _Background(run, conversation, items, [] if stream else None)
+        queued = copy.deepcopy(run.response)
+
+        async def drive() -> None:
+            async for event in run.events():
+                job.emit(event)
+
+        job.task = task = asyncio.create_task(drive(), name=f"g4-background-{key[1]}")
+        self.background[key] = job
+        self.in_flight.add(task)
+        task.add_done_callback(lambda t: self._background_done(owner, key, job, t))
+        if stream:
+            return StreamingResponse(_replay(job.events, -1, job), media_type="text/event-stream")
+        return queued
+
+    def _background_done(
+        self, owner: str, key: tuple[str, str], job: _Background, task: asyncio.Task
+    ) -> None:
+        """The task ended (finished, cancelled, or failed in our code): the response gets its final state and
+        moves from the running set to the store."""
+        self.in_flight.discard(task)
+        run = job.run
+        if run.response["status"] in _RUNNING:
+            if task.cancelled():
+                events = run.cancel()
+            else:
+                exc = task.exception()
+                log.error("background response %s failed", key[1], exc_info=exc)
+                events = run.fail(f"internal error ({type(exc).__name__})")
+            for event in events:
+                job.emit(event)
+        self.store.put(owner, run.response, _history(job.history, run.response), job.items, job.events)
+        self.background.pop(key, None)
+        job.done = True
+        job.wake()
+
+
+class _Prompt:
+    """What the prompt is rendered from: the instructions' system turn, the earlier turns' messages
+    (``previous_response_id``), this request's and the chat fields."""
+
+    def __init__(
+        self, system: list, history: list, turn: list, chat_req: ChatCompletionRequest, tools, thinking
+    ):
+        self.system = system
+        self.history = history
+        self.conversation = [*history, *turn]
+        self.chat_req = chat_req
+        self.tools = tools
+        self.thinking = thinking
+
+    def turn_starts(self) -> list[int]:
+        """The messages (after the first) at which truncation may cut: a user message (so whole turns go),
+        after which no function output answers a call made before it."""
+        conversation = self.conversation
+        declared: dict[str, int] = {}
+        call_of: list[int | None] = []  # a tool message's call: the message that made it
+        for j, message in enumerate(conversation):
+            for call in message.get("tool_calls") or ():
+                declared[call.get("id")] = j
+            call_of.append(
+                declared.get(message.get("tool_call_id"), j) if message["role"] == "tool" else None
+            )
+        starts, earliest_call = [], len(conversation)
+        for i in range(len(conversation) - 1, 0, -1):
+            if call_of[i] is not None:
+                earliest_call = min(earliest_call, call_of[i])
+            if conversation[i]["role"] == "user" and earliest_call >= i:
+                starts.append(i)
+        return starts[::-1]
+
+
+async def _cancelled(job: _Background) -> None:
+    """Cancel a background task and wait until it has ended (its engine request aborted)."""
+    job.task.cancel()
+    await asyncio.wait({job.task})
+
+
+async def _replay(events: list[str], after: int, job: _Background | None) -> AsyncIterator[str]:
+    """A background stream's events numbered after ``after``, then (while it runs) the new ones as they
+    come, until it ends. Closing this leaves the task running."""
+    index = max(after + 1, 0)
+    while True:
+        if index < len(events):
+            yield events[index]
+            index += 1
+        elif job is None or job.done:
+            return
+        else:
+            await job.changed.wait()
+
+
+def _history(conversation: list, response: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*conversation, *_output_messages(response["output"])]
+
+
+def _query_bool(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0"):
+        raise APIError(400, f"{name}: must be true or false", name)
+    return value in ("true", "1")
+
+
+def _query_int(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(400, f"{name}: must be an integer", name) from None
+
 
 def _skeleton(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
     return {
         "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
-        "status": "in_progress",
+        "status": "queued" if req.background else "in_progress",
+        "background": bool(req.background),
         "model": model,
         "output": [],
         "error": None,
@@ -184,6 +518,7 @@ def _skeleton(req: ResponsesRequest, response_id: str, model: str) -> dict[str, 
         "parallel_tool_calls": req.parallel_tool_calls,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "top_logprobs": req.top_logprobs,
         "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [],
         "max_output_tokens": req.max_output_tokens,
@@ -191,7 +526,7 @@ def _skeleton(req: ResponsesRequest, response_id: str, model: str) -> dict[str, 
         "reasoning": {"effort": req.effort, "summary": None},
         "store": req.store,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "user": req.user,
         "usage": None,
     }
@@ -217,71 +552,116 @@ def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class _Run:
     """One response's engine output -> output items and the Responses events, in order (without their
-    ``sequence_number``, which ``_sse`` adds). The last event carries the whole response."""
+    ``sequence_number``, which ``_sse`` adds). The last event carries the whole response. With
+    ``want_logprobs``, output_text parts and their deltas carry the logprobs of the tokens that made their
+    text (tokens of the thought channel, of calls, and special tokens have none there)."""
 
-    def __init__(self, skeleton, parser: Gemma4OutputParser, input_tokens: int, deltas, raise_errors: bool):
+    def __init__(
+        self,
+        skeleton,
+        parser: Gemma4OutputParser,
+        input_tokens: int,
+        deltas,
+        raise_errors: bool,
+        want_logprobs: bool = False,
+        special_tokens: frozenset[str] = frozenset(),
+    ):
         self.response = skeleton
         self.parser = parser
         self.input_tokens = input_tokens
         self.deltas = deltas
         self.raise_errors = raise_errors
+        self.want_logprobs = want_logprobs
+        self.special_tokens = special_tokens
         self.on_done = None
         self.items: list[dict[str, Any]] = skeleton["output"]
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.pending_space = ""  # whitespace that opens no message on its own
+        self.pending_logprobs: list = []  # of tokens whose text has not reached an item yet
+        self.output_tokens = self.reasoning_tokens = self.cached_tokens = 0
 
     def snapshot(self, kind: str) -> dict[str, Any]:
         return {"type": kind, "response": copy.deepcopy(self.response)}
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         yield self.snapshot("response.created")
+        if self.response["status"] == "queued":  # a background response: it runs now
+            yield self.snapshot("response.queued")
+            self.response["status"] = "in_progress"
         yield self.snapshot("response.in_progress")
-        output_tokens = reasoning_tokens = cached = 0
         finish_reason = None
         try:
             async for _, delta in self.deltas:
-                was_thinking = self.parser.state in _THOUGHT_STATES
-                parsed = self.parser.feed(delta.text)
                 if delta.finished:
-                    last = self.parser.finish()
-                    parsed.content += last.content
-                    parsed.reasoning += last.reasoning
-                    parsed.tool_calls += last.tool_calls
                     finish_reason = delta.finish_reason
-                output_tokens += len(delta.token_ids)
-                if was_thinking or parsed.reasoning or self.parser.state in _THOUGHT_STATES:
-                    reasoning_tokens += len(delta.token_ids)
-                cached = delta.num_cached_tokens
-                for event in self._feed(parsed):
+                for event in self._feed(*self._parse(delta)):
                     yield event
         except (EngineDeadError, RuntimeError) as exc:
             if self.raise_errors:
                 raise
-            self.response.update(status="failed", error={"code": "server_error", "message": str(exc)})
-            yield self.snapshot("response.failed")
+            for event in self.fail(str(exc)):
+                yield event
             return
         finally:
             await self.deltas.aclose()
         for event in self._finish():
             yield event
+        if finish_reason == "length":
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+            yield self._conclude("incomplete")
+        else:
+            yield self._conclude("completed")
+
+    def _parse(self, delta) -> tuple[ParsedDelta, list]:
+        """The delta's parsed text and its tokens' logprobs; the token counts."""
+        was_thinking = self.parser.state in _THOUGHT_STATES
+        parsed = self.parser.feed(delta.text)
+        if delta.finished:
+            last = self.parser.finish()
+            parsed.content += last.content
+            parsed.reasoning += last.reasoning
+            parsed.tool_calls += last.tool_calls
+        logprobs = []
+        if self.want_logprobs and delta.logprobs:  # the engine hands over the request's whole list
+            entries = delta.logprobs[self.output_tokens : self.output_tokens + len(delta.token_ids)]
+            # Special tokens never reach the text: they have no logprobs there either.
+            skip = self.special_tokens
+            logprobs = [e for e in entries if next(iter(e.values())).decoded_token not in skip]
+        self.output_tokens += len(delta.token_ids)
+        if was_thinking or parsed.reasoning or self.parser.state in _THOUGHT_STATES:
+            self.reasoning_tokens += len(delta.token_ids)
+        self.cached_tokens = delta.num_cached_tokens
+        return parsed, logprobs
+
+    def cancel(self) -> list[dict[str, Any]]:
+        """The events that end a cancelled response: its open item closed (``incomplete``), status
+        ``cancelled`` with the output and usage so far (no final event: OpenAI has none for this)."""
+        events = self._close("incomplete")
+        self._conclude("cancelled")
+        return events
+
+    def fail(self, message: str) -> list[dict[str, Any]]:
+        events = self._close("incomplete")
+        self.response["error"] = {"code": "server_error", "message": message}
+        return [*events, self._conclude("failed")]
+
+    def _conclude(self, status: str) -> dict[str, Any]:
+        self.response["status"] = status
         self.response["usage"] = {
             "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": self.input_tokens + output_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.input_tokens + self.output_tokens,
         }
-        if finish_reason == "length":
-            self.response.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
-        else:
-            self.response["status"] = "completed"
         if self.on_done is not None:
             self.on_done(copy.deepcopy(self.response))
-        yield self.snapshot("response.completed" if finish_reason != "length" else "response.incomplete")
+        return self.snapshot(f"response.{status}")
 
     # ---- items ---------------------------------------------------------------------------------------
-    def _feed(self, parsed: ParsedDelta) -> list[dict[str, Any]]:
+    def _feed(self, parsed: ParsedDelta, logprobs: list = ()) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
+        self.pending_logprobs += logprobs
         if parsed.reasoning:
             if self._open_type() != "reasoning":
                 events += self._close()
@@ -300,6 +680,8 @@ class _Run:
                 events += self._open_message()
                 events.append(self._text_delta(self.pending_space + parsed.content))
                 self.pending_space = ""
+        elif parsed.reasoning or parsed.tool_calls:
+            self.pending_logprobs = []  # their tokens made no message text
         for call in parsed.tool_calls:
             if call.id is not None:
                 events += self._close()
@@ -327,7 +709,7 @@ class _Run:
 
     def _add(self, item: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
         item = {"id": f"{prefix}_{uuid.uuid4().hex}", **item, "status": "in_progress"}
-        self.open = {**item, "_text": "", "_index": len(self.items)}
+        self.open = {**item, "_text": "", "_logprobs": [], "_index": len(self.items)}
         self.items.append(item)
         return [
             {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}
@@ -340,8 +722,11 @@ class _Run:
         return events
 
     def _text_delta(self, text: str) -> dict[str, Any]:
+        logprobs = chat_logprobs(self.pending_logprobs)["content"] if self.pending_logprobs else []
+        self.pending_logprobs = []
         self.open["_text"] += text
-        return self._item_event("response.output_text.delta", delta=text, content_index=0, logprobs=[])
+        self.open["_logprobs"] += logprobs
+        return self._item_event("response.output_text.delta", delta=text, content_index=0, logprobs=logprobs)
 
     def _item_event(self, kind: str, **fields) -> dict[str, Any]:
         return {"type": kind, "item_id": self.open["id"], "output_index": self.open["_index"], **fields}
@@ -349,24 +734,27 @@ class _Run:
     def _part_event(self, stage: str, part: dict[str, Any]) -> dict[str, Any]:
         return self._item_event(f"response.content_part.{stage}", content_index=0, part=part)
 
-    def _close(self) -> list[dict[str, Any]]:
-        """The done events of the open item, which takes its final form in the output."""
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """The done events of the open item, which takes its final form in the output (``status``
+        ``incomplete`` where the response ends before the item did)."""
         item = self.open
         if item is None:
             return []
         events: list[dict[str, Any]] = []
         kind, text = item["type"], item["_text"]
         final = {k: v for k, v in item.items() if not k.startswith("_")}
-        final["status"] = "completed"
+        final["status"] = status
         if kind == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             events.append(self._item_event("response.reasoning_text.done", text=text, content_index=0))
             events.append(self._part_event("done", part))
             final["content"] = [part]
         elif kind == "message":
-            part = _output_text(text)
+            part = _output_text(text, item["_logprobs"])
             events.append(
-                self._item_event("response.output_text.done", text=text, content_index=0, logprobs=[])
+                self._item_event(
+                    "response.output_text.done", text=text, content_index=0, logprobs=item["_logprobs"]
+                )
             )
             events.append(self._part_event("done", part))
             final["content"] = [part]
@@ -386,8 +774,13 @@ class _Run:
         return events
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
+
+
+def _sse_line(event: dict[str, Any], sequence_number: int) -> str:
+    payload = json.dumps({**event, "sequence_number": sequence_number}, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {payload}\n\n"
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -395,8 +788,7 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     sequence_number = 0
     try:
         async for event in events:
-            payload = json.dumps({**event, "sequence_number": sequence_number}, separators=(",", ":"))
+            yield _sse_line(event, sequence_number)
             sequence_number += 1
-            yield f"event: {event['type']}\ndata: {payload}\n\n"
     finally:
         await events.aclose()
