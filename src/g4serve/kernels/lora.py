@@ -11,10 +11,14 @@ Why this shape:
   writes its own fp32 partial ``[split, T, R_pad]`` (each row by the one program of its slot), and the
   expand sums the partials while loading them: deterministic, no atomics, no zeroing memset, no third
   kernel.
-- The shrink result stays fp32 into the expand's ``tl.dot`` (B widened to fp32, exactly), so the only
-  rounding is the final ``y + delta`` to y's dtype, as in the reference.
+- The shrink result stays fp32 into the expand's ``tl.dot`` (B widened to fp32, exactly; ``tf32x3``
+  products, see ``expand_precision``), so the only rounding is the final ``y + delta`` to y's dtype, as
+  in the reference.
 - Rows of other slots are masked out of every load and store, so programs never write the same element
-  and rows with slot -1 keep their bits.
+  and rows with slot -1 keep their bits. The price: a row block holding k slots does its tile math k
+  times. Decode blocks are 16 rows, so that is noise there; a prefill chunk is one run of one slot. A
+  large batch with slots interleaved row by row pays it (H100, T=2048, R=64, 4 adapters: 2-2.7x the
+  time of the same tokens in runs); sorting the tokens by slot once per step would remove it.
 """
 
 from __future__ import annotations
@@ -164,7 +168,8 @@ def _lora_expand_fn(
     y_mask = hit[:, None] & col_ok[None, :]
     y = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
     wait_for_previous_kernel(USE_PDL)
-    # unrolled by 4: that many splits' loads in flight at once (fully unrolled, 40 splits spilled)
+    # unrolled by 4: that many splits' loads in flight at once (fully unrolled, the 40 splits of a down
+    # projection at T=1 ran 1.5x slower on an H100)
     p_ptrs = Partial + rows64[:, None] * BLOCK_R + offs_r[None, :]
     shrink = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for _ in tl.range(0, num_splits, loop_unroll_factor=4):
@@ -183,7 +188,7 @@ _lora_expand = DualKernel(_lora_expand_fn)
 def expand_precision(dtype: torch.dtype, device: torch.device) -> str:
     """``tl.dot`` precision of the expand's fp32 shrink x fp32-widened B. 16-bit B is exact in TF32, so
     ``tf32x3`` (the shrink split into two TF32 parts) gives fp32 accuracy on the tensor cores: on an H100
-    as many outputs off by a bf16 step from the fp32 reference as IEEE products, at 2-5x their speed
+    as many outputs off by a bf16 step from the fp32 reference as IEEE products, at up to 5x their speed
     (IEEE FMAs made the expand 85% of the op at T=2048, R=64). fp32 models keep IEEE products."""
     if device.type == "cpu" or dtype == torch.float32:
         return "ieee"
@@ -305,4 +310,12 @@ def add_lora_reference(
         y[rows] = (y[rows].float() + delta).to(y.dtype)
 
 
-__all__ = ["LoraTiles", "add_lora", "add_lora_reference", "lora_tiles"]
+__all__ = [
+    "LoraTiles",
+    "add_lora",
+    "add_lora_reference",
+    "expand_precision",
+    "lora_expand",
+    "lora_shrink",
+    "lora_tiles",
+]
