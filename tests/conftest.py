@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -191,3 +192,72 @@ def _wav_claiming(rate: int, num_bytes: int = 64_000, channels: int = 1) -> byte
 def wav_claiming():
     """``wav_claiming(rate, num_bytes=64_000, channels=1)``: hostile WAV bytes for the media tests."""
     return _wav_claiming
+
+
+# ---- LoRA adapters -------------------------------------------------------------------------------------
+# PEFT adapters made by ``peft`` itself on the tiny checkpoints, and their merged checkpoints: the oracle of
+# the LoRA tests is ``merge_and_unload()``, i.e. W + scale * B @ A computed by PEFT.
+LANGUAGE = r".*language_model.*\."
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# name -> (variant, LoraConfig keyword arguments)
+ADAPTERS: dict[str, tuple[str, dict]] = {
+    # every attention and MLP projection, rank 4
+    "all": ("e", dict(r=4, lora_alpha=8, target_modules=LANGUAGE + f"({'|'.join(ALL)})")),
+    # a higher rank on q/v only, rsLoRA scaling and a per-module alpha
+    "qv": (
+        "e",
+        dict(
+            r=8,
+            lora_alpha=16,
+            use_rslora=True,
+            alpha_pattern={"v_proj": 4.0},
+            target_modules=LANGUAGE + "(q_proj|v_proj)",
+        ),
+    ),
+    # MLP only, rank 2
+    "mlp": ("e", dict(r=2, lora_alpha=2, target_modules=LANGUAGE + "(gate_proj|up_proj|down_proj)")),
+    # 26B-A4B layout: the full layers take V from K (attention_k_eq_v), so the adapter has no v_proj there
+    "moe": ("moe", dict(r=4, lora_alpha=4, target_modules=LANGUAGE + f"({'|'.join(ALL)})")),
+}
+
+
+def _peft_model(base: Path, kwargs: dict, seed: int):
+    import peft
+    from transformers import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(**kwargs))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero: an adapter that changes nothing tests nothing
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return peft_model
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(hf_checkpoint, tmp_path_factory):
+    """``lora_adapter(name) -> (base dir, adapter dir, merged checkpoint dir)``, built once per session."""
+    cache: dict[str, tuple[Path, Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path, Path]:
+        if name not in cache:
+            variant, kwargs = ADAPTERS[name]
+            base = hf_checkpoint(variant)
+            root = tmp_path_factory.mktemp(f"lora-{name}")
+            model = _peft_model(base, kwargs, seed=len(cache) + 1)
+            model.save_pretrained(root / "adapter")
+            merged = model.merge_and_unload()
+            merged.save_pretrained(root / "merged")
+            _copy_side_files(base, root / "merged")
+            cache[name] = (base, root / "adapter", root / "merged")
+        return cache[name]
+
+    return get

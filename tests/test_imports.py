@@ -6,9 +6,9 @@ modules together (a function-level import is how a cycle usually hides). Relativ
 ``from g4serve.x import y`` is an edge to the module ``g4serve.x.y`` when that is a module, else to
 ``g4serve.x``. Importing a submodule is not counted as importing its parent package's ``__init__``.
 
-The layering, bottom to top: kernels < layers < models < engine < server / bench, with processing and
-structured beside the model stack. A rule below that fails names the import and its line: move the thing
-to the layer it belongs to rather than adding an exception.
+The layering, bottom to top: kernels < layers < models < engine < server / bench, with processing,
+structured and lora beside the model stack. A rule below that fails names the import and its line: move the
+thing to the layer it belongs to rather than adding an exception.
 """
 
 from __future__ import annotations
@@ -58,6 +58,13 @@ LAYER_RULES = (
         "g4serve.models",
         ("g4serve.engine", "g4serve.server", "g4serve.bench"),
         "models sit below the engine that runs them",
+    ),
+    # LoRA adapters are read, checked and given slots of the decoder's stacked weights (``layers.lora``)
+    # without an engine; the engine loads them at start or between steps, and the server names them.
+    LayerRule(
+        "g4serve.lora",
+        ("g4serve.engine", "g4serve.models", "g4serve.server", "g4serve.bench"),
+        "adapters are an input of the engine, below it, and only need the config and the layers",
     ),
     # The engine serves ``LLM`` (offline) and the HTTP server alike; the server and the bench are its clients.
     LayerRule(

@@ -1,6 +1,6 @@
 """g4serve: fast serving for Google's Gemma 4 family (text, image, video, audio).
 
-Public API (vLLM-compatible names): ``LLM``, ``SamplingParams``, ``RequestOutput``.
+Public API (vLLM-compatible names): ``LLM``, ``SamplingParams``, ``RequestOutput``, ``LoRARequest``.
 """
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from g4serve.llm import LLM
+    from g4serve.lora import LoRARequest
     from g4serve.outputs import RequestOutput
     from g4serve.sampling_params import SamplingParams
 
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from g4serve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from g4serve.lora import LoRARequest
+
+        return LoRARequest
     if name == "RequestOutput":
         from g4serve.outputs import RequestOutput
 

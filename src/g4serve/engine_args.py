@@ -47,7 +47,26 @@ def parse_mm_limits(text: str) -> dict[str, int]:
     return out
 
 
-PARSERS = {"mm_limits": parse_mm_limits}  # a field's ``parse`` metadata: its flag's argparse type
+def parse_lora_module(text: str) -> dict[str, str]:
+    """One ``--lora-modules`` item: ``name=path`` or vLLM's JSON ``{"name": ..., "path": ...}``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules: cannot parse {text!r}: {exc}") from None
+        name, path = (raw.get("name"), raw.get("path")) if isinstance(raw, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path, got {text!r}")
+    return {name.strip(): path.strip()}
+
+
+PARSERS = {
+    "mm_limits": parse_mm_limits,
+    "lora_modules": parse_lora_module,
+}  # a field's ``parse`` metadata: its flag's argparse type
 
 
 def _flag_type(name: str) -> type:
@@ -90,7 +109,13 @@ def add_engine_arguments(
             action = argparse.BooleanOptionalAction if default else "store_true"
             group.add_argument(flag, action=action, default=default, help=help_text)
         elif "parse" in f.metadata:
-            group.add_argument(flag, type=PARSERS[f.metadata["parse"]], default=None, help=help_text)
+            group.add_argument(
+                flag,
+                type=PARSERS[f.metadata["parse"]],
+                default=None,
+                help=help_text,
+                **({"nargs": f.metadata["nargs"], "action": "extend"} if "nargs" in f.metadata else {}),
+            )
         else:
             group.add_argument(
                 flag,
@@ -106,10 +131,19 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     ``--limit-mm-per-prompt`` is merged into the default limits (unnamed modalities keep theirs)."""
     values = {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
     limits = values.pop("limit_mm_per_prompt", None)
+    modules = values.pop("lora_modules", None)  # one dict per name=path item
+    if modules:
+        values["lora_modules"] = {name: path for item in modules for name, path in item.items()}
     config = EngineConfig(**{**values, **overrides})
     if limits and not config.text_only:
         config.limit_mm_per_prompt = {**config.limit_mm_per_prompt, **limits}
     return config
 
 
-__all__ = ["add_engine_arguments", "engine_config_from_args", "engine_fields", "parse_mm_limits"]
+__all__ = [
+    "add_engine_arguments",
+    "engine_config_from_args",
+    "engine_fields",
+    "parse_lora_module",
+    "parse_mm_limits",
+]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.lora import LoRARequest
 from g4serve.outputs import RequestOutput
 from g4serve.processing.chat import split_chat_messages
 from g4serve.processing.processor import ProcessedPrompt
@@ -22,6 +23,7 @@ from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+LoRAType = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -31,6 +33,8 @@ class LLM:
     ``26b-a4b``, ``31b``: random weights, for benchmarks) or None for the embedded tiny model.
     Presets use the embedded tokenizer, with the config's special-token ids mapped onto it.
     Other keyword arguments are ``EngineConfig`` fields (``max_num_seqs``, ``kv_cache_bytes``, ...).
+    With ``enable_lora=True``, ``generate``/``chat`` take ``lora_request`` (one for all prompts, or one per
+    prompt, None for the base model), as vLLM's do; an adapter is loaded on its first use.
     """
 
     def __init__(
@@ -93,8 +97,11 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRAType = None,
     ) -> list[RequestOutput]:
-        return self._run([self.engine.process_prompt(p) for p in _as_list(prompts)], sampling_params)
+        return self._run(
+            [self.engine.process_prompt(p) for p in _as_list(prompts)], sampling_params, lora_request
+        )
 
     def chat(
         self,
@@ -102,6 +109,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRAType = None,
     ) -> list[RequestOutput]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of messages (or of conversations)")
@@ -118,12 +126,35 @@ class LLM:
                     {"prompt": text, "multi_modal_data": media.as_dict()}, add_special_tokens=False
                 )
             )
-        return self._run(processed, sampling_params)
+        return self._run(processed, sampling_params, lora_request)
+
+    def _adapters(self, lora_request: LoRAType, count: int) -> list[str | None]:
+        """The adapter name of each of ``count`` prompts, loading adapters seen for the first time."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests = [lora_request] * count
+        else:
+            requests = list(lora_request)
+            if len(requests) != count:
+                raise ValueError(f"lora_request: {len(requests)} given for {count} prompts")
+        names = []
+        for request in requests:
+            if request is None:
+                names.append(None)
+                continue
+            if self.engine.lora is None or request.lora_name not in self.engine.lora:
+                if request.lora_path is None:
+                    raise ValueError(
+                        f"lora_request: adapter '{request.lora_name}' is not loaded and has no lora_path"
+                    )
+                self.engine.load_lora(request.lora_name, request.lora_path)
+            names.append(request.lora_name)
+        return names
 
     def _run(
         self,
         processed: list[ProcessedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRAType = None,
     ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(processed)
@@ -131,16 +162,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(processed):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(processed)} prompts")
+        adapters = self._adapters(lora_request, len(processed))
         # Validate every prompt before submitting any, so a bad one leaves no work behind.
         groups: list[list[str]] = []
         requests = []
-        for proc, p in zip(processed, params):
+        for proc, p, adapter in zip(processed, params, adapters):
             base = str(next(self._ids))
             ids = []
             for index in range(p.n):
                 child = p if p.n == 1 else p.for_choice(index)
                 rid = base if p.n == 1 else f"{base}-{index}"
-                requests.append(self.engine.make_request(rid, proc, child))
+                requests.append(self.engine.make_request(rid, proc, child, lora_name=adapter))
                 ids.append(rid)
             groups.append(ids)
         for request in requests:

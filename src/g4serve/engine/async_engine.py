@@ -105,6 +105,21 @@ class AsyncLLMEngine:
             self.dead.__cause__ = exc
             for loop, q, _ in list(self._streams.values()):
                 self._send(loop, q, self.dead)
+            self._fail_calls()
+
+    def _fail_calls(self) -> None:
+        """Settle the engine-thread calls still queued with the engine's death (the thread has stopped)."""
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                _fn, loop, future = payload
+                try:
+                    loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(str(self.dead)))
+                except RuntimeError:
+                    pass
 
     @staticmethod
     def _send(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item: object) -> bool:
@@ -153,6 +168,19 @@ class AsyncLLMEngine:
                 if request is not None:
                     self.engine.abort_request(payload)
                     self._publish(self.engine.output_of(request))
+            elif kind == "call":  # engine state changed between steps (LoRA loads); the caller awaits it
+                self._call(*payload)
+
+    @staticmethod
+    def _call(fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        try:
+            result, error = fn(), None
+        except Exception as exc:
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the caller's loop is gone: nobody waits for it
+            pass
 
     def _publish(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.request_id)
@@ -230,6 +258,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         priority: int = 0,
         request_id: str | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """Admit a request: its length against ``max_model_len``, its token ids, and its structured-output
         grammar, compiled here (into the backend's grammar cache). Returns the engine request, not yet
@@ -242,7 +271,10 @@ class AsyncLLMEngine:
         self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, lambda: self.engine.make_request(request_id, processed, params, priority=priority)
+            self._pool,
+            lambda: self.engine.make_request(
+                request_id, processed, params, priority=priority, lora_name=lora_name
+            ),
         )
 
     async def generate(
@@ -308,6 +340,36 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def _on_engine_thread(self, fn):
+        """``fn()`` on the engine thread between two steps; its result, or its exception raised here."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future)))
+        self._wake.set()
+        return await future
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and check the adapter in the preprocessing pool (file reads), then load it into a slot on
+        the engine thread. ``ValueError`` names what is wrong."""
+        engine = self.engine
+        if engine.lora is None:
+            raise ValueError("lora_name: this server serves no LoRA adapters (start it with --enable-lora)")
+        engine.lora.check_name(name)
+        loop = asyncio.get_running_loop()
+        adapter = await loop.run_in_executor(self._pool, lambda: engine.read_lora(path))
+        await self._on_engine_thread(lambda: engine.add_lora(name, adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (``KeyError`` if none is loaded); running requests finish with it."""
+        await self._on_engine_thread(lambda: self.engine.unload_lora(name))
+
+    def lora_names(self) -> list[str]:
+        lora = self.engine.lora
+        return lora.names() if lora is not None else []
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -333,3 +395,13 @@ class AsyncLLMEngine:
             # The engine is ours alone now: return the unfinished requests' KV blocks and media pins.
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
+            self._fail_calls()
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

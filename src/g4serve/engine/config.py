@@ -102,7 +102,20 @@ class EngineConfig:
         False, "encode images, video and audio ahead of the prefills that need them, on a side CUDA stream"
     )
 
+    # LoRA adapters (PEFT format) on the text decoder's projections; the request's ``model`` names one.
+    enable_lora: bool = _opt(False, "serve LoRA adapters (implied by --lora-modules)")
+    lora_modules: dict[str, str] = _opt(
+        {},
+        "adapters loaded at start: name=path (repeatable, or several after one flag) or JSON "
+        '\'{"name": "sql", "path": "/adapters/sql"}\'',
+        parse="lora_modules",
+        nargs="+",
+    )
+    max_loras: int = _opt(4, "LoRA adapters loaded at once (each holds a slot of device memory)")
+    max_lora_rank: int = _opt(16, "largest LoRA rank an adapter may have (slots are sized for it)")
+
     def __post_init__(self) -> None:
+        self._check_lora()
         if self.text_only:
             self.limit_mm_per_prompt = {"image": 0, "video": 0, "audio": 0}
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -116,6 +129,18 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+
+    def _check_lora(self) -> None:
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.enable_lora and not 1 <= self.max_loras <= 64:
+            raise ValueError(f"max_loras: must be in [1, 64], got {self.max_loras}")
+        if self.enable_lora and not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank: must be in [1, 512], got {self.max_lora_rank}")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(
+                f"lora_modules: {len(self.lora_modules)} adapters but max_loras is {self.max_loras}"
+            )
 
     @property
     def text_only_mode(self) -> bool:

@@ -11,6 +11,10 @@ into one graph launch. A step writes its inputs into static buffers (token ids, 
 block tables, sequence bounds); padded tokens write nothing (slot -1) and belong to no sequence, padded
 sequences have no queries, and their rows are dropped. Media steps of models with bidirectional image
 attention (26B-A4B, 31B) run eagerly.
+
+With LoRA adapters enabled each size has a second graph that applies them: a token row holds each token's
+adapter slot (-1: none), and the adapter weights sit at fixed addresses, so loads after capture apply on
+replay. Steps without an adapter replay the plain graph and pay nothing for LoRA.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from g4serve.engine.inputs import PendingTokens
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
+from g4serve.layers.lora import LoRABatch, LoRAWeights
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.transfer import to_device
 
@@ -77,8 +82,10 @@ class _GraphRunner:
         device: torch.device,
         capture: bool,
         decodable_vocab_size: int | None = None,
+        lora_weights: LoRAWeights | None = None,
     ):
         self.model = model
+        self.lora_weights = lora_weights
         self.decodable_vocab_size = decodable_vocab_size  # the greedy argmax skips ids past it
         self.backend = backend
         self.pools = list(pools)
@@ -90,7 +97,9 @@ class _GraphRunner:
         self.device = device
         self.capture_enabled = capture
         self.max_blocks = -(-max_model_len // block_size)
-        self.num_token_rows = 2 + len(self.pools)  # token ids, positions, one KV-slot row per pool
+        # token ids, positions, one KV-slot row per pool, and with LoRA each token's adapter slot
+        self.num_token_rows = 2 + len(self.pools) + (lora_weights is not None)
+        self.lora_row = 2 + len(self.pools)
         self._tokens = torch.zeros(self.num_token_rows, self.max_size, dtype=torch.long, device=device)
         self._tokens[2:] = -1  # padded tokens write no KV
         self._tables = torch.zeros(
@@ -107,8 +116,8 @@ class _GraphRunner:
         self._num_runs = 0
         self._long_staged = torch.empty_like(self._host_sets[0][0], device=device)
         self._int_staged = torch.empty_like(self._host_sets[0][1], device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, with LoRA)
+        self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bucket(self, size: int) -> int | None:
         """The smallest captured size that holds ``size``, or None if none does."""
@@ -117,9 +126,21 @@ class _GraphRunner:
                 return s
         return None
 
-    def _forward(self, n: int) -> torch.Tensor:
+    def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
         """Logits of the padded step of size ``n``."""
         raise NotImplementedError
+
+    def _lora(self, n: int, with_lora: bool) -> LoRABatch | None:
+        if not with_lora:
+            return None
+        return LoRABatch(self.lora_weights, self._tokens[self.lora_row, :n], all_modules=True)
+
+    def _pack_lora(self, tokens: np.ndarray, lora_slots: list[int] | None, count: int) -> bool:
+        """Each token's adapter slot into the LoRA row; whether the step applies adapters."""
+        if lora_slots is None or self.lora_weights is None:
+            return False
+        tokens[self.lora_row, :count] = lora_slots
+        return True
 
     def _next_host_set(self) -> None:
         self._num_runs += 1
@@ -132,9 +153,9 @@ class _GraphRunner:
     def _int_host(self) -> torch.Tensor:
         return self._host_sets[self._num_runs % 2][1]
 
-    def _forward_and_argmax(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_and_argmax(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # The greedy choice rides along in the graph: an all-greedy step then needs no sampling launches.
-        logits = self._forward(n)
+        logits = self._forward(n, self._lora(n, with_lora))
         return logits, logits[:, : self.decodable_vocab_size].argmax(dim=-1)
 
     def _pack_tables(
@@ -193,10 +214,13 @@ class _GraphRunner:
             return
         t0 = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.lora_weights is not None else (False,)
         for n in reversed(self.sizes):
-            self._graphs[n], self._outputs[n] = _capture(
-                lambda n=n: self._forward_and_argmax(n), pool, self.device
-            )
+            for with_lora in variants:
+                key = (n, with_lora)
+                self._graphs[key], self._outputs[key] = _capture(
+                    lambda n=n, w=with_lora: self._forward_and_argmax(n, w), pool, self.device
+                )
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d %s CUDA graphs (sizes %s) in %.1fs",
@@ -206,12 +230,13 @@ class _GraphRunner:
             time.monotonic() - t0,
         )
 
-    def _replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, greedy token ids) of the padded step, from the graph when captured."""
-        if n in self._graphs:
-            self._graphs[n].replay()
-            return self._outputs[n]
-        return self._forward_and_argmax(n)
+        graph = self._graphs.get((n, with_lora))
+        if graph is not None:
+            graph.replay()
+            return self._outputs[n, with_lora]
+        return self._forward_and_argmax(n, with_lora)
 
 
 class DecodeGraphRunner(_GraphRunner):
@@ -230,6 +255,7 @@ class DecodeGraphRunner(_GraphRunner):
         device: torch.device,
         capture: bool,
         decodable_vocab_size: int | None = None,
+        lora_weights: LoRAWeights | None = None,
     ):
         super().__init__(
             model,
@@ -242,6 +268,7 @@ class DecodeGraphRunner(_GraphRunner):
             device,
             capture,
             decodable_vocab_size,
+            lora_weights,
         )
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.ones(
@@ -271,8 +298,8 @@ class DecodeGraphRunner(_GraphRunner):
             max_decode_len=self.max_model_len,
         )
 
-    def _forward(self, n: int) -> torch.Tensor:
-        hidden = self.model(self._tokens[0, :n], self._metadata(n), self.backend)
+    def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
+        hidden = self.model(self._tokens[0, :n], self._metadata(n), self.backend, lora=lora)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -282,10 +309,12 @@ class DecodeGraphRunner(_GraphRunner):
         positions: list[int],
         tables: dict[str, list[list[int]]],
         pending: PendingTokens | None = None,
+        lora_slots: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for ``len(token_ids)`` sequences -> logits [B, V] and greedy ids [B] (views of the
         graph's outputs, valid until this graph's next replay). ``tables[pool][i]``: sequence i's blocks in
-        position order (-1: freed). ``pending``: input tokens still on the device."""
+        position order (-1: freed). ``pending``: input tokens still on the device. ``lora_slots``: each
+        sequence's adapter slot (None: no adapter in the step)."""
         b = len(token_ids)
         n = self.bucket(b)
         assert n is not None, f"batch {b} exceeds the largest decode graph ({self.max_batch})"
@@ -295,10 +324,11 @@ class DecodeGraphRunner(_GraphRunner):
         tokens[1, :b] = positions
         tokens[:2, b:] = 0  # padded rows: token 0 at position 0 (one key to attend to) ...
         tokens[2:, b:] = -1  # ... writing nothing
+        with_lora = self._pack_lora(tokens, lora_slots, b)
         pos = np.asarray(positions, dtype=np.int64)
         staged = self._pack_tables(tables, b, n, pos, np.arange(b), tokens[2:, :b])
         self._upload(tokens, staged, pending=pending)
-        logits, greedy = self._replay(n)
+        logits, greedy = self._replay(n, with_lora)
         return logits[:b], greedy[:b]
 
 
@@ -321,6 +351,7 @@ class MixedGraphRunner(_GraphRunner):
         capture: bool,
         yoco: bool = True,
         decodable_vocab_size: int | None = None,
+        lora_weights: LoRAWeights | None = None,
     ):
         super().__init__(
             model,
@@ -333,6 +364,7 @@ class MixedGraphRunner(_GraphRunner):
             device,
             capture,
             decodable_vocab_size,
+            lora_weights,
         )
         self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
         # Media soft tokens ride in a fixed-shape row buffer plus mask. Models whose sliding layers attend
@@ -358,7 +390,7 @@ class MixedGraphRunner(_GraphRunner):
     def max_tokens(self) -> int:
         return self.max_size
 
-    def _forward(self, n: int) -> torch.Tensor:
+    def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
         s = self.max_seqs
         positions = self._tokens[1, :n]
         meta = AttentionMetadata(
@@ -392,9 +424,10 @@ class MixedGraphRunner(_GraphRunner):
                 keep_indices=self._last_rows,
                 kept_meta=kept,
                 mm_dense=self._dense(n),
+                lora=lora,
             )
         else:
-            hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n))[
+            hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n), lora=lora)[
                 self._last_rows
             ]
         return self.model.compute_logits(hidden)
@@ -424,11 +457,13 @@ class MixedGraphRunner(_GraphRunner):
         mm_rows: list[torch.Tensor] | None = None,
         mm_positions: list[int] | None = None,
         pending: PendingTokens | None = None,
+        lora_slots: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
         logits [num_seqs, V] and greedy ids [num_seqs], row i for sequence i's last new token (views,
         valid until this graph's next replay). ``mm_rows`` / ``mm_positions``: soft tokens and their flat
-        rows (only where ``self.media``). ``pending``: input tokens still on the device."""
+        rows (only where ``self.media``). ``pending``: input tokens still on the device. ``lora_slots``: each
+        token's adapter slot (None: no adapter in the step)."""
         assert self.media or not mm_rows, "this model's media steps are not graphed"
         if self.media and (mm_rows or self._mm_set is not None):
             self._place_media(mm_rows or [], mm_positions or [])
@@ -447,6 +482,7 @@ class MixedGraphRunner(_GraphRunner):
         tokens[1, :t] = token_pos
         tokens[:2, t:] = 0
         tokens[2:, t:] = -1
+        with_lora = self._pack_lora(tokens, lora_slots, t)
         # Per sequence, in the long staging after the token rows: the row of its last token. Padding sequences
         # point at a padding token (position 0: one key to read) when there is one.
         last = self._long_host.numpy()[tokens.size : tokens.size + self.max_seqs]
@@ -465,7 +501,7 @@ class MixedGraphRunner(_GraphRunner):
         self._last_rows.copy_(self._long_staged[k : k + s])
         self._query_start.copy_(self._int_staged[m : m + s + 1])
         self._seq_lens.copy_(self._int_staged[m + s + 1 : m + 2 * s + 1])
-        logits, greedy = self._replay(n)
+        logits, greedy = self._replay(n, with_lora)
         return logits[:b], greedy[:b]
 
 

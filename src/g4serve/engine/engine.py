@@ -27,6 +27,8 @@ from g4serve.engine.model_runner import ModelRunner, StepResult
 from g4serve.engine.request import Request, RequestStatus
 from g4serve.engine.scheduler import ScheduledBatch, Scheduler
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
+from g4serve.layers.lora import LoRAWeights, projection_shapes
+from g4serve.lora import LoRAAdapter, LoRARegistry, load_peft_adapter
 from g4serve.models.gemma4.loader import adopt_tokenizer_special_ids, checkpoint_dir, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
@@ -124,6 +126,20 @@ class LLMEngine:
         )
         self.media_limits = config.media_limits()  # what one request's media may cost to decode
         self.dtype = self.model.language_model.embed_tokens.weight.dtype
+        self.lora: LoRARegistry | None = None  # the loaded adapters (EngineConfig.enable_lora)
+        if config.enable_lora:
+            slots = LoRAWeights(
+                projection_shapes(text), config.max_loras, config.max_lora_rank, self.dtype, self.device
+            )
+            self.lora = LoRARegistry(slots)
+            log.info(
+                "LoRA: %d adapter slots of rank %d (%.1f MiB)",
+                config.max_loras,
+                config.max_lora_rank,
+                slots.num_bytes / 2**20,
+            )
+            for name, path in config.lora_modules.items():
+                self.load_lora(name, path)
 
         budget = config.kv_cache_bytes
         if budget is None:
@@ -161,6 +177,7 @@ class LLMEngine:
             self.max_model_len,
             decodable_vocab_size=self.tokenizer.vocab_size,
             cuda_graphs=graphs and self.attention_backend_name == "triton",
+            lora_weights=self.lora.weights if self.lora is not None else None,
         )
         self.requests: dict[str, Request] = {}
         # Constrained decoding loads xgrammar with the first request that needs it.
@@ -211,6 +228,33 @@ class LLMEngine:
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Read, check and load the PEFT adapter at ``path`` under ``name``. Raises ``ValueError`` naming
+        what is wrong."""
+        if self.lora is None:
+            raise ValueError("lora_name: this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.check_name(name)
+        self.add_lora(name, self.read_lora(path))
+
+    def read_lora(self, path: str) -> LoRAAdapter:
+        """Read and check an adapter for this model (file reads only: any thread)."""
+        return load_peft_adapter(path, self.model_config.text, self.config.max_lora_rank, self.dtype)
+
+    def add_lora(self, name: str, adapter: LoRAAdapter) -> None:
+        """Load a read adapter into a free slot (engine thread, between steps)."""
+        if self.lora is None:
+            raise ValueError("lora_name: this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.add(name, adapter)
+        log.info("LoRA adapter %r loaded from %s (rank %d)", name, adapter.path, adapter.rank)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests cannot name it; running ones finish with it."""
+        if self.lora is None or name not in self.lora:
+            raise KeyError(name)
+        self.lora.remove(name)
+        log.info("LoRA adapter %r unloaded", name)
+
     # ---- requests ----------------------------------------------------------------------------------
     def process_prompt(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop). A prompt
@@ -240,7 +284,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> Request:
+        """Check a request and build it (not yet queued). ``lora_name``: a loaded adapter to run it with."""
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora):
+            raise ValueError(f"model: no LoRA adapter named '{lora_name}' is loaded")
         n_prompt = len(processed.token_ids)
         if n_prompt == 0:
             raise ValueError("prompt: is empty")
@@ -276,6 +324,7 @@ class LLMEngine:
             priority=priority,
             grammar=self._new_grammar(params),
             jump_forward=self._jumps(params),
+            lora_name=lora_name,
             **kwargs,
         )
 
@@ -297,6 +346,9 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if request.lora_name is not None and (self.lora is None or request.lora_name not in self.lora):
+            # Unloaded since make_request checked it: the request fails alone.
+            raise ValueError(f"model: no LoRA adapter named '{request.lora_name}' is loaded")
         if request.grammar is None:
             request.grammar = self._new_grammar(request.sampling_params)
             request.jump_forward = self._jumps(request.sampling_params)
@@ -314,9 +366,13 @@ class LLMEngine:
             request.append_forced(forced)
             self.num_generated_tokens += request.num_forced_tokens
             self.num_forced_tokens += request.num_forced_tokens
+        if request.lora_name is not None and request.lora_slot < 0:
+            # From here the request is registered: _finish gives the slot back, whatever happens to it.
+            request.lora_slot, uid = self.lora.acquire(request.lora_name)
+            request.cache_salt = b"lora:%d" % uid
+        self.requests[request.request_id] = request
         self._extend_block_hashes(request)
         self._pin_media(request)
-        self.requests[request.request_id] = request
         self.num_prompt_tokens += len(request.prompt_token_ids)
         self.scheduler.add(request)
 
@@ -383,6 +439,9 @@ class LLMEngine:
         request.status = RequestStatus.FINISHED
         request.metrics.finished_time = time.monotonic()
         self.scheduler.remove(request)
+        if request.lora_slot >= 0:
+            self.lora.release(request.lora_slot)
+            request.lora_slot = -1
         for digest in request.pinned_media:
             self.encoder_cache.release(digest)
         request.pinned_media.clear()
@@ -421,7 +480,7 @@ class LLMEngine:
             request.token_ids_between(have * bs, full * bs),
             bs,
             extra,
-            previous=request.block_hashes[-1] if have else b"",
+            previous=request.block_hashes[-1] if have else request.cache_salt,
         )
 
     # ---- the step -------------------------------------------------------------------------------------

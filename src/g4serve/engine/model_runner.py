@@ -4,7 +4,8 @@
 ``prepare(batch)`` packs a ``StepInputs``: the scheduled tokens of every request concatenated, how many
 each had computed before, paged-cache addressing for both pools, bidirectional image spans, and the soft
 tokens of any media the chunk covers. Only the last token of requests that finish their known tokens this
-step needs logits; with fast prefill the KV-shared layers run on those tokens alone. With async scheduling
+step needs logits; with fast prefill the KV-shared layers run on those tokens alone. Requests with a LoRA
+adapter give each of their tokens the adapter's slot, so one forward mixes adapters. With async scheduling
 a request's input token may be the previous step's sample, not yet on the host: it is copied into the
 step's token ids on the device (``inputs.PendingTokens``).
 
@@ -33,6 +34,7 @@ from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request
 from g4serve.engine.scheduler import ScheduledBatch
 from g4serve.layers.attention import AttentionBackend, contiguous_metadata
+from g4serve.layers.lora import LoRABatch, LoRAWeights
 from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.structured.bitmask import AllowedTokenMasks
@@ -54,6 +56,9 @@ class StepInputs:
     keep: list[int] = field(default_factory=list)  # flat rows whose logits are needed
     sampled: list[Request] = field(default_factory=list)  # requests that sample a token, in row order
     sampled_seqs: list[int] = field(default_factory=list)  # their sequence index in the batch
+    lora_slots: list[int] | None = (
+        None  # each token's LoRA adapter slot (-1: none); None: no adapter in the step
+    )
 
     @property
     def is_pure_decode(self) -> bool:
@@ -81,8 +86,10 @@ class ModelRunner:
         max_model_len: int,
         decodable_vocab_size: int | None = None,
         cuda_graphs: bool = False,
+        lora_weights: LoRAWeights | None = None,
     ):
         self.model = model
+        self.lora_weights = lora_weights
         self.backend = backend
         self.config = config
         self.pools = pools
@@ -114,6 +121,7 @@ class ModelRunner:
             self.device,
             capture=capture,
             decodable_vocab_size=self.decodable_vocab_size,
+            lora_weights=self.lora_weights,
         )
         mixed = MixedGraphRunner(
             *common,
@@ -123,6 +131,7 @@ class ModelRunner:
             capture=capture,
             yoco=self.fast_prefill,
             decodable_vocab_size=self.decodable_vocab_size,
+            lora_weights=self.lora_weights,
         )
         return decode, mixed
 
@@ -158,6 +167,10 @@ class ModelRunner:
         pending_rows: list[int] = []
         pending_src: list[int] = []
         previous_rows: dict[int, int] | None = None
+        if self.lora_weights is not None and any(r.lora_slot >= 0 for r in batch.requests):
+            step.lora_slots = [
+                r.lora_slot for r, n in zip(batch.requests, batch.num_new_tokens) for _ in range(n)
+            ]
         for seq, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start, base = request.num_computed_tokens, len(step.token_ids)
             step.mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, base, step))
@@ -207,7 +220,7 @@ class ModelRunner:
         decode, mixed = self.decode_graphs, self.mixed_graphs
         if decode is not None and step.is_pure_decode and len(step.token_ids) <= decode.max_batch:
             self.num_graph_steps += 1
-            return decode.run(step.token_ids, step.computed, step.tables, step.pending)
+            return decode.run(step.token_ids, step.computed, step.tables, step.pending, step.lora_slots)
         if (
             mixed is not None
             and (not step.mm_rows or mixed.media)
@@ -223,6 +236,7 @@ class ModelRunner:
                 step.mm_rows,
                 step.mm_positions,
                 step.pending,
+                step.lora_slots,
             )
             if not step.sampled:
                 return None, None
@@ -247,12 +261,18 @@ class ModelRunner:
             mm_embeds=torch.cat(step.mm_rows) if step.mm_rows else None,
             mm_positions=to_device(step.mm_positions, torch.long, self.device) if step.mm_rows else None,
             keep_indices=step.keep if self.fast_prefill else None,
+            lora=self._lora_batch(step),
         )
         if not step.sampled:
             return None
         if not self.fast_prefill:
             hidden = hidden[to_device(step.keep, torch.long, self.device)]
         return self.model.compute_logits(hidden)
+
+    def _lora_batch(self, step: StepInputs) -> LoRABatch | None:
+        if step.lora_slots is None:
+            return None
+        return LoRABatch(self.lora_weights, to_device(step.lora_slots, torch.int32, self.device))
 
     # ---- sample --------------------------------------------------------------------------------------
     def sample(

@@ -41,6 +41,7 @@ class Request:
     grammar: StructuredMatcher | None = None
     # Jump-forward (EngineConfig.jump_forward): text the grammar forces becomes output tokens at once.
     jump_forward: bool = False
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
@@ -64,6 +65,10 @@ class Request:
         self.num_pending_outputs = 0
         self.bidirectional_spans = sorted(bidirectional_spans(self.mm_items))
         self.block_hashes: list[bytes] = []  # prefix-cache digests of the full blocks so far
+        # Its adapter's slot while it holds one (set by the engine), and the prefix-cache salt that keeps
+        # its KV blocks apart from other adapters' (K/V depend on the adapter's k/v deltas).
+        self.lora_slot = -1
+        self.cache_salt = b""
         self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
         self.generator: torch.Generator | None = None
         self._detok = IncrementalDetokenizer(

@@ -12,6 +12,7 @@ from torch import nn
 
 from g4serve.config import Gemma4Config
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
+from g4serve.layers.lora import LoRABatch
 from g4serve.models.gemma4.audio import Gemma4AudioModel
 from g4serve.models.gemma4.multimodal import MultimodalEmbedder
 from g4serve.models.gemma4.text import Gemma4TextModel
@@ -105,6 +106,7 @@ class Gemma4Model(nn.Module):
         mm_positions: torch.Tensor | None = None,
         kept_meta: AttentionMetadata | None = None,
         mm_dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Flat ``input_ids`` [T] -> final hidden states (of ``keep_indices`` if given).
 
@@ -135,7 +137,7 @@ class Gemma4Model(nn.Module):
                     f"{mm_embeds.shape[0]} soft tokens given"
                 )
             embeds = embeds.masked_scatter(is_mm.unsqueeze(-1), mm_embeds.to(embeds.dtype))
-        return lm(embeds, text_ids, meta, backend, keep_indices, kept_meta)
+        return lm(embeds, text_ids, meta, backend, keep_indices, kept_meta, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -24,6 +24,7 @@ from g4serve.layers.fused import (
     project,
     qkv_norm_rope_write,
 )
+from g4serve.layers.lora import LoRABatch
 from g4serve.layers.moe import MoEExperts, MoERouter
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
@@ -96,17 +97,35 @@ class TextAttention(nn.Module):
             self.v_proj = None
             self._v_in_qkv = True
 
-    def _project(self, x: torch.Tensor):
+    def _fused_qkv(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """The stacked q/k/v projection, each part plus its adapters' delta."""
+        qkv = linear(x, self.qkv_proj)
+        if lora is not None:
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            i = self.layer_idx
+            lora.add(qkv[:, :q_width], x, i, "q_proj")
+            lora.add(qkv[:, q_width : q_width + kv_width], x, i, "k_proj")
+            if self._v_in_qkv:
+                lora.add(qkv[:, q_width + kv_width :], x, i, "v_proj")
+        return qkv
+
+    def _linear(self, x: torch.Tensor, layer: nn.Linear, name: str, lora: LoRABatch | None) -> torch.Tensor:
+        y = linear(x, layer)
+        return y if lora is None else lora.add(y, x, self.layer_idx, name)
+
+    def _project(self, x: torch.Tensor, lora: LoRABatch | None):
         t = x.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_proj is None:
-            q = linear(x, self.q_proj).view(t, self.num_heads, self.head_dim)
+            q = self._linear(x, self.q_proj, "q_proj", lora).view(t, self.num_heads, self.head_dim)
             if self.is_kv_shared:
                 return q, None, None
-            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k
+            k = self._linear(x, self.k_proj, "k_proj", lora).view(t, self.num_kv_heads, self.head_dim)
+            v = k
+            if self.v_proj is not None:
+                v = self._linear(x, self.v_proj, "v_proj", lora).view(t, self.num_kv_heads, self.head_dim)
             return q, k, v
-        qkv = linear(x, self.qkv_proj)
+        qkv = self._fused_qkv(x, lora)
         q = qkv[:, :q_width].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_width : q_width + kv_width].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_width + kv_width :].view(t, self.num_kv_heads, self.head_dim) if self._v_in_qkv else k
@@ -119,6 +138,7 @@ class TextAttention(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         target = None
@@ -126,7 +146,7 @@ class TextAttention(nn.Module):
             target = backend.kv_write_target(self.layer_idx, meta)  # TritonAttention: on CUDA
         if target is not None:  # norms, RoPE and the K/V cache write in one kernel
             q = qkv_norm_rope_write(
-                linear(x, self.qkv_proj),
+                self._fused_qkv(x, lora),
                 self.num_heads,
                 self.num_kv_heads,
                 self.q_norm,
@@ -137,20 +157,21 @@ class TextAttention(nn.Module):
                 v_is_k=not self._v_in_qkv,
             )
             out = backend.attend(self.layer_idx, q, None, None, meta)
-            return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
-        q, k_raw, v_raw = self._project(x)  # v_raw is k_raw where attention_k_eq_v
+            return self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
+        q, k_raw, v_raw = self._project(x, lora)  # v_raw is k_raw where attention_k_eq_v
         q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
         k = v = None
         if k_raw is not None:
             k = norm_rope(k_raw, self.k_norm, cos, sin)
             v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
         out = backend.attend(self.layer_idx, q, k, v, meta)
-        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
+        return self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, activation: str):
+    def __init__(self, hidden: int, intermediate: int, activation: str, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx  # names its projections for LoRA adapters
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -169,10 +190,27 @@ class GatedMLP(nn.Module):
         self.gate_up_proj.weight.copy_(weight)
         self.gate_proj = self.up_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if lora is not None:
+            return self._forward_lora(x, lora)
         if self.gate_up_proj is None:
             return self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
         return linear(gate_up_act(x, self.gate_up_proj, self.activation), self.down_proj)
+
+    def _forward_lora(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """``forward`` with each projection plus its adapters' delta; the deltas join the gate and up
+        outputs before the activation, so the fused gate/up/activation pass is split here."""
+        i = self.layer_idx
+        if self.gate_up_proj is None:
+            gate = lora.add(linear(x, self.gate_proj), x, i, "gate_proj")
+            up = lora.add(linear(x, self.up_proj), x, i, "up_proj")
+        else:
+            gate_up = linear(x, self.gate_up_proj)
+            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+            lora.add(gate, x, i, "gate_proj")
+            lora.add(up, x, i, "up_proj")
+        h = act_mul(self.activation, gate, up)
+        return lora.add(linear(h, self.down_proj), h, i, "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -181,7 +219,7 @@ class DecoderLayer(nn.Module):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_type = cfg.layer_types[layer_idx]
         self.self_attn = TextAttention(cfg, layer_idx)
-        self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(layer_idx), cfg.hidden_activation)
+        self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(layer_idx), cfg.hidden_activation, layer_idx)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
@@ -213,19 +251,22 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         normed: torch.Tensor | None = None,
         next_norm: RMSNorm | None = None,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (the layer's output h, ``next_norm(h)`` or None). ``normed``: ``input_layernorm(h)`` when the
         previous layer already computed it (its ``next_norm``, fused into its last residual add)."""
         # Each add_rms_norm is one fused pass on CUDA; the comments spell out the unfused math.
         residual = h
-        h = self.self_attn(normed if normed is not None else self.input_layernorm(h), cos, sin, meta, backend)
+        h = self.self_attn(
+            normed if normed is not None else self.input_layernorm(h), cos, sin, meta, backend, lora
+        )
         # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
         h, x = add_rms_norm(
             h, self.post_attention_layernorm, residual=residual, next_norm=self.pre_feedforward_layernorm
         )
 
         residual = h
-        out = self.mlp(x)
+        out = self.mlp(x, lora)
         if self.enable_moe:
             # The routed experts run beside the dense MLP, both fed from the residual stream.
             weights, experts = self.router(residual)
@@ -309,6 +350,7 @@ class Gemma4TextModel(nn.Module):
         backend: AttentionBackend,
         keep_indices: list[int] | torch.Tensor | None = None,
         kept_meta: AttentionMetadata | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Run the decoder. ``keep_indices``: query tokens whose hidden state is needed (sorted).
 
@@ -317,6 +359,7 @@ class Gemma4TextModel(nn.Module):
         Returns the final-normed hidden states of the kept tokens (all tokens if None).
         ``kept_meta``: the metadata of the kept queries, precomputed (CUDA-graph captures pass
         ``keep_indices`` as a device tensor and cannot derive it on the host); else derived here.
+        ``lora``: the step's adapters per token (None: no adapter anywhere in the step).
         """
         cfg = self.cfg
         h = inputs_embeds
@@ -336,11 +379,12 @@ class Gemma4TextModel(nn.Module):
                 ple = ple[idx] if ple is not None else None
                 tables = {t: (c[idx], s[idx]) for t, (c, s) in tables.items()}
                 meta = kept_meta if kept_meta is not None else meta.select_queries(keep_indices)
+                lora = lora.select(idx) if lora is not None else None
                 sliced = True
             cos, sin = tables[layer.layer_type]
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, normed = layer(
-                h, ple[:, i] if ple is not None else None, cos, sin, meta, backend, normed, next_norm
+                h, ple[:, i] if ple is not None else None, cos, sin, meta, backend, normed, next_norm, lora
             )
         h = normed  # self.norm(h), from the last layer
         if keep_indices is not None and not sliced:

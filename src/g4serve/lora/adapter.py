@@ -1,0 +1,225 @@
+"""Reads a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) for the
+Gemma 4 text decoder, and checks every part of it against the base model before any weight is used.
+
+An adapter path is as hostile as a request body (the load endpoint takes one): the config is size-capped
+JSON, the weights are safetensors only (``adapter_model.bin`` is a pickle, never unpickled), the file may
+not be larger than the biggest adapter the model admits, and every tensor must name a projection the
+decoder computes, with the shape, rank and finite values it must have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from g4serve.config import TextConfig
+from g4serve.layers.lora import LORA_MODULES, projection_shapes
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+_HEADER_SLACK_BYTES = 1 << 20  # the safetensors JSON header beside the tensors
+
+# PEFT options that change what the adapter computes beyond ``W + scale * B @ A`` on linear projections.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora) rescales the merged weight's columns",
+    "fan_in_fan_out": "fan_in_fan_out adapters are for Conv1D layers, which Gemma 4 has none of",
+    "layer_replication": "layer_replication changes the model's layer stack",
+    "target_parameters": "target_parameters adapts raw parameters (e.g. MoE experts), not projections",
+    "trainable_token_indices": "trainable_token_indices trains embedding rows",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) switches on mid-sequence",
+    "use_qalora": "QA-LoRA pools its input groups",
+    "use_bdlora": "block-diagonal LoRA",
+}
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<prefix>(?:[\w]+\.)*?)layers\.(?P<layer>\d+)\."
+    r"(?P<block>self_attn|mlp)\.(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
+)
+# Where the decoder's layers sit: Gemma4ForConditionalGeneration, Gemma4ForCausalLM, a bare text model.
+_DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.", "")
+
+
+class LoRAAdapterError(ValueError):
+    """The adapter cannot be served; the message says what is wrong and where."""
+
+
+@dataclass
+class LoRAAdapter:
+    """A checked adapter: per (layer, module) A [r, in] and B [out, r] with ``alpha / r`` folded into B."""
+
+    path: str
+    rank: int  # the largest rank of any module
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
+
+
+def load_peft_adapter(path: str | Path, cfg: TextConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check the adapter in directory ``path`` for a decoder of config ``cfg``."""
+    root = Path(path)
+    if not root.is_dir():
+        raise LoRAAdapterError(f"{path}: is not a directory")
+    scales = _Scales(_read_config(root))
+    shapes = projection_shapes(cfg)
+    weights, rank = {}, 0
+    for (layer, module), (name, a, b) in sorted(_read_pairs(root, cfg, shapes, max_rank).items()):
+        n_in, n_out = shapes[layer, module]
+        r = a.shape[0] if a.ndim == 2 else -1
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
+            raise LoRAAdapterError(
+                f"{WEIGHTS_NAME}: {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                f"the projection ({n_in} -> {n_out}): expected [r, {n_in}] and [{n_out}, r]"
+            )
+        if not 1 <= r <= max_rank:
+            raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: rank {r} exceeds --max-lora-rank {max_rank}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: holds NaN or infinite values")
+        weights[layer, module] = (a.to(dtype), (b.float() * scales.of(name, r)).to(dtype))
+        rank = max(rank, r)
+    return LoRAAdapter(str(path), rank, weights)
+
+
+def _read_pairs(
+    root: Path, cfg: TextConfig, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int
+) -> dict[tuple[int, str], tuple[str, torch.Tensor, torch.Tensor]]:
+    """(module name, lora_A, lora_B) per (layer, module) from the safetensors file, every key checked."""
+    weights_file = _weights_file(root, shapes, max_rank)
+    parts: dict[tuple[int, str], dict] = {}
+    try:
+        with safe_open(str(weights_file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                layer, module, ab, name = _parse_key(key, cfg)
+                if (layer, module) not in shapes:
+                    continue  # K/V of a KV-shared layer: the base model computes none, so PEFT's do nothing
+                found = parts.setdefault((layer, module), {"name": name})
+                if ab in found:
+                    raise LoRAAdapterError(f"{WEIGHTS_NAME}: {key}: lora_{ab} given twice")
+                found[ab] = f.get_tensor(key)
+    except LoRAAdapterError:
+        raise
+    except Exception as exc:  # a truncated or corrupt file: safetensors' own message, no traceback
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: cannot be read ({exc})") from None
+    if not parts:
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: holds no LoRA weights of the text decoder's projections")
+    for found in parts.values():
+        missing = next((ab for ab in "AB" if ab not in found), None)
+        if missing:
+            raise LoRAAdapterError(f"{WEIGHTS_NAME}: {found['name']} has lora_{missing} missing")
+    return {key: (found["name"], found["A"], found["B"]) for key, found in parts.items()}
+
+
+def _weights_file(root: Path, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int) -> Path:
+    """The safetensors file, if no larger than the largest adapter of rank <= ``max_rank`` (fp32)."""
+    weights_file = root / WEIGHTS_NAME
+    if not weights_file.is_file():
+        pickled = (root / "adapter_model.bin").exists()
+        why = " (adapter_model.bin is a pickle, which g4serve never loads: save with safetensors)"
+        raise LoRAAdapterError(f"{root}: has no {WEIGHTS_NAME}{why if pickled else ''}")
+    largest = sum((n_in + n_out) * max_rank * 4 for n_in, n_out in shapes.values()) + _HEADER_SLACK_BYTES
+    size = weights_file.stat().st_size
+    if size > largest:
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {size} bytes is more than any adapter of rank <= {max_rank} for this model "
+            f"({largest} bytes)"
+        )
+    return weights_file
+
+
+def _read_config(root: Path) -> dict:
+    file = root / CONFIG_NAME
+    if not file.is_file():
+        raise LoRAAdapterError(f"{root}: has no {CONFIG_NAME}")
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise LoRAAdapterError(f"{CONFIG_NAME}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LoRAAdapterError(f"{CONFIG_NAME}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{CONFIG_NAME}: expected a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(
+            f"{CONFIG_NAME}: peft_type {config.get('peft_type')!r}: only LORA adapters are served"
+        )
+    for option, why in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise LoRAAdapterError(f"{CONFIG_NAME}: {option} is not supported: {why}")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise LoRAAdapterError(f"{CONFIG_NAME}: bias: adapters that train biases are not supported")
+    if config.get("modules_to_save"):
+        raise LoRAAdapterError(
+            f"{CONFIG_NAME}: modules_to_save {config['modules_to_save']}: adapters that replace whole "
+            "modules are not supported (serve a merged checkpoint instead)"
+        )
+    return config
+
+
+class _Scales:
+    """``lora_alpha / r`` per module (``alpha_pattern`` overrides, rsLoRA's ``alpha / sqrt(r)``), matched as
+    PEFT matches pattern keys: a pattern names the module's full name or a dotted suffix of it."""
+
+    def __init__(self, config: dict):
+        try:
+            self.alpha = float(config.get("lora_alpha", config.get("r", 8)))
+            self.patterns = {str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            raise LoRAAdapterError(f"{CONFIG_NAME}: lora_alpha and alpha_pattern must be numbers") from None
+        self.rslora = bool(config.get("use_rslora"))
+        if not math.isfinite(self.alpha) or not all(map(math.isfinite, self.patterns.values())):
+            raise LoRAAdapterError(f"{CONFIG_NAME}: lora_alpha must be finite")
+
+    def of(self, module_name: str, rank: int) -> float:
+        alpha = self.alpha
+        for pattern, value in self.patterns.items():
+            try:
+                if re.match(rf"(.*\.)?({pattern})$", module_name):
+                    alpha = value
+                    break
+            except re.error:
+                raise LoRAAdapterError(
+                    f"{CONFIG_NAME}: alpha_pattern key {pattern!r} is not a regex"
+                ) from None
+        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
+
+
+def _parse_key(key: str, cfg: TextConfig) -> tuple[int, str, str, str]:
+    """(layer, module, "A"/"B", the module's name) of a PEFT tensor name; anything else is refused by name."""
+    match = _KEY.match(key)
+    if match is None or match["prefix"] not in _DECODER_PREFIXES:
+        where = "the vision tower" if "vision" in key else "the audio tower" if "audio" in key else None
+        if where is not None:
+            raise LoRAAdapterError(
+                f"{WEIGHTS_NAME}: {key}: adapts {where}; g4serve applies adapters to the text decoder only"
+            )
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {key}: not a LoRA weight of a decoder projection ({', '.join(LORA_MODULES)})"
+        )
+    layer, module = int(match["layer"]), match["module"]
+    if module not in LORA_MODULES:
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {key}: LoRA on {module} is not supported (adaptable: {', '.join(LORA_MODULES)})"
+        )
+    if layer >= cfg.num_hidden_layers:
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {key}: layer {layer} but the model has {cfg.num_hidden_layers}"
+        )
+    if module == "v_proj" and cfg.layer_uses_k_as_v(layer) and layer < cfg.first_kv_shared_layer:
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {key}: layer {layer} takes V from the K projection (attention_k_eq_v): "
+            "it has no v_proj"
+        )
+    name = key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+    return layer, module, match["ab"], name
+
+
+__all__ = ["LoRAAdapter", "LoRAAdapterError", "load_peft_adapter"]
