@@ -28,7 +28,7 @@ from g4serve.server.response_store import ResponseStore
 from g4serve.server.serving_base import WaitingLimit
 from g4serve.server.serving_chat import OpenAIServingChat
 from g4serve.server.serving_completion import OpenAIServingCompletion
-from g4serve.server.serving_models import OpenAIServingModels
+from g4serve.server.serving_models import OpenAIServingLoRA, OpenAIServingModels
 from g4serve.server.serving_responses import OpenAIServingResponses
 from g4serve.server.serving_speech import OpenAIServingSpeech
 
@@ -62,7 +62,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.engine = engine
     app.state.config = config
     app.state.metrics = metrics
-    app.state.serving_models = models = OpenAIServingModels(served, engine.max_model_len)
+    if config.lora_root is not None and not config.api_key:
+        raise ValueError("lora_root: run-time LoRA loading needs an api_key")
+    clash = sorted(set(served) & set(engine.lora_names()))
+    if clash:
+        raise ValueError(f"lora_modules: adapter name {clash[0]!r} is also a served model name")
+    app.state.serving_models = models = OpenAIServingModels(
+        served, engine.max_model_len, engine.lora_names, config.lora_root
+    )
+    app.state.serving_lora = OpenAIServingLoRA(engine, models, config.max_request_body_bytes)
     waiting = WaitingLimit(config.max_waiting_requests, engine)  # one queue limit for both endpoints
     app.state.serving_chat = OpenAIServingChat(engine, models, config, metrics, waiting)
     app.state.serving_completion = OpenAIServingCompletion(engine, models, config, metrics, waiting)

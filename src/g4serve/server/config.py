@@ -21,6 +21,9 @@ class ServerConfig:
     # /v1/responses kept for previous_response_id and GET: least recently used out past either bound
     responses_store_max_entries: int = 1024
     responses_store_max_bytes: int = 256 << 20
+    # POST /v1/load_lora_adapter reads adapters under this directory only (None: run-time loading is off);
+    # it needs api_key too.
+    lora_root: str | None = None
 
     def is_public(self, path: str) -> bool:
         """Paths open without the API key: liveness, and the metrics when asked for."""

@@ -82,6 +82,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="bytes of stored /v1/responses (their JSON, media data URLs included) past which the least "
         "recently used go",
     )
+    p.add_argument(
+        "--lora-root",
+        default=None,
+        help="turn on run-time LoRA loading (POST /v1/load_lora_adapter, /v1/unload_lora_adapter) for "
+        "adapter directories under this one; needs --api-key (default: off, --lora-modules only)",
+    )
     p.add_argument("--log-level", default="info")
     add_engine_arguments(p)  # every EngineConfig option, with its default and help from the field
 
@@ -110,7 +116,17 @@ def build_from_args(args: argparse.Namespace):
     from g4serve.engine.async_engine import AsyncLLMEngine
     from g4serve.server.app import ServerConfig, build_app
 
-    engine = AsyncLLMEngine.from_config(engine_config_from_args(args))
+    if args.lora_root is not None:
+        if not args.api_key:
+            raise SystemExit(
+                "g4serve serve: error: --lora-root needs --api-key: run-time adapter loads change what every "
+                "client's requests naming the adapter compute"
+            )
+        if not os.path.isdir(args.lora_root):
+            raise SystemExit(f"g4serve serve: error: --lora-root {args.lora_root}: not a directory")
+    engine_config = engine_config_from_args(args)
+    engine_config.enable_lora = engine_config.enable_lora or args.lora_root is not None
+    engine = AsyncLLMEngine.from_config(engine_config)
     config = ServerConfig(
         served_model_names=served_names(args),
         api_key=args.api_key,
@@ -123,6 +139,7 @@ def build_from_args(args: argparse.Namespace):
         trust_request_chat_template=args.trust_request_chat_template,
         responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
+        lora_root=args.lora_root,
     )
     return build_app(engine, config)
 

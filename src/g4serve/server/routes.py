@@ -3,7 +3,8 @@
 
 - ``openai``: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/transcriptions``,
   ``POST /v1/audio/translations`` (``serving_speech``), ``POST``/``GET``/``DELETE /v1/responses``, its
-  ``cancel`` and ``input_items`` (``serving_responses``), ``GET /v1/models``;
+  ``cancel`` and ``input_items`` (``serving_responses``), ``GET /v1/models``, ``POST /v1/load_lora_adapter``
+  and ``/v1/unload_lora_adapter`` (``serving_lora``);
 - ``system``: ``GET /health``, ``GET /metrics``.
 """
 
@@ -66,6 +67,16 @@ async def response_input_items(request: Request, response_id: str) -> dict:
 @openai.get("/v1/models")
 async def models(request: Request) -> dict:
     return request.app.state.serving_models.list_models()
+
+
+@openai.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> JSONResponse:
+    return await request.app.state.serving_lora.load(request)
+
+
+@openai.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> JSONResponse:
+    return await request.app.state.serving_lora.unload(request)
 
 
 @system.get("/health")

@@ -139,19 +139,28 @@ class OpenAIServing:
 
     # ---- admission and engine streams ------------------------------------------------------------------
     async def admit(
-        self, processed: ProcessedPrompt, params: SamplingParams, base_id: str, priority: int
+        self,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        base_id: str,
+        priority: int,
+        model_name: str | None = None,
     ) -> list[EngineRequest]:
         """The engine's admission checks, once per choice (``n`` > 1 fans out with seeds seed, seed+1, ...),
-        before anything streams. Off the event loop: a new JSON schema compiles here (about a second on a
+        before anything streams. ``model_name``: the checked ``model`` (a LoRA adapter's name runs the request
+        with that adapter). Off the event loop: a new JSON schema compiles here (about a second on a
         262k vocabulary), into the grammar cache the other choices then hit."""
         if params.n == 1:
             children = [(base_id, params)]
         else:
             children = [(f"{base_id}-{i}", params.for_choice(i)) for i in range(params.n)]
+        lora_name = self.models.lora_name(model_name) if model_name is not None else None
         try:
             with self.waiting.preparing():
                 return [
-                    await self.engine.validate(processed, child, request_id=rid, priority=priority)
+                    await self.engine.validate(
+                        processed, child, request_id=rid, priority=priority, lora_name=lora_name
+                    )
                     for rid, child in children
                 ]
         except ValueError as exc:

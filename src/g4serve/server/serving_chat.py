@@ -84,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.stream(await self.admit(processed, params, request_id, req.priority))
+        streams = self.stream(await self.admit(processed, params, request_id, req.priority, model_name))
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -30,7 +30,9 @@ class OpenAIServingCompletion(OpenAIServing):
         processed_all, admitted = [], []
         for p_index, prompt in enumerate(prompts):
             processed = await self.process(prompt, add_special_tokens=True)
-            admitted += await self.admit(processed, params, f"{request_id}-{p_index}", req.priority)
+            admitted += await self.admit(
+                processed, params, f"{request_id}-{p_index}", req.priority, model_name
+            )
             processed_all.append(processed)
         streams = self.stream(admitted)
         created = int(time.time())

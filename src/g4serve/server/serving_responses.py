@@ -207,7 +207,7 @@ class OpenAIServingResponses(OpenAIServing):
         prompt = _Prompt(system, history, turn, chat_req, tools, thinking)
         processed = await self._fit(prompt, req)
         response_id = f"resp_{uuid.uuid4().hex}"
-        admitted = await self.admit(processed, params, response_id, 0)
+        admitted = await self.admit(processed, params, response_id, 0, model_name)
         if req.background:
             self._check_background_room()  # again: others may have started while this one was prepared
         streams = self.stream(admitted)

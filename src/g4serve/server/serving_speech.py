@@ -259,7 +259,7 @@ class OpenAIServingSpeech(OpenAIServing):
             params = self.speech_params(req, processed)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
             try:
-                admitted += await self.admit(processed, params, request_id, priority=0)
+                admitted += await self.admit(processed, params, request_id, 0, req.model)
             except APIError as exc:
                 if exc.param == "max_tokens":  # this API's name for it
                     raise APIError(
