@@ -62,8 +62,29 @@ def test_fused_layout_with_adapter_equals_merged(lora_adapter, monkeypatch, name
     torch.testing.assert_close(unfused, want, atol=0.05, rtol=0)
     assert (unfused - base_logits).abs().max() > 0.5  # the adapter changes the logits far beyond that bound
     model.language_model.fuse_projections()
-    fused = _logits(model, IDS, LoRABatch(weights, slots))
+    fused = _logits(model, IDS, LoRABatch(weights, slots))  # deltas into the fused outputs' column slices
     torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=0)
+    # the fast path's stacks: q/k/v and gate/up each one shrink and one expand over a block-diagonal B
+    stacked = LoRAWeights(projection_shapes(cfg), 2, 8, torch.float32, torch.device("cpu"), fused=True)
+    stacked.load(1, load_peft_adapter(adapter_dir, cfg, 8, torch.float32).weights)
+    assert stacked.group_a and stacked.num_bytes > weights.num_bytes
+    grouped = _logits(model, IDS, LoRABatch(stacked, slots))
+    # A matmul over the stacked ranks rounds differently from one per part; the decoder amplifies that.
+    assert torch.equal(grouped.argmax(-1), unfused.argmax(-1))
+    torch.testing.assert_close(grouped, unfused, atol=0.02, rtol=0)
+    x = torch.randn(len(IDS), cfg.hidden_size)
+    by_part, by_group = LoRABatch(weights, slots), LoRABatch(stacked, slots)
+    for (layer, group), a in stacked.group_a.items():  # op by op, the two agree to fp32 rounding
+        out = stacked.group_b[layer, group].shape[1]
+        y0 = torch.randn(len(IDS), out)
+        want, got = (
+            by_part.add_fused(y0.clone(), x, layer, group),
+            by_group.add_fused(y0.clone(), x, layer, group),
+        )
+        assert a.shape[1] > 8 and (want - y0).abs().max() > 0.1
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stacked.clear(1)  # clearing the slot zeroes the group stacks through their parts' views
+    assert all(not t.any() for g in (stacked.group_a, stacked.group_b) for t in g.values())
     # slot -1 everywhere, every module visited: the base model
     none = LoRABatch(weights, torch.full((len(IDS),), -1, dtype=torch.int32), all_modules=True)
     torch.testing.assert_close(_logits(model, IDS, none), base_logits, atol=1e-5, rtol=0)

@@ -128,8 +128,14 @@ class LLMEngine:
         self.dtype = self.model.language_model.embed_tokens.weight.dtype
         self.lora: LoRARegistry | None = None  # the loaded adapters (EngineConfig.enable_lora)
         if config.enable_lora:
+            fused = self.model.language_model.layers[0].mlp.gate_up_proj is not None  # the fast-path layout
             slots = LoRAWeights(
-                projection_shapes(text), config.max_loras, config.max_lora_rank, self.dtype, self.device
+                projection_shapes(text),
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+                fused=fused,
             )
             self.lora = LoRARegistry(slots)
             log.info(

@@ -100,14 +100,7 @@ class TextAttention(nn.Module):
     def _fused_qkv(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """The stacked q/k/v projection, each part plus its adapters' delta."""
         qkv = linear(x, self.qkv_proj)
-        if lora is not None:
-            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            i = self.layer_idx
-            lora.add(qkv[:, :q_width], x, i, "q_proj")
-            lora.add(qkv[:, q_width : q_width + kv_width], x, i, "k_proj")
-            if self._v_in_qkv:
-                lora.add(qkv[:, q_width + kv_width :], x, i, "v_proj")
-        return qkv
+        return qkv if lora is None else lora.add_fused(qkv, x, self.layer_idx, "qkv_proj")
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear, name: str, lora: LoRABatch | None) -> torch.Tensor:
         y = linear(x, layer)
@@ -205,10 +198,8 @@ class GatedMLP(nn.Module):
             gate = lora.add(linear(x, self.gate_proj), x, i, "gate_proj")
             up = lora.add(linear(x, self.up_proj), x, i, "up_proj")
         else:
-            gate_up = linear(x, self.gate_up_proj)
+            gate_up = lora.add_fused(linear(x, self.gate_up_proj), x, i, "gate_up_proj")
             gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-            lora.add(gate, x, i, "gate_proj")
-            lora.add(up, x, i, "up_proj")
         h = act_mul(self.activation, gate, up)
         return lora.add(linear(h, self.down_proj), h, i, "down_proj")
 
