@@ -49,6 +49,9 @@ class TextAttention(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        # The layer whose K/V this one attends over, by the backend's numbering: itself, or for an MTP
+        # drafter's layers a layer of the target model (models/gemma4/assistant.py).
+        self.kv_layer = layer_idx
         self.head_dim = cfg.layer_head_dim(layer_idx)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.layer_num_kv_heads(layer_idx)
@@ -157,7 +160,7 @@ class TextAttention(nn.Module):
         if k_raw is not None:
             k = norm_rope(k_raw, self.k_norm, cos, sin)
             v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
-        out = backend.attend(self.layer_idx, q, k, v, meta)
+        out = backend.attend(self.kv_layer, q, k, v, meta)
         return self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
 
 
