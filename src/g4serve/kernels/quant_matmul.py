@@ -1,0 +1,406 @@
+"""GEMMs against quantized weights (FP8 e4m3 or packed int4), the weight dequantized in registers.
+
+``x [M, K] @ dequant(W)^T`` with ``dequant(W)[n, k] = (q[n, k] - z[n, k // bk]) * s[n // bn, k // bk]``: one
+scale per ``bn x bk`` block of the weight (per tensor: the whole weight; per channel: a row; FP8 blocks:
+128 x 128; int4 groups: 1 x g), zero points (int4, optional) per scale entry. int4 weights stay in
+compressed-tensors' packing: int32 words of 8 nibbles along K, nibble i of word j is element 8j + i, stored
+as q + 8. Weights are read once, in their quantized bytes, which is the point at decode sizes.
+
+- ``M == 1``: elementwise FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator, the next raw tile loaded before
+  this tile's math, the first before the programmatic-dependent-launch wait (as ``gemv.py``);
+- ``M > 1``: tiles dequantized to the activation dtype and multiplied on the tensor cores; up to
+  ``SKINNY_ROWS`` rows in one row tile (every weight element loaded once for the batch), more rows over a
+  2-D grid (a prefill GEMM that never writes a dequantized copy of the weight).
+
+Epilogues as in ``gemv.py``: ``gate_up`` act(x W_gate^T) * (x W_up^T) from one stacked weight, ``mul``
+act(x W^T) * e. The torch reference dequantizes to the compute dtype, then ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
+from g4serve.kernels.act_mul import _KINDS, act_mul_reference
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+
+SKINNY_ROWS = 64  # rows multiplied in one row tile (decode batches); more take the 2-D grid
+
+
+@triton.jit
+def _load_raw(
+    W,
+    S,
+    Z,
+    rows,
+    n_mask,
+    k0,
+    K,
+    num_groups,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    BLOCK_K: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """The raw tile of weight rows ``rows`` at K offset ``k0``: quantized values (int4: packed words
+    [BLOCK_N, BLOCK_K // 8]), scales and zero points [BLOCK_N, GROUPS]."""
+    rows64 = rows.to(tl.int64)
+    if INT4:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w_mask = n_mask[:, None] & (offs_w < (K + 7) // 8)[None, :]
+        w = tl.load(W + rows64[:, None] * stride_wn + offs_w[None, :], mask=w_mask, other=0)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(
+            W + rows64[:, None] * stride_wn + offs_k[None, :],
+            mask=w_mask,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+    groups = k0 // scale_bk + tl.arange(0, GROUPS)
+    s_mask = n_mask[:, None] & (groups < num_groups)[None, :]
+    s = tl.load(
+        S + (rows // scale_bn).to(tl.int64)[:, None] * stride_sn + groups[None, :], mask=s_mask, other=0.0
+    )
+    z = s
+    if HAS_ZERO:
+        z = tl.load(Z + rows64[:, None] * stride_zn + groups[None, :], mask=s_mask, other=0)
+    return w, s, z
+
+
+@triton.jit
+def _dequant(
+    w,
+    s,
+    z,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """A raw tile -> fp32 [BLOCK_N, BLOCK_K]: (q - z) * s, exact before the product's one rounding."""
+    if INT4:
+        shifts = tl.arange(0, 8) * 4
+        q = (w[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K // 8, 8], nibble i = 8j + i
+        q = tl.reshape(q, [BLOCK_N, GROUPS, BLOCK_K // GROUPS]).to(tl.float32)
+        offset = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
+        if HAS_ZERO:
+            offset += z.to(tl.float32)
+        deq = (q - offset[:, :, None]) * s.to(tl.float32)[:, :, None]
+    else:
+        q = tl.reshape(w.to(tl.float32), [BLOCK_N, GROUPS, BLOCK_K // GROUPS])
+        deq = q * s.to(tl.float32)[:, :, None]
+    return tl.reshape(deq, [BLOCK_N, BLOCK_K])
+
+
+def _quant_matmul_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags, specialised away at compile time
+    X,
+    W,
+    S,
+    Z,
+    E,
+    Y,
+    M,
+    N,
+    K,
+    num_groups,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_em,
+    stride_ym,
+    scale_bn,
+    scale_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    up_rows = offs_n + N  # the up half of a stacked [gate; up] weight
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    # Weights are never written during a step: the first raw tile is requested before waiting on the
+    # previous kernel (programmatic dependent launch).
+    w, s, z = _load_raw(
+        W, S, Z, offs_n, n_mask, 0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
+        BLOCK_K, INT4, HAS_ZERO, GROUPS,
+    )  # fmt: skip
+    u, su, zu = w, s, z
+    if EPILOGUE == 1:
+        u, su, zu = _load_raw(
+            W, S, Z, up_rows, n_mask, 0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
+            BLOCK_K, INT4, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        # the next raw tile before this one's math (masked off past K)
+        w_next, s_next, z_next = _load_raw(
+            W, S, Z, offs_n, n_mask, k0 + BLOCK_K, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
+            scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+        u_next, su_next, zu_next = w_next, s_next, z_next
+        if EPILOGUE == 1:
+            u_next, su_next, zu_next = _load_raw(
+                W, S, Z, up_rows, n_mask, k0 + BLOCK_K, K, num_groups, stride_wn, stride_sn, stride_zn,
+                scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+            )  # fmt: skip
+        wf = _dequant(w, s, z, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+        if USE_DOT:
+            # the dequantized tile rounded to the activation dtype, as the reference's dequantized weight
+            if UPCAST:
+                xd = x.to(tl.float32)
+                wd = wf.to(x.dtype).to(tl.float32)
+            else:
+                xd = x
+                wd = wf.to(x.dtype)
+            acc += tl.dot(xd, tl.trans(wd), input_precision=DOT_PRECISION)
+            if EPILOGUE == 1:
+                uf = _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+                ud = uf.to(x.dtype).to(tl.float32) if UPCAST else uf.to(x.dtype)
+                acc_up += tl.dot(xd, tl.trans(ud), input_precision=DOT_PRECISION)
+        else:
+            xf = x.to(tl.float32)  # [1, BLOCK_K]
+            acc += wf * xf
+            if EPILOGUE == 1:
+                acc_up += _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS) * xf
+        w, s, z = w_next, s_next, z_next
+        u, su, zu = u_next, su_next, zu_next
+        x_ptrs += BLOCK_K
+
+    if USE_DOT:
+        y = acc
+        y_up = acc_up
+    else:
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+        y_up = tl.sum(acc_up, axis=1)[None, :]
+    out_ty = Y.dtype.element_ty
+    if EPILOGUE != 0:
+        # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
+        a = y.to(out_ty).to(tl.float32)
+        if ACT == 0:
+            t = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            g = a * tl.sigmoid(2.0 * t)
+        else:
+            g = a * tl.sigmoid(a)
+        g = g.to(out_ty).to(tl.float32)
+        if EPILOGUE == 1:
+            b = y_up.to(out_ty).to(tl.float32)
+        else:
+            b = tl.load(
+                E + offs_m[:, None] * stride_em + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        y = g * b
+    tl.store(
+        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        y.to(out_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+_quant_matmul = DualKernel(_quant_matmul_fn)
+
+
+def quant_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
+    """Tiles per shape, chosen without a device sweep (bench/engine_microbench.py --quantization measures
+    them). One row: ``gemv.py``'s tiles (one or two weight rows per program, K steps of 512/1024). Up to
+    ``SKINNY_ROWS`` rows: one row tile of the padded batch, 32 columns (16 for narrow N). More rows: 64 x 128
+    tiles (128 x 128 past 256 rows) with K steps of 64."""
+    k_pow2 = max(16, next_pow2(k))
+    if m == 1:
+        if k <= 512:
+            return {"block_m": 1, "block_n": 4, "block_k": k_pow2, "num_warps": 4, "num_stages": 1}
+        block_k = 1024 if k % 1024 == 0 else 512
+        return {
+            "block_m": 1,
+            "block_n": 2 if block_k == 1024 else 1,
+            "block_k": block_k,
+            "num_warps": 8 if n <= 512 else 4,
+            "num_stages": 1,
+        }
+    if m <= SKINNY_ROWS:
+        block_n = 16 if n <= 512 else 32
+        return {
+            "block_m": max(16, next_pow2(m)),
+            "block_n": block_n,
+            "block_k": min(128, k_pow2),
+            "num_warps": 4,
+            "num_stages": 3,
+        }
+    block_m = 64 if m <= 256 else 128
+    return {"block_m": block_m, "block_n": 128, "block_k": min(64, k_pow2), "num_warps": 8, "num_stages": 3}
+
+
+def _groups_per_tile(block_k: int, scale_bk: int, k: int) -> int:
+    """Scale columns one K tile spans; a tile never straddles a partial scale block."""
+    if scale_bk >= k or scale_bk % block_k == 0:
+        return 1
+    assert block_k % scale_bk == 0, f"K tile {block_k} and scale block {scale_bk} must nest"
+    return block_k // scale_bk
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_block: tuple[int, int],
+    in_features: int,
+    zero_point: torch.Tensor | None = None,
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit last stride) against a quantized weight -> [M, N] in x's dtype.
+
+    ``weight``: float8_e4m3fn [N or 2N, K], or int32 [N or 2N, ceil(K / 8)] packed int4; ``scale``
+    [ceil(rows / bn), ceil(K / bk)] for ``scale_block`` = (bn, bk); ``zero_point`` int8 [rows, ceil(K / bk)]
+    (int4 only).
+    Epilogues as ``gemv.skinny_matmul``."""
+    m, k = x.shape
+    int4 = weight.dtype == torch.int32
+    assert k == in_features and x.stride(-1) == 1 and weight.is_contiguous() and scale.is_contiguous()
+    assert weight.shape[1] == ((k + 7) // 8 if int4 else k)
+    n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or quant_matmul_config(m, n, k, epilogue)
+    block_m = cfg["block_m"]
+    bn, bk = scale_block
+    groups = _groups_per_tile(cfg["block_k"], bk, k)
+    upcast, precision = dot_settings(x.dtype, x.device)
+    if epilogue == MUL:
+        assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
+    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, block_m))
+    _quant_matmul[x.device][grid](
+        x,
+        weight,
+        scale,
+        zero_point if zero_point is not None else scale,
+        other if other is not None else y,
+        y,
+        m,
+        n,
+        k,
+        scale.shape[1],
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        zero_point.stride(0) if zero_point is not None else 0,
+        other.stride(0) if other is not None else 0,
+        y.stride(0),
+        bn,
+        bk,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        GROUPS=groups,
+        INT4=int4,
+        HAS_ZERO=zero_point is not None,
+        EPILOGUE=epilogue,
+        ACT=_KINDS[activation] if epilogue != PLAIN else 0,
+        USE_DOT=block_m > 1,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        **pdl(x.device, m),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [R, ceil(K / 8)] of compressed-tensors' packing -> int8 [R, K] in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # element 8j + i is nibble i of word j
+    return (nibbles.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+
+
+def _expand(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """A per-block tensor repeated over its blocks, cropped to ``shape``."""
+    rows = torch.arange(shape[0], device=t.device) // block[0]
+    cols = torch.arange(shape[1], device=t.device) // block[1]
+    return t[rows][:, cols]
+
+
+def dequantize_reference(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_block: tuple[int, int],
+    in_features: int,
+    zero_point: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The dense weight [N, K]: (q - z) * s in fp32 (one rounding), then rounded to ``dtype``."""
+    if weight.dtype == torch.int32:
+        q = unpack_int4(weight, in_features).float()
+    else:
+        q = weight.float()
+    shape = (q.shape[0], in_features)
+    if zero_point is not None:
+        q = q - _expand(zero_point, (1, scale_block[1]), shape).float()
+    return (q * _expand(scale.float(), scale_block, shape)).to(dtype)
+
+
+def quant_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_block: tuple[int, int],
+    in_features: int,
+    zero_point: torch.Tensor | None = None,
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weight dequantized to x's dtype, then the unfused ops (F.linear, the activation kernel's math)."""
+    w = dequantize_reference(weight, scale, scale_block, in_features, zero_point, x.dtype)
+    if epilogue == GATE_UP:
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return act_mul_reference(activation, gate, up)
+    y = F.linear(x, w)
+    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+
+
+__all__ = [
+    "SKINNY_ROWS",
+    "dequantize_reference",
+    "quant_matmul",
+    "quant_matmul_config",
+    "quant_matmul_reference",
+    "unpack_int4",
+]

@@ -1,0 +1,133 @@
+"""The quantized-weight GEMM (FP8 e4m3 with per-tensor / per-channel / block scales; packed int4 with groups
+and optional zero points) against its reference (dequantize, then the unfused ops), in Triton's interpreter:
+the M=1 path, one row tile (decode batches) and the 2-D grid (prefill), ragged K and N, partial scale
+blocks, the gated epilogues. The reference's unpacking and dequantization against compressed-tensors' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+from g4serve.kernels.quant_matmul import (
+    dequantize_reference,
+    quant_matmul,
+    quant_matmul_config,
+    quant_matmul_reference,
+    unpack_int4,
+)
+
+EPILOGUES = {"plain": PLAIN, "gate_up": GATE_UP, "mul": MUL}
+
+
+def _quantized(kind: str, rows: int, k: int, block: tuple[int, int], zeros: bool, gen: torch.Generator):
+    """Random quantized weight tensors in the layout ``quant_matmul`` takes."""
+    grid = (-(-rows // block[0]), -(-k // block[1]))
+    # outputs of order one: |q| ~ 100 (fp8) or ~ 5 (int4) times the scale, summed over K
+    scale = (torch.rand(grid, generator=gen) + 0.5) * (0.01 if kind == "fp8" else 0.2) / k**0.5
+    if kind == "fp8":
+        weight = (torch.randn(rows, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return weight, scale, None
+    words = -(-k // 8)
+    weight = torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=gen, dtype=torch.int64)
+    weight = weight.to(torch.int32)
+    zero = torch.randint(-8, 8, grid, generator=gen).to(torch.int8) if zeros else None
+    return weight, scale, zero
+
+
+CASES = [
+    # kind, m, n, k, scale block (rows, cols), zero points, config
+    ("fp8", 1, 40, 64, (40, 64), False, (1, 8, 32)),  # per tensor
+    ("fp8", 1, 37, 100, (1, 100), False, (1, 4, 32)),  # per channel, ragged K and N
+    ("fp8", 3, 40, 96, (16, 32), False, (16, 16, 32)),  # blocks (partial row block), row tile
+    ("fp8", 8, 24, 80, (1, 80), False, (16, 16, 32)),  # per channel, ragged K
+    ("fp8", 70, 40, 64, (32, 32), False, (32, 16, 32)),  # 2-D grid (prefill)
+    ("int4", 1, 40, 64, (1, 32), False, (1, 8, 64)),  # groups of 32, two groups per K tile
+    ("int4", 1, 24, 128, (1, 64), True, (1, 8, 32)),  # zero points, a group over two K tiles
+    ("int4", 2, 20, 96, (1, 32), True, (16, 16, 32)),  # row tile, ragged N
+    ("int4", 5, 16, 72, (1, 8), False, (16, 16, 16)),  # ragged K (last word half used)
+    ("int4", 6, 16, 64, (1, 64), True, (16, 16, 32)),  # per channel with zero points
+    ("int4", 40, 24, 64, (1, 16), True, (16, 16, 32)),  # 2-D grid
+]
+
+
+# every case plain in fp32 and bf16; the gated epilogues on int4 and on FP8 decode rows in fp32 (the
+# epilogue code is shared: this keeps the interpreter time down)
+PARAMS = [
+    (dtype, epilogue, *case)
+    for case in CASES
+    for dtype in (torch.float32, torch.bfloat16)
+    for epilogue in EPILOGUES
+    if epilogue == "plain" or case[0] == "int4" or (dtype == torch.float32 and case[1] <= 8)
+]
+
+
+@pytest.mark.parametrize("dtype,epilogue,kind,m,n,k,block,zeros,tiles", PARAMS)
+def test_quant_matmul_matches_reference(dtype, epilogue, kind, m, n, k, block, zeros, tiles):
+    ep = EPILOGUES[epilogue]
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    rows = 2 * n if ep == GATE_UP else n
+    if ep == GATE_UP and block[0] == n:  # per tensor: the stacked weight has one scale per half
+        block = (n, block[1])
+    weight, scale, zero = _quantized(kind, rows, k, block, zeros, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    other = torch.randn(m, 3, n, generator=gen).to(dtype)[:, 1] if ep == MUL else None
+    act = "gelu_pytorch_tanh" if ep != PLAIN else None
+    block_m, block_n, block_k = tiles
+    cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 1}
+    out = quant_matmul(x, weight, scale, block, k, zero, ep, act, other, config=cfg)
+    ref = quant_matmul_reference(x, weight, scale, block, k, zero, ep, act, other)
+    assert out.shape == (m, n) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_default_configs_nest_with_scale_blocks():
+    """Every decode and prefill shape of e4b / 31b gets K tiles that nest with 32/128 groups and blocks."""
+    for m in (1, 4, 8, 32, 64, 512):
+        for n, k in ((3072, 2560), (2560, 2048), (20480, 2560), (2560, 10240), (256, 2560), (5376, 21504)):
+            cfg = quant_matmul_config(m, n, k)
+            for bk in (32, 128):
+                assert cfg["block_k"] % bk == 0 or bk % cfg["block_k"] == 0
+            assert cfg["block_k"] % 8 == 0
+
+
+@pytest.mark.parametrize("k", [64, 100])
+def test_unpack_matches_compressed_tensors(k):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    gen = torch.Generator().manual_seed(k)
+    values = torch.randint(-8, 8, (12, k), generator=gen).to(torch.int8)
+    packed = pack_to_int32(values, 4)
+    assert torch.equal(unpack_int4(packed, k), values)
+    assert torch.equal(unpack_int4(packed, k), unpack_from_int32(packed, 4, torch.Size([12, k])))
+
+
+@pytest.mark.parametrize(
+    "strategy,args",
+    [
+        ("channel", dict(num_bits=8, type="float", strategy="channel")),
+        ("block", dict(num_bits=8, type="float", strategy="block", block_structure=[16, 32])),
+        ("group", dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)),
+    ],
+)
+def test_dequantize_matches_compressed_tensors(strategy, args):
+    """(q - z) * s as compressed-tensors' own ``dequantize`` computes it, in fp32."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    gen = torch.Generator().manual_seed(1)
+    n, k = 40, 64
+    qargs = QuantizationArgs(**args)
+    block = {"channel": (1, k), "block": (16, 32), "group": (1, 32)}[strategy]
+    kind = "fp8" if args["type"] == "float" else "int4"
+    weight, scale, zero = _quantized(kind, n, k, block, zeros=kind == "int4", gen=gen)
+    if kind == "int4":
+        q = unpack_int4(weight, k)
+        theirs = dequantize(q, scale, zero, qargs)
+    else:
+        theirs = dequantize(weight, scale, None, qargs)
+    ours = dequantize_reference(weight, scale, block, k, zero, torch.float32)
+    assert torch.equal(ours, theirs.float())
