@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from g4serve.quant_config import QuantConfig, QuantConfigError, parse_quantization_config
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -65,6 +67,15 @@ def _check_unknown(section: str, raw: dict[str, Any], known: set[str], strict: b
             f"{section}: unknown field(s) {', '.join(unknown)}; this g4serve build does not know them. "
             "Pass strict_config=False to ignore them."
         )
+
+
+def _quantization(raw: dict[str, Any]) -> QuantConfig | None:
+    if raw.get("quantization_config") is None:
+        return None
+    try:
+        return parse_quantization_config(raw["quantization_config"])
+    except QuantConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -552,6 +563,8 @@ class Gemma4Config:
     audio_token_id: int = 258_881
     tie_word_embeddings: bool = True
     architecture: str = "Gemma4ForConditionalGeneration"
+    # compressed-tensors checkpoints (FP8, int4 w4a16), or a preset quantized at load (``--quantization``)
+    quantization: QuantConfig | None = None
 
     _TOP_KEYS = frozenset(
         {
@@ -581,7 +594,10 @@ class Gemma4Config:
             # A text-only Gemma4ForCausalLM checkpoint: the text config is the whole file.
             text = TextConfig.from_dict(raw, strict=strict)
             return cls(
-                text=text, tie_word_embeddings=text.tie_word_embeddings, architecture="Gemma4ForCausalLM"
+                text=text,
+                tie_word_embeddings=text.tie_word_embeddings,
+                architecture="Gemma4ForCausalLM",
+                quantization=_quantization(raw),
             )
         _require(model_type in (None, "gemma4"), "model_type", f"expected 'gemma4', got {model_type!r}")
         _require("text_config" in raw and isinstance(raw["text_config"], dict), "text_config", "is required")
@@ -589,7 +605,7 @@ class Gemma4Config:
         text = TextConfig.from_dict(raw["text_config"], strict=strict)
         vision = VisionConfig.from_dict(raw["vision_config"], strict) if raw.get("vision_config") else None
         audio = AudioConfig.from_dict(raw["audio_config"], strict) if raw.get("audio_config") else None
-        cfg = cls(text=text, vision=vision, audio=audio)
+        cfg = cls(text=text, vision=vision, audio=audio, quantization=_quantization(raw))
         for name in (
             "boi_token_id",
             "eoi_token_id",

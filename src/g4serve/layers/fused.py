@@ -7,7 +7,8 @@
 - ``qkv_norm_rope_write``: a KV-producing layer's q/k/v norms, RoPE and the K/V cache write, from the
   fused QKV projection (CUDA only: the reference path keeps the separate ops);
 - ``linear`` / ``gate_up_act`` / ``linear_act_mul``: projections, and projections with those gates fused,
-  through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS.
+  through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS;
+  quantized projections (``layers.quant.QuantLinear``) through ``layers.quant.quant_linear``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.qkv_prep import qkv_prep
 from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
 from g4serve.layers.norm import RMSNorm
+from g4serve.layers.quant import QuantLinear, quant_linear
 
 
 def add_rms_norm(
@@ -88,12 +90,16 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     )
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear | QuantLinear) -> torch.Tensor:
+    if isinstance(layer, QuantLinear):
+        return quant_linear(x, layer)
     return project(x, layer.weight, layer.bias)
 
 
 def gate_up_act(x: torch.Tensor, layer: nn.Linear, activation: str) -> torch.Tensor:
     """``act(gate(x)) * up(x)`` for a stacked [gate; up] projection, fused in one pass at decode sizes."""
+    if isinstance(layer, QuantLinear):
+        return quant_linear(x, layer, _gemv.GATE_UP, activation)
     if _skinny(x, layer.weight, layer.bias, _gemv.GATE_UP):
         return _gemv.skinny_matmul(x, layer.weight, _gemv.GATE_UP, activation)
     gate, up = layer(x).chunk(2, dim=-1)
@@ -102,6 +108,8 @@ def gate_up_act(x: torch.Tensor, layer: nn.Linear, activation: str) -> torch.Ten
 
 def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(layer(x)) * other`` (the PLE gate), fused in one pass at decode sizes."""
+    if isinstance(layer, QuantLinear):
+        return quant_linear(x, layer, _gemv.MUL, activation, other)
     if _skinny(x, layer.weight, layer.bias, _gemv.MUL) and other.stride(-1) == 1:
         return _gemv.skinny_matmul(x, layer.weight, _gemv.MUL, activation, other)
     return act_mul(activation, layer(x), other)

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,7 +21,17 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from g4serve.config import Gemma4Config
+from g4serve.layers.quant import QuantLinear
 from g4serve.models.gemma4.model import Gemma4Model
+from g4serve.models.gemma4.quant_loader import (
+    QuantLoadError,
+    QuantPlan,
+    load_quantized,
+    plan_checkpoint,
+    plan_quantize,
+    swap_quantized_modules,
+)
+from g4serve.quant_config import QuantConfigError, quantization_preset
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +70,19 @@ def build_model(
     device: torch.device | str,
     with_vision: bool = True,
     with_audio: bool = True,
+    plan_quantization: Callable[[Gemma4Model], QuantPlan] | None = None,
 ) -> Gemma4Model:
-    """Allocate an uninitialised model directly on ``device`` (weights must be loaded or randomised next)."""
+    """Allocate an uninitialised model directly on ``device`` (weights must be loaded or randomised next).
+    ``plan_quantization``: which projections are quantized (``quant_loader``), decided on the meta model so
+    that their dense weights are never allocated; the plan is kept as ``model.quant_plan``."""
     with torch.device("meta"):
         model = Gemma4Model(cfg, with_vision=with_vision, with_audio=with_audio)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    plan = plan_quantization(model) if plan_quantization is not None else None
+    if plan is not None:
+        swap_quantized_modules(model, plan, dtype)
+    model = model.to_empty(device=device)
+    model.quant_plan = plan
     for module in model.modules():
         init = getattr(module, "init_nonpersistent_buffers", None)
         if init is not None:
@@ -140,6 +159,8 @@ def _tensors_by_file(
         match = _SHARED_KV_PARAM.match(name)
         if match and int(match.group(1)) >= first_shared:
             continue  # transformers keeps these for KV-shared layers, which never use them
+        if model.quant_plan is not None and model.quant_plan.claims(name):
+            continue  # quantized (or to be quantized): load_quantized reads it
         if name not in params:
             unexpected.append(hf_name)
             continue
@@ -173,6 +194,11 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
                         bar.update(1)
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from exc
+    if model.quant_plan is not None:
+        try:
+            loaded |= load_quantized(model, model.quant_plan, files)
+        except (QuantLoadError, SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{model_dir}: {exc}") from exc
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensors: {_names(missing)}")
@@ -210,8 +236,16 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
     if device.type == "meta":
         return  # shapes only (memory planning, tests): there is no storage to fill
     gen = torch.Generator(device=device).manual_seed(seed)
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        leaf = name.rsplit(".", 1)[-1]
+        module, _, leaf = name.rpartition(".")
+        if module in quantized and leaf != "bias":
+            # The dense preset's draw for this weight (same generator state, shape and dtype), quantized.
+            if leaf == "weight":
+                q = quantized[module]
+                dense = torch.empty(q.out_features, q.in_features, dtype=q.compute_dtype, device=device)
+                q.quantize_from(dense.normal_(0.0, std, generator=gen))
+            continue
         if name.startswith("language_model.") and name.endswith(("q_norm.weight", "k_norm.weight")):
             tensor.fill_(tensor.shape[0] ** -0.25)
         elif tensor.ndim <= 1 and not leaf.startswith(("input_", "output_")):
@@ -233,14 +267,19 @@ def load_model(
     with_audio: bool = True,
     strict_config: bool = True,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> Gemma4Model:
-    """Load a checkpoint directory, or a preset name (``tiny``, ``e4b``, ...) with seeded random weights."""
+    """Load a checkpoint directory, or a preset name (``tiny``, ``e4b``, ...) with seeded random weights.
+    ``quantization``: a preset of ``quant_config.QUANTIZATION_PRESETS`` quantizing the dense weights at load
+    (a compressed-tensors checkpoint is served as it is quantized)."""
     from g4serve.config import PRESETS, preset
 
     torch_dtype = resolve_dtype(dtype, device)
     if isinstance(model, str) and model in PRESETS and not Path(model).exists():
         cfg = preset(model)
-        net = build_model(cfg, torch_dtype, device, with_vision, with_audio)
+        net = build_model(
+            cfg, torch_dtype, device, with_vision, with_audio, _quant_planner(cfg, quantization, torch_dtype)
+        )
         init_random_weights(net, seed)
         return net
     model_dir = Path(model)
@@ -249,10 +288,66 @@ def load_model(
             f"model: {model_dir} is neither a directory nor a preset ({', '.join(PRESETS)})"
         )
     cfg = Gemma4Config.from_pretrained(model_dir, strict=strict_config)
-    net = build_model(cfg, torch_dtype, device, with_vision, with_audio)
+    planner = _quant_planner(cfg, quantization, torch_dtype, _checkpoint_index(model_dir))
+    net = build_model(cfg, torch_dtype, device, with_vision, with_audio, planner)
     load_weights(net, model_dir)
     log.info("loaded %s (%s, %s)", model_dir, torch_dtype, device)
     return net
+
+
+def _quant_planner(
+    cfg: Gemma4Config, quantization: str | None, dtype: torch.dtype, files: dict[str, Path] | None = None
+) -> Callable[[Gemma4Model], QuantPlan] | None:
+    """How ``build_model`` finds the quantized projections: from a compressed-tensors checkpoint's tensors,
+    or the projections a ``--quantization`` preset targets (None: a dense model)."""
+    if quantization and cfg.quantization is not None:
+        raise CheckpointError(
+            f"quantization: the checkpoint is already quantized ({cfg.quantization.describe()}); "
+            "leave --quantization unset"
+        )
+    if quantization:
+        try:
+            cfg.quantization = quantization_preset(quantization)
+        except QuantConfigError as exc:
+            raise CheckpointError(str(exc)) from None
+        hf_names = {local_name(n): n for n in files or {}}
+
+        def plan_dense(model: Gemma4Model) -> QuantPlan:
+            plan = plan_quantize(model, cfg.quantization, dtype)
+            for local, p in plan.modules.items():
+                p.tensors["weight"] = hf_names.get(f"{local}.weight", f"{p.hf_name}.weight")
+            return plan
+
+        return plan_dense
+    if cfg.quantization is None or files is None:
+        return None
+
+    def plan_compressed(model: Gemma4Model) -> QuantPlan:
+        skipped = _skipped_towers(model)
+        hf_to_local = {n: local_name(n) for n in files}
+        hf_to_local = {
+            n: loc for n, loc in hf_to_local.items() if loc is not None and not loc.startswith(skipped)
+        }
+        try:
+            return plan_checkpoint(model, cfg.quantization, hf_to_local, _scale_dtypes(files))
+        except QuantLoadError as exc:
+            raise CheckpointError(str(exc)) from None
+
+    return plan_compressed
+
+
+def _scale_dtypes(files: dict[str, Path]) -> dict[str, str]:
+    """Checkpoint dtype (safetensors' name) of every ``weight_scale`` tensor, read from the file headers."""
+    dtypes = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        if name.endswith(".weight_scale"):
+            by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                dtypes[name] = f.get_slice(name).get_dtype()
+    return dtypes
 
 
 def checkpoint_dir(model: str | Path) -> Path | None:

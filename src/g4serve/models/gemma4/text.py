@@ -27,6 +27,7 @@ from g4serve.layers.fused import (
 from g4serve.layers.lora import LoRABatch
 from g4serve.layers.moe import MoEExperts, MoERouter
 from g4serve.layers.norm import RMSNorm
+from g4serve.layers.quant import stack_linears
 from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
 
 
@@ -83,18 +84,7 @@ class TextAttention(nn.Module):
         ]
         if len(parts) == 1 or self.qkv_proj is not None:
             return
-        weight = torch.cat([p.weight for p in parts])
-        fused = nn.Linear(
-            weight.shape[1],
-            weight.shape[0],
-            bias=parts[0].bias is not None,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        fused.weight.copy_(weight)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        self.qkv_proj = fused
+        self.qkv_proj = stack_linears(parts)  # quantized parts stay quantized (layers/quant.py)
         self.q_proj = self.k_proj = None
         if self.v_proj is not None:
             self.v_proj = None
@@ -179,11 +169,7 @@ class GatedMLP(nn.Module):
     def fuse_projections(self) -> None:
         if self.gate_up_proj is not None:
             return
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(
-            weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype
-        )
-        self.gate_up_proj.weight.copy_(weight)
+        self.gate_up_proj = stack_linears([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:

@@ -1,0 +1,339 @@
+"""Linear projections with quantized weights (FP8 e4m3 or packed int4), their forward on each device, and
+g4serve's own quantizer (``--quantization`` presets quantize bf16 weights at load with it).
+
+``QuantLinear`` keeps a compressed-tensors checkpoint's bytes as they are (FP8 weights; int4 in its int32
+packing) with one scale per block of the weight (``scale_block``: per tensor, channel, 128x128 block or
+group) and, for asymmetric int4, int8 zero points per scale entry. The CPU path dequantizes to the compute
+dtype and runs ``F.linear`` (the exact reference); CUDA runs ``kernels/quant_matmul.py``, except FP8 weights
+with per-tensor / per-channel scales and quantized activations past ``SKINNY_ROWS`` rows, which take
+``torch._scaled_mm`` on the FP8 tensor cores with the scheme's activation scales.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from g4serve.kernels.act_mul import act_mul_reference
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
+from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
+
+log = logging.getLogger(__name__)
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# Rows past SKINNY_ROWS on CUDA: "triton" (default) multiplies in quant_matmul's 2-D grid; "dequant" writes
+# the dense weight once per call and runs cuBLAS (the A/B alternative for bench runs).
+PREFILL_PATH = os.environ.get("G4SERVE_QUANT_PREFILL", "triton")
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with a quantized weight.
+
+    Parameters (all ``requires_grad=False``): ``weight`` float8_e4m3fn [N, K] or int32 [N, ceil(K / 8)];
+    ``weight_scale`` [ceil(N / bn), ceil(K / bk)] (fp32, or the checkpoint's float dtype) for ``scale_block``
+    = (bn, bk); ``weight_zero_point`` int8 [N, ceil(K / bk)] (asymmetric int4); ``input_scale`` fp32 [1] (FP8
+    static activations)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weights: WeightQuant,
+        activations: ActivationQuant | None = None,
+        bias: bool = False,
+        scale_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        scale_block: tuple[int, int] | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype  # the activations' dtype (the model's)
+        self.kind = weights.kind
+        self.activations = activations
+        self.scale_block = scale_block or weights.scale_block(out_features, in_features)
+        bn, bk = self.scale_block
+        grid = (-(-out_features // bn), -(-in_features // bk))
+        if self.kind == FP8:
+            weight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        else:
+            weight = torch.empty(out_features, -(-in_features // 8), dtype=torch.int32, device=device)
+        self.weight = _frozen(weight)
+        self.weight_scale = _frozen(torch.empty(grid, dtype=scale_dtype, device=device))
+        self.weight_zero_point = None
+        if self.kind == INT4 and not weights.symmetric:
+            self.weight_zero_point = _frozen(torch.zeros(grid, dtype=torch.int8, device=device))
+        self.input_scale = None
+        if activations is not None and not activations.dynamic:
+            self.input_scale = _frozen(torch.ones(1, dtype=torch.float32, device=device))
+        self.bias = _frozen(torch.empty(out_features, dtype=compute_dtype, device=device)) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.kind}, scale_block={self.scale_block}"
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [N, K] in ``dtype`` (the CPU path's weight, and the oracle of the kernels)."""
+        return dequantize_reference(
+            self.weight, self.weight_scale, self.scale_block, self.in_features, self.weight_zero_point, dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self)
+
+    @torch.no_grad()
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        """Fill this layer from a dense [N, K] weight with g4serve's quantizer (``quantize_weight``)."""
+        q, scale, zero = quantize_weight(
+            weight, self.kind, self.scale_block, self.weight_zero_point is not None
+        )
+        self.weight.copy_(q)
+        self.weight_scale.copy_(scale)
+        if zero is not None:
+            self.weight_zero_point.copy_(zero)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+# ---- forward ----------------------------------------------------------------------------------------------
+def quant_linear(
+    x: torch.Tensor,
+    layer: QuantLinear,
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``layer(x)``, or with ``gemv``'s epilogues (``GATE_UP``: act(gate) * up of a stacked layer; ``MUL``:
+    act(layer(x)) * other). CPU and other non-CUDA tensors: the reference (dense weight, then F.linear)."""
+    if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        return _reference(x, layer, epilogue, activation, other)
+    m = x.shape[0]
+    if m > SKINNY_ROWS and epilogue == PLAIN and _scaled_mm_ok(x, layer):
+        return _fp8_scaled_mm(x, layer)
+    if m > SKINNY_ROWS and PREFILL_PATH == "dequant":
+        return _reference(x, layer, epilogue, activation, other)
+    if epilogue == MUL and other.stride(-1) != 1:
+        other = other.contiguous()
+    y = quant_matmul(
+        x,
+        layer.weight,
+        layer.weight_scale,
+        layer.scale_block,
+        layer.in_features,
+        layer.weight_zero_point,
+        epilogue,
+        activation,
+        other,
+    )
+    if layer.bias is not None:
+        assert epilogue == PLAIN, "fused epilogues take bias-free projections"
+        y += layer.bias
+    return y
+
+
+def _reference(x, layer: QuantLinear, epilogue: int, activation: str | None, other) -> torch.Tensor:
+    y = F.linear(x, layer.dequantize(x.dtype), layer.bias)
+    if epilogue == GATE_UP:
+        gate, up = y.chunk(2, dim=-1)
+        return act_mul_reference(activation, gate, up)
+    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+
+
+def _scaled_mm_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
+    """FP8 weights with one scale per row (or tensor) and quantized activations, on FP8 tensor cores
+    (compute capability 8.9+), in shapes cuBLASLt takes (K and N multiples of 16, row-wise scales)."""
+    if layer.kind != FP8 or layer.activations is None or layer.scale_block[1] < layer.in_features:
+        return False
+    if layer.scale_block[0] not in (1, layer.out_features) or x.dtype != torch.bfloat16:
+        return False
+    if layer.in_features % 16 or layer.out_features % 16:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def quantize_activations_fp8(
+    x: torch.Tensor, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 values, fp32 scales [M, 1]): the static per-tensor scale, else one per token."""
+    if static_scale is not None:
+        scale = static_scale.float().expand(x.shape[0], 1)
+    else:
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def _fp8_scaled_mm(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    # Per-token groups (FP8-block's activation scheme) reduce to per token here: the weight has one scale
+    # per row, so the whole row of x may share one; finer groups would only refine the rounding.
+    xq, x_scale = quantize_activations_fp8(x, layer.input_scale)
+    w_scale = layer.weight_scale.float().reshape(-1, 1).expand(layer.out_features, 1).reshape(1, -1)
+    return torch._scaled_mm(
+        xq,
+        layer.weight.t(),
+        scale_a=x_scale,
+        scale_b=w_scale.contiguous(),
+        bias=layer.bias,
+        out_dtype=x.dtype,
+    )
+
+
+# ---- g4serve's quantizer (presets and --quantization on dense checkpoints) ---------------------------------
+def _block_view(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[N, K] zero-padded to whole blocks -> [N / bn, K / bk, bn * bk]."""
+    bn, bk = block
+    n, k = w.shape
+    padded = F.pad(w, (0, -k % bk, 0, -n % bn))
+    gn, gk = padded.shape[0] // bn, padded.shape[1] // bk
+    return padded.reshape(gn, bn, gk, bk).transpose(1, 2).reshape(gn, gk, bn * bk)
+
+
+@torch.no_grad()
+def quantize_weight(
+    weight: torch.Tensor, kind: str, scale_block: tuple[int, int], asymmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A dense [N, K] weight -> (quantized weight, scales, zero points or None) in ``QuantLinear``'s layout,
+    with compressed-tensors' min-max formulas: FP8 s = max|w| / 448; int4 symmetric s = max|w| / 7.5,
+    asymmetric s = (max - min) / 15 with z = round(-8 - min / s); q = round(w / s + z), clamped."""
+    w = weight.float()
+    n, k = w.shape
+    blocks = _block_view(w, scale_block)
+    zero = None
+    if kind == FP8:
+        scale = (blocks.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    elif not asymmetric:
+        scale = (blocks.abs().amax(-1) / 7.5).clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        lo, hi = blocks.amin(-1).clamp_max(0), blocks.amax(-1).clamp_min(0)
+        scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        zero = torch.round(-8 - lo / scale).clamp(-8, 7)
+    full_scale = _expand_blocks(scale, scale_block, (n, k))
+    if kind == FP8:
+        q = (w / full_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q, scale, None
+    z = _expand_blocks(zero, scale_block, (n, k)) if zero is not None else 0.0
+    q = torch.round(w / full_scale + z).clamp(-8, 7).to(torch.int32)
+    return pack_int4(q), scale, zero.to(torch.int8) if zero is not None else None
+
+
+def _expand_blocks(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    rows = torch.arange(shape[0], device=t.device) // block[0]
+    cols = torch.arange(shape[1], device=t.device) // block[1]
+    return t[rows][:, cols]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] in [-8, 7] -> int32 [N, ceil(K / 8)] in compressed-tensors' packing (element 8j + i in
+    nibble i of word j, stored as q + 8; padding nibbles 0)."""
+    n, k = q.shape
+    u = F.pad((q.to(torch.int64) + 8), (0, -k % 8)).reshape(n, -1, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    words = (u << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# ---- stacking projections (``fuse_projections``) ---------------------------------------------------------
+@torch.no_grad()
+def stack_linears(parts: list[nn.Module]) -> nn.Module:
+    """One projection computing ``parts`` side by side (outputs concatenated in order).
+
+    Dense parts give an ``nn.Linear``. Quantized parts of one kind stay quantized: weights and zero points
+    concatenated along N, scales on a common grid (per-tensor scales become per-channel ones, blocks that
+    do not tile a part's rows become per-row entries: all exact). Mixed parts (dense beside quantized, FP8
+    beside int4) give an ``nn.Linear`` of the dequantized weights, also exact."""
+    quant = [p for p in parts if isinstance(p, QuantLinear)]
+    if not quant:
+        return _stack_dense([p.weight for p in parts], [p.bias for p in parts])
+    if len(quant) < len(parts) or len({p.kind for p in quant}) > 1:
+        log.warning("stacking projections quantized differently: they are dequantized to one dense GEMM")
+        dtype = quant[0].compute_dtype
+        weights = [p.dequantize(dtype) if isinstance(p, QuantLinear) else p.weight for p in parts]
+        return _stack_dense(weights, [p.bias for p in parts])
+    return _stack_quantized(quant)
+
+
+def _stack_dense(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> nn.Linear:
+    weight = torch.cat(weights)
+    fused = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=biases[0] is not None, device=weight.device, dtype=weight.dtype
+    )
+    fused.weight.copy_(weight)
+    if fused.bias is not None:
+        fused.bias.copy_(torch.cat(biases))
+    return fused
+
+
+def _common_grid(parts: list[QuantLinear]) -> tuple[int, int]:
+    """The scale block every part can be written on exactly: the parts' own when they share it and it tiles
+    each part's rows, else per row; along K the finest of the parts' blocks (they nest: powers of two)."""
+    k = parts[0].in_features
+    cols = min(p.scale_block[1] for p in parts)
+    if any(p.scale_block[1] % cols and p.scale_block[1] < k for p in parts):
+        cols = 1
+    rows = {p.scale_block[0] for p in parts}
+    bn = rows.pop() if len(rows) == 1 else 1
+    if any(p.out_features % bn for p in parts):
+        bn = 1
+    return bn, cols
+
+
+def _stack_quantized(parts: list[QuantLinear]) -> QuantLinear:
+    first = parts[0]
+    k = first.in_features
+    bn, bk = _common_grid(parts)
+    acts = {p.activations for p in parts}
+    # One input, one activation scale: the largest static scale covers every part's range.
+    activations = acts.pop() if len(acts) == 1 else ActivationQuant(True, "token")
+    scale_dtype = (
+        torch.float32 if len({p.weight_scale.dtype for p in parts}) > 1 else first.weight_scale.dtype
+    )
+    zeros = any(p.weight_zero_point is not None for p in parts)
+    scheme = WeightQuant(first.kind, "stacked", (bn, bk), symmetric=not zeros)
+    n = sum(p.out_features for p in parts)
+    device = first.weight.device
+    fused = QuantLinear(
+        k, n, scheme, activations, first.bias is not None, scale_dtype, device, (bn, bk), first.compute_dtype
+    )
+    fused.weight.copy_(torch.cat([p.weight for p in parts]))
+    fused.weight_scale.copy_(torch.cat([_regrid(p.weight_scale, p, (bn, bk)) for p in parts]).to(scale_dtype))
+    if zeros:
+        fused.weight_zero_point.copy_(torch.cat([_regrid_zeros(p, (1, bk)) for p in parts]))
+    if fused.input_scale is not None:
+        fused.input_scale.copy_(torch.stack([p.input_scale for p in parts]).amax().reshape(1))
+    if fused.bias is not None:
+        fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
+def _regrid(t: torch.Tensor, part: QuantLinear, block: tuple[int, int]) -> torch.Tensor:
+    """``t`` on ``part``'s scale grid -> the same values on the finer grid ``block``."""
+    n, k = part.out_features, part.in_features
+    rows = torch.arange(0, n, block[0], device=t.device) // part.scale_block[0]
+    cols = torch.arange(0, k, block[1], device=t.device) // part.scale_block[1]
+    return t[rows][:, cols]
+
+
+def _regrid_zeros(part: QuantLinear, block: tuple[int, int]) -> torch.Tensor:
+    if part.weight_zero_point is None:
+        return torch.zeros(
+            part.out_features, -(-part.in_features // block[1]), dtype=torch.int8, device=part.weight.device
+        )
+    return _regrid(part.weight_zero_point, part, block)
+
+
+__all__ = [
+    "PREFILL_PATH",
+    "QuantLinear",
+    "pack_int4",
+    "quant_linear",
+    "quantize_activations_fp8",
+    "quantize_weight",
+    "stack_linears",
+    "unpack_int4",
+]
