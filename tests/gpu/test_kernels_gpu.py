@@ -281,7 +281,7 @@ def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
     slots[::5] = -1
     cache = torch.zeros(2, 64, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
     ref_cache = cache.clone()
-    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, v_is_k)
+    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, v_is_k=v_is_k)
     heads = qkv.view(t, -1, head_dim)
     k_raw = heads[:, hq : hq + hkv]
     v_raw = k_raw if v_is_k else heads[:, hq + hkv :]

@@ -40,7 +40,7 @@ def test_bf16_equals_the_unfused_kernels(v_is_k, rope, head_dim, repeat):
     )
     hq, hkv, d = 4, 2, head_dim
     fused_cache = cache.clone()
-    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, fused_cache[0], fused_cache[1], slots, v_is_k)
+    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, fused_cache[0], fused_cache[1], slots, v_is_k=v_is_k)
     heads = qkv.view(qkv.shape[0], -1, d)
     k_raw = heads[:, hq : hq + hkv]
     v_raw = k_raw if v_is_k else heads[:, hq + hkv :]
@@ -61,7 +61,9 @@ def test_fp32_matches_torch_reference(v_is_k):
         torch.float32, v_is_k, "default", head_dim=64, hq=2, hkv=1, seed=3
     )
     ref_cache = cache.clone()
-    q = qkv_prep(qkv, 2, 1, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, v_is_k)
-    q_ref = qkv_prep_reference(qkv, 2, 1, wq, wk, 1e-6, cos, sin, ref_cache[0], ref_cache[1], slots, v_is_k)
+    q = qkv_prep(qkv, 2, 1, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, v_is_k=v_is_k)
+    q_ref = qkv_prep_reference(
+        qkv, 2, 1, wq, wk, 1e-6, cos, sin, ref_cache[0], ref_cache[1], slots, v_is_k=v_is_k
+    )
     torch.testing.assert_close(q, q_ref, atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(cache, ref_cache, atol=2e-6, rtol=2e-6)

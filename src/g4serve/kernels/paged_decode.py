@@ -7,7 +7,9 @@ over several programs (flash-decoding); a second kernel merges their partial (ma
 split count is fixed per launch (a CUDA graph fixes it for the longest context it serves), so a short
 context leaves most splits without tiles: those write nothing and the merge reads only the used ones.
 Sliding layers start at the tile holding ``seq_len - window``: older blocks are never touched (a
-sliding pool may already have freed them; their table entries are -1).
+sliding pool may already have freed them; their table entries are -1). An FP8 (e4m3) cache is widened to
+q's dtype as it is loaded (exactly: every e4m3 value is a bf16 / fp16 value); its KV head's K scale
+multiplies the scores and its V scale the accumulator, so no dequantized tile is ever rounded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
+from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE
 from g4serve.kernels.paged_prefill import paged_prefill_reference
 
 LOG2E = 1.4426950408889634
@@ -41,7 +44,7 @@ def _split_tiles(
     return start, first_tile, num_tiles, tl.cdiv(num_tiles, num_splits)
 
 
-def _paged_decode_fn(
+def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (HAS_SPANS, UPCAST, KV_FP8, SPLIT), specialised away at compile time
     Q,
     K,
     V,
@@ -53,6 +56,8 @@ def _paged_decode_fn(
     PartM,
     PartL,
     PartAcc,
+    KScale,
+    VScale,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -81,12 +86,15 @@ def _paged_decode_fn(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KScale + kvh)  # the K scale, applied to the scores
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -133,6 +141,9 @@ def _paged_decode_fn(
         kv_mask = visible[:, None] & d_mask[None, :]
         k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
@@ -148,6 +159,8 @@ def _paged_decode_fn(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(VScale + kvh)  # the V scale; partials of a split merge linearly
 
     if SPLIT:
         used = h_mask & (split * tiles_per_split < num_tiles)  # a split without tiles writes nothing
@@ -271,6 +284,8 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at position ``seq_lens[b] - 1``); k/v_cache [S, Hkv, D];
     block_tables [B, max_blocks] int32; seq_lens [B] int32 -> [B, Hq, D] in q's dtype.
@@ -278,7 +293,8 @@ def paged_decode_attention(
     Keys [0, seq_len) are visible; with ``window`` only keys >= seq_len - window. ``span_lo/hi`` [B]
     int32 (-1: none) add keys [lo, hi) (a bidirectional span holding the query; hi <= the number of
     keys in the cache). ``num_splits`` None: chosen from ``max_seq_len`` (or the longest seq_len,
-    which costs a device sync) by ``decode_num_splits``.
+    which costs a device sync) by ``decode_num_splits``. An FP8 cache takes ``k_scale`` / ``v_scale``
+    [Hkv] fp32: its rows hold K / k_scale and V / v_scale.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -308,6 +324,8 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_acc = out  # never written
     block_d = max(16, next_pow2(head_dim))
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs its scales"
     _paged_decode[q.device][(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -320,6 +338,8 @@ def paged_decode_attention(
         part_m,
         part_l,
         part_acc,
+        k_scale if fp8 else seq_lens,  # never read without KV_FP8
+        v_scale if fp8 else seq_lens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -346,6 +366,7 @@ def paged_decode_attention(
         SPLIT=split,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        KV_FP8=fp8,
         **pdl(q.device, batch),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
@@ -389,6 +410,8 @@ def paged_decode_reference(
     span_lo: torch.Tensor | None = None,
     span_hi: torch.Tensor | None = None,
     scale: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same contract as ``paged_decode_attention``, in fp32: the one-query-per-sequence case of
     ``paged_prefill_reference`` (query at position seq_len - 1; keys up to a span's end past it)."""
@@ -408,6 +431,8 @@ def paged_decode_reference(
         span_lo=span_lo,
         span_hi=span_hi,
         scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -5,7 +5,9 @@ chunk is written first), so a chunk that starts mid-sequence after a prefix-cach
 special. Grid (query tile, sequence, KV head x output-dim chunk): a tile packs BLOCK_M // G query
 tokens times the G q heads of one KV head into BLOCK_M rows, so each K/V tile is loaded once per GQA
 group. Masks: causal by position, sliding window, and an optional per-query bidirectional range
-[lo, hi) (image tokens on sliding layers). Scores, softmax and the accumulator are fp32.
+[lo, hi) (image tokens on sliding layers). Scores, softmax and the accumulator are fp32. An FP8 (e4m3)
+cache is widened to q's dtype as it is loaded (exact); its KV head's K scale multiplies the scores and its
+V scale the output, as in ``paged_decode``.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
+from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE, dequantize_kv_reference
 
 LOG2E = 1.4426950408889634
 
 
-def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (SLIDING, HAS_SPANS, HAS_SEQ_INDICES, UPCAST), specialised away at compile time
+def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (SLIDING, HAS_SPANS, HAS_SEQ_INDICES, UPCAST, KV_FP8), specialised away at compile time
     Q,
     K,
     V,
@@ -32,6 +35,8 @@ def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.
     SpanLo,
     SpanHi,
     SeqIndices,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -57,6 +62,7 @@ def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.
     HAS_SEQ_INDICES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     seq = tl.program_id(1)
@@ -69,6 +75,8 @@ def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.
     tile_q0 = q_start + tile_idx * QUERIES_PER_TILE
     if tile_q0 >= q_end:
         return
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KScale + kvh)  # the K scale, applied to the scores
 
     # Row r of the tile is query token tile_q0 + r // GROUP, q head kvh * GROUP + r % GROUP: the G heads
     # of one token are adjacent in memory, so the Q gather stays contiguous per token.
@@ -118,6 +126,8 @@ def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.
             mask=in_range[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(Q.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -140,6 +150,8 @@ def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.
             mask=in_range[:, None] & dv_mask[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(Q.dtype.element_ty)
         p = p.to(v.dtype)  # P rounded to the V dtype as in flash kernels; products accumulate in fp32
         if UPCAST:
             p = p.to(tl.float32)
@@ -148,6 +160,8 @@ def _paged_prefill_fn(  # noqa: C901 - Triton kernel body: its branches test tl.
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * tl.load(VScale + kvh)
     o_row = q_idx.to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(
         Out + o_row[:, None] + offs_dv[None, :],
@@ -222,6 +236,8 @@ def paged_prefill_attention(
     dv_chunks: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] flat; k/v_cache [S, Hkv, D]; block_tables [B, max_blocks] int32; seq_lens [B];
     query_start_loc [B+1] int32; positions [T] (absolute) -> [T, Hq, D] in q's dtype.
@@ -229,7 +245,8 @@ def paged_prefill_attention(
     Query t of sequence b sees keys k < seq_lens[b] with k <= positions[t], or lo <= k < hi for its
     ``span_lo/hi[t]`` (-1: none); with ``window`` only keys k > positions[t] - window.
     ``seq_indices`` restricts the work to those sequences (rows of other sequences are left untouched
-    in ``out``); ``max_query_len`` bounds their query counts (host-side, sizes the grid).
+    in ``out``); ``max_query_len`` bounds their query counts (host-side, sizes the grid). An FP8 cache
+    takes ``k_scale`` / ``v_scale`` [Hkv] fp32: its rows hold K / k_scale and V / v_scale.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -255,6 +272,8 @@ def paged_prefill_attention(
     has_spans = span_lo is not None
     if not has_spans:
         span_lo = span_hi = positions  # never read
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs its scales"
     grid = (-(-max_query_len // queries_per_tile), num_seqs, num_kv_heads * dv_chunks)
     _paged_prefill[q.device][grid](
         q,
@@ -268,6 +287,8 @@ def paged_prefill_attention(
         span_lo,
         span_hi,
         seq_indices if seq_indices is not None else seq_lens,
+        k_scale if fp8 else seq_lens,  # never read without KV_FP8
+        v_scale if fp8 else seq_lens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -293,6 +314,7 @@ def paged_prefill_attention(
         HAS_SEQ_INDICES=seq_indices is not None,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        KV_FP8=fp8,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -312,8 +334,11 @@ def paged_prefill_reference(
     span_lo: torch.Tensor | None = None,
     span_hi: torch.Tensor | None = None,
     scale: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same contract as ``paged_prefill_attention``, one sequence at a time in fp32."""
+    """The same contract as ``paged_prefill_attention``, one sequence at a time in fp32 (an FP8 cache's rows
+    dequantized first: times ``k_scale`` / ``v_scale``)."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -332,8 +357,8 @@ def paged_prefill_reference(
         seen = allowed.any(0)  # gather only keys some query sees: freed (-1) blocks are never touched
         kv_pos, allowed = kv_pos[seen], allowed[:, seen]
         slots = block_tables[b, kv_pos // page_size].long() * page_size + kv_pos % page_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        keys = dequantize_kv_reference(k_cache[slots], k_scale).repeat_interleave(group, dim=1)
+        values = dequantize_kv_reference(v_cache[slots], v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", q[lo_t:hi_t].float(), keys) * scale
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)

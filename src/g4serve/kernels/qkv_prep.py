@@ -6,7 +6,9 @@ trip of K/V through memory. Grid: (token block, head row) over Hq + 2 Hkv rows; 
 with q_norm, rotated, stored to a contiguous [T, Hq, D] q), a k head (k_norm, rotated, stored to the
 K cache) or a v head (weightless norm, stored to the V cache). K/V rows of tokens with slot -1 (graph
 padding) are dropped. Rounding follows ``norm_rope``: the norm's result is rounded to the input dtype
-before the rotation, the rotation runs in fp32 and is rounded once.
+before the rotation, the rotation runs in fp32 and is rounded once. An FP8 (e4m3) cache gets that rounded
+row divided by its KV head's scale (``kv_cache_write.quantize_fp8``), as the unfused path quantizes the
+model-dtype K and V it is handed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
-from g4serve.kernels.kv_cache_write import kv_cache_write_reference
+from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE, kv_cache_write_reference, quantize_fp8
 from g4serve.kernels.norm_rope import norm_rope_reference, normed_head_rows, rows_per_program
 
 
@@ -30,6 +32,8 @@ def _qkv_prep_fn(
     KCache,
     VCache,
     Slots,
+    KScale,
+    VScale,
     eps,
     num_tokens,
     stride_t,
@@ -48,6 +52,7 @@ def _qkv_prep_fn(
     PART: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Grid (token blocks, head rows): BLOCK_T tokens of one q, k or v head per program."""
@@ -71,6 +76,8 @@ def _qkv_prep_fn(
             y, col, mask = normed_head_rows(
                 row + h * HEAD_DIM, Wk, cos, sin, keep, eps, HEAD_DIM, PART, BLOCK_D, True, True, out_ty
             )
+            if KV_FP8:
+                y = quantize_fp8(y.to(out_ty), tl.load(KScale + h - HQ), KCache.dtype.element_ty)
             tl.store(
                 KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + col,
                 y.to(KCache.dtype.element_ty),
@@ -91,6 +98,8 @@ def _qkv_prep_fn(
                 False,
                 out_ty,
             )
+            if KV_FP8:
+                y = quantize_fp8(y.to(out_ty), tl.load(VScale + h - HQ - HKV), VCache.dtype.element_ty)
             tl.store(
                 VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + col,
                 y.to(VCache.dtype.element_ty),
@@ -113,15 +122,23 @@ def qkv_prep(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
     v_is_k: bool = False,
 ) -> torch.Tensor:
     """qkv [T, (Hq + Hkv (+ Hkv)) * D] (unit last stride; raw v heads after k unless ``v_is_k``: V is then
     the raw K projection, as with attention_k_eq_v) -> q [T, Hq, D] normed and rotated; normed+rotated
-    K and normed V go into k_cache / v_cache [S, Hkv, D] rows ``slots`` [T] (-1: skip)."""
+    K and normed V go into k_cache / v_cache [S, Hkv, D] rows ``slots`` [T] (-1: skip). An FP8 cache takes
+    ``k_scale`` / ``v_scale`` [Hkv] fp32 and stores K / k_scale and V / v_scale (the scales follow the
+    slots so that ``AttentionBackend.kv_write_target``'s tuple can be passed as it is)."""
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and cos.stride(-1) == 1 and sin.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert not isinstance(k_scale, bool), "v_is_k is keyword-only"
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs its scales"
     q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -136,6 +153,8 @@ def qkv_prep(
         k_cache,
         v_cache,
         slots,
+        k_scale if fp8 else slots,  # never read without KV_FP8
+        v_scale if fp8 else slots,
         eps,
         num_tokens,
         qkv.stride(0),
@@ -154,6 +173,7 @@ def qkv_prep(
         PART=head_dim // 2,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_T=block_t,
+        KV_FP8=fp8,
         **pdl(qkv.device, num_tokens),
         num_warps=num_warps,
     )
@@ -172,6 +192,9 @@ def qkv_prep_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
     v_is_k: bool = False,
 ) -> torch.Tensor:
     """The unfused ops: norm_rope on q and k, the weightless v norm, then the cache write."""
@@ -182,7 +205,7 @@ def qkv_prep_reference(
     v_raw = k_raw if v_is_k else heads[:, num_q_heads + num_kv_heads : num_q_heads + 2 * num_kv_heads]
     k = norm_rope_reference(k_raw, k_weight, eps, cos, sin)
     v = norm_rope_reference(v_raw, None, eps)
-    kv_cache_write_reference(k, v, k_cache, v_cache, slots)
+    kv_cache_write_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
     return q
 
 

@@ -4,7 +4,8 @@ The model hands every attention layer a flat batch of tokens (all sequences of a
 concatenated) plus an ``AttentionMetadata`` (``metadata.py``); the backend writes the new K/V into a
 paged cache and attends over it. KV-shared layers write nothing and read the cache of their source
 layer. The cache's tensors belong to the engine (``engine.kv_cache.PagedKVCache``), which sits above
-the layers: backends are handed the cache object and rely only on the ``KVTensors`` members.
+the layers: backends are handed the cache object and rely only on the ``KVTensors`` members. An FP8 cache
+holds K/V divided by per-(layer, KV head) scales: writes quantize, reads multiply the scales back.
 Also here: ``dense_attention``, the unpaged attention of the encoders.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from g4serve.config import SLIDING, TextConfig
+from g4serve.kernels.kv_cache_write import dequantize_kv_reference
 from g4serve.layers.attention.metadata import AttentionMetadata
 
 
@@ -23,13 +25,15 @@ class KVTensors(Protocol):
     """What the backends use of the paged KV cache (``engine.kv_cache.PagedKVCache``).
 
     ``kv[layer]``: a [2, num_blocks * block_size, Hkv, D] tensor (K then V) per KV-producing layer,
-    addressed by the slots and block tables of ``AttentionMetadata``.
+    addressed by the slots and block tables of ``AttentionMetadata``. ``scales[layer]``: for an FP8 (e4m3)
+    cache, a [2, Hkv] fp32 tensor (K row, V row); the cache holds K / scale and V / scale. Empty otherwise.
     """
 
     kv: dict[int, torch.Tensor]
+    scales: dict[int, torch.Tensor]
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k/v [T, Hkv, D] at ``slots`` [T] of the layer's cache (slots < 0: skipped)."""
+        """Store k/v [T, Hkv, D] at ``slots`` [T] of the layer's cache (slots < 0: skipped; FP8 quantizes)."""
         ...
 
 
@@ -50,9 +54,10 @@ class AttentionBackend(Protocol):
 
     def kv_write_target(
         self, layer_idx: int, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(k_cache, v_cache, slots) for a KV-producing layer whose prologue kernel writes its new K/V rows
-        itself (then ``attend`` gets k = v = None); None: pass k/v to ``attend`` instead."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """(k_cache, v_cache, slots, k_scale, v_scale) for a KV-producing layer whose prologue kernel writes
+        its new K/V rows itself (then ``attend`` gets k = v = None; the scales are the FP8 cache's [Hkv] rows,
+        else None); None: pass k/v to ``attend`` instead."""
         ...
 
 
@@ -79,6 +84,7 @@ class TorchAttention:
         if k is not None:
             self.cache.write(src, k, v, meta.slot_mapping[layer_type])
         kv = self.cache.kv[src]
+        scales = self.cache.scales.get(src)  # FP8: [2, Hkv]
         block_table = meta.block_tables[layer_type]
         window = cfg.sliding_window if layer_type == SLIDING else None
         bs = meta.block_size
@@ -97,6 +103,11 @@ class TorchAttention:
             blocks = block_table[i, kv_pos // bs].long()
             slots = blocks * bs + kv_pos % bs
             keys, values = kv[0][slots], kv[1][slots]  # [S, Hkv, D]
+            if scales is not None:
+                keys, values = (
+                    dequantize_kv_reference(keys, scales[0]),
+                    dequantize_kv_reference(values, scales[1]),
+                )
             allowed = kv_pos[None, :] <= q_pos[:, None]
             if window is not None:
                 if self.bidirectional_vision and meta.bidirectional_spans:

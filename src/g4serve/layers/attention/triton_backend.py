@@ -5,7 +5,7 @@ them: ``kv_write_target``), then sequences with one query token run the
 split-KV decode kernel and sequences with more run the varlen prefill kernel, both straight over the
 paged cache. What depends only on the step (which sequences decode, their context lengths, per-token
 bidirectional ranges, the split count) is worked out once per ``AttentionMetadata`` and reused by
-every layer.
+every layer. With an FP8 cache every kernel takes the source layer's [Hkv] K and V scales.
 """
 
 from __future__ import annotations
@@ -137,12 +137,17 @@ class TritonAttention:
         return lo, hi
 
     # ---- AttentionBackend -----------------------------------------------------------------------
+    def _scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) [Hkv] of an FP8 cache's layer; (None, None) for an unquantized cache."""
+        scales = self.cache.scales.get(layer)
+        return (None, None) if scales is None else (scales[0], scales[1])
+
     def kv_write_target(self, layer_idx: int, meta: AttentionMetadata):
-        """The layer's cache and slots, for the fused q/k/v prologue (``kernels.qkv_prep``) on CUDA."""
+        """The layer's cache, slots and scales for the fused q/k/v prologue (``kernels.qkv_prep``) on CUDA."""
         kv = self.cache.kv[self.kv_source[layer_idx]]
         if not kv.is_cuda or self.kv_source[layer_idx] != layer_idx:
             return None
-        return kv[0], kv[1], meta.slot_mapping[self.cfg.layer_types[layer_idx]]
+        return kv[0], kv[1], meta.slot_mapping[self.cfg.layer_types[layer_idx]], *self._scales(layer_idx)
 
     def attend(
         self,
@@ -156,8 +161,9 @@ class TritonAttention:
         layer_type = cfg.layer_types[layer_idx]
         src = self.kv_source[layer_idx]
         kv = self.cache.kv[src]
+        k_scale, v_scale = self._scales(src)
         if k is not None:
-            kv_cache_write(k, v, kv[0], kv[1], meta.slot_mapping[layer_type])
+            kv_cache_write(k, v, kv[0], kv[1], meta.slot_mapping[layer_type], k_scale, v_scale)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty_like(q)
         if q.shape[0] == 0:
@@ -199,6 +205,8 @@ class TritonAttention:
                 span_hi=pick(span_hi),
                 num_splits=num_splits,
                 out=out if rows is None else None,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
             if rows is not None:
                 out.index_copy_(0, rows, result)
@@ -218,5 +226,7 @@ class TritonAttention:
                 span_hi=span_hi,
                 seq_indices=plan.prefill_seqs,
                 out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
