@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from g4serve.processing.limits import MediaLimits
+from g4serve.quant_config import QUANTIZATION_PRESETS
 
 MODALITIES = ("image", "video", "audio")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers.attention.BACKENDS, plus auto
@@ -30,6 +31,15 @@ class EngineConfig:
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
     device: str = _opt("auto", "cpu, cuda, cuda:1, ... (auto: cuda if available)")
     dtype: str = _opt("auto", "auto, float32, bfloat16, float16 (auto: bfloat16 on CUDA, float32 on CPU)")
+    # Dense weights (a random preset or a bf16 checkpoint) quantized at load by g4serve's own quantizer
+    # (layers/quant.py); a compressed-tensors checkpoint (FP8, int4 w4a16) is served quantized without it.
+    quantization: str | None = _opt(
+        None,
+        "quantize the dense weights at load: fp8 (per-channel FP8, per-token activations), fp8-block "
+        "(128x128 blocks), w4a16 (int4, groups of 128), w4a16-g32 (groups of 32); not needed for "
+        "compressed-tensors checkpoints",
+        choices=tuple(QUANTIZATION_PRESETS),
+    )
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "sequences in one step")
     max_num_batched_tokens: int = _opt(2048, "tokens in one step: decodes plus prefill chunks")

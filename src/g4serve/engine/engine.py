@@ -113,6 +113,7 @@ class LLMEngine:
             with_audio=limits.get("audio", 0) > 0,
             strict_config=config.strict_config,
             seed=config.seed,
+            quantization=config.quantization,
         )
         self.model_config = self.model.cfg
         text = self.model_config.text
