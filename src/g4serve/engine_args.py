@@ -63,10 +63,22 @@ def parse_lora_module(text: str) -> dict[str, str]:
     return {name.strip(): path.strip()}
 
 
-PARSERS = {
+def parse_json_object(text: str) -> dict:
+    """A flag whose value is a JSON object (``--speculative-config``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+PARSERS = {  # a field's ``parse`` metadata: its flag's argparse type
     "mm_limits": parse_mm_limits,
     "lora_modules": parse_lora_module,
-}  # a field's ``parse`` metadata: its flag's argparse type
+    "json_object": parse_json_object,
+}
 
 
 def _flag_type(name: str) -> type:

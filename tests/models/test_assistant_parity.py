@@ -17,34 +17,8 @@ WINDOW = 12  # the target's sliding_window (tests/conftest.py, variant "e")
 
 
 @pytest.fixture(scope="module")
-def checkpoints(hf_checkpoint, tmp_path_factory):
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
-
-    target = hf_checkpoint("e")
-    text = Gemma4TextConfig(
-        vocab_size=1024,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        num_hidden_layers=3,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        sliding_window=12,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0,
-        num_kv_shared_layers=3,
-    )
-    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64)
-    torch.manual_seed(3)
-    drafter = Gemma4AssistantForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            p.copy_(torch.randn(p.shape) * 0.05 if p.ndim >= 2 else 1.0 + 0.2 * torch.randn(p.shape))
-    out = tmp_path_factory.mktemp("assistant")
-    drafter.save_pretrained(out)
-    return target, out
+def checkpoints(mtp_drafter):
+    return mtp_drafter
 
 
 def _hf(target_dir, drafter_dir, ids: list[int], steps: int):

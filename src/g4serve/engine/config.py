@@ -123,6 +123,14 @@ class EngineConfig:
     )
     max_loras: int = _opt(4, "LoRA adapters loaded at once (each holds a slot of device memory)")
     max_lora_rank: int = _opt(16, "largest LoRA rank an adapter may have (slots are sized for it)")
+    # Speculative decoding (engine/speculative.py): vLLM's JSON, e.g. '{"method": "ngram",
+    # "num_speculative_tokens": 3}' or '{"method": "mtp", "model": "/gemma-4-E4B-it-assistant"}'.
+    speculative_config: dict | None = _opt(
+        None,
+        'speculative decoding as JSON: {"method": "ngram" | "mtp", "num_speculative_tokens": k, '
+        '"model": MTP drafter directory, "prompt_lookup_max": n, "prompt_lookup_min": n}',
+        parse="json_object",
+    )
 
     def __post_init__(self) -> None:
         self._check_lora()

@@ -26,6 +26,14 @@ from g4serve.engine.kv_cache.planning import (
 from g4serve.engine.model_runner import ModelRunner, StepResult
 from g4serve.engine.request import Request, RequestStatus
 from g4serve.engine.scheduler import ScheduledBatch, Scheduler
+from g4serve.engine.speculative import (
+    MTPProposer,
+    NgramProposer,
+    SpecStats,
+    SpeculativeConfig,
+    can_speculate,
+    verify,
+)
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
 from g4serve.layers.lora import LoRAWeights, projection_shapes
 from g4serve.lora import LoRAAdapter, LoRARegistry, load_peft_adapter
@@ -48,6 +56,7 @@ from g4serve.structured import (
 )
 from g4serve.structured.reasoning import THOUGHT_CLOSE_TOKEN, THOUGHT_OPEN_TOKEN, ThoughtGate, thought_markers
 from g4serve.tiny import default_model_dir
+from g4serve.transfer import to_device
 
 log = logging.getLogger("g4serve.engine")
 
@@ -186,6 +195,11 @@ class LLMEngine:
             cuda_graphs=graphs and self.attention_backend_name == "triton",
             lora_weights=self.lora.weights if self.lora is not None else None,
         )
+        self.speculative = (
+            SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        )
+        self.proposer = self._make_proposer(self.speculative) if self.speculative else None
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         # Constrained decoding loads xgrammar with the first request that needs it.
         self._structured: StructuredOutputBackend | None = None
@@ -200,6 +214,15 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.warmup()
         self.started = time.monotonic()
+
+    def _make_proposer(self, spec: SpeculativeConfig) -> NgramProposer | MTPProposer:
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        from g4serve.models.gemma4.assistant import load_assistant
+
+        drafter = load_assistant(spec.model, self.model_config.text, self.dtype, self.device)
+        self.runner.keep_hidden = True  # the drafter starts from the target's final hidden states
+        return MTPProposer(spec, drafter, self.model)
 
     def _max_model_len(self, capacity: dict[str, int]) -> int:
         """The config's (or the model's) context length, capped where one sequence would not fit the KV
@@ -505,8 +528,9 @@ class LLMEngine:
         current: InflightStep | None = None
         outputs: list[RequestOutput] = []
         try:
-            if previous is not None and previous.needs_host_tokens:
-                # A grammar mask or penalty of the next step depends on the tokens just sampled.
+            if previous is not None and (previous.needs_host_tokens or self.proposer is not None):
+                # A grammar mask or penalty of the next step depends on the tokens just sampled; so do the
+                # drafts of speculative decoding (verified, then proposed from what was accepted).
                 outputs += self._complete(previous)
                 previous = None
             if self.config.overlap_encoder:
@@ -590,7 +614,10 @@ class LLMEngine:
             self.kv.register_computed_blocks(
                 request.request_id, request.block_hashes, request.num_computed_tokens
             )
-        for request in result.requests:
+        for request in batch.requests:
+            if request.draft_token_ids:  # this step verifies them
+                request.verifying, request.draft_token_ids = request.draft_token_ids, []
+        for request in dict.fromkeys(result.requests):  # once per request, however many rows it sampled
             request.num_pending_outputs += 1
         return InflightStep(batch, result, computed)
 
@@ -620,16 +647,26 @@ class LLMEngine:
         done_before = {id(r) for r in step.batch.requests if r.status is RequestStatus.FINISHED}
         token_ids, logprobs, top_ids, top_lps = step.read()
         now = time.monotonic()
-        for row, request in enumerate(step.result.requests):
+        last_rows: dict[int, int] = {}  # request -> the row that sampled its last token (for the drafter)
+        for request, rows in _rows_by_request(step.result.requests).items():
             request.num_pending_outputs -= 1
+            verifying, request.verifying = request.verifying, []
             if request.finished:
                 continue
             try:
-                self._accept(request, row, token_ids, logprobs, top_ids, top_lps, now)
+                if verifying:
+                    last_rows[id(request)] = self._accept_drafts(
+                        request, verifying, rows, token_ids, logprobs, top_ids, top_lps, now
+                    )
+                else:
+                    self._accept(request, rows[0], token_ids, logprobs, top_ids, top_lps, now)
+                    last_rows[id(request)] = rows[0]
             except Exception as exc:  # one request's bad state (grammar, detokenizer) fails it alone
                 log.exception("request %s: its sampled token could not be taken", request.request_id)
                 reason = type(exc).__name__
                 request.fail(f"internal error ({reason}) while reading back request {request.request_id}")
+        if self.proposer is not None:
+            self._propose(step, last_rows)
         sampled = set(map(id, step.result.requests))
         outputs = []
         for request, computed in zip(step.batch.requests, step.computed):
@@ -644,6 +681,51 @@ class LLMEngine:
                 if request.finished:
                     self._finish(request)
         return outputs
+
+    def _accept_drafts(
+        self, request: Request, drafts: list[int], rows: list[int], token_ids, logprobs, top_ids, top_lps, now
+    ) -> int:
+        """Verify a request's drafts against its rows' samples, append what is accepted plus the target's
+        own token, and roll its computed tokens back to the last accepted draft; returns the row that
+        sampled the last appended token."""
+        tokens = verify(drafts, [token_ids[r] for r in rows])
+        accepted = len(tokens) - 1
+        self.spec_stats.record(len(drafts), accepted)
+        # The K/V of the rejected drafts' rows is garbage: the next step overwrites it.
+        request.num_computed_tokens -= len(drafts) - accepted
+        before = len(request.output_token_ids)
+        for i, token in enumerate(tokens):
+            if request.finished:
+                break
+            top = list(zip(top_ids[rows[i]], top_lps[rows[i]])) if top_ids is not None else None
+            request.append_token(token, None if logprobs is None else logprobs[rows[i]], top, now)
+        self.num_generated_tokens += len(request.output_token_ids) - before
+        self._extend_block_hashes(request)
+        return rows[len(request.output_token_ids) - before - 1]
+
+    def _propose(self, step: InflightStep, last_rows: dict[int, int]) -> None:
+        """Drafts for the next step of every request that sampled here and may speculate."""
+        requests = [r for r in dict.fromkeys(step.result.requests) if id(r) in last_rows and can_speculate(r)]
+        # Room for the drafts and the target's own token: max_tokens and max_model_len.
+        budgets = [
+            min(r.max_output_tokens - r.num_output_tokens, r.max_total_tokens - r.num_tokens) - 1
+            for r in requests
+        ]
+        keep = [i for i, b in enumerate(budgets) if b > 0]
+        requests, budgets = [requests[i] for i in keep], [budgets[i] for i in keep]
+        if not requests:
+            return
+        extra = {}
+        if self.proposer.needs_hidden:
+            rows = to_device([last_rows[id(r)] for r in requests], torch.long, self.device)
+            extra = dict(
+                hidden=step.result.hidden[rows],
+                tables=[self.kv.block_tables(r.request_id) for r in requests],
+                backend=self.runner.backend,
+                block_size=self.config.block_size,
+            )
+        for request, drafts in zip(requests, self.proposer.propose(requests, budgets, **extra)):
+            request.draft_token_ids = list(drafts)
 
     def _accept(self, request: Request, row: int, token_ids, logprobs, top_ids, top_lps, now: float) -> None:
         """Append row ``row``'s sampled token (and its logprobs) to ``request``."""
@@ -704,4 +786,15 @@ class LLMEngine:
             "generation_tokens_total": self.num_generated_tokens,
             "forced_tokens_total": self.num_forced_tokens,
             "generation_tokens_per_s": self.num_generated_tokens / elapsed,
+            # speculative decoding, per draft position (empty without it)
+            "spec_drafted_tokens": list(self.spec_stats.drafted),
+            "spec_accepted_tokens": list(self.spec_stats.accepted),
         }
+
+
+def _rows_by_request(requests: list[Request]) -> dict[Request, list[int]]:
+    """The rows each request sampled (several when it verified drafts), in row order."""
+    rows: dict[Request, list[int]] = {}
+    for row, request in enumerate(requests):
+        rows.setdefault(request, []).append(row)
+    return rows

@@ -56,9 +56,11 @@ class StepInputs:
     keep: list[int] = field(default_factory=list)  # flat rows whose logits are needed
     sampled: list[Request] = field(default_factory=list)  # requests that sample a token, in row order
     sampled_seqs: list[int] = field(default_factory=list)  # their sequence index in the batch
-    lora_slots: list[int] | None = (
-        None  # each token's LoRA adapter slot (-1: none); None: no adapter in the step
-    )
+    # each token's LoRA adapter slot (-1: none); None: no adapter in the step
+    lora_slots: list[int] | None = None
+    # Speculative decoding: a request verifying drafts samples every row from its last known token on; it
+    # appears in ``sampled`` once per row.
+    has_drafts: bool = False
 
     @property
     def is_pure_decode(self) -> bool:
@@ -68,8 +70,9 @@ class StepInputs:
 
 @dataclass
 class StepResult:
-    requests: list[Request]  # requests that sampled a token this step, in row order
+    requests: list[Request]  # requests that sampled a token this step, in row order (once per row)
     output: SamplerOutput | None
+    hidden: torch.Tensor | None = None  # the final hidden state of each row (``ModelRunner.keep_hidden``)
 
 
 class ModelRunner:
@@ -103,6 +106,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None
         self.num_graph_steps = 0
+        # An MTP drafter reads the target's final hidden state of each sampled row: steps then run eagerly.
+        self.keep_hidden = False
+        self._hidden: torch.Tensor | None = None
         if cuda_graphs:
             self.decode_graphs, self.mixed_graphs = self.graph_runners(capture=True)
             pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
@@ -146,10 +152,11 @@ class ModelRunner:
         """Run one scheduled step. ``previous``: the launched step whose samples are not on the host yet
         (async scheduling); a request's pending token is read from its output on the device."""
         inputs = self.prepare(batch, kv, encoder_cache, previous)
+        self._hidden = None
         logits, greedy = self.forward(inputs)
         if logits is None:  # every sequence is still mid-prompt
             return StepResult([], None)
-        return StepResult(inputs.sampled, self.sample(inputs.sampled, logits, greedy))
+        return StepResult(inputs.sampled, self.sample(inputs.sampled, logits, greedy), self._hidden)
 
     # ---- prepare -------------------------------------------------------------------------------------
     def prepare(
@@ -175,6 +182,11 @@ class ModelRunner:
             start, base = request.num_computed_tokens, len(step.token_ids)
             step.mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, base, step))
             chunk = request.token_ids_between(start, start + n)
+            if request.draft_token_ids and len(chunk) < n:
+                self._add_verification(
+                    step, seq, request, chunk + request.draft_token_ids[: n - len(chunk)], kv
+                )
+                continue
             if len(chunk) < n:  # the chunk ends on the token the previous step sampled
                 assert len(chunk) == n - 1 and previous is not None, "only the last token may be pending"
                 if previous_rows is None:
@@ -193,6 +205,22 @@ class ModelRunner:
         if pending_rows:
             step.pending = PendingTokens(pending_rows, pending_src, previous.output.token_ids)
         return step
+
+    @staticmethod
+    def _add_verification(
+        step: StepInputs, seq: int, request: Request, chunk: list[int], kv: KVCacheManager
+    ) -> None:
+        """A decode with drafts: its last known token, then the drafts; every one of its rows samples."""
+        first = len(step.token_ids)
+        step.has_drafts = True
+        step.token_ids.extend(chunk)
+        for pool, table in kv.block_tables(request.request_id).items():
+            step.tables[pool].append(table)
+        step.spans.append(request.bidirectional_spans)
+        for row in range(first, len(step.token_ids)):
+            step.keep.append(row)
+            step.sampled.append(request)
+            step.sampled_seqs.append(seq)
 
     def _mm_embeds(
         self, request: Request, start: int, end: int, cache: EncoderCache, base: int, step: StepInputs
@@ -218,6 +246,8 @@ class ModelRunner:
         """Logits [len(step.sampled), V] of the sampled rows (None when no row samples), and their greedy ids
         when a CUDA graph computed them."""
         decode, mixed = self.decode_graphs, self.mixed_graphs
+        if step.has_drafts or self.keep_hidden:  # several sampled rows per sequence / hidden states kept
+            return self._forward_eager(step), None
         if decode is not None and step.is_pure_decode and len(step.token_ids) <= decode.max_batch:
             self.num_graph_steps += 1
             return decode.run(step.token_ids, step.computed, step.tables, step.pending, step.lora_slots)
@@ -267,6 +297,8 @@ class ModelRunner:
             return None
         if not self.fast_prefill:
             hidden = hidden[to_device(step.keep, torch.long, self.device)]
+        if self.keep_hidden:
+            self._hidden = hidden
         return self.model.compute_logits(hidden)
 
     def _lora_batch(self, step: StepInputs) -> LoRABatch | None:

@@ -69,6 +69,10 @@ class Request:
         # its KV blocks apart from other adapters' (K/V depend on the adapter's k/v deltas).
         self.lora_slot = -1
         self.cache_salt = b""
+        # Speculative decoding: tokens proposed for the next step to verify, and those the launched step
+        # verifies (engine/speculative.py).
+        self.draft_token_ids: list[int] = []
+        self.verifying: list[int] = []
         self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
         self.generator: torch.Generator | None = None
         self._detok = IncrementalDetokenizer(

@@ -158,7 +158,9 @@ class Scheduler:
             if request not in self.running or request.awaiting_last_token:
                 continue  # preempted below while making room for an earlier one, or about to finish
             start = request.num_computed_tokens
-            num_new = min(request.num_tokens - start, budget)
+            num_new = min(request.num_tokens - start + len(request.draft_token_ids), budget)
+            if request.draft_token_ids:  # speculative decoding: verify only the drafts that fit
+                del request.draft_token_ids[max(0, num_new - (request.num_tokens - start)) :]
             num_new = self._clip_to_spans(request, start, num_new)
             num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items)
             if num_new <= 0:

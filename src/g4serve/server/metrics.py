@@ -110,7 +110,40 @@ class _EngineCollector:
             "g4serve_generation_decoded_tokens", "Output tokens sampled by the model since start"
         )
         decoded.add_metric([], stats["generation_tokens_total"] - stats["forced_tokens_total"])
-        return [running, waiting, kv, capacity, hit, tps, preempt, steps, overlapped, forced, decoded]
+        return [
+            running,
+            waiting,
+            kv,
+            capacity,
+            hit,
+            tps,
+            preempt,
+            steps,
+            overlapped,
+            forced,
+            decoded,
+            *_spec(stats),
+        ]
+
+
+def _spec(stats: dict) -> list[GaugeMetricFamily]:
+    """Speculative decoding per draft position (0: a round's first draft): drafted, accepted, their ratio."""
+    drafted = GaugeMetricFamily(
+        "g4serve_spec_decode_draft_tokens", "Draft tokens verified since start", labels=["position"]
+    )
+    accepted = GaugeMetricFamily(
+        "g4serve_spec_decode_accepted_tokens", "Draft tokens accepted since start", labels=["position"]
+    )
+    rate = GaugeMetricFamily(
+        "g4serve_spec_decode_acceptance_rate", "Accepted / verified drafts since start", labels=["position"]
+    )
+    for i, (d, a) in enumerate(
+        zip(stats.get("spec_drafted_tokens", []), stats.get("spec_accepted_tokens", []))
+    ):
+        drafted.add_metric([str(i)], d)
+        accepted.add_metric([str(i)], a)
+        rate.add_metric([str(i)], a / d if d else 0.0)
+    return [drafted, accepted, rate]
 
 
 class _Throughput:

@@ -1,0 +1,205 @@
+"""Speculative decoding: a proposer drafts up to k tokens per decoding request, the next target step computes
+the last token and the drafts together, and verification keeps the longest prefix of drafts the target agrees
+with plus one token of its own.
+
+Drafts are deterministic (n-gram lookup, or the MTP drafter's argmax), so verification is exact rejection
+sampling by construction: every verified row is sampled from the target's own distribution (temperature,
+top-p, top-k, min-p, logit bias), draft i is accepted iff row i's sample equals it, which happens with
+probability p(draft), and the first row whose sample differs supplies that sample, which is then distributed
+as p without the draft, renormalized. Greedy outputs are identical to decoding without speculation, and
+sampled outputs keep the target's distribution. Requests whose next distribution would depend on the drafts
+themselves (grammars, penalties, min_tokens not reached, jump-forward) get no drafts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from g4serve.layers.attention import AttentionBackend, contiguous_metadata
+from g4serve.transfer import to_device
+
+if TYPE_CHECKING:
+    from g4serve.engine.request import Request
+    from g4serve.models.gemma4.assistant import Gemma4Assistant
+    from g4serve.models.gemma4.model import Gemma4Model
+
+METHODS = ("ngram", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` keys: ``method`` (``ngram`` or ``mtp``), ``num_speculative_tokens``,
+    ``model`` (the MTP drafter checkpoint), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes)."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    model: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, raw: dict | str) -> SpeculativeConfig:
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config: expected a JSON object")
+        unknown = sorted(
+            set(raw) - {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+        )
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key")
+        config = cls(**raw)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens: must be an integer in [1, 16]")
+        if self.method == "mtp" and not self.model:
+            raise ValueError("speculative_config.model: the MTP drafter's checkpoint directory is required")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError("speculative_config.prompt_lookup_min/max: need 1 <= min <= max <= 64")
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether the request's next distributions do not depend on the drafts (see the module docstring)."""
+    params = request.sampling_params
+    return (
+        request.grammar is None
+        and not request.jump_forward
+        and not params.has_penalties
+        and not request.min_tokens_pending
+        and not request.finished
+    )
+
+
+@dataclass
+class SpecStats:
+    """Drafted and accepted tokens per draft position (index 0: the first draft of a round)."""
+
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        while len(self.drafted) < num_drafts:
+            self.drafted.append(0)
+            self.accepted.append(0)
+        for i in range(num_drafts):
+            self.drafted[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def acceptance_rates(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+
+def verify(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a verified round appends: the drafts while each equals the target's sample of its row,
+    then the sample of the first row that disagrees (or of the row after the last draft)."""
+    assert len(sampled) == len(drafts) + 1
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return drafts[:n] + [sampled[n]]
+
+
+class NgramProposer:
+    """Prompt-lookup decoding: the tokens that followed the latest earlier occurrence of the sequence's last
+    n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
+
+    needs_hidden = False
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def propose(self, requests: list[Request], budgets: list[int], **_) -> list[list[int]]:
+        return [self._lookup(r.prompt_token_ids + r.output_token_ids, b) for r, b in zip(requests, budgets)]
+
+    def _lookup(self, tokens: list[int], budget: int) -> list[int]:
+        k = min(self.k, budget)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            best: list[int] = []
+            # The latest earlier occurrence with k tokens after it; in a loop the latest one sits right
+            # before the end, so a shorter continuation only wins when no occurrence has a full one.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + k]
+                    if len(follow) == k:
+                        return follow
+                    best = follow if len(follow) > len(best) else best
+            if best:
+                return best
+        return []
+
+
+class MTPProposer:
+    """Gemma 4's MTP drafter: k argmax steps from the target's last hidden state, over the target's cache."""
+
+    needs_hidden = True
+
+    def __init__(self, config: SpeculativeConfig, drafter: Gemma4Assistant, target: Gemma4Model):
+        self.k = config.num_speculative_tokens
+        self.drafter = drafter
+        self.target = target
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        requests: list[Request],
+        budgets: list[int],
+        hidden: torch.Tensor,
+        tables: list[dict[str, list[int]]],
+        backend: AttentionBackend,
+        block_size: int,
+    ) -> list[list[int]]:
+        """``hidden`` [len(requests), H]: the target's final hidden state of the row that sampled each
+        request's last token; ``tables``: each request's block tables. Every request has computed all tokens
+        but its last (verification rolled back to that)."""
+        steps = min(self.k, max(budgets, default=0))
+        if steps <= 0:
+            return [[] for _ in requests]
+        device = hidden.device
+        computed = [r.num_computed_tokens for r in requests]
+        pools = tables[0].keys()
+        meta = contiguous_metadata(
+            [c - 1 for c in computed],  # the query sits where a decode of the last computed token would
+            [1] * len(requests),
+            {pool: [t[pool] for t in tables] for pool in pools},
+            block_size,
+            device,
+            [[] for _ in requests],
+        )
+        rope = to_device(computed, torch.long, device)
+        token = to_device([r.output_token_ids[-1] for r in requests], torch.long, device)
+        drafts = []
+        for _ in range(steps):
+            logits, hidden = self.drafter(
+                self.target.language_model.embed(token), hidden, rope, meta, backend
+            )
+            token = logits.argmax(dim=-1)
+            drafts.append(token)
+        rows = torch.stack(drafts, dim=1).tolist()
+        return [row[:b] for row, b in zip(rows, budgets)]
+
+
+__all__ = [
+    "METHODS",
+    "MTPProposer",
+    "NgramProposer",
+    "SpecStats",
+    "SpeculativeConfig",
+    "can_speculate",
+    "verify",
+]

@@ -1,0 +1,157 @@
+"""Speculative decoding: greedy outputs identical to decoding without it (n-gram and MTP drafters, under
+preemption and prefix caching), sampled outputs from the target's distribution, drafts withheld where the
+next distribution depends on them, and the acceptance counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve import LLM, SamplingParams
+from g4serve.engine.speculative import NgramProposer, SpeculativeConfig, verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+ENGINE = dict(device="cpu", text_only=True, kv_cache_bytes=16 << 20)
+# Repetitive prompts: prompt lookup finds drafts, and a random model's greedy continuation often loops.
+PROMPTS = [
+    [30, 31, 32, 33, 34, 30, 31, 32, 33, 34, 30, 31, 32],
+    [100, 200, 300, 100, 200, 300, 100, 200],
+    list(range(40, 75)),
+    [500, 501, 502, 503, 504, 505, 506, 507, 500, 501, 502],
+]
+
+
+def _tokens(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[int]]:
+    return [
+        list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+
+
+def test_verify_keeps_the_agreeing_prefix_and_one_target_token():
+    assert verify([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert verify([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert verify([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert verify([], [3]) == [3]
+
+
+def test_ngram_lookup_takes_what_followed_the_latest_match():
+    proposer = NgramProposer(SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=3))
+    assert proposer._lookup([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], budget=5) == [8, 7, 1]
+    assert proposer._lookup([1, 2, 3, 4], budget=5) == []
+    assert proposer._lookup([4, 4, 4], budget=1) == [4]
+    # a loop: the latest match has one token after it, an earlier one a full continuation
+    assert proposer._lookup([7, 8, 7, 8, 7, 8, 7], budget=3) == [8, 7, 8]
+    assert proposer._lookup([1, 2, 1, 2], budget=0) == []
+
+
+@pytest.mark.parametrize(
+    "raw,field",
+    [
+        ({"method": "eagle"}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "mtp"}, "model"),
+        ({"method": "ngram", "extra": 1}, "extra"),
+        ("{not json", "speculative_config"),
+    ],
+)
+def test_bad_configs_name_the_field(raw, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.parse(raw)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return LLM(tiny_model_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_model_dir):
+    return LLM(tiny_model_dir, speculative_config=NGRAM, **ENGINE)
+
+
+def test_greedy_outputs_are_identical_with_ngram_drafts(plain, ngram):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = _tokens(plain, params)
+    stats = ngram.engine.spec_stats
+    before = sum(stats.accepted)
+    assert _tokens(ngram, params) == want
+    assert sum(stats.accepted) > before  # drafts were accepted, not only rejected
+    assert sum(stats.drafted) > sum(stats.accepted)  # and some were rejected
+    assert all(p.num_free == p.num_blocks for p in ngram.engine.kv.pools.values())
+
+
+def test_stop_tokens_and_max_tokens_inside_accepted_drafts(plain, ngram):
+    """An accepted draft that is a stop token ends the request there; max_tokens is never exceeded."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    loop = _tokens(plain, params)[0]
+    stop = loop[10]
+    stopped = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
+    assert _tokens(ngram, stopped) == _tokens(plain, stopped)
+    for n in (1, 2, 5, 7):
+        short = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        got = _tokens(ngram, short)
+        assert got == _tokens(plain, short) and all(len(t) == n for t in got)
+
+
+def test_identical_under_preemption_and_prefix_hits(tiny_model_dir, plain, ngram):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = _tokens(plain, params)
+    small = LLM(
+        tiny_model_dir, speculative_config=NGRAM, **{**ENGINE, "kv_cache_bytes": 96 << 10, "block_size": 4}
+    )
+    assert _tokens(small, params, PROMPTS * 2) == want * 2
+    assert small.engine.scheduler.num_preemptions > 0
+    # a prompt that extends an earlier request's prompt and output hits their blocks (drafts never cached)
+    first = want[2]
+    longer = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    again = ngram.generate([{"prompt_token_ids": PROMPTS[2] + first[:12]}], longer)[0]
+    assert again.num_cached_tokens >= 32
+    assert list(again.outputs[0].token_ids) == first[12:20]
+
+
+def test_sampled_tokens_keep_the_target_distribution(plain, ngram):
+    """Per position, the frequency of each token over many seeded requests agrees between decoding with and
+    without drafts (top_k=2 keeps two outcomes, so 300 samples resolve their probability to ~0.03)."""
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    params = [
+        SamplingParams(temperature=1.0, top_k=2, max_tokens=6, ignore_eos=True, seed=s) for s in range(300)
+    ]
+
+    def freqs(llm):
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate([prompt] * len(params), params)]
+        return [torch.tensor([o[i] for o in outs]) for i in range(6)]
+
+    base, spec = freqs(plain), freqs(ngram)
+    accepted = sum(ngram.engine.spec_stats.accepted)
+    for position in range(1, 4):  # the first token has no draft; later ones are verified drafts
+        values = torch.cat([base[position], spec[position]]).unique()
+        for v in values:
+            p_base = (base[position] == v).float().mean()
+            p_spec = (spec[position] == v).float().mean()
+            sigma = max(float((p_base * (1 - p_base) * 2 / 300) ** 0.5), 0.01)
+            assert abs(p_base - p_spec) < 4.5 * sigma, (position, int(v), float(p_base), float(p_spec))
+    assert accepted > 0
+
+
+def test_requests_whose_distribution_depends_on_the_drafts_get_none(ngram):
+    stats = ngram.engine.spec_stats
+    before = sum(stats.drafted)
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    ngram.generate([{"prompt_token_ids": PROMPTS[0]}], penalized)
+    waiting = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    ngram.generate([{"prompt_token_ids": PROMPTS[1]}], waiting)
+    assert sum(stats.drafted) == before
+
+
+def test_mtp_drafter_greedy_outputs_are_identical(mtp_drafter):
+    target, drafter = mtp_drafter
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = _tokens(LLM(target, **ENGINE), params)
+    llm = LLM(
+        target,
+        speculative_config={"method": "mtp", "model": str(drafter), "num_speculative_tokens": 2},
+        **ENGINE,
+    )
+    assert _tokens(llm, params) == want
+    stats = llm.engine.spec_stats
+    assert len(stats.drafted) == 2 and stats.drafted[0] > 0
