@@ -16,6 +16,7 @@ from g4serve.quant_config import QUANTIZATION_PRESETS
 
 MODALITIES = ("image", "video", "audio")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers.attention.BACKENDS, plus auto
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3 (engine.kv_cache.tensors)
 
 
 def _opt(default: Any = None, help: str = "", **meta: Any) -> Any:
@@ -49,6 +50,14 @@ class EngineConfig:
     )
     # Explicit KV budget; on CPU without it the engine takes 256 MiB.
     kv_cache_bytes: int | None = _opt(None, "explicit KV-cache budget in bytes (CPU default 256 MiB)")
+    # FP8 stores each K/V value in one byte, divided by a per-(layer, KV head) scale: the checkpoint's
+    # k_scale / v_scale where it has them, else 1.0 (Gemma 4 RMS-normalises K and V before the cache).
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV-cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, one byte a value: "
+        "about twice the tokens of bf16 in the same memory)",
+        choices=KV_CACHE_DTYPES,
+    )
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before")
     fast_prefill: bool = _opt(
         True, "skip the KV-shared layers for prompt tokens whose logits are not needed (E2B/E4B)"
@@ -144,6 +153,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: expected {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")

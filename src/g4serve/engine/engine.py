@@ -16,7 +16,7 @@ import torch
 
 from g4serve.engine.config import EngineConfig
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
-from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache
+from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache, kv_cache_dtype
 from g4serve.engine.kv_cache.planning import (
     activation_reserve,
     kv_budget,
@@ -37,6 +37,7 @@ from g4serve.engine.speculative import (
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
 from g4serve.layers.lora import LoRAWeights, projection_shapes
 from g4serve.lora import LoRAAdapter, LoRARegistry, load_peft_adapter
+from g4serve.models.gemma4.kv_scales import fp8_kv_scales
 from g4serve.models.gemma4.loader import adopt_tokenizer_special_ids, checkpoint_dir, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
@@ -111,6 +112,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = _resolve_device(config.device)
+        backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.device, backend_name)  # None: the model's
         model_dir = checkpoint_dir(config.model) if config.model else default_model_dir()
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir or default_model_dir())
         limits = config.limit_mm_per_prompt
@@ -161,10 +164,12 @@ class LLMEngine:
         if budget is None:
             reserve = activation_reserve(text, config.max_num_batched_tokens, self.dtype)
             budget = kv_budget(self.device, config.gpu_memory_utilization, reserve)
+        kv_dtype = kv_dtype or self.dtype
         num_blocks = plan_kv_blocks(
-            text, config.block_size, self.dtype, budget, config.max_num_seqs, config.max_num_batched_tokens
+            text, config.block_size, kv_dtype, budget, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, self.dtype, self.device)
+        scales = fp8_kv_scales(self.model, model_dir) if kv_dtype != self.dtype else None
+        self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, kv_dtype, self.device, scales)
         self.kv = KVCacheManager(text, num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(self.kv.capacity_tokens())
         # No token spells more characters than the vocabulary's longest piece, so a longer text than this

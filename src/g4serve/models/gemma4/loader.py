@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from g4serve.config import Gemma4Config
 from g4serve.layers.quant import QuantLinear
+from g4serve.models.gemma4.kv_scales import is_kv_scale_name
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.models.gemma4.quant_loader import (
     QuantLoadError,
@@ -161,6 +162,8 @@ def _tensors_by_file(
             continue  # transformers keeps these for KV-shared layers, which never use them
         if model.quant_plan is not None and model.quant_plan.claims(name):
             continue  # quantized (or to be quantized): load_quantized reads it
+        if is_kv_scale_name(name):
+            continue  # FP8 KV-cache scales: the engine reads them (kv_scales.read_kv_scales) for an FP8 cache
         if name not in params:
             unexpected.append(hf_name)
             continue
