@@ -2,13 +2,15 @@
 memory-bandwidth floor of a decode step.
 
     python bench/engine_microbench.py --model e4b --device cuda --out bench/results
+    python bench/engine_microbench.py --model e4b --device cuda --quantization fp8   # fp8-block, w4a16, ...
     python bench/engine_microbench.py                       # tiny model on CPU (engine overhead only)
 
 Decode: B requests are prefilled, then `--decode-steps` engine steps (each one token for all B)
 are timed; ITL = step time. Prefill: one request of L prompt tokens and max_tokens=1, timed
 from submission to its first token (TTFT), after a warm-up of the same length. Floor: bytes a
 decode step must read (every weight used per token, once, plus the KV cache) ÷ measured copy
-bandwidth. Writes one JSON with the device, versions, command and every figure with its unit.
+bandwidth (with ``--quantization``, the quantized weights' own bytes: FP8 values, packed int4, scales and
+zero points). Writes one JSON with the device, versions, command and every figure with its unit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from g4serve.bench.meta import git_commit, write_result_json
 from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.quant_config import QUANTIZATION_PRESETS
 from g4serve.sampling_params import SamplingParams
 
 
@@ -214,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATION_PRESETS),
+        help="quantize the preset's weights at load (EngineConfig.quantization); a compressed-tensors "
+        "checkpoint given as --model is measured as quantized without it",
+    )
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--decode-prompt-tokens", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32)
@@ -263,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         text_only=True,
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
@@ -330,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "model": args.model or "tiny (embedded)",
         "dtype": str(engine.dtype),
+        "quantization": (
+            engine.model_config.quantization.describe() if engine.model_config.quantization else None
+        ),
+        "quantization_preset": args.quantization,
         "attention_backend": args.attention_backend,
         "cuda_graphs": graphed,
         "async_scheduling": engine.config.async_scheduling,
@@ -344,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     for b, prof in profiles.items():
         result[f"profile_batch{b}"] = prof["summary"]
     path = write_result_json(
-        args.out, f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}{args.tag}", result
+        args.out,
+        f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}"
+        f"{'-' + args.quantization if args.quantization else ''}{args.tag}",
+        result,
     )
     for b, prof in profiles.items():
         path.with_suffix(".profile.txt" if b == 1 else f".profile-b{b}.txt").write_text(prof["table"])

@@ -254,3 +254,26 @@ def test_quantizer_matches_compressed_tensors_quantize(kind, block, asym):
         args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=not asym)
         theirs = quantize(w, scale, zero, args, dtype=torch.int8)
         assert torch.equal(unpack_int4(q, 96), theirs)
+
+
+def test_engine_serves_a_quantized_preset_as_its_dequantized_weights():
+    """``LLM(..., quantization=...)``: the engine's greedy tokens on the quantized tiny preset equal those of the
+    dense preset whose projections hold the dequantized weights."""
+    from g4serve.engine.engine import EngineConfig, LLMEngine
+    from g4serve.sampling_params import SamplingParams
+
+    kw = dict(model="tiny", device="cpu", dtype="float32", text_only=True, kv_cache_bytes=8 << 20)
+    quantized = LLMEngine(EngineConfig(quantization="w4a16-g32", **kw))
+    dense = LLMEngine(EngineConfig(**kw))
+    modules = dict(dense.model.named_modules())
+    with torch.no_grad():
+        for name, q in quantized.model.named_modules():
+            if isinstance(q, QuantLinear):
+                modules[name].weight.copy_(q.dequantize(torch.float32))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(engine):
+        engine.add_request(engine.make_request("0", engine.process_prompt("hello there"), params))
+        return engine.run_until_finished()["0"].outputs[0].token_ids
+
+    assert run(quantized) == run(dense)
