@@ -3,6 +3,7 @@ memory-bandwidth floor of a decode step.
 
     python bench/engine_microbench.py --model e4b --device cuda --out bench/results
     python bench/engine_microbench.py --model e4b --device cuda --quantization fp8   # fp8-block, w4a16, ...
+    python bench/engine_microbench.py --model e4b --attention-backend triton --kv-cache-dtype fp8
     python bench/engine_microbench.py                       # tiny model on CPU (engine overhead only)
 
 Decode: B requests are prefilled, then `--decode-steps` engine steps (each one token for all B)
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 import torch
 
 from g4serve.bench.meta import git_commit, write_result_json
+from g4serve.engine.config import KV_CACHE_DTYPES
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.quant_config import QUANTIZATION_PRESETS
 from g4serve.sampling_params import SamplingParams
@@ -231,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-reps", type=int, default=5)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV-cache storage (EngineConfig.kv_cache_dtype): fp8 stores e4m3, one byte a value",
+    )
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
@@ -278,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(args.max_num_batched_tokens, *lengths),
         kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=False,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
@@ -346,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "quantization_preset": args.quantization,
         "attention_backend": args.attention_backend,
+        "kv_cache_dtype": str(next(iter(engine.kv_cache.kv.values())).dtype),
+        "kv_capacity_tokens": engine.kv.capacity_tokens(),
         "cuda_graphs": graphed,
         "async_scheduling": engine.config.async_scheduling,
         "decode_sampling": sampling,
