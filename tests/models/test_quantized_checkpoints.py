@@ -257,8 +257,8 @@ def test_quantizer_matches_compressed_tensors_quantize(kind, block, asym):
 
 
 def test_engine_serves_a_quantized_preset_as_its_dequantized_weights():
-    """``LLM(..., quantization=...)``: the engine's greedy tokens on the quantized tiny preset equal those of the
-    dense preset whose projections hold the dequantized weights."""
+    """``LLM(..., quantization=...)``: the engine's greedy tokens on the quantized tiny preset equal those of
+    the dense preset whose projections hold the dequantized weights."""
     from g4serve.engine.engine import EngineConfig, LLMEngine
     from g4serve.sampling_params import SamplingParams
 
