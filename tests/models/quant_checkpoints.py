@@ -45,6 +45,17 @@ SPECS: dict[str, tuple[str, dict, list[str]]] = {
         },
         ["re:.*router.*"],
     ),
+    # int4 groups of 32, asymmetric, on the 26B-A4B layout with the routed experts quantized per expert too
+    "w4a16-moe": (
+        "moe",
+        {
+            "group_0": dict(
+                targets=_LINEAR,
+                weights=dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+            )
+        },
+        ["re:.*router.*"],
+    ),
     # FP8 blocks (16 x 32 here: the tiny projections are 32-128 wide), weight-only; 31B layout
     "fp8-block": (
         "31b",
@@ -134,6 +145,45 @@ def _drop_quantization_tensors(path: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _quantize_experts(quantized: Path, dense: Path, args) -> None:
+    """The routed experts (3-D tensors in transformers' Gemma 4) quantized per expert, as compressed-tensors
+    checkpoints of MoE models store them (``experts.E.gate_proj.weight_packed`` ...), with compressed-tensors'
+    own quantize / pack / dequantize; the dense checkpoint gets the dequantized experts."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    q_tensors, d_tensors = load_file(quantized / "model.safetensors"), load_file(dense / "model.safetensors")
+    for name in [n for n in q_tensors if n.endswith("experts.gate_up_proj")]:
+        prefix = name[: -len("gate_up_proj")]
+        gate_up, down = q_tensors.pop(name), q_tensors.pop(prefix + "down_proj")
+        inter = down.shape[2]
+        for e in range(gate_up.shape[0]):
+            parts = {"gate_proj": gate_up[e, :inter], "up_proj": gate_up[e, inter:], "down_proj": down[e]}
+            for proj, w in parts.items():
+                n, k = w.shape
+                g = w.reshape(n, -1, args.group_size) if args.strategy == "group" else w.unsqueeze(1)
+                scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+                key = f"{prefix}{e}.{proj}."
+                if args.type == "int":
+                    q = quantize(w, scale, zero, args, dtype=torch.int8)
+                    q_tensors[key + "weight_packed"] = pack_to_int32(q, 4)
+                    q_tensors[key + "weight_shape"] = torch.tensor([n, k])
+                    if not args.symmetric:
+                        q_tensors[key + "weight_zero_point"] = pack_to_int32(
+                            zero.to(torch.int8), 4, packed_dim=0
+                        )
+                else:
+                    q = quantize(w, scale, None, args, dtype=torch.float8_e4m3fn)
+                    q_tensors[key + "weight"] = q
+                q_tensors[key + "weight_scale"] = scale
+                w.copy_(dequantize(q, scale, zero if not args.symmetric else None, args).to(w.dtype))
+        d_tensors[name], d_tensors[prefix + "down_proj"] = gate_up, down
+    save_file(q_tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    save_file(d_tensors, dense / "model.safetensors", metadata={"format": "pt"})
+
+
 def build_quantized_checkpoint(base: Path, out: Path, name: str) -> tuple[Path, Path]:
     """(compressed checkpoint, its dense decompression) of spec ``name`` from tiny checkpoint ``base``."""
     from compressed_tensors.compressors import ModelCompressor
@@ -164,6 +214,8 @@ def build_quantized_checkpoint(base: Path, out: Path, name: str) -> tuple[Path, 
     config = json.loads((dense / "config.json").read_text())
     config.pop("quantization_config", None)
     (dense / "config.json").write_text(json.dumps(config, indent=2))
+    if SPECS[name][0] == "moe":
+        _quantize_experts(quantized, dense, next(iter(schemes.values())).weights)
     for d in (quantized, dense):
         for f in base.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",):

@@ -152,13 +152,27 @@ Q_PROJ = "model.language_model.layers.0.self_attn.q_proj"
             lambda t: t.update(
                 {"model.language_model.layers.0.experts.0.gate_proj.weight_scale": torch.ones(1)}
             ),
-            "quantized MoE experts are not supported",
+            "per-expert tensors, but this model has no such MoE block",
         ),
     ],
 )
 def test_hostile_tensors_are_refused_naming_them(quantized_checkpoint, tmp_path, edit, message):
     bad = _copy(quantized_checkpoint("w4a16-g32")[0], tmp_path / "bad", tensor_edit=edit)
     with pytest.raises(CheckpointError, match=message):
+        _load(bad)
+
+
+def test_a_missing_expert_projection_is_refused(quantized_checkpoint, tmp_path):
+    prefix = "model.language_model.layers.1.experts.2.up_proj."
+
+    def edit(t):
+        for name in [n for n in t if n.startswith(prefix)]:
+            del t[name]
+
+    bad = _copy(quantized_checkpoint("w4a16-moe")[0], tmp_path / "bad", tensor_edit=edit)
+    with pytest.raises(
+        CheckpointError, match=r"expert projections missing or unexpected \(e.g. \[\(2, 'up_proj'\)"
+    ):
         _load(bad)
 
 

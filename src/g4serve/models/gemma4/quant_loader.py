@@ -3,13 +3,16 @@
 A ``QuantPlan`` is made on the meta model before any memory is allocated. Its modules are filled in one of
 three ways: ``checkpoint`` (a compressed-tensors checkpoint's FP8 / packed int4 tensors, converted to
 ``QuantLinear``'s layout), ``quantize`` (dense weights, from a checkpoint or random, quantized by g4serve's
-own quantizer: ``--quantization``), or ``dequantize`` (quantized tensors of a module the fast path keeps in
-the model's dtype, such as a tower's projection: dequantized exactly into its weight). Only the text
-decoder's ``nn.Linear`` projections become ``QuantLinear``; quantized MoE experts are refused.
+own quantizer: ``--quantization``), ``dequantize`` (quantized tensors of a module the fast path keeps in
+the model's dtype, such as a tower's projection: dequantized exactly into its weight), or ``expert`` (one
+routed expert's gate / up / down projection, stored per expert: dequantized into its slice of the stacked
+expert weights). Only the text decoder's ``nn.Linear`` projections become ``QuantLinear``: the MoE kernels
+take bf16 experts, so a quantized 26B-A4B checkpoint's experts cost bf16 memory (a warning says how much).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +38,15 @@ QUANT_SUFFIXES = (
     "input_global_scale",
     "output_scale",
 )
+log = logging.getLogger(__name__)
 _SAFETENSORS_DTYPES = {
     "F32": torch.float32,
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F64": torch.float64,
 }
-_EXPERTS = re.compile(r"\.experts\.")
+# One routed expert's projection, as compressed-tensors checkpoints of MoE models store them
+_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 
 class QuantLoadError(ValueError):
@@ -52,8 +57,8 @@ class QuantLoadError(ValueError):
 @dataclass
 class ModulePlan:
     hf_name: str  # the module's name in Hugging Face checkpoints
-    scheme: QuantScheme
-    mode: str  # "checkpoint", "quantize" or "dequantize"
+    scheme: QuantScheme | None  # None: a dense expert projection
+    mode: str  # "checkpoint", "quantize", "dequantize" or "expert"
     scale_dtype: torch.dtype = torch.float32
     tensors: dict[str, str] = field(default_factory=dict)  # suffix -> checkpoint tensor name
 
@@ -69,7 +74,11 @@ class QuantPlan:
         plan = self.modules.get(module)
         if plan is None:
             return False
-        return suffix == "weight" or (plan.mode != "quantize" and suffix in QUANT_SUFFIXES)
+        return (
+            suffix == "weight"
+            or plan.mode == "expert"
+            or (plan.mode != "quantize" and suffix in QUANT_SUFFIXES)
+        )
 
 
 def _module_of(name: str) -> tuple[str, str]:
@@ -86,13 +95,11 @@ def plan_checkpoint(
     plans: dict[str, ModulePlan] = {}
     for hf_tensor, local in hf_to_local.items():
         hf_module, suffix = _module_of(hf_tensor)
+        if _EXPERT.match(_module_of(local)[0]):
+            _plan_expert(plans, config, hf_tensor, local, dtypes)
+            continue
         if suffix not in QUANT_SUFFIXES:
             continue
-        if _EXPERTS.search(hf_tensor):
-            raise QuantLoadError(
-                f"{hf_tensor}: quantized MoE experts are not supported yet; use a checkpoint whose experts "
-                "are kept in bf16 (compressed-tensors ignore: 're:.*experts.*')"
-            )
         local_module = _module_of(local)[0]
         module = modules.get(local_module)
         if module is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -116,7 +123,47 @@ def plan_checkpoint(
         plan.tensors[suffix] = hf_tensor
         if suffix == "weight_scale":
             plan.scale_dtype = _SAFETENSORS_DTYPES.get(dtypes.get(hf_tensor, "F32"), torch.float32)
+    _check_experts(modules, plans)
     return QuantPlan(config, plans)
+
+
+def _plan_expert(plans: dict, config: QuantConfig, hf_tensor: str, local: str, dtypes: dict) -> None:
+    hf_module, suffix = _module_of(hf_tensor)
+    local_module = _module_of(local)[0]
+    plan = plans.get(local_module)
+    if plan is None:
+        plan = plans[local_module] = ModulePlan(hf_module, None, "expert")
+    plan.tensors[suffix] = hf_tensor
+    if suffix in QUANT_SUFFIXES and plan.scheme is None:
+        plan.scheme = config.scheme_for(hf_module)
+        if plan.scheme is None:
+            raise QuantLoadError(
+                f"{hf_tensor}: {hf_module} has quantization tensors, but no config group of "
+                "quantization_config targets it (or ignore lists it)"
+            )
+
+
+def _check_experts(modules: dict[str, nn.Module], plans: dict[str, ModulePlan]) -> None:
+    """Every expert of a block stored per expert must be there, with all three projections."""
+    found: dict[str, set[tuple[int, str]]] = {}
+    for local, p in plans.items():
+        if p.mode == "expert":
+            m = _EXPERT.match(local)
+            found.setdefault(m["experts"], set()).add((int(m["index"]), m["proj"]))
+    if found:
+        log.warning(
+            "%d MoE blocks hold per-expert (quantized) projections: dequantized to the model's dtype at load "
+            "(the fused MoE kernels take dense experts)",
+            len(found),
+        )
+    for experts, have in found.items():
+        block = modules.get(experts)
+        if block is None or not hasattr(block, "gate_up_proj"):
+            raise QuantLoadError(f"{experts}: per-expert tensors, but this model has no such MoE block")
+        want = {(e, proj) for e in range(block.num_experts) for proj in ("gate_proj", "up_proj", "down_proj")}
+        if have != want:
+            missing = sorted(want - have)[:4]
+            raise QuantLoadError(f"{experts}: expert projections missing or unexpected (e.g. {missing})")
 
 
 def plan_quantize(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> QuantPlan:
@@ -135,7 +182,7 @@ def plan_quantize(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> 
 def swap_quantized_modules(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
     """Replace the planned ``nn.Linear``s by ``QuantLinear``s (on the meta device, before allocation)."""
     for name, p in plan.modules.items():
-        if p.mode == "dequantize":
+        if p.mode in ("dequantize", "expert"):
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -225,12 +272,43 @@ def _fill(module: nn.Module, plan: ModulePlan, tensors: dict[str, torch.Tensor])
     module.weight.copy_(dequantize_reference(weight, scale, block, k, zero, module.weight.dtype))
 
 
+def _fill_expert(
+    model: nn.Module, local: str, plan: ModulePlan, tensors: dict[str, torch.Tensor]
+) -> set[str]:
+    """One expert's projection into its slice of the stacked weights: gate_up_proj [E, 2I, H] (gate rows
+    first), down_proj [E, H, I]."""
+    m = _EXPERT.match(local)
+    experts, e, proj = model.get_submodule(m["experts"]), int(m["index"]), m["proj"]
+    inter = experts.down_proj.shape[2]
+    if proj == "down_proj":
+        target = experts.down_proj[e]
+    else:
+        target = experts.gate_up_proj[e, :inter] if proj == "gate_proj" else experts.gate_up_proj[e, inter:]
+    n, k = target.shape
+    if plan.scheme is None:
+        dense = tensors.get("weight")
+        if dense is None or tuple(dense.shape) != (n, k) or not dense.is_floating_point():
+            raise QuantLoadError(f"{plan.hf_name}.weight: expected a float tensor of shape {(n, k)}")
+    else:
+        weight, scale, zero, _ = _layout(plan, tensors, n, k)
+        block = plan.scheme.weights.scale_block(n, k)
+        dense = dequantize_reference(weight, scale, block, k, zero, target.dtype)
+    target.copy_(dense)
+    return {f"{m['experts']}.gate_up_proj" if proj != "down_proj" else f"{m['experts']}.down_proj"}
+
+
 def _reads(plan: QuantPlan, files: dict[str, Path]) -> dict[Path, list[tuple[str, str, str]]]:
     """(local module, suffix, checkpoint tensor) to read, per file."""
     by_file: dict[Path, list[tuple[str, str, str]]] = {}
     for local, p in plan.modules.items():
         if p.mode == "quantize":
             wanted = {"weight": p.tensors.get("weight", f"{p.hf_name}.weight")}
+        elif p.mode == "expert" or p.scheme is None:
+            wanted = dict(p.tensors)
+            if p.scheme is not None and sorted(_required(p) - set(wanted)):
+                raise QuantLoadError(
+                    f"{p.hf_name}: missing quantization tensors {', '.join(_required(p) - set(wanted))}"
+                )
         else:
             wanted = dict(p.tensors)
             if p.scheme.weights.kind == INT4:
@@ -259,10 +337,15 @@ def load_quantized(model: nn.Module, plan: QuantPlan, files: dict[str, Path]) ->
         with safe_open(str(path), framework="pt") as f:
             for local, suffix, hf in entries:
                 gathered.setdefault(local, {})[suffix] = f.get_tensor(hf)
-                if len(gathered[local]) == counts[local]:  # the module's last tensor: convert it now
-                    module = model.get_submodule(local)
-                    _fill(module, plan.modules[local], gathered.pop(local))
-                    filled.update(f"{local}.{n}" for n, _ in module.named_parameters(recurse=False))
+                if len(gathered[local]) != counts[local]:
+                    continue
+                # the module's last tensor: convert it now
+                if plan.modules[local].mode == "expert":
+                    filled |= _fill_expert(model, local, plan.modules[local], gathered.pop(local))
+                    continue
+                module = model.get_submodule(local)
+                _fill(module, plan.modules[local], gathered.pop(local))
+                filled.update(f"{local}.{n}" for n, _ in module.named_parameters(recurse=False))
     return filled
 
 
