@@ -11,6 +11,7 @@ with per-tensor / per-channel scales and quantized activations past ``SKINNY_ROW
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -154,7 +155,12 @@ def _scaled_mm_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
         return False
     if layer.in_features % 16 or layer.out_features % 16:
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return _fp8_tensor_cores(x.device.index or 0)
+
+
+@functools.cache
+def _fp8_tensor_cores(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def quantize_activations_fp8(
