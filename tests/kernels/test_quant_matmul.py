@@ -131,3 +131,49 @@ def test_dequantize_matches_compressed_tensors(strategy, args):
         theirs = dequantize(weight, scale, None, qargs)
     ours = dequantize_reference(weight, scale, block, k, zero, torch.float32)
     assert torch.equal(ours, theirs.float())
+
+
+@pytest.mark.parametrize("int4,zeros", [(False, False), (True, True)])
+@pytest.mark.parametrize("m,epilogue", [(1, GATE_UP), (8, MUL), (200, PLAIN)])
+def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, m, epilogue):
+    """Triton compiles the kernel to an sm_90 cubin on the CPU machine (its bundled ptxas): every path's
+    compiled form (bf16 tensor-core tiles, 3-D nibble reshapes, PDL) is checked before a device runs it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from g4serve.kernels.quant_matmul import _groups_per_tile, _quant_matmul
+
+    fn = _quant_matmul.compiled
+    n, k = 2048, 2560
+    cfg = quant_matmul_config(m, n, k, epilogue)
+    ints = "M N K num_groups stride_xm stride_wn stride_sn stride_zn stride_em stride_ym scale_bn scale_bk"
+    signature = {"X": "*bf16", "W": "*i32" if int4 else "*fp8e4nv", "S": "*bf16", "Z": "*i8", "E": "*bf16"}
+    signature |= {"Y": "*bf16"} | {name: "i32" for name in ints.split()}
+    constexprs = dict(
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        GROUPS=_groups_per_tile(cfg["block_k"], 32 if int4 else 128, k),
+        INT4=int4,
+        HAS_ZERO=zeros,
+        EPILOGUE=epilogue,
+        ACT=0,
+        USE_DOT=cfg["block_m"] > 1,
+        UPCAST=False,
+        DOT_PRECISION="tf32",
+        USE_PDL=m <= 64,
+    )
+    names = list(fn.arg_names)
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()}
+    )
+    try:
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        )
+    except (FileNotFoundError, PermissionError) as exc:  # no bundled ptxas on this machine
+        pytest.skip(f"Triton cannot reach ptxas here: {exc}")
+    assert compiled.asm["cubin"]
