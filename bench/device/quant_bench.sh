@@ -22,7 +22,7 @@ run() {  # run NAME SECONDS CMD...
   tail -n 20 "$RES/$name.log"
 }
 if [ "$RUN_GPU_TESTS" = 1 ]; then
-  run gpu_tests "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -q -s -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider
+  run gpu_tests "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider
 fi
 microbench() {  # microbench FORMAT [TAG]
   local fmt=$1 tag=${2:-}

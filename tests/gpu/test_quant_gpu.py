@@ -43,7 +43,7 @@ def _weights(fmt: str, rows: int, k: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 3, 8, 32, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 32, 200])
 def test_quant_matmul_bf16_at_model_shapes(fmt, m):
     gen = torch.Generator(device="cuda").manual_seed(m)
     worst = 0.0
@@ -116,7 +116,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float()
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "fp8-block", "w4a16", "w4a16-g32"])
+@pytest.mark.parametrize("quantization", ["fp8", "w4a16"])  # FP8 (scaled_mm prefill) and int4 (Triton grid)
 def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantization):
     """e4b with quantized projections (captured decode graphs, skinny kernel, prefill path) against the same
     engine whose projections hold the dequantized weights in bf16: prefill logits (96 tokens) and greedy
