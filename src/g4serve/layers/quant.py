@@ -147,11 +147,12 @@ def _reference(x, layer: QuantLinear, epilogue: int, activation: str | None, oth
 
 
 def _scaled_mm_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
-    """FP8 weights with one scale per row (or tensor) and quantized activations, on FP8 tensor cores
-    (compute capability 8.9+), in shapes cuBLASLt takes (K and N multiples of 16, row-wise scales)."""
+    """FP8 weights with one scale per row (per channel, per tensor, or per part of a stacked projection)
+    and quantized activations, on FP8 tensor cores (compute capability 8.9+), in shapes cuBLASLt takes (K
+    and N multiples of 16, row-wise scales)."""
     if layer.kind != FP8 or layer.activations is None or layer.scale_block[1] < layer.in_features:
         return False
-    if layer.scale_block[0] not in (1, layer.out_features) or x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16:
         return False
     if layer.in_features % 16 or layer.out_features % 16:
         return False
@@ -179,7 +180,8 @@ def _fp8_scaled_mm(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     # Per-token groups (FP8-block's activation scheme) reduce to per token here: the weight has one scale
     # per row, so the whole row of x may share one; finer groups would only refine the rounding.
     xq, x_scale = quantize_activations_fp8(x, layer.input_scale)
-    w_scale = layer.weight_scale.float().reshape(-1, 1).expand(layer.out_features, 1).reshape(1, -1)
+    rows = torch.arange(layer.out_features, device=x.device) // layer.scale_block[0]
+    w_scale = layer.weight_scale[:, 0].float()[rows].reshape(1, -1)  # one per output row
     return torch._scaled_mm(
         xq,
         layer.weight.t(),

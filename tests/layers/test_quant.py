@@ -1,0 +1,54 @@
+"""The FP8 prefill path (per-token or static activation quantization, then torch._scaled_mm with one weight
+scale per row) against the dequantized weight, on CPU (torch runs _scaled_mm there too): per-channel, and
+stacked per-tensor parts whose scales cover a block of rows each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.layers.quant import QuantLinear, _fp8_scaled_mm, quantize_activations_fp8, stack_linears
+from g4serve.quant_config import ActivationQuant, WeightQuant
+
+
+def _layer(n: int, strategy: str, activations: ActivationQuant, gen: torch.Generator) -> QuantLinear:
+    block = (1, 0) if strategy == "channel" else (0, 0)
+    layer = QuantLinear(64, n, WeightQuant("fp8", strategy, block), activations, compute_dtype=torch.bfloat16)
+    layer.quantize_from(torch.randn(n, 64, generator=gen) * 0.1)
+    return layer
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fp8_scaled_mm_matches_the_dequantized_weight(static, stacked):
+    gen = torch.Generator().manual_seed(0)
+    acts = ActivationQuant(False, "tensor") if static else ActivationQuant(True, "token")
+    if stacked:  # q/k/v-like parts with a scale each: rows 0-31, 32-47, 48-63 of the stacked weight
+        layer = stack_linears([_layer(n, "tensor", acts, gen) for n in (32, 16, 16)])
+        assert layer.scale_block[0] == 1 and layer.weight_scale.shape == (64, 1)
+    else:
+        layer = _layer(48, "channel", acts, gen)
+    x = torch.randn(80, 64, generator=gen).to(torch.bfloat16)
+    if static:
+        layer.input_scale.fill_(x.abs().max().item() / 448)
+    got = _fp8_scaled_mm(x, layer).float()
+    ref = x.float() @ layer.dequantize(torch.float32).T
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 6e-2
+
+
+def test_stacked_equal_parts_keep_one_scale_per_part():
+    gen = torch.Generator().manual_seed(1)
+    acts = ActivationQuant(True, "token")
+    layer = stack_linears([_layer(32, "tensor", acts, gen), _layer(32, "tensor", acts, gen)])
+    assert layer.scale_block == (32, 64) and layer.weight_scale.shape == (2, 1)
+    x = torch.randn(70, 64, generator=gen).to(torch.bfloat16)
+    ref = x.float() @ layer.dequantize(torch.float32).T
+    got = _fp8_scaled_mm(x, layer).float()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 6e-2
+
+
+def test_per_token_activation_scales():
+    x = torch.tensor([[1.0, -2.0], [0.0, 0.0], [448.0, 4.0]])
+    q, scale = quantize_activations_fp8(x, None)
+    assert scale.shape == (3, 1) and scale[0, 0] == 2.0 / 448 and scale[2, 0] == 1.0
+    assert torch.equal(q.float() * scale, torch.tensor([[1.0, -2.0], [0.0, 0.0], [448.0, 4.0]]))
