@@ -81,16 +81,21 @@ def prompt_ids(engine: LLMEngine, length: int, salt: int) -> dict:
 
 
 def bench_decode(
-    engine: LLMEngine, batch: int, prompt_len: int, steps: int, sampling: dict | None = None
+    engine: LLMEngine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    sampling: dict | None = None,
+    adapters: list[str | None] | None = None,
 ) -> dict:
-    """Decode ITL at ``batch``; ``sampling``: SamplingParams fields of the requests (default greedy)."""
+    """Decode ITL at ``batch``; ``sampling``: SamplingParams fields of the requests (default greedy);
+    ``adapters``: LoRA adapter names given to the requests in turn (None: the base model)."""
     params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=steps + 8, ignore_eos=True)
+    adapters = adapters or [None]
     for i in range(batch):
-        engine.add_request(
-            engine.make_request(
-                f"d{batch}-{i}", engine.process_prompt(prompt_ids(engine, prompt_len, i)), params
-            )
-        )
+        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, i))
+        lora = adapters[i % len(adapters)]
+        engine.add_request(engine.make_request(f"d{batch}-{i}", prompt, params, lora_name=lora))
     # Prefill everything (and one decode step so every request is in steady decode).
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
@@ -119,14 +124,14 @@ def bench_decode(
     }
 
 
-def bench_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
+def bench_prefill(engine: LLMEngine, length: int, reps: int, lora: str | None = None, salt: int = 0) -> dict:
+    """TTFT of fresh ``length``-token prompts (``salt`` keeps the prompts of several calls apart: no
+    prefix-cache hits); ``lora``: the requests' adapter."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ttfts = []
     for rep in range(reps + 1):  # the first is warm-up
-        # A fresh prompt each time: no prefix-cache hits.
-        request = engine.make_request(
-            f"p{length}-{rep}", engine.process_prompt(prompt_ids(engine, length, 10_000 + rep)), params
-        )
+        prompt = engine.process_prompt(prompt_ids(engine, length, 10_000 + 1000 * salt + rep))
+        request = engine.make_request(f"p{length}-{rep}-{salt}", prompt, params, lora_name=lora)
         _sync(engine.device)
         t0 = time.perf_counter()
         engine.add_request(request)

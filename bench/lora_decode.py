@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -24,74 +23,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_microbench import _sync, prompt_ids  # noqa: E402
+from engine_microbench import bench_decode, bench_prefill  # noqa: E402
 
 from g4serve.bench.meta import git_commit, write_result_json  # noqa: E402
 from g4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from g4serve.lora.synthetic import write_random_adapter  # noqa: E402
-from g4serve.sampling_params import SamplingParams  # noqa: E402
-
-
-def decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, adapters: list[str | None]) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, i))
-        lora = adapters[i % len(adapters)]
-        engine.add_request(engine.make_request(f"d{batch}-{i}", prompt, params, lora_name=lora))
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
-        engine.step()
-    engine.step()
-    _sync(engine.device)
-    times = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    _sync(engine.device)
-    total = time.perf_counter() - start
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
-    return {
-        "batch": batch,
-        "adapters": adapters,
-        "itl_mean_ms": 1e3 * total / steps,
-        "itl_p50_ms": 1e3 * statistics.median(times),
-        "itl_min_ms": 1e3 * min(times),
-    }
-
-
-def prefill(engine: LLMEngine, length: int, reps: int, lora: str | None, salt: int) -> dict:
-    """TTFT of fresh prompts (``salt`` keeps each mode's prompts apart: no prefix-cache hits)."""
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    ttfts = []
-    for rep in range(reps + 1):  # the first is warm-up
-        request = engine.make_request(
-            f"p{length}-{rep}-{salt}",
-            engine.process_prompt(prompt_ids(engine, length, 10_000 + 1000 * salt + rep)),
-            params,
-            lora_name=lora,
-        )
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        engine.add_request(request)
-        engine.run_until_finished()
-        _sync(engine.device)
-        if rep:
-            ttfts.append(time.perf_counter() - t0)
-    return {"lora": lora, "prompt_tokens": length, "ttft_p50_ms": 1e3 * statistics.median(ttfts)}
 
 
 def run(engine: LLMEngine, args, modes: dict[str, list[str | None]]) -> dict:
     out = {"decode": [], "prefill": []}
     for salt, (name, adapters) in enumerate(modes.items()):
         for batch in args.batches:
-            row = decode(engine, batch, args.prompt_len, args.decode_steps, adapters)
-            row["mode"] = name
+            row = bench_decode(engine, batch, args.prompt_len, args.decode_steps, adapters=adapters)
+            row.update(mode=name, adapters=adapters)
             out["decode"].append(row)
             print(f"{name:>10} batch {batch:3d}: ITL p50 {row['itl_p50_ms']:.3f} ms", flush=True)
-        row = prefill(engine, args.prefill_length, args.prefill_reps, adapters[0], salt)
-        row["mode"] = name
+        row = bench_prefill(engine, args.prefill_length, args.prefill_reps, lora=adapters[0], salt=salt)
+        row.update(mode=name, lora=adapters[0])
         out["prefill"].append(row)
         print(f"{name:>10} prefill {args.prefill_length}: TTFT p50 {row['ttft_p50_ms']:.2f} ms", flush=True)
     return out
