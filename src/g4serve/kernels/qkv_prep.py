@@ -76,13 +76,12 @@ def _qkv_prep_fn(
             y, col, mask = normed_head_rows(
                 row + h * HEAD_DIM, Wk, cos, sin, keep, eps, HEAD_DIM, PART, BLOCK_D, True, True, out_ty
             )
+            # a new name, not y: the compiler needs y of one type after the runtime `if h < HQ` (fp32 there)
             if KV_FP8:
-                y = quantize_fp8(y.to(out_ty), tl.load(KScale + h - HQ), KCache.dtype.element_ty)
-            tl.store(
-                KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + col,
-                y.to(KCache.dtype.element_ty),
-                mask=mask,
-            )
+                k = quantize_fp8(y.to(out_ty), tl.load(KScale + h - HQ), KCache.dtype.element_ty)
+            else:
+                k = y.to(KCache.dtype.element_ty)
+            tl.store(KCache + slot * stride_kc_t + (h - HQ) * stride_kc_h + col, k, mask=mask)
         else:
             y, col, mask = normed_head_rows(
                 row + (V_HEAD0 + h - HQ - HKV) * HEAD_DIM,
@@ -99,12 +98,10 @@ def _qkv_prep_fn(
                 out_ty,
             )
             if KV_FP8:
-                y = quantize_fp8(y.to(out_ty), tl.load(VScale + h - HQ - HKV), VCache.dtype.element_ty)
-            tl.store(
-                VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + col,
-                y.to(VCache.dtype.element_ty),
-                mask=mask,
-            )
+                v = quantize_fp8(y.to(out_ty), tl.load(VScale + h - HQ - HKV), VCache.dtype.element_ty)
+            else:
+                v = y.to(VCache.dtype.element_ty)
+            tl.store(VCache + slot * stride_vc_t + (h - HQ - HKV) * stride_vc_h + col, v, mask=mask)
 
 
 _qkv_prep = DualKernel(_qkv_prep_fn)
