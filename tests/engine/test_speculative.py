@@ -155,3 +155,20 @@ def test_mtp_drafter_greedy_outputs_are_identical(mtp_drafter):
     assert _tokens(llm, params) == want
     stats = llm.engine.spec_stats
     assert len(stats.drafted) == 2 and stats.drafted[0] > 0
+
+
+def test_stale_drafts_never_reach_a_prefill(tiny_model_dir, plain):
+    """Drafts belong to a decode's one known token: a request still prefilling (chunked, or recomputing after
+    preemption) drops any it holds instead of verifying them against prompt rows."""
+    llm = LLM(tiny_model_dir, speculative_config=NGRAM, max_num_batched_tokens=16, **ENGINE)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = PROMPTS[2]  # 35 tokens: three 16-token chunks
+    request = engine.make_request("r", engine.process_prompt({"prompt_token_ids": prompt}), params)
+    engine.add_request(request)
+    engine.step()
+    engine.step()
+    assert request.num_tokens - request.num_computed_tokens == 3  # the last chunk, drafts would fit beside it
+    request.draft_token_ids = [41, 42]  # as if proposed: the next step is still a prefill chunk
+    out = engine.run_until_finished()["r"]
+    assert list(out.outputs[0].token_ids) == _tokens(plain, params, [prompt])[0]

@@ -620,8 +620,7 @@ class LLMEngine:
                 request.request_id, request.block_hashes, request.num_computed_tokens
             )
         for request in batch.requests:
-            if request.draft_token_ids:  # this step verifies them
-                request.verifying, request.draft_token_ids = request.draft_token_ids, []
+            request.draft_token_ids = []  # verified by this step (the runner set ``verifying``), or stale
         for request in dict.fromkeys(result.requests):  # once per request, however many rows it sampled
             request.num_pending_outputs += 1
         return InflightStep(batch, result, computed)

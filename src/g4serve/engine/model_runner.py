@@ -182,10 +182,8 @@ class ModelRunner:
             start, base = request.num_computed_tokens, len(step.token_ids)
             step.mm_rows.extend(self._mm_embeds(request, start, start + n, encoder_cache, base, step))
             chunk = request.token_ids_between(start, start + n)
-            if request.draft_token_ids and len(chunk) < n:
-                self._add_verification(
-                    step, seq, request, chunk + request.draft_token_ids[: n - len(chunk)], kv
-                )
+            if request.draft_token_ids and len(chunk) == 1 < n:  # a decode with drafts to verify
+                self._add_verification(step, seq, request, chunk, request.draft_token_ids[: n - 1], kv)
                 continue
             if len(chunk) < n:  # the chunk ends on the token the previous step sampled
                 assert len(chunk) == n - 1 and previous is not None, "only the last token may be pending"
@@ -208,12 +206,14 @@ class ModelRunner:
 
     @staticmethod
     def _add_verification(
-        step: StepInputs, seq: int, request: Request, chunk: list[int], kv: KVCacheManager
+        step: StepInputs, seq: int, request: Request, chunk: list[int], drafts: list[int], kv: KVCacheManager
     ) -> None:
-        """A decode with drafts: its last known token, then the drafts; every one of its rows samples."""
+        """A decode with drafts: its last known token, then the drafts (now the request's ``verifying``);
+        every one of its rows samples."""
         first = len(step.token_ids)
         step.has_drafts = True
-        step.token_ids.extend(chunk)
+        request.verifying = list(drafts)
+        step.token_ids.extend(chunk + drafts)
         for pool, table in kv.block_tables(request.request_id).items():
             step.tables[pool].append(table)
         step.spans.append(request.bidirectional_spans)

@@ -139,6 +139,7 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.draft_token_ids.clear()
         self.waiting.insert(0, victim)
         batch.preempted.append(victim)
         self.num_preemptions += 1
@@ -158,9 +159,11 @@ class Scheduler:
             if request not in self.running or request.awaiting_last_token:
                 continue  # preempted below while making room for an earlier one, or about to finish
             start = request.num_computed_tokens
+            if request.num_tokens - start != 1:
+                request.draft_token_ids.clear()  # drafts follow a decode's one known token, nothing else
             num_new = min(request.num_tokens - start + len(request.draft_token_ids), budget)
             if request.draft_token_ids:  # speculative decoding: verify only the drafts that fit
-                del request.draft_token_ids[max(0, num_new - (request.num_tokens - start)) :]
+                del request.draft_token_ids[max(0, num_new - 1) :]
             num_new = self._clip_to_spans(request, start, num_new)
             num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items)
             if num_new <= 0:
