@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from g4serve.bench.meta import device_name, git_commit
+from g4serve.engine_args import parse_json_object
 
 
 # ---- argparse ----------------------------------------------------------------------------------------------
@@ -38,16 +39,6 @@ def ints(text: str) -> list[int]:
     if any(v != int(v) for v in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     return [int(v) for v in values]
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def add_request_arguments(g) -> None:
@@ -77,7 +68,7 @@ def add_target_arguments(g) -> None:
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument(
         "--extra-body",
-        type=_json_object,
+        type=parse_json_object,
         default=None,
         help="a JSON object whose fields are added to every request body (a peer's own extensions, "
         "e.g. transformers serve's generation_config)",
