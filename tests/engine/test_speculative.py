@@ -52,6 +52,9 @@ def test_ngram_lookup_takes_what_followed_the_latest_match():
         ({"method": "mtp"}, "model"),
         ({"method": "ngram", "extra": 1}, "extra"),
         ("{not json", "speculative_config"),
+        ({"method": "ngram", "prompt_lookup_min": "2"}, "prompt_lookup_min"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "mtp", "model": ["/a"]}, "model"),
     ],
 )
 def test_bad_configs_name_the_field(raw, field):

@@ -14,7 +14,7 @@ themselves (grammars, penalties, min_tokens not reached, jump-forward) get no dr
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,9 +50,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise ValueError("speculative_config: expected a JSON object")
-        unknown = sorted(
-            set(raw) - {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
-        )
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key")
         config = cls(**raw)
@@ -62,8 +60,14 @@ class SpeculativeConfig:
     def check(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"speculative_config.{name}: must be an integer, got {value!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens: must be an integer in [1, 16]")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError("speculative_config.model: must be a directory path (a string)")
         if self.method == "mtp" and not self.model:
             raise ValueError("speculative_config.model: the MTP drafter's checkpoint directory is required")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
