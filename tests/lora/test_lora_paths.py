@@ -9,30 +9,13 @@ import torch
 import g4serve.layers.lora as lora_layer
 from g4serve import LLM, LoRARequest, SamplingParams
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.kernels.lora import add_lora
-from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.layers.lora import LoRABatch, LoRAWeights, projection_shapes
 from g4serve.lora import load_peft_adapter
 from g4serve.models.gemma4.loader import load_model
+from tests.models.test_fast_layout import prefill_logits
 
 IDS = list(range(20, 60))
-
-
-def _logits(model, ids: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
-    cfg = model.cfg.text
-    n, bs = len(ids), 16
-    blocks = -(-n // bs)
-    cache = PagedKVCache(
-        cfg, {"sliding_attention": blocks, "full_attention": blocks}, bs, torch.float32, "cpu"
-    )
-    table = list(range(blocks))
-    meta = contiguous_metadata(
-        [0], [n], {"sliding_attention": [table], "full_attention": [table]}, bs, "cpu", [[]]
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), meta, TorchAttention(cfg, cache), lora=lora)
-        return model.compute_logits(hidden)
 
 
 def _load(path):
@@ -47,28 +30,29 @@ def _load(path):
 def test_fused_layout_with_adapter_equals_merged(lora_adapter, monkeypatch, name, kernel):
     base, adapter_dir, merged = lora_adapter(name)
     model = _load(base)
-    base_logits = _logits(model, IDS)
+    base_logits = prefill_logits(model, IDS)
     cfg = model.cfg.text
     weights = LoRAWeights(projection_shapes(cfg), 2, 8, torch.float32, torch.device("cpu"))
     weights.load(1, load_peft_adapter(adapter_dir, cfg, 8, torch.float32).weights)
     if kernel:  # the kernel the GPU runs, here in Triton's interpreter
         monkeypatch.setattr(lora_layer, "add_lora_reference", add_lora)
     slots = torch.full((len(IDS),), 1, dtype=torch.int32)
-    unfused = _logits(model, IDS, LoRABatch(weights, slots))
+    unfused = prefill_logits(model, IDS, LoRABatch(weights, slots))
     # x W^T + (x A^T) B^T and x (W + B A)^T round differently (~1e-7), and the random tiny decoder amplifies
     # that to ~1e-3 in the logits over its layers (per module alone: ~2e-4): same argmax, loose bound.
-    want = _logits(_load(merged), IDS)
+    want = prefill_logits(_load(merged), IDS)
     assert torch.equal(unfused.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(unfused, want, atol=0.05, rtol=0)
     assert (unfused - base_logits).abs().max() > 0.5  # the adapter changes the logits far beyond that bound
     model.language_model.fuse_projections()
-    fused = _logits(model, IDS, LoRABatch(weights, slots))  # deltas into the fused outputs' column slices
+    # deltas into the fused outputs' column slices
+    fused = prefill_logits(model, IDS, LoRABatch(weights, slots))
     torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=0)
     # the fast path's stacks: q/k/v and gate/up each one shrink and one expand over a block-diagonal B
     stacked = LoRAWeights(projection_shapes(cfg), 2, 8, torch.float32, torch.device("cpu"), fused=True)
     stacked.load(1, load_peft_adapter(adapter_dir, cfg, 8, torch.float32).weights)
     assert stacked.group_a and stacked.num_bytes > weights.num_bytes
-    grouped = _logits(model, IDS, LoRABatch(stacked, slots))
+    grouped = prefill_logits(model, IDS, LoRABatch(stacked, slots))
     # A matmul over the stacked ranks rounds differently from one per part; the decoder amplifies that.
     assert torch.equal(grouped.argmax(-1), unfused.argmax(-1))
     torch.testing.assert_close(grouped, unfused, atol=0.02, rtol=0)
@@ -87,7 +71,7 @@ def test_fused_layout_with_adapter_equals_merged(lora_adapter, monkeypatch, name
     assert all(not t.any() for g in (stacked.group_a, stacked.group_b) for t in g.values())
     # slot -1 everywhere, every module visited: the base model
     none = LoRABatch(weights, torch.full((len(IDS),), -1, dtype=torch.int32), all_modules=True)
-    torch.testing.assert_close(_logits(model, IDS, none), base_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, IDS, none), base_logits, atol=1e-5, rtol=0)
 
 
 def test_padded_graph_steps_apply_adapters(lora_adapter):

@@ -10,7 +10,8 @@ from g4serve.layers.attention import TorchAttention, contiguous_metadata
 from g4serve.models.gemma4.loader import load_model
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
+def prefill_logits(model, ids: list[int], lora=None) -> torch.Tensor:
+    """The logits of every position of one prompt, through the reference attention (``lora``: a LoRABatch)."""
     cfg = model.cfg.text
     n, bs = len(ids), 16
     blocks = -(-n // bs)
@@ -22,7 +23,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         [0], [n], {"sliding_attention": [table], "full_attention": [table]}, bs, "cpu", [[]]
     )
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), meta, TorchAttention(cfg, cache)))
+        return model.compute_logits(model(torch.tensor(ids), meta, TorchAttention(cfg, cache), lora=lora))
 
 
 @pytest.mark.parametrize("variant", ["e", "moe", "31b"])  # PLE + KV sharing; MoE; K-as-V full layers
@@ -31,12 +32,12 @@ def test_fused_projections_match(hf_checkpoint, variant):
         hf_checkpoint(variant), dtype="float32", device="cpu", with_vision=False, with_audio=False
     )
     ids = list(range(10, 50))
-    before = _logits(model, ids)
+    before = prefill_logits(model, ids)
     model.language_model.fuse_projections()
     attn = [layer.self_attn for layer in model.language_model.layers]
     assert any(a.qkv_proj is not None for a in attn)
     assert all(a.q_proj is None for a in attn if a.qkv_proj is not None)
-    torch.testing.assert_close(_logits(model, ids), before, atol=1e-5, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, ids), before, atol=1e-5, rtol=0)
 
 
 def test_unbounded_clipping_is_dropped_and_bounded_kept():
