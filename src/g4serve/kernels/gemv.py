@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, pdl, wait_for_previous_kernel
@@ -29,6 +30,34 @@ from g4serve.kernels.act_mul import _KINDS, act_mul_reference
 
 PLAIN, GATE_UP, MUL = 0, 1, 2
 MAX_ROWS = 8  # token rows the kernel is built for (its tensor-core tile is 16 rows)
+
+
+@triton.jit
+def gated_epilogue(
+    y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE: tl.constexpr, ACT: tl.constexpr
+):
+    """The fp32 products [rows, cols] after the epilogue: ``plain`` y as is; ``gate_up`` act(y) * y_up;
+    ``mul`` act(y) * e[rows, cols]. Shared with the quantized-weight GEMM (kernels/quant_matmul.py)."""
+    if EPILOGUE != 0:
+        out_ty = Y.dtype.element_ty
+        # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
+        a = y.to(out_ty).to(tl.float32)
+        if ACT == 0:
+            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            g = a * tl.sigmoid(2.0 * z)
+        else:
+            g = a * tl.sigmoid(a)
+        g = g.to(out_ty).to(tl.float32)
+        if EPILOGUE == 1:
+            b = y_up.to(out_ty).to(tl.float32)
+        else:
+            b = tl.load(
+                E + offs_m[:, None] * stride_em + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        y = g * b
+    return y
 
 
 def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (USE_DOT, EPILOGUE, ACT, EVEN_K, UPCAST), specialised away at compile time
@@ -131,24 +160,7 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         y_up = tl.sum(acc_up, axis=1)[None, :]
     out_ty = Y.dtype.element_ty
-    if EPILOGUE != 0:
-        # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
-        a = y.to(out_ty).to(tl.float32)
-        if ACT == 0:
-            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-            g = a * tl.sigmoid(2.0 * z)
-        else:
-            g = a * tl.sigmoid(a)
-        g = g.to(out_ty).to(tl.float32)
-        if EPILOGUE == 1:
-            b = y_up.to(out_ty).to(tl.float32)
-        else:
-            b = tl.load(
-                E + offs_m[:, None] * stride_em + offs_n[None, :],
-                mask=m_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-        y = g * b
+    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
     tl.store(
         Y + offs_m[:, None] * stride_ym + offs_n[None, :],
         y.to(out_ty),

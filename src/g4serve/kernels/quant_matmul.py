@@ -25,7 +25,7 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gated_epilogue
 
 SKINNY_ROWS = 64  # rows multiplied in one row tile (decode batches); more take the 2-D grid
 
@@ -206,24 +206,7 @@ def _quant_matmul_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         y_up = tl.sum(acc_up, axis=1)[None, :]
     out_ty = Y.dtype.element_ty
-    if EPILOGUE != 0:
-        # act(a) rounded as the unfused activation kernel rounds it, a itself rounded as a GEMM output
-        a = y.to(out_ty).to(tl.float32)
-        if ACT == 0:
-            t = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-            g = a * tl.sigmoid(2.0 * t)
-        else:
-            g = a * tl.sigmoid(a)
-        g = g.to(out_ty).to(tl.float32)
-        if EPILOGUE == 1:
-            b = y_up.to(out_ty).to(tl.float32)
-        else:
-            b = tl.load(
-                E + offs_m[:, None] * stride_em + offs_n[None, :],
-                mask=m_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-        y = g * b
+    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
     tl.store(
         Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         y.to(out_ty),
