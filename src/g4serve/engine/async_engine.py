@@ -355,9 +355,7 @@ class AsyncLLMEngine:
         """Read and check the adapter in the preprocessing pool (file reads), then load it into a slot on
         the engine thread. ``ValueError`` names what is wrong."""
         engine = self.engine
-        if engine.lora is None:
-            raise ValueError("lora_name: this server serves no LoRA adapters (start it with --enable-lora)")
-        engine.lora.check_name(name)
+        engine.lora_registry().check_name(name)
         loop = asyncio.get_running_loop()
         adapter = await loop.run_in_executor(self._pool, lambda: engine.read_lora(path))
         await self._on_engine_thread(lambda: engine.add_lora(name, adapter))

@@ -264,12 +264,16 @@ class LLMEngine:
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
+    def lora_registry(self) -> LoRARegistry:
+        """The loaded adapters; ``ValueError`` when this engine serves none."""
+        if self.lora is None:
+            raise ValueError("lora_name: this engine serves no LoRA adapters (start it with --enable-lora)")
+        return self.lora
+
     def load_lora(self, name: str, path: str) -> None:
         """Read, check and load the PEFT adapter at ``path`` under ``name``. Raises ``ValueError`` naming
         what is wrong."""
-        if self.lora is None:
-            raise ValueError("lora_name: this engine serves no LoRA adapters (start it with --enable-lora)")
-        self.lora.check_name(name)
+        self.lora_registry().check_name(name)
         self.add_lora(name, self.read_lora(path))
 
     def read_lora(self, path: str) -> LoRAAdapter:
@@ -278,9 +282,7 @@ class LLMEngine:
 
     def add_lora(self, name: str, adapter: LoRAAdapter) -> None:
         """Load a read adapter into a free slot (engine thread, between steps)."""
-        if self.lora is None:
-            raise ValueError("lora_name: this engine serves no LoRA adapters (start it with --enable-lora)")
-        self.lora.add(name, adapter)
+        self.lora_registry().add(name, adapter)
         log.info("LoRA adapter %r loaded from %s (rank %d)", name, adapter.path, adapter.rank)
 
     def unload_lora(self, name: str) -> None:

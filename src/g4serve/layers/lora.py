@@ -104,17 +104,12 @@ class LoRAWeights:
 
     @property
     def num_bytes(self) -> int:
-        grouped = {id(t) for g in (self.group_a, self.group_b) for t in g.values()}
-        views = {k for k, t in self.a.items() if t._base is not None and id(t._base) in grouped}
-        alone = sum(
-            t.numel() * t.element_size()
-            for stacks in (self.a, self.b)
-            for k, t in stacks.items()
-            if k not in views
-        )
-        return alone + sum(
-            t.numel() * t.element_size() for g in (self.group_a, self.group_b) for t in g.values()
-        )
+        """Device bytes of the stacks (a part's stacks that are views of its group's are counted once)."""
+        stacks = (self.a, self.b, self.group_a, self.group_b)
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for g in stacks for t in g.values()
+        }
+        return sum(storages.values())
 
     @torch.no_grad()
     def load(self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
