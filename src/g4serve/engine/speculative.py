@@ -101,9 +101,6 @@ class SpecStats:
             self.drafted[i] += 1
             self.accepted[i] += i < num_accepted
 
-    def acceptance_rates(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
-
 
 def verify(drafts: list[int], sampled: list[int]) -> list[int]:
     """The tokens a verified round appends: the drafts while each equals the target's sample of its row,

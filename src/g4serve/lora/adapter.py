@@ -57,12 +57,6 @@ class LoRAAdapter:
     rank: int  # the largest rank of any module
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
-        )
-
 
 def load_peft_adapter(path: str | Path, cfg: TextConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read and check the adapter in directory ``path`` for a decoder of config ``cfg``."""

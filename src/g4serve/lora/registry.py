@@ -23,8 +23,6 @@ class _Loaded:
     name: str
     slot: int
     uid: int  # distinct per load: a reloaded name never matches cached prefixes of the adapter it replaced
-    path: str
-    rank: int
     refs: int = 0
 
 
@@ -64,7 +62,7 @@ class LoRARegistry:
                 f"lora_name: all {self.max_loras} adapter slots are in use (--max-loras); unload one first"
             )
         self.weights.load(slot, adapter.weights)
-        entry = _Loaded(name, slot, next(self._uids), adapter.path, adapter.rank)
+        entry = _Loaded(name, slot, next(self._uids))
         self._slots[slot] = self._by_name[name] = entry
 
     def remove(self, name: str) -> None:
@@ -92,9 +90,6 @@ class LoRARegistry:
     def _free(self, entry: _Loaded) -> None:
         self.weights.clear(entry.slot)
         self._slots[entry.slot] = None
-
-    def describe(self) -> list[dict]:
-        return [{"name": e.name, "rank": e.rank, "slot": e.slot} for e in self._by_name.values()]
 
 
 __all__ = ["LoRARegistry"]
