@@ -17,7 +17,9 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.transfer import to_device
@@ -129,19 +131,17 @@ class NgramProposer:
         k = min(self.k, budget)
         if k <= 0:
             return []
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            best: list[int] = []
-            # The latest earlier occurrence with k tokens after it; in a loop the latest one sits right
-            # before the end, so a shorter continuation only wins when no occurrence has a full one.
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + k]
-                    if len(follow) == k:
-                        return follow
-                    best = follow if len(follow) > len(best) else best
-            if best:
-                return best
+        seq = np.asarray(tokens)
+        length = len(seq)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # every earlier occurrence of the last n tokens, at once (the history grows with each step)
+            hits = np.flatnonzero((sliding_window_view(seq[:-1], n) == seq[-n:]).all(axis=1))
+            if hits.size:
+                # The latest occurrence with k tokens after it; in a loop the latest one sits right before
+                # the end, so without a full continuation the earliest (longest) one wins.
+                full = hits[hits + n + k <= length]
+                start = int(full[-1] if full.size else hits[0])
+                return tokens[start + n : start + n + k]
         return []
 
 
