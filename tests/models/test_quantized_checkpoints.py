@@ -13,7 +13,7 @@ import pytest
 import torch
 from quant_checkpoints import SPECS, build_quantized_checkpoint
 from safetensors.torch import load_file, save_file
-from test_fast_layout import _logits
+from test_fast_layout import prefill_logits
 
 from g4serve.config import ConfigError
 from g4serve.layers.quant import QuantLinear, pack_int4, quantize_weight
@@ -41,7 +41,7 @@ def _load(path, dtype="float32", **kw):
 def _greedy(model, prompt: list[int], steps: int = 3) -> list[int]:
     ids = list(prompt)
     for _ in range(steps):
-        ids.append(int(_logits(model, ids)[-1].argmax()))
+        ids.append(int(prefill_logits(model, ids)[-1].argmax()))
     return ids[len(prompt) :]
 
 
@@ -52,21 +52,22 @@ def test_quantized_checkpoint_matches_its_decompression(quantized_checkpoint, na
     layers = [m for m in model.language_model.modules() if isinstance(m, QuantLinear)]
     assert layers and model.cfg.quantization is not None
     ids = list(range(10, 26))
-    expected = _logits(reference, ids)
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-5, rtol=0)
+    expected = prefill_logits(reference, ids)
+    torch.testing.assert_close(prefill_logits(model, ids), expected, atol=1e-5, rtol=0)
     assert _greedy(model, ids) == _greedy(reference, ids)
     mlps = [layer.mlp for layer in model.language_model.layers]
     quantized_mlps = [isinstance(mlp.gate_proj, QuantLinear) for mlp in mlps]
     model.language_model.fuse_projections()  # the CUDA layout: stacked quantized projections
     assert [isinstance(mlp.gate_up_proj, QuantLinear) for mlp in mlps] == quantized_mlps
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, ids), expected, atol=1e-5, rtol=0)
 
 
 def test_bf16_compute_matches_the_decompression_in_bf16(quantized_checkpoint):
     quantized, dense = quantized_checkpoint("w4a16-asym")
     ids = list(range(10, 30))
     torch.testing.assert_close(
-        _logits(_load(quantized, "bfloat16"), ids).float(), _logits(_load(dense, "bfloat16"), ids).float()
+        prefill_logits(_load(quantized, "bfloat16"), ids).float(),
+        prefill_logits(_load(dense, "bfloat16"), ids).float(),
     )
 
 
@@ -225,7 +226,7 @@ def test_quantization_presets_quantize_the_dense_preset_weights(preset):
             assert error <= w.abs().max() * (0.07 if q.kind == "fp8" else 0.08)
             w.copy_(q.dequantize(torch.float32))
     ids = list(range(10, 30))
-    torch.testing.assert_close(_logits(model, ids), _logits(dense, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, ids), prefill_logits(dense, ids), atol=1e-5, rtol=0)
 
 
 def test_quantization_of_a_dense_checkpoint_and_refusal_of_a_quantized_one(
