@@ -268,9 +268,19 @@ def lora_adapter(hf_checkpoint, tmp_path_factory):
 def mtp_drafter(hf_checkpoint, tmp_path_factory):
     """(target dir, drafter dir): transformers' tiny E-type target and a tiny Gemma4Assistant drafter for it
     (random weights, written by ``save_pretrained``)."""
+    return hf_checkpoint("e"), _write_drafter(tmp_path_factory.mktemp("assistant"), ordered=False)
+
+
+@pytest.fixture(scope="session")
+def mtp_drafter_ordered(hf_checkpoint, tmp_path_factory):
+    """``mtp_drafter`` with ``use_ordered_embeddings``: logits only for the tokens of the top centroid
+    clusters (32 clusters of 32 tokens, top 4), under a random token ordering."""
+    return hf_checkpoint("e"), _write_drafter(tmp_path_factory.mktemp("assistant-ordered"), ordered=True)
+
+
+def _write_drafter(out, ordered: bool):
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
-    target = hf_checkpoint("e")
     text = Gemma4TextConfig(
         vocab_size=1024,
         hidden_size=32,
@@ -286,12 +296,16 @@ def mtp_drafter(hf_checkpoint, tmp_path_factory):
         vocab_size_per_layer_input=0,
         num_kv_shared_layers=3,
     )
-    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64)
+    extra = (
+        dict(use_ordered_embeddings=True, num_centroids=32, centroid_intermediate_top_k=4) if ordered else {}
+    )
+    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, **extra)
     torch.manual_seed(3)
     drafter = Gemma4AssistantForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             p.copy_(torch.randn(p.shape) * 0.05 if p.ndim >= 2 else 1.0 + 0.2 * torch.randn(p.shape))
-    out = tmp_path_factory.mktemp("assistant")
+        if ordered:
+            drafter.masked_embedding.token_ordering.copy_(torch.randperm(1024))
     drafter.save_pretrained(out)
-    return target, out
+    return out

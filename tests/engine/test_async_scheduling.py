@@ -158,7 +158,7 @@ def test_padded_graph_buffers_take_pending_tokens(tiny_model_dir):
         attention_backend="triton",
         async_scheduling=True,
     )
-    engine.runner.decode_graphs, engine.runner.mixed_graphs = engine.runner.graph_runners(capture=False)
+    engine.runner.use_graphs(capture=False)
     assert run(engine) == expected
     assert engine.runner.num_graph_steps == engine.num_steps
     assert engine.num_overlapped_steps > 6

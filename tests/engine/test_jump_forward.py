@@ -356,7 +356,7 @@ def test_padded_graph_steps_match_eager(tiny_model_dir):
     requests["free"] = (PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     expected = _run(engine_with("torch"), requests)
     engine = engine_with("triton")
-    engine.runner.decode_graphs, engine.runner.mixed_graphs = engine.runner.graph_runners(capture=False)
+    engine.runner.use_graphs(capture=False)
     got = _run(engine, requests)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in expected.items()}
     assert engine.runner.num_graph_steps == engine.num_steps

@@ -103,7 +103,7 @@ def test_padded_graph_steps_apply_adapters(lora_adapter):
         )
     )
     runner = engine.runner
-    runner.decode_graphs, runner.mixed_graphs = runner.graph_runners(capture=False)
+    runner.use_graphs(capture=False)
     llm = LLM.__new__(LLM)
     llm.engine, llm._ids = engine, iter(range(10**6))
     lora = [LoRARequest("all"), None, LoRARequest("mlp")]

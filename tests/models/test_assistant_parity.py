@@ -1,6 +1,7 @@
 """Gemma 4's MTP drafter against transformers' ``Gemma4AssistantForCausalLM``: the same target prompt, the
 drafter's logits and projected hidden state for draft steps at one RoPE position, reading the target's
-K/V of its last sliding and full producer layers (prompts shorter and longer than the sliding window)."""
+K/V of its last sliding and full producer layers (prompts shorter and longer than the sliding window), with
+the full LM head and with ordered embeddings (logits of the top centroid clusters only)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ BS = 16
 WINDOW = 12  # the target's sliding_window (tests/conftest.py, variant "e")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(mtp_drafter):
-    return mtp_drafter
+@pytest.fixture(scope="module", params=["dense", "ordered"])
+def checkpoints(request):
+    """The drafter with the full LM head, and with ordered embeddings (top centroid clusters only)."""
+    return request.getfixturevalue("mtp_drafter" if request.param == "dense" else "mtp_drafter_ordered")
 
 
 def _hf(target_dir, drafter_dir, ids: list[int], steps: int):

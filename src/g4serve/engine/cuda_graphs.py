@@ -5,6 +5,11 @@
 - ``MixedGraphRunner``: prefill and mixed prefill+decode steps, one graph per token-count bucket for up
   to ``max_seqs`` sequences, on the varlen kernel, with YOCO fast prefill on fixed rows; media soft
   tokens enter through a fixed-shape row buffer and mask (models without bidirectional image spans).
+- ``VerifyGraphRunner``: speculative-decoding steps, where every row of a sequence (its last token and
+  its drafts) samples; the mixed step's graph with logits for every token row.
+- ``DraftGraphRunner``: a round of MTP drafting (k drafter steps) per batch size.
+
+Each graph also returns the final hidden states of its logit rows, which an MTP drafter starts from.
 
 Padded to its bucket, a step has fixed shapes, so the ~1,000 kernel launches of an E4B forward collapse
 into one graph launch. A step writes its inputs into static buffers (token ids, positions, KV slots,
@@ -30,6 +35,7 @@ import torch
 from g4serve.engine.inputs import PendingTokens
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.lora import LoRABatch, LoRAWeights
+from g4serve.models.gemma4.assistant import Gemma4Assistant
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.transfer import to_device
 
@@ -38,6 +44,8 @@ log = logging.getLogger("g4serve.cuda_graphs")
 # Buckets as vLLM's: fine steps at small batch where padding costs most, coarser above.
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Verification steps: 1 + k rows per sequence, so sizes track the decode batch sizes times a small k.
+VERIFY_TOKEN_BUCKETS = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 
 
 def sizes_up_to(limit: int, buckets: Sequence[int]) -> list[int]:
@@ -117,7 +125,7 @@ class _GraphRunner:
         self._long_staged = torch.empty_like(self._host_sets[0][0], device=device)
         self._int_staged = torch.empty_like(self._host_sets[0][1], device=device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, with LoRA)
-        self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._static_outputs: dict[tuple[int, bool], tuple[torch.Tensor, ...]] = {}
 
     def bucket(self, size: int) -> int | None:
         """The smallest captured size that holds ``size``, or None if none does."""
@@ -127,7 +135,7 @@ class _GraphRunner:
         return None
 
     def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
-        """Logits of the padded step of size ``n``."""
+        """The final hidden states of the padded step of size ``n``: the rows whose logits are needed."""
         raise NotImplementedError
 
     def _lora(self, n: int, with_lora: bool) -> LoRABatch | None:
@@ -146,6 +154,11 @@ class _GraphRunner:
         self._num_runs += 1
 
     @property
+    def num_runs(self) -> int:
+        """Steps run through this runner's padded buffers (graph replays, or eager runs without capture)."""
+        return self._num_runs
+
+    @property
     def _long_host(self) -> torch.Tensor:
         return self._host_sets[self._num_runs % 2][0]
 
@@ -153,10 +166,13 @@ class _GraphRunner:
     def _int_host(self) -> torch.Tensor:
         return self._host_sets[self._num_runs % 2][1]
 
-    def _forward_and_argmax(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        # The greedy choice rides along in the graph: an all-greedy step then needs no sampling launches.
-        logits = self._forward(n, self._lora(n, with_lora))
-        return logits, logits[:, : self.decodable_vocab_size].argmax(dim=-1)
+    def _outputs(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, ...]:
+        """(logits, greedy ids, hidden states) of the padded step's rows. The greedy choice rides along in the
+        graph: an all-greedy step then needs no sampling launches; the hidden states are what an MTP drafter
+        starts from."""
+        hidden = self._forward(n, self._lora(n, with_lora))
+        logits = self.model.compute_logits(hidden)
+        return logits, logits[:, : self.decodable_vocab_size].argmax(dim=-1), hidden
 
     def _pack_tables(
         self,
@@ -218,8 +234,8 @@ class _GraphRunner:
         for n in reversed(self.sizes):
             for with_lora in variants:
                 key = (n, with_lora)
-                self._graphs[key], self._outputs[key] = _capture(
-                    lambda n=n, w=with_lora: self._forward_and_argmax(n, w), pool, self.device
+                self._graphs[key], self._static_outputs[key] = _capture(
+                    lambda n=n, w=with_lora: self._outputs(n, w), pool, self.device
                 )
         torch.cuda.synchronize(self.device)
         log.info(
@@ -230,13 +246,13 @@ class _GraphRunner:
             time.monotonic() - t0,
         )
 
-    def _replay(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, greedy token ids) of the padded step, from the graph when captured."""
+    def _replay(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, ...]:
+        """``_outputs`` of the padded step, from the graph when captured."""
         graph = self._graphs.get((n, with_lora))
         if graph is not None:
             graph.replay()
-            return self._outputs[n, with_lora]
-        return self._forward_and_argmax(n, with_lora)
+            return self._static_outputs[n, with_lora]
+        return self._outputs(n, with_lora)
 
 
 class DecodeGraphRunner(_GraphRunner):
@@ -299,8 +315,7 @@ class DecodeGraphRunner(_GraphRunner):
         )
 
     def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
-        hidden = self.model(self._tokens[0, :n], self._metadata(n), self.backend, lora=lora)
-        return self.model.compute_logits(hidden)
+        return self.model(self._tokens[0, :n], self._metadata(n), self.backend, lora=lora)
 
     @torch.inference_mode()
     def run(
@@ -310,11 +325,11 @@ class DecodeGraphRunner(_GraphRunner):
         tables: dict[str, list[list[int]]],
         pending: PendingTokens | None = None,
         lora_slots: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for ``len(token_ids)`` sequences -> logits [B, V] and greedy ids [B] (views of the
-        graph's outputs, valid until this graph's next replay). ``tables[pool][i]``: sequence i's blocks in
-        position order (-1: freed). ``pending``: input tokens still on the device. ``lora_slots``: each
-        sequence's adapter slot (None: no adapter in the step)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step for ``len(token_ids)`` sequences -> logits [B, V], greedy ids [B] and final hidden
+        states [B, H] (views of the graph's outputs, valid until this graph's next replay).
+        ``tables[pool][i]``: sequence i's blocks in position order (-1: freed). ``pending``: input tokens
+        still on the device. ``lora_slots``: each sequence's adapter slot (None: no adapter in the step)."""
         b = len(token_ids)
         n = self.bucket(b)
         assert n is not None, f"batch {b} exceeds the largest decode graph ({self.max_batch})"
@@ -328,8 +343,7 @@ class DecodeGraphRunner(_GraphRunner):
         pos = np.asarray(positions, dtype=np.int64)
         staged = self._pack_tables(tables, b, n, pos, np.arange(b), tokens[2:, :b])
         self._upload(tokens, staged, pending=pending)
-        logits, greedy = self._replay(n, with_lora)
-        return logits[:b], greedy[:b]
+        return tuple(out[:b] for out in self._replay(n, with_lora))
 
 
 class MixedGraphRunner(_GraphRunner):
@@ -337,6 +351,8 @@ class MixedGraphRunner(_GraphRunner):
     decodes, or both), one graph per token bucket. ``yoco``: layers past the last KV producer run on one
     row per sequence (its last token), as the eager fast prefill does; the graph returns [max_seqs, V]
     logits, one row per sequence."""
+
+    all_rows = False  # VerifyGraphRunner: logits of every token row
 
     def __init__(
         self,
@@ -366,12 +382,14 @@ class MixedGraphRunner(_GraphRunner):
             decodable_vocab_size,
             lora_weights,
         )
-        self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers)
+        self.yoco = yoco and bool(model.cfg.text.num_kv_shared_layers) and not self.all_rows
         # Media soft tokens ride in a fixed-shape row buffer plus mask. Models whose sliding layers attend
         # bidirectionally inside images (26B-A4B, 31B) keep media steps eager: their per-token span bounds
         # would change the attention kernel's specialisation.
-        self.media = model.cfg.text.use_bidirectional_attention != "vision" and (
-            model.vision_tower is not None or model.audio_tower is not None
+        self.media = (
+            not self.all_rows
+            and model.cfg.text.use_bidirectional_attention != "vision"
+            and (model.vision_tower is not None or model.audio_tower is not None)
         )
         if self.media:
             hidden = model.cfg.text.hidden_size
@@ -390,11 +408,10 @@ class MixedGraphRunner(_GraphRunner):
     def max_tokens(self) -> int:
         return self.max_size
 
-    def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
+    def _metadata(self, n: int) -> AttentionMetadata:
         s = self.max_seqs
-        positions = self._tokens[1, :n]
-        meta = AttentionMetadata(
-            positions=positions,
+        return AttentionMetadata(
+            positions=self._tokens[1, :n],
             query_start_loc=self._query_start,
             seq_lens=self._seq_lens,
             slot_mapping={pool: self._tokens[2 + i, :n] for i, pool in enumerate(self.pools)},
@@ -404,6 +421,11 @@ class MixedGraphRunner(_GraphRunner):
             seq_lens_cpu=[0] * s,
             captured_query_len=n,
         )
+
+    def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
+        s = self.max_seqs
+        meta = self._metadata(n)
+        positions = meta.positions
         if self.yoco:
             # The kept rows form a decode-shaped step: one query per sequence at its last position.
             kept = AttentionMetadata(
@@ -417,7 +439,7 @@ class MixedGraphRunner(_GraphRunner):
                 seq_lens_cpu=[1] * s,
                 max_decode_len=self.max_model_len,
             )
-            hidden = self.model(
+            return self.model(
                 self._tokens[0, :n],
                 meta,
                 self.backend,
@@ -426,11 +448,8 @@ class MixedGraphRunner(_GraphRunner):
                 mm_dense=self._dense(n),
                 lora=lora,
             )
-        else:
-            hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n), lora=lora)[
-                self._last_rows
-            ]
-        return self.model.compute_logits(hidden)
+        hidden = self.model(self._tokens[0, :n], meta, self.backend, mm_dense=self._dense(n), lora=lora)
+        return hidden[self._last_rows]
 
     def _dense(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self._mm_mask[:n], self._mm_rows[:n]) if self.media else None
@@ -458,11 +477,12 @@ class MixedGraphRunner(_GraphRunner):
         mm_positions: list[int] | None = None,
         pending: PendingTokens | None = None,
         lora_slots: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step: sequence i adds ``query_lens[i]`` tokens after its ``computed[i]`` cached ones ->
-        logits [num_seqs, V] and greedy ids [num_seqs], row i for sequence i's last new token (views,
-        valid until this graph's next replay). ``mm_rows`` / ``mm_positions``: soft tokens and their flat
-        rows (only where ``self.media``). ``pending``: input tokens still on the device. ``lora_slots``: each
+        logits [num_seqs, V], greedy ids [num_seqs] and final hidden states [num_seqs, H], row i for
+        sequence i's last new token (``all_rows``: [num_tokens, ...], one row per token), views valid until
+        this graph's next replay. ``mm_rows`` / ``mm_positions``: soft tokens and their flat rows (only where
+        ``self.media``). ``pending``: input tokens still on the device. ``lora_slots``: each
         token's adapter slot (None: no adapter in the step)."""
         assert self.media or not mm_rows, "this model's media steps are not graphed"
         if self.media and (mm_rows or self._mm_set is not None):
@@ -501,8 +521,126 @@ class MixedGraphRunner(_GraphRunner):
         self._last_rows.copy_(self._long_staged[k : k + s])
         self._query_start.copy_(self._int_staged[m : m + s + 1])
         self._seq_lens.copy_(self._int_staged[m + s + 1 : m + 2 * s + 1])
-        logits, greedy = self._replay(n, with_lora)
-        return logits[:b], greedy[:b]
+        return tuple(out[: t if self.all_rows else b] for out in self._replay(n, with_lora))
+
+
+class VerifyGraphRunner(MixedGraphRunner):
+    """Text steps whose every token row may sample: speculative decoding verifies each sequence's last token
+    and its drafts in one step, ``1 + k`` query rows that all need logits (and, for an MTP drafter, hidden
+    states). One graph per token bucket, on the varlen kernel, without fast prefill (every row is kept) or
+    media; ``run`` returns [num_tokens, ...] rows, the caller picks the sampled ones."""
+
+    all_rows = True
+
+    def __init__(
+        self,
+        model: Gemma4Model,
+        backend: AttentionBackend,
+        pools: list[str],
+        block_size: int,
+        max_model_len: int,
+        token_buckets: list[int],
+        max_seqs: int,
+        device: torch.device,
+        capture: bool,
+        decodable_vocab_size: int | None = None,
+        lora_weights: LoRAWeights | None = None,
+    ):
+        super().__init__(
+            model,
+            backend,
+            pools,
+            block_size,
+            max_model_len,
+            token_buckets,
+            max_seqs,
+            device,
+            capture,
+            yoco=False,
+            decodable_vocab_size=decodable_vocab_size,
+            lora_weights=lora_weights,
+        )
+
+    def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
+        return self.model(self._tokens[0, :n], self._metadata(n), self.backend, lora=lora)
+
+
+class DraftGraphRunner(DecodeGraphRunner):
+    """A whole round of MTP drafting as one graph per batch size: ``num_steps`` argmax steps of the drafter,
+    each feeding its token and hidden state to the next, for up to ``max(batch_sizes)`` sequences. The
+    drafter reads the target's paged cache and writes none, so the step's KV slots are all -1; its queries sit
+    where a decode of each sequence's last computed token would, and RoPE uses the position after that."""
+
+    def __init__(
+        self,
+        drafter: Gemma4Assistant,
+        target: Gemma4Model,
+        backend: AttentionBackend,
+        pools: list[str],
+        block_size: int,
+        max_model_len: int,
+        batch_sizes: list[int],
+        num_steps: int,
+        device: torch.device,
+        capture: bool,
+        decodable_vocab_size: int | None = None,
+    ):
+        super().__init__(
+            target,
+            backend,
+            pools,
+            block_size,
+            max_model_len,
+            batch_sizes,
+            device,
+            capture,
+            decodable_vocab_size,
+        )
+        self.drafter = drafter
+        self.num_steps = num_steps
+        width = drafter.cfg.backbone_hidden_size
+        dtype = drafter.pre_projection.weight.dtype
+        self._target_hidden = torch.zeros(self.max_batch, width, dtype=dtype, device=device)
+
+    def _outputs(self, n: int, with_lora: bool = False) -> tuple[torch.Tensor, ...]:
+        return (
+            self.drafter.draft(
+                self.model.language_model.embed,
+                self._tokens[0, :n],
+                self._target_hidden[:n],
+                self._tokens[1, :n] + 1,
+                self._metadata(n),
+                self.backend,
+                self.num_steps,
+                self.decodable_vocab_size,
+            ),
+        )
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        token_ids: list[int],
+        computed: list[int],
+        tables: dict[str, list[list[int]]],
+        target_hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """Drafts [B, num_steps] for ``len(token_ids)`` sequences: sequence i's last token, its
+        ``computed[i]`` cached tokens before it, its block tables and the target's hidden state [B, H] of the
+        row that sampled the token (a view of the graph's output, valid until its next replay)."""
+        b = len(token_ids)
+        n = self.bucket(b)
+        assert n is not None, f"batch {b} exceeds the largest draft graph ({self.max_batch})"
+        self._next_host_set()
+        tokens = self._long_host.numpy()[: self.num_token_rows * n].reshape(self.num_token_rows, n)
+        tokens[0, :b] = token_ids
+        tokens[1, :b] = np.asarray(computed) - 1  # the query's slot: a decode of the last cached token
+        tokens[:2, b:] = 0
+        pos = tokens[1, :b].copy()
+        staged = self._pack_tables(tables, b, n, pos, np.arange(b), np.empty((len(self.pools), b), np.int64))
+        tokens[2:] = -1  # the drafter writes no K/V
+        self._upload(tokens, staged)
+        self._target_hidden[:b].copy_(target_hidden)
+        return self._replay(n)[0][:b]
 
 
 class VisionGraphRunner:

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 
 from g4serve.engine.config import EngineConfig
@@ -32,6 +33,7 @@ from g4serve.engine.speculative import (
     SpecStats,
     SpeculativeConfig,
     can_speculate,
+    forced_verify,
     verify,
 )
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
@@ -190,6 +192,9 @@ class LLMEngine:
             bidirectional_spans=text.use_bidirectional_attention == "vision",
         )
         self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.speculative = (
+            SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        )
         self.runner = ModelRunner(
             self.model,
             BACKENDS[self.attention_backend_name](text, self.kv_cache),
@@ -199,12 +204,11 @@ class LLMEngine:
             decodable_vocab_size=self.tokenizer.vocab_size,
             cuda_graphs=graphs and self.attention_backend_name == "triton",
             lora_weights=self.lora.weights if self.lora is not None else None,
-        )
-        self.speculative = (
-            SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+            num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
         )
         self.proposer = self._make_proposer(self.speculative) if self.speculative else None
         self.spec_stats = SpecStats()
+        self._forced_rng = np.random.default_rng(config.seed or 0)  # forced_acceptance draws (benchmarks)
         self.requests: dict[str, Request] = {}
         # Constrained decoding loads xgrammar with the first request that needs it.
         self._structured: StructuredOutputBackend | None = None
@@ -223,11 +227,28 @@ class LLMEngine:
     def _make_proposer(self, spec: SpeculativeConfig) -> NgramProposer | MTPProposer:
         if spec.method == "ngram":
             return NgramProposer(spec)
+        from g4serve.engine.cuda_graphs import DraftGraphRunner
         from g4serve.models.gemma4.assistant import load_assistant
 
         drafter = load_assistant(spec.model, self.model_config.text, self.dtype, self.device)
         self.runner.keep_hidden = True  # the drafter starts from the target's final hidden states
-        return MTPProposer(spec, drafter, self.model)
+        draft_graphs = None
+        if self.runner.decode_graphs is not None:  # a round per batch size the decode graphs hold
+            draft_graphs = DraftGraphRunner(
+                drafter,
+                self.model,
+                self.runner.backend,
+                self.kv.pool_types,
+                self.config.block_size,
+                self.max_model_len,
+                self.runner.decode_graphs.batch_sizes,
+                spec.num_speculative_tokens,
+                self.device,
+                capture=True,
+                decodable_vocab_size=self.runner.decodable_vocab_size,
+            )
+            draft_graphs.capture()
+        return MTPProposer(spec, drafter, self.model, draft_graphs, self.runner.decodable_vocab_size)
 
     def _max_model_len(self, capacity: dict[str, int]) -> int:
         """The config's (or the model's) context length, capped where one sequence would not fit the KV
@@ -260,6 +281,7 @@ class LLMEngine:
         self.num_steps = self.num_overlapped_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_forced_tokens = 0
         self.scheduler.num_preemptions = 0
+        self.spec_stats = SpecStats()
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
@@ -694,7 +716,12 @@ class LLMEngine:
         """Verify a request's drafts against its rows' samples, append what is accepted plus the target's
         own token, and roll its computed tokens back to the last accepted draft; returns the row that
         sampled the last appended token."""
-        tokens = verify(drafts, [token_ids[r] for r in rows])
+        sampled = [token_ids[r] for r in rows]
+        forced = self.speculative.forced_acceptance
+        if forced is None:
+            tokens = verify(drafts, sampled)
+        else:
+            tokens = forced_verify(len(drafts), sampled, forced, self._forced_rng)
         accepted = len(tokens) - 1
         self.spec_stats.record(len(drafts), accepted)
         # The K/V of the rejected drafts' rows is garbage: the next step overwrites it.

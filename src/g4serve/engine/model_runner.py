@@ -10,7 +10,8 @@ a request's input token may be the previous step's sample, not yet on the host: 
 step's token ids on the device (``inputs.PendingTokens``).
 
 ``forward`` replays a CUDA graph when the runner owns one that fits the step (pure decodes; text or
-mixed steps up to a token bucket), else runs the model eagerly; ``sample`` applies the requests'
+mixed steps up to a token bucket; speculative verification, every row sampled), else runs the model
+eagerly; ``sample`` applies the requests'
 sampling parameters, grammar masks and stop-token rules.
 """
 
@@ -24,8 +25,10 @@ from g4serve.engine.config import EngineConfig
 from g4serve.engine.cuda_graphs import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_TOKEN_BUCKETS,
+    VERIFY_TOKEN_BUCKETS,
     DecodeGraphRunner,
     MixedGraphRunner,
+    VerifyGraphRunner,
     sizes_up_to,
 )
 from g4serve.engine.encoder_runner import EncoderCache
@@ -90,8 +93,10 @@ class ModelRunner:
         decodable_vocab_size: int | None = None,
         cuda_graphs: bool = False,
         lora_weights: LoRAWeights | None = None,
+        num_speculative_tokens: int = 0,
     ):
         self.model = model
+        self.num_speculative_tokens = num_speculative_tokens
         self.lora_weights = lora_weights
         self.backend = backend
         self.config = config
@@ -105,19 +110,31 @@ class ModelRunner:
         self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None
+        self.verify_graphs: VerifyGraphRunner | None = None
         self.num_graph_steps = 0
-        # An MTP drafter reads the target's final hidden state of each sampled row: steps then run eagerly.
+        # An MTP drafter reads the target's final hidden state of each sampled row (``StepResult.hidden``).
         self.keep_hidden = False
         self._hidden: torch.Tensor | None = None
         if cuda_graphs:
-            self.decode_graphs, self.mixed_graphs = self.graph_runners(capture=True)
-            pool = torch.cuda.graph_pool_handle()  # one memory pool: steps never overlap
-            self.mixed_graphs.capture(pool)
-            self.decode_graphs.capture(pool)
+            self.use_graphs(capture=True)
 
-    def graph_runners(self, capture: bool) -> tuple[DecodeGraphRunner, MixedGraphRunner]:
-        """Padded decode steps for every batch size up to ``max_cuda_graph_batch``, and text / mixed steps up
-        to ``max_num_batched_tokens`` tokens over up to ``max_num_seqs`` sequences, per token bucket."""
+    def use_graphs(self, capture: bool) -> None:
+        """Build the step graphs (``graph_runners``) and, with ``capture``, capture them now into one memory
+        pool (steps never overlap); without, the same padded steps run eagerly (the CPU tests)."""
+        self.decode_graphs, self.mixed_graphs, self.verify_graphs = self.graph_runners(capture)
+        if capture:
+            pool = torch.cuda.graph_pool_handle()
+            for runner in (self.mixed_graphs, self.verify_graphs, self.decode_graphs):
+                if runner is not None:
+                    runner.capture(pool)
+
+    def graph_runners(
+        self, capture: bool
+    ) -> tuple[DecodeGraphRunner, MixedGraphRunner, VerifyGraphRunner | None]:
+        """Padded decode steps for every batch size up to ``max_cuda_graph_batch``; text / mixed steps up to
+        ``max_num_batched_tokens`` tokens over up to ``max_num_seqs`` sequences, per token bucket; and with
+        speculative decoding, verification steps of up to ``1 + k`` rows for each of as many sequences as
+        the decode graphs hold."""
         cfg = self.config
         common = (self.model, self.backend, self.pools, self.block_size, self.max_model_len)
         max_batch = min(cfg.max_cuda_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs)
@@ -139,7 +156,19 @@ class ModelRunner:
             decodable_vocab_size=self.decodable_vocab_size,
             lora_weights=self.lora_weights,
         )
-        return decode, mixed
+        verify = None
+        if self.num_speculative_tokens:
+            rows = min(max_batch * (1 + self.num_speculative_tokens), cfg.max_num_batched_tokens)
+            verify = VerifyGraphRunner(
+                *common,
+                sizes_up_to(rows, VERIFY_TOKEN_BUCKETS),
+                max_batch,
+                self.device,
+                capture=capture,
+                decodable_vocab_size=self.decodable_vocab_size,
+                lora_weights=self.lora_weights,
+            )
+        return decode, mixed, verify
 
     @torch.inference_mode()
     def execute(
@@ -244,21 +273,32 @@ class ModelRunner:
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [len(step.sampled), V] of the sampled rows (None when no row samples), and their greedy ids
-        when a CUDA graph computed them."""
-        decode, mixed = self.decode_graphs, self.mixed_graphs
-        if step.has_drafts or self.keep_hidden:  # several sampled rows per sequence / hidden states kept
-            return self._forward_eager(step), None
-        if decode is not None and step.is_pure_decode and len(step.token_ids) <= decode.max_batch:
-            self.num_graph_steps += 1
-            return decode.run(step.token_ids, step.computed, step.tables, step.pending, step.lora_slots)
+        when a CUDA graph computed them. With ``keep_hidden`` the rows' final hidden states go to
+        ``self._hidden``."""
+        decode, mixed, verify = self.decode_graphs, self.mixed_graphs, self.verify_graphs
+        num_tokens, num_seqs = len(step.token_ids), len(step.computed)
+        if step.has_drafts:  # several sampled rows per sequence
+            if verify is None or step.mm_rows or num_tokens > verify.max_tokens or num_seqs > verify.max_seqs:
+                return self._forward_eager(step), None
+            outputs = verify.run(
+                step.token_ids,
+                step.computed,
+                step.num_new_tokens,
+                step.tables,
+                pending=step.pending,
+                lora_slots=step.lora_slots,
+            )
+            return self._graph_rows(outputs, step.keep, num_tokens)
+        if decode is not None and step.is_pure_decode and num_tokens <= decode.max_batch:
+            outputs = decode.run(step.token_ids, step.computed, step.tables, step.pending, step.lora_slots)
+            return self._graph_rows(outputs, None, num_seqs)
         if (
             mixed is not None
             and (not step.mm_rows or mixed.media)
-            and len(step.token_ids) <= mixed.max_tokens
-            and len(step.computed) <= mixed.max_seqs
+            and num_tokens <= mixed.max_tokens
+            and num_seqs <= mixed.max_seqs
         ):
-            self.num_graph_steps += 1
-            logits, greedy = mixed.run(
+            outputs = mixed.run(
                 step.token_ids,
                 step.computed,
                 step.num_new_tokens,
@@ -269,12 +309,25 @@ class ModelRunner:
                 step.lora_slots,
             )
             if not step.sampled:
+                self.num_graph_steps += 1
                 return None, None
-            if len(step.sampled) < len(step.computed):  # rows of sequences still mid-prompt are dropped
-                rows = to_device(step.sampled_seqs, torch.long, self.device)
-                logits, greedy = logits[rows], greedy[rows]
-            return logits, greedy
+            # rows of sequences still mid-prompt are dropped
+            return self._graph_rows(outputs, step.sampled_seqs, num_seqs)
         return self._forward_eager(step), None
+
+    def _graph_rows(
+        self, outputs: tuple[torch.Tensor, ...], rows: list[int] | None, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, greedy ids) of a graph step's ``rows`` (None or all ``num_rows``: every row), keeping the
+        rows' hidden states when a drafter needs them."""
+        self.num_graph_steps += 1
+        logits, greedy, hidden = outputs
+        if rows is not None and len(rows) < num_rows:
+            index = to_device(rows, torch.long, self.device)
+            logits, greedy, hidden = logits[index], greedy[index], hidden[index]
+        if self.keep_hidden:
+            self._hidden = hidden
+        return logits, greedy
 
     def _forward_eager(self, step: StepInputs) -> torch.Tensor | None:
         """``forward`` without a CUDA graph: contiguous attention metadata and an eager forward."""

@@ -25,6 +25,7 @@ from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.transfer import to_device
 
 if TYPE_CHECKING:
+    from g4serve.engine.cuda_graphs import DraftGraphRunner
     from g4serve.engine.request import Request
     from g4serve.models.gemma4.assistant import Gemma4Assistant
     from g4serve.models.gemma4.model import Gemma4Model
@@ -35,13 +36,20 @@ METHODS = ("ngram", "mtp")
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``--speculative-config`` keys: ``method`` (``ngram`` or ``mtp``), ``num_speculative_tokens``,
-    ``model`` (the MTP drafter checkpoint), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes)."""
+    ``model`` (the MTP drafter checkpoint), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes).
+
+    ``forced_acceptance`` (benchmarks only: outputs are no longer the target's): each draft is taken as
+    accepted with this probability, whatever the target says, until the first one that is not, and the
+    round appends the target's samples of those rows. 1.0 measures the ceiling of speculation (every draft
+    accepted, as if the drafter copied the target's argmax), 0.7 a drafter agreeing 70% of the time; random
+    weights give no real acceptance to measure speed with."""
 
     method: str
     num_speculative_tokens: int = 3
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    forced_acceptance: float | None = None
 
     @classmethod
     def parse(cls, raw: dict | str) -> SpeculativeConfig:
@@ -74,6 +82,13 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model: the MTP drafter's checkpoint directory is required")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ValueError("speculative_config.prompt_lookup_min/max: need 1 <= min <= max <= 64")
+        rate = self.forced_acceptance
+        if rate is not None and (
+            not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0
+        ):
+            raise ValueError(
+                f"speculative_config.forced_acceptance: must be a number in [0, 1], got {rate!r}"
+            )
 
 
 def can_speculate(request: Request) -> bool:
@@ -114,6 +129,15 @@ def verify(drafts: list[int], sampled: list[int]) -> list[int]:
     return drafts[:n] + [sampled[n]]
 
 
+def forced_verify(num_drafts: int, sampled: list[int], rate: float, rng: np.random.Generator) -> list[int]:
+    """``verify`` under ``forced_acceptance``: each draft is accepted with probability ``rate`` until the
+    first that is not; the round appends the target's samples of the accepted rows and of the next one."""
+    n = 0
+    while n < num_drafts and rng.random() < rate:
+        n += 1
+    return sampled[: n + 1]
+
+
 class NgramProposer:
     """Prompt-lookup decoding: the tokens that followed the latest earlier occurrence of the sequence's last
     n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
@@ -146,14 +170,25 @@ class NgramProposer:
 
 
 class MTPProposer:
-    """Gemma 4's MTP drafter: k argmax steps from the target's last hidden state, over the target's cache."""
+    """Gemma 4's MTP drafter: k argmax steps from the target's last hidden state, over the target's cache.
+    ``graphs``: the rounds replayed as CUDA graphs (``DraftGraphRunner``) for batches they hold."""
 
     needs_hidden = True
 
-    def __init__(self, config: SpeculativeConfig, drafter: Gemma4Assistant, target: Gemma4Model):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        drafter: Gemma4Assistant,
+        target: Gemma4Model,
+        graphs: DraftGraphRunner | None = None,
+        decodable_vocab_size: int | None = None,
+    ):
         self.k = config.num_speculative_tokens
         self.drafter = drafter
         self.target = target
+        self.graphs = graphs
+        self.decodable_vocab_size = decodable_vocab_size
+        self.num_graph_rounds = 0
 
     @torch.inference_mode()
     def propose(
@@ -168,31 +203,35 @@ class MTPProposer:
         """``hidden`` [len(requests), H]: the target's final hidden state of the row that sampled each
         request's last token; ``tables``: each request's block tables. Every request has computed all tokens
         but its last (verification rolled back to that)."""
-        steps = min(self.k, max(budgets, default=0))
-        if steps <= 0:
+        if min(self.k, max(budgets, default=0)) <= 0:
             return [[] for _ in requests]
-        device = hidden.device
         computed = [r.num_computed_tokens for r in requests]
-        pools = tables[0].keys()
-        meta = contiguous_metadata(
-            [c - 1 for c in computed],  # the query sits where a decode of the last computed token would
-            [1] * len(requests),
-            {pool: [t[pool] for t in tables] for pool in pools},
-            block_size,
-            device,
-            [[] for _ in requests],
-        )
-        rope = to_device(computed, torch.long, device)
-        token = to_device([r.output_token_ids[-1] for r in requests], torch.long, device)
-        drafts = []
-        for _ in range(steps):
-            logits, hidden = self.drafter(
-                self.target.language_model.embed(token), hidden, rope, meta, backend
+        last = [r.output_token_ids[-1] for r in requests]
+        by_pool = {pool: [t[pool] for t in tables] for pool in tables[0]}
+        if self.graphs is not None and len(requests) <= self.graphs.max_batch:
+            self.num_graph_rounds += 1
+            drafts = self.graphs.draft(last, computed, by_pool, hidden)
+        else:
+            device = hidden.device
+            meta = contiguous_metadata(
+                [c - 1 for c in computed],  # the query sits where a decode of the last computed token would
+                [1] * len(requests),
+                by_pool,
+                block_size,
+                device,
+                [[] for _ in requests],
             )
-            token = logits.argmax(dim=-1)
-            drafts.append(token)
-        rows = torch.stack(drafts, dim=1).tolist()
-        return [row[:b] for row, b in zip(rows, budgets)]
+            drafts = self.drafter.draft(
+                self.target.language_model.embed,
+                to_device(last, torch.long, device),
+                hidden,
+                to_device(computed, torch.long, device),
+                meta,
+                backend,
+                self.k,
+                self.decodable_vocab_size,
+            )
+        return [row[:b] for row, b in zip(drafts.tolist(), budgets)]
 
 
 __all__ = [
@@ -202,5 +241,6 @@ __all__ = [
     "SpecStats",
     "SpeculativeConfig",
     "can_speculate",
+    "forced_verify",
     "verify",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -135,8 +136,9 @@ class MaskedEmbedder(nn.Module):
         clusters = self.token_ordering.long().view(self.num_centroids, self.per_centroid)
         chosen = clusters[top].reshape(hidden.shape[0], -1)  # [T, k * per_centroid]
         logits = torch.einsum("td,tnd->tn", hidden, lm_head[chosen])
-        out = torch.full((hidden.shape[0], self.vocab_size), logits.min().item() - 1.0, dtype=hidden.dtype)
-        return out.to(hidden.device).scatter_(-1, chosen, logits)
+        # the fill stays a device tensor (no host sync), so a CUDA graph can hold the drafter
+        out = (logits.min() - 1.0).expand(hidden.shape[0], self.vocab_size).contiguous()
+        return out.scatter_(-1, chosen, logits)
 
 
 class Gemma4Assistant(nn.Module):
@@ -199,6 +201,27 @@ class Gemma4Assistant(nn.Module):
         else:
             logits = F.linear(h, self.embed_tokens.weight)
         return logits, F.linear(h, self.post_projection.weight)
+
+    def draft(
+        self,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        rope_positions: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_steps: int,
+        decodable_vocab_size: int | None = None,
+    ) -> torch.Tensor:
+        """A round of ``num_steps`` greedy steps from each sequence's last token (``embed``: the target's
+        scaled embedding) and the target's hidden state -> drafts [T, num_steps]. Ids past
+        ``decodable_vocab_size``, which the target never samples, are never drafted."""
+        drafts = []
+        for _ in range(num_steps):
+            logits, hidden = self(embed(tokens), hidden, rope_positions, meta, backend)
+            tokens = logits[:, :decodable_vocab_size].argmax(dim=-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
 
 
 def load_assistant(
