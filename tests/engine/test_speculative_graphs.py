@@ -86,8 +86,10 @@ def test_mtp_rounds_and_hidden_states_from_the_padded_graphs_match_plain_decodin
 
 @pytest.mark.parametrize("rate", [1.0, 0.0])
 def test_forced_acceptance_accepts_as_told(mtp_drafter, rate):
+    """Forced acceptance with the benchmarks' random drafter (1.0) and a checkpoint's (0.0)."""
     target, drafter = mtp_drafter
-    spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": 3, "forced_acceptance": rate}
+    model = "random" if rate == 1.0 else str(drafter)
+    spec = {"method": "mtp", "model": model, "num_speculative_tokens": 3, "forced_acceptance": rate}
     llm = LLM(target, speculative_config=spec, **EAGER)
     params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

@@ -230,7 +230,8 @@ class LLMEngine:
         from g4serve.engine.cuda_graphs import DraftGraphRunner
         from g4serve.models.gemma4.assistant import load_assistant
 
-        drafter = load_assistant(spec.model, self.model_config.text, self.dtype, self.device)
+        text, seed = self.model_config.text, self.config.seed or 0
+        drafter = load_assistant(spec.model, text, self.dtype, self.device, seed)
         self.runner.keep_hidden = True  # the drafter starts from the target's final hidden states
         draft_graphs = None
         if self.runner.decode_graphs is not None:  # a round per batch size the decode graphs hold

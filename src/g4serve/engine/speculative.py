@@ -36,7 +36,8 @@ METHODS = ("ngram", "mtp")
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``--speculative-config`` keys: ``method`` (``ngram`` or ``mtp``), ``num_speculative_tokens``,
-    ``model`` (the MTP drafter checkpoint), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes).
+    ``model`` (the MTP drafter checkpoint; ``"random"``: a drafter of benchmark shape with random weights),
+    ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes).
 
     ``forced_acceptance`` (benchmarks only: outputs are no longer the target's): each draft is taken as
     accepted with this probability, whatever the target says, until the first one that is not, and the

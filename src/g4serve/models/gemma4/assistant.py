@@ -25,7 +25,13 @@ from g4serve.config import ConfigError, TextConfig
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
-from g4serve.models.gemma4.loader import CheckpointError, _checkpoint_index, _copy_checked, resolve_dtype
+from g4serve.models.gemma4.loader import (
+    CheckpointError,
+    _checkpoint_index,
+    _copy_checked,
+    init_random_weights,
+    resolve_dtype,
+)
 from g4serve.models.gemma4.text import DecoderLayer
 
 _TOP_KEYS = {
@@ -224,17 +230,54 @@ class Gemma4Assistant(nn.Module):
         return torch.stack(drafts, dim=1)
 
 
+RANDOM = "random"  # speculative_config.model: a drafter of benchmark shape with random weights
+
+
+def random_assistant_config(target: TextConfig) -> AssistantConfig:
+    """The shape benchmarks draft with when no drafter checkpoint is at hand: four layers (three sliding,
+    one full) 1,024 wide with half the target's query heads, over the target's vocabulary through ordered
+    embeddings (2,048 clusters, the top 32 scored), the defaults of transformers' assistant config."""
+    sources = target_kv_layers(target)
+    heads = target.num_attention_heads // 2
+    if heads == 0 or any(heads % target.layer_num_kv_heads(i) for i in sources.values()):
+        heads = target.num_attention_heads
+    text = dataclasses.replace(
+        target,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        num_attention_heads=heads,
+        head_dim=target.layer_head_dim(sources["sliding_attention"]),  # the caches it reads
+        global_head_dim=target.layer_head_dim(sources["full_attention"]),
+        num_kv_shared_layers=4,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        enable_moe_block=False,
+        use_double_wide_mlp=False,
+        num_experts=None,
+        top_k_experts=None,
+        moe_intermediate_size=None,
+        per_layer_config=None,
+    )
+    ordered = target.vocab_size % 2048 == 0  # 2,048 clusters (a tiny target's vocabulary takes the full head)
+    return AssistantConfig(text=text, backbone_hidden_size=target.hidden_size, use_ordered_embeddings=ordered)
+
+
 def load_assistant(
-    model_dir: str | Path, target: TextConfig, dtype: str | torch.dtype, device: str | torch.device
+    model_dir: str | Path,
+    target: TextConfig,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    seed: int = 0,
 ) -> Gemma4Assistant:
-    """Build the drafter of checkpoint ``model_dir`` for a target of config ``target``; load its weights."""
+    """Build the drafter of checkpoint ``model_dir`` for a target of config ``target``; load its weights.
+    ``model_dir`` ``"random"``: ``random_assistant_config``'s drafter with seeded random weights (benchmarks,
+    with ``forced_acceptance``: random weights draft nothing the target accepts)."""
+    if str(model_dir) == RANDOM and not Path(model_dir).exists():
+        return _random_assistant(random_assistant_config(target), target, dtype, device, seed)
     model_dir = Path(model_dir)
-    cfg = AssistantConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        net = Gemma4Assistant(cfg, target)
-    net.to(resolve_dtype(dtype, device))  # floating-point tensors only: token_ordering stays long
-    for layer_type, inv in net._inv_freqs().items():  # fp32 RoPE tables, whatever the weights' dtype
-        setattr(net, f"{layer_type}_inv_freq", inv.to(device))
+    net = _build(AssistantConfig.from_pretrained(model_dir), target, dtype, device)
     params = dict(net.state_dict(keep_vars=True))
     loaded = set()
     by_file: dict[Path, list[str]] = {}
@@ -257,4 +300,35 @@ def load_assistant(
     return net.eval()
 
 
-__all__ = ["AssistantConfig", "Gemma4Assistant", "load_assistant", "target_kv_layers"]
+def _build(
+    cfg: AssistantConfig, target: TextConfig, dtype: str | torch.dtype, device: str | torch.device
+) -> Gemma4Assistant:
+    with torch.device(device):
+        net = Gemma4Assistant(cfg, target)
+    net.to(resolve_dtype(dtype, device))  # floating-point tensors only: token_ordering stays long
+    for layer_type, inv in net._inv_freqs().items():  # fp32 RoPE tables, whatever the weights' dtype
+        setattr(net, f"{layer_type}_inv_freq", inv.to(device))
+    return net
+
+
+def _random_assistant(
+    cfg: AssistantConfig, target: TextConfig, dtype: str | torch.dtype, device: str | torch.device, seed: int
+) -> Gemma4Assistant:
+    net = _build(cfg, target, dtype, device)
+    init_random_weights(net, seed)  # N(0, 0.02) matrices, unit norms
+    with torch.no_grad():
+        for name, tensor in net.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # unit-variance q.k, as for the target
+                tensor.fill_(tensor.shape[0] ** -0.25)
+        if net.masked_embedding is not None:
+            net.masked_embedding.token_ordering.copy_(torch.arange(cfg.text.vocab_size, device=device))
+    return net.eval()
+
+
+__all__ = [
+    "AssistantConfig",
+    "Gemma4Assistant",
+    "load_assistant",
+    "random_assistant_config",
+    "target_kv_layers",
+]

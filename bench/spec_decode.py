@@ -1,0 +1,243 @@
+"""Decode speed of one model in several serving formats side by side: bf16, quantized weights, the FP8 KV
+cache, and MTP speculative decoding at forced acceptance rates, each against its bandwidth floor.
+
+    python bench/spec_decode.py --model e4b --device cuda \\
+        --variants bf16,mtp@1.0,mtp@0.7,fp8,w4a16,fp8kv --batches 1,8,32,64 --out bench/results
+
+A variant joins parts with ``+``: a ``--quantization`` preset (``fp8``, ``fp8-block``, ``w4a16``, ...),
+``fp8kv`` (``--kv-cache-dtype fp8``) and ``mtp@R`` (the MTP drafter, ``--num-spec`` drafts a round, forced
+acceptance R; random weights accept nothing on their own). ``bf16`` alone is the plain engine. Every engine
+uses the Triton backend, CUDA graphs and async scheduling, as served.
+
+Decode: B requests of ``--prompt-len`` tokens are prefilled and run one step into decode; then
+``--steps`` engine steps are timed and the output tokens they produced counted: tokens/s = tokens / time,
+ITL = B / tokens/s (the time per token of one request; with MTP a step yields up to 1 + k of them).
+TTFT: one fresh ``--prefill-len`` prompt (not for MTP variants: their prefill is the plain one). Floor: the
+bytes a decode step must read (``engine_microbench.decode_weight_bytes``: the format's own weight bytes,
+plus the drafter's ``k`` rounds for MTP) ÷ copy bandwidth; per token at forced acceptance 1.0 it is that
+÷ (1 + k). Writes one JSON (device, versions, command, every figure with its unit) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_microbench import (  # noqa: E402
+    bench_prefill,
+    copy_bandwidth_gbps,
+    decode_weight_bytes,
+    prompt_ids,
+)
+
+from g4serve.bench.meta import git_commit, write_result_json  # noqa: E402
+from g4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from g4serve.quant_config import QUANTIZATION_PRESETS  # noqa: E402
+from g4serve.sampling_params import SamplingParams  # noqa: E402
+
+
+def parse_variant(name: str, num_spec: int) -> dict:
+    """EngineConfig fields of variant ``name`` (see the module docstring)."""
+    fields: dict = {}
+    for part in name.split("+"):
+        if part == "bf16":
+            continue
+        if part == "fp8kv":
+            fields["kv_cache_dtype"] = "fp8"
+        elif part in QUANTIZATION_PRESETS:
+            fields["quantization"] = part
+        elif part.startswith("mtp@"):
+            rate = float(part[4:])
+            fields["speculative_config"] = {
+                "method": "mtp",
+                "model": "random",
+                "num_speculative_tokens": num_spec,
+                "forced_acceptance": rate,
+            }
+        else:
+            raise SystemExit(f"--variants: unknown part {part!r} in {name!r}")
+    return fields
+
+
+def bench_tokens(engine: LLMEngine, batch: int, prompt_len: int, steps: int, salt: int) -> dict:
+    """Output tokens/s of ``batch`` greedy requests over ``steps`` decode steps (see the module docstring)."""
+    k = engine.speculative.num_speculative_tokens if engine.speculative else 0
+    params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (1 + k), ignore_eos=True)
+    for i in range(batch):
+        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, 1000 * salt + i))
+        engine.add_request(engine.make_request(f"s{salt}-{batch}-{i}", prompt, params))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    engine.step()
+    engine.step()  # drafts proposed: every request is in steady (speculative) decode
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    before = engine.num_generated_tokens
+    drafted, accepted = sum(engine.spec_stats.drafted), sum(engine.spec_stats.accepted)
+    times = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    total = time.perf_counter() - start
+    tokens = engine.num_generated_tokens - before
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    rounds = sum(engine.spec_stats.drafted) - drafted
+    return {
+        "batch": batch,
+        "prompt_tokens": prompt_len,
+        "steps": steps,
+        "output_tokens": tokens,
+        "step_p50_ms": 1e3 * statistics.median(times),
+        "output_tokens_per_s": tokens / total,
+        "itl_ms": 1e3 * total * batch / tokens,
+        "accepted_per_draft": (sum(engine.spec_stats.accepted) - accepted) / rounds if rounds else None,
+    }
+
+
+def drafter_bytes(engine: LLMEngine) -> int:
+    """Bytes one MTP drafter step reads: its weights but the LM-head table, of which ordered embeddings read
+    the centroid clusters' rows only."""
+    drafter = engine.proposer.drafter
+    total = sum(
+        p.numel() * p.element_size() for n, p in drafter.named_parameters() if n != "embed_tokens.weight"
+    )
+    head = drafter.embed_tokens.weight
+    rows = head.shape[0]
+    if drafter.masked_embedding is not None:
+        m = drafter.masked_embedding
+        rows = m.top_k * m.per_centroid
+    return int(total + rows * head.shape[1] * head.element_size())
+
+
+def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
+    fields = parse_variant(name, args.num_spec)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        text_only=True,
+        max_num_seqs=max(args.batches),
+        max_num_batched_tokens=max(2048, args.prefill_len),
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=False,
+        attention_backend="triton" if args.device != "cpu" else "torch",
+        **fields,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    load_s = time.perf_counter() - t0
+    if bandwidth is None:
+        bandwidth = copy_bandwidth_gbps(engine.device)
+    weight_bytes = decode_weight_bytes(engine)
+    k = engine.speculative.num_speculative_tokens if engine.speculative else 0
+    step_bytes = weight_bytes + (k * drafter_bytes(engine) if k else 0)
+    floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
+    print(
+        f"[{name}] loaded in {load_s:.0f}s; KV {engine.kv.capacity_tokens()}; floor {floor_ms:.2f} ms",
+        flush=True,
+    )
+    decode = []
+    for salt, batch in enumerate(args.batches):
+        row = bench_tokens(engine, batch, args.prompt_len, args.steps, salt)
+        decode.append(row)
+        print(
+            f"[{name}] B={batch:3d}: ITL {row['itl_ms']:.2f} ms/token, "
+            f"{row['output_tokens_per_s']:.0f} tok/s, step {row['step_p50_ms']:.2f} ms",
+            flush=True,
+        )
+    ttft = None
+    if not k and args.prefill_len:
+        ttft = bench_prefill(engine, args.prefill_len, args.prefill_reps)
+        print(f"[{name}] TTFT {args.prefill_len}: {ttft['ttft_p50_ms']:.1f} ms", flush=True)
+    result = {
+        "variant": name,
+        "engine_fields": fields,
+        "load_s": load_s,
+        "kv_cache_dtype": str(next(iter(engine.kv_cache.kv.values())).dtype),
+        "kv_capacity_tokens": engine.kv.capacity_tokens(),
+        "weight_bytes": weight_bytes,
+        "step_bytes": step_bytes,
+        "floor_step_ms": floor_ms,
+        "floor_token_ms_b1": floor_ms / (1 + k),
+        "num_speculative_tokens": k,
+        "graph_steps": engine.runner.num_graph_steps,
+        "draft_graph_rounds": getattr(engine.proposer, "num_graph_rounds", None),
+        "decode": decode,
+        "ttft": ttft,
+    }
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result, bandwidth
+
+
+def table(results: list[dict], batches: list[int]) -> str:
+    head = " | ".join(f"B={b} ITL (tok/s)" for b in batches)
+    lines = [
+        f"| variant | floor ms/token (B=1) | {head} | TTFT |",
+        "|---" * (3 + len(batches)) + "|",
+    ]
+    for r in results:
+        cells = " | ".join(f"{d['itl_ms']:.2f} ({d['output_tokens_per_s']:.0f})" for d in r["decode"])
+        ttft = f"{r['ttft']['ttft_p50_ms']:.1f} ms" if r["ttft"] else "="
+        lines.append(f"| {r['variant']} | {r['floor_token_ms_b1']:.2f} | {cells} | {ttft} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="e4b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default="bf16,mtp@1.0,mtp@0.7")
+    p.add_argument("--num-spec", type=int, default=3, help="drafts per MTP round (k)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=2048, help="TTFT prompt length (0: none)")
+    p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+
+    results, bandwidth = [], None
+    for name in args.variants.split(","):
+        result, bandwidth = run_variant(args, name, bandwidth)
+        results.append(result)
+    device = torch.device(args.device)
+    out = {
+        "benchmark": "spec_decode",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": args.model,
+        "copy_bandwidth_gb_per_s": bandwidth,
+        "units": "itl_ms: ms per output token of one request; output_tokens_per_s: all requests; floor: ms",
+        "variants": results,
+    }
+    text = table(results, args.batches)
+    print(text)
+    path = write_result_json(args.out, f"spec-decode-{args.model}{args.tag}", out)
+    path.with_suffix(".md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
