@@ -1,14 +1,19 @@
 """Speculative decoding: greedy outputs identical to decoding without it (n-gram and MTP drafters, under
 preemption and prefix caching), sampled outputs from the target's distribution, drafts withheld where the
-next distribution depends on them, and the acceptance counters."""
+next distribution depends on them, constrained requests verified against their grammar's draft chains, and
+the acceptance counters."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from g4serve import LLM, SamplingParams
 from g4serve.engine.speculative import NgramProposer, SpeculativeConfig, verify
+from g4serve.structured import StructuredSpec
+from g4serve.structured.bitmask import AllowedTokenMasks
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 ENGINE = dict(device="cpu", text_only=True, kv_cache_bytes=16 << 20)
@@ -175,3 +180,39 @@ def test_stale_drafts_never_reach_a_prefill(tiny_model_dir, plain):
     request.draft_token_ids = [41, 42]  # as if proposed: the next step is still a prefill chunk
     out = engine.run_until_finished()["r"]
     assert list(out.outputs[0].token_ids) == _tokens(plain, params, [prompt])[0]
+
+
+# ---- constrained decoding ------------------------------------------------------------------------------
+REGEX = StructuredSpec.regex("(ab|cd|[a-z ]){4,40}")
+
+
+def test_grammar_requests_speculate_and_stay_identical(plain, ngram):
+    """Drafts of a constrained request are verified against masks of the grammar state they lead to: the
+    greedy output is the one without drafts, and it still matches the grammar."""
+    params = SamplingParams(temperature=0, max_tokens=24, structured_output=REGEX)
+    prompts = ["abababab cdcdcd abab cd", "the the the the the"]
+    want = [o.outputs[0].text for o in plain.generate(prompts, params)]
+    stats = ngram.engine.spec_stats
+    before = sum(stats.drafted), sum(stats.accepted)
+    got = [o.outputs[0].text for o in ngram.generate(prompts, params)]
+    assert got == want
+    assert all(re.fullmatch("(ab|cd|[a-z ]){4,40}", text) for text in got)
+    assert sum(stats.drafted) > before[0] and sum(stats.accepted) > before[1]
+
+
+def test_draft_chain_masks_follow_the_drafts(ngram):
+    """Row j of a verifying request gets the mask of its grammar after drafts 1..j; a refused draft leaves
+    the rows after it unconstrained; the matcher ends where it started."""
+    engine = ngram.engine
+    matcher = engine.structured_backend.new_matcher(StructuredSpec.regex("[0-9]{2}x"))
+    tok = engine.tokenizer
+    digit, x = tok.encode("7", add_special_tokens=False)[0], tok.encode("x", add_special_tokens=False)[0]
+    masks = AllowedTokenMasks(engine.model_config.text.vocab_size, "cpu")
+    chain = masks([matcher] * 4, drafts=[digit, digit, x, None])
+    alone = masks([matcher])[0]
+    assert torch.equal(chain[0], alone) and matcher.num_accepted == 0
+    assert chain[0, digit] and chain[1, digit] and not chain[1, x]
+    assert chain[2, x] and not chain[2, digit]
+    assert not chain[3, digit] and not chain[3, x]  # only the end: the grammar is complete
+    refused = masks([matcher] * 3, drafts=[x, digit, None])
+    assert torch.equal(refused[0], alone) and refused[1:].all() and matcher.num_accepted == 0

@@ -34,6 +34,7 @@ from g4serve.engine.speculative import (
     SpeculativeConfig,
     can_speculate,
     forced_verify,
+    grammar_prefix,
     verify,
 )
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
@@ -731,6 +732,9 @@ class LLMEngine:
         for i, token in enumerate(tokens):
             if request.finished:
                 break
+            if request.grammar is not None and not request.grammar.accept_token(token):
+                # the row's mask held the grammar's state after the drafts before it: impossible
+                raise RuntimeError(f"token {token} violates the request's grammar")
             top = list(zip(top_ids[rows[i]], top_lps[rows[i]])) if top_ids is not None else None
             request.append_token(token, None if logprobs is None else logprobs[rows[i]], top, now)
         self.num_generated_tokens += len(request.output_token_ids) - before
@@ -739,7 +743,13 @@ class LLMEngine:
 
     def _propose(self, step: InflightStep, last_rows: dict[int, int]) -> None:
         """Drafts for the next step of every request that sampled here and may speculate."""
-        requests = [r for r in dict.fromkeys(step.result.requests) if id(r) in last_rows and can_speculate(r)]
+        # Forced acceptance (benchmarks) takes rows' samples a grammar's draft chain did not mask for.
+        forced = self.speculative.forced_acceptance is not None
+        requests = [
+            r
+            for r in dict.fromkeys(step.result.requests)
+            if id(r) in last_rows and can_speculate(r) and not (forced and r.grammar is not None)
+        ]
         # Room for the drafts and the target's own token: max_tokens and max_model_len.
         budgets = [
             min(r.max_output_tokens - r.num_output_tokens, r.max_total_tokens - r.num_tokens) - 1
@@ -759,6 +769,8 @@ class LLMEngine:
                 block_size=self.config.block_size,
             )
         for request, drafts in zip(requests, self.proposer.propose(requests, budgets, **extra)):
+            if request.grammar is not None:
+                drafts = grammar_prefix(request.grammar, list(drafts))
             request.draft_token_ids = list(drafts)
 
     def _accept(self, request: Request, row: int, token_ids, logprobs, top_ids, top_lps, now: float) -> None:

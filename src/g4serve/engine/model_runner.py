@@ -370,16 +370,20 @@ class ModelRunner:
         # Grammar masks are built on the CPU while the device still runs the forward. Stop tokens wait
         # for min_tokens and ignore_eos unless the grammar allows nothing else; near max_tokens the
         # grammar is steered to close in time.
+        # A request verifying drafts has one row per draft plus one: row j comes j tokens later, after
+        # drafts[:j] (its grammar fills that row as if they were accepted).
         allowed = None
         if any(r.grammar is not None for r in sampled):
+            offsets = _row_offsets(sampled)
             allowed = self.token_masks(
                 [r.grammar for r in sampled],
                 [
-                    len(r.output_token_ids) >= r.sampling_params.min_tokens
+                    len(r.output_token_ids) + j >= r.sampling_params.min_tokens
                     and not r.sampling_params.ignore_eos
-                    for r in sampled
+                    for r, j in zip(sampled, offsets)
                 ],
-                [r.max_output_tokens - len(r.output_token_ids) for r in sampled],
+                [r.max_output_tokens - len(r.output_token_ids) - j for r, j in zip(sampled, offsets)],
+                [r.verifying[j] if j < len(r.verifying) else None for r, j in zip(sampled, offsets)],
             )
         allowed = self._withhold_stops_before_min_tokens(sampled, allowed)
         if self.decodable_vocab_size < self.vocab_size:
@@ -423,6 +427,15 @@ class ModelRunner:
             index = to_device([rows, cols], torch.long, self.device)
             allowed[index[0], index[1]] = False
         return allowed
+
+
+def _row_offsets(sampled: list[Request]) -> list[int]:
+    """Each row's index among its request's rows (consecutive: 0, 1, ... for a request verifying drafts)."""
+    offsets, previous = [], None
+    for request in sampled:
+        offsets.append(offsets[-1] + 1 if request is previous else 0)
+        previous = request
+    return offsets
 
 
 def _plain_greedy(request: Request) -> bool:

@@ -7,8 +7,10 @@ sampling by construction: every verified row is sampled from the target's own di
 top-p, top-k, min-p, logit bias), draft i is accepted iff row i's sample equals it, which happens with
 probability p(draft), and the first row whose sample differs supplies that sample, which is then distributed
 as p without the draft, renormalized. Greedy outputs are identical to decoding without speculation, and
-sampled outputs keep the target's distribution. Requests whose next distribution would depend on the drafts
-themselves (grammars, penalties, min_tokens not reached, jump-forward) get no drafts.
+sampled outputs keep the target's distribution. A grammar's mask of row i is the one its state after drafts
+1..i-1 gives (``AllowedTokenMasks``' draft chains), so constrained requests speculate too; drafts are cut at
+the first token their grammar refuses. Requests whose next distribution would depend on the drafts otherwise
+(penalties, min_tokens not reached, jump-forward) get no drafts.
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ class SpeculativeConfig:
 
 
 def can_speculate(request: Request) -> bool:
-    """Whether the request's next distributions do not depend on the drafts (see the module docstring)."""
+    """Whether the request's next distributions do not depend on the drafts beyond what verification
+    accounts for (see the module docstring)."""
     params = request.sampling_params
     return (
-        request.grammar is None
-        and not request.jump_forward
+        not request.jump_forward
         and not params.has_penalties
         and not request.min_tokens_pending
         and not request.finished
@@ -128,6 +130,16 @@ def verify(drafts: list[int], sampled: list[int]) -> list[int]:
     while n < len(drafts) and sampled[n] == drafts[n]:
         n += 1
     return drafts[:n] + [sampled[n]]
+
+
+def grammar_prefix(grammar, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one ``grammar`` refuses (its state is left as it was)."""
+    n = 0
+    while n < len(drafts) and grammar.accept_token(drafts[n]):
+        n += 1
+    if n:
+        grammar.rollback(n)
+    return drafts[:n]
 
 
 def forced_verify(num_drafts: int, sampled: list[int], rate: float, rng: np.random.Generator) -> list[int]:
@@ -243,5 +255,6 @@ __all__ = [
     "SpeculativeConfig",
     "can_speculate",
     "forced_verify",
+    "grammar_prefix",
     "verify",
 ]

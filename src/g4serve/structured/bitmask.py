@@ -67,15 +67,20 @@ class AllowedTokenMasks:
         matchers: Sequence[StructuredMatcher | None],
         allow_stop: Sequence[bool] | None = None,
         budgets: Sequence[int] | None = None,
+        drafts: Sequence[int | None] | None = None,
     ) -> torch.Tensor | None:
         """``[B, V]`` bool mask for rows with a matcher (other rows all True), or None if no row has one.
         ``allow_stop[i]`` False withholds stop tokens from row i while its grammar allows anything else
         (min_tokens, ignore_eos). ``budgets[i]`` is how many tokens row i may still produce (this one
         included): near the end the grammar is steered to close in time
-        (``StructuredMatcher.forced_token``)."""
+        (``StructuredMatcher.forced_token``). ``drafts[i]`` (speculative decoding): the draft token row i
+        is followed by; the next row, of the same matcher, is filled as if it were accepted
+        (``_fill_draft_chains``)."""
         if all(m is None for m in matchers):
             return None
         bitmask = self._bitmask(len(matchers))
+        if drafts is not None and any(d is not None for d in drafts):
+            matchers = _fill_draft_chains(bitmask, matchers, allow_stop, budgets, drafts)
         rows = _fill_gated_rows(bitmask, matchers, allow_stop, budgets)
         if len(rows) >= _PARALLEL_ROWS:
             if self._batch_matcher is None:
@@ -116,6 +121,42 @@ def _fill_gated_rows(
             stop = True if allow_stop is None else allow_stop[i]
             m.fill_allowed(bitmask, i, stop, None if budgets is None else budgets[i])
     return rows
+
+
+def _fill_draft_chains(
+    bitmask: torch.Tensor,
+    matchers: Sequence[StructuredMatcher | None],
+    allow_stop: Sequence[bool] | None,
+    budgets: Sequence[int] | None,
+    drafts: Sequence[int | None],
+) -> list[StructuredMatcher | None]:
+    """Fill the rows of requests verifying drafts: consecutive rows of one matcher, row j+1 after draft
+    ``drafts[row j]``. Each row is filled in the state the drafts before it leave, then the matcher rolls
+    back. Rows past a draft the grammar refuses stay unconstrained: that draft cannot be sampled, so
+    verification stops at its row. Returns ``matchers`` with the filled rows set to None."""
+    rest = list(matchers)
+    i = 0
+    while i < len(rest):
+        m = rest[i]
+        if m is None or drafts[i] is None:
+            i += 1
+            continue
+        end = i
+        while end + 1 < len(rest) and rest[end + 1] is m:
+            end += 1
+        accepted = 0
+        for row in range(i, end + 1):
+            stop = True if allow_stop is None else allow_stop[row]
+            m.fill_allowed(bitmask, row, stop, None if budgets is None else budgets[row])
+            if row == end or drafts[row] is None or not m.accept_token(drafts[row]):
+                break
+            accepted += 1
+        if accepted:
+            m.rollback(accepted)
+        for row in range(i, end + 1):
+            rest[row] = None
+        i = end + 1
+    return rest
 
 
 def build_allowed_mask(
