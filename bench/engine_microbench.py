@@ -80,6 +80,30 @@ def prompt_ids(engine: LLMEngine, length: int, salt: int) -> dict:
     return {"prompt_token_ids": [engine.tokenizer.bos_token_id or 2, *ids[1:]]}
 
 
+def start_decoding(
+    engine: LLMEngine,
+    batch: int,
+    prompt_len: int,
+    params: SamplingParams,
+    prefix: str,
+    adapters: list[str | None] | None = None,
+    salt: int = 0,
+    warm_steps: int = 1,
+) -> None:
+    """Add ``batch`` requests of ``prompt_len`` tokens (ids ``prefix-i``; ``adapters`` in turn), prefill them
+    all and run ``warm_steps`` more steps, so that every request is in steady decode."""
+    adapters = adapters or [None]
+    for i in range(batch):
+        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, salt + i))
+        lora = adapters[i % len(adapters)]
+        engine.add_request(engine.make_request(f"{prefix}-{i}", prompt, params, lora_name=lora))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+    _sync(engine.device)
+
+
 def bench_decode(
     engine: LLMEngine,
     batch: int,
@@ -91,16 +115,7 @@ def bench_decode(
     """Decode ITL at ``batch``; ``sampling``: SamplingParams fields of the requests (default greedy);
     ``adapters``: LoRA adapter names given to the requests in turn (None: the base model)."""
     params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=steps + 8, ignore_eos=True)
-    adapters = adapters or [None]
-    for i in range(batch):
-        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, i))
-        lora = adapters[i % len(adapters)]
-        engine.add_request(engine.make_request(f"d{batch}-{i}", prompt, params, lora_name=lora))
-    # Prefill everything (and one decode step so every request is in steady decode).
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
-        engine.step()
-    engine.step()
-    _sync(engine.device)
+    start_decoding(engine, batch, prompt_len, params, f"d{batch}", adapters)
     # No device sync per step: a step() returns once it has read back a step's tokens, and a sync would
     # also wait for the step async scheduling has launched ahead (the overlap being measured).
     times = []

@@ -36,7 +36,7 @@ from engine_microbench import (  # noqa: E402
     bench_prefill,
     copy_bandwidth_gbps,
     decode_weight_bytes,
-    prompt_ids,
+    start_decoding,
 )
 
 from g4serve.bench.meta import git_commit, write_result_json  # noqa: E402
@@ -72,15 +72,8 @@ def bench_tokens(engine: LLMEngine, batch: int, prompt_len: int, steps: int, sal
     """Output tokens/s of ``batch`` greedy requests over ``steps`` decode steps (see the module docstring)."""
     k = engine.speculative.num_speculative_tokens if engine.speculative else 0
     params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (1 + k), ignore_eos=True)
-    for i in range(batch):
-        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, 1000 * salt + i))
-        engine.add_request(engine.make_request(f"s{salt}-{batch}-{i}", prompt, params))
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
-        engine.step()
-    engine.step()
-    engine.step()  # drafts proposed: every request is in steady (speculative) decode
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    # two steps after the prefill: drafts proposed, every request is in steady (speculative) decode
+    start_decoding(engine, batch, prompt_len, params, f"s{salt}-{batch}", salt=1000 * salt, warm_steps=2)
     before = engine.num_generated_tokens
     drafted, accepted = sum(engine.spec_stats.drafted), sum(engine.spec_stats.accepted)
     times = []
@@ -234,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = table(results, args.batches)
     print(text)
-    path = write_result_json(args.out, f"spec-decode-{args.model}{args.tag}", out)
+    path = write_result_json(args.out, f"spec-decode-{Path(args.model).name}{args.tag}", out)
     path.with_suffix(".md").write_text(text + "\n")
     return 0
 

@@ -18,14 +18,7 @@ RES=/tmp/res-ab
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-run() {  # run NAME SECONDS CMD...
-  local name=$1 secs=$2 t0=$SECONDS
-  shift 2
-  echo "== $name"
-  timeout -k 5 "$secs" "$@" > "$RES/$name.log" 2>&1
-  echo "exit $? after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
-  tail -n 30 "$RES/$name.log"
-}
+TAIL_LINES=30
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
 fi

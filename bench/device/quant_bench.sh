@@ -13,14 +13,6 @@ RES=/tmp/res-quant
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-run() {  # run NAME SECONDS CMD...
-  local name=$1 secs=$2 t0=$SECONDS
-  shift 2
-  echo "== $name"
-  timeout -k 5 "$secs" "$@" > "$RES/$name.log" 2>&1
-  echo "exit $? after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
-  tail -n 20 "$RES/$name.log"
-}
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider
 fi

@@ -9,3 +9,13 @@ if [ "${SETUP:-1}" = 1 ]; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# run NAME SECONDS CMD...: CMD under a timeout, its output in $RES/NAME.log (the caller sets RES), the exit
+# status and elapsed time appended, the last $TAIL_LINES lines (default 20) echoed.
+run() {
+  local name=$1 secs=$2 t0=$SECONDS
+  shift 2
+  echo "== $name"
+  timeout -k 5 "$secs" "$@" > "$RES/$name.log" 2>&1
+  echo "exit $? after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
+  tail -n "${TAIL_LINES:-20}" "$RES/$name.log"
+}

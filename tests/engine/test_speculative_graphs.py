@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from g4serve import LLM, SamplingParams
-from g4serve.engine.cuda_graphs import DraftGraphRunner
 
 EAGER = dict(device="cpu", text_only=True, kv_cache_bytes=16 << 20, max_num_seqs=4)
 ENGINE = dict(EAGER, attention_backend="triton")
@@ -36,19 +35,7 @@ def _graphed(model_dir, speculative_config: dict) -> LLM:
     engine.runner.use_graphs(capture=False)
     proposer = engine.proposer
     if hasattr(proposer, "graphs"):
-        proposer.graphs = DraftGraphRunner(
-            proposer.drafter,
-            engine.model,
-            engine.runner.backend,
-            engine.kv.pool_types,
-            engine.config.block_size,
-            engine.max_model_len,
-            engine.runner.decode_graphs.batch_sizes,
-            proposer.k,
-            engine.device,
-            capture=False,
-            decodable_vocab_size=engine.runner.decodable_vocab_size,
-        )
+        proposer.graphs = engine.runner.draft_graphs(proposer.drafter, proposer.k, capture=False)
     return llm
 
 

@@ -532,35 +532,6 @@ class VerifyGraphRunner(MixedGraphRunner):
 
     all_rows = True
 
-    def __init__(
-        self,
-        model: Gemma4Model,
-        backend: AttentionBackend,
-        pools: list[str],
-        block_size: int,
-        max_model_len: int,
-        token_buckets: list[int],
-        max_seqs: int,
-        device: torch.device,
-        capture: bool,
-        decodable_vocab_size: int | None = None,
-        lora_weights: LoRAWeights | None = None,
-    ):
-        super().__init__(
-            model,
-            backend,
-            pools,
-            block_size,
-            max_model_len,
-            token_buckets,
-            max_seqs,
-            device,
-            capture,
-            yoco=False,
-            decodable_vocab_size=decodable_vocab_size,
-            lora_weights=lora_weights,
-        )
-
     def _forward(self, n: int, lora: LoRABatch | None) -> torch.Tensor:
         return self.model(self._tokens[0, :n], self._metadata(n), self.backend, lora=lora)
 

@@ -228,7 +228,6 @@ class LLMEngine:
     def _make_proposer(self, spec: SpeculativeConfig) -> NgramProposer | MTPProposer:
         if spec.method == "ngram":
             return NgramProposer(spec)
-        from g4serve.engine.cuda_graphs import DraftGraphRunner
         from g4serve.models.gemma4.assistant import load_assistant
 
         text, seed = self.model_config.text, self.config.seed or 0
@@ -236,20 +235,7 @@ class LLMEngine:
         self.runner.keep_hidden = True  # the drafter starts from the target's final hidden states
         draft_graphs = None
         if self.runner.decode_graphs is not None:  # a round per batch size the decode graphs hold
-            draft_graphs = DraftGraphRunner(
-                drafter,
-                self.model,
-                self.runner.backend,
-                self.kv.pool_types,
-                self.config.block_size,
-                self.max_model_len,
-                self.runner.decode_graphs.batch_sizes,
-                spec.num_speculative_tokens,
-                self.device,
-                capture=True,
-                decodable_vocab_size=self.runner.decodable_vocab_size,
-            )
-            draft_graphs.capture()
+            draft_graphs = self.runner.draft_graphs(drafter, spec.num_speculative_tokens, capture=True)
         return MTPProposer(spec, drafter, self.model, draft_graphs, self.runner.decodable_vocab_size)
 
     def _max_model_len(self, capacity: dict[str, int]) -> int:

@@ -27,6 +27,7 @@ from g4serve.engine.cuda_graphs import (
     DEFAULT_TOKEN_BUCKETS,
     VERIFY_TOKEN_BUCKETS,
     DecodeGraphRunner,
+    DraftGraphRunner,
     MixedGraphRunner,
     VerifyGraphRunner,
     sizes_up_to,
@@ -39,6 +40,7 @@ from g4serve.engine.scheduler import ScheduledBatch
 from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.layers.lora import LoRABatch, LoRAWeights
 from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from g4serve.models.gemma4.assistant import Gemma4Assistant
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.structured.bitmask import AllowedTokenMasks
 from g4serve.transfer import to_device
@@ -169,6 +171,26 @@ class ModelRunner:
                 lora_weights=self.lora_weights,
             )
         return decode, mixed, verify
+
+    def draft_graphs(self, drafter: Gemma4Assistant, num_steps: int, capture: bool) -> DraftGraphRunner:
+        """MTP drafting rounds of ``num_steps`` as graphs for the batch sizes of the decode graphs, over this
+        runner's model, backend and cache (``capture=False``: the padded rounds run eagerly)."""
+        assert self.decode_graphs is not None, "draft graphs follow the decode graphs' batch sizes"
+        graphs = DraftGraphRunner(
+            drafter,
+            self.model,
+            self.backend,
+            self.pools,
+            self.block_size,
+            self.max_model_len,
+            self.decode_graphs.batch_sizes,
+            num_steps,
+            self.device,
+            capture,
+            self.decodable_vocab_size,
+        )
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(
