@@ -11,8 +11,7 @@ step's token ids on the device (``inputs.PendingTokens``).
 
 ``forward`` replays a CUDA graph when the runner owns one that fits the step (pure decodes; text or
 mixed steps up to a token bucket; speculative verification, every row sampled), else runs the model
-eagerly; ``sample`` applies the requests'
-sampling parameters, grammar masks and stop-token rules.
+eagerly; ``sample`` applies the requests' sampling parameters, grammar masks and stop-token rules.
 """
 
 from __future__ import annotations
