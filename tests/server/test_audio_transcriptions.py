@@ -383,7 +383,8 @@ def test_a_long_recording_streams_clip_after_clip(server, client, long_answers):
 
 
 def test_a_client_leaving_a_long_stream_aborts_every_clip(server):
-    # The default output budget (up to 448 tokens a clip): the clips are still decoding when the client goes.
+    # The default output budget (up to 448 tokens a clip): clips are usually still decoding when the client
+    # goes. The random model may end every clip early (EOS), and then there is no abort to observe.
     with httpx.stream(
         "POST",
         f"{server.base_url}/v1/audio/transcriptions",
@@ -394,8 +395,10 @@ def test_a_client_leaving_a_long_stream_aborts_every_clip(server):
         assert r.status_code == 200
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert json.loads(first[len("data: ") :])["type"] == "transcript.text.delta"
-        assert any(request_id.startswith("trsc-") for request_id in list(server.engine.requests))
-    server.wait_idle()
+        running = [rid for rid in list(server.engine.requests) if rid.startswith("trsc-")]
+    server.wait_idle(timeout_s=5.0)  # aborted, not decoded to the end
+    if not running:
+        pytest.skip("every clip had finished before the first delta arrived: no abort to observe")
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the openai client's, on translations
