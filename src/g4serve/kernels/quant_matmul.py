@@ -19,13 +19,12 @@ act(x W^T) * e. The torch reference dequantizes to the compute dtype, then ``F.l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
-from g4serve.kernels.act_mul import _KINDS, act_mul_reference
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gated_epilogue
+from g4serve.kernels.act_mul import _KINDS
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gated_epilogue, skinny_matmul_reference
 
 SKINNY_ROWS = 64  # rows multiplied in one row tile (decode batches); more take the 2-D grid
 
@@ -370,13 +369,10 @@ def quant_matmul_reference(
     activation: str | None = None,
     other: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The weight dequantized to x's dtype, then the unfused ops (F.linear, the activation kernel's math)."""
+    """The weight dequantized to x's dtype, then the unfused ops (``gemv.skinny_matmul_reference``: F.linear,
+    the activation kernel's math)."""
     w = dequantize_reference(weight, scale, scale_block, in_features, zero_point, x.dtype)
-    if epilogue == GATE_UP:
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return act_mul_reference(activation, gate, up)
-    y = F.linear(x, w)
-    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+    return skinny_matmul_reference(x, w, epilogue, activation, other)
 
 
 __all__ = [
