@@ -4,34 +4,22 @@ in-memory model and `g4serve bench` drives it (no [DONE], no ignore_eos: generat
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
+from bench_scripts import BENCH, load_script
+
 from g4serve.bench import cli, common
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 MIN_NEW_TOKENS = json.dumps({"generation_config": json.dumps({"min_new_tokens": 100_000})})
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_peer_tokenizer_is_the_tiny_one_padded(tmp_path):
@@ -40,7 +28,7 @@ def test_peer_tokenizer_is_the_tiny_one_padded(tmp_path):
     from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
     from g4serve.processing.tokenizer import Tokenizer
 
-    peer = _load("peer_serve")
+    peer = load_script("peer_serve")
     theirs = AutoTokenizer.from_pretrained(peer.write_peer_tokenizer(tmp_path / "peer", vocab_size=1100))
     ours = Tokenizer.from_pretrained(write_tiny_tokenizer(tmp_path / "g4serve"))  # what g4serve's presets use
     assert len(theirs) == 1100
@@ -134,7 +122,7 @@ def test_transformers_serve_peer_under_the_bench(tmp_path):
 
 
 def test_peer_generate_rows_and_time_budget(tmp_path):
-    peer = _load("peer_transformers")
+    peer = load_script("peer_transformers")
     assert (
         peer.main(
             [

@@ -3,27 +3,13 @@ acceptance 1.0 yielding 1 + k tokens a step per request."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+from bench_scripts import load_script
 
 
 def test_variants_side_by_side(tiny_model_dir, tmp_path):
-    script = _load("spec_decode")
+    script = load_script("spec_decode")
     argv = [
         "--model",
         str(tiny_model_dir),
