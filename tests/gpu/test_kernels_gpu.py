@@ -6,6 +6,8 @@ heads at D=256 (window 1024) and 32 over 4 at D=512. Contexts from 1 to 8192 tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -256,18 +258,33 @@ def test_skinny_matmul_on_e4b_decode_shapes(m):
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2, msg=f"{ep=} {n=} {k=}")
 
 
-@pytest.mark.parametrize("head_dim,v_is_k", [(256, False), (512, False), (512, True)])
-def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
-    """The fused attention prologue on the GPU, bit for bit the unfused norm_rope + kv_cache_write."""
-    from g4serve.kernels.norm_rope import norm_rope
-    from g4serve.kernels.qkv_prep import qkv_prep
+@dataclass
+class PrologueCase:
+    """Inputs of the fused attention prologue: fused qkv rows, q/k norm weights, RoPE tables, KV slots
+    (-1: none) and the [2, slots, KV heads, D] cache written."""
+
+    qkv: torch.Tensor
+    head_dim: int
+    hq: int
+    hkv: int
+    v_is_k: bool
+    wq: torch.Tensor
+    wk: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    cache: torch.Tensor
+
+
+def prologue_case(head_dim: int, v_is_k: bool, cache_dtype: torch.dtype) -> PrologueCase:
+    """E4B's head counts (8 q heads over 2 KV heads; D=512 with proportional partial RoPE), 37 tokens into a
+    64-slot cache of ``cache_dtype``, every fifth slot -1."""
     from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
 
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
     t, hq, hkv = 37, 8, 2
-    qkv = (
-        3 * torch.randn(t, (hq + hkv * (1 if v_is_k else 2)) * head_dim, device="cuda", generator=gen)
-    ).bfloat16()
+    width = (hq + hkv * (1 if v_is_k else 2)) * head_dim
+    qkv = (3 * torch.randn(t, width, device="cuda", generator=gen)).bfloat16()
     wq, wk = (torch.randn(head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
     rope = (
         {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
@@ -279,17 +296,36 @@ def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
     )
     slots = torch.randperm(64, device="cuda", generator=gen)[:t]
     slots[::5] = -1
-    cache = torch.zeros(2, 64, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
-    ref_cache = cache.clone()
-    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, v_is_k=v_is_k)
-    heads = qkv.view(t, -1, head_dim)
-    k_raw = heads[:, hq : hq + hkv]
-    v_raw = k_raw if v_is_k else heads[:, hq + hkv :]
-    kv_cache_write(
-        norm_rope(k_raw, wk, 1e-6, cos, sin), norm_rope(v_raw, None, 1e-6), ref_cache[0], ref_cache[1], slots
-    )
-    assert torch.equal(q, norm_rope(heads[:, :hq], wq, 1e-6, cos, sin))
-    assert torch.equal(cache, ref_cache)
+    cache = torch.zeros(2, 64, hkv, head_dim, device="cuda", dtype=cache_dtype)
+    return PrologueCase(qkv, head_dim, hq, hkv, v_is_k, wq, wk, cos, sin, slots, cache)
+
+
+def fused_and_unfused_prologue(c: PrologueCase, scales: tuple | torch.Tensor = ()):
+    """The fused prologue (``qkv_prep``) into ``c.cache``, and norm_rope + kv_cache_write (with the KV
+    ``scales`` of an FP8 cache) into a copy of it: (fused q, unfused q, unfused K, unfused cache)."""
+    from g4serve.kernels.norm_rope import norm_rope
+    from g4serve.kernels.qkv_prep import qkv_prep
+
+    ref_cache = c.cache.clone()
+    q = qkv_prep(
+        c.qkv, c.hq, c.hkv, c.wq, c.wk, 1e-6, c.cos, c.sin, c.cache[0], c.cache[1], c.slots, *scales,
+        v_is_k=c.v_is_k,
+    )  # fmt: skip
+    heads = c.qkv.view(c.qkv.shape[0], -1, c.head_dim)
+    k_raw = heads[:, c.hq : c.hq + c.hkv]
+    v_raw = k_raw if c.v_is_k else heads[:, c.hq + c.hkv :]
+    k, v = norm_rope(k_raw, c.wk, 1e-6, c.cos, c.sin), norm_rope(v_raw, None, 1e-6)
+    kv_cache_write(k, v, ref_cache[0], ref_cache[1], c.slots, *scales)
+    return q, norm_rope(heads[:, : c.hq], c.wq, 1e-6, c.cos, c.sin), k, ref_cache
+
+
+@pytest.mark.parametrize("head_dim,v_is_k", [(256, False), (512, False), (512, True)])
+def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
+    """The fused attention prologue on the GPU, bit for bit the unfused norm_rope + kv_cache_write."""
+    case = prologue_case(head_dim, v_is_k, torch.bfloat16)
+    q, q_ref, _, ref_cache = fused_and_unfused_prologue(case)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(case.cache, ref_cache)
 
 
 @pytest.mark.parametrize("rows", [1, 64])

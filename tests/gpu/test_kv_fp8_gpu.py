@@ -9,6 +9,7 @@ import gc
 
 import pytest
 import torch
+from test_kernels_gpu import fused_and_unfused_prologue, prologue_case
 
 from g4serve.config import FULL, SLIDING
 from g4serve.engine.engine import EngineConfig, LLMEngine
@@ -126,35 +127,11 @@ def test_fp8_prefill_vs_reference(hq, hkv, head_dim, window):
 @pytest.mark.parametrize("head_dim, v_is_k", [(256, False), (512, False), (512, True)])
 def test_fp8_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
     """The fused prologue into an FP8 cache, bit for bit norm_rope + the FP8 KV write."""
-    from g4serve.kernels.norm_rope import norm_rope
-    from g4serve.kernels.qkv_prep import qkv_prep
-    from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
-
-    gen = torch.Generator(device="cuda").manual_seed(head_dim)
-    t, hq, hkv = 37, 8, 2
-    width = (hq + hkv * (1 if v_is_k else 2)) * head_dim
-    qkv = (3 * torch.randn(t, width, device="cuda", generator=gen)).bfloat16()
-    wq, wk = (torch.randn(head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    rope = (
-        {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
-        if head_dim == 512
-        else {"rope_theta": 10000.0}
-    )
-    cos, sin = rope_cos_sin(
-        torch.arange(t, device="cuda") * 13, text_inv_freq(rope, head_dim), torch.bfloat16
-    )
-    slots = torch.randperm(64, device="cuda", generator=gen)[:t]
-    slots[::5] = -1
-    cache = torch.zeros(2, 64, hkv, head_dim, device="cuda", dtype=KV_FP8_DTYPE)
-    ref_cache = cache.clone()
+    case = prologue_case(head_dim, v_is_k, KV_FP8_DTYPE)
     scales = _scales()
-    q = qkv_prep(qkv, hq, hkv, wq, wk, 1e-6, cos, sin, cache[0], cache[1], slots, *scales, v_is_k=v_is_k)
-    heads = qkv.view(t, -1, head_dim)
-    k_raw = heads[:, hq : hq + hkv]
-    v_raw = k_raw if v_is_k else heads[:, hq + hkv :]
-    k, v = norm_rope(k_raw, wk, 1e-6, cos, sin), norm_rope(v_raw, None, 1e-6)
-    kv_cache_write(k, v, ref_cache[0], ref_cache[1], slots, scales[0], scales[1])
-    assert torch.equal(q, norm_rope(heads[:, :hq], wq, 1e-6, cos, sin))
+    q, q_ref, k, ref_cache = fused_and_unfused_prologue(case, scales)
+    cache, slots = case.cache, case.slots
+    assert torch.equal(q, q_ref)
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
     kept = slots[slots >= 0]
     stored = dequantize_kv_reference(cache[0, kept], scales[0])
