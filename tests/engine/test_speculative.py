@@ -60,6 +60,11 @@ def test_ngram_lookup_takes_what_followed_the_latest_match():
         ({"method": "ngram", "prompt_lookup_min": "2"}, "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
         ({"method": "mtp", "model": ["/a"]}, "model"),
+        ({"method": "ngram", "forced_acceptance": 1.5}, "forced_acceptance"),
+        ({"method": "ngram", "forced_acceptance": -0.1}, "forced_acceptance"),
+        ({"method": "ngram", "forced_acceptance": "0.7"}, "forced_acceptance"),
+        ({"method": "ngram", "forced_acceptance": True}, "forced_acceptance"),
+        ({"method": "ngram", "forced_acceptance": float("nan")}, "forced_acceptance"),
     ],
 )
 def test_bad_configs_name_the_field(raw, field):
