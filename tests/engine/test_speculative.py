@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from g4serve import LLM, SamplingParams
+from g4serve.engine.inputs import DeviceDrafts, gather_pending
 from g4serve.engine.speculative import NgramProposer, SpeculativeConfig, verify
 from g4serve.structured import StructuredSpec
 from g4serve.structured.bitmask import AllowedTokenMasks
@@ -221,3 +222,80 @@ def test_draft_chain_masks_follow_the_drafts(ngram):
     assert not chain[3, digit] and not chain[3, x]  # only the end: the grammar is complete
     refused = masks([matcher] * 3, drafts=[x, digit, None])
     assert torch.equal(refused[0], alone) and refused[1:].all() and matcher.num_accepted == 0
+
+
+# ---- drafts left on the device -------------------------------------------------------------------------
+def test_pending_sources_are_gathered_into_one_copy():
+    """Input rows from two device sources (the previous step's samples and a drafting round) land in the
+    step's ids in one index copy."""
+    samples = torch.tensor([7, 8, 9])
+    drafts = torch.tensor([[70, 71], [80, 81]])
+    pending = gather_pending([(samples, [0], [2]), (drafts, [2, 3, 5], [2, 3, 1])])
+    ids = torch.zeros(6, dtype=torch.long)
+    pending.write_into(ids)
+    assert ids.tolist() == [9, 0, 80, 81, 0, 71]
+    assert gather_pending([(samples, [], [])]) is None
+
+
+def test_mtp_drafts_stay_on_the_device_and_stale_ones_still_verify(mtp_drafter):
+    """MTP rounds leave their drafts on the device: the verifying step reads them there, and the host learns
+    them with that step's samples. With a token budget too small for every request's drafts, some requests
+    skip a step and verify an older round's drafts later; greedy outputs stay those of plain decoding."""
+    target, drafter = mtp_drafter
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # Three short prompts prefill in one step and sample together; then two requests' 1 + 3 rows fill the
+    # 8-token budget and the third waits with its round's drafts until they finish.
+    prompts = [[30, 31], [100, 200], [500, 501]]
+    want = _tokens(LLM(target, **ENGINE), params, prompts)
+    spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": 3}
+    llm = LLM(target, speculative_config=spec, max_num_batched_tokens=8, **ENGINE)
+    engine = llm.engine
+    requests = [
+        engine.make_request(f"r{i}", engine.process_prompt({"prompt_token_ids": p}), params)
+        for i, p in enumerate(prompts)
+    ]
+    for request in requests:
+        engine.add_request(request)
+    rounds, verified, checked = [], [], []  # rounds proposed; (its round, the latest) per verification
+    propose, prepare, accept = engine.proposer.propose, engine.runner.prepare, engine._accept_drafts
+
+    def recording_propose(*args, **kwargs):
+        rounds.append(propose(*args, **kwargs))
+        return rounds[-1]
+
+    def recording_prepare(batch, *args, **kwargs):
+        for r in batch.requests:
+            if r.draft_token_ids:
+                verified.append((r.draft_source[0], rounds[-1]))
+                r.expected_drafts = r.draft_source[0].tokens[r.draft_source[1], : len(r.draft_token_ids)]
+        return prepare(batch, *args, **kwargs)
+
+    def checking_accept(request, drafts, *args):
+        # the host verifies the values the step read on the device, not the placeholders
+        checked.append(drafts == request.expected_drafts[: len(drafts)].tolist())
+        return accept(request, drafts, *args)
+
+    engine.proposer.propose, engine.runner.prepare = recording_propose, recording_prepare
+    engine._accept_drafts = checking_accept
+    engine.run_until_finished()
+    assert rounds and all(isinstance(r, DeviceDrafts) for r in rounds)
+    assert any(mine is not latest for mine, latest in verified)  # a request verified an older round
+    assert checked and all(checked)
+    assert [list(r.output_token_ids) for r in requests] == want
+    assert sum(engine.spec_stats.drafted) > 0
+
+
+def test_mtp_with_a_grammar_request_in_the_batch_drafts_on_the_host(mtp_drafter):
+    """A constrained request's drafts are cut by its grammar before the next step, so a round with one takes
+    its drafts to the host; free requests beside it stay identical to plain decoding."""
+    target, drafter = mtp_drafter
+    free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=10, structured_output=REGEX)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, "abab cd ab"]
+    plain_llm = LLM(target, **ENGINE)
+    want = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, [free, constrained])]
+    spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": 2}
+    llm = LLM(target, speculative_config=spec, **ENGINE)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, [free, constrained])]
+    assert [list(t) for t in got] == [list(t) for t in want]
+    assert re.fullmatch("(ab|cd|[a-z ]){4,40}", llm.generate(prompts[1:], constrained)[0].outputs[0].text)

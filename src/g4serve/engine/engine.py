@@ -17,6 +17,7 @@ import torch
 
 from g4serve.engine.config import EngineConfig
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
+from g4serve.engine.inputs import DeviceDrafts
 from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache, kv_cache_dtype
 from g4serve.engine.kv_cache.planning import (
     activation_reserve,
@@ -633,6 +634,8 @@ class LLMEngine:
             )
         for request in batch.requests:
             request.draft_token_ids = []  # verified by this step (the runner set ``verifying``), or stale
+            if request.verifying_source is not None:  # to the host behind the step, read with its samples
+                request.verifying_source[0].start_copy()
         for request in dict.fromkeys(result.requests):  # once per request, however many rows it sampled
             request.num_pending_outputs += 1
         return InflightStep(batch, result, computed)
@@ -666,7 +669,7 @@ class LLMEngine:
         last_rows: dict[int, int] = {}  # request -> the row that sampled its last token (for the drafter)
         for request, rows in _rows_by_request(step.result.requests).items():
             request.num_pending_outputs -= 1
-            verifying, request.verifying = request.verifying, []
+            verifying = request.take_verifying()
             if request.finished:
                 continue
             try:
@@ -754,10 +757,18 @@ class LLMEngine:
                 backend=self.runner.backend,
                 block_size=self.config.block_size,
             )
-        for request, drafts in zip(requests, self.proposer.propose(requests, budgets, **extra)):
+        # MTP drafts stay on the device unless a grammar must cut them now (see inputs.DeviceDrafts).
+        on_device = self.proposer.needs_hidden and all(r.grammar is None for r in requests)
+        drafts = self.proposer.propose(requests, budgets, on_device=on_device, **extra)
+        if isinstance(drafts, DeviceDrafts):
+            width = drafts.tokens.shape[1]
+            for i, (request, budget) in enumerate(zip(requests, budgets)):
+                request.set_device_drafts(drafts, i, min(width, budget))
+            return
+        for request, tokens in zip(requests, drafts):
             if request.grammar is not None:
-                drafts = grammar_prefix(request.grammar, list(drafts))
-            request.draft_token_ids = list(drafts)
+                tokens = grammar_prefix(request.grammar, list(tokens))
+            request.set_drafts(tokens)
 
     def _accept(self, request: Request, row: int, token_ids, logprobs, top_ids, top_lps, now: float) -> None:
         """Append row ``row``'s sampled token (and its logprobs) to ``request``."""

@@ -6,8 +6,8 @@ each had computed before, paged-cache addressing for both pools, bidirectional i
 tokens of any media the chunk covers. Only the last token of requests that finish their known tokens this
 step needs logits; with fast prefill the KV-shared layers run on those tokens alone. Requests with a LoRA
 adapter give each of their tokens the adapter's slot, so one forward mixes adapters. With async scheduling
-a request's input token may be the previous step's sample, not yet on the host: it is copied into the
-step's token ids on the device (``inputs.PendingTokens``).
+a request's input token may be the previous step's sample, not yet on the host, and an MTP round's drafts
+stay on the device: both are copied into the step's token ids on the device (``inputs.PendingTokens``).
 
 ``forward`` replays a CUDA graph when the runner owns one that fits the step (pure decodes; text or
 mixed steps up to a token bucket; speculative verification, every row sampled), else runs the model
@@ -32,7 +32,7 @@ from g4serve.engine.cuda_graphs import (
     sizes_up_to,
 )
 from g4serve.engine.encoder_runner import EncoderCache
-from g4serve.engine.inputs import PendingTokens
+from g4serve.engine.inputs import PendingTokens, gather_pending
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request
 from g4serve.engine.scheduler import ScheduledBatch
@@ -54,7 +54,7 @@ class StepInputs:
     num_new_tokens: list[int] = field(default_factory=list)
     tables: dict[str, list[list[int]]] = field(default_factory=dict)  # pool -> each sequence's blocks
     spans: list = field(default_factory=list)  # each sequence's bidirectional (image) spans
-    pending: PendingTokens | None = None  # input tokens still on the device (async scheduling)
+    pending: PendingTokens | None = None  # input tokens still on the device (async scheduling, drafts)
     mm_rows: list[torch.Tensor] = field(default_factory=list)  # soft tokens of the media the step covers
     mm_positions: list[int] = field(default_factory=list)  # their flat rows
     keep: list[int] = field(default_factory=list)  # flat rows whose logits are needed
@@ -224,6 +224,7 @@ class ModelRunner:
         pending_rows: list[int] = []
         pending_src: list[int] = []
         previous_rows: dict[int, int] | None = None
+        device_drafts: dict[int, tuple] = {}  # id(DeviceDrafts) -> (its tokens, flat rows, sources)
         if self.lora_weights is not None and any(r.lora_slot >= 0 for r in batch.requests):
             step.lora_slots = [
                 r.lora_slot for r, n in zip(batch.requests, batch.num_new_tokens) for _ in range(n)
@@ -234,6 +235,12 @@ class ModelRunner:
             chunk = request.token_ids_between(start, start + n)
             if request.draft_token_ids and len(chunk) == 1 < n:  # a decode with drafts to verify
                 self._add_verification(step, seq, request, chunk, request.draft_token_ids[: n - 1], kv)
+                if request.verifying_source is not None:  # their values are still on the device
+                    drafts, index = request.verifying_source
+                    _, rows, src = device_drafts.setdefault(id(drafts), (drafts.tokens, [], []))
+                    width = drafts.tokens.shape[1]
+                    rows += range(base + 1, base + n)
+                    src += range(index * width, index * width + n - 1)
                 continue
             if len(chunk) < n:  # the chunk ends on the token the previous step sampled
                 assert len(chunk) == n - 1 and previous is not None, "only the last token may be pending"
@@ -250,19 +257,23 @@ class ModelRunner:
                 step.keep.append(len(step.token_ids) - 1)
                 step.sampled.append(request)
                 step.sampled_seqs.append(seq)
+        groups = list(device_drafts.values())
         if pending_rows:
-            step.pending = PendingTokens(pending_rows, pending_src, previous.output.token_ids)
+            groups.insert(0, (previous.output.token_ids, pending_rows, pending_src))
+        step.pending = gather_pending(groups)
         return step
 
     @staticmethod
     def _add_verification(
         step: StepInputs, seq: int, request: Request, chunk: list[int], drafts: list[int], kv: KVCacheManager
     ) -> None:
-        """A decode with drafts: its last known token, then the drafts (now the request's ``verifying``);
-        every one of its rows samples."""
+        """A decode with drafts: its last known token, then the drafts (now the request's ``verifying``;
+        drafts still on the device are placeholders the caller has copied in there); every one of its rows
+        samples."""
         first = len(step.token_ids)
         step.has_drafts = True
         request.verifying = list(drafts)
+        request.verifying_source = request.draft_source
         step.token_ids.extend(chunk + drafts)
         for pool, table in kv.block_tables(request.request_id).items():
             step.tables[pool].append(table)

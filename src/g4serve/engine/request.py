@@ -15,6 +15,7 @@ from g4serve.processing.tokenizer import IncrementalDetokenizer, Tokenizer
 from g4serve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from g4serve.engine.inputs import DeviceDrafts
     from g4serve.structured import StructuredMatcher
 
 
@@ -70,9 +71,12 @@ class Request:
         self.lora_slot = -1
         self.cache_salt = b""
         # Speculative decoding: tokens proposed for the next step to verify, and those the launched step
-        # verifies (engine/speculative.py).
+        # verifies (engine/speculative.py). Drafts left on the device (``set_drafts``) are placeholders
+        # here until the verifying step's read-back; ``*_source`` says where their values are.
         self.draft_token_ids: list[int] = []
+        self.draft_source: tuple[DeviceDrafts, int] | None = None
         self.verifying: list[int] = []
+        self.verifying_source: tuple[DeviceDrafts, int] | None = None
         self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
         self.generator: torch.Generator | None = None
         self._detok = IncrementalDetokenizer(
@@ -83,6 +87,23 @@ class Request:
             self._stop_tokens.update(self.eos_token_ids)
         self._max_stop_len = max((len(s) for s in self.sampling_params.stop), default=0)
         self._streamed_chars = 0
+
+    def set_drafts(self, tokens: list[int]) -> None:
+        """Drafts for the next step to verify, on the host."""
+        self.draft_token_ids, self.draft_source = list(tokens), None
+
+    def set_device_drafts(self, drafts: DeviceDrafts, index: int, count: int) -> None:
+        """``count`` drafts for the next step, in row ``index`` of a round still on the device."""
+        self.draft_token_ids, self.draft_source = [0] * count, (drafts, index)
+
+    def take_verifying(self) -> list[int]:
+        """The drafts the launched step verified (values copied back from the device if they were left
+        there, the step having been read back), clearing them."""
+        verifying, self.verifying = self.verifying, []
+        source, self.verifying_source = self.verifying_source, None
+        if source is None or not verifying:
+            return verifying
+        return source[0].row(source[1], len(verifying))
 
     @property
     def stop_token_ids(self) -> set[int]:

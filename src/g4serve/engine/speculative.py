@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from g4serve.engine.inputs import DeviceDrafts
 from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.transfer import to_device
 
@@ -212,10 +213,13 @@ class MTPProposer:
         tables: list[dict[str, list[int]]],
         backend: AttentionBackend,
         block_size: int,
-    ) -> list[list[int]]:
+        on_device: bool = False,
+    ) -> list[list[int]] | DeviceDrafts:
         """``hidden`` [len(requests), H]: the target's final hidden state of the row that sampled each
         request's last token; ``tables``: each request's block tables. Every request has computed all tokens
-        but its last (verification rolled back to that)."""
+        but its last (verification rolled back to that). ``on_device``: return the round's drafts [B, k]
+        without waiting for them (the caller cuts each request's to its budget), else token lists cut to
+        ``budgets``."""
         if min(self.k, max(budgets, default=0)) <= 0:
             return [[] for _ in requests]
         computed = [r.num_computed_tokens for r in requests]
@@ -223,7 +227,9 @@ class MTPProposer:
         by_pool = {pool: [t[pool] for t in tables] for pool in tables[0]}
         if self.graphs is not None and len(requests) <= self.graphs.max_batch:
             self.num_graph_rounds += 1
+            # the graph's output buffer is the next round's too: a round left on the device gets its own copy
             drafts = self.graphs.draft(last, computed, by_pool, hidden)
+            drafts = drafts.clone() if on_device else drafts
         else:
             device = hidden.device
             meta = contiguous_metadata(
@@ -244,6 +250,8 @@ class MTPProposer:
                 self.k,
                 self.decodable_vocab_size,
             )
+        if on_device:
+            return DeviceDrafts(drafts)
         return [row[:b] for row, b in zip(drafts.tolist(), budgets)]
 
 
