@@ -101,6 +101,49 @@ def bench_tokens(engine: LLMEngine, batch: int, prompt_len: int, steps: int, sal
     }
 
 
+def profile_steps(
+    engine: LLMEngine, batch: int, prompt_len: int, steps: int, out_dir: Path, tag: str
+) -> dict:
+    """``steps`` decode steps of ``batch`` requests under torch.profiler: wall time per step against the
+    device's kernel time per step (the gap is the GPU waiting for the host), the kernels that take the most
+    time, and a Chrome trace beside the JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    k = engine.speculative.num_speculative_tokens if engine.speculative else 0
+    params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (1 + k), ignore_eos=True)
+    start_decoding(engine, batch, prompt_len, params, f"prof-{batch}", salt=99_000, warm_steps=3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        wall = time.perf_counter() - start
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    device_us = sum(e.self_device_time_total for e in kernels)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / f"trace-{tag.replace('@', '-at-').replace('+', '-')}-b{batch}.json"
+    prof.export_chrome_trace(str(trace))
+    return {
+        "batch": batch,
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "device_kernel_ms_per_step": device_us / 1e3 / steps,
+        "top_kernels": [
+            {
+                "name": e.key[:120],
+                "calls_per_step": e.count / steps,
+                "ms_per_step": e.self_device_time_total / 1e3 / steps,
+            }
+            for e in kernels[:15]
+        ],
+        "trace": trace.name,
+    }
+
+
 def drafter_bytes(engine: LLMEngine) -> int:
     """Bytes one MTP drafter step reads: its weights but the LM-head table, of which ordered embeddings read
     the centroid clusters' rows only."""
@@ -116,6 +159,24 @@ def drafter_bytes(engine: LLMEngine) -> int:
     return int(total + rows * head.shape[1] * head.element_size())
 
 
+def kv_fit(engine: LLMEngine, seqs: int, length: int) -> dict:
+    """Whether the KV pools hold ``seqs`` sequences of ``length`` tokens each at once, by the block manager's
+    own accounting: what one sequence decoding its next token at that length needs in every pool (the
+    sliding pool only its window), times ``seqs``, against each pool's blocks."""
+    kv = engine.kv
+    per_seq = kv.blocks_needed("kv-fit-probe", length - 1, 1)
+    pools = {
+        pool: {"blocks_needed": seqs * need, "blocks": kv.pools[pool].num_blocks}
+        for pool, need in per_seq.items()
+    }
+    return {
+        "sequences": seqs,
+        "tokens_each": length,
+        "pools": pools,
+        "fits": all(p["blocks_needed"] <= p["blocks"] for p in pools.values()),
+    }
+
+
 def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
     fields = parse_variant(name, args.num_spec)
     config = EngineConfig(
@@ -125,6 +186,7 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
         max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(2048, args.prefill_len),
         kv_cache_bytes=args.kv_cache_bytes,
+        max_model_len=args.max_model_len,
         enable_prefix_caching=False,
         attention_backend="triton" if args.device != "cpu" else "torch",
         **fields,
@@ -142,6 +204,12 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
         f"[{name}] loaded in {load_s:.0f}s; KV {engine.kv.capacity_tokens()}; floor {floor_ms:.2f} ms",
         flush=True,
     )
+    fit = kv_fit(engine, *args.fit) if args.fit else None
+    if fit is not None:
+        print(
+            f"[{name}] KV for {args.fit[0]} x {args.fit[1]} tokens: fits={fit['fits']} {fit['pools']}",
+            flush=True,
+        )
     decode = []
     for salt, batch in enumerate(args.batches):
         row = bench_tokens(engine, batch, args.prompt_len, args.steps, salt)
@@ -151,6 +219,19 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
             f"{row['output_tokens_per_s']:.0f} tok/s, step {row['step_p50_ms']:.2f} ms",
             flush=True,
         )
+    profiled = None
+    if args.profile:
+        profiled = profile_steps(engine, args.batches[0], args.prompt_len, args.profile, Path(args.out), name)
+        print(
+            f"[{name}] profile B={profiled['batch']}: {profiled['wall_ms_per_step']:.2f} ms/step wall, "
+            f"{profiled['device_kernel_ms_per_step']:.2f} ms/step of kernels",
+            flush=True,
+        )
+        for kernel in profiled["top_kernels"][:8]:
+            print(
+                f"    {kernel['ms_per_step']:7.3f} ms x{kernel['calls_per_step']:5.1f}  {kernel['name']}",
+                flush=True,
+            )
     ttft = None
     if not k and args.prefill_len:
         ttft = bench_prefill(engine, args.prefill_len, args.prefill_reps)
@@ -161,6 +242,10 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
         "load_s": load_s,
         "kv_cache_dtype": str(next(iter(engine.kv_cache.kv.values())).dtype),
         "kv_capacity_tokens": engine.kv.capacity_tokens(),
+        "kv_fit": fit,
+        "gpu_memory_allocated_gib": (
+            torch.cuda.memory_allocated(engine.device) / 2**30 if engine.device.type == "cuda" else None
+        ),
         "weight_bytes": weight_bytes,
         "step_bytes": step_bytes,
         "floor_step_ms": floor_ms,
@@ -169,6 +254,7 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
         "graph_steps": engine.runner.num_graph_steps,
         "draft_graph_rounds": getattr(engine.proposer, "num_graph_rounds", None),
         "decode": decode,
+        "profile": profiled,
         "ttft": ttft,
     }
     del engine
@@ -203,6 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-len", type=int, default=2048, help="TTFT prompt length (0: none)")
     p.add_argument("--prefill-reps", type=int, default=3)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument(
+        "--fit",
+        type=lambda s: tuple(int(x) for x in s.lower().split("x")),
+        default=None,
+        metavar="SEQSxTOKENS",
+        help="report whether the KV cache holds SEQS sequences of TOKENS tokens at once (e.g. 32x8192)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="profile STEPS decode steps at the first batch size (device kernel time against wall time)",
+    )
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
