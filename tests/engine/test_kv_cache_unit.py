@@ -358,16 +358,32 @@ def test_reset_prefix_cache_forgets_free_blocks_only():
 def test_plan_gives_the_sliding_pool_a_window_per_sequence_and_the_rest_to_full():
     text = text_config()
     per_block = PagedKVCache.bytes_per_block(text, BS, torch.float32)
-    # each sliding sequence needs ceil((window 8 + chunk 8) / 4) + 1 = 5 blocks
+    # each sliding sequence holds ceil(window 8 / 4) + 2 = 4 blocks; a step's chunks ceil(8 / 4) = 2 more
     budget = 1000 * per_block[FULL]
     plan = plan_kv_blocks(text, BS, torch.float32, budget, max_num_seqs=3, max_num_batched_tokens=8)
-    assert plan == {SLIDING: 15, FULL: (budget - 15 * per_block[SLIDING]) // per_block[FULL]}
-    # a small budget: the sliding pool takes at most half of it
+    assert plan == {SLIDING: 14, FULL: (budget - 14 * per_block[SLIDING]) // per_block[FULL]}
+    # a small budget: the sliding pool takes half of it
     small = plan_kv_blocks(text, BS, torch.float32, 4 * per_block[FULL], 64, 8)
     assert small[SLIDING] == (2 * per_block[FULL]) // per_block[SLIDING]
+    # or more, while the full pool still holds one sequence of max_model_len tokens (one block here)
+    short = plan_kv_blocks(text, BS, torch.float32, 4 * per_block[FULL], 64, 8, max_model_len=BS)
+    assert short[SLIDING] == (3 * per_block[FULL]) // per_block[SLIDING] and short[FULL] >= 1
     assert small[FULL] == (4 * per_block[FULL] - small[SLIDING] * per_block[SLIDING]) // per_block[FULL]
     with pytest.raises(MemoryError, match="kv_cache"):
         plan_kv_blocks(text, BS, torch.float32, 0, 4, 8)
+
+
+def test_31b_with_an_fp8_cache_holds_32_sequences_of_8k_tokens():
+    """The issue's capacity target, in the block manager's own accounting: 26 GB is a little less than the
+    KV budget an H100 had left beside 31B's FP8 weights (26.2 GB measured, bench/spec_decode.py --fit)."""
+    text = preset("31b").text
+    plan = plan_kv_blocks(
+        text, 16, torch.float8_e4m3fn, 26 * 10**9, max_num_seqs=32, max_num_batched_tokens=2048
+    )
+    kv = KVCacheManager(text, plan, 16)
+    need = kv.blocks_needed("probe", 8192 - 1, 1)
+    assert need[SLIDING] <= text.sliding_window // 16 + 2  # the window only
+    assert all(32 * need[pool] <= plan[pool] for pool in need)
 
 
 def test_the_longest_sequence_fits_both_pools_alone():

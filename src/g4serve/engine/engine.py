@@ -170,7 +170,13 @@ class LLMEngine:
             budget = kv_budget(self.device, config.gpu_memory_utilization, reserve)
         kv_dtype = kv_dtype or self.dtype
         num_blocks = plan_kv_blocks(
-            text, config.block_size, kv_dtype, budget, config.max_num_seqs, config.max_num_batched_tokens
+            text,
+            config.block_size,
+            kv_dtype,
+            budget,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
         )
         scales = fp8_kv_scales(self.model, model_dir) if kv_dtype != self.dtype else None
         self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, kv_dtype, self.device, scales)

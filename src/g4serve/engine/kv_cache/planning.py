@@ -36,10 +36,15 @@ def plan_kv_blocks(
     budget: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    max_model_len: int | None = None,
 ) -> dict[str, int]:
-    """Blocks per pool within ``budget`` bytes. A sliding sequence never needs more than its window plus one
-    chunk, so the sliding pool takes that for every sequence (at most half the budget when a full pool
-    exists); the full pool takes the rest."""
+    """Blocks per pool within ``budget`` bytes. A sliding sequence holds its window (plus a block either
+    side: partial blocks, drafts); a step's chunks add at most ``max_num_batched_tokens`` between them. The
+    sliding pool takes that for ``max_num_seqs`` sequences, the full pool the rest. When both cannot have
+    it, the sliding pool takes half the budget, or more as long as the full pool still holds one sequence
+    of ``max_model_len`` tokens (default: the model's context). Sliding K/V can cost ten times the full
+    layers' per token (31B: 50 sliding layers of 16 heads against 10 full layers of 4), so an even split
+    starved 32 sliding sequences while the full pool had room for 32 of 10k tokens."""
     if budget <= 0:
         raise MemoryError(
             "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
@@ -47,9 +52,13 @@ def plan_kv_blocks(
     per_block = PagedKVCache.bytes_per_block(text, block_size, dtype)
     out = {SLIDING: 0, FULL: 0}
     if per_block[SLIDING]:
-        window_blocks = -(-(text.sliding_window + max_num_batched_tokens) // block_size) + 1
-        share = budget // 2 if per_block[FULL] else budget
-        out[SLIDING] = max(1, min(max_num_seqs * window_blocks, share // per_block[SLIDING]))
+        need = max_num_seqs * (-(-text.sliding_window // block_size) + 2)
+        need += -(-max_num_batched_tokens // block_size)
+        share = budget
+        if per_block[FULL]:
+            longest = -(-(max_model_len or text.max_position_embeddings) // block_size) * per_block[FULL]
+            share = budget - min(budget // 2, longest)
+        out[SLIDING] = max(1, min(need, share // per_block[SLIDING]))
         budget -= out[SLIDING] * per_block[SLIDING]
     if per_block[FULL]:
         out[FULL] = max(1, budget // per_block[FULL])
