@@ -10,7 +10,9 @@ as q + 8. Weights are read once, in their quantized bytes, which is the point at
   this tile's math, the first before the programmatic-dependent-launch wait (as ``gemv.py``);
 - ``M > 1``: tiles dequantized to the activation dtype and multiplied on the tensor cores; up to
   ``SKINNY_ROWS`` rows in one row tile (every weight element loaded once for the batch), more rows over a
-  2-D grid (a prefill GEMM that never writes a dequantized copy of the weight).
+  2-D grid (a prefill GEMM that never writes a dequantized copy of the weight);
+- ``config["split_k"]`` > 1 (opt-in; no default uses it): K cut into that many ranges, fp32 partials summed
+  in order by a second kernel that applies the epilogue (deterministic, no atomics).
 
 Epilogues as in ``gemv.py``: ``gate_up`` act(x W_gate^T) * (x W_up^T) from one stacked weight, ``mul``
 act(x W^T) * e. The torch reference dequantizes to the compute dtype, then ``F.linear``.
@@ -102,7 +104,110 @@ def _dequant(
     return tl.reshape(deq, [BLOCK_N, BLOCK_K])
 
 
-def _quant_matmul_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags, specialised away at compile time
+@triton.jit
+def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
+    X,
+    W,
+    S,
+    Z,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    k_start,
+    k_end,
+    num_groups,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """fp32 products [BLOCK_M, BLOCK_N] of rows ``offs_m`` by weight rows ``offs_n`` over K in
+    [k_start, k_end) (``k_start`` a multiple of BLOCK_K), and of the up half for ``gate_up``; waits on the
+    previous kernel once the first raw tile is requested."""
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    up_rows = offs_n + N  # the up half of a stacked [gate; up] weight
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+    # Weights are never written during a step: the first raw tile is requested before waiting on the
+    # previous kernel (programmatic dependent launch).
+    w, s, z = _load_raw(
+        W, S, Z, offs_n, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
+        scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+    )  # fmt: skip
+    u, su, zu = w, s, z
+    if EPILOGUE == 1:
+        u, su, zu = _load_raw(
+            W, S, Z, up_rows, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
+            scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
+        # the next raw tile before this one's math (masked off past k_end)
+        w_next, s_next, z_next = _load_raw(
+            W, S, Z, offs_n, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn, stride_zn,
+            scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+        u_next, su_next, zu_next = w_next, s_next, z_next
+        if EPILOGUE == 1:
+            u_next, su_next, zu_next = _load_raw(
+                W, S, Z, up_rows, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn, stride_zn,
+                scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+            )  # fmt: skip
+        wf = _dequant(w, s, z, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+        if USE_DOT:
+            # the dequantized tile rounded to the activation dtype, as the reference's dequantized weight
+            if UPCAST:
+                xd = x.to(tl.float32)
+                wd = wf.to(x.dtype).to(tl.float32)
+            else:
+                xd = x
+                wd = wf.to(x.dtype)
+            acc += tl.dot(xd, tl.trans(wd), input_precision=DOT_PRECISION)
+            if EPILOGUE == 1:
+                uf = _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+                ud = uf.to(x.dtype).to(tl.float32) if UPCAST else uf.to(x.dtype)
+                acc_up += tl.dot(xd, tl.trans(ud), input_precision=DOT_PRECISION)
+        else:
+            xf = x.to(tl.float32)  # [1, BLOCK_K]
+            acc += wf * xf
+            if EPILOGUE == 1:
+                acc_up += _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS) * xf
+        w, s, z = w_next, s_next, z_next
+        u, su, zu = u_next, su_next, zu_next
+        x_ptrs += BLOCK_K
+
+    if USE_DOT:
+        y = acc
+        y_up = acc_up
+    else:
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+        y_up = tl.sum(acc_up, axis=1)[None, :]
+    return y, y_up
+
+
+def _quant_matmul_fn(
     X,
     W,
     S,
@@ -138,72 +243,13 @@ def _quant_matmul_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    y, y_up = _products(
+        X, W, S, Z, offs_m, offs_n, M, N, 0, K, num_groups, stride_xm, stride_wn, stride_sn, stride_zn,
+        scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE, USE_DOT, UPCAST,
+        DOT_PRECISION, USE_PDL,
+    )  # fmt: skip
     n_mask = offs_n < N
     m_mask = offs_m < M
-    up_rows = offs_n + N  # the up half of a stacked [gate; up] weight
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    # Weights are never written during a step: the first raw tile is requested before waiting on the
-    # previous kernel (programmatic dependent launch).
-    w, s, z = _load_raw(
-        W, S, Z, offs_n, n_mask, 0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
-        BLOCK_K, INT4, HAS_ZERO, GROUPS,
-    )  # fmt: skip
-    u, su, zu = w, s, z
-    if EPILOGUE == 1:
-        u, su, zu = _load_raw(
-            W, S, Z, up_rows, n_mask, 0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
-            BLOCK_K, INT4, HAS_ZERO, GROUPS,
-        )  # fmt: skip
-    wait_for_previous_kernel(USE_PDL)
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
-        # the next raw tile before this one's math (masked off past K)
-        w_next, s_next, z_next = _load_raw(
-            W, S, Z, offs_n, n_mask, k0 + BLOCK_K, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
-            scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
-        )  # fmt: skip
-        u_next, su_next, zu_next = w_next, s_next, z_next
-        if EPILOGUE == 1:
-            u_next, su_next, zu_next = _load_raw(
-                W, S, Z, up_rows, n_mask, k0 + BLOCK_K, K, num_groups, stride_wn, stride_sn, stride_zn,
-                scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
-            )  # fmt: skip
-        wf = _dequant(w, s, z, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
-        if USE_DOT:
-            # the dequantized tile rounded to the activation dtype, as the reference's dequantized weight
-            if UPCAST:
-                xd = x.to(tl.float32)
-                wd = wf.to(x.dtype).to(tl.float32)
-            else:
-                xd = x
-                wd = wf.to(x.dtype)
-            acc += tl.dot(xd, tl.trans(wd), input_precision=DOT_PRECISION)
-            if EPILOGUE == 1:
-                uf = _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
-                ud = uf.to(x.dtype).to(tl.float32) if UPCAST else uf.to(x.dtype)
-                acc_up += tl.dot(xd, tl.trans(ud), input_precision=DOT_PRECISION)
-        else:
-            xf = x.to(tl.float32)  # [1, BLOCK_K]
-            acc += wf * xf
-            if EPILOGUE == 1:
-                acc_up += _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS) * xf
-        w, s, z = w_next, s_next, z_next
-        u, su, zu = u_next, su_next, zu_next
-        x_ptrs += BLOCK_K
-
-    if USE_DOT:
-        y = acc
-        y_up = acc_up
-    else:
-        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-        y_up = tl.sum(acc_up, axis=1)[None, :]
     out_ty = Y.dtype.element_ty
     y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
     tl.store(
@@ -213,7 +259,104 @@ def _quant_matmul_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     )
 
 
+def _quant_matmul_split_fn(
+    X,
+    W,
+    S,
+    Z,
+    P,
+    M,
+    N,
+    K,
+    num_groups,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Split-K: program (n, m, split) writes its fp32 partial products over one K range (a whole number of K
+    tiles) to P [splits, 1 or 2 (gate, up), M, N]; ``_split_reduce_fn`` sums them in split order."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    splits = tl.num_programs(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    y, y_up = _products(
+        X, W, S, Z, offs_m, offs_n, M, N, k_start, k_end, num_groups, stride_xm, stride_wn, stride_sn,
+        stride_zn, scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE, USE_DOT,
+        UPCAST, DOT_PRECISION, USE_PDL,
+    )  # fmt: skip
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    parts: tl.constexpr = 2 if EPILOGUE == 1 else 1
+    mask = m_mask[:, None] & n_mask[None, :]
+    p_ptrs = P + ((pid_k * parts) * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+    tl.store(p_ptrs, y, mask=mask)
+    if EPILOGUE == 1:
+        tl.store(p_ptrs + M.to(tl.int64) * N, y_up, mask=mask)
+
+
+def _split_reduce_fn(
+    P,
+    E,
+    Y,
+    M,
+    N,
+    splits,
+    stride_em,
+    stride_ym,
+    BLOCK_N: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One row's BLOCK_N outputs: the split partials summed in split order (deterministic), then the
+    epilogue."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m + tl.arange(0, 1)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    parts: tl.constexpr = 2 if EPILOGUE == 1 else 1
+    wait_for_previous_kernel(USE_PDL)
+    p_ptrs = P + pid_m.to(tl.int64) * N + offs_n
+    y = tl.zeros([BLOCK_N], tl.float32)
+    y_up = tl.zeros([BLOCK_N], tl.float32)
+    for _ in range(0, splits):
+        y += tl.load(p_ptrs, mask=n_mask, other=0.0)
+        if EPILOGUE == 1:
+            y_up += tl.load(p_ptrs + M.to(tl.int64) * N, mask=n_mask, other=0.0)
+        p_ptrs += parts * M.to(tl.int64) * N
+    out_ty = Y.dtype.element_ty
+    y = gated_epilogue(
+        y[None, :], y_up[None, :], Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT
+    )
+    tl.store(
+        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], y.to(out_ty), mask=n_mask[None, :]
+    )
+
+
 _quant_matmul = DualKernel(_quant_matmul_fn)
+_quant_matmul_split = DualKernel(_quant_matmul_split_fn)
+_split_reduce = DualKernel(_split_reduce_fn)
 
 
 def quant_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
@@ -271,7 +414,7 @@ def quant_matmul(
     ``weight``: float8_e4m3fn [N or 2N, K], or int32 [N or 2N, ceil(K / 8)] packed int4; ``scale``
     [ceil(rows / bn), ceil(K / bk)] for ``scale_block`` = (bn, bk); ``zero_point`` int8 [rows, ceil(K / bk)]
     (int4 only).
-    Epilogues as ``gemv.skinny_matmul``."""
+    Epilogues as ``gemv.skinny_matmul``. ``config``: quant_matmul_config's keys, optionally ``split_k``."""
     m, k = x.shape
     int4 = weight.dtype == torch.int32
     assert k == in_features and x.stride(-1) == 1 and weight.is_contiguous() and scale.is_contiguous()
@@ -287,6 +430,11 @@ def quant_matmul(
     upcast, precision = dot_settings(x.dtype, x.device)
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
+    if cfg.get("split_k", 1) > 1:
+        _split_k_matmul(
+            x, weight, scale, scale_block, zero_point, epilogue, activation, other, cfg, groups, y
+        )
+        return y
     grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, block_m))
     _quant_matmul[x.device][grid](
         x,
@@ -323,6 +471,66 @@ def quant_matmul(
         num_stages=cfg["num_stages"],
     )
     return y
+
+
+def _split_k_matmul(x, weight, scale, scale_block, zero_point, epilogue, activation, other, cfg, groups, y):
+    """``config["split_k"]`` > 1: K cut into that many ranges of whole K tiles, each program's fp32 partials
+    written to a workspace, then summed in split order by a second kernel that applies the epilogue (no
+    atomics: deterministic, and capturable in a CUDA graph)."""
+    m, k = x.shape
+    n = y.shape[1]
+    splits = cfg["split_k"]
+    parts = 2 if epilogue == GATE_UP else 1
+    partials = torch.empty((splits, parts, m, n), dtype=torch.float32, device=x.device)
+    upcast, precision = dot_settings(x.dtype, x.device)
+    launch = pdl(x.device, m)
+    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]), splits)
+    _quant_matmul_split[x.device][grid](
+        x,
+        weight,
+        scale,
+        zero_point if zero_point is not None else scale,
+        partials,
+        m,
+        n,
+        k,
+        scale.shape[1],
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        zero_point.stride(0) if zero_point is not None else 0,
+        scale_block[0],
+        scale_block[1],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        GROUPS=groups,
+        INT4=weight.dtype == torch.int32,
+        HAS_ZERO=zero_point is not None,
+        EPILOGUE=epilogue,
+        USE_DOT=cfg["block_m"] > 1,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        **launch,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    block_n = min(1024, max(16, next_pow2(n)))
+    _split_reduce[x.device][(triton.cdiv(n, block_n), m)](
+        partials,
+        other if other is not None else y,
+        y,
+        m,
+        n,
+        splits,
+        other.stride(0) if other is not None else 0,
+        y.stride(0),
+        BLOCK_N=block_n,
+        EPILOGUE=epilogue,
+        ACT=_KINDS[activation] if epilogue != PLAIN else 0,
+        **launch,
+        num_warps=4,
+    )
 
 
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
