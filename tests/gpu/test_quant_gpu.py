@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
 from g4serve.kernels.quant_matmul import dequantize_reference, quant_matmul
 from g4serve.layers.quant import QuantLinear, quant_linear, quantize_weight
@@ -78,6 +79,40 @@ def test_quant_matmul_fp32_matches_the_reference(fmt, m):
     got = quant_matmul(x, q, scale, block, 2560, zero)
     ref = x @ dequantize_reference(q, scale, block, 2560, zero, torch.float32).T
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
+@pytest.mark.parametrize("m", [1, 3, 32, 200])
+def test_fp8_matmul_at_model_shapes(fmt, m):
+    """The W8A8 kernel compiled for the GPU against its torch reference (the same activation groups), and
+    within FP8's precision of the dequantized bf16 product."""
+    gen = torch.Generator(device="cuda").manual_seed(m + 11)
+    for n, k, ep in SHAPES:
+        rows = 2 * n if ep == GATE_UP else n
+        q, scale, _, block = _weights(fmt, rows, k, gen)
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        other = torch.randn(m, n, generator=gen, device="cuda").to(torch.bfloat16) if ep == MUL else None
+        act = "gelu_pytorch_tanh" if ep != PLAIN else None
+        got = fp8_matmul(x, q, scale, block, ep, act, other).float()
+        ref = fp8_matmul_reference(x, q, scale, block, ep, act, other).float()
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, (fmt, m, n, k, ep, err)
+        if ep == PLAIN:
+            dense = x.float() @ dequantize_reference(q, scale, block, k, None, torch.float32).T
+            rel = ((got - dense).norm() / dense.norm()).item()
+            assert rel < 4e-2, (fmt, m, n, k, rel)
+
+
+def test_fp8_dynamic_projections_take_the_w8a8_kernel_at_decode_sizes():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n, k = 3072, 2560
+    layer = QuantLinear(
+        k, n, WeightQuant("fp8", "channel", (1, 0)), ActivationQuant(True, "token"), device="cuda"
+    )
+    layer.quantize_from(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5)
+    x = torch.randn(8, k, generator=gen, device="cuda").to(torch.bfloat16)
+    want = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block)
+    assert torch.equal(quant_linear(x, layer), want)
 
 
 @pytest.mark.parametrize("activations", [ActivationQuant(True, "token"), ActivationQuant(False, "tensor")])

@@ -4,9 +4,12 @@ g4serve's own quantizer (``--quantization`` presets quantize bf16 weights at loa
 ``QuantLinear`` keeps a compressed-tensors checkpoint's bytes as they are (FP8 weights; int4 in its int32
 packing) with one scale per block of the weight (``scale_block``: per tensor, channel, 128x128 block or
 group) and, for asymmetric int4, int8 zero points per scale entry. The CPU path dequantizes to the compute
-dtype and runs ``F.linear`` (the exact reference); CUDA runs ``kernels/quant_matmul.py``, except FP8 weights
-with per-tensor / per-channel scales and quantized activations past ``SKINNY_ROWS`` rows, which take
-``torch._scaled_mm`` on the FP8 tensor cores with the scheme's activation scales.
+dtype and runs ``F.linear`` (the exact reference). On CUDA, FP8 weights of schemes with dynamic activation
+scales run on the FP8 tensor cores with their activations quantized too, as the scheme says: past
+``SKINNY_ROWS`` rows plain projections take ``torch._scaled_mm`` (per-token scales), every other shape
+``kernels/fp8_matmul.py`` (per token and 128-column group, in the kernel). int4, static activation scales
+and FP8 weights on older GPUs run ``kernels/quant_matmul.py`` (dequantized in registers, 16-bit products);
+``G4SERVE_FP8_MATMUL=dequant`` sends FP8 there too (the A/B of bench runs).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from g4serve.kernels.act_mul import act_mul_reference
+from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_supported
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
 from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
@@ -30,6 +34,9 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows past SKINNY_ROWS on CUDA: "triton" (default) multiplies in quant_matmul's 2-D grid; "dequant" writes
 # the dense weight once per call and runs cuBLAS (the A/B alternative for bench runs).
 PREFILL_PATH = os.environ.get("G4SERVE_QUANT_PREFILL", "triton")
+# FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
+# tensor cores; "dequant" takes the in-register dequantizing kernel with 16-bit activations.
+FP8_MATMUL = os.environ.get("G4SERVE_FP8_MATMUL", "w8a8")
 
 
 class QuantLinear(nn.Module):
@@ -117,6 +124,14 @@ def quant_linear(
     m = x.shape[0]
     if m > SKINNY_ROWS and epilogue == PLAIN and _scaled_mm_ok(x, layer):
         return _fp8_scaled_mm(x, layer)
+    if _fp8_matmul_ok(x, layer):
+        if epilogue == MUL and other.stride(-1) != 1:
+            other = other.contiguous()
+        y = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
+        if layer.bias is not None:
+            assert epilogue == PLAIN, "fused epilogues take bias-free projections"
+            y += layer.bias
+        return y
     if m > SKINNY_ROWS and PREFILL_PATH == "dequant":
         return _reference(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
@@ -157,6 +172,20 @@ def _scaled_mm_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
     if layer.in_features % 16 or layer.out_features % 16:
         return False
     return _fp8_tensor_cores(x.device.index or 0)
+
+
+def _fp8_matmul_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
+    """FP8 weights whose scheme quantizes activations dynamically, with weight scales constant over every
+    128-column activation group, 16-bit activations, on FP8 tensor cores (``kernels/fp8_matmul.py``)."""
+    return (
+        FP8_MATMUL == "w8a8"
+        and layer.kind == FP8
+        and layer.activations is not None
+        and layer.activations.dynamic
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and fp8_matmul_supported(layer.scale_block, layer.in_features)
+        and _fp8_tensor_cores(x.device.index or 0)
+    )
 
 
 @functools.cache

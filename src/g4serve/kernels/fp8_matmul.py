@@ -1,0 +1,208 @@
+"""W8A8 FP8 GEMM: activations quantized to FP8 e4m3 inside the kernel, multiplied with FP8 weights on the
+tensor cores (Hopper's FP8 MMA), for compressed-tensors' FP8 schemes with dynamic activation scales.
+
+``y = sum_g (q(x_g) @ W_g^T) * sx_g * sw_g`` over K groups g of ``GROUP`` (128) columns: ``q(x_g)`` is the
+group of a token's row divided by its own scale ``sx_g = max(amax(|x_g|) / 448, 1e-12)`` and rounded to e4m3
+(per token and 128-column group, as FP8-block's activation scheme, finer than per-token FP8-dynamic);
+``sw_g`` is the weight's scale for that group (per tensor, channel or 128 x 128 block: constant within a
+group). The weight is read once in its FP8 bytes and never converted: the in-register dequantizing kernel
+(``quant_matmul.py``) spends ~11 instructions per weight byte widening FP8 to fp32, which bounds an H100 at
+~2.7 TB/s of weights before any memory stall; here a tile goes to the MMA as it was loaded. Epilogues as in
+``gemv.py`` (``gate_up``, ``mul``). The torch reference quantizes the same groups, then multiplies in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
+from g4serve.kernels.act_mul import _KINDS, act_mul_reference
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gated_epilogue
+from g4serve.kernels.kv_cache_write import FP8_MAX, quantize_fp8
+
+GROUP = 128  # activation columns sharing one scale, and the kernel's K step
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_matmul_fn(
+    X,
+    W,
+    S,
+    E,
+    Y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_em,
+    stride_ym,
+    scale_bn,
+    scale_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, GROUP)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = w_ptrs + N * stride_wn  # the up half of a stacked [gate; up] weight
+    s_rows = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
+    u_rows = S + ((offs_n + N) // scale_bn).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    wait_for_previous_kernel(USE_PDL)
+    for k0 in range(0, K, GROUP):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        sx = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), 1e-12)  # [BLOCK_M]
+        xq = quantize_fp8(x, sx[:, None], W.dtype.element_ty)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        sw = tl.load(s_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.dot(xq, tl.trans(w)) * sx[:, None] * sw[None, :]
+        if EPILOGUE == 1:
+            u = tl.load(
+                u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first"
+            )
+            su = tl.load(u_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
+            acc_up += tl.dot(xq, tl.trans(u)) * sx[:, None] * su[None, :]
+        x_ptrs += GROUP
+        w_ptrs += GROUP
+        u_ptrs += GROUP
+    y = gated_epilogue(acc, acc_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
+    tl.store(
+        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        y.to(Y.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+_fp8_matmul = DualKernel(_fp8_matmul_fn)
+
+
+def fp8_matmul_supported(scale_block: tuple[int, int], in_features: int) -> bool:
+    """Whether a weight's scales are constant within every activation group (per tensor, per channel, or
+    K blocks that are whole multiples of ``GROUP``)."""
+    bk = scale_block[1]
+    return bk >= in_features or bk % GROUP == 0
+
+
+def fp8_matmul_config(m: int, n: int) -> dict[str, int]:
+    """Tiles per shape. Decode rows are memory-bound: the row tile is the batch padded to the MMA's 16, and
+    the column tile leaves at least two programs per SM of an H100 streaming weights. Larger batches take
+    the wider tiles of a compute-bound GEMM."""
+    if m <= 64:
+        block_m = max(16, 1 << (m - 1).bit_length())
+        block_n = 64 if n >= 64 * 264 else 32
+        return {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4}
+    return {"block_m": 128 if m > 256 else 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+def fp8_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_block: tuple[int, int],
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit last stride, 16-bit) against an FP8 weight [N or 2N, K] with ``scale``
+    [ceil(rows / bn), ceil(K / bk)] for ``scale_block`` = (bn, bk) -> [M, N] in x's dtype. Epilogues as
+    ``gemv.skinny_matmul``."""
+    m, k = x.shape
+    assert weight.dtype == FP8 and weight.shape[1] == k and weight.is_contiguous() and scale.is_contiguous()
+    assert x.stride(-1) == 1 and fp8_matmul_supported(scale_block, k)
+    n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if epilogue == MUL:
+        assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
+    cfg = config or fp8_matmul_config(m, n)
+    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]))
+    _fp8_matmul[x.device][grid](
+        x,
+        weight,
+        scale,
+        other if other is not None else y,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        other.stride(0) if other is not None else 0,
+        y.stride(0),
+        scale_block[0],
+        scale_block[1],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        EPILOGUE=epilogue,
+        ACT=_KINDS[activation] if epilogue != PLAIN else 0,
+        **pdl(x.device, m),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 values [M, K], fp32 scales [M, ceil(K / GROUP)]): each row's 128-column groups
+    divided by max(amax / 448, 1e-12), saturated and rounded to nearest even, as the kernel does."""
+    m, k = x.shape
+    groups = F.pad(x.float(), (0, -k % GROUP)).view(m, -1, GROUP)
+    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(m, -1)[:, :k], scale
+
+
+def fp8_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_block: tuple[int, int],
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel's math in torch: per-group products of the quantized activations and the FP8 weight in
+    fp32, each times its two scales, summed; then the epilogue on the rounded products."""
+    m, k = x.shape
+    rows = weight.shape[0]
+    xq, sx = quantize_activation_groups(x)
+    bn, bk = scale_block
+    sw = scale.float().repeat_interleave(bn, dim=0)[:rows]  # [rows, ceil(K / bk)]
+    y = torch.zeros(m, rows, dtype=torch.float32, device=x.device)
+    for g, k0 in enumerate(range(0, k, GROUP)):
+        part = xq[:, k0 : k0 + GROUP].float() @ weight[:, k0 : k0 + GROUP].float().t()
+        y += part * sx[:, g : g + 1] * sw[:, k0 // bk][None, :]
+    y = y.to(x.dtype)
+    if epilogue == GATE_UP:
+        gate, up = y.chunk(2, dim=-1)
+        return act_mul_reference(activation, gate, up)
+    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+
+
+__all__ = [
+    "GROUP",
+    "fp8_matmul",
+    "fp8_matmul_config",
+    "fp8_matmul_reference",
+    "fp8_matmul_supported",
+    "quantize_activation_groups",
+]

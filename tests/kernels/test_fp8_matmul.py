@@ -1,0 +1,100 @@
+"""The W8A8 FP8 GEMM (activations quantized per token and 128-column group inside the kernel, FP8 tensor-core
+products) against its torch reference in Triton's interpreter: decode rows and a wider batch, per-tensor,
+per-channel and 128 x 128 block weight scales, ragged K and N, the gated epilogues; the activation quantizer
+rounding as torch's cast; and the reference close to the dequantized bf16 product it approximates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.kernels.act_mul import act_mul_reference
+from g4serve.kernels.fp8_matmul import (
+    fp8_matmul,
+    fp8_matmul_config,
+    fp8_matmul_reference,
+    fp8_matmul_supported,
+    quantize_activation_groups,
+)
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+from g4serve.kernels.quant_matmul import dequantize_reference
+
+FP8 = torch.float8_e4m3fn
+
+
+def _weight(rows: int, k: int, block: tuple[int, int], gen: torch.Generator):
+    grid = (-(-rows // block[0]), -(-k // block[1]))
+    scale = (torch.rand(grid, generator=gen) + 0.5) * 0.01 / k**0.5
+    weight = (torch.randn(rows, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
+    return weight, scale
+
+
+CASES = [
+    # m, n, k, scale block, epilogue, activation, config
+    (1, 48, 256, (1, 256), PLAIN, None, None),  # per channel, one decode row
+    (3, 40, 200, (1, 200), PLAIN, None, {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}),
+    (5, 48, 256, (48, 256), PLAIN, None, None),  # per tensor
+    (2, 130, 384, (128, 128), PLAIN, None, {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}),
+    (4, 24, 256, (1, 256), GATE_UP, "gelu_pytorch_tanh", None),
+    (2, 24, 136, (1, 136), MUL, "silu", {"block_m": 16, "block_n": 8, "num_warps": 2, "num_stages": 1}),
+    (70, 40, 256, (128, 128), PLAIN, None, {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2}),
+]
+
+
+@pytest.mark.parametrize("m, n, k, block, epilogue, activation, config", CASES)
+def test_kernel_matches_reference(m, n, k, block, epilogue, activation, config):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    rows = 2 * n if epilogue == GATE_UP else n
+    weight, scale = _weight(rows, k, block, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    x[0, :7] *= 50  # one group with a large outlier: its own scale
+    other = torch.randn(m, n, generator=gen).bfloat16() if epilogue == MUL else None
+    got = fp8_matmul(x, weight, scale, block, epilogue, activation, other, config)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    # products of e4m3 values are exact in fp32; only the summation order differs (a bf16 ulp at most)
+    plain = fp8_matmul(x, weight, scale, block, PLAIN, config=config)
+    torch.testing.assert_close(
+        plain.float(), fp8_matmul_reference(x, weight, scale, block).float(), rtol=8e-3, atol=1e-3
+    )
+    if epilogue != PLAIN:
+        # the fused epilogue on the kernel's own products, as the unfused activation kernel computes it
+        # (a one-ulp difference in a large product would otherwise move act(a) * b by more than an ulp)
+        gate, up = plain.chunk(2, dim=-1) if epilogue == GATE_UP else (plain, other)
+        want = act_mul_reference(activation, gate, up)
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=2e-2, atol=3e-2
+        )  # as tests/kernels/test_gemv
+        ref = fp8_matmul_reference(x, weight, scale, block, epilogue, activation, other)
+        # act(a) and act(a) * b each rounded to bf16 in the kernel (as the unfused kernels store them): 2 ulps
+        assert (got.float() - ref.float()).norm() <= 0.02 * ref.float().norm()
+
+
+def test_activation_groups_round_as_torch_casts():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 300, generator=gen).bfloat16() * 4
+    x[1, 128:256] = 0.0  # an all-zero group keeps the scale floor
+    q, scale = quantize_activation_groups(x)
+    assert q.shape == (3, 300) and scale.shape == (3, 3)
+    assert scale[1, 1] == 1e-12 and (q[1, 128:256].float() == 0).all()
+    groups = torch.nn.functional.pad(x.float(), (0, 84)).view(3, 3, 128)
+    want = (groups / scale[..., None]).to(FP8).view(3, -1)[:, :300]
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert (q.float().abs().view(3, -1)[:, :256].amax(dim=1) == 448).all()  # each group reaches the range
+
+
+def test_reference_approximates_the_dequantized_product():
+    """Quantizing activations per 128-group costs about e4m3's precision (~2^-4 relative per value)."""
+    gen = torch.Generator().manual_seed(2)
+    weight, scale = _weight(64, 512, (1, 512), gen)
+    x = torch.randn(4, 512, generator=gen).bfloat16()
+    approx = fp8_matmul_reference(x, weight, scale, (1, 512)).float()
+    exact = x.float() @ dequantize_reference(weight, scale, (1, 512), 512, None, torch.float32).t()
+    rel = (approx - exact).norm() / exact.norm()
+    assert rel < 0.03, rel
+
+
+def test_supported_scale_blocks_and_tiles():
+    assert fp8_matmul_supported((1, 5376), 5376) and fp8_matmul_supported((128, 128), 5376)
+    assert not fp8_matmul_supported((1, 64), 512)  # a weight scale changing inside an activation group
+    assert fp8_matmul_config(1, 4096)["block_m"] == 16 and fp8_matmul_config(33, 4096)["block_m"] == 64
+    assert fp8_matmul_config(512, 4096)["block_m"] == 128
