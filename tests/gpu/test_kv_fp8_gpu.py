@@ -79,7 +79,15 @@ def test_fp8_write_bytes_equal_torch_cast():
     scales = _scales()
     kv_cache_write(k, v, caches[0][0], caches[0][1], slots, scales[0], scales[1])
     kv_cache_write_reference(k, v, caches[1][0], caches[1][1], slots, scales[0], scales[1])
-    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    got, want = caches[0].view(torch.uint8), caches[1].view(torch.uint8)
+    bad = (got != want).nonzero()
+    if len(bad):  # what differs, to reconcile: the scaled value, the kernel's byte, torch's byte
+        for kv, slot, head, d in bad[:8].tolist():
+            row = (slots == slot).nonzero()[0, 0]
+            value = ((k, v)[kv][row, head, d].float() / scales[kv][head]).item()
+            ours, torchs = got[kv, slot, head, d].item(), want[kv, slot, head, d].item()
+            print(f"{len(bad)} differ; e.g. {value!r}: kernel {ours:#04x}, torch {torchs:#04x}")
+    assert len(bad) == 0
 
     grid = torch.arange(256, dtype=torch.uint8).view(KV_FP8_DTYPE).float()
     grid = grid[torch.isfinite(grid)].sort().values

@@ -98,3 +98,26 @@ def test_supported_scale_blocks_and_tiles():
     assert not fp8_matmul_supported((1, 64), 512)  # a weight scale changing inside an activation group
     assert fp8_matmul_config(1, 4096)["block_m"] == 16 and fp8_matmul_config(33, 4096)["block_m"] == 64
     assert fp8_matmul_config(512, 4096)["block_m"] == 128
+
+
+@pytest.mark.parametrize("m", [1, 32, 200])
+@pytest.mark.parametrize("epilogue", [PLAIN, GATE_UP, MUL])
+def test_kernel_compiles_for_sm90(monkeypatch, m, epilogue):
+    """The interpreter does not apply the compiled language's rules (constexpr globals, FP8 MMA operand
+    layouts): each launch the wrapper makes at 31B's shapes is compiled to an sm_90 cubin here."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    import g4serve.kernels.fp8_matmul as module
+
+    n, k = 5376, 5376
+    rows = 2 * n if epilogue == GATE_UP else n
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(rows, k, dtype=FP8, device="meta")
+    scale = torch.empty(rows, 1, device="meta")
+    other = torch.empty(m, n, dtype=torch.bfloat16, device="meta") if epilogue == MUL else None
+    act = "gelu_pytorch_tanh" if epilogue != PLAIN else None
+    launches = _launches(
+        monkeypatch, module, "_fp8_matmul", lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other)
+    )
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs, use_pdl=m <= 64)
