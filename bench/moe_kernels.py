@@ -5,9 +5,12 @@ with different routings, as the engine's captured step runs it) and eagerly, the
 eagerly (it syncs, so it cannot be captured), and the pieces (align: kernel vs torch ops; the two GEMMs;
 routing: kernel vs torch ops). Reports achieved weight bandwidth (bytes of the experts the batch touches)
 and TFLOP/s; writes JSON (device, versions, git commit, every figure with its unit) to bench/results/.
+``--quant`` also times the same experts quantized (``MoEExperts.quantize_from``: FP8 per channel or 128 x 128
+blocks, int4 in groups of 128 or 32), dequantized in registers by the same kernels, against bf16.
 
     python bench/moe_kernels.py                    # T = 1, 8, 32, 64, 512
     python bench/moe_kernels.py --tokens 1 64 --sweep   # also search tile configs per T
+    python bench/moe_kernels.py --quant w4a16 --tokens 1 4 16 64 1024   # quantized experts vs bf16
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ from g4serve.kernels.fused_moe import (
     moe_tiles,
 )
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
+from g4serve.layers.moe import MoEExperts
+from g4serve.quant_config import QUANTIZATION_PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 GATE_UP_TILES = [
+    GemmTiles(16, 128, 4, 4),
     GemmTiles(32, 128, 4, 4),
     GemmTiles(64, 128, 4, 3),
     GemmTiles(64, 64, 4, 4),
@@ -46,6 +52,7 @@ GATE_UP_TILES = [
     GemmTiles(128, 64, 8, 3),
 ]
 DOWN_TILES = [
+    GemmTiles(32, 128, 4, 4),
     GemmTiles(64, 128, 4, 4),
     GemmTiles(64, 64, 4, 4),
     GemmTiles(32, 64, 4, 4),
@@ -66,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=int, default=10, help="eager timing (do_bench)")
     p.add_argument("--rep-ms", type=int, default=50, help="eager timing (do_bench)")
     p.add_argument("--sweep", action="store_true", help="search block_m x gate_up tiles, then down tiles")
+    p.add_argument(
+        "--quant",
+        choices=list(QUANTIZATION_PRESETS),
+        help="also time the experts quantized by this --quantization preset (--sweep then sweeps them)",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -75,7 +87,10 @@ def graph_ms(calls: list[Callable[[], object]], args) -> float:
     return graph_replay_ms(calls, args.calls_per_graph, args.graph_replays)
 
 
-def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> dict:
+def bench_tokens(
+    args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, activation: str, quant=None
+) -> dict:
+    """``quant``: (gate_up, down) as ``QuantExpertWeights`` of the same experts, or None."""
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     top_k = args.top_k
@@ -93,10 +108,9 @@ def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tenso
     flops = 2 * n * (two_inter * hidden + hidden * inter)
     tiles = moe_tiles(n, num_experts)
 
-    def fused_calls(cfg: MoETiles | None = None):
+    def fused_calls(cfg: MoETiles | None = None, weights=(gate_up, down)):
         return [
-            lambda x=x, e=e, w=w: fused_moe(x, gate_up, down, e, w, activation, tiles=cfg)
-            for x, e, w, _ in inputs
+            lambda x=x, e=e, w=w: fused_moe(x, *weights, e, w, activation, tiles=cfg) for x, e, w, _ in inputs
         ]
 
     fused_graph = graph_ms(fused_calls(), args)
@@ -118,40 +132,45 @@ def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tenso
     aligned = [moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs]
     hidden_act = torch.empty(n, inter, dtype=x0.dtype, device="cuda")
     per_slot = torch.empty(n, hidden, dtype=x0.dtype, device="cuda")
-    gemm1 = graph_ms(
-        [
-            lambda x=x, a=a: _grouped_gemm(
-                x,
-                gate_up,
-                hidden_act,
-                inter,
-                *a,
-                tiles.block_m,
-                tiles.gate_up,
-                a_row_div=top_k,
-                activation=activation,
-            )
-            for (x, _, _, _), a in zip(inputs, aligned, strict=True)
-        ],
-        args,
-    )
-    gemm2 = graph_ms(
-        [
-            lambda w=w, a=a: _grouped_gemm(
-                hidden_act,
-                down,
-                per_slot,
-                hidden,
-                *a,
-                tiles.block_m,
-                tiles.down,
-                a_row_div=1,
-                route_weights=w.reshape(-1),
-            )
-            for (_, _, w, _), a in zip(inputs, aligned, strict=True)
-        ],
-        args,
-    )
+
+    def gemm_ms(w_gate_up, w_down) -> tuple[float, float]:
+        gemm1 = graph_ms(
+            [
+                lambda x=x, a=a: _grouped_gemm(
+                    x,
+                    w_gate_up,
+                    hidden_act,
+                    inter,
+                    *a,
+                    tiles.block_m,
+                    tiles.gate_up,
+                    a_row_div=top_k,
+                    activation=activation,
+                )
+                for (x, _, _, _), a in zip(inputs, aligned, strict=True)
+            ],
+            args,
+        )
+        gemm2 = graph_ms(
+            [
+                lambda w=w, a=a: _grouped_gemm(
+                    hidden_act,
+                    w_down,
+                    per_slot,
+                    hidden,
+                    *a,
+                    tiles.block_m,
+                    tiles.down,
+                    a_row_div=1,
+                    route_weights=w.reshape(-1),
+                )
+                for (_, _, w, _), a in zip(inputs, aligned, strict=True)
+            ],
+            args,
+        )
+        return gemm1, gemm2
+
+    gemm1, gemm2 = gemm_ms(gate_up, down)
     route_kernel = graph_ms([lambda lg=lg: moe_route(lg, scale, top_k) for _, _, _, lg in inputs], args)
     route_torch = graph_ms(
         [lambda lg=lg: moe_route_reference(lg, scale, top_k) for _, _, _, lg in inputs], args
@@ -177,9 +196,49 @@ def bench_tokens(args, num_tokens: int, gate_up: torch.Tensor, down: torch.Tenso
         "gemms_weight_gb_per_s": weight_bytes / (gemm1 + gemm2) / 1e6,
         "achieved_tflop_per_s": flops / fused_graph / 1e9,
     }
+    if quant is not None:
+        quant_graph = graph_ms(fused_calls(weights=quant), args)
+        quant_gemm1, quant_gemm2 = gemm_ms(*quant)
+        quant_bytes = touched * sum(_expert_bytes(w) for w in quant)
+        row.update(
+            quant_fused_graph_ms=quant_graph,
+            quant_gate_up_gemm_ms=quant_gemm1,
+            quant_down_gemm_ms=quant_gemm2,
+            quant_weight_bytes=quant_bytes,
+            quant_speedup_graph_vs_bf16=fused_graph / quant_graph,
+            quant_gemms_speedup_vs_bf16=(gemm1 + gemm2) / (quant_gemm1 + quant_gemm2),
+            quant_achieved_weight_gb_per_s=quant_bytes / quant_graph / 1e6,
+            quant_gemms_weight_gb_per_s=quant_bytes / (quant_gemm1 + quant_gemm2) / 1e6,
+        )
     if args.sweep:
-        row["sweep"] = sweep(args, fused_calls, n, num_experts)
+        calls = fused_calls if quant is None else lambda cfg=None: fused_calls(cfg, quant)
+        row["sweep"] = sweep(args, calls, n, num_experts)
     return row
+
+
+def _expert_bytes(w) -> float:
+    """Bytes of one expert's quantized projection: weight, scales and zero points."""
+    tensors = [w.weight, w.scale] + ([w.zero_point] if w.zero_point is not None else [])
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def quantized_experts(preset: str, gate_up: torch.Tensor, down: torch.Tensor, activation: str):
+    """The experts quantized as ``--quantization preset`` quantizes them: (gate_up, down) views."""
+    scheme = QUANTIZATION_PRESETS[preset].groups[0].weights
+    num_experts, two_inter, hidden = gate_up.shape
+    layer = MoEExperts(
+        num_experts,
+        hidden,
+        two_inter // 2,
+        activation,
+        quant={"gate_up_proj": scheme, "down_proj": scheme},
+        scale_dtype=torch.float32 if scheme.kind == "fp8" else gate_up.dtype,
+        compute_dtype=gate_up.dtype,
+        device=gate_up.device,
+    )
+    layer.quantize_from("gate_up_proj", gate_up)
+    layer.quantize_from("down_proj", down)
+    return layer.projection("gate_up_proj"), layer.projection("down_proj")
 
 
 def _tiles_dict(t: MoETiles) -> dict:
@@ -236,15 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size
     gate_up = torch.randn(e, 2 * i, h, device="cuda", generator=gen).mul_(h**-0.5).bfloat16()
     down = torch.randn(e, h, i, device="cuda", generator=gen).mul_(i**-0.5).bfloat16()
+    quant = quantized_experts(args.quant, gate_up, down, text.hidden_activation) if args.quant else None
     torch.cuda.synchronize()
     rows = []
     for t in args.tokens:
-        row = bench_tokens(args, t, gate_up, down, text.hidden_activation)
+        row = bench_tokens(args, t, gate_up, down, text.hidden_activation, quant)
         rows.append(row)
         print(
             f"T={t:5d} fused {row['fused_graph_ms'] * 1e3:8.1f} us (graph) "
             f"{row['fused_eager_ms'] * 1e3:8.1f} us (eager) | loop {row['reference_eager_ms'] * 1e3:8.1f} us "
             f"| x{row['speedup_graph_vs_reference']:.1f}"
+            + (
+                f" | {args.quant} {row['quant_fused_graph_ms'] * 1e3:8.1f} us (graph) "
+                f"x{row['quant_speedup_graph_vs_bf16']:.2f} vs bf16"
+                if quant
+                else ""
+            )
             + (f" | sweep best {row['sweep']['best_ms'] * 1e3:.1f} us" if args.sweep else ""),
             flush=True,
         )
@@ -288,15 +354,38 @@ def main(argv: list[str] | None = None) -> int:
             r["achieved_tflop_per_s"],
         ]
         print("".join(f"{v:9d}" if isinstance(v, int) else f"{v:9.1f}" for v in vals))
+    if quant:
+        print(
+            f"\n{args.preset} experts quantized as --quantization {args.quant} (times in us, graph replays)"
+        )
+        cols = ["T", "bf16", args.quant, "speedup", "gemm1", "q_gemm1", "gemm2", "q_gemm2", "GB/s", "q_GB/s"]
+        print("".join(f"{c:>10s}" for c in cols))
+        for r in rows:
+            vals = [
+                r["tokens"],
+                r["fused_graph_ms"] * 1e3,
+                r["quant_fused_graph_ms"] * 1e3,
+                r["quant_speedup_graph_vs_bf16"],
+                r["gate_up_gemm_ms"] * 1e3,
+                r["quant_gate_up_gemm_ms"] * 1e3,
+                r["down_gemm_ms"] * 1e3,
+                r["quant_down_gemm_ms"] * 1e3,
+                r["achieved_weight_gb_per_s"],
+                r["quant_achieved_weight_gb_per_s"],
+            ]
+            print("".join(f"{v:10d}" if isinstance(v, int) else f"{v:10.2f}" for v in vals))
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     device = env["device_name"].lower().replace(" ", "-")
-    path = out_dir / f"moe_kernels_{stamp}_{device}_{args.preset}.json"
+    suffix = f"_{args.quant}" if args.quant else ""
+    path = out_dir / f"moe_kernels_{stamp}_{device}_{args.preset}{suffix}.json"
     units = {
         "*_ms": "milliseconds per call",
         "weight_bytes": "bytes of expert weights the batch touches",
+        "quant_weight_bytes": "bytes of quantized expert weights (scales and zero points included) touched",
+        "quant_*speedup*": "bf16 time / quantized time",
         "*_gb_per_s": "1e9 bytes/s of touched expert weights",
         "achieved_tflop_per_s": "1e12 FLOP/s",
     }
@@ -306,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
                 "environment": env,
                 "preset": args.preset,
                 "dtype": "bfloat16",
+                "quant": args.quant,
+                "quant_scheme": repr(QUANTIZATION_PRESETS[args.quant].groups[0].weights)
+                if args.quant
+                else None,
                 "shapes": {"experts": e, "top_k": args.top_k, "hidden": h, "intermediate": i},
                 "units": units,
                 "results": rows,

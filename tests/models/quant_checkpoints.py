@@ -33,7 +33,8 @@ SPECS: dict[str, tuple[str, dict, list[str]]] = {
         },
         [],
     ),
-    # FP8-Dynamic: per-channel weights, per-token activations; the 26B-A4B layout (experts kept dense)
+    # FP8-Dynamic: per-channel weights, per-token activations; the 26B-A4B layout, the routed experts
+    # quantized per expert too (as for every "moe" spec)
     "fp8-channel": (
         "moe",
         {
@@ -52,6 +53,18 @@ SPECS: dict[str, tuple[str, dict, list[str]]] = {
             "group_0": dict(
                 targets=_LINEAR,
                 weights=dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+            )
+        },
+        ["re:.*router.*"],
+    ),
+    # FP8 blocks of 64 x 32 on the 26B-A4B layout, weight-only: the experts' gate and up (32 rows each) are
+    # one partial block row each, as 128-row blocks are for 26B-A4B's I = 704
+    "fp8-block-moe": (
+        "moe",
+        {
+            "group_0": dict(
+                targets=_LINEAR,
+                weights=dict(num_bits=8, type="float", strategy="block", block_structure=[64, 32]),
             )
         },
         ["re:.*router.*"],
@@ -106,27 +119,29 @@ SPECS: dict[str, tuple[str, dict, list[str]]] = {
 }
 
 
+def _min_max(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's min and max per the strategy's blocks (an observer's job in llm-compressor)."""
+    n, k = w.shape
+    if args.strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
+    if args.strategy == "channel":
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == "group":
+        g = w.reshape(n, k // args.group_size, args.group_size)
+        return g.amin(-1), g.amax(-1)
+    bn, bk = args.block_structure
+    padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+    blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).transpose(1, 2)
+    return blocks.amin((-1, -2)), blocks.amax((-1, -2))
+
+
 def _calibrate(module: torch.nn.Module) -> None:
     """Scales and zero points from the weight's min/max per the strategy's blocks, by compressed-tensors'
-    ``calculate_qparams`` (an observer's job in llm-compressor)."""
+    ``calculate_qparams``."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = module.quantization_scheme.weights
-    w = module.weight.detach()
-    n, k = w.shape
-    if args.strategy == "tensor":
-        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-    elif args.strategy == "channel":
-        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    elif args.strategy == "group":
-        g = w.reshape(n, k // args.group_size, args.group_size)
-        lo, hi = g.amin(-1), g.amax(-1)
-    else:
-        bn, bk = args.block_structure
-        padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
-        blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).transpose(1, 2)
-        lo, hi = blocks.amin((-1, -2)), blocks.amax((-1, -2))
-    scale, zero = calculate_qparams(lo, hi, args)
+    scale, zero = calculate_qparams(*_min_max(module.weight.detach(), args), args)
     module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype).reshape(
@@ -163,8 +178,7 @@ def _quantize_experts(quantized: Path, dense: Path, args) -> None:
             parts = {"gate_proj": gate_up[e, :inter], "up_proj": gate_up[e, inter:], "down_proj": down[e]}
             for proj, w in parts.items():
                 n, k = w.shape
-                g = w.reshape(n, -1, args.group_size) if args.strategy == "group" else w.unsqueeze(1)
-                scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+                scale, zero = calculate_qparams(*_min_max(w, args), args)
                 key = f"{prefix}{e}.{proj}."
                 if args.type == "int":
                     q = quantize(w, scale, zero, args, dtype=torch.int8)

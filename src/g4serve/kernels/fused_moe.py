@@ -1,6 +1,10 @@
 """Routed MoE experts as two grouped GEMMs in Triton (gate/up with the gated activation fused, then down
 × routing weight), the fixed-shape alignment that feeds them, and the torch reference (per-expert loop).
 
+Expert weights are bf16/fp32 tensors, or ``QuantExpertWeights`` (FP8 e4m3 or compressed-tensors' packed
+int4, scales per block, optional zero points) dequantized tile by tile in registers (``quant_matmul``'s
+``_load_raw`` / ``_dequant``; int4 unpacked nibble plane by nibble plane), each tile rounded to the activation
+dtype before ``tl.dot`` as the reference's dequantized weight (``dequantize_reference``) is.
 No step of ``fused_moe`` reads a device value on the host, so a whole MoE layer can be graph-captured.
 """
 
@@ -14,6 +18,7 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
 from g4serve.kernels.act_mul import ACTIVATIONS
+from g4serve.kernels.quant_matmul import _dequant, _groups_per_tile, _load_raw, dequantize_reference
 
 GELU_TANH, SILU = 0, 1
 _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, "swish": SILU}
@@ -42,6 +47,47 @@ class MoETiles:
     block_m: int
     gate_up: GemmTiles  # N = intermediate (gate and up tiles side by side), K = hidden
     down: GemmTiles  # N = hidden, K = intermediate
+
+
+@dataclass(frozen=True)
+class QuantExpertWeights:
+    """One stacked projection of every expert, quantized (``quant_matmul``'s layout with an expert dim).
+
+    ``weight``: float8_e4m3fn [E, N, K] or int32 [E, N, ceil(K / 8)] (compressed-tensors' packing: nibble i of
+    word j is element 8j + i, stored as q + 8). The N rows are ``parts`` equal parts (gate_up: 2, gate rows
+    then up rows), each on its own scale grid, as the checkpoint stores each projection: ``scale``
+    [E, parts * ceil(N / parts / bn), ceil(K / bk)] for ``scale_block`` = (bn, bk) (per tensor: one part's
+    whole shape), so blocks that do not tile a part's rows (128-row blocks, I = 704) stay exact.
+    ``zero_point``: int8 [E, N, ceil(K / bk)] (asymmetric int4)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    scale_block: tuple[int, int]
+    in_features: int
+    zero_point: torch.Tensor | None = None
+    parts: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the dense weight."""
+        return (self.weight.shape[0], self.weight.shape[1], self.in_features)
+
+
+def dequantize_expert(w: QuantExpertWeights, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s dense [N, K] weight in ``dtype``: each part by ``dequantize_reference``."""
+    rows, scale_rows = w.weight.shape[1] // w.parts, w.scale.shape[1] // w.parts
+    parts = [
+        dequantize_reference(
+            w.weight[expert, p * rows : (p + 1) * rows],
+            w.scale[expert, p * scale_rows : (p + 1) * scale_rows],
+            w.scale_block,
+            w.in_features,
+            None if w.zero_point is None else w.zero_point[expert, p * rows : (p + 1) * rows],
+            dtype,
+        )
+        for p in range(w.parts)
+    ]
+    return torch.cat(parts)
 
 
 def moe_tiles(num_assignments: int, num_experts: int) -> MoETiles:
@@ -196,13 +242,160 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype).to(tl.float32)
 
 
-def _moe_gemm_fn(
+@triton.jit
+def _dequant_tile(
+    W,
+    S,
+    Z,
+    rows,
+    row_ok,
+    k0,
+    K,
+    num_groups,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    dot_ty: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The FP8 weight tile [BLOCK_N, BLOCK_K] of ``rows`` at K offset ``k0``, dequantized (q * s, exact in
+    fp32) and rounded to the activation dtype ``dot_ty`` (UPCAST: as fp32 values, for the interpreter)."""
+    w, s, z = _load_raw(
+        W, S, Z, rows, row_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
+        BLOCK_K, False, False, GROUPS,
+    )  # fmt: skip
+    wf = _dequant(w, s, z, BLOCK_N, BLOCK_K, False, False, GROUPS)
+    if UPCAST:
+        return _round_to(wf, dot_ty)
+    else:
+        return wf.to(dot_ty)  # round to nearest even on the GPU; fp32: unchanged
+
+
+@triton.jit
+def _plane_scales(
+    s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
+):
+    """A raw int4 tile's scales and offsets (8 + zero point) [BLOCK_N, GROUPS] -> fp32 per packed word
+    [BLOCK_N, WORDS] (a group spans whole words: groups are powers of two >= 8)."""
+    s = s.to(tl.float32)
+    off = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
+    if HAS_ZERO:
+        off += z.to(tl.float32)
+    if GROUPS > 1:
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS))
+        off = tl.reshape(
+            tl.broadcast_to(off[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS)
+        )
+    return s, off
+
+
+@triton.jit
+def _int4_plane(w, s, off, i: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.constexpr):
+    """Nibble ``i`` of every packed word [BLOCK_N, WORDS] (K elements 8j + i), dequantized ((q - z) * s as
+    ``_dequant``, exact in fp32) and rounded to ``dot_ty``."""
+    wf = (((w >> (4 * i)) & 0xF).to(tl.float32) - off) * s
+    if UPCAST:
+        return _round_to(wf, dot_ty)
+    else:
+        return wf.to(dot_ty)
+
+
+@triton.jit
+def _int4_products(
+    A,
+    W,
+    S,
+    Z,
+    rows,
+    valid,
+    cols,
+    col_ok,
+    K,
+    num_groups,
+    gate_offset,
+    scale_up_offset,
+    stride_am,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SWAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """fp32 products [BLOCK_M, BLOCK_N] of the assignments' rows with packed int4 weight rows ``cols`` (and
+    the up rows), over K tiles of BLOCK_K elements: each raw tile (``_load_raw``: [BLOCK_N, BLOCK_K / 8]
+    words) is taken apart nibble by nibble, 8 planes of BLOCK_K / 8 elements (8j + i), each multiplied with
+    the matching strided columns of A. No reshape of the unpacked tile (``_dequant``'s took the kernel to
+    half bf16's speed on an H100). SWAP: weights as the MMA's M side (BLOCK_N) and the few tokens as its N,
+    for taller token tiles."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words = tl.arange(0, WORDS)
+    dot_ty = A.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w, s, z = _load_raw(
+            W, S, Z, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
+            BLOCK_K, True, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+        s, off = _plane_scales(s, z, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+        u, su, off_u = w, s, off
+        if GATED:
+            u, su, zu = _load_raw(
+                W + gate_offset * stride_wn, S + scale_up_offset * stride_sn, Z + gate_offset * stride_zn,
+                cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, BLOCK_K,
+                True, HAS_ZERO, GROUPS,
+            )  # fmt: skip
+            su, off_u = _plane_scales(su, zu, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+        for i in tl.static_range(8):
+            k = k0 + 8 * words + i
+            wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
+            if SWAP:
+                a_mask = valid[None, :] & (k < K)[:, None]
+                a = tl.load(A + rows[None, :] * stride_am + k[:, None], mask=a_mask, other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                acc = tl.dot(wd, a, acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
+                    acc_up = tl.dot(ud, a, acc_up, input_precision=DOT_PRECISION)
+            else:
+                a_mask = valid[:, None] & (k < K)[None, :]
+                a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
+                    acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
+    if SWAP:
+        return tl.trans(acc), tl.trans(acc_up)
+    else:
+        return acc, acc_up
+
+
+def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags, specialised away at compile time
     A,
     W,
     Out,
     SortedIds,
     BlockExpert,
     RouteWeights,
+    S,
+    Z,
     N,
     K,
     num_assignments,
@@ -212,6 +405,14 @@ def _moe_gemm_fn(
     stride_wn,
     stride_wk,
     stride_om,
+    num_groups,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    scale_up_offset,
     A_ROW_DIV: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
@@ -222,12 +423,20 @@ def _moe_gemm_fn(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """Out[id, cols] = A[id // A_ROW_DIV] @ W[expert, cols].T for the BLOCK_M assignment ids of one block.
 
     GATED: W rows [cols] are the gate and [gate_offset + cols] the up projection; the epilogue stores
     ``act(gate) * up``. ROUTE_WEIGHT: rows are scaled by RouteWeights[id]. Rounding follows the unfused
     model: each projection to Out's dtype, then the activation, then the product (or the weight scaling).
+    QUANT: W holds quantized weights (``QuantExpertWeights``: S scales, Z zero points, the up rows' scales
+    ``scale_up_offset`` scale rows on); each tile is dequantized in registers and rounded to A's dtype (FP8:
+    ``quant_matmul``'s ``_load_raw`` / ``_dequant``; int4: ``_int4_products``, SWAP its operand order).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -241,32 +450,62 @@ def _moe_gemm_fn(
     col_ok = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = W + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    up_ptrs = w_ptrs + gate_offset * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_mask = valid[:, None]
-            w_mask = col_ok[None, :]
-        else:
-            k_ok = offs_k < K - k0
-            a_mask = valid[:, None] & k_ok[None, :]
-            w_mask = k_ok[:, None] & col_ok[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            u = tl.load(up_ptrs, mask=w_mask, other=0.0)
+    if QUANT and INT4:
+        acc, acc_up = _int4_products(
+            A, W + expert * stride_we, S + expert * stride_se, Z + expert * stride_ze, rows, valid, cols,
+            col_ok, K, num_groups, gate_offset, scale_up_offset, stride_am, stride_wn, stride_sn, stride_zn,
+            scale_bn, scale_bk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST,
+            DOT_PRECISION,
+        )  # fmt: skip
+    elif QUANT:
+        w_base = W + expert * stride_we
+        s_base = S + expert * stride_se
+        z_base = Z + expert * stride_ze
+        dot_ty = A.dtype.element_ty
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
             if UPCAST:
-                u = u.to(tl.float32)
-            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
-            up_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+                a = a.to(tl.float32)
+            wd = _dequant_tile(
+                w_base, s_base, z_base, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn,
+                scale_bn, scale_bk, dot_ty, BLOCK_N, BLOCK_K, GROUPS, UPCAST,
+            )  # fmt: skip
+            acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
+            if GATED:
+                ud = _dequant_tile(
+                    w_base + gate_offset * stride_wn, s_base + scale_up_offset * stride_sn,
+                    z_base + gate_offset * stride_zn, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn,
+                    stride_zn, scale_bn, scale_bk, dot_ty, BLOCK_N, BLOCK_K, GROUPS, UPCAST,
+                )  # fmt: skip
+                acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+    else:
+        w_ptrs = W + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        up_ptrs = w_ptrs + gate_offset * stride_wn
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a_mask = valid[:, None]
+                w_mask = col_ok[None, :]
+            else:
+                k_ok = offs_k < K - k0
+                a_mask = valid[:, None] & k_ok[None, :]
+                w_mask = k_ok[:, None] & col_ok[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                u = tl.load(up_ptrs, mask=w_mask, other=0.0)
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
+                up_ptrs += BLOCK_K * stride_wk
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
 
     y = _round_to(acc, Out.dtype.element_ty)
     if GATED:
@@ -292,9 +531,17 @@ def _moe_gemm_fn(
 _moe_gemm = DualKernel(_moe_gemm_fn)
 
 
+def int4_block_k(block_m: int) -> int:
+    """K tile of the int4 GEMMs: 8 nibble planes of at least 16 elements (the MMA's K), whatever ``tiles``
+    says. Measured on an H100 at 26B-A4B shapes (w4a16, whole expert block): with 16-row token tiles the
+    unswapped planes of K 128 took 55 µs at T=1 against 64-68 swapped; past them (SWAP) K 256 took 943 µs at
+    T=512 against 1014 with K 128 and 1861 unswapped."""
+    return 128 if block_m <= 16 else 256
+
+
 def _grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | QuantExpertWeights,
     out: torch.Tensor,
     n: int,
     sorted_ids: torch.Tensor,
@@ -306,36 +553,70 @@ def _grouped_gemm(
     activation: str | None = None,
     route_weights: torch.Tensor | None = None,
 ) -> None:
+    quant = isinstance(w, QuantExpertWeights)
+    weight = w.weight if quant else w
     k = w.shape[2]
-    assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1
+    assert a.stride(-1) == 1 and weight.stride(-1) == 1 and out.stride(-1) == 1
     upcast, precision = dot_settings(a.dtype, a.device)
     grid = (block_expert.shape[0], -(-n // tiles.block_n))
+    block_k = tiles.block_k
+    if quant:
+        scale, zero = w.scale, w.zero_point
+        int4 = weight.dtype == torch.int32
+        if int4:
+            block_k = int4_block_k(block_m)
+        assert weight.is_contiguous() and scale.is_contiguous() and (zero is None or zero.is_contiguous())
+        assert w.parts == (2 if activation else 1)
+        quant_args = (
+            scale.shape[2],
+            scale.stride(0),
+            scale.stride(1),
+            zero.stride(0) if zero is not None else 0,
+            zero.stride(1) if zero is not None else 0,
+            *w.scale_block,
+            scale.shape[1] // w.parts,  # the up rows' first scale row
+        )
+        quant_meta = dict(
+            INT4=int4,
+            HAS_ZERO=zero is not None,
+            GROUPS=_groups_per_tile(block_k, w.scale_block[1], k),
+            SWAP=int4 and block_m > 16,
+        )
+    else:
+        scale = zero = None
+        quant_args = (0,) * 8
+        quant_meta = dict(INT4=False, HAS_ZERO=False, GROUPS=1, SWAP=False)
     _moe_gemm[a.device][grid](
         a,
-        w,
+        weight,
         out,
         sorted_ids,
         block_expert,
         route_weights if route_weights is not None else a,
+        scale if scale is not None else a,
+        zero if zero is not None else a,
         n,
         k,
         out.shape[0],
         n if activation else 0,  # out has one row per assignment: T*k is the sentinel
         a.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
+        weight.stride(0),
+        weight.stride(1),
+        weight.stride(2),
         out.stride(0),
+        *quant_args,
         A_ROW_DIV=a_row_div,
         GATED=activation is not None,
         ACT=_KINDS[activation] if activation else 0,
         ROUTE_WEIGHT=route_weights is not None,
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        EVEN_K=k % tiles.block_k == 0,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        QUANT=quant,
+        **quant_meta,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -343,8 +624,8 @@ def _grouped_gemm(
 
 def fused_moe(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | QuantExpertWeights,
+    down: torch.Tensor | QuantExpertWeights,
     experts: torch.Tensor,
     weights: torch.Tensor,
     activation: str,
@@ -352,7 +633,8 @@ def fused_moe(
     align_kernel_max: int = ALIGN_KERNEL_MAX_ASSIGNMENTS,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] ids;
-    weights [T, k] fp32 -> [T, H] in x's dtype: ``sum_j weights[t, j] * expert_j(x[t])``.
+    weights [T, k] fp32 -> [T, H] in x's dtype: ``sum_j weights[t, j] * expert_j(x[t])``. Either weight may
+    be ``QuantExpertWeights`` (gate_up in two parts), dequantized in registers to x's dtype.
 
     The k expert outputs of a token are summed in fp32 in slot order (deterministic), then rounded once.
     ``tiles`` overrides ``moe_tiles``; alignments of more than ``align_kernel_max`` assignments use the
@@ -401,23 +683,30 @@ def fused_moe(
     return out
 
 
+def _expert_weight(w: torch.Tensor | QuantExpertWeights, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_expert(w, expert, dtype) if isinstance(w, QuantExpertWeights) else w[expert]
+
+
 def fused_moe_reference(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | QuantExpertWeights,
+    down: torch.Tensor | QuantExpertWeights,
     experts: torch.Tensor,
     weights: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
-    """The model's expert loop (bit-exact with transformers); ``.tolist()`` syncs, so not capturable."""
+    """The model's expert loop (bit-exact with transformers); ``.tolist()`` syncs, so not capturable.
+    Quantized weights: each hit expert's weight dequantized to x's dtype (``dequantize_expert``), then the
+    same loop."""
     act = ACTIVATIONS[activation]
     out = torch.zeros_like(x)
     token_ids = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(experts)
     for e in torch.unique(experts).tolist():
         hit = experts == e
         tokens = token_ids[hit]
-        gate, up = torch.nn.functional.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
-        y = torch.nn.functional.linear(act(gate) * up, down[e]) * weights[hit].unsqueeze(-1)
+        gate, up = torch.nn.functional.linear(x[tokens], _expert_weight(gate_up, e, x.dtype)).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(act(gate) * up, _expert_weight(down, e, x.dtype))
+        y = y * weights[hit].unsqueeze(-1)
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
@@ -425,6 +714,8 @@ def fused_moe_reference(
 __all__ = [
     "GemmTiles",
     "MoETiles",
+    "QuantExpertWeights",
+    "dequantize_expert",
     "fused_moe",
     "fused_moe_reference",
     "moe_align",

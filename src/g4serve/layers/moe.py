@@ -1,4 +1,4 @@
-"""Gemma 4 routed mixture-of-experts block (26B-A4B): router and expert weights.
+"""Gemma 4 routed mixture-of-experts block (26B-A4B): router and expert weights, dense or quantized.
 
 CUDA tensors take the Triton kernels (fused routing, grouped expert GEMMs; no host sync, so capturable in
 a CUDA graph); elsewhere the torch reference, bit-exact with transformers. Names follow the HF checkpoints.
@@ -9,9 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from g4serve.kernels.fused_moe import fused_moe, fused_moe_reference
+from g4serve.kernels.fused_moe import QuantExpertWeights, dequantize_expert, fused_moe, fused_moe_reference
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
 from g4serve.layers.norm import rms_norm
+from g4serve.layers.quant import quantize_weight
+from g4serve.quant_config import FP8, WeightQuant
+
+# The stacked projections: name -> parts (gate_up holds each expert's gate rows, then its up rows)
+PROJECTIONS = {"gate_up_proj": 2, "down_proj": 1}
 
 
 class MoERouter(nn.Module):
@@ -34,14 +39,155 @@ class MoERouter(nn.Module):
 
 
 class MoEExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str):
+    """Every routed expert's projections, stacked: ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and
+    ``down_proj`` [E, H, I], Hugging Face's names and layout.
+
+    ``quant`` maps a projection name to its ``WeightQuant`` to keep it quantized (a checkpoint's FP8 /
+    packed int4 bytes, or ``--quantization``): then ``<name>`` holds float8_e4m3fn [E, N, K] or int32
+    [E, N, ceil(K / 8)], ``<name>_scale`` [E, parts * ceil(N / parts / bn), ceil(K / bk)] (each part, gate
+    and up, on its own scale grid, as checkpoints store them) and, asymmetric int4, ``<name>_zero_point``
+    int8 [E, N, ceil(K / bk)]: ``fused_moe`` dequantizes them in registers (CUDA); the CPU path dequantizes
+    each hit expert to the compute dtype and runs the reference."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        activation: str,
+        quant: dict[str, WeightQuant | None] | None = None,
+        scale_dtype: torch.dtype = torch.float32,
+        compute_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.activation = activation
+        self.compute_dtype = compute_dtype  # the activations' dtype (the model's), when quantized
+        self.quant = {name: (quant or {}).get(name) for name in PROJECTIONS}
+        self.scale_blocks: dict[str, tuple[int, int]] = {}
+        for name, parts in PROJECTIONS.items():
+            _, rows, cols = self.dense_shape(name)
+            scheme = self.quant[name]
+            if scheme is None:
+                dense = torch.empty(num_experts, rows, cols, dtype=compute_dtype, device=device)
+                setattr(self, name, nn.Parameter(dense))
+                continue
+            bn, bk = self.scale_blocks[name] = scheme.scale_block(rows // parts, cols)
+            grid = (parts * -(-rows // parts // bn), -(-cols // bk))
+            if scheme.kind == FP8:
+                weight = torch.empty(num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=device)
+            else:
+                weight = torch.empty(num_experts, rows, -(-cols // 8), dtype=torch.int32, device=device)
+            setattr(self, name, _frozen(weight))
+            setattr(
+                self,
+                f"{name}_scale",
+                _frozen(torch.empty(num_experts, *grid, dtype=scale_dtype, device=device)),
+            )
+            zero = None
+            if not scheme.symmetric:
+                zero = _frozen(torch.zeros(num_experts, rows, grid[1], dtype=torch.int8, device=device))
+            setattr(self, f"{name}_zero_point", zero)
+
+    def dense_shape(self, name: str) -> tuple[int, int, int]:
+        """(E, N, K) of projection ``name``'s dense weight."""
+        if name == "gate_up_proj":
+            return (self.num_experts, 2 * self.intermediate, self.hidden)
+        return (self.num_experts, self.hidden, self.intermediate)
+
+    @property
+    def quantized(self) -> bool:
+        return any(q is not None for q in self.quant.values())
+
+    def extra_repr(self) -> str:
+        kinds = {n: f"{q.kind} {self.scale_blocks[n]}" for n, q in self.quant.items() if q is not None}
+        return f"experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}" + (
+            f", quantized={kinds}" if kinds else ""
+        )
+
+    def projection(self, name: str) -> torch.Tensor | QuantExpertWeights:
+        """The weight ``fused_moe`` takes for projection ``name``: the dense tensor, or the quantized view."""
+        weight = getattr(self, name)
+        if self.quant[name] is None:
+            return weight
+        return QuantExpertWeights(
+            weight,
+            getattr(self, f"{name}_scale"),
+            self.scale_blocks[name],
+            self.dense_shape(name)[2],
+            getattr(self, f"{name}_zero_point"),
+            PROJECTIONS[name],
+        )
+
+    def dequantize(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Projection ``name``'s dense [E, N, K] weight in ``dtype`` (the oracle of the quantized paths)."""
+        w = self.projection(name)
+        if not isinstance(w, QuantExpertWeights):
+            return w.to(dtype)
+        return torch.stack([dequantize_expert(w, e, dtype) for e in range(self.num_experts)])
+
+    @torch.no_grad()
+    def fill_expert(
+        self,
+        name: str,
+        expert: int,
+        part: int,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor | None = None,
+    ) -> None:
+        """Copy one expert's quantized projection (part ``part`` of ``name``: gate 0, up 1) in
+        ``QuantLinear``'s layout (weight [n, K or K / 8], scale grid, int8 zero points) into its slices."""
+        rows, scale_rows = weight.shape[0], scale.shape[0]
+        getattr(self, name)[expert, part * rows : (part + 1) * rows].copy_(weight)
+        getattr(self, f"{name}_scale")[expert, part * scale_rows : (part + 1) * scale_rows].copy_(scale)
+        zero = getattr(self, f"{name}_zero_point")
+        if zero is not None:
+            zero[expert, part * rows : (part + 1) * rows].copy_(zero_point)
+
+    @torch.no_grad()
+    def quantize_from(self, name: str, dense: torch.Tensor) -> None:
+        """Fill projection ``name`` from its dense [E, N, K] weight with g4serve's quantizer
+        (``layers.quant.quantize_weight``), each expert's parts (gate, up) on their own scale grid."""
+        scheme = self.quant[name]
+        parts = PROJECTIONS[name]
+        num_experts, rows, cols = dense.shape
+        block = self.scale_blocks[name]
+        asymmetric = not scheme.symmetric
+        part_rows = rows // parts
+        if part_rows % block[0] == 0:
+            # Blocks tile every part: a few experts' parts at a time quantized as one tall weight (the same
+            # blocks; the chunks bound the fp32 temporaries at 26B-A4B sizes).
+            chunk = max(1, (1 << 26) // (rows * cols))
+            for start in range(0, num_experts, chunk):
+                stop = min(start + chunk, num_experts)
+                q, scale, zero = quantize_weight(
+                    dense[start:stop].reshape(-1, cols), scheme.kind, block, asymmetric
+                )
+                getattr(self, name)[start:stop].copy_(q.view(stop - start, rows, -1))
+                getattr(self, f"{name}_scale")[start:stop].copy_(
+                    scale.view(stop - start, -1, scale.shape[-1])
+                )
+                if zero is not None:
+                    getattr(self, f"{name}_zero_point")[start:stop].copy_(zero.view(stop - start, rows, -1))
+            return
+        for e in range(num_experts):
+            for p in range(parts):
+                q, scale, zero = quantize_weight(
+                    dense[e, p * part_rows : (p + 1) * part_rows], scheme.kind, block, asymmetric
+                )
+                self.fill_expert(name, e, p, q, scale, zero)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], experts / weights [T, k] -> [T, H]: each token's experts, weighted and summed."""
         moe = fused_moe if x.is_cuda else fused_moe_reference
-        return moe(x, self.gate_up_proj, self.down_proj, experts, weights, self.activation)
+        gate_up, down = self.projection("gate_up_proj"), self.projection("down_proj")
+        return moe(x, gate_up, down, experts, weights, self.activation)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+__all__ = ["PROJECTIONS", "MoEExperts", "MoERouter"]

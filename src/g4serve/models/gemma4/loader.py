@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from g4serve.config import Gemma4Config
+from g4serve.layers.moe import MoEExperts
 from g4serve.layers.quant import QuantLinear
 from g4serve.models.gemma4.kv_scales import is_kv_scale_name
 from g4serve.models.gemma4.model import Gemma4Model
@@ -239,15 +240,14 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
     if device.type == "meta":
         return  # shapes only (memory planning, tests): there is no storage to fill
     gen = torch.Generator(device=device).manual_seed(seed)
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quantized = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, QuantLinear) or (isinstance(m, MoEExperts) and m.quantized)
+    }
     for name, tensor in model.state_dict(keep_vars=True).items():
         module, _, leaf = name.rpartition(".")
-        if module in quantized and leaf != "bias":
-            # The dense preset's draw for this weight (same generator state, shape and dtype), quantized.
-            if leaf == "weight":
-                q = quantized[module]
-                dense = torch.empty(q.out_features, q.in_features, dtype=q.compute_dtype, device=device)
-                q.quantize_from(dense.normal_(0.0, std, generator=gen))
+        if module in quantized and _init_quantized(quantized[module], leaf, gen, std):
             continue
         if name.startswith("language_model.") and name.endswith(("q_norm.weight", "k_norm.weight")):
             tensor.fill_(tensor.shape[0] ** -0.25)
@@ -260,6 +260,27 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
             tensor.fill_(float("inf"))
         else:
             tensor.normal_(0.0, std, generator=gen)
+
+
+def _init_quantized(module: QuantLinear | MoEExperts, leaf: str, gen: torch.Generator, std: float) -> bool:
+    """A quantized weight gets the dense preset's draw for it (same generator state, shape and dtype),
+    quantized; its scales and zero points are written with it. False: ``leaf`` is a dense tensor."""
+    device = gen.device
+    if isinstance(module, QuantLinear):
+        if leaf == "weight":
+            dense = torch.empty(
+                module.out_features, module.in_features, dtype=module.compute_dtype, device=device
+            )
+            module.quantize_from(dense.normal_(0.0, std, generator=gen))
+        return leaf != "bias"
+    if leaf.endswith(("_scale", "_zero_point")):
+        return True
+    if module.quant.get(leaf) is None:
+        return False  # a dense projection beside a quantized one
+    # experts: each expert's gate and up quantized on their own scale grids
+    dense = torch.empty(module.dense_shape(leaf), dtype=module.compute_dtype, device=device)
+    module.quantize_from(leaf, dense.normal_(0.0, std, generator=gen))
+    return True
 
 
 def load_model(
@@ -318,7 +339,9 @@ def _quant_planner(
         def plan_dense(model: Gemma4Model) -> QuantPlan:
             plan = plan_quantize(model, cfg.quantization, dtype)
             for local, p in plan.modules.items():
-                p.tensors["weight"] = hf_names.get(f"{local}.weight", f"{p.hf_name}.weight")
+                p.tensors = {
+                    suffix: hf_names.get(f"{local}.{suffix}", hf) for suffix, hf in p.tensors.items()
+                }
             return plan
 
         return plan_dense

@@ -1,13 +1,17 @@
-"""Quantized weights at load: which modules are quantized, and how their tensors become ``QuantLinear``s.
+"""Quantized weights at load: which modules are quantized, and how their tensors become ``QuantLinear``s
+and quantized MoE experts.
 
 A ``QuantPlan`` is made on the meta model before any memory is allocated. Its modules are filled in one of
-three ways: ``checkpoint`` (a compressed-tensors checkpoint's FP8 / packed int4 tensors, converted to
+these ways: ``checkpoint`` (a compressed-tensors checkpoint's FP8 / packed int4 tensors, converted to
 ``QuantLinear``'s layout), ``quantize`` (dense weights, from a checkpoint or random, quantized by g4serve's
-own quantizer: ``--quantization``), ``dequantize`` (quantized tensors of a module the fast path keeps in
-the model's dtype, such as a tower's projection: dequantized exactly into its weight), or ``expert`` (one
-routed expert's gate / up / down projection, stored per expert: dequantized into its slice of the stacked
-expert weights). Only the text decoder's ``nn.Linear`` projections become ``QuantLinear``: the MoE kernels
-take bf16 experts, so a quantized 26B-A4B checkpoint's experts cost bf16 memory (a warning says how much).
+own quantizer: ``--quantization``; a routed-experts block's stacked ``gate_up_proj`` / ``down_proj`` too),
+``dequantize`` (quantized tensors of a module the fast path keeps in the model's dtype, such as a tower's
+projection: dequantized exactly into its weight), or ``expert`` (one routed expert's gate / up / down
+projection, stored per expert: copied into its slices of the block's stacked quantized weights, gate and up
+of expert e as rows [gate; up] of ``gate_up_proj[e]``). A block whose experts are quantized is kept
+quantized (``MoEExperts`` with ``quant``; plan mode ``experts``) when each stacked projection has one scheme
+over all its experts, which ``kernels/fused_moe.py`` dequantizes in registers; otherwise (experts or gate /
+up quantized differently) that projection is dequantized to the model's dtype at load, with a warning.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from safetensors import safe_open
 from torch import nn
 
 from g4serve.kernels.quant_matmul import dequantize_reference, unpack_int4
+from g4serve.layers.moe import PROJECTIONS, MoEExperts
 from g4serve.layers.quant import QuantLinear
-from g4serve.quant_config import FP8, INT4, QuantConfig, QuantScheme
+from g4serve.quant_config import FP8, INT4, QuantConfig, QuantScheme, WeightQuant
 
 # Tensor names compressed-tensors adds to a quantized module (besides FP8's ``weight``).
 QUANT_SUFFIXES = (
@@ -57,10 +62,12 @@ class QuantLoadError(ValueError):
 @dataclass
 class ModulePlan:
     hf_name: str  # the module's name in Hugging Face checkpoints
-    scheme: QuantScheme | None  # None: a dense expert projection
-    mode: str  # "checkpoint", "quantize", "dequantize" or "expert"
+    scheme: QuantScheme | None  # None: a dense expert projection, or a block of experts from a checkpoint
+    mode: str  # "checkpoint", "quantize", "dequantize", "expert" or "experts"
     scale_dtype: torch.dtype = torch.float32
     tensors: dict[str, str] = field(default_factory=dict)  # suffix -> checkpoint tensor name
+    # A routed-experts block: how each stacked projection is kept (``MoEExperts``' ``quant``; None: dense)
+    expert_quant: dict[str, WeightQuant | None] | None = None
 
 
 @dataclass
@@ -72,13 +79,11 @@ class QuantPlan:
         """Whether the loader leaves this (local) tensor to ``load_quantized``."""
         module, _, suffix = local_tensor.rpartition(".")
         plan = self.modules.get(module)
-        if plan is None:
+        if plan is None or plan.mode == "experts":  # "experts": filled by its per-expert projections
             return False
-        return (
-            suffix == "weight"
-            or plan.mode == "expert"
-            or (plan.mode != "quantize" and suffix in QUANT_SUFFIXES)
-        )
+        if plan.mode == "quantize":
+            return suffix in plan.tensors
+        return suffix == "weight" or plan.mode == "expert" or suffix in QUANT_SUFFIXES
 
 
 def _module_of(name: str) -> tuple[str, str]:
@@ -123,7 +128,7 @@ def plan_checkpoint(
         plan.tensors[suffix] = hf_tensor
         if suffix == "weight_scale":
             plan.scale_dtype = _SAFETENSORS_DTYPES.get(dtypes.get(hf_tensor, "F32"), torch.float32)
-    _check_experts(modules, plans)
+    _plan_expert_blocks(modules, plans)
     return QuantPlan(config, plans)
 
 
@@ -134,6 +139,8 @@ def _plan_expert(plans: dict, config: QuantConfig, hf_tensor: str, local: str, d
     if plan is None:
         plan = plans[local_module] = ModulePlan(hf_module, None, "expert")
     plan.tensors[suffix] = hf_tensor
+    if suffix == "weight_scale":
+        plan.scale_dtype = _SAFETENSORS_DTYPES.get(dtypes.get(hf_tensor, "F32"), torch.float32)
     if suffix in QUANT_SUFFIXES and plan.scheme is None:
         plan.scheme = config.scheme_for(hf_module)
         if plan.scheme is None:
@@ -143,49 +150,78 @@ def _plan_expert(plans: dict, config: QuantConfig, hf_tensor: str, local: str, d
             )
 
 
-def _check_experts(modules: dict[str, nn.Module], plans: dict[str, ModulePlan]) -> None:
-    """Every expert of a block stored per expert must be there, with all three projections."""
-    found: dict[str, set[tuple[int, str]]] = {}
+def _plan_expert_blocks(modules: dict[str, nn.Module], plans: dict[str, ModulePlan]) -> None:
+    """Every expert of a block stored per expert must be there, with all three projections; each block gets
+    an ``experts`` plan saying which of its stacked projections stay quantized (one scheme over all the
+    experts' parts) and which are dequantized at load."""
+    found: dict[str, dict[tuple[int, str], ModulePlan]] = {}
     for local, p in plans.items():
         if p.mode == "expert":
             m = _EXPERT.match(local)
-            found.setdefault(m["experts"], set()).add((int(m["index"]), m["proj"]))
-    if found:
-        log.warning(
-            "%d MoE blocks hold per-expert (quantized) projections: dequantized to the model's dtype at load "
-            "(the fused MoE kernels take dense experts)",
-            len(found),
-        )
+            found.setdefault(m["experts"], {})[(int(m["index"]), m["proj"])] = p
+    dequantized = 0
     for experts, have in found.items():
         block = modules.get(experts)
-        if block is None or not hasattr(block, "gate_up_proj"):
+        if not isinstance(block, MoEExperts):
             raise QuantLoadError(f"{experts}: per-expert tensors, but this model has no such MoE block")
         want = {(e, proj) for e in range(block.num_experts) for proj in ("gate_proj", "up_proj", "down_proj")}
-        if have != want:
-            missing = sorted(want - have)[:4]
+        if set(have) != want:
+            missing = sorted(want - set(have))[:4]
             raise QuantLoadError(f"{experts}: expert projections missing or unexpected (e.g. {missing})")
+        quant: dict[str, WeightQuant | None] = {}
+        for stacked, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            schemes = {
+                p.scheme.weights if p.scheme else None for (_, proj), p in have.items() if proj in parts
+            }
+            quant[stacked] = schemes.pop() if len(schemes) == 1 else None
+            dequantized += len(schemes) > 0 and quant[stacked] is None
+        scale_dtypes = {p.scale_dtype for p in have.values() if p.scheme is not None}
+        scale_dtype = scale_dtypes.pop() if len(scale_dtypes) == 1 else torch.float32
+        hf_block = next(iter(have.values())).hf_name.rsplit(".", 2)[0]
+        plans[experts] = ModulePlan(hf_block, None, "experts", scale_dtype, expert_quant=quant)
+    if dequantized:
+        log.warning(
+            "%d stacked MoE expert projections are quantized with differing schemes across their experts (or "
+            "gate and up): dequantized to the model's dtype at load, which costs its memory (the fused MoE "
+            "kernel takes one scheme per stacked projection)",
+            dequantized,
+        )
 
 
 def plan_quantize(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> QuantPlan:
-    """The plan of ``--quantization``: the text decoder's ``nn.Linear`` projections the preset targets."""
+    """The plan of ``--quantization``: the text decoder's ``nn.Linear`` projections and routed-experts
+    blocks the preset targets (``tensors``: the dense tensors each reads, by their default HF names)."""
     plans = {}
     for name, module in model.named_modules():
-        if not (name.startswith("language_model.") and isinstance(module, nn.Linear)):
+        experts = isinstance(module, MoEExperts)
+        if not (name.startswith("language_model.") and (experts or isinstance(module, nn.Linear))):
             continue
-        scheme = config.scheme_for(f"model.{name}")
-        if scheme is not None:
-            scale_dtype = torch.float32 if scheme.weights.kind == FP8 else dtype
-            plans[name] = ModulePlan(f"model.{name}", scheme, "quantize", scale_dtype)
+        hf_name = f"model.{name}"
+        scheme = config.scheme_for(hf_name, is_linear=not experts)
+        if scheme is None:
+            continue
+        scale_dtype = torch.float32 if scheme.weights.kind == FP8 else dtype
+        plan = plans[name] = ModulePlan(hf_name, scheme, "quantize", scale_dtype)
+        if experts:
+            plan.expert_quant = dict.fromkeys(PROJECTIONS, scheme.weights)
+            plan.tensors = {proj: f"{hf_name}.{proj}" for proj in PROJECTIONS}
+        else:
+            plan.tensors = {"weight": f"{hf_name}.weight"}
     return QuantPlan(config, plans)
 
 
 def swap_quantized_modules(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
-    """Replace the planned ``nn.Linear``s by ``QuantLinear``s (on the meta device, before allocation)."""
+    """Replace the planned ``nn.Linear``s by ``QuantLinear``s, and routed-experts blocks by quantized
+    ``MoEExperts`` (on the meta device, before allocation: no dense copy of a quantized weight exists)."""
     for name, p in plan.modules.items():
         if p.mode in ("dequantize", "expert"):
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
+        if p.expert_quant is not None:
+            if any(q is not None for q in p.expert_quant.values()):
+                setattr(parent, attr, _quantized_experts(getattr(parent, attr), p, dtype))
+            continue
         linear = getattr(parent, attr)
         q = QuantLinear(
             linear.in_features,
@@ -198,6 +234,19 @@ def swap_quantized_modules(model: nn.Module, plan: QuantPlan, dtype: torch.dtype
             compute_dtype=dtype,
         )
         setattr(parent, attr, q)
+
+
+def _quantized_experts(dense: MoEExperts, plan: ModulePlan, dtype: torch.dtype) -> MoEExperts:
+    return MoEExperts(
+        dense.num_experts,
+        dense.hidden,
+        dense.intermediate,
+        dense.activation,
+        quant=plan.expert_quant,
+        scale_dtype=plan.scale_dtype,
+        compute_dtype=dtype,
+        device=dense.gate_up_proj.device,
+    )
 
 
 # ---- loading ------------------------------------------------------------------------------------------
@@ -252,6 +301,13 @@ def _checked(t: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dt
 
 
 def _fill(module: nn.Module, plan: ModulePlan, tensors: dict[str, torch.Tensor]) -> None:
+    if plan.mode == "quantize" and isinstance(module, MoEExperts):
+        for name, dense in tensors.items():
+            expected = module.dense_shape(name)
+            if tuple(dense.shape) != expected or not dense.is_floating_point():
+                raise QuantLoadError(f"{plan.tensors[name]}: expected a float tensor of shape {expected}")
+            module.quantize_from(name, dense)
+        return
     if plan.mode == "quantize":
         module.quantize_from(tensors["weight"])
         return
@@ -276,15 +332,24 @@ def _fill_expert(
     model: nn.Module, local: str, plan: ModulePlan, tensors: dict[str, torch.Tensor]
 ) -> set[str]:
     """One expert's projection into its slice of the stacked weights: gate_up_proj [E, 2I, H] (gate rows
-    first), down_proj [E, H, I]."""
+    first), down_proj [E, H, I]; quantized as it is stored where the block keeps that projection quantized,
+    else dequantized to the block's dtype."""
     m = _EXPERT.match(local)
     experts, e, proj = model.get_submodule(m["experts"]), int(m["index"]), m["proj"]
-    inter = experts.down_proj.shape[2]
+    stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    filled = {f"{m['experts']}.{name}" for name, _ in experts.named_parameters() if name.startswith(stacked)}
+    inter, hidden = experts.intermediate, experts.hidden
+    n, k = (hidden, inter) if proj == "down_proj" else (inter, hidden)
+    if experts.quant[stacked] is not None:
+        assert plan.scheme is not None and plan.scheme.weights == experts.quant[stacked]
+        # a static input_scale goes unused: the experts run weight-only (activations in the model's dtype)
+        weight, scale, zero, _ = _layout(plan, tensors, n, k)
+        experts.fill_expert(stacked, e, int(proj == "up_proj"), weight, scale, zero)
+        return filled
     if proj == "down_proj":
         target = experts.down_proj[e]
     else:
         target = experts.gate_up_proj[e, :inter] if proj == "gate_proj" else experts.gate_up_proj[e, inter:]
-    n, k = target.shape
     if plan.scheme is None:
         dense = tensors.get("weight")
         if dense is None or tuple(dense.shape) != (n, k) or not dense.is_floating_point():
@@ -294,15 +359,17 @@ def _fill_expert(
         block = plan.scheme.weights.scale_block(n, k)
         dense = dequantize_reference(weight, scale, block, k, zero, target.dtype)
     target.copy_(dense)
-    return {f"{m['experts']}.gate_up_proj" if proj != "down_proj" else f"{m['experts']}.down_proj"}
+    return filled
 
 
 def _reads(plan: QuantPlan, files: dict[str, Path]) -> dict[Path, list[tuple[str, str, str]]]:
     """(local module, suffix, checkpoint tensor) to read, per file."""
     by_file: dict[Path, list[tuple[str, str, str]]] = {}
     for local, p in plan.modules.items():
+        if p.mode == "experts":
+            continue  # filled by its per-expert projections
         if p.mode == "quantize":
-            wanted = {"weight": p.tensors.get("weight", f"{p.hf_name}.weight")}
+            wanted = dict(p.tensors) or {"weight": f"{p.hf_name}.weight"}
         elif p.mode == "expert" or p.scheme is None:
             wanted = dict(p.tensors)
             if p.scheme is not None and sorted(_required(p) - set(wanted)):

@@ -1,0 +1,116 @@
+"""Quantized MoE experts on CUDA at 26B-A4B shapes (128 experts, top-8, H=2816, I=704; bf16 activations):
+the compiled fused kernel, dequantizing FP8 (channel, 128 x 128 blocks) and int4 (groups of 32, of 128 with
+zero points) in registers, against the reference over the same dequantized bf16 weights; the quantized
+``MoEExperts`` captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.config import PRESETS
+from g4serve.kernels.fused_moe import fused_moe_reference
+from g4serve.kernels.moe_route import moe_route_reference
+from g4serve.layers.moe import MoEExperts
+from g4serve.quant_config import FP8, INT4, WeightQuant
+
+pytestmark = pytest.mark.gpu
+
+_TEXT = PRESETS["26b-a4b"]().text
+E, TOP_K, H, INTER = _TEXT.num_experts, _TEXT.top_k_experts, _TEXT.hidden_size, _TEXT.moe_intermediate_size
+ACT = _TEXT.hidden_activation
+SCHEMES = {
+    "fp8-channel": WeightQuant(FP8, "channel", (1, 0)),
+    # I = 704 is 5.5 blocks of 128 rows: gate and up each end in a partial block, on their own grids
+    "fp8-block": WeightQuant(FP8, "block", (128, 128)),
+    "int4-g32": WeightQuant(INT4, "group", (1, 32)),
+    "int4-g128-asym": WeightQuant(INT4, "group", (1, 128), symmetric=False),
+}
+# 1 / 8 / 64: decode tiles (BLOCK_M 16); 300: BLOCK_M 32; 1024: BLOCK_M 64 and the torch alignment
+TOKENS = [1, 8, 64, 300, 1024]
+
+
+@pytest.fixture(scope="module")
+def quantized_layers():
+    """``get(scheme) -> (MoEExperts quantized from random bf16 weights, its dequantized bf16 weights)``."""
+    cache: dict[str, tuple[MoEExperts, dict[str, torch.Tensor]]] = {}
+
+    def get(scheme: str):
+        if scheme not in cache:
+            cache.clear()  # one scheme's dense copies at a time
+            gen = torch.Generator("cuda").manual_seed(0)
+            layer = MoEExperts(
+                E,
+                H,
+                INTER,
+                ACT,
+                quant=dict.fromkeys(("gate_up_proj", "down_proj"), SCHEMES[scheme]),
+                compute_dtype=torch.bfloat16,
+                device="cuda",
+            )
+            for name in ("gate_up_proj", "down_proj"):
+                shape = layer.dense_shape(name)
+                dense = torch.randn(shape, device="cuda", generator=gen).mul_(shape[2] ** -0.5).bfloat16()
+                layer.quantize_from(name, dense)
+                del dense
+            dequantized = {n: layer.dequantize(n, torch.bfloat16) for n in ("gate_up_proj", "down_proj")}
+            cache[scheme] = (layer, dequantized)
+        return cache[scheme]
+
+    return get
+
+
+def _routing(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(num_tokens, E, device="cuda", generator=gen)
+    return moe_route_reference(logits, torch.ones(E, device="cuda"), TOP_K)
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@torch.no_grad()
+def test_quantized_fused_moe_vs_reference(quantized_layers, scheme, num_tokens):
+    layer, dense = quantized_layers(scheme)
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    weights, experts = _routing(num_tokens, gen)
+    x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    out = layer(x, experts, weights)  # CUDA: the fused kernel on the quantized weights
+    gate_up, down = dense["gate_up_proj"], dense["down_proj"]
+    ref32 = fused_moe_reference(x.float(), gate_up.float(), down.float(), experts, weights, ACT)
+    # the bf16 loop over the quantized view (each hit expert dequantized to bf16): the CPU path's reference
+    ref16 = fused_moe_reference(
+        x, layer.projection("gate_up_proj"), layer.projection("down_proj"), experts, weights, ACT
+    )
+    assert torch.equal(ref16, fused_moe_reference(x, gate_up, down, experts, weights, ACT))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref32, atol=2e-2, rtol=2e-2)
+    err, err16 = (out.float() - ref32).abs().max().item(), (ref16.float() - ref32).abs().max().item()
+    assert err <= 1.25 * err16 + 1e-3, (err, err16)
+    assert torch.equal(layer(x, experts, weights), out)  # deterministic
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "int4-g128-asym"])
+@pytest.mark.parametrize("num_tokens", [1, 64])
+@torch.no_grad()
+def test_quantized_experts_cuda_graph(quantized_layers, scheme, num_tokens):
+    layer, _ = quantized_layers(scheme)
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    static_x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    static_w, static_e = _routing(num_tokens, gen)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        layer(static_x, static_e, static_w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x, static_e, static_w)
+    for seed in (10, 11):
+        gen.manual_seed(seed)
+        static_x.copy_(torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16())
+        weights, experts = _routing(num_tokens, gen)
+        static_w.copy_(weights)
+        static_e.copy_(experts)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, layer(static_x, static_e, static_w))
