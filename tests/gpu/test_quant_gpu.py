@@ -81,7 +81,7 @@ def test_quant_matmul_fp32_matches_the_reference(fmt, m):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block"])
 @pytest.mark.parametrize("m", [1, 3, 32, 200])
 def test_fp8_matmul_at_model_shapes(fmt, m):
     """The W8A8 kernel compiled for the GPU against its torch reference (the same activation groups), and
@@ -96,7 +96,8 @@ def test_fp8_matmul_at_model_shapes(fmt, m):
         got = fp8_matmul(x, q, scale, block, ep, act, other).float()
         ref = fp8_matmul_reference(x, q, scale, block, ep, act, other).float()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-2, (fmt, m, n, k, ep, err)
+        # 0.011 measured for gate_up (act(a) and act(a) * b each rounded to bf16), as quant_matmul's bound
+        assert err < 2e-2, (fmt, m, n, k, ep, err)
         if ep == PLAIN:
             dense = x.float() @ dequantize_reference(q, scale, block, k, None, torch.float32).T
             rel = ((got - dense).norm() / dense.norm()).item()
@@ -185,8 +186,11 @@ def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantizat
         f"{quantization}: prefill min cosine {cos:.5f}, top-1 {top1:.3f}; greedy token agreement {same:.3f}"
     )
     assert quantized.runner.num_graph_steps > 0
-    # fp8 prefill quantizes the activations per token as well (the scheme's dynamic activations), the
-    # dequantized bf16 model does not: on random weights, whose top logits are close, the top-1 agreement
-    # was 0.84 on the H100 (cosine 0.9907); weight-only w4a16 keeps >= 0.9.
-    assert cos > 0.99 and top1 >= (0.75 if quantization == "fp8" else 0.9)
+    # fp8 quantizes the activations (per token, or per token and 128-group in kernels/fp8_matmul.py: the
+    # scheme's dynamic activations), the dequantized bf16 model does not: on random weights, whose top logits
+    # are close, the top-1 agreement was 0.84 on the H100 (cosine 0.9907 with per-token prefill only; 0.9874
+    # once the gated projections took the W8A8 kernel too); weight-only w4a16 keeps >= 0.9 and 0.99.
+    assert cos > (0.98 if quantization == "fp8" else 0.99) and top1 >= (
+        0.75 if quantization == "fp8" else 0.9
+    )
     assert all(x[0] == y[0] for x, y in zip(*runs))

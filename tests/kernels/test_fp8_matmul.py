@@ -117,7 +117,10 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, epilogue):
     other = torch.empty(m, n, dtype=torch.bfloat16, device="meta") if epilogue == MUL else None
     act = "gelu_pytorch_tanh" if epilogue != PLAIN else None
     launches = _launches(
-        monkeypatch, module, "_fp8_matmul", lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other)
+        monkeypatch,
+        module,
+        "_quantize_groups _fp8_matmul",
+        lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other),
     )
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs, use_pdl=m <= 64)

@@ -34,7 +34,10 @@ def quantize_fp8(x, scale, OUT_TY: tl.constexpr):
     exponent = tl.maximum((bits >> 23) & 0xFF, 121)  # biased; 121 = 127 - 6
     magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
     rounded = (tl.abs(y) + magic) - magic
-    return tl.where(bits < 0, -rounded, rounded).to(OUT_TY)  # the sign bit: -0.0 stays -0.0, as in torch
+    # y's sign bit put back by bits, not by negating: compiled code negates +0.0 into +0.0, and torch casts a
+    # negative value that rounds to zero as -0.0 (0x80; seen on an H100)
+    sign = (bits >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(OUT_TY)
 
 
 def _kv_cache_write_fn(
