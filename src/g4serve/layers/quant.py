@@ -5,11 +5,12 @@ g4serve's own quantizer (``--quantization`` presets quantize bf16 weights at loa
 packing) with one scale per block of the weight (``scale_block``: per tensor, channel, 128x128 block or
 group) and, for asymmetric int4, int8 zero points per scale entry. The CPU path dequantizes to the compute
 dtype and runs ``F.linear`` (the exact reference). On CUDA, FP8 weights of schemes with dynamic activation
-scales run on the FP8 tensor cores with their activations quantized too, as the scheme says: past
-``SKINNY_ROWS`` rows plain projections take ``torch._scaled_mm`` (per-token scales), every other shape
-``kernels/fp8_matmul.py`` (per token and 128-column group, in the kernel). int4, static activation scales
-and FP8 weights on older GPUs run ``kernels/quant_matmul.py`` (dequantized in registers, 16-bit products);
-``G4SERVE_FP8_MATMUL=dequant`` sends FP8 there too (the A/B of bench runs).
+scales run on the FP8 tensor cores with their activations quantized too, as the scheme says: up to
+``SKINNY_ROWS`` rows (decode) ``kernels/fp8_matmul.py`` (per token and 128-column group), past them plain
+projections ``torch._scaled_mm`` (per-token scales). Gated prefill projections, int4, static activation
+scales and FP8 weights on older GPUs run ``kernels/quant_matmul.py`` (dequantized in registers, 16-bit
+products; W8A8's 128 x 128 tiles were slower there: 31B TTFT at 2,048 tokens 451 against 354 ms);
+``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there too (the A/B of bench runs).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def quant_linear(
     m = x.shape[0]
     if m > SKINNY_ROWS and epilogue == PLAIN and _scaled_mm_ok(x, layer):
         return _fp8_scaled_mm(x, layer)
-    if _fp8_matmul_ok(x, layer):
+    if m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
         if epilogue == MUL and other.stride(-1) != 1:
             other = other.contiguous()
         y = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
