@@ -376,28 +376,7 @@ def quantized_weights(
 
 
 def _graph_ms(calls, min_calls_per_graph: int, replays: int) -> float:
-    """``graph_replay_ms`` warming the first call only (the compile; every call runs the same kernel):
-    a sweep's small shapes cycle over hundreds of weight copies."""
-    calls[0]()
-    per_graph = max(len(calls), min_calls_per_graph)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(per_graph):
-            calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    del graph
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms(calls, min_calls_per_graph, replays, warm_all=False)
 
 
 def copy_gb_per_s(nbytes: int, device: str = "cuda", reps: int = 10) -> float:

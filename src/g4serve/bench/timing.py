@@ -8,11 +8,13 @@ import torch
 
 
 def graph_replay_ms(
-    calls: list[Callable[[], object]], min_calls_per_graph: int = 32, replays: int = 7
+    calls: list[Callable[[], object]], min_calls_per_graph: int = 32, replays: int = 7, warm_all: bool = True
 ) -> float:
     """Median time of one call, from a CUDA graph that cycles over ``calls`` (at least
-    ``min_calls_per_graph`` per replay, so launch gaps amortise), over ``replays`` replays."""
-    for call in calls:  # compile and allocate outside the capture
+    ``min_calls_per_graph`` per replay, so launch gaps amortise), over ``replays`` replays. ``warm_all=False``
+    runs only the first call before the capture (every call runs the same kernel: a sweep's small shapes
+    cycle over hundreds of weight copies)."""
+    for call in calls if warm_all else calls[:1]:  # compile and allocate outside the capture
         call()
     per_graph = max(len(calls), min_calls_per_graph)
     stream = torch.cuda.Stream()

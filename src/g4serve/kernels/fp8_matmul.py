@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
-from g4serve.kernels.act_mul import _KINDS, act_mul_reference
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gated_epilogue
+from g4serve.kernels.act_mul import _KINDS
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, gated_epilogue
 from g4serve.kernels.kv_cache_write import FP8_MAX, quantize_fp8
 
 GROUP = 128  # activation columns sharing one scale, and the kernel's K step
@@ -220,11 +220,7 @@ def fp8_matmul_reference(
     for g, k0 in enumerate(range(0, k, GROUP)):
         part = xq[:, k0 : k0 + GROUP].float() @ weight[:, k0 : k0 + GROUP].float().t()
         y += part * sx[:, g : g + 1] * sw[:, k0 // bk][None, :]
-    y = y.to(x.dtype)
-    if epilogue == GATE_UP:
-        gate, up = y.chunk(2, dim=-1)
-        return act_mul_reference(activation, gate, up)
-    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+    return epilogue_reference(y.to(x.dtype), epilogue, activation, other)
 
 
 __all__ = [

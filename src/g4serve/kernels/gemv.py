@@ -270,10 +270,17 @@ def skinny_matmul_reference(
     other: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused ops the model runs without this kernel: F.linear, then the activation kernel's math."""
+    return epilogue_reference(F.linear(x, weight), epilogue, activation, other)
+
+
+def epilogue_reference(
+    y: torch.Tensor, epilogue: int, activation: str | None = None, other: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An epilogue on a projection's rounded output ``y``: as is (``plain``), act(gate) * up of its two halves
+    (``gate_up``), or act(y) * other (``mul``), with the activation kernel's math."""
     if epilogue == GATE_UP:
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        gate, up = y.chunk(2, dim=-1)
         return act_mul_reference(activation, gate, up)
-    y = F.linear(x, weight)
     return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
 
 
@@ -284,6 +291,7 @@ __all__ = [
     "PLAIN",
     "gemv_config",
     "skinny_matmul",
+    "epilogue_reference",
     "skinny_matmul_reference",
     "use_skinny",
 ]

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from g4serve.kernels.act_mul import act_mul_reference
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_supported
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+from g4serve.kernels.gemv import MUL, PLAIN, epilogue_reference
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
 from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
 
@@ -155,11 +154,7 @@ def quant_linear(
 
 
 def _reference(x, layer: QuantLinear, epilogue: int, activation: str | None, other) -> torch.Tensor:
-    y = F.linear(x, layer.dequantize(x.dtype), layer.bias)
-    if epilogue == GATE_UP:
-        gate, up = y.chunk(2, dim=-1)
-        return act_mul_reference(activation, gate, up)
-    return y if epilogue == PLAIN else act_mul_reference(activation, y, other)
+    return epilogue_reference(F.linear(x, layer.dequantize(x.dtype), layer.bias), epilogue, activation, other)
 
 
 def _scaled_mm_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
