@@ -11,27 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_checkpoints import SPECS, build_quantized_checkpoint
+from quant_checkpoints import SPECS
 from safetensors.torch import load_file, save_file
 from test_fast_layout import prefill_logits
 
 from g4serve.config import ConfigError
 from g4serve.layers.quant import QuantLinear, pack_int4, quantize_weight
 from g4serve.models.gemma4.loader import CheckpointError, load_model
-
-
-@pytest.fixture(scope="session")
-def quantized_checkpoint(hf_checkpoint, tmp_path_factory):
-    """``quantized_checkpoint(name) -> (compressed dir, dense dir)``, built once per session."""
-    cache: dict[str, tuple[Path, Path]] = {}
-
-    def get(name: str) -> tuple[Path, Path]:
-        if name not in cache:
-            out = tmp_path_factory.mktemp(f"ct-{name}")
-            cache[name] = build_quantized_checkpoint(hf_checkpoint(SPECS[name][0]), out, name)
-        return cache[name]
-
-    return get
 
 
 def _load(path, dtype="float32", **kw):

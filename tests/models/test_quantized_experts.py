@@ -11,7 +11,6 @@ import logging
 import shutil
 
 import pytest
-import test_quantized_checkpoints
 import torch
 from safetensors.torch import load_file, save_file
 from test_fast_layout import prefill_logits
@@ -21,7 +20,6 @@ from g4serve.layers.moe import MoEExperts
 from g4serve.layers.quant import QuantLinear
 from g4serve.models.gemma4.loader import _quant_planner, build_model, init_random_weights, load_model
 
-quantized_checkpoint = test_quantized_checkpoints.quantized_checkpoint  # its session fixture
 KINDS = {"fp8": torch.float8_e4m3fn, "int4": torch.int32}
 
 
