@@ -12,7 +12,7 @@ from torch import nn
 from g4serve.kernels.fused_moe import QuantExpertWeights, dequantize_expert, fused_moe, fused_moe_reference
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
 from g4serve.layers.norm import rms_norm
-from g4serve.layers.quant import quantize_weight
+from g4serve.layers.quant import frozen, quantize_weight
 from g4serve.quant_config import FP8, WeightQuant
 
 # The stacked projections: name -> parts (gate_up holds each expert's gate rows, then its up rows)
@@ -79,15 +79,15 @@ class MoEExperts(nn.Module):
                 weight = torch.empty(num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=device)
             else:
                 weight = torch.empty(num_experts, rows, -(-cols // 8), dtype=torch.int32, device=device)
-            setattr(self, name, _frozen(weight))
+            setattr(self, name, frozen(weight))
             setattr(
                 self,
                 f"{name}_scale",
-                _frozen(torch.empty(num_experts, *grid, dtype=scale_dtype, device=device)),
+                frozen(torch.empty(num_experts, *grid, dtype=scale_dtype, device=device)),
             )
             zero = None
             if not scheme.symmetric:
-                zero = _frozen(torch.zeros(num_experts, rows, grid[1], dtype=torch.int8, device=device))
+                zero = frozen(torch.zeros(num_experts, rows, grid[1], dtype=torch.int8, device=device))
             setattr(self, f"{name}_zero_point", zero)
 
     def dense_shape(self, name: str) -> tuple[int, int, int]:
@@ -184,10 +184,6 @@ class MoEExperts(nn.Module):
         moe = fused_moe if x.is_cuda else fused_moe_reference
         gate_up, down = self.projection("gate_up_proj"), self.projection("down_proj")
         return moe(x, gate_up, down, experts, weights, self.activation)
-
-
-def _frozen(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
 
 
 __all__ = ["PROJECTIONS", "MoEExperts", "MoERouter"]

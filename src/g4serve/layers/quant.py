@@ -71,15 +71,15 @@ class QuantLinear(nn.Module):
             weight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
         else:
             weight = torch.empty(out_features, -(-in_features // 8), dtype=torch.int32, device=device)
-        self.weight = _frozen(weight)
-        self.weight_scale = _frozen(torch.empty(grid, dtype=scale_dtype, device=device))
+        self.weight = frozen(weight)
+        self.weight_scale = frozen(torch.empty(grid, dtype=scale_dtype, device=device))
         self.weight_zero_point = None
         if self.kind == INT4 and not weights.symmetric:
-            self.weight_zero_point = _frozen(torch.zeros(grid, dtype=torch.int8, device=device))
+            self.weight_zero_point = frozen(torch.zeros(grid, dtype=torch.int8, device=device))
         self.input_scale = None
         if activations is not None and not activations.dynamic:
-            self.input_scale = _frozen(torch.ones(1, dtype=torch.float32, device=device))
-        self.bias = _frozen(torch.empty(out_features, dtype=compute_dtype, device=device)) if bias else None
+            self.input_scale = frozen(torch.ones(1, dtype=torch.float32, device=device))
+        self.bias = frozen(torch.empty(out_features, dtype=compute_dtype, device=device)) if bias else None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.kind}, scale_block={self.scale_block}"
@@ -105,7 +105,8 @@ class QuantLinear(nn.Module):
             self.weight_zero_point.copy_(zero)
 
 
-def _frozen(t: torch.Tensor) -> nn.Parameter:
+def frozen(t: torch.Tensor) -> nn.Parameter:
+    """A parameter that is never trained (quantized bytes, scales, zero points)."""
     return nn.Parameter(t, requires_grad=False)
 
 
