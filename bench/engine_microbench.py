@@ -104,6 +104,20 @@ def start_decoding(
     _sync(engine.device)
 
 
+def timed_steps(engine: LLMEngine, steps: int) -> tuple[list[float], float]:
+    """Run ``steps`` engine steps: (seconds each ``step()`` took, seconds for all of them until the device
+    is idle). No device sync per step: a step() returns once it has read back a step's tokens, and a sync
+    would also wait for the step async scheduling has launched ahead (the overlap being measured)."""
+    times = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    _sync(engine.device)
+    return times, time.perf_counter() - start
+
+
 def bench_decode(
     engine: LLMEngine,
     batch: int,
@@ -116,16 +130,7 @@ def bench_decode(
     ``adapters``: LoRA adapter names given to the requests in turn (None: the base model)."""
     params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=steps + 8, ignore_eos=True)
     start_decoding(engine, batch, prompt_len, params, f"d{batch}", adapters)
-    # No device sync per step: a step() returns once it has read back a step's tokens, and a sync would
-    # also wait for the step async scheduling has launched ahead (the overlap being measured).
-    times = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    _sync(engine.device)
-    total = time.perf_counter() - start
+    times, total = timed_steps(engine, steps)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     return {

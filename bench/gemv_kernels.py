@@ -225,11 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  M={m}: cuBLAS {base:8.1f}   skinny {skinny:8.1f}   min of both {best:8.1f}   "
             f"engine's choice (use_skinny) {engine:8.1f}"
         )
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    device = env["device_name"].lower().replace(" ", "-")
-    path = out_dir / f"gemv_kernels_{stamp}_{device}_{args.preset}.json"
+    path = _result_path(args, env)
     units = {
         "*_ms": "milliseconds per call (CUDA-graph replay, weights streamed from HBM)",
         "*_gb_per_s": "1e9 bytes/s of weight",
@@ -373,6 +369,16 @@ def quantized_weights(
         tuple(t.clone() if t is not None else None for t in first) for _ in range(copies - 1)
     ]
     return weights, block, nbytes
+
+
+def _result_path(args: argparse.Namespace, env: dict, suffix: str = "") -> Path:
+    """``<out-dir>/gemv_kernels_<local time>_<device>_<preset><suffix>.json`` (the folder is created); the
+    --quant sweep rewrites it as shapes finish, so a run cut short keeps what it measured."""
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    device = env["device_name"].lower().replace(" ", "-")
+    return out_dir / f"gemv_kernels_{stamp}_{device}_{args.preset}{suffix}.json"
 
 
 def _graph_ms(calls, min_calls_per_graph: int, replays: int) -> float:
@@ -719,11 +725,7 @@ def run_quant(args, env: dict, device: str = "cuda") -> int:
         if args.compile_workers > 0:
             jobs = compile_jobs(args.quant, shapes, args.rows, configs)
             compile_report = precompile(jobs, act, args.compile_workers)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    device_tag = env["device_name"].lower().replace(" ", "-")
-    path = out_dir / f"gemv_kernels_{stamp}_{device_tag}_{args.preset}_{args.quant}.json"
+    path = _result_path(args, env, f"_{args.quant}")
     units = {
         "*_ms": "milliseconds per call (CUDA-graph replay, weights streamed from HBM)",
         "*_us": "microseconds per decode step (sum over projections of per_step x time)",

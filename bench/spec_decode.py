@@ -37,6 +37,7 @@ from engine_microbench import (  # noqa: E402
     copy_bandwidth_gbps,
     decode_weight_bytes,
     start_decoding,
+    timed_steps,
 )
 
 from g4serve.bench.meta import git_commit, write_result_json  # noqa: E402
@@ -76,15 +77,7 @@ def bench_tokens(engine: LLMEngine, batch: int, prompt_len: int, steps: int, sal
     start_decoding(engine, batch, prompt_len, params, f"s{salt}-{batch}", salt=1000 * salt, warm_steps=2)
     before = engine.num_generated_tokens
     drafted, accepted = sum(engine.spec_stats.drafted), sum(engine.spec_stats.accepted)
-    times = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    total = time.perf_counter() - start
+    times, total = timed_steps(engine, steps)
     tokens = engine.num_generated_tokens - before
     for rid in list(engine.requests):
         engine.abort_request(rid)
@@ -113,12 +106,7 @@ def profile_steps(
     params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (1 + k), ignore_eos=True)
     start_decoding(engine, batch, prompt_len, params, f"prof-{batch}", salt=99_000, warm_steps=3)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        wall = time.perf_counter() - start
+        _, wall = timed_steps(engine, steps)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
