@@ -71,7 +71,7 @@ class Request:
         self.lora_slot = -1
         self.cache_salt = b""
         # Speculative decoding: tokens proposed for the next step to verify, and those the launched step
-        # verifies (engine/speculative.py). Drafts left on the device (``set_drafts``) are placeholders
+        # verifies (engine/speculative.py). Drafts left on the device (``set_device_drafts``) are placeholders
         # here until the verifying step's read-back; ``*_source`` says where their values are.
         self.draft_token_ids: list[int] = []
         self.draft_source: tuple[DeviceDrafts, int] | None = None

@@ -125,29 +125,24 @@ def quant_linear(
     m = x.shape[0]
     if m > SKINNY_ROWS and epilogue == PLAIN and _scaled_mm_ok(x, layer):
         return _fp8_scaled_mm(x, layer)
-    if m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
-        if epilogue == MUL and other.stride(-1) != 1:
-            other = other.contiguous()
-        y = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
-        if layer.bias is not None:
-            assert epilogue == PLAIN, "fused epilogues take bias-free projections"
-            y += layer.bias
-        return y
     if m > SKINNY_ROWS and PREFILL_PATH == "dequant":
         return _reference(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
-    y = quant_matmul(
-        x,
-        layer.weight,
-        layer.weight_scale,
-        layer.scale_block,
-        layer.in_features,
-        layer.weight_zero_point,
-        epilogue,
-        activation,
-        other,
-    )
+    if m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
+        y = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
+    else:
+        y = quant_matmul(
+            x,
+            layer.weight,
+            layer.weight_scale,
+            layer.scale_block,
+            layer.in_features,
+            layer.weight_zero_point,
+            epilogue,
+            activation,
+            other,
+        )
     if layer.bias is not None:
         assert epilogue == PLAIN, "fused epilogues take bias-free projections"
         y += layer.bias
