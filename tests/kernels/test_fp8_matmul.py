@@ -38,6 +38,25 @@ CASES = [
     (4, 24, 256, (1, 256), GATE_UP, "gelu_pytorch_tanh", None),
     (2, 24, 136, (1, 136), MUL, "silu", {"block_m": 16, "block_n": 8, "num_warps": 2, "num_stages": 1}),
     (70, 40, 256, (128, 128), PLAIN, None, {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2}),
+    # the weight tile on the MMA's M side (W @ X^T), plain and gated
+    (
+        3,
+        72,
+        384,
+        (128, 128),
+        PLAIN,
+        None,
+        {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "swap_ab": 1},
+    ),
+    (
+        2,
+        40,
+        256,
+        (1, 256),
+        GATE_UP,
+        "gelu_pytorch_tanh",
+        {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "swap_ab": 1},
+    ),
 ]
 
 
@@ -100,9 +119,17 @@ def test_supported_scale_blocks_and_tiles():
     assert fp8_matmul_config(512, 4096)["block_m"] == 128
 
 
-@pytest.mark.parametrize("m", [1, 32, 200])
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, None),
+        (32, None),
+        (200, None),
+        (1, {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}),
+    ],
+)
 @pytest.mark.parametrize("epilogue", [PLAIN, GATE_UP, MUL])
-def test_kernel_compiles_for_sm90(monkeypatch, m, epilogue):
+def test_kernel_compiles_for_sm90(monkeypatch, m, config, epilogue):
     """The interpreter does not apply the compiled language's rules (constexpr globals, FP8 MMA operand
     layouts): each launch the wrapper makes at 31B's shapes is compiled to an sm_90 cubin here."""
     from test_kv_fp8_sm90_compile import _compile, _launches
@@ -120,7 +147,7 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, epilogue):
         monkeypatch,
         module,
         "_quantize_groups _fp8_matmul",
-        lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other),
+        lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other, config),
     )
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs, use_pdl=m <= 64)

@@ -66,10 +66,15 @@ def _fp8_matmul_fn(
     scale_bk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Program (n, m): BLOCK_M token rows x BLOCK_N output columns. ``SWAP_AB`` multiplies W @ X^T instead
+    of X @ W^T: the weight tile is the MMA's M side (Hopper's warpgroup MMA wants 64 rows there, which a
+    decode batch padded to 16 is not) and the tokens its N side; the accumulator is transposed once at the
+    end."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,8 +88,12 @@ def _fp8_matmul_fn(
     u_ptrs = w_ptrs + N * stride_wn  # the up half of a stacked [gate; up] weight
     s_rows = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
     u_rows = S + ((offs_n + N) // scale_bn).to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     wait_for_previous_kernel(USE_PDL)
     for k0 in range(0, K, _GROUP):
         k_mask = (k0 + offs_k) < K
@@ -92,17 +101,29 @@ def _fp8_matmul_fn(
         sx = tl.load(sx_ptrs + k0 // _GROUP, mask=m_mask, other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         sw = tl.load(s_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
-        acc += tl.dot(xq, tl.trans(w)) * sx[:, None] * sw[None, :]
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
+        else:
+            acc += tl.dot(xq, tl.trans(w)) * sx[:, None] * sw[None, :]
         if EPILOGUE == 1:
             u = tl.load(
                 u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first"
             )
             su = tl.load(u_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
-            acc_up += tl.dot(xq, tl.trans(u)) * sx[:, None] * su[None, :]
+            if SWAP_AB:
+                acc_up += tl.dot(u, tl.trans(xq)) * su[:, None] * sx[None, :]
+            else:
+                acc_up += tl.dot(xq, tl.trans(u)) * sx[:, None] * su[None, :]
         x_ptrs += _GROUP
         w_ptrs += _GROUP
         u_ptrs += _GROUP
-    y = gated_epilogue(acc, acc_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
+    if SWAP_AB:
+        acc_mn = tl.trans(acc)
+        up_mn = tl.trans(acc_up)
+    else:
+        acc_mn = acc
+        up_mn = acc_up
+    y = gated_epilogue(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
     tl.store(
         Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         y.to(Y.dtype.element_ty),
@@ -131,6 +152,30 @@ def fp8_matmul_config(m: int, n: int) -> dict[str, int]:
     return {"block_m": 128 if m > 256 else 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (16-bit, unit last stride) -> (e4m3 [M, K], fp32 scales [M, ceil(K / GROUP)]) on the device:
+    ``quantize_activation_groups`` as one launch."""
+    m, k = x.shape
+    num_groups = triton.cdiv(k, GROUP)
+    xq = torch.empty((m, k), dtype=FP8, device=x.device)
+    sx = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups[x.device][(m, num_groups)](
+            x,
+            xq,
+            sx,
+            m,
+            k,
+            num_groups,
+            x.stride(0),
+            xq.stride(0),
+            sx.stride(0),
+            **pdl(x.device, m),
+            num_warps=1,
+        )
+    return xq, sx
+
+
 def fp8_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -144,24 +189,39 @@ def fp8_matmul(
     """x [M, K] (unit last stride, 16-bit) against an FP8 weight [N or 2N, K] with ``scale``
     [ceil(rows / bn), ceil(K / bk)] for ``scale_block`` = (bn, bk) -> [M, N] in x's dtype. Epilogues as
     ``gemv.skinny_matmul``."""
-    m, k = x.shape
+    assert x.stride(-1) == 1
+    xq, sx = quantize_groups(x)
+    return fp8_matmul_quantized(
+        xq, sx, x.dtype, weight, scale, scale_block, epilogue, activation, other, config
+    )
+
+
+def fp8_matmul_quantized(
+    xq: torch.Tensor,
+    sx: torch.Tensor,
+    out_dtype: torch.dtype,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_block: tuple[int, int],
+    epilogue: int = PLAIN,
+    activation: str | None = None,
+    other: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """``fp8_matmul`` on activations already quantized by ``quantize_groups`` (or a kernel that writes the
+    same groups): e4m3 ``xq`` [M, K] and fp32 ``sx`` [M, ceil(K / GROUP)] -> [M, N] in ``out_dtype``."""
+    m, k = xq.shape
     assert weight.dtype == FP8 and weight.shape[1] == k and weight.is_contiguous() and scale.is_contiguous()
-    assert x.stride(-1) == 1 and fp8_matmul_supported(scale_block, k)
+    assert xq.stride(-1) == 1 and fp8_matmul_supported(scale_block, k)
     n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
     cfg = config or fp8_matmul_config(m, n)
-    num_groups = triton.cdiv(k, GROUP)
-    xq = torch.empty((m, k), dtype=FP8, device=x.device)
-    sx = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
-    _quantize_groups[x.device][(m, num_groups)](
-        x, xq, sx, m, k, num_groups, x.stride(0), xq.stride(0), sx.stride(0), **pdl(x.device, m), num_warps=1
-    )
     grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]))
-    _fp8_matmul[x.device][grid](
+    _fp8_matmul[xq.device][grid](
         xq,
         sx,
         weight,
@@ -181,9 +241,10 @@ def fp8_matmul(
         scale_block[1],
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
+        SWAP_AB=bool(cfg.get("swap_ab", False)),
         EPILOGUE=epilogue,
         ACT=_KINDS[activation] if epilogue != PLAIN else 0,
-        **pdl(x.device, m),
+        **pdl(xq.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
