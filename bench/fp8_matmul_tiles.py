@@ -35,12 +35,15 @@ from g4serve.kernels.fp8_matmul import (  # noqa: E402
 )
 from g4serve.kernels.gemv import MUL, PLAIN, skinny_matmul  # noqa: E402
 
-# block_n, num_warps, num_stages, swap_ab: the grid of decode tiles (row tile: the batch padded to 16)
+# block_n, num_warps, num_stages, swap_ab: the grid of decode tiles (row tile: the batch padded to 16). A
+# first sweep (H100, 31B, M = 1 and 8) never found 16-column tiles or 8 warps below 64 columns best, and
+# swap_ab at least as fast everywhere; both sides stay in the grid at the two column tiles that won.
 GRID = tuple(
     (bn, w, s, swap)
-    for bn, w, s, swap in itertools.product((16, 32, 64, 128), (4, 8), (3, 4, 6), (0, 1))
-    if not (w == 8 and bn < 64) and not (swap and bn < 64 and w == 8)
+    for bn, w, s, swap in itertools.product((32, 64, 128), (4, 8), (3, 4, 6, 8), (0, 1))
+    if (w == 4 or bn == 128) and (swap or bn < 128)
 )
+SPLITS = (2, 3, 4, 6)  # split-K, for shapes whose column tiles leave SMs idle (at 64 columns, swap_ab)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench_shape(args, shape, act: str, copy_gbps: float) -> list[dict]:
+def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[dict]:
     name, ep, n, k, count = shape
     weights, block, nbytes = quantized_weights(args.quant, ep, n, k, None, args.stream_mb * 2**20)
     rows = weights[0][0].shape[0]
@@ -81,7 +84,7 @@ def bench_shape(args, shape, act: str, copy_gbps: float) -> list[dict]:
                 xq, sx, x.dtype, w[0], w[1], block, ep, activation, other, cfg
             )
 
-        default_cfg = fp8_matmul_config(m, n)
+        default_cfg = fp8_matmul_config(m, n, k, sm_count)
         row = {
             "name": name,
             "n": n,
@@ -104,9 +107,24 @@ def bench_shape(args, shape, act: str, copy_gbps: float) -> list[dict]:
         }
         if not args.no_sweep:
             trials = []
-            for bn, w, s, swap in GRID:
-                cfg = {"block_m": default_cfg["block_m"], "block_n": bn, "num_warps": w, "num_stages": s}
-                cfg["swap_ab"] = swap
+            grid = [
+                {
+                    "block_m": default_cfg["block_m"],
+                    "block_n": bn,
+                    "num_warps": w,
+                    "num_stages": s,
+                    "swap_ab": swap,
+                }
+                for bn, w, s, swap in GRID
+            ]
+            if -(-n // 64) < sm_count:
+                grid += [
+                    {"block_m": default_cfg["block_m"], "block_n": 64, "num_warps": 4, "num_stages": s}
+                    | {"swap_ab": 1, "split_k": split}
+                    for s in (4, 6, 8)
+                    for split in SPLITS
+                ]
+            for cfg in grid:
                 try:
                     trials.append({"config": cfg, "ms": timed(gemm(cfg), weights)})
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['device_name']}: copy {copy_gbps:.0f} GB/s (read + write)")
     results = []
     for shape in quant_shapes(args.preset):
-        results += bench_shape(args, shape, act, copy_gbps)
+        results += bench_shape(args, shape, act, copy_gbps, env["device_sm_count"])
     totals = {}
     for m in args.rows:
         rs = [r for r in results if r["rows"] == m]

@@ -29,34 +29,28 @@ def _weight(rows: int, k: int, block: tuple[int, int], gen: torch.Generator):
     return weight, scale
 
 
+def _tiles(block_m=16, block_n=16, num_warps=4, num_stages=2, **extra) -> dict[str, int]:
+    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, **extra}
+
+
 CASES = [
     # m, n, k, scale block, epilogue, activation, config
     (1, 48, 256, (1, 256), PLAIN, None, None),  # per channel, one decode row
-    (3, 40, 200, (1, 200), PLAIN, None, {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}),
+    (3, 40, 200, (1, 200), PLAIN, None, _tiles()),
     (5, 48, 256, (48, 256), PLAIN, None, None),  # per tensor
-    (2, 130, 384, (128, 128), PLAIN, None, {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}),
+    (2, 130, 384, (128, 128), PLAIN, None, _tiles(block_n=32)),
     (4, 24, 256, (1, 256), GATE_UP, "gelu_pytorch_tanh", None),
-    (2, 24, 136, (1, 136), MUL, "silu", {"block_m": 16, "block_n": 8, "num_warps": 2, "num_stages": 1}),
-    (70, 40, 256, (128, 128), PLAIN, None, {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2}),
+    (2, 24, 136, (1, 136), MUL, "silu", _tiles(block_n=8, num_warps=2, num_stages=1)),
+    (70, 40, 256, (128, 128), PLAIN, None, _tiles(block_m=32)),
     # the weight tile on the MMA's M side (W @ X^T), plain and gated
-    (
-        3,
-        72,
-        384,
-        (128, 128),
-        PLAIN,
-        None,
-        {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "swap_ab": 1},
-    ),
-    (
-        2,
-        40,
-        256,
-        (1, 256),
-        GATE_UP,
-        "gelu_pytorch_tanh",
-        {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "swap_ab": 1},
-    ),
+    (3, 72, 384, (128, 128), PLAIN, None, _tiles(block_n=64, swap_ab=1)),
+    (2, 40, 256, (1, 256), GATE_UP, "gelu_pytorch_tanh", _tiles(block_n=32, swap_ab=1)),
+    # serial split-K: K groups over several programs per tile (the last split shorter: ragged K), each
+    # epilogue, and a split left empty (4 splits of 2 groups)
+    (2, 72, 600, (1, 600), PLAIN, None, _tiles(block_n=32, swap_ab=1, split_k=3)),
+    (3, 24, 520, (128, 128), GATE_UP, "silu", _tiles(split_k=3)),
+    (1, 24, 384, (1, 384), MUL, "gelu_pytorch_tanh", _tiles(swap_ab=1, split_k=2)),
+    (2, 40, 256, (1, 256), PLAIN, None, _tiles(split_k=4)),
 ]
 
 
@@ -88,6 +82,23 @@ def test_kernel_matches_reference(m, n, k, block, epilogue, activation, config):
         assert (got.float() - ref.float()).norm() <= 0.02 * ref.float().norm()
 
 
+def test_split_k_is_deterministic_and_leaves_its_counters_zero():
+    """The last program of a tile sums the partials in split order: two launches give the same bits, equal
+    to the unsplit kernel's within fp32 summation order, and every tile counter is back at zero."""
+    import g4serve.kernels.fp8_matmul as module
+
+    gen = torch.Generator().manual_seed(5)
+    weight, scale = _weight(96, 1024, (1, 1024), gen)
+    x = torch.randn(4, 1024, generator=gen).bfloat16()
+    cfg = _tiles(block_n=32, swap_ab=1, split_k=4)
+    first = fp8_matmul(x, weight, scale, (1, 1024), config=cfg)
+    second = fp8_matmul(x, weight, scale, (1, 1024), config=cfg)
+    assert torch.equal(first, second)
+    assert not module._COUNTERS[x.device].any()
+    unsplit = fp8_matmul(x, weight, scale, (1, 1024), config={**cfg, "split_k": 1})
+    torch.testing.assert_close(first.float(), unsplit.float(), rtol=8e-3, atol=1e-3)
+
+
 def test_activation_groups_round_as_torch_casts():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 300, generator=gen).bfloat16() * 4
@@ -115,8 +126,16 @@ def test_reference_approximates_the_dequantized_product():
 def test_supported_scale_blocks_and_tiles():
     assert fp8_matmul_supported((1, 5376), 5376) and fp8_matmul_supported((128, 128), 5376)
     assert not fp8_matmul_supported((1, 64), 512)  # a weight scale changing inside an activation group
-    assert fp8_matmul_config(1, 4096)["block_m"] == 16 and fp8_matmul_config(33, 4096)["block_m"] == 64
-    assert fp8_matmul_config(512, 4096)["block_m"] == 128
+    h100 = 132
+    assert fp8_matmul_config(1, 4096, 4096, h100)["block_m"] == 16
+    assert fp8_matmul_config(33, 4096, 4096, h100)["block_m"] == 64
+    assert fp8_matmul_config(512, 4096, 4096, h100)["block_m"] == 128
+    # 31B decode: the wide projections fill the SMs unsplit; the ones back to 5376 columns (84 tiles) split K
+    assert "split_k" not in fp8_matmul_config(1, 21504, 5376, h100)
+    assert fp8_matmul_config(1, 5376, 21504, h100)["split_k"] == 4
+    assert fp8_matmul_config(8, 5376, 8192, h100)["split_k"] == 4
+    assert "split_k" not in fp8_matmul_config(1, 5376, 2048, h100)  # too little K to share
+    assert "split_k" not in fp8_matmul_config(1, 5376, 21504, 0)  # no SM count (the interpreter)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +144,8 @@ def test_supported_scale_blocks_and_tiles():
         (1, None),
         (32, None),
         (200, None),
-        (1, {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}),
+        (1, fp8_matmul_config(1, 5376, 5376, 132)),  # an H100's decode tiles
+        (4, _tiles(block_n=64, num_stages=6, swap_ab=1, split_k=3)),
     ],
 )
 @pytest.mark.parametrize("epilogue", [PLAIN, GATE_UP, MUL])

@@ -15,6 +15,8 @@ the weight once in its FP8 bytes and never converts it: the in-register dequanti
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -53,6 +55,8 @@ def _fp8_matmul_fn(
     S,
     E,
     Y,
+    P,
+    C,
     M,
     N,
     K,
@@ -67,6 +71,7 @@ def _fp8_matmul_fn(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -74,16 +79,25 @@ def _fp8_matmul_fn(
     """Program (n, m): BLOCK_M token rows x BLOCK_N output columns. ``SWAP_AB`` multiplies W @ X^T instead
     of X @ W^T: the weight tile is the MMA's M side (Hopper's warpgroup MMA wants 64 rows there, which a
     decode batch padded to 16 is not) and the tokens its N side; the accumulator is transposed once at the
-    end."""
+    end.
+
+    ``SPLIT_K`` > 1 (serial split-K, for shapes whose column tiles alone leave SMs idle): program (n, m, s)
+    covers the s-th range of whole K groups and ends in ``_reduce_splits``: fp32 partials to ``P``, a count in
+    ``C`` (one int32 per output tile, zero between launches), the last program of a tile sums them in split
+    order (the same bits whatever the arrival order) and runs the epilogue. One launch, no memset."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    groups_per_split = tl.cdiv(tl.cdiv(K, _GROUP), SPLIT_K)
+    k_start = pid_k * groups_per_split * _GROUP
+    k_end = tl.minimum(K, k_start + groups_per_split * _GROUP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, _GROUP)
+    offs_k = k_start + tl.arange(0, _GROUP)
     n_mask = offs_n < N
     m_mask = offs_m < M
     x_ptrs = XQ + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    sx_ptrs = SX + offs_m.to(tl.int64) * stride_sxm
+    sx_ptrs = SX + offs_m.to(tl.int64) * stride_sxm + k_start // _GROUP
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = w_ptrs + N * stride_wn  # the up half of a stacked [gate; up] weight
     s_rows = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
@@ -95,10 +109,10 @@ def _fp8_matmul_fn(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     wait_for_previous_kernel(USE_PDL)
-    for k0 in range(0, K, _GROUP):
-        k_mask = (k0 + offs_k) < K
+    for k0 in range(k_start, k_end, _GROUP):
+        k_mask = (offs_k + (k0 - k_start)) < K
         xq = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        sx = tl.load(sx_ptrs + k0 // _GROUP, mask=m_mask, other=0.0)
+        sx = tl.load(sx_ptrs, mask=m_mask, other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         sw = tl.load(s_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
         if SWAP_AB:
@@ -115,6 +129,7 @@ def _fp8_matmul_fn(
             else:
                 acc_up += tl.dot(xq, tl.trans(u)) * sx[:, None] * su[None, :]
         x_ptrs += _GROUP
+        sx_ptrs += 1
         w_ptrs += _GROUP
         u_ptrs += _GROUP
     if SWAP_AB:
@@ -123,7 +138,65 @@ def _fp8_matmul_fn(
     else:
         acc_mn = acc
         up_mn = acc_up
-    y = gated_epilogue(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
+    if SPLIT_K > 1:
+        _reduce_splits(
+            acc_mn, up_mn, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
+            BLOCK_M, BLOCK_N, SPLIT_K, EPILOGUE, ACT,
+        )  # fmt: skip
+    else:
+        _store_tile(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
+
+
+@triton.jit
+def _reduce_splits(
+    acc, acc_up, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+):  # fmt: skip
+    """Serial split-K's end: this program's partials to P [SPLIT_K, parts, M, N] (parts: gate and up for
+    ``gate_up``, else one), its count in the tile's counter; the last of the tile's programs to count sums
+    the partials in split order, stores the tile and zeroes the counter for the next launch."""
+    parts: tl.constexpr = 2 if EPILOGUE == 1 else 1
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    mn = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    part = N * M
+    pid_k = tl.program_id(2)
+    tl.store(P + (parts * pid_k) * part + mn, acc, mask=mn_mask)
+    if EPILOGUE == 1:
+        tl.store(P + (parts * pid_k + 1) * part + mn, acc_up, mask=mn_mask)
+    tile = C + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    # acq_rel: this program's partials are visible before its count; the last one sees every partial
+    if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for split in range(0, SPLIT_K):
+            total += tl.load(P + (parts * split) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            if EPILOGUE == 1:
+                total_up += tl.load(
+                    P + (parts * split + 1) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg"
+                )
+        _store_tile(
+            total, total_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT
+        )
+        tl.atomic_xchg(tile, 0)
+
+
+@triton.jit
+def _store_tile(
+    acc,
+    acc_up,
+    Y,
+    E,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    stride_em,
+    stride_ym,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    y = gated_epilogue(acc, acc_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
     tl.store(
         Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         y.to(Y.dtype.element_ty),
@@ -141,15 +214,53 @@ def fp8_matmul_supported(scale_block: tuple[int, int], in_features: int) -> bool
     return bk >= in_features or bk % GROUP == 0
 
 
-def fp8_matmul_config(m: int, n: int) -> dict[str, int]:
-    """Tiles per shape. Decode rows are memory-bound: the row tile is the batch padded to the MMA's 16, and
-    the column tile leaves at least two programs per SM of an H100 streaming weights. Larger batches take
-    the wider tiles of a compute-bound GEMM."""
+def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
+    """Tiles per shape. Up to 16 rows (decode; measured on an H100 with bench/fp8_matmul_tiles.py at 31B's
+    shapes) the weight streams through the warpgroup MMA as its M side (``swap_ab``) in 64-row tiles, 4
+    stages deep; a shape whose column tiles fill fewer than all SMs (the projections back to the hidden size)
+    splits K until about two programs run per SM, 6 stages deep. 17..64 rows: the row tile is the batch padded
+    to a power of two and the column tile leaves at least two programs per SM. Larger batches take the wider
+    tiles of a compute-bound GEMM."""
+    if m <= 16:
+        cfg = {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}
+        tiles = triton.cdiv(n, 64)
+        groups = triton.cdiv(k, GROUP)
+        if tiles < sm_count and groups >= 2 * MIN_GROUPS_PER_SPLIT:
+            split = min(MAX_SPLIT_K, triton.cdiv(2 * sm_count, tiles), groups // MIN_GROUPS_PER_SPLIT)
+            cfg.update(num_stages=6, split_k=split)
+        return cfg
     if m <= 64:
-        block_m = max(16, 1 << (m - 1).bit_length())
+        block_m = 1 << (m - 1).bit_length()
         block_n = 64 if n >= 64 * 264 else 32
         return {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4}
     return {"block_m": 128 if m > 256 else 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+MAX_SPLIT_K = 4
+MIN_GROUPS_PER_SPLIT = 16  # K groups (of 128 columns) each split streams at least
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The per-device int32 tile counters of split-K launches (zero between launches: the last program of a
+    tile resets its own). Made outside CUDA-graph capture, on the first split launch (an engine's eager
+    warm-up); None while capturing before that (the launch then runs unsplit)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
+    return counters
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (the interpreter: no split by default)."""
+    return _sm_count_of(device.index or 0) if device.type == "cuda" else 0
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +330,15 @@ def fp8_matmul_quantized(
         return y
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
-    cfg = config or fp8_matmul_config(m, n)
-    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]))
+    cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device))
+    tiles = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]))
+    counters = _split_counters(xq.device, tiles[0] * tiles[1]) if cfg.get("split_k", 1) > 1 else None
+    splits = cfg["split_k"] if counters is not None else 1
+    partials = y  # (unused unsplit)
+    if splits > 1:
+        parts = 2 if epilogue == GATE_UP else 1
+        partials = torch.empty((splits, parts, m, n), dtype=torch.float32, device=xq.device)
+    grid = (*tiles, splits)
     _fp8_matmul[xq.device][grid](
         xq,
         sx,
@@ -228,6 +346,8 @@ def fp8_matmul_quantized(
         scale,
         other if other is not None else y,
         y,
+        partials,
+        counters if counters is not None else y,  # (unused unsplit)
         m,
         n,
         k,
@@ -242,6 +362,7 @@ def fp8_matmul_quantized(
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
         SWAP_AB=bool(cfg.get("swap_ab", False)),
+        SPLIT_K=splits,
         EPILOGUE=epilogue,
         ACT=_KINDS[activation] if epilogue != PLAIN else 0,
         **pdl(xq.device, m),
