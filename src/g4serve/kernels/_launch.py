@@ -126,13 +126,3 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines holding ``ptrs`` (valid addresses) without waiting for them. A kernel launched
-    with ``pdl`` issues it for its first weight tiles before ``wait_for_previous_kernel``: weights never
-    depend on the previous kernel, so their first bytes stream while it finishes."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )

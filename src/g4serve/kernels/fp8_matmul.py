@@ -16,14 +16,13 @@ the weight once in its FP8 bytes and never converts it: the in-register dequanti
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, pdl, prefetch_l2, wait_for_previous_kernel
+from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, gated_epilogue
 from g4serve.kernels.kv_cache_write import FP8_MAX, quantize_fp8
@@ -75,7 +74,6 @@ def _fp8_matmul_fn(
     SPLIT_K: tl.constexpr,
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (n, m): BLOCK_M token rows x BLOCK_N output columns. ``SWAP_AB`` multiplies W @ X^T instead
@@ -86,10 +84,7 @@ def _fp8_matmul_fn(
     ``SPLIT_K`` > 1 (serial split-K, for shapes whose column tiles alone leave SMs idle): program (n, m, s)
     covers the s-th range of whole K groups and ends in ``_reduce_splits``: fp32 partials to ``P``, a count in
     ``C`` (one int32 per output tile, zero between launches), the last program of a tile sums them in split
-    order (the same bits whatever the arrival order) and runs the epilogue. One launch, no memset.
-
-    ``PREFETCH`` > 0 (launched with PDL): the program's first PREFETCH weight groups are requested into L2
-    before it waits for the previous kernel."""
+    order (the same bits whatever the arrival order) and runs the epilogue. One launch, no memset."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -113,8 +108,6 @@ def _fp8_matmul_fn(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PREFETCH > 0:
-        _prefetch_weights(W, offs_n, N, K, k_start, stride_wn, PREFETCH, EPILOGUE)
     wait_for_previous_kernel(USE_PDL)
     for k0 in range(k_start, k_end, _GROUP):
         k_mask = (offs_k + (k0 - k_start)) < K
@@ -152,18 +145,6 @@ def _fp8_matmul_fn(
         )  # fmt: skip
     else:
         _store_tile(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
-
-
-@triton.jit
-def _prefetch_weights(W, offs_n, N, K, k_start, stride_wn, PREFETCH: tl.constexpr, EPILOGUE: tl.constexpr):
-    """One 128-byte line per weight row (and up row) and group, for the program's first PREFETCH groups;
-    rows and groups clamped to valid ones."""
-    rows = W + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
-    for g in tl.static_range(PREFETCH):
-        col = tl.minimum(k_start + g * _GROUP, K - 1)
-        prefetch_l2(rows + col)
-        if EPILOGUE == 1:
-            prefetch_l2(rows + N * stride_wn + col)
 
 
 @triton.jit
@@ -256,9 +237,6 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
 
 
 MAX_SPLIT_K = 4
-# Weight groups (128 columns) each decode program requests into L2 before waiting for the previous kernel;
-# G4SERVE_FP8_PREFETCH=0 turns it off (A/B runs).
-PREFETCH_GROUPS = int(os.environ.get("G4SERVE_FP8_PREFETCH", "4"))
 MIN_GROUPS_PER_SPLIT = 16  # K groups (of 128 columns) each split streams at least
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -361,7 +339,6 @@ def fp8_matmul_quantized(
         parts = 2 if epilogue == GATE_UP else 1
         partials = torch.empty((splits, parts, m, n), dtype=torch.float32, device=xq.device)
     grid = (*tiles, splits)
-    launch = pdl(xq.device, m)
     _fp8_matmul[xq.device][grid](
         xq,
         sx,
@@ -388,8 +365,7 @@ def fp8_matmul_quantized(
         SPLIT_K=splits,
         EPILOGUE=epilogue,
         ACT=_KINDS[activation] if epilogue != PLAIN else 0,
-        PREFETCH=cfg.get("prefetch", PREFETCH_GROUPS) if launch["USE_PDL"] else 0,
-        **launch,
+        **pdl(xq.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
