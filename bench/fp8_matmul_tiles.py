@@ -4,8 +4,9 @@ and which tiles stream the weight fastest.
 For every projection one decode step quantizes (``gemv_kernels.quant_shapes``) and each row count, the
 script times, each from a CUDA graph cycling over enough weight copies that every call reads HBM:
 the activation quantizer alone (``quantize_groups``), the GEMM alone on pre-quantized activations with each
-tile of the grid (row tile x column tile x warps x stages, with and without ``swap_ab``), the whole
-``fp8_matmul`` with its default tiles, and bf16's skinny kernel on the same shape for scale. It prints
+tile of the grid (row tile x column tile x warps x stages, with and without ``swap_ab``, split-K), the whole
+``fp8_matmul`` with its default tiles, the dequantizing kernel (``quant_matmul``, FP8 weights widened in
+registers, bf16 activations) and bf16's skinny kernel on the same shape for scale. It prints
 microseconds and weight GB/s per shape, a decode step's sums (count x time) against the FP8 bytes' floor at
 the device's copy bandwidth, and writes JSON (device, versions, commit, every trial) to bench/results/.
 
@@ -34,6 +35,7 @@ from g4serve.kernels.fp8_matmul import (  # noqa: E402
     quantize_groups,
 )
 from g4serve.kernels.gemv import MUL, PLAIN, skinny_matmul  # noqa: E402
+from g4serve.kernels.quant_matmul import quant_matmul  # noqa: E402
 
 # block_n, num_warps, num_stages, swap_ab: the grid of decode tiles (row tile: the batch padded to 16). A
 # first sweep (H100, 31B, M = 1 and 8) never found 16-column tiles or 8 warps below 64 columns best, and
@@ -44,6 +46,10 @@ GRID = tuple(
     if (w == 4 or bn == 128) and (swap or bn < 128)
 )
 SPLITS = (2, 3, 4, 6)  # split-K, for shapes whose column tiles leave SMs idle (at 64 columns, swap_ab)
+# --quick: the tiles that won the full grid, and split-K from 2 to 16 at 32 and 64 columns (small models'
+# narrow projections)
+QUICK_GRID = ((32, 4, 4, 1), (64, 4, 4, 1), (64, 4, 6, 1), (128, 4, 4, 1))
+QUICK_SPLITS = ((32, 64), (4,), (2, 3, 4, 6, 8, 12, 16))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-replays", type=int, default=5)
     p.add_argument("--copy-mb", type=int, default=1024)
     p.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
+    p.add_argument("--quick", action="store_true", help="a small grid with wide split-K (QUICK_GRID)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args(argv)
 
@@ -99,6 +106,12 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
             ),
             "gemm_default_ms": timed(gemm(default_cfg), weights),
             "default_config": default_cfg,
+            "dequant_ms": timed(
+                lambda w, x=x, other=other: quant_matmul(
+                    x, w[0], w[1], block, k, w[2], ep, activation, other
+                ),
+                weights,
+            ),
             "bf16_skinny_ms": timed(
                 lambda w, x=x, other=other: skinny_matmul(x, w, ep, activation, other), dense
             )
@@ -115,15 +128,17 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
                     "num_stages": s,
                     "swap_ab": swap,
                 }
-                for bn, w, s, swap in GRID
+                for bn, w, s, swap in (QUICK_GRID if args.quick else GRID)
             ]
-            if -(-n // 64) < sm_count:
-                grid += [
-                    {"block_m": default_cfg["block_m"], "block_n": 64, "num_warps": 4, "num_stages": s}
-                    | {"swap_ab": 1, "split_k": split}
-                    for s in (4, 6, 8)
-                    for split in SPLITS
-                ]
+            block_ns, stages, splits = QUICK_SPLITS if args.quick else ((64,), (4, 6, 8), SPLITS)
+            grid += [
+                {"block_m": default_cfg["block_m"], "block_n": bn, "num_warps": 4, "num_stages": s}
+                | {"swap_ab": 1, "split_k": split}
+                for bn in block_ns
+                for s in stages
+                for split in splits
+                if -(-n // bn) < sm_count and split * 2 <= -(-k // 128)
+            ]
             for cfg in grid:
                 try:
                     trials.append({"config": cfg, "ms": timed(gemm(cfg), weights)})
@@ -136,7 +151,7 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
         print(
             f"{name:>8s} {n:6d} {k:6d} {m:2d} {count:3d} | floor {row['floor_ms'] * 1e3:7.2f} | bf16 "
             f"{(row['bf16_skinny_ms'] or float('nan')) * 1e3:7.2f} | "
-            f"quantize {row['quantize_ms'] * 1e3:5.2f} "
+            f"dequant {row['dequant_ms'] * 1e3:6.2f} quantize {row['quantize_ms'] * 1e3:5.2f} "
             f"gemm {row['gemm_default_ms'] * 1e3:7.2f} total {row['total_ms'] * 1e3:7.2f} | best gemm "
             f"{best_ms * 1e3:7.2f} ({nbytes / best_ms / 1e6:5.0f} GB/s) {json.dumps(row.get('best_config'))}",
             flush=True,
@@ -181,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"M={m} per step (us): floor {t['floor_ms']:.0f}, fp8_matmul {t['total_ms']:.0f} (quantize "
             f"{t['quantize_ms']:.0f} + gemm {t['gemm_default_ms']:.0f}; best tiles {t['gemm_best_ms']:.0f}), "
-            f"bf16 skinny {t['bf16_skinny_ms']:.0f}"
+            f"bf16 skinny {t['bf16_skinny_ms']:.0f}, dequantizing kernel {t['dequant_ms']:.0f}"
         )
     path = _result_path(args, env, "_w8a8")
     doc = {
