@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in (
                 "floor_ms",
                 "bf16_skinny_ms",
+                "dequant_ms",
                 "quantize_ms",
                 "gemm_default_ms",
                 "total_ms",

@@ -114,6 +114,17 @@ def test_fp8_dynamic_projections_take_the_w8a8_kernel_at_decode_sizes():
     x = torch.randn(8, k, generator=gen, device="cuda").to(torch.bfloat16)
     want = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block)
     assert torch.equal(quant_linear(x, layer), want)
+    # one row against a weight under W8A8_MIN_ONE_ROW_ELEMENTS (E4B's PLE gate): the dequantizing kernel
+    small = QuantLinear(
+        k, 256, WeightQuant("fp8", "channel", (1, 0)), ActivationQuant(True, "token"), device="cuda"
+    )
+    small.quantize_from(torch.randn(256, k, generator=gen, device="cuda") * k**-0.5)
+    one = x[:1]
+    want = quant_matmul(one, small.weight, small.weight_scale, small.scale_block, k)
+    assert torch.equal(quant_linear(one, small), want)
+    assert torch.equal(
+        quant_linear(x, small), fp8_matmul(x, small.weight, small.weight_scale, small.scale_block)
+    )
 
 
 @pytest.mark.parametrize("activations", [ActivationQuant(True, "token"), ActivationQuant(False, "tensor")])

@@ -134,7 +134,9 @@ def test_supported_scale_blocks_and_tiles():
     assert "split_k" not in fp8_matmul_config(1, 21504, 5376, h100)
     assert fp8_matmul_config(1, 5376, 21504, h100)["split_k"] == 4
     assert fp8_matmul_config(8, 5376, 8192, h100)["split_k"] == 4
-    assert "split_k" not in fp8_matmul_config(1, 5376, 2048, h100)  # too little K to share
+    assert fp8_matmul_config(1, 2560, 10240, h100)["split_k"] == 7  # E4B's down: 40 column tiles
+    assert fp8_matmul_config(1, 2560, 2048, h100)["split_k"] == 4  # E4B's o: 16 groups, 4 each
+    assert "split_k" not in fp8_matmul_config(1, 5376, 768, h100)  # too little K to share
     assert "split_k" not in fp8_matmul_config(1, 5376, 21504, 0)  # no SM count (the interpreter)
 
 

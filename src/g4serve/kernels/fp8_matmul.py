@@ -215,10 +215,11 @@ def fp8_matmul_supported(scale_block: tuple[int, int], in_features: int) -> bool
 
 
 def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
-    """Tiles per shape. Up to 16 rows (decode; measured on an H100 with bench/fp8_matmul_tiles.py at 31B's
-    shapes) the weight streams through the warpgroup MMA as its M side (``swap_ab``) in 64-row tiles, 4
-    stages deep; a shape whose column tiles fill fewer than all SMs (the projections back to the hidden size)
-    splits K until about two programs run per SM, 6 stages deep. 17..64 rows: the row tile is the batch padded
+    """Tiles per shape. Up to 16 rows (decode; measured on an H100 with bench/fp8_matmul_tiles.py at E4B's
+    and 31B's shapes) the weight streams through the warpgroup MMA as its M side (``swap_ab``) in 64-row
+    tiles, 4 stages deep; a shape whose column tiles fill fewer than all SMs (the projections back to the
+    hidden size, all of E4B's attention) splits K until about two programs run per SM, each streaming at
+    least 4 groups (8 splits at most). 17..64 rows: the row tile is the batch padded
     to a power of two and the column tile leaves at least two programs per SM. Larger batches take the wider
     tiles of a compute-bound GEMM."""
     if m <= 16:
@@ -226,8 +227,9 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
         tiles = triton.cdiv(n, 64)
         groups = triton.cdiv(k, GROUP)
         if tiles < sm_count and groups >= 2 * MIN_GROUPS_PER_SPLIT:
-            split = min(MAX_SPLIT_K, triton.cdiv(2 * sm_count, tiles), groups // MIN_GROUPS_PER_SPLIT)
-            cfg.update(num_stages=6, split_k=split)
+            cfg["split_k"] = min(
+                MAX_SPLIT_K, triton.cdiv(2 * sm_count, tiles), groups // MIN_GROUPS_PER_SPLIT
+            )
         return cfg
     if m <= 64:
         block_m = 1 << (m - 1).bit_length()
@@ -236,8 +238,8 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
     return {"block_m": 128 if m > 256 else 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
-MAX_SPLIT_K = 4
-MIN_GROUPS_PER_SPLIT = 16  # K groups (of 128 columns) each split streams at least
+MAX_SPLIT_K = 8
+MIN_GROUPS_PER_SPLIT = 4  # K groups (of 128 columns) each split streams at least
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
