@@ -87,7 +87,6 @@ def generate_one(model: Gemma4Model, request: Request) -> Request:
     table = list(range(num_blocks))
     tables = {"sliding_attention": [table], "full_attention": [table]}
     spans = [bidirectional_spans(request.mm_items)]
-    request.init_generator(device)
     request.metrics.first_scheduled_time = time.monotonic()
     t0 = time.monotonic()
     mm_embeds = encode_items(model, request.mm_items)
@@ -104,11 +103,12 @@ def generate_one(model: Gemma4Model, request: Request) -> Request:
         logits = model.compute_logits(hidden)
         batch = SamplingBatch.build(
             [request.sampling_params],
-            [request.generator],
+            [request.sampling_params.seed],
             logits.shape[-1],
             device,
             output_tokens=[request.output_token_ids],
             prompt_tokens=[request.prompt_token_ids],
+            positions=[request.num_output_tokens],
         )
         out = sample(logits, batch)
         top = None

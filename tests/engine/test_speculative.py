@@ -147,6 +147,19 @@ def test_sampled_tokens_keep_the_target_distribution(plain, ngram):
     assert accepted > 0
 
 
+def test_seeded_sampling_is_identical_with_and_without_drafts(plain, ngram):
+    """A seeded request's noise is keyed by the output position it samples (kernels/philox.py), so a verified
+    draft races on the same noise as the plain decode step at that position: the same tokens either way."""
+    params = [
+        SamplingParams(temperature=0.4, max_tokens=16, ignore_eos=True, seed=s, top_p=0.9) for s in range(8)
+    ]
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(params))]
+    accepted = sum(ngram.engine.spec_stats.accepted)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    assert [list(o.outputs[0].token_ids) for o in ngram.generate(prompts, params)] == want
+    assert sum(ngram.engine.spec_stats.accepted) > accepted  # drafts were verified and taken
+
+
 def test_requests_whose_distribution_depends_on_the_drafts_get_none(ngram):
     stats = ngram.engine.spec_stats
     before = sum(stats.drafted)

@@ -369,3 +369,15 @@ def test_pixel_rescale_on_cuda_equals_the_cpu_processor():
     x = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16)
     for video in (False, True):
         assert torch.equal(rescale_pixels(x.cuda(), video=video).cpu(), rescale_pixels(x, video=video)), video
+
+
+def test_philox_noise_on_cuda_equals_the_cpu_reference():
+    """Sampling noise keyed by (seed, position, token): the compiled kernel draws the CPU reference's values
+    over Gemma's vocabulary (the same Philox words; the log within a few ulps), so a seeded request samples
+    the same noise on either device."""
+    from g4serve.kernels.philox import exponential_noise, exponential_noise_reference
+
+    seeds = torch.tensor([0, 7, -1, 2**62 + 3], dtype=torch.int64)
+    positions = torch.tensor([0, 5, 2**33 + 1, 4096], dtype=torch.int64)
+    got = exponential_noise(seeds.cuda(), positions.cuda(), 262_144).cpu()
+    torch.testing.assert_close(got, exponential_noise_reference(seeds, positions, 262_144), rtol=1e-6, atol=0)

@@ -167,8 +167,7 @@ def test_logit_bias_shifts_only_its_rows_tokens():
         SamplingParams(temperature=0.8, seed=1, logit_bias={int(logits[1].argmax()): -100.0, 3: 100.0}),
         SamplingParams(temperature=0),
     ]
-    generators = [None, torch.Generator().manual_seed(1), None]
-    batch = SamplingBatch.build(params, generators, 50, "cpu")
+    batch = SamplingBatch.build(params, [p.seed for p in params], 50, "cpu")
     tokens = sample(logits.clone(), batch).token_ids.tolist()
     assert tokens == [7, 3, int(logits[2].argmax())]
 

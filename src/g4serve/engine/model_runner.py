@@ -422,16 +422,18 @@ class ModelRunner:
             # Ids past the tokenizer's vocabulary (padded embeddings; random presets on the small embedded
             # tokenizer) would decode to nothing: never sample them.
             logits[:, self.decodable_vocab_size :] = float("-inf")
-        for request in sampled:
-            request.init_generator(self.device)
+        # the noise counter: the output position each row samples (pending outputs counted; a request
+        # verifying drafts samples positions n, n + 1, ...)
+        positions = [r.num_output_tokens + j for r, j in zip(sampled, _row_offsets(sampled))]
         sampling = SamplingBatch.build(
             [r.sampling_params for r in sampled],
-            [r.generator for r in sampled],
+            [r.sampling_params.seed for r in sampled],
             self.vocab_size,
             self.device,
             output_tokens=[r.output_token_ids for r in sampled],
             prompt_tokens=[r.prompt_token_ids for r in sampled],
             allowed=allowed,
+            positions=positions,
         )
         return sample(logits, sampling)
 

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from g4serve.outputs import CompletionOutput, Logprob, RequestMetrics
 from g4serve.processing.processor import MultimodalItem, bidirectional_spans
 from g4serve.processing.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -78,7 +76,6 @@ class Request:
         self.verifying: list[int] = []
         self.verifying_source: tuple[DeviceDrafts, int] | None = None
         self.pinned_media: set[str] = set()  # encoder-cache entries this request still needs
-        self.generator: torch.Generator | None = None
         self._detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=self.sampling_params.skip_special_tokens
         )
@@ -113,11 +110,6 @@ class Request:
     @property
     def min_tokens_pending(self) -> bool:
         return self.num_output_tokens < self.sampling_params.min_tokens
-
-    def init_generator(self, device: torch.device | str) -> None:
-        """Seeded requests draw sampling noise from their own generator on the sampling device."""
-        if self.sampling_params.seed is not None and self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
 
     # ---- sizes -------------------------------------------------------------------------------
     def token_ids_between(self, start: int, end: int) -> list[int]:

@@ -1,11 +1,13 @@
 """Batched token sampling on the device: greedy and random rows, penalties, top-k/top-p/min-p,
 per-request seeds, token masks (constrained decoding, min_tokens) and logprobs.
 
-Random rows use the exponential-race form of Gumbel-max (argmax p/q with q ~ Exp(1)), so a
-seeded request draws its noise from its own generator and stays reproducible whatever
-else shares the batch. On CUDA, batches without top-k take temperature, top-p and min-p in one
-kernel (``kernels/top_p_sample.py``) that returns the same token as masking and racing here, without
-sorting the vocabulary.
+Random rows use the exponential-race form of Gumbel-max (argmax p/q with q ~ Exp(1)). The noise is
+counter-based (``kernels/philox.py``): a function of the row's seed, the output position it samples and the
+token, drawn for the whole batch in one launch. So a seeded request stays reproducible whatever else shares
+the batch, on either device and under speculative decoding; unseeded rows get a fresh random seed per step
+(from torch's default generator: ``torch.manual_seed`` makes them repeatable too). On CUDA, batches without
+top-k take temperature, top-p and min-p in one kernel (``kernels/top_p_sample.py``) that returns the same
+token as masking and racing here, without sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from g4serve.kernels.philox import exponential_noise, seed_words
 from g4serve.kernels.top_p_sample import top_p_sample
 from g4serve.sampling_params import SamplingParams
 from g4serve.transfer import to_device
@@ -25,7 +28,8 @@ class SamplingBatch:
     top_k: torch.Tensor  # [B] long (0: off)
     top_p: torch.Tensor  # [B] fp32
     min_p: torch.Tensor  # [B] fp32
-    generators: list[torch.Generator | None]
+    seeds: torch.Tensor  # [B] int64: the noise key (the request's seed, or a fresh random one)
+    positions: torch.Tensor  # [B] int64: the output position each row samples (the noise counter)
     all_greedy: bool
     num_logprobs: int | None  # max over rows; None: no logprobs requested
     # Optional [B, V] bool: True where a token is allowed. None: everything allowed.
@@ -47,16 +51,25 @@ class SamplingBatch:
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         vocab_size: int,
         device: torch.device | str,
         output_tokens: list[list[int]] | None = None,
         prompt_tokens: list[list[int]] | None = None,
         allowed: torch.Tensor | None = None,
+        positions: list[int] | None = None,
     ) -> SamplingBatch:
+        """``seeds``: each row's noise seed (None: a fresh random one); ``positions``: the output position
+        each row samples (default 0), so a request's token t always races on the same noise."""
         # Called after the forward was launched: every host value goes in one copy that does not wait for it.
         penalties = any(p.has_penalties for p in params)
-        columns = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
+        keys = _noise_keys(seeds, all(p.greedy for p in params))
+        positions = positions if positions is not None else [0] * len(params)
+        # seeds as two 32-bit words: every column is exact in fp64
+        columns = [
+            [p.temperature, p.top_k, p.top_p, p.min_p, key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF, pos]
+            for p, key, pos in zip(params, keys, positions)
+        ]
         if penalties:
             for row, p in zip(columns, params):
                 row += [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
@@ -66,7 +79,8 @@ class SamplingBatch:
             top_k=packed[:, 1].long(),
             top_p=packed[:, 2].float(),
             min_p=packed[:, 3].float(),
-            generators=generators,
+            seeds=packed[:, 4].long() | (packed[:, 5].long() << 32),
+            positions=packed[:, 6].long(),
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             allowed=allowed,
@@ -78,9 +92,9 @@ class SamplingBatch:
         if any(p.logit_bias for p in params):
             batch.logit_bias = _logit_bias(params, vocab_size, device)
         if penalties:
-            batch.repetition_penalty = packed[:, 4].float()
-            batch.presence_penalty = packed[:, 5].float()
-            batch.frequency_penalty = packed[:, 6].float()
+            batch.repetition_penalty = packed[:, 7].float()
+            batch.presence_penalty = packed[:, 8].float()
+            batch.frequency_penalty = packed[:, 9].float()
             batch.output_counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
             rows, ids = _row_token_pairs(output_tokens or [], device)
             batch.output_counts.index_put_((rows, ids), torch.ones(len(rows), device=device), accumulate=True)
@@ -88,6 +102,14 @@ class SamplingBatch:
             rows, ids = _row_token_pairs(prompt_tokens or [], device)
             batch.prompt_mask[rows, ids] = True
         return batch
+
+
+def _noise_keys(seeds: list[int | None], all_greedy: bool) -> list[int]:
+    """Each row's noise key as an unsigned 64-bit int: its seed, or a random one drawn from torch's default
+    generator (none when every row is greedy: no noise is drawn)."""
+    missing = sum(seed is None for seed in seeds) if not all_greedy else 0
+    fresh = iter(torch.randint(-(2**63), 2**63 - 1, (missing,)).tolist() if missing else [])
+    return [seed_words(next(fresh, 0) if seed is None else seed) & (2**64 - 1) for seed in seeds]
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor:
@@ -221,11 +243,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        # Unseeded rows share the default generator; a seeded row redraws from its own.
-        noise = torch.empty_like(logits).exponential_()
-        for i, gen in enumerate(b.generators):
-            if gen is not None:
-                noise[i].exponential_(generator=gen)
+        noise = exponential_noise(b.seeds, b.positions, logits.shape[-1])
         if logits.is_cuda and not b.uses_top_k and SORT_FREE_TOP_P:
             # Temperature, top-p and min-p in one kernel that searches the top-p set instead of sorting.
             sampled = top_p_sample(logits, temp, b.top_p, b.min_p, noise)
@@ -240,9 +258,3 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if b.num_logprobs > 0:
         top_vals, top_ids = logprobs.topk(b.num_logprobs, dim=-1)
     return SamplerOutput(tokens, chosen, top_ids, top_vals)
-
-
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
