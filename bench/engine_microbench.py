@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--top-p", type=float, default=1.0, help="decode requests' top_p (with --temperature)")
     p.add_argument("--top-k", type=int, default=0, help="decode requests' top_k (with --temperature)")
+    p.add_argument("--seed", type=int, default=None, help="decode requests' seed (with --temperature)")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
     decode = []
     for b in batches:
         row = bench_decode(engine, b, args.decode_prompt_tokens, args.decode_steps, sampling)
