@@ -312,3 +312,23 @@ def test_mtp_with_a_grammar_request_in_the_batch_drafts_on_the_host(mtp_drafter)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, [free, constrained])]
     assert [list(t) for t in got] == [list(t) for t in want]
     assert re.fullmatch("(ab|cd|[a-z ]){4,40}", llm.generate(prompts[1:], constrained)[0].outputs[0].text)
+
+
+def test_warmup_runs_sampled_rows_and_leaves_no_trace(plain, monkeypatch):
+    """``LLMEngine.warmup`` (run at start on CUDA) also takes sampled rows (noise, top-p, top-k, logprobs) so
+    their kernels compile before the first client; afterwards the engine is as new: no requests, every KV
+    block free, an empty prefix cache and zeroed counters, and greedy output unchanged."""
+    from g4serve.layers import sampler
+
+    engine = plain.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = _tokens(plain, params)
+    seen = []
+    noise = sampler.exponential_noise
+    monkeypatch.setattr(sampler, "exponential_noise", lambda *a: seen.append(a[0].tolist()) or noise(*a))
+    engine.warmup()
+    assert seen and all(0 in keys for keys in seen)  # sampled steps, the seeded row (seed 0) among them
+    assert not engine.requests and engine.num_steps == 0 and engine.num_generated_tokens == 0
+    assert all(p.num_free == p.num_blocks and not p.cached for p in engine.kv.pools.values())
+    assert engine.kv.prefix_queries == 0
+    assert _tokens(plain, params) == want

@@ -260,14 +260,26 @@ class LLMEngine:
         return length
 
     def warmup(self) -> None:
-        """Compile the kernels (Triton JIT, cuBLAS heuristics) on a throwaway prefill and decode, so the first
-        client requests do not pay seconds of compilation; leaves no trace in the cache or the counters."""
+        """Compile the kernels (Triton JIT, cuBLAS heuristics) on throwaway prefills and decodes, so the first
+        client requests do not pay seconds of compilation: greedy rows, and sampled ones (the noise and the
+        sort-free top-p kernels, the top-k path, logprobs); leaves no trace in the cache or the counters."""
         t0 = time.monotonic()
         vocab = min(self.tokenizer.vocab_size, self.model_config.text.vocab_size)
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        runs = [
+            (16, greedy),
+            (min(512, self.max_model_len - 8), greedy),
+            (16, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=3, ignore_eos=True, seed=0)),
+            (
+                16,
+                SamplingParams(
+                    temperature=1.0, top_k=64, top_p=0.95, max_tokens=3, ignore_eos=True, logprobs=2
+                ),
+            ),
+        ]
         placeholders = set(self.processor.placeholder_ids.values())
         usable = [t for t in range(min(vocab, 4096)) if t not in placeholders and t > 16]
-        for i, length in enumerate((16, min(512, self.max_model_len - 8))):
+        for i, (length, params) in enumerate(runs):
             ids = [usable[(7 * j + i) % len(usable)] for j in range(length)]
             request = self.make_request(f"warmup-{i}", self.process_prompt({"prompt_token_ids": ids}), params)
             self.add_request(request)
