@@ -24,7 +24,7 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, gated_epilogue
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, store_gated
 from g4serve.kernels.kv_cache_write import FP8_MAX, quantize_fp8
 
 GROUP = 128  # activation columns sharing one scale, and the kernel's K step
@@ -144,7 +144,7 @@ def _fp8_matmul_fn(
             BLOCK_M, BLOCK_N, SPLIT_K, EPILOGUE, ACT,
         )  # fmt: skip
     else:
-        _store_tile(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
+        store_gated(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
 
 
 @triton.jit
@@ -175,33 +175,10 @@ def _reduce_splits(
                 total_up += tl.load(
                     P + (parts * split + 1) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg"
                 )
-        _store_tile(
+        store_gated(
             total, total_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT
         )
         tl.atomic_xchg(tile, 0)
-
-
-@triton.jit
-def _store_tile(
-    acc,
-    acc_up,
-    Y,
-    E,
-    offs_m,
-    offs_n,
-    m_mask,
-    n_mask,
-    stride_em,
-    stride_ym,
-    EPILOGUE: tl.constexpr,
-    ACT: tl.constexpr,
-):
-    y = gated_epilogue(acc, acc_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
-    tl.store(
-        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-        y.to(Y.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
 
 
 _fp8_matmul = DualKernel(_fp8_matmul_fn)

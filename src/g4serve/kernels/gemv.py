@@ -60,6 +60,31 @@ def gated_epilogue(
     return y
 
 
+@triton.jit
+def store_gated(
+    y,
+    y_up,
+    Y,
+    E,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    stride_em,
+    stride_ym,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    """``gated_epilogue`` of the fp32 products [rows, cols], stored to Y in its dtype (64-bit row offsets).
+    The end of the quantized-weight GEMMs (kernels/quant_matmul.py, kernels/fp8_matmul.py)."""
+    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
+    tl.store(
+        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        y.to(Y.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
 def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (USE_DOT, EPILOGUE, ACT, EVEN_K, UPCAST), specialised away at compile time
     X,
     W,

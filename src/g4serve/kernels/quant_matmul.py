@@ -26,7 +26,7 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gated_epilogue, skinny_matmul_reference
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, skinny_matmul_reference, store_gated
 
 SKINNY_ROWS = 64  # rows multiplied in one row tile (decode batches); more take the 2-D grid
 
@@ -250,13 +250,7 @@ def _quant_matmul_fn(
     )  # fmt: skip
     n_mask = offs_n < N
     m_mask = offs_m < M
-    out_ty = Y.dtype.element_ty
-    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
-    tl.store(
-        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-        y.to(out_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    store_gated(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
 
 
 def _quant_matmul_split_fn(
@@ -345,12 +339,8 @@ def _split_reduce_fn(
         if EPILOGUE == 1:
             y_up += tl.load(p_ptrs + M.to(tl.int64) * N, mask=n_mask, other=0.0)
         p_ptrs += parts * M.to(tl.int64) * N
-    out_ty = Y.dtype.element_ty
-    y = gated_epilogue(
-        y[None, :], y_up[None, :], Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT
-    )
-    tl.store(
-        Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], y.to(out_ty), mask=n_mask[None, :]
+    store_gated(
+        y[None, :], y_up[None, :], Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT
     )
 
 
