@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_kernels import _graph_ms, _result_path, copy_gb_per_s, quant_shapes, quantized_weights  # noqa: E402
+from gemv_kernels import _graph_ms, copy_gb_per_s, quant_shapes, quantized_weights  # noqa: E402
 
-from g4serve.bench.meta import cuda_environment  # noqa: E402
+from g4serve.bench.meta import cuda_environment, kernel_result_path  # noqa: E402
 from g4serve.config import PRESETS  # noqa: E402
 from g4serve.kernels.fp8_matmul import (  # noqa: E402
     fp8_matmul,
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['quantize_ms']:.0f} + gemm {t['gemm_default_ms']:.0f}; best tiles {t['gemm_best_ms']:.0f}), "
             f"bf16 skinny {t['bf16_skinny_ms']:.0f}, dequantizing kernel {t['dequant_ms']:.0f}"
         )
-    path = _result_path(args, env, "_w8a8")
+    path = kernel_result_path(args.out_dir, "fp8_matmul_tiles", env, args.preset, f"_{args.quant}")
     doc = {
         "environment": env,
         "command": " ".join(sys.argv),

@@ -27,7 +27,6 @@ in parallel processes first (Triton's on-disk cache), which is most of a sweep's
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import itertools
 import json
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from g4serve.bench.meta import cuda_environment
+from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms
 from g4serve.config import PRESETS
 from g4serve.kernels.act_mul import act_mul
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  M={m}: cuBLAS {base:8.1f}   skinny {skinny:8.1f}   min of both {best:8.1f}   "
             f"engine's choice (use_skinny) {engine:8.1f}"
         )
-    path = _result_path(args, env)
+    path = kernel_result_path(args.out_dir, "gemv_kernels", env, args.preset)
     units = {
         "*_ms": "milliseconds per call (CUDA-graph replay, weights streamed from HBM)",
         "*_gb_per_s": "1e9 bytes/s of weight",
@@ -369,16 +368,6 @@ def quantized_weights(
         tuple(t.clone() if t is not None else None for t in first) for _ in range(copies - 1)
     ]
     return weights, block, nbytes
-
-
-def _result_path(args: argparse.Namespace, env: dict, suffix: str = "") -> Path:
-    """``<out-dir>/gemv_kernels_<local time>_<device>_<preset><suffix>.json`` (the folder is created); the
-    --quant sweep rewrites it as shapes finish, so a run cut short keeps what it measured."""
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    device = env["device_name"].lower().replace(" ", "-")
-    return out_dir / f"gemv_kernels_{stamp}_{device}_{args.preset}{suffix}.json"
 
 
 def _graph_ms(calls, min_calls_per_graph: int, replays: int) -> float:
@@ -725,7 +714,7 @@ def run_quant(args, env: dict, device: str = "cuda") -> int:
         if args.compile_workers > 0:
             jobs = compile_jobs(args.quant, shapes, args.rows, configs)
             compile_report = precompile(jobs, act, args.compile_workers)
-    path = _result_path(args, env, f"_{args.quant}")
+    path = kernel_result_path(args.out_dir, "gemv_kernels", env, args.preset, f"_{args.quant}")
     units = {
         "*_ms": "milliseconds per call (CUDA-graph replay, weights streamed from HBM)",
         "*_us": "microseconds per decode step (sum over projections of per_step x time)",

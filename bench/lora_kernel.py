@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import itertools
 import json
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from g4serve.bench.meta import cuda_environment
+from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms
 from g4serve.kernels.lora import LoraTiles, add_lora, add_lora_reference, lora_tiles
 
@@ -223,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {r['sweep']['best_us']:8.2f}  {r['sweep']['best']}"
         print(line, flush=True)
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    device = env["device_name"].lower().replace(" ", "-")
-    path = out_dir / f"lora_kernel_{stamp}_{device}_e4b.json"
+    path = kernel_result_path(args.out_dir, "lora_kernel", env, "e4b")
     units = {
         "*_us": "microseconds per call",
         "lora_graph_us": "add_lora (shrink + expand kernels), CUDA-graph replay",

@@ -16,7 +16,6 @@ blocks, int4 in groups of 128 or 32), dequantized in registers by the same kerne
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from g4serve.bench.meta import cuda_environment
+from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms
 from g4serve.config import PRESETS
 from g4serve.kernels.fused_moe import (
@@ -375,12 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
             print("".join(f"{v:10d}" if isinstance(v, int) else f"{v:10.2f}" for v in vals))
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    device = env["device_name"].lower().replace(" ", "-")
     suffix = f"_{args.quant}" if args.quant else ""
-    path = out_dir / f"moe_kernels_{stamp}_{device}_{args.preset}{suffix}.json"
+    path = kernel_result_path(args.out_dir, "moe_kernels", env, args.preset, suffix)
     units = {
         "*_ms": "milliseconds per call",
         "weight_bytes": "bytes of expert weights the batch touches",

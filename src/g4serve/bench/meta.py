@@ -85,6 +85,17 @@ def cuda_environment() -> dict:
     }
 
 
+def kernel_result_path(out_dir: str | Path, bench: str, env: dict, preset: str, suffix: str = "") -> Path:
+    """``<out_dir>/<bench>_<local time>_<device>_<preset><suffix>.json`` (the folder is created): where a
+    kernel benchmark (bench/gemv_kernels.py, fp8_matmul_tiles.py, lora_kernel.py, moe_kernels.py) writes
+    its JSON; ``env`` is ``cuda_environment()``'s."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    device = env["device_name"].lower().replace(" ", "-")
+    return out / f"{bench}_{stamp}_{device}_{preset}{suffix}.json"
+
+
 def write_result_json(out_dir: str | Path, stem: str, result: dict) -> Path:
     """Write a benchmark's result as ``<out_dir>/<stem>-<UTC timestamp>.json`` (the folder is created),
     say so, and return the path."""
