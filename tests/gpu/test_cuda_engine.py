@@ -166,8 +166,8 @@ def _run_each(engine: LLMEngine, prompts, params) -> list[list[int]]:
 
 
 def test_vision_graphs_match_eager_encoder(hf_checkpoint):
-    """The captured vision-encoder graph (first sight of a shape, then replays with new pixels) gives the
-    eager encoder's soft tokens, fp32."""
+    """The captured vision-encoder graphs (first sight of a frame bucket, then replays with new pixels,
+    batches padded to their bucket by a repeated frame) give the eager encoder's soft tokens, fp32."""
     import numpy as np
 
     engine = LLMEngine(
@@ -181,8 +181,8 @@ def test_vision_graphs_match_eager_encoder(hf_checkpoint):
     )
     assert engine.encoder.vision_graphs is not None
     rng = np.random.default_rng(0)
-    for _ in range(3):
-        frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]
+    for count in (4, 3, 4, 5):  # bucket 4 captured, then replayed padded (3), as is (4), bucket 8 (5)
+        frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
         item = engine.process_prompt(
             {"prompt": "<|video|>", "multi_modal_data": {"video": [frames]}}
         ).mm_items[0]

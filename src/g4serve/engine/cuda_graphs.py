@@ -614,44 +614,92 @@ class DraftGraphRunner(DecodeGraphRunner):
         return self._replay(n)[0][:b]
 
 
-class VisionGraphRunner:
-    """The vision tower and projection as CUDA graphs, one per input shape (frames x patches), captured
-    the first time a shape is seen and kept for up to ``max_graphs`` shapes (video at a fixed resolution
-    and frame count always has the same shape). The caller selects the kept soft tokens."""
+# Patches one vision graph encodes at most: 64 video frames at 70 soft tokens (630 patches each), 16 images at
+# 280 (2,520 each). Larger batches are encoded in chunks of the largest bucket.
+MAX_PATCHES_PER_GRAPH = 64 * 630
 
-    def __init__(self, model: Gemma4Model, device: torch.device, max_graphs: int = 8):
+
+def frame_buckets(num_patches: int) -> list[int]:
+    """The frame counts vision graphs are captured for at ``num_patches`` patches a frame: powers of two up
+    to the largest batch of at most ``MAX_PATCHES_PER_GRAPH`` patches (1 at least)."""
+    top = max(1, MAX_PATCHES_PER_GRAPH // num_patches)
+    return [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+
+
+class VisionGraphRunner:
+    """The vision tower and projection as CUDA graphs, one per (frame bucket, patches a frame, dtype,
+    padding): a batch of B frames is padded to the next bucket of ``frame_buckets`` by repeating its last
+    frame (its outputs are dropped; the repeated frame keeps the batch's unmasked attention path), so a
+    burst of requests whose frames add up to any count replays one of a few graphs instead of capturing a
+    new shape. ``capture_buckets`` captures every bucket of a frame shape ahead of traffic (the engine's
+    warm-up); other shapes are captured the first time they are seen, up to ``max_graphs``. The caller
+    selects the kept soft tokens."""
+
+    def __init__(self, model: Gemma4Model, device: torch.device, max_graphs: int = 32):
         self.model = model
         self.device = device
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def max_frames(self, num_patches: int) -> int:
+        """The most frames one ``encode_padded`` call takes at ``num_patches`` patches a frame."""
+        return frame_buckets(num_patches)[-1]
 
     @torch.inference_mode()
     def encode_padded(
         self, pixel_values: torch.Tensor, position_ids: torch.Tensor, no_padding: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``Gemma4Model.encode_images_padded`` by graph replay: (soft tokens [B, L, H], cells used [B, L]),
-        the graph's static outputs (valid until its next replay). ``no_padding``: every patch is real
-        (frames of one size), so the graph runs attention without a mask (flash)."""
-        key = (tuple(pixel_values.shape), pixel_values.dtype, no_padding)
+        views of the graph's static outputs (valid until its next replay). ``no_padding``: every patch is
+        real (frames of one size), so the graph runs attention without a mask (flash). At most
+        ``max_frames`` frames."""
+        frames, num_patches = pixel_values.shape[:2]
+        buckets = frame_buckets(num_patches)
+        if frames > buckets[-1]:
+            raise ValueError(f"{frames} frames of {num_patches} patches: at most {buckets[-1]} a graph")
+        bucket = next(b for b in buckets if b >= frames)
+        key = (bucket, *pixel_values.shape[1:], pixel_values.dtype, no_padding)
         entry = self._graphs.get(key)
         if entry is None and len(self._graphs) < self.max_graphs:
-            entry = self._capture(key, pixel_values, position_ids)
+            entry = self._capture(key, _repeat_last(pixel_values, bucket), _repeat_last(position_ids, bucket))
         if entry is None:
             return self.model.encode_images_padded(pixel_values, position_ids, no_padding)
-        graph, pixels, positions, outputs = entry
-        pixels.copy_(pixel_values)
-        positions.copy_(position_ids)
+        graph, pixels, positions, (tokens, used) = entry
+        pixels[:frames].copy_(pixel_values)
+        pixels[frames:].copy_(pixel_values[-1:].expand(bucket - frames, *pixel_values.shape[1:]))
+        positions[:frames].copy_(position_ids)
+        positions[frames:].copy_(position_ids[-1:].expand(bucket - frames, *position_ids.shape[1:]))
         graph.replay()
-        return outputs
+        return tokens[:frames], used[:frames]
 
-    def _capture(self, key: tuple, pixel_values: torch.Tensor, position_ids: torch.Tensor):
+    @torch.inference_mode()
+    def capture_buckets(
+        self, pixel_values: torch.Tensor, position_ids: torch.Tensor, no_padding: bool
+    ) -> int:
+        """Capture the graph of every frame bucket for frames shaped as ``pixel_values`` [>=1, N, C] (its
+        first frame repeated); returns how many were new."""
+        new = 0
+        for bucket in frame_buckets(pixel_values.shape[1]):
+            key = (bucket, *pixel_values.shape[1:], pixel_values.dtype, no_padding)
+            if key not in self._graphs and len(self._graphs) < self.max_graphs:
+                self._capture(
+                    key, _repeat_last(pixel_values[:1], bucket), _repeat_last(position_ids[:1], bucket)
+                )
+                new += 1
+        return new
+
+    def _capture(self, key: tuple, pixels: torch.Tensor, positions: torch.Tensor):
         t0 = time.monotonic()
-        pixels, positions = pixel_values.clone(), position_ids.clone()
-        no_padding = key[2]
+        no_padding = key[-1]
         graph, outputs = _capture(
             lambda: self.model.encode_images_padded(pixels, positions, no_padding), self._pool, self.device
         )
         self._graphs[key] = entry = (graph, pixels, positions, outputs)
-        log.info("captured a vision-encoder CUDA graph for input %s in %.2fs", key[0], time.monotonic() - t0)
+        log.info("captured a vision-encoder CUDA graph for %s in %.2fs", key[:-2], time.monotonic() - t0)
         return entry
+
+
+def _repeat_last(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` [B, ...] extended to ``rows`` rows by repeating its last one (a new tensor)."""
+    return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t.clone()

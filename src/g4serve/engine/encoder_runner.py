@@ -139,17 +139,20 @@ class EncoderRunner:
         if positions_cpu is None:
             positions_cpu = positions.cpu()
         no_padding = bool((positions_cpu >= 0).all())
-        encode = (
-            self.vision_graphs.encode_padded
-            if self.vision_graphs is not None
-            else self.model.encode_images_padded
-        )
-        tokens, _ = encode(pixels, positions, no_padding)
+        if self.vision_graphs is not None:  # graphs hold a bounded number of frames: chunks of that many
+            encode, chunk = self.vision_graphs.encode_padded, self.vision_graphs.max_frames(pixels.shape[1])
+        else:
+            encode, chunk = self.model.encode_images_padded, pixels.shape[0]
         k = self.model.cfg.vision.pooling_kernel_size
-        used = pooling_cells_used(positions_cpu, k, tokens.shape[1])
-        index = used.flatten().nonzero().squeeze(1).to(self.device, non_blocking=True)
-        kept = tokens.flatten(0, 1).index_select(0, index)
-        return list(torch.split(kept, used.sum(dim=-1).tolist()))
+        kept, counts = [], []
+        for start in range(0, pixels.shape[0], chunk):
+            end = start + chunk
+            tokens, _ = encode(pixels[start:end], positions[start:end], no_padding)
+            used = pooling_cells_used(positions_cpu[start:end], k, tokens.shape[1])
+            index = used.flatten().nonzero().squeeze(1).to(self.device, non_blocking=True)
+            kept.append(tokens.flatten(0, 1).index_select(0, index))  # a copy: the graph's outputs get reused
+            counts += used.sum(dim=-1).tolist()
+        return list(torch.split(torch.cat(kept) if len(kept) > 1 else kept[0], counts))
 
     def _new_items(self, items: list[MultimodalItem]) -> dict[str, MultimodalItem]:
         todo: dict[str, MultimodalItem] = {}

@@ -45,6 +45,7 @@ from g4serve.models.gemma4.kv_scales import fp8_kv_scales
 from g4serve.models.gemma4.loader import adopt_tokenizer_special_ids, checkpoint_dir, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
+from g4serve.processing.image import rescale_pixels
 from g4serve.processing.processor import (
     Gemma4Processor,
     ProcessedPrompt,
@@ -284,6 +285,7 @@ class LLMEngine:
             request = self.make_request(f"warmup-{i}", self.process_prompt({"prompt_token_ids": ids}), params)
             self.add_request(request)
         self.run_until_finished()
+        self._capture_vision_buckets()
         self.kv.reset_prefix_cache()
         self.num_steps = self.num_overlapped_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_forced_tokens = 0
@@ -291,6 +293,32 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
+
+    def _capture_vision_buckets(self) -> None:
+        """Capture the vision encoder's graphs for every frame bucket of the default shapes (a 640x480 image,
+        a 16:9 video frame at the processor's defaults), so a burst of media requests replays graphs from
+        its first step instead of capturing new shapes under load. Nothing without vision graphs."""
+        graphs = self.encoder.vision_graphs
+        if graphs is None:
+            return
+        t0, new = time.monotonic(), 0
+        limits = self.config.limit_mm_per_prompt
+        samples = [
+            ("image", np.zeros((480, 640, 3), np.uint8)),
+            ("video", [[np.zeros((480, 854, 3), np.uint8)]]),  # one video of one frame
+        ]
+        for modality, media in samples:
+            if limits.get(modality, 0) <= 0:
+                continue
+            item = self.process_prompt(
+                {"prompt": f"<|{modality}|>", "multi_modal_data": {modality: media}}
+            ).mm_items[0]
+            positions = item.data["position_ids"]
+            pixels = rescale_pixels(item.data["pixel_values"].to(self.device), video=modality == "video")
+            new += graphs.capture_buckets(
+                pixels.to(self.dtype), positions.to(self.device), bool((positions >= 0).all())
+            )
+        log.info("vision-encoder graphs: %d frame buckets captured in %.1fs", new, time.monotonic() - t0)
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
     def lora_registry(self) -> LoRARegistry:
