@@ -310,9 +310,13 @@ class LLMEngine:
         for modality, media in samples:
             if limits.get(modality, 0) <= 0:
                 continue
-            item = self.process_prompt(
-                {"prompt": f"<|{modality}|>", "multi_modal_data": {modality: media}}
-            ).mm_items[0]
+            try:
+                item = self.process_prompt(
+                    {"prompt": f"<|{modality}|>", "multi_modal_data": {modality: media}}
+                ).mm_items[0]
+            except ValueError as exc:  # limits that refuse the sample: its shapes are captured when seen
+                log.warning("vision warm-up skipped the %s shape: %s", modality, exc)
+                continue
             positions = item.data["position_ids"]
             pixels = rescale_pixels(item.data["pixel_values"].to(self.device), video=modality == "video")
             new += graphs.capture_buckets(
