@@ -45,7 +45,7 @@ demo: $(SERVE_STAMP)
 	$(BIN)/python -m g4serve.demo
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 # The fuzz and soak suite at full size (random hypothesis examples, 10 min of schemathesis, 300 streams + 100
 # cancels); `make test` runs a short, derandomized version of it.
