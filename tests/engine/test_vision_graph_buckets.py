@@ -90,6 +90,7 @@ def test_warmup_captures_the_default_image_and_video_buckets(engine, monkeypatch
     """``LLMEngine._capture_vision_buckets`` (the CUDA warm-up's last step) captures every frame bucket of a
     640x480 image and a 16:9 video frame."""
     monkeypatch.setattr(cuda_graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(cuda_graphs, "MAX_PATCHES_PER_GRAPH", 3000)  # few buckets: eager encodes on the CPU
     runner = VisionGraphRunner(engine.model, torch.device("cpu"))
     monkeypatch.setattr(engine.encoder, "vision_graphs", runner)
     engine._capture_vision_buckets()
@@ -97,3 +98,4 @@ def test_warmup_captures_the_default_image_and_video_buckets(engine, monkeypatch
     assert len(patches) == 2  # the image's and the video frame's patch counts
     for n in patches:
         assert sorted(key[0] for key in runner._graphs if key[1] == n) == frame_buckets(n)
+    assert len(runner._graphs) > len(patches)  # more than one bucket for the smaller frame
