@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import platform
 import statistics
 import sys
@@ -265,8 +266,36 @@ def table(results: list[dict], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+def merged_table(docs: list[dict]) -> str:
+    """One table of several runs' variants (one model each, e.g. one run per model in a device call): a row
+    per (model, variant), a column per batch size any run timed (blank where a run did not)."""
+    batches = sorted({d["batch"] for doc in docs for v in doc["variants"] for d in v["decode"]})
+    head = " | ".join(f"B={b} ITL (tok/s)" for b in batches)
+    lines = [f"| model | variant | floor ms/token (B=1) | {head} | TTFT |", "|---" * (4 + len(batches)) + "|"]
+    for doc in docs:
+        model = Path(doc["model"]).name
+        for v in doc["variants"]:
+            by_batch = {d["batch"]: d for d in v["decode"]}
+            cells = " | ".join(
+                f"{by_batch[b]['itl_ms']:.2f} ({by_batch[b]['output_tokens_per_s']:.0f})"
+                if b in by_batch
+                else ""
+                for b in batches
+            )
+            ttft = f"{v['ttft']['ttft_p50_ms']:.1f} ms" if v["ttft"] else "="
+            lines.append(f"| {model} | {v['variant']} | {v['floor_token_ms_b1']:.2f} | {cells} | {ttft} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print one table of these runs' JSON (also to --out as formats-table-*.md); runs nothing",
+    )
     p.add_argument("--model", default="e4b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--variants", default="bf16,mtp@1.0,mtp@0.7")
@@ -295,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
+    if args.merge:
+        text = merged_table([json.loads(Path(f).read_text()) for f in args.merge])
+        print(text)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (
+            out / f"formats-table{args.tag}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}.md"
+        ).write_text(text + "\n")
+        return 0
 
     results, bandwidth = [], None
     for name in args.variants.split(","):

@@ -51,3 +51,25 @@ def test_kv_fit_counts_only_the_window_of_sliding_layers(tiny_model_dir):
     assert fit["pools"]["sliding_attention"]["blocks_needed"] <= 3 * (window // block + 2)
     full = engine.kv.pools["full_attention"].num_blocks
     assert not script.kv_fit(engine, full + 1, block)["fits"]
+
+
+def test_merge_puts_several_runs_in_one_table(tmp_path):
+    """``--merge``: one row per (model, variant) of several runs' JSON, a column per batch any run timed."""
+    script = load_script("spec_decode")
+
+    def run(model, batches, ttft):
+        decode = [{"batch": b, "itl_ms": 2.0 * b, "output_tokens_per_s": 100.0 * b} for b in batches]
+        variant = {"variant": "fp8", "floor_token_ms_b1": 1.5, "decode": decode, "ttft": ttft}
+        return {"model": f"/presets/{model}", "variants": [variant, {**variant, "variant": "bf16"}]}
+
+    paths = []
+    for name, doc in (("e4b", run("e4b", [1, 64], {"ttft_p50_ms": 20.0})), ("31b", run("31b", [1, 8], None))):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert script.main(["--merge", *map(str, paths), "--out", str(tmp_path / "out")]) == 0
+    (table,) = (tmp_path / "out").glob("formats-table-*.md")
+    lines = table.read_text().splitlines()
+    assert lines[0].startswith("| model | variant |") and "B=1 ITL" in lines[0] and "B=64 ITL" in lines[0]
+    assert len(lines) == 2 + 4
+    assert lines[2] == "| e4b | fp8 | 1.50 | 2.00 (100) |  | 128.00 (6400) | 20.0 ms |"
+    assert lines[4] == "| 31b | fp8 | 1.50 | 2.00 (100) | 16.00 (800) |  | = |"
