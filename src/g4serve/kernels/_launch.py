@@ -99,6 +99,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (tile and split choices)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 PDL_MAX_ROWS = 64
 
 

@@ -15,14 +15,12 @@ the weight once in its FP8 bytes and never converts it: the in-register dequanti
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, pdl, wait_for_previous_kernel
+from g4serve.kernels._launch import DualKernel, pdl, sm_count, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, store_gated
 from g4serve.kernels.kv_cache_write import FP8_MAX, quantize_fp8
@@ -232,14 +230,9 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return counters
 
 
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 0 elsewhere (the interpreter: no split by default)."""
-    return _sm_count_of(device.index or 0) if device.type == "cuda" else 0
+    return sm_count(device.index or 0) if device.type == "cuda" else 0
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,12 +12,10 @@ V scale the output, as in ``paged_decode``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
+from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, sm_count
 from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE, dequantize_kv_reference
 
 LOG2E = 1.4426950408889634
@@ -210,11 +208,6 @@ def prefill_config(
     return cfg
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -261,7 +254,7 @@ def paged_prefill_attention(
     cfg = prefill_config(head_dim, group)
     if q.is_cuda and block_m is None:  # few programs (a short prompt on few KV heads): smaller tiles
         programs = -(-max_query_len // (cfg["block_m"] // group)) * num_seqs * num_kv_heads * cfg["dv_chunks"]
-        cfg = prefill_config(head_dim, group, programs, _sm_count(q.device.index or 0))
+        cfg = prefill_config(head_dim, group, programs, sm_count(q.device.index or 0))
     block_m = max(block_m or cfg["block_m"], next_pow2(group))
     block_n = block_n or cfg["block_n"]
     dv_chunks = dv_chunks or cfg["dv_chunks"]

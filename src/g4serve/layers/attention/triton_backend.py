@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from g4serve.config import SLIDING, TextConfig
+from g4serve.kernels._launch import sm_count
 from g4serve.kernels.kv_cache_write import kv_cache_write
 from g4serve.kernels.paged_decode import decode_config, decode_num_splits, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention
@@ -68,7 +69,7 @@ class TritonAttention:
     def _sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:
             cuda = device.type == "cuda"
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
+            self._num_sms = sm_count(device.index or 0) if cuda else 8
         return self._num_sms
 
     def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:
