@@ -249,16 +249,28 @@ class EncoderRunner:
             calls.append(self._encode_audio(audio, outputs))
         return outputs, calls
 
-    def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
-        # uint8 patches go up as they are and are rescaled on the device, exactly as the processor would
-        pixels = torch.cat(
-            [
-                rescale_pixels(self._upload(it.data["pixel_values"]), video=it.modality == "video").to(
-                    self.dtype
-                )
-                for it in items
-            ]
+    def _pixels(self, item: MultimodalItem) -> torch.Tensor:
+        """An image's or video's patches on the device in the model's dtype: the uint8 patches go up as they
+        are and are rescaled there, exactly as the processor would."""
+        return rescale_pixels(self._upload(item.data["pixel_values"]), video=item.modality == "video").to(
+            self.dtype
         )
+
+    @torch.inference_mode()
+    def capture_vision_buckets(self, items: list[MultimodalItem]) -> int:
+        """Capture the vision graphs of every frame bucket for the frame shape of each of ``items`` (the
+        engine's warm-up); returns how many were new. Nothing without vision graphs."""
+        if self.vision_graphs is None:
+            return 0
+        new = 0
+        for item in items:
+            positions = item.data["position_ids"]
+            no_padding = bool((positions >= 0).all())
+            new += self.vision_graphs.capture_buckets(self._pixels(item), self._upload(positions), no_padding)
+        return new
+
+    def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
+        pixels = torch.cat([self._pixels(it) for it in items])
         positions_cpu = torch.cat([it.data["position_ids"] for it in items])
         per_input = self.encode_images(
             pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu

@@ -45,7 +45,6 @@ from g4serve.models.gemma4.kv_scales import fp8_kv_scales
 from g4serve.models.gemma4.loader import adopt_tokenizer_special_ids, checkpoint_dir, load_model
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
-from g4serve.processing.image import rescale_pixels
 from g4serve.processing.processor import (
     Gemma4Processor,
     ProcessedPrompt,
@@ -298,30 +297,27 @@ class LLMEngine:
         """Capture the vision encoder's graphs for every frame bucket of the default shapes (a 640x480 image,
         a 16:9 video frame at the processor's defaults), so a burst of media requests replays graphs from
         its first step instead of capturing new shapes under load. Nothing without vision graphs."""
-        graphs = self.encoder.vision_graphs
-        if graphs is None:
+        if self.encoder.vision_graphs is None:
             return
-        t0, new = time.monotonic(), 0
+        t0 = time.monotonic()
         limits = self.config.limit_mm_per_prompt
         samples = [
             ("image", np.zeros((480, 640, 3), np.uint8)),
             ("video", [[np.zeros((480, 854, 3), np.uint8)]]),  # one video of one frame
         ]
+        items = []
         for modality, media in samples:
             if limits.get(modality, 0) <= 0:
                 continue
             try:
-                item = self.process_prompt(
+                processed = self.process_prompt(
                     {"prompt": f"<|{modality}|>", "multi_modal_data": {modality: media}}
-                ).mm_items[0]
+                )
             except ValueError as exc:  # limits that refuse the sample: its shapes are captured when seen
                 log.warning("vision warm-up skipped the %s shape: %s", modality, exc)
                 continue
-            positions = item.data["position_ids"]
-            pixels = rescale_pixels(item.data["pixel_values"].to(self.device), video=modality == "video")
-            new += graphs.capture_buckets(
-                pixels.to(self.dtype), positions.to(self.device), bool((positions >= 0).all())
-            )
+            items.append(processed.mm_items[0])
+        new = self.encoder.capture_vision_buckets(items)
         log.info("vision-encoder graphs: %d frame buckets captured in %.1fs", new, time.monotonic() - t0)
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
