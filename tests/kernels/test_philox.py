@@ -14,8 +14,15 @@ from g4serve.kernels.philox import (
     exponential_noise,
     exponential_noise_reference,
     philox4x32_reference,
-    seed_words,
 )
+
+
+def seed_words(seed: int) -> int:
+    """A request's seed (any Python int) as the signed 64-bit value whose bits key its noise (an int64 tensor
+    element, as the sampler packs it)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
 
 # Random123's kat_vectors for philox4x32_10: (counter, key) -> output
 KAT = [

@@ -92,10 +92,4 @@ def exponential_noise_reference(
     return (-u.log()).to(device)
 
 
-def seed_words(seed: int) -> int:
-    """A request's seed (any Python int) as the signed 64-bit value whose bits key its noise."""
-    seed &= (1 << 64) - 1
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
-__all__ = ["exponential_noise", "exponential_noise_reference", "philox4x32_reference", "seed_words"]
+__all__ = ["exponential_noise", "exponential_noise_reference", "philox4x32_reference"]

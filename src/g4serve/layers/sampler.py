@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from g4serve.kernels.philox import exponential_noise, seed_words
+from g4serve.kernels.philox import exponential_noise
 from g4serve.kernels.top_p_sample import top_p_sample
 from g4serve.sampling_params import SamplingParams
 from g4serve.transfer import to_device
@@ -109,7 +109,7 @@ def _noise_keys(seeds: list[int | None], all_greedy: bool) -> list[int]:
     generator (none when every row is greedy: no noise is drawn)."""
     missing = sum(seed is None for seed in seeds) if not all_greedy else 0
     fresh = iter(torch.randint(-(2**63), 2**63 - 1, (missing,)).tolist() if missing else [])
-    return [seed_words(next(fresh, 0) if seed is None else seed) & (2**64 - 1) for seed in seeds]
+    return [(next(fresh, 0) if seed is None else seed) & (2**64 - 1) for seed in seeds]
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor:
