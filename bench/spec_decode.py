@@ -253,38 +253,35 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
     return result, bandwidth
 
 
-def table(results: list[dict], batches: list[int]) -> str:
+def _table(leads: list[str], rows: list[tuple[list[str], dict]], batches: list[int]) -> str:
+    """Markdown: the ``leads`` columns, the floor, ITL (tokens/s) per batch size (blank where a row did not
+    time it) and TTFT; a row per (lead cells, variant result)."""
     head = " | ".join(f"B={b} ITL (tok/s)" for b in batches)
     lines = [
-        f"| variant | floor ms/token (B=1) | {head} | TTFT |",
-        "|---" * (3 + len(batches)) + "|",
+        f"| {' | '.join(leads)} | floor ms/token (B=1) | {head} | TTFT |",
+        "|---" * (len(leads) + 2 + len(batches)) + "|",
     ]
-    for r in results:
-        cells = " | ".join(f"{d['itl_ms']:.2f} ({d['output_tokens_per_s']:.0f})" for d in r["decode"])
-        ttft = f"{r['ttft']['ttft_p50_ms']:.1f} ms" if r["ttft"] else "="
-        lines.append(f"| {r['variant']} | {r['floor_token_ms_b1']:.2f} | {cells} | {ttft} |")
+    for lead, v in rows:
+        by_batch = {d["batch"]: d for d in v["decode"]}
+        cells = " | ".join(
+            f"{by_batch[b]['itl_ms']:.2f} ({by_batch[b]['output_tokens_per_s']:.0f})" if b in by_batch else ""
+            for b in batches
+        )
+        ttft = f"{v['ttft']['ttft_p50_ms']:.1f} ms" if v["ttft"] else "="
+        lines.append(f"| {' | '.join(lead)} | {v['floor_token_ms_b1']:.2f} | {cells} | {ttft} |")
     return "\n".join(lines)
+
+
+def table(results: list[dict], batches: list[int]) -> str:
+    return _table(["variant"], [([r["variant"]], r) for r in results], batches)
 
 
 def merged_table(docs: list[dict]) -> str:
     """One table of several runs' variants (one model each, e.g. one run per model in a device call): a row
     per (model, variant), a column per batch size any run timed (blank where a run did not)."""
     batches = sorted({d["batch"] for doc in docs for v in doc["variants"] for d in v["decode"]})
-    head = " | ".join(f"B={b} ITL (tok/s)" for b in batches)
-    lines = [f"| model | variant | floor ms/token (B=1) | {head} | TTFT |", "|---" * (4 + len(batches)) + "|"]
-    for doc in docs:
-        model = Path(doc["model"]).name
-        for v in doc["variants"]:
-            by_batch = {d["batch"]: d for d in v["decode"]}
-            cells = " | ".join(
-                f"{by_batch[b]['itl_ms']:.2f} ({by_batch[b]['output_tokens_per_s']:.0f})"
-                if b in by_batch
-                else ""
-                for b in batches
-            )
-            ttft = f"{v['ttft']['ttft_p50_ms']:.1f} ms" if v["ttft"] else "="
-            lines.append(f"| {model} | {v['variant']} | {v['floor_token_ms_b1']:.2f} | {cells} | {ttft} |")
-    return "\n".join(lines)
+    rows = [([Path(doc["model"]).name, v["variant"]], v) for doc in docs for v in doc["variants"]]
+    return _table(["model", "variant"], rows, batches)
 
 
 def main(argv: list[str] | None = None) -> int:
