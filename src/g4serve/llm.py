@@ -70,6 +70,16 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size`` > 1); nothing to do otherwise."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

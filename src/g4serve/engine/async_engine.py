@@ -394,6 +394,7 @@ class AsyncLLMEngine:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
             self._fail_calls()
+            self.engine.shutdown()  # its tensor-parallel workers
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:

@@ -121,6 +121,14 @@ class EngineConfig:
         False, "encode images, video and audio ahead of the prefills that need them, on a side CUDA stream"
     )
 
+    # Tensor parallel (engine/tensor_parallel.py): one process per rank, rank 0 the engine; GPUs cuda:0..N-1
+    # (after the one --device names), or N processes on the CPU (gloo).
+    tensor_parallel_size: int = _opt(
+        1,
+        "split the decoder over N GPUs (one process each): heads, MLP units, experts' units and the "
+        "vocabulary; the KV cache by KV head",
+    )
+
     # LoRA adapters (PEFT format) on the text decoder's projections; the request's ``model`` names one.
     enable_lora: bool = _opt(False, "serve LoRA adapters (implied by --lora-modules)")
     lora_modules: dict[str, str] = _opt(
@@ -160,6 +168,25 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallel does not combine with yet is refused here, before any process starts."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size == 1:
+            return
+        unsupported = {
+            "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype != "auto",
+            "enable_lora": self.enable_lora,
+            "speculative_config": self.speculative_config,
+        }
+        for name, value in unsupported.items():
+            if value:
+                raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet")
+        # Rank 0 broadcasts a step's inputs before launching it: every input token must be on the host.
+        self.async_scheduling = False
 
     def _check_lora(self) -> None:
         if self.lora_modules:

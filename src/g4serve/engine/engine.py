@@ -15,6 +15,8 @@ import time
 import numpy as np
 import torch
 
+from g4serve.distributed import SINGLE
+from g4serve.distributed.sharding import check_tensor_parallel
 from g4serve.engine.config import EngineConfig
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.inputs import DeviceDrafts
@@ -38,11 +40,18 @@ from g4serve.engine.speculative import (
     grammar_prefix,
     verify,
 )
+from g4serve.engine.tensor_parallel import TensorParallelWorkers, WorkerPlan
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
 from g4serve.layers.lora import LoRAWeights, projection_shapes
 from g4serve.lora import LoRAAdapter, LoRARegistry, load_peft_adapter
 from g4serve.models.gemma4.kv_scales import fp8_kv_scales
-from g4serve.models.gemma4.loader import adopt_tokenizer_special_ids, checkpoint_dir, load_model
+from g4serve.models.gemma4.loader import (
+    SPECIAL_TOKENS,
+    adopt_tokenizer_special_ids,
+    checkpoint_dir,
+    load_model,
+    model_config,
+)
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
 from g4serve.processing.processor import (
@@ -115,12 +124,26 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.tp_workers: TensorParallelWorkers | None = None  # the other ranks (tensor_parallel_size > 1)
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:  # noqa: C901 - the parts, wired in order
         self.device = _resolve_device(config.device)
         backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.device, backend_name)  # None: the model's
         model_dir = checkpoint_dir(config.model) if config.model else default_model_dir()
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir or default_model_dir())
         limits = config.limit_mm_per_prompt
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            # checked before any process starts; the workers load their shards while rank 0 loads its own
+            check_tensor_parallel(model_config(model_dir or config.model).text, config.tensor_parallel_size)
+            self.tp_workers = TensorParallelWorkers(config, self.device, str(model_dir or config.model))
+            tp = self.tp_workers.tp
         self.model: Gemma4Model = load_model(
             model_dir or config.model,
             dtype=config.dtype,
@@ -130,8 +153,9 @@ class LLMEngine:
             strict_config=config.strict_config,
             seed=config.seed,
             quantization=config.quantization,
+            tp=tp,
         )
-        self.model_config = self.model.cfg
+        self.model_config = self.model.cfg  # under tensor parallel: rank 0's shard of the decoder
         text = self.model_config.text
         if self.device.type == "cuda":
             self.model.prepare_fast_path()
@@ -203,6 +227,20 @@ class LLMEngine:
         self.speculative = (
             SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
         )
+        step_graphs = graphs and self.attention_backend_name == "triton"
+        if self.tp_workers is not None:
+            self.tp_workers.start(
+                WorkerPlan(
+                    num_blocks,
+                    kv_dtype,
+                    self.kv.pool_types,
+                    self.max_model_len,
+                    self.tokenizer.vocab_size,
+                    self.attention_backend_name,
+                    step_graphs,
+                    {f"{m}_token_id": getattr(self.model_config, f"{m}_token_id") for m in SPECIAL_TOKENS},
+                )
+            )
         self.runner = ModelRunner(
             self.model,
             BACKENDS[self.attention_backend_name](text, self.kv_cache),
@@ -210,9 +248,10 @@ class LLMEngine:
             self.kv.pool_types,
             self.max_model_len,
             decodable_vocab_size=self.tokenizer.vocab_size,
-            cuda_graphs=graphs and self.attention_backend_name == "triton",
+            cuda_graphs=step_graphs,
             lora_weights=self.lora.weights if self.lora is not None else None,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
+            publish_step=self.tp_workers.channel.publish if self.tp_workers is not None else None,
         )
         self.proposer = self._make_proposer(self.speculative) if self.speculative else None
         self.spec_stats = SpecStats()
@@ -231,6 +270,12 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.warmup()
         self.started = time.monotonic()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing else holds processes or devices). Idempotent; the engine
+        cannot step afterwards."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     def _make_proposer(self, spec: SpeculativeConfig) -> NgramProposer | MTPProposer:
         if spec.method == "ngram":

@@ -16,6 +16,7 @@ eagerly; ``sample`` applies the requests' sampling parameters, grammar masks and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -95,8 +96,11 @@ class ModelRunner:
         cuda_graphs: bool = False,
         lora_weights: LoRAWeights | None = None,
         num_speculative_tokens: int = 0,
+        publish_step: Callable[[StepInputs], None] | None = None,
     ):
         self.model = model
+        # Tensor parallel, rank 0: hands each step's inputs to the other ranks, which run the same forward.
+        self.publish_step = publish_step
         self.num_speculative_tokens = num_speculative_tokens
         self.lora_weights = lora_weights
         self.backend = backend
@@ -307,6 +311,8 @@ class ModelRunner:
         """Logits [len(step.sampled), V] of the sampled rows (None when no row samples), and their greedy ids
         when a CUDA graph computed them. With ``keep_hidden`` the rows' final hidden states go to
         ``self._hidden``."""
+        if self.publish_step is not None:
+            self.publish_step(step)
         decode, mixed, verify = self.decode_graphs, self.mixed_graphs, self.verify_graphs
         num_tokens, num_seqs = len(step.token_ids), len(step.computed)
         if step.has_drafts:  # several sampled rows per sequence

@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from g4serve.config import Gemma4Config
+from g4serve.distributed import SINGLE, TensorParallel
+from g4serve.distributed.sharding import ShardPlan
 from g4serve.layers.moe import MoEExperts
 from g4serve.layers.quant import QuantLinear
 from g4serve.models.gemma4.kv_scales import is_kv_scale_name
@@ -73,12 +75,14 @@ def build_model(
     with_vision: bool = True,
     with_audio: bool = True,
     plan_quantization: Callable[[Gemma4Model], QuantPlan] | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> Gemma4Model:
     """Allocate an uninitialised model directly on ``device`` (weights must be loaded or randomised next).
     ``plan_quantization``: which projections are quantized (``quant_loader``), decided on the meta model so
-    that their dense weights are never allocated; the plan is kept as ``model.quant_plan``."""
+    that their dense weights are never allocated; the plan is kept as ``model.quant_plan``. ``tp``: the
+    tensor-parallel group whose rank's shard to build."""
     with torch.device("meta"):
-        model = Gemma4Model(cfg, with_vision=with_vision, with_audio=with_audio)
+        model = Gemma4Model(cfg, with_vision=with_vision, with_audio=with_audio, tp=tp)
     model = model.to(dtype=dtype)
     plan = plan_quantization(model) if plan_quantization is not None else None
     if plan is not None:
@@ -193,7 +197,10 @@ def load_weights(model: Gemma4Model, model_dir: str | Path, progress: bool | Non
                                 f"{path.name}: does not contain tensor {hf_name}, which "
                                 "model.safetensors.index.json places there"
                             )
-                        _copy_checked(path, hf_name, f.get_tensor(hf_name), params[name])
+                        tensor = f.get_tensor(hf_name)
+                        if model.shard_plan is not None:  # tensor parallel: this rank's slice
+                            tensor = _sharded(model.shard_plan, path, hf_name, name, tensor, params[name])
+                        _copy_checked(path, hf_name, tensor, params[name])
                         loaded.add(name)
                         bar.update(1)
             except (SafetensorError, OSError) as exc:
@@ -223,6 +230,17 @@ def _copy_checked(path: Path, hf_name: str, tensor: torch.Tensor, target: torch.
         target.copy_(tensor)
 
 
+def _sharded(
+    plan: ShardPlan, path: Path, hf_name: str, name: str, tensor: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """Checkpoint tensor ``hf_name`` cut to this rank's slice, after checking its full shape."""
+    full = plan.full_shape(name, target.shape)
+    if tuple(tensor.shape) != full:
+        shape = tuple(tensor.shape)
+        raise CheckpointError(f"{path.name}: tensor {hf_name} has shape {shape}, expected {full}")
+    return plan.take(name, tensor)
+
+
 def _names(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -245,9 +263,16 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
         for n, m in model.named_modules()
         if isinstance(m, QuantLinear) or (isinstance(m, MoEExperts) and m.quantized)
     }
+    plan = model.shard_plan
     for name, tensor in model.state_dict(keep_vars=True).items():
         module, _, leaf = name.rpartition(".")
         if module in quantized and _init_quantized(quantized[module], leaf, gen, std):
+            continue
+        if plan is not None and plan.shard(name) is not None:
+            # tensor parallel: the single-GPU model's draw (the same generator state and shape), then the
+            # rank's slice, so every group size serves the same random model
+            full = torch.empty(plan.full_shape(name, tensor.shape), dtype=tensor.dtype, device=device)
+            tensor.copy_(plan.take(name, full.normal_(0.0, std, generator=gen)))
             continue
         if name.startswith("language_model.") and name.endswith(("q_norm.weight", "k_norm.weight")):
             tensor.fill_(tensor.shape[0] ** -0.25)
@@ -292,31 +317,45 @@ def load_model(
     strict_config: bool = True,
     seed: int = 0,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> Gemma4Model:
     """Load a checkpoint directory, or a preset name (``tiny``, ``e4b``, ...) with seeded random weights.
     ``quantization``: a preset of ``quant_config.QUANTIZATION_PRESETS`` quantizing the dense weights at load
-    (a compressed-tensors checkpoint is served as it is quantized)."""
-    from g4serve.config import PRESETS, preset
-
+    (a compressed-tensors checkpoint is served as it is quantized). ``tp``: load this rank's shard."""
     torch_dtype = resolve_dtype(dtype, device)
-    if isinstance(model, str) and model in PRESETS and not Path(model).exists():
-        cfg = preset(model)
+    cfg = model_config(model, strict_config)
+    if tp.size > 1 and (quantization or cfg.quantization is not None):
+        raise CheckpointError(
+            "tensor_parallel_size: quantized weights are not sharded yet; serve a bf16 checkpoint, or one GPU"
+        )
+    model_dir = checkpoint_dir(model)
+    if model_dir is None:  # a preset
         net = build_model(
-            cfg, torch_dtype, device, with_vision, with_audio, _quant_planner(cfg, quantization, torch_dtype)
+            cfg,
+            torch_dtype,
+            device,
+            with_vision,
+            with_audio,
+            _quant_planner(cfg, quantization, torch_dtype),
+            tp,
         )
         init_random_weights(net, seed)
         return net
-    model_dir = Path(model)
-    if not model_dir.is_dir():
-        raise CheckpointError(
-            f"model: {model_dir} is neither a directory nor a preset ({', '.join(PRESETS)})"
-        )
-    cfg = Gemma4Config.from_pretrained(model_dir, strict=strict_config)
     planner = _quant_planner(cfg, quantization, torch_dtype, _checkpoint_index(model_dir))
-    net = build_model(cfg, torch_dtype, device, with_vision, with_audio, planner)
+    net = build_model(cfg, torch_dtype, device, with_vision, with_audio, planner, tp)
     load_weights(net, model_dir)
     log.info("loaded %s (%s, %s)", model_dir, torch_dtype, device)
     return net
+
+
+def model_config(model: str | Path, strict_config: bool = True) -> Gemma4Config:
+    """The config of a checkpoint directory or of a preset, without loading weights."""
+    from g4serve.config import preset
+
+    model_dir = checkpoint_dir(model)
+    if model_dir is None:
+        return preset(model)
+    return Gemma4Config.from_pretrained(model_dir, strict=strict_config)
 
 
 def _quant_planner(
@@ -390,10 +429,13 @@ def checkpoint_dir(model: str | Path) -> Path | None:
     )
 
 
+SPECIAL_TOKENS = ("image", "video", "audio", "boi", "eoi", "boa", "eoa")  # the config's <name>_token_id
+
+
 def adopt_tokenizer_special_ids(cfg: Gemma4Config, tokenizer) -> None:
     """Random-weight presets borrow the embedded tokenizer: point the config's special ids at its tokens
     (``tokenizer``: a ``g4serve.processing.tokenizer.Tokenizer``)."""
-    for attr in ("image", "video", "audio", "boi", "eoi", "boa", "eoa"):
+    for attr in SPECIAL_TOKENS:
         setattr(cfg, f"{attr}_token_id", tokenizer.token_to_id(getattr(tokenizer, f"{attr}_token")))
     eos = {tokenizer.eos_token_id, tokenizer.token_to_id("<turn|>")} - {None}
     cfg.text.eos_token_id = sorted(eos)

@@ -3,14 +3,22 @@
 Encoders turn media into soft tokens in text space; ``forward`` puts them at the
 placeholder tokens of the flat token batch and runs the decoder. Text-only mode builds
 no towers at all, so their memory goes to the KV cache.
+
+Under tensor parallelism (``tp``) the decoder is this rank's shard: ``cfg.text`` is then the shard's config
+(its heads and intermediate sizes per rank), ``shard_plan`` cuts checkpoint tensors to it, and the towers,
+replicated, are built on rank 0 alone (the engine's encoder runs there).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from g4serve.config import Gemma4Config
+from g4serve.distributed import SINGLE, TensorParallel
+from g4serve.distributed.sharding import ShardPlan, shard_text_config
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.lora import LoRABatch
 from g4serve.models.gemma4.audio import Gemma4AudioModel
@@ -20,11 +28,21 @@ from g4serve.models.gemma4.vision import Gemma4VisionModel
 
 
 class Gemma4Model(nn.Module):
-    def __init__(self, cfg: Gemma4Config, with_vision: bool = True, with_audio: bool = True):
+    def __init__(
+        self,
+        cfg: Gemma4Config,
+        with_vision: bool = True,
+        with_audio: bool = True,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
+        self.tp = tp
+        self.shard_plan = ShardPlan(cfg.text, tp.rank, tp.size) if tp.size > 1 else None
+        if tp.size > 1:
+            cfg = replace(cfg, text=shard_text_config(cfg.text, tp.size))
         self.cfg = cfg
         text_hidden = cfg.text.hidden_size
-        self.language_model = Gemma4TextModel(cfg.text)
+        self.language_model = Gemma4TextModel(cfg.text, tp)
         self.vision_tower = self.embed_vision = None
         self.audio_tower = self.embed_audio = None
         if cfg.vision is not None and with_vision:

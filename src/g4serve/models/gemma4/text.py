@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from g4serve.config import TextConfig
+from g4serve.distributed import SINGLE, TensorParallel
+from g4serve.distributed.sharding import vocab_rows_per_rank
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.fused import (
     act_mul,
@@ -32,10 +34,15 @@ from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
 
 
 class ScaledEmbedding(nn.Embedding):
-    """Embedding multiplied by a constant that is rounded to the weight dtype first (as Gemma does)."""
+    """Embedding multiplied by a constant that is rounded to the weight dtype first (as Gemma does).
 
-    def __init__(self, num_embeddings: int, dim: int, scale: float):
-        super().__init__(num_embeddings, dim)
+    Vocab-parallel under tensor parallelism: rank r holds rows [r * n, (r + 1) * n) of the table; a token
+    outside them embeds as zeros there, and the sum over the ranks is the one rank's row (exactly)."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float, tp: TensorParallel = SINGLE):
+        rows = vocab_rows_per_rank(num_embeddings, tp.size)
+        super().__init__(rows, dim)
+        self.tp, self.vocab_start = tp, tp.rank * rows
         self.scale = scale
         self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
 
@@ -43,13 +50,22 @@ class ScaledEmbedding(nn.Embedding):
         self.embed_scale = torch.tensor(self.scale, device=self.weight.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+        if self.tp.size == 1:
+            return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+        local = ids - self.vocab_start
+        held = (local >= 0) & (local < self.num_embeddings)
+        rows = super().forward(torch.where(held, local, 0)) * held.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(rows * self.embed_scale.to(self.weight.dtype))
 
 
 class TextAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_idx: int):
+    """``cfg``: this rank's shard under tensor parallelism (its query and KV heads); o_proj's partial sums
+    are added over the group."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
         # The layer whose K/V this one attends over, by the backend's numbering: itself, or for an MTP
         # drafter's layers a layer of the target model (models/gemma4/assistant.py).
         self.kv_layer = layer_idx
@@ -143,7 +159,8 @@ class TextAttention(nn.Module):
                 v_is_k=not self._v_in_qkv,
             )
             out = backend.attend(self.layer_idx, q, None, None, meta)
-            return self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
+            out = self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
+            return self.tp.all_reduce(out)
         q, k_raw, v_raw = self._project(x, lora)  # v_raw is k_raw where attention_k_eq_v
         q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
         k = v = None
@@ -151,13 +168,20 @@ class TextAttention(nn.Module):
             k = norm_rope(k_raw, self.k_norm, cos, sin)
             v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
         out = backend.attend(self.kv_layer, q, k, v, meta)
-        return self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
+        out = self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
+        return self.tp.all_reduce(out)
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, activation: str, layer_idx: int = 0):
+    """``intermediate``: this rank's units under tensor parallelism; down_proj's partial sums are added over
+    the group."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, activation: str, layer_idx: int = 0, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
         self.layer_idx = layer_idx  # names its projections for LoRA adapters
+        self.tp = tp
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -174,10 +198,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if lora is not None:
-            return self._forward_lora(x, lora)
+            return self.tp.all_reduce(self._forward_lora(x, lora))
         if self.gate_up_proj is None:
-            return self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
-        return linear(gate_up_act(x, self.gate_up_proj, self.activation), self.down_proj)
+            out = self.down_proj(act_mul(self.activation, self.gate_proj(x), self.up_proj(x)))
+        else:
+            out = linear(gate_up_act(x, self.gate_up_proj, self.activation), self.down_proj)
+        return self.tp.all_reduce(out)
 
     def _forward_lora(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """``forward`` with each projection plus its adapters' delta; the deltas join the gate and up
@@ -194,12 +220,15 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_idx: int):
+    def __init__(self, cfg: TextConfig, layer_idx: int, tp: TensorParallel = SINGLE):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.tp = tp
         self.layer_type = cfg.layer_types[layer_idx]
-        self.self_attn = TextAttention(cfg, layer_idx)
-        self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(layer_idx), cfg.hidden_activation, layer_idx)
+        self.self_attn = TextAttention(cfg, layer_idx, tp)
+        self.mlp = GatedMLP(
+            hidden, cfg.layer_intermediate_size(layer_idx), cfg.hidden_activation, layer_idx, tp
+        )
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
@@ -251,6 +280,7 @@ class DecoderLayer(nn.Module):
             # The routed experts run beside the dense MLP, both fed from the residual stream.
             weights, experts = self.router(residual)
             moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
+            moe = self.tp.all_reduce(moe)  # each rank's share of every expert's units
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
         if not self.ple_dim:
             # (residual + post_feedforward_layernorm(out)) * layer_scalar
@@ -274,22 +304,25 @@ class DecoderLayer(nn.Module):
 
 
 class Gemma4TextModel(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    """``cfg``: the decoder's config, under tensor parallelism this rank's shard of it
+    (``distributed.sharding.shard_text_config``); ``tp``: the rank's group."""
+
+    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         if cfg.use_bidirectional_attention == "all":
             raise ValueError(
                 "text_config.use_bidirectional_attention='all' describes a non-causal (encoder) variant; "
                 "g4serve serves generative Gemma 4 models"
             )
-        self.cfg = cfg
-        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ple_dim = cfg.hidden_size_per_layer_input
         if self.ple_dim:
             num_layers = cfg.num_hidden_layers
             self.embed_tokens_per_layer = ScaledEmbedding(
-                cfg.vocab_size_per_layer_input, num_layers * self.ple_dim, self.ple_dim**0.5
+                cfg.vocab_size_per_layer_input, num_layers * self.ple_dim, self.ple_dim**0.5, tp
             )
             self.per_layer_model_projection = nn.Linear(
                 cfg.hidden_size, num_layers * self.ple_dim, bias=False
@@ -380,6 +413,8 @@ class Gemma4TextModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = project(hidden, self.embed_tokens.weight)
+        if self.tp.size > 1:  # vocab-parallel: each rank's slice, side by side, less the last one's padding
+            logits = self.tp.all_gather(logits)[:, : self.cfg.vocab_size]
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
