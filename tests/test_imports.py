@@ -52,6 +52,20 @@ LAYER_RULES = (
         ("g4serve.engine", "g4serve.models", "g4serve.server", "g4serve.bench"),
         "layers sit below the models that compose them and the engine that drives them",
     ),
+    # Tensor parallel's group (collectives) and shard rules are used by the model to build and run a rank's
+    # shard; the processes that hold the ranks are the engine's (``engine.tensor_parallel``).
+    LayerRule(
+        "g4serve.distributed",
+        (
+            "g4serve.layers",
+            "g4serve.models",
+            "g4serve.engine",
+            "g4serve.server",
+            "g4serve.bench",
+            "g4serve.deploy",
+        ),
+        "the tensor-parallel group and shard rules sit below the model; the rank processes are the engine's",
+    ),
     # A model is a forward over a flat token batch and its attention metadata: loading, parity tests and the
     # tiny model use it without an engine; scheduling, caching and serving drive it from above.
     LayerRule(
@@ -69,8 +83,8 @@ LAYER_RULES = (
     # The engine serves ``LLM`` (offline) and the HTTP server alike; the server and the bench are its clients.
     LayerRule(
         "g4serve.engine",
-        ("g4serve.server", "g4serve.bench"),
-        "the engine sits below its clients, the server and the bench",
+        ("g4serve.server", "g4serve.bench", "g4serve.deploy"),
+        "the engine sits below its clients, the server and the bench (and the replicas' deployment)",
     ),
     # Prompts and media become token ids and encoder inputs before the engine sees them (in worker threads,
     # without a model), so processing depends on the config and the tokenizer only.
@@ -89,6 +103,9 @@ LAYER_RULES = (
     # The bench is a client of the server (it starts one, sends it load and scrapes its metrics); the server
     # must not depend on its own load generator.
     LayerRule("g4serve.server", ("g4serve.bench",), "the server sits below the bench that loads it"),
+    # Scale-out runs servers as replicas behind a router: the router speaks HTTP to them, the Ray app wraps the
+    # server's app; the server never knows it is a replica.
+    LayerRule("g4serve.server", ("g4serve.deploy",), "a replica's server does not depend on its deployment"),
 )
 
 # The voice assistant is a separate package layered on top of g4serve (it uses g4serve's engine and server).
