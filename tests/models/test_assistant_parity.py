@@ -103,11 +103,12 @@ def test_drafter_matches_transformers(checkpoints, length):
     want_first, want = _hf(target_dir, drafter_dir, ids, steps=3)
     got_first, got = _ours(target_dir, drafter_dir, ids, steps=3)
     assert got_first == want_first
-    # The target's K/V and hidden state carry its own ~1e-5 rounding differences into the drafter (a wrong
-    # key or window shows as differences of ~1).
+    # The target's K/V and hidden state carry its own ~1e-5 rounding differences into the drafter, and three
+    # chained steps grow them: up to 1.7e-3 in the logits on an AMD EPYC host, whose BLAS kernels round
+    # differently from the Intel hosts' (under 1e-3). A wrong key or window shows as differences of ~1.
     for (w_logits, w_hidden), (g_logits, g_hidden) in zip(want, got):
-        torch.testing.assert_close(g_logits, w_logits, atol=1e-3, rtol=1e-3)
-        torch.testing.assert_close(g_hidden, w_hidden, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(g_logits, w_logits, atol=5e-3, rtol=1e-3)
+        torch.testing.assert_close(g_hidden, w_hidden, atol=5e-3, rtol=1e-3)
         assert int(g_logits.argmax()) == int(w_logits.argmax())
 
 
