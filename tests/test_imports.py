@@ -103,8 +103,8 @@ LAYER_RULES = (
     # The bench is a client of the server (it starts one, sends it load and scrapes its metrics); the server
     # must not depend on its own load generator.
     LayerRule("g4serve.server", ("g4serve.bench",), "the server sits below the bench that loads it"),
-    # Scale-out runs servers as replicas behind a router: the router speaks HTTP to them, the Ray app wraps the
-    # server's app; the server never knows it is a replica.
+    # Scale-out runs servers as replicas behind a router: the router speaks HTTP to them, the Ray app wraps
+    # the server's app; the server never knows it is a replica.
     LayerRule("g4serve.server", ("g4serve.deploy",), "a replica's server does not depend on its deployment"),
 )
 
