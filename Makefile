@@ -13,9 +13,10 @@ CONSTRAINTS := constraints.txt
 PIP := $(BIN)/python -m pip install -q -c $(CONSTRAINTS)
 SERVE_STAMP := $(VENV)/.g4serve-serve
 TEST_STAMP := $(VENV)/.g4serve-test
+DIST_STAMP := $(VENV)/.g4serve-distributed
 LINT_STAMP := $(VENV)/.g4serve-lint
 
-.PHONY: install serve demo test test-fuzz test-latest check-no-extras lint clean
+.PHONY: install serve demo test test-distributed test-fuzz test-latest check-no-extras lint clean
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -32,6 +33,10 @@ $(TEST_STAMP): $(SERVE_STAMP)
 	$(PIP) --no-build-isolation -e ".[test,assistant]"
 	touch $@
 
+$(DIST_STAMP): $(TEST_STAMP)
+	$(PIP) --no-build-isolation -e ".[test,assistant,distributed]"
+	touch $@
+
 $(LINT_STAMP): $(CONSTRAINTS) | $(BIN)/python
 	$(PIP) ruff
 	touch $@
@@ -46,6 +51,11 @@ demo: $(SERVE_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=20
+
+# Tests marked `distributed` (tensor parallel over gloo in several processes, Ray Serve replicas on a local
+# cluster), left out of `make test` for their start-up time; CI runs both.
+test-distributed: $(DIST_STAMP)
+	$(BIN)/python -m pytest -q -m distributed --durations=10
 
 # The fuzz and soak suite at full size (random hypothesis examples, 10 min of schemathesis, 300 streams + 100
 # cancels); `make test` runs a short, derandomized version of it.
