@@ -43,6 +43,7 @@ from g4serve_assistant.auth import (
 from g4serve_assistant.bank import BankUnavailableError, UnknownCustomerError
 from g4serve_assistant.pipeline import Assistant, Caller, StageClock
 from g4serve_assistant.qna import answer_events
+from g4serve_assistant.state import CustomerSessions, SessionBusyError
 
 log = logging.getLogger("g4serve_assistant")
 
@@ -80,7 +81,7 @@ class AccessSettings:
     session_ttl_s: float = 3600.0
     metrics_public: bool = False
     test_login: bool = False
-    sessions: SessionRegistry | None = field(default=None, repr=False)
+    sessions: CustomerSessions | None = field(default=None, repr=False)
 
     @classmethod
     def ephemeral(cls, **kwargs: Any) -> AccessSettings:
@@ -184,6 +185,12 @@ def install_assistant_errors(app: FastAPI) -> None:
         metrics.errors.labels(status=str(exc.status)).inc()
         return _api(exc).response()
 
+    @app.exception_handler(SessionBusyError)
+    async def _busy(_request: Request, exc: SessionBusyError) -> JSONResponse:
+        # Another turn of this session (on any replica) is still running; nothing of this one happened.
+        metrics.errors.labels(status="409").inc()
+        return error_response(409, f"session_id: {exc}; try again", "session_id", {"Retry-After": "1"})
+
     @app.exception_handler(BankUnavailableError)
     async def _bank_down(_request: Request, exc: BankUnavailableError) -> JSONResponse:
         log.warning("bank unavailable: %s", exc)
@@ -259,7 +266,15 @@ class Gate:
         self.assistant = assistant
         self.access = access
         self.origins = OriginCheck((*access.allowed_origins, *access.cors_origins))
-        self.sessions = access.sessions or SessionRegistry(ttl_s=access.session_ttl_s)
+        # Server-issued sessions: the access settings' own, else the assistant's shared store's (any replica
+        # knows any session), else this process's. Not `or`: a registry without sessions is falsy.
+        state = assistant.state
+        if access.sessions is not None:
+            self.sessions = access.sessions
+        elif state is not None:
+            self.sessions = state.sessions
+        else:
+            self.sessions = SessionRegistry(ttl_s=access.session_ttl_s)
         self.customer_rate = RateLimiter(access.customer_rate_per_min, access.customer_burst)
         self.ip_rate = RateLimiter(access.ip_rate_per_min, access.ip_burst)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ log = logging.getLogger("g4serve_assistant")
 DEFAULT_DB_NAME = "assistant.db"
 DEFAULT_AUDIT_DB_NAME = "audit.db"  # the audit trail's file when the bank is not a SQLite file (--bank-url)
 BANK_KEY_ENV = "G4SERVE_ASSISTANT_BANK_API_KEY"
+STATE_DB_ENV = "G4SERVE_ASSISTANT_DB"  # --state-db's default
 # Where the assistant's engine differs from `g4serve serve`'s: its prompts are short, and it shares the GPU.
 ASSISTANT_ENGINE_DEFAULTS = {
     "max_model_len": 4096,
@@ -76,6 +78,7 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
         help="no model: unsure utterances get a clarifying question, QnA answers extractively",
     )
     add_bank_arguments(p)
+    add_state_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument(
@@ -142,6 +145,19 @@ def add_bank_arguments(p: argparse.ArgumentParser) -> None:
         help=f"file holding the bearer key for --bank-url (or ${BANK_KEY_ENV})",
     )
     g.add_argument("--bank-timeout", type=float, default=5.0, help="seconds for each request to --bank-url")
+
+
+def add_state_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("state (docs/assistant.md, State storage)")
+    g.add_argument(
+        "--state-db",
+        default=None,
+        metavar="URL",
+        help="where sessions, pending confirmations and the audit trail live, shared by every replica: "
+        "postgresql://user@host/db, or an SQLite file (a path or sqlite:///path). Default: --audit-db, "
+        f"else ${STATE_DB_ENV}, else the --db file (with --bank-url, "
+        f"<cache>/assistant/{DEFAULT_AUDIT_DB_NAME})",
+    )
 
 
 def add_import_commands(sub: argparse._SubParsersAction) -> None:
@@ -222,6 +238,18 @@ def open_sqlite_bank(path: str, demo: bool = False):
     return bank
 
 
+def state_db_url(args: argparse.Namespace) -> str:
+    """``--state-db``, else ``--audit-db`` (the state store keeps the audit trail), else
+    $G4SERVE_ASSISTANT_DB, else the bank's SQLite file or a file in the cache (``audit_db_path``)."""
+    if args.state_db is not None:
+        if args.audit_db is not None:
+            raise ValueError("--audit-db: the audit trail lives in --state-db; give one of them")
+        return args.state_db
+    if args.audit_db is None and os.environ.get(STATE_DB_ENV):
+        return os.environ[STATE_DB_ENV]
+    return audit_db_path(args)
+
+
 def audit_db_path(args: argparse.Namespace) -> str:
     """``--audit-db``, else the bank's SQLite file (its own table there), else a file in the cache."""
     if args.audit_db is not None:
@@ -248,8 +276,8 @@ def build_from_args(args: argparse.Namespace):
     """The app (separate from ``run`` so tests can build it in-process)."""
     from g4serve_assistant.access_cli import access_from_args
     from g4serve_assistant.app import build_app
-    from g4serve_assistant.audit import AuditLog
     from g4serve_assistant.pipeline import Assistant
+    from g4serve_assistant.state_sql import open_state_store
 
     if not 0.0 < args.intent_threshold <= 1.0:
         raise ValueError(f"--intent-threshold: must be in (0, 1], got {args.intent_threshold}")
@@ -257,10 +285,11 @@ def build_from_args(args: argparse.Namespace):
         raise ValueError("--asr gemma: the recogniser is the served model, so it cannot run with --no-llm")
     access, audit_key = access_from_args(args, demo=args.demo)
     bank = open_bank(args)
-    audit = AuditLog(audit_db_path(args), key=audit_key)
+    state = open_state_store(state_db_url(args), audit_key=audit_key, session_ttl_s=access.session_ttl_s)
+    log.info("sessions, confirmations and audit in %s", state.db.name)
     engine = None if args.no_llm else build_engine(args)
     assistant = Assistant(
-        bank, engine, audit=audit, recognizer=args.asr, intent_threshold=args.intent_threshold
+        bank, engine, state=state, recognizer=args.asr, intent_threshold=args.intent_threshold
     )
     return build_app(assistant, access)
 

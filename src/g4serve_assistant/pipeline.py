@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime as dt
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -26,6 +27,9 @@ from g4serve_assistant.normalize import normalize
 from g4serve_assistant.payees import PayeeIndex
 from g4serve_assistant.policy import Policy, SessionStore
 from g4serve_assistant.qna import KnowledgeIndex, extractive_answer
+from g4serve_assistant.state import ConversationStore, StateStore
+
+log = logging.getLogger("g4serve_assistant")
 
 NOT_HEARD_REPLY = "Sorry, I didn't catch that. Could you say it again?"
 # Chunk size when a whole recording is fed to the streaming recogniser: small enough that the first
@@ -178,6 +182,7 @@ class Assistant:
         engine=None,
         *,
         audit: AuditLog | None = None,
+        state: StateStore | None = None,
         recognizer: Any = "pocketsphinx",
         limits_minor: dict | None = None,
         intent_threshold: float = 0.75,
@@ -188,10 +193,15 @@ class Assistant:
         max_cached_recognizers: int = 8,
     ):
         self.bank = bank
-        self.audit = audit if audit is not None else AuditLog()
+        if state is not None and audit is not None:
+            raise ValueError("give audit or state, not both: a state store keeps its own audit trail")
+        # Sessions, dialogue states and the audit trail: in this process, or (``state``) in a database that
+        # every replica shares, so that any of them can take any turn.
+        self.state = state
+        self.audit = state.audit if state is not None else audit if audit is not None else AuditLog()
+        self.sessions: ConversationStore = state.conversations if state is not None else SessionStore()
         self.engine = engine
         self.metrics = metrics or AssistantMetrics()
-        self.sessions = SessionStore()
         self.limits_minor = limits_minor
         self.intent_threshold = intent_threshold
         self.knowledge = KnowledgeIndex()
@@ -226,7 +236,7 @@ class Assistant:
         if cached is not None and cached.view.version == cached.version:
             return cached
         view = self.bank.customer(customer_id)
-        policy = Policy(view, limits_minor=self.limits_minor, lock=self._policy_lock)
+        policy = Policy(view, limits_minor=self.limits_minor, lock=self._policy_lock, claims=self.sessions)
         built = _Customer(view, policy, self.intent_threshold)
         with self._cache_lock:
             self._customers[customer_id] = built
@@ -403,12 +413,18 @@ class Assistant:
     def _understand(self, caller: Caller, text: str, clock: StageClock):
         """Normalize and classify on the customer's records (a worker thread: the bank may be remote)."""
         customer = self.customer(caller.customer_id)
-        session = self.sessions.get(caller.session_id, caller.customer_id)
-        with clock.stage("normalize"):
-            normalized = normalize(text, default_currency=customer.currency)
-        customer.index.spent_s = 0.0
-        with clock.stage("intent"):
-            result = customer.classifier.classify(normalized)
+        # From here until commit or release the session's state is this turn's alone (in a shared store,
+        # on whichever replica: the others' turns of this session wait).
+        session = self.sessions.begin(caller.session_id, caller.customer_id)
+        try:
+            with clock.stage("normalize"):
+                normalized = normalize(text, default_currency=customer.currency)
+            customer.index.spent_s = 0.0
+            with clock.stage("intent"):
+                result = customer.classifier.classify(normalized)
+        except BaseException:
+            self.sessions.release(session)
+            raise
         lookup_ms = customer.index.spent_s * 1000
         clock.add("lookup", lookup_ms)
         clock.add("intent", -lookup_ms)
@@ -451,39 +467,49 @@ class Assistant:
                 asr=asr,
             )
         customer, session, normalized, result = await asyncio.to_thread(self._understand, caller, text, clock)
-        audit.append(
-            AuditRow(
-                "normalize",
-                "rules",
-                {
-                    "original": normalized.original,
-                    "text": normalized.text,
-                    "rules": [_jsonable(dataclasses.asdict(r)) for r in normalized.rules],
-                },
+        try:
+            audit.append(
+                AuditRow(
+                    "normalize",
+                    "rules",
+                    {
+                        "original": normalized.original,
+                        "text": normalized.text,
+                        "rules": [_jsonable(dataclasses.asdict(r)) for r in normalized.rules],
+                    },
+                )
             )
-        )
-        path, llm_info = "fast", None
-        candidates = list(result.candidates or [])
-        # The policy says when the model may look: never at a yes/no or at an answer to its own question.
-        # Without a model (or when its output does not validate) the policy asks the clarifying question.
-        needs_llm = customer.policy.wants_llm(session, result)
-        if self.extractor is not None and needs_llm:
-            path = "gemma"
-            result, llm_info = await self._extract(
-                customer, text, normalized, result, candidates, clock, audit
-            )
-        documents = None
-        with clock.stage("policy"):
-            decision = await asyncio.to_thread(
-                customer.policy.decide, session, result, normalized.text, caller.action_id
-            )
-            reply = decision.reply
-            if decision.intent == "qna":
-                hits = self.knowledge.search(normalized.text)
-                documents = [h.document.doc_id for h in hits]
-                reply = _with_answer(reply, extractive_answer(hits))
+            path, llm_info = "fast", None
+            candidates = list(result.candidates or [])
+            # The policy says when the model may look: never at a yes/no or at an answer to its own question.
+            # Without a model (or when its output does not validate) the policy asks the clarifying question.
+            needs_llm = customer.policy.wants_llm(session, result)
+            if self.extractor is not None and needs_llm:
+                path = "gemma"
+                result, llm_info = await self._extract(
+                    customer, text, normalized, result, candidates, clock, audit
+                )
+            documents = None
+            with clock.stage("policy"):
+                decision = await asyncio.to_thread(
+                    customer.policy.decide, session, result, normalized.text, caller.action_id
+                )
+                reply = decision.reply
+                if decision.intent == "qna":
+                    hits = self.knowledge.search(normalized.text)
+                    documents = [h.document.doc_id for h in hits]
+                    reply = _with_answer(reply, extractive_answer(hits))
+        except BaseException:
+            await asyncio.to_thread(self.sessions.release, session)  # the state stays as it was
+            raise
+        written = await asyncio.to_thread(self.sessions.commit, session)
         entities = _jsonable(dict(result.entities or {}))
         audit.extend(decision.audit)
+        if not written:
+            # This turn outlived its lease and another turn took the session over: that turn's state
+            # stands. What this one did is real (an execution is claimed first), and audited.
+            log.warning("session %s: state not written back (lease lapsed)", caller.session_id)
+            audit.append(AuditRow("turn", "state_not_written", {"reason": "lease lapsed"}))
         audit.append(
             AuditRow(
                 "turn",

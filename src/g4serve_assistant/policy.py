@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from g4serve_assistant.audit import AuditRow
 from g4serve_assistant.bank import BankUnavailableError, CustomerBank, Payee
@@ -89,6 +89,8 @@ class SessionState:
     customer_id: str
     pending: PendingAction | None = None
     turns: int = 0
+    # A shared store's hold on this session while a turn runs (state_sql.py); None in memory.
+    lease: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -138,6 +140,36 @@ class SessionStore:
         with self._lock:
             return len(self._sessions)
 
+    # --- the ConversationStore interface (state.py). In memory the state is the live object, and the
+    # policy's lock already lets one decision run at a time, so there is nothing to hold or write back.
+    def begin(self, session_id: str, customer_id: str) -> SessionState:
+        return self.get(session_id, customer_id)
+
+    def commit(self, state: SessionState) -> bool:
+        return True
+
+    def release(self, state: SessionState) -> None:
+        pass
+
+    def claim(self, state: SessionState, pending: PendingAction, now: float, ttl_s: float) -> bool:
+        return True
+
+    def settle(self, state: SessionState, pending: PendingAction, done: bool) -> None:
+        pass
+
+
+class ActionClaims(Protocol):
+    """Where a pending action is taken for execution, once: a shared store (state_sql.py) makes two
+    replicas' confirmations of one action race for a single row, and only one wins."""
+
+    def claim(self, state: SessionState, pending: PendingAction, now: float, ttl_s: float) -> bool:
+        """True for the one caller that may execute ``pending`` now: it is this session's, of this
+        customer, still waiting, and younger than ``ttl_s``."""
+
+    def settle(self, state: SessionState, pending: PendingAction, done: bool) -> None:
+        """After a claim: ``done`` (executed, or found no longer pending) ends the action for good; otherwise
+        it waits again for a retried yes (the bank did not answer)."""
+
 
 class Policy:
     """Turns an ``IntentResult`` (fast path or Gemma) into a checked, audited ``Decision``.
@@ -162,6 +194,7 @@ class Policy:
         confirm_ttl_s: float = CONFIRM_TTL_S,
         clock: Callable[[], float] = time.time,
         lock: threading.RLock | None = None,
+        claims: ActionClaims | None = None,
     ):
         self.db = db  # one customer's records: every id the policy acts on is looked up in them
         self.limits_minor = dict(DEFAULT_LIMITS_MINOR if limits_minor is None else limits_minor)
@@ -171,6 +204,8 @@ class Policy:
         # one session (a retried request) must not both execute the same confirmation. Shared by the
         # policies of all customers (``lock``), as a session's turns may come from any thread.
         self._lock = lock or threading.RLock()
+        # Across processes the lock is not enough: a confirmation also claims its action in the shared store.
+        self.claims = claims
 
     def is_confirmation(self, text: str) -> bool | None:
         return confirmation_of(text)
@@ -721,6 +756,22 @@ class Policy:
     # --- pending actions ------------------------------------------------------------------------------
     def _execute(self, session: SessionState, pending: PendingAction, rows: list) -> Decision:
         session.pending = None
+        if self.claims is None:
+            return self._execute_claimed(session, pending, rows)
+        if not self.claims.claim(session, pending, self.clock(), self.confirm_ttl_s):
+            # Another replica's turn executed (or is executing) it, or it was replaced or expired there.
+            rows.append(("policy", "claim_lost", {"action_id": pending.action_id}))
+            return self._refuse(pending.kind, "not_pending", "That request is no longer waiting.", None)
+        done = True
+        try:
+            return self._execute_claimed(session, pending, rows)
+        except BankUnavailableError:
+            done = False  # whether it moved is unknown: the action waits for the retried yes (same key)
+            raise
+        finally:
+            self.claims.settle(session, pending, done)
+
+    def _execute_claimed(self, session: SessionState, pending: PendingAction, rows: list) -> Decision:
         today = dt.date.fromtimestamp(self.clock())
         if pending.kind in MONEY_INTENTS:
             try:
