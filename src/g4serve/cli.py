@@ -1,4 +1,4 @@
-"""Command line: ``g4serve serve | assistant | bench | generate | make-tiny``."""
+"""Command line: ``g4serve serve | router | assistant | bench | generate | make-tiny``."""
 
 from __future__ import annotations
 
@@ -120,10 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    from g4serve.server.launch import add_serve_arguments, serve
+    from g4serve.deploy.ray_cli import add_ray_arguments, serve_command
+    from g4serve.server.launch import add_serve_arguments
 
     add_serve_arguments(p)
-    p.set_defaults(func=serve)
+    add_ray_arguments(p)
+    p.set_defaults(func=serve_command)
+
+    p = sub.add_parser(
+        "router", help="route requests over g4serve replicas (prefix-cache-aware, session-affine)"
+    )
+    from g4serve.deploy.router_cli import add_router_arguments, run_router
+
+    add_router_arguments(p)
+    p.set_defaults(func=run_router)
 
     _add_assistant_parser(sub)
 

@@ -1,0 +1,188 @@
+"""The standalone router (``g4serve router``): an HTTP reverse proxy in front of g4serve replicas that sends
+each request where its affinity key is warm (``affinity``, ``router``), without Ray.
+
+``GET /health`` and ``GET /metrics`` are the router's own; every other path is forwarded as it came (method,
+path, query, headers, body), event streams unbuffered. A replica that refuses the connection is marked
+unhealthy and the request goes to the next replica of its placement; one that fails after it got the
+request is not retried (it may have run it): the client gets a 502, or an error event mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS, REPLICA_HEADER
+from g4serve.deploy.membership import DnsTarget, Membership
+from g4serve.deploy.relay import (
+    ClientGone,
+    error_response,
+    forwardable,
+    read_body,
+    relay,
+    request_key,
+    unless_client_leaves,
+)
+from g4serve.deploy.replica_pool import Replica, ReplicaPool
+from g4serve.deploy.router import LoadBound, place
+from g4serve.deploy.router_metrics import RouterMetrics, placement_label
+
+log = logging.getLogger("g4serve.router")
+
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+@dataclass
+class RouterConfig:
+    replicas: list[str] = field(default_factory=list)  # replica URLs (--replica)
+    dns: list[DnsTarget] = field(default_factory=list)  # headless-service names (--discover-dns)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    load_bound: LoadBound = field(default_factory=LoadBound)
+    max_request_body_bytes: int = 64 << 20
+    max_connect_attempts: int = 3  # replicas tried per request when connections are refused
+
+
+class RouterProxy:
+    """Forwards one request: read the body, key it, place it, connect, relay the answer."""
+
+    def __init__(
+        self, config: RouterConfig, pool: ReplicaPool, client: httpx.AsyncClient, metrics: RouterMetrics
+    ):
+        self.config = config
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+
+    async def forward(self, request: Request) -> Response:
+        body = await read_body(request, self.config.max_request_body_bytes)
+        if body is None:
+            self.metrics.observe_refused(413)
+            return error_response(
+                413, f"request body exceeds the router's limit of {self.config.max_request_body_bytes} bytes"
+            )
+        key = await request_key(request, body, self.config.prefix_chars)
+        placement = place(key, self.pool.healthy_loads(), self.config.load_bound)
+        for name in placement.order[: self.config.max_connect_attempts]:
+            replica = self.pool.get(name)
+            if replica is None or not replica.healthy:  # gone since placing (a health check ran)
+                continue
+            response = await self._try(replica, request, body)
+            if response is not None:
+                self.metrics.observe_request(
+                    name, key.kind, placement_label(key.routed, name, placement.home)
+                )
+                return response
+        self.metrics.observe_refused(503)
+        if key.kind == "replica":
+            return error_response(503, f"replica {key.value} (X-G4Serve-Replica) is not a healthy replica")
+        return error_response(
+            503, "no healthy replica to serve the request; retry later", {"Retry-After": "1"}
+        )
+
+    async def _try(self, replica: Replica, request: Request, body: bytes) -> Response | None:
+        """The relayed answer, or None when the replica refused the connection (marked unhealthy)."""
+        url = replica.url + request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+        if request.url.query:
+            url += "?" + request.url.query
+        upstream_request = self.client.build_request(
+            request.method, url, headers=forwardable(request.headers.items()), content=body
+        )
+        replica.in_flight += 1
+        try:
+            upstream = await unless_client_leaves(request, self.client.send(upstream_request, stream=True))
+        except ClientGone:
+            replica.in_flight -= 1
+            return Response(status_code=499)  # nobody reads it
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            replica.in_flight -= 1
+            self.pool.mark(replica.name, False, f"connect failed: {type(exc).__name__}")
+            self.metrics.observe_failure(replica.name, "connect")
+            log.warning("replica %s refused a connection (%s): trying the next", replica.name, exc)
+            return None
+        except httpx.HTTPError as exc:
+            replica.in_flight -= 1
+            self.metrics.observe_failure(replica.name, "response")
+            return error_response(
+                502,
+                f"replica {replica.name} failed before answering ({type(exc).__name__}); retry the request",
+            )
+
+        async def close() -> None:
+            replica.in_flight -= 1
+            await upstream.aclose()
+
+        def on_failure(exc: BaseException) -> None:
+            self.metrics.observe_failure(replica.name, "stream")
+            log.warning("replica %s failed mid-response: %r", replica.name, exc)
+
+        return await relay(
+            request,
+            upstream.status_code,
+            list(upstream.headers.multi_items()),
+            upstream.aiter_raw(),
+            replica.name,
+            on_failure,
+            close,
+        )
+
+    def health(self) -> JSONResponse:
+        members = self.pool.members()
+        healthy = sum(r.healthy for r in members)
+        body = {"status": "ok" if healthy else "unavailable", "replicas": len(members), "healthy": healthy}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The router's ASGI app; ``transport`` replaces the network (tests)."""
+    pool = ReplicaPool()
+    metrics = RouterMetrics(pool.members)
+    timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=60.0, pool=None)
+    # No connection limit: the replicas' own queues (429 past --max-waiting-requests) bound the load.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+    membership = Membership(
+        pool, client, config.replicas, config.dns, config.health_interval_s, config.health_timeout_s
+    )
+    proxy = RouterProxy(config, pool, client, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await membership.refresh()  # start with checked replicas, not a first second of 503s
+        refresher = asyncio.create_task(membership.run())
+        yield
+        refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
+        await client.aclose()
+
+    app = FastAPI(title="g4serve router", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.proxy, app.state.pool, app.state.membership = proxy, pool, membership
+
+    # /health and /metrics are the router's own, unless pinned to a replica (X-G4Serve-Replica): then that
+    # replica's, for an operator looking at one replica through the router.
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if REPLICA_HEADER in request.headers:
+            return await proxy.forward(request)
+        return proxy.health()
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        if REPLICA_HEADER in request.headers:
+            return await proxy.forward(request)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=_METHODS)
+    async def forward(request: Request) -> Response:
+        return await proxy.forward(request)
+
+    return app

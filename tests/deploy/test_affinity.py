@@ -1,0 +1,181 @@
+"""The affinity key of a request (``g4serve.deploy.affinity``): sessions stick, conversations keep their key
+as they grow, repeated images meet, different prefixes part, and no body makes the key function raise."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from g4serve.deploy.affinity import (
+    MAX_PREFIX_MESSAGES,
+    NO_KEY,
+    AffinityKey,
+    body_affinity,
+    request_affinity,
+)
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant for a bank."}
+IMAGE_A = {
+    "type": "image_url",
+    "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB"},
+}
+IMAGE_B = {
+    "type": "image_url",
+    "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAAC"},
+}
+
+
+def key_of(body, headers=None, prefix_chars: int = 512) -> AffinityKey:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return request_affinity(headers or {}, raw, prefix_chars)
+
+
+def chat(*messages, **fields) -> dict:
+    return {"model": "tiny", "messages": list(messages), **fields}
+
+
+def test_session_header_wins_over_body_and_user_field():
+    body = chat(SYSTEM, {"role": "user", "content": "hi"}, user="alice")
+    by_header = key_of(body, {"x-session-id": "s-1"})
+    assert by_header.kind == "session"
+    assert by_header == key_of(chat({"role": "user", "content": "something else"}), {"x-session-id": "s-1"})
+    assert by_header != key_of(body, {"x-session-id": "s-2"})
+    by_user = key_of(body)
+    assert by_user.kind == "session" and by_user != by_header
+    assert by_user == key_of(chat({"role": "user", "content": "other"}, user="alice"))
+    # a blank session id or user is no session
+    assert key_of(chat({"role": "user", "content": "hi"}, user="  "), {"x-session-id": " "}).kind == "prefix"
+
+
+def test_replica_pin_wins_over_everything():
+    key = key_of(
+        chat({"role": "user", "content": "hi"}), {"x-g4serve-replica": "10.0.0.5:8000", "x-session-id": "s"}
+    )
+    assert key == AffinityKey("replica", "10.0.0.5:8000")
+
+
+def test_a_conversation_keeps_its_key_as_it_grows():
+    turn1 = [SYSTEM, {"role": "user", "content": "What is my balance?"}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "100 EUR."},
+        {"role": "user", "content": "And savings?"},
+    ]
+    assert key_of(chat(*turn1)) == key_of(chat(*turn2))
+    assert key_of(chat(*turn1)).kind == "prefix"
+    # sampling fields are not the prefix
+    assert key_of(chat(*turn1, temperature=0.3, max_tokens=9, stream=True)) == key_of(chat(*turn1))
+
+
+def test_prefix_parts_that_change_the_cached_prompt_change_the_key():
+    base = key_of(chat(SYSTEM, {"role": "user", "content": "hello"}))
+    assert base != key_of(
+        chat({"role": "system", "content": "Other system"}, {"role": "user", "content": "hello"})
+    )
+    assert base != key_of(chat(SYSTEM, {"role": "user", "content": "goodbye"}))
+    assert base != key_of({**chat(SYSTEM, {"role": "user", "content": "hello"}), "model": "adapter-1"})
+    tools = [{"type": "function", "function": {"name": "get_balance", "parameters": {}}}]
+    assert base != key_of(chat(SYSTEM, {"role": "user", "content": "hello"}, tools=tools))
+
+
+def test_only_the_leading_prefix_chars_of_the_first_user_turn_count():
+    long_a = "Summarize the following document. " + "x" * 600 + " ending A"
+    long_b = "Summarize the following document. " + "x" * 600 + " ending B"
+    assert key_of(chat({"role": "user", "content": long_a})) == key_of(
+        chat({"role": "user", "content": long_b})
+    )
+    assert key_of(chat({"role": "user", "content": long_a}), prefix_chars=2000) != key_of(
+        chat({"role": "user", "content": long_b}), prefix_chars=2000
+    )
+
+
+def test_questions_about_one_image_share_a_key_and_other_images_do_not():
+    def ask(text, image):
+        return chat(SYSTEM, {"role": "user", "content": [{"type": "text", "text": text}, image]})
+
+    assert key_of(ask("Describe this.", IMAGE_A)) == key_of(ask("What colour is the car?", IMAGE_A))
+    assert key_of(ask("Describe this.", IMAGE_A)) != key_of(ask("Describe this.", IMAGE_B))
+    # a text-only turn keys on its text, not as an image turn would
+    assert key_of(chat(SYSTEM, {"role": "user", "content": "Describe this."})) != key_of(
+        ask("Describe this.", IMAGE_A)
+    )
+
+
+def test_completions_and_responses_bodies():
+    prompt = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5}
+    assert key_of(prompt) == key_of({**prompt, "max_tokens": 50})
+    assert key_of(prompt) != key_of({**prompt, "prompt": "Far away"})
+    assert key_of({"prompt": ["Once upon a time", "x"]}) == key_of({"prompt": "Once upon a time"})
+    assert key_of({"prompt": [1, 2, 3]}).kind == "prefix"
+    assert key_of({"prompt": [1, 2, 3]}) != key_of({"prompt": [1, 2, 4]})
+    assert key_of({"prompt": [[1, 2], [3]]}) == key_of({"prompt": [1, 2]})
+    responses = {"model": "tiny", "instructions": "Be brief.", "input": "Hello"}
+    assert key_of(responses).kind == "prefix"
+    assert key_of(responses) == key_of({**responses, "max_output_tokens": 3})
+    assert key_of(responses) != key_of({**responses, "instructions": "Be long."})
+    items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]}
+    assert key_of(items) == key_of({"input": "Hello"})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"not json",
+        b"[1, 2, 3]",
+        b'"a string"',
+        b"{" * 100_000,  # the parser's recursion limit, far past any real body
+        b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b'{"messages": "not a list"}',
+        b'{"messages": [1, null, "x", [], {"role": 5, "content": {"a": 1}}]}',
+        b'{"messages": [{"role": "user", "content": [1, null, {"type": 7}, {"type": "text", "text": 9}]}]}',
+        b'{"prompt": {"weird": true}}',
+        b'{"prompt": []}',
+        b'{"input": 12, "instructions": ["x"]}',
+        b'{"messages": [{"role": "user", "content": "\\ud800 lone surrogate"}]}',
+        b'{"messages": [], "tools": [{"x": NaN}]}',
+        b"\xff\xfe\x00garbage",
+        b'{"user": 12, "model": ["m"]}',
+        b'{"a": ' + b"9" * 5000 + b"}",  # past Python's int-conversion digit limit
+    ],
+)
+def test_hostile_bodies_get_a_key_or_none_and_never_raise(raw):
+    key = key_of(raw)
+    assert key.kind in ("prefix", "none")
+
+
+def test_non_chat_bodies_have_no_key():
+    assert key_of(b"") == NO_KEY
+    assert key_of({"file": "x"}) == NO_KEY  # not a generation request
+
+
+def test_a_huge_conversation_reads_only_its_first_messages():
+    filler = [{"role": "system", "content": f"rule {i}"} for i in range(MAX_PREFIX_MESSAGES)]
+    a = key_of(chat(*filler, {"role": "user", "content": "A"}))
+    b = key_of(chat(*filler, {"role": "user", "content": "B"}))
+    assert a == b  # the first user turn is past the searched messages: the system turns decide
+
+
+def test_random_json_never_raises():
+    rng = random.Random(0)
+
+    def junk(depth: int):
+        choice = rng.randrange(7 if depth < 6 else 4)
+        if choice == 0:
+            return rng.randrange(-5, 5)
+        if choice == 1:
+            return rng.choice(["", "user", "system", "text", "image_url", "\u00e9"])
+        if choice == 2:
+            return None
+        if choice == 3:
+            return rng.random() < 0.5
+        if choice == 4:
+            return [junk(depth + 1) for _ in range(rng.randrange(4))]
+        keys = ["role", "content", "type", "text", "messages", "prompt", "input", "user", "tools", "model"]
+        return {rng.choice(keys): junk(depth + 1) for _ in range(rng.randrange(5))}
+
+    for _ in range(2000):
+        body = {rng.choice(["messages", "prompt", "input", "user", "model"]): junk(0) for _ in range(3)}
+        assert body_affinity(body).kind in ("prefix", "session", "none")

@@ -1,0 +1,246 @@
+"""``g4serve serve --ray`` on a local Ray cluster: two replicas of the embedded tiny model on CPU behind the
+affinity router. Sessions and shared prefixes land on one replica and hit its prefix cache; killing a
+replica mid-stream fails only its own stream, with an error event; scaling down drains a replica's running
+stream before the replica goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.distributed
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from g4serve.cli import build_parser  # noqa: E402
+from g4serve.deploy.ray_app import APP_NAME, build_application  # noqa: E402
+
+SYSTEM = "You are the assistant of a bank. Answer briefly and never invent an account number. " * 4
+
+
+def serve_args(port: int, *flags: str):
+    return build_parser().parse_args(
+        [
+            "serve",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--kv-cache-bytes",
+            str(32 << 20),
+            "--port",
+            str(port),
+            "--ray",
+            "--drain-timeout",
+            "60",
+            *flags,
+        ]
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Ray with 4 CPUs here, Serve's proxy on a free port, two engine replicas."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replica processes: 2 cores, 3 processes
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(
+        build_application(serve_args(port, "--num-replicas", "2"), 0.0), name=APP_NAME, route_prefix="/"
+    )
+    yield f"http://127.0.0.1:{port}", port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def chat(session: str, text: str, **fields) -> tuple[dict, dict]:
+    body = {
+        "model": "g4serve-tiny",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+        "max_tokens": 2,
+        **fields,
+    }
+    return body, {"X-Session-Id": session}
+
+
+def replica_states() -> dict[str, int]:
+    status = serve.status().applications[APP_NAME].deployments["EngineReplica"]
+    return {str(state): n for state, n in status.replica_states.items()}
+
+
+def running_replicas() -> int:
+    return sum(n for state, n in replica_states().items() if state.endswith("RUNNING"))
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def homes(client: httpx.Client, sessions) -> dict[str, str]:
+    """session -> the replica that answers it (each asked once, two tokens)."""
+    out = {}
+    for session in sessions:
+        body, headers = chat(session, "hello")
+        response = client.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        out[session] = response.headers["x-g4serve-replica"]
+    return out
+
+
+def prefix_hit_tokens(client: httpx.Client, replica: str) -> float:
+    text = client.get("/metrics", headers={"X-G4Serve-Replica": replica}).text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("g4serve_prefix_cache_hit_tokens_total")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+class Stream(threading.Thread):
+    """One streamed chat completion read in a thread: its events, and when the first one arrived."""
+
+    def __init__(self, url: str, session: str, max_tokens: int, replica: str = ""):
+        super().__init__(daemon=True)
+        self.url, self.session, self.max_tokens, self.pin = url, session, max_tokens, replica
+        self.events: list = []
+        self.replica = ""
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body, headers = chat(self.session, "tell me a story", stream=True, max_tokens=self.max_tokens)
+        body["ignore_eos"] = True
+        if self.pin:
+            headers["X-G4Serve-Replica"] = self.pin
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+                self.replica = response.headers.get("x-g4serve-replica", "")
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[6:]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.started.set()
+        self.started.set()
+
+    @property
+    def error(self) -> dict | None:
+        return next((e["error"] for e in self.events if isinstance(e, dict) and "error" in e), None)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [
+            c.get("finish_reason") for e in self.events if isinstance(e, dict) for c in e.get("choices", [])
+        ]
+        return next((r for r in reversed(reasons) if r), None)
+
+
+def sessions_on_two_replicas(client: httpx.Client) -> dict[str, str]:
+    """One session per replica: replica -> session."""
+    by_replica: dict[str, str] = {}
+    for session, replica in homes(client, [f"pick-{i}" for i in range(16)]).items():
+        by_replica.setdefault(replica, session)
+    assert len(by_replica) == 2, f"16 sessions all on one replica: {by_replica}"
+    return by_replica
+
+
+def test_affinity_sends_sessions_and_prefixes_to_a_warm_replica(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        sessions = [f"s{i}" for i in range(12)]
+        first = homes(client, sessions)
+        assert homes(client, sessions) == first  # every session stays where it started
+        assert len(set(first.values())) == 2  # and the sessions spread over both replicas
+        # a second turn of one conversation (no session id: the prefix key) reuses its replica's KV blocks
+        body = {
+            "model": "g4serve-tiny",
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "What is my balance?"},
+            ],
+            "max_tokens": 2,
+        }
+        one = client.post("/v1/chat/completions", json=body)
+        replica = one.headers["x-g4serve-replica"]
+        hits_before = prefix_hit_tokens(client, replica)
+        body["messages"] += [
+            {"role": "assistant", "content": "100 EUR."},
+            {"role": "user", "content": "Savings?"},
+        ]
+        two = client.post("/v1/chat/completions", json=body)
+        assert two.headers["x-g4serve-replica"] == replica
+        cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= one.json()["usage"]["prompt_tokens"] // 2
+        assert prefix_hit_tokens(client, replica) - hits_before >= cached
+
+
+def test_killing_a_replica_mid_stream_fails_only_its_streams(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        by_replica = sessions_on_two_replicas(client)
+    doomed_replica, survivor_replica = sorted(by_replica)
+    doomed = Stream(url, by_replica[doomed_replica], max_tokens=600)
+    survivor = Stream(url, by_replica[survivor_replica], max_tokens=200)
+    doomed.start()
+    survivor.start()
+    assert doomed.started.wait(60) and survivor.started.wait(60)
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#EngineReplica#{doomed_replica}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    doomed.join(60)
+    survivor.join(120)
+    assert doomed.replica == doomed_replica and survivor.replica == survivor_replica
+    assert doomed.error is not None and doomed.error["code"] == 502, doomed.events[-3:]
+    assert "failed while streaming" in doomed.error["message"] and doomed.events[-1] == "[DONE]"
+    assert survivor.error is None and survivor.finish_reason == "length" and survivor.events[-1] == "[DONE]"
+    # the dead replica's session is served again (by the survivor or the replacement Ray starts)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        body, headers = chat(by_replica[doomed_replica], "are you there?")
+        deadline = time.monotonic() + 30
+        while (
+            response := client.post("/v1/chat/completions", json=body, headers=headers)
+        ).status_code != 200:
+            assert time.monotonic() < deadline, response.text
+            time.sleep(0.5)
+
+
+def replica_names() -> list[str]:
+    prefix = f"SERVE_REPLICA::{APP_NAME}#EngineReplica#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"][len(prefix) :] for a in actors if a["name"].startswith(prefix)]
+
+
+def test_scaling_down_drains_running_streams(cluster):
+    """Redeployed to autoscale between 1 and 2 replicas on ongoing requests (4 per replica): two streams
+    make one replica too many, so the autoscaler drains one while both stream; neither loses a token."""
+    url, port = cluster
+    serve.delete(APP_NAME)
+    args = serve_args(port, "--num-replicas", "2", "--min-replicas", "1", "--max-replicas", "2")
+    args.target_ongoing_requests, args.downscale_delay = 4.0, 3.0
+    serve.run(build_application(args, 0.0), name=APP_NAME, route_prefix="/")
+    names = replica_names()
+    assert len(names) == 2, names
+    streams = [Stream(url, f"drain-{i}", max_tokens=400, replica=name) for i, name in enumerate(names)]
+    for stream in streams:
+        stream.start()
+    assert all(stream.started.wait(60) for stream in streams)
+    wait_until(
+        lambda: any("STOPPING" in state for state in replica_states()), 60, "a replica to start draining"
+    )
+    assert any(stream.is_alive() for stream in streams), (
+        "the streams ended before the scale-down: nothing drained"
+    )
+    for stream in streams:
+        stream.join(120)
+        assert stream.error is None and stream.finish_reason == "length", stream.events[-3:]
+        assert stream.events[-1] == "[DONE]"
+    wait_until(lambda: len(replica_names()) == 1, 60, "one replica left")

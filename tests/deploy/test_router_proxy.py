@@ -1,0 +1,241 @@
+"""The standalone router (``g4serve router``, ``g4serve.deploy.proxy``) in front of two fake replicas on
+real sockets: affinity, streaming passthrough, a replica dying mid-stream or before answering, health,
+retries after refused connections, hostile bodies, pins and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from fake_replicas import Served
+
+from g4serve.cli import build_parser
+from g4serve.deploy.membership import DnsTarget, dns_target, resolve
+from g4serve.deploy.proxy import RouterConfig, build_router_app
+from g4serve.deploy.replica_pool import replica_url
+from g4serve.deploy.router_cli import router_config_from_args
+
+CHAT = "/v1/chat/completions"
+
+
+def router_for(*urls: str, **config) -> Served:
+    settings = {"health_interval_s": 0.1, "health_timeout_s": 1.0, **config}
+    return Served(build_router_app(RouterConfig(replicas=list(urls), **settings)))
+
+
+def chat(text: str, **fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": text}], **fields}
+
+
+def sse_data(lines) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_sessions_stick_to_one_replica_and_spread_over_both(fake_replicas):
+    (app_a, a), (app_b, b) = fake_replicas
+    with router_for(a.url, b.url) as router, httpx.Client(base_url=router.url, timeout=10) as client:
+        served_by = {}
+        for session in range(12):
+            names = {
+                client.post(CHAT, json=chat(f"turn {turn}"), headers={"X-Session-Id": f"s{session}"}).headers[
+                    "x-g4serve-replica"
+                ]
+                for turn in range(3)
+            }
+            assert len(names) == 1, f"session {session} moved: {names}"
+            served_by[session] = names.pop()
+        assert set(served_by.values()) == {f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"}
+        # the same system prompt and first turn: the same replica, without a session id
+        first = client.post(CHAT, json=chat("shared prefix")).headers["x-g4serve-replica"]
+        assert all(
+            client.post(CHAT, json=chat("shared prefix")).headers["x-g4serve-replica"] == first
+            for _ in range(5)
+        )
+        metrics = client.get("/metrics").text
+        assert 'g4serve_router_requests_total{key="session",placement="home"' in metrics
+        assert 'g4serve_router_replica_healthy{replica="127.0.0.1:' in metrics
+    assert len(app_a.state.seen) + len(app_b.state.seen) == 12 * 3 + 6
+
+
+def test_events_pass_through_unbuffered(fake_replicas):
+    (app_a, a), _ = fake_replicas
+    with router_for(a.url) as router, httpx.Client(base_url=router.url, timeout=10) as client:
+        with client.stream("POST", CHAT, json=chat("hi", stream=True, wait=True)) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = response.iter_lines()
+            first = next(line for line in lines if line)
+            # the replica holds its second event until the gate opens: the first one arrived on its own
+            assert json.loads(first[len("data: ") :])["i"] == 0
+            app_a.state.gate.set()
+            rest = sse_data(lines)
+        assert [e["i"] for e in rest[:-1]] == [1, 2] and rest[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_replica_dying_mid_stream_fails_only_its_own_stream(fake_replicas, split):
+    (app_a, a), (app_b, b) = fake_replicas
+    with router_for(a.url, b.url) as router, httpx.Client(base_url=router.url, timeout=10) as client:
+        pin_a = {"X-G4Serve-Replica": f"127.0.0.1:{a.port}"}
+        pin_b = {"X-G4Serve-Replica": f"127.0.0.1:{b.port}"}
+        with (
+            client.stream(
+                "POST", CHAT, json=chat("x", stream=True, wait=True, events=4), headers=pin_b
+            ) as other,
+            client.stream(
+                "POST", CHAT, json=chat("y", stream=True, die_after=1, split=split), headers=pin_a
+            ) as dying,
+        ):
+            other_lines = other.iter_lines()
+            assert json.loads(next(line for line in other_lines if line)[6:])["i"] == 0
+            events = sse_data(dying.iter_lines())
+            app_b.state.gate.set()  # the healthy replica's stream goes on after the other one died
+            survived = sse_data(other_lines)
+        assert [e["i"] for e in events[:-2]] == [0] if split else [0, 1]
+        error = events[-2]["error"]
+        assert (
+            error["code"] == 502 and "failed while streaming" in error["message"] and events[-1] == "[DONE]"
+        )
+        assert [e["i"] for e in survived[:-1]] == [1, 2, 3] and survived[-1] == "[DONE]"
+        metrics = client.get("/metrics").text
+        assert (
+            f'g4serve_router_replica_failures_total{{replica="127.0.0.1:{a.port}",stage="stream"}} 1.0'
+            in metrics
+        )
+
+
+def test_a_replica_dying_before_its_answer_is_whole_is_a_502(fake_replicas):
+    (_, a), _ = fake_replicas
+    with router_for(a.url) as router, httpx.Client(base_url=router.url, timeout=10) as client:
+        response = client.post(CHAT, json=chat("x", die_after=0))
+        assert response.status_code == 502
+        assert "failed before finishing" in response.json()["error"]["message"]
+        assert client.post(CHAT, json=chat("y")).status_code == 200  # and the router serves on
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it_on_the_replica(fake_replicas):
+    (app_a, a), _ = fake_replicas
+    with router_for(a.url) as router:
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=router.url, timeout=0.3) as client:
+            client.post(CHAT, json=chat("x", slow=True))
+        wait_until(lambda: app_a.state.abandoned == 1, timeout_s=5)
+        pool = router.server.config.app.state.pool
+        wait_until(lambda: pool.get(f"127.0.0.1:{a.port}").in_flight == 0)
+
+
+def test_unhealthy_replicas_leave_and_come_back(fake_replicas):
+    (app_a, a), (app_b, b) = fake_replicas
+    with router_for(a.url, b.url) as router, httpx.Client(base_url=router.url, timeout=10) as client:
+        assert client.get("/health").json() == {"status": "ok", "replicas": 2, "healthy": 2}
+        app_a.state.healthy = False
+        wait_until(lambda: client.get("/health").json()["healthy"] == 1)
+        names = {client.post(CHAT, json=chat(f"q{i}")).headers["x-g4serve-replica"] for i in range(10)}
+        assert names == {f"127.0.0.1:{b.port}"}
+        app_b.state.healthy = False
+        wait_until(lambda: client.get("/health").status_code == 503)
+        refused = client.post(CHAT, json=chat("q"))
+        assert refused.status_code == 503 and "no healthy replica" in refused.json()["error"]["message"]
+        assert refused.headers["retry-after"] == "1"
+        app_a.state.healthy = app_b.state.healthy = True
+        wait_until(lambda: client.get("/health").json()["healthy"] == 2)
+
+
+def test_a_refused_connection_is_retried_on_the_next_replica(fake_replicas):
+    (_, a), _ = fake_replicas
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    dead = f"http://127.0.0.1:{dead_port}"
+    with router_for(dead, a.url, health_interval_s=3600) as router:
+        pool = router.server.config.app.state.pool
+        pool.mark(f"127.0.0.1:{dead_port}", True)  # as if it had passed its last check, then died
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            for i in range(6):  # some keys have the dead replica as their home
+                response = client.post(CHAT, json=chat(f"q{i}"))
+                assert (
+                    response.status_code == 200
+                    and response.headers["x-g4serve-replica"] == f"127.0.0.1:{a.port}"
+                )
+        assert not pool.get(f"127.0.0.1:{dead_port}").healthy
+
+
+def test_hostile_bodies_are_forwarded_or_refused_never_crash(fake_replicas):
+    (_, a), _ = fake_replicas
+    with (
+        router_for(a.url, max_request_body_bytes=1 << 20) as router,
+        httpx.Client(base_url=router.url) as client,
+    ):
+        for raw in (b"not json", b"{" * 200_000, b"[" * 100_000, b"\xff\xfe"):
+            response = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+            assert response.status_code == 400, raw[:20]  # the replica's answer
+        odd = client.post(CHAT, json={"messages": "x", "tools": {"a": [None]}, "user": 5})
+        assert odd.status_code == 200  # the fake replica takes any object; the router keyed it without fuss
+        too_big = client.post(CHAT, content=b"x" * ((1 << 20) + 1))
+        assert too_big.status_code == 413 and "router's limit" in too_big.json()["error"]["message"]
+        big_but_fine = chat("y" * 400_000)  # parsed off the event loop
+        assert client.post(CHAT, json=big_but_fine).status_code == 200
+        assert client.get("/health").status_code == 200
+
+
+def test_pins_reach_their_replica_or_get_a_503(fake_replicas):
+    (_, a), (_, b) = fake_replicas
+    with router_for(a.url, b.url) as router, httpx.Client(base_url=router.url) as client:
+        for replica in (a, b):
+            pin = {"X-G4Serve-Replica": f"127.0.0.1:{replica.port}"}
+            assert client.get("/metrics", headers=pin).json()["replica"] in ("a", "b")
+            assert (
+                client.post(CHAT, json=chat("x"), headers=pin).headers["x-g4serve-replica"]
+                == pin["X-G4Serve-Replica"]
+            )
+        missing = client.post(CHAT, json=chat("x"), headers={"X-G4Serve-Replica": "10.9.9.9:1"})
+        assert missing.status_code == 503 and "10.9.9.9:1" in missing.json()["error"]["message"]
+
+
+def test_dns_discovery_finds_replicas(fake_replicas):
+    (_, a), _ = fake_replicas
+    config = RouterConfig(dns=[DnsTarget("localhost", a.port)], health_interval_s=0.1)
+    with Served(build_router_app(config)) as router, httpx.Client(base_url=router.url) as client:
+        assert client.get("/health").json()["healthy"] >= 1
+        assert client.post(CHAT, json=chat("x")).status_code == 200
+
+
+def test_resolve_and_flag_parsing():
+    assert "http://127.0.0.1:8000" in asyncio.run(resolve(DnsTarget("localhost", 8000)))
+    assert dns_target("svc.ns.svc.cluster.local:8000") == DnsTarget("svc.ns.svc.cluster.local", 8000)
+    for bad in ("svc", "svc:", ":80", "svc:99999", "svc:http"):
+        with pytest.raises(ValueError, match="--discover-dns"):
+            dns_target(bad)
+    assert replica_url("h1:8000") == "http://h1:8000"
+    assert replica_url("http://h1:8000/") == "http://h1:8000"
+    for bad in ("ftp://h1:8000", "http://h1:8000/v1", "http://h1:port", "http://"):
+        with pytest.raises(ValueError, match="--replica"):
+            replica_url(bad)
+
+
+def test_router_flags():
+    args = build_parser().parse_args(
+        ["router", "--replica", "h1:8000", "--replica", "http://h2:8000", "--load-factor", "2", "--port", "9"]
+    )
+    config = router_config_from_args(args)
+    assert config.replicas == ["http://h1:8000", "http://h2:8000"] and config.load_bound.factor == 2.0
+    with pytest.raises(ValueError, match="--replica URL or --discover-dns"):
+        router_config_from_args(build_parser().parse_args(["router"]))
+    with pytest.raises(ValueError, match="load factor"):
+        router_config_from_args(
+            build_parser().parse_args(["router", "--replica", "h:1", "--load-factor", "0.5"])
+        )
