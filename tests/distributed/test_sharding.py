@@ -65,8 +65,18 @@ def test_experts_width_must_split():
         check_tensor_parallel(text, 4)
 
 
-@pytest.mark.parametrize("variant, size", [("e", 2), ("e", 4), ("moe", 2), ("moe", 4), ("31b", 4)])
-def test_rank_slices_put_back_together_are_the_checkpoint(variant, size):
+@pytest.mark.parametrize(
+    "variant, size, ep",
+    [
+        ("e", 2, False),
+        ("e", 4, False),
+        ("moe", 2, False),
+        ("moe", 4, False),
+        ("moe", 4, True),
+        ("31b", 4, False),
+    ],
+)
+def test_rank_slices_put_back_together_are_the_checkpoint(variant, size, ep):
     """Every rank's model takes its slice of the same random draw: split tensors (heads, units, vocabulary)
     concatenate to the single-rank tensor, replicated ones are equal, row-parallel biases appear once."""
     from g4serve.config import Gemma4Config
@@ -78,7 +88,12 @@ def test_rank_slices_put_back_together_are_the_checkpoint(variant, size):
     ranks = []
     for rank in range(size):
         model = build_model(
-            cfg, torch.float32, "cpu", with_vision=False, with_audio=False, tp=TensorParallel(rank, size)
+            cfg,
+            torch.float32,
+            "cpu",
+            with_vision=False,
+            with_audio=False,
+            tp=TensorParallel(rank, size, expert_parallel=ep),
         )
         init_random_weights(model, seed=3)
         ranks.append(model)
@@ -91,12 +106,27 @@ def test_rank_slices_put_back_together_are_the_checkpoint(variant, size):
                 torch.testing.assert_close(part, full, rtol=0, atol=0)
             continue
         for rank, part in enumerate(parts):
-            expected = ShardPlan(cfg.text, rank, size).take(name, full)
+            expected = ShardPlan(cfg.text, rank, size, ep).take(name, full)
             torch.testing.assert_close(part, expected, rtol=0, atol=0, msg=name)
         if name.endswith(("q_proj.weight", "embed_tokens.weight", "gate_proj.weight", "down_proj.weight")):
             dim = shard.dim
             joined = torch.cat(parts, dim=dim).narrow(dim, 0, full.shape[dim])
             torch.testing.assert_close(joined, full, rtol=0, atol=0, msg=name)
+
+
+def test_expert_parallel_holds_whole_experts():
+    text = _text("moe")  # 4 experts of width 32
+    local = shard_text_config(text, 2, expert_parallel=True)
+    assert (local.num_experts, local.moe_intermediate_size) == (4, 32)  # the router's count, full width
+    full = torch.randn(4, 64, 16)
+    part = ShardPlan(text, 1, 2, expert_parallel=True).take(
+        "language_model.layers.0.experts.gate_up_proj", full
+    )
+    torch.testing.assert_close(part, full[2:], rtol=0, atol=0)
+    text.num_experts = 6
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks cannot split 6 experts"):
+        check_tensor_parallel(text, 4, expert_parallel=True)
+    check_tensor_parallel(text, 2, expert_parallel=True)
 
 
 def test_vocab_padding_rows_are_zero():

@@ -38,19 +38,21 @@ def _assert_same(got, want) -> None:
 
 
 @pytest.mark.parametrize(
-    "variant, size",
+    "variant, size, ep",
     [
-        ("e", 2),  # per-layer embeddings (vocab-split), KV-shared layers, fast prefill
-        ("e", 4),  # 2 KV heads over 4 ranks: each KV head held by two ranks
-        ("moe", 2),  # routed experts split by their units; one global KV head on both ranks
-        ("31b", 4),  # K=V global layers with 1 KV head over 4 ranks
+        ("e", 2, False),  # per-layer embeddings (vocab-split), KV-shared layers, fast prefill
+        ("e", 4, False),  # 2 KV heads over 4 ranks: each KV head held by two ranks
+        ("moe", 2, False),  # routed experts split by their units; one global KV head on both ranks
+        ("moe", 2, True),  # expert parallel: two whole experts per rank
+        ("31b", 4, False),  # K=V global layers with 1 KV head over 4 ranks
     ],
 )
-def test_greedy_tokens_and_logprobs_equal_one_rank(hf_checkpoint, variant, size):
+def test_greedy_tokens_and_logprobs_equal_one_rank(hf_checkpoint, variant, size, ep):
     path = hf_checkpoint(variant)
     with LLM(path, text_only=True, **ENGINE) as one:
         want = _run(one, PROMPTS)
-    with LLM(path, text_only=True, tensor_parallel_size=size, **ENGINE) as split:
+    tp = dict(tensor_parallel_size=size, enable_expert_parallel=ep)
+    with LLM(path, text_only=True, **tp, **ENGINE) as split:
         assert split.engine.model.cfg.text.num_attention_heads == 4 // size  # rank 0 holds its share
         _assert_same(_run(split, PROMPTS), want)
         processes = split.engine.tp_workers.processes

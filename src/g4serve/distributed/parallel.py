@@ -22,6 +22,8 @@ class TensorParallel:
     size: int = 1
     device_group: Any = None  # a torch.distributed ProcessGroup (None: a group of one)
     cpu_group: Any = None
+    # Routed experts split by expert (each rank holds size-th of them whole) instead of by their units.
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place."""

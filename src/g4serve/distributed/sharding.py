@@ -2,9 +2,10 @@
 
 Per rank: a contiguous block of query heads (q_proj's rows, o_proj's columns) and the KV heads those queries
 read; a contiguous block of each MLP's and each routed expert's intermediate units (gate/up rows, down
-columns); a contiguous block of the vocabulary in both embedding tables (the token embedding, which is also
-the tied LM head, and the per-layer embeddings, by far the largest tensor of E2B/E4B). Everything else (norms,
-the router, the per-layer-input gates and projections, the towers) is replicated.
+columns), or with expert parallelism a contiguous block of whole experts; a contiguous block of the
+vocabulary in both embedding tables (the token embedding, which is also the tied LM head, and the per-layer
+embeddings, by far the largest tensor of E2B/E4B). Everything else (norms, the router, the per-layer-input
+gates and projections, the towers) is replicated.
 
 Gemma 4 has few KV heads (31B's full layers: 4; the tiny test models: 1), so a group larger than a layer's KV
 head count gives each rank one KV head, shared with the ranks beside it: rank r reads KV head
@@ -44,7 +45,7 @@ def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
-def check_tensor_parallel(text: TextConfig, size: int) -> None:
+def check_tensor_parallel(text: TextConfig, size: int, expert_parallel: bool = False) -> None:
     """A ValueError naming ``tensor_parallel_size`` when the model cannot split evenly over ``size`` ranks."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size: must be at least 1, got {size}")
@@ -59,17 +60,20 @@ def check_tensor_parallel(text: TextConfig, size: int) -> None:
         if text.layer_intermediate_size(layer) % size:
             problems.append(f"layer {layer}'s MLP width {text.layer_intermediate_size(layer)}")
             break
-    if text.enable_moe_block and (text.moe_intermediate_size or 0) % size:
+    if text.enable_moe_block and expert_parallel and (text.num_experts or 0) % size:
+        problems.append(f"{text.num_experts} experts")
+    elif text.enable_moe_block and not expert_parallel and (text.moe_intermediate_size or 0) % size:
         problems.append(f"the experts' width {text.moe_intermediate_size}")
     if problems:
         raise ValueError(f"tensor_parallel_size: {size} ranks cannot split " + ", ".join(problems))
 
 
-def shard_text_config(text: TextConfig, size: int) -> TextConfig:
-    """The config of one rank's shard (the same on every rank)."""
+def shard_text_config(text: TextConfig, size: int, expert_parallel: bool = False) -> TextConfig:
+    """The config of one rank's shard (the same on every rank). With ``expert_parallel`` the experts keep
+    their width and ``num_experts`` stays the router's count (a rank holds ``num_experts / size``)."""
     if size == 1:
         return text
-    check_tensor_parallel(text, size)
+    check_tensor_parallel(text, size, expert_parallel)
     overrides = None
     if text.per_layer_config:
         overrides = {
@@ -84,7 +88,9 @@ def shard_text_config(text: TextConfig, size: int) -> TextConfig:
         num_global_key_value_heads=None if global_kv is None else kv_heads_per_rank(global_kv, size),
         intermediate_size=text.intermediate_size // size,
         moe_intermediate_size=(
-            None if text.moe_intermediate_size is None else text.moe_intermediate_size // size
+            text.moe_intermediate_size
+            if text.moe_intermediate_size is None or expert_parallel
+            else text.moe_intermediate_size // size
         ),
         per_layer_config=overrides,
     )
@@ -121,9 +127,9 @@ class ShardPlan:
     """Which slice of each checkpoint tensor rank ``rank`` of ``size`` holds, by parameter name (the names of
     ``Gemma4Model.state_dict``). ``text``: the checkpoint's (full) text config."""
 
-    def __init__(self, text: TextConfig, rank: int, size: int):
-        check_tensor_parallel(text, size)
-        self.text, self.rank, self.size = text, rank, size
+    def __init__(self, text: TextConfig, rank: int, size: int, expert_parallel: bool = False):
+        check_tensor_parallel(text, size, expert_parallel)
+        self.text, self.rank, self.size, self.expert_parallel = text, rank, size, expert_parallel
 
     def shard(self, name: str) -> Shard | None:
         """``name``'s slice on this rank; None: replicated, every rank holds all of it."""
@@ -163,7 +169,8 @@ class ShardPlan:
             return self.text.vocab_size
         if name.endswith("embed_tokens_per_layer.weight"):
             return self.text.vocab_size_per_layer_input
-        # heads and units split evenly: every rank's slice has the same length (replicated KV heads aside)
+        # heads, units and experts split evenly: every rank's slice has the same length (replicated KV heads
+        # aside)
         match = _LAYER_PARAM.match(name)
         layer, proj = int(match.group(1)), match.group(3)
         if proj in ("k_proj", "v_proj"):
@@ -205,6 +212,9 @@ class ShardPlan:
         raise ValueError(f"tensor parallel: no rule for MLP projection {proj}")
 
     def _experts(self, proj: str) -> Shard:
+        if self.expert_parallel:  # [E, ...]: whole experts
+            per = self.text.num_experts // self.size
+            return Shard(0, torch.arange(self.rank * per, (self.rank + 1) * per))
         width = self.text.moe_intermediate_size
         per = width // self.size
         rows = torch.arange(self.rank * per, (self.rank + 1) * per)

@@ -128,6 +128,9 @@ class EngineConfig:
         "split the decoder over N GPUs (one process each): heads, MLP units, experts' units and the "
         "vocabulary; the KV cache by KV head",
     )
+    enable_expert_parallel: bool = _opt(
+        False, "with --tensor-parallel-size: split the routed experts by expert (whole experts per GPU)"
+    )
 
     # LoRA adapters (PEFT format) on the text decoder's projections; the request's ``model`` names one.
     enable_lora: bool = _opt(False, "serve LoRA adapters (implied by --lora-modules)")

@@ -141,7 +141,11 @@ class LLMEngine:
         tp = SINGLE
         if config.tensor_parallel_size > 1:
             # checked before any process starts; the workers load their shards while rank 0 loads its own
-            check_tensor_parallel(model_config(model_dir or config.model).text, config.tensor_parallel_size)
+            check_tensor_parallel(
+                model_config(model_dir or config.model).text,
+                config.tensor_parallel_size,
+                config.enable_expert_parallel,
+            )
             self.tp_workers = TensorParallelWorkers(config, self.device, str(model_dir or config.model))
             tp = self.tp_workers.tp
         self.model: Gemma4Model = load_model(

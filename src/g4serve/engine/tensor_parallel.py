@@ -70,14 +70,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + (0 if _one_device() else rank))
 
 
-def _init_group(store: dist.Store, rank: int, size: int, device: torch.device) -> TensorParallel:
+def _init_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, expert_parallel: bool
+) -> TensorParallel:
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     backend = "nccl" if device.type == "cuda" and not _one_device() else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    return TensorParallel(rank, size, dist.group.WORLD, cpu_group)
+    return TensorParallel(rank, size, dist.group.WORLD, cpu_group, expert_parallel)
 
 
 class StepChannel:
@@ -129,7 +131,7 @@ class TensorParallelWorkers:
         self.tp: TensorParallel | None = None
         try:
             self._wait_for("joined")
-            self.tp = _init_group(self.store, 0, size, rank_device(device, 0))
+            self.tp = _init_group(self.store, 0, size, rank_device(device, 0), config.enable_expert_parallel)
         except BaseException:
             self.shutdown()
             raise
@@ -198,7 +200,7 @@ def _worker_main(
     )
     try:
         store.set(f"joined/{rank}", "1")
-        tp = _init_group(store, rank, size, device)
+        tp = _init_group(store, rank, size, device, config.enable_expert_parallel)
         _serve_steps(config, model, tp, device, store)
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc(limit=8))

@@ -37,9 +37,10 @@ class Gemma4Model(nn.Module):
     ):
         super().__init__()
         self.tp = tp
-        self.shard_plan = ShardPlan(cfg.text, tp.rank, tp.size) if tp.size > 1 else None
+        ep = tp.expert_parallel
+        self.shard_plan = ShardPlan(cfg.text, tp.rank, tp.size, ep) if tp.size > 1 else None
         if tp.size > 1:
-            cfg = replace(cfg, text=shard_text_config(cfg.text, tp.size))
+            cfg = replace(cfg, text=shard_text_config(cfg.text, tp.size, ep))
         self.cfg = cfg
         text_hidden = cfg.text.hidden_size
         self.language_model = Gemma4TextModel(cfg.text, tp)

@@ -243,12 +243,23 @@ class DecoderLayer(nn.Module):
         self.enable_moe = cfg.enable_moe_block
         if self.enable_moe:
             self.router = MoERouter(hidden, cfg.num_experts, cfg.top_k_experts, eps)
+            # expert parallel: this rank's experts, whole; else every expert, this rank's units of each
+            self.num_local_experts = cfg.num_experts // tp.size if tp.expert_parallel else cfg.num_experts
             self.experts = MoEExperts(
-                cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.hidden_activation
+                self.num_local_experts, hidden, cfg.moe_intermediate_size, cfg.hidden_activation
             )
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+
+    def _local_experts(
+        self, experts: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: the routed ids in this rank's numbering; a token's experts held elsewhere keep a
+        valid id here and weigh 0, so the rank's sum is its experts' share alone."""
+        local = experts - self.tp.rank * self.num_local_experts
+        held = (local >= 0) & (local < self.num_local_experts)
+        return torch.where(held, local, 0), torch.where(held, weights, 0)
 
     def forward(
         self,
@@ -279,8 +290,10 @@ class DecoderLayer(nn.Module):
         if self.enable_moe:
             # The routed experts run beside the dense MLP, both fed from the residual stream.
             weights, experts = self.router(residual)
+            if self.num_local_experts < self.router.per_expert_scale.shape[0]:
+                experts, weights = self._local_experts(experts, weights)
             moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
-            moe = self.tp.all_reduce(moe)  # each rank's share of every expert's units
+            moe = self.tp.all_reduce(moe)  # each rank's share: its units of every expert, or its experts
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
         if not self.ple_dim:
             # (residual + post_feedforward_layernorm(out)) * layer_scalar
