@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run cProfile over decode steps at the largest batch: host-side hot spots next to the JSON",
     )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks the decoder splits over (one GPU each)"
+    )
+    p.add_argument("--enable-expert-parallel", action="store_true", help="with it: whole experts per rank")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
@@ -317,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -385,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_capacity_tokens": engine.kv.capacity_tokens(),
         "cuda_graphs": graphed,
         "async_scheduling": engine.config.async_scheduling,
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "expert_parallel": engine.config.enable_expert_parallel,
         "decode_sampling": sampling,
         "load_s": load_s,
         "copy_bandwidth_gb_per_s": bandwidth,
@@ -405,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         path.with_suffix(".profile.txt" if b == 1 else f".profile-b{b}.txt").write_text(prof["table"])
     if host_profile is not None:
         path.with_suffix(".cprofile.txt").write_text(host_profile)
+    engine.shutdown()
     return 0
 
 
