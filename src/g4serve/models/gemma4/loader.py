@@ -263,7 +263,7 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
         for n, m in model.named_modules()
         if isinstance(m, QuantLinear) or (isinstance(m, MoEExperts) and m.quantized)
     }
-    plan = model.shard_plan
+    plan = getattr(model, "shard_plan", None)  # an MTP drafter (models/gemma4/assistant.py) has none
     for name, tensor in model.state_dict(keep_vars=True).items():
         module, _, leaf = name.rpartition(".")
         if module in quantized and _init_quantized(quantized[module], leaf, gen, std):
