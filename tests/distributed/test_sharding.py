@@ -153,7 +153,6 @@ def test_row_parallel_bias_only_on_rank_zero():
     "option, value",
     [
         ("quantization", "fp8"),
-        ("kv_cache_dtype", "fp8"),
         ("enable_lora", True),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
     ],

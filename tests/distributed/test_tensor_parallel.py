@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from g4serve import LLM, SamplingParams
 
@@ -82,6 +83,36 @@ def test_prefix_hits_chunked_prefill_and_preemption(hf_checkpoint):
         assert again.num_cached_tokens >= 32
         assert list(again.outputs[0].token_ids) == want[2][0][12:16]
         assert all(p.num_free == p.num_blocks for p in split.engine.kv.pools.values())
+
+
+def test_fp8_kv_cache_with_per_head_scales(hf_checkpoint, tmp_path):
+    """An FP8 cache at 2 ranks: each rank stores its KV heads with those heads' checkpoint scales. Layer 0's
+    head 1 (rank 1's) gets a K scale that saturates it at +-448 * 0.002; read with head 0's scale instead,
+    every prompt's first token changes. Compared on the first token, its log-probability to 0.1: the ranks'
+    K/V differ from one rank's by fp32 rounding, which now and then moves a value to the next e4m3 step (1/8
+    of its octave; measured: up to 0.03 in a log-probability), and over several decode steps of a
+    random-weight model (near-flat distributions) such steps can flip a token."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(hf_checkpoint("e"), scaled)
+    (weights,) = scaled.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.language_model.layers.0.self_attn.k_scale"] = torch.tensor([0.5, 0.002])
+    tensors["model.language_model.layers.0.self_attn.v_scale"] = torch.tensor([0.25, 1.5])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    engine = dict(ENGINE, text_only=True, kv_cache_dtype="fp8")
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    with LLM(scaled, **engine) as one:
+        want = _run(one, PROMPTS, first)
+    with LLM(scaled, tensor_parallel_size=2, **engine) as split:
+        torch.testing.assert_close(split.engine.kv_cache.scales[0], torch.tensor([[0.5], [0.25]]))
+        got = _run(split, PROMPTS, first)
+    for ((token,), (position,)), ((want_token,), (expected,)) in zip(got, want, strict=True):
+        assert token == want_token
+        assert position[token].logprob == pytest.approx(expected[token].logprob, abs=0.1)
 
 
 def test_image_prompt(hf_checkpoint):

@@ -181,7 +181,6 @@ class EngineConfig:
             return
         unsupported = {
             "quantization": self.quantization,
-            "kv_cache_dtype": self.kv_cache_dtype != "auto",
             "enable_lora": self.enable_lora,
             "speculative_config": self.speculative_config,
         }

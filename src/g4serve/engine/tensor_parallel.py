@@ -234,7 +234,13 @@ def _serve_steps(
         setattr(model.cfg, name, value)
     model.init_nonpersistent_buffers()
     text = model.cfg.text
-    cache = PagedKVCache(text, plan.num_blocks, config.block_size, plan.kv_dtype, device)
+    scales = None
+    if plan.kv_dtype != model.language_model.embed_tokens.weight.dtype:  # FP8: this rank's heads' scales
+        from g4serve.models.gemma4.kv_scales import fp8_kv_scales
+        from g4serve.models.gemma4.loader import checkpoint_dir
+
+        scales = fp8_kv_scales(model, checkpoint_dir(model_source))
+    cache = PagedKVCache(text, plan.num_blocks, config.block_size, plan.kv_dtype, device, scales)
     runner = ModelRunner(
         model,
         BACKENDS[plan.backend_name](text, cache),

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from g4serve.config import TextConfig
+from g4serve.distributed.sharding import rank_kv_heads
 from g4serve.kernels.kv_cache_write import FP8_MAX
 from g4serve.models.gemma4.model import Gemma4Model
 
@@ -91,7 +92,16 @@ def fp8_kv_scales(model: Gemma4Model, model_dir: str | Path | None) -> dict[int,
     scaled K and V stay inside e4m3's range (the bound in the module docstring); a warning names the layers
     where they could saturate."""
     text = model.cfg.text
-    scales = read_kv_scales(model_dir, text) if model_dir is not None else {}
+    plan = model.shard_plan
+    if model_dir is None:
+        scales = {}
+    elif plan is None:
+        scales = read_kv_scales(model_dir, text)
+    else:  # tensor parallel: the checkpoint's scales (all its KV heads), then the heads this rank holds
+        scales = {
+            layer: scale[:, rank_kv_heads(plan.text.layer_num_kv_heads(layer), plan.rank, plan.size)]
+            for layer, scale in read_kv_scales(model_dir, plan.text).items()
+        }
     log.info(
         "FP8 KV cache: checkpoint scales for %d of %d layers, 1.0 elsewhere",
         len(scales),
