@@ -79,6 +79,10 @@ def _init_group(
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    if backend == "nccl":
+        # NCCL sets up its communicator at the first collective: here, not inside a CUDA-graph capture
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
     return TensorParallel(rank, size, dist.group.WORLD, cpu_group, expert_parallel)
 
 
