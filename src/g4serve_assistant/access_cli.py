@@ -61,7 +61,7 @@ def add_access_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--audit-db",
         default=None,
-        help="SQLite file of the hash-chained audit trail (default: the --db file; with --bank-url, "
+        help="SQLite file of the hash-chained audit trail (default: the --db database; with --bank-url, "
         "<cache>/assistant/audit.db)",
     )
 

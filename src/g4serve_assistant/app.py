@@ -564,7 +564,7 @@ def admin_router(assistant: Assistant, gate: Gate) -> APIRouter:  # noqa: C901 -
     @router.post("/v1/assistant/admin/import/{kind}")
     async def import_csv(request: Request, kind: str) -> JSONResponse:
         """``{"csv": "<the file's text>", "customer_id": …}``: the CLI's imports over HTTP, for a bank store
-        that supports them (SQLiteBank); the same validation, one transaction."""
+        that supports them (the SQL bank: SQLite or PostgreSQL); the same validation, one transaction."""
         gate.admin(request)
         method = {
             "payees": "import_payees_csv",

@@ -1,6 +1,7 @@
 """The bank's core as the assistant sees it: ``BankBackend`` (all customers) and ``CustomerBank`` (one
-customer's accounts, cards, payees and transfers). ``db.SQLiteBank`` is the embedded default and
-``http_bank.HTTPBank`` calls a bank's own API; the policy only ever holds one customer's view."""
+customer's accounts, cards, payees and transfers). ``db.SQLiteBank`` is the embedded default,
+``bank_postgres.PostgresBank`` the same bank on PostgreSQL, and ``http_bank.HTTPBank`` calls a bank's own API;
+the policy only ever holds one customer's view."""
 
 from __future__ import annotations
 

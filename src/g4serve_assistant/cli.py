@@ -1,5 +1,6 @@
-"""``g4serve assistant`` (or ``g4serve-assistant``): serve the voice banking assistant over a bank (the SQLite
-database, or a bank's REST API with ``--bank-url``), or import customers, cards and payees into the database.
+"""``g4serve assistant`` (or ``g4serve-assistant``): serve the voice banking assistant over a bank (the SQL
+database, SQLite or PostgreSQL, or a bank's REST API with ``--bank-url``), or import customers, cards and
+payees into the database.
 
 This module imports nothing of the ``assistant`` extra at import time: ``g4serve`` builds its parser from
 ``add_assistant_arguments`` whether or not the extra is installed, and ``run`` says what to install.
@@ -20,7 +21,9 @@ from g4serve_assistant.access_cli import add_access_arguments, add_mint_token_pa
 log = logging.getLogger("g4serve_assistant")
 
 DEFAULT_DB_NAME = "assistant.db"
-DEFAULT_AUDIT_DB_NAME = "audit.db"  # the audit trail's file when the bank is not a SQLite file (--bank-url)
+DEFAULT_AUDIT_DB_NAME = (
+    "audit.db"  # the audit trail's file when the bank is not a database of ours (--bank-url)
+)
 BANK_KEY_ENV = "G4SERVE_ASSISTANT_BANK_API_KEY"
 STATE_DB_ENV = "G4SERVE_ASSISTANT_DB"  # --state-db's default
 # Where the assistant's engine differs from `g4serve serve`'s: its prompts are short, and it shares the GPU.
@@ -116,15 +119,17 @@ def add_assistant_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bank_arguments(p: argparse.ArgumentParser) -> None:
-    """Which bank the assistant serves: the SQLite database (``--db``, ``--demo``) or a bank's API."""
+    """Which bank the assistant serves: the SQL database (``--db``, ``--demo``) or a bank's API."""
     g = p.add_argument_group("bank (docs/assistant.md, Bank backends)")
     # Resolved at run time, not here: `g4serve --help` must not create the cache directory.
     g.add_argument(
         "--db",
         default=None,
-        help=f"SQLite bank database (default: <cache>/assistant/{DEFAULT_DB_NAME}, <cache> being "
-        "$G4SERVE_CACHE or ~/.cache/g4serve; created empty, migrated when older; ':memory:' for a "
-        "throwaway one)",
+        metavar="PATH|URL",
+        help="the bank's database: an SQLite file (default: "
+        f"<cache>/assistant/{DEFAULT_DB_NAME}, <cache> being $G4SERVE_CACHE or ~/.cache/g4serve; "
+        "':memory:' for a throwaway one), or postgresql://user@host/db for replicas on several hosts; "
+        "created empty, migrated when older",
     )
     g.add_argument(
         "--demo",
@@ -136,7 +141,7 @@ def add_bank_arguments(p: argparse.ArgumentParser) -> None:
         "--bank-url",
         default=None,
         metavar="URL",
-        help="serve over a bank's REST API at URL (HTTPBank) instead of the SQLite database",
+        help="serve over a bank's REST API at URL (HTTPBank) instead of the --db database",
     )
     g.add_argument(
         "--bank-api-key-file",
@@ -155,14 +160,15 @@ def add_state_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="where sessions, pending confirmations and the audit trail live, shared by every replica: "
         "postgresql://user@host/db, or an SQLite file (a path or sqlite:///path). Default: --audit-db, "
-        f"else ${STATE_DB_ENV}, else the --db file (with --bank-url, "
+        f"else ${STATE_DB_ENV}, else the --db database (with --bank-url, "
         f"<cache>/assistant/{DEFAULT_AUDIT_DB_NAME})",
     )
 
 
 def add_import_commands(sub: argparse._SubParsersAction) -> None:
-    """``import-customers``, ``import-cards`` and ``import-payees``: CSV files into the SQLite database, each
-    validated whole and written in one transaction. A database with the demo customers refuses them."""
+    """``import-customers``, ``import-cards`` and ``import-payees``: CSV files into the bank's database
+    (SQLite or PostgreSQL), each validated whole and written in one transaction. A database with the demo
+    customers refuses them."""
     for name, columns in (
         (
             "import-customers",
@@ -177,7 +183,11 @@ def add_import_commands(sub: argparse._SubParsersAction) -> None:
             imp.add_argument("--customer", required=True, metavar="ID", help="whose payees these are")
         # Own dest: argparse lets a subparser's default overwrite the parent's value of the same name.
         imp.add_argument(
-            "--db", dest="import_db", default=None, help="database (default: as for the assistant)"
+            "--db",
+            dest="import_db",
+            default=None,
+            metavar="PATH|URL",
+            help="SQLite file or postgresql:// URL (default: as for the assistant)",
         )
 
 
@@ -192,19 +202,19 @@ def default_db_path() -> Path:
 
 
 def resolve_db(path: str | None) -> str:
-    """``--db`` as given, else the default database in the cache directory."""
+    """``--db`` as given (a path or a URL), else the default SQLite file in the cache directory."""
     return path if path is not None else str(default_db_path())
 
 
 def open_bank(args: argparse.Namespace):
-    """The ``BankBackend`` the flags name: an ``HTTPBank`` for ``--bank-url``, else the SQLite database,
-    seeded with the demo customers for ``--demo`` and nothing otherwise."""
+    """The ``BankBackend`` the flags name: an ``HTTPBank`` for ``--bank-url``, else the SQL database of
+    ``--db`` (SQLite or PostgreSQL), seeded with the demo customers for ``--demo`` and nothing otherwise."""
     if args.bank_url is None:
         if args.bank_api_key_file is not None:
             raise ValueError("--bank-api-key-file: only with --bank-url")
-        bank = open_sqlite_bank(resolve_db(args.db), demo=args.demo)
+        bank = open_database_bank(resolve_db(args.db), demo=args.demo)
         if not bank.customers():
-            log.warning("%s has no customers: import some (import-customers) or start with --demo", bank.path)
+            log.warning("%s has no customers: import some (import-customers) or start with --demo", bank.name)
         return bank
     if args.db is not None or args.demo:
         raise ValueError(
@@ -221,26 +231,26 @@ def open_bank(args: argparse.Namespace):
     return bank
 
 
-def open_sqlite_bank(path: str, demo: bool = False):
-    """The SQLite bank at ``path`` (created or migrated); with ``demo`` the demo customers are seeded (a
-    ValueError when it holds imported ones)."""
-    from g4serve_assistant.db import SQLiteBank
+def open_database_bank(url: str, demo: bool = False):
+    """The bank at ``url``, an SQLite path or a ``postgresql://`` URL (created or migrated); with ``demo``
+    the demo customers are seeded (a ValueError when it holds imported ones)."""
+    from g4serve_assistant.db import open_sql_bank
 
-    log.info("database %s", path)  # the default lives in the cache directory: say where
-    bank = SQLiteBank(path)
+    bank = open_sql_bank(url)
+    log.info("bank database %s", bank.name)  # the default lives in the cache directory: say where
     if demo:
         try:
             bank.seed_demo()
         except BaseException:
             bank.close()
             raise
-        log.info("demo customers in %s", path)
+        log.info("demo customers in %s", bank.name)
     return bank
 
 
 def state_db_url(args: argparse.Namespace) -> str:
     """``--state-db``, else ``--audit-db`` (the state store keeps the audit trail), else
-    $G4SERVE_ASSISTANT_DB, else the bank's SQLite file or a file in the cache (``audit_db_path``)."""
+    $G4SERVE_ASSISTANT_DB, else the bank's database or a file in the cache (``audit_db_path``)."""
     if args.state_db is not None:
         if args.audit_db is not None:
             raise ValueError("--audit-db: the audit trail lives in --state-db; give one of them")
@@ -251,7 +261,7 @@ def state_db_url(args: argparse.Namespace) -> str:
 
 
 def audit_db_path(args: argparse.Namespace) -> str:
-    """``--audit-db``, else the bank's SQLite file (its own table there), else a file in the cache."""
+    """``--audit-db``, else the bank's database (its own table there), else a file in the cache."""
     if args.audit_db is not None:
         return args.audit_db
     if args.bank_url is None:
@@ -326,11 +336,11 @@ def _run(args: argparse.Namespace) -> int:
 IMPORTS = ("import-customers", "import-cards", "import-payees")
 
 
-def import_csv(command: str, csv_path: str, db_path: str, args: argparse.Namespace) -> int:
-    """One of ``IMPORTS`` into the SQLite database at ``db_path`` (created when new, never seeded)."""
+def import_csv(command: str, csv_path: str, db_url: str, args: argparse.Namespace) -> int:
+    """One of ``IMPORTS`` into the bank's database at ``db_url`` (created when new, never seeded)."""
     if not Path(csv_path).is_file():
         raise FileNotFoundError(f"{csv_path}: no such file")
-    bank = open_sqlite_bank(db_path)
+    bank = open_database_bank(db_url)
     try:
         if command == "import-customers":
             customers, accounts = bank.import_customers_csv(csv_path)
@@ -341,7 +351,7 @@ def import_csv(command: str, csv_path: str, db_path: str, args: argparse.Namespa
             what = f"{bank.import_payees_csv(csv_path, args.customer)} payees of {args.customer}"
     finally:
         bank.close()
-    print(f"imported {what} into {db_path}")
+    print(f"imported {what} into {bank.name}")  # a URL's password not shown
     return 0
 
 

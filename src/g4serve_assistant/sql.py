@@ -1,6 +1,6 @@
-"""The two SQL databases the assistant's shared state lives in, behind one small interface: embedded SQLite (a
-file or ``:memory:``) and PostgreSQL (psycopg 3, imported only when a ``postgresql://`` URL is opened).
-Statements are written once with ``?`` placeholders in the SQL both dialects share."""
+"""The two SQL databases the assistant's shared state and its bank live in, behind one small interface:
+embedded SQLite (a file or ``:memory:``) and PostgreSQL (psycopg 3, imported only when a ``postgresql://``
+URL is opened). Statements are written once with ``?`` placeholders in the SQL both dialects share."""
 
 from __future__ import annotations
 
@@ -14,16 +14,26 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+SCHEMA_LOCK_KEY = 7204551  # the advisory lock every schema change in a PostgreSQL database takes
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 class SQLExecutor(Protocol):
     """Statements inside one transaction."""
 
+    # Appended to a SELECT whose rows the transaction goes on to change: PostgreSQL locks them (a second
+    # transaction waits, then reads what the first wrote); SQLite's writer already holds the whole file.
+    for_update: str
+
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[dict[str, Any]]: ...
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> int:
         """Executes a statement; the number of rows it changed."""
+
+    def serialize(self, key: int) -> None:
+        """Holds the lock named ``key`` until the transaction ends: transactions that take the same key run
+        one after another, across replicas (a check-then-insert that no unique key guards). A no-op on
+        SQLite, whose writers already take turns."""
 
 
 class SQLDatabase(Protocol):
@@ -34,6 +44,9 @@ class SQLDatabase(Protocol):
         """One transaction that writes: all of it or none of it, serialized against other writers where
         the dialect needs it (SQLite takes its write lock up front)."""
 
+    def read(self) -> AbstractContextManager[SQLExecutor]:
+        """A transaction that only reads, from one snapshot of the database, blocking no writer."""
+
     def create_schema(self, statements: Sequence[str]) -> None:
         """DDL in one transaction, safe when several replicas start at once."""
 
@@ -42,6 +55,13 @@ class SQLDatabase(Protocol):
 
 def is_postgres_url(url: str) -> bool:
     return url.startswith(POSTGRES_SCHEMES)
+
+
+def is_unique_violation(exc: BaseException) -> bool:
+    """Whether ``exc`` is a statement refused for a duplicate in a unique key or index, on either dialect."""
+    if isinstance(exc, sqlite3.IntegrityError):
+        return str(exc).startswith("UNIQUE constraint failed")
+    return getattr(exc, "sqlstate", None) == "23505"  # psycopg's UniqueViolation, without importing it
 
 
 def open_database(url: str | os.PathLike) -> SQLDatabase:
@@ -59,6 +79,8 @@ def open_database(url: str | os.PathLike) -> SQLDatabase:
 
 
 class _SQLiteExecutor:
+    for_update = ""
+
     def __init__(self, conn: sqlite3.Connection):
         self.conn = conn
 
@@ -67,6 +89,9 @@ class _SQLiteExecutor:
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> int:
         return self.conn.execute(sql, tuple(args)).rowcount
+
+    def serialize(self, key: int) -> None:
+        pass  # BEGIN IMMEDIATE: this transaction is already the only writer
 
 
 class SQLiteDatabase:
@@ -99,6 +124,17 @@ class SQLiteDatabase:
                     self.conn.execute("ROLLBACK")
                 raise
 
+    @contextmanager
+    def read(self) -> Iterator[SQLExecutor]:
+        # A deferred BEGIN takes no write lock: in WAL mode it reads one snapshot while others write.
+        with self._lock:
+            self.conn.execute("BEGIN")
+            try:
+                yield _SQLiteExecutor(self.conn)
+            finally:
+                if self.conn.in_transaction:
+                    self.conn.execute("COMMIT")
+
     def create_schema(self, statements: Sequence[str]) -> None:
         with self.transaction() as tx:
             for statement in statements:
@@ -110,6 +146,8 @@ class SQLiteDatabase:
 
 
 class _PostgresExecutor:
+    for_update = " FOR UPDATE"
+
     def __init__(self, conn: Any):
         self.conn = conn
 
@@ -119,6 +157,9 @@ class _PostgresExecutor:
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> int:
         return self.conn.execute(_pg(sql), tuple(args) if args else None).rowcount
+
+    def serialize(self, key: int) -> None:
+        self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
 
 
 def _pg(sql: str) -> str:
@@ -178,11 +219,18 @@ class PostgresDatabase:
         with self._connection() as conn, conn.transaction():
             yield _PostgresExecutor(conn)
 
+    @contextmanager
+    def read(self) -> Iterator[SQLExecutor]:
+        with self._connection() as conn, conn.transaction():
+            # One snapshot for all its statements (READ COMMITTED would take a new one for each).
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            yield _PostgresExecutor(conn)
+
     def create_schema(self, statements: Sequence[str]) -> None:
         with self.transaction() as tx:
             # CREATE ... IF NOT EXISTS is not safe against itself: two replicas starting at once could both
             # try to create a table. One at a time, across the whole server.
-            tx.query("SELECT pg_advisory_xact_lock(7204551)")
+            tx.serialize(SCHEMA_LOCK_KEY)
             for statement in statements:
                 tx.run(statement)
 

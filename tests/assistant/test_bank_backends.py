@@ -1,7 +1,8 @@
-"""One contract, two backends: ``SQLiteBank`` and ``HTTPBank`` over the REST API (fake_bank.py serving a
-``SQLiteBank`` with uvicorn) must answer alike. Customers are isolated, money moves once under an
-idempotency key, migrated and imported data reads the same. Then what only HTTP has: a bank that fails,
-hangs, refuses our key, or answers what the API does not allow."""
+"""One contract, three backends: ``SQLiteBank``, ``PostgresBank`` (a real server: conftest.py) and
+``HTTPBank`` over the REST API (fake_bank.py serving a ``SQLiteBank`` with uvicorn) must answer alike.
+Customers are isolated, money moves once under an idempotency key, migrated and imported data reads the
+same. Then what only HTTP has: a bank that fails, hangs, refuses our key, or answers what the API does not
+allow."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from g4serve_assistant.bank import (
     CustomerBank,
     UnknownCustomerError,
 )
-from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, Payee, SQLiteBank, demo_bank
+from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, Payee, SQLBank, SQLiteBank, demo_bank
 from g4serve_assistant.http_bank import MAX_RESPONSE_BYTES, HTTPBank, InvalidBankResponseError
 from g4serve_assistant.payees import PayeeIndex
 
@@ -38,17 +39,31 @@ def server():
         yield srv
 
 
-@pytest.fixture(params=["sqlite", "http"])
-def wrap(request):
-    """Turns a ``SQLiteBank`` into the backend under test: the bank itself, or an ``HTTPBank`` talking to the
-    fake API that serves it."""
-    if request.param == "sqlite":
+@pytest.fixture(params=["sqlite", "postgresql", "http"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def new_bank(kind, request):
+    """``new_bank(demo=False)``: a new bank the test fills through its own methods, in the database under
+    test: PostgreSQL for the 'postgresql' kind, else SQLite (which the fake API serves)."""
+    if kind == "postgresql":
+        return request.getfixturevalue("postgres_banks")
+    return lambda demo=False: demo_bank() if demo else SQLiteBank()
+
+
+@pytest.fixture
+def wrap(kind, request):
+    """Turns a bank from ``new_bank`` into the backend under test: the bank itself, or an ``HTTPBank``
+    talking to the fake API that serves it."""
+    if kind != "http":
         yield lambda bank: bank
         return
     srv = request.getfixturevalue("server")
     opened: list[HTTPBank] = []
 
-    def over_http(bank: SQLiteBank) -> HTTPBank:
+    def over_http(bank: SQLBank) -> HTTPBank:
         srv.fake.bank, srv.fake.fault, srv.fake.delay_s, srv.fake.api_key = bank, None, 0.0, API_KEY
         opened.append(HTTPBank(srv.url, api_key=API_KEY))
         return opened[-1]
@@ -59,8 +74,8 @@ def wrap(request):
 
 
 @pytest.fixture
-def backend(wrap) -> BankBackend:
-    return wrap(demo_bank())
+def backend(wrap, new_bank) -> BankBackend:
+    return wrap(new_bank(demo=True))
 
 
 @pytest.fixture
@@ -250,8 +265,8 @@ def test_balances_and_transactions(one):
 
 
 # --- versions, imports, migrations --------------------------------------------------------------------
-def test_the_payee_version_follows_the_database(wrap):
-    bank = demo_bank()
+def test_the_payee_version_follows_the_database(wrap, new_bank):
+    bank = new_bank(demo=True)
     one = wrap(bank).customer(DEMO_CUSTOMER_ID)
     version = one.version
     bank.customer(DEMO_CUSTOMER_ID).upsert_payee(Payee("zeb", "Zeb Quarterman", "friend", "person"))
@@ -259,8 +274,8 @@ def test_the_payee_version_follows_the_database(wrap):
     assert wrap(bank).customer(DEMO_CUSTOMER_2_ID).version == 1
 
 
-def test_imported_customers_cards_and_payees(wrap, tmp_path):
-    bank = SQLiteBank(tmp_path / "fresh.db")
+def test_imported_customers_cards_and_payees(wrap, new_bank, tmp_path):
+    bank = new_bank()
     (tmp_path / "c.csv").write_text(
         "customer_id,name,account_id,account_name,currency,balance_minor\n"
         "c-100,Ada Lovelace,a-chk,checking,USD,250000\nc-100,Ada Lovelace,a-eur,euro,EUR,900\n"
@@ -285,10 +300,10 @@ def test_imported_customers_cards_and_payees(wrap, tmp_path):
     )
 
 
-def test_the_issue_repro_finds_only_the_customers_own_payees(wrap, tmp_path):
+def test_the_issue_repro_finds_only_the_customers_own_payees(wrap, new_bank, tmp_path):
     """Issue 20: after import-payees into a fresh database, "who is priya" found the demo's Priya Patel too
     and "pay the water bill" chose the demo's Metro Water Utility. Nothing is seeded unasked any more."""
-    bank = SQLiteBank(tmp_path / "fresh.db")
+    bank = new_bank()
     bank.add_customer("c-100", "Ada Lovelace")
     (tmp_path / "p.csv").write_text("payee_id,display_name,relationship\npriya_shah,Priya Shah,friend\n")
     bank.import_payees_csv(tmp_path / "p.csv", "c-100")
@@ -299,6 +314,7 @@ def test_the_issue_repro_finds_only_the_customers_own_payees(wrap, tmp_path):
     assert {p.display_name for p in ada.payees()} == {"Priya Shah"}
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "http"])  # version 0 was an SQLite file; PostgreSQL starts at 1
 def test_a_migrated_version_0_database_serves_its_customer(wrap, tmp_path):
     path = tmp_path / "old.db"
     build_legacy_db(path)

@@ -1,6 +1,8 @@
-"""The SQLite bank itself: the demo customers, the schema's own guarantees, the CSV imports and their errors,
-migrations (a version-0 file, a failing step, a newer file), idempotent execution under races, several
-connections to one file and use from many threads. What every backend must do is in test_bank_backends.py."""
+"""The SQL bank itself, on SQLite and on PostgreSQL (conftest.py's ``bank_replicas``): the demo customers,
+the schema's own guarantees, the CSV imports and their errors, idempotent execution under races, several
+connections to one database and use from many threads; then SQLite's migrations (a version-0 file, a failing
+step, a newer file). What every backend must do is in test_bank_backends.py; replicas racing for money in
+test_bank_replicas.py."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from g4serve_assistant.db import (
     MigrationError,
     Payee,
     SchemaTooNewError,
+    SQLBank,
     SQLiteBank,
     demo_bank,
     demo_db,
@@ -35,8 +38,8 @@ DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture
-def bank() -> SQLiteBank:
-    return demo_bank()
+def bank(bank_replicas) -> SQLBank:
+    return bank_replicas(demo=True)
 
 
 @pytest.fixture
@@ -93,18 +96,18 @@ def test_second_demo_customer_has_its_own_confusable_names(bank):
 def test_the_schema_itself_keeps_customers_apart(bank):
     """Composite keys: even a statement that skips the views cannot hang one customer's card, transaction or
     transfer on another customer's account or payee."""
-    conn = bank._conn
-    with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
-        conn.execute(
-            "INSERT INTO cards (customer_id, card_id, account_id, kind, network, last4) "
-            "VALUES ('cust-002', 'card-x', 'chk-001', 'debit', 'visa', '0000')"
-        )
-    with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
-        conn.execute(
-            "INSERT INTO transfers (transfer_id, customer_id, session_id, payee_id, from_account_id, "
-            "amount_minor, currency, kind, status, created_at, updated_at) "
-            "VALUES ('t-x', 'cust-002', 's', 'john_smith', 'chk-002', 1, 'GBP', 'transfer', 'pending', 0, 0)"
-        )
+    for statement in (
+        "INSERT INTO cards (customer_id, card_id, account_id, kind, network, last4) "
+        "VALUES ('cust-002', 'card-x', 'chk-001', 'debit', 'visa', '0000')",
+        "INSERT INTO transfers (transfer_id, customer_id, session_id, payee_id, from_account_id, "
+        "amount_minor, currency, kind, status, created_at, updated_at) "
+        "VALUES ('t-x', 'cust-002', 's', 'john_smith', 'chk-002', 1, 'GBP', 'transfer', 'pending', 0, 0)",
+        "INSERT INTO transactions (customer_id, account_id, posted_on, description, amount_minor, currency) "
+        "VALUES ('cust-002', 'chk-001', '2025-05-07', 'x', -1, 'USD')",
+    ):
+        # sqlite3's IntegrityError or psycopg's ForeignKeyViolation, whose messages both say it
+        with pytest.raises(Exception, match="(?i)foreign key"), bank.db.transaction() as tx:
+            tx.run(statement)
 
 
 def test_payee_versions_are_per_customer(bank):
@@ -166,10 +169,11 @@ def test_bad_idempotency_keys_are_refused(db, key):
 
 def test_amounts_are_bounded_in_the_database_too(db):
     tid = db.create_transfer("s1", "john_smith", MAX_AMOUNT_MINOR, "USD", "transfer")
-    assert db.transfer(tid)["amount_minor"] == MAX_AMOUNT_MINOR  # the bound itself is allowed
+    assert db.transfer(tid)["amount_minor"] == MAX_AMOUNT_MINOR  # the bound itself is allowed, exactly
     assert db.execute_transfer(tid, "k")["note"] == "insufficient funds"
-    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
-        db.bank._conn.execute("UPDATE transfers SET amount_minor = 0 WHERE transfer_id = ?", (tid,))
+    with pytest.raises(Exception, match="(?i)check constraint"), db.bank.db.transaction() as tx:
+        tx.run("UPDATE transfers SET amount_minor = 0 WHERE transfer_id = ?", (tid,))
+    assert db.transfer(tid)["amount_minor"] == MAX_AMOUNT_MINOR and db.balance()["balance_minor"] == 123_456
 
 
 # --- imports ------------------------------------------------------------------------------------------
@@ -187,8 +191,8 @@ CUSTOMERS = (
 )
 
 
-def test_import_customers_cards_and_payees(tmp_path):
-    bank = SQLiteBank()
+def test_import_customers_cards_and_payees(bank_replicas, tmp_path):
+    bank = bank_replicas()
     assert bank.import_customers_csv(_write(tmp_path, "c.csv", CUSTOMERS)) == (2, 3)
     ada = bank.customer("c-100")
     assert ada.accounts() == [
@@ -218,8 +222,8 @@ def test_import_customers_cards_and_payees(tmp_path):
     assert len(ada.payees()) == 7 and ada.version == 2
 
 
-def test_reimporting_customers_updates_names_and_balances_not_currencies(tmp_path):
-    bank = SQLiteBank()
+def test_reimporting_customers_updates_names_and_balances_not_currencies(bank_replicas, tmp_path):
+    bank = bank_replicas()
     bank.import_customers_csv(_write(tmp_path, "c.csv", CUSTOMERS))
     update = (
         "customer_id,name,account_id,account_name,currency,balance_minor\nc-100,Ada King,a-chk,main,USD,7\n"
@@ -268,8 +272,8 @@ GOOD = HEADER + "c0,Zoe,z1,main,USD,5\n"  # line 2: a good row, which a bad one 
         (GOOD + "c1,Ada,a1,main,USD\n", r"line 3: expected 6 fields, got 5"),
     ],
 )
-def test_import_customers_errors_name_line_and_column(tmp_path, content, message):
-    bank = SQLiteBank()
+def test_import_customers_errors_name_line_and_column(bank_replicas, tmp_path, content, message):
+    bank = bank_replicas()
     with pytest.raises(ValueError, match=message):
         bank.import_customers_csv(_write(tmp_path, "bad.csv", content))
     assert bank.customers() == []  # all or nothing
@@ -289,8 +293,8 @@ CARDS = "customer_id,card_id,account_id,kind,network,last4\n"
         ("c-100,k1,a-chk,debit,visa,0042\nc-100,k1,a-eur,debit,visa,0043\n", r"line 3, column 'card_id'"),
     ],
 )
-def test_import_cards_errors_name_line_and_column(tmp_path, rows, message):
-    bank = SQLiteBank()
+def test_import_cards_errors_name_line_and_column(bank_replicas, tmp_path, rows, message):
+    bank = bank_replicas()
     bank.import_customers_csv(_write(tmp_path, "c.csv", CUSTOMERS))
     with pytest.raises(ValueError, match=message):
         bank.import_cards_csv(_write(tmp_path, "k.csv", CARDS + rows))
@@ -327,8 +331,8 @@ def test_import_cards_errors_name_line_and_column(tmp_path, rows, message):
         ("payee_id,display_name,relationship,aliases\nx,X,friend,ok;bad\x1b\n", r"line 2, column 'aliases'"),
     ],
 )
-def test_import_payees_errors_name_line_and_column(tmp_path, content, message):
-    bank = SQLiteBank()
+def test_import_payees_errors_name_line_and_column(bank_replicas, tmp_path, content, message):
+    bank = bank_replicas()
     bank.add_customer("c1", "Ada")
     with pytest.raises(ValueError, match=message):
         bank.import_payees_csv(_write(tmp_path, "bad.csv", content), "c1")
@@ -336,25 +340,25 @@ def test_import_payees_errors_name_line_and_column(tmp_path, content, message):
     assert bank.customer("c1").version == 0
 
 
-def test_import_payees_accepts_bom_blank_lines_and_header_case(tmp_path):
+def test_import_payees_accepts_bom_blank_lines_and_header_case(bank_replicas, tmp_path):
     path = _write(tmp_path, "ok.csv", "\ufeffPayee_ID,Display_Name,Relationship\n\nx,X Person,friend\n\n")
-    bank = SQLiteBank()
+    bank = bank_replicas()
     bank.add_customer("c1", "Ada")
     assert bank.import_payees_csv(path, "c1") == 1
     assert bank.customer("c1").payee("x").display_name == "X Person"
 
 
-def test_a_file_that_is_not_utf8_is_an_error_naming_it(tmp_path):
+def test_a_file_that_is_not_utf8_is_an_error_naming_it(bank_replicas, tmp_path):
     path = tmp_path / "latin1.csv"
     path.write_bytes("payee_id,display_name,relationship\nx,Müller,friend\n".encode("latin-1"))
-    bank = SQLiteBank()
+    bank = bank_replicas()
     bank.add_customer("c1", "Ada")
     with pytest.raises(ValueError, match=r"latin1.csv: not UTF-8 text"):
         bank.import_payees_csv(path, "c1")
 
 
-def test_import_payees_for_an_unknown_customer_names_it(tmp_path):
-    bank = SQLiteBank()
+def test_import_payees_for_an_unknown_customer_names_it(bank_replicas, tmp_path):
+    bank = bank_replicas()
     with pytest.raises(ValueError, match=r"customer 'c-404' is not in the database"):
         bank.import_payees_csv(DATA / "payees.csv", "c-404")
 
@@ -375,18 +379,18 @@ def test_imports_refuse_a_database_with_demo_data(bank, tmp_path):
     assert _snapshot(bank.customer(DEMO_CUSTOMER_ID)) == before and len(bank.customers()) == 2
 
 
-def test_the_demo_refuses_a_database_with_real_customers(tmp_path):
-    bank = SQLiteBank()
+def test_the_demo_refuses_a_database_with_real_customers(bank_replicas, tmp_path):
+    bank = bank_replicas()
     bank.import_customers_csv(_write(tmp_path, "c.csv", CUSTOMERS))
     with pytest.raises(ValueError, match="holds customers that are not demo data"):
         bank.seed_demo()
     assert [c["customer_id"] for c in bank.customers()] == ["c-100", "c-200"]
 
 
-def test_the_issue_repro_importing_payees_into_a_fresh_database(tmp_path):
+def test_the_issue_repro_importing_payees_into_a_fresh_database(bank_replicas, tmp_path):
     """Issue 20: import-payees into a fresh database put the user's payees beside the demo's, so "who is
     priya" found both and "pay the water bill" chose the demo biller. Now nothing is seeded unasked."""
-    bank = SQLiteBank(tmp_path / "fresh.db")
+    bank = bank_replicas()
     assert bank.customers() == []
     bank.import_customers_csv(_write(tmp_path, "c.csv", CUSTOMERS))
     bank.import_payees_csv(DATA / "payees.csv", "c-100")
@@ -476,10 +480,9 @@ def test_a_database_newer_than_the_code_is_refused(tmp_path):
 
 
 # --- connections and threads --------------------------------------------------------------------------
-def test_file_database_is_shared_between_connections(tmp_path):
-    path = tmp_path / "bank.sqlite"
-    a = demo_bank(path)
-    b = SQLiteBank(path)
+def test_one_database_is_shared_between_replicas(bank_replicas):
+    a = bank_replicas(demo=True)
+    b = bank_replicas()
     one_a, one_b = a.customer(DEMO_CUSTOMER_ID), b.customer(DEMO_CUSTOMER_ID)
     assert one_b.payees() == one_a.payees()
     one_a.upsert_payee(Payee("late", "Late Arrival", "friend", "person"))

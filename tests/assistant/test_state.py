@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
 import threading
 import uuid
 
 import pytest
-from postgres_server import SKIP_REASON, PostgresServer, find_pg_bin
 
 from g4serve_assistant.auth import AuthError
 from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, demo_bank
@@ -28,22 +26,6 @@ C1, C2 = DEMO_CUSTOMER_ID, DEMO_CUSTOMER_2_ID
 CHECKING = 123_456  # the first demo customer's checking balance, minor units
 
 
-@pytest.fixture(scope="session")
-def postgres_url():
-    """One throwaway server for the whole test session (about a second to start); each test gets its own
-    schema in it."""
-    pytest.importorskip("psycopg", reason="PostgreSQL tests need psycopg: pip install 'psycopg[binary]'")
-    bin_dir = find_pg_bin()
-    if bin_dir is None:
-        # CI installs postgresql and sets this, so that a server that cannot be found fails, not skips
-        if os.environ.get("G4SERVE_REQUIRE_POSTGRES") == "1":
-            pytest.fail(SKIP_REASON)
-        pytest.skip(SKIP_REASON)
-    server = PostgresServer(bin_dir).start()
-    yield server.url
-    server.stop()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def replicas(request, tmp_path):
     """``replicas(**kwargs)`` opens one more replica's store over the same database."""
@@ -56,8 +38,7 @@ def replicas(request, tmp_path):
     else:
         from g4serve_assistant.sql import PostgresDatabase
 
-        url = request.getfixturevalue("postgres_url")
-        schema = f"t_{uuid.uuid4().hex[:16]}"
+        url, schema = request.getfixturevalue("postgres_url"), request.getfixturevalue("postgres_schema")
 
         def database():
             return PostgresDatabase(url, schema=schema)
@@ -70,11 +51,6 @@ def replicas(request, tmp_path):
     yield open_replica
     for store in opened:
         store.close()
-    if request.param == "postgresql":
-        import psycopg
-
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 def _pending(**kwargs) -> PendingAction:
