@@ -82,7 +82,7 @@ def test_quant_matmul_fp32_matches_the_reference(fmt, m):
 
 
 @pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block"])
-@pytest.mark.parametrize("m", [1, 3, 32, 200])
+@pytest.mark.parametrize("m", [1, 3, 20, 32, 48, 64, 200])
 def test_fp8_matmul_at_model_shapes(fmt, m):
     """The W8A8 kernel compiled for the GPU against its torch reference (the same activation groups), and
     within FP8's precision of the dequantized bf16 product."""

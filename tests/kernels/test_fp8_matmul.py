@@ -42,6 +42,18 @@ CASES = [
     (4, 24, 256, (1, 256), GATE_UP, "gelu_pytorch_tanh", None),
     (2, 24, 136, (1, 136), MUL, "silu", _tiles(block_n=8, num_warps=2, num_stages=1)),
     (70, 40, 256, (128, 128), PLAIN, None, _tiles(block_m=32)),
+    # 17..64 rows with the weight on the MMA's M side: the batch padded to 32 and to 64, split and not
+    (
+        20,
+        72,
+        600,
+        (1, 600),
+        GATE_UP,
+        "gelu_pytorch_tanh",
+        _tiles(block_m=32, block_n=64, swap_ab=1, split_k=3),
+    ),
+    (40, 40, 384, (128, 128), PLAIN, None, _tiles(block_m=64, block_n=32, swap_ab=1)),
+    (64, 24, 520, (1, 520), MUL, "silu", _tiles(block_m=64, block_n=64, swap_ab=1, split_k=2)),
     # the weight tile on the MMA's M side (W @ X^T), plain and gated
     (3, 72, 384, (128, 128), PLAIN, None, _tiles(block_n=64, swap_ab=1)),
     (2, 40, 256, (1, 256), GATE_UP, "gelu_pytorch_tanh", _tiles(block_n=32, swap_ab=1)),
@@ -129,6 +141,13 @@ def test_supported_scale_blocks_and_tiles():
     h100 = 132
     assert fp8_matmul_config(1, 4096, 4096, h100)["block_m"] == 16
     assert fp8_matmul_config(33, 4096, 4096, h100)["block_m"] == 64
+    # 17..32 rows: the decode rule at a 32-row token tile; 33..64: narrow shapes swap and split into 3 at most
+    assert fp8_matmul_config(32, 2560, 10240, h100) | {"split_k": 0} == _tiles(
+        block_m=32, block_n=64, num_stages=4, swap_ab=1, split_k=0
+    )
+    assert fp8_matmul_config(32, 10240, 2560, h100)["swap_ab"] == 1
+    assert fp8_matmul_config(64, 2560, 10240, h100)["split_k"] == 3
+    assert "swap_ab" not in fp8_matmul_config(64, 10240, 2560, h100)  # 160 column tiles fill the SMs
     assert fp8_matmul_config(512, 4096, 4096, h100)["block_m"] == 128
     # 31B decode: the wide projections fill the SMs unsplit; the ones back to 5376 columns (84 tiles) split K
     assert "split_k" not in fp8_matmul_config(1, 21504, 5376, h100)
@@ -145,6 +164,8 @@ def test_supported_scale_blocks_and_tiles():
     [
         (1, None),
         (32, None),
+        (32, fp8_matmul_config(32, 5376, 21504, 132)),  # 32 rows, swapped and split
+        (64, fp8_matmul_config(64, 5376, 21504, 132)),
         (200, None),
         (1, fp8_matmul_config(1, 5376, 5376, 132)),  # an H100's decode tiles
         (4, _tiles(block_n=64, num_stages=6, swap_ab=1, split_k=3)),
