@@ -162,9 +162,7 @@ def test_engine_options_not_combined_with_tensor_parallel_yet(option, value):
         EngineConfig(tensor_parallel_size=2, **{option: value})
 
 
-def test_tensor_parallel_turns_async_scheduling_off():
-    assert EngineConfig(tensor_parallel_size=2).async_scheduling is False
-    assert EngineConfig(tensor_parallel_size=1).async_scheduling is True
+def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="tensor_parallel_size: must be at least 1"):
         EngineConfig(tensor_parallel_size=0)
 

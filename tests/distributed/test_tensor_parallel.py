@@ -146,3 +146,16 @@ def test_a_worker_that_cannot_load_fails_the_start_with_its_error(hf_checkpoint,
         LLM(broken, tensor_parallel_size=2, **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 ranks cannot split 4 query heads"):
         LLM(hf_checkpoint("31b"), tensor_parallel_size=3, **ENGINE)
+
+
+def test_async_scheduling_reads_rank_zeros_samples_on_every_rank(hf_checkpoint):
+    """With async scheduling (the default) a decode's input token is the previous step's sample, still on
+    rank 0's device when the step is launched: rank 0 broadcasts its samples, every rank copies them into its
+    input ids. Steps overlapped, and the tokens equal a synchronous single rank's."""
+    path = hf_checkpoint("e")
+    with LLM(path, text_only=True, async_scheduling=False, **ENGINE) as one:
+        want = _run(one, PROMPTS)
+    with LLM(path, text_only=True, tensor_parallel_size=2, **ENGINE) as split:
+        assert split.engine.config.async_scheduling
+        _assert_same(_run(split, PROMPTS), want)
+        assert split.engine.num_overlapped_steps > 0

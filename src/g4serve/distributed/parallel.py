@@ -39,6 +39,12 @@ class TensorParallel:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype), in place."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj``, on every rank (pickled over the CPU group)."""
         if self.size == 1:

@@ -187,8 +187,6 @@ class EngineConfig:
         for name, value in unsupported.items():
             if value:
                 raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet")
-        # Rank 0 broadcasts a step's inputs before launching it: every input token must be on the host.
-        self.async_scheduling = False
 
     def _check_lora(self) -> None:
         if self.lora_modules:

@@ -255,7 +255,7 @@ class LLMEngine:
             cuda_graphs=step_graphs,
             lora_weights=self.lora.weights if self.lora is not None else None,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
-            publish_step=self.tp_workers.channel.publish if self.tp_workers is not None else None,
+            publisher=self.tp_workers.channel if self.tp_workers is not None else None,
         )
         self.proposer = self._make_proposer(self.speculative) if self.speculative else None
         self.spec_stats = SpecStats()

@@ -16,8 +16,8 @@ eagerly; ``sample`` applies the requests' sampling parameters, grammar masks and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -73,6 +73,15 @@ class StepInputs:
         return not self.mm_rows and len(self.sampled) == len(self.computed) == len(self.token_ids)
 
 
+class StepPublisher(Protocol):
+    """Tensor parallel, rank 0: hands each step's inputs, then its samples, to the other ranks, which run the
+    same forward (``engine.tensor_parallel.StepChannel``)."""
+
+    def publish(self, step: StepInputs | None) -> None: ...
+
+    def publish_samples(self, token_ids: torch.Tensor) -> None: ...
+
+
 @dataclass
 class StepResult:
     requests: list[Request]  # requests that sampled a token this step, in row order (once per row)
@@ -96,11 +105,10 @@ class ModelRunner:
         cuda_graphs: bool = False,
         lora_weights: LoRAWeights | None = None,
         num_speculative_tokens: int = 0,
-        publish_step: Callable[[StepInputs], None] | None = None,
+        publisher: StepPublisher | None = None,
     ):
         self.model = model
-        # Tensor parallel, rank 0: hands each step's inputs to the other ranks, which run the same forward.
-        self.publish_step = publish_step
+        self.publisher = publisher  # tensor parallel, rank 0
         self.num_speculative_tokens = num_speculative_tokens
         self.lora_weights = lora_weights
         self.backend = backend
@@ -210,7 +218,10 @@ class ModelRunner:
         logits, greedy = self.forward(inputs)
         if logits is None:  # every sequence is still mid-prompt
             return StepResult([], None)
-        return StepResult(inputs.sampled, self.sample(inputs.sampled, logits, greedy), self._hidden)
+        output = self.sample(inputs.sampled, logits, greedy)
+        if self.publisher is not None:  # the other ranks' next step may read these on the device
+            self.publisher.publish_samples(output.token_ids)
+        return StepResult(inputs.sampled, output, self._hidden)
 
     # ---- prepare -------------------------------------------------------------------------------------
     def prepare(
@@ -311,8 +322,8 @@ class ModelRunner:
         """Logits [len(step.sampled), V] of the sampled rows (None when no row samples), and their greedy ids
         when a CUDA graph computed them. With ``keep_hidden`` the rows' final hidden states go to
         ``self._hidden``."""
-        if self.publish_step is not None:
-            self.publish_step(step)
+        if self.publisher is not None:
+            self.publisher.publish(step)
         decode, mixed, verify = self.decode_graphs, self.mixed_graphs, self.verify_graphs
         num_tokens, num_seqs = len(step.token_ids), len(step.computed)
         if step.has_drafts:  # several sampled rows per sequence

@@ -4,7 +4,9 @@ Rank 0 owns everything that decides: the scheduler, the KV-cache manager (block 
 media encoders and the sampler. A worker holds its shard of the decoder and of the KV cache, nothing else.
 Every step rank 0 broadcasts the step's inputs (``StepInputs``: token ids, block tables, soft tokens) over
 the CPU group; every rank then runs the same forward, eager or the same captured CUDA graph, whose
-all-reduces meet in the device group (NCCL on GPUs, gloo on CPUs). Only rank 0 samples.
+all-reduces meet in the device group (NCCL on GPUs, gloo on CPUs). Only rank 0 samples, and broadcasts the
+sampled tokens on the device group: with async scheduling the next step is launched before they reach the
+host, and every rank reads them into its input ids on its device.
 
 Start-up: rank 0 opens a TCP store, spawns the workers and waits until each has joined (a worker that dies
 first is reported with its error); all load their shards at once; rank 0 plans the KV cache and sends the
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from g4serve.distributed import TensorParallel
 from g4serve.engine.config import EngineConfig
+from g4serve.engine.inputs import PendingTokens
 from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.engine.model_runner import ModelRunner, StepInputs
 from g4serve.layers.attention import BACKENDS
@@ -87,23 +90,41 @@ def _init_group(
 
 
 class StepChannel:
-    """Rank 0 publishes each step's inputs; the workers receive them (None: stop)."""
+    """Rank 0 publishes each step's inputs, then the tokens it sampled; the workers receive both (a step of
+    None: stop). With async scheduling a step's input token may be the previous step's sample, still on the
+    device (``PendingTokens``): its rows travel with the step, its values are the previous broadcast."""
 
     def __init__(self, tp: TensorParallel):
         self.tp = tp
+        self._samples: torch.Tensor | None = None  # a worker's copy of rank 0's last samples
 
     def publish(self, step: StepInputs | None) -> None:
         if step is not None:
-            assert step.pending is None, "tensor parallel runs without async scheduling or speculation"
+            assert not step.has_drafts, "tensor parallel runs without speculative decoding"
+            pending = step.pending
             # The workers need the counts and rows, not the requests; soft tokens travel on the host.
-            step = replace(step, sampled=[None] * len(step.sampled), mm_rows=[r.cpu() for r in step.mm_rows])
+            step = replace(
+                step,
+                sampled=[None] * len(step.sampled),
+                mm_rows=[r.cpu() for r in step.mm_rows],
+                pending=None if pending is None else PendingTokens(pending.rows, pending.src, None),
+            )
         self.tp.broadcast_object(step)
+
+    def publish_samples(self, token_ids: torch.Tensor) -> None:
+        self.tp.broadcast(token_ids.to(torch.int64).contiguous())
 
     def receive(self, device: torch.device) -> StepInputs | None:
         step = self.tp.broadcast_object(None)
         if step is not None and step.mm_rows:
             step.mm_rows = [r.to(device) for r in step.mm_rows]
+        if step is not None and step.pending is not None:
+            step.pending.tokens = self._samples
         return step
+
+    def receive_samples(self, count: int, device: torch.device) -> None:
+        """The tokens rank 0 sampled for the step just run (``count`` rows), kept for the next step."""
+        self._samples = self.tp.broadcast(torch.empty(count, dtype=torch.int64, device=device))
 
 
 class TensorParallelWorkers:
@@ -257,3 +278,5 @@ def _serve_steps(
     channel = StepChannel(tp)
     while (step := channel.receive(device)) is not None:
         runner.forward(step)
+        if step.sampled:  # rank 0 sampled these rows and broadcasts the tokens
+            channel.receive_samples(len(step.sampled), device)
