@@ -152,7 +152,6 @@ def test_row_parallel_bias_only_on_rank_zero():
 @pytest.mark.parametrize(
     "option, value",
     [
-        ("quantization", "fp8"),
         ("enable_lora", True),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
     ],
@@ -170,3 +169,30 @@ def test_tensor_parallel_size_must_be_positive():
 def test_preset_config_is_read_without_weights():
     assert model_config("31b").text.num_global_key_value_heads == 4
     check_tensor_parallel(model_config("31b").text, 8)  # 31B's 4 global KV heads, replicated at TP 8
+
+
+@pytest.mark.parametrize("quantization", ["w4a16-g32", "fp8"])
+def test_quantized_preset_ranks_quantize_their_slice_of_the_same_draw(quantization):
+    """--quantization at 2 ranks: each rank quantizes its slice of the single-GPU model's draw. Where every
+    scale group lies inside one rank's slice (int4 groups of 32 columns; FP8 per-channel scales of a
+    column-parallel layer's rows) the rank's dequantized weight is the slice of the single-GPU one; a
+    row-parallel layer's per-channel FP8 scale is the max over the rank's columns only."""
+    from g4serve.distributed import TensorParallel
+    from g4serve.layers.quant import QuantLinear
+    from g4serve.models.gemma4.loader import load_model
+
+    def quantized(model):
+        modules = model.named_modules()
+        return {n: m.dequantize(torch.float32) for n, m in modules if isinstance(m, QuantLinear)}
+
+    whole = quantized(load_model("tiny", quantization=quantization, with_vision=False, with_audio=False))
+    assert whole
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        model = load_model("tiny", quantization=quantization, with_vision=False, with_audio=False, tp=tp)
+        for name, weight in quantized(model).items():
+            shard = model.shard_plan.shard(f"{name}.weight")
+            if quantization == "fp8" and shard is not None and shard.dim == 1:
+                continue  # row-parallel: the rank's own per-channel scale
+            expected = whole[name] if shard is None else shard.take(whole[name])
+            torch.testing.assert_close(weight, expected, rtol=0, atol=0, msg=name)

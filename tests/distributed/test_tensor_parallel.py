@@ -159,3 +159,18 @@ def test_async_scheduling_reads_rank_zeros_samples_on_every_rank(hf_checkpoint):
         assert split.engine.config.async_scheduling
         _assert_same(_run(split, PROMPTS), want)
         assert split.engine.num_overlapped_steps > 0
+
+
+@pytest.mark.parametrize("variant, ep", [("31b", False), ("moe", True)])
+def test_quantized_at_load(hf_checkpoint, variant, ep):
+    """--quantization w4a16-g32 on a bf16-style checkpoint at 2 ranks: each rank quantizes its slice of every
+    projection. Where every int4 group (32 columns) lies inside a rank's slice, its weights are the
+    single-GPU model's slices, and the tokens and log-probabilities equal one rank's: the 31B-like decoder,
+    and the MoE one with whole experts per rank (split by units, the tiny experts' 16 columns per rank would
+    cut their 32-column groups, and each rank's group scale would be its own)."""
+    path = hf_checkpoint(variant)
+    engine = dict(ENGINE, text_only=True, quantization="w4a16-g32")
+    with LLM(path, **engine) as one:
+        want = _run(one, PROMPTS)
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, **engine) as split:
+        _assert_same(_run(split, PROMPTS), want)

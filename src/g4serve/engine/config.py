@@ -180,7 +180,6 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         unsupported = {
-            "quantization": self.quantization,
             "enable_lora": self.enable_lora,
             "speculative_config": self.speculative_config,
         }

@@ -249,6 +249,7 @@ def _serve_steps(
         with_audio=False,
         strict_config=config.strict_config,
         seed=config.seed,
+        quantization=config.quantization,
         tp=tp,
     )
     if device.type == "cuda":

@@ -266,45 +266,58 @@ def init_random_weights(model: Gemma4Model, seed: int = 0, std: float = 0.02) ->
     plan = getattr(model, "shard_plan", None)  # an MTP drafter (models/gemma4/assistant.py) has none
     for name, tensor in model.state_dict(keep_vars=True).items():
         module, _, leaf = name.rpartition(".")
-        if module in quantized and _init_quantized(quantized[module], leaf, gen, std):
+        if module in quantized and _init_quantized(quantized[module], leaf, gen, std, plan, name):
             continue
-        if plan is not None and plan.shard(name) is not None:
-            # tensor parallel: the single-GPU model's draw (the same generator state and shape), then the
-            # rank's slice, so every group size serves the same random model
-            full = torch.empty(plan.full_shape(name, tensor.shape), dtype=tensor.dtype, device=device)
-            tensor.copy_(plan.take(name, full.normal_(0.0, std, generator=gen)))
-            continue
+        shard = plan.shard(name) if plan is not None else None
+        # tensor parallel: the single-GPU model's tensor (the same generator state and shape), then the rank's
+        # slice, so every group size serves the same random model
+        full = tensor if shard is None else tensor.new_empty(plan.full_shape(name, tensor.shape))
         if name.startswith("language_model.") and name.endswith(("q_norm.weight", "k_norm.weight")):
-            tensor.fill_(tensor.shape[0] ** -0.25)
-        elif tensor.ndim <= 1 and not leaf.startswith(("input_", "output_")):
+            full.fill_(full.shape[0] ** -0.25)
+        elif full.ndim <= 1 and not leaf.startswith(("input_", "output_")):
             # norms, layer scalars, router scales, per-dim scales: neutral values
-            tensor.fill_(0.0 if leaf == "per_dim_scale" else 1.0)
+            full.fill_(0.0 if leaf == "per_dim_scale" else 1.0)
         elif leaf in ("input_min", "output_min"):
-            tensor.fill_(-float("inf"))
+            full.fill_(-float("inf"))
         elif leaf in ("input_max", "output_max"):
-            tensor.fill_(float("inf"))
+            full.fill_(float("inf"))
         else:
-            tensor.normal_(0.0, std, generator=gen)
+            full.normal_(0.0, std, generator=gen)
+        if shard is not None:
+            tensor.copy_(shard.take(full))
 
 
-def _init_quantized(module: QuantLinear | MoEExperts, leaf: str, gen: torch.Generator, std: float) -> bool:
+def _init_quantized(
+    module: QuantLinear | MoEExperts,
+    leaf: str,
+    gen: torch.Generator,
+    std: float,
+    plan: ShardPlan | None = None,
+    name: str = "",
+) -> bool:
     """A quantized weight gets the dense preset's draw for it (same generator state, shape and dtype),
-    quantized; its scales and zero points are written with it. False: ``leaf`` is a dense tensor."""
+    quantized; its scales and zero points are written with it. False: ``leaf`` is a dense tensor. ``plan``:
+    tensor parallel, the draw is the single-GPU model's (``name``: the parameter's), cut to this rank."""
     device = gen.device
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        if plan is not None and plan.shard(name) is not None:
+            full = torch.empty(
+                plan.full_shape(name, torch.Size(shape)), dtype=module.compute_dtype, device=device
+            )
+            return plan.take(name, full.normal_(0.0, std, generator=gen))
+        return torch.empty(shape, dtype=module.compute_dtype, device=device).normal_(0.0, std, generator=gen)
+
     if isinstance(module, QuantLinear):
         if leaf == "weight":
-            dense = torch.empty(
-                module.out_features, module.in_features, dtype=module.compute_dtype, device=device
-            )
-            module.quantize_from(dense.normal_(0.0, std, generator=gen))
+            module.quantize_from(draw((module.out_features, module.in_features)))
         return leaf != "bias"
     if leaf.endswith(("_scale", "_zero_point")):
         return True
     if module.quant.get(leaf) is None:
         return False  # a dense projection beside a quantized one
     # experts: each expert's gate and up quantized on their own scale grids
-    dense = torch.empty(module.dense_shape(leaf), dtype=module.compute_dtype, device=device)
-    module.quantize_from(leaf, dense.normal_(0.0, std, generator=gen))
+    module.quantize_from(leaf, draw(module.dense_shape(leaf)))
     return True
 
 
@@ -324,9 +337,10 @@ def load_model(
     (a compressed-tensors checkpoint is served as it is quantized). ``tp``: load this rank's shard."""
     torch_dtype = resolve_dtype(dtype, device)
     cfg = model_config(model, strict_config)
-    if tp.size > 1 and (quantization or cfg.quantization is not None):
+    if tp.size > 1 and cfg.quantization is not None:
         raise CheckpointError(
-            "tensor_parallel_size: quantized weights are not sharded yet; serve a bf16 checkpoint, or one GPU"
+            "tensor_parallel_size: a quantized checkpoint's tensors are not sharded yet; serve its bf16 "
+            "checkpoint with --quantization (each rank quantizes its slice), or one GPU"
         )
     model_dir = checkpoint_dir(model)
     if model_dir is None:  # a preset

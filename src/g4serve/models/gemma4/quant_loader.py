@@ -400,10 +400,14 @@ def load_quantized(model: nn.Module, plan: QuantPlan, files: dict[str, Path]) ->
             counts[local] = counts.get(local, 0) + 1
     gathered: dict[str, dict[str, torch.Tensor]] = {}
     filled: set[str] = set()
+    shards = getattr(model, "shard_plan", None)  # tensor parallel: quantize this rank's slice
     for path, entries in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for local, suffix, hf in entries:
-                gathered.setdefault(local, {})[suffix] = f.get_tensor(hf)
+                tensor = f.get_tensor(hf)
+                if shards is not None and plan.modules[local].mode == "quantize":
+                    tensor = shards.take(f"{local}.{suffix}", tensor)
+                gathered.setdefault(local, {})[suffix] = tensor
                 if len(gathered[local]) != counts[local]:
                     continue
                 # the module's last tensor: convert it now
