@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from conversation import second_turn_hits_the_first_turns_replica
 
 pytestmark = pytest.mark.distributed
 ray = pytest.importorskip("ray")
@@ -102,12 +103,6 @@ def homes(client: httpx.Client, sessions) -> dict[str, str]:
     return out
 
 
-def prefix_hit_tokens(client: httpx.Client, replica: str) -> float:
-    text = client.get("/metrics", headers={"X-G4Serve-Replica": replica}).text
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("g4serve_prefix_cache_hit_tokens_total")]
-    return float(line.rsplit(" ", 1)[1])
-
-
 class Stream(threading.Thread):
     """One streamed chat completion read in a thread: its events, and when the first one arrived."""
 
@@ -170,18 +165,7 @@ def test_affinity_sends_sessions_and_prefixes_to_a_warm_replica(cluster):
             ],
             "max_tokens": 2,
         }
-        one = client.post("/v1/chat/completions", json=body)
-        replica = one.headers["x-g4serve-replica"]
-        hits_before = prefix_hit_tokens(client, replica)
-        body["messages"] += [
-            {"role": "assistant", "content": "100 EUR."},
-            {"role": "user", "content": "Savings?"},
-        ]
-        two = client.post("/v1/chat/completions", json=body)
-        assert two.headers["x-g4serve-replica"] == replica
-        cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= one.json()["usage"]["prompt_tokens"] // 2
-        assert prefix_hit_tokens(client, replica) - hits_before >= cached
+        second_turn_hits_the_first_turns_replica(client, body)
 
 
 def test_killing_a_replica_mid_stream_fails_only_its_streams(cluster):

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from conversation import second_turn_hits_the_first_turns_replica
 from fake_replicas import Served
 
 from g4serve.deploy.proxy import RouterConfig, build_router_app
@@ -74,27 +75,10 @@ def chat(text: str, **fields) -> dict:
     return {"model": "g4serve-tiny", "messages": messages, "max_tokens": 2, **fields}
 
 
-def prefix_hit_tokens(client: httpx.Client, replica: str) -> float:
-    text = client.get("/metrics", headers={"X-G4Serve-Replica": replica}).text
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("g4serve_prefix_cache_hit_tokens_total")]
-    return float(line.rsplit(" ", 1)[1])
-
-
 def test_a_conversation_returns_to_its_replica_and_hits_its_prefix_cache(router):
     with httpx.Client(base_url=router, timeout=60) as client:
         body = chat("What is my balance?")
-        one = client.post("/v1/chat/completions", json=body)
-        replica = one.headers["x-g4serve-replica"]
-        before = prefix_hit_tokens(client, replica)
-        body["messages"] += [
-            {"role": "assistant", "content": "100 EUR."},
-            {"role": "user", "content": "Savings?"},
-        ]
-        two = client.post("/v1/chat/completions", json=body)
-        assert two.headers["x-g4serve-replica"] == replica
-        cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= one.json()["usage"]["prompt_tokens"] // 2
-        assert prefix_hit_tokens(client, replica) - before >= cached
+        second_turn_hits_the_first_turns_replica(client, body)
         sessions = {
             client.post("/v1/chat/completions", json=chat("hi"), headers={"X-Session-Id": f"s{i}"}).headers[
                 "x-g4serve-replica"
