@@ -196,6 +196,30 @@ def test_vision_graphs_match_eager_encoder(hf_checkpoint):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+def test_audio_graphs_match_eager_encoder(hf_checkpoint):
+    """The captured audio-encoder graphs (warm-up buckets of one clip, then several clips of several lengths
+    padded in time and number) give the eager encoder's soft tokens, fp32."""
+    import numpy as np
+
+    engine = LLMEngine(
+        EngineConfig(model=str(hf_checkpoint("e")), device="cuda", dtype="float32", kv_cache_bytes=64 << 20)
+    )
+    assert engine.encoder.audio_graphs is not None and engine.encoder.audio_graphs._graphs  # warm-up
+    rng = np.random.default_rng(0)
+    for seconds in ([1.3], [0.6, 2.4, 1.7], [4.2, 0.9]):
+        audio = [(0.2 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in seconds]
+        items = engine.process_prompt(
+            {"prompt": "<|audio|>" * len(audio), "multi_modal_data": {"audio": audio}}
+        ).mm_items
+        outputs: dict[str, torch.Tensor] = {}
+        with torch.inference_mode():
+            engine.encoder._encode_audio(items, outputs)
+            for item in items:
+                feats, mask = engine.encoder._audio_batch([item])
+                (want,) = engine.model.encode_audio(feats, mask, [item.num_tokens])
+                torch.testing.assert_close(outputs[item.content_hash], want, atol=1e-4, rtol=1e-4)
+
+
 def test_vision_encoder_cuda_matches_cpu_reference(hf_checkpoint):
     """The vision tower on CUDA (fused norm + axial RoPE, fused residual norms, SDPA) against the CPU
     reference path, fp32, TF32 off: the same soft tokens to rounding noise."""

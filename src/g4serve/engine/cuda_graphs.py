@@ -700,6 +700,100 @@ class VisionGraphRunner:
         return entry
 
 
+# Audio graphs: clips padded to a power-of-two frame count (10 ms frames; 30 s of audio is 3,000) and their
+# number to a power of two, up to this many frames a graph. Eager, the tower launches ~2,700 kernels whatever
+# the clip's length (28-37 ms on an H100); replayed, a 2 s clip takes 3.1 ms and a 30 s one 5.7 ms.
+MIN_AUDIO_FRAMES = 128
+MAX_AUDIO_FRAMES_PER_GRAPH = 16384
+
+
+def audio_buckets(frames: int) -> tuple[int, list[int]]:
+    """(the frame bucket of a clip of ``frames`` frames, the clip counts graphs are captured for at it)."""
+    bucket = max(MIN_AUDIO_FRAMES, 1 << max(0, frames - 1).bit_length())
+    top = max(1, MAX_AUDIO_FRAMES_PER_GRAPH // bucket)
+    return bucket, [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+
+
+class AudioGraphRunner:
+    """The audio tower and projection as CUDA graphs, one per (clip bucket, frame bucket, dtype): a batch of
+    clips is padded along time to its frame bucket (masked frames, as any batch of clips of several lengths
+    is) and in number to its clip bucket by repeating the last clip, whose outputs are dropped. Graphs are
+    captured the first time a shape is seen, up to ``max_graphs``, or ahead of traffic (``capture_buckets``,
+    the engine's warm-up); past the largest bucket the caller encodes in chunks."""
+
+    def __init__(self, model: Gemma4Model, device: torch.device, max_graphs: int = 24):
+        self.model = model
+        self.device = device
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def max_clips(self, frames: int) -> int:
+        """The most clips of up to ``frames`` frames one ``encode`` call takes."""
+        return audio_buckets(frames)[1][-1]
+
+    @torch.inference_mode()
+    def encode(self, features: torch.Tensor, mask: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """``Gemma4Model.encode_audio`` by graph replay: features [B, T, 128] and mask [B, T] (valid frames a
+        prefix), ``lengths`` each clip's soft-token count -> per clip soft tokens (copies). At most
+        ``max_clips(T)`` clips."""
+        clips, frames = mask.shape
+        frame_bucket, clip_buckets = audio_buckets(frames)
+        if clips > clip_buckets[-1]:
+            raise ValueError(f"{clips} audio clips of {frames} frames: at most {clip_buckets[-1]} a graph")
+        bucket = next(b for b in clip_buckets if b >= clips)
+        key = (bucket, frame_bucket, features.dtype)
+        entry = self._graphs.get(key)
+        if entry is None and len(self._graphs) < self.max_graphs:
+            entry = self._capture(key, features[:1], mask[:1])
+        if entry is None:
+            return self.model.encode_audio(features, mask, lengths)
+        graph, static_features, static_mask, tokens = entry
+        static_features.zero_()
+        static_mask.zero_()
+        static_features[:clips, :frames].copy_(features)
+        static_mask[:clips, :frames].copy_(mask)
+        static_features[clips:] = static_features[clips - 1 : clips]
+        static_mask[clips:] = static_mask[clips - 1 : clips]
+        graph.replay()
+        return [tokens[i, :n].clone() for i, n in enumerate(lengths)]
+
+    @torch.inference_mode()
+    def capture_buckets(self, features: torch.Tensor, mask: torch.Tensor, clips: int = 1) -> int:
+        """Capture the graph of ``clips`` clips at every frame bucket up to the whole length of ``features``
+        [1, T, 128] (a clip of the longest length the processor makes); returns how many were new."""
+        new, frames = 0, MIN_AUDIO_FRAMES
+        while True:
+            bucket, clip_buckets = audio_buckets(frames)
+            key = (next(b for b in clip_buckets if b >= clips), bucket, features.dtype)
+            if key not in self._graphs and len(self._graphs) < self.max_graphs:
+                self._capture(key, features[:1, :bucket], mask[:1, :bucket])
+                new += 1
+            if bucket >= features.shape[1]:
+                return new
+            frames = bucket + 1
+
+    def _capture(self, key: tuple, features: torch.Tensor, mask: torch.Tensor):
+        """Static inputs of ``key``'s shape holding ``features``' first clip, repeated; the graph's output is
+        the soft tokens of every clip's frames [B, L, H]."""
+        t0 = time.monotonic()
+        clips, frames = key[0], key[1]
+        static_features = features.new_zeros(clips, frames, features.shape[-1])
+        static_mask = mask.new_zeros(clips, frames)
+        length = min(frames, features.shape[1])
+        static_features[:, :length] = features[:1, :length]
+        static_mask[:, :length] = mask[:1, :length]
+
+        def forward() -> torch.Tensor:
+            hidden, _ = self.model.audio_tower(static_features, static_mask)
+            return self.model.embed_audio(hidden)
+
+        graph, tokens = _capture(forward, self._pool, self.device)
+        self._graphs[key] = entry = (graph, static_features, static_mask, tokens)
+        log.info("captured an audio-encoder CUDA graph for %s in %.2fs", key[:2], time.monotonic() - t0)
+        return entry
+
+
 def _repeat_last(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` [B, ...] extended to ``rows`` rows by repeating its last one (a new tensor)."""
     return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t.clone()

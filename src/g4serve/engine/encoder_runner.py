@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from g4serve.engine.cuda_graphs import VisionGraphRunner
+from g4serve.engine.cuda_graphs import AudioGraphRunner, VisionGraphRunner
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.models.gemma4.vision import pooling_cells_used
 from g4serve.processing.image import rescale_pixels
@@ -101,8 +101,8 @@ class EncoderRunner:
     ``overlap`` the engine ``start`` s encodes ahead of the steps that need them, on a side CUDA stream,
     and ``poll`` moves finished ones into the cache; decode steps keep running meanwhile. Nothing here
     reads the device back (soft-token counts and kept cells come from host-side inputs), so the host
-    keeps launching steps while the encoder runs. ``cuda_graphs``: replay the vision encoder as CUDA graphs
-    (``VisionGraphRunner``), on CUDA."""
+    keeps launching steps while the encoder runs. ``cuda_graphs``: replay the vision and audio encoders as
+    CUDA graphs (``VisionGraphRunner``, ``AudioGraphRunner``), on CUDA."""
 
     def __init__(
         self, model: Gemma4Model, cache: EncoderCache, overlap: bool = False, cuda_graphs: bool = False
@@ -115,6 +115,9 @@ class EncoderRunner:
         self.vision_graphs: VisionGraphRunner | None = None
         if cuda_graphs and self.device.type == "cuda" and model.vision_tower is not None:
             self.vision_graphs = VisionGraphRunner(model, self.device)
+        self.audio_graphs: AudioGraphRunner | None = None
+        if cuda_graphs and self.device.type == "cuda" and model.audio_tower is not None:
+            self.audio_graphs = AudioGraphRunner(model, self.device)
         self.stream: torch.cuda.Stream | None = None
         if overlap and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
@@ -283,6 +286,39 @@ class EncoderRunner:
         return EncoderCall("vision", len(items), len(per_input), sum(t.shape[0] for t in per_input), 0.0)
 
     def _encode_audio(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
+        if self.audio_graphs is not None:
+            # shortest first, so clips of like lengths share a graph; a chunk holds what its longest allows
+            items = sorted(items, key=lambda it: it.data["input_features"].shape[1])
+            chunks: list[list[MultimodalItem]] = [[]]
+            for item in items:
+                if len(chunks[-1]) >= self.audio_graphs.max_clips(item.data["input_features"].shape[1]):
+                    chunks.append([])
+                chunks[-1].append(item)
+            per_clip = []
+            for chunk in chunks:
+                feats, masks = self._audio_batch(chunk)
+                per_clip += self.audio_graphs.encode(feats, masks, [it.num_tokens for it in chunk])
+        else:
+            feats, masks = self._audio_batch(items)
+            # On the side stream, counts come from the prompt's placeholders: no read-back of the mask.
+            lengths = [it.num_tokens for it in items] if self.stream is not None else None
+            per_clip = self.model.encode_audio(feats, masks, lengths)
+        for item, tokens in zip(items, per_clip):
+            outputs[item.content_hash] = tokens
+        return EncoderCall("audio", len(items), len(items), sum(t.shape[0] for t in per_clip), 0.0)
+
+    @torch.inference_mode()
+    def capture_audio_buckets(self, item: MultimodalItem) -> int:
+        """Capture the audio graphs of one clip at every frame bucket up to ``item``'s length (the engine's
+        warm-up, with the longest clip the processor makes); returns how many were new."""
+        if self.audio_graphs is None:
+            return 0
+        feats, masks = self._audio_batch([item])
+        return self.audio_graphs.capture_buckets(feats, masks)
+
+    def _audio_batch(self, items: list[MultimodalItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clips' log-mel features [B, T, 128] and validity masks [B, T] on the device, padded to the
+        longest (masked frames)."""
         length = max(it.data["input_features"].shape[1] for it in items)
         pad = torch.nn.functional.pad
         feats = torch.cat(
@@ -303,9 +339,4 @@ class EncoderRunner:
                 for it in items
             ]
         )
-        # On the side stream, counts come from the prompt's placeholders: no read-back of the mask.
-        lengths = [it.num_tokens for it in items] if self.stream is not None else None
-        per_clip = self.model.encode_audio(feats, masks, lengths)
-        for item, tokens in zip(items, per_clip):
-            outputs[item.content_hash] = tokens
-        return EncoderCall("audio", len(items), len(items), sum(t.shape[0] for t in per_clip), 0.0)
+        return feats, masks

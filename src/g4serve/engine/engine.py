@@ -334,6 +334,7 @@ class LLMEngine:
             self.add_request(request)
         self.run_until_finished()
         self._capture_vision_buckets()
+        self._capture_audio_buckets()
         self.kv.reset_prefix_cache()
         self.num_steps = self.num_overlapped_steps = self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_forced_tokens = 0
@@ -368,6 +369,27 @@ class LLMEngine:
             items.append(processed.mm_items[0])
         new = self.encoder.capture_vision_buckets(items)
         log.info("vision-encoder graphs: %d frame buckets captured in %.1fs", new, time.monotonic() - t0)
+
+    def _capture_audio_buckets(self) -> None:
+        """Capture the audio encoder's graphs of one clip at every frame bucket up to the longest clip the
+        processor makes (``max_audio_seconds``), so a first audio request replays a graph. Nothing without
+        audio graphs."""
+        if self.encoder.audio_graphs is None or self.config.limit_mm_per_prompt.get("audio", 0) <= 0:
+            return
+        t0 = time.monotonic()
+        seconds = self.config.max_audio_seconds
+        try:
+            processed = self.process_prompt(
+                {
+                    "prompt": "<|audio|>",
+                    "multi_modal_data": {"audio": [np.zeros(int(16000 * seconds), np.float32)]},
+                }
+            )
+        except ValueError as exc:
+            log.warning("audio warm-up skipped: %s", exc)
+            return
+        new = self.encoder.capture_audio_buckets(processed.mm_items[0])
+        log.info("audio-encoder graphs: %d frame buckets captured in %.1fs", new, time.monotonic() - t0)
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
     def lora_registry(self) -> LoRARegistry:
