@@ -11,7 +11,7 @@
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-stall}
 MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
-VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12}
+VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -21,7 +21,7 @@ bench() {  # bench NAME ARGS...: one g4serve bench run against the server, outpu
     > "$RES/$mode/$1.log" 2>&1
 }
 TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY" --warmup 4)
-VIDEO=(--workload video --rates "$VIDEO_QPS" --warmup 2)
+VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2)  # MEDIA=audio: clips instead of videos
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
   extra=$([ "$mode" = overlap ] && echo --overlap-encoder)
