@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.quant_matmul import dequantize_reference, quant_matmul
 from g4serve.layers.quant import QuantLinear, quant_linear, quantize_weight
 from g4serve.quant_config import ActivationQuant, WeightQuant
@@ -127,19 +127,23 @@ def test_fp8_dynamic_projections_take_the_w8a8_kernel_at_decode_sizes():
     )
 
 
+@pytest.mark.parametrize("epilogue", [PLAIN, GATE_UP, MUL])
 @pytest.mark.parametrize("activations", [ActivationQuant(True, "token"), ActivationQuant(False, "tensor")])
-def test_fp8_prefill_takes_scaled_mm_close_to_the_reference(activations):
+def test_fp8_prefill_takes_scaled_mm_close_to_the_reference(activations, epilogue):
     """Past 64 rows an FP8 per-channel projection quantizes its activations (per token, or the static scale)
-    and multiplies on the FP8 tensor cores."""
+    and multiplies on the FP8 tensor cores; a gated one applies its epilogue after."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     n, k = 3072, 2560
-    layer = QuantLinear(k, n, WeightQuant("fp8", "channel", (1, 0)), activations, device="cuda")
-    layer.quantize_from(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5)
+    rows = 2 * n if epilogue == GATE_UP else n
+    layer = QuantLinear(k, rows, WeightQuant("fp8", "channel", (1, 0)), activations, device="cuda")
+    layer.quantize_from(torch.randn(rows, k, generator=gen, device="cuda") * k**-0.5)
     x = torch.randn(256, k, generator=gen, device="cuda").to(torch.bfloat16)
+    other = torch.randn(256, n, generator=gen, device="cuda").to(torch.bfloat16) if epilogue == MUL else None
     if layer.input_scale is not None:
         layer.input_scale.fill_(x.abs().max().item() / 448)
-    got = quant_linear(x, layer).float()
-    ref = x.float() @ layer.dequantize(torch.float32).T
+    act = "gelu_pytorch_tanh" if epilogue != PLAIN else None
+    got = quant_linear(x, layer, epilogue, act, other).float()
+    ref = epilogue_reference(x.float() @ layer.dequantize(torch.float32).T, epilogue, act, other).float()
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     print(f"FP8 scaled_mm ({activations.strategy}): relative error {err:.2e}")
     assert err < 6e-2
