@@ -112,7 +112,9 @@ class StepChannel:
         self.tp.broadcast_object(step)
 
     def publish_samples(self, token_ids: torch.Tensor) -> None:
-        self.tp.broadcast(token_ids.to(torch.int64).contiguous())
+        # a copy: the samples may live in a CUDA graph's output, which the next replay rewrites, while NCCL
+        # sends from its own stream
+        self.tp.broadcast(token_ids.to(torch.int64, copy=True))
 
     def receive(self, device: torch.device) -> StepInputs | None:
         step = self.tp.broadcast_object(None)
