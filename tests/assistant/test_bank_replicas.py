@@ -237,10 +237,9 @@ def test_the_cli_serves_and_imports_a_postgresql_bank(postgres_url, postgres_sch
     """``--db postgresql://…`` everywhere a bank is opened: imports, ``--demo``, and two servers whose bank,
     sessions and audit all live in that one database (the state store defaults to the bank's database)."""
     import psycopg
-    from fastapi.testclient import TestClient
+    from cli_replicas import pay_across_two_replicas
 
-    from g4serve_assistant.auth import TokenSigner
-    from g4serve_assistant.cli import build_from_args, build_parser, main, open_bank
+    from g4serve_assistant.cli import build_parser, main, open_bank
 
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {postgres_schema}")
@@ -260,18 +259,10 @@ def test_the_cli_serves_and_imports_a_postgresql_bank(postgres_url, postgres_sch
         conn.execute(f"DROP SCHEMA {postgres_schema} CASCADE")
         conn.execute(f"CREATE SCHEMA {postgres_schema}")
 
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"s" * 32)
-    argv = ["--no-llm", "--demo", "--db", url, "--session-secret-file", str(secret)]
-    a, b = (TestClient(build_from_args(build_parser().parse_args(argv))) for _ in range(2))
-    headers = {"authorization": f"Bearer {TokenSigner(b's' * 32).mint(DEMO_CUSTOMER_ID)}"}
-    session_id = a.post("/v1/assistant/sessions", json={}, headers=headers).json()["session_id"]
-    turn = {"session_id": session_id, "text": "send $50 to John Smith"}
-    action_id = b.post("/v1/assistant/turn", json=turn, headers=headers).json()["pending"]["action_id"]
-    turn |= {"text": "yes", "action_id": action_id}
-    assert a.post("/v1/assistant/turn", json=turn, headers=headers).json()["executed"]
+    argv = ["--no-llm", "--demo", "--db", url]
+    a, b, headers, turn = pay_across_two_replicas(argv, DEMO_CUSTOMER_ID, tmp_path / "secret")
     assert not b.post("/v1/assistant/turn", json=turn, headers=headers).json()["executed"]
-    balance = {"session_id": session_id, "text": "what's my balance"}
+    balance = {"session_id": turn["session_id"], "text": "what's my balance"}
     assert "$1,184.56" in b.post("/v1/assistant/turn", json=balance, headers=headers).json()["reply"]
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         listed = conn.execute(

@@ -423,27 +423,15 @@ def test_the_cli_picks_the_store(tmp_path, monkeypatch):
 
 def test_two_servers_from_the_cli_share_a_postgresql_store(postgres_url, tmp_path):
     import psycopg
-    from fastapi.testclient import TestClient
-
-    from g4serve_assistant.auth import TokenSigner
-    from g4serve_assistant.cli import build_from_args, build_parser
+    from cli_replicas import pay_across_two_replicas
 
     schema = f"cli_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"s" * 32)
     bank = tmp_path / "bank.db"
     demo_bank(bank).close()
-    argv = ["--no-llm", "--db", str(bank), "--session-secret-file", str(secret)]
-    argv += ["--state-db", f"{postgres_url}&options=-csearch_path%3D{schema}"]
-    a, b = (TestClient(build_from_args(build_parser().parse_args(argv))) for _ in range(2))
-    headers = {"authorization": f"Bearer {TokenSigner(b's' * 32).mint(C1)}"}
-    session_id = a.post("/v1/assistant/sessions", json={}, headers=headers).json()["session_id"]
-    turn = {"session_id": session_id, "text": "send $50 to John Smith"}
-    action_id = b.post("/v1/assistant/turn", json=turn, headers=headers).json()["pending"]["action_id"]
-    turn |= {"text": "yes", "action_id": action_id}
-    assert a.post("/v1/assistant/turn", json=turn, headers=headers).json()["executed"]
+    argv = ["--no-llm", "--db", str(bank), "--state-db", f"{postgres_url}&options=-csearch_path%3D{schema}"]
+    a, b, _, _ = pay_across_two_replicas(argv, C1, tmp_path / "secret")
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         listed = conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (schema,)
