@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS
 from g4serve.deploy.router import LoadBound
@@ -77,20 +76,9 @@ def router_config_from_args(args: argparse.Namespace):
 
 
 def run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from g4serve.deploy.proxy import build_router_app
+    from g4serve.server.launch import log_to_stderr, run_http
 
     config = router_config_from_args(args)  # ValueError: main prints it and exits 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    uvicorn.run(
-        build_router_app(config),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.drain_timeout,
-        timeout_keep_alive=30,
-    )
-    return 0
+    log_to_stderr(args.log_level)
+    return run_http(build_router_app(config), args)

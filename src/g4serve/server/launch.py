@@ -145,12 +145,19 @@ def build_from_args(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
+    log_to_stderr(args.log_level)
+    return run_http(build_from_args(args), args)
+
+
+def log_to_stderr(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_http(app, args: argparse.Namespace) -> int:
+    """Serve ``app`` on ``args.host``:``args.port`` until stopped; a stop gives in-flight requests
+    ``args.drain_timeout`` seconds (``g4serve serve`` and ``g4serve router``)."""
     import uvicorn
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    app = build_from_args(args)
     log.info("listening on http://%s:%d", args.host, args.port)
     uvicorn.run(
         app,
