@@ -8,25 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from graph_standin import fake_capture
 
 from g4serve import LLM
 from g4serve.engine import cuda_graphs
 from g4serve.engine.cuda_graphs import AudioGraphRunner, audio_buckets
-
-
-class _ReplayEager:
-    """A stand-in CUDA graph: replay re-runs the captured function into the captured output."""
-
-    def __init__(self, forward, output):
-        self.forward, self.output = forward, output
-
-    def replay(self):
-        self.output.copy_(self.forward())
-
-
-def _fake_capture(forward, pool, device):
-    output = forward()
-    return _ReplayEager(forward, output), output
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +34,7 @@ def test_audio_buckets():
 
 
 def test_padded_replays_give_the_eager_soft_tokens(engine, monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(cuda_graphs, "_capture", fake_capture)
     runner = AudioGraphRunner(engine.model, torch.device("cpu"))
     items = _clips(engine, [0.7, 2.3, 1.1, 0.4, 1.6])
     want = {}
@@ -70,7 +56,7 @@ def test_padded_replays_give_the_eager_soft_tokens(engine, monkeypatch):
 
 
 def test_warm_up_captures_every_frame_bucket_of_one_clip(engine, monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(cuda_graphs, "_capture", fake_capture)
     runner = AudioGraphRunner(engine.model, torch.device("cpu"))
     monkeypatch.setattr(engine.encoder, "audio_graphs", runner)
     (item,) = _clips(engine, [5.0])  # 501 frames: buckets 128, 256, 512

@@ -8,27 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from graph_standin import fake_capture
 
 from g4serve import LLM
 from g4serve.engine import cuda_graphs
 from g4serve.engine.cuda_graphs import VisionGraphRunner, frame_buckets
 from g4serve.processing.image import rescale_pixels
-
-
-class _ReplayEager:
-    """A stand-in CUDA graph: replay re-runs the captured function into the captured outputs."""
-
-    def __init__(self, forward, outputs):
-        self.forward, self.outputs = forward, outputs
-
-    def replay(self):
-        for static, fresh in zip(self.outputs, self.forward()):
-            static.copy_(fresh)
-
-
-def _fake_capture(forward, pool, device):
-    outputs = forward()
-    return _ReplayEager(forward, outputs), outputs
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +35,7 @@ def test_frame_buckets():
 
 
 def test_padded_chunked_replays_give_the_eager_soft_tokens(engine, monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(cuda_graphs, "_capture", fake_capture)
     runner = VisionGraphRunner(engine.model, torch.device("cpu"))
     monkeypatch.setattr(engine.encoder, "vision_graphs", runner)
     pixels, positions = _video(engine, 7, seed=1)
@@ -69,7 +54,7 @@ def test_padded_chunked_replays_give_the_eager_soft_tokens(engine, monkeypatch):
 
 def test_a_burst_of_frame_counts_reuses_the_bucket_graphs(engine, monkeypatch):
     """Frame counts 1..12 need 5 graphs (1, 2, 4, 8, 16 frames), all captured ahead by capture_buckets."""
-    monkeypatch.setattr(cuda_graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(cuda_graphs, "_capture", fake_capture)
     runner = VisionGraphRunner(engine.model, torch.device("cpu"))
     pixels, positions = _video(engine, 12, seed=2)
     monkeypatch.setattr(cuda_graphs, "MAX_PATCHES_PER_GRAPH", 16 * pixels.shape[1])  # buckets up to 16 frames
@@ -89,7 +74,7 @@ def test_a_burst_of_frame_counts_reuses_the_bucket_graphs(engine, monkeypatch):
 def test_warmup_captures_the_default_image_and_video_buckets(engine, monkeypatch):
     """``LLMEngine._capture_vision_buckets`` (the CUDA warm-up's last step) captures every frame bucket of a
     640x480 image and a 16:9 video frame."""
-    monkeypatch.setattr(cuda_graphs, "_capture", _fake_capture)
+    monkeypatch.setattr(cuda_graphs, "_capture", fake_capture)
     monkeypatch.setattr(cuda_graphs, "MAX_PATCHES_PER_GRAPH", 3000)  # few buckets: eager encodes on the CPU
     runner = VisionGraphRunner(engine.model, torch.device("cpu"))
     monkeypatch.setattr(engine.encoder, "vision_graphs", runner)
