@@ -34,6 +34,8 @@ from g4serve.engine.inputs import PendingTokens
 from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.engine.model_runner import ModelRunner, StepInputs
 from g4serve.layers.attention import BACKENDS
+from g4serve.models.gemma4.kv_scales import fp8_kv_scales
+from g4serve.models.gemma4.loader import checkpoint_dir, load_model
 
 log = logging.getLogger("g4serve.engine")
 
@@ -241,8 +243,6 @@ def _worker_main(
 def _serve_steps(
     config: EngineConfig, model_source: str, tp: TensorParallel, device: torch.device, store: dist.Store
 ) -> None:
-    from g4serve.models.gemma4.loader import load_model
-
     model = load_model(
         model_source,
         dtype=config.dtype,
@@ -264,9 +264,6 @@ def _serve_steps(
     text = model.cfg.text
     scales = None
     if plan.kv_dtype != model.language_model.embed_tokens.weight.dtype:  # FP8: this rank's heads' scales
-        from g4serve.models.gemma4.kv_scales import fp8_kv_scales
-        from g4serve.models.gemma4.loader import checkpoint_dir
-
         scales = fp8_kv_scales(model, checkpoint_dir(model_source))
     cache = PagedKVCache(text, plan.num_blocks, config.block_size, plan.kv_dtype, device, scales)
     runner = ModelRunner(
