@@ -7,36 +7,35 @@
 #      (the NCCL kernels' time per step against the link's bandwidth) (bench/engine_microbench.py)
 #   4. e4b as 2 replicas (one GPU each) behind `g4serve router`: a text sweep at rising QPS through the router,
 #      then against one replica alone (throughput ratio), the router's placements and the replicas' prefix hits
-# Each stage runs under its share of DEADLINE seconds. NVLink multicast stays off (KINDS.md): the variables are
-# exported here as well, so every process started below inherits them.
+# Each stage runs under its share of DEADLINE seconds, in the order of what the issue needs most (the TP = 2
+# decode/prefill figures, then the replicas, then the link, then parity), and writes under $OUT/res as it
+# goes, so a call cut short still brings back every finished stage. NVLink multicast stays off (KINDS.md):
+# the variables are exported here as well, so every process started below inherits them.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/tp_bench.sh", carry=[".whl"],
 #       kind="nvidia-h200-x2", timeout_s=600)
 # CPU smoke test (gloo, the tiny model; figures meaningless):
 #   SETUP=0 DEVICE=cpu MODEL=tiny REPLICA_MODEL=tiny BACKEND=torch RATES=2,4 DURATION=3 OUT=/tmp/out bash ...
-# Results: $OUT/tp_bench.tgz (every JSON and log), the tables in $OUT/tp_bench.md.
+# Results: $OUT/res (every JSON and log), the tables in $OUT/tp_bench.md.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DEVICE=${DEVICE:-cuda} MODEL=${MODEL:-31b} REPLICA_MODEL=${REPLICA_MODEL:-e4b} BACKEND=${BACKEND:-triton}
 RATES=${RATES:-8,16,32,64} DURATION=${DURATION:-10} DEADLINE=${DEADLINE:-570} OUT=${OUT:-/tmp/out}
-RES=/tmp/res-tp-bench
+DECODE_STEPS=${DECODE_STEPS:-24} PREFILL_REPS=${PREFILL_REPS:-3}
+RES=$OUT/res
 rm -rf "$RES"
-mkdir -p "$RES" "$OUT"
+mkdir -p "$RES"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 model_arg=$([ "$MODEL" = tiny ] && echo "" || echo "--model $MODEL")
 left() { echo $(( (DEADLINE - SECONDS) * $1 / 100 )); }  # a share of the seconds left
 
+# 1. 31b at TP 2: decode ITL, TTFT, a batch-1 profile of rank 0 (the NCCL kernels' time per step)
 # shellcheck disable=SC2086  # model_arg: empty or two words
-{
-  run allreduce "$(left 10)" python3 bench/allreduce_bw.py --world-size 2 --device "$DEVICE" --out "$RES"
-  run parity "$(left 40)" python3 bench/tp_parity.py $model_arg --sizes 2,1 --device "$DEVICE" --max-tokens 32 \
-    --out "$RES"
-  run microbench-tp2 "$(left 55)" python3 bench/engine_microbench.py $model_arg --device "$DEVICE" \
-    --attention-backend "$BACKEND" --tensor-parallel-size 2 --batches 1,8,32,64 --decode-steps 24 \
-    --prefill-lengths 512,2048 --prefill-reps 3 --profile --out "$RES"
-}
+run microbench-tp2 "$(left 40)" python3 bench/engine_microbench.py $model_arg --device "$DEVICE" \
+  --attention-backend "$BACKEND" --tensor-parallel-size 2 --batches 1,8,32,64 --decode-steps "$DECODE_STEPS" \
+  --prefill-lengths 512,2048 --prefill-reps "$PREFILL_REPS" --profile --out "$RES"
 
-# 4. two replicas behind the router, then one replica alone
+# 2. e4b: two replicas behind the router, then one replica alone
 serve() {  # serve PORT GPU
   CUDA_VISIBLE_DEVICES=$2 python3 -m g4serve.cli serve --preset "$REPLICA_MODEL" --device "$DEVICE" \
     --attention-backend "$BACKEND" --port "$1" --max-num-seqs 128 > "$RES/replica-$1.log" 2>&1 &
@@ -48,13 +47,13 @@ replica2=$!
 python3 -m g4serve.cli router --port 8100 --replica http://127.0.0.1:8101 --replica http://127.0.0.1:8102 \
   > "$RES/router.log" 2>&1 &
 router=$!
-for _ in $(seq 240); do
+while [ $SECONDS -lt $((DEADLINE / 2)) ]; do
   curl -sf localhost:8101/health > /dev/null && curl -sf localhost:8102/health > /dev/null && break
   sleep 1
 done
 for _ in $(seq 30); do curl -sf localhost:8100/health > /dev/null && break; sleep 1; done
 sweep() {  # sweep NAME URL
-  timeout -k 5 "$(left 45)" python3 -m g4serve.cli bench --base-url "$2" --workload text --rates "$RATES" \
+  timeout -k 5 "$(left 30)" python3 -m g4serve.cli bench --base-url "$2" --workload text --rates "$RATES" \
     --prompt-tokens 500 --output-tokens 128 --duration "$DURATION" --warmup 4 --drain-timeout 60 --no-plots \
     --label "$1" --out "$RES/$1" > "$RES/$1.log" 2>&1
 }
@@ -64,6 +63,12 @@ for port in 8101 8102; do curl -sf "localhost:$port/metrics" > "$RES/replica-$po
 sweep one-replica http://127.0.0.1:8101
 kill $router $replica1 $replica2
 wait 2>/dev/null
+
+# 3. the link: all-reduce bus bandwidth over NCCL, 2 ranks; 4. greedy tokens at TP 2 against TP 1
+run allreduce "$(left 25)" python3 bench/allreduce_bw.py --world-size 2 --device "$DEVICE" --out "$RES"
+# shellcheck disable=SC2086
+run parity "$(left 95)" python3 bench/tp_parity.py $model_arg --sizes 2,1 --device "$DEVICE" --max-tokens 32 \
+  --out "$RES"
 
 python3 - "$RES" <<'EOF' | tee "$OUT/tp_bench.md"
 import json, pathlib, re, sys
@@ -101,7 +106,7 @@ for name in ("two-replicas", "one-replica"):
         for p in json.loads(path.read_text())["points"]:
             ttft = p["ttft_p95_s"] * 1e3 if p["ttft_p95_s"] is not None else float("nan")
             itl = p["itl_p50_s"] * 1e3 if p["itl_p50_s"] is not None else float("nan")
-            print(f"| {p.get('rate')} | {p['requests_completed']} | {p['output_tokens_per_s']:.0f} | {ttft:.1f} | {itl:.1f} |")
+            print(f"| {p.get('rate_qps')} | {p['requests_completed']} | {p['output_tokens_per_s']:.0f} | {ttft:.1f} | {itl:.1f} |")
 metrics = res / "router-metrics.txt"
 if metrics.exists():
     print("\nRouter placements:")
@@ -109,4 +114,3 @@ if metrics.exists():
         if re.match(r"^g4serve_router_requests", line):
             print("    " + line)
 EOF
-tar -czf "$OUT/tp_bench.tgz" -C "$RES" .
