@@ -209,11 +209,13 @@ def test_scaling_down_drains_running_streams(cluster):
     url, port = cluster
     serve.delete(APP_NAME)
     args = serve_args(port, "--num-replicas", "2", "--min-replicas", "1", "--max-replicas", "2")
-    args.target_ongoing_requests, args.downscale_delay = 4.0, 3.0
+    args.target_ongoing_requests, args.downscale_delay, args.drain_timeout = 4.0, 1.0, 200.0
     serve.run(build_application(args, 0.0), name=APP_NAME, route_prefix="/")
     names = replica_names()
     assert len(names) == 2, names
-    streams = [Stream(url, f"drain-{i}", max_tokens=400, replica=name) for i, name in enumerate(names)]
+    # long enough to outlast the autoscaler's decision on a fast machine (400 tokens once ended first, in
+    # under 3 s): the tiny model writes 100-200 tokens/s a stream on two cores
+    streams = [Stream(url, f"drain-{i}", max_tokens=2400, replica=name) for i, name in enumerate(names)]
     for stream in streams:
         stream.start()
     assert all(stream.started.wait(60) for stream in streams)
@@ -224,7 +226,7 @@ def test_scaling_down_drains_running_streams(cluster):
         "the streams ended before the scale-down: nothing drained"
     )
     for stream in streams:
-        stream.join(120)
+        stream.join(240)
         assert stream.error is None and stream.finish_reason == "length", stream.events[-3:]
         assert stream.events[-1] == "[DONE]"
     wait_until(lambda: len(replica_names()) == 1, 60, "one replica left")

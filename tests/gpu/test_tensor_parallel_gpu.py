@@ -54,3 +54,30 @@ def test_e4b_bf16_first_token_distribution_close_to_one_rank():
         assert len(shared) >= 3
         for token in shared:
             assert position[token].logprob == pytest.approx(expected[token].logprob, abs=0.1)
+
+
+two_gpus = pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="NCCL across two GPUs",
+)
+
+
+@two_gpus
+def test_nccl_with_cuda_graphs_stops_and_starts_again(hf_checkpoint, monkeypatch):
+    """Two GPUs, NCCL, decode graphs that captured its all-reduces: the engine stops within seconds (the
+    communicators are destroyed by both ranks together, after the graphs are freed), and a second engine
+    starts in the same process with the same tokens."""
+    import time
+
+    monkeypatch.delenv("G4SERVE_TP_ONE_DEVICE")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = dict(device="cuda", dtype="float32", text_only=True, kv_cache_bytes=64 << 20)
+    runs = []
+    for _ in range(2):
+        llm = LLM(hf_checkpoint("31b"), tensor_parallel_size=2, **engine)
+        assert llm.engine.runner.decode_graphs is not None
+        runs.append([tokens for tokens, _ in _outputs(llm, params)])
+        t0 = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - t0 < 10.0
+    assert runs[0] == runs[1]

@@ -279,6 +279,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing else holds processes or devices). Idempotent; the engine
         cannot step afterwards."""
         if self.tp_workers is not None:
+            if (runner := getattr(self, "runner", None)) is not None:  # None: the start failed before it
+                runner.release_graphs()  # they captured NCCL all-reduces: freed before the group goes
             self.tp_workers.shutdown()
 
     def _make_proposer(self, spec: SpeculativeConfig) -> NgramProposer | MTPProposer:

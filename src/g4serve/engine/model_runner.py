@@ -16,6 +16,7 @@ eagerly; ``sample`` applies the requests' sampling parameters, grammar masks and
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -140,6 +141,13 @@ class ModelRunner:
             for runner in (self.mixed_graphs, self.verify_graphs, self.decode_graphs):
                 if runner is not None:
                     runner.capture(pool)
+
+    def release_graphs(self) -> None:
+        """Free the step graphs (and their memory pool); the runner steps eagerly afterwards."""
+        self.decode_graphs = self.mixed_graphs = self.verify_graphs = None
+        gc.collect()  # a graph referenced from a cycle goes now, not at some later collection
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def graph_runners(
         self, capture: bool

@@ -12,11 +12,18 @@ Start-up: rank 0 opens a TCP store, spawns the workers and waits until each has 
 first is reported with its error); all load their shards at once; rank 0 plans the KV cache and sends the
 plan (``WorkerPlan``), and each worker builds the same cache and graphs. A worker that fails later takes the
 engine down with it: the next collective on rank 0 raises.
+
+Shut-down: with NCCL, destroying the communicators is itself collective (``ncclCommDestroy`` waits for every
+rank) and waits until every CUDA graph that captured one of its all-reduces is freed. So rank 0 frees its
+step graphs first (``Engine.shutdown``), then tells the workers to stop; each frees its model and graphs and
+leaves the group while rank 0 leaves it too, each side bounded by a timeout (a rank that does not come is
+given up on, with a warning, rather than hanging the process); only then are the worker processes joined.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
@@ -192,21 +199,42 @@ class TensorParallelWorkers:
             raise
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the workers (after the step in progress) and leave the group. Idempotent."""
-        if self.tp is not None and all(p.is_alive() for p in self.processes):
+        """Stop the workers (after the step in progress), leave the group with them, join them. Idempotent.
+        Rank 0's CUDA graphs must be freed before (see the module's doc)."""
+        healthy = self.tp is not None and all(p.is_alive() for p in self.processes)
+        if healthy:
             try:
                 self.channel.publish(None)
             except RuntimeError as exc:  # a worker is gone already
                 log.warning("tensor parallel: stopping the workers: %s", exc)
+                healthy = False
+        if self.tp is not None:
+            leave_group(healthy, timeout_s)
         deadline = time.monotonic() + timeout_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.terminate()
                 process.join(1.0)
-        if self.tp is not None and dist.is_initialized():
-            dist.destroy_process_group()
         self.tp = None
+
+
+def leave_group(together: bool, timeout_s: float) -> bool:
+    """Destroy this process's groups: with ``together`` (every rank does the same now) gracefully, else by
+    aborting the communicators (a peer is gone: NCCL's graceful destroy would wait for it forever). Runs in
+    a thread bounded by ``timeout_s``; False (and a warning) where it did not finish, the process going on
+    without it. A no-op where no group is up."""
+    if not dist.is_initialized():
+        return True
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    leave = dist.destroy_process_group if together or abort is None else abort
+    thread = threading.Thread(target=leave, name="g4serve-tp-leave", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("tensor parallel: the group was not destroyed within %.0f s; left as it is", timeout_s)
+        return False
+    return True
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -233,10 +261,13 @@ def _worker_main(
         _serve_steps(config, model, tp, device, store)
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc(limit=8))
+        leave_group(together=False, timeout_s=10.0)
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # rank 0 said stop: the model and its graphs went with _serve_steps' frame; free them before leaving
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    leave_group(together=True, timeout_s=30.0)
 
 
 @torch.inference_mode()
