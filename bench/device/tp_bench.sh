@@ -8,22 +8,24 @@
 #   4. e4b as 2 replicas (one GPU each) behind `g4serve router`: a text sweep at rising QPS through the router,
 #      then against one replica alone (throughput ratio), the router's placements and the replicas' prefix hits
 # Each stage runs under its share of DEADLINE seconds, in the order of what the issue needs most (the TP = 2
-# decode/prefill figures, then the replicas, then the link, then parity), and writes under $OUT/res as it
-# goes, so a call cut short still brings back every finished stage. NVLink multicast stays off (KINDS.md):
-# the variables are exported here as well, so every process started below inherits them.
+# decode/prefill figures, then the replicas, then the link, then parity), packed into $OUT/tp_bench.tgz after
+# each stage (a device call brings back at most 8 files), so a call cut short still brings back every finished
+# stage. NVLink multicast stays off (KINDS.md): the variables are exported here as well, so every process
+# started below inherits them.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/tp_bench.sh", carry=[".whl"],
 #       kind="nvidia-h200-x2", timeout_s=600)
 # CPU smoke test (gloo, the tiny model; figures meaningless):
 #   SETUP=0 DEVICE=cpu MODEL=tiny REPLICA_MODEL=tiny BACKEND=torch RATES=2,4 DURATION=3 OUT=/tmp/out bash ...
-# Results: $OUT/res (every JSON and log), the tables in $OUT/tp_bench.md.
+# Results: $OUT/tp_bench.tgz (every JSON and log), the tables in $OUT/tp_bench.md.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DEVICE=${DEVICE:-cuda} MODEL=${MODEL:-31b} REPLICA_MODEL=${REPLICA_MODEL:-e4b} BACKEND=${BACKEND:-triton}
 RATES=${RATES:-8,16,32,64} DURATION=${DURATION:-10} DEADLINE=${DEADLINE:-570} OUT=${OUT:-/tmp/out}
 DECODE_STEPS=${DECODE_STEPS:-24} PREFILL_REPS=${PREFILL_REPS:-3}
-RES=$OUT/res
+RES=/tmp/res-tp-bench
 rm -rf "$RES"
-mkdir -p "$RES"
+mkdir -p "$RES" "$OUT"
+pack() { tar -czf "$OUT/tp_bench.tgz" -C "$RES" .; }  # after every stage: a call cut short keeps what finished
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 model_arg=$([ "$MODEL" = tiny ] && echo "" || echo "--model $MODEL")
@@ -34,6 +36,7 @@ left() { echo $(( (DEADLINE - SECONDS) * $1 / 100 )); }  # a share of the second
 run microbench-tp2 "$(left 40)" python3 bench/engine_microbench.py $model_arg --device "$DEVICE" \
   --attention-backend "$BACKEND" --tensor-parallel-size 2 --batches 1,8,32,64 --decode-steps "$DECODE_STEPS" \
   --prefill-lengths 512,2048 --prefill-reps "$PREFILL_REPS" --profile --out "$RES"
+pack
 
 # 2. e4b: two replicas behind the router, then one replica alone
 serve() {  # serve PORT GPU
@@ -63,12 +66,15 @@ for port in 8101 8102; do curl -sf "localhost:$port/metrics" > "$RES/replica-$po
 sweep one-replica http://127.0.0.1:8101
 kill $router $replica1 $replica2
 wait 2>/dev/null
+pack
 
 # 3. the link: all-reduce bus bandwidth over NCCL, 2 ranks; 4. greedy tokens at TP 2 against TP 1
 run allreduce "$(left 25)" python3 bench/allreduce_bw.py --world-size 2 --device "$DEVICE" --out "$RES"
+pack
 # shellcheck disable=SC2086
 run parity "$(left 95)" python3 bench/tp_parity.py $model_arg --sizes 2,1 --device "$DEVICE" --max-tokens 32 \
   --out "$RES"
+pack
 
 python3 - "$RES" <<'EOF' | tee "$OUT/tp_bench.md"
 import json, pathlib, re, sys
@@ -111,6 +117,11 @@ metrics = res / "router-metrics.txt"
 if metrics.exists():
     print("\nRouter placements:")
     for line in metrics.read_text().splitlines():
-        if re.match(r"^g4serve_router_requests", line):
+        if re.match(r"^g4serve_router_requests_total", line):
             print("    " + line)
+for port in (8101, 8102):
+    path = res / f"replica-{port}-metrics.txt"
+    if path.exists():
+        hits = [l for l in path.read_text().splitlines() if l.startswith("g4serve_prefix_cache_hit") and "_created" not in l]
+        print(f"\nreplica {port}: " + "; ".join(hits))
 EOF
