@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from g4serve.processing.limits import is_within
+from g4serve.processing.streamed_base64 import recall
 
 _PART_MODALITY = {
     "image": "image",
@@ -56,9 +57,12 @@ class _Policy:
 
 
 def decode_data_url(url: str, where: str) -> bytes:
-    """``data:<mime>;base64,<payload>`` -> bytes."""
+    """``data:<mime>;base64,<payload>`` -> bytes (decoded already where the body reader streamed it)."""
     if not url.startswith("data:"):
         raise ValueError(f"{where}: expected a data: URL")
+    comma = url.find(",", 0, 256)
+    if comma > 0 and (decoded := recall(url, comma + 1)) is not None:  # the body reader checked the header
+        return decoded
     header, sep, payload = url.partition(",")
     if not sep or ";base64" not in header:
         raise ValueError(f"{where}: only base64 data: URLs are supported")
@@ -66,6 +70,8 @@ def decode_data_url(url: str, where: str) -> bytes:
 
 
 def decode_base64(payload: str, where: str) -> bytes:
+    if (decoded := recall(payload, 0)) is not None:
+        return decoded
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:

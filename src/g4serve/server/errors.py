@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from g4serve.server.body import JsonBodyReader, put_blobs, read_body
+
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -119,14 +121,13 @@ def install_error_handlers(app: FastAPI, count_error: Callable[[int], None], log
 
 async def read_json_object(request: Request, max_bytes: int) -> dict:
     """The request body as a JSON object, read in chunks up to ``max_bytes`` (413 past it); malformed JSON
-    or another JSON type is a 400 naming ``body``."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))
+    or another JSON type is a 400 naming ``body``. A large body is scanned as it arrives, its base64 media
+    decoded on the way (``server.body``), so parsing it never holds the event loop for long."""
+    reader = JsonBodyReader()
+    if not await read_body(request.stream(), max_bytes, reader):
+        raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    text, blobs = await reader.finish()
+    return put_blobs(parse_json_object(text), blobs)
 
 
 def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
