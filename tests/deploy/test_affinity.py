@@ -3,6 +3,7 @@ as they grow, repeated images meet, different prefixes part, and no body makes t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -15,6 +16,7 @@ from g4serve.deploy.affinity import (
     body_affinity,
     request_affinity,
 )
+from g4serve.deploy.relay import read_body, request_key
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant for a bank."}
 IMAGE_A = {
@@ -179,3 +181,52 @@ def test_random_json_never_raises():
     for _ in range(2000):
         body = {rng.choice(["messages", "prompt", "input", "user", "model"]): junk(0) for _ in range(3)}
         assert body_affinity(body).kind in ("prefix", "session", "none")
+
+
+class _Streamed:
+    """What the router reads of a request: its headers and its body in chunks."""
+
+    def __init__(self, raw: bytes, headers=None, chunk: int = 1 << 16):
+        self.raw, self.headers, self.chunk = raw, headers or {}, chunk
+
+    async def stream(self):
+        for i in range(0, len(self.raw), self.chunk):
+            yield self.raw[i : i + self.chunk]
+
+
+def _routed(body: dict | bytes, headers=None, chunk: int = 1 << 16) -> tuple[bytes, AffinityKey]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = _Streamed(raw, headers, chunk)
+
+    async def run():
+        read = await read_body(request, 64 << 20)
+        return read.raw, request_key(request, read, 512)
+
+    return asyncio.run(run())
+
+
+def test_large_media_are_keyed_by_their_digest_as_they_stream_in():
+    """A body past 256 KB is read by the digesting body reader: its media strings are hashed as they arrive,
+    never parsed whole. The forwarded bytes are the body's; the same image keys alike whatever follows it,
+    another image apart; small bodies key exactly as before."""
+    rng = random.Random(0)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "QUJD" * 150_000}}
+    other = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "QUJE" * 150_000}}
+    keys = []
+    for part, question in ((image, "what is it?"), (image, "and its colour?"), (other, "what is it?")):
+        body = chat(SYSTEM, {"role": "user", "content": [part, {"type": "text", "text": question}]})
+        raw, key = _routed(body)
+        assert raw == json.dumps(body).encode()
+        assert key.kind == "prefix"
+        keys.append(key)
+    assert keys[0] == keys[1] != keys[2]
+    small = chat(SYSTEM, {"role": "user", "content": [IMAGE_A, {"type": "text", "text": "?"}]})
+    assert _routed(small)[1] == key_of(small)
+    assert _routed(small, {"x-session-id": "s1"})[1] == key_of(small, {"x-session-id": "s1"})
+    # a long text turn keys by its leading characters, as a short one does
+    for text in ("yes " * 100_000, "été " * 100_000):  # raw UTF-8 in the body: no escape
+        long_text = json.dumps(chat(SYSTEM, {"role": "user", "content": text}), ensure_ascii=False).encode()
+        assert _routed(long_text)[1] == key_of(long_text)
+    # an escaped long string (another encoder's '\/') stays in the text: keyed from the whole value
+    escaped = json.dumps(chat(SYSTEM, {"role": "user", "content": "a/" * 200_000})).replace("/", "\\/")
+    assert _routed(escaped.encode(), chunk=rng.choice([1000, 1 << 16]))[1] == key_of(escaped.encode())

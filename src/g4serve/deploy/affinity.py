@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,16 +47,24 @@ def request_affinity(
 ) -> AffinityKey:
     """The key of one request; ``headers`` is looked up by lower-case name (Starlette's ``Headers`` is
     case-insensitive already). Never raises on any body."""
+    return payload_affinity(headers, lambda: parse_object(body), prefix_chars)
+
+
+def payload_affinity(
+    headers: Mapping[str, str], payload: Callable[[], dict | None], prefix_chars: int = DEFAULT_PREFIX_CHARS
+) -> AffinityKey:
+    """``request_affinity`` of a body already parsed: ``payload()`` gives its JSON object (or None), called
+    only when no header decides. Never raises."""
     pinned = (headers.get(REPLICA_HEADER) or "").strip()
     if pinned:
         return AffinityKey("replica", pinned)
     session = (headers.get(SESSION_HEADER) or "").strip()
     if session:
         return AffinityKey("session", _digest(["session", session]))
-    payload = parse_object(body)
-    if payload is None:
+    parsed = payload()
+    if parsed is None:
         return NO_KEY
-    return body_affinity(payload, prefix_chars)
+    return body_affinity(parsed, prefix_chars)
 
 
 def parse_object(body: bytes) -> dict | None:

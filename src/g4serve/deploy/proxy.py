@@ -69,13 +69,13 @@ class RouterProxy:
             return error_response(
                 413, f"request body exceeds the router's limit of {self.config.max_request_body_bytes} bytes"
             )
-        key = await request_key(request, body, self.config.prefix_chars)
+        key = request_key(request, body, self.config.prefix_chars)
         placement = place(key, self.pool.healthy_loads(), self.config.load_bound)
         for name in placement.order[: self.config.max_connect_attempts]:
             replica = self.pool.get(name)
             if replica is None or not replica.healthy:  # gone since placing (a health check ran)
                 continue
-            response = await self._try(replica, request, body)
+            response = await self._try(replica, request, body.raw)
             if response is not None:
                 self.metrics.observe_request(
                     name, key.kind, placement_label(key.routed, name, placement.home)

@@ -158,13 +158,13 @@ class RouterIngress:
             return error_response(
                 413, f"request body exceeds the limit of {self.max_request_body_bytes} bytes"
             )
-        key = await request_key(request, body, self.prefix_chars)
+        key = request_key(request, body, self.prefix_chars)
         forwarded = ForwardedRequest(
             request.method,
             request.scope.get("raw_path", request.url.path.encode()).decode("latin-1"),
             request.url.query,
             forwardable(request.headers.items()),
-            body,
+            body.raw,
         )
         stream = self.engine.handle.remote(forwarded, **{AFFINITY_KWARG: key})
         try:

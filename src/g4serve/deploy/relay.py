@@ -13,13 +13,15 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from g4serve.deploy.affinity import REPLICA_HEADER, AffinityKey, request_affinity
+from g4serve.deploy.affinity import REPLICA_HEADER, AffinityKey, parse_object, payload_affinity
+from g4serve.server.body import JsonBodyReader, put_blobs
 
 # Per-connection headers (RFC 9110 section 7.6.1) and the ones the response object computes itself.
 HOP_BY_HOP = frozenset(
@@ -38,8 +40,8 @@ HOP_BY_HOP = frozenset(
     )
 )
 _EVENT_END = b"\n\n"
-# Bodies past this size are keyed in a worker thread: parsing 10 MB of base64 image takes 60 ms (measured),
-# which the event loop, relaying every other stream, must not wait for.
+# What is left of a body to parse past this size is parsed in a worker thread (a body of many short strings,
+# which the reader does not shorten), and a body past it joined there (bytes.join lets go of the GIL).
 _INLINE_PARSE_BYTES = 256 << 10
 _DISCONNECT_POLL_S = 0.5
 T = TypeVar("T")
@@ -82,22 +84,36 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
                 await task
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes | None:
+@dataclass
+class ReadBody:
+    """A request's body as it is forwarded, and its JSON object as the affinity key reads it: every long
+    string without an escape hashed while the body arrived (``server.body``, digesting), so a 20 MB video
+    is never parsed, copied or digested whole on the event loop. None: not a JSON object."""
+
+    raw: bytes
+    payload: dict | None
+
+
+async def read_body(request: Request, max_bytes: int) -> ReadBody | None:
     """The request body, or None past ``max_bytes`` (read no further)."""
-    chunks, size = [], 0
+    chunks, reader = [], JsonBodyReader(digest=True)
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
+        if reader.size + len(chunk) > max_bytes:
             return None
         chunks.append(chunk)
-    return b"".join(chunks)
+        await reader.feed(chunk)
+    text, blobs = await reader.finish()
+    # what is left to parse is small unless the body was many short strings (or escaped ones)
+    inline = len(text) <= _INLINE_PARSE_BYTES
+    payload = parse_object(text) if inline else await asyncio.to_thread(parse_object, text)
+    inline = reader.size <= _INLINE_PARSE_BYTES
+    raw = b"".join(chunks) if inline else await asyncio.to_thread(b"".join, chunks)
+    return ReadBody(raw, put_blobs(payload, blobs) if payload is not None else None)
 
 
-async def request_key(request: Request, body: bytes, prefix_chars: int) -> AffinityKey:
-    """The request's affinity key; large bodies are parsed in a worker thread."""
-    if len(body) <= _INLINE_PARSE_BYTES:
-        return request_affinity(request.headers, body, prefix_chars)
-    return await asyncio.to_thread(request_affinity, request.headers, body, prefix_chars)
+def request_key(request: Request, body: ReadBody, prefix_chars: int) -> AffinityKey:
+    """The request's affinity key."""
+    return payload_affinity(request.headers, lambda: body.payload, prefix_chars)
 
 
 def replica_failed_event(replica: str, exc: BaseException) -> bytes:

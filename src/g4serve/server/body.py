@@ -12,6 +12,11 @@ the JSON text as a short placeholder; everything else is passed through unchange
 parses the few kilobytes left, and the placeholders become the strings ``json.loads`` would have given,
 their decoded bytes remembered for the request. The loop is yielded to every ``yield_every`` bytes scanned.
 
+With ``digest`` (the router, which only keys requests) every long string without an escape is hashed as
+it arrives instead, and stands in the parsed value as its first 4 KB followed by its digest: the key of a
+media part then follows its content, and a long text turn keys by its leading characters as before,
+without the router ever holding either as one string.
+
 A string with an escape in it, or whose payload is not strict base64, stays in the JSON text: the value is
 exactly what ``json.loads`` of the whole body gives, and so is every error (its position counted in the
 shortened text). A body of many short strings, which the scan would only slow down, goes to ``json.loads``
@@ -21,6 +26,7 @@ as it is once the scan has met more strings and escapes than a budget per byte.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
@@ -30,33 +36,60 @@ from g4serve.processing.streamed_base64 import Base64Stream, remember
 _QUOTE, _BACKSLASH = b'"', b"\\"
 # A data: URL's header ("data:video/mp4;base64,") is found within this many bytes of the string's start.
 _HEADER_BYTES = 256
+# Digesting, a long string's stand-in starts with this many of its bytes: the affinity key reads the first
+# 512 characters of a user turn (the router's default --prefix-chars), which fit in 4 KB of UTF-8.
+_DIGEST_HEAD_BYTES = 4096
 
 
 class Blob(NamedTuple):
+    """What a placeholder stands for: the string (or, digesting, the digest's stand-in) and the bytes its
+    payload decoded to (None when digesting)."""
+
     text: str
     payload_start: int
-    decoded: bytes
+    decoded: bytes | None
+
+
+class _Digest:
+    """A long string's content hashed as it arrives (the router's affinity key needs no more of it)."""
+
+    __slots__ = ("_hash",)
+    failed = False
+
+    def __init__(self) -> None:
+        self._hash = hashlib.blake2b(digest_size=16)
+
+    def feed(self, piece: bytes) -> None:
+        self._hash.update(piece)  # hashlib lets go of the GIL for large pieces
+
+    def close(self) -> bool:
+        return True
+
+    def result(self) -> str:
+        return self._hash.hexdigest()
 
 
 class _LongString:
     """The string literal being scanned: its raw JSON text (in pieces, joined once: a growing buffer would
-    copy itself as it grew), and its payload decoded as it arrives."""
+    copy itself as it grew), and its payload decoded (or, ``digest``, hashed) as it arrives."""
 
-    __slots__ = ("pieces", "head", "size", "payload_start", "stream", "escaped")
+    __slots__ = ("pieces", "head", "head_bytes", "size", "payload_start", "stream", "escaped", "digest")
 
-    def __init__(self) -> None:
+    def __init__(self, digest: bool = False) -> None:
         self.pieces: list[bytes] = []
-        self.head = b""  # the first _HEADER_BYTES
+        self.head = b""  # the first head_bytes
+        self.head_bytes = _DIGEST_HEAD_BYTES if digest else _HEADER_BYTES
         self.size = 0
         self.payload_start = 0
-        self.stream: Base64Stream | None = None
+        self.stream: Base64Stream | _Digest | None = None
         self.escaped = False
+        self.digest = digest
 
     def add(self, piece: bytes, min_blob: int) -> None:
         self.pieces.append(piece)
         self.size += len(piece)
-        if len(self.head) < _HEADER_BYTES:
-            self.head = (self.head + piece)[:_HEADER_BYTES]
+        if len(self.head) < self.head_bytes:
+            self.head = (self.head + piece)[: self.head_bytes]
         if self.escaped:
             return
         if self.stream is not None:
@@ -65,6 +98,10 @@ class _LongString:
             self._start()
 
     def _start(self) -> None:
+        if self.digest:
+            self.stream = _Digest()
+            self.stream.feed(b"".join(self.pieces))
+            return
         self.payload_start = 0
         if self.head.startswith(b"data:"):
             comma = self.head.find(b",")
@@ -88,7 +125,10 @@ class _LongString:
 
     async def blob(self) -> Blob:
         """The string and its decoded payload; the large joins in a thread, where they let go of the GIL
-        (only the ASCII decoding of the text holds it)."""
+        (only the ASCII decoding of the text holds it). Digesting: the digest's stand-in."""
+        if self.digest:  # its leading text, then the digest of all of it
+            head = self.head.decode("utf-8", "ignore")
+            return Blob(f"{head}\x00g4serve-digest:{self.stream.result()}", 0, None)
         raw = await asyncio.to_thread(b"".join, self.pieces)
         decoded = await asyncio.to_thread(self.stream.result)
         return Blob(str(raw, "ascii"), self.payload_start, decoded)
@@ -98,8 +138,15 @@ class JsonBodyReader:
     """Feed a body's chunks (``await feed(chunk)``), then ``await finish()``: the JSON text, and what its
     placeholders stand for (``put_blobs`` puts them back into the parsed value)."""
 
-    def __init__(self, stream_from: int = 1 << 18, min_blob: int = 1 << 16, yield_every: int = 1 << 18):
+    def __init__(
+        self,
+        stream_from: int = 1 << 18,
+        min_blob: int = 1 << 16,
+        yield_every: int = 1 << 18,
+        digest: bool = False,
+    ):
         self.stream_from, self.min_blob, self.yield_every = stream_from, min_blob, yield_every
+        self.digest = digest  # long strings become a digest's stand-in, not decoded (the router's key)
         self._kept: list[bytes] = []  # the body while it is small
         self._size = 0
         self._streaming = False
@@ -156,7 +203,7 @@ class JsonBodyReader:
                     self._text += chunk[pos:]
                     return
                 self._text += chunk[pos:quote]
-                self._string = _LongString()
+                self._string = _LongString(self.digest)
                 pos = quote + 1
                 continue
             if self._after_backslash:  # the escaped character (a \uXXXX's digits need no care)
@@ -215,21 +262,30 @@ def put_blobs(value: Any, blobs: dict[str, Blob]) -> Any:
     if not blobs:
         return value
     for blob in blobs.values():
-        remember(blob.text, blob.payload_start, blob.decoded)
+        if blob.decoded is not None:
+            remember(blob.text, blob.payload_start, blob.decoded)
+    texts = {key: blob.text for key, blob in blobs.items()}
     if isinstance(value, str):
-        return blobs[value].text if value in blobs else value
+        return texts.get(value, value)
     stack = [value]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict) and any(key in blobs for key in node):  # a long key: rebuilt, same order
-            pairs = [(blobs[key].text if key in blobs else key, child) for key, child in node.items()]
-            node.clear()
-            node.update(pairs)
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, child in list(items):
+        for key, child in _children(node, texts):
             if isinstance(child, str):
-                if child in blobs:
-                    node[key] = blobs[child].text
+                if child in texts:
+                    node[key] = texts[child]
             elif isinstance(child, (dict, list)):
                 stack.append(child)
     return value
+
+
+def _children(node: dict | list, texts: dict[str, str]) -> list[tuple[Any, Any]]:
+    """(key or index, child) of ``node``; a dict with a placeholder among its keys is rebuilt first, in the
+    same order, with the key's string."""
+    if isinstance(node, list):
+        return list(enumerate(node))
+    if any(key in texts for key in node):
+        pairs = [(texts.get(key, key), child) for key, child in node.items()]
+        node.clear()
+        node.update(pairs)
+    return list(node.items())
