@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from g4serve.bench.meta import device_name, git_commit, write_result_json  # noqa: E402
+from g4serve.bench.meta import result_header, write_result_json  # noqa: E402
 from g4serve.processing.chat import decode_data_url  # noqa: E402
 from g4serve.server.errors import parse_json_object, read_json_object  # noqa: E402
 
@@ -111,18 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     result = {
-        "benchmark": "body_stall",
-        "git_commit": git_commit(),
-        "device": device_name("cpu"),
-        "python": sys.version.split()[0],
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["python", *sys.argv]),
+        **result_header("body_stall", "cpu"),
         "chunk_bytes": CHUNK,
         "reps": args.reps,
         "rows": rows,
     }
-    path = write_result_json(args.out, "body-stall", result)
-    print(f"wrote {path}")
+    write_result_json(args.out, "body-stall", result)
     return 0
 
 

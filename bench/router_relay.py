@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from g4serve.bench.meta import device_name, git_commit, write_result_json  # noqa: E402
+from g4serve.bench.meta import result_header, write_result_json  # noqa: E402
 
 EVENT = (
     b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk",'
@@ -267,19 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     result = {
-        "benchmark": "router_relay",
-        "git_commit": git_commit(),
-        "device": device_name("cpu"),
-        "python": sys.version.split()[0],
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["python", *sys.argv]),
+        **result_header("router_relay", "cpu"),
         "streams": args.streams,
         "rate": args.rate,
         "events_per_stream": args.events,
         "router_src": args.src,
         "rows": rows,
     }
-    print(f"wrote {write_result_json(args.out, 'router-relay', result)}")
+    write_result_json(args.out, "router-relay", result)
     return 0
 
 

@@ -105,3 +105,18 @@ def write_result_json(out_dir: str | Path, stem: str, result: dict) -> Path:
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def result_header(benchmark: str, device: str | None = None) -> dict:
+    """The fields every result file starts with: the benchmark, the commit, the device, Python, the date and
+    the command that ran."""
+    import sys
+
+    return {
+        "benchmark": benchmark,
+        "git_commit": git_commit(),
+        "device": device_name(device),
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00"),
+        "command": " ".join(["python", *sys.argv]),
+    }
