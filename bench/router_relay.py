@@ -23,6 +23,7 @@ import base64
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ EVENT = (
     b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk",'
     b'"choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
 )
+_STREAM = re.compile(rb'"stream"\s*:\s*true')
 ROUTER = """
 import sys, uvicorn
 from g4serve.deploy.proxy import RouterConfig, build_router_app
@@ -52,9 +54,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> bytes:
+    return b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (
+        prompt_tokens,
+        completion_tokens,
+        prompt_tokens + completion_tokens,
+    )
+
+
 async def _replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int, rate: float):
-    """One HTTP/1.1 connection of the stand-in replica: a streamed chat request gets an event stream, anything
-    else ``{}``."""
+    """One HTTP/1.1 connection of the stand-in replica: a streamed chat request gets ``events`` chunks at
+    ``rate`` a second (and a usage chunk if asked), anything else a one-token answer; a body's prompt counts
+    a token per 4 bytes."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -63,9 +74,15 @@ async def _replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, e
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
             body = await reader.readexactly(length) if length else b""
-            if head.startswith(b"GET /health") or b'"stream":true' not in body[-64:]:
+            prompt = len(body) // 4
+            if head.startswith(b"GET /health") or not _STREAM.search(body):
+                answer = (
+                    b'{"choices":[{"index":0,"message":{"role":"assistant","content":"x"},'
+                    b'"finish_reason":"length"}],' + _usage(prompt, 1) + b"}"
+                )
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(answer), answer)
                 )
                 await writer.drain()
                 continue
@@ -78,8 +95,11 @@ async def _replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, e
                 if delay > 0:
                     await asyncio.sleep(delay)
                 writer.write(b"%x\r\n%s\r\n" % (len(EVENT), EVENT))
-            done = b"data: [DONE]\n\n"
-            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            tail = b""
+            if b"include_usage" in body:
+                tail = b'data: {"id":"chatcmpl-0","choices":[],' + _usage(prompt, events) + b"}\n\n"
+            tail += b"data: [DONE]\n\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
         pass  # the client or the router left, or the stand-in is shutting down
