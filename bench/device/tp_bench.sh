@@ -20,7 +20,7 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DEVICE=${DEVICE:-cuda} MODEL=${MODEL:-31b} REPLICA_MODEL=${REPLICA_MODEL:-e4b} BACKEND=${BACKEND:-triton}
-RATES=${RATES:-8,16,32,64} DURATION=${DURATION:-10} DEADLINE=${DEADLINE:-570} OUT=${OUT:-/tmp/out}
+RATES=${RATES:-24,48,96,144} DURATION=${DURATION:-10} DEADLINE=${DEADLINE:-570} OUT=${OUT:-/tmp/out}
 DECODE_STEPS=${DECODE_STEPS:-24} PREFILL_REPS=${PREFILL_REPS:-3}
 RES=/tmp/res-tp-bench
 rm -rf "$RES"
@@ -60,7 +60,11 @@ sweep() {  # sweep NAME URL
     --prompt-tokens 500 --output-tokens 128 --duration "$DURATION" --warmup 4 --drain-timeout 60 --no-plots \
     --label "$1" --out "$RES/$1" > "$RES/$1.log" 2>&1
 }
+cpu_s() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }  # a process's CPU seconds (USER_HZ 100)
+router_cpu0=$(cpu_s $router)
 sweep two-replicas http://127.0.0.1:8100
+awk -v a="$(cpu_s $router)" -v b="$router_cpu0" \
+  'BEGIN {printf "router CPU during the two-replica sweep: %.1f s\n", a - b}' | tee "$RES/router-cpu.txt"
 curl -sf localhost:8100/metrics > "$RES/router-metrics.txt"
 for port in 8101 8102; do curl -sf "localhost:$port/metrics" > "$RES/replica-$port-metrics.txt"; done
 sweep one-replica http://127.0.0.1:8101
@@ -113,6 +117,9 @@ for name in ("two-replicas", "one-replica"):
             ttft = p["ttft_p95_s"] * 1e3 if p["ttft_p95_s"] is not None else float("nan")
             itl = p["itl_p50_s"] * 1e3 if p["itl_p50_s"] is not None else float("nan")
             print(f"| {p.get('rate_qps')} | {p['requests_completed']} | {p['output_tokens_per_s']:.0f} | {ttft:.1f} | {itl:.1f} |")
+cpu = res / "router-cpu.txt"
+if cpu.exists():
+    print("\n" + cpu.read_text().strip())
 metrics = res / "router-metrics.txt"
 if metrics.exists():
     print("\nRouter placements:")
