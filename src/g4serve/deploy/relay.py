@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from g4serve.deploy.affinity import REPLICA_HEADER, AffinityKey, parse_object, payload_affinity
-from g4serve.server.body import JsonBodyReader, put_blobs
+from g4serve.server.body import JsonBodyReader, put_blobs, read_into
 
 # Per-connection headers (RFC 9110 section 7.6.1) and the ones the response object computes itself.
 HOP_BY_HOP = frozenset(
@@ -97,11 +97,14 @@ class ReadBody:
 async def read_body(request: Request, max_bytes: int) -> ReadBody | None:
     """The request body, or None past ``max_bytes`` (read no further)."""
     chunks, reader = [], JsonBodyReader(digest=True)
-    async for chunk in request.stream():
-        if reader.size + len(chunk) > max_bytes:
-            return None
-        chunks.append(chunk)
-        await reader.feed(chunk)
+
+    async def kept() -> AsyncIterator[bytes]:  # the chunks, kept for forwarding as they are read
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            yield chunk
+
+    if not await read_into(reader, kept(), max_bytes):
+        return None
     text, blobs = await reader.finish()
     # what is left to parse is small unless the body was many short strings (or escaped ones)
     inline = len(text) <= _INLINE_PARSE_BYTES

@@ -247,7 +247,7 @@ class JsonBodyReader:
         self._text += b'"\\u0000' + name.encode() + _QUOTE
 
 
-async def read_body(stream: AsyncIterator[bytes], max_bytes: int, reader: JsonBodyReader) -> bool:
+async def read_into(reader: JsonBodyReader, stream: AsyncIterator[bytes], max_bytes: int) -> bool:
     """Feed ``stream`` to ``reader``; False as soon as it passes ``max_bytes``."""
     async for chunk in stream:
         if reader.size + len(chunk) > max_bytes:

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from g4serve.server.body import JsonBodyReader, put_blobs, read_body
+from g4serve.server.body import JsonBodyReader, put_blobs, read_into
 
 _TYPES = {
     400: "BadRequestError",
@@ -124,7 +124,7 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
     or another JSON type is a 400 naming ``body``. A large body is scanned as it arrives, its base64 media
     decoded on the way (``server.body``), so parsing it never holds the event loop for long."""
     reader = JsonBodyReader()
-    if not await read_body(request.stream(), max_bytes, reader):
+    if not await read_into(reader, request.stream(), max_bytes):
         raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
     text, blobs = await reader.finish()
     return put_blobs(parse_json_object(text), blobs)
