@@ -115,6 +115,7 @@ def test_text_sweep_with_own_server_then_compare(tiny_model_dir, tmp_path):
         assert point["requests_sent"] == math.ceil(point["rate_qps"] * duration)
         assert abs(point["achieved_send_rate_qps"] / point["rate_qps"] - 1) < 0.10
         assert point["send_lag_p50_s"] < 0.05  # on time (a loaded CI box may delay a few sends)
+        assert point["client_cpu_share"] is None  # the server shares this process: not the client's alone
         assert 400 <= point["mean_prompt_tokens"] <= 600  # ~500 after calibration
         server = point["server"]  # the /metrics split: one observation per request of this point
         assert server["ttft_count"] == point["requests_completed"]
@@ -184,6 +185,7 @@ def test_default_own_server_is_a_subprocess(tiny_model_dir, tmp_path):
     assert result["meta"]["workload"]["calibration"]["measured"] is False
     _check_point(result["points"][0], output_tokens=10)
     assert result["points"][0]["server"]["ttft_count"] == 3
+    assert 0 <= result["points"][0]["client_cpu_share"] < 4  # the server is another process: the client's own
 
 
 def test_concurrency_mode_with_httpx(server, tmp_path):
@@ -634,3 +636,16 @@ def test_drain_deadline_counts_slow_requests_as_errors():
     assert len(closed.results) == 2 and closed.timed_out == 2 and closed.wall_s < 1.5
     point = report.summarize_point(closed, {"mode": "concurrency", "concurrency": 2})
     assert point["errors"] == 2 and point["requests_completed"] == 0 and point["ttft_p50_s"] is None
+    # the client's own CPU over the point (this process: nothing but the client here)
+    assert 0 <= rate.client_cpu_s and 0 <= point["client_cpu_share"] < 4
+
+
+def test_a_client_near_a_whole_core_is_warned_about(capsys):
+    from g4serve.bench import cli as bench_cli
+
+    point = {"mode": "rate", "rate_qps": 96.0, "requests_completed": 1, "requests_sent": 1, "errors": 0}
+    point |= {"ttft_p50_s": 0.01, "itl_p50_s": 0.0, "output_tokens_per_s": 9000.0}
+    bench_cli._progress({**point, "client_cpu_share": 0.5})
+    assert "warning" not in capsys.readouterr().err
+    bench_cli._progress({**point, "client_cpu_share": 0.95})
+    assert "the client itself used 95% of a core" in capsys.readouterr().err

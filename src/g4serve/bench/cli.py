@@ -272,6 +272,10 @@ def _point_load(args: argparse.Namespace, value: float, mode: str) -> dict[str, 
     return {"mode": "concurrency", "concurrency": int(value)}
 
 
+# Above this share of one core the client's own event loop starts to delay what it measures.
+CLIENT_CPU_WARNING = 0.8
+
+
 def _progress(point: dict[str, Any]) -> None:
     x = point.get("rate_qps", point.get("concurrency"))
     print(
@@ -282,6 +286,14 @@ def _progress(point: dict[str, Any]) -> None:
         file=sys.stderr,
         flush=True,
     )
+    share = point.get("client_cpu_share")
+    if share is not None and share > CLIENT_CPU_WARNING:
+        print(
+            f"[bench] warning: the client itself used {share:.0%} of a core at this point: its TTFT and ITL "
+            "may be late; split the load over several clients",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _meta(
@@ -401,6 +413,8 @@ async def _sweep(
                     drain_timeout_s=args.drain_timeout,
                 )
             after = await loadgen.scrape_metrics(client, base_url)
+            if location.startswith("in-process"):  # the server's CPU is this process's too
+                run.client_cpu_s = None
             point = report.summarize_point(
                 run, _point_load(args, value, mode), loadgen.server_stage_split(before, after)
             )

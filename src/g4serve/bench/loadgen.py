@@ -88,6 +88,9 @@ class PointRun:
     send_window_s: float  # from t0 to the last send
     wall_s: float  # from t0 to the last completion (or the drain deadline)
     timed_out: int = 0  # requests still in flight at the drain deadline (counted as errors)
+    # CPU seconds this process spent over the point (HTTP runs: the client's own load; a client near a whole
+    # core delivers tokens late and in bursts, and its ITL and TTFT say more about itself than the server)
+    client_cpu_s: float | None = None
 
 
 class HTTPStatusError(Exception):
@@ -377,6 +380,7 @@ async def run_rate_point(
     )
     await prefetch.prime()
     tasks: list[tuple[asyncio.Task, int, float]] = []
+    cpu0 = time.process_time()
     t0 = time.perf_counter() + 0.01
     try:
         for i, offset in enumerate(offsets):
@@ -389,7 +393,7 @@ async def run_rate_point(
         prefetch.cancel()
     send_window = time.perf_counter() - t0
     results, timed_out = await _drain(tasks, t0, drain_timeout_s)
-    return PointRun(results, t0, send_window, time.perf_counter() - t0, timed_out)
+    return PointRun(results, t0, send_window, time.perf_counter() - t0, timed_out, time.process_time() - cpu0)
 
 
 async def run_concurrency_point(  # noqa: C901 - closed-loop driver: worker closure, send deadline and drain share one point's state
@@ -421,6 +425,7 @@ async def run_concurrency_point(  # noqa: C901 - closed-loop driver: worker clos
     results: list[RequestResult] = []
     in_flight: dict[asyncio.Task, int] = {}
     sending_done = asyncio.Event()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     last_send = 0.0
 
@@ -471,7 +476,7 @@ async def run_concurrency_point(  # noqa: C901 - closed-loop driver: worker clos
         if not w.cancelled() and w.exception() is not None:
             raise w.exception()
     results.sort(key=lambda r: r.index)
-    return PointRun(results, t0, last_send, time.perf_counter() - t0, timed_out)
+    return PointRun(results, t0, last_send, time.perf_counter() - t0, timed_out, time.process_time() - cpu0)
 
 
 # ---- the server's own metrics ------------------------------------------------------------------------------

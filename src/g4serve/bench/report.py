@@ -118,6 +118,7 @@ def summarize_point(
         "achieved_send_rate_qps": (len(sent) - 1) / (sent[-1] - sent[0])
         if len(sent) >= 2 and sent[-1] > sent[0]
         else None,
+        "client_cpu_share": run.client_cpu_s / wall if run.client_cpu_s is not None else None,
         "send_lag_p50_s": percentile(lags, 50),
         "send_lag_max_s": max(lags) if lags else None,
         "send_window_s": run.send_window_s,
