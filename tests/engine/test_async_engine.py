@@ -374,3 +374,23 @@ def test_shutdown_ends_streams_and_refuses_new_requests(tiny_model_dir):
     assert not aengine._thread.is_alive() and aengine.dead is not None
     assert not aengine.engine.requests and _pools_full(aengine.engine)  # its blocks were returned
     aengine.shutdown()  # idempotent
+
+
+def test_step_outputs_own_their_tokens_unless_the_async_engine_reads_them_at_once(tiny_model_dir):
+    """A plain engine's step outputs keep the tokens of their step (a caller may hold them); the async engine
+    reads each one on the engine thread before the next step, so its engine shares the request's list instead
+    of copying a long output every step, and streams only the new tokens."""
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request(engine.make_request("r", engine.process_prompt(_user("hello")), params))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs) >= 2 and outputs[-1].finished
+    # each output kept the tokens of its own step: one more than the one before
+    assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(7 - len(outputs), 7))
+    shared = AsyncLLMEngine(make_engine(tiny_model_dir))
+    try:
+        assert shared.engine.copy_outputs is False
+    finally:
+        shared.shutdown()

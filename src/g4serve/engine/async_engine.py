@@ -32,7 +32,7 @@ log = logging.getLogger("g4serve.async_engine")
 class StreamDelta:
     request_id: str
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the output tokens since the previous delta
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None
@@ -64,6 +64,7 @@ class RequestFailedError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, preprocess_workers: int = 4):
         self.engine = engine
+        engine.copy_outputs = False  # _publish reads each output on the engine thread, before the next step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (kind, payload) from the event loop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -192,8 +193,9 @@ class AsyncLLMEngine:
             return
         completion = out.outputs[0]
         try:
-            # Here, on the engine thread, so text and finish state are read consistently.
+            # Here, on the engine thread, so text, tokens and finish state are read consistently.
             text = request.take_stream_delta()
+            token_ids = request.take_token_delta()
         except Exception as exc:  # this request's state is broken: it fails alone
             log.exception("request %s: its output could not be streamed", out.request_id)
             self.engine.abort_request(out.request_id)
@@ -203,7 +205,7 @@ class AsyncLLMEngine:
         delta = StreamDelta(
             request_id=out.request_id,
             text=text,
-            token_ids=list(completion.token_ids),
+            token_ids=token_ids,
             finished=out.finished,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
@@ -315,7 +317,6 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead))
         self._commands.put(("add", request))
         self._wake.set()
-        sent_tokens = 0
         finished = False
         try:
             while True:
@@ -325,8 +326,6 @@ class AsyncLLMEngine:
                     if isinstance(item, RequestFailedError):
                         raise item  # made for this stream alone
                     raise EngineDeadError(str(item)) from item  # `dead`, shared: a fresh error per stream
-                item.token_ids = item.token_ids[sent_tokens:]
-                sent_tokens += len(item.token_ids)
                 finished = item.finished
                 yield item
                 if finished:

@@ -125,6 +125,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tp_workers: TensorParallelWorkers | None = None  # the other ranks (tensor_parallel_size > 1)
+        self.copy_outputs = True  # each step's RequestOutput owns its token list (see output_of)
         try:
             self._build(config)
         except BaseException:
@@ -913,11 +914,13 @@ class LLMEngine:
         self._extend_block_hashes(request)
 
     def output_of(self, request: Request) -> RequestOutput:
+        """The request's output now. ``copy_outputs`` False (``AsyncLLMEngine``, which reads every output on
+        this thread before the next step): its token list is the request's own, not a copy."""
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[request.completion()],
+            outputs=[request.completion(copy=self.copy_outputs)],
             finished=request.finished,
             metrics=request.metrics,
             # Prompt tokens served from the cache: with jump-forward a hit may reach into the text forced at

@@ -84,6 +84,7 @@ class Request:
             self._stop_tokens.update(self.eos_token_ids)
         self._max_stop_len = max((len(s) for s in self.sampling_params.stop), default=0)
         self._streamed_chars = 0
+        self._streamed_tokens = 0
 
     def set_drafts(self, tokens: list[int]) -> None:
         """Drafts for the next step to verify, on the host."""
@@ -262,11 +263,19 @@ class Request:
         self._streamed_chars = end
         return delta
 
-    def completion(self, index: int = 0) -> CompletionOutput:
+    def take_token_delta(self) -> list[int]:
+        """Output tokens not yet streamed (a step's sample, or several: drafts accepted, text forced)."""
+        delta = self.output_token_ids[self._streamed_tokens :]
+        self._streamed_tokens = len(self.output_token_ids)
+        return delta
+
+    def completion(self, index: int = 0, copy: bool = True) -> CompletionOutput:
+        """This request's output so far; ``copy=False`` shares its live token list (a reader on the engine
+        thread, before the next step: one copy per step of a long output is quadratic over the request)."""
         return CompletionOutput(
             index=index,
             text=self.text,
-            token_ids=list(self.output_token_ids),
+            token_ids=list(self.output_token_ids) if copy else self.output_token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
