@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, _put_all
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.sampling_params import SamplingParams
 
@@ -126,13 +126,27 @@ def _concurrent_streams_match_sync_engine(tiny_model_dir, aengine):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _sync_outputs(make_engine(tiny_model_dir), prompts, params)
 
+    handovers = []
+
     async def main():
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):  # the engine thread's hand-overs of deltas
+            if callback is _put_all:
+                handovers.append(len(args[0]))
+            return threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
         streams = await asyncio.gather(
             *(_collect(aengine, p, params, request_id=str(i)) for i, p in enumerate(prompts))
         )
         return {str(i): deltas for i, deltas in enumerate(streams)}
 
     streams = asyncio.run(main())
+    # one hand-over a step, however many streams it carries
+    assert sum(handovers) == sum(len(d) for d in streams.values())
+    assert len(handovers) <= aengine.engine.num_steps and max(handovers) > 1
     for rid, deltas in streams.items():
         assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
         assert deltas[-1].finish_reason == expected[rid].finish_reason == "length"

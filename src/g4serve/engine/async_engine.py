@@ -49,6 +49,10 @@ class StreamDelta:
         return self.num_output_tokens - self.num_forced_tokens
 
 
+# One step's deltas by the event loop of their streams.
+_Batch = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamDelta]]]
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread crashed; the server should report 500s and restart."""
 
@@ -97,8 +101,10 @@ class AsyncLLMEngine:
                     log.exception("engine step raised; failing every request")
                     self._fail_all(exc)
                     continue
+                batch: _Batch = {}
                 for out in outputs:
-                    self._publish(out)
+                    self._publish(out, batch)
+                self._deliver(batch)
         except BaseException as exc:  # everything must reach the waiting clients
             log.exception("engine thread crashed")
             # Its type only: the exception's text may hold internals.
@@ -183,7 +189,23 @@ class AsyncLLMEngine:
         except RuntimeError:  # the caller's loop is gone: nobody waits for it
             pass
 
-    def _publish(self, out: RequestOutput) -> None:
+    def _deliver(self, batch: _Batch) -> None:
+        """A step's deltas, one hand-over per event loop (not one per stream: a step of 64 streams would
+        wake the loop 64 times); a loop that closed without closing its streams stops their requests."""
+        for loop, items in batch.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # "Event loop is closed"
+                for _, delta in items:
+                    self._streams.pop(delta.request_id, None)
+                    if not delta.finished:
+                        self.engine.abort_request(delta.request_id)
+
+    def _publish(
+        self, out: RequestOutput, batch: dict[asyncio.AbstractEventLoop, list] | None = None
+    ) -> None:
+        """``out`` to its stream: into ``batch`` (handed over by ``_deliver`` once the step is published), or
+        at once without one."""
         entry = self._streams.get(out.request_id)
         if entry is None:
             return
@@ -216,6 +238,9 @@ class AsyncLLMEngine:
             num_cached_tokens=out.num_cached_tokens,
             num_forced_tokens=completion.num_forced_tokens,
         )
+        if batch is not None:
+            batch.setdefault(loop, []).append((q, delta))
+            return
         if not self._send(loop, q, delta):
             # The consumer's event loop closed without closing the stream: stop generating for it.
             self._streams.pop(out.request_id, None)
@@ -394,6 +419,11 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)
             self._fail_calls()
             self.engine.shutdown()  # its tensor-parallel workers
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
