@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Issue 25 in one device call on nvidia-h200-x2 (2 GPUs of one host): tensor parallel and replicas on real GPUs.
-#   1. the link: all-reduce bus bandwidth, NCCL, 2 ranks (bench/allreduce_bw.py)
-#   2. 31b bf16, greedy tokens at TP 2 against TP 1 on the same random weights (bench/tp_parity.py; TP 1 fits
-#      one H200), with each size's start-up time
-#   3. 31b bf16 at TP 2: decode ITL at B = 1/8/32/64, TTFT at 512/2048 tokens, and a batch-1 profile of rank 0
+#   0. NCCL with CUDA graphs across both GPUs: the TP engine stops in seconds and starts again (a GPU test)
+#   1. 31b bf16 at TP 2: decode ITL at B = 1/8/32/64, TTFT at 512/2048 tokens, and a batch-1 profile of rank 0
 #      (the NCCL kernels' time per step against the link's bandwidth) (bench/engine_microbench.py)
-#   4. e4b as 2 replicas (one GPU each) behind `g4serve router`: a text sweep at rising QPS through the router,
-#      then against one replica alone (throughput ratio), the router's placements and the replicas' prefix hits
-# Each stage runs under its share of DEADLINE seconds, in the order of what the issue needs most (the TP = 2
-# decode/prefill figures, then the replicas, then the link, then parity), packed into $OUT/tp_bench.tgz after
-# each stage (a device call brings back at most 8 files), so a call cut short still brings back every finished
-# stage. NVLink multicast stays off (KINDS.md): the variables are exported here as well, so every process
-# started below inherits them.
+#   2. e4b as 2 replicas (one GPU each) behind `g4serve router`: a text sweep at rising QPS through the router
+#      (with the router's CPU time), then against one replica alone (throughput ratio), the router's placements
+#      and the replicas' prefix hits
+#   3. the link: all-reduce bus bandwidth, NCCL, 2 ranks (bench/allreduce_bw.py)
+#   4. 31b bf16, greedy tokens at TP 2 against TP 1 on the same random weights (bench/tp_parity.py; TP 1 fits
+#      one H200), with each size's start-up time
+# Each stage runs under its share of DEADLINE seconds, in that order (what the issue needs most first), packed
+# into $OUT/tp_bench.tgz after each stage (a device call brings back at most 8 files), so a call cut short
+# still brings back every finished stage. NVLink multicast stays off (KINDS.md): the variables are exported
+# here as well, so every process started below inherits them.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/tp_bench.sh", carry=[".whl"],
 #       kind="nvidia-h200-x2", timeout_s=600)
 # CPU smoke test (gloo, the tiny model; figures meaningless):
@@ -30,6 +31,9 @@ source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 model_arg=$([ "$MODEL" = tiny ] && echo "" || echo "--model $MODEL")
 left() { echo $(( (DEADLINE - SECONDS) * $1 / 100 )); }  # a share of the seconds left
+
+# 0. NCCL across the two GPUs with CUDA graphs: the engine stops in seconds and starts again (the tiny model)
+run nccl-stop-start "$(left 10)" python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -k nccl -p no:cacheprovider
 
 # 1. 31b at TP 2: decode ITL, TTFT, a batch-1 profile of rank 0 (the NCCL kernels' time per step)
 # shellcheck disable=SC2086  # model_arg: empty or two words
