@@ -221,7 +221,7 @@ def test_large_media_are_keyed_by_their_digest_as_they_stream_in():
         keys.append(key)
     assert keys[0] == keys[1] != keys[2]
     small = chat(SYSTEM, {"role": "user", "content": [IMAGE_A, {"type": "text", "text": "?"}]})
-    assert _routed(small)[1] == key_of(small)
+    assert _routed(small) == (json.dumps(small).encode(), key_of(small))
     assert _routed(small, {"x-session-id": "s1"})[1] == key_of(small, {"x-session-id": "s1"})
     # a long text turn keys by its leading characters, as a short one does
     for text in ("yes " * 100_000, "été " * 100_000):  # raw UTF-8 in the body: no escape
@@ -229,4 +229,5 @@ def test_large_media_are_keyed_by_their_digest_as_they_stream_in():
         assert _routed(long_text)[1] == key_of(long_text)
     # an escaped long string (another encoder's '\/') stays in the text: keyed from the whole value
     escaped = json.dumps(chat(SYSTEM, {"role": "user", "content": "a/" * 200_000})).replace("/", "\\/")
-    assert _routed(escaped.encode(), chunk=rng.choice([1000, 1 << 16]))[1] == key_of(escaped.encode())
+    raw, key = _routed(escaped.encode(), chunk=rng.choice([1000, 1 << 16]))
+    assert raw == escaped.encode() and key == key_of(escaped.encode())

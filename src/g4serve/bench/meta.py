@@ -6,7 +6,9 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -63,11 +65,13 @@ def _cuda_name(device: str | None) -> str | None:
         return None
 
 
+def command_line() -> str:
+    """The command that is running, as a shell would take it (the interpreter by its name)."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
+
+
 def cuda_environment() -> dict:
     """What a kernel benchmark's JSON records about where it ran (CUDA device 0)."""
-    import shlex
-    import sys
-
     import torch
     import triton
 
@@ -80,7 +84,7 @@ def cuda_environment() -> dict:
         "triton_version": triton.__version__,
         "cuda_version": torch.version.cuda,
         "python_version": platform.python_version(),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
 
@@ -110,13 +114,11 @@ def write_result_json(out_dir: str | Path, stem: str, result: dict) -> Path:
 def result_header(benchmark: str, device: str | None = None) -> dict:
     """The fields every result file starts with: the benchmark, the commit, the device, Python, the date and
     the command that ran."""
-    import sys
-
     return {
         "benchmark": benchmark,
         "git_commit": git_commit(),
         "device": device_name(device),
         "python": platform.python_version(),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00"),
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
     }

@@ -117,10 +117,8 @@ class RouterProxy:
         except ClientGone:
             replica.in_flight -= 1
             return Response(status_code=499)  # nobody reads it
-        except (
-            aiohttp.ClientConnectorError,
-            asyncio.TimeoutError,
-        ) as exc:  # refused, or no connection in time
+        except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as exc:
+            # refused, or no connection within --connect-timeout
             replica.in_flight -= 1
             self.pool.mark(replica.name, False, f"connect failed: {type(exc).__name__}")
             self.metrics.observe_failure(replica.name, "connect")

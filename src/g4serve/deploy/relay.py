@@ -107,10 +107,12 @@ async def read_body(request: Request, max_bytes: int) -> ReadBody | None:
         return None
     text, blobs = await reader.finish()
     # what is left to parse is small unless the body was many short strings (or escaped ones)
-    inline = len(text) <= _INLINE_PARSE_BYTES
-    payload = parse_object(text) if inline else await asyncio.to_thread(parse_object, text)
-    inline = reader.size <= _INLINE_PARSE_BYTES
-    raw = b"".join(chunks) if inline else await asyncio.to_thread(b"".join, chunks)
+    small = len(text) <= _INLINE_PARSE_BYTES
+    payload = parse_object(text) if small else await asyncio.to_thread(parse_object, text)
+    if not blobs:  # nothing left the text: it is the body, byte for byte
+        raw = text
+    else:
+        raw = await asyncio.to_thread(b"".join, chunks)  # a blob is at least 64 KB: a large join
     return ReadBody(raw, put_blobs(payload, blobs) if payload is not None else None)
 
 

@@ -197,13 +197,15 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # "Event loop is closed"
                 for _, delta in items:
-                    self._streams.pop(delta.request_id, None)
-                    if not delta.finished:
-                        self.engine.abort_request(delta.request_id)
+                    self._orphaned(delta.request_id, delta.finished)
 
-    def _publish(
-        self, out: RequestOutput, batch: dict[asyncio.AbstractEventLoop, list] | None = None
-    ) -> None:
+    def _orphaned(self, request_id: str, finished: bool) -> None:
+        """The consumer's event loop closed without closing the stream: stop generating for it."""
+        self._streams.pop(request_id, None)
+        if not finished:
+            self.engine.abort_request(request_id)
+
+    def _publish(self, out: RequestOutput, batch: _Batch | None = None) -> None:
         """``out`` to its stream: into ``batch`` (handed over by ``_deliver`` once the step is published), or
         at once without one."""
         entry = self._streams.get(out.request_id)
@@ -242,10 +244,7 @@ class AsyncLLMEngine:
             batch.setdefault(loop, []).append((q, delta))
             return
         if not self._send(loop, q, delta):
-            # The consumer's event loop closed without closing the stream: stop generating for it.
-            self._streams.pop(out.request_id, None)
-            if not out.finished:
-                self.engine.abort_request(out.request_id)
+            self._orphaned(out.request_id, out.finished)
 
     # ---- event-loop side ---------------------------------------------------------------------------
     async def process(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:

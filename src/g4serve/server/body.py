@@ -54,7 +54,6 @@ class _Digest:
     """A long string's content hashed as it arrives (the router's affinity key needs no more of it)."""
 
     __slots__ = ("_hash",)
-    failed = False
 
     def __init__(self) -> None:
         self._hash = hashlib.blake2b(digest_size=16)
