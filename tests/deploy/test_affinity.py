@@ -231,3 +231,11 @@ def test_large_media_are_keyed_by_their_digest_as_they_stream_in():
     escaped = json.dumps(chat(SYSTEM, {"role": "user", "content": "a/" * 200_000})).replace("/", "\\/")
     raw, key = _routed(escaped.encode(), chunk=rng.choice([1000, 1 << 16]))
     assert raw == escaped.encode() and key == key_of(escaped.encode())
+
+
+@pytest.mark.parametrize("raw", [b"[" * 400_000, b'{"messages": ["' + b"x" * 300_000, b"\xff\xfe" * 200_000])
+def test_large_hostile_bodies_are_forwarded_as_they_came_without_a_key(raw):
+    """Past 256 KB the router scans as it reads: a body too deep, unterminated or not UTF-8 still reaches
+    the replica byte for byte (which answers the 400), keyed by nothing."""
+    forwarded, key = _routed(raw)
+    assert forwarded == raw and key == NO_KEY

@@ -238,3 +238,21 @@ def test_many_short_strings_or_escapes_go_to_json_loads_unscanned(monkeypatch):
         # the budget of the first MB scanned (64 + 1 MB / 256 strings or escapes, each one or two steps),
         # not a step per string
         assert steps < 10_000, steps
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 400_000,  # nested past the depth limit, in a body large enough to be scanned
+        b'{"a": ' + b'{"b": ' * 100_000 + b'"x"' + b"}" * 100_001,
+        b'{"a": ["' + b'", "'.join([b"QUJD" * 20_000] * 8) + b'"], "b": ' + b"[" * 70 + b"]" * 70 + b"}",
+    ],
+)
+def test_deep_large_bodies_are_refused_as_whole_ones_are(raw):
+    """The scan does not track nesting: the depth limit still holds on what it leaves, blobs or not."""
+    with pytest.raises(APIError) as whole:
+        parse_json_object(raw)
+    with pytest.raises(APIError) as streamed:
+        _read(raw, random.Random(0))
+    assert streamed.value.status == whole.value.status == 400
+    assert "nested more than" in streamed.value.args[0] and "nested more than" in whole.value.args[0]
