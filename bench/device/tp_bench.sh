@@ -9,6 +9,7 @@
 #   3. the link: all-reduce bus bandwidth, NCCL, 2 ranks (bench/allreduce_bw.py)
 #   4. 31b bf16, greedy tokens at TP 2 against TP 1 on the same random weights (bench/tp_parity.py; TP 1 fits
 #      one H200), with each size's start-up time
+# STAGES (default "0 1 2 3 4") picks the stages to run, e.g. STAGES="0 2 4" when 1 and 3 were measured before.
 # Each stage runs under its share of DEADLINE seconds, in that order (what the issue needs most first), packed
 # into $OUT/tp_bench.tgz after each stage (a device call brings back at most 8 files), so a call cut short
 # still brings back every finished stage. NVLink multicast stays off (KINDS.md): the variables are exported
@@ -22,7 +23,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DEVICE=${DEVICE:-cuda} MODEL=${MODEL:-31b} REPLICA_MODEL=${REPLICA_MODEL:-e4b} BACKEND=${BACKEND:-triton}
 RATES=${RATES:-24,48,96,144} DURATION=${DURATION:-10} DEADLINE=${DEADLINE:-570} OUT=${OUT:-/tmp/out}
-DECODE_STEPS=${DECODE_STEPS:-24} PREFILL_REPS=${PREFILL_REPS:-3}
+DECODE_STEPS=${DECODE_STEPS:-24} PREFILL_REPS=${PREFILL_REPS:-3} STAGES=" ${STAGES:-0 1 2 3 4} "
 RES=/tmp/res-tp-bench
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
@@ -30,14 +31,15 @@ pack() { tar -czf "$OUT/tp_bench.tgz" -C "$RES" .; }  # after every stage: a cal
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 model_arg=$([ "$MODEL" = tiny ] && echo "" || echo "--model $MODEL")
+stage() { [[ $STAGES == *" $1 "* ]]; }  # is stage $1 asked for
 left() { echo $(( (DEADLINE - SECONDS) * $1 / 100 )); }  # a share of the seconds left
 
 # 0. NCCL across the two GPUs with CUDA graphs: the engine stops in seconds and starts again (the tiny model)
-run nccl-stop-start "$(left 10)" python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -k nccl -p no:cacheprovider
+stage 0 && run nccl-stop-start "$(left 10)" python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -k nccl -p no:cacheprovider
 
 # 1. 31b at TP 2: decode ITL, TTFT, a batch-1 profile of rank 0 (the NCCL kernels' time per step)
 # shellcheck disable=SC2086  # model_arg: empty or two words
-run microbench-tp2 "$(left 40)" python3 bench/engine_microbench.py $model_arg --device "$DEVICE" \
+stage 1 && run microbench-tp2 "$(left 40)" python3 bench/engine_microbench.py $model_arg --device "$DEVICE" \
   --attention-backend "$BACKEND" --tensor-parallel-size 2 --batches 1,8,32,64 --decode-steps "$DECODE_STEPS" \
   --prefill-lengths 512,2048 --prefill-reps "$PREFILL_REPS" --profile --out "$RES"
 pack
@@ -47,6 +49,7 @@ serve() {  # serve PORT GPU
   CUDA_VISIBLE_DEVICES=$2 python3 -m g4serve.cli serve --preset "$REPLICA_MODEL" --device "$DEVICE" \
     --attention-backend "$BACKEND" --port "$1" --max-num-seqs 128 > "$RES/replica-$1.log" 2>&1 &
 }
+if stage 2; then
 serve 8101 0
 replica1=$!
 serve 8102 1
@@ -75,12 +78,13 @@ sweep one-replica http://127.0.0.1:8101
 kill $router $replica1 $replica2
 wait 2>/dev/null
 pack
+fi
 
 # 3. the link: all-reduce bus bandwidth over NCCL, 2 ranks; 4. greedy tokens at TP 2 against TP 1
-run allreduce "$(left 25)" python3 bench/allreduce_bw.py --world-size 2 --device "$DEVICE" --out "$RES"
+stage 3 && run allreduce "$(left 25)" python3 bench/allreduce_bw.py --world-size 2 --device "$DEVICE" --out "$RES"
 pack
 # shellcheck disable=SC2086
-run parity "$(left 95)" python3 bench/tp_parity.py $model_arg --sizes 2,1 --device "$DEVICE" --max-tokens 32 \
+stage 4 && run parity "$(left 95)" python3 bench/tp_parity.py $model_arg --sizes 2,1 --device "$DEVICE" --max-tokens 32 \
   --out "$RES"
 pack
 
