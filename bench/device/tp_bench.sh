@@ -4,8 +4,8 @@
 #   1. 31b bf16 at TP 2: decode ITL at B = 1/8/32/64, TTFT at 512/2048 tokens, and a batch-1 profile of rank 0
 #      (the NCCL kernels' time per step against the link's bandwidth) (bench/engine_microbench.py)
 #   2. e4b as 2 replicas (one GPU each) behind `g4serve router`: a text sweep at rising QPS through the router
-#      (with the router's CPU time), then against one replica alone (throughput ratio), the router's placements
-#      and the replicas' prefix hits
+#      (with the router's CPU time), the router's placements, the sweep's first point replayed (the same
+#      requests: the replicas' prefix hits show what affinity keeps), then one replica alone (throughput ratio)
 #   3. the link: all-reduce bus bandwidth, NCCL, 2 ranks (bench/allreduce_bw.py)
 #   4. 31b bf16, greedy tokens at TP 2 against TP 1 on the same random weights (bench/tp_parity.py; TP 1 fits
 #      one H200), with each size's start-up time
@@ -74,6 +74,9 @@ awk -v a="$(cpu_s $router)" -v b="$router_cpu0" \
   'BEGIN {printf "router CPU during the two-replica sweep: %.1f s\n", a - b}' | tee "$RES/router-cpu.txt"
 curl -sf localhost:8100/metrics > "$RES/router-metrics.txt"
 for port in 8101 8102; do curl -sf "localhost:$port/metrics" > "$RES/replica-$port-metrics.txt"; done
+# The sweep's first point again (same seed, same requests): what affinity buys is the replay's prefix hits
+(RATES=${RATES%%,*} sweep replay http://127.0.0.1:8100)
+for port in 8101 8102; do curl -sf "localhost:$port/metrics" > "$RES/replica-$port-metrics-replay.txt"; done
 sweep one-replica http://127.0.0.1:8101
 kill $router $replica1 $replica2
 wait 2>/dev/null
@@ -134,9 +137,18 @@ if metrics.exists():
     for line in metrics.read_text().splitlines():
         if re.match(r"^g4serve_router_requests_total", line):
             print("    " + line)
+def counters(path):  # prompt and prefix-hit token totals of one replica's /metrics
+    out = {"prompt": 0.0, "hit": 0.0}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        for key, name in (("prompt", "g4serve_prompt_tokens_total"), ("hit", "g4serve_prefix_cache_hit_tokens_total")):
+            if line.startswith(name):
+                out[key] += float(line.split()[-1])
+    return out
 for port in (8101, 8102):
-    path = res / f"replica-{port}-metrics.txt"
-    if path.exists():
-        hits = [l for l in path.read_text().splitlines() if l.startswith("g4serve_prefix_cache_hit") and "_created" not in l]
-        print(f"\nreplica {port}: " + "; ".join(hits))
+    before, after = counters(res / f"replica-{port}-metrics.txt"), counters(res / f"replica-{port}-metrics-replay.txt")
+    line = f"\nreplica {port}: sweep {before['hit']:.0f} of {before['prompt']:.0f} prompt tokens from the prefix cache"
+    if after["prompt"] > before["prompt"]:
+        share = (after["hit"] - before["hit"]) / (after["prompt"] - before["prompt"])
+        line += f"; replay of the first point: {share:.1%} of {after['prompt'] - before['prompt']:.0f}"
+    print(line)
 EOF
