@@ -21,6 +21,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
@@ -170,8 +171,6 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int, lora: str | None = 
 
 def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int = 8) -> dict:
     """Where a decode step's time goes: device time summed over kernels vs the step's wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         prompt = engine.process_prompt(prompt_ids(engine, prompt_len, 99 + i))
@@ -182,27 +181,57 @@ def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: in
         engine.step()
     engine.step()
     _sync(engine.device)
+
+    def run() -> None:
+        for _ in range(steps):
+            engine.step()
+
+    out = _profiled(engine, run, steps, f"batch {batch}")
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return out
+
+
+def profile_prefill(engine: LLMEngine, length: int, reps: int = 3) -> dict:
+    """Where a prefill's time goes: ``reps`` fresh ``length``-token prompts (one warm-up before), each run to
+    its first token; per prompt: device time summed over kernels vs wall time."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [engine.process_prompt(prompt_ids(engine, length, 50_000 + rep)) for rep in range(reps + 1)]
+    engine.add_request(engine.make_request("prof-prefill-warm", prompts[0], params))
+    engine.run_until_finished()
+    _sync(engine.device)
+
+    def run() -> None:
+        for rep, prompt in enumerate(prompts[1:]):
+            engine.add_request(engine.make_request(f"prof-prefill-{rep}", prompt, params))
+            engine.run_until_finished()
+
+    return _profiled(engine, run, reps, f"prefill {length}")
+
+
+def _profiled(engine: LLMEngine, run: Callable[[], None], units: int, label: str) -> dict:
+    """torch.profiler over ``run()``: per unit (a step, a prompt), wall and device time, device ops, and the
+    kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        run()
         _sync(engine.device)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / units
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / steps
-    kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / steps
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / units
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / units
     table = events.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40)
     summary = {
-        "steps": steps,
+        "units": units,
         "wall_ms_per_step": wall_ms,
         "device_ms_per_step": device_us / 1e3,
         "device_ops_per_step": kernels,
     }
     print(
-        f"profile (batch {batch}): {wall_ms:.2f} ms wall per step, {device_us / 1e3:.2f} ms of device time, "
+        f"profile ({label}): {wall_ms:.2f} ms wall each, {device_us / 1e3:.2f} ms of device time, "
         f"{kernels:.0f} device ops",
         flush=True,
     )
@@ -293,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated batch sizes to profile (implies --profile; default 1)",
     )
     p.add_argument(
+        "--profile-prefill",
+        default=None,
+        help="comma-separated prompt lengths whose prefill to profile (torch.profiler, 3 prompts each): "
+        "kernel tables next to the JSON",
+    )
+    p.add_argument(
         "--cprofile",
         action="store_true",
         help="also run cProfile over decode steps at the largest batch: host-side hot spots next to the JSON",
@@ -363,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         int(b) for b in (args.profile_batches or ("1" if args.profile else "")).split(",") if b
     ]
     profiles = {b: profile_decode(engine, args.decode_prompt_tokens, b) for b in profile_batches}
+    prefill_profiles = {
+        n: profile_prefill(engine, n) for n in (int(x) for x in (args.profile_prefill or "").split(",") if x)
+    }
     host_profile = (
         host_profile_decode(engine, max(batches), args.decode_prompt_tokens) if args.cprofile else None
     )
@@ -403,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for b, prof in profiles.items():
         result[f"profile_batch{b}"] = prof["summary"]
+    for n, prof in prefill_profiles.items():
+        result[f"profile_prefill{n}"] = prof["summary"]
     path = write_result_json(
         args.out,
         f"microbench-{(args.model or 'tiny').replace('/', '_')}-{device.type}"
@@ -411,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for b, prof in profiles.items():
         path.with_suffix(".profile.txt" if b == 1 else f".profile-b{b}.txt").write_text(prof["table"])
+    for n, prof in prefill_profiles.items():
+        path.with_suffix(f".profile-prefill{n}.txt").write_text(prof["table"])
     if host_profile is not None:
         path.with_suffix(".cprofile.txt").write_text(host_profile)
     engine.shutdown()

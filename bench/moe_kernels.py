@@ -49,6 +49,11 @@ GATE_UP_TILES = [
     GemmTiles(64, 64, 4, 4),
     GemmTiles(32, 64, 4, 4),
     GemmTiles(128, 64, 8, 3),
+    # prefill sizes (hundreds of rows per expert): taller and deeper pipelines
+    GemmTiles(64, 64, 4, 5),
+    GemmTiles(64, 64, 8, 4),
+    GemmTiles(128, 64, 8, 4),
+    GemmTiles(128, 32, 8, 5),
 ]
 DOWN_TILES = [
     GemmTiles(32, 128, 4, 4),
@@ -57,7 +62,19 @@ DOWN_TILES = [
     GemmTiles(32, 64, 4, 4),
     GemmTiles(128, 64, 8, 3),
     GemmTiles(128, 128, 8, 3),
+    GemmTiles(128, 64, 8, 4),
+    GemmTiles(256, 64, 8, 3),
+    GemmTiles(128, 64, 4, 4),
 ]
+
+
+def block_m_choices(rows_per_expert: float) -> tuple[int, ...]:
+    """Token tiles worth trying at this many rows per expert (taller tiles waste padding on few rows)."""
+    if rows_per_expert <= 8:
+        return (16, 32)
+    if rows_per_expert <= 64:
+        return (16, 32, 64)
+    return (32, 64, 128)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -244,7 +261,7 @@ def _tiles_dict(t: MoETiles) -> dict:
     return {"block_m": t.block_m, "gate_up": vars(t.gate_up), "down": vars(t.down)}
 
 
-def sweep(args, fused_calls, n: int, num_experts: int) -> dict:
+def sweep(args, fused_calls, n: int, num_experts: int) -> dict:  # n: assignments (tokens x top-k)
     """Coordinate search: block_m x gate_up tiles (down tiles fixed), then the down tiles."""
     default = moe_tiles(n, num_experts)
     trials = []
@@ -261,7 +278,7 @@ def sweep(args, fused_calls, n: int, num_experts: int) -> dict:
     best = min(
         (
             (trial(MoETiles(bm, g, default.down)), MoETiles(bm, g, default.down))
-            for bm in (16, 32, 64)
+            for bm in block_m_choices(n / num_experts)
             for g in GATE_UP_TILES
         ),
         key=lambda p: p[0],

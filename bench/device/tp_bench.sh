@@ -35,7 +35,9 @@ stage() { [[ $STAGES == *" $1 "* ]]; }  # is stage $1 asked for
 left() { echo $(( (DEADLINE - SECONDS) * $1 / 100 )); }  # a share of the seconds left
 
 # 0. NCCL across the two GPUs with CUDA graphs: the engine stops in seconds and starts again (the tiny model)
-stage 0 && run nccl-stop-start "$(left 10)" python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -k nccl -p no:cacheprovider
+# (-s -v and the fault handler: a hang shows where each thread waits)
+stage 0 && run nccl-stop-start "$(left 20)" python3 -m pytest -s -v -m gpu tests/gpu/test_tensor_parallel_gpu.py -k nccl \
+  -p no:cacheprovider -o faulthandler_timeout=100
 
 # 1. 31b at TP 2: decode ITL, TTFT, a batch-1 profile of rank 0 (the NCCL kernels' time per step)
 # shellcheck disable=SC2086  # model_arg: empty or two words

@@ -373,12 +373,35 @@ def test_plan_gives_the_sliding_pool_a_window_per_sequence_and_the_rest_to_full(
         plan_kv_blocks(text, BS, torch.float32, 0, 4, 8)
 
 
+def test_with_prefix_caching_the_sliding_pool_grows_to_the_full_pools_tokens_within_half_the_budget():
+    """Cached prefixes need their sliding window too: with prefix caching the sliding pool grows past the
+    running windows, to as many tokens as the full pool holds, but never past half the budget."""
+    text = text_config()
+    per_block = PagedKVCache.bytes_per_block(text, BS, torch.float32)
+    both = per_block[SLIDING] + per_block[FULL]
+    budget = 1000 * per_block[FULL]
+    plain = plan_kv_blocks(text, BS, torch.float32, budget, max_num_seqs=3, max_num_batched_tokens=8)
+    grown = plan_kv_blocks(text, BS, torch.float32, budget, 3, 8, prefix_caching=True)
+    assert plain[SLIDING] == 14 < grown[SLIDING]
+    assert grown[SLIDING] == min(budget // both, (budget // 2) // per_block[SLIDING])
+    assert grown[FULL] == (budget - grown[SLIDING] * per_block[SLIDING]) // per_block[FULL]
+    assert grown[SLIDING] * per_block[SLIDING] <= budget // 2
+    if per_block[SLIDING] <= per_block[FULL]:  # the cap not reached: as many tokens in each pool
+        assert abs(grown[SLIDING] - grown[FULL]) <= 1
+    # a budget the running windows already fill past half: nothing changes
+    tight = 4 * per_block[FULL]
+    assert plan_kv_blocks(text, BS, torch.float32, tight, 64, 8, prefix_caching=True) == plan_kv_blocks(
+        text, BS, torch.float32, tight, 64, 8
+    )
+
+
 def test_31b_with_an_fp8_cache_holds_32_sequences_of_8k_tokens():
     """The issue's capacity target, in the block manager's own accounting: 26 GB is a little less than the
     KV budget an H100 had left beside 31B's FP8 weights (26.2 GB measured, bench/spec_decode.py --fit)."""
     text = preset("31b").text
     plan = plan_kv_blocks(
-        text, 16, torch.float8_e4m3fn, 26 * 10**9, max_num_seqs=32, max_num_batched_tokens=2048
+        text, 16, torch.float8_e4m3fn, 26 * 10**9, max_num_seqs=32, max_num_batched_tokens=2048,
+        prefix_caching=True,
     )
     kv = KVCacheManager(text, plan, 16)
     need = kv.blocks_needed("probe", 8192 - 1, 1)

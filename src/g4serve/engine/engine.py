@@ -206,6 +206,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
+            prefix_caching=config.enable_prefix_caching,
         )
         scales = fp8_kv_scales(self.model, model_dir) if kv_dtype != self.dtype else None
         self.kv_cache = PagedKVCache(text, num_blocks, config.block_size, kv_dtype, self.device, scales)

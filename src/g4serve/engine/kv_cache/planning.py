@@ -37,6 +37,7 @@ def plan_kv_blocks(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int | None = None,
+    prefix_caching: bool = False,
 ) -> dict[str, int]:
     """Blocks per pool within ``budget`` bytes. A sliding sequence holds its window (plus a block either
     side: partial blocks, drafts); a step's chunks add at most ``max_num_batched_tokens`` between them. The
@@ -44,7 +45,13 @@ def plan_kv_blocks(
     it, the sliding pool takes half the budget, or more as long as the full pool still holds one sequence
     of ``max_model_len`` tokens (default: the model's context). Sliding K/V can cost ten times the full
     layers' per token (31B: 50 sliding layers of 16 heads against 10 full layers of 4), so an even split
-    starved 32 sliding sequences while the full pool had room for 32 of 10k tokens."""
+    starved 32 sliding sequences while the full pool had room for 32 of 10k tokens.
+
+    With ``prefix_caching``, the sliding pool then grows until it holds as many tokens as the full pool,
+    taking at most half the budget. A prefix hit needs the sliding K/V of the window before it, and freed
+    sliding blocks stay cached only until the pool reuses them: a pool sized for the running windows alone
+    forgot every prompt within seconds under load (e4b on an H200: 72k sliding tokens beside 6.7M full
+    ones, so replaying a sweep's requests a minute later hit 6% of their tokens, the chat template's)."""
     if budget <= 0:
         raise MemoryError(
             "kv_cache: no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
@@ -59,6 +66,10 @@ def plan_kv_blocks(
             longest = -(-(max_model_len or text.max_position_embeddings) // block_size) * per_block[FULL]
             share = budget - min(budget // 2, longest)
         out[SLIDING] = max(1, min(need, share // per_block[SLIDING]))
+        if prefix_caching and per_block[FULL]:
+            as_many_tokens = budget // (per_block[SLIDING] + per_block[FULL])
+            at_most = (budget // 2) // per_block[SLIDING]  # the full pool keeps what the rule above gave it
+            out[SLIDING] = max(out[SLIDING], min(as_many_tokens, at_most))
         budget -= out[SLIDING] * per_block[SLIDING]
     if per_block[FULL]:
         out[FULL] = max(1, budget // per_block[FULL])
