@@ -293,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=KV_CACHE_DTYPES,
         help="KV-cache storage (EngineConfig.kv_cache_dtype): fp8 stores e4m3, one byte a value",
     )
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: the engine's choice (Triton kernels on CUDA, the PyTorch reference elsewhere)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
         "--async-scheduling",
@@ -424,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.model_config.quantization.describe() if engine.model_config.quantization else None
         ),
         "quantization_preset": args.quantization,
-        "attention_backend": args.attention_backend,
+        "attention_backend": type(engine.runner.backend).__name__,
         "kv_cache_dtype": str(next(iter(engine.kv_cache.kv.values())).dtype),
         "kv_capacity_tokens": engine.kv.capacity_tokens(),
         "cuda_graphs": graphed,

@@ -90,18 +90,26 @@ def dequantize_expert(w: QuantExpertWeights, expert: int, dtype: torch.dtype) ->
     return torch.cat(parts)
 
 
-def moe_tiles(num_assignments: int, num_experts: int) -> MoETiles:
-    """Tiles for H100 bf16 from the mean rows per expert (T*k / E; 26B-A4B decode at T <= 64: <= 4).
+def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False) -> MoETiles:
+    """Tiles for Hopper bf16 from the mean rows per expert (T*k / E; 26B-A4B decode at T <= 64: <= 4).
 
     Small batches are weight-bandwidth bound: the smallest ``tl.dot`` M (16) and narrow N tiles so that
-    even 8 touched experts spread over >= 132 programs. Larger batches want taller tiles for reuse.
+    even 8 touched experts spread over >= 132 programs. Larger batches want taller tiles for reuse. Past 64
+    rows per expert (26B-A4B prefill chunks of 1,024+ tokens), 128 x 128 tiles (8 warps) for the gate/up
+    GEMM and 128 x 256 for the down GEMM: searched on an H200 (``bench/moe_kernels.py --sweep``), the
+    expert block took 865 / 1,378 us at T = 2,048 / 4,096 against 905 / 1,478 with the 64-row tiles.
+    ``quantized`` weights (dequantized in registers, int4's K tiles of 256) keep the 64-row tiles: the
+    search covered bf16 only.
     """
     rows_per_expert = num_assignments / max(num_experts, 1)
     if rows_per_expert <= 8:
         return MoETiles(16, GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4))
     if rows_per_expert <= 32:
         return MoETiles(32, GemmTiles(64, 64, 4, 4), GemmTiles(64, 64, 4, 4))
-    return MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 8, 3))
+    if rows_per_expert <= 64 or quantized:
+        return MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 8, 3))
+    stages = 4 if rows_per_expert <= 160 else 3
+    return MoETiles(128, GemmTiles(128, 64, 8, stages), GemmTiles(256, 64, 8, 3))
 
 
 def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -647,10 +655,11 @@ def fused_moe(
     x = x.contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
+    quantized = isinstance(gate_up, QuantExpertWeights) or isinstance(down, QuantExpertWeights)
     for start in range(0, num_tokens, CHUNK_TOKENS):
         stop = min(start + CHUNK_TOKENS, num_tokens)
         n = (stop - start) * top_k
-        cfg = tiles or moe_tiles(n, num_experts)
+        cfg = tiles or moe_tiles(n, num_experts, quantized)
         align = moe_align_kernel if n <= align_kernel_max else moe_align
         sorted_ids, block_expert = align(experts[start:stop], num_experts, cfg.block_m)
         hidden_act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
