@@ -464,3 +464,13 @@ def test_logprobs_zero_none_and_sampled(llm):
 def test_prompt_and_token_ids_together_are_refused(llm):
     with pytest.raises(ValueError, match="not both"):
         llm.generate({"prompt": "hi", "prompt_token_ids": [2, 5, 6]}, _greedy(2))
+
+
+def test_the_engine_resolves_the_token_budget_for_its_device(tiny_model_dir):
+    """No budget given: the engine takes its device's default (CPU: 2,048) and its scheduler steps under
+    it."""
+    kwargs = {k: v for k, v in _engine_kwargs().items() if k != "max_num_batched_tokens"}
+    with LLM(str(tiny_model_dir), **kwargs) as llm:
+        assert llm.engine.config.max_num_batched_tokens == 2048
+        assert llm.engine.scheduler.config.max_num_batched_tokens == 2048
+        assert llm.generate(PROMPTS[0], _greedy(4))[0].outputs[0].token_ids

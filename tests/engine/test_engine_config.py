@@ -85,3 +85,14 @@ def test_serve_takes_its_engine_flags_from_the_config():
     config = serve_engine_config(args)
     assert config == EngineConfig(model="tiny", max_num_seqs=4, text_only=True)
     assert config.text_only_mode
+
+
+def test_the_token_budget_defaults_by_device():
+    """None until the engine knows its device: 8,192 on CUDA (measured, docs/benchmarks.md), 2,048 on CPU;
+    an explicit value stays, and a bad one is refused naming the field."""
+    from g4serve.engine.config import default_token_budget
+
+    assert EngineConfig().max_num_batched_tokens is None
+    assert (default_token_budget("cuda"), default_token_budget("cpu")) == (8192, 2048)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)

@@ -400,7 +400,12 @@ def test_31b_with_an_fp8_cache_holds_32_sequences_of_8k_tokens():
     KV budget an H100 had left beside 31B's FP8 weights (26.2 GB measured, bench/spec_decode.py --fit)."""
     text = preset("31b").text
     plan = plan_kv_blocks(
-        text, 16, torch.float8_e4m3fn, 26 * 10**9, max_num_seqs=32, max_num_batched_tokens=2048,
+        text,
+        16,
+        torch.float8_e4m3fn,
+        26 * 10**9,
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
         prefix_caching=True,
     )
     kv = KVCacheManager(text, plan, 16)

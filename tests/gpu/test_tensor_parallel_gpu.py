@@ -71,10 +71,14 @@ def test_nccl_with_cuda_graphs_stops_and_starts_again(hf_checkpoint, monkeypatch
 
     monkeypatch.delenv("G4SERVE_TP_ONE_DEVICE")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    # Few graphs to capture (decode batches up to 4, chunks up to 128 tokens): two start-ups stay well inside a
-    # minute (the defaults capture 19 graphs per start, ~30 s on an H200 pair).
+    # Few graphs to capture (decode batches up to 4, chunks up to 128 tokens): two start-ups stay well inside
+    # a minute (the defaults capture 19 graphs per start, ~30 s on an H200 pair).
     engine = dict(
-        device="cuda", dtype="float32", text_only=True, kv_cache_bytes=64 << 20, max_num_seqs=4,
+        device="cuda",
+        dtype="float32",
+        text_only=True,
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=4,
         max_num_batched_tokens=128,
     )
     runs = []
