@@ -87,7 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step (default: the engine's, 8192 on CUDA and 2048 on CPU)",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument(
         "--kv-cache-bytes",
@@ -518,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "attention_backend": type(engine.runner.backend).__name__,
         "kv_capacity_tokens": engine.kv.capacity_tokens(),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the engine's, when none was given
         "parameters": {
             **vars(args),
             "engine_config": cfg,
