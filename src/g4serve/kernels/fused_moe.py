@@ -90,7 +90,9 @@ def dequantize_expert(w: QuantExpertWeights, expert: int, dtype: torch.dtype) ->
     return torch.cat(parts)
 
 
-def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False) -> MoETiles:
+def moe_tiles(
+    num_assignments: int, num_experts: int, quantized: bool = False, itemsize: int = 2
+) -> MoETiles:
     """Tiles for Hopper bf16 from the mean rows per expert (T*k / E; 26B-A4B decode at T <= 64: <= 4).
 
     Small batches are weight-bandwidth bound: the smallest ``tl.dot`` M (16) and narrow N tiles so that
@@ -98,15 +100,16 @@ def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False) -
     rows per expert (26B-A4B prefill chunks of 1,024+ tokens), 128 x 128 tiles (8 warps) for the gate/up
     GEMM and 128 x 256 for the down GEMM: searched on an H200 (``bench/moe_kernels.py --sweep``), the
     expert block took 865 / 1,378 us at T = 2,048 / 4,096 against 905 / 1,478 with the 64-row tiles.
-    ``quantized`` weights (dequantized in registers, int4's K tiles of 256) keep the 64-row tiles: the
-    search covered bf16 only.
+    ``quantized`` weights (dequantized in registers, int4's K tiles of 256) and 4-byte activations (fp32:
+    the tall tiles' pipeline needs 288 KB of shared memory, past the 227 KB of an SM) keep the 64-row tiles;
+    the search covered bf16 only.
     """
     rows_per_expert = num_assignments / max(num_experts, 1)
     if rows_per_expert <= 8:
         return MoETiles(16, GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4))
     if rows_per_expert <= 32:
         return MoETiles(32, GemmTiles(64, 64, 4, 4), GemmTiles(64, 64, 4, 4))
-    if rows_per_expert <= 64 or quantized:
+    if rows_per_expert <= 64 or quantized or itemsize > 2:
         return MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 8, 3))
     stages = 4 if rows_per_expert <= 160 else 3
     return MoETiles(128, GemmTiles(128, 64, 8, stages), GemmTiles(256, 64, 8, 3))
@@ -659,7 +662,7 @@ def fused_moe(
     for start in range(0, num_tokens, CHUNK_TOKENS):
         stop = min(start + CHUNK_TOKENS, num_tokens)
         n = (stop - start) * top_k
-        cfg = tiles or moe_tiles(n, num_experts, quantized)
+        cfg = tiles or moe_tiles(n, num_experts, quantized, x.element_size())
         align = moe_align_kernel if n <= align_kernel_max else moe_align
         sorted_ids, block_expert = align(experts[start:stop], num_experts, cfg.block_m)
         hidden_act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
