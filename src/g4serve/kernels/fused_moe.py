@@ -90,9 +90,7 @@ def dequantize_expert(w: QuantExpertWeights, expert: int, dtype: torch.dtype) ->
     return torch.cat(parts)
 
 
-def moe_tiles(
-    num_assignments: int, num_experts: int, quantized: bool = False, itemsize: int = 2
-) -> MoETiles:
+def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False, itemsize: int = 2) -> MoETiles:
     """Tiles for Hopper bf16 from the mean rows per expert (T*k / E; 26B-A4B decode at T <= 64: <= 4).
 
     Small batches are weight-bandwidth bound: the smallest ``tl.dot`` M (16) and narrow N tiles so that
