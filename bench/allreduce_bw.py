@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from g4serve.bench.meta import device_name, git_commit, write_result_json  # noqa: E402
+from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "device_name": device_name(args.device),
         "torch_version": torch.__version__,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "world_size": args.world_size,
         "device": args.device,
         "rows": rows,

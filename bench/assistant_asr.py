@@ -18,7 +18,6 @@ import argparse
 import datetime as dt
 import json
 import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from assistant_latency import SPOKEN_UTTERANCES, percentiles, synthesize  # noqa: E402
+
+from g4serve.bench.meta import command_line
 
 # Requests that name a payee of the demo customer and most of them an amount, as a customer says them.
 NAMED_UTTERANCES = [
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "device": device_name(args.device),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "model": args.model if "gemma" in names else None,
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -14,7 +14,6 @@ import argparse
 import datetime as dt
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from g4serve.bench.meta import command_line
 from g4serve_assistant.bank import Payee
 from g4serve_assistant.intents import INTENTS, MONEY_INTENTS, IntentClassifier, IntentResult, close_candidates
 from g4serve_assistant.normalize import normalize
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "device": device_name("cpu"),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "python": platform.python_version(),
         "units": {"accuracy": "fraction of cases", "to_gemma": "fraction of cases", "*_ms": "milliseconds"},
         "cases": args.cases,

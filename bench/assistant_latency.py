@@ -15,7 +15,6 @@ import asyncio
 import datetime as dt
 import json
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from g4serve.bench.meta import command_line
 
 # Clear utterances: the fast path must decide these without the model.
 FAST_UTTERANCES = [
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - flags, the parts
         "commit": git_commit(),
         "device": device,
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "model": args.model,
         "parts": parts,
         "jump_forward": args.jump_forward,

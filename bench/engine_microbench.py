@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from g4serve.bench.meta import git_commit, write_result_json
+from g4serve.bench.meta import command_line, git_commit, write_result_json
 from g4serve.engine.config import KV_CACHE_DTYPES
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.quant_config import QUANTIZATION_PRESETS
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "engine_microbench",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "command": command_line(),
         "device": name,
         "torch": torch.__version__,
         "python": platform.python_version(),

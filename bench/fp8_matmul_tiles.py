@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_kernels import _graph_ms, copy_gb_per_s, quant_shapes, quantized_weights  # noqa: E402
 
-from g4serve.bench.meta import cuda_environment, kernel_result_path  # noqa: E402
+from g4serve.bench.meta import command_line, cuda_environment, kernel_result_path  # noqa: E402
 from g4serve.config import PRESETS  # noqa: E402
 from g4serve.kernels.fp8_matmul import (  # noqa: E402
     fp8_matmul,
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     path = kernel_result_path(args.out_dir, "fp8_matmul_tiles", env, args.preset, f"_{args.quant}")
     doc = {
         "environment": env,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "preset": args.preset,
         "quant": args.quant,
         "rows": args.rows,

@@ -23,10 +23,8 @@ import datetime as dt
 import io
 import json
 import platform
-import shlex
 import statistics
 import struct
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -34,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 import soundfile
 
-from g4serve.bench.meta import device_name, git_commit, write_result_json
+from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.audio import load_audio
 from g4serve.server.errors import APIError, parse_json_object
@@ -114,7 +112,7 @@ def main() -> None:
             "machine": platform.platform(),
             "python": platform.python_version(),
             "commit": git_commit(),
-            "command": shlex.join([sys.executable, *sys.argv]),
+            "command": command_line(),
             "reps": args.reps,
             "cases": results,
         },

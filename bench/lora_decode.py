@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_microbench import bench_decode, bench_prefill  # noqa: E402
 
-from g4serve.bench.meta import git_commit, write_result_json  # noqa: E402
+from g4serve.bench.meta import command_line, git_commit, write_result_json  # noqa: E402
 from g4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from g4serve.lora.synthetic import write_random_adapter  # noqa: E402
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         slot_bytes = engine.lora.weights.num_bytes
     device = torch.device(args.device)
     result = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
         "commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__,

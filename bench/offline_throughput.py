@@ -19,9 +19,7 @@ import json
 import os
 import platform
 import re
-import shlex
 import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from g4serve.bench.meta import command_line
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.outputs import RequestOutput
 from g4serve.processing.processor import ProcessedPrompt
@@ -178,7 +177,7 @@ def environment(device: torch.device) -> dict:
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "torch_num_threads": torch.get_num_threads(),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "cwd": os.getcwd(),
     }
     if device.type == "cuda":

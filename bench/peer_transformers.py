@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from g4serve.bench.meta import git_commit
+from g4serve.bench.meta import command_line, git_commit
 
 
 def build(preset_name: str, device: str, dtype: torch.dtype, seed: int):
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - benchmark main: 
             "benchmark": "peer_transformers",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(),
-            "command": " ".join(["python3", *sys.argv]),
+            "command": command_line(),
             "preset": args.preset,
             "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),

@@ -23,9 +23,7 @@ import json
 import os
 import platform
 import random
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +32,7 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
-from g4serve.bench.meta import device_name, git_commit, write_result_json
+from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.bench.workloads import VideoWorkload
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.chat import split_chat_messages
@@ -145,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     write_result_json(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from g4serve.bench.meta import device_name, git_commit, write_result_json
+from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.layers import sampler
 from g4serve.layers.sampler import SamplingBatch, sample
 from g4serve.sampling_params import SamplingParams
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "sampler",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "device": device_name(args.device),
         "torch": torch.__version__,
         "python": platform.python_version(),

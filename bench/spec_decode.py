@@ -41,7 +41,7 @@ from engine_microbench import (  # noqa: E402
     timed_steps,
 )
 
-from g4serve.bench.meta import git_commit, write_result_json  # noqa: E402
+from g4serve.bench.meta import command_line, git_commit, write_result_json  # noqa: E402
 from g4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from g4serve.quant_config import QUANTIZATION_PRESETS  # noqa: E402
 from g4serve.sampling_params import SamplingParams  # noqa: E402
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "spec_decode",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "command": command_line(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
         "python": platform.python_version(),

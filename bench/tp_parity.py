@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from g4serve import LLM, SamplingParams  # noqa: E402
-from g4serve.bench.meta import device_name, git_commit, write_result_json  # noqa: E402
+from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "device_name": device_name(None if args.device == "auto" else args.device),
         "torch_version": torch.__version__,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "model": args.model or "tiny",
         "dtype": args.dtype,
         "prompts": PROMPTS,

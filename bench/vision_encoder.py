@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from g4serve.bench.meta import git_commit, write_result_json
+from g4serve.bench.meta import command_line, git_commit, write_result_json
 from g4serve.processing.image import rescale_pixels
 
 
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "vision_encoder",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "command": command_line(),
         "device": name,
         "torch": torch.__version__,
         "model": args.model,
