@@ -36,6 +36,21 @@ def test_fp8_scaled_mm_matches_the_dequantized_weight(static, stacked):
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 6e-2
 
 
+def test_row_scales_are_kept_until_the_weight_scales_change():
+    """The per-row scales ``_fp8_scaled_mm`` hands to ``torch._scaled_mm``: built once, rebuilt when the
+    layer's scales are written again (a reload, ``quantize_from``)."""
+    gen = torch.Generator().manual_seed(2)
+    layer = stack_linears([_layer(n, "tensor", ActivationQuant(True, "token"), gen) for n in (32, 16, 16)])
+    first = layer.row_scales()
+    assert first.shape == (1, 64) and first is layer.row_scales()
+    want = torch.cat([layer.weight_scale[i, 0].float().expand(n) for i, n in ((0, 32), (32, 16), (48, 16))])
+    assert torch.equal(first[0], want)
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)
+    again = layer.row_scales()
+    assert again is not first and torch.equal(again, first * 2)
+
+
 def test_stacked_equal_parts_keep_one_scale_per_part():
     gen = torch.Generator().manual_seed(1)
     acts = ActivationQuant(True, "token")

@@ -94,6 +94,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self)
 
+    def row_scales(self) -> torch.Tensor:
+        """[1, N] fp32: each output row's weight scale (FP8 with one scale column: ``torch._scaled_mm``'s
+        ``scale_b``). Built once and kept until ``weight_scale`` changes (its version counter), so prefill
+        steps, captured or not, launch no gather for it."""
+        key = (self.weight_scale.data_ptr(), self.weight_scale._version)
+        cached = getattr(self, "_row_scales", None)
+        if cached is None or cached[0] != key:
+            rows = torch.arange(self.out_features, device=self.weight_scale.device) // self.scale_block[0]
+            scales = self.weight_scale[:, 0].float()[rows].reshape(1, -1).contiguous()
+            self._row_scales = cached = (key, scales)
+        return cached[1]
+
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor) -> None:
         """Fill this layer from a dense [N, K] weight with g4serve's quantizer (``quantize_weight``)."""
@@ -217,13 +229,11 @@ def _fp8_scaled_mm(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     # Per-token groups (FP8-block's activation scheme) reduce to per token here: the weight has one scale
     # per row, so the whole row of x may share one; finer groups would only refine the rounding.
     xq, x_scale = quantize_activations_fp8(x, layer.input_scale)
-    rows = torch.arange(layer.out_features, device=x.device) // layer.scale_block[0]
-    w_scale = layer.weight_scale[:, 0].float()[rows].reshape(1, -1)  # one per output row
     return torch._scaled_mm(
         xq,
         layer.weight.t(),
         scale_a=x_scale,
-        scale_b=w_scale.contiguous(),
+        scale_b=layer.row_scales(),
         bias=layer.bias,
         out_dtype=x.dtype,
     )
