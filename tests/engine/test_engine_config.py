@@ -88,11 +88,16 @@ def test_serve_takes_its_engine_flags_from_the_config():
 
 
 def test_the_token_budget_defaults_by_device():
-    """None until the engine knows its device: 8,192 on CUDA (measured, docs/benchmarks.md), 2,048 on CPU;
-    an explicit value stays, and a bad one is refused naming the field."""
+    """Resolved from the device option: 8,192 on CUDA (measured, docs/benchmarks.md), 2,048 on CPU ("auto":
+    whichever torch sees); an explicit value stays, and a bad one is refused naming the field."""
+    import torch
+
     from g4serve.engine.config import default_token_budget
 
-    assert EngineConfig().max_num_batched_tokens is None
     assert (default_token_budget("cuda"), default_token_budget("cpu")) == (8192, 2048)
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 2048
+    assert EngineConfig(device="cuda:1").max_num_batched_tokens == 8192
+    assert EngineConfig().max_num_batched_tokens == (8192 if torch.cuda.is_available() else 2048)
+    assert EngineConfig(device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=0)

@@ -43,7 +43,7 @@ class EngineConfig:
     )
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "sequences in one step")
-    # None: default_token_budget(device) once the engine knows its device.
+    # None: default_token_budget of the device's type, resolved at construction.
     max_num_batched_tokens: int | None = _opt(
         None,
         "tokens in one step: decodes plus prefill chunks (default: 8192 on CUDA, 2048 on CPU)",
@@ -162,8 +162,10 @@ class EngineConfig:
             self.limit_mm_per_prompt = {"image": 0, "video": 0, "audio": 0}
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_token_budget(device_type(self.device))
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
+            if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -221,12 +223,23 @@ class EngineConfig:
         )
 
 
-def default_token_budget(device_type: str) -> int:
-    """``max_num_batched_tokens`` when none is given. On CUDA 8,192, chosen by measurement (H200, 26b-a4b,
-    30 prompts of 3,000 tokens, 100 out: 27.4k total tok/s at 2,048, 30.3k at 4,096, 30.5k at 8,192 and at
-    16,384, with ITL p95 52.5 / 85.3 / 17.5 / 12.8 ms: fewer, larger prefill steps; docs/benchmarks.md). On
-    CPU 2,048: a step's activations stay small and steps short."""
-    return 8192 if device_type == "cuda" else 2048
+def device_type(device: str | None) -> str:
+    """The type of a device option: cuda, cpu, ... ("auto": cuda when torch sees a GPU); unknown names pass
+    through (the engine refuses them when it opens the device)."""
+    if device in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device.split(":", 1)[0]
 
 
-__all__ = ["ATTENTION_BACKENDS", "MODALITIES", "EngineConfig", "default_token_budget"]
+def default_token_budget(kind: str) -> int:
+    """``max_num_batched_tokens`` when none is given, by device type (``kind``). On CUDA 8,192, chosen by
+    measurement on an H200 (the seed workloads of 30 prompts at once: e4b +19%, e2b +15%, 26b-a4b +11%
+    total tokens/s against 2,048; 16,384 added nothing; served e4b at 64 QPS drained its queue sooner;
+    docs/benchmarks.md). The price: a step that carries an 8k-token chunk is longer for the decodes beside
+    it. On CPU 2,048: a step's activations stay small and steps short."""
+    return 8192 if kind == "cuda" else 2048
+
+
+__all__ = ["ATTENTION_BACKENDS", "MODALITIES", "EngineConfig", "default_token_budget", "device_type"]

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from g4serve.distributed import SINGLE
 from g4serve.distributed.sharding import check_tensor_parallel
-from g4serve.engine.config import EngineConfig, default_token_budget
+from g4serve.engine.config import EngineConfig
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.inputs import DeviceDrafts
 from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache, kv_cache_dtype
@@ -135,10 +134,6 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig) -> None:  # noqa: C901 - the parts, wired in order
         self.device = _resolve_device(config.device)
-        if config.max_num_batched_tokens is None:
-            config = self.config = replace(
-                config, max_num_batched_tokens=default_token_budget(self.device.type)
-            )
         backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.device, backend_name)  # None: the model's
         model_dir = checkpoint_dir(config.model) if config.model else default_model_dir()
