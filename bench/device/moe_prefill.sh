@@ -14,8 +14,7 @@ rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
+second=$(second_gpu)
 sweep_flag=$([ "$SWEEP" = 1 ] && echo --sweep || echo "")
 # shellcheck disable=SC2086  # TOKENS: several words; sweep_flag: empty or one
 CUDA_VISIBLE_DEVICES=0 timeout -k 5 $((DEADLINE - 20)) python3 bench/moe_kernels.py --tokens $TOKENS $sweep_flag \

@@ -19,3 +19,6 @@ run() {
   echo "exit $? after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
   tail -n "${TAIL_LINES:-20}" "$RES/$name.log"
 }
+# second_gpu: the GPU for a half of the work run beside GPU 0 (1; 0 on a one-GPU machine: the caller then
+# runs its halves in turn).
+second_gpu() { python3 -c "import torch; print(1 if torch.cuda.device_count() >= 2 else 0)"; }

@@ -14,8 +14,7 @@ rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
+second=$(second_gpu)
 served() {  # served TAG [SERVE_ARGS]: saturation.sh on the second GPU (SETUP=0: the wheels are in already)
   SETUP=0 CUDA_VISIBLE_DEVICES=$second RES="$RES/sat-$1" OUT="$RES/sat-$1-out" SERVE_ARGS=${2:-} RATES="32 64" \
     DURATION=15 timeout -k 5 $(( (DEADLINE - SECONDS) / 2 )) bash bench/device/saturation.sh \
