@@ -238,7 +238,8 @@ def default_token_budget(kind: str) -> int:
     measurement on an H200 (the seed workloads of 30 prompts at once: e4b +19%, e2b +15%, 26b-a4b +11%
     total tokens/s against 2,048; 16,384 added nothing; served e4b at 64 QPS drained its queue sooner;
     docs/benchmarks.md). The price: a step that carries an 8k-token chunk is longer for the decodes beside
-    it. On CPU 2,048: a step's activations stay small and steps short."""
+    it, and the sliding pool and activation reserve grow with the budget (31B on an H100: ~3.6 GB less KV
+    room; its 32 x 8k-token fit in FP8 needs 2,048). On CPU 2,048: a step's activations stay small."""
     return 8192 if kind == "cuda" else 2048
 
 

@@ -97,7 +97,7 @@ def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False, i
     even 8 touched experts spread over >= 132 programs. Larger batches want taller tiles for reuse. Past 64
     rows per expert (26B-A4B prefill chunks of 1,024+ tokens), 128 x 128 tiles (8 warps) for the gate/up
     GEMM and 128 x 256 for the down GEMM: searched on an H200 (``bench/moe_kernels.py --sweep``), the
-    expert block took 865 / 1,378 us at T = 2,048 / 4,096 against 905 / 1,478 with the 64-row tiles.
+    expert block took 857 / 1,335 us at T = 2,048 / 4,096 against 905 / 1,478 with the 64-row tiles.
     ``quantized`` weights (dequantized in registers, int4's K tiles of 256) and 4-byte activations (fp32:
     the tall tiles' pipeline needs 288 KB of shared memory, past the 227 KB of an SM) keep the 64-row tiles;
     the search covered bf16 only.
