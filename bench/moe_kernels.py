@@ -2,9 +2,10 @@
 
 For each token count T the script times ``fused_moe`` replayed from a CUDA graph (cycling over input copies
 with different routings, as the engine's captured step runs it) and eagerly, the reference per-expert loop
-eagerly (it syncs, so it cannot be captured), and the pieces (align: kernel vs torch ops; the two GEMMs;
-routing: kernel vs torch ops). Reports achieved weight bandwidth (bytes of the experts the batch touches)
-and TFLOP/s; writes JSON (device, versions, git commit, every figure with its unit) to bench/results/.
+eagerly (it syncs, so it cannot be captured), and the pieces (align: the one-program kernel, the torch ops
+and the three-launch parallel kernel; the two GEMMs; routing: kernel vs torch ops). Reports achieved weight
+bandwidth (bytes of the experts the batch touches) and TFLOP/s; writes JSON (device, versions, git commit,
+every figure with its unit) to bench/results/.
 ``--quant`` also times the same experts quantized (``MoEExperts.quantize_from``: FP8 per channel or 128 x 128
 blocks, int4 in groups of 128 or 32), dequantized in registers by the same kernels, against bf16.
 
@@ -35,6 +36,7 @@ from g4serve.kernels.fused_moe import (
     fused_moe_reference,
     moe_align,
     moe_align_kernel,
+    moe_align_parallel,
     moe_tiles,
 )
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
@@ -145,6 +147,9 @@ def bench_tokens(
     align_torch = graph_ms(
         [lambda e=e: moe_align(e, num_experts, tiles.block_m) for _, e, _, _ in inputs], args
     )
+    align_parallel = graph_ms(
+        [lambda e=e: moe_align_parallel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs], args
+    )
     aligned = [moe_align_kernel(e, num_experts, tiles.block_m) for _, e, _, _ in inputs]
     hidden_act = torch.empty(n, inter, dtype=x0.dtype, device="cuda")
     per_slot = torch.empty(n, hidden, dtype=x0.dtype, device="cuda")
@@ -203,6 +208,7 @@ def bench_tokens(
         "speedup_graph_vs_reference": reference_eager / fused_graph,
         "align_kernel_ms": align_kernel,
         "align_torch_ms": align_torch,
+        "align_parallel_ms": align_parallel,
         "gate_up_gemm_ms": gemm1,
         "down_gemm_ms": gemm2,
         "route_kernel_ms": route_kernel,
@@ -343,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup",
         "align_k",
         "align_t",
+        "align_p",
         "gemm1",
         "gemm2",
         "route_k",
@@ -361,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             r["speedup_graph_vs_reference"],
             r["align_kernel_ms"] * 1e3,
             r["align_torch_ms"] * 1e3,
+            r["align_parallel_ms"] * 1e3,
             r["gate_up_gemm_ms"] * 1e3,
             r["down_gemm_ms"] * 1e3,
             r["route_kernel_ms"] * 1e3,

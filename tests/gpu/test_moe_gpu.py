@@ -15,6 +15,7 @@ from g4serve.kernels.fused_moe import (
     fused_moe_reference,
     moe_align,
     moe_align_kernel,
+    moe_align_parallel,
     moe_tiles,
 )
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
@@ -63,14 +64,15 @@ def test_fused_moe_vs_fp32_reference(expert_weights, num_tokens):
     assert torch.equal(fused_moe(x, gate_up, down, experts, weights, ACT), out)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300, 1024])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300, 1024, 4096])
 def test_moe_align_kernel_matches_torch(num_tokens):
     gen = torch.Generator("cuda").manual_seed(num_tokens)
     _, experts = _routing(num_tokens, gen, skew=num_tokens == 64)
     block_m = moe_tiles(num_tokens * TOP_K, E).block_m
     sorted_ids, block_expert = moe_align(experts, E, block_m)
-    k_ids, k_blocks = moe_align_kernel(experts, E, block_m)
-    assert torch.equal(k_ids, sorted_ids) and torch.equal(k_blocks, block_expert)
+    for align in (moe_align_kernel, moe_align_parallel):
+        k_ids, k_blocks = align(experts, E, block_m)
+        assert torch.equal(k_ids, sorted_ids) and torch.equal(k_blocks, block_expert), align.__name__
     n = experts.numel()
     real = sorted_ids[sorted_ids != n]
     assert torch.equal(real.sort().values, torch.arange(n, device="cuda", dtype=torch.int32))

@@ -14,6 +14,7 @@ from g4serve.kernels.fused_moe import (
     fused_moe_reference,
     moe_align,
     moe_align_kernel,
+    moe_align_parallel,
     moe_tiles,
 )
 from g4serve.kernels.moe_route import moe_route, moe_route_reference
@@ -96,6 +97,24 @@ def test_moe_align_invariants(num_tokens, num_experts, top_k, block_m, skew):
         assert torch.equal(k_ids, sorted_ids) and torch.equal(k_blocks, block_expert)
 
 
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,block_m",
+    [(1, 8, 2, 16), (37, 8, 2, 16), (300, 16, 4, 64), (1000, 128, 8, 128), (513, 6, 2, 32)],
+)
+@pytest.mark.parametrize("skew", [None, "one", "unused"])
+def test_moe_align_parallel_equals_the_sort(num_tokens, num_experts, top_k, block_m, skew):
+    """The three-launch alignment for prefill sizes gives ``moe_align``'s outputs exactly: the same slots in
+    the same token order, the same padding and block owners, across chunk boundaries (1,000 x 8 assignments
+    span 63 chunks of 128), with experts left unused or all traffic on one."""
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    experts, _ = _routing(num_tokens, num_experts, top_k, gen, skew)
+    want = moe_align(experts, num_experts, block_m)
+    got = moe_align_parallel(experts, num_experts, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    empty = moe_align_parallel(experts[:0], num_experts, block_m)
+    assert empty[0].numel() == 0 and empty[1].numel() == 0
+
+
 def test_moe_align_skewed_counts():
     # all 17 tokens pick expert 1 -> its run is 2 blocks (32 slots, 15 padding); experts 0 and 3 are unused
     experts = torch.tensor([[1, 2]] * 17)
@@ -142,6 +161,9 @@ def test_fused_moe_default_tiles_torch_align_and_chunks(monkeypatch):
     out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(fused_moe_module, "CHUNK_TOKENS", 4)
+    out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, align_kernel_max=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(fused_moe_module, "PREFILL_ALIGN", "parallel")  # G4SERVE_MOE_ALIGN=parallel
     out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, align_kernel_max=0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

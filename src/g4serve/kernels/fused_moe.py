@@ -10,6 +10,7 @@ No step of ``fused_moe`` reads a device value on the host, so a whole MoE layer 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,12 @@ CHUNK_TOKENS = 4096
 # the ~25 small launches of the torch ops; its loops are serial in T*k, so prefill-sized steps take the
 # torch ops (bench/moe_kernels.py times both: align_kernel_ms / align_torch_ms).
 ALIGN_KERNEL_MAX_ASSIGNMENTS = 4096
+# Past that: "sort" (``moe_align``: torch's stable sort, ~15 launches) or "parallel" (``moe_align_parallel``:
+# three launches, no sort), the same outputs. G4SERVE_MOE_ALIGN picks; "sort" stays the default until a
+# device run has timed both (bench/moe_kernels.py: align_t against align_p).
+PREFILL_ALIGN = os.environ.get("G4SERVE_MOE_ALIGN", "sort")
+if PREFILL_ALIGN not in ("sort", "parallel"):
+    raise ValueError(f"G4SERVE_MOE_ALIGN: expected sort or parallel, got {PREFILL_ALIGN!r}")
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,125 @@ def moe_align_kernel(
             FILL=1024,
             num_warps=8,
         )
+    return sorted_ids, block_expert
+
+
+def _moe_chunk_counts_fn(Experts, ChunkCounts, n, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: how many of assignments [c * CHUNK, (c + 1) * CHUNK) each expert has (one-hot rows)."""
+    c = tl.program_id(0)
+    e_ids = tl.arange(0, E_BLOCK)
+    ids = c * CHUNK + tl.arange(0, CHUNK)
+    ex = tl.load(Experts + ids, mask=ids < n, other=-1)
+    counts = tl.sum((ex[:, None] == e_ids[None, :]).to(tl.int32), 0)
+    tl.store(ChunkCounts + c * E_BLOCK + e_ids, counts)
+
+
+def _moe_layout_fn(
+    ChunkCounts,
+    ChunkBase,
+    SortedIds,
+    BlockExpert,
+    n,
+    num_chunks,
+    num_slots,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    C_BLOCK: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """One program over the chunks' counts: each expert's padded run (as ``_moe_align_fn``), the first slot
+    of each (chunk, expert) pair in it (ChunkBase: the run's start plus the expert's assignments in earlier
+    chunks), the sentinel in every slot no assignment takes, and each block's expert."""
+    e_ids = tl.arange(0, E_BLOCK)
+    rows = tl.arange(0, C_BLOCK)
+    counts = tl.zeros([E_BLOCK], tl.int32)
+    for c0 in range(0, num_chunks, C_BLOCK):
+        tile = tl.load(ChunkCounts + (c0 + rows)[:, None] * E_BLOCK + e_ids[None, :],
+                       mask=(c0 + rows < num_chunks)[:, None], other=0)  # fmt: skip
+        counts += tl.sum(tile, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_ends = tl.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    total = tl.sum(padded, 0)
+
+    running = padded_starts
+    for c0 in range(0, num_chunks, C_BLOCK):
+        ok = (c0 + rows < num_chunks)[:, None]
+        offs = (c0 + rows)[:, None] * E_BLOCK + e_ids[None, :]
+        tile = tl.load(ChunkCounts + offs, mask=ok, other=0)
+        tl.store(ChunkBase + offs, tl.cumsum(tile, 0) - tile + running[None, :], mask=ok)
+        running += tl.sum(tile, 0)
+
+    pad_slots = (padded_starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(SortedIds + pad_slots, tl.zeros_like(pad_slots) + n, mask=pad_slots < padded_ends[:, None])
+    for s0 in range(0, num_slots, FILL):
+        slots = s0 + tl.arange(0, FILL)
+        tl.store(SortedIds + slots, tl.zeros_like(slots) + n, mask=(slots >= total) & (slots < num_slots))
+    for b0 in range(0, num_blocks, C_BLOCK):
+        blocks = b0 + rows
+        first = blocks * BLOCK_M
+        owner = tl.sum((padded_ends[None, :] <= first[:, None]).to(tl.int32), 1)
+        tl.store(BlockExpert + blocks, tl.where(first < total, owner, -1), mask=blocks < num_blocks)
+
+
+def _moe_place_fn(Experts, ChunkBase, SortedIds, n, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: each assignment of chunk c to its slot, its chunk's first slot for its expert plus its rank
+    among the same expert's assignments earlier in the chunk (token order, as the stable sort keeps it)."""
+    c = tl.program_id(0)
+    e_ids = tl.arange(0, E_BLOCK)
+    ids = c * CHUNK + tl.arange(0, CHUNK)
+    ex = tl.load(Experts + ids, mask=ids < n, other=-1)
+    hit = (ex[:, None] == e_ids[None, :]).to(tl.int32)
+    base = tl.load(ChunkBase + c * E_BLOCK + e_ids)
+    slot = tl.sum(hit * (tl.cumsum(hit, 0) - hit + base[None, :]), 1)
+    tl.store(SortedIds + slot, ids, mask=ids < n)
+
+
+_moe_chunk_counts = DualKernel(_moe_chunk_counts_fn)
+_moe_layout = DualKernel(_moe_layout_fn)
+_moe_place = DualKernel(_moe_place_fn)
+
+
+def moe_align_parallel(
+    experts: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align`` in three launches for prefill-sized steps, the same outputs bit for bit: the chunks'
+    expert counts (one program per chunk of assignments), the runs' layout (one program), each assignment to
+    its slot (one program per chunk). No sort and no host read, so it is capturable too; the one-program
+    ``moe_align_kernel`` loops over every chunk twice, which is what makes it slow past decode sizes."""
+    flat = experts.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    device = flat.device
+    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if not n:
+        return sorted_ids, block_expert
+    e_block = next_pow2(max(num_experts, 16))
+    chunk = max(16, min(next_pow2(n), 16384 // e_block))  # a CHUNK x E_BLOCK one-hot tile per program
+    num_chunks = -(-n // chunk)
+    counts = torch.empty(num_chunks, e_block, dtype=torch.int32, device=device)
+    base = torch.empty_like(counts)
+    _moe_chunk_counts[device][(num_chunks,)](flat, counts, n, E_BLOCK=e_block, CHUNK=chunk, num_warps=8)
+    _moe_layout[device][(1,)](
+        counts,
+        base,
+        sorted_ids,
+        block_expert,
+        n,
+        num_chunks,
+        sorted_ids.shape[0],
+        num_blocks,
+        BLOCK_M=block_m,
+        E_BLOCK=e_block,
+        C_BLOCK=max(1, 4096 // e_block),
+        FILL=1024,
+        num_warps=8,
+    )
+    _moe_place[device][(num_chunks,)](flat, base, sorted_ids, n, E_BLOCK=e_block, CHUNK=chunk, num_warps=8)
     return sorted_ids, block_expert
 
 
@@ -661,7 +787,10 @@ def fused_moe(
         stop = min(start + CHUNK_TOKENS, num_tokens)
         n = (stop - start) * top_k
         cfg = tiles or moe_tiles(n, num_experts, quantized, x.element_size())
-        align = moe_align_kernel if n <= align_kernel_max else moe_align
+        if n <= align_kernel_max:
+            align = moe_align_kernel
+        else:
+            align = moe_align_parallel if PREFILL_ALIGN == "parallel" else moe_align
         sorted_ids, block_expert = align(experts[start:stop], num_experts, cfg.block_m)
         hidden_act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         _grouped_gemm(
