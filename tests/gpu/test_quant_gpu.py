@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.quant_matmul import dequantize_reference, quant_matmul
-from g4serve.layers.quant import QuantLinear, quant_linear, quantize_weight
+from g4serve.layers.quant import QuantLinear, quant_linear, quantize_activations_fp8, quantize_weight
 from g4serve.quant_config import ActivationQuant, WeightQuant
 
 pytestmark = pytest.mark.gpu
@@ -209,3 +210,17 @@ def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantizat
         0.75 if quantization == "fp8" else 0.9
     )
     assert all(x[0] == y[0] for x, y in zip(*runs))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k", [2816, 5376, 21504])
+def test_quantize_rows_fp8_equals_torch_on_cuda(k, static):
+    """The prefill GEMM's one-launch activation quantizer, compiled: the torch ops' bits and scales."""
+    gen = torch.Generator("cuda").manual_seed(k)
+    x = torch.randn(300, k, generator=gen, device="cuda").mul_(3).to(torch.bfloat16)
+    x[7] = 0
+    scale = torch.tensor([x.float().abs().max().item() / 200], device="cuda") if static else None
+    want_q, want_s = quantize_activations_fp8(x, scale)
+    got_q, got_s = quantize_rows_fp8(x, scale)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))

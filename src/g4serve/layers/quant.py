@@ -25,6 +25,7 @@ from torch import nn
 
 from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_supported
+from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
 from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
@@ -216,7 +217,8 @@ def _fp8_tensor_cores(index: int) -> bool:
 def quantize_activations_fp8(
     x: torch.Tensor, static_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (FP8 values, fp32 scales [M, 1]): the static per-tensor scale, else one per token."""
+    """x [M, K] -> (FP8 values, fp32 scales [M, 1]): the static per-tensor scale, else one per token. The
+    reference of ``kernels/fp8_rows.quantize_rows_fp8``, which the prefill GEMM runs."""
     if static_scale is not None:
         scale = static_scale.float().expand(x.shape[0], 1)
     else:
@@ -228,7 +230,7 @@ def quantize_activations_fp8(
 def _fp8_scaled_mm(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     # Per-token groups (FP8-block's activation scheme) reduce to per token here: the weight has one scale
     # per row, so the whole row of x may share one; finer groups would only refine the rounding.
-    xq, x_scale = quantize_activations_fp8(x, layer.input_scale)
+    xq, x_scale = quantize_rows_fp8(x, layer.input_scale)  # one launch; quantize_activations_fp8's bits
     return torch._scaled_mm(
         xq,
         layer.weight.t(),

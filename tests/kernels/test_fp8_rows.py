@@ -1,0 +1,41 @@
+"""The one-launch per-token FP8 quantizer against the torch ops it replaces (Triton's interpreter on CPU):
+equal bits and equal scales, dynamic and static, across K block boundaries and awkward rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from g4serve.kernels.fp8_rows import quantize_rows_fp8
+from g4serve.layers.quant import quantize_activations_fp8
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 16), (5, 100), (3, 2048), (4, 2500), (2, 5376)])
+@pytest.mark.parametrize("static", [False, True])
+def test_equal_to_the_torch_quantizer(dtype, m, k, static):
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
+    # zeros of both signs, a tiny value, a saturating one
+    x[0, : min(k, 4)] = torch.tensor([0.0, -0.0, 1e-8, -3e4][: min(k, 4)], dtype=dtype)
+    if m > 2:
+        x[2] = 0  # an all-zero row: the 1e-12 floor
+    static_scale = torch.tensor([x.float().abs().max().item() / 300], dtype=torch.float32) if static else None
+    want_q, want_s = quantize_activations_fp8(x, static_scale)
+    got_q, got_s = quantize_rows_fp8(x, static_scale)
+    assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == (m, 1)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(_bits(got_q), _bits(want_q))
+
+
+def test_row_strided_input_and_empty():
+    x = torch.randn(6, 96, dtype=torch.bfloat16)[::2]  # a row stride of 192, unit last stride
+    want_q, want_s = quantize_activations_fp8(x, None)
+    got_q, got_s = quantize_rows_fp8(x, None)
+    assert torch.equal(_bits(got_q), _bits(want_q)) and torch.equal(got_s, want_s)
+    q, s = quantize_rows_fp8(x[:0], None)
+    assert q.shape == (0, 96) and s.shape == (0, 1)
