@@ -154,6 +154,37 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return sorted_ids, block_expert
 
 
+@triton.jit
+def _runs_tail(
+    SortedIds,
+    BlockExpert,
+    n,
+    counts,
+    padded_starts,
+    padded_ends,
+    total,
+    num_slots,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    FILL: tl.constexpr,
+    B_BLOCK: tl.constexpr,
+):
+    """What both alignment kernels write once the runs are laid out: the sentinel n in each run's padding
+    and in every slot past the last run (disjoint from the slots assignments take, so no ordering between
+    the stores is needed), and each block's expert: the one whose run holds slot b * BLOCK_M, the number of
+    runs ending at or before it (empty runs end where the previous one does, so they are skipped)."""
+    pad_slots = (padded_starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(SortedIds + pad_slots, tl.zeros_like(pad_slots) + n, mask=pad_slots < padded_ends[:, None])
+    for s0 in range(0, num_slots, FILL):
+        slots = s0 + tl.arange(0, FILL)
+        tl.store(SortedIds + slots, tl.zeros_like(slots) + n, mask=(slots >= total) & (slots < num_slots))
+    for b0 in range(0, num_blocks, B_BLOCK):
+        blocks = b0 + tl.arange(0, B_BLOCK)
+        first = blocks * BLOCK_M
+        owner = tl.sum((padded_ends[None, :] <= first[:, None]).to(tl.int32), 1)
+        tl.store(BlockExpert + blocks, tl.where(first < total, owner, -1), mask=blocks < num_blocks)
+
+
 def _moe_align_fn(
     Experts,
     SortedIds,
@@ -183,20 +214,8 @@ def _moe_align_fn(
     padded_starts = padded_ends - padded
     total = tl.sum(padded, 0)
 
-    # The sentinel n in each run's padding and in every slot past the last run (disjoint from pass 2's
-    # slots, so no ordering between the stores is needed).
-    pad_slots = (padded_starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(SortedIds + pad_slots, tl.zeros_like(pad_slots) + n, mask=pad_slots < padded_ends[:, None])
-    for s0 in range(0, num_slots, FILL):
-        slots = s0 + tl.arange(0, FILL)
-        tl.store(SortedIds + slots, tl.zeros_like(slots) + n, mask=(slots >= total) & (slots < num_slots))
-    # Block b belongs to the expert whose run holds slot b * BLOCK_M: the number of runs ending at or
-    # before it (empty runs end where the previous one does, so they are skipped).
-    for b0 in range(0, num_blocks, CHUNK):
-        blocks = b0 + lanes
-        first = blocks * BLOCK_M
-        owner = tl.sum((padded_ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        tl.store(BlockExpert + blocks, tl.where(first < total, owner, -1), mask=blocks < num_blocks)
+    _runs_tail(SortedIds, BlockExpert, n, counts, padded_starts, padded_ends, total, num_slots, num_blocks,
+               BLOCK_M, FILL, CHUNK)  # fmt: skip
 
     next_slot = padded_starts
     for start in range(0, n, CHUNK):
@@ -290,16 +309,8 @@ def _moe_layout_fn(
         tl.store(ChunkBase + offs, tl.cumsum(tile, 0) - tile + running[None, :], mask=ok)
         running += tl.sum(tile, 0)
 
-    pad_slots = (padded_starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(SortedIds + pad_slots, tl.zeros_like(pad_slots) + n, mask=pad_slots < padded_ends[:, None])
-    for s0 in range(0, num_slots, FILL):
-        slots = s0 + tl.arange(0, FILL)
-        tl.store(SortedIds + slots, tl.zeros_like(slots) + n, mask=(slots >= total) & (slots < num_slots))
-    for b0 in range(0, num_blocks, C_BLOCK):
-        blocks = b0 + rows
-        first = blocks * BLOCK_M
-        owner = tl.sum((padded_ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        tl.store(BlockExpert + blocks, tl.where(first < total, owner, -1), mask=blocks < num_blocks)
+    _runs_tail(SortedIds, BlockExpert, n, counts, padded_starts, padded_ends, total, num_slots, num_blocks,
+               BLOCK_M, FILL, C_BLOCK)  # fmt: skip
 
 
 def _moe_place_fn(Experts, ChunkBase, SortedIds, n, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
