@@ -17,7 +17,7 @@ import torch
 
 from g4serve.distributed import SINGLE
 from g4serve.distributed.sharding import check_tensor_parallel
-from g4serve.engine.config import EngineConfig
+from g4serve.engine.config import EngineConfig, device_type
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.inputs import DeviceDrafts
 from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache, kv_cache_dtype
@@ -114,9 +114,7 @@ class InflightStep:
 
 
 def _resolve_device(device: str) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return torch.device(device_type(device) if device in (None, "auto") else device)
 
 
 class LLMEngine:

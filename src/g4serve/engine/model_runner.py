@@ -146,7 +146,7 @@ class ModelRunner:
         """Free the step graphs (and their memory pool); the runner steps eagerly afterwards."""
         self.decode_graphs = self.mixed_graphs = self.verify_graphs = None
         gc.collect()  # a graph referenced from a cycle goes now, not at some later collection
-        if torch.cuda.is_available() and self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def graph_runners(

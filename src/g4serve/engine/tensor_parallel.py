@@ -15,15 +15,15 @@ engine down with it: the next collective on rank 0 raises.
 
 Shut-down: with NCCL, destroying the communicators is itself collective (``ncclCommDestroy`` waits for every
 rank) and waits until every CUDA graph that captured one of its all-reduces is freed. So rank 0 frees its
-step graphs first (``Engine.shutdown``), then tells the workers to stop; each frees its model and graphs and
-leaves the group while rank 0 leaves it too, each side bounded by a timeout (a rank that does not come is
-given up on, with a warning, rather than hanging the process); only then are the worker processes joined.
+step graphs first (``Engine.shutdown``), then tells the workers to stop; each frees its own step graphs the
+same way (``ModelRunner.release_graphs``) and leaves the group while rank 0 leaves it too, each side bounded
+by a timeout (a rank that does not come is given up on, with a warning, rather than hanging the process);
+only then are the worker processes joined.
 """
 
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 import multiprocessing
 import os
@@ -263,10 +263,6 @@ def _worker_main(
         store.set(f"error/{rank}", traceback.format_exc(limit=8))
         leave_group(together=False, timeout_s=10.0)
         raise
-    # rank 0 said stop: the model and its graphs went with _serve_steps' frame; free them before leaving
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     leave_group(together=True, timeout_s=30.0)
 
 
@@ -311,3 +307,4 @@ def _serve_steps(
         runner.forward(step)
         if step.sampled:  # rank 0 sampled these rows and broadcasts the tokens
             channel.receive_samples(len(step.sampled), device)
+    runner.release_graphs()  # rank 0 said stop: its graphs captured the all-reduces, freed before leaving

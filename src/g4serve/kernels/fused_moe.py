@@ -132,7 +132,7 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     flat = experts.reshape(-1).to(torch.int64)
     n = flat.numel()
     device = flat.device
-    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    num_blocks = _align_blocks(n, num_experts, block_m)
     sorted_experts, order = torch.sort(flat, stable=True)
     # starts[e]: index of expert e's first assignment in sorted order (searchsorted, not bincount: bincount
     # sizes its output from the max value, a device sync).
@@ -152,6 +152,44 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
     block_expert = torch.where(block_starts < padded_ends[-1:], block_expert, -1).to(torch.int32)
     return sorted_ids, block_expert
+
+
+def _align_blocks(n: int, num_experts: int, block_m: int) -> int:
+    """Blocks of an alignment of ``n`` assignments: every expert that can be hit may waste ``block_m - 1``
+    slots (a count from shapes alone)."""
+    return -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+
+
+def _align_outputs(
+    experts: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The alignment kernels' input as a contiguous flat view, and their two outputs, unfilled."""
+    flat = experts.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    num_blocks = _align_blocks(flat.numel(), num_experts, block_m)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    return flat, sorted_ids, block_expert
+
+
+@triton.jit
+def _chunk_counts(Experts, ids, n, e_ids):
+    """How many of the assignments ``ids`` each expert has (one-hot rows of the chunk)."""
+    ex = tl.load(Experts + ids, mask=ids < n, other=-1)
+    return tl.sum((ex[:, None] == e_ids[None, :]).to(tl.int32), 0)
+
+
+@triton.jit
+def _place_chunk(Experts, SortedIds, ids, n, e_ids, first_slots):
+    """Each of the assignments ``ids`` to its expert's ``first_slots`` entry plus its rank among the same
+    expert's assignments earlier in the chunk (a column cumsum of the one-hot tile: token order, as the
+    stable sort keeps it). Returns the chunk's counts per expert."""
+    ex = tl.load(Experts + ids, mask=ids < n, other=-1)
+    hit = (ex[:, None] == e_ids[None, :]).to(tl.int32)
+    slot = tl.sum(hit * (tl.cumsum(hit, 0) - hit + first_slots[None, :]), 1)
+    tl.store(SortedIds + slot, ids, mask=ids < n)
+    return tl.sum(hit, 0)
 
 
 @triton.jit
@@ -199,16 +237,14 @@ def _moe_align_fn(
 ):
     """``moe_align`` in one program (one launch instead of ~25 small torch ops; decode sizes).
 
-    Pass 1 counts assignments per expert (one-hot rows of CHUNK assignments); the padded runs follow by a
-    cumsum. Pass 2 places each assignment at its expert's next free slot, in token order: its rank among
-    same-expert assignments earlier in the chunk is a column cumsum of the one-hot tile.
+    Pass 1 counts assignments per expert, CHUNK at a time; the padded runs follow by a cumsum. Pass 2 places
+    each chunk's assignments after those of the chunks before it, in token order (``_place_chunk``).
     """
     e_ids = tl.arange(0, E_BLOCK)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([E_BLOCK], tl.int32)
     for start in range(0, n, CHUNK):
-        ex = tl.load(Experts + start + lanes, mask=start + lanes < n, other=-1)
-        counts += tl.sum((ex[:, None] == e_ids[None, :]).to(tl.int32), 0)
+        counts += _chunk_counts(Experts, start + lanes, n, e_ids)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_ends = tl.cumsum(padded, 0)
     padded_starts = padded_ends - padded
@@ -219,13 +255,7 @@ def _moe_align_fn(
 
     next_slot = padded_starts
     for start in range(0, n, CHUNK):
-        ids = start + lanes
-        ex = tl.load(Experts + ids, mask=ids < n, other=-1)
-        hit = (ex[:, None] == e_ids[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hit, 0) - hit
-        slot = tl.sum(hit * (earlier + next_slot[None, :]), 1)
-        tl.store(SortedIds + slot, ids, mask=ids < n)
-        next_slot += tl.sum(hit, 0)
+        next_slot += _place_chunk(Experts, SortedIds, start + lanes, n, e_ids, next_slot)
 
 
 _moe_align = DualKernel(_moe_align_fn)
@@ -235,13 +265,8 @@ def moe_align_kernel(
     experts: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_align`` as one Triton program: the same outputs, bit for bit."""
-    flat = experts.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat, sorted_ids, block_expert = _align_outputs(experts, num_experts, block_m)
     n = flat.numel()
-    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
-    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
     if n:
         e_block = next_pow2(max(num_experts, 16))
         # the one-hot tile is CHUNK x E_BLOCK: ~32 int32 per thread at 8 warps
@@ -252,7 +277,7 @@ def moe_align_kernel(
             block_expert,
             n,
             sorted_ids.shape[0],
-            num_blocks,
+            block_expert.shape[0],
             BLOCK_M=block_m,
             E_BLOCK=e_block,
             CHUNK=chunk,
@@ -266,9 +291,7 @@ def _moe_chunk_counts_fn(Experts, ChunkCounts, n, E_BLOCK: tl.constexpr, CHUNK: 
     """Program c: how many of assignments [c * CHUNK, (c + 1) * CHUNK) each expert has (one-hot rows)."""
     c = tl.program_id(0)
     e_ids = tl.arange(0, E_BLOCK)
-    ids = c * CHUNK + tl.arange(0, CHUNK)
-    ex = tl.load(Experts + ids, mask=ids < n, other=-1)
-    counts = tl.sum((ex[:, None] == e_ids[None, :]).to(tl.int32), 0)
+    counts = _chunk_counts(Experts, c * CHUNK + tl.arange(0, CHUNK), n, e_ids)
     tl.store(ChunkCounts + c * E_BLOCK + e_ids, counts)
 
 
@@ -314,16 +337,12 @@ def _moe_layout_fn(
 
 
 def _moe_place_fn(Experts, ChunkBase, SortedIds, n, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Program c: each assignment of chunk c to its slot, its chunk's first slot for its expert plus its rank
-    among the same expert's assignments earlier in the chunk (token order, as the stable sort keeps it)."""
+    """Program c: each assignment of chunk c to its slot, after its expert's assignments in earlier chunks
+    (``ChunkBase``) and in token order within the chunk (``_place_chunk``)."""
     c = tl.program_id(0)
     e_ids = tl.arange(0, E_BLOCK)
-    ids = c * CHUNK + tl.arange(0, CHUNK)
-    ex = tl.load(Experts + ids, mask=ids < n, other=-1)
-    hit = (ex[:, None] == e_ids[None, :]).to(tl.int32)
     base = tl.load(ChunkBase + c * E_BLOCK + e_ids)
-    slot = tl.sum(hit * (tl.cumsum(hit, 0) - hit + base[None, :]), 1)
-    tl.store(SortedIds + slot, ids, mask=ids < n)
+    _place_chunk(Experts, SortedIds, c * CHUNK + tl.arange(0, CHUNK), n, e_ids, base)
 
 
 _moe_chunk_counts = DualKernel(_moe_chunk_counts_fn)
@@ -338,14 +357,9 @@ def moe_align_parallel(
     expert counts (one program per chunk of assignments), the runs' layout (one program), each assignment to
     its slot (one program per chunk). No sort and no host read, so it is capturable too; the one-program
     ``moe_align_kernel`` loops over every chunk twice, which is what makes it slow past decode sizes."""
-    flat = experts.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat, sorted_ids, block_expert = _align_outputs(experts, num_experts, block_m)
     n = flat.numel()
     device = flat.device
-    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
-    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     if not n:
         return sorted_ids, block_expert
     e_block = next_pow2(max(num_experts, 16))
@@ -362,7 +376,7 @@ def moe_align_parallel(
         n,
         num_chunks,
         sorted_ids.shape[0],
-        num_blocks,
+        block_expert.shape[0],
         BLOCK_M=block_m,
         E_BLOCK=e_block,
         C_BLOCK=max(1, 4096 // e_block),
