@@ -213,19 +213,31 @@ def test_scaling_down_drains_running_streams(cluster):
     serve.run(build_application(args, 0.0), name=APP_NAME, route_prefix="/")
     names = replica_names()
     assert len(names) == 2, names
+
     # long enough to outlast the autoscaler's decision on a fast machine (400 tokens once ended first, in
-    # under 3 s): the tiny model writes 100-200 tokens/s a stream on two cores
-    streams = [Stream(url, f"drain-{i}", max_tokens=2400, replica=name) for i, name in enumerate(names)]
-    for stream in streams:
+    # under 3 s): the tiny model writes 100-200 tokens/s a stream on two cores. The autoscaler usually
+    # decides within seconds, but once took over a minute on a loaded CI machine: a replica's stream that
+    # ends before then is followed by another on the same replica, so one is running when the drain starts.
+    def stream_on(name: str) -> Stream:
+        stream = Stream(url, f"drain-{len(streams)}", max_tokens=2400, replica=name)
+        streams.append(stream)
         stream.start()
-    assert all(stream.started.wait(60) for stream in streams)
-    wait_until(
-        lambda: any("STOPPING" in state for state in replica_states()), 60, "a replica to start draining"
-    )
-    assert any(stream.is_alive() for stream in streams), (
+        assert stream.started.wait(60)
+        return stream
+
+    streams: list[Stream] = []
+    current = {name: stream_on(name) for name in names}
+    deadline = time.monotonic() + 180
+    while not any("STOPPING" in state for state in replica_states()):
+        assert time.monotonic() < deadline, "timed out waiting for a replica to start draining"
+        for name, stream in current.items():
+            if not stream.is_alive():
+                current[name] = stream_on(name)
+        time.sleep(0.5)
+    assert any(stream.is_alive() for stream in current.values()), (
         "the streams ended before the scale-down: nothing drained"
     )
-    for stream in streams:
+    for stream in streams:  # those that ran across the drain and every one before them: complete
         stream.join(240)
         assert stream.error is None and stream.finish_reason == "length", stream.events[-3:]
         assert stream.events[-1] == "[DONE]"
