@@ -6,11 +6,14 @@ the event loop (JSON body -> chat parts -> chat template -> ``LLMEngine.process_
 (decoding the frames serially and in the media pool, frames to HWC arrays, the resize to the patch budget
 as the processor runs it (frames side by side in the media pool) and in one call, the sampled frames'
 decoding and HWC conversion together in the pool, patchify and the content hash of the uint8 patches the
-processor now keeps, and the rescale to float32, patchify and hash as it did before). Writes JSON with the
-machine, commit and command.
+processor now keeps, and the rescale to float32, patchify and hash as it did before). ``--device cuda``
+also times the GPU path (``--media-on-gpu``): the whole request through it, and its pieces (the frames
+decoded by nvJPEG in one batched call, the host frames' upload, the float resize, patchify, and the content
+hash reading the patches back), each synchronised. Writes JSON with the machine, commit and command.
 
     python bench/preprocess_media.py                 # the embedded tiny model's processor settings
     python bench/preprocess_media.py --frames 6 --size 854x480 --reps 30
+    python bench/preprocess_media.py --device cuda   # and the GPU path beside it
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from g4serve.bench.meta import command_line, device_name, git_commit, write_resu
 from g4serve.bench.workloads import VideoWorkload
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.chat import split_chat_messages
+from g4serve.processing.device_media import DeviceMedia
 from g4serve.processing.image import load_image, patchify, rescale_pixels, resize_to_patch_budget
-from g4serve.processing.processor import _decode_all, content_hash
+from g4serve.processing.limits import MediaBudget
+from g4serve.processing.processor import Gemma4Processor, _decode_all, content_hash
 from g4serve.processing.video import _frame_to_hwc, sample_video_frames
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=6)
     p.add_argument("--size", default="854x480", help="frame WIDTHxHEIGHT")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--device", default=None, help="also time the GPU media path on this device (cuda)")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -75,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(device="cpu"))
     settings = engine.processor.settings
 
-    def whole_request():
+    def whole_request(processor: Gemma4Processor = engine.processor):
         messages, media = split_chat_messages(json.loads(body)["messages"], allow_local_files=False)
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return engine.process_prompt(
-            {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+        return processor.process(
+            {"prompt": prompt, "multi_modal_data": media.as_dict()},
+            engine.config.limit_mm_per_prompt,
+            add_special_tokens=False,
+            media_limits=engine.media_limits,
         )
 
     jpegs = []
@@ -133,12 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         rows["sample_decode_hwc_pool_ms"] = timed_ms(
             lambda: sample_video_frames(jpegs, load=load_image), args.reps
         )
+    if args.device:
+        rows.update(device_rows(args, engine, whole_request, jpegs, frames, resized, positions))
     print(f"{'piece':32s} {'median':>8s} {'min':>8s}")
     for name, value in rows.items():
         print(f"{name:32s} {value['median']:8.2f} {value['min']:8.2f}")
     env = {
         "git_commit": git_commit(),
         "device_name": device_name("cpu"),
+        "media_device_name": device_name(args.device) if args.device else None,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python_version": platform.python_version(),
@@ -158,6 +170,55 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
+
+
+def device_rows(
+    args, engine, whole_request, jpegs, frames, resized, positions
+) -> dict[str, dict[str, float]]:
+    """The GPU path's whole request and pieces, each call synchronised (``gpu_*`` rows)."""
+    device = torch.device(args.device)
+    settings = engine.processor.settings
+    processor = Gemma4Processor(engine.tokenizer, engine.model_config, settings, media_device=device)
+    media = DeviceMedia(device)
+    max_patches = settings.video_max_soft_tokens * settings.pooling_kernel_size**2
+    on_device = frames.to(device)
+    resized_on_device = resized.to(device)
+    patches_on_device, _ = patchify(resized_on_device, settings.patch_size, max_patches)
+
+    def synced(fn: Callable[[], object]) -> Callable[[], object]:
+        def call():
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return out
+
+        return call
+
+    return {
+        "gpu_whole_request_ms": timed_ms(synced(lambda: whole_request(processor)), args.reps),
+        "gpu_decode_frames_nvjpeg_ms": timed_ms(
+            synced(lambda: media.decode_jpegs(jpegs, MediaBudget())), args.reps
+        ),
+        "gpu_upload_frames_ms": timed_ms(synced(lambda: frames.to(device)), args.reps),
+        "gpu_resize_float_ms": timed_ms(
+            synced(
+                lambda: resize_to_patch_budget(
+                    on_device,
+                    settings.patch_size,
+                    max_patches,
+                    settings.pooling_kernel_size,
+                    float_resize=True,
+                )
+            ),
+            args.reps,
+        ),
+        "gpu_patchify_ms": timed_ms(
+            synced(lambda: patchify(resized_on_device, settings.patch_size, max_patches)), args.reps
+        ),
+        "gpu_content_hash_readback_ms": timed_ms(
+            lambda: content_hash("video", patches_on_device, positions), args.reps
+        ),
+    }
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Do media arrivals stall running decodes? One device call (e4b preset, bf16): for each server mode in
-# MODES (insteps: encoders inside the step, the default; overlap: --overlap-encoder), start
+# MODES (insteps: encoders inside the step, the default; overlap: --overlap-encoder; gpumedia:
+# --media-on-gpu, images and frames decoded and resized on the GPU), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
@@ -24,7 +25,7 @@ TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY
 VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2)  # MEDIA=audio: clips instead of videos
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
-  extra=$([ "$mode" = overlap ] && echo --overlap-encoder)
+  case $mode in overlap) extra=--overlap-encoder ;; gpumedia) extra=--media-on-gpu ;; *) extra= ;; esac
   python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!

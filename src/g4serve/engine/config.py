@@ -87,6 +87,13 @@ class EngineConfig:
     max_audio_seconds: float = _opt(
         30.0, "seconds of each audio clip decoded; the rest is dropped (the model hears 30)"
     )
+    # processing/device_media.py. Opt-in: nvJPEG and a float32 resize (what transformers' processor computes
+    # with device="cuda") put pixels near the host path's, which matches its CPU processor bit for bit.
+    media_on_gpu: bool = _opt(
+        False,
+        "prepare images and video frames on the GPU: JPEGs decoded by nvJPEG, resized and cut into patches "
+        "there (pixels near, not equal to, the default host path's, which matches transformers exactly)",
+    )
     text_only: bool = _opt(False, "do not load the vision/audio towers")
     strict_config: bool = _opt(True, "reject config.json keys g4serve does not know", cli=False)
     seed: int = _opt(0, "seed of random preset weights")
@@ -177,6 +184,8 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.media_on_gpu and device_type(self.device) != "cuda":
+            raise ValueError(f"media_on_gpu: needs a CUDA device, the engine runs on {self.device!r}")
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:

@@ -234,6 +234,10 @@ class EncoderRunner:
             self._encoding[0].done.synchronize()
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda:
+            # Prepared on the GPU (--media-on-gpu, on the processor's own stream, finished): freeing it must
+            # wait for the kernels this stream queues on it.
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
         # From pageable memory the host waits only until the bytes are staged, not for the stream's work.
         return tensor.to(self.device, non_blocking=True)
 

@@ -166,7 +166,10 @@ class LLMEngine:
             adopt_tokenizer_special_ids(self.model_config, self.tokenizer)
             self.model.init_nonpersistent_buffers()
         self.processor = Gemma4Processor(
-            self.tokenizer, self.model_config, ProcessorSettings.from_dir(model_dir)
+            self.tokenizer,
+            self.model_config,
+            ProcessorSettings.from_dir(model_dir),
+            media_device=self.device if config.media_on_gpu else None,
         )
         self.media_limits = config.media_limits()  # what one request's media may cost to decode
         self.dtype = self.model.language_model.embed_tokens.weight.dtype

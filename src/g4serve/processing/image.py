@@ -159,7 +159,11 @@ def image_to_tensor(image: ImageInput) -> torch.Tensor:
 
 
 def resize_to_patch_budget(
-    pixels: torch.Tensor, patch_size: int, max_patches: int, pooling_kernel_size: int
+    pixels: torch.Tensor,
+    patch_size: int,
+    max_patches: int,
+    pooling_kernel_size: int,
+    float_resize: bool = False,
 ) -> torch.Tensor:
     """Bicubic antialiased resize of uint8 [..., 3, H, W] to the patch budget, as Gemma4 processors do.
 
@@ -167,12 +171,26 @@ def resize_to_patch_budget(
     torch's antialiased uint8 kernels take it 2.5-4x faster than planar input (six 854x480 frames: 17.5 vs
     6.5 ms on two cores, bench/preprocess_media.py) and give the same bytes (tests/processing compare with
     transformers). Those kernels run one thread per call, so the frames of a video are resized in parallel
-    (``processing.pool``)."""
+    (``processing.pool``).
+
+    ``float_resize``: in float32, then clamped and rounded back to uint8, on any device. That is what
+    torchvision does for uint8 on CUDA (it has no uint8 bicubic kernel there), so the GPU media path
+    (``processing.device_media``) computes the same on the CPU in tests. Within one level of the uint8
+    kernel's bytes."""
     height, width = pixels.shape[-2:]
     target = aspect_ratio_preserving_size(height, width, patch_size, max_patches, pooling_kernel_size)
     if target == (height, width):
         return pixels
     batch = pixels.reshape(-1, *pixels.shape[-3:])
+    if float_resize:
+        resized = tvF.resize(
+            batch.to(torch.float32),
+            size=list(target),
+            interpolation=tvF.InterpolationMode.BICUBIC,
+            antialias=True,
+        )
+        out = resized.clamp_(0, 255).round_().to(torch.uint8).contiguous()
+        return out.reshape(*pixels.shape[:-2], *target)
     out = batch.new_empty(batch.shape[0], batch.shape[1], *target)  # planar, as patchify reads it
 
     def resize(images: torch.Tensor) -> torch.Tensor:
@@ -230,11 +248,13 @@ def preprocess_images(
     patch_size: int = 16,
     pooling_kernel_size: int = 3,
     rescale: bool = True,
+    float_resize: bool = False,
 ) -> ImageFeatures:
     """Gemma4ImageProcessor defaults: resize to the soft-token budget, rescale by 1/255, patchify, pad.
 
     ``rescale=False`` leaves the patches uint8 (a quarter of the bytes to patchify, hash and upload; the
-    engine rescales them on the device with ``rescale_pixels``)."""
+    engine rescales them on the device with ``rescale_pixels``). Images may be tensors on a GPU; the
+    patches are then there too (``float_resize`` as ``resize_to_patch_budget``)."""
     check_max_soft_tokens(max_soft_tokens)
     if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 4:
         images = list(images)
@@ -245,7 +265,9 @@ def preprocess_images(
     max_patches = max_soft_tokens * pooling_kernel_size**2
     all_patches, all_positions, num_soft_tokens = [], [], []
     for image in images:
-        pixels = resize_to_patch_budget(image_to_tensor(image), patch_size, max_patches, pooling_kernel_size)
+        pixels = resize_to_patch_budget(
+            image_to_tensor(image), patch_size, max_patches, pooling_kernel_size, float_resize
+        )
         patches, positions = patchify(pixels, patch_size, max_patches)
         if rescale:
             patches = rescale_pixels(patches)

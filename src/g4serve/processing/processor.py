@@ -8,6 +8,8 @@ begin/end markers around one soft token per encoder output vector; the media bec
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from g4serve.processing.audio import (
     output_samples_cap,
 )
 from g4serve.processing.chat import LocalFile
+from g4serve.processing.device_media import DeviceMedia
 from g4serve.processing.image import load_image, preprocess_images
 from g4serve.processing.limits import (
     MediaBudget,
@@ -42,7 +45,9 @@ from g4serve.processing.video import (
     VideoFrames,
     load_video,
     preprocess_video,
+    sample_frame_indices,
     sample_video_frames,
+    video_frames_at,
     video_prompt_text,
 )
 
@@ -118,10 +123,19 @@ def content_hash(modality: str, *tensors: torch.Tensor) -> str:
 
 
 class Gemma4Processor:
-    def __init__(self, tokenizer: Tokenizer, cfg: Gemma4Config, settings: ProcessorSettings | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        cfg: Gemma4Config,
+        settings: ProcessorSettings | None = None,
+        media_device: torch.device | str | None = None,
+    ):
+        """``media_device``: decode (JPEG), resize and patchify images and video frames there
+        (``processing.device_media``); None: on the host, bit for bit as transformers."""
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.settings = settings or ProcessorSettings()
+        self.media = DeviceMedia(media_device) if media_device is not None else None
         self.audio_extractor = AudioFeatureExtractor()
         tok = tokenizer
         self.image_token, self.video_token, self.audio_token = (
@@ -161,15 +175,55 @@ class Gemma4Processor:
             return load_image(bytes(value), budget=budget)
         return value
 
+    def _load_images_on_device(
+        self, values: list[Any], budget: MediaBudget, labels: list[str]
+    ) -> list[torch.Tensor]:
+        """uint8 [3, H, W] tensors on the media device: the JPEGs it takes decoded there in one call, the
+        rest decoded on the host (in parallel, with the host path's errors, each named by its label) and
+        uploaded."""
+        assert self.media is not None
+        raw = [_named(label, lambda v: self._read(v, budget.limits), v) for label, v in zip(labels, values)]
+        on_device, refused = self.media.decode_jpegs(raw, budget)
+        host = [i for i, t in enumerate(on_device) if t is None]
+
+        def load(i: int) -> Any:
+            # a JPEG nvJPEG refused was charged already: the host decodes it under the limits alone
+            target = MediaBudget(budget.limits) if i in refused else budget
+            return _named(labels[i], lambda v: self._load_image(v, target), raw[i])
+
+        for i, image in zip(host, map_in_pool(load, host)):
+            on_device[i] = self.media.upload(image)
+        return on_device  # type: ignore[return-value]
+
+    def _video_on_device(self, video: VideoFrames) -> VideoFrames:
+        """Host-decoded frames uploaded to the media device (resized there); as they are without one."""
+        if self.media is None or isinstance(video.frames, torch.Tensor):
+            return video
+        return dataclasses.replace(video, frames=torch.from_numpy(video.frames).to(self.media.device))
+
     def _load_video(self, value: Any, budget: MediaBudget | None = None) -> VideoFrames:
         budget = budget or MediaBudget()
         limits = budget.limits
         if isinstance(value, VideoFrames):
-            return value
+            return self._video_on_device(value)
         value = self._read(value, limits)
         if isinstance(value, (bytes, bytearray)):
-            return load_video(bytes(value), num_frames=self.settings.video_num_frames, budget=budget)
+            frames = load_video(bytes(value), num_frames=self.settings.video_num_frames, budget=budget)
+            return self._video_on_device(frames)
         _check_frame_list(value, limits)
+        if self.media is not None and isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("video has no frames")
+            indices = sample_frame_indices(len(value), self.settings.video_num_frames)
+            picked = self._load_images_on_device(
+                [value[i] for i in indices], budget, [f"frame {i}" for i in indices]
+            )
+            if len({t.shape for t in picked}) > 1:
+                raise ValueError(
+                    f"video frames differ in size: {sorted({tuple(t.shape[1:]) for t in picked})}"
+                )
+            stacked = torch.stack(picked).permute(0, 2, 3, 1)  # [F, H, W, 3], a view of planar frames
+            return video_frames_at(stacked, indices, None)
         # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array; encoded
         # frames are decoded only if sampled, in parallel.
         load = (lambda v: self._load_image(v, budget)) if isinstance(value, (list, tuple)) else None
@@ -249,39 +303,8 @@ class Gemma4Processor:
         expansions: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]] = {"image": [], "video": [], "audio": []}
 
-        if images:
-            loaded = _decode_all(lambda v: self._load_image(v, budget), images, name="image")
-            # uint8 patches: the encoder rescales them on the device (a quarter of the bytes to copy and hash)
-            feats = preprocess_images(
-                loaded,
-                max_soft_tokens=s.image_max_soft_tokens,
-                patch_size=s.patch_size,
-                pooling_kernel_size=s.pooling_kernel_size,
-                rescale=False,
-            )
-            for i, n in enumerate(feats.num_soft_tokens):
-                data = {
-                    "pixel_values": feats.pixel_values[i : i + 1],
-                    "position_ids": feats.position_ids[i : i + 1],
-                }
-                items["image"].append((data, content_hash("image", *data.values())))
-                expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
-        for i, value in enumerate(videos):
-            frames = _named(f"video[{i}]", lambda v: self._load_video(v, budget), value)
-            feats = preprocess_video(
-                frames,
-                max_soft_tokens=s.video_max_soft_tokens,
-                patch_size=s.patch_size,
-                pooling_kernel_size=s.pooling_kernel_size,
-                rescale=False,
-            )
-            data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
-            items["video"].append((data, content_hash("video", *data.values())))
-            expansions["video"].append(
-                video_prompt_text(
-                    frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
-                )
-            )
+        with self.media.preparing() if self.media is not None else contextlib.nullcontext():
+            self._images_and_videos(images, videos, budget, items, expansions)
         if audio:
             waves = [
                 _named(f"audio[{i}]", lambda v: self._load_audio(v, budget), v) for i, v in enumerate(audio)
@@ -304,6 +327,59 @@ class Gemma4Processor:
         else:
             raise ValueError("prompt: either a prompt string or prompt_token_ids is required")
         return ProcessedPrompt(prompt, token_ids, self._locate(token_ids, items))
+
+    def _images_and_videos(
+        self,
+        images: list[Any],
+        videos: list[Any],
+        budget: MediaBudget,
+        items: dict[str, list[tuple[dict[str, torch.Tensor], str]]],
+        expansions: dict[str, list[str]],
+    ) -> None:
+        """Decode, resize and patchify (on the media device if there is one); add each item's inputs and
+        content hash to ``items``, its prompt text to ``expansions``."""
+        s = self.settings
+        on_device = self.media is not None
+        if images:
+            if on_device:
+                loaded = self._load_images_on_device(
+                    images, budget, [f"image[{i}]" for i in range(len(images))]
+                )
+            else:
+                loaded = _decode_all(lambda v: self._load_image(v, budget), images, name="image")
+            # uint8 patches: the encoder rescales them on the device (a quarter of the bytes to copy and hash)
+            feats = preprocess_images(
+                loaded,
+                max_soft_tokens=s.image_max_soft_tokens,
+                patch_size=s.patch_size,
+                pooling_kernel_size=s.pooling_kernel_size,
+                rescale=False,
+                float_resize=on_device,
+            )
+            for i, n in enumerate(feats.num_soft_tokens):
+                data = {
+                    "pixel_values": feats.pixel_values[i : i + 1],
+                    "position_ids": feats.position_ids[i : i + 1],
+                }
+                items["image"].append((data, content_hash("image", *data.values())))
+                expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
+        for i, value in enumerate(videos):
+            frames = _named(f"video[{i}]", lambda v: self._load_video(v, budget), value)
+            feats = preprocess_video(
+                frames,
+                max_soft_tokens=s.video_max_soft_tokens,
+                patch_size=s.patch_size,
+                pooling_kernel_size=s.pooling_kernel_size,
+                rescale=False,
+                float_resize=on_device,
+            )
+            data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
+            items["video"].append((data, content_hash("video", *data.values())))
+            expansions["video"].append(
+                video_prompt_text(
+                    frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
+                )
+            )
 
     def _expand_text(self, prompt: str, expansions: dict[str, list[str]]) -> str:
         placeholders = {"image": self.image_token, "video": self.video_token, "audio": self.audio_token}

@@ -25,7 +25,9 @@ FALLBACK_FPS = 24.0
 
 @dataclass(frozen=True)
 class VideoFrames:
-    frames: np.ndarray  # uint8 [F, H, W, 3] RGB
+    frames: (
+        np.ndarray | torch.Tensor
+    )  # uint8 [F, H, W, 3] RGB; a tensor may be a view of [F, 3, H, W] on a GPU
     timestamps_s: list[float]
     fps: float | None  # source frame rate; None when unknown (timestamps then assume FALLBACK_FPS)
     frame_indices: list[int]  # positions of `frames` in the source video
@@ -53,7 +55,9 @@ def sample_frame_indices(total_num_frames: int, num_frames: int = DEFAULT_NUM_FR
     return [i * total_num_frames // n for i in range(n)]
 
 
-def _video_frames(frames: np.ndarray, indices: Sequence[int], fps: float | None) -> VideoFrames:
+def video_frames_at(
+    frames: np.ndarray | torch.Tensor, indices: Sequence[int], fps: float | None
+) -> VideoFrames:
     rate = fps or FALLBACK_FPS
     return VideoFrames(frames, [i / rate for i in indices], fps, list(indices))
 
@@ -213,7 +217,7 @@ def load_video(
     frames = np.stack([picked[i] for i in indices])
     if budget is not None:
         budget.charge_pixels(frames.shape[0] * frames.shape[1] * frames.shape[2])
-    return _video_frames(frames, indices, fps)
+    return video_frames_at(frames, indices, fps)
 
 
 def _frame_to_hwc(frame: PIL.Image.Image | np.ndarray) -> np.ndarray:
@@ -245,7 +249,7 @@ def sample_video_frames(
         picked = map_in_pool(lambda i: _frame_to_hwc(load(frames[i]) if load else frames[i]), indices)
     if len({f.shape for f in picked}) > 1:
         raise ValueError(f"video frames differ in size: {sorted({f.shape[:2] for f in picked})}")
-    return _video_frames(np.stack(picked), indices, fps)
+    return video_frames_at(np.stack(picked), indices, fps)
 
 
 def preprocess_video(
@@ -254,15 +258,18 @@ def preprocess_video(
     patch_size: int = 16,
     pooling_kernel_size: int = 3,
     rescale: bool = True,
+    float_resize: bool = False,
 ) -> VideoFeatures:
     """Gemma4VideoProcessor._preprocess on already-sampled frames (raw frames count as frames 0..F-1 at
-    24 fps). ``rescale=False``: uint8 patches, as ``preprocess_images``."""
+    24 fps). ``rescale=False``: uint8 patches, as ``preprocess_images``; frames in a tensor on a GPU give
+    patches there (``float_resize`` as ``resize_to_patch_budget``)."""
     check_max_soft_tokens(max_soft_tokens)
     if not isinstance(video, VideoFrames):
         video = sample_video_frames(video, num_frames=len(video) or 1)
     max_patches = max_soft_tokens * pooling_kernel_size**2
-    pixels = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # a channels-last view: what the resize wants
-    pixels = resize_to_patch_budget(pixels, patch_size, max_patches, pooling_kernel_size)
+    frames = video.frames if isinstance(video.frames, torch.Tensor) else torch.from_numpy(video.frames)
+    pixels = frames.permute(0, 3, 1, 2)  # a channels-last view: what the resize wants
+    pixels = resize_to_patch_budget(pixels, patch_size, max_patches, pooling_kernel_size, float_resize)
     patches, positions = patchify(pixels, patch_size, max_patches)
     if rescale:
         # The video processor sets do_normalize=True with mean 0 / std 1, so transformers fuses the 1/255

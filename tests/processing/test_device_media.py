@@ -1,0 +1,278 @@
+"""Images and video frames prepared on a device (``--media-on-gpu``, processing/device_media.py), run on the
+CPU: ``decode_jpeg`` there is libjpeg-turbo and the float resize the arithmetic the GPU runs, so the path
+is checked here against the host path (which matches transformers bit for bit); tests/gpu/test_media_gpu.py
+runs it on CUDA with nvJPEG."""
+
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import av
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from g4serve.config import preset
+from g4serve.engine.config import EngineConfig
+from g4serve.processing import device_media
+from g4serve.processing.device_media import DeviceMedia, device_jpeg_size
+from g4serve.processing.image import resize_to_patch_budget
+from g4serve.processing.limits import MediaBudgetError, MediaLimits
+from g4serve.processing.processor import Gemma4Processor
+from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
+from g4serve.processing.tokenizer import Tokenizer
+
+LIMITS = {"image": 8, "video": 2, "audio": 0}
+
+
+def _picture(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """Smooth gradients plus noise: the resize and the JPEG both have something to do."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:height, 0:width]
+    base = np.stack([xs * 255 / width, ys * 255 / height, (xs + ys) % 256], axis=-1)
+    return (base + rng.integers(-20, 20, base.shape)).clip(0, 255).astype(np.uint8)
+
+
+def _jpeg(pixels: np.ndarray, mode: str = "RGB", **save) -> bytes:
+    buffer = io.BytesIO()
+    image = PIL.Image.fromarray(pixels)
+    image = image.convert(mode) if mode != "RGB" else image
+    image.save(buffer, format="JPEG", quality=90, **save)
+    return buffer.getvalue()
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _rotated_jpeg(pixels: np.ndarray) -> bytes:
+    exif = PIL.Image.Exif()
+    exif[device_media.EXIF_ORIENTATION] = 6  # rotate 90 degrees clockwise to display
+    return _jpeg(pixels, exif=exif.tobytes())
+
+
+def _mp4(frames: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_pretrained(write_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def host(tokenizer) -> Gemma4Processor:
+    return Gemma4Processor(tokenizer, preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def device(tokenizer) -> Gemma4Processor:
+    return Gemma4Processor(tokenizer, preset("tiny"), media_device="cpu")
+
+
+def _images(processor: Gemma4Processor, images: list, **kw):
+    prompt = {"prompt": processor.image_token * len(images), "multi_modal_data": {"image": images}}
+    return processor.process(prompt, LIMITS, **kw)
+
+
+def _assert_same_layout(a, b) -> list[torch.Tensor]:
+    """Same tokens, spans and patch positions; the absolute pixel differences per item."""
+    assert a.token_ids == b.token_ids
+    assert len(a.mm_items) == len(b.mm_items)
+    diffs = []
+    for x, y in zip(a.mm_items, b.mm_items):
+        assert x.spans == y.spans and x.modality == y.modality and x.content_hash != ""
+        assert torch.equal(x.data["position_ids"], y.data["position_ids"])
+        px, py = x.data["pixel_values"], y.data["pixel_values"]
+        assert px.dtype == py.dtype == torch.uint8 and px.shape == py.shape
+        diffs.append((px.int() - py.int()).abs())
+    return diffs
+
+
+@pytest.fixture
+def float_host(host, monkeypatch):
+    """The host path with the device path's float resize: what the device path must give bit for bit here
+    (decode_jpeg on the CPU is libjpeg-turbo, as PIL)."""
+    from g4serve.processing import processor as module
+
+    for name in ("preprocess_images", "preprocess_video"):
+        original = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _f=original, **kw: _f(*a, **{**kw, "float_resize": True})
+        )
+    return host
+
+
+def _check(device_out, float_out, host_out) -> None:
+    """Bit for bit the float-resize host path; near the exact host path (transformers' bytes)."""
+    assert all(int(d.max()) == 0 for d in _assert_same_layout(device_out, float_out))
+    for d in _assert_same_layout(device_out, host_out):
+        # torch's uint8 kernel clamps between its two passes, the float path only at the end: where bicubic
+        # overshoots at sharp edges the two differ by many levels, elsewhere by at most one
+        assert d.float().mean() < 0.3 and (d <= 1).float().mean() > 0.99, (d.max(), d.float().mean())
+
+
+def test_images_on_the_device_match_the_host_path(host, device, float_host):
+    images = [
+        _jpeg(_picture(480, 854)),  # resized
+        _jpeg(_picture(96, 144, seed=1), mode="L"),  # grayscale JPEG: RGB as PIL converts it
+        _png(_picture(200, 300, seed=2)),  # not a JPEG: the host decodes, the device resizes
+        _jpeg(_picture(480, 854, seed=3), progressive=True),
+    ]
+    on_device = _images(device, images)
+    on_host = _images(host, images)
+    _check(on_device, _images(float_host, images), on_host)
+
+
+def test_the_float_resize_is_near_the_uint8_kernel():
+    pixels = torch.from_numpy(_picture(480, 854)).permute(2, 0, 1)
+    exact = resize_to_patch_budget(pixels, 16, 630, 3)
+    floated = resize_to_patch_budget(pixels, 16, 630, 3, float_resize=True)
+    assert floated.dtype == torch.uint8 and floated.shape == exact.shape == (3, 288, 528)
+    diff = (floated.int() - exact.int()).abs()
+    assert diff.float().mean() < 0.3 and (diff <= 1).float().mean() > 0.99
+
+
+def test_which_jpegs_the_device_decodes():
+    limits = MediaLimits()
+    picture = _picture(48, 64)
+    assert device_jpeg_size(_jpeg(picture), limits) == (64, 48)
+    assert device_jpeg_size(_jpeg(picture, mode="L"), limits) == (64, 48)
+    assert device_jpeg_size(_jpeg(picture, mode="CMYK"), limits) is None  # the host converts CMYK
+    assert device_jpeg_size(_rotated_jpeg(picture), limits) is None  # the host applies EXIF rotation
+    assert device_jpeg_size(_png(picture), limits) is None
+    assert device_jpeg_size(b"\xff\xd8\xff" + b"\0" * 64, limits) is None  # the magic, then garbage
+    assert device_jpeg_size(_jpeg(picture), MediaLimits(max_media_pixels=64 * 48 - 1)) is None
+    assert device_jpeg_size(_jpeg(picture), MediaLimits(image_formats=("PNG",))) is None
+
+
+def test_what_the_device_does_not_decode_still_matches(host, device, float_host):
+    picture = _picture(120, 160, seed=4)
+    images = [_rotated_jpeg(picture), _jpeg(picture, mode="CMYK")]
+    on_device, on_host = _images(device, images), _images(host, images)
+    _check(on_device, _images(float_host, images), on_host)
+    assert on_device.mm_items[0].data["position_ids"].shape[1] == 2520  # rotated: 160 high, 120 wide
+
+
+def test_bad_jpegs_get_the_host_paths_errors(host, device):
+    good = _jpeg(_picture(48, 64))
+    truncated = good[: len(good) // 2]
+    for processor in (host, device):
+        with pytest.raises(ValueError, match=r"^image\[1\]: could not decode image"):
+            _images(processor, [good, truncated])
+
+
+def test_the_request_pixel_budget_counts_device_decodes_once(device, monkeypatch):
+    images = [_jpeg(_picture(48, 64)), _jpeg(_picture(48, 64, seed=1))]
+    exact = MediaLimits(max_request_pixels=2 * 48 * 64)
+    assert _images(device, images, media_limits=exact)
+    with pytest.raises(MediaBudgetError, match="max_request_pixels"):
+        _images(device, images, media_limits=MediaLimits(max_request_pixels=2 * 48 * 64 - 1))
+
+    # nvJPEG refusing a stream the host decodes: the host path takes it, its pixels charged once
+    def refuse(self, blobs):
+        raise RuntimeError("nvjpeg: refused")
+
+    monkeypatch.setattr(DeviceMedia, "_decode", refuse)
+    assert _images(device, images, media_limits=exact)
+
+
+def test_the_budget_refuses_before_the_device_decodes(device, monkeypatch):
+    calls = []
+    monkeypatch.setattr(DeviceMedia, "_decode", lambda self, blobs: calls.append(len(blobs)))
+    images = [_jpeg(_picture(48, 64))] * 3
+    with pytest.raises(MediaBudgetError):
+        _images(device, images, media_limits=MediaLimits(max_request_pixels=2 * 48 * 64))
+    assert calls == []
+
+
+def test_without_a_jpeg_decoder_the_host_decodes(tokenizer, host, float_host, monkeypatch):
+    def missing(self, blobs):
+        raise RuntimeError("torchvision was not compiled with nvjpeg support")
+
+    monkeypatch.setattr(DeviceMedia, "_decode", missing)
+    processor = Gemma4Processor(tokenizer, preset("tiny"), media_device="cpu")
+    assert not processor.media.decodes_jpeg
+    images = [_jpeg(_picture(96, 128))]
+    _check(_images(processor, images), _images(float_host, images), _images(host, images))
+
+
+def _video(processor: Gemma4Processor, video):
+    prompt = {"prompt": processor.video_token, "multi_modal_data": {"video": [video]}}
+    return processor.process(prompt, LIMITS)
+
+
+def test_videos_of_jpeg_frames_and_containers_on_the_device(host, device, float_host):
+    frames = [_picture(240, 426, seed=i) for i in range(40)]
+    jpegs = [_jpeg(f) for f in frames]  # 40 frames: 32 sampled, only those decoded
+    on_device = _video(device, jpegs)
+    _check(on_device, _video(float_host, jpegs), _video(host, jpegs))
+    assert on_device.mm_items[0].data["pixel_values"].shape[0] == 32
+    container = _mp4(np.stack(frames[:12]))
+    _check(_video(device, container), _video(float_host, container), _video(host, container))
+
+
+def test_video_frame_errors_name_the_frame(device):
+    frames = [_jpeg(_picture(48, 64, seed=i)) for i in range(4)]
+    with pytest.raises(ValueError, match=r"^video\[0\]: frame 2: could not decode image"):
+        _video(device, frames[:2] + [b"\xff\xd8\xff garbage"] + frames[3:])
+    with pytest.raises(ValueError, match=r"^video\[0\]: video frames differ in size"):
+        _video(device, frames[:3] + [_jpeg(_picture(32, 64))])
+
+
+def test_media_on_gpu_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="^media_on_gpu: needs a CUDA device"):
+        EngineConfig(device="cpu", media_on_gpu=True)
+
+
+def test_an_engine_runs_what_the_device_path_prepares(tiny_model_dir, host):
+    """The engine with the device processor (on the CPU here; tests/gpu/test_media_gpu.py on CUDA): JPEG
+    images and a video of JPEG frames prepared from several threads at once, then run together, give each
+    prompt's tokens alone, and every KV block comes back."""
+    from g4serve.engine.engine import LLMEngine
+    from g4serve.sampling_params import SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
+            max_num_batched_tokens=512,
+        )
+    )  # fmt: skip
+    engine.processor = Gemma4Processor(
+        engine.tokenizer, engine.model_config, engine.processor.settings, media_device="cpu"
+    )
+    turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
+    prompts = [
+        {
+            "prompt": turn.format("<|image|>What is it?"),
+            "multi_modal_data": {"image": _jpeg(_picture(64, 96, i))},
+        }
+        for i in range(3)
+    ]
+    frames = [_jpeg(_picture(48, 64, 10 + i)) for i in range(6)]
+    prompts.append({"prompt": turn.format("<|video|>What happens?"), "multi_modal_data": {"video": [frames]}})
+    with ThreadPoolExecutor(4) as pool:
+        processed = list(pool.map(engine.process_prompt, prompts))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    alone = []
+    for i, p in enumerate(processed):
+        engine.add_request(engine.make_request(f"alone{i}", p, params))
+        alone.append(engine.run_until_finished()[f"alone{i}"].outputs[0].token_ids)
+    for i, p in enumerate(processed):
+        engine.add_request(engine.make_request(str(i), p, params))
+    together = engine.run_until_finished()
+    assert [together[str(i)].outputs[0].token_ids for i in range(len(prompts))] == alone
+    for name, pool in engine.kv.pools.items():
+        assert pool.num_free == pool.num_blocks, f"{name} pool leaked"
