@@ -276,3 +276,11 @@ def test_an_engine_runs_what_the_device_path_prepares(tiny_model_dir, host):
     assert [together[str(i)].outputs[0].token_ids for i in range(len(prompts))] == alone
     for name, pool in engine.kv.pools.items():
         assert pool.num_free == pool.num_blocks, f"{name} pool leaked"
+
+
+def test_a_decode_that_disagrees_with_the_header_goes_to_the_host(device, host, float_host, monkeypatch):
+    """nvJPEG and PIL parse the header separately: pixels of any other size than PIL's are not used."""
+    decode = DeviceMedia._decode
+    monkeypatch.setattr(DeviceMedia, "_decode", lambda self, blobs: [t[:, 1:] for t in decode(self, blobs)])
+    images = [_jpeg(_picture(96, 128))]
+    _check(_images(device, images), _images(float_host, images), _images(host, images))

@@ -125,21 +125,27 @@ class DeviceMedia:
         out: list[torch.Tensor | None] = [None] * len(values)
         if not self.decodes_jpeg:
             return out, set()
-        picked = []
+        picked, sizes = [], []
         for i, value in enumerate(values):
             size = device_jpeg_size(value, budget.limits) if isinstance(value, (bytes, bytearray)) else None
             if size is not None:
                 budget.charge_pixels(size[0] * size[1])
                 picked.append(i)
+                sizes.append(size)
         if not picked:
             return out, set()
         try:
             decoded: list[torch.Tensor | None] = list(self._decode([values[i] for i in picked]))
         except RuntimeError:  # one bad stream fails the batch: each alone, the failures to the host
             decoded = [self._decode_or_none(values[i]) for i in picked]
-        for i, tensor in zip(picked, decoded):
-            out[i] = tensor
-        return out, {i for i, tensor in zip(picked, decoded) if tensor is None}
+        refused = set()
+        for i, (width, height), tensor in zip(picked, sizes, decoded):
+            # a stream whose frames disagree with the header PIL read (two SOF markers, say) is the host's
+            if tensor is None or tuple(tensor.shape) != (3, height, width):
+                refused.add(i)
+            else:
+                out[i] = tensor
+        return out, refused
 
     def _decode_or_none(self, blob: bytes | bytearray) -> torch.Tensor | None:
         try:
