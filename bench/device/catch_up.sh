@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The work written in sessions without device time, checked and measured in one call (two GPUs: the halves
+# side by side; one GPU: in turn):
+#   GPU 0: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
+#          alignment, media prepared on the GPU), bench/moe_kernels.py at prefill sizes (align_p against
+#          align_t), bench/preprocess_media.py --device cuda (the --media-on-gpu path's pieces), then
+#          media_stall.sh with MODES="insteps gpumedia" at VIDEO_QPS (default 32)
+#   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN), and
+#          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer; with BASE_TGZ (a
+#          `git archive` of an older commit's src/, e.g. 045bea9^), the same on those sources
+#   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
+#       kind="nvidia-h200-x2")
+# STAGES (default "tests kernels media stall seed fp8") picks stages. Results: $OUT/catch_up.tgz (JSON, logs),
+# the tables and test summaries in $OUT/summary.md.
+set -uo pipefail
+STAGES=${STAGES:-tests kernels media stall seed fp8} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
+RES=/tmp/res-catch-up
+rm -rf "$RES"
+mkdir -p "$RES" "$OUT"
+source bench/device/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+second=$(second_gpu)
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+left() { echo $(( DEADLINE - SECONDS - $1 )); }  # seconds left before DEADLINE, less a reserve
+
+gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  if has tests; then
+    run gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_media_gpu.py \
+      tests/gpu/test_quant_gpu.py::test_quantize_rows_fp8_equals_torch_on_cuda tests/gpu/test_moe_gpu.py -k \
+      "align or media or nvjpeg or resize or quantize_rows"
+  fi
+  has kernels && run moe-kernels 120 python3 bench/moe_kernels.py --tokens 2048 4096 --out-dir "$RES"
+  has media && run preprocess-media 90 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES"
+  if has stall; then
+    MODES="insteps gpumedia" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
+      timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/media-stall.log" 2>&1
+  fi
+}
+
+gpu1() {
+  export CUDA_VISIBLE_DEVICES=$second
+  if has seed; then
+    for align in sort parallel; do
+      G4SERVE_MOE_ALIGN=$align run "seed-align-$align" 150 \
+        python3 bench/offline_throughput.py --model 26b-a4b --device cuda --num-requests 30 --input-len 3000 3000 \
+        --output-len 100 --tag "align-$align" --out-dir "$RES"
+    done
+  fi
+  if has fp8; then
+    fp8=(bench/engine_microbench.py --model e4b --device cuda --quantization fp8 --batches 1 --decode-steps 8
+      --prefill-lengths 512,2048 --prefill-reps 3)
+    run fp8-prefill-head 120 python3 "${fp8[@]}" --out "$RES/fp8-head"
+    if [ -f "$BASE_TGZ" ]; then
+      mkdir -p /tmp/base && tar -xzf "$BASE_TGZ" -C /tmp/base
+      PYTHONPATH=/tmp/base/src:${PYTHONPATH#"$PWD/src:"} run fp8-prefill-base 120 python3 "${fp8[@]}" \
+        --out "$RES/fp8-base"
+    fi
+  fi
+}
+
+if [ "$second" = 1 ]; then
+  gpu0 & first=$!
+  gpu1
+  wait $first
+else
+  gpu0
+  gpu1
+fi
+{
+  echo "## GPU tests"; tail -n 15 "$RES/gpu-tests.log" 2>/dev/null
+  echo "## MoE alignment"; grep -E "align|tokens" "$RES/moe-kernels.log" 2>/dev/null | tail -n 20
+  echo "## preprocess_media"; grep -E "_ms " "$RES/preprocess-media.log" 2>/dev/null
+  echo "## media stall"; cat "$RES/stall/summary.md" 2>/dev/null
+  echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
+  echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-prefill-*.log 2>/dev/null
+} > "$OUT/summary.md"
+cat "$OUT/summary.md"
+tar -czf "$OUT/catch_up.tgz" -C "$RES" .
