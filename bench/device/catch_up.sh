@@ -4,7 +4,8 @@
 #   GPU 0: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
 #          alignment, media prepared on the GPU), bench/moe_kernels.py at prefill sizes (align_p against
 #          align_t), bench/preprocess_media.py --device cuda (the --media-on-gpu path's pieces), then
-#          media_stall.sh with MODES="insteps gpumedia" at VIDEO_QPS (default 32)
+#          media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
+#          --max-prefill-tokens-beside-decodes PREFILL_CAP, default 512)
 #   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN), and
 #          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer; with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^), the same on those sources
@@ -34,7 +35,7 @@ gpu0() {
   has kernels && run moe-kernels 120 python3 bench/moe_kernels.py --tokens 2048 4096 --out-dir "$RES"
   has media && run preprocess-media 90 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES"
   if has stall; then
-    MODES="insteps gpumedia" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
+    MODES="insteps gpumedia capped" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
       timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/media-stall.log" 2>&1
   fi
 }

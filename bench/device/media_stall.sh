@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Do media arrivals stall running decodes? One device call (e4b preset, bf16): for each server mode in
 # MODES (insteps: encoders inside the step, the default; overlap: --overlap-encoder; gpumedia:
-# --media-on-gpu, images and frames decoded and resized on the GPU), start
+# --media-on-gpu, images and frames decoded and resized on the GPU; capped: steps with decodes give
+# prefills at most PREFILL_CAP tokens, default 512), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
@@ -12,7 +13,7 @@
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-stall}
 MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
-VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video}
+VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -25,7 +26,12 @@ TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY
 VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2)  # MEDIA=audio: clips instead of videos
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
-  case $mode in overlap) extra=--overlap-encoder ;; gpumedia) extra=--media-on-gpu ;; *) extra= ;; esac
+  case $mode in
+    overlap) extra=--overlap-encoder ;;
+    gpumedia) extra=--media-on-gpu ;;
+    capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP" ;;
+    *) extra= ;;
+  esac
   python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!

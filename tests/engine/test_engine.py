@@ -122,6 +122,22 @@ def test_mixed_batch_matches_each_alone(engine, reference):
     assert stats["prefix_cache_hit_tokens"] > 0  # the shared system turn was reused
 
 
+def test_the_prefill_cap_beside_decodes_keeps_outputs_exact(tiny_model_dir, reference, tmp_path):
+    engine = make_engine(tiny_model_dir, max_prefill_tokens_beside_decodes=24)
+    assert run_all(engine, mixed_prompts()) == reference
+    assert_pools_free(engine)
+    # images attended bidirectionally (26B/31B): a span over the cap runs whole, nothing starves
+    from g4serve.tiny import make_tiny
+
+    prompts = [p for p in mixed_prompts() if not (isinstance(p, dict) and "audio" in p["multi_modal_data"])]
+    capped = make_engine(
+        make_tiny(tmp_path / "31b", "31b"), max_num_batched_tokens=512, max_prefill_tokens_beside_decodes=24
+    )
+    assert capped.scheduler.bidirectional_spans
+    assert run_all(capped, prompts) == reference_tokens(capped, prompts)
+    assert_pools_free(capped)
+
+
 def test_preemption_keeps_outputs_exact(tiny_model_dir, reference):
     # Room for only a few sequences at once: the scheduler must preempt and recompute.
     engine = make_engine(tiny_model_dir, kv_cache_bytes=1 << 20, enable_prefix_caching=False)

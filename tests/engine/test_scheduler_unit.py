@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import itertools
 
+import pytest
+
 from g4serve.config import FULL, SLIDING, preset
 from g4serve.engine.config import EngineConfig
 from g4serve.engine.kv_cache import KVCacheManager
@@ -165,6 +167,49 @@ def test_token_budget_goes_to_decodes_first_then_prefills():
     # c is running mid-prefill with the best priority, yet the decodes go first; d gets no budget.
     assert ids(batch.requests) == ["a", "b", "c"] and batch.num_new_tokens == [1, 1, 6]
     assert ids(h.scheduler.waiting) == ["d"] and d.status is RequestStatus.WAITING
+
+
+def test_prefill_beside_decodes_is_capped_and_alone_takes_the_budget():
+    h = Harness(max_num_batched_tokens=16, max_prefill_tokens_beside_decodes=5)
+    h.add(request("alone", 40, arrival=0.0, max_tokens=1))
+    assert h.step().num_new_tokens == [16]  # no decodes in the step: the whole budget
+    h.step(), h.step()  # alone's last 8 tokens, then it finishes
+    assert not h.scheduler.has_unfinished()
+    short = request("short", 2, arrival=1.0, max_tokens=30)
+    h.add(short)
+    assert h.step().num_new_tokens == [2]
+    h.add(request("long", 12, arrival=2.0), request("late", 3, arrival=3.0))
+    batch = h.step()  # short decodes: long's chunk and any admission share 5 tokens
+    assert ids(batch.requests) == ["short", "long"] and batch.num_new_tokens == [1, 5]
+    assert ids(h.scheduler.waiting) == ["late"]  # the cap was spent by long
+    batch = h.step()
+    assert ids(batch.requests) == ["short", "long"] and batch.num_new_tokens == [1, 5]
+    batch = h.step()  # long's last 2 tokens, then late's 3 within the same cap
+    assert ids(batch.requests) == ["short", "long", "late"] and batch.num_new_tokens == [1, 2, 3]
+    batch = h.step()
+    assert batch.num_new_tokens == [1, 1, 1]  # three decodes
+
+
+def test_the_prefill_cap_never_starves_a_span_longer_than_it():
+    h = Harness(max_num_batched_tokens=32, max_prefill_tokens_beside_decodes=4)
+    h.scheduler.bidirectional_spans = True
+    h.add(request("decoder", 2, arrival=0.0, max_tokens=40))
+    h.step()
+    image = request("image", 30, arrival=1.0)
+    image.bidirectional_spans = [(2, 14)]  # an image's 12 soft tokens, over the cap of 4
+    h.add(image)
+    chunks = [h.step().num_new_tokens for _ in range(5)]
+    # 2 tokens of text up to the image, then the image whole (12, past the cap once), then 4 a step
+    assert chunks == [[1, 2], [1, 12], [1, 4], [1, 4], [1, 4]]
+    assert image.num_computed_tokens == 26
+
+
+def test_the_prefill_cap_is_checked():
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_prefill_tokens_beside_decodes: must be positive"):
+            EngineConfig(max_prefill_tokens_beside_decodes=bad)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        EngineConfig(max_prefill_tokens_beside_decodes=64, enable_chunked_prefill=False)
 
 
 def test_chunked_prefill_splits_a_long_prompt_across_steps():

@@ -48,6 +48,15 @@ class EngineConfig:
         None,
         "tokens in one step: decodes plus prefill chunks (default: 8192 on CUDA, 2048 on CPU)",
     )
+    # engine/scheduler.py: with decodes running, a step's prefill chunks share at most this many tokens, so a
+    # long prompt or a video's soft tokens lengthen the decodes' step by a bounded amount (the ITL side of the
+    # budget); a step without decodes still gets max_num_batched_tokens. SGLang's --chunked-prefill-size
+    # caps every step; this caps only the steps that carry decodes.
+    max_prefill_tokens_beside_decodes: int | None = _opt(
+        None,
+        "with decodes in a step, its prefill chunks get at most this many tokens (bounds the decodes' step "
+        "time under prompt and media load; default: the whole token budget)",
+    )
     block_size: int = _opt(16, "tokens per KV-cache block (a power of two)")
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the engine may use, KV cache included"
@@ -167,13 +176,7 @@ class EngineConfig:
         self._check_lora()
         if self.text_only:
             self.limit_mm_per_prompt = {"image": 0, "video": 0, "audio": 0}
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_token_budget(device_type(self.device))
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive")
+        self._check_steps()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend: expected auto, torch or triton, got {self.attention_backend!r}"
@@ -187,6 +190,23 @@ class EngineConfig:
         if self.media_on_gpu and device_type(self.device) != "cuda":
             raise ValueError(f"media_on_gpu: needs a CUDA device, the engine runs on {self.device!r}")
         self._check_tensor_parallel()
+
+    def _check_steps(self) -> None:
+        """The step's shape: block size, sequence cap, token budget (its device default) and prefill cap."""
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_token_budget(device_type(self.device))
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        if self.max_prefill_tokens_beside_decodes is not None:
+            if self.max_prefill_tokens_beside_decodes <= 0:
+                raise ValueError("max_prefill_tokens_beside_decodes: must be positive")
+            if not self.enable_chunked_prefill:
+                raise ValueError(
+                    "max_prefill_tokens_beside_decodes: needs chunked prefill (a prompt is split to fit)"
+                )
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallel does not combine with yet is refused here, before any process starts."""

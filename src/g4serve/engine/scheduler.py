@@ -2,12 +2,15 @@
 
 Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``). Running requests go first, decodes before partial prefills; then waiting
-requests are admitted (FCFS, or by a priority hook) with chunked prefill. When the KV pools
-run out, the lowest-priority running request is preempted (its blocks freed, recomputed
-later); nothing crashes. A chunk never splits a bidirectional image span, and never starts
-on media whose encoder output is neither cached nor affordable this step. With async scheduling
-a request's last sampled token may still be on the device: it counts as a token to compute (the
-next step reads it on the device), and a request whose final token is pending is not scheduled.
+requests are admitted (FCFS, or by a priority hook) with chunked prefill. With
+``max_prefill_tokens_beside_decodes``, a step that holds decodes gives prefill chunks at most that
+many tokens (the decodes' step time stays bounded); a step without decodes gives them the whole
+budget. When the KV pools run out, the lowest-priority running request is preempted (its blocks
+freed, recomputed later); nothing crashes. A chunk never splits a bidirectional image span, and
+never starts on media whose encoder output is neither cached nor affordable this step. With async
+scheduling a request's last sampled token may still be on the device: it counts as a token to
+compute (the next step reads it on the device), and a request whose final token is pending is not
+scheduled.
 """
 
 from __future__ import annotations
@@ -145,11 +148,41 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- the step -------------------------------------------------------------------------------
+    def _prefill_limit(self, budget: int, prefill_used: int, decodes: bool) -> int:
+        """Prefill tokens this step may still take: the budget, capped by
+        ``max_prefill_tokens_beside_decodes`` once the step holds a decode."""
+        cap = self.config.max_prefill_tokens_beside_decodes
+        if cap is None or not decodes:
+            return budget
+        return max(0, min(budget, cap - prefill_used))
+
+    def _chunk(self, request: Request, start: int, num_new: int, limit: int, budget: int) -> int:
+        """``num_new`` tokens from ``start`` cut to ``limit`` and to the bidirectional spans. A span that
+        starts here and is longer than the limit (the cap beside decodes) runs whole within the budget
+        instead, so it is never starved."""
+        clipped = self._clip_to_spans(request, start, min(num_new, limit))
+        if clipped <= 0 and limit < budget:
+            span_end = next((e for s, e in request.bidirectional_spans if s <= start < e), start)
+            clipped = self._clip_to_spans(request, start, min(num_new, budget, span_end - start))
+        return clipped
+
+    def _allocate_running(self, request: Request, start: int, num_new: int, batch: ScheduledBatch) -> bool:
+        """Blocks for a running request's chunk, preempting lower-priority requests not in ``batch`` as
+        needed; one that cannot fit even alone is preempted itself (recomputed when memory frees up)."""
+        while not self.kv.allocate(request.request_id, start, num_new):
+            victims = [r for r in self.running if r is not request and r not in batch.requests]
+            if not victims:
+                self._preempt(request, batch)
+                return False
+            self._preempt(max(victims, key=self.priority), batch)
+        return True
+
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
         encoder_budget = [cfg.encoder_token_budget]
+        decodes, prefill_used = False, 0  # whether the step holds a decode; its prefill tokens so far
 
         # Running requests: decodes (one token) first, then unfinished prefills.
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.priority(r)))
@@ -159,53 +192,60 @@ class Scheduler:
             if request not in self.running or request.awaiting_last_token:
                 continue  # preempted below while making room for an earlier one, or about to finish
             start = request.num_computed_tokens
-            if request.num_tokens - start != 1:
+            decoding = request.num_tokens - start == 1
+            if not decoding:
                 request.draft_token_ids.clear()  # drafts follow a decode's one known token, nothing else
             num_new = min(request.num_tokens - start + len(request.draft_token_ids), budget)
             if request.draft_token_ids:  # speculative decoding: verify only the drafts that fit
                 del request.draft_token_ids[max(0, num_new - 1) :]
-            num_new = self._clip_to_spans(request, start, num_new)
+            limit = budget if decoding else self._prefill_limit(budget, prefill_used, decodes)
+            if limit <= 0:
+                continue  # the prefill cap beside decodes is spent; other decodes may still run
+            num_new = self._chunk(request, start, num_new, limit, budget)
             num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items)
             if num_new <= 0:
                 continue
-            while not self.kv.allocate(request.request_id, start, num_new):
-                victims = [r for r in self.running if r is not request and r not in batch.requests]
-                if not victims:
-                    break
-                self._preempt(max(victims, key=self.priority), batch)
-            else:
-                batch.requests.append(request)
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
+            if not self._allocate_running(request, start, num_new, batch):
                 continue
-            # Could not fit even alone: preempt it (recompute later when memory frees up).
-            self._preempt(request, batch)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            if decoding:
+                decodes = True
+            else:
+                prefill_used += num_new
 
-        self._admit_waiting(batch, budget, encoder_budget)
+        self._admit_waiting(batch, budget, encoder_budget, prefill_used if decodes else None)
         return batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, encoder_budget: list[int]) -> None:
-        """Waiting requests, admitted into ``batch`` while the token budget, sequence slots and blocks
-        last."""
+    def _take_prefix_hit(self, request: Request) -> bool:
+        """A request never scheduled yet starts after its cached prefix (True); others as they are."""
+        if request.num_computed_tokens != 0 or request.request_id in self.kv.seqs:
+            return False
+        hit = self.kv.find_cached_prefix(request.request_id, request.block_hashes, request.num_tokens)
+        request.num_computed_tokens = request.metrics.prefix_hit_tokens = hit
+        return True
+
+    def _admit_waiting(
+        self, batch: ScheduledBatch, budget: int, encoder_budget: list[int], prefill_used: int | None
+    ) -> None:
+        """Waiting requests, admitted into ``batch`` while the token budget (the prefill cap, with
+        ``prefill_used`` tokens of it spent, when the step holds decodes), sequence slots and blocks last."""
         cfg = self.config
         self.waiting.sort(key=self.priority)
         admitted = []
         for request in self.waiting:
-            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
+            limit = self._prefill_limit(budget, prefill_used or 0, prefill_used is not None)
+            if limit <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
                 break
             if request.awaiting_last_token:  # preempted with its last token pending: it finishes unscheduled
                 continue
-            fresh = request.num_computed_tokens == 0 and request.request_id not in self.kv.seqs
-            if fresh:
-                hit = self.kv.find_cached_prefix(request.request_id, request.block_hashes, request.num_tokens)
-                request.num_computed_tokens = hit
-                request.metrics.prefix_hit_tokens = hit
+            fresh = self._take_prefix_hit(request)
             start = request.num_computed_tokens
             num_new = request.num_tokens - start
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
-            num_new = self._clip_to_spans(request, start, num_new)
+            num_new = self._chunk(request, start, num_new, limit, budget)
             unclipped, num_new = (
                 num_new,
                 self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items),
@@ -223,6 +263,8 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+            if prefill_used is not None:
+                prefill_used += num_new
         for request in admitted:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
