@@ -7,7 +7,8 @@ and the three-launch parallel kernel; the two GEMMs; routing: kernel vs torch op
 bandwidth (bytes of the experts the batch touches) and TFLOP/s; writes JSON (device, versions, git commit,
 every figure with its unit) to bench/results/.
 ``--quant`` also times the same experts quantized (``MoEExperts.quantize_from``: FP8 per channel or 128 x 128
-blocks, int4 in groups of 128 or 32), dequantized in registers by the same kernels, against bf16.
+blocks, int4 in groups of 128 or 32), dequantized in registers by the same kernels, against bf16; FP8 experts
+also on the FP8 tensor cores (W8A8, ``w8a8_*``: activations quantized per token and 128-column group).
 
     python bench/moe_kernels.py                    # T = 1, 8, 32, 64, 512
     python bench/moe_kernels.py --tokens 1 64 --sweep   # also search tile configs per T
@@ -32,6 +33,7 @@ from g4serve.kernels.fused_moe import (
     GemmTiles,
     MoETiles,
     _grouped_gemm,
+    _w8a8_weights,
     fused_moe,
     fused_moe_reference,
     moe_align,
@@ -126,9 +128,10 @@ def bench_tokens(
     flops = 2 * n * (two_inter * hidden + hidden * inter)
     tiles = moe_tiles(n, num_experts)
 
-    def fused_calls(cfg: MoETiles | None = None, weights=(gate_up, down)):
+    def fused_calls(cfg: MoETiles | None = None, weights=(gate_up, down), w8a8_min: int = 0):
         return [
-            lambda x=x, e=e, w=w: fused_moe(x, *weights, e, w, activation, tiles=cfg) for x, e, w, _ in inputs
+            lambda x=x, e=e, w=w: fused_moe(x, *weights, e, w, activation, tiles=cfg, w8a8_min=w8a8_min)
+            for x, e, w, _ in inputs
         ]
 
     fused_graph = graph_ms(fused_calls(), args)
@@ -232,6 +235,14 @@ def bench_tokens(
             quant_achieved_weight_gb_per_s=quant_bytes / quant_graph / 1e6,
             quant_gemms_weight_gb_per_s=quant_bytes / (quant_gemm1 + quant_gemm2) / 1e6,
         )
+        if all(_w8a8_weights(w) for w in quant):  # FP8 experts: also on the FP8 tensor cores (W8A8)
+            w8a8_graph = graph_ms(fused_calls(weights=quant, w8a8_min=1), args)
+            row.update(
+                w8a8_fused_graph_ms=w8a8_graph,
+                w8a8_speedup_vs_quant=quant_graph / w8a8_graph,
+                w8a8_speedup_vs_bf16=fused_graph / w8a8_graph,
+                w8a8_achieved_tflop_per_s=flops / w8a8_graph / 1e9,
+            )
     if args.sweep:
         calls = fused_calls if quant is None else lambda cfg=None: fused_calls(cfg, quant)
         row["sweep"] = sweep(args, calls, n, num_experts)
@@ -331,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                 f" | {args.quant} {row['quant_fused_graph_ms'] * 1e3:8.1f} us (graph) "
                 f"x{row['quant_speedup_graph_vs_bf16']:.2f} vs bf16"
                 if quant
+                else ""
+            )
+            + (
+                f" | w8a8 {row['w8a8_fused_graph_ms'] * 1e3:8.1f} us x{row['w8a8_speedup_vs_quant']:.2f} vs "
+                f"dequantizing, x{row['w8a8_speedup_vs_bf16']:.2f} vs bf16"
+                if "w8a8_fused_graph_ms" in row
                 else ""
             )
             + (f" | sweep best {row['sweep']['best_ms'] * 1e3:.1f} us" if args.sweep else ""),

@@ -2,13 +2,14 @@
 # The work written in sessions without device time, checked and measured in one call (two GPUs: the halves
 # side by side; one GPU: in turn):
 #   GPU 0: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
-#          alignment, media prepared on the GPU), bench/moe_kernels.py at prefill sizes (align_p against
-#          align_t), bench/preprocess_media.py --device cuda (the --media-on-gpu path's pieces), then
+#          alignment, W8A8 MoE experts, media prepared on the GPU), bench/moe_kernels.py --quant fp8 (align_p
+#          against align_t; FP8 experts dequantized against W8A8), bench/preprocess_media.py --device cuda (the --media-on-gpu path's pieces), then
 #          media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
 #          --max-prefill-tokens-beside-decodes PREFILL_CAP, default 512)
 #   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN), and
 #          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer; with BASE_TGZ (a
-#          `git archive` of an older commit's src/, e.g. 045bea9^), the same on those sources
+#          `git archive` of an older commit's src/, e.g. 045bea9^), the same on those sources; 26b-a4b's
+#          FP8 prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1)
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
 #       kind="nvidia-h200-x2")
 # STAGES (default "tests kernels media stall seed fp8") picks stages. Results: $OUT/catch_up.tgz (JSON, logs),
@@ -29,10 +30,11 @@ gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   if has tests; then
     run gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_media_gpu.py \
-      tests/gpu/test_quant_gpu.py::test_quantize_rows_fp8_equals_torch_on_cuda tests/gpu/test_moe_gpu.py -k \
-      "align or media or nvjpeg or resize or quantize_rows"
+      tests/gpu/test_quant_gpu.py::test_quantize_rows_fp8_equals_torch_on_cuda tests/gpu/test_moe_gpu.py \
+      tests/gpu/test_moe_quant_gpu.py -k "align or media or nvjpeg or resize or quantize_rows or w8a8"
   fi
-  has kernels && run moe-kernels 120 python3 bench/moe_kernels.py --tokens 2048 4096 --out-dir "$RES"
+  has kernels && run moe-kernels 150 python3 bench/moe_kernels.py --quant fp8 --tokens 64 512 2048 4096 \
+    --out-dir "$RES"
   has media && run preprocess-media 90 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES"
   if has stall; then
     MODES="insteps gpumedia capped" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
@@ -53,6 +55,10 @@ gpu1() {
     fp8=(bench/engine_microbench.py --model e4b --device cuda --quantization fp8 --batches 1 --decode-steps 8
       --prefill-lengths 512,2048 --prefill-reps 3)
     run fp8-prefill-head 120 python3 "${fp8[@]}" --out "$RES/fp8-head"
+    moe=(bench/engine_microbench.py --model 26b-a4b --device cuda --quantization fp8 --batches 1 --decode-steps 8
+      --prefill-lengths 2048 --prefill-reps 3)
+    run fp8-moe-prefill-dequant 120 python3 "${moe[@]}" --out "$RES/fp8-moe-dequant"
+    G4SERVE_MOE_W8A8_MIN=1 run fp8-moe-prefill-w8a8 120 python3 "${moe[@]}" --out "$RES/fp8-moe-w8a8"
     if [ -f "$BASE_TGZ" ]; then
       mkdir -p /tmp/base && tar -xzf "$BASE_TGZ" -C /tmp/base
       PYTHONPATH=/tmp/base/src:${PYTHONPATH#"$PWD/src:"} run fp8-prefill-base 120 python3 "${fp8[@]}" \

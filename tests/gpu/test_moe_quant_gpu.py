@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from g4serve.config import PRESETS
-from g4serve.kernels.fused_moe import fused_moe_reference
+from g4serve.kernels.fused_moe import fused_moe, fused_moe_reference, fused_moe_w8a8_reference
 from g4serve.kernels.moe_route import moe_route_reference
 from g4serve.layers.moe import MoEExperts
 from g4serve.quant_config import FP8, INT4, WeightQuant
@@ -86,6 +86,28 @@ def test_quantized_fused_moe_vs_reference(quantized_layers, scheme, num_tokens):
     err, err16 = (out.float() - ref32).abs().max().item(), (ref16.float() - ref32).abs().max().item()
     assert err <= 1.25 * err16 + 1e-3, (err, err16)
     assert torch.equal(layer(x, experts, weights), out)  # deterministic
+
+
+@pytest.mark.parametrize("num_tokens", [64, 1024, 4096])
+@pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-block"])
+@torch.no_grad()
+def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, num_tokens):
+    """The compiled W8A8 path (fused_moe's w8a8_min) against its torch reference at 26B-A4B shapes, and near
+    the dequantizing path (the activations' e4m3 rounding apart)."""
+    layer, _ = quantized_layers(scheme)
+    gate_up, down = layer.projection("gate_up_proj"), layer.projection("down_proj")
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    weights, experts = _routing(num_tokens, gen)
+    x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    out = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1)
+    ref = fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    dequantized = fused_moe(x, gate_up, down, experts, weights, ACT)
+    rel = ((out.float() - dequantized.float()).norm() / dequantized.float().norm()).item()
+    print(f"{scheme} T={num_tokens}: |w8a8 - dequantized| / |dequantized| = {rel:.4f}")
+    assert rel < 0.06
+    assert torch.equal(fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1), out)  # deterministic
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "int4-g128-asym"])

@@ -17,6 +17,7 @@ from g4serve.kernels.fused_moe import (
     dequantize_expert,
     fused_moe,
     fused_moe_reference,
+    fused_moe_w8a8_reference,
 )
 from g4serve.kernels.quant_matmul import dequantize_reference
 from g4serve.layers.moe import MoEExperts
@@ -119,6 +120,50 @@ def test_quantized_fused_moe_matches_reference(fmt, dtype, tiles):
         # summation order flips a rounding
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         assert (out == ref).float().mean() >= 0.98
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-channel", "fp8-block128"])
+@pytest.mark.parametrize("tiles", ["k32", "m32"])
+def test_w8a8_fused_moe_matches_its_reference(fmt, tiles):
+    """FP8 experts on the FP8 tensor cores: activations quantized per token and 128-column group (down's
+    K = 48 one partial group), whatever K tile the tiles name (the kernel steps by the group)."""
+    gen = torch.Generator().manual_seed(len(fmt) + len(tiles))
+    gate_up, down = _weights(fmt, gen)
+    experts, weights = _routing(17, gen)
+    x = torch.randn(17, H, generator=gen).to(torch.bfloat16)
+    out = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES[tiles], w8a8_min=1)
+    ref = fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT)
+    assert out.dtype == torch.bfloat16 and ref.abs().max() > 0.1
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert (out == ref).float().mean() >= 0.98  # equal here; a summation order may flip a rounding
+    # and near the dequantizing path: the activations' e4m3 rounding (3 mantissa bits) is the difference,
+    # 4.4-4.7% of the output's norm on these weights
+    dequantized = fused_moe_reference(x, gate_up, down, experts, weights, ACT).float()
+    assert (out.float() - dequantized).norm() / dequantized.norm() < 0.06
+
+
+def test_w8a8_only_where_it_applies():
+    """Under the threshold, with scales finer than a 128-column group, or fp32 activations: the dequantizing
+    path, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    channel = _weights("fp8-channel", gen)
+    experts, weights = _routing(9, gen)
+    x = torch.randn(9, H, generator=gen).to(torch.bfloat16)
+    plain = fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"])
+    assert torch.equal(fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=19), plain)
+    assert not torch.equal(
+        fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=18), plain
+    )
+    fine = _weights("fp8-block", gen)  # 32-wide K blocks: not constant within a group
+    assert torch.equal(
+        fused_moe(x, *fine, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=1),
+        fused_moe(x, *fine, experts, weights, ACT, tiles=TILES["k32"]),
+    )
+    x32 = x.float()
+    assert torch.equal(
+        fused_moe(x32, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=1),
+        fused_moe(x32, *channel, experts, weights, ACT, tiles=TILES["k32"]),
+    )
 
 
 def test_reference_dequantizes_like_dequantize_reference():

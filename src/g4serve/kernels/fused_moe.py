@@ -19,6 +19,12 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
 from g4serve.kernels.act_mul import ACTIVATIONS
+from g4serve.kernels.fp8_matmul import (
+    GROUP,
+    fp8_matmul_supported,
+    quantize_activation_groups,
+    quantize_groups,
+)
 from g4serve.kernels.quant_matmul import _dequant, _groups_per_tile, _load_raw, dequantize_reference
 
 GELU_TANH, SILU = 0, 1
@@ -37,6 +43,11 @@ ALIGN_KERNEL_MAX_ASSIGNMENTS = 4096
 PREFILL_ALIGN = os.environ.get("G4SERVE_MOE_ALIGN", "sort")
 if PREFILL_ALIGN not in ("sort", "parallel"):
     raise ValueError(f"G4SERVE_MOE_ALIGN: expected sort or parallel, got {PREFILL_ALIGN!r}")
+# FP8 experts at this many assignments (T*k) or more multiply on the FP8 tensor cores (W8A8: activations
+# quantized per token and 128-column group, ``_w8a8_products``) instead of dequantizing the weight to bf16
+# tiles. 0 (the default until a device run has timed both, bench/moe_kernels.py --quant fp8: quant_* against
+# w8a8_*): never. G4SERVE_MOE_W8A8_MIN sets it.
+W8A8_MIN_ASSIGNMENTS = int(os.environ.get("G4SERVE_MOE_W8A8_MIN", "0"))
 
 
 @dataclass(frozen=True)
@@ -547,6 +558,56 @@ def _int4_products(
         return acc, acc_up
 
 
+@triton.jit
+def _w8a8_products(
+    A,
+    AS,
+    W,
+    S,
+    rows,
+    valid,
+    cols,
+    col_ok,
+    K,
+    num_groups,
+    gate_offset,
+    scale_up_offset,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_sn,
+    scale_bn,
+    scale_bk,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] sums over K groups of (e4m3 A rows @ e4m3 W rows^T) * a_scale * w_scale, and
+    of the up rows for GATED (``fp8_matmul``'s math with an expert's weight; W and S at that expert)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
+    as_ptrs = AS + rows * stride_asm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        sa = tl.load(as_ptrs + k0 // BLOCK_K, mask=valid, other=0.0)
+        w, sw, _ = _load_raw(
+            W, S, S, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, 0, scale_bn, scale_bk, BLOCK_K,
+            False, False, 1,
+        )  # fmt: skip
+        acc += tl.dot(a, tl.trans(w)) * sa[:, None] * tl.reshape(sw, [BLOCK_N])[None, :]
+        if GATED:
+            u, su, _ = _load_raw(
+                W + gate_offset * stride_wn, S + scale_up_offset * stride_sn, S, cols, col_ok, k0, K,
+                num_groups, stride_wn, stride_sn, 0, scale_bn, scale_bk, BLOCK_K, False, False, 1,
+            )  # fmt: skip
+            acc_up += tl.dot(a, tl.trans(u)) * sa[:, None] * tl.reshape(su, [BLOCK_N])[None, :]
+        a_ptrs += BLOCK_K
+    return acc, acc_up
+
+
 def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags, specialised away at compile time
     A,
     W,
@@ -573,6 +634,8 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     scale_bn,
     scale_bk,
     scale_up_offset,
+    AS,
+    stride_asm,
     A_ROW_DIV: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
@@ -588,6 +651,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     HAS_ZERO: tl.constexpr,
     GROUPS: tl.constexpr,
     SWAP: tl.constexpr,
+    W8A8: tl.constexpr,
 ):
     """Out[id, cols] = A[id // A_ROW_DIV] @ W[expert, cols].T for the BLOCK_M assignment ids of one block.
 
@@ -597,6 +661,9 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     QUANT: W holds quantized weights (``QuantExpertWeights``: S scales, Z zero points, the up rows' scales
     ``scale_up_offset`` scale rows on); each tile is dequantized in registers and rounded to A's dtype (FP8:
     ``quant_matmul``'s ``_load_raw`` / ``_dequant``; int4: ``_int4_products``, SWAP its operand order).
+    W8A8 (FP8 weights): A is e4m3 with a scale per row and 128-column group (AS,
+    ``fp8_matmul.quantize_groups``), BLOCK_K is that group; each group's FP8 x FP8 product goes to the tensor
+    cores as loaded and is scaled by its two scales (``_w8a8_products``).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -612,7 +679,13 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if QUANT and INT4:
+    if W8A8:
+        acc, acc_up = _w8a8_products(
+            A, AS, W + expert * stride_we, S + expert * stride_se, rows, valid, cols, col_ok, K, num_groups,
+            gate_offset, scale_up_offset, stride_am, stride_asm, stride_wn, stride_sn, scale_bn, scale_bk,
+            GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    elif QUANT and INT4:
         acc, acc_up = _int4_products(
             A, W + expert * stride_we, S + expert * stride_se, Z + expert * stride_ze, rows, valid, cols,
             col_ok, K, num_groups, gate_offset, scale_up_offset, stride_am, stride_wn, stride_sn, stride_zn,
@@ -712,14 +785,18 @@ def _grouped_gemm(
     a_row_div: int,
     activation: str | None = None,
     route_weights: torch.Tensor | None = None,
+    a_scales: torch.Tensor | None = None,
 ) -> None:
+    """``a_scales``: ``a`` is e4m3 with these per-(row, 128-column group) scales, ``w`` FP8 (W8A8)."""
     quant = isinstance(w, QuantExpertWeights)
     weight = w.weight if quant else w
     k = w.shape[2]
     assert a.stride(-1) == 1 and weight.stride(-1) == 1 and out.stride(-1) == 1
     upcast, precision = dot_settings(a.dtype, a.device)
     grid = (block_expert.shape[0], -(-n // tiles.block_n))
-    block_k = tiles.block_k
+    block_k = GROUP if a_scales is not None else tiles.block_k
+    if a_scales is not None:
+        assert quant and weight.dtype == torch.float8_e4m3fn and fp8_matmul_supported(w.scale_block, k)
     if quant:
         scale, zero = w.scale, w.zero_point
         int4 = weight.dtype == torch.int32
@@ -765,6 +842,8 @@ def _grouped_gemm(
         weight.stride(2),
         out.stride(0),
         *quant_args,
+        a_scales if a_scales is not None else a,
+        a_scales.stride(0) if a_scales is not None else 0,
         A_ROW_DIV=a_row_div,
         GATED=activation is not None,
         ACT=_KINDS[activation] if activation else 0,
@@ -777,6 +856,7 @@ def _grouped_gemm(
         DOT_PRECISION=precision,
         QUANT=quant,
         **quant_meta,
+        W8A8=a_scales is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -791,6 +871,7 @@ def fused_moe(
     activation: str,
     tiles: MoETiles | None = None,
     align_kernel_max: int = ALIGN_KERNEL_MAX_ASSIGNMENTS,
+    w8a8_min: int = W8A8_MIN_ASSIGNMENTS,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] ids;
     weights [T, k] fp32 -> [T, H] in x's dtype: ``sum_j weights[t, j] * expert_j(x[t])``. Either weight may
@@ -798,7 +879,9 @@ def fused_moe(
 
     The k expert outputs of a token are summed in fp32 in slot order (deterministic), then rounded once.
     ``tiles`` overrides ``moe_tiles``; alignments of more than ``align_kernel_max`` assignments use the
-    torch ops instead of the one-program kernel.
+    torch ops instead of the one-program kernel. FP8 experts (both projections) take the W8A8 products at
+    ``w8a8_min`` assignments or more (0: never): x and the gated activations quantized per token and
+    128-column group, as ``fused_moe_w8a8_reference``.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -808,6 +891,7 @@ def fused_moe(
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     quantized = isinstance(gate_up, QuantExpertWeights) or isinstance(down, QuantExpertWeights)
+    w8a8_able = w8a8_min > 0 and x.element_size() == 2 and all(_w8a8_weights(w) for w in (gate_up, down))
     for start in range(0, num_tokens, CHUNK_TOKENS):
         stop = min(start + CHUNK_TOKENS, num_tokens)
         n = (stop - start) * top_k
@@ -818,8 +902,10 @@ def fused_moe(
             align = moe_align_parallel if PREFILL_ALIGN == "parallel" else moe_align
         sorted_ids, block_expert = align(experts[start:stop], num_experts, cfg.block_m)
         hidden_act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+        w8a8 = w8a8_able and n >= w8a8_min
+        a, a_scales = quantize_groups(x[start:stop]) if w8a8 else (x[start:stop], None)
         _grouped_gemm(
-            x[start:stop],
+            a,
             gate_up,
             hidden_act,
             inter,
@@ -829,10 +915,12 @@ def fused_moe(
             cfg.gate_up,
             a_row_div=top_k,
             activation=activation,
+            a_scales=a_scales,
         )
         per_slot = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+        a, a_scales = quantize_groups(hidden_act) if w8a8 else (hidden_act, None)
         _grouped_gemm(
-            hidden_act,
+            a,
             down,
             per_slot,
             hidden,
@@ -842,9 +930,19 @@ def fused_moe(
             cfg.down,
             a_row_div=1,
             route_weights=weights[start:stop].reshape(-1),
+            a_scales=a_scales,
         )
         out[start:stop] = per_slot.view(stop - start, top_k, hidden).sum(1, dtype=torch.float32)
     return out
+
+
+def _w8a8_weights(w: torch.Tensor | QuantExpertWeights) -> bool:
+    """FP8 experts whose scales are constant within each 128-column activation group."""
+    return (
+        isinstance(w, QuantExpertWeights)
+        and w.weight.dtype == torch.float8_e4m3fn
+        and fp8_matmul_supported(w.scale_block, w.in_features)
+    )
 
 
 def _expert_weight(w: torch.Tensor | QuantExpertWeights, expert: int, dtype: torch.dtype) -> torch.Tensor:
@@ -875,6 +973,50 @@ def fused_moe_reference(
     return out
 
 
+def _w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: QuantExpertWeights, expert: int) -> torch.Tensor:
+    """fp32 products of group-quantized rows with expert ``expert``'s FP8 weight, group by group, each times
+    its activation and weight scales (``fp8_matmul_reference``'s math, per part's scale grid)."""
+    rows, scale_rows = w.weight.shape[1] // w.parts, w.scale.shape[1] // w.parts
+    bn, bk = w.scale_block
+    sw = torch.cat(
+        [
+            w.scale[expert, p * scale_rows : (p + 1) * scale_rows].float().repeat_interleave(bn, dim=0)[:rows]
+            for p in range(w.parts)
+        ]
+    )  # [N, ceil(K / bk)]
+    weight = w.weight[expert].float()
+    y = torch.zeros(xq.shape[0], weight.shape[0], dtype=torch.float32, device=xq.device)
+    for g, k0 in enumerate(range(0, w.in_features, GROUP)):
+        part = xq[:, k0 : k0 + GROUP].float() @ weight[:, k0 : k0 + GROUP].t()
+        y += part * sx[:, g : g + 1] * sw[:, k0 // bk][None, :]
+    return y
+
+
+def fused_moe_w8a8_reference(
+    x: torch.Tensor,
+    gate_up: QuantExpertWeights,
+    down: QuantExpertWeights,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """The W8A8 path's math in torch: each token quantized per 128-column group once, each hit expert's
+    gate/up products rounded to x's dtype, the gated activation rounded and quantized again for the down
+    products, those rounded and weighted; the k outputs summed in fp32 in slot order, then rounded."""
+    act = ACTIVATIONS[activation]
+    xq, sx = quantize_activation_groups(x)
+    top_k = experts.shape[1]
+    per_slot = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(experts).tolist():
+        hit = experts == e
+        tokens, slots = hit.nonzero(as_tuple=True)
+        gate, up = _w8a8_linear(xq[tokens], sx[tokens], gate_up, e).to(x.dtype).chunk(2, dim=-1)
+        hq, hs = quantize_activation_groups(act(gate) * up)
+        y = _w8a8_linear(hq, hs, down, e).to(x.dtype).float() * weights[tokens, slots].float().unsqueeze(-1)
+        per_slot[tokens, slots] = y.to(x.dtype).float()
+    return per_slot.sum(1).to(x.dtype)
+
+
 __all__ = [
     "GemmTiles",
     "MoETiles",
@@ -882,6 +1024,7 @@ __all__ = [
     "dequantize_expert",
     "fused_moe",
     "fused_moe_reference",
+    "fused_moe_w8a8_reference",
     "moe_align",
     "moe_align_kernel",
     "moe_tiles",
