@@ -2,20 +2,21 @@
 # The work written in sessions without device time, checked and measured in one call (two GPUs: the halves
 # side by side; one GPU: in turn):
 #   GPU 0: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
-#          alignment, W8A8 MoE experts, media prepared on the GPU), bench/moe_kernels.py --quant fp8 (align_p
-#          against align_t; FP8 experts dequantized against W8A8), bench/preprocess_media.py --device cuda (the --media-on-gpu path's pieces), then
-#          media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
-#          --max-prefill-tokens-beside-decodes PREFILL_CAP, default 512)
-#   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN), and
-#          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer; with BASE_TGZ (a
-#          `git archive` of an older commit's src/, e.g. 045bea9^), the same on those sources; 26b-a4b's
-#          FP8 prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1)
+#          alignment, W8A8 MoE experts, media prepared on the GPU); bench/moe_kernels.py --quant fp8
+#          (align_p against align_t, FP8 experts dequantized against W8A8); bench/preprocess_media.py
+#          --device cuda (the --media-on-gpu path's pieces); then media_stall.sh with MODES="insteps gpumedia
+#          capped" at VIDEO_QPS (default 32; capped: --max-prefill-tokens-beside-decodes PREFILL_CAP, 512)
+#   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN);
+#          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
+#          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
+#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); then the audio rows:
+#          clips at 4 QPS beside text streams, log-mel on the host and with --media-on-gpu (port 8101)
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
 #       kind="nvidia-h200-x2")
-# STAGES (default "tests kernels media stall seed fp8") picks stages. Results: $OUT/catch_up.tgz (JSON, logs),
-# the tables and test summaries in $OUT/summary.md.
+# STAGES (default "tests kernels media stall seed fp8 audio") picks stages. Results: $OUT/catch_up.tgz (JSON,
+# logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
-STAGES=${STAGES:-tests kernels media stall seed fp8} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-tests kernels media stall seed fp8 audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
 VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
@@ -65,6 +66,10 @@ gpu1() {
         --out "$RES/fp8-base"
     fi
   fi
+  if has audio; then  # the audio rows: clips at 4 QPS beside text streams, log-mel on the host or the GPU
+    MODES="insteps gpumedia" MEDIA=audio VIDEO_QPS=4 PORT=8101 SETUP=0 OUT="$RES/audio" RES="$RES/audio-work" \
+      timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/audio-stall.log" 2>&1
+  fi
 }
 
 if [ "$second" = 1 ]; then
@@ -80,6 +85,7 @@ fi
   echo "## MoE alignment"; grep -E "align|tokens" "$RES/moe-kernels.log" 2>/dev/null | tail -n 20
   echo "## preprocess_media"; grep -E "_ms " "$RES/preprocess-media.log" 2>/dev/null
   echo "## media stall"; cat "$RES/stall/summary.md" 2>/dev/null
+  echo "## audio beside text"; cat "$RES/audio/summary.md" 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-prefill-*.log 2>/dev/null
 } > "$OUT/summary.md"

@@ -13,12 +13,12 @@
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-stall}
 MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
-VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512}
+VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512} PORT=${PORT:-8100}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
-  timeout -k 5 $((DURATION + 60)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:8100 \
+  timeout -k 5 $((DURATION + 60)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --duration "$DURATION" --drain-timeout 30 --no-plots --label "$mode-$1" --out "$RES/$mode/$1" "${@:2}" \
     > "$RES/$mode/$1.log" 2>&1
 }
@@ -32,10 +32,10 @@ for mode in $MODES; do
     capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP" ;;
     *) extra= ;;
   esac
-  python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \
+  python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!
-  for _ in $(seq 180); do curl -sf localhost:8100/health > /dev/null && break; sleep 1; done
+  for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
   bench text-alone "${TEXT[@]}"
   bench video-beside "${VIDEO[@]}" --seed 1 &
   video=$!

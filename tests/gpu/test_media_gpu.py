@@ -1,5 +1,6 @@
 """Media prepared on the GPU (``--media-on-gpu``, processing/device_media.py): nvJPEG against libjpeg-turbo,
-the CUDA float resize against the same arithmetic on the CPU, and an engine serving what it prepares."""
+the CUDA float resize against the same arithmetic on the CPU, log-mel features against numpy's, and an
+engine serving what it prepares."""
 
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ def test_the_cuda_resize_and_patches_equal_the_cpu_float_path():
     assert diff.max() <= 1 and diff.float().mean() < 0.01  # float rounding order only
 
 
+def test_audio_features_on_cuda_match_the_host():
+    from g4serve.processing.audio import AudioFeatureExtractor
+
+    rng = np.random.default_rng(0)
+    clips = [(0.2 * rng.standard_normal(n)).astype(np.float32) for n in (16_000, 160_000, 3_000)]
+    extractor = AudioFeatureExtractor()
+    on_host, on_gpu = extractor(clips), extractor(clips, device="cuda")
+    assert on_gpu.input_features.is_cuda and not on_gpu.input_features_mask.is_cuda
+    assert torch.equal(on_gpu.input_features_mask, on_host.input_features_mask)
+    diff = (on_gpu.input_features.cpu() - on_host.input_features).abs().max().item()
+    print(f"log-mel on CUDA vs numpy: max |diff| {diff:.2e}")
+    assert diff < 1e-4  # cuFFT's float32 rounding against pocketfft's
+
+
 def test_an_engine_serves_media_prepared_on_the_gpu(hf_checkpoint):
     """Prompts with JPEG images and a video of JPEG frames, prepared on the GPU from several threads at
     once (as the server's workers do), then run together: the items' patches live on the GPU, greedy
@@ -98,6 +113,8 @@ def test_an_engine_serves_media_prepared_on_the_gpu(hf_checkpoint):
     ]
     frames = [_jpeg(_picture(240, 426, 10 + i)) for i in range(6)]
     prompts.append({"prompt": turn.format("<|video|>What happens?"), "multi_modal_data": {"video": [frames]}})
+    clip = (0.2 * np.random.default_rng(0).standard_normal(24_000)).astype(np.float32)
+    prompts.append({"prompt": turn.format("<|audio|>Transcribe."), "multi_modal_data": {"audio": clip}})
     processed: list = [None] * len(prompts)
 
     def prepare(i: int) -> None:
@@ -109,7 +126,8 @@ def test_an_engine_serves_media_prepared_on_the_gpu(hf_checkpoint):
     for t in threads:
         t.join()
     for p in processed:
-        assert all(item.data["pixel_values"].is_cuda for item in p.mm_items)
+        inputs = [item.data.get("pixel_values", item.data.get("input_features")) for item in p.mm_items]
+        assert inputs and all(t.is_cuda for t in inputs)
     params = SamplingParams(temperature=0, max_tokens=8)
     alone = []
     for i, p in enumerate(processed):

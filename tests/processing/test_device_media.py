@@ -263,6 +263,8 @@ def test_an_engine_runs_what_the_device_path_prepares(tiny_model_dir, host):
     ]
     frames = [_jpeg(_picture(48, 64, 10 + i)) for i in range(6)]
     prompts.append({"prompt": turn.format("<|video|>What happens?"), "multi_modal_data": {"video": [frames]}})
+    clip = (0.2 * np.random.default_rng(0).standard_normal(24_000)).astype(np.float32)
+    prompts.append({"prompt": turn.format("<|audio|>Transcribe."), "multi_modal_data": {"audio": clip}})
     with ThreadPoolExecutor(4) as pool:
         processed = list(pool.map(engine.process_prompt, prompts))
     params = SamplingParams(temperature=0, max_tokens=6)
@@ -284,3 +286,27 @@ def test_a_decode_that_disagrees_with_the_header_goes_to_the_host(device, host, 
     monkeypatch.setattr(DeviceMedia, "_decode", lambda self, blobs: [t[:, 1:] for t in decode(self, blobs)])
     images = [_jpeg(_picture(96, 128))]
     _check(_images(device, images), _images(float_host, images), _images(host, images))
+
+
+def test_audio_features_on_the_device_match_the_host(host, device):
+    """Log-mel features in torch (a batch of clips of different lengths at once) against numpy's, which
+    match transformers bit for bit: float32 rounding apart, the same masks and soft-token counts."""
+    from g4serve.processing.audio import AudioFeatureExtractor
+
+    rng = np.random.default_rng(0)
+    clips = [(0.2 * rng.standard_normal(n)).astype(np.float32) for n in (16_000, 41_337, 3_000)]
+    extractor = AudioFeatureExtractor()
+    on_host, on_device = extractor(clips), extractor(clips, device="cpu")
+    assert on_device.input_features.shape == on_host.input_features.shape
+    assert torch.equal(on_device.input_features_mask, on_host.input_features_mask)
+    torch.testing.assert_close(on_device.input_features, on_host.input_features, atol=2e-5, rtol=1e-5)
+    assert on_host.input_features.abs().max() > 1  # log-mel values of order one, not a degenerate case
+    tiny = extractor([np.zeros(10, np.float32)], device="cpu")  # shorter than one window
+    assert tiny.input_features.shape[1] == tiny.input_features_mask.shape[1]
+
+    prompt = {"prompt": host.audio_token * 2, "multi_modal_data": {"audio": clips[:2]}}
+    a, b = device.process(prompt, {"audio": 2}), host.process(prompt, {"audio": 2})
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.mm_items, b.mm_items):
+        assert torch.equal(x.data["input_features_mask"], y.data["input_features_mask"])
+        torch.testing.assert_close(x.data["input_features"], y.data["input_features"], atol=2e-5, rtol=1e-5)

@@ -100,8 +100,9 @@ class EngineConfig:
     # with device="cuda") put pixels near the host path's, which matches its CPU processor bit for bit.
     media_on_gpu: bool = _opt(
         False,
-        "prepare images and video frames on the GPU: JPEGs decoded by nvJPEG, resized and cut into patches "
-        "there (pixels near, not equal to, the default host path's, which matches transformers exactly)",
+        "prepare media on the GPU: JPEGs decoded by nvJPEG, images and frames resized and cut into patches "
+        "there, audio's log-mel features computed there (near, not equal to, the default host path, which "
+        "matches transformers exactly)",
     )
     text_only: bool = _opt(False, "do not load the vision/audio towers")
     strict_config: bool = _opt(True, "reject config.json keys g4serve does not know", cli=False)

@@ -4,7 +4,8 @@ On the host, a request of six 480p JPEG frames spends ~13 ms before the engine (
 ``bench/preprocess_media.py``): ~4 ms decoding, ~4 ms resizing, ~2 ms cutting patches, the rest copies and
 the content hash. Here JPEGs are decoded by nvJPEG (torchvision's ``decode_jpeg`` on CUDA: the request's
 images, or a video's sampled frames, in one batched call), and every image and frame, whoever decoded it,
-is resized and cut into patches on the device. The uint8 patches stay there for the vision encoder.
+is resized and cut into patches on the device. The uint8 patches stay there for the vision encoder. Audio
+clips' log-mel features are computed on the device too (``AudioFeatureExtractor(..., device=)``).
 
 What the device decodes is only what it would decode as the host does: a JPEG in an allowed format whose
 header (parsed by PIL, no pixel decoded) announces 3-channel YCbCr or grayscale, no EXIF rotation, and a

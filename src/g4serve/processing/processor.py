@@ -297,7 +297,6 @@ class Gemma4Processor:
         media_limits: MediaLimits | None = None,
     ) -> ProcessedPrompt:
         images, videos, audio = list(images or []), list(videos or []), list(audio or [])
-        s = self.settings
         budget = MediaBudget(media_limits)
         _check_encoded_media({"image": images, "video": videos, "audio": audio}, budget.limits)
         expansions: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
@@ -305,19 +304,8 @@ class Gemma4Processor:
 
         with self.media.preparing() if self.media is not None else contextlib.nullcontext():
             self._images_and_videos(images, videos, budget, items, expansions)
-        if audio:
-            waves = [
-                _named(f"audio[{i}]", lambda v: self._load_audio(v, budget), v) for i, v in enumerate(audio)
-            ]
-            feats = self.audio_extractor(waves)
-            for i, wave in enumerate(waves):
-                data = {
-                    "input_features": feats.input_features[i : i + 1],
-                    "input_features_mask": feats.input_features_mask[i : i + 1],
-                }
-                n = num_audio_soft_tokens(len(wave), s.audio_seq_length)
-                items["audio"].append((data, content_hash("audio", *data.values())))
-                expansions["audio"].append(f"{self.boa}{self.audio_token * n}{self.eoa}")
+            if audio:
+                self._audio(audio, budget, items, expansions)
 
         if prompt is not None:
             text = self._expand_text(prompt, expansions)
@@ -380,6 +368,25 @@ class Gemma4Processor:
                     frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
                 )
             )
+
+    def _audio(
+        self,
+        audio: list[Any],
+        budget: MediaBudget,
+        items: dict[str, list[tuple[dict[str, torch.Tensor], str]]],
+        expansions: dict[str, list[str]],
+    ) -> None:
+        """Decode the clips on the host; their log-mel features there, or on the media device."""
+        waves = [_named(f"audio[{i}]", lambda v: self._load_audio(v, budget), v) for i, v in enumerate(audio)]
+        feats = self.audio_extractor(waves, device=self.media.device if self.media is not None else None)
+        for i, wave in enumerate(waves):
+            data = {
+                "input_features": feats.input_features[i : i + 1],
+                "input_features_mask": feats.input_features_mask[i : i + 1],
+            }
+            n = num_audio_soft_tokens(len(wave), self.settings.audio_seq_length)
+            items["audio"].append((data, content_hash("audio", *data.values())))
+            expansions["audio"].append(f"{self.boa}{self.audio_token * n}{self.eoa}")
 
     def _expand_text(self, prompt: str, expansions: dict[str, list[str]]) -> str:
         placeholders = {"image": self.image_token, "video": self.video_token, "audio": self.audio_token}
