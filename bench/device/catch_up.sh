@@ -9,14 +9,15 @@
 #   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN);
 #          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
-#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); then the audio rows:
+#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (the dense
+#          projections' nibble planes, B = 1/8/32/64 and a 2,048-token prefill); then the audio rows:
 #          clips at 4 QPS beside text streams, log-mel on the host and with --media-on-gpu (port 8101)
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
 #       kind="nvidia-h200-x2")
-# STAGES (default "tests kernels media stall seed fp8 audio") picks stages. Results: $OUT/catch_up.tgz (JSON,
+# STAGES (default "tests kernels media stall seed fp8 int4 audio") picks stages. Results: $OUT/catch_up.tgz (JSON,
 # logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
-STAGES=${STAGES:-tests kernels media stall seed fp8 audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-tests kernels media stall seed fp8 int4 audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
 VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
@@ -30,9 +31,10 @@ left() { echo $(( DEADLINE - SECONDS - $1 )); }  # seconds left before DEADLINE,
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   if has tests; then
-    run gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_media_gpu.py \
-      tests/gpu/test_quant_gpu.py::test_quantize_rows_fp8_equals_torch_on_cuda tests/gpu/test_moe_gpu.py \
-      tests/gpu/test_moe_quant_gpu.py -k "align or media or nvjpeg or resize or quantize_rows or w8a8"
+    run gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_media_gpu.py \
+      tests/gpu/test_quant_gpu.py tests/gpu/test_moe_gpu.py \
+      tests/gpu/test_moe_quant_gpu.py -k "align or media or nvjpeg or resize or quantize_rows or w8a8 or \
+      quant_matmul or quantized_fused_moe"
   fi
   has kernels && run moe-kernels 150 python3 bench/moe_kernels.py --quant fp8 --tokens 64 512 2048 4096 \
     --out-dir "$RES"
@@ -66,6 +68,10 @@ gpu1() {
         --out "$RES/fp8-base"
     fi
   fi
+  if has int4; then  # e4b in int4 (w4a16): the dense projections' nibble planes at every batch, and prefill
+    run int4-e4b 150 python3 bench/engine_microbench.py --model e4b --device cuda --quantization w4a16 \
+      --batches 1,8,32,64 --decode-steps 16 --prefill-lengths 2048 --prefill-reps 2 --out "$RES/int4"
+  fi
   if has audio; then  # the audio rows: clips at 4 QPS beside text streams, log-mel on the host or the GPU
     MODES="insteps gpumedia" MEDIA=audio VIDEO_QPS=4 PORT=8101 SETUP=0 OUT="$RES/audio" RES="$RES/audio-work" \
       timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/audio-stall.log" 2>&1
@@ -87,7 +93,8 @@ fi
   echo "## media stall"; cat "$RES/stall/summary.md" 2>/dev/null
   echo "## audio beside text"; cat "$RES/audio/summary.md" 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
-  echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-prefill-*.log 2>/dev/null
+  echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
+  echo "## int4 e4b"; grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b.log 2>/dev/null
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
 tar -czf "$OUT/catch_up.tgz" -C "$RES" .

@@ -48,6 +48,8 @@ CASES = [
     ("int4", 5, 16, 72, (1, 8), False, (16, 16, 16)),  # ragged K (last word half used)
     ("int4", 6, 16, 64, (1, 64), True, (16, 16, 32)),  # per channel with zero points
     ("int4", 40, 24, 64, (1, 16), True, (16, 16, 32)),  # 2-D grid
+    # 32-row tiles: the int4 planes swap operands, K tiles of 256 (K = 200 ragged, two groups of 128)
+    ("int4", 40, 24, 200, (1, 128), True, (32, 16, 32)),
 ]
 
 
@@ -82,6 +84,25 @@ def test_quant_matmul_matches_reference(dtype, epilogue, kind, m, n, k, block, z
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     else:
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "kind,m,k,block,zeros,block_m",
+    [
+        ("int4", 3, 600, (1, 32), True, 16),  # 3 K tiles of 128 over 2 splits: 256 + 256 + 88
+        ("int4", 20, 600, (1, 128), False, 32),  # swapped planes, K tiles of 256
+        ("fp8", 3, 600, (1, 600), False, 16),
+    ],
+)
+def test_split_k_sums_every_range_once(kind, m, k, block, zeros, block_m):
+    gen = torch.Generator().manual_seed(k + m)
+    n = 24
+    weight, scale, zero = _quantized(kind, 2 * n, k, block, zeros, gen)
+    x = torch.randn(m, k, generator=gen)
+    cfg = {"block_m": block_m, "block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1, "split_k": 2}
+    out = quant_matmul(x, weight, scale, block, k, zero, GATE_UP, "silu", config=cfg)
+    ref = quant_matmul_reference(x, weight, scale, block, k, zero, GATE_UP, "silu")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_default_configs_nest_with_scale_blocks():
@@ -134,19 +155,20 @@ def test_dequantize_matches_compressed_tensors(strategy, args):
 
 
 @pytest.mark.parametrize("int4,zeros", [(False, False), (True, True)])
-@pytest.mark.parametrize("m,epilogue", [(1, GATE_UP), (8, MUL), (200, PLAIN)])
+@pytest.mark.parametrize("m,epilogue", [(1, GATE_UP), (8, MUL), (48, GATE_UP), (200, PLAIN)])
 def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, m, epilogue):
     """Triton compiles the kernel to an sm_90 cubin on the CPU machine (its bundled ptxas): every path's
-    compiled form (bf16 tensor-core tiles, 3-D nibble reshapes, PDL) is checked before a device runs it."""
+    compiled form (bf16 tensor-core tiles, int4 nibble planes unswapped and swapped, PDL) is checked before a
+    device runs it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from g4serve.kernels.quant_matmul import _groups_per_tile, _quant_matmul
+    from g4serve.kernels.quant_matmul import _groups_per_tile, _quant_matmul, int4_swap, int4_tiles
 
     fn = _quant_matmul.compiled
     n, k = 2048, 2560
-    cfg = quant_matmul_config(m, n, k, epilogue)
+    cfg = int4_tiles(quant_matmul_config(m, n, k, epilogue), int4)
     ints = "M N K num_groups stride_xm stride_wn stride_sn stride_zn stride_em stride_ym scale_bn scale_bk"
     signature = {"X": "*bf16", "W": "*i32" if int4 else "*fp8e4nv", "S": "*bf16", "Z": "*i8", "E": "*bf16"}
     signature |= {"Y": "*bf16"} | {name: "i32" for name in ints.split()}
@@ -163,6 +185,7 @@ def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, m, epilogue):
         UPCAST=False,
         DOT_PRECISION="tf32",
         USE_PDL=m <= 64,
+        SWAP=int4 and m > 1 and int4_swap(cfg["block_m"]),
     )
     names = list(fn.arg_names)
     source = ASTSource(

@@ -25,7 +25,16 @@ from g4serve.kernels.fp8_matmul import (
     quantize_activation_groups,
     quantize_groups,
 )
-from g4serve.kernels.quant_matmul import _dequant, _groups_per_tile, _load_raw, dequantize_reference
+from g4serve.kernels.quant_matmul import (
+    _dequant,
+    _groups_per_tile,
+    _int4_products,
+    _load_raw,
+    _round_to,
+    dequantize_reference,
+    int4_block_k,
+    int4_swap,
+)
 
 GELU_TANH, SILU = 0, 1
 _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, "swish": SILU}
@@ -399,21 +408,6 @@ def moe_align_parallel(
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 x rounded to ``dtype`` (round to nearest even), returned as fp32.
-
-    bf16 by bit arithmetic: the same as the GPU's conversion, and also right in Triton's interpreter, whose
-    fp32 -> bf16 cast truncates (a bias of half a bf16 step per rounding).
-    """
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _dequant_tile(
     W,
     S,
@@ -445,117 +439,6 @@ def _dequant_tile(
         return _round_to(wf, dot_ty)
     else:
         return wf.to(dot_ty)  # round to nearest even on the GPU; fp32: unchanged
-
-
-@triton.jit
-def _plane_scales(
-    s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
-):
-    """A raw int4 tile's scales and offsets (8 + zero point) [BLOCK_N, GROUPS] -> fp32 per packed word
-    [BLOCK_N, WORDS] (a group spans whole words: groups are powers of two >= 8)."""
-    s = s.to(tl.float32)
-    off = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
-    if HAS_ZERO:
-        off += z.to(tl.float32)
-    if GROUPS > 1:
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS))
-        off = tl.reshape(
-            tl.broadcast_to(off[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS)
-        )
-    return s, off
-
-
-@triton.jit
-def _int4_plane(w, s, off, i: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.constexpr):
-    """Nibble ``i`` of every packed word [BLOCK_N, WORDS] (K elements 8j + i), dequantized ((q - z) * s as
-    ``_dequant``, exact in fp32) and rounded to ``dot_ty``."""
-    wf = (((w >> (4 * i)) & 0xF).to(tl.float32) - off) * s
-    if UPCAST:
-        return _round_to(wf, dot_ty)
-    else:
-        return wf.to(dot_ty)
-
-
-@triton.jit
-def _int4_products(
-    A,
-    W,
-    S,
-    Z,
-    rows,
-    valid,
-    cols,
-    col_ok,
-    K,
-    num_groups,
-    gate_offset,
-    scale_up_offset,
-    stride_am,
-    stride_wn,
-    stride_sn,
-    stride_zn,
-    scale_bn,
-    scale_bk,
-    GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_ZERO: tl.constexpr,
-    GROUPS: tl.constexpr,
-    SWAP: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """fp32 products [BLOCK_M, BLOCK_N] of the assignments' rows with packed int4 weight rows ``cols`` (and
-    the up rows), over K tiles of BLOCK_K elements: each raw tile (``_load_raw``: [BLOCK_N, BLOCK_K / 8]
-    words) is taken apart nibble by nibble, 8 planes of BLOCK_K / 8 elements (8j + i), each multiplied with
-    the matching strided columns of A. No reshape of the unpacked tile (``_dequant``'s took the kernel to
-    half bf16's speed on an H100). SWAP: weights as the MMA's M side (BLOCK_N) and the few tokens as its N,
-    for taller token tiles."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    words = tl.arange(0, WORDS)
-    dot_ty = A.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w, s, z = _load_raw(
-            W, S, Z, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
-            BLOCK_K, True, HAS_ZERO, GROUPS,
-        )  # fmt: skip
-        s, off = _plane_scales(s, z, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
-        u, su, off_u = w, s, off
-        if GATED:
-            u, su, zu = _load_raw(
-                W + gate_offset * stride_wn, S + scale_up_offset * stride_sn, Z + gate_offset * stride_zn,
-                cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, BLOCK_K,
-                True, HAS_ZERO, GROUPS,
-            )  # fmt: skip
-            su, off_u = _plane_scales(su, zu, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
-        for i in tl.static_range(8):
-            k = k0 + 8 * words + i
-            wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
-            if SWAP:
-                a_mask = valid[None, :] & (k < K)[:, None]
-                a = tl.load(A + rows[None, :] * stride_am + k[:, None], mask=a_mask, other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                acc = tl.dot(wd, a, acc, input_precision=DOT_PRECISION)
-                if GATED:
-                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
-                    acc_up = tl.dot(ud, a, acc_up, input_precision=DOT_PRECISION)
-            else:
-                a_mask = valid[:, None] & (k < K)[None, :]
-                a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
-                if GATED:
-                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
-                    acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
-    if SWAP:
-        return tl.trans(acc), tl.trans(acc_up)
-    else:
-        return acc, acc_up
 
 
 @triton.jit
@@ -690,7 +573,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
             A, W + expert * stride_we, S + expert * stride_se, Z + expert * stride_ze, rows, valid, cols,
             col_ok, K, num_groups, gate_offset, scale_up_offset, stride_am, stride_wn, stride_sn, stride_zn,
             scale_bn, scale_bk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST,
-            DOT_PRECISION,
+            DOT_PRECISION, 0,
         )  # fmt: skip
     elif QUANT:
         w_base = W + expert * stride_we
@@ -764,14 +647,6 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
 _moe_gemm = DualKernel(_moe_gemm_fn)
 
 
-def int4_block_k(block_m: int) -> int:
-    """K tile of the int4 GEMMs: 8 nibble planes of at least 16 elements (the MMA's K), whatever ``tiles``
-    says. Measured on an H100 at 26B-A4B shapes (w4a16, whole expert block): with 16-row token tiles the
-    unswapped planes of K 128 took 55 µs at T=1 against 64-68 swapped; past them (SWAP) K 256 took 943 µs at
-    T=512 against 1014 with K 128 and 1861 unswapped."""
-    return 128 if block_m <= 16 else 256
-
-
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor | QuantExpertWeights,
@@ -817,7 +692,7 @@ def _grouped_gemm(
             INT4=int4,
             HAS_ZERO=zero is not None,
             GROUPS=_groups_per_tile(block_k, w.scale_block[1], k),
-            SWAP=int4 and block_m > 16,
+            SWAP=int4 and int4_swap(block_m),
         )
     else:
         scale = zero = None

@@ -10,7 +10,9 @@ as q + 8. Weights are read once, in their quantized bytes, which is the point at
   this tile's math, the first before the programmatic-dependent-launch wait (as ``gemv.py``);
 - ``M > 1``: tiles dequantized to the activation dtype and multiplied on the tensor cores; up to
   ``SKINNY_ROWS`` rows in one row tile (every weight element loaded once for the batch), more rows over a
-  2-D grid (a prefill GEMM that never writes a dequantized copy of the weight);
+  2-D grid (a prefill GEMM that never writes a dequantized copy of the weight). int4 tiles go nibble plane
+  by nibble plane (``_int4_products``, shared with the MoE experts: K tiles of 128, or 256 with the
+  operands swapped past 16-row tiles), never reshaping the unpacked tile;
 - ``config["split_k"]`` > 1 (opt-in; no default uses it): K cut into that many ranges, fp32 partials summed
   in order by a second kernel that applies the epilogue (deterministic, no atomics).
 
@@ -105,7 +107,188 @@ def _dequant(
 
 
 @triton.jit
-def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 x rounded to ``dtype`` (round to nearest even), returned as fp32.
+
+    bf16 by bit arithmetic: the same as the GPU's conversion, and also right in Triton's interpreter, whose
+    fp32 -> bf16 cast truncates (a bias of half a bf16 step per rounding).
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _plane_scales(
+    s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
+):
+    """A raw int4 tile's scales and offsets (8 + zero point) [BLOCK_N, GROUPS] -> fp32 per packed word
+    [BLOCK_N, WORDS] (a group spans whole words: groups are powers of two >= 8)."""
+    s = s.to(tl.float32)
+    off = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
+    if HAS_ZERO:
+        off += z.to(tl.float32)
+    if GROUPS > 1:
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS))
+        off = tl.reshape(
+            tl.broadcast_to(off[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS)
+        )
+    return s, off
+
+
+@triton.jit
+def _int4_plane(w, s, off, i: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.constexpr):
+    """Nibble ``i`` of every packed word [BLOCK_N, WORDS] (K elements 8j + i), dequantized ((q - z) * s as
+    ``_dequant``, exact in fp32) and rounded to ``dot_ty``."""
+    wf = (((w >> (4 * i)) & 0xF).to(tl.float32) - off) * s
+    if UPCAST:
+        return _round_to(wf, dot_ty)
+    else:
+        return wf.to(dot_ty)
+
+
+@triton.jit
+def _int4_products(
+    A,
+    W,
+    S,
+    Z,
+    rows,
+    valid,
+    cols,
+    col_ok,
+    K,
+    num_groups,
+    gate_offset,
+    scale_up_offset,
+    stride_am,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SWAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    k_start,
+):
+    """fp32 products [BLOCK_M, BLOCK_N] of the rows ``rows`` of A with packed int4 weight rows ``cols`` (and
+    the up rows ``gate_offset`` rows on, their scales ``scale_up_offset`` scale rows on), over K tiles of
+    BLOCK_K elements from ``k_start`` (a multiple of BLOCK_K) to ``K``: each raw tile (``_load_raw``:
+    [BLOCK_N, BLOCK_K / 8] words) is taken apart nibble by nibble, 8 planes of BLOCK_K / 8 elements
+    (8j + i), each multiplied with the matching strided columns of A. No reshape of the unpacked tile
+    (``_dequant``'s took the experts' kernel to half bf16's speed on an H100). SWAP: weights as the MMA's M
+    side (BLOCK_N) and the few tokens as its N, for taller token tiles."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words = tl.arange(0, WORDS)
+    dot_ty = A.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_start, K, BLOCK_K):
+        w, s, z = _load_raw(
+            W, S, Z, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
+            BLOCK_K, True, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+        s, off = _plane_scales(s, z, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+        u, su, off_u = w, s, off
+        if GATED:
+            u, su, zu = _load_raw(
+                W + gate_offset * stride_wn, S + scale_up_offset * stride_sn, Z + gate_offset * stride_zn,
+                cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, BLOCK_K,
+                True, HAS_ZERO, GROUPS,
+            )  # fmt: skip
+            su, off_u = _plane_scales(su, zu, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+        for i in tl.static_range(8):
+            k = k0 + 8 * words + i
+            wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
+            if SWAP:
+                a_mask = valid[None, :] & (k < K)[:, None]
+                a = tl.load(A + rows[None, :] * stride_am + k[:, None], mask=a_mask, other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                acc = tl.dot(wd, a, acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
+                    acc_up = tl.dot(ud, a, acc_up, input_precision=DOT_PRECISION)
+            else:
+                a_mask = valid[:, None] & (k < K)[None, :]
+                a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
+                    acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
+    if SWAP:
+        return tl.trans(acc), tl.trans(acc_up)
+    else:
+        return acc, acc_up
+
+
+@triton.jit
+def _products(
+    X,
+    W,
+    S,
+    Z,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    k_start,
+    k_end,
+    num_groups,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """fp32 products [BLOCK_M, BLOCK_N] of rows ``offs_m`` by weight rows ``offs_n`` over K in
+    [k_start, k_end) (``k_start`` a multiple of BLOCK_K), and of the up half for ``gate_up``; waits on the
+    previous kernel once the first raw tile is requested. int4 row tiles: ``_int4_products``' nibble planes
+    (SWAP its operand order), after the wait."""
+    if INT4 and USE_DOT:
+        wait_for_previous_kernel(USE_PDL)
+        # the stacked [gate; up] weight: the up rows N rows on, their scales too (int4 scales are per row)
+        y, y_up = _int4_products(
+            X, W, S, Z, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, k_end, num_groups, N, N,
+            stride_xm, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, EPILOGUE == 1, BLOCK_M, BLOCK_N,
+            BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST, DOT_PRECISION, k_start,
+        )  # fmt: skip
+    else:
+        y, y_up = _dequant_products(
+            X, W, S, Z, offs_m, offs_n, M, N, k_start, k_end, num_groups, stride_xm, stride_wn, stride_sn,
+            stride_zn, scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE,
+            USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+        )  # fmt: skip
+    return y, y_up
+
+
+@triton.jit
+def _dequant_products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
     X,
     W,
     S,
@@ -135,9 +318,8 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """fp32 products [BLOCK_M, BLOCK_N] of rows ``offs_m`` by weight rows ``offs_n`` over K in
-    [k_start, k_end) (``k_start`` a multiple of BLOCK_K), and of the up half for ``gate_up``; waits on the
-    previous kernel once the first raw tile is requested."""
+    """``_products`` for FP8 tiles and the one-row path: each raw tile dequantized whole (the next one
+    requested before this one's math)."""
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -238,6 +420,7 @@ def _quant_matmul_fn(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -246,7 +429,7 @@ def _quant_matmul_fn(
     y, y_up = _products(
         X, W, S, Z, offs_m, offs_n, M, N, 0, K, num_groups, stride_xm, stride_wn, stride_sn, stride_zn,
         scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE, USE_DOT, UPCAST,
-        DOT_PRECISION, USE_PDL,
+        DOT_PRECISION, USE_PDL, SWAP,
     )  # fmt: skip
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -280,6 +463,7 @@ def _quant_matmul_split_fn(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """Split-K: program (n, m, split) writes its fp32 partial products over one K range (a whole number of K
     tiles) to P [splits, 1 or 2 (gate, up), M, N]; ``_split_reduce_fn`` sums them in split order."""
@@ -295,7 +479,7 @@ def _quant_matmul_split_fn(
     y, y_up = _products(
         X, W, S, Z, offs_m, offs_n, M, N, k_start, k_end, num_groups, stride_xm, stride_wn, stride_sn,
         stride_zn, scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE, USE_DOT,
-        UPCAST, DOT_PRECISION, USE_PDL,
+        UPCAST, DOT_PRECISION, USE_PDL, SWAP,
     )  # fmt: skip
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -379,6 +563,28 @@ def quant_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[s
     return {"block_m": block_m, "block_n": 128, "block_k": min(64, k_pow2), "num_warps": 8, "num_stages": 3}
 
 
+def int4_block_k(block_m: int) -> int:
+    """K tile of the int4 tensor-core GEMMs (the experts' and ``quant_matmul``'s row tiles): 8 nibble planes
+    of at least 16 elements (the MMA's K), whatever the tiles say; their operands swap past 16-row token
+    tiles (``int4_swap``). Measured on an H100 at 26B-A4B shapes (w4a16, whole expert block): with 16-row
+    token tiles the unswapped planes of K 128 took 55 µs at T=1 against 64-68 swapped; past them (SWAP) K 256
+    took 943 µs at T=512 against 1014 with K 128 and 1861 unswapped."""
+    return 128 if block_m <= 16 else 256
+
+
+def int4_swap(block_m: int) -> bool:
+    """Whether the int4 plane products put the weight rows on the MMA's M side (see ``int4_block_k``)."""
+    return block_m > 16
+
+
+def int4_tiles(cfg: dict[str, int], int4: bool) -> dict[str, int]:
+    """``cfg`` with int4 row tiles' K tile: ``int4_block_k`` (nibble planes of at least 16 elements), the
+    one-row path's as it is."""
+    if not int4 or cfg["block_m"] == 1:
+        return cfg
+    return {**cfg, "block_k": int4_block_k(cfg["block_m"])}
+
+
 def _groups_per_tile(block_k: int, scale_bk: int, k: int) -> int:
     """Scale columns one K tile spans; a tile never straddles a partial scale block."""
     if scale_bk >= k or scale_bk % block_k == 0:
@@ -413,7 +619,7 @@ def quant_matmul(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or quant_matmul_config(m, n, k, epilogue)
+    cfg = int4_tiles(config or quant_matmul_config(m, n, k, epilogue), int4)
     block_m = cfg["block_m"]
     bn, bk = scale_block
     groups = _groups_per_tile(cfg["block_k"], bk, k)
@@ -456,6 +662,7 @@ def quant_matmul(
         USE_DOT=block_m > 1,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        SWAP=int4 and block_m > 1 and int4_swap(block_m),
         **pdl(x.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -501,6 +708,7 @@ def _split_k_matmul(x, weight, scale, scale_block, zero_point, epilogue, activat
         USE_DOT=cfg["block_m"] > 1,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        SWAP=weight.dtype == torch.int32 and cfg["block_m"] > 1 and int4_swap(cfg["block_m"]),
         **launch,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
