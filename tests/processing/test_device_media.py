@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 from concurrent.futures import ThreadPoolExecutor
 
-import av
 import numpy as np
 import PIL.Image
 import pytest
@@ -23,11 +22,12 @@ from g4serve.processing.limits import MediaBudgetError, MediaLimits
 from g4serve.processing.processor import Gemma4Processor
 from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
 from g4serve.processing.tokenizer import Tokenizer
+from tests.processing.test_media_hostile import _video as _video_file
 
 LIMITS = {"image": 8, "video": 2, "audio": 0}
 
 
-def _picture(height: int, width: int, seed: int = 0) -> np.ndarray:
+def picture(height: int, width: int, seed: int = 0) -> np.ndarray:
     """Smooth gradients plus noise: the resize and the JPEG both have something to do."""
     rng = np.random.default_rng(seed)
     ys, xs = np.mgrid[0:height, 0:width]
@@ -35,7 +35,7 @@ def _picture(height: int, width: int, seed: int = 0) -> np.ndarray:
     return (base + rng.integers(-20, 20, base.shape)).clip(0, 255).astype(np.uint8)
 
 
-def _jpeg(pixels: np.ndarray, mode: str = "RGB", **save) -> bytes:
+def jpeg(pixels: np.ndarray, mode: str = "RGB", **save) -> bytes:
     buffer = io.BytesIO()
     image = PIL.Image.fromarray(pixels)
     image = image.convert(mode) if mode != "RGB" else image
@@ -52,19 +52,7 @@ def _png(pixels: np.ndarray) -> bytes:
 def _rotated_jpeg(pixels: np.ndarray) -> bytes:
     exif = PIL.Image.Exif()
     exif[device_media.EXIF_ORIENTATION] = 6  # rotate 90 degrees clockwise to display
-    return _jpeg(pixels, exif=exif.tobytes())
-
-
-def _mp4(frames: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=10)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return buffer.getvalue()
+    return jpeg(pixels, exif=exif.tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +114,10 @@ def _check(device_out, float_out, host_out) -> None:
 
 def test_images_on_the_device_match_the_host_path(host, device, float_host):
     images = [
-        _jpeg(_picture(480, 854)),  # resized
-        _jpeg(_picture(96, 144, seed=1), mode="L"),  # grayscale JPEG: RGB as PIL converts it
-        _png(_picture(200, 300, seed=2)),  # not a JPEG: the host decodes, the device resizes
-        _jpeg(_picture(480, 854, seed=3), progressive=True),
+        jpeg(picture(480, 854)),  # resized
+        jpeg(picture(96, 144, seed=1), mode="L"),  # grayscale JPEG: RGB as PIL converts it
+        _png(picture(200, 300, seed=2)),  # not a JPEG: the host decodes, the device resizes
+        jpeg(picture(480, 854, seed=3), progressive=True),
     ]
     on_device = _images(device, images)
     on_host = _images(host, images)
@@ -137,7 +125,7 @@ def test_images_on_the_device_match_the_host_path(host, device, float_host):
 
 
 def test_the_float_resize_is_near_the_uint8_kernel():
-    pixels = torch.from_numpy(_picture(480, 854)).permute(2, 0, 1)
+    pixels = torch.from_numpy(picture(480, 854)).permute(2, 0, 1)
     exact = resize_to_patch_budget(pixels, 16, 630, 3)
     floated = resize_to_patch_budget(pixels, 16, 630, 3, float_resize=True)
     assert floated.dtype == torch.uint8 and floated.shape == exact.shape == (3, 288, 528)
@@ -147,27 +135,27 @@ def test_the_float_resize_is_near_the_uint8_kernel():
 
 def test_which_jpegs_the_device_decodes():
     limits = MediaLimits()
-    picture = _picture(48, 64)
-    assert device_jpeg_size(_jpeg(picture), limits) == (64, 48)
-    assert device_jpeg_size(_jpeg(picture, mode="L"), limits) == (64, 48)
-    assert device_jpeg_size(_jpeg(picture, mode="CMYK"), limits) is None  # the host converts CMYK
-    assert device_jpeg_size(_rotated_jpeg(picture), limits) is None  # the host applies EXIF rotation
-    assert device_jpeg_size(_png(picture), limits) is None
+    pixels = picture(48, 64)
+    assert device_jpeg_size(jpeg(pixels), limits) == (64, 48)
+    assert device_jpeg_size(jpeg(pixels, mode="L"), limits) == (64, 48)
+    assert device_jpeg_size(jpeg(pixels, mode="CMYK"), limits) is None  # the host converts CMYK
+    assert device_jpeg_size(_rotated_jpeg(pixels), limits) is None  # the host applies EXIF rotation
+    assert device_jpeg_size(_png(pixels), limits) is None
     assert device_jpeg_size(b"\xff\xd8\xff" + b"\0" * 64, limits) is None  # the magic, then garbage
-    assert device_jpeg_size(_jpeg(picture), MediaLimits(max_media_pixels=64 * 48 - 1)) is None
-    assert device_jpeg_size(_jpeg(picture), MediaLimits(image_formats=("PNG",))) is None
+    assert device_jpeg_size(jpeg(pixels), MediaLimits(max_media_pixels=64 * 48 - 1)) is None
+    assert device_jpeg_size(jpeg(pixels), MediaLimits(image_formats=("PNG",))) is None
 
 
 def test_what_the_device_does_not_decode_still_matches(host, device, float_host):
-    picture = _picture(120, 160, seed=4)
-    images = [_rotated_jpeg(picture), _jpeg(picture, mode="CMYK")]
+    pixels = picture(120, 160, seed=4)
+    images = [_rotated_jpeg(pixels), jpeg(pixels, mode="CMYK")]
     on_device, on_host = _images(device, images), _images(host, images)
     _check(on_device, _images(float_host, images), on_host)
     assert on_device.mm_items[0].data["position_ids"].shape[1] == 2520  # rotated: 160 high, 120 wide
 
 
 def test_bad_jpegs_get_the_host_paths_errors(host, device):
-    good = _jpeg(_picture(48, 64))
+    good = jpeg(picture(48, 64))
     truncated = good[: len(good) // 2]
     for processor in (host, device):
         with pytest.raises(ValueError, match=r"^image\[1\]: could not decode image"):
@@ -175,7 +163,7 @@ def test_bad_jpegs_get_the_host_paths_errors(host, device):
 
 
 def test_the_request_pixel_budget_counts_device_decodes_once(device, monkeypatch):
-    images = [_jpeg(_picture(48, 64)), _jpeg(_picture(48, 64, seed=1))]
+    images = [jpeg(picture(48, 64)), jpeg(picture(48, 64, seed=1))]
     exact = MediaLimits(max_request_pixels=2 * 48 * 64)
     assert _images(device, images, media_limits=exact)
     with pytest.raises(MediaBudgetError, match="max_request_pixels"):
@@ -192,7 +180,7 @@ def test_the_request_pixel_budget_counts_device_decodes_once(device, monkeypatch
 def test_the_budget_refuses_before_the_device_decodes(device, monkeypatch):
     calls = []
     monkeypatch.setattr(DeviceMedia, "_decode", lambda self, blobs: calls.append(len(blobs)))
-    images = [_jpeg(_picture(48, 64))] * 3
+    images = [jpeg(picture(48, 64))] * 3
     with pytest.raises(MediaBudgetError):
         _images(device, images, media_limits=MediaLimits(max_request_pixels=2 * 48 * 64))
     assert calls == []
@@ -205,7 +193,7 @@ def test_without_a_jpeg_decoder_the_host_decodes(tokenizer, host, float_host, mo
     monkeypatch.setattr(DeviceMedia, "_decode", missing)
     processor = Gemma4Processor(tokenizer, preset("tiny"), media_device="cpu")
     assert not processor.media.decodes_jpeg
-    images = [_jpeg(_picture(96, 128))]
+    images = [jpeg(picture(96, 128))]
     _check(_images(processor, images), _images(float_host, images), _images(host, images))
 
 
@@ -215,21 +203,21 @@ def _video(processor: Gemma4Processor, video):
 
 
 def test_videos_of_jpeg_frames_and_containers_on_the_device(host, device, float_host):
-    frames = [_picture(240, 426, seed=i) for i in range(40)]
-    jpegs = [_jpeg(f) for f in frames]  # 40 frames: 32 sampled, only those decoded
+    frames = [picture(240, 426, seed=i) for i in range(40)]
+    jpegs = [jpeg(f) for f in frames]  # 40 frames: 32 sampled, only those decoded
     on_device = _video(device, jpegs)
     _check(on_device, _video(float_host, jpegs), _video(host, jpegs))
     assert on_device.mm_items[0].data["pixel_values"].shape[0] == 32
-    container = _mp4(np.stack(frames[:12]))
+    container = _video_file(np.stack(frames[:12]))
     _check(_video(device, container), _video(float_host, container), _video(host, container))
 
 
 def test_video_frame_errors_name_the_frame(device):
-    frames = [_jpeg(_picture(48, 64, seed=i)) for i in range(4)]
+    frames = [jpeg(picture(48, 64, seed=i)) for i in range(4)]
     with pytest.raises(ValueError, match=r"^video\[0\]: frame 2: could not decode image"):
         _video(device, frames[:2] + [b"\xff\xd8\xff garbage"] + frames[3:])
     with pytest.raises(ValueError, match=r"^video\[0\]: video frames differ in size"):
-        _video(device, frames[:3] + [_jpeg(_picture(32, 64))])
+        _video(device, frames[:3] + [jpeg(picture(32, 64))])
 
 
 def test_media_on_gpu_needs_a_cuda_device():
@@ -237,36 +225,31 @@ def test_media_on_gpu_needs_a_cuda_device():
         EngineConfig(device="cpu", media_on_gpu=True)
 
 
-def test_an_engine_runs_what_the_device_path_prepares(tiny_model_dir, host):
-    """The engine with the device processor (on the CPU here; tests/gpu/test_media_gpu.py on CUDA): JPEG
-    images and a video of JPEG frames prepared from several threads at once, then run together, give each
-    prompt's tokens alone, and every KV block comes back."""
-    from g4serve.engine.engine import LLMEngine
+def run_media_prompts(engine, image: tuple[int, int], frame: tuple[int, int]) -> None:
+    """JPEG images, a video of JPEG frames and an audio clip, prepared from several threads at once (as the
+    server's workers do), then run together: the media inputs live on the processor's media device, each
+    prompt's greedy tokens equal the same prompt run alone, and every KV block comes back. The GPU test
+    (tests/gpu/test_media_gpu.py) runs it on CUDA."""
     from g4serve.sampling_params import SamplingParams
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
-            max_num_batched_tokens=512,
-        )
-    )  # fmt: skip
-    engine.processor = Gemma4Processor(
-        engine.tokenizer, engine.model_config, engine.processor.settings, media_device="cpu"
-    )
     turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
     prompts = [
         {
             "prompt": turn.format("<|image|>What is it?"),
-            "multi_modal_data": {"image": _jpeg(_picture(64, 96, i))},
+            "multi_modal_data": {"image": jpeg(picture(*image, i))},
         }
         for i in range(3)
     ]
-    frames = [_jpeg(_picture(48, 64, 10 + i)) for i in range(6)]
+    frames = [jpeg(picture(*frame, 10 + i)) for i in range(6)]
     prompts.append({"prompt": turn.format("<|video|>What happens?"), "multi_modal_data": {"video": [frames]}})
     clip = (0.2 * np.random.default_rng(0).standard_normal(24_000)).astype(np.float32)
     prompts.append({"prompt": turn.format("<|audio|>Transcribe."), "multi_modal_data": {"audio": clip}})
     with ThreadPoolExecutor(4) as pool:
         processed = list(pool.map(engine.process_prompt, prompts))
+    device = engine.processor.media.device
+    for p in processed:
+        inputs = [item.data.get("pixel_values", item.data.get("input_features")) for item in p.mm_items]
+        assert inputs and all(t.device.type == device.type for t in inputs)
     params = SamplingParams(temperature=0, max_tokens=6)
     alone = []
     for i, p in enumerate(processed):
@@ -280,11 +263,27 @@ def test_an_engine_runs_what_the_device_path_prepares(tiny_model_dir, host):
         assert pool.num_free == pool.num_blocks, f"{name} pool leaked"
 
 
+def test_an_engine_runs_what_the_device_path_prepares(tiny_model_dir, host):
+    """The engine with the device processor, on the CPU (``run_media_prompts``)."""
+    from g4serve.engine.engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
+            max_num_batched_tokens=512,
+        )
+    )  # fmt: skip
+    engine.processor = Gemma4Processor(
+        engine.tokenizer, engine.model_config, engine.processor.settings, media_device="cpu"
+    )
+    run_media_prompts(engine, image=(64, 96), frame=(48, 64))
+
+
 def test_a_decode_that_disagrees_with_the_header_goes_to_the_host(device, host, float_host, monkeypatch):
     """nvJPEG and PIL parse the header separately: pixels of any other size than PIL's are not used."""
     decode = DeviceMedia._decode
     monkeypatch.setattr(DeviceMedia, "_decode", lambda self, blobs: [t[:, 1:] for t in decode(self, blobs)])
-    images = [_jpeg(_picture(96, 128))]
+    images = [jpeg(picture(96, 128))]
     _check(_images(device, images), _images(float_host, images), _images(host, images))
 
 

@@ -235,7 +235,7 @@ def _int4_products(
 
 
 @triton.jit
-def _products(
+def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
     X,
     W,
     S,
@@ -268,8 +268,9 @@ def _products(
 ):
     """fp32 products [BLOCK_M, BLOCK_N] of rows ``offs_m`` by weight rows ``offs_n`` over K in
     [k_start, k_end) (``k_start`` a multiple of BLOCK_K), and of the up half for ``gate_up``; waits on the
-    previous kernel once the first raw tile is requested. int4 row tiles: ``_int4_products``' nibble planes
-    (SWAP its operand order), after the wait."""
+    previous kernel once the first raw tile is requested (FP8 tiles and the one-row path: each raw tile
+    dequantized whole, the next one requested before this one's math). int4 row tiles: ``_int4_products``'
+    nibble planes (SWAP its operand order), after the wait."""
     if INT4 and USE_DOT:
         wait_for_previous_kernel(USE_PDL)
         # the stacked [gate; up] weight: the up rows N rows on, their scales too (int4 scales are per row)
@@ -279,113 +280,72 @@ def _products(
             BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST, DOT_PRECISION, k_start,
         )  # fmt: skip
     else:
-        y, y_up = _dequant_products(
-            X, W, S, Z, offs_m, offs_n, M, N, k_start, k_end, num_groups, stride_xm, stride_wn, stride_sn,
-            stride_zn, scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE,
-            USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
-        )  # fmt: skip
-    return y, y_up
-
-
-@triton.jit
-def _dequant_products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
-    X,
-    W,
-    S,
-    Z,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    k_start,
-    k_end,
-    num_groups,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_zn,
-    scale_bn,
-    scale_bk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,
-    INT4: tl.constexpr,
-    HAS_ZERO: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """``_products`` for FP8 tiles and the one-row path: each raw tile dequantized whole (the next one
-    requested before this one's math)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    up_rows = offs_n + N  # the up half of a stacked [gate; up] weight
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
-    # Weights are never written during a step: the first raw tile is requested before waiting on the
-    # previous kernel (programmatic dependent launch).
-    w, s, z = _load_raw(
-        W, S, Z, offs_n, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
-        scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
-    )  # fmt: skip
-    u, su, zu = w, s, z
-    if EPILOGUE == 1:
-        u, su, zu = _load_raw(
-            W, S, Z, up_rows, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        up_rows = offs_n + N  # the up half of a stacked [gate; up] weight
+        x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+        # Weights are never written during a step: the first raw tile is requested before waiting on the
+        # previous kernel (programmatic dependent launch).
+        w, s, z = _load_raw(
+            W, S, Z, offs_n, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
             scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
         )  # fmt: skip
-    wait_for_previous_kernel(USE_PDL)
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
-        # the next raw tile before this one's math (masked off past k_end)
-        w_next, s_next, z_next = _load_raw(
-            W, S, Z, offs_n, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn, stride_zn,
-            scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
-        )  # fmt: skip
-        u_next, su_next, zu_next = w_next, s_next, z_next
+        u, su, zu = w, s, z
         if EPILOGUE == 1:
-            u_next, su_next, zu_next = _load_raw(
-                W, S, Z, up_rows, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn, stride_zn,
+            u, su, zu = _load_raw(
+                W, S, Z, up_rows, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn,
                 scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
             )  # fmt: skip
-        wf = _dequant(w, s, z, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+        wait_for_previous_kernel(USE_PDL)
         if USE_DOT:
-            # the dequantized tile rounded to the activation dtype, as the reference's dequantized weight
-            if UPCAST:
-                xd = x.to(tl.float32)
-                wd = wf.to(x.dtype).to(tl.float32)
-            else:
-                xd = x
-                wd = wf.to(x.dtype)
-            acc += tl.dot(xd, tl.trans(wd), input_precision=DOT_PRECISION)
-            if EPILOGUE == 1:
-                uf = _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
-                ud = uf.to(x.dtype).to(tl.float32) if UPCAST else uf.to(x.dtype)
-                acc_up += tl.dot(xd, tl.trans(ud), input_precision=DOT_PRECISION)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
-            xf = x.to(tl.float32)  # [1, BLOCK_K]
-            acc += wf * xf
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
+            # the next raw tile before this one's math (masked off past k_end)
+            w_next, s_next, z_next = _load_raw(
+                W, S, Z, offs_n, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn, stride_zn,
+                scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+            )  # fmt: skip
+            u_next, su_next, zu_next = w_next, s_next, z_next
             if EPILOGUE == 1:
-                acc_up += _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS) * xf
-        w, s, z = w_next, s_next, z_next
-        u, su, zu = u_next, su_next, zu_next
-        x_ptrs += BLOCK_K
+                u_next, su_next, zu_next = _load_raw(
+                    W, S, Z, up_rows, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn,
+                    stride_zn, scale_bn, scale_bk, BLOCK_K, INT4, HAS_ZERO, GROUPS,
+                )  # fmt: skip
+            wf = _dequant(w, s, z, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+            if USE_DOT:
+                # the dequantized tile rounded to the activation dtype, as the reference's dequantized weight
+                if UPCAST:
+                    xd = x.to(tl.float32)
+                    wd = wf.to(x.dtype).to(tl.float32)
+                else:
+                    xd = x
+                    wd = wf.to(x.dtype)
+                acc += tl.dot(xd, tl.trans(wd), input_precision=DOT_PRECISION)
+                if EPILOGUE == 1:
+                    uf = _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
+                    ud = uf.to(x.dtype).to(tl.float32) if UPCAST else uf.to(x.dtype)
+                    acc_up += tl.dot(xd, tl.trans(ud), input_precision=DOT_PRECISION)
+            else:
+                xf = x.to(tl.float32)  # [1, BLOCK_K]
+                acc += wf * xf
+                if EPILOGUE == 1:
+                    acc_up += _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS) * xf
+            w, s, z = w_next, s_next, z_next
+            u, su, zu = u_next, su_next, zu_next
+            x_ptrs += BLOCK_K
 
-    if USE_DOT:
-        y = acc
-        y_up = acc_up
-    else:
-        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-        y_up = tl.sum(acc_up, axis=1)[None, :]
+        if USE_DOT:
+            y = acc
+            y_up = acc_up
+        else:
+            y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+            y_up = tl.sum(acc_up, axis=1)[None, :]
     return y, y_up
 
 
