@@ -103,25 +103,32 @@ def float_host(host, monkeypatch):
     return host
 
 
-def _check(device_out, float_out, host_out) -> None:
-    """Bit for bit the float-resize host path; near the exact host path (transformers' bytes)."""
-    assert all(int(d.max()) == 0 for d in _assert_same_layout(device_out, float_out))
-    for d in _assert_same_layout(device_out, host_out):
+def _check(device_out, float_out, host_out, on_host: tuple[int, ...] = ()) -> None:
+    """Bit for bit the float-resize host path, and near the exact host path (transformers' bytes); the
+    items ``on_host`` (what the device does not take) bit for bit the exact host path."""
+    for i, (to_float, to_host) in enumerate(
+        zip(_assert_same_layout(device_out, float_out), _assert_same_layout(device_out, host_out))
+    ):
+        if i in on_host:
+            assert int(to_host.max()) == 0
+            continue
+        assert int(to_float.max()) == 0
         # torch's uint8 kernel clamps between its two passes, the float path only at the end: where bicubic
         # overshoots at sharp edges the two differ by many levels, elsewhere by at most one
-        assert d.float().mean() < 0.3 and (d <= 1).float().mean() > 0.99, (d.max(), d.float().mean())
+        assert to_host.float().mean() < 0.3 and (to_host <= 1).float().mean() > 0.99
 
 
 def test_images_on_the_device_match_the_host_path(host, device, float_host):
     images = [
         jpeg(picture(480, 854)),  # resized
         jpeg(picture(96, 144, seed=1), mode="L"),  # grayscale JPEG: RGB as PIL converts it
-        _png(picture(200, 300, seed=2)),  # not a JPEG: the host decodes, the device resizes
+        _png(picture(200, 300, seed=2)),  # not a JPEG: the host path, exactly
         jpeg(picture(480, 854, seed=3), progressive=True),
     ]
     on_device = _images(device, images)
     on_host = _images(host, images)
-    _check(on_device, _images(float_host, images), on_host)
+    _check(on_device, _images(float_host, images), on_host, on_host=(2,))
+    assert on_device.mm_items[2].data["pixel_values"].device.type == "cpu"
 
 
 def test_the_float_resize_is_near_the_uint8_kernel():
@@ -150,7 +157,7 @@ def test_what_the_device_does_not_decode_still_matches(host, device, float_host)
     pixels = picture(120, 160, seed=4)
     images = [_rotated_jpeg(pixels), jpeg(pixels, mode="CMYK")]
     on_device, on_host = _images(device, images), _images(host, images)
-    _check(on_device, _images(float_host, images), on_host)
+    _check(on_device, _images(float_host, images), on_host, on_host=(0, 1))
     assert on_device.mm_items[0].data["position_ids"].shape[1] == 2520  # rotated: 160 high, 120 wide
 
 
@@ -194,7 +201,7 @@ def test_without_a_jpeg_decoder_the_host_decodes(tokenizer, host, float_host, mo
     processor = Gemma4Processor(tokenizer, preset("tiny"), media_device="cpu")
     assert not processor.media.decodes_jpeg
     images = [jpeg(picture(96, 128))]
-    _check(_images(processor, images), _images(float_host, images), _images(host, images))
+    _check(_images(processor, images), _images(float_host, images), _images(host, images), on_host=(0,))
 
 
 def _video(processor: Gemma4Processor, video):
@@ -212,12 +219,16 @@ def test_videos_of_jpeg_frames_and_containers_on_the_device(host, device, float_
     _check(_video(device, container), _video(float_host, container), _video(host, container))
 
 
-def test_video_frame_errors_name_the_frame(device):
+def test_video_frame_errors_are_the_host_paths(host, device):
     frames = [jpeg(picture(48, 64, seed=i)) for i in range(4)]
+    truncated = frames[2][: len(frames[2]) // 2]  # a header the device takes, a stream it refuses
     with pytest.raises(ValueError, match=r"^video\[0\]: frame 2: could not decode image"):
-        _video(device, frames[:2] + [b"\xff\xd8\xff garbage"] + frames[3:])
-    with pytest.raises(ValueError, match=r"^video\[0\]: video frames differ in size"):
-        _video(device, frames[:3] + [jpeg(picture(32, 64))])
+        _video(device, frames[:2] + [truncated] + frames[3:])
+    for processor in (host, device):  # not a JPEG the device takes: the host path decodes the video
+        with pytest.raises(ValueError, match=r"^video\[0\]: could not decode image"):
+            _video(processor, frames[:2] + [b"\xff\xd8\xff garbage"] + frames[3:])
+        with pytest.raises(ValueError, match=r"^video\[0\]: video frames differ in size"):
+            _video(processor, frames[:3] + [jpeg(picture(32, 64))])
 
 
 def test_media_on_gpu_needs_a_cuda_device():
@@ -284,7 +295,7 @@ def test_a_decode_that_disagrees_with_the_header_goes_to_the_host(device, host, 
     decode = DeviceMedia._decode
     monkeypatch.setattr(DeviceMedia, "_decode", lambda self, blobs: [t[:, 1:] for t in decode(self, blobs)])
     images = [jpeg(picture(96, 128))]
-    _check(_images(device, images), _images(float_host, images), _images(host, images))
+    _check(_images(device, images), _images(float_host, images), _images(host, images), on_host=(0,))
 
 
 def test_audio_features_on_the_device_match_the_host(host, device):
@@ -309,3 +320,51 @@ def test_audio_features_on_the_device_match_the_host(host, device):
     for x, y in zip(a.mm_items, b.mm_items):
         assert torch.equal(x.data["input_features_mask"], y.data["input_features_mask"])
         torch.testing.assert_close(x.data["input_features"], y.data["input_features"], atol=2e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def bounded(tokenizer):
+    """A processor whose media device holds little: frames of 64x96, two of them per batch and in flight."""
+    processor = Gemma4Processor(tokenizer, preset("tiny"), media_device="cpu")
+    frame = 64 * 96
+    processor.media = DeviceMedia(
+        "cpu", max_frame_pixels=frame, max_batch_pixels=2 * frame, max_in_flight_pixels=2 * frame
+    )
+    return processor
+
+
+def test_device_memory_is_bounded_across_threads(bounded, host, float_host, monkeypatch):
+    """Images over the frame bound take the host path; the rest go in batches within the batch bound; and
+    all threads together never hold more than the in-flight bound (a thread past it waits)."""
+    media = bounded.media
+    seen = []
+    decode = DeviceMedia.decode
+
+    def watched(self, blobs, sizes, budget):
+        seen.append(self.in_flight_pixels)
+        return decode(self, blobs, sizes, budget)
+
+    monkeypatch.setattr(DeviceMedia, "decode", watched)
+    images = [jpeg(picture(64, 96, seed=i)) for i in range(3)] + [
+        jpeg(picture(65, 96, seed=9))
+    ]  # 4th too big
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda _: _images(bounded, images), range(6)))
+    assert len(seen) == 6 * 2 and max(seen) <= media.max_in_flight_pixels  # batches of 2 + 1 per request
+    assert media.in_flight_pixels == 0
+    reference = (_images(float_host, images), _images(host, images))
+    for out in outs:
+        _check(out, *reference, on_host=(3,))
+        assert out.mm_items[3].data["pixel_values"].device.type == "cpu"
+
+
+def test_a_video_over_the_batch_bound_takes_the_host_path(bounded, host):
+    frames = [jpeg(picture(64, 96, seed=i)) for i in range(3)]  # three frames: over two frames' batch
+    on_device, on_host = _video(bounded, frames), _video(host, frames)
+    assert torch.equal(on_device.mm_items[0].data["pixel_values"], on_host.mm_items[0].data["pixel_values"])
+    assert _video(bounded, frames[:2]).mm_items[0].data["pixel_values"].shape[0] == 2  # two fit
+    big = [jpeg(picture(65, 96, seed=i)) for i in range(2)]  # each frame over the frame bound
+    assert torch.equal(
+        _video(bounded, big).mm_items[0].data["pixel_values"],
+        _video(host, big).mm_items[0].data["pixel_values"],
+    )

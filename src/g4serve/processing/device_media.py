@@ -3,15 +3,16 @@
 On the host, a request of six 480p JPEG frames spends ~13 ms before the engine (two cores,
 ``bench/preprocess_media.py``): ~4 ms decoding, ~4 ms resizing, ~2 ms cutting patches, the rest copies and
 the content hash. Here JPEGs are decoded by nvJPEG (torchvision's ``decode_jpeg`` on CUDA: the request's
-images, or a video's sampled frames, in one batched call), and every image and frame, whoever decoded it,
-is resized and cut into patches on the device. The uint8 patches stay there for the vision encoder. Audio
-clips' log-mel features are computed on the device too (``AudioFeatureExtractor(..., device=)``).
+images, or a video's sampled frames, in one batched call), resized and cut into patches on the device, and
+the uint8 patches stay there for the vision encoder. A container video's frames, decoded on the host, are
+uploaded and resized there too. Audio clips' log-mel features are computed on the device
+(``AudioFeatureExtractor(..., device=)``).
 
 What the device decodes is only what it would decode as the host does: a JPEG in an allowed format whose
 header (parsed by PIL, no pixel decoded) announces 3-channel YCbCr or grayscale, no EXIF rotation, and a
-size within ``max_media_pixels``. Anything else (PNG, CMYK, rotated, over a limit, not parseable) and any
-JPEG nvJPEG refuses goes through the host path (``image.load_image``), which gives the same errors as
-without this option.
+size within ``max_media_pixels`` and ``DeviceMedia``'s own bounds. Anything else (PNG, CMYK, rotated, over
+a limit, not parseable) and any JPEG nvJPEG refuses takes the host path (``image.load_image``, the uint8
+resize), bit for bit as without this option and with its errors.
 
 Numerics: nvJPEG's IDCT and chroma upsampling are not libjpeg-turbo's (torchvision's own test allows a
 mean difference under 2 levels), and the resize runs in float32, clamped and rounded once at the end
@@ -56,6 +57,11 @@ warnings.filterwarnings(
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 EXIF_ORIENTATION = 0x0112
+# DeviceMedia's bounds on device memory (pixels; uint8 RGB is 3 bytes a pixel, the float resize's copy of
+# one frame 12): a frame up to 4K UHD, a thread's batch up to 32 frames of 1080p, all threads 128M pixels.
+MAX_FRAME_PIXELS = 1 << 23
+MAX_BATCH_PIXELS = 1 << 26
+MAX_IN_FLIGHT_PIXELS = 1 << 27
 
 
 def device_jpeg_size(data: bytes | bytearray, limits: MediaLimits) -> tuple[int, int] | None:
@@ -84,10 +90,29 @@ def _tiny_jpeg() -> bytes:
 
 class DeviceMedia:
     """Decode, resize and patchify on ``device`` (a CUDA device when served; tests run it on the CPU, where
-    ``decode_jpeg`` is libjpeg-turbo and the float resize the same arithmetic as on the GPU)."""
+    ``decode_jpeg`` is libjpeg-turbo and the float resize the same arithmetic as on the GPU).
 
-    def __init__(self, device: torch.device | str):
+    What it holds of the device's memory is bounded, whatever requests send (the host path, which the
+    per-request ``max_request_pixels`` bounds, has the machine's RAM; this has what the KV cache leaves):
+    an image or frame over ``max_frame_pixels`` takes the host path; a thread decodes at most
+    ``max_batch_pixels`` at once (a video whose sampled frames are more takes the host path); and all
+    threads together hold at most ``max_in_flight_pixels`` of decoded or uploaded pixels (``reserve``:
+    a thread past it waits). With the float resize's copy of one frame (4 bytes a pixel) that is about
+    400 MB + 100 MB a thread at the defaults."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        max_frame_pixels: int = MAX_FRAME_PIXELS,
+        max_batch_pixels: int = MAX_BATCH_PIXELS,
+        max_in_flight_pixels: int = MAX_IN_FLIGHT_PIXELS,
+    ):
         self.device = torch.device(device)
+        self.max_frame_pixels = max_frame_pixels
+        self.max_batch_pixels = max_batch_pixels
+        self.max_in_flight_pixels = max_in_flight_pixels
+        self.in_flight_pixels = 0
+        self._room = threading.Condition()
         self._local = threading.local()
         self.decodes_jpeg = self._probe()
 
@@ -113,40 +138,70 @@ class DeviceMedia:
             yield
         stream.synchronize()
 
+    @contextlib.contextmanager
+    def reserve(self, pixels: int) -> Iterator[None]:
+        """Hold ``pixels`` of the in-flight budget for the block, waiting for room (a reservation over the
+        whole budget runs once nothing else is in flight). The block's device work is finished on exit
+        (its stream synchronised), so the memory it frees is free."""
+        with self._room:
+            self._room.wait_for(
+                lambda: (
+                    self.in_flight_pixels == 0 or self.in_flight_pixels + pixels <= self.max_in_flight_pixels
+                )
+            )
+            self.in_flight_pixels += pixels
+        try:
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            with self._room:
+                self.in_flight_pixels -= pixels
+                self._room.notify_all()
+
+    def jpeg_size(self, value: Any, limits: MediaLimits) -> tuple[int, int] | None:
+        """(width, height) of an encoded image this device decodes (``device_jpeg_size``, at most
+        ``max_frame_pixels``); None: the host path."""
+        if not self.decodes_jpeg or not isinstance(value, (bytes, bytearray)):
+            return None
+        size = device_jpeg_size(value, limits)
+        return size if size is not None and size[0] * size[1] <= self.max_frame_pixels else None
+
+    def batches(self, indices: Sequence[int], sizes: Sequence[tuple[int, int] | None]) -> list[list[int]]:
+        """``indices`` in order, cut into runs of at most ``max_batch_pixels`` (each at least one)."""
+        runs: list[list[int]] = []
+        total = 0
+        for i in indices:
+            width, height = sizes[i]  # type: ignore[misc]
+            if runs and total + width * height <= self.max_batch_pixels:
+                runs[-1].append(i)
+                total += width * height
+            else:
+                runs.append([i])
+                total = width * height
+        return runs
+
     def _decode(self, blobs: Sequence[bytes | bytearray]) -> list[torch.Tensor]:
         data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
 
-    def decode_jpegs(
-        self, values: Sequence[Any], budget: MediaBudget
-    ) -> tuple[list[torch.Tensor | None], set[int]]:
-        """uint8 [3, H, W] on the device for each value the device decodes, None for the rest; and the
-        indices of the JPEGs charged to ``budget`` (before decoding, as the host path charges) that nvJPEG
-        then refused."""
-        out: list[torch.Tensor | None] = [None] * len(values)
-        if not self.decodes_jpeg:
-            return out, set()
-        picked, sizes = [], []
-        for i, value in enumerate(values):
-            size = device_jpeg_size(value, budget.limits) if isinstance(value, (bytes, bytearray)) else None
-            if size is not None:
-                budget.charge_pixels(size[0] * size[1])
-                picked.append(i)
-                sizes.append(size)
-        if not picked:
-            return out, set()
+    def decode(
+        self, blobs: Sequence[bytes | bytearray], sizes: Sequence[tuple[int, int]], budget: MediaBudget
+    ) -> list[torch.Tensor | None]:
+        """uint8 [3, H, W] on the device for each JPEG of ``jpeg_size`` ``sizes``, in one batched call;
+        None where nvJPEG refused the stream or decoded another size than the header said (two frame headers,
+        say: the host path then decodes it). Every one is charged to ``budget`` first, as the host path
+        charges before decoding."""
+        for width, height in sizes:
+            budget.charge_pixels(width * height)
         try:
-            decoded: list[torch.Tensor | None] = list(self._decode([values[i] for i in picked]))
+            decoded: list[torch.Tensor | None] = list(self._decode(blobs))
         except RuntimeError:  # one bad stream fails the batch: each alone, the failures to the host
-            decoded = [self._decode_or_none(values[i]) for i in picked]
-        refused = set()
-        for i, (width, height), tensor in zip(picked, sizes, decoded):
-            # a stream whose frames disagree with the header PIL read (two SOF markers, say) is the host's
-            if tensor is None or tuple(tensor.shape) != (3, height, width):
-                refused.add(i)
-            else:
-                out[i] = tensor
-        return out, refused
+            decoded = [self._decode_or_none(blob) for blob in blobs]
+        return [
+            t if t is not None and tuple(t.shape) == (3, height, width) else None
+            for t, (width, height) in zip(decoded, sizes)
+        ]
 
     def _decode_or_none(self, blob: bytes | bytearray) -> torch.Tensor | None:
         try:

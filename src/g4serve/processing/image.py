@@ -173,25 +173,27 @@ def resize_to_patch_budget(
     transformers). Those kernels run one thread per call, so the frames of a video are resized in parallel
     (``processing.pool``).
 
-    ``float_resize``: in float32, then clamped and rounded back to uint8, on any device. That is what
-    torchvision does for uint8 on CUDA (it has no uint8 bicubic kernel there), so the GPU media path
-    (``processing.device_media``) computes the same on the CPU in tests. Within one level of the uint8
-    kernel's bytes."""
+    ``float_resize``: in float32, then clamped and rounded back to uint8, on any device, one image at a
+    time (the float copy is 4 bytes a pixel). That is what torchvision does for uint8 on CUDA (it has no
+    uint8 bicubic kernel there), so the GPU media path (``processing.device_media``) computes the same on
+    the CPU in tests. Near the uint8 kernel's bytes: it clamps only at the end, the uint8 kernel also
+    between its two passes."""
     height, width = pixels.shape[-2:]
     target = aspect_ratio_preserving_size(height, width, patch_size, max_patches, pooling_kernel_size)
     if target == (height, width):
         return pixels
     batch = pixels.reshape(-1, *pixels.shape[-3:])
-    if float_resize:
-        resized = tvF.resize(
-            batch.to(torch.float32),
-            size=list(target),
-            interpolation=tvF.InterpolationMode.BICUBIC,
-            antialias=True,
-        )
-        out = resized.clamp_(0, 255).round_().to(torch.uint8).contiguous()
-        return out.reshape(*pixels.shape[:-2], *target)
     out = batch.new_empty(batch.shape[0], batch.shape[1], *target)  # planar, as patchify reads it
+    if float_resize:
+        for i in range(batch.shape[0]):
+            resized = tvF.resize(
+                batch[i : i + 1].to(torch.float32),
+                size=list(target),
+                interpolation=tvF.InterpolationMode.BICUBIC,
+                antialias=True,
+            )
+            out[i : i + 1].copy_(resized.clamp_(0, 255).round_())
+        return out.reshape(*pixels.shape[:-2], *target)
 
     def resize(images: torch.Tensor) -> torch.Tensor:
         return tvF.resize(

@@ -175,55 +175,15 @@ class Gemma4Processor:
             return load_image(bytes(value), budget=budget)
         return value
 
-    def _load_images_on_device(
-        self, values: list[Any], budget: MediaBudget, labels: list[str]
-    ) -> list[torch.Tensor]:
-        """uint8 [3, H, W] tensors on the media device: the JPEGs it takes decoded there in one call, the
-        rest decoded on the host (in parallel, with the host path's errors, each named by its label) and
-        uploaded."""
-        assert self.media is not None
-        raw = [_named(label, lambda v: self._read(v, budget.limits), v) for label, v in zip(labels, values)]
-        on_device, refused = self.media.decode_jpegs(raw, budget)
-        host = [i for i, t in enumerate(on_device) if t is None]
-
-        def load(i: int) -> Any:
-            # a JPEG nvJPEG refused was charged already: the host decodes it under the limits alone
-            target = MediaBudget(budget.limits) if i in refused else budget
-            return _named(labels[i], lambda v: self._load_image(v, target), raw[i])
-
-        for i, image in zip(host, map_in_pool(load, host)):
-            on_device[i] = self.media.upload(image)
-        return on_device  # type: ignore[return-value]
-
-    def _video_on_device(self, video: VideoFrames) -> VideoFrames:
-        """Host-decoded frames uploaded to the media device (resized there); as they are without one."""
-        if self.media is None or isinstance(video.frames, torch.Tensor):
-            return video
-        return dataclasses.replace(video, frames=torch.from_numpy(video.frames).to(self.media.device))
-
     def _load_video(self, value: Any, budget: MediaBudget | None = None) -> VideoFrames:
         budget = budget or MediaBudget()
         limits = budget.limits
         if isinstance(value, VideoFrames):
-            return self._video_on_device(value)
+            return value
         value = self._read(value, limits)
         if isinstance(value, (bytes, bytearray)):
-            frames = load_video(bytes(value), num_frames=self.settings.video_num_frames, budget=budget)
-            return self._video_on_device(frames)
+            return load_video(bytes(value), num_frames=self.settings.video_num_frames, budget=budget)
         _check_frame_list(value, limits)
-        if self.media is not None and isinstance(value, (list, tuple)):
-            if not value:
-                raise ValueError("video has no frames")
-            indices = sample_frame_indices(len(value), self.settings.video_num_frames)
-            picked = self._load_images_on_device(
-                [value[i] for i in indices], budget, [f"frame {i}" for i in indices]
-            )
-            if len({t.shape for t in picked}) > 1:
-                raise ValueError(
-                    f"video frames differ in size: {sorted({tuple(t.shape[1:]) for t in picked})}"
-                )
-            stacked = torch.stack(picked).permute(0, 2, 3, 1)  # [F, H, W, 3], a view of planar frames
-            return video_frames_at(stacked, indices, None)
         # A sequence of frames (PIL images, HWC arrays, encoded images), or a (T, H, W, C) array; encoded
         # frames are decoded only if sampled, in parallel.
         load = (lambda v: self._load_image(v, budget)) if isinstance(value, (list, tuple)) else None
@@ -324,35 +284,108 @@ class Gemma4Processor:
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]],
         expansions: dict[str, list[str]],
     ) -> None:
-        """Decode, resize and patchify (on the media device if there is one); add each item's inputs and
+        """Decode, resize and patchify (on the media device what it takes); add each item's inputs and
         content hash to ``items``, its prompt text to ``expansions``."""
-        s = self.settings
-        on_device = self.media is not None
-        if images:
-            if on_device:
-                loaded = self._load_images_on_device(
-                    images, budget, [f"image[{i}]" for i in range(len(images))]
+        for data, n in self._image_features(images, budget):
+            items["image"].append((data, content_hash("image", *data.values())))
+            expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
+        for i, value in enumerate(videos):
+            frames, feats = _named(f"video[{i}]", lambda v: self._video_features(v, budget), value)
+            data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
+            items["video"].append((data, content_hash("video", *data.values())))
+            expansions["video"].append(
+                video_prompt_text(
+                    frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
                 )
-            else:
-                loaded = _decode_all(lambda v: self._load_image(v, budget), images, name="image")
-            # uint8 patches: the encoder rescales them on the device (a quarter of the bytes to copy and hash)
-            feats = preprocess_images(
-                loaded,
-                max_soft_tokens=s.image_max_soft_tokens,
-                patch_size=s.patch_size,
-                pooling_kernel_size=s.pooling_kernel_size,
-                rescale=False,
-                float_resize=on_device,
             )
-            for i, n in enumerate(feats.num_soft_tokens):
-                data = {
+
+    def _preprocess_images(
+        self, loaded: list[Any], on_device: bool
+    ) -> list[tuple[dict[str, torch.Tensor], int]]:
+        """Each image's encoder inputs (uint8 patches: the encoder rescales them on the device, a quarter of
+        the bytes to copy and hash) and soft-token count."""
+        s = self.settings
+        feats = preprocess_images(
+            loaded,
+            max_soft_tokens=s.image_max_soft_tokens,
+            patch_size=s.patch_size,
+            pooling_kernel_size=s.pooling_kernel_size,
+            rescale=False,
+            float_resize=on_device,
+        )
+        return [
+            (
+                {
                     "pixel_values": feats.pixel_values[i : i + 1],
                     "position_ids": feats.position_ids[i : i + 1],
-                }
-                items["image"].append((data, content_hash("image", *data.values())))
-                expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
-        for i, value in enumerate(videos):
-            frames = _named(f"video[{i}]", lambda v: self._load_video(v, budget), value)
+                },
+                n,
+            )
+            for i, n in enumerate(feats.num_soft_tokens)
+        ]
+
+    def _image_features(
+        self, images: list[Any], budget: MediaBudget
+    ) -> list[tuple[dict[str, torch.Tensor], int]]:
+        """On the host, bit for bit as transformers; with a media device, the JPEGs it takes are decoded,
+        resized and patchified there, in batches of its ``max_batch_pixels`` under its in-flight budget."""
+        if not images:
+            return []
+        media = self.media
+        if media is None:
+            return self._preprocess_images(
+                _decode_all(lambda v: self._load_image(v, budget), images, name="image"), False
+            )
+        raw = [_named(f"image[{i}]", lambda v: self._read(v, budget.limits), v) for i, v in enumerate(images)]
+        sizes = [media.jpeg_size(v, budget.limits) for v in raw]
+        out: list[Any] = [None] * len(raw)
+        refused: set[int] = set()
+        for batch in media.batches([i for i, size in enumerate(sizes) if size], sizes):
+            with media.reserve(sum(sizes[i][0] * sizes[i][1] for i in batch)):  # type: ignore[index]
+                decoded = media.decode([raw[i] for i in batch], [sizes[i] for i in batch], budget)  # type: ignore[misc]
+                refused.update(i for i, t in zip(batch, decoded) if t is None)
+                ok = [(i, t) for i, t in zip(batch, decoded) if t is not None]
+                for (i, _), feature in zip(
+                    ok, self._preprocess_images([t for _, t in ok], True) if ok else []
+                ):
+                    out[i] = feature
+        host = [i for i, feature in enumerate(out) if feature is None]
+
+        def load(i: int) -> Any:
+            # a JPEG nvJPEG refused was charged already: the host decodes it under the limits alone
+            target = MediaBudget(budget.limits) if i in refused else budget
+            return _named(f"image[{i}]", lambda v: self._load_image(v, target), raw[i])
+
+        if host:
+            for i, feature in zip(host, self._preprocess_images(map_in_pool(load, host), False)):
+                out[i] = feature
+        return out
+
+    def _video_features(self, value: Any, budget: MediaBudget) -> tuple[VideoFrames, Any]:
+        """A video's frames and patches: on the host, bit for bit as transformers; with a media device, a
+        list of JPEG frames it takes is decoded there, other frames within its bounds are uploaded, and
+        both are resized and patchified there (under its in-flight budget)."""
+        s = self.settings
+        media = self.media
+        with contextlib.ExitStack() as held:
+            frames = self._jpeg_frames_on_device(value, budget, held) if media is not None else None
+            if frames is None:
+                frames = self._load_video(value, budget)
+                shape = frames.frames.shape  # [F, H, W, 3]
+                if (
+                    media is not None
+                    and shape[1] * shape[2] <= media.max_frame_pixels
+                    and (shape[0] * shape[1] * shape[2] <= media.max_batch_pixels)
+                ):
+                    held.enter_context(media.reserve(shape[0] * shape[1] * shape[2]))
+                    frames = dataclasses.replace(
+                        frames, frames=torch.as_tensor(frames.frames).to(media.device)
+                    )
+            on_device = (
+                media is not None
+                and isinstance(frames.frames, torch.Tensor)
+                and (frames.frames.device.type == media.device.type)
+            )
             feats = preprocess_video(
                 frames,
                 max_soft_tokens=s.video_max_soft_tokens,
@@ -361,13 +394,38 @@ class Gemma4Processor:
                 rescale=False,
                 float_resize=on_device,
             )
-            data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
-            items["video"].append((data, content_hash("video", *data.values())))
-            expansions["video"].append(
-                video_prompt_text(
-                    frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
+        return frames, feats
+
+    def _jpeg_frames_on_device(
+        self, value: Any, budget: MediaBudget, held: contextlib.ExitStack
+    ) -> VideoFrames | None:
+        """A list of encoded frames whose sampled ones are JPEGs the media device takes, of one size and
+        within its batch: those frames decoded there in one call (a stream nvJPEG refuses decoded on the
+        host and uploaded), under a reservation ``held`` keeps until the patches are made. None: the
+        host path decodes the video."""
+        media = self.media
+        assert media is not None
+        if not isinstance(value, (list, tuple)) or not value:
+            return None
+        _check_frame_list(value, budget.limits)
+        indices = sample_frame_indices(len(value), self.settings.video_num_frames)
+        raw = [_named(f"frame {i}", lambda v: self._read(v, budget.limits), value[i]) for i in indices]
+        sizes = [media.jpeg_size(v, budget.limits) for v in raw]
+        if None in sizes or len(set(sizes)) > 1:
+            return None  # the host path decodes (and reports frames of different sizes)
+        width, height = sizes[0]  # type: ignore[misc]
+        if len(raw) * width * height > media.max_batch_pixels:
+            return None
+        held.enter_context(media.reserve(len(raw) * width * height))
+        decoded = media.decode(raw, sizes, budget)  # type: ignore[arg-type]
+        for k, tensor in enumerate(decoded):
+            if tensor is None:  # charged already: the host decodes it under the limits alone
+                image = _named(
+                    f"frame {indices[k]}", lambda v: self._load_image(v, MediaBudget(budget.limits)), raw[k]
                 )
-            )
+                decoded[k] = media.upload(image)
+        stacked = torch.stack(decoded).permute(0, 2, 3, 1)  # type: ignore[arg-type]  # [F, H, W, 3] view
+        return video_frames_at(stacked, indices, None)
 
     def _audio(
         self,
