@@ -180,6 +180,7 @@ def device_rows(
     settings = engine.processor.settings
     processor = Gemma4Processor(engine.tokenizer, engine.model_config, settings, media_device=device)
     media = DeviceMedia(device)
+    sizes = [media.jpeg_size(b, MediaBudget().limits) for b in jpegs]
     max_patches = settings.video_max_soft_tokens * settings.pooling_kernel_size**2
     on_device = frames.to(device)
     resized_on_device = resized.to(device)
@@ -197,7 +198,7 @@ def device_rows(
     return {
         "gpu_whole_request_ms": timed_ms(synced(lambda: whole_request(processor)), args.reps),
         "gpu_decode_frames_nvjpeg_ms": timed_ms(
-            synced(lambda: media.decode_jpegs(jpegs, MediaBudget())), args.reps
+            synced(lambda: media.decode(jpegs, sizes, MediaBudget())), args.reps
         ),
         "gpu_upload_frames_ms": timed_ms(synced(lambda: frames.to(device)), args.reps),
         "gpu_resize_float_ms": timed_ms(

@@ -14,6 +14,7 @@ import torch
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.device_media import DeviceMedia
 from g4serve.processing.image import preprocess_images
+from g4serve.processing.limits import MediaBudget
 from tests.processing.test_device_media import jpeg, picture, run_media_prompts
 
 pytestmark = pytest.mark.gpu
@@ -32,8 +33,10 @@ def test_nvjpeg_decodes_near_libjpeg_turbo():
         jpeg(picture(360, 640, 2), progressive=True),
         jpeg(picture(1080, 1920, 3), subsampling=0),  # 4:4:4
     ]
-    decoded, refused = media.decode_jpegs(blobs, _budget())
-    assert not refused
+    budget = MediaBudget()
+    sizes = [media.jpeg_size(blob, budget.limits) for blob in blobs]
+    assert None not in sizes
+    decoded = media.decode(blobs, sizes, budget)
     for blob, tensor in zip(blobs, decoded):
         assert tensor is not None and tensor.is_cuda and tensor.dtype == torch.uint8
         reference = _pil_pixels(blob)
@@ -41,12 +44,6 @@ def test_nvjpeg_decodes_near_libjpeg_turbo():
         mean = (tensor.cpu().float() - reference.float()).abs().mean().item()
         print(f"{tuple(reference.shape)}: mean |nvJPEG - libjpeg-turbo| {mean:.3f}")
         assert mean < 2  # torchvision's own bound for its CUDA decoder
-
-
-def _budget():
-    from g4serve.processing.limits import MediaBudget
-
-    return MediaBudget()
 
 
 def test_the_cuda_resize_and_patches_equal_the_cpu_float_path():
