@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The work written in sessions without device time, checked and measured in two calls (two GPUs: the halves
-# side by side; one GPU: in turn):
+# side by side, after the two-GPU NCCL test; one GPU: in turn):
 #   GPU 0: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
 #          alignment, W8A8 MoE experts, media prepared on the GPU); bench/moe_kernels.py --quant fp8
 #          (align_p against align_t, FP8 experts dequantized against W8A8); bench/preprocess_media.py
@@ -14,11 +14,11 @@
 #          clips at 4 QPS beside text streams, log-mel on the host and with --media-on-gpu (port 8101)
 # Two calls of under 10 minutes each (the served runs start a server per mode):
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
-#       kind="nvidia-h200-x2")                                  # STAGES="tests kernels media seed fp8 int4"
+#       kind="nvidia-h200-x2")                             # STAGES="nccl tests kernels media seed fp8 int4"
 #   run(command="G4SERVE_GIT_COMMIT=<sha> STAGES='stall audio' bash bench/device/catch_up.sh", carry=[".whl"])
 # Results: $OUT/catch_up.tgz (JSON, logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
-STAGES=${STAGES:-tests kernels media seed fp8 int4} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-nccl tests kernels media seed fp8 int4} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
 VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
@@ -79,6 +79,10 @@ gpu1() {
   fi
 }
 
+if has nccl && [ "$second" = 1 ]; then  # two GPUs: the TP engine's NCCL stop and start, now that a worker
+  # frees its graphs with ModelRunner.release_graphs (not run on two GPUs since)
+  run nccl 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k nccl
+fi
 if [ "$second" = 1 ]; then
   gpu0 & first=$!
   gpu1
@@ -88,6 +92,7 @@ else
   gpu1
 fi
 {
+  echo "## NCCL (two GPUs)"; tail -n 3 "$RES/nccl.log" 2>/dev/null
   echo "## GPU tests"; tail -n 15 "$RES/gpu-tests.log" 2>/dev/null
   echo "## MoE alignment"; grep -E "align|tokens" "$RES/moe-kernels.log" 2>/dev/null | tail -n 20
   echo "## preprocess_media"; grep -E "_ms " "$RES/preprocess-media.log" 2>/dev/null
