@@ -342,7 +342,9 @@ def test_quant_run_without_sweep(tmp_path, monkeypatch):
     }
 
 
-@pytest.mark.parametrize("int4,epilogue,block_m", [(False, GATE_UP, 1), (True, MUL, 1), (True, GATE_UP, 16)])
+@pytest.mark.parametrize(
+    "int4,epilogue,block_m", [(False, GATE_UP, 1), (True, MUL, 1), (True, GATE_UP, 16), (True, GATE_UP, 32)]
+)
 def test_split_k_kernels_compile_for_hopper_without_a_gpu(int4, epilogue, block_m):
     """The split-K kernel and its reduction compiled to sm_90 cubins by Triton's bundled ptxas, with the
     divisibility a GPU launch gives its pointers and sizes (as ``test_quant_matmul``'s compile test)."""
@@ -350,7 +352,7 @@ def test_split_k_kernels_compile_for_hopper_without_a_gpu(int4, epilogue, block_
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    from g4serve.kernels.quant_matmul import _quant_matmul_split, _split_reduce
+    from g4serve.kernels.quant_matmul import _quant_matmul_split, _split_reduce, int4_block_k, int4_swap
 
     target = GPUTarget("cuda", 90, 32)
     divisible = make_backend(target).parse_attr("D")
@@ -367,7 +369,7 @@ def test_split_k_kernels_compile_for_hopper_without_a_gpu(int4, epilogue, block_
     ints = "M N K num_groups stride_xm stride_wn stride_sn stride_zn scale_bn scale_bk"
     signature = {"X": "*bf16", "W": "*i32" if int4 else "*fp8e4nv", "S": "*bf16" if int4 else "*fp32"}
     signature |= {"Z": "*i8", "P": "*fp32"} | {name: "i32" for name in ints.split()}
-    block_n, block_k = (16, 512) if block_m == 1 else (32, 128)
+    block_n, block_k = (16, 512) if block_m == 1 else (32, int4_block_k(block_m) if int4 else 128)
     constexprs = dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -380,6 +382,7 @@ def test_split_k_kernels_compile_for_hopper_without_a_gpu(int4, epilogue, block_
         UPCAST=False,
         DOT_PRECISION="tf32",
         USE_PDL=True,
+        SWAP=int4 and block_m > 1 and int4_swap(block_m),  # the nibble planes with the operands swapped
     )
     assert compile_(_quant_matmul_split.compiled, signature, constexprs, 4, 1 if block_m == 1 else 3).asm[
         "cubin"
