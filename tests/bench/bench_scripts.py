@@ -16,6 +16,7 @@ def load_script(name: str) -> ModuleType:
     try:
         spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the script runs
         spec.loader.exec_module(module)
         return module
     finally:
