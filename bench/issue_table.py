@@ -64,27 +64,16 @@ class Plan:
 
 def engine_runs(plan: Plan, out: Path) -> list[tuple[str, list[str]]]:
     """(name, argv relative to the side's tree) of the engine job; each run writes under out/name."""
-    micro = ["bench/engine_microbench.py", "--device", plan.device, "--decode-steps", str(plan.steps)]
-    short = ["--prefill-lengths", "128", "--prefill-reps", "1"]
-    sampled = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "1"]
+    micro = f"bench/engine_microbench.py --device {plan.device} --decode-steps {plan.steps}".split()
+    short = "--prefill-lengths 128 --prefill-reps 1".split()
     runs = [
-        (
-            "greedy",
-            [
-                *micro,
-                "--model",
-                plan.e4b,
-                "--batches",
-                "1,64",
-                "--prefill-lengths",
-                "2048",
-                "--prefill-reps",
-                "2",
-            ],
-        ),
-        ("sampled", [*micro, "--model", plan.e4b, "--batches", "1", *short, *sampled]),
+        ("greedy", [*micro, "--model", plan.e4b, "--batches", "1,64",
+                    *"--prefill-lengths 2048 --prefill-reps 2".split()]),
+        ("sampled", [*micro, "--model", plan.e4b, "--batches", "1", *short,
+                     *"--temperature 0.8 --top-p 0.95 --seed 1".split()]),
         ("moe", [*micro, "--model", plan.moe, "--batches", "1,8", *short]),
-    ]
+        ("load-31b", [*micro, "--model", plan.dense31, "--batches", "1", "--decode-steps", "4", *short]),
+    ]  # fmt: skip
     runs = [(name, [*argv, "--out", str(out / name)]) for name, argv in runs]
     seeds = {
         "seed-e4b": (plan.e4b, 7000, 10),
@@ -93,144 +82,43 @@ def engine_runs(plan: Plan, out: Path) -> list[tuple[str, list[str]]]:
     }
     for name, (model, inp, outp) in seeds.items():
         inp, outp = (64, 4) if plan.smoke else (inp, outp)
-        argv = [
-            "bench/offline_throughput.py",
-            "--model",
-            model,
-            "--device",
-            plan.device,
-            "--num-requests",
-            str(plan.seed_requests),
-            "--input-len",
-            str(inp),
-            str(inp),
-            "--output-len",
-            str(outp),
-        ]
-        runs.append((name, [*argv, "--out-dir", str(out / name)]))
-    load = [*micro, "--model", plan.dense31, "--batches", "1", "--decode-steps", "4", *short]
-    runs.append(("load-31b", [*load, "--out", str(out / "load-31b")]))
+        argv = f"bench/offline_throughput.py --model {model} --device {plan.device} --num-requests "
+        argv += f"{plan.seed_requests} --input-len {inp} {inp} --output-len {outp}"
+        runs.append((name, [*argv.split(), "--out-dir", str(out / name)]))
     return runs
 
 
 def served_runs(plan: Plan, url: str) -> tuple[list[tuple[str, list[str]]], dict[str, tuple[str, list[str]]]]:
     """(name, g4serve bench arguments) of the served job's runs, in order (the first is the cold burst), and
     the media runs that go beside some of them (by the name of the run they go beside)."""
-    d = str(plan.duration)
-    video_rates = VIDEO_RATES if not plan.smoke else (1, 2)
-    text_rates = TEXT_RATES if not plan.smoke else (1, 2)
-    media_rate = "32" if not plan.smoke else "1"
-    base = ["--base-url", url, "--no-plots", "--drain-timeout", "60"]
-    streams = [
-        "--workload",
-        "text",
-        "--output-tokens",
-        "128",
-        "--concurrency",
-        "8",
-        "--warmup",
-        "4",
-        "--duration",
-        d,
-    ]
-    return [
-        (
-            "cold-burst",
-            [
-                *base,
-                "--workload",
-                "video",
-                "--rates",
-                "24" if not plan.smoke else "1",
-                "--warmup",
-                "8",
-                "--duration",
-                d,
-            ],
-        ),
-        ("video-1qps", [*base, "--workload", "video", "--rates", "1", "--warmup", "2", "--duration", d]),
-        (
-            "video-sweep",
-            [
-                *base,
-                "--workload",
-                "video",
-                "--rates",
-                ",".join(map(str, video_rates)),
-                "--warmup",
-                "4",
-                "--duration",
-                d,
-            ],
-        ),
-        ("text-alone", [*base, *streams]),
-        ("text-beside-video", [*base, *streams]),  # with "video-beside" running (see BESIDE)
-        (
-            "text-saturation",
-            [
-                *base,
-                "--workload",
-                "text",
-                "--prompt-tokens",
-                "500",
-                "--output-tokens",
-                "128",
-                "--rates",
-                ",".join(map(str, text_rates)),
-                "--warmup",
-                "4",
-                "--duration",
-                d,
-            ],
-        ),
-        (
-            "audio-4qps",
-            [
-                *base,
-                "--workload",
-                "audio",
-                "--rates",
-                "4" if not plan.smoke else "1",
-                "--warmup",
-                "2",
-                "--duration",
-                d,
-            ],
-        ),
-        ("text-beside-audio", [*base, *streams]),  # with "audio-beside" running
-    ], {
+    rates = {"burst": 24, "videos": "32,48,64", "texts": "32,64", "media": 32, "audio": 4}
+    if plan.smoke:
+        rates = {"burst": 1, "videos": "1,2", "texts": "1,2", "media": 1, "audio": 1}
+    base = f"--base-url {url} --no-plots --drain-timeout 60 --duration {plan.duration}"
+    streams = f"{base} --workload text --output-tokens 128 --concurrency 8 --warmup 4"
+    runs = {  # the cold burst first, right after /health
+        "cold-burst": f"{base} --workload video --rates {rates['burst']} --warmup 8",
+        "video-1qps": f"{base} --workload video --rates 1 --warmup 2",
+        "video-sweep": f"{base} --workload video --rates {rates['videos']} --warmup 4",
+        "text-alone": streams,
+        "text-beside-video": streams,  # with "video-beside" running
+        "text-saturation": f"{base} --workload text --prompt-tokens 500 --output-tokens 128 --rates "
+        f"{rates['texts']} --warmup 4",
+        "audio-4qps": f"{base} --workload audio --rates {rates['audio']} --warmup 2",
+        "text-beside-audio": streams,  # with "audio-beside" running
+    }
+    beside = {
         "text-beside-video": (
             "video-beside",
-            [
-                *base,
-                "--workload",
-                "video",
-                "--rates",
-                media_rate,
-                "--warmup",
-                "2",
-                "--seed",
-                "1",
-                "--duration",
-                d,
-            ],
+            f"{base} --workload video --rates {rates['media']} --warmup 2 --seed 1",
         ),
         "text-beside-audio": (
             "audio-beside",
-            [
-                *base,
-                "--workload",
-                "audio",
-                "--rates",
-                media_rate,
-                "--warmup",
-                "2",
-                "--seed",
-                "1",
-                "--duration",
-                d,
-            ],
+            f"{base} --workload audio --rates {rates['media']} --warmup 2 --seed 1",
         ),
+    }
+    return [(name, args.split()) for name, args in runs.items()], {
+        name: (other, args.split()) for name, (other, args) in beside.items()
     }
 
 
