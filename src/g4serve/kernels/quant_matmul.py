@@ -579,6 +579,8 @@ def quant_matmul(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
+    # int4 scales are per row (groups along K, or a channel): the gated planes find the up rows' N rows on
+    assert not int4 or scale_block[0] == 1, f"int4 scale blocks are 1 x g, got {scale_block}"
     cfg = int4_tiles(config or quant_matmul_config(m, n, k, epilogue), int4)
     block_m = cfg["block_m"]
     bn, bk = scale_block
