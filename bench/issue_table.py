@@ -64,7 +64,10 @@ class Plan:
 
 def engine_runs(plan: Plan, out: Path) -> list[tuple[str, list[str]]]:
     """(name, argv relative to the side's tree) of the engine job; each run writes under out/name."""
+    # the backend named: older sources' microbenchmark defaulted to the PyTorch reference attention
+    backend = "triton" if plan.device == "cuda" else "torch"
     micro = f"bench/engine_microbench.py --device {plan.device} --decode-steps {plan.steps}".split()
+    micro += ["--attention-backend", backend]
     short = "--prefill-lengths 128 --prefill-reps 1".split()
     runs = [
         ("greedy", [*micro, "--model", plan.e4b, "--batches", "1,64",
