@@ -83,24 +83,29 @@ class AudioFeatureExtractor:
     def _truncate_length(self) -> int:
         return -(-self.max_length // self.pad_to_multiple_of) * self.pad_to_multiple_of
 
+    def _framing(self, length: int) -> tuple[int, int, np.ndarray]:
+        """The semicausal framing of ``length`` samples: (the left padding, the samples one frame spans,
+        the index in the unpadded signal of each frame's last window sample). A frame counts only if that
+        sample is real audio."""
+        pad_left = self.frame_length // 2
+        size = self.frame_length + 1
+        num_frames = max(0, (length + pad_left - size) // self.hop_length + 1)
+        return pad_left, size, np.arange(num_frames) * self.hop_length + size - 1 - pad_left
+
     def _spectrogram(self, waveform: np.ndarray, num_valid: int) -> tuple[np.ndarray, np.ndarray]:
         # Keeps transformers' exact array shapes and dtypes ([1, L] float32 frames, float64 mel matmul) so the
         # FFT and BLAS take the same paths and produce the same bits.
-        pad_left = self.frame_length // 2
-        padded = np.pad(waveform[None, :], ((0, 0), (pad_left, 0)))
-        size = self.frame_length + 1
-        num_frames = (padded.shape[1] - size) // self.hop_length + 1
-        if num_frames <= 0:
+        pad_left, size, frame_end = self._framing(len(waveform))
+        if len(frame_end) == 0:
             return np.zeros((0, self.mel_filters.shape[1]), np.float32), np.zeros(0, bool)
+        padded = np.pad(waveform[None, :], ((0, 0), (pad_left, 0)))
         frames = np.lib.stride_tricks.as_strided(
             padded,
-            (1, num_frames, size),
+            (1, len(frame_end), size),
             (padded.strides[0], padded.strides[1] * self.hop_length, padded.strides[1]),
         )[..., :-1]
         magnitude = np.abs(np.fft.rfft(frames * self.window, n=self.fft_length, axis=-1))
         log_mel = np.log(np.matmul(magnitude, self.mel_filters) + self.mel_floor)[0].astype(np.float32)
-        # A frame counts only if the last sample of its window is real audio.
-        frame_end = np.arange(num_frames) * self.hop_length + size - 1 - pad_left
         mask = frame_end < num_valid
         return log_mel * mask[:, None], mask
 
@@ -111,25 +116,18 @@ class AudioFeatureExtractor:
         float32 frames times the window, a float32 rFFT as numpy's, its magnitudes times the float64 mel
         bank, so the features agree with the host's to float32 rounding. Features on ``device``, masks on the
         host."""
-        waves = torch.zeros(len(batch), length, dtype=torch.float32)
+        pad_left, size, frame_end = self._framing(length)
+        masks = torch.from_numpy(np.stack([frame_end < len(w) for w in batch]))
+        if len(frame_end) == 0:
+            return torch.zeros(len(batch), 0, self.mel_filters.shape[1], device=device), masks
+        waves = torch.zeros(len(batch), pad_left + length, dtype=torch.float32)
         for i, w in enumerate(batch):
-            waves[i, : len(w)] = torch.from_numpy(w)
-        pad_left = self.frame_length // 2
-        padded = torch.nn.functional.pad(waves.to(device), (pad_left, 0))
-        size = self.frame_length + 1
-        num_frames = (padded.shape[1] - size) // self.hop_length + 1
-        bins = self.mel_filters.shape[1]
-        if num_frames <= 0:
-            return torch.zeros(len(batch), 0, bins, device=device), torch.zeros(
-                len(batch), 0, dtype=torch.bool
-            )
-        frames = padded.unfold(-1, size, self.hop_length)[..., :-1]  # [B, frames, frame_length], a view
+            waves[i, pad_left : pad_left + len(w)] = torch.from_numpy(w)
+        frames = waves.to(device).unfold(-1, size, self.hop_length)[..., :-1]  # [B, frames, frame_length]
         window = torch.from_numpy(self.window).to(device)
         magnitude = torch.fft.rfft(frames * window, n=self.fft_length).abs()
         mel = torch.from_numpy(self.mel_filters).to(device)
         log_mel = torch.log(magnitude.double() @ mel + float(self.mel_floor)).float()
-        frame_end = np.arange(num_frames) * self.hop_length + size - 1 - pad_left
-        masks = torch.from_numpy(np.stack([frame_end < len(w) for w in batch]))
         return log_mel * masks.to(device)[..., None], masks
 
     def __call__(

@@ -58,7 +58,8 @@ warnings.filterwarnings(
 JPEG_MAGIC = b"\xff\xd8\xff"
 EXIF_ORIENTATION = 0x0112
 # DeviceMedia's bounds on device memory (pixels; uint8 RGB is 3 bytes a pixel, the float resize's copy of
-# one frame 12): a frame up to 4K UHD, a thread's batch up to 32 frames of 1080p, all threads 128M pixels.
+# one frame 12): a frame up to 4K UHD (8.4M), a thread's batch up to 32 frames of 1080p (67M), all threads
+# 134M pixels.
 MAX_FRAME_PIXELS = 1 << 23
 MAX_BATCH_PIXELS = 1 << 26
 MAX_IN_FLIGHT_PIXELS = 1 << 27

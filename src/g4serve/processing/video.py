@@ -25,9 +25,8 @@ FALLBACK_FPS = 24.0
 
 @dataclass(frozen=True)
 class VideoFrames:
-    frames: (
-        np.ndarray | torch.Tensor
-    )  # uint8 [F, H, W, 3] RGB; a tensor may be a view of [F, 3, H, W] on a GPU
+    # uint8 [F, H, W, 3] RGB; a tensor may be a view of [F, 3, H, W] on a GPU (--media-on-gpu)
+    frames: np.ndarray | torch.Tensor
     timestamps_s: list[float]
     fps: float | None  # source frame rate; None when unknown (timestamps then assume FALLBACK_FPS)
     frame_indices: list[int]  # positions of `frames` in the source video
