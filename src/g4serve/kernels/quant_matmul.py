@@ -322,14 +322,14 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
                 # the dequantized tile rounded to the activation dtype, as the reference's dequantized weight
                 if UPCAST:
                     xd = x.to(tl.float32)
-                    wd = wf.to(x.dtype).to(tl.float32)
+                    wd = _round_to(wf, x.dtype)
                 else:
                     xd = x
                     wd = wf.to(x.dtype)
                 acc += tl.dot(xd, tl.trans(wd), input_precision=DOT_PRECISION)
                 if EPILOGUE == 1:
                     uf = _dequant(u, su, zu, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS)
-                    ud = uf.to(x.dtype).to(tl.float32) if UPCAST else uf.to(x.dtype)
+                    ud = _round_to(uf, x.dtype) if UPCAST else uf.to(x.dtype)
                     acc_up += tl.dot(xd, tl.trans(ud), input_precision=DOT_PRECISION)
             else:
                 xf = x.to(tl.float32)  # [1, BLOCK_K]
