@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -38,8 +39,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "now")
-VIDEO_RATES = (32, 48, 64)
-TEXT_RATES = (32, 64)
 
 
 @dataclass
@@ -261,12 +260,12 @@ def _ms(value: float | None, scale: float = 1e3) -> str:
     return "–" if value is None else f"{value * scale:.1f}"
 
 
-def _first(points: list[dict]) -> dict:
-    return points[0] if points else {}
-
-
-def _server(point: dict, key: str) -> float | None:
-    return (point.get("server") or {}).get(key)
+def _served(side: Path, run: str, *keys: str, sep: str = " / ") -> str:
+    """Figures ``keys`` of ``run``'s first point in ms (``server.<key>``: the server's), joined by ``sep``."""
+    points = _points(side, run)
+    point = points[0] if points else {}
+    server = point.get("server") or {}
+    return sep.join(_ms(server.get(k[7:]) if k.startswith("server.") else point.get(k)) for k in keys)
 
 
 def _best_video_rate(points: list[dict]) -> str:
@@ -312,19 +311,14 @@ ROWS: list[tuple[str, str, Callable[[Path], str]]] = [
     (
         "video (6 x 480p) TTFT p50 at 1 QPS; server prepare mean (ms)",
         "<= 25; <= 5",
-        lambda s: (
-            f"{_ms(_first(_points(s, 'video-1qps')).get('ttft_p50_s'))}; "
-            f"{_ms(_server(_first(_points(s, 'video-1qps')), 'prepare_mean_s'))}"
-        ),
+        lambda s: _served(s, "video-1qps", "ttft_p50_s", "server.prepare_mean_s", sep="; "),
     ),
     (
         "text ITL p50 / p95 under 32 video QPS (ms; alone)",
         "<= 5 / <= 7",
         lambda s: (
-            f"{_ms(_first(_points(s, 'text-beside-video')).get('itl_p50_s'))} / "
-            f"{_ms(_first(_points(s, 'text-beside-video')).get('itl_p95_s'))} "
-            f"({_ms(_first(_points(s, 'text-alone')).get('itl_p50_s'))} / "
-            f"{_ms(_first(_points(s, 'text-alone')).get('itl_p95_s'))})"
+            f"{_served(s, 'text-beside-video', 'itl_p50_s', 'itl_p95_s')} "
+            f"({_served(s, 'text-alone', 'itl_p50_s', 'itl_p95_s')})"
         ),
     ),
     (
@@ -335,10 +329,7 @@ ROWS: list[tuple[str, str, Callable[[Path], str]]] = [
     (
         "first burst after start, 24 video QPS: TTFT p95 / E2E p95 (ms); ready after",
         "no cold penalty",
-        lambda s: (
-            f"{_ms(_first(_points(s, 'cold-burst')).get('ttft_p95_s'))} / "
-            f"{_ms(_first(_points(s, 'cold-burst')).get('e2e_p95_s'))}; {_ready(s)}"
-        ),
+        lambda s: f"{_served(s, 'cold-burst', 'ttft_p95_s', 'e2e_p95_s')}; {_ready(s)}",
     ),
     (
         "served text 500 in / 128 out: output tok/s at saturation",
@@ -348,15 +339,12 @@ ROWS: list[tuple[str, str, Callable[[Path], str]]] = [
     (
         "audio TTFT p50 at 4 QPS; encoder mean (ms)",
         "<= 25; <= 10",
-        lambda s: (
-            f"{_ms(_first(_points(s, 'audio-4qps')).get('ttft_p50_s'))}; "
-            f"{_ms(_server(_first(_points(s, 'audio-4qps')), 'encoder_mean_s'))}"
-        ),
+        lambda s: _served(s, "audio-4qps", "ttft_p50_s", "server.encoder_mean_s", sep="; "),
     ),
     (
         "text ITL p50 under 32 audio QPS (ms)",
         "<= 7",
-        lambda s: _ms(_first(_points(s, "text-beside-audio")).get("itl_p50_s")),
+        lambda s: _served(s, "text-beside-audio", "itl_p50_s"),
     ),
     (
         "seed workloads, 30 prompts: e4b 7000/10, e2b 3000/100, 26b-a4b 3000/100 (total tok/s)",
@@ -366,11 +354,7 @@ ROWS: list[tuple[str, str, Callable[[Path], str]]] = [
     (
         "31b bf16: load and warm-up (s)",
         "reported",
-        lambda s: (
-            "–"
-            if _json(s / "engine" / "load-31b") is None
-            else f"{_json(s / 'engine' / 'load-31b')['load_s']:.1f}"
-        ),
+        lambda s: _ms((_json(s / "engine" / "load-31b") or {}).get("load_s"), 1),
     ),
 ]
 
@@ -432,7 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.deadline - 15
     slots = max(1, gpus)
     lanes: list[list[tuple[str, str]]] = [jobs[i::slots] for i in range(slots)]
-    import threading
 
     def lane(index: int, work: list[tuple[str, str]]) -> None:
         gpu = str(index) if gpus else None
