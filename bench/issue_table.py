@@ -32,10 +32,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from g4serve.bench.common import SubprocessServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "now")
@@ -157,36 +158,23 @@ def engine_job(tree: Path, out: Path, plan: Plan, gpu: str | None, deadline: flo
         (out / f"{name}.rc").write_text(str(rc))
 
 
-def served_job(tree: Path, out: Path, plan: Plan, gpu: str | None, port: int, deadline: float) -> None:
+def served_job(tree: Path, out: Path, plan: Plan, gpu: str | None, deadline: float) -> None:
     env = _env(tree, gpu)
-    url = f"http://127.0.0.1:{port}"
-    serve = [
-        sys.executable,
-        "-m",
-        "g4serve.cli",
-        "serve",
-        "--preset",
-        plan.e4b,
-        "--device",
-        plan.device,
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        "64",
-        *plan.serve_args,
-    ]
+    serve = ["--preset", plan.e4b, "--device", plan.device, "--max-num-seqs", "64", *plan.serve_args]
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with (out / "server.log").open("w") as log:
-        server = subprocess.Popen(serve, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            ready = _wait_ready(url, server, min(300.0, deadline - time.monotonic()))
-            (out / "ready.json").write_text(
-                json.dumps({"ready_s": time.monotonic() - start if ready else None})
+            server = SubprocessServer(
+                serve, min(300.0, deadline - time.monotonic()), env=env, cwd=tree, log=log
             )
-            if not ready:
-                return
-            runs, beside = served_runs(plan, url)
+        except RuntimeError as exc:  # exited, or not healthy in time: the served rows stay empty
+            log.write(f"\n[issue_table] {exc}\n")
+            (out / "ready.json").write_text(json.dumps({"ready_s": None}))
+            return
+        (out / "ready.json").write_text(json.dumps({"ready_s": time.monotonic() - start}))
+        try:
+            runs, beside = served_runs(plan, server.base_url)
             bench = [sys.executable, "-m", "g4serve.cli", "bench"]
             for name, args in runs:
                 left = deadline - time.monotonic()
@@ -215,24 +203,7 @@ def served_job(tree: Path, out: Path, plan: Plan, gpu: str | None, port: int, de
                     except subprocess.TimeoutExpired:
                         companion.kill()
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and server.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.5)
-    return False
+            server.stop()
 
 
 # ---- the table --------------------------------------------------------------------------------------------
@@ -424,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "engine":
                 engine_job(tree, target, plan, gpu, deadline)
             else:
-                served_job(tree, target, plan, gpu, 8200 + 10 * index + SIDES.index(side), deadline)
+                served_job(tree, target, plan, gpu, deadline)
 
     threads = [threading.Thread(target=lane, args=(i, w)) for i, w in enumerate(lanes) if w]
     for t in threads:

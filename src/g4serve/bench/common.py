@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import socket
@@ -17,7 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import IO, Any
 
 from g4serve.bench.meta import device_name, git_commit
 from g4serve.engine_args import parse_json_object
@@ -211,7 +212,17 @@ class SubprocessServer:
 
     location = "subprocess g4serve"
 
-    def __init__(self, serve_args: list[str], start_timeout_s: float = 900.0):
+    def __init__(
+        self,
+        serve_args: list[str],
+        start_timeout_s: float = 900.0,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        log: IO | None = None,
+    ):
+        """``env`` / ``cwd``: the child's (another tree's sources, a GPU); ``log``: its output (default: this
+        process's)."""
         import urllib.request
 
         port = free_port()
@@ -224,7 +235,9 @@ class SubprocessServer:
             "--log-level",
             "warning",
         ]
-        self.proc = subprocess.Popen(cmd)
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT if log is not None else None
+        )
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + start_timeout_s
         while True:
