@@ -175,6 +175,12 @@ class Gemma4Processor:
             return load_image(bytes(value), budget=budget)
         return value
 
+    def _load_on_host(self, value: Any, label: str, budget: MediaBudget, charged: bool) -> Any:
+        """``_load_image`` with its errors named ``label``; ``charged``: a JPEG the media device was charged
+        for and then refused, decoded under the limits alone (its pixels are in ``budget`` already)."""
+        target = MediaBudget(budget.limits) if charged else budget
+        return _named(label, lambda v: self._load_image(v, target), value)
+
     def _load_video(self, value: Any, budget: MediaBudget | None = None) -> VideoFrames:
         budget = budget or MediaBudget()
         limits = budget.limits
@@ -352,9 +358,7 @@ class Gemma4Processor:
         host = [i for i, feature in enumerate(out) if feature is None]
 
         def load(i: int) -> Any:
-            # a JPEG nvJPEG refused was charged already: the host decodes it under the limits alone
-            target = MediaBudget(budget.limits) if i in refused else budget
-            return _named(f"image[{i}]", lambda v: self._load_image(v, target), raw[i])
+            return self._load_on_host(raw[i], f"image[{i}]", budget, charged=i in refused)
 
         if host:
             for i, feature in zip(host, self._preprocess_images(map_in_pool(load, host), False)):
@@ -419,11 +423,10 @@ class Gemma4Processor:
         held.enter_context(media.reserve(len(raw) * width * height))
         decoded = media.decode(raw, sizes, budget)  # type: ignore[arg-type]
         for k, tensor in enumerate(decoded):
-            if tensor is None:  # charged already: the host decodes it under the limits alone
-                image = _named(
-                    f"frame {indices[k]}", lambda v: self._load_image(v, MediaBudget(budget.limits)), raw[k]
+            if tensor is None:
+                decoded[k] = media.upload(
+                    self._load_on_host(raw[k], f"frame {indices[k]}", budget, charged=True)
                 )
-                decoded[k] = media.upload(image)
         stacked = torch.stack(decoded).permute(0, 2, 3, 1)  # type: ignore[arg-type]  # [F, H, W, 3] view
         return video_frames_at(stacked, indices, None)
 
