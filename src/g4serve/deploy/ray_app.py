@@ -225,7 +225,13 @@ def build_application(args: argparse.Namespace, gpus_per_replica: float) -> serv
             request_router_kwargs={"load_factor": args.load_factor, "load_slack": args.load_slack},
         ),
     ).bind(args)
-    ingress = RouterIngress.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+    # the ingress relays every stream: a redeploy that replaces it lets its streams finish as the replicas do
+    ingress = RouterIngress.options(
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000,
+        graceful_shutdown_wait_loop_s=1.0,
+        graceful_shutdown_timeout_s=args.drain_timeout,
+    )
     return ingress.bind(engine, args.prefix_chars, args.max_request_body_bytes)
 
 
