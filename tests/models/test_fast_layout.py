@@ -52,3 +52,34 @@ def test_unbounded_clipping_is_dropped_and_bounded_kept():
     assert not unbounded.use_clipping and bounded.use_clipping
     assert torch.equal(unbounded(x), before)
     assert bounded(x).max() <= 0.1
+
+
+@pytest.mark.parametrize("variant", ["e", "31b"])  # PLE after the MLP block; the layer scalar and next norm
+def test_the_persistent_mlp_block_takes_the_layers_own_operands(hf_checkpoint, variant, monkeypatch):
+    """Where ``layers.fused.decode_mlp_block`` applies (CUDA, decode sizes, G4SERVE_DECODE_MLP=1), each dense
+    layer hands it the operands of its separate ops: with a stand-in computing the kernel's torch reference
+    from what it is handed, the logits equal those of the separate ops."""
+    import g4serve.models.gemma4.text as text
+    from g4serve.kernels.decode_mlp import decode_mlp_reference
+
+    model = load_model(
+        hf_checkpoint(variant), dtype="float32", device="cpu", with_vision=False, with_audio=False
+    )
+    model.language_model.fuse_projections()
+    ids = list(range(10, 50))
+    separate = prefill_logits(model, ids)
+    calls = []
+
+    def block(x, residual, gate_up, down, activation, norm, counters, scale=None, next_norm=None):
+        calls.append((scale is not None, next_norm is not None))
+        next_weight = next_norm.weight if next_norm is not None else None
+        return decode_mlp_reference(
+            x, residual, gate_up.weight, down.weight, norm.weight, norm.eps, activation, scale, next_weight
+        )
+
+    monkeypatch.setattr(text, "decode_mlp_block", block)
+    torch.testing.assert_close(prefill_logits(model, ids), separate, atol=1e-5, rtol=0)
+    layers = model.language_model.layers
+    assert len(calls) == len(layers)
+    ple = bool(model.cfg.text.hidden_size_per_layer_input)
+    assert set(calls) == ({(False, False)} if ple else {(True, True)})  # PLE: the scalar and norm come later

@@ -8,7 +8,9 @@
   fused QKV projection (CUDA only: the reference path keeps the separate ops);
 - ``linear`` / ``gate_up_act`` / ``linear_act_mul``: projections, and projections with those gates fused,
   through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS;
-  quantized projections (``layers.quant.QuantLinear``) through ``layers.quant.quant_linear``.
+  quantized projections (``layers.quant.QuantLinear``) through ``layers.quant.quant_linear``;
+- ``decode_mlp_block``: a dense MLP and the ``add_rms_norm`` after it in one persistent launch at decode
+  sizes (``kernels.decode_mlp``), where ``G4SERVE_DECODE_MLP=1`` turns it on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from g4serve.kernels import act_mul as _act_mul
+from g4serve.kernels import decode_mlp as _decode_mlp
 from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.qkv_prep import qkv_prep
@@ -113,6 +116,48 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
     if _skinny(x, layer.weight, layer.bias, _gemv.MUL) and other.stride(-1) == 1:
         return _gemv.skinny_matmul(x, layer.weight, _gemv.MUL, activation, other)
     return act_mul(activation, layer(x), other)
+
+
+# The persistent MLP kernel for dense layers at decode sizes: off until bench/decode_mlp.py has measured it
+# against the three launches it replaces on a GPU. A captured CUDA graph keeps the choice it was captured
+# with.
+DECODE_MLP = os.environ.get("G4SERVE_DECODE_MLP", "0") == "1"
+
+
+def decode_mlp_block(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    gate_up: nn.Linear | QuantLinear | None,
+    down: nn.Linear | QuantLinear,
+    activation: str,
+    norm: RMSNorm,
+    counters: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
+    next_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``add_rms_norm(down(act(gate(x)) * up(x)), norm, residual, scale, next_norm)`` in one launch, or None
+    where the kernel does not apply (off, not CUDA, not 1-8 rows, quantized or biased weights, no stacked
+    gate/up, no counters): the caller then runs the separate ops."""
+    if not (DECODE_MLP and counters is not None and x.is_cuda and x.dim() == 2):
+        return None
+    if not 0 < x.shape[0] <= _gemv.MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    plain = all(isinstance(p, nn.Linear) and p.bias is None for p in (gate_up, down))
+    if not plain or x.stride(-1) != 1 or residual.stride(-1) != 1:
+        return None
+    assert next_norm is None or next_norm.eps == norm.eps, "one eps for both norms of a fused pass"
+    return _decode_mlp.decode_mlp(
+        x,
+        residual,
+        gate_up.weight,
+        down.weight,
+        norm.weight,
+        norm.eps,
+        activation,
+        counters,
+        scale,
+        next_norm.weight if next_norm is not None else None,
+    )
 
 
 def qkv_norm_rope_write(

@@ -15,10 +15,12 @@ from torch import nn
 from g4serve.config import TextConfig
 from g4serve.distributed import SINGLE, TensorParallel
 from g4serve.distributed.sharding import vocab_rows_per_rank
+from g4serve.kernels.decode_mlp import new_counters
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.fused import (
     act_mul,
     add_rms_norm,
+    decode_mlp_block,
     gate_up_act,
     linear,
     linear_act_mul,
@@ -188,6 +190,7 @@ class GatedMLP(nn.Module):
         self.activation = activation
         self.intermediate = intermediate
         self.gate_up_proj: nn.Linear | None = None  # gate and up stacked (``fuse_projections``)
+        self.decode_counters: torch.Tensor | None = None  # the persistent decode kernel's (CUDA only)
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -195,6 +198,33 @@ class GatedMLP(nn.Module):
             return
         self.gate_up_proj = stack_linears([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
+        if self.gate_up_proj.weight.is_cuda:
+            self.decode_counters = new_counters(self.gate_up_proj.weight.device)
+
+    def fused_block(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        scale: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``add_rms_norm(self(x), norm, residual, scale, next_norm)`` in one persistent launch at decode
+        sizes (``layers.fused.decode_mlp_block``), or None where it does not apply. One rank only: under
+        tensor parallelism the down projection's partial sums are added over the group before the norm."""
+        if self.tp.size != 1:
+            return None
+        return decode_mlp_block(
+            x,
+            residual,
+            self.gate_up_proj,
+            self.down_proj,
+            self.activation,
+            norm,
+            self.decode_counters,
+            scale,
+            next_norm,
+        )
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if lora is not None:
@@ -286,6 +316,16 @@ class DecoderLayer(nn.Module):
         )
 
         residual = h
+        if lora is None and not self.enable_moe:  # one launch for the MLP block where the kernel applies
+            fused = self.mlp.fused_block(
+                x,
+                residual,
+                self.post_feedforward_layernorm,
+                scale=None if self.ple_dim else self.layer_scalar,
+                next_norm=None if self.ple_dim else next_norm,
+            )
+            if fused is not None:
+                return self._per_layer_input(fused[0], per_layer_input, next_norm) if self.ple_dim else fused
         out = self.mlp(x, lora)
         if self.enable_moe:
             # The routed experts run beside the dense MLP, both fed from the residual stream.
@@ -305,7 +345,13 @@ class DecoderLayer(nn.Module):
                 next_norm=next_norm,
             )
         h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
-        # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
+        return self._per_layer_input(h, per_layer_input, next_norm)
+
+    def _per_layer_input(
+        self, h: torch.Tensor, per_layer_input: torch.Tensor, next_norm: RMSNorm | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """PLE: ``(h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar``
+        and ``next_norm`` of it."""
         gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
         return add_rms_norm(
             linear(gate, self.per_layer_projection),
