@@ -6,21 +6,21 @@
 #          (align_p against align_t, FP8 experts dequantized against W8A8); bench/preprocess_media.py
 #          --device cuda (the --media-on-gpu path's pieces); then media_stall.sh with MODES="insteps gpumedia
 #          capped" at VIDEO_QPS (default 32; capped: --max-prefill-tokens-beside-decodes PREFILL_CAP, 512);
-#          the persistent decode-MLP kernel: its GPU tests and bench/decode_mlp.py (e4b and 31b, M = 1-8)
+#          the persistent decode-tail kernel: its GPU tests and bench/decode_tail.py (e4b and 31b, M = 1-8)
 #   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN);
 #          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
 #          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (the dense
 #          projections' nibble planes, B = 1/8/32/64 and a 2,048-token prefill); then the audio rows:
 #          clips at 4 QPS beside text streams, log-mel on the host and with --media-on-gpu (port 8101); e4b
-#          decode with the decode-MLP kernel off and on (G4SERVE_DECODE_MLP), B = 1/8
+#          decode with the decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8
 # Two calls of under 10 minutes each (the served runs start a server per mode):
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
-#       kind="nvidia-h200-x2")                         # STAGES="nccl tests kernels media mlp seed fp8 int4"
+#       kind="nvidia-h200-x2")                         # STAGES="nccl tests kernels media tail seed fp8 int4"
 #   run(command="G4SERVE_GIT_COMMIT=<sha> STAGES='stall audio' bash bench/device/catch_up.sh", carry=[".whl"])
 # Results: $OUT/catch_up.tgz (JSON, logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
-STAGES=${STAGES:-nccl tests kernels media mlp seed fp8 int4} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-nccl tests kernels media tail seed fp8 int4} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
 VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
@@ -42,9 +42,9 @@ gpu0() {
   has kernels && run moe-kernels 150 python3 bench/moe_kernels.py --quant fp8 --tokens 64 512 2048 4096 \
     --out-dir "$RES"
   has media && run preprocess-media 90 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES"
-  if has mlp; then
-    run mlp-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_decode_mlp_gpu.py
-    run decode-mlp 150 python3 bench/decode_mlp.py --presets e4b 31b --out-dir "$RES"
+  if has tail; then
+    run tail-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_decode_tail_gpu.py
+    run decode-tail 150 python3 bench/decode_tail.py --presets e4b 31b --out-dir "$RES"
   fi
   if has stall; then
     MODES="insteps gpumedia capped" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
@@ -79,11 +79,11 @@ gpu1() {
     run int4-e4b 150 python3 bench/engine_microbench.py --model e4b --device cuda --quantization w4a16 \
       --batches 1,8,32,64 --decode-steps 16 --prefill-lengths 2048 --prefill-reps 2 --out "$RES/int4"
   fi
-  if has mlp; then  # decode steps with the MLP blocks in one persistent launch each, against the three launches
+  if has tail; then  # decode steps with each layer's tail after attention in one persistent launch, or not
     for on in 0 1; do
-      G4SERVE_DECODE_MLP=$on run "decode-mlp-e4b-$on" 100 python3 bench/engine_microbench.py --model e4b \
+      G4SERVE_DECODE_TAIL=$on run "decode-tail-e4b-$on" 100 python3 bench/engine_microbench.py --model e4b \
         --device cuda --batches 1,8 --decode-steps 16 --prefill-lengths 512 --prefill-reps 1 \
-        --out "$RES/decode-mlp-$on" --tag="-mlp$on"
+        --out "$RES/decode-tail-$on" --tag="-tail$on"
     done
   fi
   if has audio; then  # the audio rows: clips at 4 QPS beside text streams, log-mel on the host or the GPU
@@ -111,8 +111,8 @@ fi
   echo "## preprocess_media"; grep -E "_ms " "$RES/preprocess-media.log" 2>/dev/null
   echo "## media stall"; cat "$RES/stall/summary.md" 2>/dev/null
   echo "## audio beside text"; cat "$RES/audio/summary.md" 2>/dev/null
-  echo "## decode MLP kernel"; tail -n 3 "$RES/mlp-tests.log" 2>/dev/null
-  grep -hE "H=|best" "$RES/decode-mlp.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-mlp-e4b-*.log 2>/dev/null
+  echo "## decode tail kernel"; tail -n 3 "$RES/tail-tests.log" 2>/dev/null
+  grep -hE "H=|best" "$RES/decode-tail.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-tail-e4b-*.log 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
   echo "## int4 e4b"; grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b.log 2>/dev/null

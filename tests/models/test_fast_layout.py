@@ -54,32 +54,32 @@ def test_unbounded_clipping_is_dropped_and_bounded_kept():
     assert bounded(x).max() <= 0.1
 
 
-@pytest.mark.parametrize("variant", ["e", "31b"])  # PLE after the MLP block; the layer scalar and next norm
-def test_the_persistent_mlp_block_takes_the_layers_own_operands(hf_checkpoint, variant, monkeypatch):
-    """Where ``layers.fused.decode_mlp_block`` applies (CUDA, decode sizes, G4SERVE_DECODE_MLP=1), each dense
-    layer hands it the operands of its separate ops: with a stand-in computing the kernel's torch reference
-    from what it is handed, the logits equal those of the separate ops."""
+@pytest.mark.parametrize("variant", ["e", "31b"])  # PLE at the tail's end; the layer scalar and next norm
+@pytest.mark.parametrize("tokens", [1, 7])  # the kernel's one-row and tensor-core-tile paths
+def test_the_persistent_decode_tail_computes_the_layers_logits(hf_checkpoint, variant, tokens, monkeypatch):
+    """Where ``layers.fused.decode_tail_applies`` (on CUDA, 1-8 rows, G4SERVE_DECODE_TAIL=1), each dense layer
+    hands everything after its attention to ``kernels.decode_tail``: here taken on CPU tensors (the kernel
+    runs in Triton's interpreter), fp32 logits equal the separate ops' to rounding noise."""
     import g4serve.models.gemma4.text as text
-    from g4serve.kernels.decode_mlp import decode_mlp_reference
+    from g4serve.kernels.decode_tail import new_counters
 
     model = load_model(
         hf_checkpoint(variant), dtype="float32", device="cpu", with_vision=False, with_audio=False
     )
     model.language_model.fuse_projections()
-    ids = list(range(10, 50))
+    ids = list(range(10, 10 + tokens))
     separate = prefill_logits(model, ids)
-    calls = []
-
-    def block(x, residual, gate_up, down, activation, norm, counters, scale=None, next_norm=None):
-        calls.append((scale is not None, next_norm is not None))
-        next_weight = next_norm.weight if next_norm is not None else None
-        return decode_mlp_reference(
-            x, residual, gate_up.weight, down.weight, norm.weight, norm.eps, activation, scale, next_weight
-        )
-
-    monkeypatch.setattr(text, "decode_mlp_block", block)
-    torch.testing.assert_close(prefill_logits(model, ids), separate, atol=1e-5, rtol=0)
     layers = model.language_model.layers
-    assert len(calls) == len(layers)
+    for layer in layers:
+        layer.decode_counters = new_counters("cpu")
+    taken = []
+
+    def applies(h, projections, counters):
+        taken.append(len(projections))
+        return counters is not None and h.shape[0] <= 8
+
+    monkeypatch.setattr(text, "decode_tail_applies", applies)
+    torch.testing.assert_close(prefill_logits(model, ids), separate, atol=1e-4, rtol=0)
     ple = bool(model.cfg.text.hidden_size_per_layer_input)
-    assert set(calls) == ({(False, False)} if ple else {(True, True)})  # PLE: the scalar and norm come later
+    assert taken == [5 if ple else 3] * len(layers)  # every layer, with the PLE projections where it has them
+    assert all(layer.decode_counters.tolist() == [0] * len(layer.decode_counters) for layer in layers)

@@ -9,8 +9,8 @@
 - ``linear`` / ``gate_up_act`` / ``linear_act_mul``: projections, and projections with those gates fused,
   through the skinny-GEMM kernel at decode sizes (at most ``SKINNY_MAX_ROWS`` token rows), else cuBLAS;
   quantized projections (``layers.quant.QuantLinear``) through ``layers.quant.quant_linear``;
-- ``decode_mlp_block``: a dense MLP and the ``add_rms_norm`` after it in one persistent launch at decode
-  sizes (``kernels.decode_mlp``), where ``G4SERVE_DECODE_MLP=1`` turns it on.
+- ``decode_tail_block``: a dense layer's tail after attention (o_proj, norms, MLP, PLE) in one persistent
+  launch at decode sizes (``kernels.decode_tail``), where ``G4SERVE_DECODE_TAIL=1`` turns it on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from g4serve.kernels import act_mul as _act_mul
-from g4serve.kernels import decode_mlp as _decode_mlp
+from g4serve.kernels import decode_tail as _decode_tail
 from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.qkv_prep import qkv_prep
@@ -118,43 +118,60 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
     return act_mul(activation, layer(x), other)
 
 
-# The persistent MLP kernel for dense layers at decode sizes: off until bench/decode_mlp.py has measured it
-# against the three launches it replaces on a GPU. A captured CUDA graph keeps the choice it was captured
-# with.
-DECODE_MLP = os.environ.get("G4SERVE_DECODE_MLP", "0") == "1"
+# The persistent kernel for a dense layer's tail after attention at decode sizes: off until
+# bench/decode_tail.py has timed it against the launches it replaces on a GPU. A captured CUDA graph keeps the
+# choice it was captured with.
+DECODE_TAIL = os.environ.get("G4SERVE_DECODE_TAIL", "0") == "1"
 
 
-def decode_mlp_block(
-    x: torch.Tensor,
+def decode_tail_applies(x: torch.Tensor, layers: list[nn.Module], counters: torch.Tensor | None) -> bool:
+    """Whether ``decode_tail_block`` takes rows like ``x`` (the layer's input) through ``layers`` (the tail's
+    projections): on, CUDA, 1-8 rows with a unit last stride, plain bias-free weights, a counter buffer."""
+    if not (DECODE_TAIL and counters is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1):
+        return False
+    if not 0 < x.shape[0] <= _gemv.MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
+
+
+def decode_tail_block(
+    attn: torch.Tensor,
     residual: torch.Tensor,
-    gate_up: nn.Linear | QuantLinear | None,
-    down: nn.Linear | QuantLinear,
+    o_proj: nn.Linear,
+    post_attn_norm: RMSNorm,
+    pre_ff_norm: RMSNorm,
+    gate_up: nn.Linear,
+    down: nn.Linear,
+    post_ff_norm: RMSNorm,
     activation: str,
-    norm: RMSNorm,
-    counters: torch.Tensor | None,
+    counters: torch.Tensor,
+    ple: tuple[nn.Linear, nn.Linear, torch.Tensor, RMSNorm] | None = None,
     scale: torch.Tensor | None = None,
     next_norm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``add_rms_norm(down(act(gate(x)) * up(x)), norm, residual, scale, next_norm)`` in one launch, or None
-    where the kernel does not apply (off, not CUDA, not 1-8 rows, quantized or biased weights, no stacked
-    gate/up, no counters): the caller then runs the separate ops."""
-    if not (DECODE_MLP and counters is not None and x.is_cuda and x.dim() == 2):
-        return None
-    if not 0 < x.shape[0] <= _gemv.MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None
-    plain = all(isinstance(p, nn.Linear) and p.bias is None for p in (gate_up, down))
-    if not plain or x.stride(-1) != 1 or residual.stride(-1) != 1:
-        return None
-    assert next_norm is None or next_norm.eps == norm.eps, "one eps for both norms of a fused pass"
-    return _decode_mlp.decode_mlp(
-        x,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The separate ops ``o_proj`` -> ``add_rms_norm`` -> ``gate_up_act`` -> ``down`` -> ``add_rms_norm``
+    [-> PLE gate, projection, ``add_rms_norm``] in one launch, where ``decode_tail_applies``. ``ple``: the
+    per-layer input's (gate, projection, this layer's input [M, P], post norm); ``scale`` and ``next_norm``
+    apply at the last norm."""
+    norms = [post_attn_norm, pre_ff_norm, post_ff_norm, next_norm, ple[3] if ple is not None else None]
+    assert len({n.eps for n in norms if n is not None}) == 1, "one eps for every norm of the fused tail"
+    per_layer = None
+    if ple is not None:
+        gate, proj, inputs, post_norm = ple
+        per_layer = _decode_tail.PerLayerInput(gate.weight, proj.weight, inputs, post_norm.weight)
+    return _decode_tail.decode_tail(
+        attn,
         residual,
+        o_proj.weight,
+        post_attn_norm.weight,
+        pre_ff_norm.weight,
         gate_up.weight,
         down.weight,
-        norm.weight,
-        norm.eps,
+        post_ff_norm.weight,
+        post_ff_norm.eps,
         activation,
         counters,
+        per_layer,
         scale,
         next_norm.weight if next_norm is not None else None,
     )

@@ -15,12 +15,13 @@ from torch import nn
 from g4serve.config import TextConfig
 from g4serve.distributed import SINGLE, TensorParallel
 from g4serve.distributed.sharding import vocab_rows_per_rank
-from g4serve.kernels.decode_mlp import new_counters
+from g4serve.kernels.decode_tail import new_counters
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.fused import (
     act_mul,
     add_rms_norm,
-    decode_mlp_block,
+    decode_tail_applies,
+    decode_tail_block,
     gate_up_act,
     linear,
     linear_act_mul,
@@ -143,7 +144,10 @@ class TextAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         lora: LoRABatch | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
+        """The attention's output through ``o_proj`` (summed over the group), or with ``project=False`` the
+        heads' output [T, Hq * D] before it (the persistent decode tail's input)."""
         t = x.shape[0]
         target = None
         if self.qkv_proj is not None and not self.is_kv_shared:
@@ -161,17 +165,18 @@ class TextAttention(nn.Module):
                 v_is_k=not self._v_in_qkv,
             )
             out = backend.attend(self.layer_idx, q, None, None, meta)
-            out = self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
-            return self.tp.all_reduce(out)
-        q, k_raw, v_raw = self._project(x, lora)  # v_raw is k_raw where attention_k_eq_v
-        q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
-        k = v = None
-        if k_raw is not None:
-            k = norm_rope(k_raw, self.k_norm, cos, sin)
-            v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
-        out = backend.attend(self.kv_layer, q, k, v, meta)
-        out = self._linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, "o_proj", lora)
-        return self.tp.all_reduce(out)
+        else:
+            q, k_raw, v_raw = self._project(x, lora)  # v_raw is k_raw where attention_k_eq_v
+            q = norm_rope(q, self.q_norm, cos, sin)  # apply_rope(q_norm(q), cos, sin)
+            k = v = None
+            if k_raw is not None:
+                k = norm_rope(k_raw, self.k_norm, cos, sin)
+                v = norm_rope(v_raw, self.v_norm)  # v_norm(v): no weight, no rotation
+            out = backend.attend(self.kv_layer, q, k, v, meta)
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if not project:
+            return out
+        return self.tp.all_reduce(self._linear(out, self.o_proj, "o_proj", lora))
 
 
 class GatedMLP(nn.Module):
@@ -190,7 +195,6 @@ class GatedMLP(nn.Module):
         self.activation = activation
         self.intermediate = intermediate
         self.gate_up_proj: nn.Linear | None = None  # gate and up stacked (``fuse_projections``)
-        self.decode_counters: torch.Tensor | None = None  # the persistent decode kernel's (CUDA only)
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -198,33 +202,6 @@ class GatedMLP(nn.Module):
             return
         self.gate_up_proj = stack_linears([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
-        if self.gate_up_proj.weight.is_cuda:
-            self.decode_counters = new_counters(self.gate_up_proj.weight.device)
-
-    def fused_block(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm: RMSNorm,
-        scale: torch.Tensor | None = None,
-        next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``add_rms_norm(self(x), norm, residual, scale, next_norm)`` in one persistent launch at decode
-        sizes (``layers.fused.decode_mlp_block``), or None where it does not apply. One rank only: under
-        tensor parallelism the down projection's partial sums are added over the group before the norm."""
-        if self.tp.size != 1:
-            return None
-        return decode_mlp_block(
-            x,
-            residual,
-            self.gate_up_proj,
-            self.down_proj,
-            self.activation,
-            norm,
-            self.decode_counters,
-            scale,
-            next_norm,
-        )
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if lora is not None:
@@ -281,6 +258,60 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+        self.decode_counters: torch.Tensor | None = (
+            None  # the persistent decode tail's (``fuse_projections``)
+        )
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """The fast path's layout (stacked q/k/v and gate/up) and, on CUDA, the decode tail's counters."""
+        self.self_attn.fuse_projections()
+        self.mlp.fuse_projections()
+        weight = self.self_attn.o_proj.weight
+        if weight.is_cuda and self.decode_counters is None:
+            self.decode_counters = new_counters(weight.device)
+
+    def _takes_decode_tail(self, h: torch.Tensor, lora: LoRABatch | None) -> bool:
+        """Whether the persistent decode kernel runs this layer's tail after attention for input rows ``h``
+        (``layers.fused.decode_tail_applies``; a dense layer on one rank, no adapters)."""
+        if lora is not None or self.enable_moe or self.tp.size != 1 or self.mlp.gate_up_proj is None:
+            return False
+        layers = [self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
+        if self.ple_dim:
+            layers += [self.per_layer_input_gate, self.per_layer_projection]
+        return decode_tail_applies(h, layers, self.decode_counters)
+
+    def _decode_tail(
+        self,
+        attn: torch.Tensor,
+        residual: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s ops after attention, from the heads' output before ``o_proj``, in one launch."""
+        ple = None
+        if self.ple_dim:
+            ple = (
+                self.per_layer_input_gate,
+                self.per_layer_projection,
+                per_layer_input,
+                self.post_per_layer_input_norm,
+            )
+        return decode_tail_block(
+            attn,
+            residual,
+            self.self_attn.o_proj,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+            self.post_feedforward_layernorm,
+            self.mlp.activation,
+            self.decode_counters,
+            ple,
+            self.layer_scalar,
+            next_norm,
+        )
 
     def _local_experts(
         self, experts: torch.Tensor, weights: torch.Tensor
@@ -307,25 +338,17 @@ class DecoderLayer(nn.Module):
         previous layer already computed it (its ``next_norm``, fused into its last residual add)."""
         # Each add_rms_norm is one fused pass on CUDA; the comments spell out the unfused math.
         residual = h
-        h = self.self_attn(
-            normed if normed is not None else self.input_layernorm(h), cos, sin, meta, backend, lora
-        )
+        x = normed if normed is not None else self.input_layernorm(h)
+        if self._takes_decode_tail(h, lora):  # decode sizes: everything after attention in one launch
+            attn = self.self_attn(x, cos, sin, meta, backend, project=False)
+            return self._decode_tail(attn, residual, per_layer_input, next_norm)
+        h = self.self_attn(x, cos, sin, meta, backend, lora)
         # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
         h, x = add_rms_norm(
             h, self.post_attention_layernorm, residual=residual, next_norm=self.pre_feedforward_layernorm
         )
 
         residual = h
-        if lora is None and not self.enable_moe:  # one launch for the MLP block where the kernel applies
-            fused = self.mlp.fused_block(
-                x,
-                residual,
-                self.post_feedforward_layernorm,
-                scale=None if self.ple_dim else self.layer_scalar,
-                next_norm=None if self.ple_dim else next_norm,
-            )
-            if fused is not None:
-                return self._per_layer_input(fused[0], per_layer_input, next_norm) if self.ple_dim else fused
         out = self.mlp(x, lora)
         if self.enable_moe:
             # The routed experts run beside the dense MLP, both fed from the residual stream.
@@ -345,13 +368,7 @@ class DecoderLayer(nn.Module):
                 next_norm=next_norm,
             )
         h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
-        return self._per_layer_input(h, per_layer_input, next_norm)
-
-    def _per_layer_input(
-        self, h: torch.Tensor, per_layer_input: torch.Tensor, next_norm: RMSNorm | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """PLE: ``(h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar``
-        and ``next_norm`` of it."""
+        # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
         gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
         return add_rms_norm(
             linear(gate, self.per_layer_projection),
@@ -467,8 +484,7 @@ class Gemma4TextModel(nn.Module):
         """Lay the weights out for the fast path, once after loading: q/k/v and gate/up each become one GEMM.
         Only for accelerators: the CPU reference path keeps the separate (bit-exact) projections."""
         for layer in self.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+            layer.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = project(hidden, self.embed_tokens.weight)

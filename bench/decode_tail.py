@@ -1,0 +1,216 @@
+"""A dense layer's tail after attention at decode sizes on the GPU: the persistent kernel
+(kernels/decode_tail.py) against the separate launches the model runs without it.
+
+For each distinct tail shape of a preset's decoder (hidden H, attention width Q, intermediate I, PLE width
+P, and how many layers have it) and M = 1, 2, 4, 8 token rows, the script times the model's separate ops
+(``layers.fused``: ``o_proj``, ``add_rms_norm``, ``gate_up_act`` with its fused activation, ``down``,
+``add_rms_norm``, and on E-type presets the PLE gate with its product, its projection and the last
+``add_rms_norm``; each with the engine's own kernel choice) and the persistent kernel (default tiles), each
+replayed from a CUDA graph that cycles over enough weight copies (>= ``--stream-mb``) that every call streams
+its weights from HBM. It checks the two agree (largest difference of both outputs, in bf16 steps) and
+reports microseconds per tail, weight GB/s and what a decode step would save over its layers. ``--sweep``
+also searches the kernel's tiles, warps and programs per SM. Writes JSON (device, versions, commit,
+command) to bench/results/.
+
+    python bench/decode_tail.py                         # e4b and 31b, M = 1 2 4 8
+    python bench/decode_tail.py --presets e2b --rows 1 --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from g4serve.bench.meta import command_line, cuda_environment, kernel_result_path
+from g4serve.bench.timing import graph_replay_ms
+from g4serve.config import PRESETS
+from g4serve.kernels.decode_tail import decode_tail_config, new_counters
+from g4serve.layers.fused import add_rms_norm, decode_tail_block, gate_up_act, linear, linear_act_mul
+from g4serve.layers.norm import RMSNorm
+
+ROOT = Path(__file__).resolve().parent.parent
+EPS = 1e-6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--presets", nargs="+", default=["e4b", "31b"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--stream-mb", type=int, default=512, help="bytes of weight copies each graph cycles over")
+    p.add_argument("--calls-per-graph", type=int, default=32)
+    p.add_argument("--graph-replays", type=int, default=7)
+    p.add_argument("--sweep", action="store_true", help="search the kernel's tiles per shape and row count")
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    return p.parse_args(argv)
+
+
+def tail_shapes(preset: str) -> list[tuple[int, int, int, int, int, str]]:
+    """(H, Q, I, P, layers with that shape, activation) of a dense preset's tails; MoE presets have none the
+    kernel serves (their feed-forward adds the experts)."""
+    t = PRESETS[preset]().text
+    if t.enable_moe_block:
+        return []
+    counts: dict[tuple[int, int], int] = {}
+    for layer in range(t.num_hidden_layers):
+        key = (t.num_attention_heads * t.layer_head_dim(layer), t.layer_intermediate_size(layer))
+        counts[key] = counts.get(key, 0) + 1
+    p = t.hidden_size_per_layer_input or 0
+    return [(t.hidden_size, q, i, p, n, t.hidden_activation) for (q, i), n in sorted(counts.items())]
+
+
+def sweep_configs(m: int) -> list[dict[str, int]]:
+    """The grid ``--sweep`` searches: the big phases' tiles (o, gate/up and down share a K tile), warps and
+    programs per SM; the PLE phases keep their default tiles."""
+    keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
+    if m == 1:
+        grid = itertools.product((2, 4, 8), (4, 8, 16), (2, 4, 8), (512, 1024, 2048), (4, 8), (1, 2, 3))
+    else:
+        grid = itertools.product((16, 32), (16, 32, 64), (16, 32), (64, 128, 256), (4, 8), (1, 2))
+    out = []
+    for values in grid:
+        cfg = dict(zip(keys, values))
+        bk = cfg.pop("bk")
+        out.append(cfg | {"bk_o": bk, "bk_a": bk, "bk_b": bk})
+    return out
+
+
+class Tail:
+    """One copy of a tail's weights, as the model holds them after ``fuse_projections``."""
+
+    def __init__(self, h: int, q: int, i: int, p: int, gen: torch.Generator):
+        def linear_layer(cols: int, rows: int) -> nn.Linear:
+            layer = nn.Linear(cols, rows, bias=False, device="cuda", dtype=torch.bfloat16)
+            layer.weight.data = (
+                torch.randn(rows, cols, device="cuda", generator=gen).mul_(cols**-0.5).bfloat16()
+            )
+            return layer
+
+        def norm() -> RMSNorm:
+            return RMSNorm(h, EPS).to("cuda", torch.bfloat16)
+
+        self.o, self.gate_up, self.down = linear_layer(q, h), linear_layer(h, 2 * i), linear_layer(i, h)
+        self.post_attn, self.pre_ff, self.post_ff, self.next = norm(), norm(), norm(), norm()
+        self.ple = (linear_layer(h, p), linear_layer(p, h), norm()) if p else None
+        self.counters = new_counters("cuda")
+
+
+def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: int) -> dict:
+    weight_bytes = (h * q + 3 * h * i + 2 * h * p) * 2
+    copies = max(2, -(-args.stream_mb * 2**20 // weight_bytes))
+    gen = torch.Generator("cuda").manual_seed(h * 7 + q + i)
+    tails = [Tail(h, q, i, p, gen) for _ in range(copies)]
+    attn = torch.randn(m, q, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
+    per_layer = torch.randn(m, 8, p or 1, device="cuda", generator=gen).bfloat16()[:, 3]
+    scale = torch.tensor([0.5], device="cuda", dtype=torch.bfloat16)
+
+    def separate(t: Tail):
+        h1, x1 = add_rms_norm(linear(attn, t.o), t.post_attn, residual, next_norm=t.pre_ff)
+        y = linear(gate_up_act(x1, t.gate_up, act), t.down)
+        if t.ple is None:
+            return add_rms_norm(y, t.post_ff, h1, scale, t.next)
+        gate, proj, post = t.ple
+        h2, _ = add_rms_norm(y, t.post_ff, h1)
+        return add_rms_norm(linear(linear_act_mul(h2, gate, per_layer, act), proj), post, h2, scale, t.next)
+
+    def fused(t: Tail):
+        ple = (t.ple[0], t.ple[1], per_layer, t.ple[2]) if t.ple is not None else None
+        return decode_tail_block(
+            attn, residual, t.o, t.post_attn, t.pre_ff, t.gate_up, t.down, t.post_ff, act, t.counters, ple,
+            scale, t.next,
+        )  # fmt: skip
+
+    def time(fn) -> float:
+        return graph_replay_ms([lambda t=t: fn(t) for t in tails], args.calls_per_graph, args.graph_replays)
+
+    want, got = separate(tails[0]), fused(tails[0])
+    step = 2.0**-7  # a bf16 step at 1.0
+    diffs = [float((g.float() - w.float()).abs().max()) / step for g, w in zip(got, want)]
+    base_ms, fused_ms = time(separate), time(fused)
+    row = {
+        "hidden": h,
+        "attention_width": q,
+        "intermediate": i,
+        "ple": p,
+        "layers": layers,
+        "rows": m,
+        "weight_bytes": weight_bytes,
+        "separate_ms": base_ms,
+        "fused_ms": fused_ms,
+        "fused_config": decode_tail_config(m, h, q, i, p),
+        "separate_gb_per_s": weight_bytes / base_ms / 1e6,
+        "fused_gb_per_s": weight_bytes / fused_ms / 1e6,
+        "speedup": base_ms / fused_ms,
+        "saved_ms_per_step": (base_ms - fused_ms) * layers,
+        "max_diff_bf16_steps": {"out": diffs[0], "next_norm": diffs[1]},
+    }
+    print(
+        f"  H={h} Q={q} I={i} P={p} M={m}: separate {base_ms * 1e3:.1f} us, fused {fused_ms * 1e3:.1f} us "
+        f"({row['fused_gb_per_s']:.0f} GB/s, x{row['speedup']:.2f}), max diff {max(diffs):.1f} bf16 steps"
+    )
+    if args.sweep:
+        default = decode_tail_config(m, h, q, i, p)
+        trials = []
+        for cfg in sweep_configs(m):
+            cfg = default | cfg
+            try:
+                ms = time(lambda t, cfg=cfg: _fused_with(t, attn, residual, per_layer, scale, act, cfg))
+            except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
+                print(f"    {cfg}: {type(exc).__name__}")
+                continue
+            trials.append({"config": cfg, "ms": ms})
+        best = min(trials, key=lambda t: t["ms"])
+        row["sweep"] = {"best": best["config"], "best_ms": best["ms"], "trials": trials}
+        print(f"    best {best['ms'] * 1e3:.1f} us with {best['config']}")
+    tails.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _fused_with(t: Tail, attn, residual, per_layer, scale, act: str, cfg: dict):
+    """The kernel with the tiles ``cfg`` (the sweep's), on the tail ``t``."""
+    from g4serve.kernels.decode_tail import PerLayerInput, decode_tail
+
+    ple = PerLayerInput(t.ple[0].weight, t.ple[1].weight, per_layer, t.ple[2].weight) if t.ple else None
+    return decode_tail(
+        attn, residual, t.o.weight, t.post_attn.weight, t.pre_ff.weight, t.gate_up.weight, t.down.weight,
+        t.post_ff.weight, EPS, act, t.counters, ple, scale, t.next.weight, cfg,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/decode_tail.py times CUDA kernels: no CUDA device here", file=sys.stderr)
+        return 2
+    env = cuda_environment()
+    for preset in args.presets:
+        shapes = tail_shapes(preset)
+        if not shapes:
+            print(f"{preset}: no dense layer tail (MoE layers add the experts): skipped")
+            continue
+        print(f"{preset}:")
+        rows = [bench_shape(args, h, q, i, p, n, act, m) for h, q, i, p, n, act in shapes for m in args.rows]
+        out = kernel_result_path(args.out_dir, "decode_tail", env, preset)
+        result = {
+            "benchmark": "decode_tail",
+            "command": command_line(),
+            "preset": preset,
+            **env,
+            "rows": rows,
+        }
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,611 @@
+"""A dense decoder layer's tail after attention, at decode sizes, in one persistent launch.
+
+At batch 1-8, what follows a dense layer's attention is a chain of skinny GEMMs and norms, each its own
+launch: ``o_proj``; ``add_rms_norm`` (post-attention norm into the residual, then the pre-feed-forward norm);
+``gate_up`` with the activation fused; ``down``; ``add_rms_norm`` (post-feed-forward); and on E-type models
+the per-layer input (PLE): its gate times the per-layer input, its projection, a last ``add_rms_norm`` (the
+layer scalar, the next layer's input norm). Eight launches on E4B, five on 31B, each waiting for the one
+before to drain before its weight stream is in full flow; the PLE GEMMs stream about a megabyte each, so
+they are all launch and ramp. Here one grid of persistent programs takes the tail's tasks from a ticket
+counter, in dependency order, phase by phase:
+
+- ``o``: ``BN_O`` hidden columns of ``attn @ W_o^T`` (the attention output) into ``Yo``;
+- ``n1``, a token row each: ``h1 = residual + norm(Yo)`` into ``H1``, ``pre_ff_norm(h1)`` into ``X1``;
+- ``a``: ``BN_A`` intermediate units of ``act(X1 W_gate^T) * (X1 W_up^T)`` into ``Inter``;
+- ``b``: ``BN_B`` hidden columns of ``Inter @ W_down^T`` into ``Yd``;
+- ``n2``, a row each: ``h2 = H1 + norm(Yd)``; without PLE ``h2 * scale`` and its next norm are the outputs;
+- ``g`` (PLE): ``BN_G`` columns of ``act(h2 W_gate^T) * per_layer_input`` into ``G``;
+- ``p`` (PLE): ``BN_P`` hidden columns of ``G @ W_proj^T`` into ``Yp``;
+- ``n3`` (PLE), a row each: ``(h2 + norm(Yp)) * scale`` and its next norm, the outputs.
+
+A phase's task loads its first weight tile, then waits for the phase before it (a counter of its finished
+tasks), so each weight stream starts while the previous phase drains; a program takes its next ticket while
+it works on the current one. Tickets follow the dependencies, so a waiting task only waits on tasks that
+running programs already hold: no deadlock whatever the grid size or residency, and Triton's interpreter
+(which runs the programs one after another: the first takes every task in order) runs the same source on the
+CPU. Finished tiles are published with a CTA barrier and a release increment and read after an acquire with
+L2-only (``.cg``) loads. The last program to leave resets the counters for the next launch (and the next
+replay of a captured CUDA graph): each call site owns one counter buffer. Every intermediate is rounded to
+the model dtype where the separate ops round it (norm statistics in fp32): only reduction orders differ.
+
+The fused path of ``layers.fused.decode_tail_block``, off unless ``G4SERVE_DECODE_TAIL=1``: interpreter
+tests and sm_90 compile tests; ``bench/decode_tail.py`` times it against the separate launches on a GPU
+before it may become the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from g4serve.kernels._launch import (
+    DualKernel,
+    dot_settings,
+    next_pow2,
+    pdl,
+    sm_count,
+    wait_for_previous_kernel,
+)
+from g4serve.kernels.act_mul import _KINDS
+from g4serve.kernels.gemv import GATE_UP, MAX_ROWS, MUL, gated_epilogue, skinny_matmul_reference
+from g4serve.kernels.rms_norm import fused_rms_norm_reference
+
+# tickets handed out; finished tasks of phases o, n1, a, b, n2, g, p, n3; programs gone
+COUNTERS = 10
+
+
+@triton.jit
+def _wait_count(C, target):
+    """Spin until the counter at C reaches ``target`` (acquire), then let every thread of the program on."""
+    done = tl.atomic_add(C, 0, sem="acquire")
+    while done < target:
+        done = tl.atomic_add(C, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal(C):
+    """Publish this program's stores: every thread's are issued (barrier), then a release increment."""
+    tl.debug_barrier()
+    tl.atomic_add(C, 1, sem="release")
+
+
+@triton.jit
+def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags (WAIT, GATED, USE_DOT, UPCAST), specialised away at compile time
+    X,
+    stride_x,
+    W,
+    stride_w,
+    up_offset,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    K,
+    C,
+    target,
+    WAIT: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """fp32 products of token rows ``X[offs_m, :K]`` with weight rows ``W[offs_n, :K]`` -> (y, y_up), each
+    [BLOCK_M, BLOCK_N] (``y_up``: the rows ``up_offset`` elements further, when GATED). The first weight tile
+    is loaded before the wait for X (WAIT 0: the previous kernel, under PDL; 1: the counter at C reaching
+    ``target``, X then read from L2); each next one before the current tile's math."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_x + offs_k[None, :]
+    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    u = w
+    if GATED:
+        u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if WAIT == 0:
+        wait_for_previous_kernel(USE_PDL)
+    else:
+        _wait_count(C, target)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x_mask = m_mask[:, None] & ((k0 + offs_k) < K)[None, :]
+        if WAIT == 0:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
+        next_mask = n_mask[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        u_next = w_next
+        if GATED:
+            u_next = tl.load(
+                w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first"
+            )
+        if USE_DOT:
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+                u = u.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
+        else:
+            xf = x.to(tl.float32)  # [1, BLOCK_K]
+            acc += w.to(tl.float32) * xf
+            if GATED:
+                acc_up += u.to(tl.float32) * xf
+        w = w_next
+        u = u_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        y = acc
+        y_up = acc_up
+    else:
+        y = tl.sum(acc, axis=1)[None, :]
+        y_up = tl.sum(acc_up, axis=1)[None, :]
+    return y, y_up
+
+
+@triton.jit
+def _gemm_task(
+    X,
+    stride_x,
+    W,
+    E,
+    stride_e,
+    Y,
+    C_wait,
+    target,
+    C_done,
+    tile,
+    N,
+    K,
+    offs_m,
+    m_mask,
+    WAIT: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One GEMM phase's task: columns [tile * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
+    (contiguous), rounded to Y's dtype; W is [N, K], or [2N, K] stacked [gate; up] for ``GATE_UP``; E the
+    ``MUL`` operand. Then the phase's counter at C_done counts it."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    y, y_up = _products(
+        X, stride_x, W, K, N * K, offs_m, m_mask, offs_n, n_mask, K, C_wait, target,
+        WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+    )  # fmt: skip
+    if EPILOGUE == 2:
+        wait_for_previous_kernel(USE_PDL)  # E, the per-layer input, comes from an earlier kernel
+    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_e, EPILOGUE, ACT)
+    tl.store(
+        Y + offs_m[:, None] * N + offs_n[None, :],
+        y.to(Y.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+    _signal(C_done)
+
+
+@triton.jit
+def _norm_task(
+    Y,
+    Res,
+    stride_r,
+    NormW,
+    NextW,
+    Scale,
+    Out,
+    Out2,
+    C_wait,
+    target,
+    C_done,
+    row,
+    H,
+    eps,
+    HAS_SCALE: tl.constexpr,
+    HAS_NEXT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """A norm phase's task, once the phase before is done: ``kernels.rms_norm``'s chain for one row of the
+    [M, H] GEMM output Y, ``out = (res + rms_norm(y) * w) * scale`` into Out and ``rms_norm(out) * w2`` into
+    Out2, in column chunks (Out, Out2 contiguous). Statistics in fp32; each intermediate rounded where the
+    separate kernel rounds it."""
+    _wait_count(C_wait, target)
+    wait_for_previous_kernel(USE_PDL)  # the layer input, a residual here, is the previous kernel's output
+    cols = tl.arange(0, BLOCK_C)
+    y_row = Y + row * H
+    squares = tl.zeros([BLOCK_C], tl.float32)
+    for c0 in range(0, H, BLOCK_C):
+        x = tl.load(y_row + c0 + cols, mask=c0 + cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+        squares += x * x
+    denom = tl.sqrt(tl.sum(squares, 0) / H + eps)
+    out_ty = Out.dtype.element_ty
+    squares2 = tl.zeros([BLOCK_C], tl.float32)
+    for c0 in range(0, H, BLOCK_C):
+        mask = c0 + cols < H
+        x = tl.load(y_row + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = (x / denom * tl.load(NormW + c0 + cols, mask=mask, other=0.0).to(tl.float32)).to(out_ty)
+        r = tl.load(Res + row * stride_r + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
+        if HAS_SCALE:
+            y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(out_ty)
+        tl.store(Out + row * H + c0 + cols, y, mask=mask)
+        z = y.to(tl.float32)
+        squares2 += z * z
+    if HAS_NEXT:
+        denom2 = tl.sqrt(tl.sum(squares2, 0) / H + eps)
+        tl.debug_barrier()
+        for c0 in range(0, H, BLOCK_C):
+            mask = c0 + cols < H
+            z = tl.load(Out + row * H + c0 + cols, mask=mask, other=0.0).to(tl.float32)
+            z = z / denom2 * tl.load(NextW + c0 + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(Out2 + row * H + c0 + cols, z.to(Out2.dtype.element_ty), mask=mask)
+    _signal(C_done)
+
+
+def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, HAS_PLE specialised away at compile time
+    X,
+    Res,
+    Wo,
+    NormO,
+    NextO,
+    Wgu,
+    Wd,
+    NormF,
+    Wpg,
+    Pin,
+    Wpp,
+    NormP,
+    NextW,
+    Scale,
+    Yo,
+    H1,
+    X1,
+    Inter,
+    Yd,
+    H2,
+    G,
+    Yp,
+    Out,
+    Out2,
+    C,
+    M,
+    H,
+    Q,
+    INTER,
+    P,
+    eps,
+    stride_x,
+    stride_r,
+    stride_p,
+    BLOCK_M: tl.constexpr,
+    BN_O: tl.constexpr,
+    BK_O: tl.constexpr,
+    BN_A: tl.constexpr,
+    BK_A: tl.constexpr,
+    BN_B: tl.constexpr,
+    BK_B: tl.constexpr,
+    BN_G: tl.constexpr,
+    BK_G: tl.constexpr,
+    BN_P: tl.constexpr,
+    BK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_PLE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_NEXT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    num_o = tl.cdiv(H, BN_O)
+    num_a = tl.cdiv(INTER, BN_A)
+    num_b = tl.cdiv(H, BN_B)
+    num_g = tl.cdiv(P, BN_G)
+    num_p = tl.cdiv(H, BN_P)
+    end_o = num_o
+    end_n1 = end_o + M
+    end_a = end_n1 + num_a
+    end_b = end_a + num_b
+    end_n2 = end_b + M
+    end_g = end_n2 + num_g
+    end_p = end_g + num_p
+    total = end_n2
+    if HAS_PLE:
+        total = end_p + M
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    task = tl.atomic_add(C, 1)
+    while task < total:
+        ticket = tl.atomic_add(C, 1)  # the next task, taken while this one runs
+        if task < end_o:
+            _gemm_task(
+                X, stride_x, Wo, Wo, 0, Yo, C, 0, C + 1, task, H, Q, offs_m, m_mask,
+                0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+            )  # fmt: skip
+        elif task < end_n1:
+            _norm_task(
+                Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, C + 1, num_o, C + 2, task - end_o, H, eps,
+                False, True, BLOCK_C, USE_PDL,
+            )  # fmt: skip
+        elif task < end_a:
+            _gemm_task(
+                X1, H, Wgu, Wgu, 0, Inter, C + 2, M, C + 3, task - end_n1, INTER, H, offs_m, m_mask,
+                1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+            )  # fmt: skip
+        elif task < end_b:
+            _gemm_task(
+                Inter, INTER, Wd, Wd, 0, Yd, C + 3, num_a, C + 4, task - end_a, H, INTER, offs_m, m_mask,
+                1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+            )  # fmt: skip
+        elif task < end_n2:
+            if HAS_PLE:  # h2, the input of the PLE phases
+                _norm_task(
+                    Yd, H1, H, NormF, NormF, Scale, H2, H2, C + 4, num_b, C + 5, task - end_b, H, eps,
+                    False, False, BLOCK_C, USE_PDL,
+                )  # fmt: skip
+            else:  # the layer's outputs
+                _norm_task(
+                    Yd, H1, H, NormF, NextW, Scale, Out, Out2, C + 4, num_b, C + 5, task - end_b, H, eps,
+                    HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL,
+                )  # fmt: skip
+        elif task < end_g:
+            _gemm_task(
+                H2, H, Wpg, Pin, stride_p, G, C + 5, M, C + 6, task - end_n2, P, H, offs_m, m_mask,
+                1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+            )  # fmt: skip
+        elif task < end_p:
+            _gemm_task(
+                G, P, Wpp, Wpp, 0, Yp, C + 6, num_g, C + 7, task - end_g, H, P, offs_m, m_mask,
+                1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+            )  # fmt: skip
+        else:
+            _norm_task(
+                Yp, H2, H, NormP, NextW, Scale, Out, Out2, C + 7, num_p, C + 8, task - end_p, H, eps,
+                HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL,
+            )  # fmt: skip
+        task = ticket
+    # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
+    gone = tl.atomic_add(C + 9, 1, sem="acq_rel")
+    if gone == tl.num_programs(0) - 1:
+        for k in tl.static_range(10):  # COUNTERS
+            tl.atomic_xchg(C + k, 0)
+
+
+_decode_tail = DualKernel(_decode_tail_fn)
+
+
+@dataclass(frozen=True)
+class PerLayerInput:
+    """The PLE end of an E-type layer: ``gate`` [P, H] and ``proj`` [H, P] weights, the layer's per-layer
+    input [M, P] (unit last stride), and ``post_norm``, the post-per-layer-input norm's weight."""
+
+    gate: torch.Tensor
+    proj: torch.Tensor
+    inputs: torch.Tensor
+    post_norm: torch.Tensor
+
+
+def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]:
+    """Tiles and grid. One row: elementwise products (no tensor cores at M = 1); 1024-column K tiles and a
+    handful of weight rows per task, so a program streams 16-80 KB a task and two programs per SM keep the
+    weight loads in flight; the PLE projection (K = P, 256) takes its whole K in one tile. More rows: 16-row
+    tensor-core tiles of 32 columns (16 for the PLE gate's narrow N). Starting points for
+    ``bench/decode_tail.py --sweep`` on a GPU, not measured yet."""
+
+    def k_tile(k: int, most: int) -> int:
+        return min(most, max(16, next_pow2(k)))
+
+    if m == 1:
+        return {
+            "bn_o": 4,
+            "bk_o": k_tile(q, 1024),
+            "bn_a": 8,
+            "bk_a": k_tile(h, 1024),
+            "bn_b": 4,
+            "bk_b": k_tile(i, 1024),
+            "bn_g": 2,
+            "bk_g": k_tile(h, 1024),
+            "bn_p": 16,
+            "bk_p": k_tile(p, 1024),
+            "num_warps": 8,
+            "programs_per_sm": 2,
+        }
+    return {
+        "bn_o": 32,
+        "bk_o": k_tile(q, 128),
+        "bn_a": 32,
+        "bk_a": k_tile(h, 128),
+        "bn_b": 32,
+        "bk_b": k_tile(i, 128),
+        "bn_g": 16,
+        "bk_g": k_tile(h, 128),
+        "bn_p": 32,
+        "bk_p": k_tile(p, 128),
+        "num_warps": 4,
+        "programs_per_sm": 2,
+    }
+
+
+def new_counters(device: torch.device | str) -> torch.Tensor:
+    """A call site's counter buffer: zeros, and zeros again after every launch."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def decode_tail(
+    attn: torch.Tensor,
+    residual: torch.Tensor,
+    o_weight: torch.Tensor,
+    post_attn_norm: torch.Tensor,
+    pre_ff_norm: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    post_ff_norm: torch.Tensor,
+    eps: float,
+    activation: str,
+    counters: torch.Tensor,
+    ple: PerLayerInput | None = None,
+    scale: torch.Tensor | None = None,
+    next_norm: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dense layer's tail for ``attn`` [M, Q] (the attention output before ``o_proj``, M <= 8) and the
+    layer input ``residual`` [M, H] -> (the layer's output, ``rms_norm(output, next_norm)`` or None), as
+    ``decode_tail_reference`` computes them. Weights as the model holds them after ``fuse_projections``
+    (``gate_up_weight`` [2I, H] is [gate; up] stacked), contiguous, and never written by the kernel just
+    before this one (their first tiles are read before the PDL wait); norms by their weights. ``counters``:
+    ``new_counters``, used by one call site at a time. ``programs``: the grid (default: by SM count on CUDA,
+    3 in the interpreter so that several programs share the tickets)."""
+    m, q = attn.shape
+    h, i = down_weight.shape
+    p = ple.gate.shape[0] if ple is not None else 0
+    assert (
+        0 < m <= MAX_ROWS and attn.stride(-1) == 1 and residual.shape == (m, h) and residual.stride(-1) == 1
+    )
+    assert o_weight.shape == (h, q) and gate_up_weight.shape == (2 * i, h)
+    weights = [o_weight, gate_up_weight, down_weight]
+    if ple is not None:
+        assert ple.gate.shape == (p, h) and ple.proj.shape == (h, p) and ple.inputs.shape == (m, p)
+        assert ple.inputs.stride(-1) == 1
+        weights += [ple.gate, ple.proj]
+    assert all(w.is_contiguous() for w in weights)
+    assert counters.dtype == torch.int32 and counters.numel() == COUNTERS and counters.device == attn.device
+    cfg = config or decode_tail_config(m, h, q, i, p)
+
+    def buffer(cols: int) -> torch.Tensor:
+        return torch.empty((m, cols), dtype=attn.dtype, device=attn.device)
+
+    yo, h1, x1, inter, yd, out = buffer(h), buffer(h), buffer(h), buffer(i), buffer(h), buffer(h)
+    h2, g, yp = (buffer(h), buffer(p), buffer(h)) if ple is not None else (out, out, out)
+    out2 = buffer(h) if next_norm is not None else out
+    use_dot = m > 1
+    upcast, precision = dot_settings(attn.dtype, attn.device)
+    total = -(-h // cfg["bn_o"]) + -(-i // cfg["bn_a"]) + -(-h // cfg["bn_b"]) + 2 * m
+    if ple is not None:
+        total += -(-p // cfg["bn_g"]) + -(-h // cfg["bn_p"]) + m
+    if programs is None:
+        programs = (
+            3 if attn.device.type == "cpu" else cfg["programs_per_sm"] * sm_count(attn.device.index or 0)
+        )
+    some = post_ff_norm  # a valid pointer for the operands a variant does not read
+    _decode_tail[attn.device][(max(1, min(programs, total)),)](
+        attn,
+        residual,
+        o_weight,
+        post_attn_norm,
+        pre_ff_norm,
+        gate_up_weight,
+        down_weight,
+        post_ff_norm,
+        ple.gate if ple is not None else some,
+        ple.inputs if ple is not None else some,
+        ple.proj if ple is not None else some,
+        ple.post_norm if ple is not None else some,
+        next_norm if next_norm is not None else some,
+        scale if scale is not None else some,
+        yo,
+        h1,
+        x1,
+        inter,
+        yd,
+        h2,
+        g,
+        yp,
+        out,
+        out2,
+        counters,
+        m,
+        h,
+        q,
+        i,
+        max(p, 1),
+        eps,
+        attn.stride(0),
+        residual.stride(0),
+        ple.inputs.stride(0) if ple is not None else 0,
+        BLOCK_M=16 if use_dot else 1,
+        BN_O=cfg["bn_o"],
+        BK_O=cfg["bk_o"],
+        BN_A=cfg["bn_a"],
+        BK_A=cfg["bk_a"],
+        BN_B=cfg["bn_b"],
+        BK_B=cfg["bk_b"],
+        BN_G=cfg["bn_g"],
+        BK_G=cfg["bk_g"],
+        BN_P=cfg["bn_p"],
+        BK_P=cfg["bk_p"],
+        BLOCK_C=min(1024, next_pow2(h)),
+        ACT=_KINDS[activation],
+        HAS_PLE=ple is not None,
+        HAS_SCALE=scale is not None,
+        HAS_NEXT=next_norm is not None,
+        USE_DOT=use_dot,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        **pdl(attn.device, m),
+        num_warps=cfg["num_warps"],
+        num_stages=1,
+    )
+    return out, (out2 if next_norm is not None else None)
+
+
+def decode_tail_reference(
+    attn: torch.Tensor,
+    residual: torch.Tensor,
+    o_weight: torch.Tensor,
+    post_attn_norm: torch.Tensor,
+    pre_ff_norm: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    post_ff_norm: torch.Tensor,
+    eps: float,
+    activation: str,
+    ple: PerLayerInput | None = None,
+    scale: torch.Tensor | None = None,
+    next_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The separate ops the model runs without the kernel (``DecoderLayer.forward`` after attention)."""
+    h1, x1 = fused_rms_norm_reference(
+        F.linear(attn, o_weight), post_attn_norm, eps, residual=residual, next_weight=pre_ff_norm
+    )
+    y = F.linear(skinny_matmul_reference(x1, gate_up_weight, GATE_UP, activation), down_weight)
+    if ple is None:
+        return fused_rms_norm_reference(y, post_ff_norm, eps, residual=h1, scale=scale, next_weight=next_norm)
+    h2, _ = fused_rms_norm_reference(y, post_ff_norm, eps, residual=h1)
+    gate = skinny_matmul_reference(h2, ple.gate, MUL, activation, ple.inputs)
+    return fused_rms_norm_reference(
+        F.linear(gate, ple.proj), ple.post_norm, eps, residual=h2, scale=scale, next_weight=next_norm
+    )
+
+
+__all__ = [
+    "COUNTERS",
+    "PerLayerInput",
+    "decode_tail",
+    "decode_tail_config",
+    "decode_tail_reference",
+    "new_counters",
+]

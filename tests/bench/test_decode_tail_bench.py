@@ -1,0 +1,71 @@
+"""bench/decode_tail.py on the CPU: the tail shapes it times per preset, its sweep's tiles (a sample, run in
+Triton's interpreter against the torch reference at a tiny shape) and its refusal without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bench_scripts import load_script
+
+from g4serve.config import PRESETS
+from g4serve.kernels.decode_tail import (
+    PerLayerInput,
+    decode_tail,
+    decode_tail_config,
+    decode_tail_reference,
+    new_counters,
+)
+
+bench = load_script("decode_tail")
+
+
+@pytest.mark.parametrize("preset", ["e2b", "e4b", "31b"])
+def test_shapes_cover_every_dense_layer(preset):
+    text = PRESETS[preset]().text
+    shapes = bench.tail_shapes(preset)
+    assert sum(n for *_, n, _ in shapes) == text.num_hidden_layers
+    layers = range(text.num_hidden_layers)
+    assert {(q, i) for _, q, i, *_ in shapes} == {
+        (text.num_attention_heads * text.layer_head_dim(k), text.layer_intermediate_size(k)) for k in layers
+    }
+    p = text.hidden_size_per_layer_input or 0
+    assert all(row[0] == text.hidden_size and row[3] == p for row in shapes)
+
+
+def test_moe_presets_have_no_tail_the_kernel_serves():
+    assert bench.tail_shapes("26b-a4b") == []
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_swept_configs_compute_the_tail(m):
+    gen = torch.Generator().manual_seed(m)
+    h, q, i, p = 48, 32, 80, 16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    operands = (
+        randn(m, q),
+        randn(m, h),
+        randn(h, q),
+        1 + randn(h),
+        1 + randn(h),
+        randn(2 * i, h),
+        randn(h, i),
+    )
+    operands += (1 + randn(h),)
+    ple = PerLayerInput(randn(p, h), randn(h, p), randn(m, p), 1 + randn(h))
+    next_norm = 1 + randn(h)
+    want = decode_tail_reference(*operands, 1e-6, "silu", ple, None, next_norm)
+    configs = bench.sweep_configs(m)
+    for cfg in configs[:: max(1, len(configs) // 12)]:
+        cfg = decode_tail_config(m, h, q, i, p) | cfg
+        got = decode_tail(*operands, 1e-6, "silu", new_counters("cpu"), ple, None, next_norm, cfg)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=3e-5, rtol=3e-5, msg=str(cfg))
+
+
+def test_refuses_to_run_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--presets", "e4b"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""The persistent decode-tail kernel compiled on CUDA: against the model's separate ops at e4b (with PLE) and
+31b shapes (bf16, 1-8 rows), launched again and again on one counter buffer and replayed from a CUDA graph;
+and the engine with ``G4SERVE_DECODE_TAIL`` on writes the tokens it writes with it off (fp32, captured
+graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("h,q,i,p", [(2560, 2048, 10240, 256), (5376, 8192, 21504, 0)], ids=["e4b", "31b"])
+def test_kernel_equals_the_separate_ops(m, h, q, i, p):
+    from g4serve.kernels.decode_tail import PerLayerInput, decode_tail, decode_tail_reference, new_counters
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * std).bfloat16()
+
+    def norm():
+        return 1 + randn(h, std=0.1)
+
+    attn, residual = randn(m, q), randn(m, h)
+    # o_proj, post-attention norm, pre-feed-forward norm, gate_up, down, post-feed-forward norm
+    weights = (
+        randn(h, q, std=q**-0.5),
+        norm(),
+        norm(),
+        randn(2 * i, h, std=h**-0.5),
+        randn(h, i, std=i**-0.5),
+        norm(),
+    )
+    ple = (
+        PerLayerInput(randn(p, h, std=h**-0.5), randn(h, p, std=p**-0.5), randn(m, 4, p)[:, 1], norm())
+        if p
+        else None
+    )
+    scale, next_norm = torch.tensor([0.5], device="cuda").bfloat16(), norm()
+    act = "gelu_pytorch_tanh"
+    # the separate ops in bf16 (cuBLAS GEMMs, each intermediate rounded where the model rounds it)
+    want = decode_tail_reference(attn, residual, *weights, 1e-6, act, ple, scale, next_norm)
+    counters = new_counters("cuda")
+
+    def fused():
+        return decode_tail(attn, residual, *weights, 1e-6, act, counters, ple, scale, next_norm)
+
+    first = fused()
+    for got, ref in zip(first, want):  # a rounding flip of an intermediate moves a result about one bf16 step
+        torch.testing.assert_close(got.float(), ref.float(), atol=4e-2, rtol=2e-2)
+    for _ in range(5):  # the counters are back at zero after every launch
+        again = fused()
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = fused()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], first[0]) and torch.equal(captured[1], first[1])
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("variant", ["e", "31b"])
+def test_engine_tokens_with_the_kernel_equal_the_separate_ops(hf_checkpoint, variant, monkeypatch):
+    import g4serve.layers.fused as fused
+    from g4serve.engine.engine import EngineConfig, LLMEngine
+    from g4serve.sampling_params import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kw = dict(
+        model=str(hf_checkpoint(variant)),
+        device="cuda",
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+    )
+    turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
+    prompts = [turn.format(t) for t in ("What is my balance?", "Send 40 dollars to Maria", "Hi")]
+
+    def tokens() -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(**kw))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for n, prompt in enumerate(prompts):
+            engine.add_request(engine.make_request(str(n), engine.process_prompt(prompt), params))
+        done = engine.run_until_finished()
+        return [done[str(n)].outputs[0].token_ids for n in range(len(prompts))]
+
+    separate = tokens()
+    calls = []
+    kernel = fused._decode_tail.decode_tail
+    monkeypatch.setattr(fused, "DECODE_TAIL", True)
+    monkeypatch.setattr(fused._decode_tail, "decode_tail", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    assert tokens() == separate
+    assert calls  # the decode steps' layer tails took the kernel (captured into the graphs)

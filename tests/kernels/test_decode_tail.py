@@ -1,0 +1,211 @@
+"""The persistent decode-tail kernel (``kernels/decode_tail.py``) against the separate ops, in Triton's
+interpreter on CPU tensors: the M=1 (elementwise) and M>1 (tensor-core tile) paths, ragged tiles in every
+phase, with and without the PLE end, the layer scalar and the next norm, several programs sharing the
+tickets; the counters are back at zero after each launch, so a second launch (a CUDA graph's replay)
+computes the same. Then the launch compiles to an sm_90 cubin (the interpreter does not apply the compiled
+language's rules)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import g4serve.kernels.decode_tail as decode_tail_module
+from g4serve.kernels.act_mul import act_mul_reference
+from g4serve.kernels.decode_tail import (
+    COUNTERS,
+    PerLayerInput,
+    decode_tail,
+    decode_tail_reference,
+    new_counters,
+)
+from g4serve.kernels.rms_norm import fused_rms_norm_reference
+
+EPS = 1e-6
+SMALL = {
+    **{f"bn_{p}": 16 for p in "oabgp"},
+    **{f"bk_{p}": 32 for p in "oabgp"},
+    "num_warps": 4,
+    "programs_per_sm": 1,
+}
+ONE_ROW = {
+    **{f"bn_{p}": 4 for p in "oabgp"},
+    **{f"bk_{p}": 32 for p in "oabgp"},
+    "bk_b": 64,
+    "num_warps": 4,
+    "programs_per_sm": 1,
+}
+
+
+class Layer:
+    """A tiny dense layer's tail operands (strided activations, as the model's can be)."""
+
+    def __init__(self, m: int, h: int, q: int, i: int, p: int, dtype: torch.dtype, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(*shape, std=1.0):
+            return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+        def norm(cols):
+            return (1 + 0.1 * torch.randn(cols, generator=gen)).to(dtype)
+
+        self.attn = randn(m, q)
+        self.residual = randn(m, 2, h)[:, 1]
+        self.o, self.gate_up, self.down = (
+            randn(h, q, std=q**-0.5),
+            randn(2 * i, h, std=h**-0.5),
+            randn(h, i, std=i**-0.5),
+        )
+        self.post_attn, self.pre_ff, self.post_ff, self.next = norm(h), norm(h), norm(h), norm(h)
+        self.scale = torch.tensor([0.75]).to(dtype)
+        self.ple = None
+        if p:
+            inputs = randn(m, 3, p)[:, 2]  # one layer's slice of [T, L, P]
+            self.ple = PerLayerInput(randn(p, h, std=h**-0.5), randn(h, p, std=p**-0.5), inputs, norm(h))
+
+    def operands(self):
+        return (
+            self.attn,
+            self.residual,
+            self.o,
+            self.post_attn,
+            self.pre_ff,
+            self.gate_up,
+            self.down,
+            self.post_ff,
+        )
+
+    def fused(self, act, counters, scale=True, next_norm=True, config=None, programs=None):
+        return decode_tail(
+            *self.operands(), EPS, act, counters, self.ple,
+            self.scale if scale else None, self.next if next_norm else None, config, programs,
+        )  # fmt: skip
+
+    def reference(self, act, scale=True, next_norm=True):
+        return decode_tail_reference(
+            *self.operands(),
+            EPS,
+            act,
+            self.ple,
+            self.scale if scale else None,
+            self.next if next_norm else None,
+        )
+
+
+@pytest.mark.parametrize(
+    "m,h,q,i,p,cfg,programs",
+    [
+        (1, 64, 32, 96, 16, ONE_ROW, 3),  # one row, every tile full
+        (1, 72, 40, 100, 12, ONE_ROW, 5),  # one row, ragged K and partial last tiles in every phase
+        (3, 64, 32, 96, 16, SMALL, 3),  # tensor-core tiles with padded rows
+        (8, 80, 48, 120, 24, SMALL, 2),  # eight rows, ragged everywhere
+        (2, 48, 32, 40, 16, SMALL, 200),  # more programs than tasks
+    ],
+)
+@pytest.mark.parametrize("with_ple", [True, False])
+@pytest.mark.parametrize("with_scale,with_next", [(True, True), (False, False)])
+def test_matches_the_separate_ops_fp32(m, h, q, i, p, cfg, programs, with_ple, with_scale, with_next):
+    layer = Layer(m, h, q, i, p if with_ple else 0, torch.float32, seed=m * 100 + h + i)
+    counters = new_counters("cpu")
+    out, out2 = layer.fused("gelu_pytorch_tanh", counters, with_scale, with_next, cfg, programs)
+    ref, ref2 = layer.reference("gelu_pytorch_tanh", with_scale, with_next)
+    torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
+    if with_next:
+        torch.testing.assert_close(out2, ref2, atol=3e-5, rtol=3e-5)
+    else:
+        assert out2 is None
+    assert counters.tolist() == [0] * COUNTERS
+
+
+def _rounded_reference(layer: Layer, act: str):
+    """fp32 products, rounded to the model dtype where the separate ops round them (every GEMM output, the
+    activation, each norm's result)."""
+    dtype = layer.attn.dtype
+
+    def mm(x, w):
+        return (x.float() @ w.float().T).to(dtype)
+
+    h1, x1 = fused_rms_norm_reference(
+        mm(layer.attn, layer.o), layer.post_attn, EPS, layer.residual, None, layer.pre_ff
+    )
+    gate, up = (x1.float() @ layer.gate_up.float().T).chunk(2, dim=-1)
+    y = mm(act_mul_reference(act, gate.to(dtype), up.to(dtype)), layer.down)
+    h2, _ = fused_rms_norm_reference(y, layer.post_ff, EPS, h1)
+    g = act_mul_reference(act, mm(h2, layer.ple.gate), layer.ple.inputs)
+    return fused_rms_norm_reference(
+        mm(g, layer.ple.proj), layer.ple.post_norm, EPS, h2, layer.scale, layer.next
+    )
+
+
+@pytest.mark.parametrize("m,cfg", [(1, ONE_ROW), (5, SMALL)])
+def test_bf16_rounds_where_the_separate_ops_round(m, cfg):
+    layer = Layer(m, 96, 64, 160, 32, torch.bfloat16, seed=11 + m)
+    out, out2 = layer.fused("silu", new_counters("cpu"), config=cfg)
+    ref, ref2 = _rounded_reference(layer, "silu")
+    assert out.dtype == torch.bfloat16 and out2.dtype == torch.bfloat16
+    # a rounding flip of an intermediate moves a result by about one bf16 step
+    torch.testing.assert_close(out.float(), ref.float(), atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(out2.float(), ref2.float(), atol=4e-2, rtol=2e-2)
+
+
+def test_a_second_launch_on_the_same_counters_computes_the_same():
+    layer = Layer(4, 64, 32, 96, 16, torch.float32, seed=3)
+    counters = new_counters("cpu")
+    first = layer.fused("silu", counters, config=SMALL, programs=4)
+    assert counters.tolist() == [0] * COUNTERS
+    second = layer.fused("silu", counters, config=SMALL, programs=4)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_refuses_what_it_is_not_built_for():
+    layer = Layer(9, 64, 32, 96, 16, torch.float32, seed=5)
+    with pytest.raises(AssertionError):  # nine rows: more than a decode batch of the kernel
+        layer.fused("silu", new_counters("cpu"))
+    with pytest.raises(AssertionError):  # counters of another dtype
+        Layer(2, 64, 32, 96, 16, torch.float32, seed=5).fused(
+            "silu", torch.zeros(COUNTERS, dtype=torch.int64)
+        )
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize(
+    "dims",
+    [(2560, 2048, 10240, 256), (2560, 4096, 10240, 256), (5376, 8192, 21504, 0)],
+    ids=["e4b", "e4b-global", "31b"],
+)
+def test_kernel_compiles_for_sm90(monkeypatch, m, dims):
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    h, q, i, p = dims
+    meta = dict(dtype=torch.bfloat16, device="meta")
+
+    def t(*shape):
+        return torch.empty(*shape, **meta)
+
+    ple = PerLayerInput(t(p, h), t(h, p), t(m, 42, p)[:, 3], t(h)) if p else None
+    counters = torch.empty(COUNTERS, dtype=torch.int32, device="meta")
+    monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
+    launches = _launches(
+        monkeypatch,
+        decode_tail_module,
+        "_decode_tail",
+        lambda: decode_tail(
+            t(m, q),
+            t(m, h),
+            t(h, q),
+            t(h),
+            t(h),
+            t(2 * i, h),
+            t(h, i),
+            t(h),
+            EPS,
+            "gelu_pytorch_tanh",
+            counters,
+            ple,
+            t(1),
+            t(h),
+            programs=264,
+        ),  # fmt: skip
+    )
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs, use_pdl=True)
