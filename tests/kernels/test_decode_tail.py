@@ -209,3 +209,28 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, dims):
     )
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs, use_pdl=True)
+
+
+def test_applies_only_where_the_kernel_is_built_for(monkeypatch):
+    """``layers.fused.decode_tail_applies``: on (G4SERVE_DECODE_TAIL), CUDA, 1-8 rows with a unit last
+    stride, plain bias-free projections and a counter buffer; anything else keeps the separate ops."""
+    import g4serve.layers.fused as fused
+    from g4serve.layers.fused import decode_tail_applies
+    from g4serve.layers.quant import QuantLinear
+    from g4serve.quant_config import WeightQuant
+
+    plain = [torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 16, bias=False)]
+    x, counters = torch.randn(3, 16), new_counters("cpu")
+    assert not decode_tail_applies(x, plain, counters)  # off by default
+    monkeypatch.setattr(fused, "DECODE_TAIL", True)
+    assert not decode_tail_applies(x, plain, counters)  # not CUDA
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert decode_tail_applies(x, plain, counters)
+    assert decode_tail_applies(x.bfloat16(), plain, counters)
+    assert not decode_tail_applies(x, plain, None)  # no counters: not prepared for the fast path
+    assert not decode_tail_applies(torch.randn(9, 16), plain, counters)  # past a decode batch
+    assert not decode_tail_applies(x[:0], plain, counters)
+    assert not decode_tail_applies(torch.randn(16, 3).T, plain, counters)  # strided rows
+    assert not decode_tail_applies(x, [*plain, torch.nn.Linear(16, 8)], counters)  # a bias
+    quantized = QuantLinear(16, 8, WeightQuant("fp8", "channel", (1, 0)))
+    assert not decode_tail_applies(x, [quantized, plain[1]], counters)  # quantized weights
