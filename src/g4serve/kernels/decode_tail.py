@@ -410,10 +410,12 @@ class PerLayerInput:
 
 def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]:
     """Tiles and grid. One row: elementwise products (no tensor cores at M = 1); 1024-column K tiles and a
-    handful of weight rows per task, so a program streams 16-80 KB a task and two programs per SM keep the
-    weight loads in flight; the PLE projection (K = P, 256) takes its whole K in one tile. More rows: 16-row
-    tensor-core tiles of 32 columns (16 for the PLE gate's narrow N). Starting points for
-    ``bench/decode_tail.py --sweep`` on a GPU, not measured yet."""
+    handful of weight rows per task, so a program streams 16-80 KB a task with the next tile in flight; the
+    PLE projection (K = P, 256) takes its whole K in one tile. Its fp32 accumulators and double-buffered tiles
+    take ~250 registers a thread (ptxas, sm_90, e4b), so one 8-warp program fills an SM's register file: one
+    program per SM. More rows: 16-row tensor-core tiles of 32 columns (16 for the PLE gate's narrow N), ~200
+    registers at 4 warps, two programs per SM. Starting points for ``bench/decode_tail.py --sweep`` on a GPU,
+    not measured yet."""
 
     def k_tile(k: int, most: int) -> int:
         return min(most, max(16, next_pow2(k)))
@@ -431,7 +433,7 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
             "bn_p": 16,
             "bk_p": k_tile(p, 1024),
             "num_warps": 8,
-            "programs_per_sm": 2,
+            "programs_per_sm": 1,
         }
     return {
         "bn_o": 32,
