@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from g4serve.bench.meta import command_line, cuda_environment, kernel_result_path
-from g4serve.bench.timing import graph_replay_ms
+from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
 from g4serve.kernels.decode_tail import decode_tail_config, new_counters
 from g4serve.layers.fused import add_rms_norm, decode_tail_block, gate_up_act, linear, linear_act_mul
@@ -66,7 +66,7 @@ def tail_shapes(preset: str) -> list[tuple[int, int, int, int, int, str]]:
     return [(t.hidden_size, q, i, p, n, t.hidden_activation) for (q, i), n in sorted(counts.items())]
 
 
-def sweep_configs(m: int) -> list[dict[str, int]]:
+def tail_sweep(m: int) -> list[dict[str, int]]:
     """The grid ``--sweep`` searches: the big phases' tiles (o, gate/up and down share a K tile), warps and
     programs per SM; the PLE phases keep their default tiles."""
     keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
@@ -158,18 +158,11 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
     )
     if args.sweep:
         default = decode_tail_config(m, h, q, i, p)
-        trials = []
-        for cfg in sweep_configs(m):
-            cfg = default | cfg
-            try:
-                ms = time(lambda t, cfg=cfg: _fused_with(t, attn, residual, per_layer, scale, act, cfg))
-            except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
-                print(f"    {cfg}: {type(exc).__name__}")
-                continue
-            trials.append({"config": cfg, "ms": ms})
-        best = min(trials, key=lambda t: t["ms"])
-        row["sweep"] = {"best": best["config"], "best_ms": best["ms"], "trials": trials}
-        print(f"    best {best['ms'] * 1e3:.1f} us with {best['config']}")
+        row["sweep"] = sweep = time_sweep(
+            [default | cfg for cfg in tail_sweep(m)],
+            lambda cfg: time(lambda t: _fused_with(t, attn, residual, per_layer, scale, act, cfg)),
+        )
+        print(f"    best {sweep['best_ms'] * 1e3:.1f} us with {sweep['best']}")
     tails.clear()
     torch.cuda.empty_cache()
     return row
@@ -177,13 +170,13 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
 
 def _fused_with(t: Tail, attn, residual, per_layer, scale, act: str, cfg: dict):
     """The kernel with the tiles ``cfg`` (the sweep's), on the tail ``t``."""
-    from g4serve.kernels.decode_tail import PerLayerInput, decode_tail
+    from g4serve.kernels.decode_tail import PerLayerInput, TailWeights, decode_tail
 
     ple = PerLayerInput(t.ple[0].weight, t.ple[1].weight, per_layer, t.ple[2].weight) if t.ple else None
-    return decode_tail(
-        attn, residual, t.o.weight, t.post_attn.weight, t.pre_ff.weight, t.gate_up.weight, t.down.weight,
-        t.post_ff.weight, EPS, act, t.counters, ple, scale, t.next.weight, cfg,
-    )  # fmt: skip
+    weights = TailWeights(
+        t.o.weight, t.post_attn.weight, t.pre_ff.weight, t.gate_up.weight, t.down.weight, t.post_ff.weight
+    )
+    return decode_tail(attn, residual, weights, EPS, act, t.counters, ple, scale, t.next.weight, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

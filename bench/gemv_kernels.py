@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from g4serve.bench.meta import cuda_environment, kernel_result_path
-from g4serve.bench.timing import graph_replay_ms
+from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
 from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, use_skinny
@@ -166,16 +166,9 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
         "engine_uses_skinny": use_skinny(m, n, k, ep),
     }
     if args.sweep:
-        trials = []
-        for cfg in _configs(m):
-            try:
-                ms = time(lambda w, cfg=cfg: skinny_matmul(x, w, ep, activation, other, config=cfg))
-            except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects (registers, shared memory)
-                print(f"    {cfg}: {type(exc).__name__}")
-                continue
-            trials.append({"config": cfg, "ms": ms})
-        best = min(trials, key=lambda t: t["ms"])
-        row["sweep"] = {"best": best["config"], "best_ms": best["ms"], "trials": trials}
+        row["sweep"] = time_sweep(
+            _configs(m), lambda cfg: time(lambda w: skinny_matmul(x, w, ep, activation, other, config=cfg))
+        )
     weights.clear()
     torch.cuda.empty_cache()
     return row

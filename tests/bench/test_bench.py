@@ -649,3 +649,17 @@ def test_a_client_near_a_whole_core_is_warned_about(capsys):
     assert "warning" not in capsys.readouterr().err
     bench_cli._progress({**point, "client_cpu_share": 0.95})
     assert "the client itself used 95% of a core" in capsys.readouterr().err
+
+
+def test_time_sweep_keeps_the_fastest_and_skips_what_the_compiler_rejects(capsys):
+    from g4serve.bench.timing import time_sweep
+
+    def time_config(cfg):
+        if cfg["tile"] == 64:
+            raise RuntimeError("out of resources")
+        return {16: 2.0, 32: 1.5, 128: 3.0}[cfg["tile"]]
+
+    sweep = time_sweep([{"tile": t} for t in (16, 32, 64, 128)], time_config)
+    assert sweep["best"] == {"tile": 32} and sweep["best_ms"] == 1.5
+    assert [t["config"]["tile"] for t in sweep["trials"]] == [16, 32, 128]
+    assert "{'tile': 64}: RuntimeError" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from bench_scripts import load_script
 from g4serve.config import PRESETS
 from g4serve.kernels.decode_tail import (
     PerLayerInput,
+    TailWeights,
     decode_tail,
     decode_tail_config,
     decode_tail_reference,
@@ -44,20 +45,12 @@ def test_swept_configs_compute_the_tail(m):
     def randn(*shape):
         return torch.randn(*shape, generator=gen) * 0.2
 
-    operands = (
-        randn(m, q),
-        randn(m, h),
-        randn(h, q),
-        1 + randn(h),
-        1 + randn(h),
-        randn(2 * i, h),
-        randn(h, i),
-    )
-    operands += (1 + randn(h),)
+    weights = TailWeights(randn(h, q), 1 + randn(h), 1 + randn(h), randn(2 * i, h), randn(h, i), 1 + randn(h))
+    operands = (randn(m, q), randn(m, h), weights)
     ple = PerLayerInput(randn(p, h), randn(h, p), randn(m, p), 1 + randn(h))
     next_norm = 1 + randn(h)
     want = decode_tail_reference(*operands, 1e-6, "silu", ple, None, next_norm)
-    configs = bench.sweep_configs(m)
+    configs = bench.tail_sweep(m)
     for cfg in configs[:: max(1, len(configs) // 12)]:
         cfg = decode_tail_config(m, h, q, i, p) | cfg
         got = decode_tail(*operands, 1e-6, "silu", new_counters("cpu"), ple, None, next_norm, cfg)

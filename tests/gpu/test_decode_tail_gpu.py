@@ -14,7 +14,13 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("h,q,i,p", [(2560, 2048, 10240, 256), (5376, 8192, 21504, 0)], ids=["e4b", "31b"])
 def test_kernel_equals_the_separate_ops(m, h, q, i, p):
-    from g4serve.kernels.decode_tail import PerLayerInput, decode_tail, decode_tail_reference, new_counters
+    from g4serve.kernels.decode_tail import (
+        PerLayerInput,
+        TailWeights,
+        decode_tail,
+        decode_tail_reference,
+        new_counters,
+    )
 
     gen = torch.Generator(device="cuda").manual_seed(m)
 
@@ -25,8 +31,7 @@ def test_kernel_equals_the_separate_ops(m, h, q, i, p):
         return 1 + randn(h, std=0.1)
 
     attn, residual = randn(m, q), randn(m, h)
-    # o_proj, post-attention norm, pre-feed-forward norm, gate_up, down, post-feed-forward norm
-    weights = (
+    weights = TailWeights(
         randn(h, q, std=q**-0.5),
         norm(),
         norm(),
@@ -42,11 +47,11 @@ def test_kernel_equals_the_separate_ops(m, h, q, i, p):
     scale, next_norm = torch.tensor([0.5], device="cuda").bfloat16(), norm()
     act = "gelu_pytorch_tanh"
     # the separate ops in bf16 (cuBLAS GEMMs, each intermediate rounded where the model rounds it)
-    want = decode_tail_reference(attn, residual, *weights, 1e-6, act, ple, scale, next_norm)
+    want = decode_tail_reference(attn, residual, weights, 1e-6, act, ple, scale, next_norm)
     counters = new_counters("cuda")
 
     def fused():
-        return decode_tail(attn, residual, *weights, 1e-6, act, counters, ple, scale, next_norm)
+        return decode_tail(attn, residual, weights, 1e-6, act, counters, ple, scale, next_norm)
 
     first = fused()
     for got, ref in zip(first, want):  # a rounding flip of an intermediate moves a result about one bf16 step

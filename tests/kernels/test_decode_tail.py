@@ -15,6 +15,7 @@ from g4serve.kernels.act_mul import act_mul_reference
 from g4serve.kernels.decode_tail import (
     COUNTERS,
     PerLayerInput,
+    TailWeights,
     decode_tail,
     decode_tail_reference,
     new_counters,
@@ -64,16 +65,8 @@ class Layer:
             self.ple = PerLayerInput(randn(p, h, std=h**-0.5), randn(h, p, std=p**-0.5), inputs, norm(h))
 
     def operands(self):
-        return (
-            self.attn,
-            self.residual,
-            self.o,
-            self.post_attn,
-            self.pre_ff,
-            self.gate_up,
-            self.down,
-            self.post_ff,
-        )
+        weights = TailWeights(self.o, self.post_attn, self.pre_ff, self.gate_up, self.down, self.post_ff)
+        return self.attn, self.residual, weights
 
     def fused(self, act, counters, scale=True, next_norm=True, config=None, programs=None):
         return decode_tail(
@@ -192,12 +185,7 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, dims):
         lambda: decode_tail(
             t(m, q),
             t(m, h),
-            t(h, q),
-            t(h),
-            t(h),
-            t(2 * i, h),
-            t(h, i),
-            t(h),
+            TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h)),
             EPS,
             "gelu_pytorch_tanh",
             counters,

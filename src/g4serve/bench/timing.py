@@ -35,3 +35,18 @@ def graph_replay_ms(
         times.append(start.elapsed_time(end) / per_graph)
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def time_sweep(configs: list[dict], time_config: Callable[[dict], float]) -> dict:
+    """Times every tile config of a kernel sweep with ``time_config`` (ms) -> {"best", "best_ms", "trials"};
+    a config the compiler rejects (registers, shared memory) is reported and left out."""
+    trials = []
+    for cfg in configs:
+        try:
+            ms = time_config(cfg)
+        except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects: reported, the sweep goes on
+            print(f"    {cfg}: {type(exc).__name__}")
+            continue
+        trials.append({"config": cfg, "ms": ms})
+    best = min(trials, key=lambda t: t["ms"])
+    return {"best": best["config"], "best_ms": best["ms"], "trials": trials}

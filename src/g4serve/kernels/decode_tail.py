@@ -398,6 +398,20 @@ _decode_tail = DualKernel(_decode_tail_fn)
 
 
 @dataclass(frozen=True)
+class TailWeights:
+    """A dense layer's weights after attention, as the model holds them after ``fuse_projections``:
+    ``o`` [H, Q], ``gate_up`` [2I, H] ([gate; up] stacked), ``down`` [H, I], contiguous; the norms (post-
+    attention, pre- and post-feed-forward) by their weights [H]."""
+
+    o: torch.Tensor
+    post_attn_norm: torch.Tensor
+    pre_ff_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    post_ff_norm: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PerLayerInput:
     """The PLE end of an E-type layer: ``gate`` [P, H] and ``proj`` [H, P] weights, the layer's per-layer
     input [M, P] (unit last stride), and ``post_norm``, the post-per-layer-input norm's weight."""
@@ -459,12 +473,7 @@ def new_counters(device: torch.device | str) -> torch.Tensor:
 def decode_tail(
     attn: torch.Tensor,
     residual: torch.Tensor,
-    o_weight: torch.Tensor,
-    post_attn_norm: torch.Tensor,
-    pre_ff_norm: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    post_ff_norm: torch.Tensor,
+    weights: TailWeights,
     eps: float,
     activation: str,
     counters: torch.Tensor,
@@ -476,24 +485,24 @@ def decode_tail(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A dense layer's tail for ``attn`` [M, Q] (the attention output before ``o_proj``, M <= 8) and the
     layer input ``residual`` [M, H] -> (the layer's output, ``rms_norm(output, next_norm)`` or None), as
-    ``decode_tail_reference`` computes them. Weights as the model holds them after ``fuse_projections``
-    (``gate_up_weight`` [2I, H] is [gate; up] stacked), contiguous, and never written by the kernel just
-    before this one (their first tiles are read before the PDL wait); norms by their weights. ``counters``:
+    ``decode_tail_reference`` computes them. The weights are never written by the kernel just before this
+    one (their first tiles are read before the PDL wait). ``counters``:
     ``new_counters``, used by one call site at a time. ``programs``: the grid (default: by SM count on CUDA,
     3 in the interpreter so that several programs share the tickets)."""
     m, q = attn.shape
-    h, i = down_weight.shape
+    w = weights
+    h, i = w.down.shape
     p = ple.gate.shape[0] if ple is not None else 0
     assert (
         0 < m <= MAX_ROWS and attn.stride(-1) == 1 and residual.shape == (m, h) and residual.stride(-1) == 1
     )
-    assert o_weight.shape == (h, q) and gate_up_weight.shape == (2 * i, h)
-    weights = [o_weight, gate_up_weight, down_weight]
+    assert w.o.shape == (h, q) and w.gate_up.shape == (2 * i, h)
+    matrices = [w.o, w.gate_up, w.down]
     if ple is not None:
         assert ple.gate.shape == (p, h) and ple.proj.shape == (h, p) and ple.inputs.shape == (m, p)
         assert ple.inputs.stride(-1) == 1
-        weights += [ple.gate, ple.proj]
-    assert all(w.is_contiguous() for w in weights)
+        matrices += [ple.gate, ple.proj]
+    assert all(t.is_contiguous() for t in matrices)
     assert counters.dtype == torch.int32 and counters.numel() == COUNTERS and counters.device == attn.device
     cfg = config or decode_tail_config(m, h, q, i, p)
 
@@ -512,16 +521,16 @@ def decode_tail(
         programs = (
             3 if attn.device.type == "cpu" else cfg["programs_per_sm"] * sm_count(attn.device.index or 0)
         )
-    some = post_ff_norm  # a valid pointer for the operands a variant does not read
+    some = w.post_ff_norm  # a valid pointer for the operands a variant does not read
     _decode_tail[attn.device][(max(1, min(programs, total)),)](
         attn,
         residual,
-        o_weight,
-        post_attn_norm,
-        pre_ff_norm,
-        gate_up_weight,
-        down_weight,
-        post_ff_norm,
+        w.o,
+        w.post_attn_norm,
+        w.pre_ff_norm,
+        w.gate_up,
+        w.down,
+        w.post_ff_norm,
         ple.gate if ple is not None else some,
         ple.inputs if ple is not None else some,
         ple.proj if ple is not None else some,
@@ -577,12 +586,7 @@ def decode_tail(
 def decode_tail_reference(
     attn: torch.Tensor,
     residual: torch.Tensor,
-    o_weight: torch.Tensor,
-    post_attn_norm: torch.Tensor,
-    pre_ff_norm: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    post_ff_norm: torch.Tensor,
+    weights: TailWeights,
     eps: float,
     activation: str,
     ple: PerLayerInput | None = None,
@@ -590,13 +594,16 @@ def decode_tail_reference(
     next_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The separate ops the model runs without the kernel (``DecoderLayer.forward`` after attention)."""
+    w = weights
     h1, x1 = fused_rms_norm_reference(
-        F.linear(attn, o_weight), post_attn_norm, eps, residual=residual, next_weight=pre_ff_norm
+        F.linear(attn, w.o), w.post_attn_norm, eps, residual=residual, next_weight=w.pre_ff_norm
     )
-    y = F.linear(skinny_matmul_reference(x1, gate_up_weight, GATE_UP, activation), down_weight)
+    y = F.linear(skinny_matmul_reference(x1, w.gate_up, GATE_UP, activation), w.down)
     if ple is None:
-        return fused_rms_norm_reference(y, post_ff_norm, eps, residual=h1, scale=scale, next_weight=next_norm)
-    h2, _ = fused_rms_norm_reference(y, post_ff_norm, eps, residual=h1)
+        return fused_rms_norm_reference(
+            y, w.post_ff_norm, eps, residual=h1, scale=scale, next_weight=next_norm
+        )
+    h2, _ = fused_rms_norm_reference(y, w.post_ff_norm, eps, residual=h1)
     gate = skinny_matmul_reference(h2, ple.gate, MUL, activation, ple.inputs)
     return fused_rms_norm_reference(
         F.linear(gate, ple.proj), ple.post_norm, eps, residual=h2, scale=scale, next_weight=next_norm
@@ -606,6 +613,7 @@ def decode_tail_reference(
 __all__ = [
     "COUNTERS",
     "PerLayerInput",
+    "TailWeights",
     "decode_tail",
     "decode_tail_config",
     "decode_tail_reference",

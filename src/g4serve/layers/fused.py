@@ -159,15 +159,18 @@ def decode_tail_block(
     if ple is not None:
         gate, proj, inputs, post_norm = ple
         per_layer = _decode_tail.PerLayerInput(gate.weight, proj.weight, inputs, post_norm.weight)
-    return _decode_tail.decode_tail(
-        attn,
-        residual,
+    weights = _decode_tail.TailWeights(
         o_proj.weight,
         post_attn_norm.weight,
         pre_ff_norm.weight,
         gate_up.weight,
         down.weight,
         post_ff_norm.weight,
+    )
+    return _decode_tail.decode_tail(
+        attn,
+        residual,
+        weights,
         post_ff_norm.eps,
         activation,
         counters,
