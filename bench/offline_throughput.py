@@ -28,6 +28,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from g4serve import envs
 from g4serve.bench.meta import command_line
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.outputs import RequestOutput
@@ -165,7 +166,7 @@ def device_name(device: torch.device) -> str:
 
 def environment(device: torch.device) -> dict:
     # A copy whose .git is missing or stale (the device machine's) is described by G4SERVE_GIT_COMMIT.
-    override = os.environ.get("G4SERVE_GIT_COMMIT")
+    override = envs.get("G4SERVE_GIT_COMMIT")
     dirty = None if override else _git("status", "--porcelain", "--untracked-files=no")
     env = {
         "git_commit": override or _git("rev-parse", "HEAD"),

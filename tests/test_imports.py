@@ -106,6 +106,9 @@ LAYER_RULES = (
     # Scale-out runs servers as replicas behind a router: the router speaks HTTP to them, the Ray app wraps
     # the server's app; the server never knows it is a replica.
     LayerRule("g4serve.server", ("g4serve.deploy",), "a replica's server does not depend on its deployment"),
+    # The environment variables are read by every layer, kernels included: their table imports nothing of
+    # g4serve, so it is below everything.
+    LayerRule("g4serve.envs", ("g4serve",), "the environment variables' table is the bottom of the package"),
 )
 
 # The voice assistant is a separate package layered on top of g4serve (it uses g4serve's engine and server).

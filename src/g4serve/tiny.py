@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from g4serve import envs
 from g4serve.config import FULL, SLIDING, Gemma4Config, TextConfig, VisionConfig, preset
 from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
 
@@ -153,7 +154,7 @@ def make_tiny(out_dir: str | Path, variant: str = "e", seed: int = 0) -> Path:
 
 def cache_dir() -> Path:
     """g4serve's cache directory: ``$G4SERVE_CACHE``, else ``~/.cache/g4serve`` (not created here)."""
-    return Path(os.environ.get("G4SERVE_CACHE", Path.home() / ".cache" / "g4serve"))
+    return Path(envs.get("G4SERVE_CACHE") or Path.home() / ".cache" / "g4serve")
 
 
 def default_model_dir() -> Path:

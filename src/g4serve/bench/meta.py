@@ -11,12 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from g4serve import envs
+
 
 def git_commit() -> str | None:
     """$G4SERVE_GIT_COMMIT when set (a copy of the tree whose .git is missing or stale, as on the device
     machine), else HEAD of the g4serve checkout (``+dirty`` with local changes)."""
-    if os.environ.get("G4SERVE_GIT_COMMIT"):
-        return os.environ["G4SERVE_GIT_COMMIT"]
+    if envs.get("G4SERVE_GIT_COMMIT"):
+        return envs.get("G4SERVE_GIT_COMMIT")
     root = Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from g4serve import envs
 from g4serve.distributed import TensorParallel
 from g4serve.engine.config import EngineConfig
 from g4serve.engine.inputs import PendingTokens
@@ -48,14 +49,14 @@ log = logging.getLogger("g4serve.engine")
 
 # How long collectives may wait for a peer (a worker loading a large checkpoint, a long prefill on another
 # rank); a dead peer is noticed sooner: gloo raises when its connection closes.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("G4SERVE_TP_TIMEOUT_S", "1800"))
+COLLECTIVE_TIMEOUT_S = envs.get_float("G4SERVE_TP_TIMEOUT_S")
 
 
 # Every rank on rank 0's GPU, over gloo: how the tensor-parallel path (sharded shapes in the CUDA kernels,
 # vocab-parallel embeddings, the step channel) is tested on a machine with one GPU. Not for serving: the ranks
 # share one GPU and gloo's collectives cannot be captured in CUDA graphs (run it with enforce_eager).
 def _one_device() -> bool:
-    return os.environ.get("G4SERVE_TP_ONE_DEVICE") == "1"
+    return envs.get("G4SERVE_TP_ONE_DEVICE") == "1"
 
 
 _POLL_S = 0.2

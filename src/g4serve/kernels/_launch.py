@@ -10,12 +10,13 @@ internals are imported on the first CPU launch only: CUDA use never touches them
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
+
+from g4serve import envs
 
 _INTERPRETED_HELPERS: dict = {}
 
@@ -122,7 +123,7 @@ def pdl(device: torch.device, rows: int) -> dict:
 
 @functools.cache
 def _pdl_supported(index: int) -> bool:
-    return os.environ.get("G4SERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+    return envs.get("G4SERVE_PDL") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit

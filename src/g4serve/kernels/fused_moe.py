@@ -10,13 +10,13 @@ No step of ``fused_moe`` reads a device value on the host, so a whole MoE layer 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from g4serve import envs
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2
 from g4serve.kernels.act_mul import ACTIVATIONS
 from g4serve.kernels.fp8_matmul import (
@@ -49,14 +49,12 @@ ALIGN_KERNEL_MAX_ASSIGNMENTS = 4096
 # Past that: "sort" (``moe_align``: torch's stable sort, ~15 launches) or "parallel" (``moe_align_parallel``:
 # three launches, no sort), the same outputs. G4SERVE_MOE_ALIGN picks; "sort" stays the default until a
 # device run has timed both (bench/moe_kernels.py: align_t against align_p).
-PREFILL_ALIGN = os.environ.get("G4SERVE_MOE_ALIGN", "sort")
-if PREFILL_ALIGN not in ("sort", "parallel"):
-    raise ValueError(f"G4SERVE_MOE_ALIGN: expected sort or parallel, got {PREFILL_ALIGN!r}")
+PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # FP8 experts at this many assignments (T*k) or more multiply on the FP8 tensor cores (W8A8: activations
 # quantized per token and 128-column group, ``_w8a8_products``) instead of dequantizing the weight to bf16
 # tiles. 0 (the default until a device run has timed both, bench/moe_kernels.py --quant fp8: quant_* against
 # w8a8_*): never. G4SERVE_MOE_W8A8_MIN sets it.
-W8A8_MIN_ASSIGNMENTS = int(os.environ.get("G4SERVE_MOE_W8A8_MIN", "0"))
+W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
 
 
 @dataclass(frozen=True)

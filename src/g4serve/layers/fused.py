@@ -15,12 +15,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from g4serve import envs
 from g4serve.kernels import act_mul as _act_mul
 from g4serve.kernels import decode_tail as _decode_tail
 from g4serve.kernels import gemv as _gemv
@@ -74,7 +73,7 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # Token rows up to which CUDA projections may take the skinny-GEMM kernel (``gemv.use_skinny`` decides per
 # shape). G4SERVE_SKINNY_MAX_ROWS=0 turns it off (A/B benchmarks); a captured CUDA graph keeps the choice it
 # was captured with.
-SKINNY_MAX_ROWS = int(os.environ.get("G4SERVE_SKINNY_MAX_ROWS", _gemv.MAX_ROWS))
+SKINNY_MAX_ROWS = envs.get_int("G4SERVE_SKINNY_MAX_ROWS")
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> bool:
@@ -121,7 +120,7 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
 # The persistent kernel for a dense layer's tail after attention at decode sizes: off until
 # bench/decode_tail.py has timed it against the launches it replaces on a GPU. A captured CUDA graph keeps the
 # choice it was captured with.
-DECODE_TAIL = os.environ.get("G4SERVE_DECODE_TAIL", "0") == "1"
+DECODE_TAIL = envs.get("G4SERVE_DECODE_TAIL") == "1"
 
 
 def decode_tail_applies(x: torch.Tensor, layers: list[nn.Module], counters: torch.Tensor | None) -> bool:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from g4serve import envs
 from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows past SKINNY_ROWS on CUDA: "triton" (default) multiplies in quant_matmul's 2-D grid; "dequant" writes
 # the dense weight once per call and runs cuBLAS (the A/B alternative for bench runs).
-PREFILL_PATH = os.environ.get("G4SERVE_QUANT_PREFILL", "triton")
+PREFILL_PATH = envs.get("G4SERVE_QUANT_PREFILL")
 # FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
 # tensor cores; "dequant" takes the in-register dequantizing kernel with 16-bit activations.
-FP8_MATMUL = os.environ.get("G4SERVE_FP8_MATMUL", "w8a8")
+FP8_MATMUL = envs.get("G4SERVE_FP8_MATMUL")
 
 
 class QuantLinear(nn.Module):

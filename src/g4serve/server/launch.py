@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from g4serve import envs
 from g4serve.config import PRESETS
 from g4serve.engine.config import EngineConfig
 from g4serve.engine_args import add_engine_arguments
@@ -35,7 +36,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("G4SERVE_API_KEY"),
+        default=envs.get("G4SERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every path but /health, /metrics included unless "
         "--metrics-public (default: $G4SERVE_API_KEY)",
     )

@@ -1,0 +1,122 @@
+"""Every environment variable g4serve reads, in one place: its name, default, allowed values and meaning.
+
+Command-line flags configure a server or an engine (``engine/config.py``); these variables are the rest:
+secrets, paths, and switches for kernels that are off or on until a device run has timed both sides (the A/B
+switches of the benchmarks). Modules read them through ``get``, once at import unless said otherwise, so a
+value set after ``import g4serve`` does not change a running process; an unknown name is a programming
+error, and a value outside a variable's choices is refused with the variable's name. docs/api.md
+("Environment variables") lists the same table; tests/test_envs.py keeps the two and the sources in step.
+Only the standard library is imported here: every layer may read its switches, kernels included.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str | None  # None: unset unless the environment sets it
+    meaning: str
+    choices: tuple[str, ...] = ()  # empty: any value (a number, a path, a secret)
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("G4SERVE_API_KEY", None, "the API key `serve` requires when `--api-key` is not given"),
+    Variable(
+        "G4SERVE_CACHE",
+        None,
+        "where the embedded tiny model and the sample media are built (`~/.cache/g4serve`)",
+    ),
+    Variable(
+        "G4SERVE_PDL",
+        "1",
+        "`0`: no programmatic dependent launch for decode-sized kernels (Hopper and later; A/B runs)",
+        ("0", "1"),
+    ),
+    Variable(
+        "G4SERVE_SKINNY_MAX_ROWS",
+        "8",
+        "token rows up to which CUDA projections may take the skinny decode GEMM (`0`: cuBLAS only)",
+    ),
+    Variable(
+        "G4SERVE_DECODE_TAIL",
+        "0",
+        "`1`: a dense layer's tail after attention (o_proj, norms, MLP, PLE) in one persistent launch at "
+        "decode sizes (`kernels/decode_tail.py`; off until timed)",
+        ("0", "1"),
+    ),
+    Variable(
+        "G4SERVE_FP8_MATMUL",
+        "w8a8",
+        "FP8 weights with dynamic activation scales at decode sizes: `w8a8` on the FP8 tensor cores, "
+        "`dequant` the in-register dequantizing kernel",
+        ("w8a8", "dequant"),
+    ),
+    Variable(
+        "G4SERVE_QUANT_PREFILL",
+        "triton",
+        "quantized projections past 64 rows: `triton` (the 2-D grid kernel) or `dequant` (the dense weight, "
+        "then cuBLAS)",
+        ("triton", "dequant"),
+    ),
+    Variable(
+        "G4SERVE_MOE_ALIGN",
+        "sort",
+        "MoE assignments past 4,096 per step sorted by expert with torch's sort (`sort`) or the three-launch "
+        "kernel (`parallel`)",
+        ("sort", "parallel"),
+    ),
+    Variable(
+        "G4SERVE_MOE_W8A8_MIN",
+        "0",
+        "FP8 experts at this many assignments or more multiply on the FP8 tensor cores (`0`: never)",
+    ),
+    Variable(
+        "G4SERVE_TP_TIMEOUT_S", "1800", "seconds a tensor-parallel collective waits for a peer (a slow load)"
+    ),
+    Variable(
+        "G4SERVE_TP_ONE_DEVICE",
+        None,
+        "`1`: every tensor-parallel rank on rank 0's GPU over gloo (tests on one GPU; not for serving)",
+        ("0", "1"),
+    ),
+    Variable(
+        "G4SERVE_GIT_COMMIT",
+        None,
+        "the commit benchmark results record, for a tree without its `.git` (the device machine's copy)",
+    ),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def get(name: str) -> str | None:
+    """``name``'s value in the environment, else its default; refused with its name when it is not one of
+    its choices."""
+    var = _BY_NAME[name]
+    value = os.environ.get(name, var.default)
+    if var.choices and value is not None and value not in var.choices:
+        raise ValueError(f"{name}: expected one of {', '.join(var.choices)}, got {value!r}")
+    return value
+
+
+def get_int(name: str) -> int:
+    value = get(name)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def get_float(name: str) -> float:
+    value = get(name)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a number, got {value!r}") from None
+
+
+__all__ = ["VARIABLES", "Variable", "get", "get_float", "get_int"]
