@@ -1,38 +1,39 @@
 #!/usr/bin/env bash
-# The work written in sessions without device time, checked and measured in two calls (two GPUs: the halves
-# side by side, after the two-GPU NCCL test; one GPU: in turn):
-#   GPU 0: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
+# The work written in sessions without device time, checked and measured in four lanes, one GPU each on a
+# four-GPU machine (two lanes a GPU on two, all in turn on one), after the two-GPU NCCL test:
+#   kernels: the GPU tests of that work (the per-token FP8 quantizer kernels/fp8_rows.py, the three-launch MoE
 #          alignment, W8A8 MoE experts, media prepared on the GPU); bench/moe_kernels.py --quant fp8
 #          (align_p against align_t, FP8 experts dequantized against W8A8); bench/preprocess_media.py
-#          --device cuda (the --media-on-gpu path's pieces); then media_stall.sh with MODES="insteps gpumedia
-#          capped" at VIDEO_QPS (default 32; capped: --max-prefill-tokens-beside-decodes PREFILL_CAP, 512);
-#          the persistent decode-tail kernel: its GPU tests and bench/decode_tail.py (e4b and 31b, M = 1-8)
-#   GPU 1: 26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN);
-#          e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
+#          --device cuda (the --media-on-gpu path's pieces); the persistent decode-tail kernel: its GPU tests
+#          and bench/decode_tail.py (e4b and 31b, M = 1-8)
+#   seed:  26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN)
+#   quant: e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
 #          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (the dense
-#          projections' nibble planes, B = 1/8/32/64 and a 2,048-token prefill); then the audio rows:
-#          clips at 4 QPS beside text streams, log-mel on the host and with --media-on-gpu (port 8101); e4b
-#          decode with the decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8
-# Two calls of under 10 minutes each (the served runs start a server per mode):
+#          projections' nibble planes, B = 1/8/32/64 and a 2,048-token prefill); e4b decode with the
+#          decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8
+#   served: media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
+#          --max-prefill-tokens-beside-decodes PREFILL_CAP, 512); then the audio rows: clips at 4 QPS beside
+#          text streams, log-mel on the host and with --media-on-gpu (port 8101)
+# STAGES picks the work inside the lanes (default: all of it). On four GPUs one call of under 10 minutes:
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
-#       kind="nvidia-h200-x2")                         # STAGES="nccl tests kernels media tail seed fp8 int4"
-#   run(command="G4SERVE_GIT_COMMIT=<sha> STAGES='stall audio' bash bench/device/catch_up.sh", carry=[".whl"])
+#       kind="nvidia-h200-x4")
+# on two GPUs two calls (STAGES="nccl tests kernels media tail seed fp8 int4", then STAGES="stall audio").
 # Results: $OUT/catch_up.tgz (JSON, logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
-STAGES=${STAGES:-nccl tests kernels media tail seed fp8 int4} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-nccl tests kernels media tail seed fp8 int4 stall audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
 VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-second=$(second_gpu)
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 left() { echo $(( DEADLINE - SECONDS - $1 )); }  # seconds left before DEADLINE, less a reserve
 
-gpu0() {
-  export CUDA_VISIBLE_DEVICES=0
+lane_kernels() {
+  export CUDA_VISIBLE_DEVICES=$1
   if has tests; then
     run gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_media_gpu.py \
       tests/gpu/test_quant_gpu.py tests/gpu/test_moe_gpu.py \
@@ -46,14 +47,10 @@ gpu0() {
     run tail-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_decode_tail_gpu.py
     run decode-tail 150 python3 bench/decode_tail.py --presets e4b 31b --out-dir "$RES"
   fi
-  if has stall; then
-    MODES="insteps gpumedia capped" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
-      timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/media-stall.log" 2>&1
-  fi
 }
 
-gpu1() {
-  export CUDA_VISIBLE_DEVICES=$second
+lane_seed() {
+  export CUDA_VISIBLE_DEVICES=$1
   if has seed; then
     for align in sort parallel; do
       G4SERVE_MOE_ALIGN=$align run "seed-align-$align" 150 \
@@ -61,6 +58,10 @@ gpu1() {
         --output-len 100 --tag "align-$align" --out-dir "$RES"
     done
   fi
+}
+
+lane_quant() {
+  export CUDA_VISIBLE_DEVICES=$1
   if has fp8; then
     fp8=(bench/engine_microbench.py --model e4b --device cuda --quantization fp8 --batches 1 --decode-steps 8
       --prefill-lengths 512,2048 --prefill-reps 3)
@@ -86,23 +87,30 @@ gpu1() {
         --out "$RES/decode-tail-$on" --tag="-tail$on"
     done
   fi
+}
+
+lane_served() {
+  export CUDA_VISIBLE_DEVICES=$1
+  if has stall; then
+    MODES="insteps gpumedia capped" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
+      timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/media-stall.log" 2>&1
+  fi
   if has audio; then  # the audio rows: clips at 4 QPS beside text streams, log-mel on the host or the GPU
     MODES="insteps gpumedia" MEDIA=audio VIDEO_QPS=4 PORT=8101 SETUP=0 OUT="$RES/audio" RES="$RES/audio-work" \
       timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/audio-stall.log" 2>&1
   fi
 }
 
-if has nccl && [ "$second" = 1 ]; then  # two GPUs: the TP engine's NCCL stop and start, now that a worker
-  # frees its graphs with ModelRunner.release_graphs (not run on two GPUs since)
+if has nccl && [ "$gpus" -ge 2 ]; then  # the TP engine's NCCL stop and start, now that a worker frees its
+  # graphs with ModelRunner.release_graphs (not run on two GPUs since)
   run nccl 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -k nccl
 fi
-if [ "$second" = 1 ]; then
-  gpu0 & first=$!
-  gpu1
-  wait $first
+if [ "$gpus" -ge 4 ]; then
+  lane_kernels 0 & lane_seed 1 & lane_quant 2 & lane_served 3 & wait
+elif [ "$gpus" -ge 2 ]; then
+  (lane_kernels 0; lane_served 0) & (lane_seed 1; lane_quant 1) & wait
 else
-  gpu0
-  gpu1
+  lane_kernels 0; lane_seed 0; lane_quant 0; lane_served 0
 fi
 {
   echo "## NCCL (two GPUs)"; tail -n 3 "$RES/nccl.log" 2>/dev/null
