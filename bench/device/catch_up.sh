@@ -11,7 +11,8 @@
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
 #          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (the dense
 #          projections' nibble planes, B = 1/8/32/64 and a 2,048-token prefill); e4b decode with the
-#          decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8
+#          decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8, and FP8 e4b decode with the norms
+#          quantizing for the W8A8 projections off and on (G4SERVE_FP8_NORM_QUANT), B = 1/8
 #   served: media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
 #          --max-prefill-tokens-beside-decodes PREFILL_CAP, 512); then the audio rows: clips at 4 QPS beside
 #          text streams, log-mel on the host and with --media-on-gpu (port 8101)
@@ -44,7 +45,8 @@ lane_kernels() {
     --out-dir "$RES"
   has media && run preprocess-media 90 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES"
   if has tail; then
-    run tail-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_decode_tail_gpu.py
+    run tail-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_decode_tail_gpu.py \
+      tests/gpu/test_fp8_norm_quant_gpu.py
     run decode-tail 150 python3 bench/decode_tail.py --presets e4b 31b --out-dir "$RES"
   fi
 }
@@ -85,6 +87,9 @@ lane_quant() {
       G4SERVE_DECODE_TAIL=$on run "decode-tail-e4b-$on" 100 python3 bench/engine_microbench.py --model e4b \
         --device cuda --batches 1,8 --decode-steps 16 --prefill-lengths 512 --prefill-reps 1 \
         --out "$RES/decode-tail-$on" --tag="-tail$on"
+      G4SERVE_FP8_NORM_QUANT=$on run "fp8-norm-quant-e4b-$on" 100 python3 bench/engine_microbench.py \
+        --model e4b --device cuda --quantization fp8 --batches 1,8 --decode-steps 16 --prefill-lengths 512 \
+        --prefill-reps 1 --out "$RES/fp8-norm-quant-$on" --tag="-normq$on"
     done
   fi
 }
@@ -120,7 +125,7 @@ fi
   echo "## media stall"; cat "$RES/stall/summary.md" 2>/dev/null
   echo "## audio beside text"; cat "$RES/audio/summary.md" 2>/dev/null
   echo "## decode tail kernel"; tail -n 3 "$RES/tail-tests.log" 2>/dev/null
-  grep -hE "H=|best" "$RES/decode-tail.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-tail-e4b-*.log 2>/dev/null
+  grep -hE "H=|best" "$RES/decode-tail.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-tail-e4b-*.log "$RES"/fp8-norm-quant-e4b-*.log 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
   echo "## int4 e4b"; grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b.log 2>/dev/null

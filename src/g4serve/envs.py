@@ -56,6 +56,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("w8a8", "dequant"),
     ),
     Variable(
+        "G4SERVE_FP8_NORM_QUANT",
+        "0",
+        "`1`: a norm whose output feeds a W8A8 FP8 projection at decode sizes also quantizes it for that "
+        "projection (one launch fewer each; off until timed)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_QUANT_PREFILL",
         "triton",
         "quantized projections past 64 rows: `triton` (the 2-D grid kernel) or `dequant` (the dense weight, "

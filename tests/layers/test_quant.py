@@ -67,3 +67,42 @@ def test_per_token_activation_scales():
     q, scale = quantize_activations_fp8(x, None)
     assert scale.shape == (3, 1) and scale[0, 0] == 2.0 / 448 and scale[2, 0] == 1.0
     assert torch.equal(q.float() * scale, torch.tensor([[1.0, -2.0], [0.0, 0.0], [448.0, 4.0]]))
+
+
+def test_an_offered_quantized_input_is_taken_by_that_tensor_only():
+    """``QuantLinear.offer_quantized_input``: the next call takes the values for the offered tensor alone,
+    and the offer ends at that call whichever tensor it gets."""
+    gen = torch.Generator().manual_seed(3)
+    layer = _layer(32, "channel", ActivationQuant(True, "token"), gen)
+    x, other = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    held = (torch.zeros(2, 64, dtype=torch.float8_e4m3fn), torch.ones(2, 1))
+    layer.offer_quantized_input(x, *held)
+    assert layer.take_quantized_input(other) is None
+    assert layer.take_quantized_input(x) is None  # ended by the call before
+    layer.offer_quantized_input(x, *held)
+    got = layer.take_quantized_input(x)
+    assert got[0] is held[0] and got[1] is held[1]
+    assert layer.take_quantized_input(x) is None
+
+
+def test_quant_linear_multiplies_the_offered_values_without_quantizing_again(monkeypatch):
+    """On the W8A8 decode path (here in Triton's interpreter on CPU tensors), an input offered by the norm
+    kernel goes to the GEMM as offered: the same result as quantizing it there, and no quantizing launch."""
+    import g4serve.layers.quant as quant
+    from g4serve.kernels.fp8_matmul import quantize_groups
+    from g4serve.kernels.gemv import GATE_UP
+
+    gen = torch.Generator().manual_seed(4)
+    layer = _layer(64, "channel", ActivationQuant(True, "token"), gen)  # 2 x 32 rows: a stacked gate/up
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(quant, "_fp8_matmul_ok", lambda x, layer: True)
+    assert quant.takes_fp8_groups(x, layer) and not quant.takes_fp8_groups(torch.randn(65, 64), layer)
+    want = quant.quant_linear(x, layer, GATE_UP, "gelu_pytorch_tanh")
+    layer.offer_quantized_input(x, *quantize_groups(x))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantized again")
+
+    monkeypatch.setattr(quant, "fp8_matmul", refuse)
+    assert torch.equal(quant.quant_linear(x, layer, GATE_UP, "gelu_pytorch_tanh"), want)

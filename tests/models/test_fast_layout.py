@@ -83,3 +83,44 @@ def test_the_persistent_decode_tail_computes_the_layers_logits(hf_checkpoint, va
     ple = bool(model.cfg.text.hidden_size_per_layer_input)
     assert taken == [5 if ple else 3] * len(layers)  # every layer, with the PLE projections where it has them
     assert all(layer.decode_counters.tolist() == [0] * len(layer.decode_counters) for layer in layers)
+
+
+@pytest.mark.parametrize("variant", ["e", "31b"])
+def test_norms_offer_their_fp8_output_to_the_projection_that_reads_it(hf_checkpoint, variant, monkeypatch):
+    """With G4SERVE_FP8_NORM_QUANT and FP8 W8A8 projections, each norm pass that feeds one (the pre-MLP
+    norm into gate/up, a layer's last pass into the next layer's q/k/v) quantizes its output for it, and that
+    projection takes it: every layer's gate/up and every layer's input projection but the first's. On the CPU
+    the projections compute from the dense path, so the logits stay as they were."""
+    import g4serve.layers.fused as fused
+    from g4serve.layers.quant import QuantLinear
+
+    model = load_model(
+        hf_checkpoint(variant),
+        dtype="float32",
+        device="cpu",
+        with_vision=False,
+        with_audio=False,
+        quantization="fp8",
+    )
+    model.language_model.fuse_projections()
+    ids = list(range(10, 17))
+    want = prefill_logits(model, ids)
+    monkeypatch.setattr(fused, "FP8_NORM_QUANT", True)
+    monkeypatch.setattr(fused, "takes_fp8_groups", lambda x, layer: isinstance(layer, QuantLinear))
+    taken = []
+    take = QuantLinear.take_quantized_input
+
+    def recording_take(self, x):
+        got = take(self, x)
+        if got is not None:
+            taken.append(self)
+        return got
+
+    monkeypatch.setattr(QuantLinear, "take_quantized_input", recording_take)
+    torch.testing.assert_close(prefill_logits(model, ids), want, atol=0, rtol=0)
+    layers = model.language_model.layers
+    readers = [layer.mlp.gate_up_proj for layer in layers] + [
+        layer.self_attn.input_projection for layer in layers[1:]
+    ]
+    assert all(isinstance(p, QuantLinear) for p in readers)
+    assert sorted(map(id, taken)) == sorted(map(id, readers))

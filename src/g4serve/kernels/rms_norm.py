@@ -4,6 +4,9 @@
 scalar) and ``out2 = rms_norm(out) * w2`` (the next norm that reads the new residual stream). Statistics
 in fp32; each intermediate is rounded to the input dtype where the unfused model rounds it, so bf16
 results equal the eager chain up to the last bit of the norm itself.
+
+``fp8_next``: ``out2`` also quantized for the W8A8 GEMM that reads it (``fp8_matmul.quantize_groups``'
+e4m3 values and per-128-column scales, bit for bit), so that GEMM skips its own quantizing launch.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
+from g4serve.kernels.fp8_matmul import FP8, GROUP, quantize_activation_groups
+from g4serve.kernels.kv_cache_write import quantize_fp8
 
 
 def _rms_norm_fn(
@@ -22,16 +27,21 @@ def _rms_norm_fn(
     Scale,
     Out,
     Out2,
+    Q,
+    SX,
     n_cols,
     eps,
     stride_x,
     stride_r,
     stride_o,
     stride_o2,
+    stride_q,
+    stride_sx,
     HAS_W: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_NORM2: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -55,6 +65,14 @@ def _rms_norm_fn(
         z = z / tl.sqrt(tl.sum(z * z, 0) / n_cols + eps)
         z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
+        if QUANT:  # out2 as the W8A8 GEMM's quantizer reads it: rounded, then per 128-column group
+            zr = z.to(Out2.dtype.element_ty).to(tl.float32)
+            amax = tl.max(tl.reshape(tl.abs(zr), [BLOCK // 128, 128]), axis=1)
+            sx = tl.maximum(tl.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
+            sx_cols = tl.reshape(tl.broadcast_to(sx[:, None], [BLOCK // 128, 128]), [BLOCK])
+            tl.store(Q + row * stride_q + cols, quantize_fp8(zr, sx_cols, Q.dtype.element_ty), mask=mask)
+            groups = tl.arange(0, BLOCK // 128)
+            tl.store(SX + row * stride_sx + groups, sx, mask=groups * 128 < n_cols)
 
 
 _rms_norm = DualKernel(_rms_norm_fn)
@@ -67,9 +85,12 @@ def fused_rms_norm(
     residual: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
+    fp8_next: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., N] -> (out, out2): ``out = (residual + rms_norm(x, weight)) * scale`` and
-    ``out2 = rms_norm(out, next_weight)`` (None without ``next_weight``). Rows need a unit last stride."""
+    ``out2 = rms_norm(out, next_weight)`` (None without ``next_weight``). Rows need a unit last stride.
+    ``fp8_next``: (e4m3 [rows, N], fp32 [rows, ceil(N / 128)]) buffers that receive ``quantize_groups(out2)``
+    (with ``next_weight`` only)."""
     n = x.shape[-1]
     x2d = x.reshape(-1, n)
     if x2d.stride(-1) != 1:
@@ -78,8 +99,10 @@ def fused_rms_norm(
     res2d = residual.reshape(-1, n) if residual is not None else x2d
     out2 = torch.empty_like(out) if next_weight is not None else out
     rows = x2d.shape[0]
+    assert fp8_next is None or next_weight is not None, "fp8_next quantizes the next norm's output"
+    q, sx = fp8_next if fp8_next is not None else (out, out)
     if rows:
-        block = next_pow2(n)
+        block = max(next_pow2(n), GROUP) if fp8_next is not None else next_pow2(n)
         _rms_norm[x.device][(rows,)](
             x2d,
             res2d,
@@ -88,16 +111,21 @@ def fused_rms_norm(
             scale if scale is not None else x2d,
             out,
             out2,
+            q,
+            sx,
             n,
             eps,
             x2d.stride(0),
             res2d.stride(0),
             out.stride(0),
             out2.stride(0),
+            q.stride(0),
+            sx.stride(0),
             HAS_W=weight is not None,
             HAS_RES=residual is not None,
             HAS_SCALE=scale is not None,
             HAS_NORM2=next_weight is not None,
+            QUANT=fp8_next is not None,
             BLOCK=block,
             **pdl(x.device, rows),
             num_warps=min(16, max(1, block // 256)),
@@ -123,13 +151,27 @@ def fused_rms_norm_reference(
     residual: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
+    fp8_next: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     out = rms_norm_reference(x, weight, eps)
     if residual is not None:
         out = residual + out
     if scale is not None:
         out = out * scale
-    return out, (rms_norm_reference(out, next_weight, eps) if next_weight is not None else None)
+    out2 = rms_norm_reference(out, next_weight, eps) if next_weight is not None else None
+    if fp8_next is not None:
+        q, sx = quantize_activation_groups(out2.reshape(-1, out2.shape[-1]))
+        fp8_next[0].copy_(q)
+        fp8_next[1].copy_(sx)
+    return out, out2
 
 
-__all__ = ["fused_rms_norm", "fused_rms_norm_reference", "rms_norm_reference"]
+def fp8_next_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``fp8_next`` buffers for rows like ``x`` [..., N]: e4m3 [rows, N], fp32 [rows, ceil(N / 128)]."""
+    n = x.shape[-1]
+    rows = x.numel() // max(n, 1)
+    q = torch.empty((rows, n), dtype=FP8, device=x.device)
+    return q, torch.empty((rows, -(-n // GROUP)), dtype=torch.float32, device=x.device)
+
+
+__all__ = ["fp8_next_buffers", "fused_rms_norm", "fused_rms_norm_reference", "rms_norm_reference"]

@@ -25,9 +25,13 @@ from g4serve.kernels import decode_tail as _decode_tail
 from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.qkv_prep import qkv_prep
-from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
+from g4serve.kernels.rms_norm import fp8_next_buffers, fused_rms_norm, fused_rms_norm_reference
 from g4serve.layers.norm import RMSNorm
-from g4serve.layers.quant import QuantLinear, quant_linear
+from g4serve.layers.quant import QuantLinear, quant_linear, takes_fp8_groups
+
+# A norm whose output feeds a W8A8 FP8 projection at decode sizes quantizes it for that projection in the same
+# pass (its quantizing launch saved; bit for bit the same values). Off until a device run has timed it.
+FP8_NORM_QUANT = envs.get("G4SERVE_FP8_NORM_QUANT") == "1"
 
 
 def add_rms_norm(
@@ -36,18 +40,29 @@ def add_rms_norm(
     residual: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     next_norm: RMSNorm | None = None,
+    next_proj: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``)."""
+    """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``).
+    ``next_proj``: the projection that reads ``next_norm(out)``; where it multiplies on the FP8 tensor cores
+    (``quant.takes_fp8_groups``) and ``G4SERVE_FP8_NORM_QUANT=1``, the pass also quantizes that output for it
+    (``QuantLinear.offer_quantized_input``)."""
     assert next_norm is None or next_norm.eps == norm.eps, "one eps for both norms of a fused pass"
+    fp8 = None
+    if FP8_NORM_QUANT and next_norm is not None and next_proj is not None and takes_fp8_groups(x, next_proj):
+        fp8 = fp8_next_buffers(x)
     fn = fused_rms_norm if x.is_cuda else fused_rms_norm_reference
-    return fn(
+    out, out2 = fn(
         x,
         norm.weight,
         norm.eps,
         residual=residual,
         scale=scale,
         next_weight=next_norm.weight if next_norm is not None else None,
+        fp8_next=fp8,
     )
+    if fp8 is not None:
+        next_proj.offer_quantized_input(out2, *fp8)
+    return out, out2
 
 
 def norm_rope(

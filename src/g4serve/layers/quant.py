@@ -24,7 +24,7 @@ from torch import nn
 
 from g4serve import envs
 from g4serve.kernels.act_mul import act_mul
-from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_supported
+from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_quantized, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
@@ -95,6 +95,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self)
 
+    def offer_quantized_input(self, x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor) -> None:
+        """``x`` already quantized for the W8A8 GEMM (``fp8_matmul.quantize_groups``' values and scales, by
+        the kernel that wrote ``x``): this layer's next call takes them if it is handed that very tensor."""
+        self._quantized_input = (x, xq, sx)
+
+    def take_quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The offered (values, scales) when ``x`` is the offered tensor, else None; the offer ends either
+        way."""
+        held = getattr(self, "_quantized_input", None)
+        self._quantized_input = None
+        return held[1:] if held is not None and held[0] is x else None
+
     def row_scales(self) -> torch.Tensor:
         """[1, N] fp32: each output row's weight scale (FP8 with one scale column: ``torch._scaled_mm``'s
         ``scale_b``). Built once and kept until ``weight_scale`` changes (its version counter), so prefill
@@ -134,6 +146,7 @@ def quant_linear(
 ) -> torch.Tensor:
     """``layer(x)``, or with ``gemv``'s epilogues (``GATE_UP``: act(gate) * up of a stacked layer; ``MUL``:
     act(layer(x)) * other). CPU and other non-CUDA tensors: the reference (dense weight, then F.linear)."""
+    quantized = layer.take_quantized_input(x)
     if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
         return _reference(x, layer, epilogue, activation, other)
     m = x.shape[0]
@@ -150,7 +163,11 @@ def quant_linear(
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
     if m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
-        y = fp8_matmul(x, layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
+        args = (layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
+        if quantized is not None:  # quantized by the kernel that wrote x (``layers.fused.add_rms_norm``)
+            y = fp8_matmul_quantized(*quantized, x.dtype, *args)
+        else:
+            y = fp8_matmul(x, *args)
     else:
         y = quant_matmul(
             x,
@@ -171,6 +188,14 @@ def quant_linear(
 
 def _reference(x, layer: QuantLinear, epilogue: int, activation: str | None, other) -> torch.Tensor:
     return epilogue_reference(F.linear(x, layer.dequantize(x.dtype), layer.bias), epilogue, activation, other)
+
+
+def takes_fp8_groups(x: torch.Tensor, layer: nn.Module) -> bool:
+    """Whether ``layer(x)`` runs the W8A8 GEMM on ``quantize_groups(x)`` (FP8 weights with dynamic activation
+    scales, decode-sized CUDA rows): the input a producing kernel may quantize for it."""
+    if not isinstance(layer, QuantLinear) or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        return False
+    return 0 < x.shape[0] <= SKINNY_ROWS and _fp8_matmul_ok(x, layer)
 
 
 def _scaled_mm_ok(x: torch.Tensor, layer: QuantLinear) -> bool:

@@ -93,6 +93,11 @@ class TextAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # q, k, v stacked (``fuse_projections``)
         self._v_in_qkv = False
 
+    @property
+    def input_projection(self) -> nn.Module:
+        """The projection that reads the layer's normed input first: q/k/v stacked, or q alone."""
+        return self.qkv_proj if self.qkv_proj is not None else self.q_proj
+
     @torch.no_grad()
     def fuse_projections(self) -> None:
         """Stack the q/k/v projections into one GEMM (the fast path; the split is a view per step)."""
@@ -333,9 +338,11 @@ class DecoderLayer(nn.Module):
         normed: torch.Tensor | None = None,
         next_norm: RMSNorm | None = None,
         lora: LoRABatch | None = None,
+        next_proj: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (the layer's output h, ``next_norm(h)`` or None). ``normed``: ``input_layernorm(h)`` when the
-        previous layer already computed it (its ``next_norm``, fused into its last residual add)."""
+        previous layer already computed it (its ``next_norm``, fused into its last residual add).
+        ``next_proj``: the next layer's ``input_projection``, which reads ``next_norm(h)``."""
         # Each add_rms_norm is one fused pass on CUDA; the comments spell out the unfused math.
         residual = h
         x = normed if normed is not None else self.input_layernorm(h)
@@ -345,7 +352,11 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(x, cos, sin, meta, backend, lora)
         # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
         h, x = add_rms_norm(
-            h, self.post_attention_layernorm, residual=residual, next_norm=self.pre_feedforward_layernorm
+            h,
+            self.post_attention_layernorm,
+            residual=residual,
+            next_norm=self.pre_feedforward_layernorm,
+            next_proj=self.mlp.gate_up_proj,
         )
 
         residual = h
@@ -366,6 +377,7 @@ class DecoderLayer(nn.Module):
                 residual=residual,
                 scale=self.layer_scalar,
                 next_norm=next_norm,
+                next_proj=next_proj,
             )
         h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
         # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
@@ -376,6 +388,7 @@ class DecoderLayer(nn.Module):
             residual=h,
             scale=self.layer_scalar,
             next_norm=next_norm,
+            next_proj=next_proj,
         )
 
 
@@ -471,9 +484,20 @@ class Gemma4TextModel(nn.Module):
                 lora = lora.select(idx) if lora is not None else None
                 sliced = True
             cos, sin = tables[layer.layer_type]
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            last = i + 1 == len(self.layers)
+            next_norm = self.norm if last else self.layers[i + 1].input_layernorm
+            next_proj = None if last else self.layers[i + 1].self_attn.input_projection
             h, normed = layer(
-                h, ple[:, i] if ple is not None else None, cos, sin, meta, backend, normed, next_norm, lora
+                h,
+                ple[:, i] if ple is not None else None,
+                cos,
+                sin,
+                meta,
+                backend,
+                normed,
+                next_norm,
+                lora,
+                next_proj,
             )
         h = normed  # self.norm(h), from the last layer
         if keep_indices is not None and not sliced:
