@@ -263,9 +263,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
-        self.decode_counters: torch.Tensor | None = (
-            None  # the persistent decode tail's (``fuse_projections``)
-        )
+        # the persistent decode tail's counters, made by ``fuse_projections`` on CUDA
+        self.decode_counters: torch.Tensor | None = None
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
