@@ -2,8 +2,9 @@
 
 What a step pays after the forward when its requests sample instead of taking the argmax: building the
 ``SamplingBatch`` (host parameters to the device) and ``sample`` (temperature, top-k / top-p / min-p,
-the exponential race). The greedy benchmarks elsewhere never pay it. Top-k runs twice: with its
-``torch.topk`` candidates and forced through the sort of the whole vocabulary; top-p and temperature alone
+the exponential race). The greedy benchmarks elsewhere never pay it. Top-k runs three ways: with its
+``torch.topk`` candidates, forced through the sort of the whole vocabulary, and in the sort-free kernel's
+radix select (``G4SERVE_SORT_FREE_TOP_K``, the "sort-free" rows); top-p and temperature alone
 twice: through the sort-free kernel (CUDA) and through the torch masks and sort. Median of ``--reps``
 after warm-up, synchronised per call; writes JSON (device, versions, commit) to bench/results/.
 
@@ -37,19 +38,25 @@ SETTINGS = {
     "top_p=0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "top_p=0.9, sort": SamplingParams(temperature=0.8, top_p=0.9),
     "top_k=50 top_p=0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "top_k=50, sort-free": SamplingParams(temperature=0.8, top_k=50),
+    "top_k=64 top_p=0.95, sort-free": SamplingParams(temperature=1.0, top_k=64, top_p=0.95),
+    "top_k=64 top_p=0.95": SamplingParams(temperature=1.0, top_k=64, top_p=0.95),
     "min_p=0.05": SamplingParams(temperature=0.8, min_p=0.05),
     "temperature, sort path": SamplingParams(temperature=0.8),
 }
 
 
-def time_setting(params: SamplingParams, logits: torch.Tensor, reps: int, full_sort: bool) -> float:
+def time_setting(
+    params: SamplingParams, logits: torch.Tensor, reps: int, full_sort: bool, sort_free_top_k: bool = False
+) -> float:
     """Median ms of one step's sampling (batch build + sample) over ``reps`` calls. ``full_sort``: top-k
     without its ``topk`` candidates, top-p and temperature through the torch masks and sort instead of the
-    sort-free kernel."""
+    sort-free kernel. ``sort_free_top_k``: top-k in the sort-free kernel (``G4SERVE_SORT_FREE_TOP_K``)."""
     device, batch = logits.device, logits.shape[0]
     rows = [params] * batch
-    saved = sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P
-    sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P = (0, False) if full_sort else saved
+    saved = sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P, sampler.SORT_FREE_TOP_K
+    sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P = (0, False) if full_sort else saved[:2]
+    sampler.SORT_FREE_TOP_K = sort_free_top_k
     try:
         times = []
         for rep in range(reps + 3):  # three warm-up calls
@@ -63,7 +70,7 @@ def time_setting(params: SamplingParams, logits: torch.Tensor, reps: int, full_s
             if rep >= 3:
                 times.append(time.perf_counter() - t0)
     finally:
-        sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P = saved
+        sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P, sampler.SORT_FREE_TOP_K = saved
     return 1e3 * statistics.median(times)
 
 
@@ -112,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         # Peaked like a language model's logits: a few likely tokens over a long flat tail.
         logits = torch.randn(batch, args.vocab, device=device, generator=gen) * 2.5
         for name, params in SETTINGS.items():
-            ms = time_setting(params, logits, args.reps, full_sort=name.endswith(("sort", "sort path")))
+            full_sort = name.endswith(("sort", "sort path"))
+            ms = time_setting(
+                params, logits, args.reps, full_sort, sort_free_top_k=name.endswith("sort-free")
+            )
             rows.append({"batch": batch, "setting": name, "ms": ms})
             print(f"B={batch:3d} {name:22s} {ms:8.3f} ms", flush=True)
         for block in args.kernel_blocks if device.type == "cuda" else []:

@@ -5,7 +5,8 @@
 #          alignment, W8A8 MoE experts, media prepared on the GPU); bench/moe_kernels.py --quant fp8
 #          (align_p against align_t, FP8 experts dequantized against W8A8); bench/preprocess_media.py
 #          --device cuda (the --media-on-gpu path's pieces); the persistent decode-tail kernel: its GPU tests
-#          and bench/decode_tail.py (e4b and 31b, M = 1-8)
+#          and bench/decode_tail.py (e4b and 31b, M = 1-8); bench/sampler.py (top-k in the sort-free kernel,
+#          G4SERVE_SORT_FREE_TOP_K, against torch.topk)
 #   seed:  26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN)
 #   quant: e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
@@ -46,8 +47,9 @@ lane_kernels() {
   has media && run preprocess-media 90 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES"
   if has tail; then
     run tail-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_decode_tail_gpu.py \
-      tests/gpu/test_fp8_norm_quant_gpu.py
+      tests/gpu/test_fp8_norm_quant_gpu.py tests/gpu/test_kernels_gpu.py -k "tail or norm_quant or fp8 or top_"
     run decode-tail 150 python3 bench/decode_tail.py --presets e4b 31b --out-dir "$RES"
+    run sampler 120 python3 bench/sampler.py --batches 1 8 64 --out-dir "$RES"
   fi
 }
 
@@ -126,6 +128,7 @@ fi
   echo "## audio beside text"; cat "$RES/audio/summary.md" 2>/dev/null
   echo "## decode tail kernel"; tail -n 3 "$RES/tail-tests.log" 2>/dev/null
   grep -hE "H=|best" "$RES/decode-tail.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-tail-e4b-*.log "$RES"/fp8-norm-quant-e4b-*.log 2>/dev/null
+  echo "## sampler"; grep -hE "top_k" "$RES/sampler.log" 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
   echo "## int4 e4b"; grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b.log 2>/dev/null

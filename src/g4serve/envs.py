@@ -49,6 +49,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_SORT_FREE_TOP_K",
+        "0",
+        "`1`: CUDA batches that use top-k sample in the sort-free kernel too (a radix select of the k-th "
+        "best instead of `torch.topk`; off until timed)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_FP8_MATMUL",
         "w8a8",
         "FP8 weights with dynamic activation scales at decode sizes: `w8a8` on the FP8 tensor cores, "

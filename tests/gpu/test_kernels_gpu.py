@@ -361,6 +361,39 @@ def test_top_p_sample_matches_the_sort_over_gemma_vocabulary(rows):
     assert same >= total - max(1, total // 100), (same, total)
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_top_k_in_the_sort_free_kernel_over_gemma_vocabulary(rows):
+    """Top-k in the sort-free kernel (its radix select) against ``torch.topk`` and the sampler's masks on the
+    same noise, over 262,144 ids: every drawn token scores at least the row's k-th best, and the same token
+    as the torch path in all but a few rows (top-p's boundary rounds differently)."""
+    from g4serve.kernels.top_p_sample import top_p_sample
+    from g4serve.layers.sampler import SamplingBatch, _top_k_top_p_min_p
+    from g4serve.sampling_params import SamplingParams
+
+    vocab, trials = 262144, 8
+    gen = torch.Generator(device="cuda").manual_seed(100 + rows)
+    kinds = [
+        SamplingParams(temperature=1.0, top_k=64, top_p=0.95),
+        SamplingParams(temperature=0.8, top_k=50),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_k=4096, top_p=0.9, min_p=0.01),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    b = SamplingBatch.build(params, [None] * rows, vocab, "cuda")
+    same = total = 0
+    for trial in range(trials):
+        logits = torch.randn(rows, vocab, device="cuda", generator=gen) * (0.5 + trial)
+        noise = torch.empty(rows, vocab, device="cuda").exponential_(generator=gen)
+        got = top_p_sample(logits, b.temperature, b.top_p, b.min_p, noise, top_k=b.top_k)
+        scaled = logits / b.temperature.unsqueeze(1)
+        kth = torch.stack([scaled[r].topk(int(b.top_k[r])).values[-1] for r in range(rows)])
+        assert (scaled.gather(1, got.unsqueeze(1)).squeeze(1) >= kth).all()
+        want = (_top_k_top_p_min_p(scaled, b).softmax(dim=-1) / noise).argmax(dim=-1)
+        same += int((got == want).sum())
+        total += rows
+    assert same >= total - max(1, total // 100), (same, total)
+
+
 def test_pixel_rescale_on_cuda_equals_the_cpu_processor():
     """The engine uploads uint8 patches and rescales them on the device: every byte value must give the
     float32 the CPU processor gives, for images (multiply) and video frames (division)."""

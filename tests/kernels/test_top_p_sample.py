@@ -1,5 +1,7 @@
-"""The sort-free top-p / min-p sampling kernel in Triton's interpreter against the sampler's torch path
-(mask with the filters, then the exponential race) on the same noise: the same token for every row."""
+"""The sort-free top-k / top-p / min-p sampling kernel in Triton's interpreter against the sampler's torch
+path (mask with the filters, then the exponential race) on the same noise: the same token for every row.
+Top-k's radix select finds the k-th best exactly (ties, negatives, -inf and signed zeros); the launch compiles
+to sm_90."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def _torch_path(logits, params, noise):
 
 def _kernel(logits, params, noise, block):
     b = SamplingBatch.build(params, [None] * len(params), logits.shape[1], "cpu")
-    return top_p_sample(logits, b.temperature, b.top_p, b.min_p, noise, block=block)
+    top_k = b.top_k if b.uses_top_k else None
+    return top_p_sample(logits, b.temperature, b.top_p, b.min_p, noise, block=block, top_k=top_k)
 
 
 PARAMS = [
@@ -70,3 +73,70 @@ def test_draw_frequencies_follow_the_top_p_set():
     freq = torch.bincount(tokens, minlength=logits.shape[1]).float() / len(params)
     want = torch.where(kept, probs, 0.0) / probs[kept].sum()
     torch.testing.assert_close(freq, want, atol=0.04, rtol=0)
+
+
+TOP_K_PARAMS = [
+    SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    SamplingParams(temperature=0.7, top_k=1),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_k=VOCAB - 1, top_p=0.5),
+    SamplingParams(temperature=1.0, top_k=VOCAB + 7),  # past the vocabulary: off
+    SamplingParams(temperature=1.0, top_p=0.9),  # no top-k in a batch that has some
+    SamplingParams(temperature=1.0, top_k=64, top_p=0.95, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("block", [128, 1024])
+def test_top_k_rows_draw_what_sorting_draws(block):
+    gen = torch.Generator().manual_seed(10 + block)
+    for trial in range(5):
+        logits = torch.randn(len(TOP_K_PARAMS), VOCAB, generator=gen) * (1 + trial)
+        if trial >= 3:  # integer logits: ties at the k-th best, kept all (as torch's masks keep them)
+            logits = logits.round()
+        noise = torch.empty(len(TOP_K_PARAMS), VOCAB).exponential_(generator=gen)
+        got = _kernel(logits, TOP_K_PARAMS, noise, block)
+        assert torch.equal(got, _torch_path(logits, TOP_K_PARAMS, noise)), trial
+
+
+@pytest.mark.parametrize("k", [1, 2, 37, 500, VOCAB - 1])
+def test_radix_select_finds_the_kth_best_exactly(k):
+    """Noise that makes the race pick the least likely token the filters keep: with top-k alone that is a
+    token scoring exactly the k-th best. Rows of negatives, -inf, signed zeros and heavy ties."""
+    gen = torch.Generator().manual_seed(k)
+    rows = [
+        torch.randn(VOCAB, generator=gen) * 5 - 20,  # all negative
+        torch.randn(VOCAB, generator=gen).round(),  # ties everywhere, both zeros' signs
+        torch.where(torch.rand(VOCAB, generator=gen) < 0.3, float("-inf"), torch.randn(VOCAB, generator=gen)),
+    ]
+    rows[1][::7] = -0.0
+    logits = torch.stack(rows)
+    e = (logits - logits.max(dim=1, keepdim=True).values).exp()
+    noise = (e * e).clamp_min(1e-30)  # e / noise = 1 / e: the race prefers the least likely kept token
+    params = [SamplingParams(temperature=1.0, top_k=k)] * len(rows)
+    tokens = _kernel(logits, params, noise, 256)
+    kth = logits.topk(k, dim=1).values[:, -1]
+    finite = torch.isfinite(kth)
+    picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert torch.equal(picked[finite], kth[finite])
+    assert torch.isfinite(picked).all()  # a row with fewer than k finite logits still draws a finite one
+
+
+def test_kernel_compiles_for_sm90(monkeypatch):
+    """The interpreter does not apply the compiled language's rules: the top-k launch compiles to sm_90."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    import g4serve.kernels.top_p_sample as module
+
+    rows, vocab = 8, 262144
+    logits = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
+    noise = torch.empty(rows, vocab, device="meta")
+    flat = torch.empty(rows, device="meta")
+    top_k = torch.empty(rows, dtype=torch.int64, device="meta")
+    launches = _launches(
+        monkeypatch,
+        module,
+        "_top_p_sample",
+        lambda: top_p_sample(logits, flat, flat, flat, noise, top_k=top_k),
+    )
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)

@@ -107,6 +107,32 @@ def test_candidate_race_draws_what_the_whole_row_draws(monkeypatch):
         assert torch.equal(on_candidates, whole_row), trial
 
 
+@pytest.mark.parametrize("sort_free_top_k", [False, True])
+def test_cuda_batches_take_the_sort_free_kernel_where_switched_on(sort_free_top_k, monkeypatch):
+    """``sample`` on CUDA-looking rows (the kernel runs in Triton's interpreter on these CPU tensors): a batch
+    with top-k takes the sort-free kernel only with G4SERVE_SORT_FREE_TOP_K, and either way draws the tokens
+    the torch filters and race draw from the same seeds."""
+    import g4serve.kernels.top_p_sample as kernel
+
+    rows = [
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=1),
+        SamplingParams(temperature=0.7, top_k=3, seed=2),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=3),
+        SamplingParams(temperature=0, seed=4),
+    ]
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
+    want = sample(logits, batch).token_ids
+    calls = []
+    real = kernel.top_p_sample
+    monkeypatch.setattr(sampler, "top_p_sample", lambda *a, **k: calls.append(k["top_k"]) or real(*a, **k))
+    monkeypatch.setattr(sampler, "SORT_FREE_TOP_K", sort_free_top_k)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert torch.equal(sample(logits, batch).token_ids, want)
+    assert len(calls) == (1 if sort_free_top_k else 0)
+    assert not sort_free_top_k or torch.equal(calls[0], batch.top_k)
+
+
 def test_draws_follow_the_filtered_distribution():
     """Many seeded draws of one row: frequencies within 4 sigma of the filtered probabilities, nothing
     outside the kept set."""

@@ -1,4 +1,4 @@
-"""Temperature, top-p and min-p sampling without sorting the vocabulary: one program per row.
+"""Temperature, top-k, top-p and min-p sampling without sorting the vocabulary: one program per row.
 
 The sampler draws a token as the exponential race ``argmax_i p_i / q_i`` (q ~ Exp(1), per-row noise) over
 the tokens its filters keep. Top-p keeps the smallest prefix of the tokens sorted by probability whose mass
@@ -16,6 +16,14 @@ set. So with the same noise this returns what masking and racing over the whole 
 rounding of the mass sums at the top-p boundary, and ties in probability, which the sort orders by index).
 Each round removes at least the winner, and a winner outside the set is drawn with probability 1 - top_p,
 so a row takes 1-2 rounds on average. Min-p keeps tokens with p >= min_p * p_max: a floor under the search.
+
+Top-k (``HAS_TOP_K``; a row's k in [1, V) keeps the tokens scoring at least its k-th best, ties included)
+finds that k-th best value by a radix select instead of ``torch.topk``: the scaled logits as order-keeping
+32-bit keys, four passes of a 256-bin histogram of one byte each (among the keys that share the bytes found so
+far), each pass keeping the bin where the count from the top reaches k. One more pass sums the kept tokens'
+weight, which top-p's budget is a fraction of (top-p after top-k renormalises over the top-k set), and the
+race above runs over the kept tokens only. So top-k costs five passes over the row, against a topk kernel and
+the torch softmax, cumsum and scatter over its candidates.
 """
 
 from __future__ import annotations
@@ -27,7 +35,51 @@ import triton.language as tl
 from g4serve.kernels._launch import DualKernel
 
 
-def _top_p_sample_fn(Logits, Noise, Temperature, TopP, MinP, Out, V, stride_l, stride_n, BLOCK: tl.constexpr):
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32 keys in the order of the values (negatives' bits inverted, positives' sign bit set)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return bits ^ tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+
+
+@triton.jit
+def _kth_largest(logits, inv_t, k, V, offs, BLOCK: tl.constexpr):
+    """The k-th largest of the row's scaled logits (1 <= k <= V): radix select, a byte a pass from the top."""
+    prefix = tl.full([], 0, tl.uint32)
+    rank = k  # the rank still sought among the keys that share ``prefix``
+    bins = tl.arange(0, 256)
+    for byte in tl.static_range(4):
+        shift = 24 - 8 * byte
+        counts = tl.zeros([256], tl.int32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            valid = idx < V
+            key = _order_key(tl.load(logits + idx, mask=valid, other=0.0).to(tl.float32) * inv_t)
+            if byte > 0:
+                valid = valid & ((key >> (shift + 8)) == prefix)
+            counts += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=valid)
+        at_least = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts  # keys whose byte is >= the bin's
+        pick = tl.max(tl.where(at_least >= rank, bins, -1), 0)
+        rank -= tl.sum(tl.where(bins > pick, counts, 0), 0)
+        prefix = (prefix << 8) | pick.to(tl.uint32)
+    bits = prefix ^ tl.where((prefix >> 31) == 1, 0x80000000, 0xFFFFFFFF).to(tl.uint32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+def _top_p_sample_fn(  # noqa: C901 - Triton kernel body: its branches test HAS_TOP_K and runtime row settings
+    Logits,
+    Noise,
+    Temperature,
+    TopP,
+    MinP,
+    TopK,
+    Out,
+    V,
+    stride_l,
+    stride_n,
+    HAS_TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     logits = Logits + row * stride_l
     noise = Noise + row * stride_n
@@ -48,6 +100,17 @@ def _top_p_sample_fn(Logits, Noise, Temperature, TopP, MinP, Out, V, stride_l, s
         m = m_new
     x_max = tl.max(m, 0)
     total = tl.sum(s * tl.exp(m - x_max), 0)
+    floor = tl.full([], float("-inf"), tl.float32)  # top-k: tokens must score at least this
+    if HAS_TOP_K:
+        k = tl.load(TopK + row)
+        if (k > 0) & (k < V):
+            floor = _kth_largest(logits, inv_t, k.to(tl.int32), V, offs, BLOCK)
+            kept = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                x = tl.load(logits + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+                kept += tl.where(x >= floor, tl.exp(x - x_max), 0.0)
+            total = tl.sum(kept, 0)
     budget = top_p * total  # in units of exp(x - x_max): the most likely token weighs 1
 
     low = tl.full([], -1.0, tl.float32)  # tokens must weigh more than this
@@ -64,7 +127,7 @@ def _top_p_sample_fn(Logits, Noise, Temperature, TopP, MinP, Out, V, stride_l, s
             x = tl.load(logits + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
             q = tl.load(noise + idx, mask=valid, other=1.0)
             e = tl.exp(x - x_max)
-            score = tl.where(valid & (e > low) & (e >= min_p), e / q, -1.0)
+            score = tl.where(valid & (e > low) & (e >= min_p) & (x >= floor), e / q, -1.0)
             better = score > best
             best = tl.where(better, score, best)
             best_idx = tl.where(better, idx, best_idx)
@@ -99,10 +162,12 @@ def top_p_sample(
     min_p: torch.Tensor,
     noise: torch.Tensor,
     block: int = 8192,
+    top_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] (unit last stride), temperature / top_p / min_p [B] fp32 (temperature > 0), noise [B, V]
     fp32 Exp(1) draws -> [B] long: per row, ``argmax(softmax(logits / t) / noise)`` over the tokens that
-    top-p and then min-p keep (``layers/sampler.py``'s filters without top-k)."""
+    top-k (``top_k`` [B] integers, 0 or >= V: off), then top-p, then min-p keep (``layers/sampler.py``'s
+    filters)."""
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and noise.stride(-1) == 1 and noise.shape == logits.shape
     out = torch.empty(rows, dtype=torch.int32, device=logits.device)
@@ -114,10 +179,12 @@ def top_p_sample(
             temperature.float().contiguous(),
             top_p.float().contiguous(),
             min_p.float().contiguous(),
+            top_k.to(torch.int32).contiguous() if top_k is not None else out,
             out,
             vocab,
             logits.stride(0),
             noise.stride(0),
+            HAS_TOP_K=top_k is not None,
             BLOCK=block,
             num_warps=16 if block >= 4096 else 4,
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from g4serve import envs
 from g4serve.kernels.philox import exponential_noise
 from g4serve.kernels.top_p_sample import top_p_sample
 from g4serve.sampling_params import SamplingParams
@@ -170,6 +171,9 @@ MAX_TOPK_CANDIDATES = 1024
 # CUDA batches without top-k sample through kernels/top_p_sample.py; False: the masks below and a sort (the
 # A/B switch of bench/sampler.py).
 SORT_FREE_TOP_P = True
+# CUDA batches with top-k too (the kernel's radix select instead of torch.topk and the masks over its
+# candidates): off until a device run has timed both (bench/sampler.py, "sort-free" rows).
+SORT_FREE_TOP_K = envs.get("G4SERVE_SORT_FREE_TOP_K") == "1"
 
 
 def _candidates(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -244,9 +248,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     else:
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
         noise = exponential_noise(b.seeds, b.positions, logits.shape[-1])
-        if logits.is_cuda and not b.uses_top_k and SORT_FREE_TOP_P:
-            # Temperature, top-p and min-p in one kernel that searches the top-p set instead of sorting.
-            sampled = top_p_sample(logits, temp, b.top_p, b.min_p, noise)
+        if logits.is_cuda and SORT_FREE_TOP_P and (SORT_FREE_TOP_K or not b.uses_top_k):
+            # Temperature, top-k, top-p and min-p in one kernel that searches the kept set instead of sorting.
+            top_k = b.top_k if b.uses_top_k else None
+            sampled = top_p_sample(logits, temp, b.top_p, b.min_p, noise, top_k=top_k)
         else:
             sampled = _race(logits / temp.unsqueeze(1), b, noise)
         tokens = torch.where(b.temperature > 0, sampled, greedy_tokens)
