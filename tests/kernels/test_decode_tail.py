@@ -162,15 +162,20 @@ def test_refuses_what_it_is_not_built_for():
 
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize(
-    "dims",
-    [(2560, 2048, 10240, 256), (2560, 4096, 10240, 256), (5376, 8192, 21504, 0)],
-    ids=["e4b", "e4b-global", "31b"],
+    "dims,dtype",
+    [
+        ((2560, 2048, 10240, 256), torch.bfloat16),
+        ((2560, 4096, 10240, 256), torch.bfloat16),
+        ((5376, 8192, 21504, 0), torch.bfloat16),
+        ((64, 32, 96, 16), torch.float32),  # a tiny checkpoint in fp32, as the GPU engine test runs it
+    ],
+    ids=["e4b", "e4b-global", "31b", "tiny-fp32"],
 )
-def test_kernel_compiles_for_sm90(monkeypatch, m, dims):
+def test_kernel_compiles_for_sm90(monkeypatch, m, dims, dtype):
     from test_kv_fp8_sm90_compile import _compile, _launches
 
     h, q, i, p = dims
-    meta = dict(dtype=torch.bfloat16, device="meta")
+    meta = dict(dtype=dtype, device="meta")
 
     def t(*shape):
         return torch.empty(*shape, **meta)

@@ -128,7 +128,7 @@ def test_kernel_compiles_for_sm90(monkeypatch):
     import g4serve.kernels.top_p_sample as module
 
     rows, vocab = 8, 262144
-    logits = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
+    logits = torch.empty(rows, vocab, device="meta")  # fp32, as ``sample`` hands them over
     noise = torch.empty(rows, vocab, device="meta")
     flat = torch.empty(rows, device="meta")
     top_k = torch.empty(rows, dtype=torch.int64, device="meta")
