@@ -71,36 +71,39 @@ def test_kernel_equals_the_separate_ops(m, h, q, i, p):
     assert not counters.any()
 
 
-@pytest.mark.parametrize("variant", ["e", "31b"])
-def test_engine_tokens_with_the_kernel_equal_the_separate_ops(hf_checkpoint, variant, monkeypatch):
-    import g4serve.layers.fused as fused
+def greedy_tokens(checkpoint, **engine_kw) -> list[list[int]]:
+    """Twelve greedy tokens for each of three chat prompts, from a fresh CUDA engine (graphs captured) on
+    ``checkpoint``: what an engine-level A/B of a kernel switch compares."""
     from g4serve.engine.engine import EngineConfig, LLMEngine
     from g4serve.sampling_params import SamplingParams
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    kw = dict(
-        model=str(hf_checkpoint(variant)),
+    config = EngineConfig(
+        model=str(checkpoint),
         device="cuda",
-        dtype="float32",
         kv_cache_bytes=64 << 20,
         max_num_batched_tokens=256,
         max_num_seqs=8,
+        **engine_kw,
     )
+    engine = LLMEngine(config)
     turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
     prompts = [turn.format(t) for t in ("What is my balance?", "Send 40 dollars to Maria", "Hi")]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for n, prompt in enumerate(prompts):
+        engine.add_request(engine.make_request(str(n), engine.process_prompt(prompt), params))
+    done = engine.run_until_finished()
+    return [done[str(n)].outputs[0].token_ids for n in range(len(prompts))]
 
-    def tokens() -> list[list[int]]:
-        engine = LLMEngine(EngineConfig(**kw))
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        for n, prompt in enumerate(prompts):
-            engine.add_request(engine.make_request(str(n), engine.process_prompt(prompt), params))
-        done = engine.run_until_finished()
-        return [done[str(n)].outputs[0].token_ids for n in range(len(prompts))]
 
-    separate = tokens()
+@pytest.mark.parametrize("variant", ["e", "31b"])
+def test_engine_tokens_with_the_kernel_equal_the_separate_ops(hf_checkpoint, variant, monkeypatch):
+    import g4serve.layers.fused as fused
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    separate = greedy_tokens(hf_checkpoint(variant), dtype="float32")
     calls = []
     kernel = fused._decode_tail.decode_tail
     monkeypatch.setattr(fused, "DECODE_TAIL", True)
     monkeypatch.setattr(fused._decode_tail, "decode_tail", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    assert tokens() == separate
+    assert greedy_tokens(hf_checkpoint(variant), dtype="float32") == separate
     assert calls  # the decode steps' layer tails took the kernel (captured into the graphs)

@@ -27,41 +27,22 @@ def test_kernel_equals_the_quantizing_launch(rows, n):
 
 
 def test_fp8_engine_tokens_equal_without_the_fused_quantizer(hf_checkpoint, monkeypatch):
+    from test_decode_tail_gpu import greedy_tokens
+
     import g4serve.layers.fused as fused
-    from g4serve.engine.engine import EngineConfig, LLMEngine
     from g4serve.layers.quant import QuantLinear
-    from g4serve.sampling_params import SamplingParams
 
-    kw = dict(
-        model=str(hf_checkpoint("31b")),
-        device="cuda",
-        dtype="bfloat16",
-        quantization="fp8",
-        kv_cache_bytes=64 << 20,
-        max_num_batched_tokens=256,
-        max_num_seqs=8,
-    )
-    turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
-    prompts = [turn.format(t) for t in ("What is my balance?", "Send 40 dollars to Maria", "Hi")]
-
-    def tokens() -> list[list[int]]:
-        engine = LLMEngine(EngineConfig(**kw))
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        for n, prompt in enumerate(prompts):
-            engine.add_request(engine.make_request(str(n), engine.process_prompt(prompt), params))
-        done = engine.run_until_finished()
-        return [done[str(n)].outputs[0].token_ids for n in range(len(prompts))]
-
-    separate = tokens()
+    checkpoint = hf_checkpoint("31b")
+    separate = greedy_tokens(checkpoint, dtype="bfloat16", quantization="fp8")
     taken = []
     take = QuantLinear.take_quantized_input
-    monkeypatch.setattr(fused, "FP8_NORM_QUANT", True)
 
     def recording_take(self, x):
         got = take(self, x)
         taken.append(got is not None)
         return got
 
+    monkeypatch.setattr(fused, "FP8_NORM_QUANT", True)
     monkeypatch.setattr(QuantLinear, "take_quantized_input", recording_take)
-    assert tokens() == separate
+    assert greedy_tokens(checkpoint, dtype="bfloat16", quantization="fp8") == separate
     assert any(taken)  # the W8A8 projections took the norms' quantized outputs
