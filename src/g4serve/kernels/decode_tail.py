@@ -56,6 +56,7 @@ from g4serve.kernels.rms_norm import fused_rms_norm_reference
 
 # tickets handed out; finished tasks of phases o, n1, a, b, n2, g, p, n3; programs gone
 COUNTERS = 10
+_COUNTERS = tl.constexpr(COUNTERS)  # the kernel's view of it (a jitted function reads constexpr globals only)
 
 
 @triton.jit
@@ -390,7 +391,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, H
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
     gone = tl.atomic_add(C + 9, 1, sem="acq_rel")
     if gone == tl.num_programs(0) - 1:
-        for k in tl.static_range(10):  # COUNTERS
+        for k in tl.static_range(_COUNTERS):
             tl.atomic_xchg(C + k, 0)
 
 

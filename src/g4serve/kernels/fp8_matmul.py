@@ -23,7 +23,7 @@ import triton.language as tl
 from g4serve.kernels._launch import DualKernel, pdl, sm_count, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, store_gated
-from g4serve.kernels.kv_cache_write import FP8_MAX, quantize_fp8
+from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, quantize_fp8
 
 GROUP = 128  # activation columns sharing one scale, and the kernel's K step
 _GROUP = tl.constexpr(GROUP)  # the kernel's view of it (a jitted function reads constexpr globals only)
@@ -38,7 +38,7 @@ def _quantize_groups_fn(X, Q, SX, M, K, num_groups, stride_xm, stride_qm, stride
     mask = offs < K
     wait_for_previous_kernel(USE_PDL)
     x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    sx = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)  # 448: FP8_MAX
+    sx = activation_scale(tl.max(tl.abs(x), axis=0))
     tl.store(Q + row * stride_qm + offs, quantize_fp8(x, sx, Q.dtype.element_ty), mask=mask)
     tl.store(SX + row * stride_sm + group, sx)
 
@@ -247,13 +247,19 @@ def _sm_count(device: torch.device) -> int:
     return sm_count(device.index or 0) if device.type == "cuda" else 0
 
 
+def group_buffers(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (e4m3 [rows, k], fp32 scales [rows, ceil(k / GROUP)]): what ``quantize_groups`` fills, and any
+    kernel that writes the same groups for the W8A8 GEMM (``rms_norm.fused_rms_norm(fp8_next=...)``)."""
+    values = torch.empty((rows, k), dtype=FP8, device=device)
+    return values, torch.empty((rows, triton.cdiv(k, GROUP)), dtype=torch.float32, device=device)
+
+
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (16-bit, unit last stride) -> (e4m3 [M, K], fp32 scales [M, ceil(K / GROUP)]) on the device:
     ``quantize_activation_groups`` as one launch."""
     m, k = x.shape
     num_groups = triton.cdiv(k, GROUP)
-    xq = torch.empty((m, k), dtype=FP8, device=x.device)
-    sx = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    xq, sx = group_buffers(m, k, x.device)
     if m:
         _quantize_groups[x.device][(m, num_groups)](
             x,

@@ -13,7 +13,7 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2
-from g4serve.kernels.kv_cache_write import quantize_fp8
+from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
 
 FP8 = torch.float8_e4m3fn
 
@@ -29,7 +29,7 @@ def _quantize_rows_fn(X, Q, S, Static, K, stride_xm, stride_qm, STATIC: tl.const
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)  # 448: e4m3's largest value
+        scale = activation_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0)

@@ -19,6 +19,14 @@ FP8_MAX = 448.0  # the largest finite e4m3 value; larger magnitudes saturate to 
 
 
 @triton.jit
+def activation_scale(amax):
+    """The dynamic e4m3 scale of values whose largest magnitude is ``amax``: max(amax / 448, 1e-12), divided
+    correctly rounded (as torch divides). One formula for every activation quantizer (per row, per 128-column
+    group, and the norm that quantizes its output for the W8A8 GEMM), so their scales agree bit for bit."""
+    return tl.maximum(tl.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
+
+
+@triton.jit
 def quantize_fp8(x, scale, OUT_TY: tl.constexpr):
     """x / scale in fp32 (correctly rounded, as torch divides), saturated to +-448, rounded to the nearest
     e4m3 value (ties to even) and stored as OUT_TY (e4m3): bit for bit ``quantize_kv_reference``.

@@ -15,8 +15,8 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
-from g4serve.kernels.fp8_matmul import FP8, GROUP, quantize_activation_groups
-from g4serve.kernels.kv_cache_write import quantize_fp8
+from g4serve.kernels.fp8_matmul import GROUP, group_buffers, quantize_activation_groups
+from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
 
 
 def _rms_norm_fn(
@@ -42,6 +42,7 @@ def _rms_norm_fn(
     HAS_SCALE: tl.constexpr,
     HAS_NORM2: tl.constexpr,
     QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -67,12 +68,11 @@ def _rms_norm_fn(
         tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
         if QUANT:  # out2 as the W8A8 GEMM's quantizer reads it: rounded, then per 128-column group
             zr = z.to(Out2.dtype.element_ty).to(tl.float32)
-            amax = tl.max(tl.reshape(tl.abs(zr), [BLOCK // 128, 128]), axis=1)
-            sx = tl.maximum(tl.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
-            sx_cols = tl.reshape(tl.broadcast_to(sx[:, None], [BLOCK // 128, 128]), [BLOCK])
+            sx = activation_scale(tl.max(tl.reshape(tl.abs(zr), [BLOCK // GROUP, GROUP]), axis=1))
+            sx_cols = tl.reshape(tl.broadcast_to(sx[:, None], [BLOCK // GROUP, GROUP]), [BLOCK])
             tl.store(Q + row * stride_q + cols, quantize_fp8(zr, sx_cols, Q.dtype.element_ty), mask=mask)
-            groups = tl.arange(0, BLOCK // 128)
-            tl.store(SX + row * stride_sx + groups, sx, mask=groups * 128 < n_cols)
+            groups = tl.arange(0, BLOCK // GROUP)
+            tl.store(SX + row * stride_sx + groups, sx, mask=groups * GROUP < n_cols)
 
 
 _rms_norm = DualKernel(_rms_norm_fn)
@@ -126,6 +126,7 @@ def fused_rms_norm(
             HAS_SCALE=scale is not None,
             HAS_NORM2=next_weight is not None,
             QUANT=fp8_next is not None,
+            GROUP=GROUP,
             BLOCK=block,
             **pdl(x.device, rows),
             num_warps=min(16, max(1, block // 256)),
@@ -169,9 +170,7 @@ def fused_rms_norm_reference(
 def fp8_next_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty ``fp8_next`` buffers for rows like ``x`` [..., N]: e4m3 [rows, N], fp32 [rows, ceil(N / 128)]."""
     n = x.shape[-1]
-    rows = x.numel() // max(n, 1)
-    q = torch.empty((rows, n), dtype=FP8, device=x.device)
-    return q, torch.empty((rows, -(-n // GROUP)), dtype=torch.float32, device=x.device)
+    return group_buffers(x.numel() // max(n, 1), n, x.device)
 
 
 __all__ = ["fp8_next_buffers", "fused_rms_norm", "fused_rms_norm_reference", "rms_norm_reference"]
