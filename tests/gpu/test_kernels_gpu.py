@@ -328,67 +328,48 @@ def test_qkv_prep_equals_unfused_kernels(head_dim, v_is_k):
     assert torch.equal(case.cache, ref_cache)
 
 
+TOP_P_KINDS = [  # temperature, top-p and min-p: the kernel's default path
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=0.7, top_p=0.5),
+    dict(temperature=0.8),
+    dict(temperature=1.0, top_p=0.95, min_p=0.05),
+]
+TOP_K_KINDS = [  # with top-k: the radix select (G4SERVE_SORT_FREE_TOP_K)
+    dict(temperature=1.0, top_k=64, top_p=0.95),
+    dict(temperature=0.8, top_k=50),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=1.0, top_k=4096, top_p=0.9, min_p=0.01),
+]
+
+
 @pytest.mark.parametrize("rows", [1, 64])
-def test_top_p_sample_matches_the_sort_over_gemma_vocabulary(rows):
-    """The sort-free top-p / min-p kernel against the sampler's torch masks and sort on the same noise, over
-    Gemma 4's 262,144 ids, flat to peaked logits: the same token in all but a few rows (the two paths
-    round the mass at the top-p boundary and the race's ratios differently), each drawn token kept by
-    the sort's top-p set."""
+@pytest.mark.parametrize("kinds", [TOP_P_KINDS, TOP_K_KINDS], ids=["top_p", "top_k"])
+def test_top_p_sample_matches_the_sort_over_gemma_vocabulary(rows, kinds):
+    """The sort-free kernel against the sampler's torch masks and sort (and ``torch.topk``) on the same
+    noise, over Gemma 4's 262,144 ids, flat to peaked logits: the same token in all but a few rows (the two
+    paths round the mass at the top-p boundary and the race's ratios differently), each drawn token kept by
+    the torch filters, and with top-k scoring at least the row's k-th best."""
     from g4serve.kernels.top_p_sample import top_p_sample
     from g4serve.layers.sampler import SamplingBatch, _top_k_top_p_min_p
     from g4serve.sampling_params import SamplingParams
 
     vocab, trials = 262144, 8
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    kinds = [
-        SamplingParams(temperature=1.0, top_p=0.9),
-        SamplingParams(temperature=0.7, top_p=0.5),
-        SamplingParams(temperature=0.8),
-        SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05),
-    ]
-    params = [kinds[i % len(kinds)] for i in range(rows)]
+    top_k = kinds is TOP_K_KINDS
+    gen = torch.Generator(device="cuda").manual_seed(rows + (100 if top_k else 0))
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(rows)]
     b = SamplingBatch.build(params, [None] * rows, vocab, "cuda")
     same = total = 0
     for trial in range(trials):
         logits = torch.randn(rows, vocab, device="cuda", generator=gen) * (0.5 + trial)
         noise = torch.empty(rows, vocab, device="cuda").exponential_(generator=gen)
-        got = top_p_sample(logits, b.temperature, b.top_p, b.min_p, noise)
-        kept = _top_k_top_p_min_p(logits / b.temperature.unsqueeze(1), b)
+        got = top_p_sample(logits, b.temperature, b.top_p, b.min_p, noise, top_k=b.top_k if top_k else None)
+        scaled = logits / b.temperature.unsqueeze(1)
+        kept = _top_k_top_p_min_p(scaled, b)
         want = (kept.softmax(dim=-1) / noise).argmax(dim=-1)
         assert torch.isfinite(kept.gather(1, got.unsqueeze(1))).all()
-        same += int((got == want).sum())
-        total += rows
-    assert same >= total - max(1, total // 100), (same, total)
-
-
-@pytest.mark.parametrize("rows", [1, 64])
-def test_top_k_in_the_sort_free_kernel_over_gemma_vocabulary(rows):
-    """Top-k in the sort-free kernel (its radix select) against ``torch.topk`` and the sampler's masks on the
-    same noise, over 262,144 ids: every drawn token scores at least the row's k-th best, and the same token
-    as the torch path in all but a few rows (top-p's boundary rounds differently)."""
-    from g4serve.kernels.top_p_sample import top_p_sample
-    from g4serve.layers.sampler import SamplingBatch, _top_k_top_p_min_p
-    from g4serve.sampling_params import SamplingParams
-
-    vocab, trials = 262144, 8
-    gen = torch.Generator(device="cuda").manual_seed(100 + rows)
-    kinds = [
-        SamplingParams(temperature=1.0, top_k=64, top_p=0.95),
-        SamplingParams(temperature=0.8, top_k=50),
-        SamplingParams(temperature=1.0, top_k=1),
-        SamplingParams(temperature=1.0, top_k=4096, top_p=0.9, min_p=0.01),
-    ]
-    params = [kinds[i % len(kinds)] for i in range(rows)]
-    b = SamplingBatch.build(params, [None] * rows, vocab, "cuda")
-    same = total = 0
-    for trial in range(trials):
-        logits = torch.randn(rows, vocab, device="cuda", generator=gen) * (0.5 + trial)
-        noise = torch.empty(rows, vocab, device="cuda").exponential_(generator=gen)
-        got = top_p_sample(logits, b.temperature, b.top_p, b.min_p, noise, top_k=b.top_k)
-        scaled = logits / b.temperature.unsqueeze(1)
-        kth = torch.stack([scaled[r].topk(int(b.top_k[r])).values[-1] for r in range(rows)])
-        assert (scaled.gather(1, got.unsqueeze(1)).squeeze(1) >= kth).all()
-        want = (_top_k_top_p_min_p(scaled, b).softmax(dim=-1) / noise).argmax(dim=-1)
+        if top_k:
+            kth = torch.stack([scaled[r].topk(int(b.top_k[r])).values[-1] for r in range(rows)])
+            assert (scaled.gather(1, got.unsqueeze(1)).squeeze(1) >= kth).all()
         same += int((got == want).sum())
         total += rows
     assert same >= total - max(1, total // 100), (same, total)
