@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from g4serve.bench.meta import command_line, cuda_environment, kernel_result_path
+from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
 from g4serve.kernels.decode_tail import decode_tail_config, new_counters
@@ -193,13 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{preset}:")
         rows = [bench_shape(args, h, q, i, p, n, act, m) for h, q, i, p, n, act in shapes for m in args.rows]
         out = kernel_result_path(args.out_dir, "decode_tail", env, preset)
-        result = {
-            "benchmark": "decode_tail",
-            "command": command_line(),
-            "preset": preset,
-            **env,
-            "rows": rows,
-        }
+        result = {"benchmark": "decode_tail", "preset": preset, **env, "rows": rows}  # env: command, commit
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
     return 0
