@@ -98,6 +98,20 @@ def test_top_k_rows_draw_what_sorting_draws(block):
         assert torch.equal(got, _torch_path(logits, TOP_K_PARAMS, noise)), trial
 
 
+def test_the_largest_top_k_a_request_may_send_is_off_not_wrapped():
+    """top_k up to 2**31 - 1 passes request validation; the kernel reads it as int32: past the vocabulary it
+    filters nothing, as no top-k at all."""
+    from g4serve.sampling_params import MAX_INT_PARAM
+
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, VOCAB, generator=gen) * 2
+    noise = torch.empty(2, VOCAB).exponential_(generator=gen)
+    flat, top_p = torch.ones(2), torch.tensor([1.0, 0.9])
+    huge = torch.full((2,), MAX_INT_PARAM, dtype=torch.long)
+    off = top_p_sample(logits, flat, top_p, torch.zeros(2), noise, block=256)
+    assert torch.equal(top_p_sample(logits, flat, top_p, torch.zeros(2), noise, block=256, top_k=huge), off)
+
+
 @pytest.mark.parametrize("k", [1, 2, 37, 500, VOCAB - 1])
 def test_radix_select_finds_the_kth_best_exactly(k):
     """Noise that makes the race pick the least likely token the filters keep: with top-k alone that is a
