@@ -102,10 +102,21 @@ def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, num_tokens):
     out = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1)
     ref = fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # Not element by element: Hopper's FP8 tensor cores add a 128-wide group's products with fewer mantissa
+    # bits than fp32 (the kernel adds the groups in fp32), so now and then a gate/up value rounds to its
+    # other bf16 neighbour, and the gated activation then to its other e4m3 neighbour for down. At the top of
+    # a group that neighbour is 1/16 of the value away: seen on an H200, up to 0.047 on outputs of order one,
+    # at about one output in 10^4 (the CPU interpreter's sums are exact, and there the outputs are equal).
+    diff, ref = (out.float() - ref.float()).abs(), ref.float()
+    outside = (diff > 2e-2 + 2e-2 * ref.abs()).float().mean().item()
+    rel_ref = (diff.norm() / ref.norm()).item()
     dequantized = fused_moe(x, gate_up, down, experts, weights, ACT)
     rel = ((out.float() - dequantized.float()).norm() / dequantized.float().norm()).item()
-    print(f"{scheme} T={num_tokens}: |w8a8 - dequantized| / |dequantized| = {rel:.4f}")
+    print(
+        f"{scheme} T={num_tokens}: |w8a8 - reference| / |reference| = {rel_ref:.5f}, outside 2e-2: "
+        f"{outside:.2e}, max {diff.max().item():.4f}; |w8a8 - dequantized| / |dequantized| = {rel:.4f}"
+    )
+    assert rel_ref < 0.01 and outside < 1e-3 and diff.max() < 0.1
     assert rel < 0.06
     assert torch.equal(fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1), out)  # deterministic
 

@@ -11,6 +11,7 @@ import torch
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
+from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.kernels.quant_matmul import dequantize_reference, quant_matmul
 from g4serve.layers.quant import QuantLinear, quant_linear, quantize_activations_fp8, quantize_weight
 from g4serve.quant_config import ActivationQuant, WeightQuant
@@ -224,3 +225,12 @@ def test_quantize_rows_fp8_equals_torch_on_cuda(k, static):
     got_q, got_s = quantize_rows_fp8(x, scale)
     assert torch.equal(got_s, want_s)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_the_reference_activation_scale_divides_on_cuda_as_on_the_host():
+    """CUDA torch multiplies by the reciprocal of a Python-number divisor (amax * (1 / 448) is an ulp off
+    amax / 448 for some amax); the reference divides by a tensor, so it is the host's correctly rounded
+    quotient, the kernels' ``tl.div_rn``."""
+    amax = torch.rand(1 << 20, generator=torch.Generator().manual_seed(1)) * 30
+    assert torch.equal(activation_scale_reference(amax.cuda()).cpu(), activation_scale_reference(amax))
+    assert not torch.equal((amax.cuda() / 448).cpu(), amax / 448)  # what the reference steps around

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
+from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.layers.quant import quantize_activations_fp8
 
 
@@ -39,3 +40,15 @@ def test_row_strided_input_and_empty():
     assert torch.equal(_bits(got_q), _bits(want_q)) and torch.equal(got_s, want_s)
     q, s = quantize_rows_fp8(x[:0], None)
     assert q.shape == (0, 96) and s.shape == (0, 1)
+
+
+def test_the_reference_scale_is_divided_correctly_rounded():
+    """``activation_scale_reference`` is amax / 448 rounded once (float64 quotients, exact to far past
+    float32, rounded to the nearest float32), as the kernels' ``tl.div_rn``: not amax * (1 / 448), which CUDA
+    torch computes for a Python-number divisor and which is an ulp off for some amax."""
+    amax = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 4, 100_000)
+    want = (amax.double() / 448).float().clamp_min(1e-12)
+    assert torch.equal(activation_scale_reference(amax), want)
+    by_reciprocal = amax * torch.tensor(1 / 448, dtype=torch.float32)
+    assert not torch.equal(by_reciprocal, want)  # the rounding the reference must not take
+    assert torch.equal(activation_scale_reference(torch.zeros(2)), torch.full((2,), 1e-12))  # the floor

@@ -23,7 +23,7 @@ import triton.language as tl
 from g4serve.kernels._launch import DualKernel, pdl, sm_count, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, store_gated
-from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, quantize_fp8
+from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, activation_scale_reference, quantize_fp8
 
 GROUP = 128  # activation columns sharing one scale, and the kernel's K step
 _GROUP = tl.constexpr(GROUP)  # the kernel's view of it (a jitted function reads constexpr globals only)
@@ -367,7 +367,7 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     divided by max(amax / 448, 1e-12), saturated and rounded to nearest even, as the kernel does."""
     m, k = x.shape
     groups = F.pad(x.float(), (0, -k % GROUP)).view(m, -1, GROUP)
-    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
+    scale = activation_scale_reference(groups.abs().amax(dim=-1))
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, -1)[:, :k], scale
 

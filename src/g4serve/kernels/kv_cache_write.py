@@ -26,6 +26,16 @@ def activation_scale(amax):
     return tl.maximum(tl.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
 
 
+def activation_scale_reference(amax: torch.Tensor) -> torch.Tensor:
+    """``activation_scale`` in torch, on any device: amax (fp32) / 448 correctly rounded, at least 1e-12.
+
+    Not ``amax / FP8_MAX``: CUDA torch multiplies by the reciprocal of a Python-number divisor, which is one
+    ulp off for some amax (the H200 showed it), so a kernel that divides correctly would not match bit for
+    bit. A divisor tensor on amax's own device makes torch divide."""
+    amax = amax.float()
+    return torch.div(amax, torch.full_like(amax, FP8_MAX)).clamp_min(1e-12)
+
+
 @triton.jit
 def quantize_fp8(x, scale, OUT_TY: tl.constexpr):
     """x / scale in fp32 (correctly rounded, as torch divides), saturated to +-448, rounded to the nearest
@@ -181,6 +191,7 @@ def kv_cache_write_reference(
 __all__ = [
     "FP8_MAX",
     "KV_FP8_DTYPE",
+    "activation_scale_reference",
     "dequantize_kv_reference",
     "kv_cache_write",
     "kv_cache_write_reference",

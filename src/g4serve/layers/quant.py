@@ -27,6 +27,7 @@ from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_quantized, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
+from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
 from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
 
@@ -247,7 +248,7 @@ def quantize_activations_fp8(
     if static_scale is not None:
         scale = static_scale.float().expand(x.shape[0], 1)
     else:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+        scale = activation_scale_reference(x.abs().amax(dim=-1, keepdim=True))
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.contiguous()
 
