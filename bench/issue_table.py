@@ -363,6 +363,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=None, help="GPUs to spread the jobs over (default: all)")
     p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, short runs: the plumbing")
     p.add_argument("--sides", default="before,now", help="which sides to run (the table shows both)")
+    p.add_argument(
+        "--jobs", default="served,engine", help="which jobs each side runs (one GPU: the engine's rows alone)"
+    )
     p.add_argument("--table-only", action="store_true", help="run nothing: the table from --out's results")
     return p.parse_args(argv)
 
@@ -380,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     for side in sides:
         shutil.rmtree(out / side, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    jobs: list[tuple[str, str]] = [(side, kind) for side in sides for kind in ("served", "engine")]
+    kinds = [k for k in ("served", "engine") if k in args.jobs.split(",")]
+    jobs: list[tuple[str, str]] = [(side, kind) for side in sides for kind in kinds]
     gpus = args.gpus
     if gpus is None:
         gpus = 0 if plan.device == "cpu" else _gpu_count()

@@ -45,7 +45,7 @@ def test_defaults_and_refusals(monkeypatch):
 
     monkeypatch.delenv("G4SERVE_MOE_ALIGN", raising=False)
     monkeypatch.delenv("G4SERVE_SKINNY_MAX_ROWS", raising=False)
-    assert envs.get("G4SERVE_MOE_ALIGN") == "sort"
+    assert envs.get("G4SERVE_MOE_ALIGN") == "parallel"
     assert envs.get_int("G4SERVE_SKINNY_MAX_ROWS") == MAX_ROWS  # the kernel's own row bound
     monkeypatch.setenv("G4SERVE_MOE_ALIGN", "bogus")
     with pytest.raises(ValueError, match="G4SERVE_MOE_ALIGN: expected one of sort, parallel"):

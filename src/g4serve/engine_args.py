@@ -116,9 +116,10 @@ def add_engine_arguments(
         help_text += f"; {notes[f.name]}" if f.name in notes else ""
         if default is not None and "default" not in help_text:
             help_text += f" (default: {shown})"
-        if isinstance(default, bool):
-            # --x / --no-x for options on by default (vLLM's --no-enable-prefix-caching), --x for the others
-            action = argparse.BooleanOptionalAction if default else "store_true"
+        if isinstance(default, bool) or _flag_type(f.name) is bool:
+            # --x / --no-x for options on by default (vLLM's --no-enable-prefix-caching) or decided by the
+            # engine (None), --x for the others
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
             group.add_argument(flag, action=action, default=default, help=help_text)
         elif "parse" in f.metadata:
             group.add_argument(

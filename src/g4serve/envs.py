@@ -78,14 +78,14 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_MOE_ALIGN",
-        "sort",
+        "parallel",
         "MoE assignments past 4,096 per step sorted by expert with torch's sort (`sort`) or the three-launch "
         "kernel (`parallel`)",
         ("sort", "parallel"),
     ),
     Variable(
         "G4SERVE_MOE_W8A8_MIN",
-        "0",
+        "1",
         "FP8 experts at this many assignments or more multiply on the FP8 tensor cores (`0`: never)",
     ),
     Variable(

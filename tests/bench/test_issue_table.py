@@ -102,3 +102,15 @@ def test_table_only_runs_nothing(tmp_path, capsys):
     assert table.main(["--table-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "issue_table.md").read_text().count("\n| ") == len(table.ROWS) + 1
     assert json.loads((tmp_path / "issue_table.json").read_text())["rows"][0]["now"] == "4.0"
+
+
+def test_jobs_picks_what_each_side_runs(tmp_path, monkeypatch):
+    """``--jobs engine``: the engine's rows alone (one GPU, one call), the served job never started."""
+    ran: list[tuple[str, str]] = []
+    monkeypatch.setattr(table, "engine_job", lambda tree, out, *a: ran.append(("engine", out.parent.name)))
+    monkeypatch.setattr(table, "served_job", lambda tree, out, *a: ran.append(("served", out.parent.name)))
+    assert table.main(["--smoke", "--sides", "now", "--jobs", "engine", "--out", str(tmp_path)]) == 0
+    assert ran == [("engine", "now")]
+    ran.clear()
+    assert table.main(["--smoke", "--sides", "now", "--out", str(tmp_path)]) == 0
+    assert sorted(ran) == [("engine", "now"), ("served", "now")]

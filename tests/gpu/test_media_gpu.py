@@ -84,3 +84,52 @@ def test_an_engine_serves_media_prepared_on_the_gpu(hf_checkpoint):
         )
     )
     run_media_prompts(engine, image=(480, 640), frame=(240, 426))
+
+
+def _scan_start(blob: bytes) -> int:
+    """The offset of the first entropy-coded byte: past the SOS segment."""
+    sos = blob.index(b"\xff\xda")
+    return sos + 2 + int.from_bytes(blob[sos + 2 : sos + 4], "big")
+
+
+def _with_size(blob: bytes, height: int, width: int) -> bytes:
+    """The baseline frame header (SOF0) saying another size than the scan holds."""
+    sof = blob.index(b"\xff\xc0")
+    return blob[: sof + 5] + height.to_bytes(2, "big") + width.to_bytes(2, "big") + blob[sof + 9 :]
+
+
+def test_hostile_jpegs_leave_nvjpeg_and_the_device_working():
+    """JPEGs whose headers pass ``device_jpeg_size`` but whose streams are hostile (truncated, the scan
+    garbage or zeros, a frame header larger or smaller than the scan, an extra frame header) go to nvJPEG,
+    alone and in a batch with good ones: each comes back as pixels of its header's size or as None (the host
+    path then decodes or refuses it), nothing raises, and the device still decodes the good ones afterwards
+    (no sticky CUDA error)."""
+    media = DeviceMedia("cuda")
+    assert media.decodes_jpeg
+    good = jpeg(picture(240, 320, 4))
+    start = _scan_start(good)
+    rng = np.random.default_rng(0)
+    hostile = {
+        "truncated in the scan": good[: (start + len(good)) // 2],
+        "truncated at the scan": good[:start],
+        "random scan": good[:start] + rng.integers(0, 256, 4000, dtype=np.uint8).tobytes() + b"\xff\xd9",
+        "zero scan": good[:start] + bytes(len(good) - start - 2) + b"\xff\xd9",
+        "markers in the scan": good[:start] + b"\xff\xd0\xff\xc4\xff\xda" * 200 + b"\xff\xd9",
+        "header larger": _with_size(good, 2000, 3000),
+        "header smaller": _with_size(good, 16, 16),
+        "two frames": good[:-2] + good[2:],
+    }
+    budget = MediaBudget()
+    for name, blob in hostile.items():
+        size = media.jpeg_size(blob, budget.limits)
+        if size is None:  # refused from the header: never reaches nvJPEG
+            continue
+        for batch in ([blob], [good, blob, good]):
+            out = media.decode(batch, [media.jpeg_size(b, budget.limits) for b in batch], budget)
+            torch.cuda.synchronize()
+            got = out[batch.index(blob)]
+            assert got is None or tuple(got.shape) == (3, size[1], size[0]), name
+            print(f"{name}: {'None' if got is None else 'pixels'}")
+    (after,) = media.decode([good], [media.jpeg_size(good, budget.limits)], budget)
+    assert after is not None
+    assert (after.cpu().float() - _pil_pixels(good).float()).abs().mean().item() < 2

@@ -109,7 +109,8 @@ def test_quantized_fused_moe_matches_reference(fmt, dtype, tiles):
     gate_up, down = _weights(fmt, gen)
     experts, weights = _routing(17, gen)
     x = torch.randn(17, H, generator=gen).to(dtype)
-    out = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES[tiles])
+    # the dequantizing kernel (W8A8, the default for bf16 FP8 experts, has its own test below)
+    out = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES[tiles], w8a8_min=0)
     ref = fused_moe_reference(x, gate_up, down, experts, weights, ACT)
     assert out.dtype == dtype and out.shape == x.shape and torch.isfinite(out).all()
     assert ref.abs().max() > 0.1  # outputs of order one, not a degenerate comparison
@@ -149,20 +150,25 @@ def test_w8a8_only_where_it_applies():
     channel = _weights("fp8-channel", gen)
     experts, weights = _routing(9, gen)
     x = torch.randn(9, H, generator=gen).to(torch.bfloat16)
-    plain = fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"])
+    plain = fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=0)
     assert torch.equal(fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=19), plain)
+    # the default takes the FP8 tensor cores at any size
+    assert torch.equal(
+        fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"]),
+        fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=1),
+    )
     assert not torch.equal(
         fused_moe(x, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=18), plain
     )
     fine = _weights("fp8-block", gen)  # 32-wide K blocks: not constant within a group
     assert torch.equal(
         fused_moe(x, *fine, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=1),
-        fused_moe(x, *fine, experts, weights, ACT, tiles=TILES["k32"]),
+        fused_moe(x, *fine, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=0),
     )
     x32 = x.float()
     assert torch.equal(
         fused_moe(x32, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=1),
-        fused_moe(x32, *channel, experts, weights, ACT, tiles=TILES["k32"]),
+        fused_moe(x32, *channel, experts, weights, ACT, tiles=TILES["k32"], w8a8_min=0),
     )
 
 

@@ -5,6 +5,7 @@ runs it on CUDA with nvJPEG."""
 
 from __future__ import annotations
 
+import argparse
 import io
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,7 @@ import torch
 
 from g4serve.config import preset
 from g4serve.engine.config import EngineConfig
+from g4serve.engine_args import add_engine_arguments, engine_config_from_args
 from g4serve.processing import device_media
 from g4serve.processing.device_media import DeviceMedia, device_jpeg_size
 from g4serve.processing.image import resize_to_patch_budget
@@ -234,6 +236,25 @@ def test_video_frame_errors_are_the_host_paths(host, device):
 def test_media_on_gpu_needs_a_cuda_device():
     with pytest.raises(ValueError, match="^media_on_gpu: needs a CUDA device"):
         EngineConfig(device="cpu", media_on_gpu=True)
+
+
+def test_media_on_gpu_is_on_for_cuda_engines_that_serve_media():
+    """Unset, the config decides: on for CUDA (the config opens no device), off on the CPU and for text only;
+    ``--no-media-on-gpu`` keeps a CUDA engine on the host path, which matches transformers exactly."""
+    assert EngineConfig(device="cuda").media_on_gpu is True
+    assert EngineConfig(device="cuda:1").media_on_gpu is True
+    assert EngineConfig(device="cpu").media_on_gpu is False
+    assert EngineConfig(device="cuda", text_only=True).media_on_gpu is False
+    assert EngineConfig(device="cuda", media_on_gpu=False).media_on_gpu is False
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for argv, want in (([], None), (["--media-on-gpu"], True), (["--no-media-on-gpu"], False)):
+        assert parser.parse_args(argv).media_on_gpu is want
+    assert engine_config_from_args(parser.parse_args(["--device", "cuda"])).media_on_gpu is True
+    assert (
+        engine_config_from_args(parser.parse_args(["--device", "cuda", "--no-media-on-gpu"])).media_on_gpu
+        is False
+    )
 
 
 def run_media_prompts(engine, image: tuple[int, int], frame: tuple[int, int]) -> None:

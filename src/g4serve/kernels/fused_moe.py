@@ -46,14 +46,18 @@ CHUNK_TOKENS = 4096
 # the ~25 small launches of the torch ops; its loops are serial in T*k, so prefill-sized steps take the
 # torch ops (bench/moe_kernels.py times both: align_kernel_ms / align_torch_ms).
 ALIGN_KERNEL_MAX_ASSIGNMENTS = 4096
-# Past that: "sort" (``moe_align``: torch's stable sort, ~15 launches) or "parallel" (``moe_align_parallel``:
-# three launches, no sort), the same outputs. G4SERVE_MOE_ALIGN picks; "sort" stays the default until a
-# device run has timed both (bench/moe_kernels.py: align_t against align_p).
+# Past that: "parallel" (``moe_align_parallel``: three launches, no sort; the default) or "sort"
+# (``moe_align``: torch's stable sort, ~15 launches), the same outputs. G4SERVE_MOE_ALIGN picks. On an H200
+# at 26B-A4B (bench/moe_kernels.py, graph replays) the three launches took 14.9 / 17.6 / 30.4 / 53.2 us at
+# 512 / 4,096 / 16,384 / 32,768 assignments, the sort 65.1 / 80.4 / 124.2 / 113.4.
 PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # FP8 experts at this many assignments (T*k) or more multiply on the FP8 tensor cores (W8A8: activations
 # quantized per token and 128-column group, ``_w8a8_products``) instead of dequantizing the weight to bf16
-# tiles. 0 (the default until a device run has timed both, bench/moe_kernels.py --quant fp8: quant_* against
-# w8a8_*): never. G4SERVE_MOE_W8A8_MIN sets it.
+# tiles; 0: never. G4SERVE_MOE_W8A8_MIN sets it. Default 1, always: on an H200 at 26B-A4B the W8A8 experts
+# took 1.14-1.19x less time than the dequantizing ones from 64 to 4,096 tokens (bench/moe_kernels.py
+# --quant fp8), a 2,048-token FP8 prefill 47.9 ms against 53.0 and a B = 1 decode step 3.76 ms against 3.83
+# (bench/engine_microbench.py). Its outputs differ from the dequantizing path's by the activations' e4m3
+# rounding, about 4.4% of their norm on random weights, as FP8 checkpoints' dynamic activation schemes do.
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
 
 
@@ -744,7 +748,7 @@ def fused_moe(
     activation: str,
     tiles: MoETiles | None = None,
     align_kernel_max: int = ALIGN_KERNEL_MAX_ASSIGNMENTS,
-    w8a8_min: int = W8A8_MIN_ASSIGNMENTS,
+    w8a8_min: int | None = None,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] ids;
     weights [T, k] fp32 -> [T, H] in x's dtype: ``sum_j weights[t, j] * expert_j(x[t])``. Either weight may
@@ -754,8 +758,10 @@ def fused_moe(
     ``tiles`` overrides ``moe_tiles``; alignments of more than ``align_kernel_max`` assignments use the
     torch ops instead of the one-program kernel. FP8 experts (both projections) take the W8A8 products at
     ``w8a8_min`` assignments or more (0: never): x and the gated activations quantized per token and
-    128-column group, as ``fused_moe_w8a8_reference``.
+    128-column group, as ``fused_moe_w8a8_reference`` (None: ``W8A8_MIN_ASSIGNMENTS``).
     """
+    if w8a8_min is None:
+        w8a8_min = W8A8_MIN_ASSIGNMENTS
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
