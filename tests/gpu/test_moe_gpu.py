@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from g4serve.config import PRESETS
+from g4serve.kernels import fused_moe as fused_moe_module
 from g4serve.kernels.fused_moe import (
     ALIGN_KERNEL_MAX_ASSIGNMENTS,
     CHUNK_TOKENS,
@@ -106,10 +107,14 @@ def _moe_block(expert_weights) -> tuple[MoERouter, MoEExperts]:
     return router, experts
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 1024])  # 1024: the torch align (sort) inside the graph
+# 1: the one-program align inside the graph; 64 and 1024: the three-launch align; 1024 "sort": torch's sort
+@pytest.mark.parametrize(
+    "num_tokens,align", [(1, "parallel"), (64, "parallel"), (1024, "parallel"), (1024, "sort")]
+)
 @torch.no_grad()
-def test_moe_block_cuda_graph(expert_weights, num_tokens):
-    assert (num_tokens * TOP_K > ALIGN_KERNEL_MAX_ASSIGNMENTS) == (num_tokens == 1024)
+def test_moe_block_cuda_graph(expert_weights, num_tokens, align, monkeypatch):
+    assert (num_tokens * TOP_K > ALIGN_KERNEL_MAX_ASSIGNMENTS) == (num_tokens > 1)
+    monkeypatch.setattr(fused_moe_module, "PREFILL_ALIGN", align)
     router, experts = _moe_block(expert_weights)
     gen = torch.Generator("cuda").manual_seed(num_tokens)
     static_x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()

@@ -42,10 +42,11 @@ _KINDS = {"gelu_pytorch_tanh": GELU_TANH, "gelu_tanh": GELU_TANH, "silu": SILU, 
 # Tokens per launch pair: bounds the [T*k, H] staging buffer (T=4096, k=8, H=2816 bf16: 185 MB) while
 # leaving enough tokens per expert that the GEMMs stay compute-bound.
 CHUNK_TOKENS = 4096
-# Up to this many assignments (T*k) the single-program align kernel runs: at decode sizes one launch beats
-# the ~25 small launches of the torch ops; its loops are serial in T*k, so prefill-sized steps take the
-# torch ops (bench/moe_kernels.py times both: align_kernel_ms / align_torch_ms).
-ALIGN_KERNEL_MAX_ASSIGNMENTS = 4096
+# Up to this many assignments (T*k) the single-program align kernel runs: at the smallest decode sizes one
+# launch beats the others; its loops are serial in T*k, so past that the three-launch kernel runs. On an H200
+# at 26B-A4B (bench/moe_kernels.py, graph replays: align_k against align_p) the one program took 3.0 / 6.0 /
+# 17.6 / 30.1 us at 8 / 64 / 256 / 512 assignments, the three launches 6.3 / 8.8 / 14.9 / 14.9.
+ALIGN_KERNEL_MAX_ASSIGNMENTS = 128
 # Past that: "parallel" (``moe_align_parallel``: three launches, no sort; the default) or "sort"
 # (``moe_align``: torch's stable sort, ~15 launches), the same outputs. G4SERVE_MOE_ALIGN picks. On an H200
 # at 26B-A4B (bench/moe_kernels.py, graph replays) the three launches took 14.9 / 17.6 / 30.4 / 53.2 us at
