@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Do media arrivals stall running decodes? One device call (e4b preset, bf16): for each server mode in
-# MODES (insteps: encoders inside the step, the default; overlap: --overlap-encoder; gpumedia:
-# --media-on-gpu, images and frames decoded and resized on the GPU; capped: steps with decodes give
-# prefills at most PREFILL_CAP tokens, default 512), start
+# MODES (insteps: encoders inside the step, media prepared on the host; overlap: --overlap-encoder;
+# gpumedia: --media-on-gpu, images and frames decoded and resized on the GPU, the default on CUDA since
+# 7e78d66; capped: steps with decodes give prefills at most PREFILL_CAP tokens, default 512; all but
+# gpumedia pass --no-media-on-gpu, so each differs from insteps in one thing), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
@@ -27,10 +28,10 @@ VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2)  # MEDIA=audio: clip
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
   case $mode in
-    overlap) extra=--overlap-encoder ;;
+    overlap) extra="--overlap-encoder --no-media-on-gpu" ;;
     gpumedia) extra=--media-on-gpu ;;
-    capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP" ;;
-    *) extra= ;;
+    capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP --no-media-on-gpu" ;;
+    *) extra=--no-media-on-gpu ;;
   esac
   python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &

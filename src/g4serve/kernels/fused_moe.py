@@ -45,7 +45,8 @@ CHUNK_TOKENS = 4096
 # Up to this many assignments (T*k) the single-program align kernel runs: at the smallest decode sizes one
 # launch beats the others; its loops are serial in T*k, so past that the three-launch kernel runs. On an H200
 # at 26B-A4B (bench/moe_kernels.py, graph replays: align_k against align_p) the one program took 3.0 / 6.0 /
-# 17.6 / 30.1 us at 8 / 64 / 256 / 512 assignments, the three launches 6.3 / 8.8 / 14.9 / 14.9.
+# 10.0 / 17.6 / 30.1 us at 8 / 64 / 128 / 256 / 512 assignments, the three launches 6.3 / 8.8 / 12.3 / 14.9 /
+# 14.9.
 ALIGN_KERNEL_MAX_ASSIGNMENTS = 128
 # Past that: "parallel" (``moe_align_parallel``: three launches, no sort; the default) or "sort"
 # (``moe_align``: torch's stable sort, ~15 launches), the same outputs. G4SERVE_MOE_ALIGN picks. On an H200

@@ -30,7 +30,8 @@ from g4serve.layers.norm import RMSNorm
 from g4serve.layers.quant import QuantLinear, quant_linear, takes_fp8_groups
 
 # A norm whose output feeds a W8A8 FP8 projection at decode sizes quantizes it for that projection in the same
-# pass (its quantizing launch saved; bit for bit the same values). Off until a device run has timed it.
+# pass (its quantizing launch saved; bit for bit the same values). Off: on an H200 it gained nothing measurable
+# (FP8 e4b decode B = 1 3.03 -> 3.05 ms, B = 8 3.49 -> 3.51; docs/benchmarks.md).
 FP8_NORM_QUANT = envs.get("G4SERVE_FP8_NORM_QUANT") == "1"
 
 
@@ -132,9 +133,10 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
     return act_mul(activation, layer(x), other)
 
 
-# The persistent kernel for a dense layer's tail after attention at decode sizes: off until
-# bench/decode_tail.py has timed it against the launches it replaces on a GPU. A captured CUDA graph keeps the
-# choice it was captured with.
+# The persistent kernel for a dense layer's tail after attention at decode sizes: off, since on an H200
+# (bench/decode_tail.py) it took 119.5 us for an e4b tail against the separate launches' 51.5 (one program per
+# SM streams too few weight tiles at once; docs/benchmarks.md). A captured CUDA graph keeps the choice it was
+# captured with.
 DECODE_TAIL = envs.get("G4SERVE_DECODE_TAIL") == "1"
 
 
