@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from g4serve import envs
 from g4serve.bench.meta import command_line, git_commit, write_result_json
 from g4serve.engine.config import KV_CACHE_DTYPES
 from g4serve.engine.engine import EngineConfig, LLMEngine
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "command": command_line(),
+        "switches": envs.recorded(),  # the G4SERVE_* kernel switches of this run
         "device": name,
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -58,3 +58,17 @@ def test_defaults_and_refusals(monkeypatch):
         envs.get_float("G4SERVE_TP_TIMEOUT_S")
     with pytest.raises(KeyError):
         envs.get("G4SERVE_NOT_A_VARIABLE")
+
+
+def test_results_record_the_switches_but_not_the_secrets(monkeypatch):
+    monkeypatch.setenv("G4SERVE_API_KEY", "sk-very-secret")
+    monkeypatch.setenv("G4SERVE_INT4_MATMUL", "tinygemm")
+    monkeypatch.delenv("G4SERVE_TP_ONE_DEVICE", raising=False)
+    values = envs.recorded()
+    assert values["G4SERVE_INT4_MATMUL"] == "tinygemm"  # set
+    assert values["G4SERVE_DECODE_TAIL"] == "0"  # its default
+    assert "G4SERVE_API_KEY" not in values and "sk-very-secret" not in values.values()
+    assert "G4SERVE_TP_ONE_DEVICE" not in values  # unset, no default
+    from g4serve.bench.meta import result_header
+
+    assert result_header("x")["switches"] == values

@@ -10,8 +10,9 @@
 #   seed:  26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN)
 #   quant: e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
-#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (the dense
-#          projections' nibble planes, B = 1/8/32/64 and a 2,048-token prefill); e4b decode with the
+#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (B = 1/8/32/64
+#          and a 2,048-token prefill) on the Triton kernel and on tinygemm (G4SERVE_INT4_MATMUL), after
+#          tinygemm's GPU tests; e4b decode with the
 #          decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8, and FP8 e4b decode with the norms
 #          quantizing for the W8A8 projections off and on (G4SERVE_FP8_NORM_QUANT), B = 1/8
 #   served: media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
@@ -80,9 +81,14 @@ lane_quant() {
         --out "$RES/fp8-base"
     fi
   fi
-  if has int4; then  # e4b in int4 (w4a16): the dense projections' nibble planes at every batch, and prefill
-    run int4-e4b 150 python3 bench/engine_microbench.py --model e4b --device cuda --quantization w4a16 \
-      --batches 1,8,32,64 --decode-steps 16 --prefill-lengths 2048 --prefill-reps 2 --out "$RES/int4"
+  if has int4; then  # e4b in int4 (w4a16) at every batch, and prefill: decode on the Triton kernel's nibble
+    # planes, then on torch's tinygemm (G4SERVE_INT4_MATMUL), after the tinygemm GPU tests
+    run int4-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_gpu.py -k "tinygemm"
+    for kernel in triton tinygemm; do
+      G4SERVE_INT4_MATMUL=$kernel run "int4-e4b-$kernel" 150 python3 bench/engine_microbench.py --model e4b \
+        --device cuda --quantization w4a16 --batches 1,8,32,64 --decode-steps 16 --prefill-lengths 2048 \
+        --prefill-reps 2 --out "$RES/int4-$kernel" --tag="-$kernel"
+    done
   fi
   if has tail; then  # decode steps with each layer's tail after attention in one persistent launch, or not
     for on in 0 1; do
@@ -131,7 +137,8 @@ fi
   echo "## sampler"; grep -hE "top_k" "$RES/sampler.log" 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
-  echo "## int4 e4b"; grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b.log 2>/dev/null
+  echo "## int4 e4b (Triton, then tinygemm)"; tail -n 3 "$RES/int4-tests.log" 2>/dev/null
+  grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b-triton.log "$RES"/int4-e4b-tinygemm.log 2>/dev/null
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
 tar -czf "$OUT/catch_up.tgz" -C "$RES" .

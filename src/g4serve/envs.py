@@ -21,10 +21,13 @@ class Variable:
     default: str | None  # None: unset unless the environment sets it
     meaning: str
     choices: tuple[str, ...] = ()  # empty: any value (a number, a path, a secret)
+    secret: bool = False  # never written into results (``recorded``)
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("G4SERVE_API_KEY", None, "the API key `serve` requires when `--api-key` is not given"),
+    Variable(
+        "G4SERVE_API_KEY", None, "the API key `serve` requires when `--api-key` is not given", secret=True
+    ),
     Variable(
         "G4SERVE_CACHE",
         None,
@@ -68,6 +71,13 @@ VARIABLES: tuple[Variable, ...] = (
         "`1`: a norm whose output feeds a W8A8 FP8 projection at decode sizes also quantizes it for that "
         "projection (one launch fewer each; off: no measurable gain on an H200)",
         ("0", "1"),
+    ),
+    Variable(
+        "G4SERVE_INT4_MATMUL",
+        "triton",
+        "int4 (w4a16) projections at decode sizes: `triton` (`kernels/quant_matmul.py`) or `tinygemm` "
+        "(torch's `_weight_int4pack_mm`, the weights repacked at load; not yet timed on a device)",
+        ("triton", "tinygemm"),
     ),
     Variable(
         "G4SERVE_QUANT_PREFILL",
@@ -115,6 +125,13 @@ def get(name: str) -> str | None:
     if var.choices and value is not None and value not in var.choices:
         raise ValueError(f"{name}: expected one of {', '.join(var.choices)}, got {value!r}")
     return value
+
+
+def recorded() -> dict[str, str]:
+    """Every variable's value in this process (set, or its default; unset ones left out), secrets left out:
+    what a benchmark's JSON records, so an A/B run's two files say which side each is."""
+    values = {v.name: os.environ.get(v.name, v.default) for v in VARIABLES if not v.secret}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def get_int(name: str) -> int:

@@ -11,8 +11,10 @@ import torch
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
+from g4serve.kernels.int4_tinygemm import tinygemm_reference_weight
 from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.kernels.quant_matmul import dequantize_reference, quant_matmul
+from g4serve.layers import quant as quant_module
 from g4serve.layers.quant import QuantLinear, quant_linear, quantize_activations_fp8, quantize_weight
 from g4serve.quant_config import ActivationQuant, WeightQuant
 
@@ -151,6 +153,32 @@ def test_fp8_prefill_takes_scaled_mm_close_to_the_reference(activations, epilogu
     assert err < 6e-2
 
 
+@pytest.mark.parametrize("epilogue", [PLAIN, GATE_UP, MUL])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_int4_on_tinygemm_at_decode_sizes(m, symmetric, epilogue):
+    """``G4SERVE_INT4_MATMUL=tinygemm``'s path on CUDA, whose packing (nibble bytes, then torch's CUDA tile
+    layout) the CPU tests cannot run: quant_linear against the weight tinygemm stands for, with each
+    epilogue, at e4b's gate/up shape, and near the Triton kernel it replaces."""
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    n, k = 10240, 2560
+    rows = 2 * n if epilogue == GATE_UP else n
+    layer = QuantLinear(k, rows, WeightQuant("int4", "group", (1, 128), symmetric=symmetric), device="cuda")
+    layer.quantize_from(torch.randn(rows, k, generator=gen, device="cuda") * k**-0.5)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    other = torch.randn(m, n, generator=gen, device="cuda").to(torch.bfloat16) if epilogue == MUL else None
+    act = "gelu_pytorch_tanh" if epilogue != PLAIN else None
+    triton = quant_linear(x, layer, epilogue, act, other).float()
+    assert layer.prepare_tinygemm()
+    got = quant_linear(x, layer, epilogue, act, other).float()
+    w = tinygemm_reference_weight(layer.weight, layer.weight_scale, layer.weight_zero_point, k, 128)
+    want = epilogue_reference(x.float() @ w.T, epilogue, act, other).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    near = ((got - triton).abs().max() / triton.abs().max()).item()
+    print(f"tinygemm m={m} sym={symmetric} epilogue={epilogue}: {err:.2e} off, {near:.2e} from Triton")
+    assert err < 1e-2 and near < 2e-2
+
+
 def _logits(model, ids: list[int]) -> torch.Tensor:
     from g4serve.engine.kv_cache import PagedKVCache
     from g4serve.layers.attention import TorchAttention, contiguous_metadata
@@ -169,8 +197,9 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float()
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "w4a16"])  # FP8 (scaled_mm prefill) and int4 (Triton grid)
-def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantization):
+# FP8 (scaled_mm prefill), int4 (Triton grid), int4 decoding on tinygemm (G4SERVE_INT4_MATMUL=tinygemm)
+@pytest.mark.parametrize("quantization", ["fp8", "w4a16", "w4a16-tinygemm"])
+def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantization, monkeypatch):
     """e4b with quantized projections (captured decode graphs, skinny kernel, prefill path) against the same
     engine whose projections hold the dequantized weights in bf16: prefill logits (96 tokens) and greedy
     tokens."""
@@ -178,7 +207,12 @@ def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantizat
     from g4serve.sampling_params import SamplingParams
 
     kw = dict(model="e4b", device="cuda", text_only=True, kv_cache_bytes=1 << 30, max_num_seqs=8)
+    if quantization == "w4a16-tinygemm":
+        monkeypatch.setattr(quant_module, "INT4_MATMUL", "tinygemm")
+        quantization = "w4a16"
     quantized = LLMEngine(EngineConfig(quantization=quantization, **kw))
+    layouts = [m.tinygemm is not None for m in quantized.model.modules() if isinstance(m, QuantLinear)]
+    assert any(layouts) == (quant_module.INT4_MATMUL == "tinygemm" and quantization == "w4a16")
     dense = LLMEngine(EngineConfig(**kw))
     modules = dict(dense.model.named_modules())
     with torch.no_grad():  # in place: the captured graphs read the same storage

@@ -57,6 +57,29 @@ def test_bf16_compute_matches_the_decompression_in_bf16(quantized_checkpoint):
     )
 
 
+@pytest.mark.parametrize("name", ["w4a16-g32", "w4a16-asym"])
+def test_int4_checkpoints_repack_for_tinygemm(quantized_checkpoint, name, monkeypatch):
+    """``G4SERVE_INT4_MATMUL=tinygemm``: the fast path repacks a compressed-tensors checkpoint's int4
+    projections (stacked ones included) for tinygemm, and each multiplies as its decompressed weight does
+    (torch's CPU twin of the CUDA kernel; bf16, so within bf16 steps)."""
+    from g4serve.kernels.int4_tinygemm import tinygemm_matmul
+    from g4serve.layers import quant
+
+    monkeypatch.setattr(quant, "INT4_MATMUL", "tinygemm")
+    model = _load(quantized_checkpoint(name)[0], "bfloat16")
+    model.prepare_fast_path()
+    layers = {n: m for n, m in model.language_model.named_modules() if isinstance(m, QuantLinear)}
+    repacked = [m for m in layers.values() if m.tinygemm is not None]
+    assert any(n.endswith("gate_up_proj") and m.tinygemm is not None for n, m in layers.items())  # stacked
+    assert all(m.tinygemm is None for m in layers.values() if m.scale_block[0] != 1 or m.out_features % 16)
+    gen = torch.Generator().manual_seed(0)
+    for m in repacked:
+        x = torch.randn(3, m.in_features, generator=gen).bfloat16()
+        want = torch.nn.functional.linear(x.float(), m.dequantize(torch.float32))
+        got = tinygemm_matmul(x, m.tinygemm).float()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2, m
+
+
 def _copy(src: Path, dst: Path, config_edit=None, tensor_edit=None) -> Path:
     shutil.copytree(src, dst)
     if config_edit is not None:

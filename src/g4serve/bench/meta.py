@@ -88,6 +88,7 @@ def cuda_environment() -> dict:
         "python_version": platform.python_version(),
         "command": command_line(),
         "timestamp_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "switches": envs.recorded(),
     }
 
 
@@ -123,4 +124,5 @@ def result_header(benchmark: str, device: str | None = None) -> dict:
         "python": platform.python_version(),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00"),
         "command": command_line(),
+        "switches": envs.recorded(),
     }

@@ -27,6 +27,7 @@ from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_quantized, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
+from g4serve.kernels.int4_tinygemm import TinygemmWeight, pack_tinygemm, tinygemm_matmul, tinygemm_supported
 from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
 from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
@@ -37,6 +38,11 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows past SKINNY_ROWS on CUDA: "triton" (default) multiplies in quant_matmul's 2-D grid; "dequant" writes
 # the dense weight once per call and runs cuBLAS (the A/B alternative for bench runs).
 PREFILL_PATH = envs.get("G4SERVE_QUANT_PREFILL")
+# int4 projections at decode sizes on torch's tinygemm (kernels/int4_tinygemm.py: the weights repacked once,
+# by prepare_int4_layouts) instead of kernels/quant_matmul.py. Off until a device run has timed both (the int4
+# stage of bench/device/catch_up.sh): the Triton GEMV was 4.08 / 14.48 ms a step on e4b at B = 1 / 8 on an
+# H200, bf16 3.16 / 3.97.
+INT4_MATMUL = envs.get("G4SERVE_INT4_MATMUL")
 # FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
 # tensor cores; "dequant" takes the in-register dequantizing kernel with 16-bit activations.
 FP8_MATMUL = envs.get("G4SERVE_FP8_MATMUL")
@@ -83,6 +89,7 @@ class QuantLinear(nn.Module):
         if activations is not None and not activations.dynamic:
             self.input_scale = frozen(torch.ones(1, dtype=torch.float32, device=device))
         self.bias = frozen(torch.empty(out_features, dtype=compute_dtype, device=device)) if bias else None
+        self.tinygemm: TinygemmWeight | None = None  # prepare_tinygemm's layout, when the engine asks for it
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.kind}, scale_block={self.scale_block}"
@@ -121,6 +128,20 @@ class QuantLinear(nn.Module):
         return cached[1]
 
     @torch.no_grad()
+    def prepare_tinygemm(self) -> bool:
+        """Repack an int4 weight of a shape tinygemm takes into its layout (``self.tinygemm``, beside the
+        checkpoint's words, which the CPU reference and prefill keep using); False where it does not apply."""
+        applies = self.kind == INT4 and tinygemm_supported(
+            self.out_features, self.in_features, self.scale_block
+        )
+        self.tinygemm = None
+        if applies:
+            self.tinygemm = pack_tinygemm(
+                self.weight, self.weight_scale, self.weight_zero_point, self.in_features, self.scale_block[1]
+            )
+        return applies
+
+    @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor) -> None:
         """Fill this layer from a dense [N, K] weight with g4serve's quantizer (``quantize_weight``)."""
         q, scale, zero = quantize_weight(
@@ -135,6 +156,17 @@ class QuantLinear(nn.Module):
 def frozen(t: torch.Tensor) -> nn.Parameter:
     """A parameter that is never trained (quantized bytes, scales, zero points)."""
     return nn.Parameter(t, requires_grad=False)
+
+
+def prepare_int4_layouts(model: nn.Module) -> int:
+    """With ``G4SERVE_INT4_MATMUL=tinygemm``, every int4 ``QuantLinear`` of ``model`` that tinygemm takes gets
+    its layout (after ``fuse_projections``, so stacked projections are repacked once); the count."""
+    if INT4_MATMUL != "tinygemm":
+        return 0
+    count = sum(m.prepare_tinygemm() for m in model.modules() if isinstance(m, QuantLinear))
+    if count:
+        log.info("int4 projections on tinygemm: %d repacked", count)
+    return count
 
 
 # ---- forward ----------------------------------------------------------------------------------------------
@@ -154,16 +186,14 @@ def quant_linear(
     if m > SKINNY_ROWS and _scaled_mm_ok(x, layer):
         # Prefill on the FP8 tensor cores, a gated projection's epilogue in one elementwise pass after it (the
         # dequantizing 2-D grid it took before made E4B's FP8 prefill twice as slow as bf16's)
-        y = _fp8_scaled_mm(x, layer)
-        if epilogue == GATE_UP:
-            gate, up = y.chunk(2, dim=-1)
-            return act_mul(activation, gate, up)
-        return act_mul(activation, y, other) if epilogue == MUL else y
+        return _epilogue_after(_fp8_scaled_mm(x, layer), epilogue, activation, other)
     if m > SKINNY_ROWS and PREFILL_PATH == "dequant":
         return _reference(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
-    if m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
+    if m <= SKINNY_ROWS and layer.tinygemm is not None and x.dtype == torch.bfloat16:
+        y = _epilogue_after(tinygemm_matmul(x, layer.tinygemm), epilogue, activation, other)
+    elif m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
         args = (layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
         if quantized is not None:  # quantized by the kernel that wrote x (``layers.fused.add_rms_norm``)
             y = fp8_matmul_quantized(*quantized, x.dtype, *args)
@@ -185,6 +215,13 @@ def quant_linear(
         assert epilogue == PLAIN, "fused epilogues take bias-free projections"
         y += layer.bias
     return y
+
+
+def _epilogue_after(y: torch.Tensor, epilogue: int, activation: str | None, other) -> torch.Tensor:
+    """An epilogue in one elementwise pass after a GEMM that has none (``torch._scaled_mm``, tinygemm)."""
+    if epilogue == GATE_UP:
+        return act_mul(activation, *y.chunk(2, dim=-1))
+    return act_mul(activation, y, other) if epilogue == MUL else y
 
 
 def _reference(x, layer: QuantLinear, epilogue: int, activation: str | None, other) -> torch.Tensor:
@@ -411,9 +448,11 @@ def _regrid_zeros(part: QuantLinear, block: tuple[int, int]) -> torch.Tensor:
 
 
 __all__ = [
+    "INT4_MATMUL",
     "PREFILL_PATH",
     "QuantLinear",
     "pack_int4",
+    "prepare_int4_layouts",
     "quant_linear",
     "quantize_activations_fp8",
     "quantize_weight",

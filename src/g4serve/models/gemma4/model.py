@@ -72,9 +72,11 @@ class Gemma4Model(nn.Module):
         """Accelerator weight layout, once after loading: stacked decoder projections, and no clamps in the
         towers' linears whose bounds are all infinite. The CPU reference path keeps the checkpoint's
         layout."""
+        from g4serve.layers.quant import prepare_int4_layouts
         from g4serve.models.gemma4.multimodal import ClippableLinear
 
         self.language_model.fuse_projections()
+        prepare_int4_layouts(self.language_model)  # G4SERVE_INT4_MATMUL=tinygemm
         for module in self.modules():
             if isinstance(module, ClippableLinear):
                 module.drop_unbounded_clipping()
