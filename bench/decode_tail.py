@@ -14,6 +14,7 @@ command) to bench/results/.
 
     python bench/decode_tail.py                         # e4b and 31b, M = 1 2 4 8
     python bench/decode_tail.py --presets e2b --rows 1 --sweep
+    python bench/decode_tail.py --presets e4b --rows 1 --sweep --sweep-grid coarse   # MLP per SM
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls-per-graph", type=int, default=32)
     p.add_argument("--graph-replays", type=int, default=7)
     p.add_argument("--sweep", action="store_true", help="search the kernel's tiles per shape and row count")
+    p.add_argument(
+        "--sweep-grid",
+        choices=("full", "coarse"),
+        default="full",
+        help="coarse: at one row only what sets the weight bytes in flight per SM (programs per SM, warps, "
+        "the K tile and gate/up's rows a task), 32 configs against the full grid's 486",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -66,11 +74,14 @@ def tail_shapes(preset: str) -> list[tuple[int, int, int, int, int, str]]:
     return [(t.hidden_size, q, i, p, n, t.hidden_activation) for (q, i), n in sorted(counts.items())]
 
 
-def tail_sweep(m: int) -> list[dict[str, int]]:
+def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
     """The grid ``--sweep`` searches: the big phases' tiles (o, gate/up and down share a K tile), warps and
-    programs per SM; the PLE phases keep their default tiles."""
+    programs per SM; the PLE phases keep their default tiles. ``coarse`` (one row): the weight bytes in flight
+    per SM only, the question the first H200 run left (one program of 8 warps streamed 1.4 TB/s)."""
     keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
-    if m == 1:
+    if m == 1 and grid_name == "coarse":
+        grid = itertools.product((4,), (8, 16), (4,), (512, 1024), (4, 8), (1, 2, 3, 4))
+    elif m == 1:
         grid = itertools.product((2, 4, 8), (4, 8, 16), (2, 4, 8), (512, 1024, 2048), (4, 8), (1, 2, 3))
     else:
         grid = itertools.product((16, 32), (16, 32, 64), (16, 32), (64, 128, 256), (4, 8), (1, 2))
@@ -159,7 +170,7 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
     if args.sweep:
         default = decode_tail_config(m, h, q, i, p)
         row["sweep"] = sweep = time_sweep(
-            [default | cfg for cfg in tail_sweep(m)],
+            [default | cfg for cfg in tail_sweep(m, args.sweep_grid)],
             lambda cfg: time(lambda t: _fused_with(t, attn, residual, per_layer, scale, act, cfg)),
         )
         print(f"    best {sweep['best_ms'] * 1e3:.1f} us with {sweep['best']}")

@@ -6,7 +6,8 @@
 #          (align_p against align_t, FP8 experts dequantized against W8A8); bench/preprocess_media.py
 #          --device cuda (the --media-on-gpu path's pieces); the persistent decode-tail kernel: its GPU tests
 #          and bench/decode_tail.py (e4b and 31b, M = 1-8); bench/sampler.py (top-k in the sort-free kernel,
-#          G4SERVE_SORT_FREE_TOP_K, against torch.topk)
+#          G4SERVE_SORT_FREE_TOP_K, against torch.topk); tailsweep: the decode tail's coarse sweep at one
+#          row (programs per SM, warps, K tile: the weight bytes each SM keeps in flight)
 #   seed:  26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN)
 #   quant: e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
@@ -24,7 +25,7 @@
 # on two GPUs two calls (STAGES="nccl tests kernels media tail seed fp8 int4", then STAGES="stall audio").
 # Results: $OUT/catch_up.tgz (JSON, logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
-STAGES=${STAGES:-nccl tests kernels media tail seed fp8 int4 stall audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-nccl tests kernels media tail tailsweep seed fp8 int4 stall audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
 VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
@@ -51,6 +52,10 @@ lane_kernels() {
       tests/gpu/test_fp8_norm_quant_gpu.py tests/gpu/test_kernels_gpu.py -k "tail or norm_quant or fp8 or top_"
     run decode-tail 150 python3 bench/decode_tail.py --presets e4b 31b --out-dir "$RES"
     run sampler 120 python3 bench/sampler.py --batches 1 8 64 --out-dir "$RES"
+  fi
+  if has tailsweep; then  # the decode tail at one row: weight bytes in flight per SM (32 configs)
+    run decode-tail-sweep 240 python3 bench/decode_tail.py --presets e4b --rows 1 --sweep --sweep-grid coarse \
+      --out-dir "$RES"
   fi
 }
 
@@ -133,7 +138,7 @@ fi
   echo "## media stall"; cat "$RES/stall/summary.md" 2>/dev/null
   echo "## audio beside text"; cat "$RES/audio/summary.md" 2>/dev/null
   echo "## decode tail kernel"; tail -n 3 "$RES/tail-tests.log" 2>/dev/null
-  grep -hE "H=|best" "$RES/decode-tail.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-tail-e4b-*.log "$RES"/fp8-norm-quant-e4b-*.log 2>/dev/null
+  grep -hE "H=|best" "$RES/decode-tail.log" "$RES/decode-tail-sweep.log" 2>/dev/null; grep -hE "ITL|decode" "$RES"/decode-tail-e4b-*.log "$RES"/fp8-norm-quant-e4b-*.log 2>/dev/null
   echo "## sampler"; grep -hE "top_k" "$RES/sampler.log" 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null

@@ -37,8 +37,8 @@ def test_moe_presets_have_no_tail_the_kernel_serves():
     assert bench.tail_shapes("26b-a4b") == []
 
 
-@pytest.mark.parametrize("m", [1, 8])
-def test_swept_configs_compute_the_tail(m):
+@pytest.mark.parametrize("m,grid", [(1, "full"), (8, "full"), (1, "coarse")])
+def test_swept_configs_compute_the_tail(m, grid):
     gen = torch.Generator().manual_seed(m)
     h, q, i, p = 48, 32, 80, 16
 
@@ -50,12 +50,19 @@ def test_swept_configs_compute_the_tail(m):
     ple = PerLayerInput(randn(p, h), randn(h, p), randn(m, p), 1 + randn(h))
     next_norm = 1 + randn(h)
     want = decode_tail_reference(*operands, 1e-6, "silu", ple, None, next_norm)
-    configs = bench.tail_sweep(m)
+    configs = bench.tail_sweep(m, grid)
     for cfg in configs[:: max(1, len(configs) // 12)]:
         cfg = decode_tail_config(m, h, q, i, p) | cfg
         got = decode_tail(*operands, 1e-6, "silu", new_counters("cpu"), ple, None, next_norm, cfg)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=3e-5, rtol=3e-5, msg=str(cfg))
+
+
+def test_the_coarse_grid_asks_only_about_bytes_in_flight():
+    coarse = bench.tail_sweep(1, "coarse")
+    assert len(coarse) == 32 and len(bench.tail_sweep(1)) == 486
+    assert {c["programs_per_sm"] for c in coarse} == {1, 2, 3, 4} and {c["bn_o"] for c in coarse} == {4}
+    assert bench.tail_sweep(8, "coarse") == bench.tail_sweep(8)  # more rows: the full grid
 
 
 def test_refuses_to_run_without_cuda(monkeypatch, capsys):
