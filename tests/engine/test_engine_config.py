@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from g4serve.engine.config import EngineConfig
 from g4serve.engine_args import add_engine_arguments, engine_config_from_args, parse_mm_limits
@@ -101,3 +102,18 @@ def test_the_token_budget_defaults_by_device():
     assert EngineConfig(device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_the_kv_cache_leaves_room_for_media_prepared_on_the_gpu():
+    """With media prepared on the GPU (the CUDA default), the KV budget keeps DeviceMedia's bound free: the
+    in-flight pixels and each preparing thread's float frame, ~800 MB at the defaults."""
+    from g4serve.config import preset
+    from g4serve.engine.config import PREPROCESS_WORKERS
+    from g4serve.engine.engine import kv_reserve
+    from g4serve.processing.device_media import device_memory_bound
+
+    text = preset("e4b").text
+    host = kv_reserve(EngineConfig(device="cuda", media_on_gpu=False), text, torch.bfloat16)
+    gpu = kv_reserve(EngineConfig(device="cuda"), text, torch.bfloat16)
+    assert gpu - host == device_memory_bound(PREPROCESS_WORKERS) == 3 * (1 << 27) + 4 * 12 * (1 << 23)
+    assert kv_reserve(EngineConfig(device="cuda", text_only=True), text, torch.bfloat16) == host

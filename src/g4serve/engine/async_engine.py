@@ -17,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from g4serve.engine.config import EngineConfig
+from g4serve.engine.config import PREPROCESS_WORKERS, EngineConfig
 from g4serve.engine.engine import LLMEngine
 from g4serve.engine.request import Request
 from g4serve.outputs import RequestMetrics, RequestOutput
@@ -66,7 +66,7 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, preprocess_workers: int = 4):
+    def __init__(self, engine: LLMEngine, preprocess_workers: int = PREPROCESS_WORKERS):
         self.engine = engine
         engine.copy_outputs = False  # _publish reads each output on the engine thread, before the next step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (kind, payload) from the event loop

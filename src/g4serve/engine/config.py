@@ -26,6 +26,10 @@ def _opt(default: Any = None, help: str = "", **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+# Threads that prepare requests (tokenize, decode and resize media) beside the engine thread (AsyncLLMEngine).
+PREPROCESS_WORKERS = 4
+
+
 @dataclass
 class EngineConfig:
     model: str | None = _opt(None, "checkpoint directory or preset; None: the embedded tiny model", cli=False)

@@ -15,9 +15,10 @@ import time
 import numpy as np
 import torch
 
+from g4serve.config import TextConfig
 from g4serve.distributed import SINGLE
 from g4serve.distributed.sharding import check_tensor_parallel
-from g4serve.engine.config import EngineConfig, device_type
+from g4serve.engine.config import PREPROCESS_WORKERS, EngineConfig, device_type
 from g4serve.engine.encoder_runner import EncoderCache, EncoderRunner
 from g4serve.engine.inputs import DeviceDrafts
 from g4serve.engine.kv_cache import KVCacheManager, PagedKVCache, kv_cache_dtype
@@ -54,6 +55,7 @@ from g4serve.models.gemma4.loader import (
 )
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
+from g4serve.processing.device_media import device_memory_bound
 from g4serve.processing.processor import (
     Gemma4Processor,
     ProcessedPrompt,
@@ -115,6 +117,15 @@ class InflightStep:
 
 def _resolve_device(device: str) -> torch.device:
     return torch.device(device_type(device) if device in (None, "auto") else device)
+
+
+def kv_reserve(config: EngineConfig, text: TextConfig, dtype: torch.dtype) -> int:
+    """Bytes of the engine's GPU share the KV cache leaves free: a step's activations, and with media prepared
+    on the GPU what ``DeviceMedia`` may hold (its bound at ``PREPROCESS_WORKERS`` threads, ~800 MB)."""
+    reserve = activation_reserve(text, config.max_num_batched_tokens, dtype)
+    if config.media_on_gpu:
+        reserve += device_memory_bound(PREPROCESS_WORKERS)
+    return reserve
 
 
 class LLMEngine:
@@ -196,8 +207,9 @@ class LLMEngine:
 
         budget = config.kv_cache_bytes
         if budget is None:
-            reserve = activation_reserve(text, config.max_num_batched_tokens, self.dtype)
-            budget = kv_budget(self.device, config.gpu_memory_utilization, reserve)
+            budget = kv_budget(
+                self.device, config.gpu_memory_utilization, kv_reserve(config, text, self.dtype)
+            )
         kv_dtype = kv_dtype or self.dtype
         num_blocks = plan_kv_blocks(
             text,

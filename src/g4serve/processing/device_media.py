@@ -65,6 +65,12 @@ MAX_BATCH_PIXELS = 1 << 26
 MAX_IN_FLIGHT_PIXELS = 1 << 27
 
 
+def device_memory_bound(threads: int) -> int:
+    """Bytes ``DeviceMedia`` may hold at once at the default bounds with ``threads`` preparing threads: the
+    in-flight uint8 pixels, and each thread's float copy of one frame (what the engine keeps free for it)."""
+    return 3 * MAX_IN_FLIGHT_PIXELS + threads * 12 * MAX_FRAME_PIXELS
+
+
 def device_jpeg_size(data: bytes | bytearray, limits: MediaLimits) -> tuple[int, int] | None:
     """(width, height) of a JPEG the device may decode; None sends it to the host path (which decodes it or
     reports why not). Reads the header only."""
