@@ -89,8 +89,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "G4SERVE_MOE_ALIGN",
         "parallel",
-        "MoE assignments past 4,096 per step sorted by expert with torch's sort (`sort`) or the three-launch "
-        "kernel (`parallel`)",
+        "MoE assignments past 128 per step sorted by expert with the three-launch kernel (`parallel`) or "
+        "torch's sort (`sort`); up to 128 one program does it",
         ("sort", "parallel"),
     ),
     Variable(

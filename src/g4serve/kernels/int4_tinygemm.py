@@ -34,7 +34,6 @@ class TinygemmWeight:
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     group: int
-    out_features: int
 
 
 def tinygemm_supported(out_features: int, in_features: int, scale_block: tuple[int, int]) -> bool:
@@ -87,7 +86,7 @@ def pack_tinygemm(
         packed = torch.ops.aten._convert_weight_to_int4pack(nibble_bytes(values), tiles)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, tiles)
-    return TinygemmWeight(packed, scales_and_zeros(scale, zero_point), group, weight.shape[0])
+    return TinygemmWeight(packed, scales_and_zeros(scale, zero_point), group)
 
 
 def tinygemm_matmul(x: torch.Tensor, w: TinygemmWeight) -> torch.Tensor:

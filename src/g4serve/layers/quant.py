@@ -10,7 +10,8 @@ scales run on the FP8 tensor cores with their activations quantized too, as the 
 projections ``torch._scaled_mm`` (per-token scales). Gated prefill projections, int4, static activation
 scales and FP8 weights on older GPUs run ``kernels/quant_matmul.py`` (dequantized in registers, 16-bit
 products; W8A8's 128 x 128 tiles were slower there: 31B TTFT at 2,048 tokens 451 against 354 ms);
-``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there too (the A/B of bench runs).
+``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there too (the A/B of bench runs), and
+``G4SERVE_INT4_MATMUL=tinygemm`` sends int4 decode to torch's own int4 kernel (``kernels/int4_tinygemm.py``).
 """
 
 from __future__ import annotations
