@@ -758,9 +758,10 @@ def fused_moe(
 
     The k expert outputs of a token are summed in fp32 in slot order (deterministic), then rounded once.
     ``tiles`` overrides ``moe_tiles``; alignments of more than ``align_kernel_max`` assignments take the
-    three-launch kernel (or torch's sort, ``PREFILL_ALIGN``) instead of the one-program kernel. FP8 experts (both projections) take the W8A8 products at
-    ``w8a8_min`` assignments or more (0: never): x and the gated activations quantized per token and
-    128-column group, as ``fused_moe_w8a8_reference`` (None: ``W8A8_MIN_ASSIGNMENTS``).
+    three-launch kernel (or torch's sort, ``PREFILL_ALIGN``) instead of the one-program kernel. FP8 experts
+    (both projections) take the W8A8 products at ``w8a8_min`` assignments or more (0: never; None:
+    ``W8A8_MIN_ASSIGNMENTS``): x and the gated activations quantized per token and 128-column group, as
+    ``fused_moe_w8a8_reference``.
     """
     if w8a8_min is None:
         w8a8_min = W8A8_MIN_ASSIGNMENTS
