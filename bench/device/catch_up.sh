@@ -13,7 +13,7 @@
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
 #          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (B = 1/8/32/64
 #          and a 2,048-token prefill) on the Triton kernel and on tinygemm (G4SERVE_INT4_MATMUL), after
-#          tinygemm's GPU tests; e4b decode with the
+#          tinygemm's GPU tests, and its prefill dequantized then cuBLAS (G4SERVE_QUANT_PREFILL); e4b decode with the
 #          decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8, and FP8 e4b decode with the norms
 #          quantizing for the W8A8 projections off and on (G4SERVE_FP8_NORM_QUANT), B = 1/8
 #   served: media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
@@ -94,6 +94,10 @@ lane_quant() {
         --device cuda --quantization w4a16 --batches 1,8,32,64 --decode-steps 16 --prefill-lengths 2048 \
         --prefill-reps 2 --out "$RES/int4-$kernel" --tag="-$kernel"
     done
+    # int4 prefill past 64 rows dequantized to bf16, then cuBLAS, against the 2-D grid kernel above
+    G4SERVE_QUANT_PREFILL=dequant run int4-e4b-prefill-dequant 120 python3 bench/engine_microbench.py \
+      --model e4b --device cuda --quantization w4a16 --batches 1 --decode-steps 4 --prefill-lengths 512,2048 \
+      --prefill-reps 2 --out "$RES/int4-prefill-dequant" --tag="-prefill-dequant"
   fi
   if has tail; then  # decode steps with each layer's tail after attention in one persistent launch, or not
     for on in 0 1; do
@@ -143,7 +147,8 @@ fi
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
   echo "## int4 e4b (Triton, then tinygemm)"; tail -n 3 "$RES/int4-tests.log" 2>/dev/null
-  grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b-triton.log "$RES"/int4-e4b-tinygemm.log 2>/dev/null
+  grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b-triton.log "$RES"/int4-e4b-tinygemm.log \
+    "$RES"/int4-e4b-prefill-dequant.log 2>/dev/null
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
 tar -czf "$OUT/catch_up.tgz" -C "$RES" .
