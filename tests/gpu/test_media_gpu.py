@@ -100,7 +100,8 @@ def _with_size(blob: bytes, height: int, width: int) -> bytes:
 
 def test_hostile_jpegs_leave_nvjpeg_and_the_device_working():
     """JPEGs whose headers pass ``device_jpeg_size`` but whose streams are hostile (truncated, the scan
-    garbage or zeros, a frame header larger or smaller than the scan, an extra frame header) go to nvJPEG,
+    garbage or zeros, a frame header larger or smaller than the scan, an extra frame header, a progressive
+    stream cut short, restart markers out of order or a bogus restart interval) go to nvJPEG,
     alone and in a batch with good ones: each comes back as pixels of its header's size or as None (the host
     path then decodes or refuses it), nothing raises, and the device still decodes the good ones afterwards
     (no sticky CUDA error)."""
@@ -108,6 +109,9 @@ def test_hostile_jpegs_leave_nvjpeg_and_the_device_working():
     assert media.decodes_jpeg
     good = jpeg(picture(240, 320, 4))
     start = _scan_start(good)
+    progressive = jpeg(picture(240, 320, 5), progressive=True)
+    restarts = jpeg(picture(240, 320, 6), restart_marker_blocks=4)
+    rst_start = _scan_start(restarts)
     rng = np.random.default_rng(0)
     hostile = {
         "truncated in the scan": good[: (start + len(good)) // 2],
@@ -118,6 +122,11 @@ def test_hostile_jpegs_leave_nvjpeg_and_the_device_working():
         "header larger": _with_size(good, 2000, 3000),
         "header smaller": _with_size(good, 16, 16),
         "two frames": good[:-2] + good[2:],
+        # a progressive stream cut after its first scans; restart markers out of order and a bogus interval
+        "progressive truncated": progressive[: len(progressive) // 3],
+        "restart markers shuffled": restarts[:rst_start]
+        + restarts[rst_start:].replace(b"\xff\xd1", b"\xff\xd5"),
+        "restart interval bogus": restarts.replace(b"\xff\xdd\x00\x04", b"\xff\xdd\x00\x04\x00\x01", 1),
     }
     budget = MediaBudget()
     for name, blob in hostile.items():
