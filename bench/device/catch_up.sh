@@ -22,7 +22,7 @@
 # STAGES picks the work inside the lanes (default: all of it). On four GPUs one call of under 10 minutes:
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
 #       kind="nvidia-h200-x4")
-# on two GPUs two calls (STAGES="nccl tests kernels media tail seed fp8 int4", then STAGES="stall audio").
+# on two GPUs two calls (STAGES="nccl tests kernels media tail tailsweep seed fp8 int4", then STAGES="stall audio").
 # Results: $OUT/catch_up.tgz (JSON, logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
 STAGES=${STAGES:-nccl tests kernels media tail tailsweep seed fp8 int4 stall audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
