@@ -58,10 +58,11 @@ def test_swept_configs_compute_the_tail(m, grid):
             torch.testing.assert_close(g, w, atol=3e-5, rtol=3e-5, msg=str(cfg))
 
 
-def test_the_coarse_grid_asks_only_about_bytes_in_flight():
+def test_the_coarse_grid_tries_gemv_like_parallelism():
     coarse = bench.tail_sweep(1, "coarse")
-    assert len(coarse) == 32 and len(bench.tail_sweep(1)) == 486
-    assert {c["programs_per_sm"] for c in coarse} == {1, 2, 3, 4} and {c["bn_o"] for c in coarse} == {4}
+    assert len(coarse) == 36 and len(bench.tail_sweep(1)) == 486
+    assert {c["programs_per_sm"] for c in coarse} == {2, 4, 8} and {c["num_warps"] for c in coarse} == {4}
+    assert all(c["bn_o"] == c["bn_b"] <= 4 for c in coarse)
     assert bench.tail_sweep(8, "coarse") == bench.tail_sweep(8)  # more rows: the full grid
 
 
