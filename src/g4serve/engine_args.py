@@ -116,7 +116,7 @@ def add_engine_arguments(
         help_text += f"; {notes[f.name]}" if f.name in notes else ""
         if default is not None and "default" not in help_text:
             help_text += f" (default: {shown})"
-        if isinstance(default, bool) or _flag_type(f.name) is bool:
+        if _flag_type(f.name) is bool:
             # --x / --no-x for options on by default (vLLM's --no-enable-prefix-caching) or decided by the
             # engine (None), --x for the others
             action = "store_true" if default is False else argparse.BooleanOptionalAction

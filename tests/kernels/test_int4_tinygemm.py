@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from g4serve.kernels import int4_tinygemm as tg
-from g4serve.kernels.quant_matmul import dequantize_reference
+from g4serve.kernels.quant_matmul import dequantize_reference, int4_nibbles
 from g4serve.layers import quant
 from g4serve.layers.quant import QuantLinear
 from g4serve.quant_config import FP8, INT4, WeightQuant
@@ -65,9 +65,9 @@ def test_nibble_bytes_put_the_even_element_high():
     assert tg.nibble_bytes(values).tolist() == [[0x12, 0x34], [0xF0, 0x0F]]
 
 
-def test_unsigned_nibbles_are_the_stored_ones():
+def test_int4_nibbles_are_the_stored_ones():
     q = torch.tensor([[-8, -1, 0, 7, 3, -4, 5, 6, 1]], dtype=torch.int32)
-    assert tg.unsigned_nibbles(quant.pack_int4(q), 9).tolist() == [(q + 8).tolist()[0]]
+    assert int4_nibbles(quant.pack_int4(q), 9).tolist() == [(q + 8).tolist()[0]]
 
 
 def test_which_shapes_have_a_layout():

@@ -56,8 +56,8 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # FP8 experts at this many assignments (T*k) or more multiply on the FP8 tensor cores (W8A8: activations
 # quantized per token and 128-column group, ``_w8a8_products``) instead of dequantizing the weight to bf16
 # tiles; 0: never. G4SERVE_MOE_W8A8_MIN sets it. Default 1, always: on an H200 at 26B-A4B the W8A8 experts
-# took 1.14-1.19x less time than the dequantizing ones from 64 to 4,096 tokens (bench/moe_kernels.py
-# --quant fp8), a 2,048-token FP8 prefill 47.9 ms against 53.0 and a B = 1 decode step 3.76 ms against 3.83
+# were 1.08-1.24x faster than the dequantizing ones from 1 to 4,096 tokens (bench/moe_kernels.py --quant fp8),
+# a 2,048-token FP8 prefill took 47.9 ms against 53.0 and a B = 1 decode step 3.76 ms against 3.83
 # (bench/engine_microbench.py). Its outputs differ from the dequantizing path's by the activations' e4m3
 # rounding, about 4.4% of their norm on random weights, as FP8 checkpoints' dynamic activation schemes do.
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")

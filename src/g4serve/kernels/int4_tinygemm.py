@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from g4serve.kernels.quant_matmul import unpack_int4
+from g4serve.kernels.quant_matmul import int4_nibbles
 
 GROUPS = (32, 64, 128, 256)  # the group sizes tinygemm has kernels for
 
@@ -53,12 +53,6 @@ def inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
-def unsigned_nibbles(weight: torch.Tensor, in_features: int) -> torch.Tensor:
-    """compressed-tensors' int32 words [N, ceil(K / 8)] -> int32 [N, K] of the stored nibbles u = q + 8
-    (0..15)."""
-    return unpack_int4(weight, in_features).to(torch.int32) + 8
-
-
 def nibble_bytes(values: torch.Tensor) -> torch.Tensor:
     """int32 [N, K] of 0..15 -> uint8 [N, K / 2], element 2i in the high nibble of byte i and 2i + 1 in the
     low one: the CUDA packer's input (torch's own tests of ``_weight_int4pack_mm`` build it so)."""
@@ -80,7 +74,7 @@ def pack_tinygemm(
     group: int,
 ) -> TinygemmWeight:
     """A ``QuantLinear``'s int4 weight, scales and zero points in tinygemm's layout on their device."""
-    values = unsigned_nibbles(weight, in_features)
+    values = int4_nibbles(weight, in_features).contiguous()
     tiles = inner_k_tiles(in_features)
     if weight.is_cuda:
         packed = torch.ops.aten._convert_weight_to_int4pack(nibble_bytes(values), tiles)
@@ -101,7 +95,7 @@ def tinygemm_reference_weight(
     """The dense fp32 weight [N, K] tinygemm multiplies by: (u - 8) * scale + zero with the bf16 scale and
     zero, in fp32."""
     sz = scales_and_zeros(scale, zero_point).float().repeat_interleave(group, dim=0)  # [K, N, 2]
-    u = unsigned_nibbles(weight, in_features).float()
+    u = int4_nibbles(weight, in_features).float()
     return (u - 8) * sz[..., 0].t() + sz[..., 1].t()
 
 
@@ -115,5 +109,4 @@ __all__ = [
     "tinygemm_matmul",
     "tinygemm_reference_weight",
     "tinygemm_supported",
-    "unsigned_nibbles",
 ]

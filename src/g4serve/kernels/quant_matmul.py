@@ -693,11 +693,17 @@ def _split_k_matmul(x, weight, scale, scale_block, zero_point, epilogue, activat
     )
 
 
+def int4_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [R, ceil(K / 8)] of compressed-tensors' packing -> int32 [R, K] of the stored nibbles q + 8
+    (0..15): element 8j + i is nibble i of word j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return nibbles.reshape(packed.shape[0], -1)[:, :in_features]
+
+
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """int32 [R, ceil(K / 8)] of compressed-tensors' packing -> int8 [R, K] in [-8, 7]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # element 8j + i is nibble i of word j
-    return (nibbles.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+    return (int4_nibbles(packed, in_features) - 8).to(torch.int8)
 
 
 def _expand(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
@@ -749,5 +755,6 @@ __all__ = [
     "quant_matmul",
     "quant_matmul_config",
     "quant_matmul_reference",
+    "int4_nibbles",
     "unpack_int4",
 ]
