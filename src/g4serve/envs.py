@@ -74,17 +74,23 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_INT4_MATMUL",
-        "triton",
-        "int4 (w4a16) projections at decode sizes: `triton` (`kernels/quant_matmul.py`) or `tinygemm` "
-        "(torch's `_weight_int4pack_mm`, the weights repacked at load; not yet timed on a device)",
+        "tinygemm",
+        "int4 (w4a16) projections at decode sizes: `tinygemm` (torch's `_weight_int4pack_mm`, the weights "
+        "repacked at load beside the checkpoint's words) or `triton` (`kernels/quant_matmul.py`)",
         ("triton", "tinygemm"),
     ),
     Variable(
         "G4SERVE_QUANT_PREFILL",
         "triton",
-        "quantized projections past 64 rows: `triton` (the 2-D grid kernel) or `dequant` (the dense weight, "
-        "then cuBLAS)",
+        "quantized projections past 64 rows (FP8 without row-wise scales, int4): `triton` (the 2-D grid "
+        "kernel) or `dequant` (the dense weight written by one launch, `kernels/dequant.py`, then cuBLAS)",
         ("triton", "dequant"),
+    ),
+    Variable(
+        "G4SERVE_INT4_DENSE_ROWS",
+        "65",
+        "int4 (w4a16) projections on at least this many rows take the dense weight then cuBLAS, as "
+        "`G4SERVE_QUANT_PREFILL=dequant` does past 64 (65: decode batches never do)",
     ),
     Variable(
         "G4SERVE_MOE_ALIGN",

@@ -197,8 +197,9 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float()
 
 
-# FP8 (scaled_mm prefill), int4 (Triton grid), int4 decoding on tinygemm (G4SERVE_INT4_MATMUL=tinygemm)
-@pytest.mark.parametrize("quantization", ["fp8", "w4a16", "w4a16-tinygemm"])
+# FP8 (scaled_mm prefill); int4 decoding on tinygemm (the default) or on the Triton kernel
+# (G4SERVE_INT4_MATMUL=triton); int4 on the dense weight then cuBLAS at every size (G4SERVE_INT4_DENSE_ROWS=1)
+@pytest.mark.parametrize("quantization", ["fp8", "w4a16", "w4a16-triton", "w4a16-dense"])
 def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantization, monkeypatch):
     """e4b with quantized projections (captured decode graphs, skinny kernel, prefill path) against the same
     engine whose projections hold the dequantized weights in bf16: prefill logits (96 tokens) and greedy
@@ -207,9 +208,11 @@ def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantizat
     from g4serve.sampling_params import SamplingParams
 
     kw = dict(model="e4b", device="cuda", text_only=True, kv_cache_bytes=1 << 30, max_num_seqs=8)
-    if quantization == "w4a16-tinygemm":
-        monkeypatch.setattr(quant_module, "INT4_MATMUL", "tinygemm")
-        quantization = "w4a16"
+    if quantization == "w4a16-triton":
+        monkeypatch.setattr(quant_module, "INT4_MATMUL", "triton")
+    if quantization == "w4a16-dense":
+        monkeypatch.setattr(quant_module, "INT4_DENSE_ROWS", 1)
+    quantization = quantization.split("-")[0]
     quantized = LLMEngine(EngineConfig(quantization=quantization, **kw))
     layouts = [m.tinygemm is not None for m in quantized.model.modules() if isinstance(m, QuantLinear)]
     assert any(layouts) == (quant_module.INT4_MATMUL == "tinygemm" and quantization == "w4a16")
@@ -245,6 +248,25 @@ def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantizat
         0.75 if quantization == "fp8" else 0.9
     )
     assert all(x[0] == y[0] for x, y in zip(*runs))
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4-g32", "int4-g128-asym"])
+@pytest.mark.parametrize("n,k", [(20480, 2560), (2560, 10240)])
+def test_dequantize_kernel_is_the_reference_on_cuda(fmt, n, k):
+    """The dense path's one-launch dequantizer, compiled, at e4b's gate/up and down shapes: the torch
+    reference's bits in bf16 (fp32 products rounded once), the GEMM after it F.linear's."""
+    from g4serve.kernels.dequant import dequantize
+
+    kind, block, asym = FORMATS[fmt]
+    layer = QuantLinear(
+        k,
+        n,
+        WeightQuant(kind, "group" if kind == "int4" else "block", block, symmetric=not asym),
+        device="cuda",
+    )
+    layer.quantize_from(torch.randn(n, k, generator=torch.Generator("cuda").manual_seed(n), device="cuda"))
+    args = (layer.weight, layer.weight_scale, layer.scale_block, k, layer.weight_zero_point, torch.bfloat16)
+    assert torch.equal(dequantize(*args), dequantize_reference(*args))
 
 
 @pytest.mark.parametrize("static", [False, True])

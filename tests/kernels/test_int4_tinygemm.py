@@ -89,9 +89,10 @@ def test_prepare_int4_layouts_only_with_the_switch(monkeypatch):
             "dense": nn.Linear(256, 32),
         }
     )
-    assert quant.INT4_MATMUL == "triton" and quant.prepare_int4_layouts(model) == 0  # the default
+    monkeypatch.setattr(quant, "INT4_MATMUL", "triton")
+    assert quant.prepare_int4_layouts(model) == 0
     assert model["int4"].tinygemm is None
-    monkeypatch.setattr(quant, "INT4_MATMUL", "tinygemm")
+    monkeypatch.setattr(quant, "INT4_MATMUL", "tinygemm")  # the default
     assert quant.prepare_int4_layouts(model) == 1
     assert model["int4"].tinygemm is not None and model["int4_row"].tinygemm is None
     assert model["fp8"].tinygemm is None

@@ -25,6 +25,7 @@ from torch import nn
 
 from g4serve import envs
 from g4serve.kernels.act_mul import act_mul
+from g4serve.kernels.dequant import dequantize
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_quantized, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
@@ -39,10 +40,13 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows past SKINNY_ROWS on CUDA: "triton" (default) multiplies in quant_matmul's 2-D grid; "dequant" writes
 # the dense weight once per call and runs cuBLAS (the A/B alternative for bench runs).
 PREFILL_PATH = envs.get("G4SERVE_QUANT_PREFILL")
+# int4 decode batches of at least this many rows take that dense path too (the weight dequantized by one
+# launch, then cuBLAS).
+INT4_DENSE_ROWS = envs.get_int("G4SERVE_INT4_DENSE_ROWS")
 # int4 projections at decode sizes on torch's tinygemm (kernels/int4_tinygemm.py: the weights repacked once,
-# by prepare_int4_layouts) instead of kernels/quant_matmul.py. Off until a device run has timed both (the int4
-# stage of bench/device/catch_up.sh): the Triton GEMV was 4.08 / 14.48 ms a step on e4b at B = 1 / 8 on an
-# H200, bf16 3.16 / 3.97.
+# by prepare_int4_layouts) or on kernels/quant_matmul.py ("triton"). Measured on e4b on an H200 (issue 22):
+# tinygemm 3.15 / 4.88 / 11.97 / 20.60 ms a step at B = 1 / 8 / 32 / 64, the Triton kernel 4.06 / 14.43 /
+# 12.08 / 25.54. tinygemm's layout sits beside the checkpoint's words, which the dense path reads.
 INT4_MATMUL = envs.get("G4SERVE_INT4_MATMUL")
 # FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
 # tensor cores; "dequant" takes the in-register dequantizing kernel with 16-bit activations.
@@ -96,8 +100,10 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.kind}, scale_block={self.scale_block}"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dense weight [N, K] in ``dtype`` (the CPU path's weight, and the oracle of the kernels)."""
-        return dequantize_reference(
+        """The dense weight [N, K] in ``dtype``: the CPU path's weight and the oracle of the kernels (torch),
+        and on CUDA the input of the dense path's cuBLAS GEMM (``kernels/dequant.py``, the same bits)."""
+        fn = dequantize if self.weight.is_cuda else dequantize_reference
+        return fn(
             self.weight, self.weight_scale, self.scale_block, self.in_features, self.weight_zero_point, dtype
         )
 
@@ -182,14 +188,14 @@ def quant_linear(
     act(layer(x)) * other). CPU and other non-CUDA tensors: the reference (dense weight, then F.linear)."""
     quantized = layer.take_quantized_input(x)
     if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
-        return _reference(x, layer, epilogue, activation, other)
+        return _dense(x, layer, epilogue, activation, other)
     m = x.shape[0]
     if m > SKINNY_ROWS and _scaled_mm_ok(x, layer):
         # Prefill on the FP8 tensor cores, a gated projection's epilogue in one elementwise pass after it (the
         # dequantizing 2-D grid it took before made E4B's FP8 prefill twice as slow as bf16's)
         return _epilogue_after(_fp8_scaled_mm(x, layer), epilogue, activation, other)
-    if m > SKINNY_ROWS and PREFILL_PATH == "dequant":
-        return _reference(x, layer, epilogue, activation, other)
+    if (m > SKINNY_ROWS and PREFILL_PATH == "dequant") or (layer.kind == INT4 and m >= INT4_DENSE_ROWS):
+        return _dense(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
     if m <= SKINNY_ROWS and layer.tinygemm is not None and x.dtype == torch.bfloat16:
@@ -225,7 +231,9 @@ def _epilogue_after(y: torch.Tensor, epilogue: int, activation: str | None, othe
     return act_mul(activation, y, other) if epilogue == MUL else y
 
 
-def _reference(x, layer: QuantLinear, epilogue: int, activation: str | None, other) -> torch.Tensor:
+def _dense(x, layer: QuantLinear, epilogue: int, activation: str | None, other) -> torch.Tensor:
+    """The dense weight, then F.linear and the unfused epilogue: the CPU reference, and on CUDA the path
+    where cuBLAS beats the dequantizing kernels (``G4SERVE_QUANT_PREFILL``, ``G4SERVE_INT4_DENSE_ROWS``)."""
     return epilogue_reference(F.linear(x, layer.dequantize(x.dtype), layer.bias), epilogue, activation, other)
 
 
