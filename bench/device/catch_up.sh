@@ -11,14 +11,15 @@
 #   seed:  26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN)
 #   quant: e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
-#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (B = 1/8/32/64
-#          and a 2,048-token prefill) on the Triton kernel and on tinygemm (G4SERVE_INT4_MATMUL), after
-#          tinygemm's GPU tests, and its prefill dequantized then cuBLAS (G4SERVE_QUANT_PREFILL); e4b decode with the
-#          decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8, and FP8 e4b decode with the norms
-#          quantizing for the W8A8 projections off and on (G4SERVE_FP8_NORM_QUANT), B = 1/8
-#   served: media_stall.sh with MODES="insteps gpumedia capped" at VIDEO_QPS (default 32; capped:
-#          --max-prefill-tokens-beside-decodes PREFILL_CAP, 512); then the audio rows: clips at 4 QPS beside
-#          text streams, log-mel on the host and with --media-on-gpu (port 8101)
+#          prefill with the experts dequantized and W8A8 (G4SERVE_MOE_W8A8_MIN=1); e4b in int4 (B = 1-64,
+#          prefill of 512 and 2,048 tokens) on tinygemm and on the dense path (kernels/dequant.py, then
+#          cuBLAS: G4SERVE_QUANT_PREFILL=dequant, G4SERVE_INT4_DENSE_ROWS=2), after their GPU tests; e4b
+#          decode with the decode-tail kernel off and on (G4SERVE_DECODE_TAIL), B = 1/8, and FP8 e4b decode
+#          with the norms quantizing for the W8A8 projections off and on (G4SERVE_FP8_NORM_QUANT), B = 1/8
+#   served: media_stall.sh with MODES=$STALL_MODES (default "insteps gpumedia capped"; e.g. split140p256)
+#          at VIDEO_QPS (default 32; capped: --max-prefill-tokens-beside-decodes PREFILL_CAP, 512); then
+#          the audio rows: clips at 4 QPS beside text streams, log-mel on the host and with --media-on-gpu
+#          (port 8101)
 # STAGES picks the work inside the lanes (default: all of it). On four GPUs one call of under 10 minutes:
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/catch_up.sh", carry=[".whl", "build/base.tgz"],
 #       kind="nvidia-h200-x4")
@@ -26,7 +27,7 @@
 # Results: $OUT/catch_up.tgz (JSON, logs), the tables and test summaries in $OUT/summary.md.
 set -uo pipefail
 STAGES=${STAGES:-nccl tests kernels media tail tailsweep seed fp8 int4 stall audio} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
-VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz}
+VIDEO_QPS=${VIDEO_QPS:-32} BASE_TGZ=${BASE_TGZ:-build/base.tgz} STALL_MODES=${STALL_MODES:-insteps gpumedia capped}
 RES=/tmp/res-catch-up
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
@@ -86,18 +87,16 @@ lane_quant() {
         --out "$RES/fp8-base"
     fi
   fi
-  if has int4; then  # e4b in int4 (w4a16) at every batch, and prefill: decode on the Triton kernel's nibble
-    # planes, then on torch's tinygemm (G4SERVE_INT4_MATMUL), after the tinygemm GPU tests
-    run int4-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_gpu.py -k "tinygemm"
-    for kernel in triton tinygemm; do
-      G4SERVE_INT4_MATMUL=$kernel run "int4-e4b-$kernel" 150 python3 bench/engine_microbench.py --model e4b \
-        --device cuda --quantization w4a16 --batches 1,8,32,64 --decode-steps 16 --prefill-lengths 2048 \
-        --prefill-reps 2 --out "$RES/int4-$kernel" --tag="-$kernel"
-    done
-    # int4 prefill past 64 rows dequantized to bf16, then cuBLAS, against the 2-D grid kernel above
-    G4SERVE_QUANT_PREFILL=dequant run int4-e4b-prefill-dequant 120 python3 bench/engine_microbench.py \
-      --model e4b --device cuda --quantization w4a16 --batches 1 --decode-steps 4 --prefill-lengths 512,2048 \
-      --prefill-reps 2 --out "$RES/int4-prefill-dequant" --tag="-prefill-dequant"
+  if has int4; then  # e4b in int4 (w4a16) at every batch, and prefill: decode on tinygemm (the default), then
+    # the dense path (G4SERVE_QUANT_PREFILL=dequant, G4SERVE_INT4_DENSE_ROWS=2: kernels/dequant.py, then
+    # cuBLAS) from two rows and past 64, after the GPU tests of both
+    run int4-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_gpu.py \
+      -k "tinygemm or dequantize_kernel or dense"
+    int4=(bench/engine_microbench.py --model e4b --device cuda --quantization w4a16 --batches 1,2,8,16,32,64
+      --decode-steps 16 --prefill-lengths 512,2048 --prefill-reps 2)
+    run int4-e4b-tinygemm 150 python3 "${int4[@]}" --out "$RES/int4-tinygemm" --tag="-tinygemm"
+    G4SERVE_QUANT_PREFILL=dequant G4SERVE_INT4_DENSE_ROWS=2 run int4-e4b-dense 150 python3 "${int4[@]}" \
+      --out "$RES/int4-dense" --tag="-dense"
   fi
   if has tail; then  # decode steps with each layer's tail after attention in one persistent launch, or not
     for on in 0 1; do
@@ -114,7 +113,7 @@ lane_quant() {
 lane_served() {
   export CUDA_VISIBLE_DEVICES=$1
   if has stall; then
-    MODES="insteps gpumedia capped" VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
+    MODES=$STALL_MODES VIDEO_QPS=$VIDEO_QPS SETUP=0 OUT="$RES/stall" RES="$RES/stall-work" \
       timeout -k 5 "$(left 30)" bash bench/device/media_stall.sh > "$RES/media-stall.log" 2>&1
   fi
   if has audio; then  # the audio rows: clips at 4 QPS beside text streams, log-mel on the host or the GPU
@@ -146,9 +145,8 @@ fi
   echo "## sampler"; grep -hE "top_k" "$RES/sampler.log" 2>/dev/null
   echo "## seed"; grep -hE "tok/s|throughput" "$RES"/seed-align-*.log 2>/dev/null
   echo "## fp8 prefill"; grep -hE "TTFT|prefill" "$RES"/fp8-*.log 2>/dev/null
-  echo "## int4 e4b (Triton, then tinygemm)"; tail -n 3 "$RES/int4-tests.log" 2>/dev/null
-  grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b-triton.log "$RES"/int4-e4b-tinygemm.log \
-    "$RES"/int4-e4b-prefill-dequant.log 2>/dev/null
+  echo "## int4 e4b (tinygemm, then the dense path)"; tail -n 3 "$RES/int4-tests.log" 2>/dev/null
+  grep -hE "ITL|TTFT|decode|prefill" "$RES"/int4-e4b-tinygemm.log "$RES"/int4-e4b-dense.log 2>/dev/null
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
 tar -czf "$OUT/catch_up.tgz" -C "$RES" .

@@ -3,7 +3,9 @@
 # MODES (insteps: encoders inside the step, media prepared on the host; overlap: --overlap-encoder;
 # gpumedia: --media-on-gpu, images and frames decoded and resized on the GPU, the default on CUDA since
 # 7e78d66; capped: steps with decodes give prefills at most PREFILL_CAP tokens, default 512; all but
-# gpumedia pass --no-media-on-gpu, so each differs from insteps in one thing), start
+# gpumedia and split pass --no-media-on-gpu, so each differs from insteps in one thing; splitE or splitEpP:
+# gpumedia with at most E soft tokens encoded in a step beside decodes, a video a few frames a step (and
+# at most P prefill tokens beside them), e.g. split140p256), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
@@ -31,6 +33,10 @@ for mode in $MODES; do
     overlap) extra="--overlap-encoder --no-media-on-gpu" ;;
     gpumedia) extra=--media-on-gpu ;;
     capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP --no-media-on-gpu" ;;
+    split*)  # splitE[pP]: media on the GPU, at most E soft tokens encoded beside decodes (and P prefill tokens)
+      spec=${mode#split}
+      extra="--media-on-gpu --max-encoder-tokens-beside-decodes ${spec%%p*}"
+      [[ $spec == *p* ]] && extra+=" --max-prefill-tokens-beside-decodes ${spec#*p}" ;;
     *) extra=--no-media-on-gpu ;;
   esac
   python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \

@@ -61,6 +61,12 @@ class EngineConfig:
         "with decodes in a step, its prefill chunks get at most this many tokens (bounds the decodes' step "
         "time under prompt and media load; default: the whole token budget)",
     )
+    max_encoder_tokens_beside_decodes: int | None = _opt(
+        None,
+        "with decodes in a step, its media encodes produce at most this many soft tokens; a video encodes "
+        "the frames that fit (at least one) and its prefill follows frame by frame (bounds the decodes' "
+        "step time under video load; default: the whole encoder budget)",
+    )
     block_size: int = _opt(16, "tokens per KV-cache block (a power of two)")
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the engine may use, KV cache included"
@@ -209,6 +215,18 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        self._check_beside_decodes()
+
+    def _check_beside_decodes(self) -> None:
+        """The caps on a step's prefill and encodes once it holds decodes."""
+        if self.max_encoder_tokens_beside_decodes is not None:
+            if self.max_encoder_tokens_beside_decodes <= 0:
+                raise ValueError("max_encoder_tokens_beside_decodes: must be positive")
+            if self.overlap_encoder:
+                raise ValueError(
+                    "max_encoder_tokens_beside_decodes: bounds the encodes inside a step; with "
+                    "overlap_encoder they run on a side stream (pick one)"
+                )
         if self.max_prefill_tokens_beside_decodes is not None:
             if self.max_prefill_tokens_beside_decodes <= 0:
                 raise ValueError("max_prefill_tokens_beside_decodes: must be positive")

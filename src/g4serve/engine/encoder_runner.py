@@ -23,11 +23,14 @@ from g4serve.processing.processor import MultimodalItem
 
 
 class EncoderCache:
-    """content hash -> soft tokens [n, hidden]; entries in use by unfinished prefills are pinned."""
+    """content hash -> soft tokens [n, hidden]; entries in use by unfinished prefills are pinned. A video
+    encoded a few frames a step (``max_encoder_tokens_beside_decodes``) gathers its frames' soft tokens in a
+    partial entry, which becomes a cached one with its last frame; prefills may read the frames it has."""
 
     def __init__(self, capacity_tokens: int):
         self.capacity_tokens = capacity_tokens
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._partial: dict[str, list[torch.Tensor]] = {}  # content hash -> soft tokens of the first frames
         self._refs: dict[str, int] = {}
         self.num_tokens = 0
         self.hits = 0
@@ -37,8 +40,27 @@ class EncoderCache:
         return digest in self._entries
 
     def get(self, digest: str) -> torch.Tensor:
+        """The soft tokens of a cached item, or of the frames a partial one has so far."""
+        if digest not in self._entries and digest in self._partial:
+            return torch.cat(self._partial[digest])
         self._entries.move_to_end(digest)
         return self._entries[digest]
+
+    def frames_done(self, digest: str) -> int:
+        """Frames of a video encoded so far by earlier steps, while it is only partly encoded (else 0)."""
+        return len(self._partial.get(digest, ()))
+
+    def add_frames(self, digest: str, frames: list[torch.Tensor], total: int) -> None:
+        """The soft tokens of a video's next frames; with its last one the video becomes a cached entry."""
+        have = self._partial.setdefault(digest, [])
+        have += frames
+        if len(have) >= total:
+            del self._partial[digest]
+            self.put(digest, torch.cat(have))
+
+    @property
+    def num_partial(self) -> int:
+        return len(self._partial)
 
     def put(self, digest: str, tokens: torch.Tensor) -> None:
         if digest in self._entries:
@@ -54,6 +76,7 @@ class EncoderCache:
         count = self._refs.get(digest, 0) - 1
         if count <= 0:
             self._refs.pop(digest, None)
+            self._partial.pop(digest, None)  # no request waits for the rest of its frames any more
         else:
             self._refs[digest] = count
         self._evict()
@@ -168,19 +191,24 @@ class EncoderRunner:
                 self.cache.hits += 1
             else:
                 todo[item.content_hash] = item
-        self.cache.misses += len(todo)
+                self.cache.misses += self.cache.frames_done(item.content_hash) == 0  # once per item
         return todo
 
     @torch.inference_mode()
-    def run(self, items: list[MultimodalItem]) -> float:
-        """Encode every item not cached yet, now; returns the seconds spent."""
+    def run(self, items: list[MultimodalItem], frames: dict[str, tuple[int, int]] | None = None) -> float:
+        """Encode every item not cached yet, now; returns the seconds spent. ``frames``: content hash ->
+        [first, end) frames of a video to encode this time (the scheduler's share of it beside decodes);
+        a video gets all its frames not yet encoded otherwise."""
         todo = self._new_items(items)
         if not todo:
             return 0.0
         t0 = time.perf_counter()
-        outputs, calls = self._encode(list(todo.values()))
+        partial: dict[str, list[torch.Tensor]] = {}
+        outputs, calls = self._encode(list(todo.values()), frames or {}, partial)
         for digest, tokens in outputs.items():
             self.cache.put(digest, tokens)
+        for digest, per_frame in partial.items():
+            self.cache.add_frames(digest, per_frame, todo[digest].data["pixel_values"].shape[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -196,13 +224,13 @@ class EncoderRunner:
             return
         if self.stream is None:  # CPU: encoded now, released at the next poll like a finished stream
             t0 = time.perf_counter()
-            outputs, calls = self._encode(list(todo.values()))
+            outputs, calls = self._encode(list(todo.values()), {}, {})
             self._encoding.append(_Encoding(outputs, calls, host_seconds=time.perf_counter() - t0))
             return
         with torch.cuda.stream(self.stream):
             begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            outputs, calls = self._encode(list(todo.values()))
+            outputs, calls = self._encode(list(todo.values()), {}, {})
             done.record()
         self._encoding.append(_Encoding(outputs, calls, begin, done))
 
@@ -241,27 +269,39 @@ class EncoderRunner:
         # From pageable memory the host waits only until the bytes are staged, not for the stream's work.
         return tensor.to(self.device, non_blocking=True)
 
-    def _encode(self, items: list[MultimodalItem]) -> tuple[dict[str, torch.Tensor], list[EncoderCall]]:
-        """Soft tokens of ``items`` (one call per tower and input shape), by content hash."""
+    def _encode(
+        self,
+        items: list[MultimodalItem],
+        frames: dict[str, tuple[int, int]],
+        partial: dict[str, list[torch.Tensor]],
+    ) -> tuple[dict[str, torch.Tensor], list[EncoderCall]]:
+        """Soft tokens of ``items`` (one call per tower and input shape), by content hash. A video whole
+        when none of its frames are encoded yet and ``frames`` asks for no range, else the frames of its
+        range (by default all those still to do), one tensor each into ``partial``."""
         outputs: dict[str, torch.Tensor] = {}
         calls: list[EncoderCall] = []
-        groups: dict[int, list[MultimodalItem]] = {}
+        groups: dict[int, list[tuple[MultimodalItem, tuple[int, int] | None]]] = {}
         for item in items:
             if item.modality in ("image", "video"):
-                groups.setdefault(item.data["pixel_values"].shape[1], []).append(item)
+                span = frames.get(item.content_hash)
+                done = self.cache.frames_done(item.content_hash)
+                if span is None and done:
+                    span = (done, item.data["pixel_values"].shape[0])
+                groups.setdefault(item.data["pixel_values"].shape[1], []).append((item, span))
         for group in groups.values():
-            calls.append(self._encode_vision(group, outputs))
+            calls.append(self._encode_vision(group, outputs, partial))
         audio = [it for it in items if it.modality == "audio"]
         if audio:
             calls.append(self._encode_audio(audio, outputs))
         return outputs, calls
 
-    def _pixels(self, item: MultimodalItem) -> torch.Tensor:
-        """An image's or video's patches on the device in the model's dtype: the uint8 patches go up as they
-        are and are rescaled there, exactly as the processor would."""
-        return rescale_pixels(self._upload(item.data["pixel_values"]), video=item.modality == "video").to(
-            self.dtype
-        )
+    def _pixels(self, item: MultimodalItem, span: tuple[int, int] | None = None) -> torch.Tensor:
+        """An image's or video's patches (of the frames in ``span``) on the device in the model's dtype: the
+        uint8 patches go up as they are and are rescaled there, exactly as the processor would."""
+        pixels = item.data["pixel_values"]
+        if span is not None:
+            pixels = pixels[span[0] : span[1]]
+        return rescale_pixels(self._upload(pixels), video=item.modality == "video").to(self.dtype)
 
     @torch.inference_mode()
     def capture_vision_buckets(self, items: list[MultimodalItem]) -> int:
@@ -276,17 +316,32 @@ class EncoderRunner:
             new += self.vision_graphs.capture_buckets(self._pixels(item), self._upload(positions), no_padding)
         return new
 
-    def _encode_vision(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:
-        pixels = torch.cat([self._pixels(it) for it in items])
-        positions_cpu = torch.cat([it.data["position_ids"] for it in items])
+    def _encode_vision(
+        self,
+        items: list[tuple[MultimodalItem, tuple[int, int] | None]],
+        outputs: dict[str, torch.Tensor],
+        partial: dict[str, list[torch.Tensor]],
+    ) -> EncoderCall:
+        """One call for images and videos of one patch count; ``span``: a video's frames to encode, into
+        ``partial`` (None: the whole item, into ``outputs``)."""
+        pixels = torch.cat([self._pixels(it, span) for it, span in items])
+        positions_cpu = torch.cat(
+            [
+                it.data["position_ids"][span[0] : span[1]] if span else it.data["position_ids"]
+                for it, span in items
+            ]
+        )
         per_input = self.encode_images(
             pixels, positions_cpu.to(self.device, non_blocking=True), positions_cpu
         )
         cursor = 0
-        for item in items:
-            frames = item.data["pixel_values"].shape[0]
-            outputs[item.content_hash] = torch.cat(per_input[cursor : cursor + frames])
-            cursor += frames
+        for item, span in items:
+            first, end = span or (0, item.data["pixel_values"].shape[0])
+            if span is None:
+                outputs[item.content_hash] = torch.cat(per_input[cursor : cursor + end])
+            else:
+                partial[item.content_hash] = per_input[cursor : cursor + end - first]
+            cursor += end - first
         return EncoderCall("vision", len(items), len(per_input), sum(t.shape[0] for t in per_input), 0.0)
 
     def _encode_audio(self, items: list[MultimodalItem], outputs: dict[str, torch.Tensor]) -> EncoderCall:

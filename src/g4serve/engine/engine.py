@@ -241,6 +241,7 @@ class LLMEngine:
             encoder_cached=lambda digest: digest in self.encoder_cache,
             encoder_in_flight=self.encoder.in_flight,
             bidirectional_spans=text.use_bidirectional_attention == "vision",
+            encoder_frames_done=self.encoder_cache.frames_done,
         )
         self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.speculative = (
@@ -779,9 +780,11 @@ class LLMEngine:
         if self.config.overlap_encoder:
             self.encoder.start(batch.encoder_items)
             return
-        seconds = self.encoder.run(batch.encoder_items)
-        for request in batch.requests:
-            if any(it in batch.encoder_items for it in request.mm_items):
+        seconds = self.encoder.run(batch.encoder_items, batch.encoder_frames)
+        # a video's frames may encode in steps its request sits out (max_encoder_tokens_beside_decodes)
+        digests = {it.content_hash for it in batch.encoder_items}
+        for request in self.requests.values():
+            if any(it.content_hash in digests for it in request.mm_items):
                 request.metrics.encoder_time_s += seconds
 
     def _collect_encodes(self) -> None:

@@ -5,7 +5,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 requests are admitted (FCFS, or by a priority hook) with chunked prefill. With
 ``max_prefill_tokens_beside_decodes``, a step that holds decodes gives prefill chunks at most that
 many tokens (the decodes' step time stays bounded); a step without decodes gives them the whole
-budget. When the KV pools run out, the lowest-priority running request is preempted (its blocks
+budget. ``max_encoder_tokens_beside_decodes`` bounds the step's media encodes the same way: a video
+encodes the frames that fit (at least one a step) and its prefill follows the frames already
+encoded. When the KV pools run out, the lowest-priority running request is preempted (its blocks
 freed, recomputed later); nothing crashes. A chunk never splits a bidirectional image span, and
 never starts on media whose encoder output is neither cached nor affordable this step. With async
 scheduling a request's last sampled token may still be on the device: it counts as a token to
@@ -34,6 +36,8 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     encoder_items: list[MultimodalItem] = field(default_factory=list)  # to encode before the forward
+    # content hash -> [first, end) frames of a video encoded this step, when not all those still to do
+    encoder_frames: dict[str, tuple[int, int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -42,6 +46,24 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+@dataclass
+class EncoderBudget:
+    """Soft tokens the encoders may still produce this step. ``full``: the untouched budget (an item larger
+    than it still runs, alone in its step); ``split``: beside decodes with
+    ``max_encoder_tokens_beside_decodes``, where a video encodes the frames that fit, at least one."""
+
+    left: int
+    full: int
+    split: bool = False
+
+    def beside_decodes(self, cap: int | None) -> None:
+        """The step holds decodes: the cap applies from here on (once)."""
+        if cap is None or self.split:
+            return
+        used = self.full - self.left
+        self.full, self.left, self.split = cap, max(0, cap - used), True
 
 
 def fcfs_priority(request: Request) -> tuple:
@@ -58,19 +80,21 @@ class Scheduler:
         priority: Callable[[Request], tuple] = fcfs_priority,
         encoder_in_flight: Callable[[str], bool] = lambda digest: False,
         bidirectional_spans: bool = False,
+        encoder_frames_done: Callable[[str], int] = lambda digest: 0,
     ):
         """``config``: the step's limits (``max_num_seqs``, ``max_num_batched_tokens``,
         ``encoder_token_budget``, ``enable_chunked_prefill``, ``overlap_encoder``). ``bidirectional_spans``:
         the model attends bidirectionally inside images, so a chunk never splits one. With
         ``overlap_encoder`` media are encoded ahead, off the step (``EncoderRunner.start``): a chunk stops
         before media whose soft tokens are not cached yet, and the encodes it asks for run while other
-        requests' steps go on."""
+        requests' steps go on. ``encoder_frames_done``: frames of a partly encoded video (the cache's)."""
         self.config = config
         self.bidirectional_spans = bidirectional_spans
         self.min_text_before_pending_media = MIN_TEXT_BEFORE_PENDING_MEDIA
         self.kv = kv
         self.encoder_cached = encoder_cached
         self.encoder_in_flight = encoder_in_flight
+        self.encoder_frames_done = encoder_frames_done
         self.priority = priority
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -103,39 +127,65 @@ class Scheduler:
         return num_new
 
     def _clip_to_encoder(
-        self, request: Request, start: int, num_new: int, budget: list[int], items: list[MultimodalItem]
+        self,
+        request: Request,
+        start: int,
+        num_new: int,
+        budget: EncoderBudget,
+        batch: ScheduledBatch,
+        decodes: bool,
     ) -> int:
-        """Stop the chunk before media whose soft tokens are neither cached nor affordable now. With
-        ``overlap_encoder``, before any media not cached yet (or not at all, if the text before them is
-        short); the encodes of all the request's media still ahead are started as the budget allows, so
-        they run while its earlier chunks prefill."""
+        """Stop the chunk before media whose soft tokens are neither cached nor affordable now, or, for a
+        video encoding a few frames a step, after the last frame it has. With ``overlap_encoder``, before
+        any media not cached yet (or not at all, if the text before them is short); the encodes of all the
+        request's media still ahead are started as the budget allows, so they run while its earlier chunks
+        prefill. ``decodes``: the step holds a decode (``max_encoder_tokens_beside_decodes`` applies)."""
+        if decodes:
+            budget.beside_decodes(self.config.max_encoder_tokens_beside_decodes)
         if self.config.overlap_encoder:
             for item in request.mm_items:
                 if item.spans[-1][1] <= start or self.encoder_cached(item.content_hash):
                     continue
-                if item not in items and not self.encoder_in_flight(item.content_hash):
-                    self._afford(item, budget, items)
+                if item not in batch.encoder_items and not self.encoder_in_flight(item.content_hash):
+                    self._afford(item, budget, batch)
                 text = max(0, item.offset - start)
                 if text < num_new:  # the chunk would reach these media
                     num_new = text if text >= self.min_text_before_pending_media else 0
             return num_new
         end = start + num_new
         for item in request.mm_items:
-            if item.offset >= end or item.spans[-1][1] <= start:
+            if item.offset >= end or item.spans[-1][1] <= start or self.encoder_cached(item.content_hash):
                 continue
-            if self.encoder_cached(item.content_hash) or item in items or self._afford(item, budget, items):
-                continue
-            return max(0, item.offset - start)
+            ready = self._afford(item, budget, batch)
+            if ready < len(item.spans):
+                return min(num_new, max(0, (item.spans[ready - 1][1] if ready else item.offset) - start))
         return num_new
 
-    def _afford(self, item: MultimodalItem, budget: list[int], items: list[MultimodalItem]) -> bool:
-        """Add ``item`` to this step's encodes if the encoder budget allows."""
-        # An item larger than the whole budget runs alone in a step (it could never fit otherwise).
-        if item.num_tokens <= budget[0] or budget[0] == self.config.encoder_token_budget:
-            budget[0] -= item.num_tokens
-            items.append(item)
-            return True
-        return False
+    def _afford(self, item: MultimodalItem, budget: EncoderBudget, batch: ScheduledBatch) -> int:
+        """Add ``item`` (or, splitting beside decodes, a video's next frames) to this step's encodes if the
+        budget allows; returns how many of its spans (a video's frames) will have soft tokens before this
+        step's forward."""
+        if item in batch.encoder_items:
+            return batch.encoder_frames.get(item.content_hash, (0, len(item.spans)))[1]
+        done = self.encoder_frames_done(item.content_hash)
+        costs = [e - s for s, e in item.spans[done:]]
+        take = len(costs)
+        if sum(costs) > budget.left:
+            if budget.split and item.modality == "video":
+                take, spent = 0, 0
+                while take < len(costs) and spent + costs[take] <= budget.left:
+                    spent, take = spent + costs[take], take + 1
+                if take == 0 and budget.left == budget.full:
+                    take = 1  # one frame always goes, however small the cap
+            elif budget.left != budget.full:
+                take = 0  # an item larger than the whole budget runs alone in a step (it could never fit)
+        if take == 0:
+            return done
+        budget.left -= sum(costs[:take])
+        batch.encoder_items.append(item)
+        if done or take < len(costs):
+            batch.encoder_frames[item.content_hash] = (done, done + take)
+        return done + take
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)
@@ -181,7 +231,7 @@ class Scheduler:
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
-        encoder_budget = [cfg.encoder_token_budget]
+        encoder_budget = EncoderBudget(cfg.encoder_token_budget, cfg.encoder_token_budget)
         decodes, prefill_used = False, 0  # whether the step holds a decode; its prefill tokens so far
 
         # Running requests: decodes (one token) first, then unfinished prefills.
@@ -202,7 +252,7 @@ class Scheduler:
             if limit <= 0:
                 continue  # the prefill cap beside decodes is spent; other decodes may still run
             num_new = self._chunk(request, start, num_new, limit, budget)
-            num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items)
+            num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch, decodes)
             if num_new <= 0:
                 continue
             if not self._allocate_running(request, start, num_new, batch):
@@ -227,7 +277,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(
-        self, batch: ScheduledBatch, budget: int, encoder_budget: list[int], prefill_used: int | None
+        self, batch: ScheduledBatch, budget: int, encoder_budget: EncoderBudget, prefill_used: int | None
     ) -> None:
         """Waiting requests, admitted into ``batch`` while the token budget (the prefill cap, with
         ``prefill_used`` tokens of it spent, when the step holds decodes), sequence slots and blocks last."""
@@ -248,7 +298,9 @@ class Scheduler:
             num_new = self._chunk(request, start, num_new, limit, budget)
             unclipped, num_new = (
                 num_new,
-                self._clip_to_encoder(request, start, num_new, encoder_budget, batch.encoder_items),
+                self._clip_to_encoder(
+                    request, start, num_new, encoder_budget, batch, prefill_used is not None
+                ),
             )
             if num_new <= 0 and unclipped > 0 and cfg.overlap_encoder:
                 continue  # its media are encoding: later requests need not wait for them
