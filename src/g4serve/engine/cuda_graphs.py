@@ -58,12 +58,17 @@ def sizes_up_to(limit: int, buckets: Sequence[int]) -> list[int]:
 
 def _capture(forward: Callable[[], Any], pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``forward()`` into a graph on ``pool``, after two eager runs that JIT-compile the kernels
-    and settle cuBLAS heuristics outside the capture; returns the graph and its static outputs."""
+    and settle cuBLAS heuristics outside the capture; returns the graph and its static outputs.
+
+    The capture forbids unsafe CUDA calls on this thread only ("thread_local"): the server's media threads
+    (``--media-on-gpu``) keep decoding images and computing log-mels on their own streams while the engine
+    thread captures an encoder graph for a shape first seen under load. In the default "global" mode one of
+    their copies invalidated the capture and failed the step (32 audio QPS on an H200)."""
     for _ in range(2):
         forward()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = forward()
     return graph, outputs
 
