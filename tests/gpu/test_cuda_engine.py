@@ -285,6 +285,8 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
     steps = graphed.runner.num_graph_steps
     assert _run_each(graphed, prompts, params) == want
     assert graphed.runner.num_graph_steps > steps
+    # encodes in the step are timed by events, read by later steps' polls (no synchronisation in the step)
+    assert graphed.encoder.calls and all(c.seconds > 0 for c in graphed.encoder.calls)
     # Encoded ahead on the side stream (graph replays, host-made indices, no read-backs), with and without
     # async scheduling: the same tokens.
     for async_scheduling in (False, True):

@@ -47,3 +47,23 @@ def test_dequantize_is_the_reference_bit_for_bit(kind, n, k, block, zeros, dtype
 def test_dequantize_of_nothing_is_empty():
     out = dequantize(torch.zeros(0, 8, dtype=torch.int32), torch.ones(0, 2), (1, 32), 64)
     assert out.shape == (0, 64)
+
+
+@pytest.mark.parametrize(
+    "kind,k,block,zeros",
+    [("int4", 1024, (1, 32), True), ("int4", 1000, (1, 128), False), ("fp8", 640, (128, 128), False)],
+)
+def test_dequantize_with_its_own_tiles(kind, k, block, zeros):
+    """The default K tile (512 wide, several scale groups a tile; ragged K) as the GPU runs it."""
+    gen = torch.Generator().manual_seed(k)
+    weight, scale, zero = _weight(kind, 130, k, block, zeros, gen)
+    out = dequantize(weight, scale, block, k, zero)
+    assert torch.equal(out, dequantize_reference(weight, scale, block, k, zero, torch.bfloat16))
+
+
+def test_tile_k_nests_with_the_scale_blocks():
+    from g4serve.kernels.dequant import tile_k
+
+    assert tile_k(128, 2560) == 512 and tile_k(32, 2560) == 512 and tile_k(2048, 4096) == 512
+    assert tile_k(2560, 2560) == 512  # one scale a row
+    assert tile_k(48, 960) == 16  # 48 = 3 x 16

@@ -146,6 +146,7 @@ class EncoderRunner:
             self.stream = torch.cuda.Stream(self.device)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # weights loaded, buffers set
         self._encoding: list[_Encoding] = []
+        self._timed: list[_Encoding] = []  # encodes run in the step (outputs cached already), not yet timed
 
     def in_flight(self, digest: str) -> bool:
         return any(digest in e.outputs for e in self._encoding)
@@ -196,13 +197,18 @@ class EncoderRunner:
 
     @torch.inference_mode()
     def run(self, items: list[MultimodalItem], frames: dict[str, tuple[int, int]] | None = None) -> float:
-        """Encode every item not cached yet, now; returns the seconds spent. ``frames``: content hash ->
+        """Encode every item not cached yet, now (queued on the step's stream, ahead of its forward);
+        returns the seconds spent on the CPU, 0 on CUDA, whose device time ``poll`` reports once the
+        encode is done. ``frames``: content hash ->
         [first, end) frames of a video to encode this time (the scheduler's share of it beside decodes);
         a video gets all its frames not yet encoded otherwise."""
         todo = self._new_items(items)
         if not todo:
             return 0.0
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         partial: dict[str, list[torch.Tensor]] = {}
         outputs, calls = self._encode(list(todo.values()), frames or {}, partial)
         for digest, tokens in outputs.items():
@@ -210,7 +216,12 @@ class EncoderRunner:
         for digest, per_frame in partial.items():
             self.cache.add_frames(digest, per_frame, todo[digest].data["pixel_values"].shape[0])
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # Timed by events, read by a later ``poll``: waiting for the device here would stall the host
+            # behind the encode and the step before it, so the next step's launch could not overlap them.
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._timed.append(_Encoding(dict.fromkeys([*outputs, *partial]), calls, begin, done))
+            return 0.0
         seconds = time.perf_counter() - t0
         self._log_calls(calls, seconds)
         return seconds
@@ -235,8 +246,15 @@ class EncoderRunner:
         self._encoding.append(_Encoding(outputs, calls, begin, done))
 
     def poll(self) -> dict[str, float]:
-        """Cache the soft tokens of finished encodes; their content hashes -> seconds of device time."""
+        """Cache the soft tokens of finished encodes; their content hashes -> seconds of device time (also
+        of the encodes ``run`` queued in steps, once done; a video encoded in parts counts every part)."""
         finished: dict[str, float] = {}
+        for timed in [t for t in self._timed if t.ready()]:
+            self._timed.remove(timed)
+            seconds = timed.seconds()
+            self._log_calls(timed.calls, seconds)
+            for digest in timed.outputs:
+                finished[digest] = finished.get(digest, 0.0) + seconds
         main = torch.cuda.current_stream(self.device) if self.stream is not None else None
         for encoding in [e for e in self._encoding if e.ready()]:
             self._encoding.remove(encoding)

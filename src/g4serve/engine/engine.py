@@ -686,8 +686,7 @@ class LLMEngine:
                 # drafts of speculative decoding (verified, then proposed from what was accepted).
                 outputs += self._complete(previous)
                 previous = None
-            if self.config.overlap_encoder:
-                self._collect_encodes()
+            self._collect_encodes()
             batch = self.scheduler.schedule()
             self._note_scheduled(batch)
             if batch.encoder_items:
@@ -788,7 +787,8 @@ class LLMEngine:
                 request.metrics.encoder_time_s += seconds
 
     def _collect_encodes(self) -> None:
-        """Cache the encodes the side stream has finished and charge their time to the requests."""
+        """Cache the encodes the side stream has finished, and charge their time (and that of the encodes
+        finished in earlier steps, timed by events) to the requests."""
         finished = self.encoder.poll()
         if not finished:
             return

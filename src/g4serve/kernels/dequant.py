@@ -15,7 +15,7 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel
-from g4serve.kernels.quant_matmul import _round_to
+from g4serve.kernels.quant_matmul import _dequant, _groups_per_tile, _load_raw, _round_to
 
 
 def _dequantize_fn(
@@ -25,37 +25,45 @@ def _dequantize_fn(
     Out,
     N,
     K,
+    num_groups,
     stride_w,
     stride_s,
     stride_z,
     stride_o,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
+    scale_bn,
+    scale_bk,
     INT4: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # the tile as quant_matmul's GEMMs read it: whole packed words, one scale (and zero point) per group
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < N) & (cols[None, :] < K)
-    rows64 = rows.to(tl.int64)[:, None]
-    if INT4:
-        # element 8j + i is nibble i of word j; the stored nibble is q + 8
-        words = tl.load(W + rows64 * stride_w + cols[None, :] // 8, mask=mask, other=0)
-        q = ((words >> ((cols[None, :] % 8) * 4)) & 0xF).to(tl.float32) - 8.0
-    else:
-        q = tl.load(W + rows64 * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZERO:
-        z = tl.load(Z + rows64 * stride_z + cols[None, :] // SCALE_BK, mask=mask, other=0)
-        q = q - z.to(tl.float32)
-    s = tl.load(S + (rows64 // SCALE_BN) * stride_s + cols[None, :] // SCALE_BK, mask=mask, other=0.0)
-    # rounded to nearest even by _round_to (the interpreter's own bf16 cast truncates)
-    dense = _round_to(q * s.to(tl.float32), Out.dtype.element_ty)
-    tl.store(Out + rows64 * stride_o + cols[None, :], dense.to(Out.dtype.element_ty), mask=mask)
+    n_mask = rows < N
+    k0 = tl.program_id(1) * BLOCK_K
+    w, s, z = _load_raw(
+        W, S, Z, rows, n_mask, k0, K, num_groups, stride_w, stride_s, stride_z, scale_bn, scale_bk,
+        BLOCK_K, INT4, HAS_ZERO, GROUPS,
+    )  # fmt: skip
+    # (q - z) * s in fp32, rounded once to nearest even (_round_to: the interpreter's own bf16 cast truncates)
+    dense = _round_to(_dequant(w, s, z, BLOCK_N, BLOCK_K, INT4, HAS_ZERO, GROUPS), Out.dtype.element_ty)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = n_mask[:, None] & (cols < K)[None, :]
+    out = Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(out, dense.to(Out.dtype.element_ty), mask=mask)
 
 
 _dequantize = DualKernel(_dequantize_fn)
+
+
+def tile_k(scale_bk: int, k: int, widest: int = 512) -> int:
+    """The widest power-of-two K tile up to ``widest`` that nests with the scale blocks (one tile spans
+    whole scale blocks, or lies inside one)."""
+    block = widest
+    while block > 8 and not (scale_bk >= k or scale_bk % block == 0 or block % scale_bk == 0):
+        block //= 2
+    return block
 
 
 def dequantize(
@@ -65,8 +73,8 @@ def dequantize(
     in_features: int,
     zero_point: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    block_n: int = 32,
-    block_k: int = 256,
+    block_n: int = 16,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """The dense weight [N, in_features] in ``dtype`` of an int4 (int32 words [N, ceil(K / 8)]) or FP8
     ([N, K]) weight with per-block ``scale`` [ceil(N / bn), ceil(K / bk)] and int8 ``zero_point`` [N,
@@ -78,6 +86,8 @@ def dequantize(
     assert weight.stride(-1) == 1 and scale.stride(-1) == 1
     out = torch.empty(n, in_features, dtype=dtype, device=weight.device)
     if n and in_features:
+        bn, bk = scale_block
+        block_k = block_k or tile_k(bk, in_features)
         z = zero_point if zero_point is not None else scale
         _dequantize[weight.device][(-(-n // block_n), -(-in_features // block_k))](
             weight,
@@ -86,14 +96,16 @@ def dequantize(
             out,
             n,
             in_features,
+            scale.shape[1],
             weight.stride(0),
             scale.stride(0),
             z.stride(0),
             out.stride(0),
-            SCALE_BN=scale_block[0],
-            SCALE_BK=scale_block[1],
+            bn,
+            bk,
             INT4=int4,
             HAS_ZERO=zero_point is not None,
+            GROUPS=_groups_per_tile(block_k, bk, in_features),
             BLOCK_N=block_n,
             BLOCK_K=block_k,
         )
