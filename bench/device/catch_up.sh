@@ -91,7 +91,7 @@ lane_quant() {
     # the dense path (G4SERVE_QUANT_PREFILL=dequant, G4SERVE_INT4_DENSE_ROWS=2: kernels/dequant.py, then
     # cuBLAS) from two rows and past 64, after the GPU tests of both
     run int4-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_gpu.py \
-      -k "tinygemm or dequantize_kernel or dense"
+      -k "dequantize_kernel or dense"
     int4=(bench/engine_microbench.py --model e4b --device cuda --quantization w4a16 --batches 1,2,8,16,32,64
       --decode-steps 16 --prefill-lengths 512,2048 --prefill-reps 2)
     run int4-e4b-tinygemm 150 python3 "${int4[@]}" --out "$RES/int4-tinygemm" --tag="-tinygemm"

@@ -82,15 +82,17 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "G4SERVE_QUANT_PREFILL",
         "triton",
-        "quantized projections past 64 rows (FP8 without row-wise scales, int4): `triton` (the 2-D grid "
-        "kernel) or `dequant` (the dense weight written by one launch, `kernels/dequant.py`, then cuBLAS)",
+        "quantized projections past 64 rows that neither `torch._scaled_mm` nor `G4SERVE_INT4_DENSE_ROWS` "
+        "takes (FP8 with block scales): `triton` (the 2-D grid kernel) or `dequant` (the dense weight "
+        "written by one launch, `kernels/dequant.py`, then cuBLAS)",
         ("triton", "dequant"),
     ),
     Variable(
         "G4SERVE_INT4_DENSE_ROWS",
-        "65",
-        "int4 (w4a16) projections on at least this many rows take the dense weight then cuBLAS, as "
-        "`G4SERVE_QUANT_PREFILL=dequant` does past 64 (65: decode batches never do)",
+        "17",
+        "int4 (w4a16) projections on at least this many rows (decode batches past 16, and prefill) take the "
+        "dense weight written by one launch (`kernels/dequant.py`), then cuBLAS; fewer rows take tinygemm or "
+        "the Triton kernel",
     ),
     Variable(
         "G4SERVE_MOE_ALIGN",

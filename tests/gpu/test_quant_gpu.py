@@ -197,8 +197,9 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float()
 
 
-# FP8 (scaled_mm prefill); int4 decoding on tinygemm (the default) or on the Triton kernel
-# (G4SERVE_INT4_MATMUL=triton); int4 on the dense weight then cuBLAS at every size (G4SERVE_INT4_DENSE_ROWS=1)
+# FP8 (scaled_mm prefill); int4 by default: tinygemm up to 16 rows, the dense weight then cuBLAS past them
+# and for prefill; on the Triton kernels alone (G4SERVE_INT4_MATMUL=triton, no dense path: its 2-D grid
+# prefills); on the dense path at every size (G4SERVE_INT4_DENSE_ROWS=1)
 @pytest.mark.parametrize("quantization", ["fp8", "w4a16", "w4a16-triton", "w4a16-dense"])
 def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantization, monkeypatch):
     """e4b with quantized projections (captured decode graphs, skinny kernel, prefill path) against the same
@@ -210,6 +211,7 @@ def test_engine_on_a_quantized_e4b_preset_tracks_the_dequantized_model(quantizat
     kw = dict(model="e4b", device="cuda", text_only=True, kv_cache_bytes=1 << 30, max_num_seqs=8)
     if quantization == "w4a16-triton":
         monkeypatch.setattr(quant_module, "INT4_MATMUL", "triton")
+        monkeypatch.setattr(quant_module, "INT4_DENSE_ROWS", 1 << 30)
     if quantization == "w4a16-dense":
         monkeypatch.setattr(quant_module, "INT4_DENSE_ROWS", 1)
     quantization = quantization.split("-")[0]

@@ -40,8 +40,10 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows past SKINNY_ROWS on CUDA: "triton" (default) multiplies in quant_matmul's 2-D grid; "dequant" writes
 # the dense weight once per call and runs cuBLAS (the A/B alternative for bench runs).
 PREFILL_PATH = envs.get("G4SERVE_QUANT_PREFILL")
-# int4 decode batches of at least this many rows take that dense path too (the weight dequantized by one
-# launch, then cuBLAS).
+# int4 projections on at least this many rows take that dense path (the weight dequantized by one launch,
+# then cuBLAS): e4b on an H200 (issue 22), a step at B = 16 / 32 / 64 took 7.11 / 12.17 / 20.88 ms on
+# tinygemm, 7.99 / 8.20 / 8.67 dense; a 2,048-token prefill 31.53 ms on the 2-D grid, 26.30 dense (512:
+# 18.06 / 12.64).
 INT4_DENSE_ROWS = envs.get_int("G4SERVE_INT4_DENSE_ROWS")
 # int4 projections at decode sizes on torch's tinygemm (kernels/int4_tinygemm.py: the weights repacked once,
 # by prepare_int4_layouts) or on kernels/quant_matmul.py ("triton"). Measured on e4b on an H200 (issue 22):
