@@ -53,16 +53,21 @@ done
 python3 - "$RES" > "$OUT/summary.md" <<'EOF'
 import json, pathlib, sys
 res = pathlib.Path(sys.argv[1])
-print("| mode | run | done | TTFT p50 / p95 ms | ITL p50 / p95 / p99 ms | out tok/s | server prep / enc ms |")
-print("|---|---|---:|---|---|---:|---|")
+print("| mode | run | done | TTFT p50 / p95 ms | ITL p50 / p95 / p99 ms | out tok/s | server prep / enc ms "
+      "| engine thread ms a step: host / wait (steps) |")
+print("|---|---|---:|---|---|---:|---|---|")
 ms = lambda v: "–" if v is None else f"{v * 1e3:.1f}"
+def thread(server):  # the engine thread's phases (engine/step_profile.py): all but waiting on the device
+    phases = server.get("engine_thread_ms_per_step") or {}
+    host = sum(v for k, v in phases.items() if k != "wait")
+    return f"{host:.2f} / {phases['wait']:.2f} ({server['engine_steps']})" if "wait" in phases else "–"
 for path in sorted(res.glob("*/*/results.json")):
     for p in json.loads(path.read_text())["points"]:
         server = p.get("server") or {}
         print(f"| {path.parent.parent.name} | {path.parent.name} | {p['requests_completed']} | "
               f"{ms(p['ttft_p50_s'])} / {ms(p['ttft_p95_s'])} | {ms(p['itl_p50_s'])} / {ms(p['itl_p95_s'])} / "
               f"{ms(p['itl_p99_s'])} | {p['output_tokens_per_s']:.0f} | "
-              f"{ms(server.get('prepare_mean_s'))} / {ms(server.get('encoder_mean_s'))} |")
+              f"{ms(server.get('prepare_mean_s'))} / {ms(server.get('encoder_mean_s'))} | {thread(server)} |")
 EOF
 cat "$OUT/summary.md"
 tar -czf "$OUT/media_stall.tgz" -C "$RES" .

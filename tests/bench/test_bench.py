@@ -505,6 +505,21 @@ def test_prometheus_split():
     assert split["encoder_mean_s"] is None and split["prompt_tokens"] == 200
     assert before["plain_gauge"] == 3
     assert loadgen.server_stage_split(None, after) is None
+    assert "engine_thread_ms_per_step" not in split  # a server without the engine thread's phases
+
+
+def test_engine_thread_split_per_step():
+    text = 'g4serve_num_steps 10\ng4serve_engine_thread_seconds_total{phase="wait"} 1.0\n'
+    text += 'g4serve_engine_thread_seconds_total{phase="launch"} 0.5\n'
+    before = loadgen.parse_prometheus(text)
+    assert before['g4serve_engine_thread_seconds_total{phase="wait"}'] == 1.0
+    assert before["g4serve_engine_thread_seconds_total"] == 1.5  # summed over the label sets too
+    after = loadgen.parse_prometheus(
+        text.replace("10", "110").replace("} 1.0", "} 1.4").replace("} 0.5", "} 0.6")
+    )
+    split = loadgen.engine_thread_split(before, after)
+    assert split["engine_steps"] == 100
+    assert split["engine_thread_ms_per_step"] == pytest.approx({"wait": 4.0, "launch": 1.0})
 
 
 def test_fake_peer_without_metrics_or_usage():

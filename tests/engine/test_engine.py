@@ -3,6 +3,8 @@ aborts, prefix caching, batched encoders and fast prefill must never change a gr
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -286,3 +288,16 @@ def test_what_cannot_fit_is_refused_or_runs_alone(tiny_model_dir):
     assert processed.mm_items[0].num_tokens > 100
     assert run_all(tight, [prompt]) == reference_tokens(tight, [prompt])
     assert_pools_free(tight)
+
+
+def test_the_engine_profiles_its_steps(tiny_model_dir):
+    """``LLMEngine.profile``: the phases of ``step`` charged, the async loop's own (commands, publish) not
+    without it, and their sum within the wall time."""
+    engine = make_engine(tiny_model_dir)
+    t0 = time.perf_counter()
+    run_all(engine, mixed_prompts()[:6] + [mixed_prompts()[22]])
+    wall = time.perf_counter() - t0
+    seconds = engine.stats()["engine_thread_seconds"]
+    assert all(seconds[p] > 0 for p in ("schedule", "encode", "launch", "wait", "outputs"))
+    assert seconds["commands"] == seconds["publish"] == 0
+    assert sum(seconds.values()) <= wall

@@ -679,3 +679,25 @@ def test_api_key_and_text_only(tiny_model_dir, server_factory):
     )
     assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
     assert running.engine.model.vision_tower is None
+
+
+def test_metrics_break_the_engine_thread_down_by_phase(server, client):
+    """``g4serve_engine_thread_seconds_total{phase}`` grows with traffic in every phase a step goes through,
+    and ``g4serve bench``'s split turns it into milliseconds per step."""
+    from g4serve.bench.loadgen import parse_prometheus, server_stage_split
+    from g4serve.engine.step_profile import PHASES
+
+    def scrape() -> dict[str, float]:
+        return parse_prometheus(httpx.get(f"{server.base_url}/metrics").text)
+
+    before = scrape()
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+    server.wait_idle()
+    after = scrape()
+    key = 'g4serve_engine_thread_seconds_total{{phase="{}"}}'.format
+    grew = {p for p in PHASES if after[key(p)] > before.get(key(p), 0.0)}
+    assert {"commands", "schedule", "launch", "wait", "outputs", "publish"} <= grew, grew
+    split = server_stage_split(before, after)
+    assert split["engine_steps"] >= 4  # a prefill and three decodes at least
+    per_step = split["engine_thread_ms_per_step"]
+    assert set(per_step) == set(PHASES) and all(v >= 0 for v in per_step.values())

@@ -23,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from g4serve.engine.step_profile import PHASES
+
 # Stage histograms whose mean g4serve's /metrics lets us split TTFT into (before the engine, queue, encoder,
 # rest).
 SERVER_HISTOGRAMS = {
@@ -481,15 +483,18 @@ async def run_concurrency_point(  # noqa: C901 - closed-loop driver: worker clos
 
 # ---- the server's own metrics ------------------------------------------------------------------------------
 def parse_prometheus(text: str) -> dict[str, float]:
-    """``{sample name: value}`` summed over label sets (``x_sum``, ``x_count``, ``y_total``...)."""
+    """``{sample name: value}`` summed over label sets (``x_sum``, ``x_count``, ``y_total``...), and each
+    labelled sample under its name with its labels as written (``x_total{phase="wait"}``)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
+        labelled = None
         if "{" in line:
             name, _, rest = line.partition("{")
-            rest = rest.rpartition("}")[2]
+            labels, _, rest = rest.rpartition("}")
+            labelled = f"{name.strip()}{{{labels}}}"
         else:
             name, _, rest = line.partition(" ")
         try:
@@ -498,6 +503,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         if math.isfinite(value):
             out[name.strip()] = out.get(name.strip(), 0.0) + value
+            if labelled is not None:
+                out[labelled] = value
     return out
 
 
@@ -529,7 +536,20 @@ def server_stage_split(
     for key, name in SERVER_COUNTERS.items():
         if name in after:
             out[key] = int(after[name] - before.get(name, 0.0))
+    out.update(engine_thread_split(before, after))
     return out
+
+
+def engine_thread_split(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The engine thread's milliseconds per step in each phase during the point (``step_profile.py``; empty
+    where the server does not report them), and its steps."""
+    steps = after.get("g4serve_num_steps", 0.0) - before.get("g4serve_num_steps", 0.0)
+    phases = {}
+    for phase in PHASES:
+        name = f'g4serve_engine_thread_seconds_total{{phase="{phase}"}}'
+        if name in after and steps > 0:
+            phases[phase] = (after[name] - before.get(name, 0.0)) / steps * 1e3
+    return {"engine_steps": int(steps), "engine_thread_ms_per_step": phases} if phases else {}
 
 
 # ---- offline: the engine without HTTP ----------------------------------------------------------------------

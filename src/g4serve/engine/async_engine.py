@@ -89,8 +89,11 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         engine = self.engine
         try:
+            profile = engine.profile
             while not self._stop.is_set():
+                t = profile.now()
                 self._drain_commands()
+                profile.add("commands", t)
                 if not engine.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -101,10 +104,12 @@ class AsyncLLMEngine:
                     log.exception("engine step raised; failing every request")
                     self._fail_all(exc)
                     continue
+                t = profile.now()
                 batch: _Batch = {}
                 for out in outputs:
                     self._publish(out, batch)
                 self._deliver(batch)
+                profile.add("publish", t)
         except BaseException as exc:  # everything must reach the waiting clients
             log.exception("engine thread crashed")
             # Its type only: the exception's text may hold internals.

@@ -41,6 +41,7 @@ from g4serve.engine.speculative import (
     grammar_prefix,
     verify,
 )
+from g4serve.engine.step_profile import StepProfile
 from g4serve.engine.tensor_parallel import TensorParallelWorkers, WorkerPlan
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
 from g4serve.layers.lora import LoRAWeights, projection_shapes
@@ -284,6 +285,7 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # async scheduling: launched, not yet read back
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps launched while the previous one was still in flight
+        self.profile = StepProfile()  # the engine thread's time by phase (step_profile.py)
         self.num_generated_tokens = 0  # output tokens, forced ones included
         self.num_forced_tokens = 0  # of those, the ones jump-forward appended
         self.num_prompt_tokens = 0
@@ -358,6 +360,7 @@ class LLMEngine:
         self.num_forced_tokens = 0
         self.scheduler.num_preemptions = 0
         self.spec_stats = SpecStats()
+        self.profile.reset()
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
@@ -680,20 +683,27 @@ class LLMEngine:
         batch: ScheduledBatch | None = None
         current: InflightStep | None = None
         outputs: list[RequestOutput] = []
+        profile = self.profile
         try:
             if previous is not None and (previous.needs_host_tokens or self.proposer is not None):
                 # A grammar mask or penalty of the next step depends on the tokens just sampled; so do the
                 # drafts of speculative decoding (verified, then proposed from what was accepted).
                 outputs += self._complete(previous)
                 previous = None
+            t = profile.now()
             self._collect_encodes()
+            t = profile.add("encode", t)
             batch = self.scheduler.schedule()
             self._note_scheduled(batch)
+            t = profile.add("schedule", t)
             if batch.encoder_items:
                 self._encode(batch)
+                t = profile.add("encode", t)
             current = self._launch(batch, previous) if batch.requests else None
+            t = profile.add("launch", t)
             if current is None and previous is None and self.encoder.num_in_flight:
                 self.encoder.wait()  # nothing runs but encodes: wait for one instead of spinning
+                profile.add("wait", t)
             if previous is not None:
                 outputs += self._complete(previous)
                 self.num_overlapped_steps += current is not None
@@ -801,7 +811,18 @@ class LLMEngine:
         with the prefix cache; requests that finished meanwhile (aborted, or stopped by the previous
         step) drop theirs."""
         done_before = {id(r) for r in step.batch.requests if r.status is RequestStatus.FINISHED}
+        t = self.profile.now()
         token_ids, logprobs, top_ids, top_lps = step.read()
+        t = self.profile.add("wait", t)
+        try:
+            return self._take_samples(step, done_before, token_ids, logprobs, top_ids, top_lps)
+        finally:
+            self.profile.add("outputs", t)
+
+    def _take_samples(
+        self, step: InflightStep, done_before: set[int], token_ids, logprobs, top_ids, top_lps
+    ) -> list[RequestOutput]:
+        """``_complete`` once the step's samples are on the host."""
         now = time.monotonic()
         last_rows: dict[int, int] = {}  # request -> the row that sampled its last token (for the drafter)
         for request, rows in _rows_by_request(step.result.requests).items():
@@ -964,6 +985,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "engine_thread_seconds": dict(self.profile.seconds),
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
             "forced_tokens_total": self.num_forced_tokens,

@@ -11,7 +11,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from g4serve.outputs import RequestMetrics
 
@@ -110,7 +110,16 @@ class _EngineCollector:
             "g4serve_generation_decoded_tokens", "Output tokens sampled by the model since start"
         )
         decoded.add_metric([], stats["generation_tokens_total"] - stats["forced_tokens_total"])
+        thread = CounterMetricFamily(
+            "g4serve_engine_thread_seconds",
+            "The engine thread's time by phase since start (engine/step_profile.py); per step with "
+            "g4serve_num_steps",
+            labels=["phase"],
+        )
+        for phase, seconds in stats.get("engine_thread_seconds", {}).items():
+            thread.add_metric([phase], seconds)
         return [
+            thread,
             running,
             waiting,
             kv,
