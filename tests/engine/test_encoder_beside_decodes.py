@@ -57,8 +57,8 @@ def test_the_cap_bounds_the_soft_tokens_encoded_beside_decodes(tiny_model_dir):
     frame_tokens = per_frame[1] - per_frame[0]
     cap = 2 * frame_tokens + frame_tokens // 2  # two frames fit, not three
     engine = make_engine(tiny_model_dir, max_encoder_tokens_beside_decodes=cap)
-    prompts = {"text": _user("balance transfer card"), "video": _video(3, 6), "image": _image(1)}
-    prompts["image"] = {"prompt": _user("<|image|>What is it?"), "multi_modal_data": {"image": _image(1)}}
+    image = {"prompt": _user("<|image|>What is it?"), "multi_modal_data": {"image": _image(1)}}
+    prompts = {"text": _user("balance transfer card"), "video": _video(3, 6), "image": image}
     want, _ = _step_all(make_engine(tiny_model_dir), prompts)
     got, steps = _step_all(engine, prompts)
     assert got == want
@@ -68,11 +68,17 @@ def test_the_cap_bounds_the_soft_tokens_encoded_beside_decodes(tiny_model_dir):
     assert_pools_free(engine)
 
 
-def test_the_prefill_follows_the_frames_already_encoded(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, max_encoder_tokens_beside_decodes=1)
+def _video_beside_a_decode(model_dir, seed: int):
+    """An engine encoding one frame a step beside decodes, a text request decoding, a video just added."""
+    engine = make_engine(model_dir, max_encoder_tokens_beside_decodes=1)
     engine.add_request(engine.make_request("text", engine.process_prompt(_user("hello there")), GREEDY))
     engine.step()
-    engine.add_request(engine.make_request("video", engine.process_prompt(_video(5, 6)), GREEDY))
+    engine.add_request(engine.make_request("video", engine.process_prompt(_video(seed, 6)), GREEDY))
+    return engine
+
+
+def test_the_prefill_follows_the_frames_already_encoded(tiny_model_dir):
+    engine = _video_beside_a_decode(tiny_model_dir, 5)
     video = engine.requests["video"]
     item = video.mm_items[0]
     seen = []
@@ -91,10 +97,7 @@ def test_the_prefill_follows_the_frames_already_encoded(tiny_model_dir):
 
 
 def test_an_abort_mid_video_drops_its_frames(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, max_encoder_tokens_beside_decodes=1)
-    engine.add_request(engine.make_request("text", engine.process_prompt(_user("hello there")), GREEDY))
-    engine.step()
-    engine.add_request(engine.make_request("video", engine.process_prompt(_video(6, 6)), GREEDY))
+    engine = _video_beside_a_decode(tiny_model_dir, 6)
     engine.step()
     engine.step()
     assert engine.encoder_cache.num_partial == 1

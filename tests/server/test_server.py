@@ -582,17 +582,23 @@ def test_metrics_after_traffic(server, client):
     assert count >= 1
 
 
-def test_metrics_time_before_the_engine(server, client):
-    """One request adds one observation to each pre-engine histogram; processing is part of preparing."""
+def _scrape(server) -> dict[str, float]:
     from g4serve.bench.loadgen import parse_prometheus
 
-    def scrape() -> dict[str, float]:
-        return parse_prometheus(httpx.get(f"{server.base_url}/metrics").text)
+    return parse_prometheus(httpx.get(f"{server.base_url}/metrics").text)
 
-    before = scrape()
-    client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+
+def _metrics_around_one_request(server, client, max_tokens: int) -> tuple[dict, dict]:
+    """/metrics parsed before and after one chat request has finished."""
+    before = _scrape(server)
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=max_tokens)
     server.wait_idle()
-    after = scrape()
+    return before, _scrape(server)
+
+
+def test_metrics_time_before_the_engine(server, client):
+    """One request adds one observation to each pre-engine histogram; processing is part of preparing."""
+    before, after = _metrics_around_one_request(server, client, 2)
     delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("g4serve_request_pre")}
     assert delta["g4serve_request_prepare_time_seconds_count"] == 1
     assert delta["g4serve_request_preprocess_time_seconds_count"] == 1
@@ -684,16 +690,10 @@ def test_api_key_and_text_only(tiny_model_dir, server_factory):
 def test_metrics_break_the_engine_thread_down_by_phase(server, client):
     """``g4serve_engine_thread_seconds_total{phase}`` grows with traffic in every phase a step goes through,
     and ``g4serve bench``'s split turns it into milliseconds per step."""
-    from g4serve.bench.loadgen import parse_prometheus, server_stage_split
+    from g4serve.bench.loadgen import server_stage_split
     from g4serve.engine.step_profile import PHASES
 
-    def scrape() -> dict[str, float]:
-        return parse_prometheus(httpx.get(f"{server.base_url}/metrics").text)
-
-    before = scrape()
-    client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
-    server.wait_idle()
-    after = scrape()
+    before, after = _metrics_around_one_request(server, client, 4)
     key = 'g4serve_engine_thread_seconds_total{{phase="{}"}}'.format
     grew = {p for p in PHASES if after[key(p)] > before.get(key(p), 0.0)}
     assert {"commands", "schedule", "launch", "wait", "outputs", "publish"} <= grew, grew
