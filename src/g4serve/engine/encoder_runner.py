@@ -196,12 +196,12 @@ class EncoderRunner:
         return todo
 
     @torch.inference_mode()
-    def run(self, items: list[MultimodalItem], frames: dict[str, tuple[int, int]] | None = None) -> float:
+    def run(self, items: list[MultimodalItem], frames: dict[str, int] | None = None) -> float:
         """Encode every item not cached yet, now (queued on the step's stream, ahead of its forward);
         returns the seconds spent on the CPU, 0 on CUDA, whose device time ``poll`` reports once the
-        encode is done. ``frames``: content hash ->
-        [first, end) frames of a video to encode this time (the scheduler's share of it beside decodes);
-        a video gets all its frames not yet encoded otherwise."""
+        encode is done. A video encodes from the frames the cache has (``frames_done``) up to its entry in
+        ``frames`` (content hash -> end frame: the scheduler's share of it beside decodes), else to its
+        last."""
         todo = self._new_items(items)
         if not todo:
             return 0.0
@@ -290,21 +290,20 @@ class EncoderRunner:
     def _encode(
         self,
         items: list[MultimodalItem],
-        frames: dict[str, tuple[int, int]],
+        frames: dict[str, int],
         partial: dict[str, list[torch.Tensor]],
     ) -> tuple[dict[str, torch.Tensor], list[EncoderCall]]:
         """Soft tokens of ``items`` (one call per tower and input shape), by content hash. A video whole
-        when none of its frames are encoded yet and ``frames`` asks for no range, else the frames of its
-        range (by default all those still to do), one tensor each into ``partial``."""
+        when none of its frames are encoded yet and ``frames`` stops it at no earlier frame, else the frames
+        from the cache's ``frames_done`` up to that end, one tensor each into ``partial``."""
         outputs: dict[str, torch.Tensor] = {}
         calls: list[EncoderCall] = []
         groups: dict[int, list[tuple[MultimodalItem, tuple[int, int] | None]]] = {}
         for item in items:
             if item.modality in ("image", "video"):
-                span = frames.get(item.content_hash)
-                done = self.cache.frames_done(item.content_hash)
-                if span is None and done:
-                    span = (done, item.data["pixel_values"].shape[0])
+                total = item.data["pixel_values"].shape[0]
+                done, end = self.cache.frames_done(item.content_hash), frames.get(item.content_hash, total)
+                span = (done, end) if done or end < total else None
                 groups.setdefault(item.data["pixel_values"].shape[1], []).append((item, span))
         for group in groups.values():
             calls.append(self._encode_vision(group, outputs, partial))

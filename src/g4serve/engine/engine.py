@@ -790,6 +790,8 @@ class LLMEngine:
             self.encoder.start(batch.encoder_items)
             return
         seconds = self.encoder.run(batch.encoder_items, batch.encoder_frames)
+        if not seconds:  # CUDA: timed by events, charged by ``_collect_encodes`` once done
+            return
         # a video's frames may encode in steps its request sits out (max_encoder_tokens_beside_decodes)
         digests = {it.content_hash for it in batch.encoder_items}
         for request in self.requests.values():

@@ -36,8 +36,9 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     encoder_items: list[MultimodalItem] = field(default_factory=list)  # to encode before the forward
-    # content hash -> [first, end) frames of a video encoded this step, when not all those still to do
-    encoder_frames: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # content hash -> the frames a video will have once this step's encodes ran, when fewer than all (the
+    # encodes start after the frames the encoder cache has)
+    encoder_frames: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -166,7 +167,7 @@ class Scheduler:
         budget allows; returns how many of its spans (a video's frames) will have soft tokens before this
         step's forward."""
         if item in batch.encoder_items:
-            return batch.encoder_frames.get(item.content_hash, (0, len(item.spans)))[1]
+            return batch.encoder_frames.get(item.content_hash, len(item.spans))
         done = self.encoder_frames_done(item.content_hash)
         costs = [e - s for s, e in item.spans[done:]]
         take = len(costs)
@@ -183,8 +184,8 @@ class Scheduler:
             return done
         budget.left -= sum(costs[:take])
         batch.encoder_items.append(item)
-        if done or take < len(costs):
-            batch.encoder_frames[item.content_hash] = (done, done + take)
+        if take < len(costs):
+            batch.encoder_frames[item.content_hash] = done + take
         return done + take
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:

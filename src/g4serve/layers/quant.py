@@ -7,11 +7,13 @@ group) and, for asymmetric int4, int8 zero points per scale entry. The CPU path 
 dtype and runs ``F.linear`` (the exact reference). On CUDA, FP8 weights of schemes with dynamic activation
 scales run on the FP8 tensor cores with their activations quantized too, as the scheme says: up to
 ``SKINNY_ROWS`` rows (decode) ``kernels/fp8_matmul.py`` (per token and 128-column group), past them plain
-projections ``torch._scaled_mm`` (per-token scales). Gated prefill projections, int4, static activation
-scales and FP8 weights on older GPUs run ``kernels/quant_matmul.py`` (dequantized in registers, 16-bit
-products; W8A8's 128 x 128 tiles were slower there: 31B TTFT at 2,048 tokens 451 against 354 ms);
-``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there too (the A/B of bench runs), and
-``G4SERVE_INT4_MATMUL=tinygemm`` sends int4 decode to torch's own int4 kernel (``kernels/int4_tinygemm.py``).
+projections ``torch._scaled_mm`` (per-token scales). int4 runs on torch's own int4 kernel up to 16 rows
+(``kernels/int4_tinygemm.py``) and past them as its dense weight, written by one launch
+(``kernels/dequant.py``), through cuBLAS (``G4SERVE_INT4_DENSE_ROWS``). Gated FP8 prefill projections, static
+activation scales, FP8 weights on older GPUs and int4 with ``G4SERVE_INT4_MATMUL=triton`` run
+``kernels/quant_matmul.py`` (dequantized in registers, 16-bit products; W8A8's 128 x 128 tiles were slower
+there: 31B TTFT at 2,048 tokens 451 against 354 ms); ``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there
+too (the A/B of bench runs).
 """
 
 from __future__ import annotations
