@@ -5,7 +5,8 @@
 # 7e78d66; capped: steps with decodes give prefills at most PREFILL_CAP tokens, default 512; all but
 # gpumedia and split pass --no-media-on-gpu, so each differs from insteps in one thing; splitE or splitEpP:
 # gpumedia with at most E soft tokens encoded in a step beside decodes, a video a few frames a step (and
-# at most P prefill tokens beside them), e.g. split140p256), start
+# at most P prefill tokens beside them), e.g. split140p256; gilN: the default (gpumedia on CUDA) with the switch
+# interval of the interpreter lock at N microseconds (G4SERVE_GIL_SWITCH_INTERVAL_US; Python: 5000)), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
@@ -37,9 +38,11 @@ for mode in $MODES; do
       spec=${mode#split}
       extra="--media-on-gpu --max-encoder-tokens-beside-decodes ${spec%%p*}"
       [[ $spec == *p* ]] && extra+=" --max-prefill-tokens-beside-decodes ${spec#*p}" ;;
+    gil*) extra= ;;  # the default: media on the GPU where the engine runs on CUDA
     *) extra=--no-media-on-gpu ;;
   esac
-  python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
+  switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
+  G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!
   for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
@@ -54,20 +57,27 @@ python3 - "$RES" > "$OUT/summary.md" <<'EOF'
 import json, pathlib, sys
 res = pathlib.Path(sys.argv[1])
 print("| mode | run | done | TTFT p50 / p95 ms | ITL p50 / p95 / p99 ms | out tok/s | server prep / enc ms "
-      "| engine thread ms a step: host / wait (steps) |")
-print("|---|---|---:|---|---|---:|---|---|")
+      "| engine ITL p50 / p95 / p99 ms | loop lag p50 / p99 ms "
+      "| engine thread ms a step: host / of it on CPU / wait (steps) |")
+print("|---|---|---:|---|---|---:|---|---|---|---|")
 ms = lambda v: "–" if v is None else f"{v * 1e3:.1f}"
 def thread(server):  # the engine thread's phases (engine/step_profile.py): all but waiting on the device
     phases = server.get("engine_thread_ms_per_step") or {}
+    cpu = server.get("engine_thread_cpu_ms_per_step") or {}
     host = sum(v for k, v in phases.items() if k != "wait")
-    return f"{host:.2f} / {phases['wait']:.2f} ({server['engine_steps']})" if "wait" in phases else "–"
+    on_cpu = sum(v for k, v in cpu.items() if k != "wait")
+    return f"{host:.2f} / {on_cpu:.2f} / {phases['wait']:.2f} ({server['engine_steps']})" if "wait" in phases else "–"
+def quantiles(server, key, qs):
+    return " / ".join(ms(server.get(f"{key}_p{q}_s")) for q in qs)
 for path in sorted(res.glob("*/*/results.json")):
     for p in json.loads(path.read_text())["points"]:
         server = p.get("server") or {}
         print(f"| {path.parent.parent.name} | {path.parent.name} | {p['requests_completed']} | "
               f"{ms(p['ttft_p50_s'])} / {ms(p['ttft_p95_s'])} | {ms(p['itl_p50_s'])} / {ms(p['itl_p95_s'])} / "
               f"{ms(p['itl_p99_s'])} | {p['output_tokens_per_s']:.0f} | "
-              f"{ms(server.get('prepare_mean_s'))} / {ms(server.get('encoder_mean_s'))} | {thread(server)} |")
+              f"{ms(server.get('prepare_mean_s'))} / {ms(server.get('encoder_mean_s'))} | "
+              f"{quantiles(server, 'server_itl', (50, 95, 99))} | {quantiles(server, 'event_loop_lag', (50, 99))} | "
+              f"{thread(server)} |")
 EOF
 cat "$OUT/summary.md"
 tar -czf "$OUT/media_stall.tgz" -C "$RES" .

@@ -116,6 +116,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_GIL_SWITCH_INTERVAL_US",
+        None,
+        "microseconds a Python thread may hold the interpreter lock while another waits for it "
+        "(`sys.setswitchinterval`), set when `AsyncLLMEngine` starts its thread; unset or empty: "
+        "Python's 5,000",
+    ),
+    Variable(
         "G4SERVE_GIT_COMMIT",
         None,
         "the commit benchmark results record, for a tree without its `.git` (the device machine's copy)",

@@ -520,6 +520,36 @@ def test_engine_thread_split_per_step():
     split = loadgen.engine_thread_split(before, after)
     assert split["engine_steps"] == 100
     assert split["engine_thread_ms_per_step"] == pytest.approx({"wait": 4.0, "launch": 1.0})
+    assert "engine_thread_cpu_ms_per_step" not in split  # a server without the CPU split
+    cpu = 'g4serve_engine_thread_cpu_seconds_total{phase="launch"} '
+    split = loadgen.engine_thread_split(
+        loadgen.parse_prometheus(text + cpu + "0.2\n"), {**after, **loadgen.parse_prometheus(cpu + "0.5\n")}
+    )
+    assert split["engine_thread_cpu_ms_per_step"] == pytest.approx({"launch": 3.0})
+
+
+def _histogram(name: str, counts: dict[str, int]) -> str:
+    """A Prometheus text histogram (cumulative bucket counts by ``le``) as prometheus_client writes it."""
+    lines = [f'{name}_bucket{{model_name="m",le="{le}"}} {n}' for le, n in counts.items()]
+    return "\n".join(lines + [f"{name}_count {counts['+Inf']}"]) + "\n"
+
+
+def test_histogram_quantile_between_two_scrapes():
+    """Only what was observed between the scrapes counts, interpolated in its bucket as Prometheus does."""
+    name = "g4serve_inter_token_latency_seconds"
+    before = loadgen.parse_prometheus(_histogram(name, {"0.005": 100, "0.01": 100, "0.02": 100, "+Inf": 100}))
+    after = loadgen.parse_prometheus(_histogram(name, {"0.005": 190, "0.01": 196, "0.02": 200, "+Inf": 200}))
+    # Between them: 90 gaps <= 5 ms, 6 in (5, 10], 4 in (10, 20].
+    assert loadgen.histogram_quantile(before, after, name, 0.5) == pytest.approx(0.005 * 50 / 90)
+    assert loadgen.histogram_quantile(before, after, name, 0.95) == pytest.approx(0.005 + 0.005 * 5 / 6)
+    assert loadgen.histogram_quantile(before, after, name, 0.99) == pytest.approx(0.01 + 0.01 * 3 / 4)
+    assert loadgen.histogram_quantile(before, before, name, 0.5) is None  # nothing observed
+    assert loadgen.histogram_quantile(before, after, "absent", 0.5) is None
+    past = loadgen.parse_prometheus(_histogram(name, {"0.005": 100, "0.01": 100, "0.02": 100, "+Inf": 110}))
+    assert loadgen.histogram_quantile(before, past, name, 0.5) == 0.02  # past the top bound: the bound
+    split = loadgen.server_stage_split(before, after)
+    assert split["server_itl_p95_s"] == pytest.approx(0.005 + 0.005 * 5 / 6)
+    assert "event_loop_lag_p50_s" not in split
 
 
 def test_fake_peer_without_metrics_or_usage():

@@ -408,3 +408,28 @@ def test_step_outputs_own_their_tokens_unless_the_async_engine_reads_them_at_onc
         assert shared.engine.copy_outputs is False
     finally:
         shared.shutdown()
+
+
+def test_switch_interval_from_the_environment(monkeypatch):
+    """``G4SERVE_GIL_SWITCH_INTERVAL_US`` sets the interpreter's switch interval; out of range is refused with
+    the variable's name; unset or empty leaves it alone."""
+    import sys
+
+    from g4serve.engine.async_engine import set_switch_interval
+
+    default = sys.getswitchinterval()
+    try:
+        monkeypatch.setenv("G4SERVE_GIL_SWITCH_INTERVAL_US", "500")
+        set_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(500e-6)
+        for bad in ("0", "-3", "2e6", "fast"):
+            monkeypatch.setenv("G4SERVE_GIL_SWITCH_INTERVAL_US", bad)
+            with pytest.raises(ValueError, match="G4SERVE_GIL_SWITCH_INTERVAL_US"):
+                set_switch_interval()
+        monkeypatch.setenv("G4SERVE_GIL_SWITCH_INTERVAL_US", "")
+        set_switch_interval()
+        monkeypatch.delenv("G4SERVE_GIL_SWITCH_INTERVAL_US")
+        set_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(500e-6)  # unset: left as it was
+    finally:
+        sys.setswitchinterval(default)

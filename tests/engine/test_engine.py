@@ -301,3 +301,25 @@ def test_the_engine_profiles_its_steps(tiny_model_dir):
     assert all(seconds[p] > 0 for p in ("schedule", "encode", "launch", "wait", "outputs"))
     assert seconds["commands"] == seconds["publish"] == 0
     assert sum(seconds.values()) <= wall
+    cpu = engine.stats()["engine_thread_cpu_seconds"]
+    assert set(cpu) == set(seconds) and cpu["launch"] > 0 and cpu["commands"] == 0
+    # The thread's CPU clock is coarser than the wall clock: allow a few ticks per phase.
+    assert all(cpu[p] <= seconds[p] + 0.05 for p in seconds), (cpu, seconds)
+
+
+def test_the_step_profile_splits_wall_from_cpu_time():
+    """Sleeping (off the CPU, as a thread waiting for the GIL is) counts in wall time only; spinning, both."""
+    from g4serve.engine.step_profile import StepProfile
+
+    profile = StepProfile()
+    t = profile.now()
+    time.sleep(0.05)
+    t = profile.add("schedule", t)
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:
+        pass
+    profile.add("launch", t)
+    assert profile.seconds["schedule"] >= 0.05 and profile.cpu_seconds["schedule"] < 0.02
+    assert profile.seconds["launch"] >= 0.05 and profile.cpu_seconds["launch"] > 0.03
+    profile.reset()
+    assert sum(profile.seconds.values()) == sum(profile.cpu_seconds.values()) == 0

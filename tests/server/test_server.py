@@ -701,3 +701,15 @@ def test_metrics_break_the_engine_thread_down_by_phase(server, client):
     assert split["engine_steps"] >= 4  # a prefill and three decodes at least
     per_step = split["engine_thread_ms_per_step"]
     assert set(per_step) == set(PHASES) and all(v >= 0 for v in per_step.values())
+    cpu = split["engine_thread_cpu_ms_per_step"]
+    assert set(cpu) == set(PHASES) and cpu["launch"] > 0
+    assert split["server_itl_p50_s"] > 0  # the engine-side gaps of the request's three later tokens
+
+
+def test_metrics_sample_the_event_loop_lag(server):
+    """``g4serve_event_loop_lag_seconds`` counts the loop's wake-ups from its own sampling task while idle."""
+    first = _scrape(server)["g4serve_event_loop_lag_seconds_count"]
+    time.sleep(0.2)
+    after = _scrape(server)
+    assert after["g4serve_event_loop_lag_seconds_count"] >= first + 10  # a sample every 5 ms
+    assert after["g4serve_event_loop_lag_seconds_sum"] >= 0

@@ -40,6 +40,12 @@ SERVER_COUNTERS = {
     "generation_tokens": "g4serve_generation_tokens_total",
     "prefix_cache_hit_tokens": "g4serve_prefix_cache_hit_tokens_total",
 }
+# Histograms whose p50 / p95 / p99 between two scrapes each point reports: the engine's inter-token gaps (when
+# a step hands the token over, before the event loop writes it out) and the event loop's lateness.
+SERVER_QUANTILES = {
+    "server_itl": "g4serve_inter_token_latency_seconds",
+    "event_loop_lag": "g4serve_event_loop_lag_seconds",
+}
 MAX_ERROR_CHARS = 300
 
 
@@ -536,20 +542,65 @@ def server_stage_split(
     for key, name in SERVER_COUNTERS.items():
         if name in after:
             out[key] = int(after[name] - before.get(name, 0.0))
+    for key, name in SERVER_QUANTILES.items():
+        for q in (0.5, 0.95, 0.99):
+            value = histogram_quantile(before, after, name, q)
+            if value is not None:
+                out[f"{key}_p{round(q * 100)}_s"] = value
     out.update(engine_thread_split(before, after))
     return out
+
+
+def histogram_quantile(
+    before: dict[str, float], after: dict[str, float], name: str, q: float
+) -> float | None:
+    """The ``q``-quantile of what histogram ``name`` observed between two scrapes, interpolated linearly
+    within its bucket as Prometheus' ``histogram_quantile`` does (the top finite bound where it falls past
+    it); None where it observed nothing or is not served. Buckets summed over label sets other than ``le``."""
+    counts: dict[float, float] = {}
+    prefix = f"{name}_bucket{{"
+    for key, value in after.items():
+        if not key.startswith(prefix):
+            continue
+        labels = dict(part.split("=", 1) for part in key[len(prefix) : -1].split(",") if "=" in part)
+        le = float(labels.get("le", '"nan"').strip('"'))
+        counts[le] = counts.get(le, 0.0) + value - before.get(key, 0.0)
+    bounds = sorted(b for b in counts if not math.isnan(b))
+    total = counts.get(math.inf, 0.0)
+    if not bounds or total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        if counts[bound] >= rank:
+            if math.isinf(bound):
+                return lower
+            share = (rank - below) / (counts[bound] - below) if counts[bound] > below else 1.0
+            return lower + (bound - lower) * share
+        lower, below = bound, counts[bound]
+    return lower
 
 
 def engine_thread_split(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """The engine thread's milliseconds per step in each phase during the point (``step_profile.py``; empty
     where the server does not report them), and its steps."""
     steps = after.get("g4serve_num_steps", 0.0) - before.get("g4serve_num_steps", 0.0)
-    phases = {}
-    for phase in PHASES:
-        name = f'g4serve_engine_thread_seconds_total{{phase="{phase}"}}'
-        if name in after and steps > 0:
-            phases[phase] = (after[name] - before.get(name, 0.0)) / steps * 1e3
-    return {"engine_steps": int(steps), "engine_thread_ms_per_step": phases} if phases else {}
+
+    def per_step(metric: str) -> dict[str, float]:
+        out = {}
+        for phase in PHASES:
+            name = f'{metric}{{phase="{phase}"}}'
+            if name in after and steps > 0:
+                out[phase] = (after[name] - before.get(name, 0.0)) / steps * 1e3
+        return out
+
+    phases = per_step("g4serve_engine_thread_seconds_total")
+    if not phases:
+        return {}
+    out = {"engine_steps": int(steps), "engine_thread_ms_per_step": phases}
+    cpu = per_step("g4serve_engine_thread_cpu_seconds_total")
+    if cpu:  # the thread's CPU time by phase: wall minus CPU is time off the CPU (the GIL, the OS)
+        out["engine_thread_cpu_ms_per_step"] = cpu
+    return out
 
 
 # ---- offline: the engine without HTTP ----------------------------------------------------------------------

@@ -13,10 +13,12 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from g4serve import envs
 from g4serve.engine.config import PREPROCESS_WORKERS, EngineConfig
 from g4serve.engine.engine import LLMEngine
 from g4serve.engine.request import Request
@@ -65,6 +67,18 @@ class RequestFailedError(RuntimeError):
         self.request_id = request_id
 
 
+def set_switch_interval() -> None:
+    """``G4SERVE_GIL_SWITCH_INTERVAL_US``: how long another thread may hold the interpreter lock once the
+    engine thread asks for it (the server's event loop and media threads share this process with it)."""
+    micros = envs.get("G4SERVE_GIL_SWITCH_INTERVAL_US")
+    if micros:  # unset or empty: Python's own
+        value = envs.get_float("G4SERVE_GIL_SWITCH_INTERVAL_US")
+        if not 1 <= value <= 1e6:
+            raise ValueError(f"G4SERVE_GIL_SWITCH_INTERVAL_US: expected 1 to 1,000,000, got {micros!r}")
+        sys.setswitchinterval(value * 1e-6)
+        log.info("interpreter switch interval: %g us", value)
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, preprocess_workers: int = PREPROCESS_WORKERS):
         self.engine = engine
@@ -78,6 +92,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self.dead: EngineDeadError | None = None  # why the engine stopped (its text is safe to show)
+        set_switch_interval()
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
 

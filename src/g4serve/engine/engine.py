@@ -988,6 +988,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_overlapped_steps": self.num_overlapped_steps,
             "engine_thread_seconds": dict(self.profile.seconds),
+            "engine_thread_cpu_seconds": dict(self.profile.cpu_seconds),
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
             "forced_tokens_total": self.num_forced_tokens,

@@ -9,6 +9,11 @@ and aborted) and ``publish`` (outputs handed to the event loop). Host phases tha
 ``wait`` shrinks mean the host, not the GPU, sets the step time: the server's threads share the engine
 thread's interpreter. ``/metrics`` serves the sums (``g4serve_engine_thread_seconds_total{phase}``) beside
 ``g4serve_num_steps``; ``g4serve bench`` reports them per step for each point.
+
+Each phase also sums the thread's CPU time (``time.thread_time``). A host phase whose wall time exceeds its
+CPU time spent the difference off the CPU: waiting for the interpreter lock while the server's other
+threads (event loop, media preparation) hold it, or descheduled. That gap is what host contention costs a
+step (``g4serve_engine_thread_cpu_seconds_total{phase}``; ``wait`` blocks on the device by design).
 """
 
 from __future__ import annotations
@@ -19,21 +24,27 @@ PHASES = ("commands", "schedule", "encode", "launch", "wait", "outputs", "publis
 HOST_PHASES = tuple(p for p in PHASES if p != "wait")
 
 
+Mark = tuple[float, float]  # (wall clock, this thread's CPU clock)
+
+
 class StepProfile:
-    """Seconds per phase since start (or the last ``reset``)."""
+    """Seconds per phase since start (or the last ``reset``): wall time in ``seconds``, the engine thread's
+    CPU time in ``cpu_seconds``."""
 
     def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.reset()
 
     @staticmethod
-    def now() -> float:
-        return time.perf_counter()
+    def now() -> Mark:
+        return time.perf_counter(), time.thread_time()
 
-    def add(self, phase: str, since: float) -> float:
+    def add(self, phase: str, since: Mark) -> Mark:
         """Charge the time since ``since`` (a ``now()``) to ``phase``; returns the present ``now()``."""
-        now = time.perf_counter()
-        self.seconds[phase] += now - since
+        now = time.perf_counter(), time.thread_time()
+        self.seconds[phase] += now[0] - since[0]
+        self.cpu_seconds[phase] += now[1] - since[1]
         return now
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.cpu_seconds = dict.fromkeys(PHASES, 0.0)

@@ -47,7 +47,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         log.info("serving %s (max_model_len=%d)", ", ".join(served), engine.max_model_len)
+        watcher = asyncio.create_task(metrics.watch_event_loop())
         yield
+        watcher.cancel()
         # Graceful shutdown: let running requests finish (uvicorn stopped accepting new ones); in_flight also
         # holds the background /v1/responses tasks, so they get the same drain and are cancelled after it.
         deadline = time.monotonic() + config.drain_timeout_s

@@ -7,6 +7,7 @@ pool, prefix-cache hit rate, tokens/s) are read from ``engine.stats()`` at scrap
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 
@@ -59,6 +60,10 @@ _ITL_BUCKETS_S = (
     1.0,
     2.5,
 )
+
+# How late the event loop wakes from a sleep: the time every stream's next write waits behind other callbacks.
+_LOOP_LAG_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+LOOP_LAG_INTERVAL_S = 0.005
 
 
 class _EngineCollector:
@@ -118,8 +123,17 @@ class _EngineCollector:
         )
         for phase, seconds in stats.get("engine_thread_seconds", {}).items():
             thread.add_metric([phase], seconds)
+        thread_cpu = CounterMetricFamily(
+            "g4serve_engine_thread_cpu_seconds",
+            "The engine thread's CPU time by phase since start; below g4serve_engine_thread_seconds by the "
+            "time the thread waited off the CPU (the interpreter lock, the OS scheduler, the device)",
+            labels=["phase"],
+        )
+        for phase, seconds in stats.get("engine_thread_cpu_seconds", {}).items():
+            thread_cpu.add_metric([phase], seconds)
         return [
             thread,
+            thread_cpu,
             running,
             waiting,
             kv,
@@ -251,8 +265,23 @@ class ServerMetrics:
             ["model_name", "status"],
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "g4serve_event_loop_lag_seconds",
+            f"How late the server's event loop wakes from a {LOOP_LAG_INTERVAL_S * 1e3:g} ms sleep: what a "
+            "stream's next write waits behind the loop's other work",
+            buckets=_LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
         self._model_name = model_name
         r.register(_EngineCollector(engine_stats, _Throughput()))
+
+    async def watch_event_loop(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Sample the running loop's lateness every ``interval_s`` until cancelled (the app's lifespan)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(interval_s)
+            self.loop_lag.observe(max(loop.time() - start - interval_s, 0.0))
 
     def observe_finished(
         self,
