@@ -52,6 +52,12 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_DECODE_PROGRAMS_PER_SM",
+        "4",
+        "paged decode attention splits a context over programs until about this many run per SM "
+        "(`kernels/paged_decode.py`; `1`: a batch with a program per SM already, no split)",
+    ),
+    Variable(
         "G4SERVE_SORT_FREE_TOP_K",
         "0",
         "`1`: CUDA batches that use top-k sample in the sort-free kernel too (a radix select of the k-th "

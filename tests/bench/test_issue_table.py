@@ -39,6 +39,10 @@ def _side(root: Path, scale: float) -> None:
         served / "video-1qps",
         {"points": [_point(1, ttft_p50_s=0.040 * scale, server={"prepare_mean_s": 0.016})]},
     )
+    _write(
+        served / "video-1qps-new",
+        {"points": [_point(1, ttft_p50_s=0.050 * scale, server={"prepare_mean_s": 0.020})]},
+    )
     sweep = [_point(r, e2e_p95_s=e) for r, e in ((32, 0.134), (48, 0.181 * scale), (64, 0.370))]
     _write(served / "video-sweep", {"points": sweep})
     saturation = [
@@ -75,6 +79,8 @@ def test_the_table_reads_both_sides(tmp_path):
     # what no run wrote stays empty, never a guess
     assert rows["audio TTFT p50 at 4 QPS; encoder mean (ms)"]["now"] == "–; –"
     assert "| decode ITL, B=1, greedy (ms) | 4.0 | 2.0 | <= 3.4 |" in markdown
+    video = next(r for name, r in rows.items() if name.startswith("video (6 x 480p) TTFT p50 at 1 QPS"))
+    assert video["now"] == "20.0; 16.0, new: 25.0; 20.0"
 
 
 def test_a_rate_that_drops_requests_does_not_count(tmp_path):

@@ -172,6 +172,11 @@ def test_decode_split_policy():
     assert decode_num_splits(1, 2, 16384, 32, num_sms=132) == 64  # capped
     assert decode_num_splits(1, 2, 100, 64, num_sms=132) == 1  # too short to split
     assert decode_num_splits(4, 2, 2048, 64, num_sms=132) == 8  # length-bound: >= 4 tiles per split
+    # G4SERVE_DECODE_PROGRAMS_PER_SM's target: e4b at B = 64 (2 KV heads, 128 programs) in a graph
+    assert decode_num_splits(64, 2, 1 << 17, 32, num_sms=132) == 5
+    assert decode_num_splits(64, 2, 1 << 17, 32, num_sms=132, programs_per_sm=2) == 3
+    assert decode_num_splits(64, 2, 1 << 17, 32, num_sms=132, programs_per_sm=1) == 2
+    assert decode_num_splits(66, 2, 1 << 17, 32, num_sms=132, programs_per_sm=1) == 1
 
 
 # ---- prefill --------------------------------------------------------------------------------------

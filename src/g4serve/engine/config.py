@@ -88,6 +88,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps beside the decodes")
     encoder_cache_tokens: int = _opt(16384, "soft tokens of encoded media kept for reuse")
     encoder_token_budget: int = _opt(4096, "soft tokens the media encoders may produce in one step")
+    mm_processor_cache_gb: float = _opt(
+        1.0,
+        "GiB of host memory keeping processed media items by their encoded bytes, so an image or video "
+        "sent again (each turn of a chat) skips decoding and resizing (0: off)",
+    )
     limit_mm_per_prompt: dict[str, int] = _opt(
         {"image": 32, "video": 4, "audio": 8},
         'media per prompt, e.g. \'{"image": 4, "video": 1}\' or image=4,video=1; all 0 = text-only',
@@ -200,6 +205,8 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if not 0 <= self.mm_processor_cache_gb < 1 << 20:
+            raise ValueError(f"mm_processor_cache_gb: must be 0 or more, got {self.mm_processor_cache_gb!r}")
         if self.media_on_gpu is None:
             self.media_on_gpu = device_type(self.device) == "cuda" and not self.text_only
         if self.media_on_gpu and device_type(self.device) != "cuda":

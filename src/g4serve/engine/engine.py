@@ -182,6 +182,7 @@ class LLMEngine:
             self.model_config,
             ProcessorSettings.from_dir(model_dir),
             media_device=self.device if config.media_on_gpu else None,
+            cache_bytes=int(config.mm_processor_cache_gb * (1 << 30)),
         )
         self.media_limits = config.media_limits()  # what one request's media may cost to decode
         self.dtype = self.model.language_model.embed_tokens.weight.dtype

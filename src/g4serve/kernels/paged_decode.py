@@ -18,11 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from g4serve import envs
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE
 from g4serve.kernels.paged_prefill import paged_prefill_reference
 
 LOG2E = 1.4426950408889634
+# The split-KV policy's target of programs per SM (G4SERVE_DECODE_PROGRAMS_PER_SM; A/B runs). A captured CUDA
+# graph keeps the split count it was captured with.
+PROGRAMS_PER_SM = envs.get_int("G4SERVE_DECODE_PROGRAMS_PER_SM")
 
 
 @triton.jit
@@ -254,14 +258,17 @@ def decode_num_splits(
     num_sms: int = 132,
     min_tiles_per_split: int = 4,
     max_splits: int = 64,
+    programs_per_sm: int | None = None,
 ) -> int:
-    """Split-KV policy: enough programs for ~4 per SM, each with at least ``min_tiles_per_split`` tiles.
+    """Split-KV policy: enough programs for ``programs_per_sm`` per SM (default ``PROGRAMS_PER_SM``, 4), each
+    with at least ``min_tiles_per_split`` tiles.
 
     Deterministic in its (host-side) inputs, so a CUDA-graph capture can fix it per batch size by
     passing the longest context the graph will serve.
     """
     programs = num_seqs * num_kv_heads
-    want = -(-4 * num_sms // max(programs, 1))
+    per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    want = -(-per_sm * num_sms // max(programs, 1))
     by_length = -(-max(max_kv_len, 1) // (block_n * min_tiles_per_split))
     return max(1, min(want, by_length, max_splits))
 

@@ -39,6 +39,13 @@ from g4serve.processing.limits import (
     check_item_bytes,
     read_media_file,
 )
+from g4serve.processing.media_cache import (
+    CachedMedia,
+    MediaCache,
+    encoded_parts,
+    media_key,
+    to_host,
+)
 from g4serve.processing.pool import map_in_pool
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.processing.video import (
@@ -129,13 +136,16 @@ class Gemma4Processor:
         cfg: Gemma4Config,
         settings: ProcessorSettings | None = None,
         media_device: torch.device | str | None = None,
+        cache_bytes: int = 0,
     ):
         """``media_device``: decode (JPEG), resize and patchify images and video frames there
-        (``processing.device_media``); None: on the host, bit for bit as transformers."""
+        (``processing.device_media``); None: on the host, bit for bit as transformers. ``cache_bytes``:
+        keep processed media items given as bytes, up to this many bytes (``processing.media_cache``)."""
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.settings = settings or ProcessorSettings()
         self.media = DeviceMedia(media_device) if media_device is not None else None
+        self.cache = MediaCache(cache_bytes) if cache_bytes > 0 else None
         self.audio_extractor = AudioFeatureExtractor()
         tok = tokenizer
         self.image_token, self.video_token, self.audio_token = (
@@ -267,11 +277,16 @@ class Gemma4Processor:
         _check_encoded_media({"image": images, "video": videos, "audio": audio}, budget.limits)
         expansions: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]] = {"image": [], "video": [], "audio": []}
+        keep = _Keep(self.cache, budget.limits)
+        images, videos, audio = (
+            keep.look_up(m, v) for m, v in zip(("image", "video", "audio"), (images, videos, audio))
+        )
 
         with self.media.preparing() if self.media is not None else contextlib.nullcontext():
-            self._images_and_videos(images, videos, budget, items, expansions)
+            self._images_and_videos(images, videos, budget, items, expansions, keep)
             if audio:
-                self._audio(audio, budget, items, expansions)
+                self._audio(audio, budget, items, expansions, keep)
+        keep.store()  # after the device's copies to the host have finished
 
         if prompt is not None:
             text = self._expand_text(prompt, expansions)
@@ -289,21 +304,31 @@ class Gemma4Processor:
         budget: MediaBudget,
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]],
         expansions: dict[str, list[str]],
+        keep: _Keep,
     ) -> None:
         """Decode, resize and patchify (on the media device what it takes); add each item's inputs and
-        content hash to ``items``, its prompt text to ``expansions``."""
-        for data, n in self._image_features(images, budget):
-            items["image"].append((data, content_hash("image", *data.values())))
-            expansions["image"].append(f"{self.boi}{self.image_token * n}{self.eoi}")
+        content hash to ``items``, its prompt text to ``expansions``. Items ``keep`` found cached are taken
+        from it (their pixels charged to ``budget`` again); the others it keeps."""
+        todo = [i for i, v in enumerate(images) if not isinstance(v, _Hit)]
+        features = iter(self._image_features([images[i] for i in todo], budget, names=todo))
+        for i, value in enumerate(images):
+            if isinstance(value, _Hit):
+                keep.reuse(value, budget, items, expansions)
+                continue
+            data, n, pixels = next(features)
+            expansion = f"{self.boi}{self.image_token * n}{self.eoi}"
+            keep.add("image", i, data, expansion, items, expansions, pixels=pixels)
         for i, value in enumerate(videos):
+            if isinstance(value, _Hit):
+                keep.reuse(value, budget, items, expansions)
+                continue
+            before = budget.pixels
             frames, feats = _named(f"video[{i}]", lambda v: self._video_features(v, budget), value)
             data = {"pixel_values": feats.pixel_values, "position_ids": feats.position_ids}
-            items["video"].append((data, content_hash("video", *data.values())))
-            expansions["video"].append(
-                video_prompt_text(
-                    frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
-                )
+            expansion = video_prompt_text(
+                frames.timestamps_s, feats.num_soft_tokens_per_frame, self.boi, self.video_token, self.eoi
             )
+            keep.add("video", i, data, expansion, items, expansions, pixels=budget.pixels - before)
 
     def _preprocess_images(
         self, loaded: list[Any], on_device: bool
@@ -331,18 +356,24 @@ class Gemma4Processor:
         ]
 
     def _image_features(
-        self, images: list[Any], budget: MediaBudget
-    ) -> list[tuple[dict[str, torch.Tensor], int]]:
-        """On the host, bit for bit as transformers; with a media device, the JPEGs it takes are decoded,
-        resized and patchified there, in batches of its ``max_batch_pixels`` under its in-flight budget."""
+        self, images: list[Any], budget: MediaBudget, names: list[int] | None = None
+    ) -> list[tuple[dict[str, torch.Tensor], int, int]]:
+        """(inputs, soft tokens, decoded pixels) of each image. On the host, bit for bit as transformers;
+        with a media device, the JPEGs it takes are decoded, resized and patchified there, in batches of its
+        ``max_batch_pixels`` under its in-flight budget. ``names``: each image's index in the request (for
+        errors), else its position."""
         if not images:
             return []
+        names = names if names is not None else list(range(len(images)))
         media = self.media
         if media is None:
-            return self._preprocess_images(
-                _decode_all(lambda v: self._load_image(v, budget), images, name="image"), False
-            )
-        raw = [_named(f"image[{i}]", lambda v: self._read(v, budget.limits), v) for i, v in enumerate(images)]
+            loaded = _decode_all(lambda v: self._load_image(v, budget), images, name="image", names=names)
+            pixels = [_pixels(image) for image in loaded]
+            return [(*f, n) for f, n in zip(self._preprocess_images(loaded, False), pixels)]
+        raw = [
+            _named(f"image[{names[i]}]", lambda v: self._read(v, budget.limits), v)
+            for i, v in enumerate(images)
+        ]
         sizes = [media.jpeg_size(v, budget.limits) for v in raw]
         out: list[Any] = [None] * len(raw)
         refused: set[int] = set()
@@ -351,18 +382,19 @@ class Gemma4Processor:
                 decoded = media.decode([raw[i] for i in batch], [sizes[i] for i in batch], budget)  # type: ignore[misc]
                 refused.update(i for i, t in zip(batch, decoded) if t is None)
                 ok = [(i, t) for i, t in zip(batch, decoded) if t is not None]
-                for (i, _), feature in zip(
+                for (i, t), feature in zip(
                     ok, self._preprocess_images([t for _, t in ok], True) if ok else []
                 ):
-                    out[i] = feature
+                    out[i] = (*feature, _pixels(t))
         host = [i for i, feature in enumerate(out) if feature is None]
 
         def load(i: int) -> Any:
-            return self._load_on_host(raw[i], f"image[{i}]", budget, charged=i in refused)
+            return self._load_on_host(raw[i], f"image[{names[i]}]", budget, charged=i in refused)
 
         if host:
-            for i, feature in zip(host, self._preprocess_images(map_in_pool(load, host), False)):
-                out[i] = feature
+            loaded = map_in_pool(load, host)
+            for i, image, feature in zip(host, loaded, self._preprocess_images(loaded, False)):
+                out[i] = (*feature, _pixels(image))
         return out
 
     def _video_features(self, value: Any, budget: MediaBudget) -> tuple[VideoFrames, Any]:
@@ -436,18 +468,27 @@ class Gemma4Processor:
         budget: MediaBudget,
         items: dict[str, list[tuple[dict[str, torch.Tensor], str]]],
         expansions: dict[str, list[str]],
+        keep: _Keep,
     ) -> None:
-        """Decode the clips on the host; their log-mel features there, or on the media device."""
-        waves = [_named(f"audio[{i}]", lambda v: self._load_audio(v, budget), v) for i, v in enumerate(audio)]
-        feats = self.audio_extractor(waves, device=self.media.device if self.media is not None else None)
-        for i, wave in enumerate(waves):
+        """Decode the clips on the host; their log-mel features there, or on the media device (the clips
+        ``keep`` found cached taken from it)."""
+        todo = [i for i, v in enumerate(audio) if not isinstance(v, _Hit)]
+        waves = [_named(f"audio[{i}]", lambda v: self._load_audio(v, budget), audio[i]) for i in todo]
+        if waves:
+            feats = self.audio_extractor(waves, device=self.media.device if self.media is not None else None)
+        fresh = iter(range(len(waves)))
+        for i, value in enumerate(audio):
+            if isinstance(value, _Hit):
+                keep.reuse(value, budget, items, expansions)
+                continue
+            k = next(fresh)
             data = {
-                "input_features": feats.input_features[i : i + 1],
-                "input_features_mask": feats.input_features_mask[i : i + 1],
+                "input_features": feats.input_features[k : k + 1],
+                "input_features_mask": feats.input_features_mask[k : k + 1],
             }
-            n = num_audio_soft_tokens(len(wave), self.settings.audio_seq_length)
-            items["audio"].append((data, content_hash("audio", *data.values())))
-            expansions["audio"].append(f"{self.boa}{self.audio_token * n}{self.eoa}")
+            n = num_audio_soft_tokens(len(waves[k]), self.settings.audio_seq_length)
+            expansion = f"{self.boa}{self.audio_token * n}{self.eoa}"
+            keep.add("audio", i, data, expansion, items, expansions, audio_samples=len(waves[k]))
 
     def _expand_text(self, prompt: str, expansions: dict[str, list[str]]) -> str:
         placeholders = {"image": self.image_token, "video": self.video_token, "audio": self.audio_token}
@@ -527,16 +568,96 @@ class Gemma4Processor:
         return result
 
 
-def _decode_all(load, values: list | tuple, name: str | None = None) -> list:
+@dataclass(frozen=True)
+class _Hit:
+    """A media item the processed-media cache held, standing in the request's list for its value."""
+
+    modality: str
+    cached: CachedMedia
+
+
+class _Keep:
+    """One request's use of the processed-media cache (``processing.media_cache``; None: no cache): which of
+    its items the cache held, and the processed items to keep once the device's copies have finished."""
+
+    def __init__(self, cache: MediaCache | None, limits: MediaLimits):
+        self.cache = cache
+        self.limits = limits
+        self.keys: dict[tuple[str, int], str] = {}  # (modality, index) -> key, for the items looked up
+        self.pending: list[tuple[str, CachedMedia]] = []
+
+    def look_up(self, modality: str, values: list[Any]) -> list[Any]:
+        """``values``, each item the cache holds replaced by its ``_Hit``; the keys of the others kept."""
+        if self.cache is None:
+            return values
+        out = []
+        for i, value in enumerate(values):
+            parts = encoded_parts(value)
+            if parts is None:
+                out.append(value)
+                continue
+            key = self.keys[(modality, i)] = media_key(modality, parts, self.limits)
+            cached = self.cache.get(key)
+            out.append(value if cached is None else _Hit(modality, cached))
+        return out
+
+    @staticmethod
+    def reuse(hit: _Hit, budget: MediaBudget, items: dict, expansions: dict[str, list[str]]) -> None:
+        """A cached item into the request, charged to its budget as its processing was."""
+        cached = hit.cached
+        if cached.pixels:
+            budget.charge_pixels(cached.pixels)
+        if cached.audio_samples:
+            budget.charge_audio(cached.audio_samples, SAMPLING_RATE)
+        items[hit.modality].append((cached.data, cached.content_hash))
+        expansions[hit.modality].append(cached.expansion)
+
+    def add(
+        self,
+        modality: str,
+        index: int,
+        data: dict[str, torch.Tensor],
+        expansion: str,
+        items: dict,
+        expansions: dict[str, list[str]],
+        pixels: int = 0,
+        audio_samples: int = 0,
+    ) -> None:
+        """A processed item into the request, hashed by its key where it has one (no read-back), else by
+        its tensors; a keyed item's host copy is queued for the cache."""
+        key = self.keys.get((modality, index))
+        items[modality].append((data, key or content_hash(modality, *data.values())))
+        expansions[modality].append(expansion)
+        if key is not None and self.cache is not None:
+            cached = CachedMedia(to_host(data), key, expansion, pixels, audio_samples)
+            self.pending.append((key, cached))
+
+    def store(self) -> None:
+        for key, cached in self.pending:
+            self.cache.put(key, cached)  # type: ignore[union-attr]
+        self.pending.clear()
+
+
+def _pixels(image: Any) -> int:
+    """Pixels of a decoded image as its decoding charged them: a PIL image's, or a device-decoded [3, H, W]
+    tensor's (other inputs are not cached: 0)."""
+    if isinstance(image, torch.Tensor) and image.dim() == 3:
+        return image.shape[1] * image.shape[2]
+    size = getattr(image, "size", None)
+    return size[0] * size[1] if isinstance(size, tuple) else 0
+
+
+def _decode_all(load, values: list | tuple, name: str | None = None, names: list[int] | None = None) -> list:
     """``load`` on every encoded input (bytes, paths, data already decoded pass through), the encoded ones
     in parallel threads: JPEG/PNG decoding releases the GIL, so a video's frames decode side by side.
-    Failures name the input (``name[i]: ...``) when ``name`` is given, and the first one in order wins."""
+    Failures name the input (``name[i]: ...``, ``i`` from ``names`` if given) when ``name`` is given, and
+    the first one in order wins."""
     encoded = (bytes, bytearray, str, LocalFile)
 
     def one(i: int, value: Any) -> Any:
         if not isinstance(value, encoded):
             return value
-        return _named(f"{name}[{i}]", load, value) if name else load(value)
+        return _named(f"{name}[{names[i] if names else i}]", load, value) if name else load(value)
 
     if sum(isinstance(v, encoded) for v in values) < 2:
         return [one(i, v) for i, v in enumerate(values)]
