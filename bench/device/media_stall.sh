@@ -58,8 +58,9 @@ import json, pathlib, sys
 res = pathlib.Path(sys.argv[1])
 print("| mode | run | done | TTFT p50 / p95 ms | ITL p50 / p95 / p99 ms | out tok/s | server prep / enc ms "
       "| engine ITL p50 / p95 / p99 ms | loop lag p50 / p99 ms "
-      "| engine thread ms a step: host / of it on CPU / wait (steps) |")
-print("|---|---|---:|---|---|---:|---|---|---|---|")
+      "| engine thread ms a step: host / of it on CPU / wait (steps) "
+      "| step interval p50 / p95 ms (steps): decode; prefill; encode |")
+print("|---|---|---:|---|---|---:|---|---|---|---|---|")
 ms = lambda v: "–" if v is None else f"{v * 1e3:.1f}"
 def thread(server):  # the engine thread's phases (engine/step_profile.py): all but waiting on the device
     phases = server.get("engine_thread_ms_per_step") or {}
@@ -67,6 +68,9 @@ def thread(server):  # the engine thread's phases (engine/step_profile.py): all 
     host = sum(v for k, v in phases.items() if k != "wait")
     on_cpu = sum(v for k, v in cpu.items() if k != "wait")
     return f"{host:.2f} / {on_cpu:.2f} / {phases['wait']:.2f} ({server['engine_steps']})" if "wait" in phases else "–"
+def intervals(server):  # the engine-side ITL by what the step carried (engine/step_profile.py)
+    rows = server.get("step_intervals") or {}
+    return "; ".join(f"{ms(r.get('p50_s'))} / {ms(r.get('p95_s'))} ({r['steps']})" for r in rows.values()) or "–"
 def quantiles(server, key, qs):
     return " / ".join(ms(server.get(f"{key}_p{q}_s")) for q in qs)
 for path in sorted(res.glob("*/*/results.json")):
@@ -77,7 +81,7 @@ for path in sorted(res.glob("*/*/results.json")):
               f"{ms(p['itl_p99_s'])} | {p['output_tokens_per_s']:.0f} | "
               f"{ms(server.get('prepare_mean_s'))} / {ms(server.get('encoder_mean_s'))} | "
               f"{quantiles(server, 'server_itl', (50, 95, 99))} | {quantiles(server, 'event_loop_lag', (50, 99))} | "
-              f"{thread(server)} |")
+              f"{thread(server)} | {intervals(server)} |")
 EOF
 cat "$OUT/summary.md"
 tar -czf "$OUT/media_stall.tgz" -C "$RES" .

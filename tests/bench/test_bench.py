@@ -549,7 +549,30 @@ def test_histogram_quantile_between_two_scrapes():
     assert loadgen.histogram_quantile(before, past, name, 0.5) == 0.02  # past the top bound: the bound
     split = loadgen.server_stage_split(before, after)
     assert split["server_itl_p95_s"] == pytest.approx(0.005 + 0.005 * 5 / 6)
-    assert "event_loop_lag_p50_s" not in split
+    assert "event_loop_lag_p50_s" not in split and "step_intervals" not in split
+
+
+def test_step_intervals_by_kind_between_two_scrapes():
+    """Each kind's quantiles come from its own label set only."""
+    name = "g4serve_engine_step_interval_seconds"
+
+    def text(decode: tuple[int, int], encode: tuple[int, int]) -> str:
+        lines = []
+        for kind, (fast, total) in (("decode", decode), ("encode", encode)):
+            lines += [f'{name}_bucket{{kind="{kind}",le="0.005"}} {fast}']
+            lines += [f'{name}_bucket{{kind="{kind}",le="0.01"}} {total}']
+            lines += [
+                f'{name}_bucket{{kind="{kind}",le="+Inf"}} {total}',
+                f'{name}_count{{kind="{kind}"}} {total}',
+            ]
+        return "\n".join(lines) + "\n"
+
+    before = loadgen.parse_prometheus(text((10, 10), (0, 0)))
+    after = loadgen.parse_prometheus(text((110, 110), (0, 20)))  # 100 fast decode steps, 20 slow encode steps
+    split = loadgen.step_interval_split(before, after)
+    assert split["decode"]["steps"] == 100 and split["decode"]["p95_s"] == pytest.approx(0.005 * 0.95)
+    assert split["encode"]["steps"] == 20 and split["encode"]["p50_s"] == pytest.approx(0.0075)
+    assert "prefill" not in split  # not served
 
 
 def test_fake_peer_without_metrics_or_usage():

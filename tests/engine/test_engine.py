@@ -307,6 +307,32 @@ def test_the_engine_profiles_its_steps(tiny_model_dir):
     assert all(cpu[p] <= seconds[p] + 0.05 for p in seconds), (cpu, seconds)
 
 
+def test_step_intervals_by_kind(tiny_model_dir):
+    """Every step with a decode row is counted under what it carried: a prompt arriving while another decodes
+    makes a prefill step, an image an encode step; the rest are decode steps."""
+    engine = make_engine(tiny_model_dir)
+    run_all(engine, [mixed_prompts()[0]])  # alone: a prefill step (no decode row yet), then decode steps
+    counts = {k: v["buckets"][-1][1] for k, v in engine.stats()["step_intervals"].items()}
+    assert counts["decode"] > 0 and counts["prefill"] == counts["encode"] == 0
+
+    def add(rid: str, prompt) -> None:
+        engine.add_request(engine.make_request(rid, engine.process_prompt(prompt), GREEDY))
+
+    add("a", mixed_prompts()[0])
+    for _ in range(3):
+        engine.step()
+    add("b", mixed_prompts()[1])  # its prefill joins a's decodes
+    add("c", {"prompt": _user("<|image|>What is this?"), "multi_modal_data": {"image": _image(5)}})
+    while engine.has_unfinished_requests():
+        engine.step()
+    snap = engine.stats()["step_intervals"]
+    after = {k: v["buckets"][-1][1] for k, v in snap.items()}
+    assert after["encode"] >= 1 and after["decode"] > counts["decode"]  # c encoded beside a's decode
+    assert all(v["sum"] > 0 for k, v in snap.items() if after[k])
+    cumulative = [n for _, n in snap["decode"]["buckets"]]
+    assert cumulative == sorted(cumulative) and snap["decode"]["buckets"][-1][0] == "+Inf"
+
+
 def test_the_step_profile_splits_wall_from_cpu_time():
     """Sleeping (off the CPU, as a thread waiting for the GIL is) counts in wall time only; spinning, both."""
     from g4serve.engine.step_profile import StepProfile

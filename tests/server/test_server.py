@@ -704,6 +704,7 @@ def test_metrics_break_the_engine_thread_down_by_phase(server, client):
     cpu = split["engine_thread_cpu_ms_per_step"]
     assert set(cpu) == set(PHASES) and cpu["launch"] > 0
     assert split["server_itl_p50_s"] > 0  # the engine-side gaps of the request's three later tokens
+    assert split["step_intervals"]["decode"]["steps"] >= 3 and split["step_intervals"]["decode"]["p50_s"] > 0
 
 
 def test_metrics_sample_the_event_loop_lag(server):

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from g4serve.engine.step_profile import PHASES
+from g4serve.engine.step_profile import PHASES, STEP_KINDS
 
 # Stage histograms whose mean g4serve's /metrics lets us split TTFT into (before the engine, queue, encoder,
 # rest).
@@ -547,23 +547,34 @@ def server_stage_split(
             value = histogram_quantile(before, after, name, q)
             if value is not None:
                 out[f"{key}_p{round(q * 100)}_s"] = value
+    steps = step_interval_split(before, after)
+    if steps:
+        out["step_intervals"] = steps
     out.update(engine_thread_split(before, after))
     return out
 
 
 def histogram_quantile(
-    before: dict[str, float], after: dict[str, float], name: str, q: float
+    before: dict[str, float],
+    after: dict[str, float],
+    name: str,
+    q: float,
+    labels: dict[str, str] | None = None,
 ) -> float | None:
     """The ``q``-quantile of what histogram ``name`` observed between two scrapes, interpolated linearly
     within its bucket as Prometheus' ``histogram_quantile`` does (the top finite bound where it falls past
-    it); None where it observed nothing or is not served. Buckets summed over label sets other than ``le``."""
+    it); None where it observed nothing or is not served. Buckets of the label sets holding ``labels``,
+    summed over their other labels."""
     counts: dict[float, float] = {}
     prefix = f"{name}_bucket{{"
     for key, value in after.items():
         if not key.startswith(prefix):
             continue
-        labels = dict(part.split("=", 1) for part in key[len(prefix) : -1].split(",") if "=" in part)
-        le = float(labels.get("le", '"nan"').strip('"'))
+        found = dict(part.split("=", 1) for part in key[len(prefix) : -1].split(",") if "=" in part)
+        found = {k.strip(): v.strip().strip('"') for k, v in found.items()}
+        if any(found.get(k) != v for k, v in (labels or {}).items()):
+            continue
+        le = float(found.get("le", "nan"))
         counts[le] = counts.get(le, 0.0) + value - before.get(key, 0.0)
     bounds = sorted(b for b in counts if not math.isnan(b))
     total = counts.get(math.inf, 0.0)
@@ -578,6 +589,24 @@ def histogram_quantile(
             return lower + (bound - lower) * share
         lower, below = bound, counts[bound]
     return lower
+
+
+def step_interval_split(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """By step kind (``step_profile.STEP_KINDS``): how many steps with decode rows the point saw and the
+    p50 / p95 of their intervals (the engine-side ITL), from ``g4serve_engine_step_interval_seconds``."""
+    name = "g4serve_engine_step_interval_seconds"
+    out = {}
+    for kind in STEP_KINDS:
+        count_key = f'{name}_count{{kind="{kind}"}}'
+        if count_key not in after:
+            continue
+        row: dict[str, float] = {"steps": int(after[count_key] - before.get(count_key, 0.0))}
+        for q in (0.5, 0.95):
+            value = histogram_quantile(before, after, name, q, {"kind": kind})
+            if value is not None:
+                row[f"p{round(q * 100)}_s"] = value
+        out[kind] = row
+    return out
 
 
 def engine_thread_split(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from g4serve.engine.speculative import (
     grammar_prefix,
     verify,
 )
-from g4serve.engine.step_profile import StepProfile
+from g4serve.engine.step_profile import StepIntervals, StepProfile
 from g4serve.engine.tensor_parallel import TensorParallelWorkers, WorkerPlan
 from g4serve.layers.attention import BACKENDS, resolve_backend_name
 from g4serve.layers.lora import LoRAWeights, projection_shapes
@@ -287,6 +287,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps launched while the previous one was still in flight
         self.profile = StepProfile()  # the engine thread's time by phase (step_profile.py)
+        self.step_intervals = StepIntervals()  # the engine-side inter-token latency by step kind
         self.num_generated_tokens = 0  # output tokens, forced ones included
         self.num_forced_tokens = 0  # of those, the ones jump-forward appended
         self.num_prompt_tokens = 0
@@ -362,6 +363,7 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         self.spec_stats = SpecStats()
         self.profile.reset()
+        self.step_intervals = StepIntervals()
         self.kv.prefix_queries = self.kv.prefix_hit_tokens = self.kv.prefix_query_tokens = 0
         log.info("warm-up done in %.1fs", time.monotonic() - t0)
 
@@ -817,6 +819,15 @@ class LLMEngine:
         t = self.profile.now()
         token_ids, logprobs, top_ids, top_lps = step.read()
         t = self.profile.add("wait", t)
+        batch = step.batch
+        kind = (
+            "encode"
+            if batch.encoder_items
+            else "prefill"
+            if any(n > 1 for n in batch.num_new_tokens)
+            else "decode"
+        )
+        self.step_intervals.observe(kind, 1 in batch.num_new_tokens)
         try:
             return self._take_samples(step, done_before, token_ids, logprobs, top_ids, top_lps)
         finally:
@@ -990,6 +1001,7 @@ class LLMEngine:
             "num_overlapped_steps": self.num_overlapped_steps,
             "engine_thread_seconds": dict(self.profile.seconds),
             "engine_thread_cpu_seconds": dict(self.profile.cpu_seconds),
+            "step_intervals": self.step_intervals.snapshot(),
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
             "forced_tokens_total": self.num_forced_tokens,

@@ -48,3 +48,47 @@ class StepProfile:
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.cpu_seconds = dict.fromkeys(PHASES, 0.0)
+
+
+# Steps by what they carried beside their decode rows: nothing (decode), prompt tokens (prefill), or media
+# encodes run in the step (encode).
+STEP_KINDS = ("decode", "prefill", "encode")
+STEP_INTERVAL_BUCKETS_S = (
+    0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.01, 0.012, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+class StepIntervals:
+    """The time between consecutive steps' samples reaching the host, for each step with a decode row: the
+    engine-side inter-token latency of those rows, by the step's kind (``STEP_KINDS``). Tells which steps
+    make a decode's tail: the ones carrying prefill or encodes, or plain decode steps slowed by something
+    else on the GPU or the host. A histogram (``STEP_INTERVAL_BUCKETS_S``; ``counts[kind][i]``: intervals
+    at most bucket ``i``'s bound, the last past every bound) with its sum."""
+
+    def __init__(self) -> None:
+        self.counts = {k: [0] * (len(STEP_INTERVAL_BUCKETS_S) + 1) for k in STEP_KINDS}
+        self.sums = dict.fromkeys(STEP_KINDS, 0.0)
+        self._last: float | None = None
+
+    def observe(self, kind: str, has_decode_rows: bool) -> None:
+        """A step's samples reached the host now."""
+        now = time.perf_counter()
+        if has_decode_rows and self._last is not None:
+            interval = now - self._last
+            i = next((i for i, b in enumerate(STEP_INTERVAL_BUCKETS_S) if interval <= b), -1)
+            self.counts[kind][i] += 1
+            self.sums[kind] += interval
+        self._last = now
+
+    def snapshot(self) -> dict[str, dict]:
+        """By kind: Prometheus' cumulative ``buckets`` ((upper bound, observations at most it), ``+Inf``
+        last) and ``sum``."""
+        bounds = [f"{b:g}" for b in STEP_INTERVAL_BUCKETS_S] + ["+Inf"]
+        out = {}
+        for kind in STEP_KINDS:
+            total, buckets = 0, []
+            for bound, n in zip(bounds, self.counts[kind]):
+                total += n
+                buckets.append((bound, total))
+            out[kind] = {"buckets": buckets, "sum": self.sums[kind]}
+        return out

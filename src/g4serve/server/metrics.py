@@ -12,7 +12,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from g4serve.outputs import RequestMetrics
 
@@ -131,9 +131,18 @@ class _EngineCollector:
         )
         for phase, seconds in stats.get("engine_thread_cpu_seconds", {}).items():
             thread_cpu.add_metric([phase], seconds)
+        intervals = HistogramMetricFamily(
+            "g4serve_engine_step_interval_seconds",
+            "Time between consecutive steps' samples reaching the host, for steps with decode rows, by what "
+            "the step carried beside them: nothing (decode), prompt tokens (prefill), media encodes (encode)",
+            labels=["kind"],
+        )
+        for kind, h in stats.get("step_intervals", {}).items():
+            intervals.add_metric([kind], h["buckets"], h["sum"])
         return [
             thread,
             thread_cpu,
+            intervals,
             running,
             waiting,
             kv,
