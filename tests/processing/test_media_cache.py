@@ -180,3 +180,11 @@ def test_errors_name_the_item_among_hits(tokenizer):
     prompt = {"prompt": p.image_token * 2, "multi_modal_data": {"image": [good, b"not an image"]}}
     with pytest.raises(ValueError, match=r"image\[1\]"):
         p.process(prompt, LIMITS)
+
+
+def test_a_prompt_that_fails_after_its_media_keeps_nothing(tokenizer):
+    p = Gemma4Processor(tokenizer, preset("tiny"), cache_bytes=64 << 20)
+    image = jpeg(picture(64, 80, seed=8))
+    with pytest.raises(ValueError, match="placeholder"):  # two placeholders, one image
+        p.process({"prompt": p.image_token * 2, "multi_modal_data": {"image": [image]}}, LIMITS)
+    assert len(p.cache) == 0

@@ -100,15 +100,14 @@ class MediaCache:
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of ``tensors`` for the cache: a device tensor is copied into page-locked memory without
-    waiting (on the current stream: the caller synchronises it before the copies are read); a host tensor
-    is kept as it is, or cloned where it is a view into a larger batch (so the cache counts what it holds)."""
+    """Host copies of ``tensors`` for the cache: a device tensor is read back into pageable memory, as the
+    content hash of its patches read it before the cache (a first version allocated page-locked buffers per
+    item; with it a new video's preparation took 9.3 ms on an H200, docs/benchmarks.md); a host tensor is
+    kept as it is, or cloned where it is a view into a larger batch (so the cache counts what it holds)."""
     out = {}
     for name, t in tensors.items():
         if t.is_cuda:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            out[name] = host
+            out[name] = t.cpu()
         elif t.untyped_storage().nbytes() > t.numel() * t.element_size():
             out[name] = t.clone()
         else:

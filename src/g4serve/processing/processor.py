@@ -286,7 +286,6 @@ class Gemma4Processor:
             self._images_and_videos(images, videos, budget, items, expansions, keep)
             if audio:
                 self._audio(audio, budget, items, expansions, keep)
-        keep.store()  # after the device's copies to the host have finished
 
         if prompt is not None:
             text = self._expand_text(prompt, expansions)
@@ -295,7 +294,9 @@ class Gemma4Processor:
             token_ids = self._expand_ids(list(prompt_token_ids), expansions)
         else:
             raise ValueError("prompt: either a prompt string or prompt_token_ids is required")
-        return ProcessedPrompt(prompt, token_ids, self._locate(token_ids, items))
+        processed = ProcessedPrompt(prompt, token_ids, self._locate(token_ids, items))
+        keep.store()  # a whole request processed
+        return processed
 
     def _images_and_videos(
         self,
@@ -578,7 +579,7 @@ class _Hit:
 
 class _Keep:
     """One request's use of the processed-media cache (``processing.media_cache``; None: no cache): which of
-    its items the cache held, and the processed items to keep once the device's copies have finished."""
+    its items the cache held, and the processed items to keep once the whole request is processed."""
 
     def __init__(self, cache: MediaCache | None, limits: MediaLimits):
         self.cache = cache
