@@ -40,6 +40,7 @@ from g4serve.bench.common import SubprocessServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "now")
+COMPANION_EXTRA_S = 10  # seconds a media run beside text streams outlasts them
 
 
 @dataclass
@@ -111,14 +112,17 @@ def served_runs(plan: Plan, url: str) -> tuple[list[tuple[str, list[str]]], dict
         "audio-4qps": f"{base} --workload audio --rates {rates['audio']} --warmup 2",
         "text-beside-audio": streams,  # with "audio-beside" running
     }
+    # A companion starts first and runs COMPANION_EXTRA_S longer than the text point, so the media arrive
+    # during all of it (the text bench's calibration and warm-up take a few seconds before its point).
+    longer = f"--duration {plan.duration + COMPANION_EXTRA_S}"
     beside = {
         "text-beside-video": (
             "video-beside",
-            f"{base} --workload video --rates {rates['media']} --warmup 2 --seed 1",
+            f"{base} --workload video --rates {rates['media']} --warmup 2 --seed 1 {longer}",
         ),
         "text-beside-audio": (
             "audio-beside",
-            f"{base} --workload audio --rates {rates['media']} --warmup 2 --seed 1",
+            f"{base} --workload audio --rates {rates['media']} --warmup 2 --seed 1 {longer}",
         ),
     }
     return [(name, args.split()) for name, args in runs.items()], {

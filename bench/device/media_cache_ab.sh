@@ -16,7 +16,7 @@ mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$side/NAME
-  timeout -k 5 $((DURATION * 4 + 90)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
+  timeout -k 5 $((DURATION * 4 + 100)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --duration "$DURATION" --drain-timeout 60 --no-plots --label "$side-$1" --out "$RES/$side/$1" "${@:2}" \
     > "$RES/$side/$1.log" 2>&1
 }
@@ -32,7 +32,8 @@ for side in $SIDES; do
   bench seen --workload video --rates 1 --warmup 2 --seed 2
   bench sweep --workload video --rates "$SWEEP" --warmup 4 --seed 3
   if [[ $first == 1 ]]; then
-    bench video-beside --workload video --rates "${SWEEP%%,*}" --warmup 2 --seed 4 &
+    # The videos start first and outlast the text point by 10 s, so they arrive during all of it.
+    bench video-beside --workload video --rates "${SWEEP%%,*}" --warmup 2 --seed 4 --duration $((DURATION + 10)) &
     video=$!
     bench text-beside-video --workload text --output-tokens 128 --concurrency 8 --warmup 4
     wait $video

@@ -22,12 +22,14 @@ mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
-  timeout -k 5 $((DURATION + 60)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
+  timeout -k 5 $((DURATION + 70)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --duration "$DURATION" --drain-timeout 30 --no-plots --label "$mode-$1" --out "$RES/$mode/$1" "${@:2}" \
     > "$RES/$mode/$1.log" 2>&1
 }
 TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY" --warmup 4)
-VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2)  # MEDIA=audio: clips instead of videos
+# MEDIA=audio: clips instead of videos. The media start first and outlast the text point by 10 s (its
+# calibration and warm-up take a few seconds), so they arrive during all of it.
+VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2 --duration $((DURATION + 10)))
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
   case $mode in
