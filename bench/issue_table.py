@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from g4serve.bench.common import SubprocessServer
+from g4serve.bench.loadgen import wait_for_finished
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "now")
@@ -195,6 +196,8 @@ def served_job(tree: Path, out: Path, plan: Plan, gpu: str | None, deadline: flo
                         stdout=(out / f"{other}.log").open("w"),
                         stderr=subprocess.STDOUT,
                     )
+                    # the text point starts once the media arrive (its warm-up 2, then 8 of its point)
+                    wait_for_finished(server.base_url, 10, timeout_s=max(1.0, min(120.0, left - 60)))
                 _run(
                     [*bench, *args, "--label", name, "--out", str(out / name)],
                     tree,

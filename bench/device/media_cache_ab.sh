@@ -35,6 +35,9 @@ for side in $SIDES; do
     # The videos start first and outlast the text point by 10 s, so they arrive during all of it.
     bench video-beside --workload video --rates "${SWEEP%%,*}" --warmup 2 --seed 4 --duration $((DURATION + 10)) &
     video=$!
+    # the text point starts once the media arrive (their warm-up 2, then 8 of their point): a media bench
+    # builds its first ~10 s of bodies before it sends
+    python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
     bench text-beside-video --workload text --output-tokens 128 --concurrency 8 --warmup 4
     wait $video
   fi

@@ -51,6 +51,9 @@ for mode in $MODES; do
   bench text-alone "${TEXT[@]}"
   bench video-beside "${VIDEO[@]}" --seed 1 &
   video=$!
+  # the text point starts once the media arrive (their warm-up 2, then 8 of their point): a media bench builds
+  # its first ~10 s of bodies before it sends
+  python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
   bench text-beside-video "${TEXT[@]}"
   wait $video
   kill $server; wait $server 2>/dev/null

@@ -714,3 +714,25 @@ def test_metrics_sample_the_event_loop_lag(server):
     after = _scrape(server)
     assert after["g4serve_event_loop_lag_seconds_count"] >= first + 10  # a sample every 5 ms
     assert after["g4serve_event_loop_lag_seconds_sum"] >= 0
+
+
+def test_wait_for_finished_requests(server, client):
+    """The bench scripts' gate for a run beside media: it returns once the server finished that many more
+    requests, and gives up after its timeout (or at once where nothing answers)."""
+    import threading
+
+    from g4serve.bench.loadgen import finished_requests, wait_for_finished
+
+    before = finished_requests(server.base_url)
+    assert before is not None
+    assert not wait_for_finished(server.base_url, 1, timeout_s=0.3)  # nothing sent
+    timer = threading.Timer(
+        0.2, lambda: client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    )
+    timer.start()
+    assert wait_for_finished(server.base_url, 1, timeout_s=30)
+    timer.join()
+    assert finished_requests(server.base_url) >= before + 1
+    assert finished_requests("http://127.0.0.1:9") is None and not wait_for_finished(
+        "http://127.0.0.1:9", 1, 5
+    )

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -524,6 +525,29 @@ async def scrape_metrics(client, base_url: str) -> dict[str, float] | None:
         return None
     parsed = parse_prometheus(text)
     return parsed if any(f"{name}_count" in parsed for name in SERVER_HISTOGRAMS.values()) else None
+
+
+def finished_requests(base_url: str, timeout_s: float = 5.0) -> float | None:
+    """The server's finished requests so far (``g4serve_request_success_total``, every reason), or None."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            return parse_prometheus(r.read().decode()).get("g4serve_request_success_total", 0.0)
+    except OSError:
+        return None
+
+
+def wait_for_finished(base_url: str, count: int, timeout_s: float = 120.0, poll_s: float = 0.2) -> bool:
+    """Block until the server has finished ``count`` more requests than when called, or ``timeout_s`` passed;
+    whether it got there. A run meant to go beside media load starts once the media arrive: a media bench
+    builds its first ~10 s of bodies (JPEG frames) before it sends, longer than a text point lasts."""
+    start = finished_requests(base_url)
+    deadline = time.monotonic() + timeout_s
+    while start is not None and time.monotonic() < deadline:
+        now = finished_requests(base_url)
+        if now is not None and now - start >= count:
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def server_stage_split(
