@@ -101,9 +101,9 @@ class MediaCache:
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Host copies of ``tensors`` for the cache: a device tensor is read back into pageable memory, as the
-    content hash of its patches read it before the cache (a first version allocated page-locked buffers per
-    item; with it a new video's preparation took 9.3 ms on an H200, docs/benchmarks.md); a host tensor is
-    kept as it is, or cloned where it is a view into a larger batch (so the cache counts what it holds)."""
+    content hash of its patches read it before the cache (page-locked copies measured no faster and would
+    pin up to the cache's size); a host tensor is kept as it is, or cloned where it is a view into a larger
+    batch (so the cache counts what it holds)."""
     out = {}
     for name, t in tensors.items():
         if t.is_cuda:
