@@ -129,6 +129,17 @@ VARIABLES: tuple[Variable, ...] = (
         "Python's 5,000",
     ),
     Variable(
+        "G4SERVE_TORCH_PROFILER_DIR",
+        None,
+        "a directory: `serve` adds `POST /start_profile` and `POST /stop_profile`, which run torch.profiler "
+        "on the engine thread and write a Chrome trace and an ops table there (`engine/torch_profile.py`)",
+    ),
+    Variable(
+        "G4SERVE_TORCH_PROFILER_MAX_S",
+        "60",
+        "seconds after which a profile started by `POST /start_profile` stops itself, its files written",
+    ),
+    Variable(
         "G4SERVE_GIT_COMMIT",
         None,
         "the commit benchmark results record, for a tree without its `.git` (the device machine's copy)",

@@ -22,6 +22,7 @@ from g4serve import envs
 from g4serve.engine.config import PREPROCESS_WORKERS, EngineConfig
 from g4serve.engine.engine import LLMEngine
 from g4serve.engine.request import Request
+from g4serve.engine.torch_profile import TorchProfile
 from g4serve.outputs import RequestMetrics, RequestOutput
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.processing.tokenizer import Tokenizer
@@ -93,6 +94,9 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self.dead: EngineDeadError | None = None  # why the engine stopped (its text is safe to show)
         set_switch_interval()
+        self.profiler = (
+            TorchProfile.from_env()
+        )  # G4SERVE_TORCH_PROFILER_DIR: POST /start_profile, /stop_profile
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
 
@@ -125,6 +129,8 @@ class AsyncLLMEngine:
                     self._publish(out, batch)
                 self._deliver(batch)
                 profile.add("publish", t)
+                if self.profiler is not None:
+                    self.profiler.step()  # a profile past its time limit stops here
         except BaseException as exc:  # everything must reach the waiting clients
             log.exception("engine thread crashed")
             # Its type only: the exception's text may hold internals.
@@ -392,6 +398,23 @@ class AsyncLLMEngine:
         self._commands.put(("call", (fn, loop, future)))
         self._wake.set()
         return await future
+
+    # ---- torch.profiler (G4SERVE_TORCH_PROFILER_DIR) ---------------------------------------------
+    async def start_profile(self) -> None:
+        """Start ``torch.profiler`` on the engine thread (``LookupError``: not enabled; ``ProfileError``: one
+        runs already)."""
+        profiler = self._profiler_or_raise()
+        await self._on_engine_thread(profiler.start)
+
+    async def stop_profile(self) -> dict[str, str]:
+        """Stop it and write its files; their paths (``ProfileError``: none runs)."""
+        profiler = self._profiler_or_raise()
+        return await self._on_engine_thread(profiler.stop)
+
+    def _profiler_or_raise(self) -> TorchProfile:
+        if self.profiler is None:
+            raise LookupError("profiling is off: start the server with G4SERVE_TORCH_PROFILER_DIR set")
+        return self.profiler
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> None:

@@ -5,7 +5,8 @@
   ``POST /v1/audio/translations`` (``serving_speech``), ``POST``/``GET``/``DELETE /v1/responses``, its
   ``cancel`` and ``input_items`` (``serving_responses``), ``GET /v1/models``, ``POST /v1/load_lora_adapter``
   and ``/v1/unload_lora_adapter`` (``serving_lora``);
-- ``system``: ``GET /health``, ``GET /metrics``.
+- ``system``: ``GET /health``, ``GET /metrics``, and with ``G4SERVE_TORCH_PROFILER_DIR`` set ``POST
+  /start_profile`` and ``POST /stop_profile`` (``engine/torch_profile.py``; 404 without it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from g4serve.server.errors import health_response
+from g4serve.engine.torch_profile import ProfileError
+from g4serve.server.errors import error_response, health_response
 
 openai = APIRouter()
 system = APIRouter()
@@ -88,3 +90,26 @@ async def health(request: Request) -> JSONResponse:
 @system.get("/metrics")
 async def prometheus(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@system.post("/start_profile")
+async def start_profile(request: Request) -> JSONResponse:
+    return await _profile(request, start=True)
+
+
+@system.post("/stop_profile")
+async def stop_profile(request: Request) -> JSONResponse:
+    return await _profile(request, start=False)
+
+
+async def _profile(request: Request, start: bool) -> JSONResponse:
+    engine = request.app.state.engine
+    try:
+        if start:
+            await engine.start_profile()
+            return JSONResponse({"status": "profiling"})
+        return JSONResponse({"status": "stopped", **await engine.stop_profile()})
+    except LookupError as exc:
+        return error_response(404, str(exc))
+    except ProfileError as exc:
+        return error_response(400, str(exc))

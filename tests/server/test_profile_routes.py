@@ -1,0 +1,66 @@
+"""``POST /start_profile`` and ``POST /stop_profile`` (engine/torch_profile.py): off (404) unless
+``G4SERVE_TORCH_PROFILER_DIR`` is set; then a profile of the engine thread's steps written as a Chrome trace
+and an ops table; a second start or a stop without a start is the client's error; the API key guards them;
+a forgotten profile stops itself."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+
+import httpx
+import pytest
+
+from g4serve.engine.torch_profile import ProfileError, TorchProfile
+
+USER = [{"role": "user", "content": "my balance please"}]
+
+
+def _chat(base_url: str, headers: dict | None = None) -> None:
+    body = {"model": "tiny", "messages": USER, "max_tokens": 3}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_profiling_is_off_without_the_directory(server):
+    for route in ("/start_profile", "/stop_profile"):
+        r = httpx.post(f"{server.base_url}{route}")
+        assert r.status_code == 404 and "G4SERVE_TORCH_PROFILER_DIR" in r.json()["error"]["message"]
+
+
+def test_a_profile_of_served_steps(tiny_model_dir, server_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("G4SERVE_TORCH_PROFILER_DIR", str(tmp_path / "prof"))
+    running = server_factory(tiny_model_dir, "--served-model-name", "tiny", "--api-key", "k")
+    base, auth = running.base_url, {"Authorization": "Bearer k"}
+    assert httpx.post(f"{base}/start_profile").status_code == 401  # the API key guards it
+    r = httpx.post(f"{base}/stop_profile", headers=auth)
+    assert r.status_code == 400 and "none is running" in r.json()["error"]["message"]
+    assert httpx.post(f"{base}/start_profile", headers=auth).json() == {"status": "profiling"}
+    r = httpx.post(f"{base}/start_profile", headers=auth)
+    assert r.status_code == 400 and "running already" in r.json()["error"]["message"]
+    _chat(base, auth)
+    r = httpx.post(f"{base}/stop_profile", headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    files = r.json()
+    assert files["status"] == "stopped"
+    trace = json.loads(gzip.open(files["trace"]).read())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)  # the step's ops, recorded on the engine thread
+    assert "Name" in open(files["table"]).read()
+    _chat(base, auth)  # the engine serves on
+    assert running.app.state.engine.profiler.running is False
+
+
+def test_a_forgotten_profile_stops_itself(tmp_path):
+    profile = TorchProfile(tmp_path, max_seconds=0.05)
+    profile.step()  # nothing running: nothing happens
+    profile.start()
+    profile.step()
+    assert profile.running
+    time.sleep(0.1)
+    profile.step()
+    assert not profile.running and profile.last is not None
+    assert (tmp_path / profile.last["table"]).exists()
+    with pytest.raises(ProfileError):
+        profile.stop()
