@@ -12,12 +12,14 @@
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
 # The text streams' ITL p50/p95/p99 in 2 against 1 is what an encode costs the decodes running beside it.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/media_stall.sh", carry=[".whl"])
+# PROFILE=1: then, text beside videos once more with PROFILE_S (2) seconds of torch.profiler on the engine thread
+# (POST /start_profile, /stop_profile): the trace and the ops table under $RES/<mode>/profile/.
 # CPU smoke test: SETUP=0 PRESET=tiny DEVICE=cpu BACKEND=torch DURATION=3 MODES=insteps OUT=/tmp/out bash ...
 # Results: $OUT/media_stall.tgz (every results.json and server log), the table in $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-stall}
 MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
-VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512} PORT=${PORT:-8100}
+PROFILE=${PROFILE:-0} PROFILE_S=${PROFILE_S:-2} VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512} PORT=${PORT:-8100}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -44,7 +46,8 @@ for mode in $MODES; do
     *) extra=--no-media-on-gpu ;;
   esac
   switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
-  G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
+  profile_dir=; [[ $PROFILE == 1 ]] && profile_dir=$RES/$mode/profile
+  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!
   for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
@@ -56,6 +59,17 @@ for mode in $MODES; do
   python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
   bench text-beside-video "${TEXT[@]}"
   wait $video
+  if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of both
+    bench profiled-videos "${VIDEO[@]}" --seed 2 &
+    video=$!
+    python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
+    bench profiled-text "${TEXT[@]}" &
+    text=$!
+    sleep 4  # the text streams' calibration and warm-up
+    curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
+    curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/profile.json"
+    wait $text $video
+  fi
   kill $server; wait $server 2>/dev/null
 done
 python3 - "$RES" > "$OUT/summary.md" <<'EOF'
