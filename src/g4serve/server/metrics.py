@@ -115,34 +115,8 @@ class _EngineCollector:
             "g4serve_generation_decoded_tokens", "Output tokens sampled by the model since start"
         )
         decoded.add_metric([], stats["generation_tokens_total"] - stats["forced_tokens_total"])
-        thread = CounterMetricFamily(
-            "g4serve_engine_thread_seconds",
-            "The engine thread's time by phase since start (engine/step_profile.py); per step with "
-            "g4serve_num_steps",
-            labels=["phase"],
-        )
-        for phase, seconds in stats.get("engine_thread_seconds", {}).items():
-            thread.add_metric([phase], seconds)
-        thread_cpu = CounterMetricFamily(
-            "g4serve_engine_thread_cpu_seconds",
-            "The engine thread's CPU time by phase since start; below g4serve_engine_thread_seconds by the "
-            "time the thread waited off the CPU (the interpreter lock, the OS scheduler, the device)",
-            labels=["phase"],
-        )
-        for phase, seconds in stats.get("engine_thread_cpu_seconds", {}).items():
-            thread_cpu.add_metric([phase], seconds)
-        intervals = HistogramMetricFamily(
-            "g4serve_engine_step_interval_seconds",
-            "Time between consecutive steps' samples reaching the host, for steps with decode rows, by what "
-            "the step carried beside them: nothing (decode), prompt tokens (prefill), media encodes (encode)",
-            labels=["kind"],
-        )
-        for kind, h in stats.get("step_intervals", {}).items():
-            intervals.add_metric([kind], h["buckets"], h["sum"])
         return [
-            thread,
-            thread_cpu,
-            intervals,
+            *_engine_thread(stats),
             running,
             waiting,
             kv,
@@ -156,6 +130,41 @@ class _EngineCollector:
             decoded,
             *_spec(stats),
         ]
+
+
+def _engine_thread(stats: dict) -> list:
+    """The engine thread's wall and CPU time by phase (engine/step_profile.py), and its step intervals by
+    step kind."""
+
+    def by_phase(name: str, help_text: str, seconds: dict[str, float]) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, help_text, labels=["phase"])
+        for phase, value in seconds.items():
+            family.add_metric([phase], value)
+        return family
+
+    intervals = HistogramMetricFamily(
+        "g4serve_engine_step_interval_seconds",
+        "Time between consecutive steps' samples reaching the host, for steps with decode rows, by what "
+        "the step carried beside them: nothing (decode), prompt tokens (prefill), media encodes (encode)",
+        labels=["kind"],
+    )
+    for kind, h in stats.get("step_intervals", {}).items():
+        intervals.add_metric([kind], h["buckets"], h["sum"])
+    return [
+        by_phase(
+            "g4serve_engine_thread_seconds",
+            "The engine thread's time by phase since start (engine/step_profile.py); per step with "
+            "g4serve_num_steps",
+            stats.get("engine_thread_seconds", {}),
+        ),
+        by_phase(
+            "g4serve_engine_thread_cpu_seconds",
+            "The engine thread's CPU time by phase since start; below g4serve_engine_thread_seconds by the "
+            "time the thread waited off the CPU (the interpreter lock, the OS scheduler, the device)",
+            stats.get("engine_thread_cpu_seconds", {}),
+        ),
+        intervals,
+    ]
 
 
 def _spec(stats: dict) -> list[GaugeMetricFamily]:
