@@ -94,9 +94,8 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self.dead: EngineDeadError | None = None  # why the engine stopped (its text is safe to show)
         set_switch_interval()
-        self.profiler = (
-            TorchProfile.from_env()
-        )  # G4SERVE_TORCH_PROFILER_DIR: POST /start_profile, /stop_profile
+        # G4SERVE_TORCH_PROFILER_DIR set: POST /start_profile and /stop_profile profile this engine thread
+        self.profiler = TorchProfile.from_env()
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
 

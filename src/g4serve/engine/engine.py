@@ -819,15 +819,7 @@ class LLMEngine:
         t = self.profile.now()
         token_ids, logprobs, top_ids, top_lps = step.read()
         t = self.profile.add("wait", t)
-        batch = step.batch
-        kind = (
-            "encode"
-            if batch.encoder_items
-            else "prefill"
-            if any(n > 1 for n in batch.num_new_tokens)
-            else "decode"
-        )
-        self.step_intervals.observe(kind, 1 in batch.num_new_tokens)
+        self.step_intervals.observe(_step_kind(step.batch), 1 in step.batch.num_new_tokens)
         try:
             return self._take_samples(step, done_before, token_ids, logprobs, top_ids, top_lps)
         finally:
@@ -1010,6 +1002,14 @@ class LLMEngine:
             "spec_drafted_tokens": list(self.spec_stats.drafted),
             "spec_accepted_tokens": list(self.spec_stats.accepted),
         }
+
+
+def _step_kind(batch: ScheduledBatch) -> str:
+    """What a step carried beside its decode rows (``step_profile.STEP_KINDS``): media encodes, prompt
+    tokens, or nothing."""
+    if batch.encoder_items:
+        return "encode"
+    return "prefill" if any(n > 1 for n in batch.num_new_tokens) else "decode"
 
 
 def _rows_by_request(requests: list[Request]) -> dict[Request, list[int]]:
