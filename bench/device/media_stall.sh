@@ -28,6 +28,11 @@ bench() {  # bench NAME ARGS...: one g4serve bench run against the server, outpu
     --duration "$DURATION" --drain-timeout 30 --no-plots --label "$mode-$1" --out "$RES/$mode/$1" "${@:2}" \
     > "$RES/$mode/$1.log" 2>&1
 }
+# Text beside media starts once the media arrive (their warm-up 2, then 8 of their point): a media bench builds
+# its first ~10 s of bodies before it sends.
+media_arrived() {
+  python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
+}
 TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY" --warmup 4)
 # MEDIA=audio: clips instead of videos. The media start first and outlast the text point by 10 s (its
 # calibration and warm-up take a few seconds), so they arrive during all of it.
@@ -54,15 +59,13 @@ for mode in $MODES; do
   bench text-alone "${TEXT[@]}"
   bench video-beside "${VIDEO[@]}" --seed 1 &
   video=$!
-  # the text point starts once the media arrive (their warm-up 2, then 8 of their point): a media bench builds
-  # its first ~10 s of bodies before it sends
-  python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
+  media_arrived
   bench text-beside-video "${TEXT[@]}"
   wait $video
   if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of both
     bench profiled-videos "${VIDEO[@]}" --seed 2 &
     video=$!
-    python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
+    media_arrived
     bench profiled-text "${TEXT[@]}" &
     text=$!
     sleep 4  # the text streams' calibration and warm-up
