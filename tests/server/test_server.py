@@ -736,3 +736,23 @@ def test_wait_for_finished_requests(server, client):
     assert finished_requests("http://127.0.0.1:9") is None and not wait_for_finished(
         "http://127.0.0.1:9", 1, 5
     )
+
+
+def test_metrics_count_the_media_caches(server, client):
+    """An image sent twice: the processed-media cache misses, then hits (and holds its bytes); /metrics
+    serves both caches' counters."""
+    url = _png_data_url(77)
+    message = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    before = _scrape(server)
+    for _ in range(2):
+        client.chat.completions.create(model="tiny", messages=message, max_tokens=1)
+    server.wait_idle()
+    after = _scrape(server)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("g4serve_mm_processor_cache_misses_total") == 1
+    assert grew("g4serve_mm_processor_cache_hits_total") == 1
+    assert after["g4serve_mm_processor_cache_bytes"] > 0
+    assert grew("g4serve_encoder_cache_hits_total") + grew("g4serve_encoder_cache_misses_total") >= 1

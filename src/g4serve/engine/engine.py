@@ -988,6 +988,7 @@ class LLMEngine:
             "encoder_cache_hits": self.encoder_cache.hits,
             "encoder_cache_misses": self.encoder_cache.misses,
             "encoder_calls": len(self.encoder.calls),
+            "mm_processor_cache": self.processor.cache.stats() if self.processor.cache is not None else None,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_overlapped_steps": self.num_overlapped_steps,

@@ -82,6 +82,9 @@ class MediaCache:
             self.hits += 1
             return item
 
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "bytes": self.bytes, "items": len(self._items)}
+
     def put(self, key: str, item: CachedMedia) -> None:
         """Keep ``item`` (its tensors must be on the host and never written again); one larger than the
         whole cache is not kept."""

@@ -117,6 +117,7 @@ class _EngineCollector:
         decoded.add_metric([], stats["generation_tokens_total"] - stats["forced_tokens_total"])
         return [
             *_engine_thread(stats),
+            *_media_caches(stats),
             running,
             waiting,
             kv,
@@ -165,6 +166,32 @@ def _engine_thread(stats: dict) -> list:
         ),
         intervals,
     ]
+
+
+def _media_caches(stats: dict) -> list:
+    """Lookups of the encoder cache (encoded media reused by content hash) and of the processed-media cache
+    (``--mm-processor-cache-gb``: media reused by their encoded bytes), where the engine has them."""
+    caches = {
+        "encoder_cache": ("encoder cache", stats.get("encoder_cache_hits"), stats.get("encoder_cache_misses"))
+    }
+    processed = stats.get("mm_processor_cache")
+    if processed:
+        caches["mm_processor_cache"] = ("processed-media cache", processed["hits"], processed["misses"])
+    out = []
+    for name, (what, hits, misses) in caches.items():
+        if hits is None:
+            continue
+        for suffix, value, verb in (("hits", hits, "found"), ("misses", misses, "did not find")):
+            family = CounterMetricFamily(
+                f"g4serve_{name}_{suffix}", f"Media items the {what} {verb} since start"
+            )
+            family.add_metric([], value)
+            out.append(family)
+    if processed:
+        held = GaugeMetricFamily("g4serve_mm_processor_cache_bytes", "Bytes the processed-media cache holds")
+        held.add_metric([], processed["bytes"])
+        out.append(held)
+    return out
 
 
 def _spec(stats: dict) -> list[GaugeMetricFamily]:
