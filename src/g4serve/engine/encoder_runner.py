@@ -249,23 +249,27 @@ class EncoderRunner:
         """Cache the soft tokens of finished encodes; their content hashes -> seconds of device time (also
         of the encodes ``run`` queued in steps, once done; a video encoded in parts counts every part)."""
         finished: dict[str, float] = {}
-        for timed in [t for t in self._timed if t.ready()]:
-            self._timed.remove(timed)
-            seconds = timed.seconds()
-            self._log_calls(timed.calls, seconds)
+        for timed, seconds in self._take_ready(self._timed):
             for digest in timed.outputs:
                 finished[digest] = finished.get(digest, 0.0) + seconds
         main = torch.cuda.current_stream(self.device) if self.stream is not None else None
-        for encoding in [e for e in self._encoding if e.ready()]:
-            self._encoding.remove(encoding)
-            seconds = encoding.seconds()
-            self._log_calls(encoding.calls, seconds)
+        for encoding, seconds in self._take_ready(self._encoding):
             for digest, tokens in encoding.outputs.items():
                 if main is not None:
                     tokens.record_stream(main)  # made on the side stream, read by the steps on the main one
                 self.cache.put(digest, tokens)
                 finished[digest] = seconds
         return finished
+
+    def _take_ready(self, pending: list[_Encoding]) -> list[tuple[_Encoding, float]]:
+        """The finished encodes of ``pending``, taken out of it, with their seconds (their calls logged)."""
+        ready = []
+        for encoding in [e for e in pending if e.ready()]:
+            pending.remove(encoding)
+            seconds = encoding.seconds()
+            self._log_calls(encoding.calls, seconds)
+            ready.append((encoding, seconds))
+        return ready
 
     def _log_calls(self, calls: list[EncoderCall], seconds: float) -> None:
         """Log the calls of one encode, sharing its time by soft tokens (the towers ran back to back)."""
