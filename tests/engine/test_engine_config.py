@@ -117,3 +117,12 @@ def test_the_kv_cache_leaves_room_for_media_prepared_on_the_gpu():
     gpu = kv_reserve(EngineConfig(device="cuda"), text, torch.bfloat16)
     assert gpu - host == device_memory_bound(PREPROCESS_WORKERS) == 3 * (1 << 27) + 4 * 12 * (1 << 23)
     assert kv_reserve(EngineConfig(device="cuda", text_only=True), text, torch.bfloat16) == host
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 2.0**20])
+def test_a_hostile_media_cache_size_is_refused_by_name(value):
+    """``--mm-processor-cache-gb``: negative, NaN, infinite or absurd sizes fail the config with the field's
+    name (NaN would compare false everywhere and int(inf) would overflow into the cache's byte bound)."""
+    with pytest.raises(ValueError, match="mm_processor_cache_gb"):
+        EngineConfig(mm_processor_cache_gb=value)
+    assert EngineConfig(mm_processor_cache_gb=0).mm_processor_cache_gb == 0  # off is fine
