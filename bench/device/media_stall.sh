@@ -12,8 +12,10 @@
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
 # The text streams' ITL p50/p95/p99 in 2 against 1 is what an encode costs the decodes running beside it.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/media_stall.sh", carry=[".whl"])
-# PROFILE=1: then, text beside videos once more with PROFILE_S (2) seconds of torch.profiler on the engine thread
-# (POST /start_profile, /stop_profile): the trace and the ops table under $RES/<mode>/profile/.
+# PROFILE=1: then, text alone and text beside videos once more, each with PROFILE_S (2) seconds of torch.profiler
+# on the engine thread (POST /start_profile, /stop_profile): the traces and ops tables under $RES/<mode>/profile/,
+# their host time by thread and function (bench/trace_summary.py, whole and inside the engine's phases) in
+# $RES/<mode>/profiled-*.md.
 # CPU smoke test: SETUP=0 PRESET=tiny DEVICE=cpu BACKEND=torch DURATION=3 MODES=insteps OUT=/tmp/out bash ...
 # Results: $OUT/media_stall.tgz (every results.json and server log), the table in $OUT/summary.md.
 set -uo pipefail
@@ -62,16 +64,25 @@ for mode in $MODES; do
   media_arrived
   bench text-beside-video "${TEXT[@]}"
   wait $video
-  if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of both
+  if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of each
+    profiled() {  # profiled NAME: the text streams, PROFILE_S seconds of them profiled into $RES/$mode/NAME.json
+      bench "$1" "${TEXT[@]}" &
+      local text=$!
+      sleep 4  # the text streams' calibration and warm-up
+      curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
+      curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/$1.json"
+      wait $text
+      trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace'])" "$RES/$mode/$1.json")
+      for focus in "" "): _launch" "): _encode" "): _collect_encodes" "): _complete"; do  # host time by function
+        python3 bench/trace_summary.py "$trace" --top 40 ${focus:+--focus "$focus"} --min-busy-ms 20
+      done > "$RES/$mode/$1.md" 2>&1
+    }
+    profiled profiled-text-alone
     bench profiled-videos "${VIDEO[@]}" --seed 2 &
     video=$!
     media_arrived
-    bench profiled-text "${TEXT[@]}" &
-    text=$!
-    sleep 4  # the text streams' calibration and warm-up
-    curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
-    curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/profile.json"
-    wait $text $video
+    profiled profiled-text-beside-video
+    wait $video
   fi
   kill $server; wait $server 2>/dev/null
 done

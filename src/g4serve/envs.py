@@ -135,6 +135,13 @@ VARIABLES: tuple[Variable, ...] = (
         "on the engine thread and write a Chrome trace and an ops table there (`engine/torch_profile.py`)",
     ),
     Variable(
+        "G4SERVE_TORCH_PROFILER_WITH_STACK",
+        "1",
+        "`1`: the profile records Python stacks, every Python call a trace event (`bench/trace_summary.py` "
+        "sums them by function; slows the host several-fold while it runs); `0`: torch ops and kernels only",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_TORCH_PROFILER_MAX_S",
         "60",
         "seconds after which a profile started by `POST /start_profile` stops itself, its files written",

@@ -6,8 +6,11 @@ a forgotten profile stops itself."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +18,15 @@ import pytest
 from g4serve.engine.torch_profile import ProfileError, TorchProfile
 
 USER = [{"role": "user", "content": "my balance please"}]
+
+
+def _trace_summary():
+    path = Path(__file__).resolve().parents[2] / "bench" / "trace_summary.py"
+    spec = importlib.util.spec_from_file_location("trace_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["trace_summary"] = module  # its dataclasses look the module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _chat(base_url: str, headers: dict | None = None) -> None:
@@ -48,6 +60,9 @@ def test_a_profile_of_served_steps(tiny_model_dir, server_factory, tmp_path, mon
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(n.startswith("aten::") for n in names)  # the step's ops, recorded on the engine thread
     assert "Name" in open(files["table"]).read()
+    # with Python stacks (the default), bench/trace_summary.py finds the engine thread's steps by function
+    functions = [name for t in _trace_summary().summarize(trace, min_busy_ms=0) for name in t.inclusive]
+    assert any("engine/engine.py(" in name and name.endswith(": step") for name in functions)
     _chat(base, auth)  # the engine serves on
     assert running.app.state.engine.profiler.running is False
 

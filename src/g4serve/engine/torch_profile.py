@@ -8,6 +8,8 @@ thread, between two steps. A stop writes, under the directory, the Chrome trace
 (``g4serve-<time>.trace.json.gz``, for Perfetto or chrome://tracing) and the ops' table sorted by device time
 (``g4serve-<time>.txt``), and returns both paths. A profile left running stops itself after
 ``G4SERVE_TORCH_PROFILER_MAX_S`` seconds (default 60: the trace grows with every step) at the next step.
+With ``G4SERVE_TORCH_PROFILER_WITH_STACK=1`` (the default, as vLLM's) the trace holds every Python call of
+every thread; ``bench/trace_summary.py`` sums the host time by thread and function.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class TorchProfile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+        with_stack = envs.get("G4SERVE_TORCH_PROFILER_WITH_STACK") == "1"
+        profiler = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=with_stack)
         profiler.start()
         self._profiler, self._started = profiler, time.monotonic()
 

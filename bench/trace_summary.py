@@ -1,0 +1,196 @@
+"""Where a profiled server's host time goes, from a torch.profiler Chrome trace (``POST /stop_profile`` writes
+one; with ``G4SERVE_TORCH_PROFILER_WITH_STACK=1`` it holds every Python call as a ``python_function`` event).
+
+For each thread that did work in the trace: its busy time, the Python functions with the most inclusive time
+(an instance inside a call of the same function is not counted twice) and the most self time (time in the
+function's own code: not in a callee, a torch op or a CUDA runtime call), the torch ops and CUDA runtime calls
+with the most self time, and how many kernels and graphs the thread launched. ``--focus NAME`` narrows every
+table to what ran inside the functions whose name contains NAME (e.g. ``_launch`` or ``encoder``), each
+figure a share of their time. Markdown on stdout; ``--json`` writes the same numbers as JSON.
+
+    python3 bench/trace_summary.py /tmp/res-stall/gpumedia/profile/g4serve-*.trace.json.gz --top 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST_CATEGORIES = ("python_function", "cpu_op", "cuda_runtime", "user_annotation")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+@dataclass
+class Event:
+    name: str
+    cat: str
+    ts: float  # microseconds
+    dur: float
+    children: list[Event] = field(default_factory=list)
+
+    @property
+    def self_us(self) -> float:
+        return self.dur - sum(c.dur for c in self.children)
+
+
+def load(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def thread_events(trace: dict) -> tuple[dict[tuple, list[Event]], dict[tuple, str]]:
+    """The host events of each (pid, tid), and the threads' names where the trace gives them."""
+    by_thread: dict[tuple, list[Event]] = defaultdict(list)
+    names: dict[tuple, str] = {}
+    for e in trace.get("traceEvents", []):
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[key] = str(e.get("args", {}).get("name", ""))
+        elif e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
+            by_thread[key].append(Event(str(e["name"]), e["cat"], float(e["ts"]), float(e.get("dur", 0.0))))
+    return by_thread, names
+
+
+def nest(events: list[Event]) -> list[Event]:
+    """The events as trees, by time: an event starting inside another (and ending by its end) is its child."""
+    roots: list[Event] = []
+    stack: list[Event] = []
+    for e in sorted(events, key=lambda e: (e.ts, -e.dur)):
+        while stack and e.ts >= stack[-1].ts + stack[-1].dur:
+            stack.pop()
+        (stack[-1].children if stack else roots).append(e)
+        stack.append(e)
+    return roots
+
+
+def focus_roots(roots: list[Event], focus: str | None) -> list[Event]:
+    """The outermost events whose name contains ``focus`` (all roots without one)."""
+    if not focus:
+        return roots
+    found: list[Event] = []
+
+    def walk(e: Event) -> None:
+        if focus in e.name:
+            found.append(e)
+        else:
+            for c in e.children:
+                walk(c)
+
+    for r in roots:
+        walk(r)
+    return found
+
+
+@dataclass
+class ThreadSummary:
+    name: str
+    busy_us: float = 0.0
+    inclusive: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    self_us: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    kernel_launches: int = 0
+    graph_launches: int = 0
+
+
+def summarize_thread(name: str, roots: list[Event]) -> ThreadSummary:
+    s = ThreadSummary(name)
+    s.busy_us = sum(r.dur for r in roots)
+
+    def walk(e: Event, open_names: frozenset[str]) -> None:
+        if e.name not in open_names:  # a recursive call's time is its outer call's already
+            s.inclusive[e.name] += e.dur
+        s.calls[e.name] += 1
+        s.self_us[(e.cat, e.name)] += e.self_us
+        s.kernel_launches += e.cat == "cuda_runtime" and e.name in LAUNCHES
+        s.graph_launches += e.cat == "cuda_runtime" and e.name in GRAPH_LAUNCHES
+        inner = open_names | {e.name}
+        for c in e.children:
+            walk(c, inner)
+
+    for r in roots:
+        walk(r, frozenset())
+    return s
+
+
+def summarize(trace: dict, focus: str | None = None, min_busy_ms: float = 1.0) -> list[ThreadSummary]:
+    """The threads busy at least ``min_busy_ms`` (within ``focus``), busiest first."""
+    by_thread, names = thread_events(trace)
+    out = []
+    for key, events in by_thread.items():
+        roots = focus_roots(nest(events), focus)
+        s = summarize_thread(names.get(key) or f"tid {key[1]}", roots)
+        if s.busy_us > 0 and s.busy_us >= min_busy_ms * 1e3:
+            out.append(s)
+    return sorted(out, key=lambda s: -s.busy_us)
+
+
+def _rows(items: list[tuple[str, float, int]], total_us: float) -> list[str]:
+    return [
+        f"| {ms / 1e3:.1f} | {100 * ms / total_us:.1f}% | {calls} | `{name[:110]}` |"
+        for name, ms, calls in items
+    ]
+
+
+def render(threads: list[ThreadSummary], top: int, focus: str | None) -> str:
+    lines = []
+    for s in threads:
+        where = f" inside `{focus}`" if focus else ""
+        lines += [
+            f"## {s.name}: {s.busy_us / 1e3:.1f} ms in traced calls{where}; "
+            f"{s.kernel_launches} kernel launches, {s.graph_launches} graph launches",
+            "",
+        ]
+        functions = [(n, v, s.calls[n]) for n, v in s.inclusive.items()]
+        python = [(n, v, s.calls[n]) for (c, n), v in s.self_us.items() if c == "python_function"]
+        native = [(f"{c}: {n}", v, s.calls[n]) for (c, n), v in s.self_us.items() if c != "python_function"]
+        for title, items in (
+            ("inclusive", functions),
+            ("self time, Python", python),
+            ("self time, torch ops and CUDA runtime", native),
+        ):
+            lines += [f"**{title}**", "", "| ms | share | calls | name |", "|---:|---:|---:|---|"]
+            lines += _rows(sorted(items, key=lambda t: -t[1])[:top], s.busy_us or 1.0)
+            lines.append("")
+    return "\n".join(lines)
+
+
+def as_json(threads: list[ThreadSummary], top: int) -> list[dict]:
+    def best(d: dict, key=lambda k: k) -> list[list]:
+        return [[key(k), round(v / 1e3, 3)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return [
+        {
+            "thread": s.name,
+            "busy_ms": round(s.busy_us / 1e3, 3),
+            "kernel_launches": s.kernel_launches,
+            "graph_launches": s.graph_launches,
+            "inclusive_ms": best(s.inclusive),
+            "self_ms": best(s.self_us, key=lambda k: f"{k[0]}: {k[1]}"),
+        }
+        for s in threads
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", type=Path)
+    p.add_argument("--top", type=int, default=25, help="rows per table")
+    p.add_argument("--focus", help="only what ran inside functions whose name contains this")
+    p.add_argument("--min-busy-ms", type=float, default=1.0, help="leave out threads busy for less")
+    p.add_argument("--json", type=Path, help="also write the summary here")
+    args = p.parse_args(argv)
+    threads = summarize(load(args.trace), args.focus, args.min_busy_ms)
+    print(f"# {args.trace.name}\n")
+    print(render(threads, args.top, args.focus))
+    if args.json:
+        args.json.write_text(json.dumps(as_json(threads, args.top), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

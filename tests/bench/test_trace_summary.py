@@ -1,0 +1,67 @@
+"""bench/trace_summary.py: a Chrome trace's host events nested by time, inclusive time counted once through
+recursion, self time net of callees, kernel and graph launches counted, ``--focus`` narrowing to what ran
+inside a function, and the Markdown and JSON it writes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from bench_scripts import load_script
+
+ts = load_script("trace_summary")
+
+
+def _x(name, cat, t, dur, tid=1):
+    return {"ph": "X", "name": name, "cat": cat, "ts": t, "dur": dur, "pid": 7, "tid": tid}
+
+
+def _trace():
+    return {
+        "traceEvents": [
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "engine"}},
+            _x("engine.py(1): step", "python_function", 0, 1000),
+            _x("engine.py(2): _launch", "python_function", 100, 600),
+            _x("engine.py(3): walk", "python_function", 150, 300),
+            _x("engine.py(3): walk", "python_function", 200, 100),  # recursion: counted once inclusive
+            _x("aten::copy_", "cpu_op", 210, 50),
+            _x("cudaLaunchKernel", "cuda_runtime", 500, 20),
+            _x("cudaGraphLaunch", "cuda_runtime", 600, 40),
+            _x("engine.py(4): _complete", "python_function", 750, 200),
+            _x("cudaStreamSynchronize", "cuda_runtime", 760, 150),
+            _x("loop.py(9): run", "python_function", 0, 400, tid=2),
+            _x("some_kernel", "kernel", 0, 999, tid=3),  # device time: not a host thread's
+        ]
+    }
+
+
+def test_nesting_inclusive_self_and_launches():
+    engine, loop = ts.summarize(_trace(), min_busy_ms=0)
+    assert engine.name == "engine" and loop.name == "tid 2"
+    assert engine.busy_us == 1000 and loop.busy_us == 400
+    assert engine.inclusive["engine.py(3): walk"] == 300 and engine.calls["engine.py(3): walk"] == 2
+    assert engine.self_us[("python_function", "engine.py(3): walk")] == (300 - 100) + (100 - 50)
+    assert engine.self_us[("python_function", "engine.py(2): _launch")] == 600 - 300 - 20 - 40
+    assert engine.self_us[("python_function", "engine.py(1): step")] == 1000 - 600 - 200
+    assert engine.self_us[("cuda_runtime", "cudaStreamSynchronize")] == 150
+    assert (engine.kernel_launches, engine.graph_launches) == (1, 1)
+
+
+def test_focus_narrows_to_what_ran_inside():
+    (engine,) = ts.summarize(_trace(), focus="_launch", min_busy_ms=0)
+    assert engine.busy_us == 600
+    assert "engine.py(1): step" not in engine.inclusive and "engine.py(4): _complete" not in engine.inclusive
+    assert (engine.kernel_launches, engine.graph_launches) == (1, 1)
+    assert ts.summarize(_trace(), focus="_launch", min_busy_ms=0.7) == []  # busy below the floor
+
+
+def test_main_writes_markdown_and_json(tmp_path, capsys):
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(_trace(), f)
+    ts.main([str(path), "--top", "3", "--json", str(tmp_path / "s.json")])
+    out = capsys.readouterr().out
+    assert "## engine: 1.0 ms in traced calls; 1 kernel launches, 1 graph launches" in out
+    assert "| 0.6 | 60.0% | 1 | `engine.py(2): _launch` |" in out
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary[0]["thread"] == "engine" and summary[0]["inclusive_ms"][0] == ["engine.py(1): step", 1.0]
