@@ -37,7 +37,7 @@ from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.lora import LoRABatch, LoRAWeights
 from g4serve.models.gemma4.assistant import Gemma4Assistant
 from g4serve.models.gemma4.model import Gemma4Model
-from g4serve.transfer import to_device
+from g4serve.transfer import fill_at, to_device
 
 log = logging.getLogger("g4serve.cuda_graphs")
 
@@ -463,12 +463,12 @@ class MixedGraphRunner(_GraphRunner):
         """Soft tokens into the static row buffer at their flat-batch rows; the last media step's marks
         are cleared first (outside the graph: a few small device ops, only around media steps)."""
         if self._mm_set is not None:
-            self._mm_mask[self._mm_set] = False
+            fill_at(self._mm_mask, (self._mm_set,), False)
             self._mm_set = None
         if rows:
             where = to_device(positions, torch.long, self.device)
             self._mm_rows.index_copy_(0, where, torch.cat(rows).to(self._mm_rows.dtype))
-            self._mm_mask[where] = True
+            fill_at(self._mm_mask, (where,), True)
             self._mm_set = where
 
     @torch.inference_mode()

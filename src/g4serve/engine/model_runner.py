@@ -44,7 +44,7 @@ from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from g4serve.models.gemma4.assistant import Gemma4Assistant
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.structured.bitmask import AllowedTokenMasks
-from g4serve.transfer import to_device
+from g4serve.transfer import fill_at, to_device
 
 
 @dataclass
@@ -484,7 +484,7 @@ class ModelRunner:
             cols += stops
         if rows:
             index = to_device([rows, cols], torch.long, self.device)
-            allowed[index[0], index[1]] = False
+            fill_at(allowed, (index[0], index[1]), False)
         return allowed
 
 

@@ -20,7 +20,7 @@ from g4serve import envs
 from g4serve.kernels.philox import exponential_noise
 from g4serve.kernels.top_p_sample import top_p_sample
 from g4serve.sampling_params import SamplingParams
-from g4serve.transfer import to_device
+from g4serve.transfer import fill_at, to_device
 
 
 @dataclass
@@ -101,7 +101,7 @@ class SamplingBatch:
             batch.output_counts.index_put_((rows, ids), torch.ones(len(rows), device=device), accumulate=True)
             batch.prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
             rows, ids = _row_token_pairs(prompt_tokens or [], device)
-            batch.prompt_mask[rows, ids] = True
+            fill_at(batch.prompt_mask, (rows, ids), True)
         return batch
 
 

@@ -239,8 +239,9 @@ def rescale_pixels(pixels: torch.Tensor, video: bool = False) -> torch.Tensor:
     x = pixels.to(torch.float32)
     if video:
         # A 0-dim tensor on x's device, not a Python number: CUDA divides by a host scalar as a multiply by
-        # its reciprocal, which rounds like the image path, not like the processor's division.
-        return x / x.new_tensor(255.0)
+        # its reciprocal, which rounds like the image path, not like the processor's division. Filled there
+        # (``new_tensor`` would copy it up blocking: a stream sync in every step that encodes media).
+        return x / torch.full((), 255.0, dtype=torch.float32, device=x.device)
     return x * RESCALE_FACTOR
 
 
