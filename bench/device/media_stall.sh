@@ -5,7 +5,8 @@
 # 7e78d66; capped: steps with decodes give prefills at most PREFILL_CAP tokens, default 512; all but
 # gpumedia and split pass --no-media-on-gpu, so each differs from insteps in one thing; splitE or splitEpP:
 # gpumedia with at most E soft tokens encoded in a step beside decodes, a video a few frames a step (and
-# at most P prefill tokens beside them), e.g. split140p256; gilN: the default (gpumedia on CUDA) with the switch
+# at most P prefill tokens beside them), e.g. split140p256; gpuoverlap or gpuoverlapP (e.g. gpuoverlap256): gpumedia with the encoder on
+# its side stream (--overlap-encoder; and at most P prefill tokens beside decodes); gilN: the default (gpumedia on CUDA) with the switch
 # interval of the interpreter lock at N microseconds (G4SERVE_GIL_SWITCH_INTERVAL_US; Python: 5000)), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
@@ -49,6 +50,9 @@ for mode in $MODES; do
       spec=${mode#split}
       extra="--media-on-gpu --max-encoder-tokens-beside-decodes ${spec%%p*}"
       [[ $spec == *p* ]] && extra+=" --max-prefill-tokens-beside-decodes ${spec#*p}" ;;
+    gpuoverlap*)  # gpuoverlap[P]: media on the GPU, encoded on the side stream (and at most P prefill tokens)
+      extra="--media-on-gpu --overlap-encoder"
+      [[ -n ${mode#gpuoverlap} ]] && extra+=" --max-prefill-tokens-beside-decodes ${mode#gpuoverlap}" ;;
     gil*) extra= ;;  # the default: media on the GPU where the engine runs on CUDA
     *) extra=--no-media-on-gpu ;;
   esac

@@ -296,13 +296,15 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
         assert overlapped.encoder.num_in_flight == 0 and len(overlapped.encoder.calls) >= 2
 
 
-def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint):
+@pytest.mark.parametrize("overlap_encoder", [False, True])
+def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint, overlap_encoder):
     """A step that encodes an image, a video or a clip (media prepared on the GPU), or samples with penalties
     and min_tokens, launches without waiting for the device: a host sync there stalls the host behind the
     step before, so steps stop overlapping and every decode beside media waits (under 32 video QPS a mask
     assignment and a rescale divisor copied up blocking cost the text streams' p95 ITL ~2x). Checked with
     torch's sync debug mode, which raises on a synchronising copy, ``nonzero`` or stream sync, around the
-    engine's launch and encode; a first round with other media captures what is captured lazily."""
+    engine's launch and encode (in the step, or started on the encoder's side stream); a first round with other
+    media captures what is captured lazily."""
     import numpy as np
     from PIL import Image
 
@@ -333,6 +335,7 @@ def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint):
             device="cuda",
             dtype="float32",
             media_on_gpu=True,
+            overlap_encoder=overlap_encoder,
             kv_cache_bytes=64 << 20,
             max_num_batched_tokens=256,
             max_num_seqs=8,
