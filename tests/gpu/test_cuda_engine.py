@@ -303,8 +303,8 @@ def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint, overl
     step before, so steps stop overlapping and every decode beside media waits (under 32 video QPS a mask
     assignment and a rescale divisor copied up blocking cost the text streams' p95 ITL ~2x). Checked with
     torch's sync debug mode, which raises on a synchronising copy, ``nonzero`` or stream sync, around the
-    engine's launch and encode (in the step, or started on the encoder's side stream); a first round with other
-    media captures what is captured lazily."""
+    engine's launch and encode (in the step, or started on the encoder's side stream); a first round with
+    other media captures what is captured lazily."""
     import numpy as np
     from PIL import Image
 
