@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_engine import _audio, _frames, _user, assert_pools_free, make_engine, mixed_prompts
+from test_engine import _audio, _frames, _image, _user, assert_pools_free, make_engine, mixed_prompts
 
 from g4serve.engine.encoder_runner import _Encoding
 from g4serve.models.gemma4.vision import avg_pool_by_position, pooling_cells_used
@@ -176,3 +176,18 @@ def test_host_side_selections_equal_device_side(tiny_model_dir):
         sliced = model.encode_audio(feats, masks, [c.num_tokens for c in clips])
     for a, b in zip(masked, sliced):
         assert torch.equal(a, b)
+
+
+def test_an_encode_of_two_images_is_charged_once_to_their_request(tiny_model_dir):
+    """Two images of one request encoded together: the request waited for one encode, and its encoder time
+    is that encode's (it was charged once per image)."""
+    engine = make_engine(tiny_model_dir, overlap_encoder=True)
+    prompt = {
+        "prompt": _user("<|image|><|image|>Compare them."),
+        "multi_modal_data": {"image": [_image(30), _image(31)]},
+    }
+    engine.add_request(engine.make_request("0", engine.process_prompt(prompt), GREEDY))
+    out = engine.run_until_finished()["0"]
+    (call,) = engine.encoder.calls  # one vision call: both images, one shape
+    assert call.num_items == 2 and call.seconds > 0
+    assert out.metrics.encoder_time_s == pytest.approx(call.seconds)

@@ -245,20 +245,18 @@ class EncoderRunner:
             done.record()
         self._encoding.append(_Encoding(outputs, calls, begin, done))
 
-    def poll(self) -> dict[str, float]:
-        """Cache the soft tokens of finished encodes; their content hashes -> seconds of device time (also
-        of the encodes ``run`` queued in steps, once done; a video encoded in parts counts every part)."""
-        finished: dict[str, float] = {}
-        for timed, seconds in self._take_ready(self._timed):
-            for digest in timed.outputs:
-                finished[digest] = finished.get(digest, 0.0) + seconds
+    def poll(self) -> list[tuple[frozenset[str], float]]:
+        """Cache the soft tokens of finished encodes; for each finished encode (also those ``run`` queued in
+        steps, once done), the content hashes it encoded and its seconds of device time. One encode may
+        hold several items, of one request or of several; a video encoded in parts is in each part's."""
+        finished = [(frozenset(timed.outputs), seconds) for timed, seconds in self._take_ready(self._timed)]
         main = torch.cuda.current_stream(self.device) if self.stream is not None else None
         for encoding, seconds in self._take_ready(self._encoding):
             for digest, tokens in encoding.outputs.items():
                 if main is not None:
                     tokens.record_stream(main)  # made on the side stream, read by the steps on the main one
                 self.cache.put(digest, tokens)
-                finished[digest] = seconds
+            finished.append((frozenset(encoding.outputs), seconds))
         return finished
 
     def _take_ready(self, pending: list[_Encoding]) -> list[tuple[_Encoding, float]]:

@@ -803,13 +803,15 @@ class LLMEngine:
 
     def _collect_encodes(self) -> None:
         """Cache the encodes the side stream has finished, and charge their time (and that of the encodes
-        finished in earlier steps, timed by events) to the requests."""
+        finished in earlier steps, timed by events) to the requests: each encode once to every request with
+        an item in it, as ``_encode`` charges an encode on the CPU (a request with two images in one encode
+        waited for it once)."""
         finished = self.encoder.poll()
         if not finished:
             return
         for request in self.requests.values():
             digests = {it.content_hash for it in request.mm_items}
-            request.metrics.encoder_time_s += sum(finished.get(d, 0.0) for d in digests)
+            request.metrics.encoder_time_s += sum(seconds for done, seconds in finished if digests & done)
 
     def _complete(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for the step's samples, append them to their requests and register the new full blocks
