@@ -8,7 +8,12 @@ import torch
 
 from g4serve.kernels.act_mul import act_mul, act_mul_reference
 from g4serve.kernels.norm_rope import norm_rope, norm_rope_reference
-from g4serve.kernels.rms_norm import fused_rms_norm, fused_rms_norm_reference
+from g4serve.kernels.rms_norm import (
+    fused_rms_norm,
+    fused_rms_norm_reference,
+    moe_input_norms,
+    moe_input_norms_reference,
+)
 from g4serve.layers.rotary import rope_cos_sin, text_inv_freq
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
@@ -39,6 +44,40 @@ def test_fused_rms_norm(dtype, n, with_residual, with_scale, with_next):
         _close(out2, ref2, dtype)
     else:
         assert out2 is None and ref2 is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [48, 100])
+@pytest.mark.parametrize("with_next", [False, True])
+def test_fused_rms_norm_of_two_branches(dtype, n, with_next):
+    """A MoE layer's post-feed-forward pass: norm_a(x) + norm_b(xb) summed in the same launch as the
+    residual add, the layer scalar and the next norm."""
+    gen = torch.Generator().manual_seed(n + 1)
+    x, xb, res = ((3 * torch.randn(5, n, generator=gen)).to(dtype) for _ in range(3))
+    w, wa, wb, w2 = (torch.randn(n, generator=gen).to(dtype) for _ in range(4))
+    scale = torch.tensor([0.7]).to(dtype)
+    kw = dict(residual=res, scale=scale, next_weight=w2 if with_next else None, branches=(xb, wa, wb))
+    out, out2 = fused_rms_norm(x, w, 1e-6, **kw)
+    ref, ref2 = fused_rms_norm_reference(x, w, 1e-6, **kw)
+    _close(out, ref, dtype)
+    if with_next:
+        _close(out2, ref2, dtype)
+    # the reference is the unfused chain
+    summed = fused_rms_norm_reference(x, wa, 1e-6)[0] + fused_rms_norm_reference(xb, wb, 1e-6)[0]
+    assert torch.equal(ref, fused_rms_norm_reference(summed, w, 1e-6, residual=res, scale=scale)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [48, 100])
+def test_moe_input_norms(dtype, n):
+    """The experts' input rms_norm(x, w) and the router's rms_norm(x) * scale * root from one launch."""
+    gen = torch.Generator().manual_seed(n + 2)
+    x = (3 * torch.randn(2, 3, n, generator=gen)).to(dtype)
+    w, scale = (torch.randn(n, generator=gen).to(dtype) for _ in range(2))
+    got = moe_input_norms(x, w, scale, n**-0.5, 1e-6)
+    want = moe_input_norms_reference(x, w, scale, n**-0.5, 1e-6)
+    for g, r in zip(got, want):
+        _close(g, r, dtype)
 
 
 def test_fused_rms_norm_rows_of_a_3d_tensor_without_weight():

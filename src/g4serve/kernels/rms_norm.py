@@ -7,6 +7,11 @@ results equal the eager chain up to the last bit of the norm itself.
 
 ``fp8_next``: ``out2`` also quantized for the W8A8 GEMM that reads it (``fp8_matmul.quantize_groups``'
 e4m3 values and per-128-column scales, bit for bit), so that GEMM skips its own quantizing launch.
+
+``branches``: the chain's input is itself the sum of two normed rows, ``rms_norm(x, wa) + rms_norm(xb, wb)``
+(a MoE layer's dense and expert branches, each with its post-feed-forward norm), computed in the same pass:
+four launches become one. ``moe_input_norms``: a MoE layer's two norms of one row, the experts' input
+(``rms_norm(x, w)``) and the router's (``rms_norm(x) * scale * root``), in one launch instead of four.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
 
 def _rms_norm_fn(
     X,
+    XB,
+    WA,
+    WB,
     Res,
     W,
     W2,
@@ -32,11 +40,13 @@ def _rms_norm_fn(
     n_cols,
     eps,
     stride_x,
+    stride_xb,
     stride_r,
     stride_o,
     stride_o2,
     stride_q,
     stride_sx,
+    HAS_BRANCHES: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -51,6 +61,13 @@ def _rms_norm_fn(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BRANCHES:  # x = rms_norm(x, wa) + rms_norm(xb, wb), each term and the sum rounded as eager rounds
+        wa = tl.load(WA + cols, mask=mask, other=0.0).to(tl.float32)
+        wb = tl.load(WB + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(XB + row * stride_xb + cols, mask=mask, other=0.0).to(tl.float32)
+        a = (x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps) * wa).to(Out.dtype.element_ty).to(tl.float32)
+        b = (b / tl.sqrt(tl.sum(b * b, 0) / n_cols + eps) * wb).to(Out.dtype.element_ty).to(tl.float32)
+        x = (a + b).to(Out.dtype.element_ty).to(tl.float32)
     y = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
     if HAS_W:
         y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -86,15 +103,16 @@ def fused_rms_norm(
     scale: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
     fp8_next: tuple[torch.Tensor, torch.Tensor] | None = None,
+    branches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., N] -> (out, out2): ``out = (residual + rms_norm(x, weight)) * scale`` and
     ``out2 = rms_norm(out, next_weight)`` (None without ``next_weight``). Rows need a unit last stride.
     ``fp8_next``: (e4m3 [rows, N], fp32 [rows, ceil(N / 128)]) buffers that receive ``quantize_groups(out2)``
-    (with ``next_weight`` only)."""
+    (with ``next_weight`` only). ``branches``: (xb, wa, wb), and the chain reads
+    ``rms_norm(x, wa) + rms_norm(xb, wb)`` in place of ``x`` (xb shaped as x)."""
     n = x.shape[-1]
-    x2d = x.reshape(-1, n)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
+    x2d = _unit_rows(x)
+    xb2d, wa, wb = (_unit_rows(branches[0]), branches[1], branches[2]) if branches is not None else (x2d,) * 3
     out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
     res2d = residual.reshape(-1, n) if residual is not None else x2d
     out2 = torch.empty_like(out) if next_weight is not None else out
@@ -105,6 +123,9 @@ def fused_rms_norm(
         block = max(next_pow2(n), GROUP) if fp8_next is not None else next_pow2(n)
         _rms_norm[x.device][(rows,)](
             x2d,
+            xb2d,
+            wa,
+            wb,
             res2d,
             weight if weight is not None else x2d,
             next_weight if next_weight is not None else x2d,
@@ -116,11 +137,13 @@ def fused_rms_norm(
             n,
             eps,
             x2d.stride(0),
+            xb2d.stride(0),
             res2d.stride(0),
             out.stride(0),
             out2.stride(0),
             q.stride(0),
             sx.stride(0),
+            HAS_BRANCHES=branches is not None,
             HAS_W=weight is not None,
             HAS_RES=residual is not None,
             HAS_SCALE=scale is not None,
@@ -153,7 +176,11 @@ def fused_rms_norm_reference(
     scale: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
     fp8_next: tuple[torch.Tensor, torch.Tensor] | None = None,
+    branches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if branches is not None:
+        xb, wa, wb = branches
+        x = rms_norm_reference(x, wa, eps) + rms_norm_reference(xb, wb, eps)
     out = rms_norm_reference(x, weight, eps)
     if residual is not None:
         out = residual + out
@@ -167,10 +194,92 @@ def fused_rms_norm_reference(
     return out, out2
 
 
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def _moe_input_norms_fn(
+    X,
+    W,
+    S,
+    Out,
+    OutR,
+    n_cols,
+    eps,
+    root,
+    stride_x,
+    stride_o,
+    stride_r,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    experts_in = normed * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, experts_in.to(Out.dtype.element_ty), mask=mask)
+    # the router's: rms_norm(x) * scale * root, rounded after each op as the eager ops round
+    r = normed.to(OutR.dtype.element_ty).to(tl.float32) * tl.load(S + cols, mask=mask, other=0.0).to(
+        tl.float32
+    )
+    r = r.to(OutR.dtype.element_ty).to(tl.float32) * root
+    tl.store(OutR + row * stride_r + cols, r.to(OutR.dtype.element_ty), mask=mask)
+
+
+_moe_input_norms = DualKernel(_moe_input_norms_fn)
+
+
+def moe_input_norms(
+    x: torch.Tensor, weight: torch.Tensor, router_scale: torch.Tensor, root: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., N] -> (``rms_norm(x, weight)``, ``rms_norm(x) * router_scale * root``): a MoE layer's experts'
+    input and its router's, from one read of the residual stream."""
+    n = x.shape[-1]
+    x2d = _unit_rows(x)
+    out, routed = torch.empty_like(x2d), torch.empty_like(x2d)
+    rows = x2d.shape[0]
+    if rows:
+        block = next_pow2(n)
+        _moe_input_norms[x.device][(rows,)](
+            x2d,
+            weight,
+            router_scale,
+            out,
+            routed,
+            n,
+            eps,
+            root,
+            x2d.stride(0),
+            out.stride(0),
+            routed.stride(0),
+            BLOCK=block,
+            **pdl(x.device, rows),
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return out.view(x.shape), routed.view(x.shape)
+
+
+def moe_input_norms_reference(
+    x: torch.Tensor, weight: torch.Tensor, router_scale: torch.Tensor, root: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_reference(x, weight, eps), rms_norm_reference(x, None, eps) * router_scale * root
+
+
 def fp8_next_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty ``fp8_next`` buffers for rows like ``x`` [..., N]: e4m3 [rows, N], fp32 [rows, ceil(N / 128)]."""
     n = x.shape[-1]
     return group_buffers(x.numel() // max(n, 1), n, x.device)
 
 
-__all__ = ["fp8_next_buffers", "fused_rms_norm", "fused_rms_norm_reference", "rms_norm_reference"]
+__all__ = [
+    "fp8_next_buffers",
+    "fused_rms_norm",
+    "fused_rms_norm_reference",
+    "moe_input_norms",
+    "moe_input_norms_reference",
+    "rms_norm_reference",
+]

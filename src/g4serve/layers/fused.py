@@ -1,7 +1,9 @@
 """Gemma 4's elementwise chains, one call each: Triton kernels for CUDA tensors (one pass instead of
 5-15 small kernels), the torch reference elsewhere (bit-exact with transformers on the CPU path).
 
-- ``add_rms_norm``: ``(residual + norm(x)) * scale``, optionally with the next norm of the result;
+- ``add_rms_norm``: ``(residual + norm(x)) * scale``, optionally with the next norm of the result, and
+  with ``x`` the sum of two normed branches (a MoE layer's dense and expert outputs);
+- ``moe_input_norms``: a MoE layer's experts' input and router input, two norms of one row;
 - ``norm_rope``: per-head q/k norm followed by RoPE or axial RoPE (or the v norm alone);
 - ``act_mul``: the gate activation times the up projection (MLP and PLE gates);
 - ``qkv_norm_rope_write``: a KV-producing layer's q/k/v norms, RoPE and the K/V cache write, from the
@@ -25,7 +27,14 @@ from g4serve.kernels import decode_tail as _decode_tail
 from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.qkv_prep import qkv_prep
-from g4serve.kernels.rms_norm import fp8_next_buffers, fused_rms_norm, fused_rms_norm_reference
+from g4serve.kernels.rms_norm import (
+    fp8_next_buffers,
+    fused_rms_norm,
+    fused_rms_norm_reference,
+    moe_input_norms_reference,
+)
+from g4serve.kernels.rms_norm import moe_input_norms as _moe_input_norms
+from g4serve.layers.moe import MoERouter
 from g4serve.layers.norm import RMSNorm
 from g4serve.layers.quant import QuantLinear, quant_linear, takes_fp8_groups
 
@@ -42,12 +51,15 @@ def add_rms_norm(
     scale: torch.Tensor | None = None,
     next_norm: RMSNorm | None = None,
     next_proj: nn.Module | None = None,
+    branches: tuple[RMSNorm, torch.Tensor, RMSNorm] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``).
     ``next_proj``: the projection that reads ``next_norm(out)``; where it multiplies on the FP8 tensor cores
     (``quant.takes_fp8_groups``) and ``G4SERVE_FP8_NORM_QUANT=1``, the pass also quantizes that output for it
-    (``QuantLinear.offer_quantized_input``)."""
-    assert next_norm is None or next_norm.eps == norm.eps, "one eps for both norms of a fused pass"
+    (``QuantLinear.offer_quantized_input``). ``branches``: (norm_a, xb, norm_b), and ``x`` stands for
+    ``norm_a(x) + norm_b(xb)``, summed in the same pass."""
+    norms = [norm, next_norm, *(branches[::2] if branches is not None else ())]
+    assert len({n.eps for n in norms if n is not None}) == 1, "one eps for the norms of a fused pass"
     fp8 = None
     if FP8_NORM_QUANT and next_norm is not None and next_proj is not None and takes_fp8_groups(x, next_proj):
         fp8 = fp8_next_buffers(x)
@@ -60,10 +72,19 @@ def add_rms_norm(
         scale=scale,
         next_weight=next_norm.weight if next_norm is not None else None,
         fp8_next=fp8,
+        branches=(branches[1], branches[0].weight, branches[2].weight) if branches is not None else None,
     )
     if fp8 is not None:
         next_proj.offer_quantized_input(out2, *fp8)
     return out, out2
+
+
+def moe_input_norms(x: torch.Tensor, norm: RMSNorm, router: MoERouter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``norm(x)``, the router's normed input ``rms_norm(x) * router.scale * router.root``): a MoE layer's
+    experts' input and its router's (``router.route`` takes it) from one pass over the residual stream."""
+    assert norm.eps == router.eps, "one eps for both norms of a fused pass"
+    fn = _moe_input_norms if x.is_cuda else moe_input_norms_reference
+    return fn(x, norm.weight, router.scale, router.root, norm.eps)
 
 
 def norm_rope(

@@ -29,10 +29,18 @@ class MoERouter(nn.Module):
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
 
+    @property
+    def root(self) -> float:
+        return self.hidden**-0.5
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k]); softmax, top-k, renormalise, per-expert
         scale."""
-        x = rms_norm(x, None, self.eps) * self.scale * self.hidden**-0.5
+        return self.route(rms_norm(x, None, self.eps) * self.scale * self.root)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` from the router's normed input ``rms_norm(x) * scale * root`` (``layers.fused.
+        moe_input_norms`` makes it beside the experts' input)."""
         logits = self.proj(x)
         route = moe_route if logits.is_cuda else moe_route_reference
         return route(logits, self.per_expert_scale, self.top_k)

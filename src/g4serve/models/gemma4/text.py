@@ -25,6 +25,7 @@ from g4serve.layers.fused import (
     gate_up_act,
     linear,
     linear_act_mul,
+    moe_input_norms,
     norm_rope,
     project,
     qkv_norm_rope_write,
@@ -360,14 +361,19 @@ class DecoderLayer(nn.Module):
 
         residual = h
         out = self.mlp(x, lora)
+        branches = None
         if self.enable_moe:
-            # The routed experts run beside the dense MLP, both fed from the residual stream.
-            weights, experts = self.router(residual)
+            # The routed experts run beside the dense MLP, both fed from the residual stream. One pass makes
+            # the experts' input pre_feedforward_layernorm_2(residual) and the router's.
+            experts_in, routed = moe_input_norms(residual, self.pre_feedforward_layernorm_2, self.router)
+            weights, experts = self.router.route(routed)
             if self.num_local_experts < self.router.per_expert_scale.shape[0]:
                 experts, weights = self._local_experts(experts, weights)
-            moe = self.experts(self.pre_feedforward_layernorm_2(residual), experts, weights)
+            moe = self.experts(experts_in, experts, weights)
             moe = self.tp.all_reduce(moe)  # each rank's share: its units of every expert, or its experts
-            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
+            # out becomes post_feedforward_layernorm_1(out) + post_feedforward_layernorm_2(moe), summed in the
+            # next pass
+            branches = (self.post_feedforward_layernorm_1, moe, self.post_feedforward_layernorm_2)
         if not self.ple_dim:
             # (residual + post_feedforward_layernorm(out)) * layer_scalar
             return add_rms_norm(
@@ -377,8 +383,9 @@ class DecoderLayer(nn.Module):
                 scale=self.layer_scalar,
                 next_norm=next_norm,
                 next_proj=next_proj,
+                branches=branches,
             )
-        h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual)
+        h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, branches=branches)
         # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
         gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
         return add_rms_norm(
