@@ -58,6 +58,19 @@ def test_the_cuda_resize_and_patches_equal_the_cpu_float_path():
     assert diff.max() <= 1 and diff.float().mean() < 0.01  # float rounding order only
 
 
+def test_video_frames_resized_together_on_cuda_equal_the_cpu_float_path():
+    """A video's frames take one float resize on the GPU (``_float_resize_chunk``); the CPU does them one by
+    one: the same arithmetic per pixel, so the same bytes up to float rounding order."""
+    from g4serve.processing.image import _float_resize_chunk, resize_to_patch_budget
+
+    frames = torch.stack([torch.from_numpy(picture(480, 854, s)).permute(2, 0, 1) for s in range(6)])
+    assert _float_resize_chunk(frames.cuda()) >= 6
+    on_gpu = resize_to_patch_budget(frames.cuda(), 16, 630, 3, float_resize=True).cpu()
+    on_cpu = resize_to_patch_budget(frames, 16, 630, 3, float_resize=True)
+    diff = (on_gpu.int() - on_cpu.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 0.01
+
+
 def test_audio_features_on_cuda_match_the_host():
     from g4serve.processing.audio import AudioFeatureExtractor
 

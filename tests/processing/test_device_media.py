@@ -142,6 +142,21 @@ def test_the_float_resize_is_near_the_uint8_kernel():
     assert diff.float().mean() < 0.3 and (diff <= 1).float().mean() > 0.99
 
 
+def test_frames_resized_together_equal_one_at_a_time(monkeypatch):
+    """On a GPU the float resize takes a video's frames in one call: the same bytes as frame by frame (each
+    output pixel's arithmetic does not depend on the batch). Checked on the CPU, batched by force."""
+    from g4serve.processing import image
+
+    frames = torch.stack([torch.from_numpy(picture(120, 214, seed=s)).permute(2, 0, 1) for s in range(5)])
+    assert image._float_resize_chunk(frames) == 1  # the CPU: one at a time
+    one_by_one = resize_to_patch_budget(frames, 16, 630, 3, float_resize=True)
+    assert one_by_one.shape[-2:] != frames.shape[-2:]  # resized indeed
+    calls = []
+    monkeypatch.setattr(image, "_float_resize_chunk", lambda batch: calls.append(len(batch)) or 3)
+    together = resize_to_patch_budget(frames, 16, 630, 3, float_resize=True)  # chunks of 3 and 2
+    assert calls == [5] and torch.equal(together, one_by_one)
+
+
 def test_which_jpegs_the_device_decodes():
     limits = MediaLimits()
     pixels = picture(48, 64)

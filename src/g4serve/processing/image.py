@@ -173,10 +173,12 @@ def resize_to_patch_budget(
     transformers). Those kernels run one thread per call, so the frames of a video are resized in parallel
     (``processing.pool``).
 
-    ``float_resize``: in float32, then clamped and rounded back to uint8, on any device, one image at a
-    time (the float copy is 4 bytes a pixel). That is what torchvision does for uint8 on CUDA (it has no
-    uint8 bicubic kernel there), so the GPU media path (``processing.device_media``) computes the same on
-    the CPU in tests. Near the uint8 kernel's bytes: it clamps only at the end, the uint8 kernel also
+    ``float_resize``: in float32, then clamped and rounded back to uint8, on any device: on the CPU one
+    image at a time (the float copy is 4 bytes a pixel), on a GPU a video's frames together, up to
+    ``FLOAT_RESIZE_BATCH_BYTES`` of float copy a call (seven launches for six frames, not forty-two; each
+    output pixel's arithmetic is the same either way). That is what torchvision does for uint8 on CUDA (it
+    has no uint8 bicubic kernel there), so the GPU media path (``processing.device_media``) computes the
+    same on the CPU in tests. Near the uint8 kernel's bytes: it clamps only at the end, the uint8 kernel also
     between its two passes."""
     height, width = pixels.shape[-2:]
     target = aspect_ratio_preserving_size(height, width, patch_size, max_patches, pooling_kernel_size)
@@ -185,14 +187,15 @@ def resize_to_patch_budget(
     batch = pixels.reshape(-1, *pixels.shape[-3:])
     out = batch.new_empty(batch.shape[0], batch.shape[1], *target)  # planar, as patchify reads it
     if float_resize:
-        for i in range(batch.shape[0]):
+        step = _float_resize_chunk(batch)
+        for i in range(0, batch.shape[0], step):
             resized = tvF.resize(
-                batch[i : i + 1].to(torch.float32),
+                batch[i : i + step].to(torch.float32),
                 size=list(target),
                 interpolation=tvF.InterpolationMode.BICUBIC,
                 antialias=True,
             )
-            out[i : i + 1].copy_(resized.clamp_(0, 255).round_())
+            out[i : i + step].copy_(resized.clamp_(0, 255).round_())
         return out.reshape(*pixels.shape[:-2], *target)
 
     def resize(images: torch.Tensor) -> torch.Tensor:
@@ -209,6 +212,18 @@ def resize_to_patch_budget(
     else:
         out.copy_(resize(batch))
     return out.reshape(*pixels.shape[:-2], *target)
+
+
+# The float copy ``float_resize`` makes of the images it resizes in one call on a GPU.
+FLOAT_RESIZE_BATCH_BYTES = 256 << 20
+
+
+def _float_resize_chunk(batch: torch.Tensor) -> int:
+    """How many images of ``batch`` [B, C, H, W] one float resize takes: all that fit
+    ``FLOAT_RESIZE_BATCH_BYTES`` on a GPU, one on the CPU."""
+    if not batch.is_cuda:
+        return 1
+    return max(1, FLOAT_RESIZE_BATCH_BYTES // max(4 * batch[0].numel(), 1))
 
 
 def patchify(pixels: torch.Tensor, patch_size: int, max_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
