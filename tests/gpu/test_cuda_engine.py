@@ -243,16 +243,14 @@ def test_vision_encoder_cuda_matches_cpu_reference(hf_checkpoint):
     assert diff < 1e-3 * max(1.0, want.abs().max().item())
 
 
-def test_media_steps_in_graphs_match_eager(hf_checkpoint):
-    """Image, video and audio prompts with the mixed graphs' soft-token buffer against eager steps, fp32,
-    TF32 off: the same greedy tokens (E-type checkpoint: no bidirectional image spans)."""
+def _media_prompts(seed: int, text: str) -> list:
+    """An image, a 4-frame video and a 1 s clip of random content, then a plain text prompt."""
     import numpy as np
     from PIL import Image
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
-    prompts = [
+    return [
         {
             "prompt": turn.format("<|image|>Describe."),
             "multi_modal_data": {"image": Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))},
@@ -267,8 +265,15 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
             "prompt": turn.format("<|audio|>Transcribe."),
             "multi_modal_data": {"audio": (0.2 * rng.standard_normal(16000)).astype(np.float32)},
         },
-        turn.format("Plain text after the media."),
+        turn.format(text),
     ]
+
+
+def test_media_steps_in_graphs_match_eager(hf_checkpoint):
+    """Image, video and audio prompts with the mixed graphs' soft-token buffer against eager steps, fp32,
+    TF32 off: the same greedy tokens (E-type checkpoint: no bidirectional image spans)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = _media_prompts(2, "Plain text after the media.")
     kw = dict(
         model=str(hf_checkpoint("e")),
         device="cuda",
@@ -305,30 +310,6 @@ def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint, overl
     torch's sync debug mode, which raises on a synchronising copy, ``nonzero`` or stream sync, around the
     engine's launch and encode (in the step, or started on the encoder's side stream); a first round with
     other media captures what is captured lazily."""
-    import numpy as np
-    from PIL import Image
-
-    def prompts(seed: int) -> list:
-        rng = np.random.default_rng(seed)
-        turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
-        return [
-            {
-                "prompt": turn.format("<|image|>Describe."),
-                "multi_modal_data": {"image": Image.fromarray(rng.integers(0, 256, (64, 96, 3), np.uint8))},
-            },
-            {
-                "prompt": turn.format("<|video|>What happens?"),
-                "multi_modal_data": {
-                    "video": [[rng.integers(0, 256, (48, 64, 3), np.uint8) for _ in range(4)]]
-                },
-            },
-            {
-                "prompt": turn.format("<|audio|>Transcribe."),
-                "multi_modal_data": {"audio": (0.2 * rng.standard_normal(16000)).astype(np.float32)},
-            },
-            turn.format(f"Plain text {seed}, with penalties."),
-        ]
-
     engine = LLMEngine(
         EngineConfig(
             model=str(hf_checkpoint("e")),
@@ -344,7 +325,7 @@ def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint, overl
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     penalised = SamplingParams(temperature=0, max_tokens=6, min_tokens=4, repetition_penalty=1.3)
     params = [greedy] * 3 + [penalised]
-    _run_each(engine, prompts(1), params)  # captures, first-seen shapes
+    _run_each(engine, _media_prompts(1, "Plain text 1, with penalties."), params)  # lazy captures happen
 
     def no_sync(fn):
         def wrapped(*args, **kwargs):
@@ -359,6 +340,6 @@ def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint, overl
     for name in ("_launch", "_encode", "_collect_encodes"):
         setattr(engine, name, no_sync(getattr(engine, name)))
     encodes = len(engine.encoder.calls)
-    done = _run_each(engine, prompts(2), params)
+    done = _run_each(engine, _media_prompts(2, "Plain text 2, with penalties."), params)
     assert all(len(tokens) >= 4 for tokens in done)
     assert len(engine.encoder.calls) > encodes  # the new media were encoded inside the checked calls
