@@ -5,7 +5,8 @@
 # PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), nopdl (no
 # programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
 # is launched), sampled (decode requests sampling with SAMPLING_ARGS, default temperature 0.8 and top-p 0.9),
-# sampled_base (the same on the sources in BASE_SRC, an untracked copy of an older src/), sampler
+# sampled_base and skinny_base (the same on the sources in BASE_SRC, an untracked copy of an older src/: `git
+# archive <rev> src | tar -x -C .ab-base`, carried; BASE_SRC=.ab-base/src), sampler
 # (bench/sampler.py), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
 # RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
@@ -23,8 +24,11 @@ if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"
 fi
 skinny() {
-  run microbench-skinny 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --attention-backend triton \
-    --batches "$BATCHES" --decode-steps 16 --prefill-reps 3 --profile-batches "$PROFILE_BATCHES" --out "$RES" --tag=-skinny
+  run "microbench-skinny${1:-}" 150 python3 bench/engine_microbench.py --model "$PRESET" --device cuda --attention-backend triton \
+    --batches "$BATCHES" --decode-steps 16 --prefill-reps 3 --profile-batches "$PROFILE_BATCHES" --out "$RES" --tag="-skinny${1:-}"
+}
+skinny_base() {  # the same against the sources in BASE_SRC (e.g. an older commit's src/, from git archive)
+  PYTHONPATH="$BASE_SRC:$PYTHONPATH" skinny -base
 }
 cublas() {
   G4SERVE_SKINNY_MAX_ROWS=0 run microbench-cublas 120 python3 bench/engine_microbench.py --model "$PRESET" \
