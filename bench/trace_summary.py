@@ -4,9 +4,11 @@ one; with ``G4SERVE_TORCH_PROFILER_WITH_STACK=1`` it holds every Python call as 
 For each thread that did work in the trace: its busy time, the Python functions with the most inclusive time
 (an instance inside a call of the same function is not counted twice) and the most self time (time in the
 function's own code: not in a callee, a torch op or a CUDA runtime call), the torch ops and CUDA runtime calls
-with the most self time, and how many kernels and graphs the thread launched. ``--focus NAME`` narrows every
-table to what ran inside the functions whose name contains NAME (e.g. ``_launch`` or ``encoder``), each
-figure a share of their time. Markdown on stdout; ``--json`` writes the same numbers as JSON.
+with the most self time, how many kernels and graphs the thread launched, and its host syncs
+(``cudaStreamSynchronize`` and the like: the host waiting for the device) by the Python functions they came
+from. ``--focus NAME`` narrows every table to what ran inside the functions whose name contains NAME (e.g.
+``_launch`` or ``encoder``), each figure a share of their time. Markdown on stdout; ``--json`` writes the same
+numbers as JSON.
 
     python3 bench/trace_summary.py /tmp/res-stall/gpumedia/profile/g4serve-*.trace.json.gz --top 30
 """
@@ -22,6 +24,8 @@ from pathlib import Path
 
 HOST_CATEGORIES = ("python_function", "cpu_op", "cuda_runtime", "user_annotation")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+# CUDA runtime calls that block the host until the device catches up (a blocking cudaMemcpy too)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
@@ -96,25 +100,34 @@ class ThreadSummary:
     self_us: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     kernel_launches: int = 0
     graph_launches: int = 0
+    # host syncs by where they came from: "sync call < innermost Python function < its caller" -> [n, us]
+    syncs: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
 
 
-def summarize_thread(name: str, roots: list[Event]) -> ThreadSummary:
+def summarize_thread(name: str, roots: list[Event], caller_depth: int = 2) -> ThreadSummary:
+    """``caller_depth``: how many Python frames name a host sync's origin."""
     s = ThreadSummary(name)
     s.busy_us = sum(r.dur for r in roots)
 
-    def walk(e: Event, open_names: frozenset[str]) -> None:
+    def walk(e: Event, open_names: frozenset[str], python: tuple[str, ...]) -> None:
         if e.name not in open_names:  # a recursive call's time is its outer call's already
             s.inclusive[e.name] += e.dur
         s.calls[e.name] += 1
         s.self_us[(e.cat, e.name)] += e.self_us
-        s.kernel_launches += e.cat == "cuda_runtime" and e.name in LAUNCHES
-        s.graph_launches += e.cat == "cuda_runtime" and e.name in GRAPH_LAUNCHES
-        inner = open_names | {e.name}
+        runtime = e.cat == "cuda_runtime"
+        s.kernel_launches += runtime and e.name in LAUNCHES
+        s.graph_launches += runtime and e.name in GRAPH_LAUNCHES
+        if runtime and e.name in SYNCS:
+            origin = s.syncs[" < ".join((e.name, *python[::-1][:caller_depth]))]
+            origin[0] += 1
+            origin[1] += e.dur
+        if e.cat == "python_function" and not e.name.startswith("<built-in"):
+            python = (*python, e.name)
         for c in e.children:
-            walk(c, inner)
+            walk(c, open_names | {e.name}, python)
 
     for r in roots:
-        walk(r, frozenset())
+        walk(r, frozenset(), ())
     return s
 
 
@@ -149,11 +162,15 @@ def render(threads: list[ThreadSummary], top: int, focus: str | None) -> str:
         functions = [(n, v, s.calls[n]) for n, v in s.inclusive.items()]
         python = [(n, v, s.calls[n]) for (c, n), v in s.self_us.items() if c == "python_function"]
         native = [(f"{c}: {n}", v, s.calls[n]) for (c, n), v in s.self_us.items() if c != "python_function"]
+        syncs = [(origin, us, int(n)) for origin, (n, us) in s.syncs.items()]
         for title, items in (
             ("inclusive", functions),
             ("self time, Python", python),
             ("self time, torch ops and CUDA runtime", native),
+            ("host syncs, by the Python functions they came from", syncs),
         ):
+            if not items and title.startswith("host syncs"):
+                continue
             lines += [f"**{title}**", "", "| ms | share | calls | name |", "|---:|---:|---:|---|"]
             lines += _rows(sorted(items, key=lambda t: -t[1])[:top], s.busy_us or 1.0)
             lines.append("")
@@ -172,6 +189,9 @@ def as_json(threads: list[ThreadSummary], top: int) -> list[dict]:
             "graph_launches": s.graph_launches,
             "inclusive_ms": best(s.inclusive),
             "self_ms": best(s.self_us, key=lambda k: f"{k[0]}: {k[1]}"),
+            "syncs": {
+                origin: {"calls": int(n), "ms": round(us / 1e3, 3)} for origin, (n, us) in s.syncs.items()
+            },
         }
         for s in threads
     ]

@@ -45,6 +45,10 @@ def test_nesting_inclusive_self_and_launches():
     assert engine.self_us[("python_function", "engine.py(1): step")] == 1000 - 600 - 200
     assert engine.self_us[("cuda_runtime", "cudaStreamSynchronize")] == 150
     assert (engine.kernel_launches, engine.graph_launches) == (1, 1)
+    # the host sync, by the two innermost Python functions around it
+    assert dict(engine.syncs) == {
+        "cudaStreamSynchronize < engine.py(4): _complete < engine.py(1): step": [1, 150]
+    }
 
 
 def test_focus_narrows_to_what_ran_inside():
@@ -65,3 +69,10 @@ def test_main_writes_markdown_and_json(tmp_path, capsys):
     assert "| 0.6 | 60.0% | 1 | `engine.py(2): _launch` |" in out
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary[0]["thread"] == "engine" and summary[0]["inclusive_ms"][0] == ["engine.py(1): step", 1.0]
+    assert "**host syncs, by the Python functions they came from**" in out
+    assert (
+        "| 0.1 | 15.0% | 1 | `cudaStreamSynchronize < engine.py(4): _complete < engine.py(1): step` |" in out
+    )
+    assert summary[0]["syncs"] == {
+        "cudaStreamSynchronize < engine.py(4): _complete < engine.py(1): step": {"calls": 1, "ms": 0.15}
+    }
