@@ -178,16 +178,19 @@ def test_host_side_selections_equal_device_side(tiny_model_dir):
         assert torch.equal(a, b)
 
 
-def test_an_encode_of_two_images_is_charged_once_to_their_request(tiny_model_dir):
-    """Two images of one request encoded together: the request waited for one encode, and its encoder time
-    is that encode's (it was charged once per image)."""
-    engine = make_engine(tiny_model_dir, overlap_encoder=True)
+@pytest.mark.parametrize("overlap_encoder", [False, True])
+def test_an_encode_of_two_images_is_charged_once_to_their_request(tiny_model_dir, overlap_encoder):
+    """A request's encoder time is the sum of the encodes that held its items, each once: ahead of the step
+    both images go in one encode (charged once per image before), in the step one each as the prefill reaches
+    them."""
+    engine = make_engine(tiny_model_dir, overlap_encoder=overlap_encoder)
     prompt = {
         "prompt": _user("<|image|><|image|>Compare them."),
         "multi_modal_data": {"image": [_image(30), _image(31)]},
     }
     engine.add_request(engine.make_request("0", engine.process_prompt(prompt), GREEDY))
     out = engine.run_until_finished()["0"]
-    (call,) = engine.encoder.calls  # one vision call: both images, one shape
-    assert call.num_items == 2 and call.seconds > 0
-    assert out.metrics.encoder_time_s == pytest.approx(call.seconds)
+    calls = engine.encoder.calls
+    assert [c.num_items for c in calls] == ([2] if overlap_encoder else [1, 1])
+    assert all(c.seconds > 0 for c in calls)
+    assert out.metrics.encoder_time_s == pytest.approx(sum(c.seconds for c in calls))

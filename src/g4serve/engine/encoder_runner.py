@@ -196,15 +196,17 @@ class EncoderRunner:
         return todo
 
     @torch.inference_mode()
-    def run(self, items: list[MultimodalItem], frames: dict[str, int] | None = None) -> float:
-        """Encode every item not cached yet, now (queued on the step's stream, ahead of its forward);
-        returns the seconds spent on the CPU, 0 on CUDA, whose device time ``poll`` reports once the
-        encode is done. A video encodes from the frames the cache has (``frames_done``) up to its entry in
-        ``frames`` (content hash -> end frame: the scheduler's share of it beside decodes), else to its
-        last."""
+    def run(
+        self, items: list[MultimodalItem], frames: dict[str, int] | None = None
+    ) -> list[tuple[frozenset[str], float]]:
+        """Encode every item not cached yet, now (queued on the step's stream, ahead of its forward). On the
+        CPU returns the encode as ``poll`` reports one (the content hashes encoded, the seconds spent); on
+        CUDA nothing: ``poll`` reports its device time once it is done. A video encodes from the frames the
+        cache has (``frames_done``) up to its entry in ``frames`` (content hash -> end frame: the scheduler's
+        share of it beside decodes), else to its last."""
         todo = self._new_items(items)
         if not todo:
-            return 0.0
+            return []
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             begin = torch.cuda.Event(enable_timing=True)
@@ -221,10 +223,10 @@ class EncoderRunner:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
             self._timed.append(_Encoding(dict.fromkeys([*outputs, *partial]), calls, begin, done))
-            return 0.0
+            return []
         seconds = time.perf_counter() - t0
         self._log_calls(calls, seconds)
-        return seconds
+        return [(frozenset([*outputs, *partial]), seconds)]
 
     @torch.inference_mode()
     def start(self, items: list[MultimodalItem]) -> None:

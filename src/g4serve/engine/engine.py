@@ -792,21 +792,18 @@ class LLMEngine:
         if self.config.overlap_encoder:
             self.encoder.start(batch.encoder_items)
             return
-        seconds = self.encoder.run(batch.encoder_items, batch.encoder_frames)
-        if not seconds:  # CUDA: timed by events, charged by ``_collect_encodes`` once done
-            return
-        # a video's frames may encode in steps its request sits out (max_encoder_tokens_beside_decodes)
-        digests = {it.content_hash for it in batch.encoder_items}
-        for request in self.requests.values():
-            if any(it.content_hash in digests for it in request.mm_items):
-                request.metrics.encoder_time_s += seconds
+        # CPU: charged now; CUDA: timed by events, charged by ``_collect_encodes`` once done
+        self._charge_encodes(self.encoder.run(batch.encoder_items, batch.encoder_frames))
 
     def _collect_encodes(self) -> None:
         """Cache the encodes the side stream has finished, and charge their time (and that of the encodes
-        finished in earlier steps, timed by events) to the requests: each encode once to every request with
-        an item in it, as ``_encode`` charges an encode on the CPU (a request with two images in one encode
-        waited for it once)."""
-        finished = self.encoder.poll()
+        finished in earlier steps, timed by events) to the requests."""
+        self._charge_encodes(self.encoder.poll())
+
+    def _charge_encodes(self, finished: list[tuple[frozenset[str], float]]) -> None:
+        """Each finished encode's seconds, once, to every request with an item in it (a request with two
+        images in one encode waited for it once; a video's frames may encode in steps its request sits out,
+        with ``max_encoder_tokens_beside_decodes``)."""
         if not finished:
             return
         for request in self.requests.values():
