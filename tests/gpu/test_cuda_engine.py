@@ -297,6 +297,7 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
     for async_scheduling in (False, True):
         overlapped = LLMEngine(EngineConfig(overlap_encoder=True, async_scheduling=async_scheduling, **kw))
         assert overlapped.encoder.stream is not None and overlapped.encoder.vision_graphs is not None
+        assert overlapped.stream.priority < overlapped.encoder.stream.priority  # the steps go first
         assert _run_each(overlapped, prompts, params) == want
         assert overlapped.encoder.num_in_flight == 0 and len(overlapped.encoder.calls) >= 2
 

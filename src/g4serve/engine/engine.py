@@ -77,6 +77,10 @@ from g4serve.transfer import to_device
 
 log = logging.getLogger("g4serve.engine")
 
+# The steps' CUDA stream priority beside side-stream encodes: the highest there is (torch maps a number past
+# the device's range to its end; lower is higher, the default stream's 0 is the lowest).
+STEP_STREAM_PRIORITY = -100
+
 
 class InflightStep:
     """A launched step: its batch, its result on the device, each request's computed tokens once it has
@@ -237,6 +241,12 @@ class LLMEngine:
         self.encoder = EncoderRunner(
             self.model, self.encoder_cache, overlap=config.overlap_encoder, cuda_graphs=graphs
         )
+        # Decodes first: with encodes on the side stream (the lowest priority, the default stream's), the
+        # steps run on a stream of the highest priority, so where both have work queued the GPU starts the
+        # steps' blocks first and an encode fills what they leave.
+        self.stream: torch.cuda.Stream | None = None
+        if self.encoder.stream is not None:
+            self.stream = torch.cuda.Stream(self.device, priority=STEP_STREAM_PRIORITY)
         self.scheduler = Scheduler(
             config,
             self.kv,
@@ -681,7 +691,21 @@ class LLMEngine:
         A fault while scheduling, encoding, preparing, running or sampling fails exactly the requests of
         the step (and of the launched step not yet read back, whose tokens it consumed): each ends with
         finish_reason "error" and an ``error`` message in its output, returns its KV blocks, and the engine
-        serves on. A fault in one request's read-back (grammar, detokenizer) fails that request alone."""
+        serves on. A fault in one request's read-back (grammar, detokenizer) fails that request alone.
+
+        With the step stream (``overlap_encoder`` on CUDA) the step runs on it, after whatever the caller's
+        stream had queued (weights, adapters, captures) and before whatever it queues next."""
+        if self.stream is None:
+            return self._step()
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                return self._step()
+        finally:
+            caller.wait_stream(self.stream)
+
+    def _step(self) -> list[RequestOutput]:
         previous, self._inflight = self._inflight, None
         batch: ScheduledBatch | None = None
         current: InflightStep | None = None
