@@ -6,9 +6,10 @@ For each thread that did work in the trace: its busy time, the Python functions 
 function's own code: not in a callee, a torch op or a CUDA runtime call), the torch ops and CUDA runtime calls
 with the most self time, how many kernels and graphs the thread launched, and its host syncs
 (``cudaStreamSynchronize`` and the like: the host waiting for the device) by the Python functions they came
-from. ``--focus NAME`` narrows every table to what ran inside the functions whose name contains NAME (e.g.
-``_launch`` or ``encoder``), each figure a share of their time. Markdown on stdout; ``--json`` writes the same
-numbers as JSON.
+from; and the device's work by CUDA stream (busy time, and the time beside the busiest stream: how much of
+a side stream's encodes ran under the steps). ``--focus NAME`` narrows the threads' tables to what ran inside
+the functions whose name contains NAME (e.g. ``_launch`` or ``encoder``), each figure a share of their time.
+Markdown on stdout; ``--json`` writes the same numbers as JSON.
 
     python3 bench/trace_summary.py /tmp/res-stall/gpumedia/profile/g4serve-*.trace.json.gz --top 30
 """
@@ -150,6 +151,68 @@ def _rows(items: list[tuple[str, float, int]], total_us: float) -> list[str]:
     ]
 
 
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The time two unions of intervals (each sorted and disjoint) share."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def device_streams(trace: dict) -> dict:
+    """The device's work by CUDA stream: each stream's kernels (and copies), the time it was busy (their
+    union) and the time it ran beside the busiest stream (with ``--overlap-encoder``: how much of the side
+    stream's encodes ran under the steps' work)."""
+    by_stream: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES:
+            stream = str(e.get("args", {}).get("stream", e.get("tid")))
+            by_stream[stream].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    unions = {k: _union(v) for k, v in by_stream.items()}
+    busy = {k: sum(end - start for start, end in u) for k, u in unions.items()}
+    main = max(busy, key=busy.get, default=None)
+    return {
+        k: {
+            "launches": len(by_stream[k]),
+            "busy_ms": round(busy[k] / 1e3, 3),
+            "beside_busiest_ms": round(_overlap_us(unions[k], unions[main]) / 1e3, 3) if k != main else None,
+        }
+        for k in sorted(busy, key=busy.get, reverse=True)
+    }
+
+
+def render_streams(streams: dict) -> str:
+    if not streams:
+        return ""
+    lines = [
+        "## device: work by CUDA stream",
+        "",
+        "| stream | launches | busy ms | of it beside the busiest |",
+    ]
+    lines.append("|---|---:|---:|---:|")
+    for k, v in streams.items():
+        beside = "–" if v["beside_busiest_ms"] is None else f"{v['beside_busiest_ms']:.1f}"
+        lines.append(f"| {k} | {v['launches']} | {v['busy_ms']:.1f} | {beside} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(threads: list[ThreadSummary], top: int, focus: str | None) -> str:
     lines = []
     for s in threads:
@@ -205,11 +268,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-busy-ms", type=float, default=1.0, help="leave out threads busy for less")
     p.add_argument("--json", type=Path, help="also write the summary here")
     args = p.parse_args(argv)
-    threads = summarize(load(args.trace), args.focus, args.min_busy_ms)
+    trace = load(args.trace)
+    threads = summarize(trace, args.focus, args.min_busy_ms)
+    streams = device_streams(trace) if not args.focus else {}
     print(f"# {args.trace.name}\n")
+    print(render_streams(streams))
     print(render(threads, args.top, args.focus))
     if args.json:
-        args.json.write_text(json.dumps(as_json(threads, args.top), indent=1) + "\n")
+        summary = {"threads": as_json(threads, args.top), "streams": streams}
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

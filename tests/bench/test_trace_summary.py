@@ -30,7 +30,9 @@ def _trace():
             _x("engine.py(4): _complete", "python_function", 750, 200),
             _x("cudaStreamSynchronize", "cuda_runtime", 760, 150),
             _x("loop.py(9): run", "python_function", 0, 400, tid=2),
-            _x("some_kernel", "kernel", 0, 999, tid=3),  # device time: not a host thread's
+            _x("step_kernel", "kernel", 0, 400, tid=3) | {"args": {"stream": 7}},  # device time
+            _x("step_kernel", "kernel", 500, 400, tid=3) | {"args": {"stream": 7}},
+            _x("encode_kernel", "kernel", 300, 300, tid=4) | {"args": {"stream": 9}},
         ]
     }
 
@@ -59,6 +61,15 @@ def test_focus_narrows_to_what_ran_inside():
     assert ts.summarize(_trace(), focus="_launch", min_busy_ms=0.7) == []  # busy below the floor
 
 
+def test_device_work_by_stream():
+    streams = ts.device_streams(_trace())
+    assert list(streams) == ["7", "9"]  # the busiest first
+    assert streams["7"] == {"launches": 2, "busy_ms": 0.8, "beside_busiest_ms": None}
+    # the encode ran 300-600 us: beside the steps' kernels 300-400 and 500-600
+    assert streams["9"] == {"launches": 1, "busy_ms": 0.3, "beside_busiest_ms": 0.2}
+    assert ts._union([(5, 7), (0, 2), (1, 3)]) == [(0, 3), (5, 7)]
+
+
 def test_main_writes_markdown_and_json(tmp_path, capsys):
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -67,7 +78,10 @@ def test_main_writes_markdown_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "## engine: 1.0 ms in traced calls; 1 kernel launches, 1 graph launches" in out
     assert "| 0.6 | 60.0% | 1 | `engine.py(2): _launch` |" in out
+    assert "| 9 | 1 | 0.3 | 0.2 |" in out
     summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["streams"]["9"]["beside_busiest_ms"] == 0.2
+    summary = summary["threads"]
     assert summary[0]["thread"] == "engine" and summary[0]["inclusive_ms"][0] == ["engine.py(1): step", 1.0]
     assert "**host syncs, by the Python functions they came from**" in out
     assert (
