@@ -27,70 +27,28 @@ mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
+  local t0=$SECONDS
   timeout -k 5 $((DURATION + 70)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --duration "$DURATION" --drain-timeout 30 --no-plots --label "$mode-$1" --out "$RES/$mode/$1" "${@:2}" \
     > "$RES/$mode/$1.log" 2>&1
+  echo "   $mode $1: exit $? after $((SECONDS - t0)) s"  # progress, for a call that runs out of time
 }
 # Text beside media starts once the media arrive (their warm-up 2, then 8 of their point): a media bench builds
 # its first ~10 s of bodies before it sends.
 media_arrived() {
-  python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10))"
+  local t0=$SECONDS
+  if python3 -c "import sys; from g4serve.bench.loadgen import wait_for_finished as w; sys.exit(not w('http://127.0.0.1:$PORT', 10, 60))"; then
+    echo "   $mode: the media arrived after $((SECONDS - t0)) s"
+  else
+    echo "   $mode: 10 media requests did not finish in 60 s; the server log ends:"; tail -n 5 "$RES/$mode/server.log"
+  fi
 }
 TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY" --warmup 4)
 # MEDIA=audio: clips instead of videos. The media start first and outlast the text point by 10 s (its
 # calibration and warm-up take a few seconds), so they arrive during all of it.
 VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2 --duration $((DURATION + 10)))
-for mode in $MODES; do
-  mkdir -p "$RES/$mode"
-  case $mode in
-    overlap) extra="--overlap-encoder --no-media-on-gpu" ;;
-    gpumedia) extra=--media-on-gpu ;;
-    capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP --no-media-on-gpu" ;;
-    split*)  # splitE[pP]: media on the GPU, at most E soft tokens encoded beside decodes (and P prefill tokens)
-      spec=${mode#split}
-      extra="--media-on-gpu --max-encoder-tokens-beside-decodes ${spec%%p*}"
-      [[ $spec == *p* ]] && extra+=" --max-prefill-tokens-beside-decodes ${spec#*p}" ;;
-    gpuoverlap*)  # gpuoverlap[P]: media on the GPU, encoded on the side stream (and at most P prefill tokens)
-      extra="--media-on-gpu --overlap-encoder"
-      [[ -n ${mode#gpuoverlap} ]] && extra+=" --max-prefill-tokens-beside-decodes ${mode#gpuoverlap}" ;;
-    gil*) extra= ;;  # the default: media on the GPU where the engine runs on CUDA
-    *) extra=--no-media-on-gpu ;;
-  esac
-  switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
-  profile_dir=; [[ $PROFILE == 1 ]] && profile_dir=$RES/$mode/profile
-  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
-    --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
-  bench text-alone "${TEXT[@]}"
-  bench video-beside "${VIDEO[@]}" --seed 1 &
-  video=$!
-  media_arrived
-  bench text-beside-video "${TEXT[@]}"
-  wait $video
-  if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of each
-    profiled() {  # profiled NAME: the text streams, PROFILE_S seconds of them profiled into $RES/$mode/NAME.json
-      bench "$1" "${TEXT[@]}" &
-      local text=$!
-      sleep 4  # the text streams' calibration and warm-up
-      curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
-      curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/$1.json"
-      wait $text
-      trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace'])" "$RES/$mode/$1.json")
-      for focus in "" "): _launch" "): _encode" "): _collect_encodes" "): _complete"; do  # host time by function
-        python3 bench/trace_summary.py "$trace" --top 40 ${focus:+--focus "$focus"} --min-busy-ms 20
-      done > "$RES/$mode/$1.md" 2>&1
-    }
-    profiled profiled-text-alone
-    bench profiled-videos "${VIDEO[@]}" --seed 2 &
-    video=$!
-    media_arrived
-    profiled profiled-text-beside-video
-    wait $video
-  fi
-  kill $server; wait $server 2>/dev/null
-done
-python3 - "$RES" > "$OUT/summary.md" <<'EOF'
+summarize() {  # the table of every mode done so far, into $OUT/summary.md
+  python3 - "$RES" > "$OUT/summary.md" <<'EOF'
 import json, pathlib, sys
 res = pathlib.Path(sys.argv[1])
 print("| mode | run | done | TTFT p50 / p95 ms | ITL p50 / p95 / p99 ms | out tok/s | server prep / enc ms "
@@ -120,5 +78,66 @@ for path in sorted(res.glob("*/*/results.json")):
               f"{quantiles(server, 'server_itl', (50, 95, 99))} | {quantiles(server, 'event_loop_lag', (50, 99))} | "
               f"{thread(server)} | {intervals(server)} |")
 EOF
+}
+for mode in $MODES; do
+  mkdir -p "$RES/$mode"
+  case $mode in
+    overlap) extra="--overlap-encoder --no-media-on-gpu" ;;
+    gpumedia) extra=--media-on-gpu ;;
+    capped) extra="--max-prefill-tokens-beside-decodes $PREFILL_CAP --no-media-on-gpu" ;;
+    split*)  # splitE[pP]: media on the GPU, at most E soft tokens encoded beside decodes (and P prefill tokens)
+      spec=${mode#split}
+      extra="--media-on-gpu --max-encoder-tokens-beside-decodes ${spec%%p*}"
+      [[ $spec == *p* ]] && extra+=" --max-prefill-tokens-beside-decodes ${spec#*p}" ;;
+    gpuoverlap*)  # gpuoverlap[P]: media on the GPU, encoded on the side stream (and at most P prefill tokens)
+      extra="--media-on-gpu --overlap-encoder"
+      [[ -n ${mode#gpuoverlap} ]] && extra+=" --max-prefill-tokens-beside-decodes ${mode#gpuoverlap}" ;;
+    gil*) extra= ;;  # the default: media on the GPU where the engine runs on CUDA
+    *) extra=--no-media-on-gpu ;;
+  esac
+  switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
+  profile_dir=; [[ $PROFILE == 1 ]] && profile_dir=$RES/$mode/profile
+  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
+    --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
+  server=$!
+  t0=$SECONDS
+  for _ in $(seq 180); do  # until healthy, or the server has exited
+    curl -sf localhost:$PORT/health > /dev/null || ! kill -0 $server 2> /dev/null && break; sleep 1
+  done
+  if ! curl -sf localhost:$PORT/health > /dev/null; then
+    echo "== $mode: not ready after $((SECONDS - t0)) s; the server log ends:"; tail -n 20 "$RES/$mode/server.log"
+    kill $server 2> /dev/null; wait $server 2>/dev/null; continue
+  fi
+  echo "== $mode: ready after $((SECONDS - t0)) s"
+  bench text-alone "${TEXT[@]}"
+  bench video-beside "${VIDEO[@]}" --seed 1 &
+  video=$!
+  media_arrived
+  bench text-beside-video "${TEXT[@]}"
+  wait $video
+  if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of each
+    profiled() {  # profiled NAME: the text streams, PROFILE_S seconds of them profiled into $RES/$mode/NAME.json
+      bench "$1" "${TEXT[@]}" &
+      local text=$!
+      sleep 4  # the text streams' calibration and warm-up
+      curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
+      curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/$1.json"
+      wait $text
+      trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace'])" "$RES/$mode/$1.json")
+      for focus in "" "): _launch" "): _encode" "): _collect_encodes" "): _complete"; do  # host time by function
+        python3 bench/trace_summary.py "$trace" --top 40 ${focus:+--focus "$focus"} --min-busy-ms 20
+      done > "$RES/$mode/$1.md" 2>&1
+    }
+    profiled profiled-text-alone
+    bench profiled-videos "${VIDEO[@]}" --seed 2 &
+    video=$!
+    media_arrived
+    profiled profiled-text-beside-video
+    wait $video
+  fi
+  kill $server; wait $server 2>/dev/null
+  summarize  # so far: a call that runs out of time keeps the modes done
+done
+summarize
 cat "$OUT/summary.md"
 tar -czf "$OUT/media_stall.tgz" -C "$RES" .
