@@ -17,11 +17,18 @@ four launches become one. ``moe_input_norms``: a MoE layer's two norms of one ro
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.fp8_matmul import GROUP, group_buffers, quantize_activation_groups
 from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
+
+
+@triton.jit
+def _normed(x, n_cols, eps):
+    """A row in fp32 over its root mean square (padding columns loaded as 0)."""
+    return x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
 
 
 def _rms_norm_fn(
@@ -65,10 +72,10 @@ def _rms_norm_fn(
         wa = tl.load(WA + cols, mask=mask, other=0.0).to(tl.float32)
         wb = tl.load(WB + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(XB + row * stride_xb + cols, mask=mask, other=0.0).to(tl.float32)
-        a = (x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps) * wa).to(Out.dtype.element_ty).to(tl.float32)
-        b = (b / tl.sqrt(tl.sum(b * b, 0) / n_cols + eps) * wb).to(Out.dtype.element_ty).to(tl.float32)
+        a = (_normed(x, n_cols, eps) * wa).to(Out.dtype.element_ty).to(tl.float32)
+        b = (_normed(b, n_cols, eps) * wb).to(Out.dtype.element_ty).to(tl.float32)
         x = (a + b).to(Out.dtype.element_ty).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    y = _normed(x, n_cols, eps)
     if HAS_W:
         y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     y = y.to(Out.dtype.element_ty)
@@ -80,7 +87,7 @@ def _rms_norm_fn(
     tl.store(Out + row * stride_o + cols, y, mask=mask)
     if HAS_NORM2:
         z = y.to(tl.float32)
-        z = z / tl.sqrt(tl.sum(z * z, 0) / n_cols + eps)
+        z = _normed(z, n_cols, eps)
         z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
         if QUANT:  # out2 as the W8A8 GEMM's quantizer reads it: rounded, then per 128-column group
@@ -219,7 +226,7 @@ def _moe_input_norms_fn(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = _normed(x, n_cols, eps)
     experts_in = normed * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + cols, experts_in.to(Out.dtype.element_ty), mask=mask)
     # the router's: rms_norm(x) * scale * root, rounded after each op as the eager ops round
