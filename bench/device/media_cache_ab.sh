@@ -27,7 +27,7 @@ for side in $SIDES; do
   python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 --mm-processor-cache-gb $gb > "$RES/$side/server.log" 2>&1 &
   server=$!
-  for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
+  wait_healthy "$PORT" $server 180
   bench new --workload video --rates 1 --warmup 2 --seed 2
   bench seen --workload video --rates 1 --warmup 2 --seed 2
   bench sweep --workload video --rates "$SWEEP" --warmup 4 --seed 3

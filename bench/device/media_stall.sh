@@ -47,6 +47,19 @@ TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY
 # MEDIA=audio: clips instead of videos. The media start first and outlast the text point by 10 s (its
 # calibration and warm-up take a few seconds), so they arrive during all of it.
 VIDEO=(--workload "$MEDIA" --rates "$VIDEO_QPS" --warmup 2 --duration $((DURATION + 10)))
+profiled() {  # profiled NAME: the text streams, PROFILE_S seconds of them profiled into $RES/$mode/NAME.json
+  bench "$1" "${TEXT[@]}" &
+  local text=$!
+  sleep 4  # the text streams' calibration and warm-up
+  curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
+  curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/$1.json"
+  wait $text
+  local trace
+  trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace'])" "$RES/$mode/$1.json")
+  for focus in "" "): _launch" "): _encode" "): _collect_encodes" "): _complete"; do  # host time by function
+    python3 bench/trace_summary.py "$trace" --top 40 ${focus:+--focus "$focus"} --min-busy-ms 20
+  done > "$RES/$mode/$1.md" 2>&1
+}
 summarize() {  # the table of every mode done so far, into $OUT/summary.md
   python3 - "$RES" > "$OUT/summary.md" <<'EOF'
 import json, pathlib, sys
@@ -101,10 +114,7 @@ for mode in $MODES; do
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!
   t0=$SECONDS
-  for _ in $(seq 180); do  # until healthy, or the server has exited
-    curl -sf localhost:$PORT/health > /dev/null || ! kill -0 $server 2> /dev/null && break; sleep 1
-  done
-  if ! curl -sf localhost:$PORT/health > /dev/null; then
+  if ! wait_healthy "$PORT" $server 180; then
     echo "== $mode: not ready after $((SECONDS - t0)) s; the server log ends:"; tail -n 20 "$RES/$mode/server.log"
     kill $server 2> /dev/null; wait $server 2>/dev/null; continue
   fi
@@ -116,18 +126,6 @@ for mode in $MODES; do
   bench text-beside-video "${TEXT[@]}"
   wait $video
   if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of each
-    profiled() {  # profiled NAME: the text streams, PROFILE_S seconds of them profiled into $RES/$mode/NAME.json
-      bench "$1" "${TEXT[@]}" &
-      local text=$!
-      sleep 4  # the text streams' calibration and warm-up
-      curl -sf -X POST localhost:$PORT/start_profile > /dev/null; sleep "$PROFILE_S"
-      curl -sf -X POST localhost:$PORT/stop_profile > "$RES/$mode/$1.json"
-      wait $text
-      trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace'])" "$RES/$mode/$1.json")
-      for focus in "" "): _launch" "): _encode" "): _collect_encodes" "): _complete"; do  # host time by function
-        python3 bench/trace_summary.py "$trace" --top 40 ${focus:+--focus "$focus"} --min-busy-ms 20
-      done > "$RES/$mode/$1.md" 2>&1
-    }
     profiled profiled-text-alone
     bench profiled-videos "${VIDEO[@]}" --seed 2 &
     video=$!

@@ -66,15 +66,6 @@ stage() {  # stage NAME SECONDS CMD...: CMD under timeout, output in $RES/NAME.l
   tail -n 8 "$RES/$name.log"
   return $rc
 }
-wait_healthy() {  # wait_healthy PORT PID SECONDS
-  local end=$(( SECONDS + $3 ))
-  while (( SECONDS < end )); do
-    curl -sf "localhost:$1/health" >/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || return 1
-    sleep 1
-  done
-  return 1
-}
 stop() {  # stop PID: SIGINT (graceful), then SIGKILL after 30 s
   kill -INT "$1" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || { wait "$1" 2>/dev/null; return 0; }; sleep 1; done

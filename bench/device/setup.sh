@@ -22,3 +22,14 @@ run() {
 # second_gpu: the GPU for a half of the work run beside GPU 0 (1; 0 on a one-GPU machine: the caller then
 # runs its halves in turn).
 second_gpu() { python3 -c "import torch; print(1 if torch.cuda.device_count() >= 2 else 0)"; }
+# wait_healthy PORT PID SECONDS: until the server on PORT answers /health (0), or process PID has exited or
+# SECONDS have passed (1).
+wait_healthy() {
+  local end=$(( SECONDS + $3 ))
+  while (( SECONDS < end )); do
+    curl -sf "localhost:$1/health" >/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
