@@ -333,6 +333,27 @@ def test_step_intervals_by_kind(tiny_model_dir):
     assert cumulative == sorted(cumulative) and snap["decode"]["buckets"][-1][0] == "+Inf"
 
 
+def test_step_interval_buckets_hold_their_upper_bound(monkeypatch):
+    """An interval equal to a bound counts in that bound's bucket (Prometheus' ``le``), one past every bound
+    in +Inf only, and a step without decode rows is not an interval."""
+    from g4serve.engine import step_profile
+
+    clock = iter([0.0, 0.004, 0.004, 2.004, 3.0])
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: next(clock))
+    intervals = step_profile.StepIntervals()
+    intervals.observe("decode", True)  # the first: nothing before it
+    intervals.observe("decode", True)  # 0.004 s
+    intervals.observe("encode", False)  # 0 s, no decode rows: not counted
+    intervals.observe("encode", True)  # 2.0 s: past every bound
+    intervals.observe("prefill", True)  # 0.996 s
+    snap = intervals.snapshot()
+    decode = dict(snap["decode"]["buckets"])
+    assert (decode["0.003"], decode["0.004"], decode["+Inf"]) == (0, 1, 1)
+    encode = dict(snap["encode"]["buckets"])
+    assert (encode["1"], encode["+Inf"], snap["encode"]["sum"]) == (0, 1, 2.0)
+    assert dict(snap["prefill"]["buckets"])["1"] == 1
+
+
 def test_the_step_profile_splits_wall_from_cpu_time():
     """Sleeping (off the CPU, as a thread waiting for the GIL is) counts in wall time only; spinning, both."""
     from g4serve.engine.step_profile import StepProfile

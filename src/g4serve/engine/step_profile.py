@@ -18,6 +18,7 @@ step (``g4serve_engine_thread_cpu_seconds_total{phase}``; ``wait`` blocks on the
 
 from __future__ import annotations
 
+import bisect
 import time
 
 PHASES = ("commands", "schedule", "encode", "launch", "wait", "outputs", "publish")
@@ -75,7 +76,7 @@ class StepIntervals:
         now = time.perf_counter()
         if has_decode_rows and self._last is not None:
             interval = now - self._last
-            i = next((i for i, b in enumerate(STEP_INTERVAL_BUCKETS_S) if interval <= b), -1)
+            i = bisect.bisect_left(STEP_INTERVAL_BUCKETS_S, interval)  # the first bound >= it, else past all
             self.counts[kind][i] += 1
             self.sums[kind] += interval
         self._last = now
