@@ -31,7 +31,12 @@ bench() {  # bench NAME ARGS...: one g4serve bench run against the server, outpu
   timeout -k 5 $((DURATION + 70)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --duration "$DURATION" --drain-timeout 30 --no-plots --label "$mode-$1" --out "$RES/$mode/$1" "${@:2}" \
     > "$RES/$mode/$1.log" 2>&1
-  echo "   $mode $1: exit $? after $((SECONDS - t0)) s"  # progress, for a call that runs out of time
+  local rc=$?
+  echo "   $mode $1: exit $rc after $((SECONDS - t0)) s"  # progress, for a call that runs out of time
+  if [[ $rc == 124 ]]; then  # timed out: every server thread's stack into its log (g4serve serve, SIGUSR1)
+    kill -USR1 "$server" 2> /dev/null && sleep 1 && echo "   $mode: the server's threads:" && \
+      grep -A12 -E "^(Current thread|Thread) 0x" "$RES/$mode/server.log" | tail -n 80
+  fi
 }
 # Text beside media starts once the media arrive (their warm-up 2, then 8 of their point): a media bench builds
 # its first ~10 s of bodies before it sends.

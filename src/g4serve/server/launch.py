@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 
 from g4serve import envs
 from g4serve.config import PRESETS
@@ -147,7 +149,15 @@ def build_from_args(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     log_to_stderr(args.log_level)
+    dump_stacks_on_sigusr1()
     return run_http(build_from_args(args), args)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` writes every thread's Python stack to stderr and the server goes on: what a
+    server that stopped answering is doing (the engine thread, the event loop, the media workers)."""
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def log_to_stderr(level: str) -> None:
