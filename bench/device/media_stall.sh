@@ -97,6 +97,15 @@ for path in sorted(res.glob("*/*/results.json")):
               f"{thread(server)} | {intervals(server)} |")
 EOF
 }
+# STACKS_EVERY_S=N: the server writes every thread's Python stack into its log every N seconds (faulthandler's
+# watchdog thread: no signal needed), to read what a server that stopped answering was doing.
+SERVER_PY=(python3 -m g4serve.cli)
+if [[ ${STACKS_EVERY_S:-0} != 0 ]]; then
+  SERVER_PY=(python3 -c 'import faulthandler, runpy, sys
+faulthandler.dump_traceback_later(float(sys.argv[1]), repeat=True)
+sys.argv = ["g4serve", *sys.argv[2:]]
+runpy.run_module("g4serve.cli", run_name="__main__")' "$STACKS_EVERY_S")
+fi
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
   case $mode in
@@ -115,7 +124,7 @@ for mode in $MODES; do
   esac
   switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
   profile_dir=; [[ $PROFILE == 1 ]] && profile_dir=$RES/$mode/profile
-  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
+  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch "${SERVER_PY[@]}" serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!
   t0=$SECONDS
