@@ -46,6 +46,7 @@ media_arrived() {
     echo "   $mode: the media arrived after $((SECONDS - t0)) s"
   else
     echo "   $mode: 10 media requests did not finish in 60 s; the server log ends:"; tail -n 5 "$RES/$mode/server.log"
+    return 1
   fi
 }
 TEXT=(--workload text --output-tokens "$TEXT_OUTPUT" --concurrency "$CONCURRENCY" --warmup 4)
@@ -136,7 +137,9 @@ for mode in $MODES; do
   bench text-alone "${TEXT[@]}"
   bench video-beside "${VIDEO[@]}" --seed 1 &
   video=$!
-  media_arrived
+  if ! media_arrived; then  # a stuck server: no text point beside media it does not serve; the next mode
+    kill $server; wait $server 2>/dev/null; wait $video; summarize; continue
+  fi
   bench text-beside-video "${TEXT[@]}"
   wait $video
   if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of each
