@@ -46,6 +46,12 @@ media_arrived() {
     echo "   $mode: the media arrived after $((SECONDS - t0)) s"
   else
     echo "   $mode: 10 media requests did not finish in 60 s; the server log ends:"; tail -n 5 "$RES/$mode/server.log"
+    # Is the GPU busy (a kernel that runs on) or idle (a stream waiting for what never comes)? And the engine's
+    # counts: steps, requests running and waiting, KV in use.
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2> /dev/null | sed 's/^/   GPU: /'
+    curl -sf "localhost:$PORT/metrics" | grep -E "^g4serve_(num_requests|num_steps|kv_cache_usage|num_overlapped)" \
+      | grep -v _bucket | head -n 20 | sed 's/^/   /'
+    sleep 2; nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader 2> /dev/null | sed 's/^/   GPU 2 s later: /'
     return 1
   fi
 }

@@ -52,6 +52,12 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_ENCODER_GRAPHS",
+        "1",
+        "`0`: the vision and audio encoders run eagerly on CUDA, not as captured CUDA graphs (A/B runs)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

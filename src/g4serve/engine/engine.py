@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from g4serve import envs
 from g4serve.config import TextConfig
 from g4serve.distributed import SINGLE
 from g4serve.distributed.sharding import check_tensor_parallel
@@ -238,6 +239,7 @@ class LLMEngine:
 
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         graphs = self.device.type == "cuda" and not config.enforce_eager
+        graphs = graphs and envs.get("G4SERVE_ENCODER_GRAPHS") == "1"  # read when an engine is built
         self.encoder = EncoderRunner(
             self.model, self.encoder_cache, overlap=config.overlap_encoder, cuda_graphs=graphs
         )
