@@ -33,10 +33,17 @@ bench() {  # bench NAME ARGS...: one g4serve bench run against the server, outpu
     > "$RES/$mode/$1.log" 2>&1
   local rc=$?
   echo "   $mode $1: exit $rc after $((SECONDS - t0)) s"  # progress, for a call that runs out of time
-  if [[ $rc == 124 ]]; then  # timed out: every server thread's stack into its log (g4serve serve, SIGUSR1)
-    kill -USR1 "$server" 2> /dev/null && sleep 1 && echo "   $mode: the server's threads:" && \
-      grep -A12 -E "^(Current thread|Thread) 0x" "$RES/$mode/server.log" | tail -n 80
-  fi
+  [[ $rc == 124 ]] && stacks  # timed out
+}
+stacks() {  # every server thread's Python stack into its log (g4serve serve on SIGUSR1); the last dump's busy ones
+  kill -USR1 "$server" 2> /dev/null && sleep 2 && echo "   $mode: the server's threads:" && python3 - "$RES/$mode/server.log" <<'EOF'
+import sys
+dump = open(sys.argv[1], errors="replace").read().rsplit("--- stacks of", 1)[-1]
+for thread in dump.split("\nThread ")[1:]:
+    lines = thread.splitlines()
+    if "in _worker" not in "".join(lines[-2:]):  # an idle pool worker: skipped
+        print("   Thread " + "\n   ".join(lines if len(lines) <= 13 else lines[:1] + lines[-12:]))
+EOF
 }
 # Text beside media starts once the media arrive (their warm-up 2, then 8 of their point): a media bench builds
 # its first ~10 s of bodies before it sends.
@@ -52,6 +59,7 @@ media_arrived() {
     curl -sf "localhost:$PORT/metrics" | grep -E "^g4serve_(num_requests|num_steps|kv_cache_usage|num_overlapped)" \
       | grep -v _bucket | head -n 20 | sed 's/^/   /'
     sleep 2; nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader 2> /dev/null | sed 's/^/   GPU 2 s later: /'
+    stacks
     return 1
   fi
 }
@@ -104,15 +112,6 @@ for path in sorted(res.glob("*/*/results.json")):
               f"{thread(server)} | {intervals(server)} |")
 EOF
 }
-# STACKS_EVERY_S=N: the server writes every thread's Python stack into its log every N seconds (faulthandler's
-# watchdog thread: no signal needed), to read what a server that stopped answering was doing.
-SERVER_PY=(python3 -m g4serve.cli)
-if [[ ${STACKS_EVERY_S:-0} != 0 ]]; then
-  SERVER_PY=(python3 -c 'import faulthandler, runpy, sys
-faulthandler.dump_traceback_later(float(sys.argv[1]), repeat=True)
-sys.argv = ["g4serve", *sys.argv[2:]]
-runpy.run_module("g4serve.cli", run_name="__main__")' "$STACKS_EVERY_S")
-fi
 for mode in $MODES; do
   mkdir -p "$RES/$mode"
   case $mode in
@@ -131,7 +130,7 @@ for mode in $MODES; do
   esac
   switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
   profile_dir=; [[ $PROFILE == 1 ]] && profile_dir=$RES/$mode/profile
-  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch "${SERVER_PY[@]}" serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
+  G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
     --max-num-seqs 64 $extra > "$RES/$mode/server.log" 2>&1 &
   server=$!
   t0=$SECONDS

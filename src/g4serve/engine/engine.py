@@ -239,9 +239,9 @@ class LLMEngine:
 
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         graphs = self.device.type == "cuda" and not config.enforce_eager
-        graphs = graphs and envs.get("G4SERVE_ENCODER_GRAPHS") == "1"  # read when an engine is built
+        encoder_graphs = graphs and envs.get("G4SERVE_ENCODER_GRAPHS") == "1"  # read when an engine is built
         self.encoder = EncoderRunner(
-            self.model, self.encoder_cache, overlap=config.overlap_encoder, cuda_graphs=graphs
+            self.model, self.encoder_cache, overlap=config.overlap_encoder, cuda_graphs=encoder_graphs
         )
         # Decodes first: with encodes on the side stream (the lowest priority, the default stream's), the
         # steps run on a stream of the highest priority, so where both have work queued the GPU starts the

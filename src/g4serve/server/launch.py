@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import signal
+import sys
+import threading
+import traceback
 
 from g4serve import envs
 from g4serve.config import PRESETS
@@ -155,9 +157,21 @@ def serve(args: argparse.Namespace) -> int:
 
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 <pid>`` writes every thread's Python stack to stderr and the server goes on: what a
-    server that stopped answering is doing (the engine thread, the event loop, the media workers)."""
+    server that stopped answering is doing (the engine thread, the event loop, the media workers). The
+    handler runs in the main thread, under the interpreter lock, reading ``sys._current_frames()``: safe
+    while the other threads run (faulthandler's dump reads their frames without the lock and can crash a
+    busy process)."""
     if hasattr(signal, "SIGUSR1"):  # not on Windows
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        signal.signal(signal.SIGUSR1, _dump_stacks)
+
+
+def _dump_stacks(signum: int, frame: object) -> None:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = [f"--- stacks of {len(names)} threads (SIGUSR1) ---"]
+    for ident, top in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, '?')} ({ident:#x}):")
+        parts.append("".join(traceback.format_stack(top)).rstrip())
+    print("\n".join(parts), file=sys.stderr, flush=True)
 
 
 def log_to_stderr(level: str) -> None:
