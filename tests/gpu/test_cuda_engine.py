@@ -302,6 +302,62 @@ def test_media_steps_in_graphs_match_eager(hf_checkpoint):
         assert overlapped.encoder.num_in_flight == 0 and len(overlapped.encoder.calls) >= 2
 
 
+def test_encoder_graphs_are_captured_on_streams_of_their_own(hf_checkpoint):
+    """The encoders' graphs replay on the encoder's stream beside the steps' graphs (``--overlap-encoder``):
+    captured on torch's one default capture stream like the steps' graphs, their GEMMs would share one
+    cuBLAS workspace (``cuda_graphs._capture``); an e4b server on an H200 then stopped under 32 video QPS."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(hf_checkpoint("e")),
+            device="cuda",
+            kv_cache_bytes=64 << 20,
+            max_num_batched_tokens=256,
+            overlap_encoder=True,
+        )
+    )
+    shared = torch.cuda.graph.default_capture_stream  # set by the steps' captures
+    assert engine.runner.decode_graphs is not None and shared is not None
+    vision, audio = engine.encoder.vision_graphs, engine.encoder.audio_graphs
+    assert vision._graphs and audio._graphs  # captured at warm-up
+    streams = {shared, vision.capture_stream, audio.capture_stream}
+    assert len(streams) == 3 and None not in streams
+
+
+def test_videos_beside_text_with_the_overlapped_encoder_finish():
+    """Full-size e4b, bf16, random weights: 24 six-frame 480p videos and 16 text prompts at once with the
+    encoder on its side stream, its graphs replayed beside the steps' (no media on the GPU). With the
+    encoders' graphs captured on the steps' capture stream the server this mirrors hung at this load (the
+    engine thread waiting for a step that never ended); here every request finishes within the bound."""
+    import threading
+
+    import numpy as np
+
+    engine = LLMEngine(
+        EngineConfig(
+            model="e4b", device="cuda", overlap_encoder=True, max_num_seqs=64, kv_cache_bytes=8 << 30
+        )
+    )
+    rng = np.random.default_rng(0)
+    turn = "<|turn>user\n{}<turn|>\n<|turn>model\n"
+    prompts = [
+        {
+            "prompt": turn.format("<|video|>What happens?"),
+            "multi_modal_data": {
+                "video": [[rng.integers(0, 256, (480, 854, 3), dtype=np.uint8) for _ in range(6)]]
+            },
+        }
+        for _ in range(24)
+    ] + [turn.format(f"Count to {i} slowly, one line a number. " * 20) for i in range(16)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(_run_each(engine, prompts, params)), daemon=True)
+    runner.start()
+    runner.join(timeout=300)
+    assert not runner.is_alive(), "the engine stopped: a step never finished"
+    assert [len(t) for t in result[0]] == [24] * len(prompts)
+    assert engine.encoder.num_in_flight == 0 and len(engine.encoder.calls) >= 1
+
+
 @pytest.mark.parametrize("overlap_encoder", [False, True])
 def test_media_and_penalty_steps_launch_without_a_host_sync(hf_checkpoint, overlap_encoder):
     """A step that encodes an image, a video or a clip (media prepared on the GPU), or samples with penalties

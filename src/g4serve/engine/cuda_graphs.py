@@ -56,9 +56,20 @@ def sizes_up_to(limit: int, buckets: Sequence[int]) -> list[int]:
     return sizes
 
 
-def _capture(forward: Callable[[], Any], pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+def _capture(
+    forward: Callable[[], Any], pool, device: torch.device, stream: torch.cuda.Stream | None = None
+) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``forward()`` into a graph on ``pool``, after two eager runs that JIT-compile the kernels
     and settle cuBLAS heuristics outside the capture; returns the graph and its static outputs.
+
+    ``stream``: the stream captured on (None: torch's one default capture stream). torch gives cuBLAS a
+    workspace per (handle, stream) and a captured GEMM keeps its address, so every graph captured on one
+    stream shares one workspace (pytorch/pytorch#193402). Graphs that replay side by side on two streams
+    must be captured on two streams: the encoders' graphs (``VisionGraphRunner``, ``AudioGraphRunner``) on
+    their own, since with ``--overlap-encoder`` they replay on the encoder's stream beside the steps'
+    graphs. Sharing it, an e4b server on an H200 (torch 2.11) stopped under 32 video QPS within a second of
+    the first videos, its engine thread waiting for a step that never ended, every time, and not with the
+    encoders run eagerly.
 
     The capture forbids unsafe CUDA calls on this thread only ("thread_local"): the server's media threads
     (``--media-on-gpu``) keep decoding images and computing log-mels on their own streams while the engine
@@ -68,9 +79,14 @@ def _capture(forward: Callable[[], Any], pool, device: torch.device) -> tuple[to
         forward()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         outputs = forward()
     return graph, outputs
+
+
+def _own_capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of its own to capture an encoder's graphs on (``_capture``: its own cuBLAS workspace)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 class _GraphRunner:
@@ -646,6 +662,7 @@ class VisionGraphRunner:
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]] = {}
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.capture_stream = _own_capture_stream(device)
 
     def max_frames(self, num_patches: int) -> int:
         """The most frames one ``encode_padded`` call takes at ``num_patches`` patches a frame."""
@@ -698,7 +715,10 @@ class VisionGraphRunner:
         t0 = time.monotonic()
         no_padding = key[-1]
         graph, outputs = _capture(
-            lambda: self.model.encode_images_padded(pixels, positions, no_padding), self._pool, self.device
+            lambda: self.model.encode_images_padded(pixels, positions, no_padding),
+            self._pool,
+            self.device,
+            self.capture_stream,
         )
         self._graphs[key] = entry = (graph, pixels, positions, outputs)
         log.info("captured a vision-encoder CUDA graph for %s in %.2fs", key[:-2], time.monotonic() - t0)
@@ -732,6 +752,7 @@ class AudioGraphRunner:
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.capture_stream = _own_capture_stream(device)
 
     def max_clips(self, frames: int) -> int:
         """The most clips of up to ``frames`` frames one ``encode`` call takes."""
@@ -793,7 +814,7 @@ class AudioGraphRunner:
             hidden, _ = self.model.audio_tower(static_features, static_mask)
             return self.model.embed_audio(hidden)
 
-        graph, tokens = _capture(forward, self._pool, self.device)
+        graph, tokens = _capture(forward, self._pool, self.device, self.capture_stream)
         self._graphs[key] = entry = (graph, static_features, static_mask, tokens)
         log.info("captured an audio-encoder CUDA graph for %s in %.2fs", key[:2], time.monotonic() - t0)
         return entry
