@@ -68,8 +68,9 @@ def _capture(
     must be captured on two streams: the encoders' graphs (``VisionGraphRunner``, ``AudioGraphRunner``) on
     their own, since with ``--overlap-encoder`` they replay on the encoder's stream beside the steps'
     graphs. Sharing it, an e4b server on an H200 (torch 2.11) stopped under 32 video QPS within a second of
-    the first videos, its engine thread waiting for a step that never ended, every time, and not with the
-    encoders run eagerly.
+    the first videos, its engine thread waiting for a step that never ended: in five runs of five, and in
+    none with the encoders eager (``G4SERVE_ENCODER_GRAPHS=0``). The shared workspace is the cause this
+    points to; the run with separate capture streams is still to come (docs/benchmarks.md).
 
     The capture forbids unsafe CUDA calls on this thread only ("thread_local"): the server's media threads
     (``--media-on-gpu``) keep decoding images and computing log-mels on their own streams while the engine
