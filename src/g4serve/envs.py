@@ -58,6 +58,12 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_STEP_STALL_S",
+        "60",
+        "`GET /health` answers 503 while the engine's current step has run longer than this many seconds (a "
+        "stalled device; read at each check; `0`: never)",
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

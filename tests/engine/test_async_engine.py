@@ -433,3 +433,30 @@ def test_switch_interval_from_the_environment(monkeypatch):
         assert sys.getswitchinterval() == pytest.approx(500e-6)  # unset: left as it was
     finally:
         sys.setswitchinterval(default)
+
+
+def test_step_running_s_counts_the_step_in_progress(aengine, monkeypatch):
+    """``step_running_s`` is 0 between steps and grows while a step runs (what /health's stall check reads);
+    a step that ends, even by raising, sets it back to 0."""
+    engine = aengine.engine
+    step, inside = engine.step, []
+
+    def slow_step():
+        inside.append(aengine.step_running_s())
+        time.sleep(0.3)
+        return step()
+
+    assert aengine.step_running_s() == 0.0
+    monkeypatch.setattr(engine, "step", slow_step)
+    seen: list[float] = []
+
+    async def main():
+        task = asyncio.ensure_future(_collect(aengine, _prompts(1)[0], GREEDY))
+        await _wait_until(lambda: inside)
+        await asyncio.sleep(0.2)
+        seen.append(aengine.step_running_s())
+        await task
+
+    asyncio.run(main())
+    assert inside[0] < 0.1 and 0.15 < seen[0] < 5.0
+    assert aengine.step_running_s() == 0.0

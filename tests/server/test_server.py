@@ -659,6 +659,29 @@ def test_health_after_the_engine_died(tiny_model_dir, server_factory):
     assert exc_info.value.status_code == 503 and "engine" in exc_info.value.message
 
 
+def test_health_while_a_step_stalls(tiny_model_dir, server_factory, monkeypatch):
+    """A step that runs past G4SERVE_STEP_STALL_S (a device that stopped: the engine thread waits on a step's
+    event for ever) turns /health into a 503 that names the stall, so a router takes the replica out; once
+    the step ends it is a 200 again. 0 turns the check off."""
+    running = server_factory(tiny_model_dir, "--text-only")
+    engine = running.app.state.engine
+    assert httpx.get(f"{running.base_url}/health").status_code == 200
+    engine._step_started = (
+        time.monotonic() - 75
+    )  # what a step stuck for 75 s leaves (the engine thread idles)
+    r = httpx.get(f"{running.base_url}/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    assert r.json()["error"]["message"].startswith("engine is stalled: its current step has run for 75 s")
+    monkeypatch.setenv("G4SERVE_STEP_STALL_S", "0")
+    assert httpx.get(f"{running.base_url}/health").status_code == 200
+    monkeypatch.setenv("G4SERVE_STEP_STALL_S", "120")
+    assert httpx.get(f"{running.base_url}/health").status_code == 200
+    monkeypatch.setenv("G4SERVE_STEP_STALL_S", "60")
+    assert httpx.get(f"{running.base_url}/health").status_code == 503
+    engine._step_started = None  # the step ended
+    assert httpx.get(f"{running.base_url}/health").status_code == 200
+
+
 def test_api_key_and_text_only(tiny_model_dir, server_factory):
     running = server_factory(tiny_model_dir, "--api-key", "s3cret", "--text-only")
     r = httpx.post(f"{running.base_url}/v1/chat/completions", json=_chat(model=None))

@@ -15,6 +15,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -93,6 +94,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self.dead: EngineDeadError | None = None  # why the engine stopped (its text is safe to show)
+        self._step_started: float | None = None  # when the step running now began (monotonic; None: none)
         set_switch_interval()
         # G4SERVE_TORCH_PROFILER_DIR set: POST /start_profile and /stop_profile profile this engine thread
         self.profiler = TorchProfile.from_env()
@@ -116,12 +118,15 @@ class AsyncLLMEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                self._step_started = time.monotonic()
                 try:
                     outputs = engine.step()  # fails a faulty step's requests itself, in their outputs
                 except Exception as exc:  # a fault outside any step's requests: nobody may be left waiting
                     log.exception("engine step raised; failing every request")
                     self._fail_all(exc)
                     continue
+                finally:
+                    self._step_started = None
                 t = profile.now()
                 batch: _Batch = {}
                 for out in outputs:
@@ -138,6 +143,13 @@ class AsyncLLMEngine:
             for loop, q, _ in list(self._streams.values()):
                 self._send(loop, q, self.dead)
             self._fail_calls()
+
+    def step_running_s(self) -> float:
+        """Seconds the engine thread has spent in the step it runs now; 0 between steps. A step that does not
+        end (the device waiting for what never comes) grows it without bound: ``GET /health`` turns 503
+        past ``G4SERVE_STEP_STALL_S``."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def _fail_calls(self) -> None:
         """Settle the engine-thread calls still queued with the engine's death (the thread has stopped)."""

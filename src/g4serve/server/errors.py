@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from g4serve import envs
 from g4serve.server.body import JsonBodyReader, put_blobs, read_into
 
 _TYPES = {
@@ -68,18 +69,31 @@ def error_response(
 
 def health_response(engine: Any, **extra: Any) -> JSONResponse:
     """``GET /health`` of every g4serve app, one shape: ``{"status": "ok", **extra}`` with 200 while
-    ``engine`` runs (or is None: an app serving without a model); once ``engine.dead`` is set, a 503 with
+    ``engine`` runs (or is None: an app serving without a model); once ``engine.dead`` is set, or while
+    its current step has run past ``G4SERVE_STEP_STALL_S`` seconds (a stalled device), a 503 with
     ``"status": "unavailable"`` and ``extra`` beside the usual ``error`` object, so load balancers that
     read ``status`` and OpenAI clients that read ``error.message`` both understand it."""
     dead = getattr(engine, "dead", None)
+    message = None
     if dead is not None:
         # The engine's own EngineDeadError says why; any other exception's text may hold internals.
         message = str(dead)
         if not message.startswith("engine is not running"):
             message = f"engine is not running: it crashed ({type(dead).__name__})"
+    elif (stalled := _stalled_for(engine)) is not None:
+        message = f"engine is stalled: its current step has run for {stalled:.0f} s (G4SERVE_STEP_STALL_S)"
+    if message is not None:
         body = {"status": "unavailable", **extra, **error_body(503, message)}
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", **extra})
+
+
+def _stalled_for(engine: Any) -> float | None:
+    """Seconds ``engine``'s current step has run, when past ``G4SERVE_STEP_STALL_S`` (0: never); else None."""
+    running = getattr(engine, "step_running_s", None)
+    limit = envs.get_float("G4SERVE_STEP_STALL_S")  # read at each check; ``serve`` checked it at start
+    seconds = running() if running is not None else 0.0
+    return seconds if limit > 0 and seconds > limit else None
 
 
 def bad_request(exc: Exception, prefix: str | None = None) -> APIError:

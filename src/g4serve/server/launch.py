@@ -151,6 +151,7 @@ def build_from_args(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     log_to_stderr(args.log_level)
+    envs.get_float("G4SERVE_STEP_STALL_S")  # a bad value fails the start, not every /health
     dump_stacks_on_sigusr1()
     return run_http(build_from_args(args), args)
 
