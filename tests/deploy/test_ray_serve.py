@@ -249,3 +249,26 @@ def test_scaling_down_drains_running_streams(cluster):
         assert stream.error is None and stream.finish_reason == "length", stream.events[-3:]
         assert stream.events[-1] == "[DONE]"
     wait_until(lambda: len(replica_names()) == 1, 60, "one replica left")
+
+
+def test_replica_health_check_fails_on_a_dead_or_stalled_engine():
+    """Ray Serve restarts a replica whose ``check_health`` raises: it asks what ``GET /health`` asks (the
+    engine stopped, or its step has run past G4SERVE_STEP_STALL_S), no cluster needed to see it."""
+    from types import SimpleNamespace
+
+    from g4serve.deploy.ray_app import EngineReplica
+    from g4serve.engine.async_engine import EngineDeadError
+
+    replica = object.__new__(EngineReplica.func_or_class)
+    engine = SimpleNamespace(dead=None, step_running_s=lambda: 2.0)
+    replica.app = SimpleNamespace(state=SimpleNamespace(engine=engine))
+    replica.check_health()  # serving
+    engine.step_running_s = lambda: 90.0
+    with pytest.raises(RuntimeError, match="engine is stalled: its current step has run for 90 s"):
+        replica.check_health()
+    engine.step_running_s, engine.dead = (
+        (lambda: 0.0),
+        EngineDeadError("engine is not running: it was shut down"),
+    )
+    with pytest.raises(RuntimeError, match="it was shut down"):
+        replica.check_health()

@@ -42,6 +42,7 @@ from g4serve.deploy.relay import (
 )
 from g4serve.deploy.router import LoadBound, place, rendezvous_order
 from g4serve.deploy.router_metrics import placement_label
+from g4serve.server.errors import engine_unavailable
 
 log = logging.getLogger("g4serve.router")
 
@@ -120,9 +121,9 @@ class EngineReplica:
             yield message
 
     def check_health(self) -> None:
-        dead = self.app.state.engine.dead
-        if dead is not None:
-            raise RuntimeError(f"engine is not running: {dead}")
+        reason = engine_unavailable(self.app.state.engine)  # dead, or a step stalled (as GET /health)
+        if reason is not None:
+            raise RuntimeError(reason)
 
     async def __del__(self) -> None:
         # Ray has drained the replica (no new requests, running ones finished or past the grace period).

@@ -69,31 +69,33 @@ def error_response(
 
 def health_response(engine: Any, **extra: Any) -> JSONResponse:
     """``GET /health`` of every g4serve app, one shape: ``{"status": "ok", **extra}`` with 200 while
-    ``engine`` runs (or is None: an app serving without a model); once ``engine.dead`` is set, or while
-    its current step has run past ``G4SERVE_STEP_STALL_S`` seconds (a stalled device), a 503 with
-    ``"status": "unavailable"`` and ``extra`` beside the usual ``error`` object, so load balancers that
-    read ``status`` and OpenAI clients that read ``error.message`` both understand it."""
-    dead = getattr(engine, "dead", None)
-    message = None
-    if dead is not None:
-        # The engine's own EngineDeadError says why; any other exception's text may hold internals.
-        message = str(dead)
-        if not message.startswith("engine is not running"):
-            message = f"engine is not running: it crashed ({type(dead).__name__})"
-    elif (stalled := _stalled_for(engine)) is not None:
-        message = f"engine is stalled: its current step has run for {stalled:.0f} s (G4SERVE_STEP_STALL_S)"
+    ``engine`` runs (or is None: an app serving without a model); while ``engine_unavailable`` names a
+    reason, a 503 with ``"status": "unavailable"`` and ``extra`` beside the usual ``error`` object, so load
+    balancers that read ``status`` and OpenAI clients that read ``error.message`` both understand it."""
+    message = engine_unavailable(engine)
     if message is not None:
         body = {"status": "unavailable", **extra, **error_body(503, message)}
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", **extra})
 
 
-def _stalled_for(engine: Any) -> float | None:
-    """Seconds ``engine``'s current step has run, when past ``G4SERVE_STEP_STALL_S`` (0: never); else None."""
+def engine_unavailable(engine: Any) -> str | None:
+    """Why ``engine`` serves nothing now, safe to show, else None: it stopped (``engine.dead``), or its
+    current step has run past ``G4SERVE_STEP_STALL_S`` seconds (a stalled device; 0: never checked).
+    ``GET /health`` and Ray Serve's replica health check both ask it."""
+    dead = getattr(engine, "dead", None)
+    if dead is not None:
+        # The engine's own EngineDeadError says why; any other exception's text may hold internals.
+        message = str(dead)
+        if not message.startswith("engine is not running"):
+            message = f"engine is not running: it crashed ({type(dead).__name__})"
+        return message
     running = getattr(engine, "step_running_s", None)
     limit = envs.get_float("G4SERVE_STEP_STALL_S")  # read at each check; ``serve`` checked it at start
     seconds = running() if running is not None else 0.0
-    return seconds if limit > 0 and seconds > limit else None
+    if limit > 0 and seconds > limit:
+        return f"engine is stalled: its current step has run for {seconds:.0f} s (G4SERVE_STEP_STALL_S)"
+    return None
 
 
 def bad_request(exc: Exception, prefix: str | None = None) -> APIError:
