@@ -20,6 +20,7 @@ class ReplayEager:
             static.copy_(new)
 
 
-def fake_capture(forward, pool, device):
+def fake_capture(forward, pool, device, stream=None):
+    """``_capture``'s signature; ``stream`` (an encoder runner's capture stream, None on the CPU) unused."""
     outputs = forward()
     return ReplayEager(forward, outputs), outputs
