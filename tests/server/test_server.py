@@ -603,7 +603,26 @@ def test_metrics_time_before_the_engine(server, client):
     assert delta["g4serve_request_prepare_time_seconds_count"] == 1
     assert delta["g4serve_request_preprocess_time_seconds_count"] == 1
     preprocess = delta["g4serve_request_preprocess_time_seconds_sum"]
-    assert 0 < preprocess <= delta["g4serve_request_prepare_time_seconds_sum"] < 5
+    prepare = delta["g4serve_request_prepare_time_seconds_sum"]
+    assert 0 < preprocess <= prepare < 5
+
+
+def test_metrics_time_each_stage_before_the_engine(server, client):
+    """Reading, parsing, rendering and admitting a chat request each add one observation to their stage of
+    ``g4serve_request_stage_time_seconds``, inside the request's prepare time; ``g4serve bench``'s split
+    gives each stage's mean. A body that fails validation is timed as read too, and reaches no later stage."""
+    from g4serve.bench.loadgen import SERVER_STAGES, server_stage_split
+
+    before, after = _metrics_around_one_request(server, client, 2)
+    split = server_stage_split(before, after)
+    stages = [split[f"stage_{stage}_mean_s"] for stage in SERVER_STAGES]
+    assert all(t > 0 for t in stages)
+    assert sum(stages) + split["preprocess_mean_s"] <= split["prepare_mean_s"]
+    before = after
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "tiny", "messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    split = server_stage_split(before, _scrape(server))
+    assert set(k for k in split if k.startswith("stage_")) == {"stage_read_mean_s"}
 
 
 def test_200_concurrent_streams(server):

@@ -36,6 +36,9 @@ SERVER_HISTOGRAMS = {
     "ttft": "g4serve_time_to_first_token_seconds",
     "e2e": "g4serve_e2e_request_latency_seconds",
 }
+# The server's other stages before the engine (``g4serve_request_stage_time_seconds{stage}``), by mean.
+SERVER_STAGES = ("read", "parse", "render", "admit")
+SERVER_STAGE_HISTOGRAM = "g4serve_request_stage_time_seconds"
 SERVER_COUNTERS = {
     "prompt_tokens": "g4serve_prompt_tokens_total",
     "generation_tokens": "g4serve_generation_tokens_total",
@@ -563,6 +566,7 @@ def server_stage_split(
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
         out[f"{key}_mean_s"] = total / count if count > 0 else None
         out[f"{key}_count"] = int(count)
+    out.update(stage_means(before, after))
     for key, name in SERVER_COUNTERS.items():
         if name in after:
             out[key] = int(after[name] - before.get(name, 0.0))
@@ -576,6 +580,31 @@ def server_stage_split(
         out["step_intervals"] = steps
     out.update(engine_thread_split(before, after))
     return out
+
+
+def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """``stage_<stage>_mean_s``: the mean time in each of ``SERVER_STAGES`` of the requests that went through
+    it between the two scrapes (none where the server does not report stages)."""
+
+    def grew(sample: str, stage: str) -> float:
+        name = f"{SERVER_STAGE_HISTOGRAM}_{sample}"
+        return labelled_sum(after, name, stage=stage) - labelled_sum(before, name, stage=stage)
+
+    out = {}
+    for stage in SERVER_STAGES:
+        count, total = grew("count", stage), grew("sum", stage)
+        if count > 0:
+            out[f"stage_{stage}_mean_s"] = total / count
+    return out
+
+
+def labelled_sum(scrape: dict[str, float], name: str, **labels: str) -> float:
+    """Sample ``name`` summed over the label sets holding ``labels`` (``parse_prometheus``' labelled keys)."""
+    prefix, total = f"{name}{{", 0.0
+    for key, value in scrape.items():
+        if key.startswith(prefix) and all(f'{k}="{v}"' in key[len(prefix) : -1] for k, v in labels.items()):
+            total += value
+    return total
 
 
 def histogram_quantile(

@@ -8,8 +8,10 @@ pool, prefix-cache hit rate, tokens/s) are read from ``engine.stats()`` at scrap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -286,6 +288,16 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         ).labels(**labels)
+        # The other stages before the engine, each request's time in them; what prepare holds beyond them
+        # and preprocess is waiting (thread hand-offs, the event loop).
+        self._stage = Histogram(
+            "g4serve_request_stage_time_seconds",
+            "A stage before the engine: read (body read, parsed and validated), parse (messages split into "
+            "text and media parts), render (chat template), admit (the engine's admission checks)",
+            ["model_name", "stage"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "g4serve_prompt_tokens", "Prompt tokens of finished requests", ["model_name"], registry=r
         ).labels(**labels)
@@ -357,6 +369,16 @@ class ServerMetrics:
             self.encoder.observe(metrics.encoder_time_s)
         if received is not None:
             self.prepare.observe(max(metrics.arrival_time - received, 0.0))
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the block as stage ``name`` of ``g4serve_request_stage_time_seconds`` (also when it raises:
+        a refused request spent it too)."""
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self._stage.labels(self._model_name, name).observe(time.monotonic() - began)
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(self._model_name, str(status)).inc()

@@ -90,13 +90,14 @@ class OpenAIServing:
     async def read(self, request: Request, model: type[BaseModel]) -> Any:
         """The body as ``model``; a full waiting queue answers 429 before the body is even read."""
         self.waiting.check()
-        body = await read_json_object(request, self.config.max_request_body_bytes)
-        try:
-            return model.model_validate(body)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            path = field_path(err["loc"], body) or "body"
-            raise APIError(400, f"{path}: {err['msg']}", param=path) from None
+        with self.metrics.stage("read"):
+            body = await read_json_object(request, self.config.max_request_body_bytes)
+            try:
+                return model.model_validate(body)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                path = field_path(err["loc"], body) or "body"
+                raise APIError(400, f"{path}: {err['msg']}", param=path) from None
 
     def check_model(self, name: str | None) -> str:
         return self.models.check_model(name)
@@ -156,7 +157,7 @@ class OpenAIServing:
             children = [(f"{base_id}-{i}", params.for_choice(i)) for i in range(params.n)]
         lora_name = self.models.lora_name(model_name) if model_name is not None else None
         try:
-            with self.waiting.preparing():
+            with self.waiting.preparing(), self.metrics.stage("admit"):
                 return [
                     await self.engine.validate(
                         processed, child, request_id=rid, priority=priority, lora_name=lora_name

@@ -56,17 +56,22 @@ class OpenAIServingChat(OpenAIServing):
         tools, forced = self.tool_plan(req)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, "top_logprobs: must be in [0, 20]", param="top_logprobs")
-        try:
-            root = self.config.allowed_local_media_path
-            messages, media = split_chat_messages(
-                req.messages, allow_local_files=root is not None, local_media_root=root, allow_objects=False
-            )
-        except ValueError as exc:
-            raise bad_request(exc) from None
-        self.check_media(media.as_dict())
-        messages = [_template_message(m, i) for i, m in enumerate(messages)]
+        with self.metrics.stage("parse"):
+            try:
+                root = self.config.allowed_local_media_path
+                messages, media = split_chat_messages(
+                    req.messages,
+                    allow_local_files=root is not None,
+                    local_media_root=root,
+                    allow_objects=False,
+                )
+            except ValueError as exc:
+                raise bad_request(exc) from None
+            self.check_media(media.as_dict())
+            messages = [_template_message(m, i) for i, m in enumerate(messages)]
         thinking = self.thinking(req)
-        prompt = await self.render(req, messages, tools, thinking)
+        with self.metrics.stage("render"):
+            prompt = await self.render(req, messages, tools, thinking)
         params = self.sampling_params(req, req.effective_max_tokens(), req.num_logprobs())
         params, count_reasoning = self.reasoning_plan(req, params, thinking)
         parse = bool(tools) or thinking or params.max_reasoning_tokens is not None
