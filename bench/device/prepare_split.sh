@@ -7,14 +7,15 @@
 #      render, admit; preprocess: tokens and media; the rest is waiting);
 #   2. profiled: new videos at PROFILE_RATE (4) QPS with PROFILE_S (4) seconds of torch.profiler on every
 #      thread: the host time by thread and function (bench/trace_summary.py) in $RES/<side>/profiled.md.
-# and once, bench/preprocess_media.py --device cuda: the same request's preparation outside the server.
+# and once (PREPROCESS=1, the default), bench/preprocess_media.py --device cuda: the same request's
+# preparation outside the server.
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/prepare_split.sh", carry=[".whl"])
 # CPU smoke test: SETUP=0 PRESET=tiny DEVICE=cpu BACKEND=torch SIDES=host DURATION=3 OUT=/tmp/out bash ...
 # Results: $OUT/prepare_split.tgz (results.json, logs, the profile summaries; no traces), $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out}
 RES=${RES:-/tmp/res-prepare} SIDES=${SIDES:-gpu host} DURATION=${DURATION:-10} RATE=${RATE:-1}
-PROFILE_RATE=${PROFILE_RATE:-4} PROFILE_S=${PROFILE_S:-4} PORT=${PORT:-8300}
+PROFILE_RATE=${PROFILE_RATE:-4} PROFILE_S=${PROFILE_S:-4} PORT=${PORT:-8300} PREPROCESS=${PREPROCESS:-1}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -48,7 +49,7 @@ for side in $SIDES; do
   done > "$RES/$side/profiled.md" 2>&1
   kill $server; wait $server 2> /dev/null
 done
-if [[ $DEVICE == cuda ]]; then
+if [[ $DEVICE == cuda && $PREPROCESS == 1 ]]; then
   timeout -k 5 180 python3 bench/preprocess_media.py --device cuda --reps 20 --out-dir "$RES/preprocess" \
     > "$RES/preprocess.log" 2>&1
   tail -n 30 "$RES/preprocess.log"
