@@ -64,6 +64,13 @@ VARIABLES: tuple[Variable, ...] = (
         "stalled device; read at each check; `0`: never)",
     ),
     Variable(
+        "G4SERVE_STEP_TIMEOUT_S",
+        "300",
+        "a step that has run longer than this many seconds stops the engine: every open request ends with a "
+        "503 ('engine is not running: a step ran past ...') instead of waiting on a device that stopped, and "
+        "`GET /health` stays 503 (restart the server; `0`: never)",
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

@@ -6,6 +6,7 @@ every stream. Each test drives its own event loop with ``asyncio.run`` (no pytes
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -460,3 +461,61 @@ def test_step_running_s_counts_the_step_in_progress(aengine, monkeypatch):
     asyncio.run(main())
     assert inside[0] < 0.1 and 0.15 < seen[0] < 5.0
     assert aengine.step_running_s() == 0.0
+
+
+def test_a_step_past_the_step_timeout_stops_the_engine(tiny_model_dir, monkeypatch):
+    """A step that never ends (a device that stopped) would leave every client waiting: past
+    ``G4SERVE_STEP_TIMEOUT_S`` the watchdog ends each open stream and queued engine-thread call with
+    ``EngineDeadError`` naming the limit, refuses new requests, and the engine thread, should its step end
+    after all, leaves without publishing it."""
+    monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", "0.3")
+    aengine = AsyncLLMEngine(make_engine(tiny_model_dir))
+    engine = aengine.engine
+    step, release, inside = engine.step, threading.Event(), threading.Event()
+
+    def stuck_step():
+        inside.set()
+        release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine, "step", stuck_step)
+
+    async def main():
+        stream = asyncio.ensure_future(_collect(aengine, _prompts(1)[0], GREEDY))
+        await _wait_until(inside.is_set)
+        call = asyncio.ensure_future(aengine.unload_lora("x"))  # an engine-thread call, behind the step
+        for task in (stream, call):
+            with pytest.raises(EngineDeadError, match="G4SERVE_STEP_TIMEOUT_S"):
+                await asyncio.wait_for(task, 10)
+
+    began = time.monotonic()
+    try:
+        asyncio.run(main())
+        assert time.monotonic() - began < 5
+        with pytest.raises(EngineDeadError, match="step ran past 0.3 s"):
+            asyncio.run(aengine.process(_prompts(1)[0]))
+        release.set()
+        aengine._thread.join(5)
+        assert not aengine._thread.is_alive()
+        aengine._watchdog.join(5)
+        assert not aengine._watchdog.is_alive()
+    finally:
+        release.set()
+        aengine.shutdown()
+
+
+def test_the_step_timeout_is_checked_at_start(tiny_model_dir, monkeypatch):
+    """A bad ``G4SERVE_STEP_TIMEOUT_S`` fails the engine's start with the variable's name; 0 starts no
+    watchdog."""
+    from g4serve.engine.async_engine import step_timeout_s
+
+    for bad in ("-1", "nan", "soon"):
+        monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="G4SERVE_STEP_TIMEOUT_S"):
+            step_timeout_s()
+    monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", "0")
+    aengine = AsyncLLMEngine(make_engine(tiny_model_dir))
+    try:
+        assert aengine._watchdog is None
+    finally:
+        aengine.shutdown()

@@ -81,6 +81,16 @@ def set_switch_interval() -> None:
         log.info("interpreter switch interval: %g us", value)
 
 
+def step_timeout_s() -> float:
+    """``G4SERVE_STEP_TIMEOUT_S`` (seconds; 0: no limit), checked."""
+    value = envs.get_float("G4SERVE_STEP_TIMEOUT_S")
+    if not value >= 0:
+        raise ValueError(
+            f"G4SERVE_STEP_TIMEOUT_S: expected seconds >= 0, got {envs.get('G4SERVE_STEP_TIMEOUT_S')!r}"
+        )
+    return value
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, preprocess_workers: int = PREPROCESS_WORKERS):
         self.engine = engine
@@ -100,6 +110,16 @@ class AsyncLLMEngine:
         self.profiler = TorchProfile.from_env()
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
+        timeout_s = step_timeout_s()
+        self._watchdog = (
+            None
+            if timeout_s == 0
+            else threading.Thread(
+                target=self._watch_steps, args=(timeout_s,), name="g4-engine-watchdog", daemon=True
+            )
+        )
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -127,6 +147,8 @@ class AsyncLLMEngine:
                     continue
                 finally:
                     self._step_started = None
+                if self._stop.is_set():  # shut down while the step ran (by the step watchdog: long past)
+                    return
                 t = profile.now()
                 batch: _Batch = {}
                 for out in outputs:
@@ -150,6 +172,28 @@ class AsyncLLMEngine:
         past ``G4SERVE_STEP_STALL_S``."""
         started = self._step_started
         return 0.0 if started is None else time.monotonic() - started
+
+    def _watch_steps(self, timeout_s: float) -> None:
+        """Stop the engine once a step has run past ``timeout_s`` (``G4SERVE_STEP_TIMEOUT_S``): a device that
+        stopped never ends its step, and every client would wait on it. Each open stream and queued call
+        ends with ``EngineDeadError`` (a 503), new requests are refused, ``/health`` answers 503; the stuck
+        engine thread stays where it is (nothing interrupts a CUDA wait) and, were the step to end, leaves
+        its loop without publishing."""
+        while not self._stop.wait(min(1.0, timeout_s / 10)):
+            running = self.step_running_s()
+            if running > timeout_s:
+                log.error(
+                    "a step has run for %.1f s (G4SERVE_STEP_TIMEOUT_S=%g): stopping the engine",
+                    running,
+                    timeout_s,
+                )
+                self.dead = EngineDeadError(
+                    f"engine is not running: a step ran past {timeout_s:g} s (G4SERVE_STEP_TIMEOUT_S); "
+                    "restart the server"
+                )
+                self.shutdown(timeout_s=0.0)
+                self._fail_calls()  # the engine thread, stuck, drains no more commands
+                return
 
     def _fail_calls(self) -> None:
         """Settle the engine-thread calls still queued with the engine's death (the thread has stopped)."""
