@@ -65,10 +65,11 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_STEP_TIMEOUT_S",
-        "300",
+        None,
         "a step that has run longer than this many seconds stops the engine: every open request ends with a "
         "503 ('engine is not running: a step ran past ...') instead of waiting on a device that stopped, and "
-        "`GET /health` stays 503 (restart the server; `0`: never)",
+        "`GET /health` stays 503 (restart the server; `0`: never; unset: 300 on CUDA, never on the CPU, "
+        "whose long prefills are slow, not stuck)",
     ),
     Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",

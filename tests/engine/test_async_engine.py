@@ -505,14 +505,18 @@ def test_a_step_past_the_step_timeout_stops_the_engine(tiny_model_dir, monkeypat
 
 
 def test_the_step_timeout_is_checked_at_start(tiny_model_dir, monkeypatch):
-    """A bad ``G4SERVE_STEP_TIMEOUT_S`` fails the engine's start with the variable's name; 0 starts no
-    watchdog."""
-    from g4serve.engine.async_engine import step_timeout_s
+    """A bad ``G4SERVE_STEP_TIMEOUT_S`` fails the engine's start with the variable's name; unset, CUDA engines
+    get the default limit and CPU ones none; 0 starts no watchdog."""
+    from g4serve.engine.async_engine import STEP_TIMEOUT_S, step_timeout_s
 
     for bad in ("-1", "nan", "soon"):
         monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match="G4SERVE_STEP_TIMEOUT_S"):
-            step_timeout_s()
+            step_timeout_s(torch.device("cpu"))
+    monkeypatch.delenv("G4SERVE_STEP_TIMEOUT_S")  # unset: a limit on CUDA, none on the CPU
+    assert step_timeout_s(torch.device("cuda")) == STEP_TIMEOUT_S and step_timeout_s(torch.device("cpu")) == 0
+    monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", "2.5")
+    assert step_timeout_s(torch.device("cpu")) == 2.5
     monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", "0")
     aengine = AsyncLLMEngine(make_engine(tiny_model_dir))
     try:

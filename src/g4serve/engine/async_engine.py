@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from g4serve import envs
 from g4serve.engine.config import PREPROCESS_WORKERS, EngineConfig
 from g4serve.engine.engine import LLMEngine
@@ -81,8 +83,17 @@ def set_switch_interval() -> None:
         log.info("interpreter switch interval: %g us", value)
 
 
-def step_timeout_s() -> float:
-    """``G4SERVE_STEP_TIMEOUT_S`` (seconds; 0: no limit), checked."""
+# A step on CUDA longer than this (seconds) is a device that stopped (G4SERVE_STEP_TIMEOUT_S overrides): the
+# longest legitimate ones (an 8k-token prefill of 31B, a lazy graph capture, a kernel's first compile) take
+# seconds.
+STEP_TIMEOUT_S = 300.0
+
+
+def step_timeout_s(device: torch.device) -> float:
+    """``G4SERVE_STEP_TIMEOUT_S`` (seconds; 0: no limit), checked; unset: ``STEP_TIMEOUT_S`` on CUDA, no
+    limit elsewhere (a CPU's long prefill is slow, not stuck)."""
+    if envs.get("G4SERVE_STEP_TIMEOUT_S") in (None, ""):
+        return STEP_TIMEOUT_S if device.type == "cuda" else 0.0
     value = envs.get_float("G4SERVE_STEP_TIMEOUT_S")
     if not value >= 0:
         raise ValueError(
@@ -110,7 +121,7 @@ class AsyncLLMEngine:
         self.profiler = TorchProfile.from_env()
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
-        timeout_s = step_timeout_s()
+        timeout_s = step_timeout_s(engine.device)
         self._watchdog = (
             None
             if timeout_s == 0
