@@ -523,3 +523,40 @@ def test_the_step_timeout_is_checked_at_start(tiny_model_dir, monkeypatch):
         assert aengine._watchdog is None
     finally:
         aengine.shutdown()
+
+
+def test_work_queued_for_the_pool_when_the_engine_stops_ends_in_engine_dead(tiny_model_dir, monkeypatch):
+    """Prompts still queued for the preprocessing pool when the engine stops (shut down, or by the step
+    watchdog) end with ``EngineDeadError``, the 503 every other request of a stopped engine gets, not with
+    the pool's cancellation (which a server turns into a dropped answer); a caller's own cancellation stays
+    a cancellation."""
+    aengine = AsyncLLMEngine(make_engine(tiny_model_dir), preprocess_workers=1)
+    process, release, started = aengine.engine.process_prompt, threading.Event(), threading.Event()
+
+    def slow_process(*args):
+        started.set()
+        release.wait(10)
+        return process(*args)
+
+    monkeypatch.setattr(aengine.engine, "process_prompt", slow_process)
+
+    async def main():
+        running = asyncio.ensure_future(aengine.process(_prompts(1)[0]))  # holds the pool's one worker
+        await _wait_until(started.is_set)
+        queued = asyncio.ensure_future(aengine.process(_prompts(2)[1]))
+        mine = asyncio.ensure_future(aengine.process(_prompts(3)[2]))
+        await asyncio.sleep(0.05)
+        mine.cancel()
+        aengine.shutdown(timeout_s=0.0)
+        release.set()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await queued
+        with pytest.raises(asyncio.CancelledError):
+            await mine
+        await running  # it had started: it finishes
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        aengine.shutdown()

@@ -342,8 +342,19 @@ class AsyncLLMEngine:
     async def process(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.engine.process_prompt, prompt, add_special_tokens)
+        return await self._in_pool(self.engine.process_prompt, prompt, add_special_tokens)
+
+    async def _in_pool(self, fn, *args):
+        """``fn(*args)`` in the preprocessing pool. Work the engine's stop cancelled before it ran (shutdown
+        or the step watchdog cancel the pool's queue) raises ``EngineDeadError``, as every other call on a
+        stopped engine does, rather than the pool's cancellation; the caller's own cancellation stays one."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except (asyncio.CancelledError, RuntimeError) as exc:  # RuntimeError: the pool has shut down
+            task = asyncio.current_task()
+            if self.dead is None or (task is not None and task.cancelling()):
+                raise
+            raise EngineDeadError(str(self.dead)) from exc
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -387,12 +398,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead))
         request_id = request_id or self.new_request_id()
         self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool,
+        return await self._in_pool(
             lambda: self.engine.make_request(
                 request_id, processed, params, priority=priority, lora_name=lora_name
-            ),
+            )
         )
 
     async def generate(
@@ -488,8 +497,7 @@ class AsyncLLMEngine:
         the engine thread. ``ValueError`` names what is wrong."""
         engine = self.engine
         engine.lora_registry().check_name(name)
-        loop = asyncio.get_running_loop()
-        adapter = await loop.run_in_executor(self._pool, lambda: engine.read_lora(path))
+        adapter = await self._in_pool(engine.read_lora, path)
         await self._on_engine_thread(lambda: engine.add_lora(name, adapter))
 
     async def unload_lora(self, name: str) -> None:
