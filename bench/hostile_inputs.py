@@ -9,7 +9,10 @@ input of the same kind:
 - a 64 KB WAV whose header claims 1 Hz, and one claiming 2^31 Hz, against a 5 s 16 kHz WAV decoded
   (``load_audio``);
 - an ffconcat playlist sent as audio;
-- a JSON body nested 100,000 levels deep (``parse_json_object``), against a 1 MB flat body.
+- a JSON body nested 100,000 levels deep (``parse_json_object``), against a 1 MB flat body;
+- 20,000 one-character stop strings (a 200 KB body): their refusal (``SamplingParams``), and what one token's
+  stop search on the engine thread cost with them before the bound (``Request._check_stop_strings``, the
+  list set past validation), against the 64 the bound lets in.
 
 Writes JSON with the machine, commit and command.
 
@@ -35,6 +38,7 @@ import soundfile
 from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.audio import load_audio
+from g4serve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from g4serve.server.errors import APIError, parse_json_object
 
 
@@ -73,6 +77,17 @@ def measure(call: Callable[[], object], reps: int) -> dict:
     }
 
 
+def _stop_search(engine: LLMEngine, stops: list[str]) -> Callable[[], object]:
+    """One token's stop-string search as the engine thread runs it after every token, over 2,000 characters
+    of text holding none of ``stops`` (set on the request past validation: the cost the bound prevents)."""
+    params = SamplingParams(stop=["unused"], max_tokens=8)
+    request = engine.make_request("stops", engine.process_prompt("Hello"), params)
+    request.sampling_params.stop = stops
+    request._max_stop_len = max(map(len, stops))
+    request.text = "balance " * 250
+    return lambda: request._check_stop_strings(len(request.text) - 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
@@ -96,6 +111,13 @@ def main() -> None:
         "json_nested_100000": lambda: parse_json_object(deep),
         "json_flat_1MB (parsed)": lambda: parse_json_object(flat),
     }
+    many_stops = [chr(0x4E00 + i) for i in range(20_000)]
+    cases["stops_20000 (SamplingParams)"] = lambda: SamplingParams(stop=many_stops)
+    for count, stops in (
+        ("20000, unbounded", many_stops),
+        (f"{MAX_STOP_STRINGS}, the bound", many_stops[:64]),
+    ):
+        cases[f"stop search a token, {count}"] = _stop_search(engine, stops)
     results = {name: measure(call, args.reps) for name, call in cases.items()}
     for name, r in results.items():
         verdict = "refused" if r["refused"] else "accepted"
