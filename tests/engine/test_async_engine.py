@@ -513,12 +513,15 @@ def test_the_step_timeout_is_checked_at_start(tiny_model_dir, monkeypatch):
         monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match="G4SERVE_STEP_TIMEOUT_S"):
             step_timeout_s(torch.device("cpu"))
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="G4SERVE_STEP_TIMEOUT_S"):
+        AsyncLLMEngine(engine)  # before its threads start
     monkeypatch.delenv("G4SERVE_STEP_TIMEOUT_S")  # unset: a limit on CUDA, none on the CPU
     assert step_timeout_s(torch.device("cuda")) == STEP_TIMEOUT_S and step_timeout_s(torch.device("cpu")) == 0
     monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", "2.5")
     assert step_timeout_s(torch.device("cpu")) == 2.5
     monkeypatch.setenv("G4SERVE_STEP_TIMEOUT_S", "0")
-    aengine = AsyncLLMEngine(make_engine(tiny_model_dir))
+    aengine = AsyncLLMEngine(engine)
     try:
         assert aengine._watchdog is None
     finally:

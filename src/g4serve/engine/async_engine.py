@@ -119,17 +119,14 @@ class AsyncLLMEngine:
         set_switch_interval()
         # G4SERVE_TORCH_PROFILER_DIR set: POST /start_profile and /stop_profile profile this engine thread
         self.profiler = TorchProfile.from_env()
+        timeout_s = step_timeout_s(engine.device)  # checked before any thread starts
         self._thread = threading.Thread(target=self._loop, name="g4-engine", daemon=True)
         self._thread.start()
-        timeout_s = step_timeout_s(engine.device)
-        self._watchdog = (
-            None
-            if timeout_s == 0
-            else threading.Thread(
+        self._watchdog: threading.Thread | None = None
+        if timeout_s > 0:
+            self._watchdog = threading.Thread(
                 target=self._watch_steps, args=(timeout_s,), name="g4-engine-watchdog", daemon=True
             )
-        )
-        if self._watchdog is not None:
             self._watchdog.start()
 
     @classmethod
