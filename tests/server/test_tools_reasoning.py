@@ -223,3 +223,50 @@ def test_reasoning_effort_turns_thinking_on(server, client):
     assert thinking.usage.prompt_tokens == kwargs.usage.prompt_tokens
     # Thinking on adds a system turn with <|think|>: "<|turn>system\n<|think|>\n<turn|>\n".
     assert thinking.usage.prompt_tokens > plain.usage.prompt_tokens + len(think)
+
+
+def _forced(schema_json: str) -> bytes:
+    """A chat body forcing a call of one tool whose single argument has the schema ``schema_json`` (raw
+    JSON text, so it may hold numbers Python's json would not write: 1e400, 10^30)."""
+    return (
+        '{"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], '
+        '"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", '
+        '"parameters": {"type": "object", "properties": {"x": ' + schema_json + "}}}}]}"
+    ).encode()
+
+
+HOSTILE_SCHEMAS = [
+    '{"type": "string", "maxLength": 1000000000000000000000000000000}',
+    '{"type": "string", "maxLength": -5}',
+    '{"type": "array", "maxItems": 1e400}',
+    '{"type": "array", "maxItems": "many"}',
+    '{"type": "array", "minItems": 1000000000000000000000000000000}',
+    '{"type": "array", "items": {"type": "array", "maxItems": 100000000000000000000}}',
+]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    HOSTILE_SCHEMAS,
+    ids=["huge-len", "neg-len", "inf-items", "str-items", "huge-min", "huge-nested"],
+)
+def test_hostile_forced_tool_schemas_are_400(server, schema):
+    """A forced call's argument schema becomes a grammar: bounds that overflow, are negative, infinite or
+    not numbers are a 400 naming ``tools``, and the server answers the next request."""
+    import httpx
+
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=_forced(schema),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools"
+    ok = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=_forced('{"type": "boolean"}'),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text

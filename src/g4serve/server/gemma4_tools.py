@@ -33,6 +33,7 @@ _KNOWN = {
     "examples",
 }
 MAX_CALLS = 8  # parallel calls one forced answer may hold
+MAX_BOUND = 2**31 - 1  # a maxLength / minItems / maxItems the grammar takes
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict]:
@@ -53,6 +54,20 @@ def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict]:
             raise APIError(400, f"{where}.function.parameters: must be a JSON schema object", where)
         out[name] = params
     return out
+
+
+def _bound(schema: dict, key: str, default: int | None, where: str) -> int | None:
+    """``schema[key]``, a length or count bound the grammar repeats by (``default`` where absent or null);
+    a 400 naming it unless a non-negative integer within ``MAX_BOUND``: 1e400 is infinite, 10^30 overflows
+    the grammar's parser, a string or a float is no bound."""
+    value = schema.get(key)
+    if value is None:
+        return default
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BOUND):
+        raise APIError(
+            400, f"{where}.{key}: must be an integer in [0, {MAX_BOUND}], got {str(value)[:40]}", "tools"
+        )
+    return value
 
 
 class _Builder:
@@ -86,8 +101,8 @@ class _Builder:
         if isinstance(kind, list):
             return self.rule(" | ".join(self.value({**schema, "type": k}, where) for k in kind), "any")
         if kind == "string":
-            limit = schema.get("maxLength")
-            chars = f"[^<\\\\]{{0,{int(limit)}}}" if isinstance(limit, int) else "[^<\\\\]*"
+            limit = _bound(schema, "maxLength", None, where)
+            chars = f"[^<\\\\]{{0,{limit}}}" if limit is not None else "[^<\\\\]*"
             return self.rule(f'"<|\\"|>" {chars} "<|\\"|>"', "str")
         if kind == "integer":
             return self.rule('"-"? ("0" | [1-9] [0-9]{0,15})', "int")
@@ -99,7 +114,7 @@ class _Builder:
             return self.rule('"null"', "null")
         if kind == "array":
             item = self.value(schema.get("items", {"type": "string"}), f"{where}.items")
-            lo, hi = int(schema.get("minItems", 0)), int(schema.get("maxItems", 16))
+            lo, hi = _bound(schema, "minItems", 0, where), _bound(schema, "maxItems", 16, where)
             if lo > hi:
                 raise APIError(400, f"{where}: minItems exceeds maxItems", "tools")
             if hi == 0:
