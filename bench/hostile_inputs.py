@@ -12,7 +12,9 @@ input of the same kind:
 - a JSON body nested 100,000 levels deep (``parse_json_object``), against a 1 MB flat body;
 - 20,000 one-character stop strings (a 200 KB body): their refusal (``SamplingParams``), and what one token's
   stop search on the engine thread cost with them before the bound (``Request._check_stop_strings``, the
-  list set past validation), against the 64 the bound lets in.
+  list set past validation), against the 64 the bound lets in;
+- a forced tool call's grammar, built on the event loop (``check_tools`` + ``forced_call_grammar``), from
+  20,000 tools (a 1 MB body) and from one tool of 100,000 properties, against 8 tools of 8 properties.
 
 Writes JSON with the machine, commit and command.
 
@@ -40,6 +42,7 @@ from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.processing.audio import load_audio
 from g4serve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from g4serve.server.errors import APIError, parse_json_object
+from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
 
 
 def wav_claiming(rate: int, num_bytes: int = 64_000) -> bytes:
@@ -88,6 +91,21 @@ def _stop_search(engine: LLMEngine, stops: list[str]) -> Callable[[], object]:
     return lambda: request._check_stop_strings(len(request.text) - 1)
 
 
+def _tool_cases() -> dict[str, list[dict]]:
+    def tool(name: str, properties: int) -> dict:
+        props = {f"p{i}": {"type": "string", "maxLength": 8} for i in range(properties)}
+        return {
+            "type": "function",
+            "function": {"name": name, "parameters": {"type": "object", "properties": props}},
+        }
+
+    return {
+        "forced tools, 20000": [tool(f"f{i}", 0) for i in range(20_000)],
+        "forced tool of 100000 properties": [tool("f", 100_000)],
+        "forced tools, 8 x 8 properties (built)": [tool(f"f{i}", 8) for i in range(8)],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
@@ -118,6 +136,10 @@ def main() -> None:
         (f"{MAX_STOP_STRINGS}, the bound", many_stops[:64]),
     ):
         cases[f"stop search a token, {count}"] = _stop_search(engine, stops)
+    for label, tools in _tool_cases().items():
+        cases[label] = lambda tools=tools: forced_call_grammar(
+            schemas := check_tools(tools), list(schemas), True
+        )
     results = {name: measure(call, args.reps) for name, call in cases.items()}
     for name, r in results.items():
         verdict = "refused" if r["refused"] else "accepted"

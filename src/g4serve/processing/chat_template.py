@@ -132,11 +132,54 @@ _ENV_OPTIONS: Mapping[str, Any] = {
 }
 
 
+# Gemma 4's own template (google/gemma-4-*-it) finds each message's previous non-tool role by walking back
+# over every earlier message, without a break: quadratic in the conversation, each step a sandboxed attribute
+# read. 1,000 messages took 1.9 s to render on the 2-core CPU, 2,000 took 7.3 s, 10,000 (a 365 KB body)
+# 229 s, in a template thread holding the interpreter lock. ``linear_lookback`` keeps the same value as the
+# loop goes (the role of the last non-tool message so far): the same text (tests compare both), in linear
+# time. A template without this exact block renders as written.
+_QUADRATIC_LOOKBACK = (
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if message['role'] != 'tool' -%}\n"
+    "    {%- set ns.prev_message_type = None -%}\n"
+    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
+    "    {%- set prev_nt = namespace(role=None, found=false) -%}\n"
+    "    {%- if loop.index0 > 0 -%}\n"
+    "        {%- for j in range(loop.index0 - 1, -1, -1) -%}\n"
+    "            {%- if not prev_nt.found -%}\n"
+    "                {%- if loop_messages[j]['role'] != 'tool' -%}\n"
+    "                    {%- set prev_nt.role = loop_messages[j]['role'] -%}\n"
+    "                    {%- set prev_nt.found = true -%}\n"
+    "                {%- endif -%}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- endif -%}\n"
+)
+_LINEAR_LOOKBACK = (
+    "{%- set g4_last_nt = namespace(role=None) -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if message['role'] != 'tool' -%}\n"
+    "    {%- set ns.prev_message_type = None -%}\n"
+    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
+    "    {%- set prev_nt = namespace(role=g4_last_nt.role) -%}\n"
+    "    {%- set g4_last_nt.role = message['role'] -%}\n"
+)
+
+
+def linear_lookback(template: str) -> str:
+    """``template`` with Gemma 4's quadratic previous-role search replaced by its linear equivalent, where it
+    holds that exact block (and no name of ours already); otherwise unchanged."""
+    if _QUADRATIC_LOOKBACK not in template or "g4_last_nt" in template:
+        return template
+    return template.replace(_QUADRATIC_LOOKBACK, _LINEAR_LOOKBACK, 1)
+
+
 def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in the jinja environment transformers uses."""
+    """Compile a chat template in the jinja environment transformers uses (Gemma 4's made linear in the
+    conversation's length: ``linear_lookback``)."""
     env = _setup(ImmutableSandboxedEnvironment(**_ENV_OPTIONS))
     try:
-        return env.from_string(template)
+        return env.from_string(linear_lookback(template))
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template: syntax error at line {exc.lineno}: {exc.message}") from None
 

@@ -34,6 +34,16 @@ from g4serve.server.streaming import Choice, finish_fields, ranked, safe_logprob
 from g4serve.structured import StructuredOutputError, StructuredSpec
 from g4serve.structured.reasoning import reasoning_token_count, thought_markers
 
+# A conversation renders in a template thread that holds the interpreter lock while it runs (Gemma 4's
+# template, made linear by chat_template.linear_lookback, ~50 us a message on the 2-core CPU): past this many
+# messages a request is refused before rendering.
+MAX_MESSAGES = 4096
+
+
+def _check_length(messages: list) -> None:
+    if len(messages) > MAX_MESSAGES:
+        raise APIError(400, f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
+
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, **kwargs):
@@ -201,7 +211,9 @@ class OpenAIServingChat(OpenAIServing):
     ) -> str:
         """The prompt, rendered off the event loop: the model's chat template in a thread, or a template the
         request supplies (``chat_template_kwargs.chat_template``, only with --trust-request-chat-template)
-        in the sandboxed worker process under its limits. Every template failure is a 400."""
+        in the sandboxed worker process under its limits. Every template failure is a 400, as are more
+        than ``MAX_MESSAGES`` messages."""
+        _check_length(messages)
         raw = dict(req.chat_template_kwargs or {})
         source, where = raw.get("chat_template"), "chat_template_kwargs.chat_template"
         if req.chat_template is not None:  # the top-level field (vLLM's) wins over the kwarg
