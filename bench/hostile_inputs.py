@@ -14,7 +14,8 @@ input of the same kind:
   stop search on the engine thread cost with them before the bound (``Request._check_stop_strings``, the
   list set past validation), against the 64 the bound lets in;
 - a forced tool call's grammar, built on the event loop (``check_tools`` + ``forced_call_grammar``), from
-  20,000 tools (a 1 MB body) and from one tool of 100,000 properties, against 8 tools of 8 properties.
+  20,000 tools (a 1 MB body) and from one tool of 100,000 properties, against 8 tools of 8 properties;
+- the model's chat template over 2,000 and 10,000 one-word messages (``Tokenizer.apply_chat_template``).
 
 Writes JSON with the machine, commit and command.
 
@@ -140,6 +141,9 @@ def main() -> None:
         cases[label] = lambda tools=tools: forced_call_grammar(
             schemas := check_tools(tools), list(schemas), True
         )
+    for count in (2_000, 10_000):
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(count)]
+        cases[f"chat template, {count} messages"] = lambda t=turns: engine.tokenizer.apply_chat_template(t)
     results = {name: measure(call, args.reps) for name, call in cases.items()}
     for name, r in results.items():
         verdict = "refused" if r["refused"] else "accepted"
