@@ -111,6 +111,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="only the cases whose names hold one of these"
+    )
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", kv_cache_bytes=32 << 20))
@@ -144,6 +147,8 @@ def main() -> None:
     for count in (2_000, 10_000):
         turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(count)]
         cases[f"chat template, {count} messages"] = lambda t=turns: engine.tokenizer.apply_chat_template(t)
+    if args.only is not None:
+        cases = {name: call for name, call in cases.items() if any(part in name for part in args.only)}
     results = {name: measure(call, args.reps) for name, call in cases.items()}
     for name, r in results.items():
         verdict = "refused" if r["refused"] else "accepted"
