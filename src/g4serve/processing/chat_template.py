@@ -134,10 +134,10 @@ _ENV_OPTIONS: Mapping[str, Any] = {
 
 # Gemma 4's own template (google/gemma-4-*-it) finds each message's previous non-tool role by walking back
 # over every earlier message, without a break: quadratic in the conversation, each step a sandboxed attribute
-# read. 1,000 messages took 1.9 s to render on the 2-core CPU, 2,000 took 7.3 s, 10,000 (a 365 KB body)
-# 229 s, in a template thread holding the interpreter lock. ``linear_lookback`` keeps the same value as the
-# loop goes (the role of the last non-tool message so far): the same text (tests compare both), in linear
-# time. A template without this exact block renders as written.
+# read. On the 2-core CPU 2,000 messages took 7.5 s to render and 10,000 (a 365 KB body) 177 s, in a
+# template thread holding the interpreter lock (docs/benchmarks.md). ``linear_lookback`` keeps the same
+# value as the loop goes (the role of the last non-tool message so far): the same text (tests compare
+# both), in linear time. A template without this exact block renders as written.
 _QUADRATIC_LOOKBACK = (
     "{%- for message in loop_messages -%}\n"
     "    {%- if message['role'] != 'tool' -%}\n"
