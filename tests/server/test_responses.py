@@ -608,3 +608,20 @@ def test_input_items_list_and_pages(server, client):
     ids = [i.id for i in client.responses.input_items.list(third.id, limit=100)]
     assert len(ids) == len(set(ids)) == len(items) + len(second.output) + 1
     server.wait_idle()
+
+
+def test_past_the_message_cap_truncation_drops_the_oldest_turns(server, client):
+    """More input items than one prompt takes (``serving_chat.MAX_MESSAGES``) are a conversation that does
+    not fit: refused naming ``input`` without truncation, and with truncation 'auto' its oldest turns go."""
+    from g4serve.server.serving_chat import MAX_MESSAGES
+
+    items = []
+    for i in range(MAX_MESSAGES // 2 + 8):
+        items += [{"role": "user", "content": f"n{i}"}, {"role": "assistant", "content": "ok"}]
+    items.append({"role": "user", "content": "last"})
+    with pytest.raises(openai.BadRequestError, match=r"input: the conversation \(\d+ messages") as info:
+        client.responses.create(model="tiny", input=items, max_output_tokens=2)
+    assert info.value.param == "input"
+    resp = client.responses.create(model="tiny", input=items, max_output_tokens=2, truncation="auto")
+    assert resp.status in ("completed", "incomplete") and resp.usage.input_tokens < 1024
+    server.wait_idle()

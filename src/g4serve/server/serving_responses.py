@@ -31,7 +31,7 @@ from g4serve.server.protocol import ChatCompletionRequest
 from g4serve.server.response_store import ResponseStore, StoredResponse
 from g4serve.server.responses_protocol import ResponsesRequest, input_messages, response_items
 from g4serve.server.serving_base import OpenAIServing, WaitingLimit, run_watching_client
-from g4serve.server.serving_chat import OpenAIServingChat, _template_message, chat_logprobs
+from g4serve.server.serving_chat import MAX_MESSAGES, OpenAIServingChat, _template_message, chat_logprobs
 
 log = logging.getLogger("g4serve.server")
 
@@ -317,6 +317,8 @@ class OpenAIServingResponses(OpenAIServing):
         """(the processed prompt of the conversation from message ``start`` on, or None where it is longer
         than ``max_tokens``; its size in words)."""
         messages, media = self._split(prompt, start)
+        if len(messages) > MAX_MESSAGES:  # more than one prompt takes: as a conversation that does not fit
+            return None, f"{len(messages)} messages, over the {MAX_MESSAGES} a prompt takes"
         text = await self.chat.render(prompt.chat_req, messages, prompt.tools, prompt.thinking)
         try:
             processed = await self.process(
