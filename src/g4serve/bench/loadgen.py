@@ -600,11 +600,21 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 def labelled_sum(scrape: dict[str, float], name: str, **labels: str) -> float:
     """Sample ``name`` summed over the label sets holding ``labels`` (``parse_prometheus``' labelled keys)."""
-    prefix, total = f"{name}{{", 0.0
+    total = 0.0
     for key, value in scrape.items():
-        if key.startswith(prefix) and all(f'{k}="{v}"' in key[len(prefix) : -1] for k, v in labels.items()):
+        found = _label_set(key, name)
+        if found is not None and all(found.get(k) == v for k, v in labels.items()):
             total += value
     return total
+
+
+def _label_set(key: str, name: str) -> dict[str, str] | None:
+    """The labels of ``parse_prometheus``' labelled key ``key`` if it is a sample of ``name``, else None."""
+    prefix = f"{name}{{"
+    if not key.startswith(prefix):
+        return None
+    found = dict(part.split("=", 1) for part in key[len(prefix) : -1].split(",") if "=" in part)
+    return {k.strip(): v.strip().strip('"') for k, v in found.items()}
 
 
 def histogram_quantile(
@@ -619,13 +629,9 @@ def histogram_quantile(
     it); None where it observed nothing or is not served. Buckets of the label sets holding ``labels``,
     summed over their other labels."""
     counts: dict[float, float] = {}
-    prefix = f"{name}_bucket{{"
     for key, value in after.items():
-        if not key.startswith(prefix):
-            continue
-        found = dict(part.split("=", 1) for part in key[len(prefix) : -1].split(",") if "=" in part)
-        found = {k.strip(): v.strip().strip('"') for k, v in found.items()}
-        if any(found.get(k) != v for k, v in (labels or {}).items()):
+        found = _label_set(key, f"{name}_bucket")
+        if found is None or any(found.get(k) != v for k, v in (labels or {}).items()):
             continue
         le = float(found.get("le", "nan"))
         counts[le] = counts.get(le, 0.0) + value - before.get(key, 0.0)
