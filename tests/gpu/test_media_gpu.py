@@ -18,6 +18,7 @@ from g4serve.processing.limits import MediaBudget
 from tests.processing.test_device_media import jpeg, picture, run_media_prompts
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
 
 
 def _pil_pixels(data: bytes) -> torch.Tensor:
@@ -155,3 +156,25 @@ def test_hostile_jpegs_leave_nvjpeg_and_the_device_working():
     (after,) = media.decode([good], [media.jpeg_size(good, budget.limits)], budget)
     assert after is not None
     assert (after.cpu().float() - _pil_pixels(good).float()).abs().mean().item() < 2
+
+
+def test_the_media_cache_reads_gpu_items_back_on_its_own_thread(tmp_path):
+    """A video prepared on the GPU goes to the engine on the device; the cache's host copy (made later, on
+    the cache's thread) equals it, and the same bytes sent again come back from the cache."""
+    from g4serve.config import preset
+    from g4serve.processing.processor import Gemma4Processor
+    from g4serve.processing.tiny_tokenizer import write_tiny_tokenizer
+    from g4serve.processing.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(write_tiny_tokenizer(tmp_path))
+    p = Gemma4Processor(tokenizer, preset("tiny"), media_device=DEVICE, cache_bytes=64 << 20)
+    frames = [jpeg(picture(96, 144, seed=20 + i)) for i in range(4)]
+    prompt = {"prompt": p.video_token, "multi_modal_data": {"video": [frames]}}
+    first = p.process(prompt, {"video": 1})
+    assert all(t.device.type == DEVICE for t in first.mm_items[0].data.values())
+    again = p.process(prompt, {"video": 1})
+    assert p.cache.stats()["hits"] == 1
+    assert again.mm_items[0].content_hash == first.mm_items[0].content_hash
+    for name, t in first.mm_items[0].data.items():
+        kept = again.mm_items[0].data[name]
+        assert kept.device.type == "cpu" and torch.equal(kept, t.cpu())

@@ -188,3 +188,48 @@ def test_a_prompt_that_fails_after_its_media_keeps_nothing(tokenizer):
     with pytest.raises(ValueError, match="placeholder"):  # two placeholders, one image
         p.process({"prompt": p.image_token * 2, "multi_modal_data": {"image": [image]}}, LIMITS)
     assert len(p.cache) == 0
+
+
+def test_a_device_items_host_copy_is_made_later_and_a_hit_waits_for_it(monkeypatch):
+    """put(later=True) (what a device item gets) returns before the read-back; get waits for it and hands
+    out the host copy; counted once as a hit."""
+    import threading
+
+    from g4serve.processing import media_cache
+
+    release, copying = threading.Event(), threading.Event()
+    real = media_cache.to_host
+
+    def slow_to_host(tensors):
+        copying.set()
+        assert release.wait(10)
+        return {name: t.clone() for name, t in real(tensors).items()}
+
+    monkeypatch.setattr(media_cache, "to_host", slow_to_host)
+    cache = MediaCache(1000)
+    source = torch.arange(100, dtype=torch.uint8)
+    cache.put("a", CachedMedia({"x": source}, "h", "<e>"), later=True)  # returns with the copy blocked
+    assert copying.wait(10) and cache.bytes == 100 + 3 and len(cache) == 1
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(cache.get("a")))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not got  # the hit waits for the copy
+    release.set()
+    reader.join(10)
+    (item,) = got
+    assert torch.equal(item.data["x"], source) and item.data["x"].data_ptr() != source.data_ptr()
+    assert cache.get("a") is item and cache.stats()["hits"] == 2 and cache.stats()["misses"] == 0
+
+
+def test_a_failed_host_copy_is_a_miss_and_frees_its_bytes(monkeypatch):
+    from g4serve.processing import media_cache
+
+    def broken(tensors):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(media_cache, "to_host", broken)
+    cache = MediaCache(1000)
+    cache.put("a", CachedMedia({"x": torch.zeros(10, dtype=torch.uint8)}, "h", ""), later=True)
+    assert cache.get("a") is None
+    assert cache.bytes == 0 and len(cache) == 0 and cache.stats()["misses"] == 1

@@ -44,7 +44,6 @@ from g4serve.processing.media_cache import (
     MediaCache,
     encoded_parts,
     media_key,
-    to_host,
 )
 from g4serve.processing.pool import map_in_pool
 from g4serve.processing.tokenizer import Tokenizer
@@ -625,15 +624,18 @@ class _Keep:
         audio_samples: int = 0,
     ) -> None:
         """A processed item into the request, hashed by its key where it has one (no read-back), else by
-        its tensors; a keyed item's host copy is queued for the cache."""
+        its tensors; a keyed item is queued for the cache."""
         key = self.keys.get((modality, index))
         items[modality].append((data, key or content_hash(modality, *data.values())))
         expansions[modality].append(expansion)
         if key is not None and self.cache is not None:
-            cached = CachedMedia(to_host(data), key, expansion, pixels, audio_samples)
+            cached = CachedMedia(data, key, expansion, pixels, audio_samples)
             self.pending.append((key, cached))
 
     def store(self) -> None:
+        """The queued items into the cache, once the whole request is processed and its device work
+        finished (``DeviceMedia.preparing`` synchronised its stream): their read-back to the host runs on
+        the cache's thread, not this request's."""
         for key, cached in self.pending:
             self.cache.put(key, cached)  # type: ignore[union-attr]
         self.pending.clear()
