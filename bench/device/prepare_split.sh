@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Where a new video's time before the engine goes (issue 23's "<= 5 ms before the engine" row), one device
 # call (e4b preset, bf16): for each side in SIDES (gpu: media on the GPU, the default on CUDA; host:
-# --no-media-on-gpu) start `g4serve serve` with the torch profiler's routes, then
+# --no-media-on-gpu; base: gpu on the sources in BASE_SRC, an older commit's src/ carried as in
+# decode_ab.sh, for a before-and-after on one machine) start `g4serve serve` with the torch profiler's
+# routes, then
 #   1. new: videos not seen before (6 x 480p JPEG frames, 10 output tokens) at RATE (1) QPS: the client's TTFT
 #      and the server's prepare time split into its stages (g4serve_request_stage_time_seconds: read, parse,
 #      render, admit; preprocess: tokens and media; the rest is waiting);
@@ -14,7 +16,7 @@
 # Results: $OUT/prepare_split.tgz (results.json, logs, the profile summaries; no traces), $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out}
-RES=${RES:-/tmp/res-prepare} SIDES=${SIDES:-gpu host} DURATION=${DURATION:-10} RATE=${RATE:-1}
+RES=${RES:-/tmp/res-prepare} SIDES=${SIDES:-gpu host} BASE_SRC=${BASE_SRC:-.ab-base/src} DURATION=${DURATION:-10} RATE=${RATE:-1}
 PROFILE_RATE=${PROFILE_RATE:-4} PROFILE_S=${PROFILE_S:-4} PORT=${PORT:-8300} PREPROCESS=${PREPROCESS:-1}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
@@ -28,7 +30,8 @@ bench() {  # bench NAME ARGS...: one g4serve bench run against the server, outpu
 for side in $SIDES; do
   mkdir -p "$RES/$side/profile"
   media=--media-on-gpu; [[ $side == host ]] && media=--no-media-on-gpu
-  G4SERVE_TORCH_PROFILER_DIR=$RES/$side/profile python3 -m g4serve.cli serve --preset "$PRESET" \
+  path=$PYTHONPATH; [[ $side == base ]] && path=$BASE_SRC:$PYTHONPATH
+  PYTHONPATH=$path G4SERVE_TORCH_PROFILER_DIR=$RES/$side/profile python3 -m g4serve.cli serve --preset "$PRESET" \
     --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" $media > "$RES/$side/server.log" 2>&1 &
   server=$!
   if ! wait_healthy "$PORT" $server 180; then
