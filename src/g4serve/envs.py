@@ -78,13 +78,6 @@ VARIABLES: tuple[Variable, ...] = (
         "(`kernels/paged_decode.py`; `1`: a batch with a program per SM already, no split)",
     ),
     Variable(
-        "G4SERVE_DECODE_MIN_TILES",
-        "4",
-        "paged decode attention gives a split at least this many key tiles once a batch has a program for "
-        "every other SM, so a short context is one program and skips the merge (`kernels/paged_decode.py`, "
-        "`decode_min_tiles`; `1`: every split the count allows)",
-    ),
-    Variable(
         "G4SERVE_SORT_FREE_TOP_K",
         "0",
         "`1`: CUDA batches that use top-k sample in the sort-free kernel too (a radix select of the k-th "

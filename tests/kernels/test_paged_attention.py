@@ -113,57 +113,11 @@ def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, w
     _close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens, 8, window=window), torch.float32)
     part_m = next(t for t in partials if t.dim() == 3 and t.shape[-1] == 8)
     written = ~part_m.isnan()[:, 0]  # [sequence, split]
-    # 300 keys: 19 tiles of 16 (2 in the window of 24), 3 per split; 5 keys: one tile, so one split that
-    # writes the output itself (no partials); 40 keys: 3 (2).
-    expected = [[True] * 7 + [False], [False] * 8, [True] * 3 + [False] * 5]
+    # 300 keys: 19 tiles of 16 (2 in the window of 24), 3 per split; 5 keys: one tile; 40 keys: 3 (2).
+    expected = [[True] * 7 + [False], [True] + [False] * 7, [True] * 3 + [False] * 5]
     if window:
-        expected = [[True] * 2 + [False] * 6, [False] * 8, [True] * 2 + [False] * 6]
+        expected = [[True] * 2 + [False] * 6, [True] + [False] * 7, [True] * 2 + [False] * 6]
     assert written.tolist() == expected
-
-
-@pytest.mark.parametrize("window", [None, 24])
-def test_decode_short_contexts_of_a_large_batch_skip_the_merge(monkeypatch, window):
-    """With a floor of tiles per split (a large batch: ``decode_min_tiles``), a context of at most that
-    many tiles is one program that writes its output (no partials, the merge skips it) and a longer one is
-    still split and merged; both equal the reference."""
-    gen = torch.Generator().manual_seed(4)
-    k_cache, v_cache = _paged_cache(128, 8, 2, 16, torch.float32, gen)
-    seq_lens = [300, 5, 40, 64, 65]  # tiles of 16: 19, 1, 3, 4, 5 (in a window of 24: 2, 1, 2, 2, 2)
-    tables = _block_tables(seq_lens, 8, 128, gen, window)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = torch.randn(len(seq_lens), 4, 16, generator=gen)
-    partials = []
-    empty = torch.empty
-
-    def nan_empty(*shape, **kw):
-        t = empty(*shape, **kw).fill_(float("nan"))
-        partials.append(t)
-        return t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(
-        torch, "empty_like", lambda t, **kw: nan_empty(*t.shape, dtype=t.dtype, device=t.device)
-    )
-    out = paged_decode_attention(
-        q, k_cache, v_cache, tables, lens, 8, window=window, num_splits=8, block_n=16, min_tiles=4
-    )
-    monkeypatch.undo()
-    _close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens, 8, window=window), torch.float32)
-    part_m = next(t for t in partials if t.dim() == 3 and t.shape[-1] == 8)
-    written = (~part_m.isnan()[:, 0]).sum(1).tolist()  # splits written, per sequence
-    # 19 tiles: 4 a split (the floor over cdiv(19, 8) = 3), 5 splits; 5 tiles: 2 splits; the rest: none
-    assert written == ([0] * 5 if window else [5, 0, 0, 0, 2])
-
-
-def test_decode_min_tiles_policy(monkeypatch):
-    from g4serve.kernels import paged_decode
-
-    assert paged_decode.decode_min_tiles(1, 2, num_sms=132) == 1  # B = 1: the splits are the parallelism
-    assert paged_decode.decode_min_tiles(32, 2, num_sms=132) == 1  # 64 programs: under half the SMs
-    assert paged_decode.decode_min_tiles(33, 2, num_sms=132) == 4  # 66 programs
-    assert paged_decode.decode_min_tiles(64, 2, num_sms=132) == 4
-    monkeypatch.setattr(paged_decode, "MIN_TILES", 1)  # G4SERVE_DECODE_MIN_TILES=1: the old splits
-    assert paged_decode.decode_min_tiles(64, 2, num_sms=132) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

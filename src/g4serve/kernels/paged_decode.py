@@ -27,24 +27,16 @@ LOG2E = 1.4426950408889634
 # The split-KV policy's target of programs per SM (G4SERVE_DECODE_PROGRAMS_PER_SM; A/B runs). A captured CUDA
 # graph keeps the split count it was captured with.
 PROGRAMS_PER_SM = envs.get_int("G4SERVE_DECODE_PROGRAMS_PER_SM")
-MIN_TILES = envs.get_int("G4SERVE_DECODE_MIN_TILES")  # decode_min_tiles
 
 
 @triton.jit
 def _split_tiles(
-    ctx,
-    span_hi,
-    window,
-    num_splits,
-    min_tiles,
-    BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr,
-    HAS_SPANS: tl.constexpr,
+    ctx, span_hi, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, HAS_SPANS: tl.constexpr
 ):
     """The key tiles of a sequence's query and their split: (first key, first tile, number of tiles,
     tiles per split). Keys [start, end): the causal context [0, ctx) (the query sits at ctx - 1), widened
-    by a bidirectional span ending at ``span_hi``, cut by the sliding window. A split takes at least
-    ``min_tiles`` tiles; splits from cdiv(num_tiles, tiles_per_split) on have no tiles."""
+    by a bidirectional span ending at ``span_hi``, cut by the sliding window. Splits from
+    cdiv(num_tiles, tiles_per_split) on have no tiles."""
     end = ctx
     if HAS_SPANS:
         end = tl.maximum(end, span_hi)
@@ -53,7 +45,7 @@ def _split_tiles(
         start = tl.maximum(ctx - window, 0)
     first_tile = start // BLOCK_N
     num_tiles = tl.cdiv(end, BLOCK_N) - first_tile
-    return start, first_tile, num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles)
+    return start, first_tile, num_tiles, tl.cdiv(num_tiles, num_splits)
 
 
 def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (HAS_SPANS, UPCAST, KV_FP8, SPLIT), specialised away at compile time
@@ -87,7 +79,6 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     qk_scale,
     window,
     num_splits,
-    min_tiles,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
@@ -131,7 +122,7 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
         span_lo = tl.load(SpanLo + b)
         span_hi = tl.load(SpanHi + b)
     start, first_tile, num_tiles, tiles_per_split = _split_tiles(
-        ctx, span_hi, window, num_splits, min_tiles, BLOCK_N, SLIDING, HAS_SPANS
+        ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS
     )
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
@@ -175,28 +166,17 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     if KV_FP8:
         acc = acc * tl.load(VScale + kvh)  # the V scale; partials of a split merge linearly
 
-    # One split holding every tile (a short context) writes the output itself; the merge skips it.
     if SPLIT:
-        if num_tiles > tiles_per_split:
-            used = h_mask & (split * tiles_per_split < num_tiles)  # a split without tiles writes nothing
-            row = b * stride_pb + heads * stride_ph + split
-            tl.store(PartM + row, m_i, mask=used)
-            tl.store(PartL + row, l_i, mask=used)
-            acc_ptrs = (
-                PartAcc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
-            )
-            tl.store(acc_ptrs, acc, mask=used[:, None] & d_mask[None, :])
-        elif split == 0:
-            _store_out(Out + b * stride_ob, acc, l_i, heads, offs_d, stride_oh, h_mask, d_mask)
+        used = h_mask & (split * tiles_per_split < num_tiles)  # a split without tiles writes nothing
+        row = b * stride_pb + heads * stride_ph + split
+        tl.store(PartM + row, m_i, mask=used)
+        tl.store(PartL + row, l_i, mask=used)
+        acc_ptrs = PartAcc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+        tl.store(acc_ptrs, acc, mask=used[:, None] & d_mask[None, :])
     else:
-        _store_out(Out + b * stride_ob, acc, l_i, heads, offs_d, stride_oh, h_mask, d_mask)
-
-
-@triton.jit
-def _store_out(out_row, acc, l_i, heads, offs_d, stride_oh, h_mask, d_mask):
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_ptrs = out_row + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptrs, out.to(out_row.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 def _paged_decode_reduce_fn(
@@ -215,7 +195,6 @@ def _paged_decode_reduce_fn(
     stride_oh,
     window,
     num_splits,
-    min_tiles,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -233,27 +212,26 @@ def _paged_decode_reduce_fn(
     if HAS_SPANS:
         span_hi = tl.load(SpanHi + b)
     _, _, num_tiles, tiles_per_split = _split_tiles(
-        ctx, span_hi, window, num_splits, min_tiles, BLOCK_N, SLIDING, HAS_SPANS
+        ctx, span_hi, window, num_splits, BLOCK_N, SLIDING, HAS_SPANS
     )
-    if num_tiles > tiles_per_split:  # else one split wrote the output
-        m = float("-inf")
-        l_sum = 0.0
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s in range(tl.cdiv(num_tiles, tiles_per_split)):  # the used splits only
-            m_s = tl.load(PartM + b * stride_pb + h * stride_ph + s)
-            l_s = tl.load(PartL + b * stride_pb + h * stride_ph + s)
-            acc_s = tl.load(
-                PartAcc + b * stride_ab + h * stride_ah + s * stride_as + offs_d, mask=d_mask, other=0.0
-            )
-            m_new = tl.maximum(m, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits carry (-inf, 0, 0)
-            alpha = tl.exp2(m - m_safe)
-            beta = tl.exp2(m_s - m_safe)
-            acc = acc * alpha + acc_s * beta
-            l_sum = l_sum * alpha + l_s * beta
-            m = m_new
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
-        tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    m = float("-inf")
+    l_sum = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(tl.cdiv(num_tiles, tiles_per_split)):  # the used splits only
+        m_s = tl.load(PartM + b * stride_pb + h * stride_ph + s)
+        l_s = tl.load(PartL + b * stride_pb + h * stride_ph + s)
+        acc_s = tl.load(
+            PartAcc + b * stride_ab + h * stride_ah + s * stride_as + offs_d, mask=d_mask, other=0.0
+        )
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits carry (-inf, 0, 0)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        acc = acc * alpha + acc_s * beta
+        l_sum = l_sum * alpha + l_s * beta
+        m = m_new
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 _paged_decode = DualKernel(_paged_decode_fn)
@@ -295,17 +273,6 @@ def decode_num_splits(
     return max(1, min(want, by_length, max_splits))
 
 
-def decode_min_tiles(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """The fewest key tiles a split takes in the kernel (``G4SERVE_DECODE_MIN_TILES``, default 4, once the
-    batch alone has a program for every other SM; 1 below). A graph's split count is fixed for its longest
-    context, so at a large batch short contexts were cut into splits of one or two tiles and merged by a
-    second kernel; with this floor a context of up to ``min_tiles`` tiles is one program that writes its
-    output, and the merge skips it. Small batches keep every split: there the splits are the parallelism."""
-    if num_seqs * num_kv_heads * 2 < num_sms:
-        return 1
-    return max(1, MIN_TILES)
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -326,7 +293,6 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    min_tiles: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at position ``seq_lens[b] - 1``); k/v_cache [S, Hkv, D];
     block_tables [B, max_blocks] int32; seq_lens [B] int32 -> [B, Hq, D] in q's dtype.
@@ -335,7 +301,7 @@ def paged_decode_attention(
     int32 (-1: none) add keys [lo, hi) (a bidirectional span holding the query; hi <= the number of
     keys in the cache). ``num_splits`` None: chosen from ``max_seq_len`` (or the longest seq_len,
     which costs a device sync) by ``decode_num_splits``. An FP8 cache takes ``k_scale`` / ``v_scale``
-    [Hkv] fp32: its rows hold K / k_scale and V / v_scale. ``min_tiles`` None: ``decode_min_tiles``.
+    [Hkv] fp32: its rows hold K / k_scale and V / v_scale.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -358,8 +324,6 @@ def paged_decode_attention(
     if not has_spans:
         span_lo = span_hi = seq_lens  # never read
     split = num_splits > 1
-    if min_tiles is None:
-        min_tiles = decode_min_tiles(batch, num_kv_heads, num_sms)
     if split:
         part_m = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -398,7 +362,6 @@ def paged_decode_attention(
         scale * LOG2E,
         int(window or 0),
         num_splits,
-        min_tiles,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         GROUP=group,
@@ -432,7 +395,6 @@ def paged_decode_attention(
             out.stride(1),
             int(window or 0),
             num_splits,
-            min_tiles,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_N=block_n,
@@ -481,10 +443,4 @@ def paged_decode_reference(
     )
 
 
-__all__ = [
-    "decode_config",
-    "decode_min_tiles",
-    "decode_num_splits",
-    "paged_decode_attention",
-    "paged_decode_reference",
-]
+__all__ = ["decode_config", "decode_num_splits", "paged_decode_attention", "paged_decode_reference"]
