@@ -264,7 +264,9 @@ def decode_num_splits(
     with at least ``min_tiles_per_split`` tiles.
 
     Deterministic in its (host-side) inputs, so a CUDA-graph capture can fix it per batch size by
-    passing the longest context the graph will serve.
+    passing the longest context the graph will serve. At a large batch that cuts short contexts into
+    splits of a tile or two; giving a split at least 4 tiles there (one program and no merge for a short
+    context) measured slower on an H100 (e4b B = 64: 6.10 against 6.01 ms; docs/benchmarks.md, 2026-12-06).
     """
     programs = num_seqs * num_kv_heads
     per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
