@@ -16,8 +16,9 @@
 # Results: $OUT/prepare_split.tgz (results.json, logs, the profile summaries; no traces), $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out}
-RES=${RES:-/tmp/res-prepare} SIDES=${SIDES:-gpu host} BASE_SRC=${BASE_SRC:-.ab-base/src} DURATION=${DURATION:-10} RATE=${RATE:-1}
+RES=${RES:-/tmp/res-prepare} SIDES=${SIDES:-gpu host} DURATION=${DURATION:-10} RATE=${RATE:-1}
 PROFILE_RATE=${PROFILE_RATE:-4} PROFILE_S=${PROFILE_S:-4} PORT=${PORT:-8300} PREPROCESS=${PREPROCESS:-1}
+BASE_SRC=${BASE_SRC:-.ab-base/src}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

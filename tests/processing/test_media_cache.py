@@ -192,7 +192,7 @@ def test_a_prompt_that_fails_after_its_media_keeps_nothing(tokenizer):
 
 def test_a_device_items_host_copy_is_made_later_and_a_hit_waits_for_it(monkeypatch):
     """put(later=True) (what a device item gets) returns before the read-back; get waits for it and hands
-    out the host copy; counted once as a hit."""
+    out the host copy, and every get of it is a hit."""
     import threading
 
     from g4serve.processing import media_cache
