@@ -2,14 +2,23 @@
 # Download the wheels of bench/device/wheels.txt for the device machine (CPython 3.12, x86_64 manylinux)
 # into .whl/. Run from the repository root; then name `.whl` in the device call's `carry` and start the
 # command with `source bench/device/setup.sh`. (.whl/ is in .gitignore.)
+# `download_wheels.sh nvdec`: the NVDEC probe's set (bench/device/nvdec_probe.sh) into .whl-nvdec/ instead:
+# PyAV and NVIDIA's PyNvVideoCodec, which do not fit the carry limit beside the rest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p .whl
-grep -v '^\s*#' bench/device/wheels.txt | grep -v '^\s*$' | while read -r req; do
+if [ "${1:-}" = nvdec ]; then
+  dest=.whl-nvdec
+  reqs=$(grep -E '^av==' bench/device/wheels.txt; echo "pynvvideocodec==2.2.4")
+else
+  dest=.whl
+  reqs=$(grep -v '^\s*#' bench/device/wheels.txt | grep -v '^\s*$')
+fi
+mkdir -p "$dest"
+echo "$reqs" | while read -r req; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
-    -d .whl "$req"
+    -d "$dest" "$req"
 done
-du -sh .whl
+du -sh "$dest"
