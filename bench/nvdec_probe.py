@@ -79,9 +79,9 @@ def nvcuvid() -> dict[str, object]:
         return {"loads": False, "error": str(exc)}
 
 
-def nvdec_frames(nvc, clip: bytes, num_frames: int, make_decoder: bool, decoder=None):
-    """The sampled frames, one uint8 [F, H, W, 3] tensor on the GPU (a new decoder if ``make_decoder``)."""
-    if make_decoder or decoder is None:
+def nvdec_frames(nvc, clip: bytes, num_frames: int, decoder=None):
+    """The sampled frames, one uint8 [F, H, W, 3] tensor on the GPU, and the decoder (a new one if None)."""
+    if decoder is None:
         decoder = nvc.SimpleDecoder(clip, gpu_id=0, output_color_type=nvc.OutputColorType.RGB)
     indices = sample_frame_indices(len(decoder), num_frames)
     frames = decoder.get_batch_frames_by_index(indices)
@@ -96,10 +96,11 @@ def probe_nvdec(clip: bytes, host_frames: np.ndarray, num_frames: int, reps: int
         return {"imports": False, "error": f"{type(exc).__name__}: {exc}"}
     out["imports"], out["version"] = True, getattr(nvc, "__version__", None)
     try:
-        out["with_decoder_creation"], _ = timed(lambda: nvdec_frames(nvc, clip, num_frames, True), reps)
-        _, _, decoder = nvdec_frames(nvc, clip, num_frames, True)
+        out["with_decoder_creation"], (_, _, decoder) = timed(
+            lambda: nvdec_frames(nvc, clip, num_frames), reps
+        )
         out["decoder_reused"], (frames, indices, _) = timed(
-            lambda: nvdec_frames(nvc, clip, num_frames, False, decoder), reps
+            lambda: nvdec_frames(nvc, clip, num_frames, decoder), reps
         )
     except Exception as exc:  # noqa: BLE001 - the decode itself failed: reported with what came before
         out["error"] = f"{type(exc).__name__}: {exc}"
