@@ -114,6 +114,87 @@ def probe_nvdec(clip: bytes, host_frames: np.ndarray, num_frames: int, reps: int
     return out
 
 
+def nv12_to_rgb(nv12: torch.Tensor, height: int) -> torch.Tensor:
+    """uint8 [H, W, 3] from an NV12 surface [H * 3 / 2, W] (BT.601, limited range: what swscale assumes for an
+    untagged yuv420p stream, so what the host's ``to_ndarray("rgb24")`` computes, up to rounding)."""
+    y = nv12[:height].float() - 16.0
+    uv = nv12[height:].view(height // 2, -1, 2).float() - 128.0
+    uv = uv.repeat_interleave(2, 0).repeat_interleave(2, 1)[:height, : y.shape[1]]
+    u, v = uv[..., 0], uv[..., 1]
+    r = 1.164 * y + 1.596 * v
+    g = 1.164 * y - 0.392 * u - 0.813 * v
+    b = 1.164 * y + 2.017 * u
+    return torch.stack([r, g, b], -1).round().clamp(0, 255).to(torch.uint8)
+
+
+def _decoder(nvc, codec) -> tuple[object, str]:
+    """An NVDEC decoder for ``codec`` with device output: RGB where this version takes outputColorType."""
+    common = {"gpuid": 0, "codec": codec, "cudacontext": 0, "cudastream": 0, "usedevicememory": True}
+    try:
+        return nvc.CreateDecoder(**common, outputColorType=nvc.OutputColorType.RGB), "rgb"
+    except Exception:  # noqa: BLE001 - older signatures: NV12 output, converted here
+        return nvc.CreateDecoder(**common), "nv12"
+
+
+def _packet(nvc, data, pts):
+    pkt = nvc.PacketData()
+    if data is not None:
+        pkt.bsl_data, pkt.bsl = data.buffer_ptr, data.size
+        pkt.pts = pts if pts is not None else 0
+    return pkt
+
+
+def packet_frames(nvc, clip: bytes, num_frames: int) -> tuple[torch.Tensor, list[int], str, int]:
+    """The intended design: g4serve's PyAV demuxer (allowed demuxers only, no protocols) hands H.264 packets,
+    as Annex B (``h264_mp4toannexb``), to an NVDEC decoder. Returns the sampled frames on the GPU, their
+    indices, the output format and how many frames came out."""
+    import av.bitstream
+
+    from g4serve.processing.video import _open
+
+    with _open(clip) as container:
+        stream = container.streams.video[0]
+        height, total = stream.codec_context.height, stream.frames
+        wanted = set(sample_frame_indices(total, num_frames))
+        decoder, fmt = _decoder(nvc, nvc.cudaVideoCodec.H264)
+        bsf = av.bitstream.BitStreamFilterContext("h264_mp4toannexb", stream)
+        picked: dict[int, torch.Tensor] = {}
+        count = 0
+
+        def take(frames) -> None:
+            nonlocal count
+            for frame in frames:
+                if count in wanted:
+                    t = torch.as_tensor(frame, device="cuda")
+                    picked[count] = (t if fmt == "rgb" else nv12_to_rgb(t, height)).clone()
+                count += 1
+
+        for packet in container.demux(stream):
+            for annexb in bsf.filter(packet if packet.size else None):
+                take(decoder.Decode(_packet(nvc, annexb, annexb.pts)))
+        take(decoder.Decode(_packet(nvc, None, None)))  # an empty packet flushes the decoder
+    indices = sorted(picked)
+    return torch.stack([picked[i] for i in indices]), indices, fmt, count
+
+
+def probe_packets(nvc, clip: bytes, host_frames: np.ndarray, num_frames: int, reps: int) -> dict[str, object]:
+    out: dict[str, object] = {
+        "packet_data_fields": [m for m in dir(nvc.PacketData()) if not m.startswith("_")],
+        "create_decoder_doc": (nvc.CreateDecoder.__doc__ or "")[:1500],
+    }
+    try:
+        timing, result = timed(lambda: packet_frames(nvc, clip, num_frames), reps)
+    except Exception as exc:  # noqa: BLE001 - reported with the introspection above
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    frames, indices, fmt, count = result
+    out.update(timing=timing, output=fmt, frames_out=count, sampled=len(indices), shape=list(frames.shape))
+    if tuple(frames.shape) == host_frames.shape:
+        diff = (frames.cpu().int() - torch.from_numpy(host_frames).int()).abs()
+        out["abs_diff_mean"], out["abs_diff_max"] = diff.float().mean().item(), int(diff.max())
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=10.0)
@@ -133,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         report["nvcuvid"] = nvcuvid()
         report["nvdec"] = probe_nvdec(clip, host_frames, args.num_frames, args.reps)
-    for key in ("clip", "host_load_video", "host_frames_shape", "nvcuvid", "nvdec"):
+        if report["nvdec"].get("imports"):
+            import PyNvVideoCodec as nvc  # noqa: N813 - the package's own name
+
+            report["nvdec_packets"] = probe_packets(nvc, clip, host_frames, args.num_frames, args.reps)
+    for key in ("clip", "host_load_video", "host_frames_shape", "nvcuvid", "nvdec", "nvdec_packets"):
         if key in report:
             print(f"{key}: {json.dumps(report[key], default=str)}")
     write_result_json(args.out, "nvdec_probe", report)
