@@ -3,13 +3,12 @@
 # into .whl/. Run from the repository root; then name `.whl` in the device call's `carry` and start the
 # command with `source bench/device/setup.sh`. (.whl/ is in .gitignore.)
 # `download_wheels.sh nvdec`: the NVDEC probe's set (bench/device/nvdec_probe.sh) into .whl-nvdec/ instead:
-# PyAV, blake3 (the two the engine's benchmarks need beyond the device image, so an engine job runs beside
-# the probe in one call) and NVIDIA's PyNvVideoCodec, which do not fit the carry limit beside the rest.
+# PyAV and NVIDIA's PyNvVideoCodec, which do not fit the carry limit beside the rest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = nvdec ]; then
   dest=.whl-nvdec
-  reqs=$(grep -E '^(av|blake3)==' bench/device/wheels.txt; echo "pynvvideocodec==2.2.4")
+  reqs=$(grep -E '^av==' bench/device/wheels.txt; echo "pynvvideocodec==2.2.4")
 else
   dest=.whl
   reqs=$(grep -v '^\s*#' bench/device/wheels.txt | grep -v '^\s*$')
