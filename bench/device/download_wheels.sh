@@ -2,13 +2,14 @@
 # Download the wheels of bench/device/wheels.txt for the device machine (CPython 3.12, x86_64 manylinux)
 # into .whl/. Run from the repository root; then name `.whl` in the device call's `carry` and start the
 # command with `source bench/device/setup.sh`. (.whl/ is in .gitignore.)
-# `download_wheels.sh nvdec`: the NVDEC probe's set (bench/device/nvdec_probe.sh) into .whl-nvdec/ instead:
-# PyAV and NVIDIA's PyNvVideoCodec, which do not fit the carry limit beside the rest.
+# `download_wheels.sh nvdec`: NVIDIA's PyNvVideoCodec (27 MB) into .whl-nvdec/ instead, for the NVDEC probe
+# (bench/device/nvdec_probe.sh). It does not fit the carry limit beside .whl/, so that call runs on a warm
+# machine right after one that installed .whl/ (PyAV among it) into /tmp/site.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = nvdec ]; then
   dest=.whl-nvdec
-  reqs=$(grep -E '^av==' bench/device/wheels.txt; echo "pynvvideocodec==2.2.4")
+  reqs="pynvvideocodec==2.2.4"
 else
   dest=.whl
   reqs=$(grep -v '^\s*#' bench/device/wheels.txt | grep -v '^\s*$')
