@@ -1,5 +1,6 @@
-"""Can a served video container be decoded on the GPU (NVDEC), and what would it save? The first step of
-issue 23's "video decoding with NVDEC where the container allows", run before any of it is built.
+"""Can a served video container be decoded on the GPU (NVDEC), and what does it save? Issue 23's "video
+decoding with NVDEC where the container allows": first run before any of it was built, now also measuring
+g4serve's own path (``--video-decoder nvdec``, ``processing/nvdec.py``).
 
 On the machine it runs on it reports (a line each, and JSON under ``--out``):
 
@@ -9,11 +10,13 @@ On the machine it runs on it reports (a line each, and JSON under ``--out``):
   synthetic frames;
 - the host path: g4serve's ``load_video`` on the clip's bytes (PyAV decodes up to the last sampled frame),
   median and minimum ms;
-- NVDEC: ``PyNvVideoCodec.SimpleDecoder`` on the same bytes, from memory, RGB on the device, the frames
-  g4serve samples (``sample_frame_indices`` over the decoder's frame count), with and without creating the
-  decoder;
-- how close the two are: mean and maximum absolute difference of the sampled frames (the colour conversion
-  and chroma upsampling differ, so a few levels are expected; a different frame would differ by far more).
+- NVIDIA's own pipeline: ``PyNvVideoCodec.SimpleDecoder`` on the same bytes (its FFmpeg demuxes), RGB on the
+  device (its BT.709 conversion), the frames g4serve samples, with and without creating the decoder;
+- g4serve's path: PyAV demuxes under g4serve's limits, NVDEC decodes, the sampled frames converted as the
+  host converts them (``NvdecVideos.load``), its first call (the decoder made) and later ones;
+- how close each is to the host's frames (mean and maximum absolute difference);
+- ``--threads`` threads decoding at once, the host path against g4serve's NVDEC path: videos a second and
+  the process's CPU seconds a video.
 
 Every stage that fails is reported with its error and the rest still runs, so one call answers what is
 there. On a machine without a GPU only the clip and the host path run:
@@ -29,14 +32,17 @@ import io
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import av
 import numpy as np
 import torch
 
 from g4serve.bench.meta import result_header, write_result_json
+from g4serve.processing.limits import MediaLimits
 from g4serve.processing.video import DEFAULT_NUM_FRAMES, load_video, sample_frame_indices
 
 
@@ -114,85 +120,64 @@ def probe_nvdec(clip: bytes, host_frames: np.ndarray, num_frames: int, reps: int
     return out
 
 
-def nv12_to_rgb(nv12: torch.Tensor, height: int) -> torch.Tensor:
-    """uint8 [H, W, 3] from an NV12 surface [H * 3 / 2, W] (BT.601, limited range: what swscale assumes for an
-    untagged yuv420p stream, so what the host's ``to_ndarray("rgb24")`` computes, up to rounding)."""
-    y = nv12[:height].float() - 16.0
-    uv = nv12[height:].view(height // 2, -1, 2).float() - 128.0
-    uv = uv.repeat_interleave(2, 0).repeat_interleave(2, 1)[:height, : y.shape[1]]
-    u, v = uv[..., 0], uv[..., 1]
-    r = 1.164 * y + 1.596 * v
-    g = 1.164 * y - 0.392 * u - 0.813 * v
-    b = 1.164 * y + 2.017 * u
-    return torch.stack([r, g, b], -1).round().clamp(0, 255).to(torch.uint8)
+def g4serve_nvdec(clip: bytes, num_frames: int):
+    """g4serve's path (``processing.nvdec``): the sampled frames on the GPU, on a side stream as the
+    processor's threads run it, finished."""
+    nvdec = _nvdec()
+    with torch.cuda.stream(_side_stream()):
+        frames = nvdec.load(clip, MediaLimits(), num_frames)
+        torch.cuda.current_stream().synchronize()
+    return frames
 
 
-def _decoder(nvc, codec) -> tuple[object, str]:
-    """An NVDEC decoder for ``codec`` with device output: RGB where this version takes outputColorType."""
-    common = {"gpuid": 0, "codec": codec, "cudacontext": 0, "cudastream": 0, "usedevicememory": True}
+_state = threading.local()
+
+
+def _nvdec():
+    from g4serve.processing.nvdec import NvdecVideos
+
+    if not hasattr(_state, "nvdec"):
+        _state.nvdec = NvdecVideos("cuda")
+    return _state.nvdec
+
+
+def _side_stream() -> torch.cuda.Stream:
+    if not hasattr(_state, "stream"):
+        _state.stream = torch.cuda.Stream()
+    return _state.stream
+
+
+def probe_g4serve(clip: bytes, host_frames: np.ndarray, num_frames: int, reps: int) -> dict[str, object]:
+    out: dict[str, object] = {}
     try:
-        return nvc.CreateDecoder(**common, outputColorType=nvc.OutputColorType.RGB), "rgb"
-    except Exception:  # noqa: BLE001 - older signatures: NV12 output, converted here
-        return nvc.CreateDecoder(**common), "nv12"
-
-
-def _packet(nvc, data, pts):
-    pkt = nvc.PacketData()
-    if data is not None:
-        pkt.bsl_data, pkt.bsl = data.buffer_ptr, data.size
-        pkt.pts = pts if pts is not None else 0
-    return pkt
-
-
-def packet_frames(nvc, clip: bytes, num_frames: int) -> tuple[torch.Tensor, list[int], str, int]:
-    """The intended design: g4serve's PyAV demuxer (allowed demuxers only, no protocols) hands H.264 packets,
-    as Annex B (``h264_mp4toannexb``), to an NVDEC decoder. Returns the sampled frames on the GPU, their
-    indices, the output format and how many frames came out."""
-    import av.bitstream
-
-    from g4serve.processing.video import _open
-
-    with _open(clip) as container:
-        stream = container.streams.video[0]
-        height, total = stream.codec_context.height, stream.frames
-        wanted = set(sample_frame_indices(total, num_frames))
-        decoder, fmt = _decoder(nvc, nvc.cudaVideoCodec.H264)
-        bsf = av.bitstream.BitStreamFilterContext("h264_mp4toannexb", stream)
-        picked: dict[int, torch.Tensor] = {}
-        count = 0
-
-        def take(frames) -> None:
-            nonlocal count
-            for frame in frames:
-                if count in wanted:
-                    t = torch.as_tensor(frame, device="cuda")
-                    picked[count] = (t if fmt == "rgb" else nv12_to_rgb(t, height)).clone()
-                count += 1
-
-        for packet in container.demux(stream):
-            for annexb in bsf.filter(packet if packet.size else None):
-                take(decoder.Decode(_packet(nvc, annexb, annexb.pts)))
-        take(decoder.Decode(_packet(nvc, None, None)))  # an empty packet flushes the decoder
-    indices = sorted(picked)
-    return torch.stack([picked[i] for i in indices]), indices, fmt, count
-
-
-def probe_packets(nvc, clip: bytes, host_frames: np.ndarray, num_frames: int, reps: int) -> dict[str, object]:
-    out: dict[str, object] = {
-        "packet_data_fields": [m for m in dir(nvc.PacketData()) if not m.startswith("_")],
-        "create_decoder_doc": (nvc.CreateDecoder.__doc__ or "")[:1500],
-    }
-    try:
-        timing, result = timed(lambda: packet_frames(nvc, clip, num_frames), reps)
-    except Exception as exc:  # noqa: BLE001 - reported with the introspection above
+        t0 = time.perf_counter()
+        g4serve_nvdec(clip, num_frames)  # this thread's decoder made
+        out["first_call_ms"] = 1e3 * (time.perf_counter() - t0)
+        out["decoder_reused"], video = timed(lambda: g4serve_nvdec(clip, num_frames), reps)
+    except Exception as exc:  # noqa: BLE001 - reported
         out["error"] = f"{type(exc).__name__}: {exc}"
         return out
-    frames, indices, fmt, count = result
-    out.update(timing=timing, output=fmt, frames_out=count, sampled=len(indices), shape=list(frames.shape))
-    if tuple(frames.shape) == host_frames.shape:
-        diff = (frames.cpu().int() - torch.from_numpy(host_frames).int()).abs()
-        out["abs_diff_mean"], out["abs_diff_max"] = diff.float().mean().item(), int(diff.max())
+    if video is None:
+        out["error"] = "the clip went to the host path"
+        return out
+    frames = video.frames.cpu()
+    out["shape"] = list(frames.shape)
+    diff = (frames.int() - torch.from_numpy(host_frames).int()).abs()
+    out["abs_diff_mean"], out["abs_diff_max"] = diff.float().mean().item(), int(diff.max())
     return out
+
+
+def concurrency(decode: Callable[[], object], threads: int, per_thread: int) -> dict[str, float]:
+    """``threads`` threads decoding ``per_thread`` videos each at once (the server prepares requests in 4):
+    videos a second, and the process's CPU seconds a video (every thread's, FFmpeg's own included)."""
+    decode()  # each path warmed (the main thread's decoder; the workers make theirs in the first round)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: decode(), range(threads)))
+        wall, cpu = time.perf_counter(), time.process_time()
+        list(pool.map(lambda _: decode(), range(threads * per_thread)))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    videos = threads * per_thread
+    return {"videos_per_s": videos / wall, "cpu_s_per_video": cpu / videos, "videos": videos}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="854x480", help="WIDTHxHEIGHT")
     p.add_argument("--num-frames", type=int, default=DEFAULT_NUM_FRAMES, help="frames g4serve samples")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=4, help="threads decoding at once (0: not measured)")
+    p.add_argument("--per-thread", type=int, default=6, help="videos each thread decodes, timed")
     p.add_argument("--out", default="bench/results/nvdec-probe")
     args = p.parse_args(argv)
     width, height = (int(v) for v in args.size.split("x"))
@@ -215,10 +202,25 @@ def main(argv: list[str] | None = None) -> int:
         report["nvcuvid"] = nvcuvid()
         report["nvdec"] = probe_nvdec(clip, host_frames, args.num_frames, args.reps)
         if report["nvdec"].get("imports"):
-            import PyNvVideoCodec as nvc  # noqa: N813 - the package's own name
-
-            report["nvdec_packets"] = probe_packets(nvc, clip, host_frames, args.num_frames, args.reps)
-    for key in ("clip", "host_load_video", "host_frames_shape", "nvcuvid", "nvdec", "nvdec_packets"):
+            report["g4serve_nvdec"] = probe_g4serve(clip, host_frames, args.num_frames, args.reps)
+        if args.threads and "error" not in report.get("g4serve_nvdec", {"error": 1}):
+            host = lambda: load_video(clip, num_frames=args.num_frames)  # noqa: E731
+            report["concurrent"] = {
+                "threads": args.threads,
+                "host": concurrency(host, args.threads, args.per_thread),
+                "g4serve_nvdec": concurrency(
+                    lambda: g4serve_nvdec(clip, args.num_frames), args.threads, args.per_thread
+                ),
+            }
+    for key in (
+        "clip",
+        "host_load_video",
+        "host_frames_shape",
+        "nvcuvid",
+        "nvdec",
+        "g4serve_nvdec",
+        "concurrent",
+    ):
         if key in report:
             print(f"{key}: {json.dumps(report[key], default=str)}")
     write_result_json(args.out, "nvdec_probe", report)

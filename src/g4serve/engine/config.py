@@ -26,6 +26,7 @@ def _opt(default: Any = None, help: str = "", **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+VIDEO_DECODERS = ("host", "nvdec")
 # Threads that prepare requests (tokenize, decode and resize media) beside the engine thread (AsyncLLMEngine).
 PREPROCESS_WORKERS = 4
 
@@ -121,6 +122,14 @@ class EngineConfig:
         "there, audio's log-mel features computed there (near, not equal to, the host path, which matches "
         "transformers exactly) (default: on for a CUDA engine that serves media)",
     )
+    # processing/nvdec.py. On an H100 NVDEC decodes a 10 s 480p H.264 clip no faster than the host's threads
+    # (docs/benchmarks.md); what it frees is host CPU. Off by default.
+    video_decoder: str = _opt(
+        "host",
+        "host: container videos decoded by FFmpeg on the CPU; nvdec: H.264/HEVC decoded by the GPU's NVDEC "
+        "(needs media on the GPU and NVIDIA's PyNvVideoCodec; other videos still decode on the host)",
+        choices=VIDEO_DECODERS,
+    )
     text_only: bool = _opt(False, "do not load the vision/audio towers")
     strict_config: bool = _opt(True, "reject config.json keys g4serve does not know", cli=False)
     seed: int = _opt(0, "seed of random preset weights")
@@ -211,6 +220,10 @@ class EngineConfig:
             self.media_on_gpu = device_type(self.device) == "cuda" and not self.text_only
         if self.media_on_gpu and device_type(self.device) != "cuda":
             raise ValueError(f"media_on_gpu: needs a CUDA device, the engine runs on {self.device!r}")
+        if self.video_decoder not in VIDEO_DECODERS:
+            raise ValueError(f"video_decoder: expected host or nvdec, got {self.video_decoder!r}")
+        if self.video_decoder == "nvdec" and not self.media_on_gpu:
+            raise ValueError("video_decoder: nvdec needs media prepared on the GPU (media_on_gpu)")
         self._check_tensor_parallel()
 
     def _check_steps(self) -> None:

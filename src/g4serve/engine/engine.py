@@ -58,6 +58,8 @@ from g4serve.models.gemma4.loader import (
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.outputs import RequestOutput
 from g4serve.processing.device_media import device_memory_bound
+from g4serve.processing.nvdec import NvdecVideos
+from g4serve.processing.nvdec import memory_bound as nvdec_memory_bound
 from g4serve.processing.processor import (
     Gemma4Processor,
     ProcessedPrompt,
@@ -131,6 +133,8 @@ def kv_reserve(config: EngineConfig, text: TextConfig, dtype: torch.dtype) -> in
     reserve = activation_reserve(text, config.max_num_batched_tokens, dtype)
     if config.media_on_gpu:
         reserve += device_memory_bound(PREPROCESS_WORKERS)
+    if config.video_decoder == "nvdec":
+        reserve += nvdec_memory_bound(PREPROCESS_WORKERS)
     return reserve
 
 
@@ -188,6 +192,7 @@ class LLMEngine:
             ProcessorSettings.from_dir(model_dir),
             media_device=self.device if config.media_on_gpu else None,
             cache_bytes=int(config.mm_processor_cache_gb * (1 << 30)),
+            nvdec=NvdecVideos(self.device) if config.video_decoder == "nvdec" else None,
         )
         self.media_limits = config.media_limits()  # what one request's media may cost to decode
         self.dtype = self.model.language_model.embed_tokens.weight.dtype

@@ -45,6 +45,7 @@ from g4serve.processing.media_cache import (
     encoded_parts,
     media_key,
 )
+from g4serve.processing.nvdec import NvdecVideos
 from g4serve.processing.pool import map_in_pool
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.processing.video import (
@@ -136,15 +137,21 @@ class Gemma4Processor:
         settings: ProcessorSettings | None = None,
         media_device: torch.device | str | None = None,
         cache_bytes: int = 0,
+        nvdec: NvdecVideos | None = None,
     ):
         """``media_device``: decode (JPEG), resize and patchify images and video frames there
         (``processing.device_media``); None: on the host, bit for bit as transformers. ``cache_bytes``:
-        keep processed media items given as bytes, up to this many bytes (``processing.media_cache``)."""
+        keep processed media items given as bytes, up to this many bytes (``processing.media_cache``).
+        ``nvdec``: container videos it takes are decoded by NVDEC (``processing.nvdec``; with a media
+        device)."""
+        if nvdec is not None and media_device is None:
+            raise ValueError("NVDEC decoding needs a media device (--media-on-gpu)")
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.settings = settings or ProcessorSettings()
         self.media = DeviceMedia(media_device) if media_device is not None else None
         self.cache = MediaCache(cache_bytes) if cache_bytes > 0 else None
+        self.nvdec = nvdec
         self.audio_extractor = AudioFeatureExtractor()
         tok = tokenizer
         self.image_token, self.video_token, self.audio_token = (
@@ -405,6 +412,9 @@ class Gemma4Processor:
         media = self.media
         with contextlib.ExitStack() as held:
             frames = self._jpeg_frames_on_device(value, budget, held) if media is not None else None
+            if frames is None and self.nvdec is not None:
+                value = self._read(value, budget.limits)
+                frames = self._nvdec_frames(value, budget, held)
             if frames is None:
                 frames = self._load_video(value, budget)
                 shape = frames.frames.shape  # [F, H, W, 3]
@@ -431,6 +441,27 @@ class Gemma4Processor:
                 float_resize=on_device,
             )
         return frames, feats
+
+    def _nvdec_frames(
+        self, value: Any, budget: MediaBudget, held: contextlib.ExitStack
+    ) -> VideoFrames | None:
+        """A container video's sampled frames decoded by NVDEC, under a reservation of the media device's
+        in-flight budget that ``held`` keeps until the patches are made; None: the host path decodes it."""
+        media, nvdec = self.media, self.nvdec
+        assert media is not None and nvdec is not None
+        if not isinstance(value, (bytes, bytearray)):
+            return None
+        with contextlib.ExitStack() as reserved:  # given back at once if the host path takes the video
+            frames = nvdec.load(
+                bytes(value),
+                budget.limits,
+                self.settings.video_num_frames,
+                budget,
+                reserve=lambda pixels: reserved.enter_context(media.reserve(pixels)),
+            )
+            if frames is not None:
+                held.enter_context(reserved.pop_all())
+        return frames
 
     def _jpeg_frames_on_device(
         self, value: Any, budget: MediaBudget, held: contextlib.ExitStack

@@ -82,8 +82,12 @@ def _encoded(source: str | os.PathLike | bytes | _Encoded, limits: MediaLimits |
         raise ValueError(f"could not decode video: {e}") from None
 
 
-def _open(source: str | os.PathLike | bytes | _Encoded) -> av.container.InputContainer:
-    enc = _encoded(source)
+def open_video(
+    source: str | os.PathLike | bytes | _Encoded, limits: MediaLimits | None = None
+) -> av.container.InputContainer:
+    """PyAV's container over a video's bytes (a file is read first), under ``limits``: the allowed demuxers
+    only, no protocols, bounded probing."""
+    enc = _encoded(source, limits)
     # The audio demuxers too, so an audio file sent as video is answered "no video stream".
     demuxers = tuple(dict.fromkeys(enc.limits.video_demuxers + enc.limits.audio_demuxers))
     return open_media(enc.data, "video", demuxers, enc.limits)
@@ -112,7 +116,15 @@ def _check_decoded_pixels(total: int, limits: MediaLimits) -> None:
         )
 
 
-def _check_header(
+def check_decoded_frame(width: int, height: int, count: int, decoded: int, limits: MediaLimits) -> None:
+    """Refuse a decoded frame past the caps, whatever the header announced: ``count`` frames decoded so far
+    with this one, ``decoded`` pixels over all of them."""
+    _check_frame_size(width, height, limits)
+    _check_frame_count(count, limits)
+    _check_decoded_pixels(decoded, limits)
+
+
+def check_video_header(
     stream: av.video.stream.VideoStream,
     wanted: set[int] | None,
     limits: MediaLimits,
@@ -141,11 +153,11 @@ def _decode(
     picked: dict[int, np.ndarray] = {}
     count = decoded = kept = 0
     last = max(wanted) if wanted else -1
-    with _open(enc) as container:
+    with open_video(enc) as container:
         if not container.streams.video:
             raise ValueError("could not decode video: no video stream")
         stream = container.streams.video[0]
-        _check_header(stream, wanted, limits, budget)
+        check_video_header(stream, wanted, limits, budget)
         stream.thread_type = "AUTO"
         stream.codec_context.options = {**stream.codec_context.options, **limits.codec_options()}
         try:
@@ -153,10 +165,8 @@ def _decode(
                 if wanted is not None and count > last:
                     break
                 pixels = frame.width * frame.height
-                _check_frame_size(frame.width, frame.height, limits)
-                _check_frame_count(count + 1, limits)
                 decoded += pixels
-                _check_decoded_pixels(decoded, limits)
+                check_decoded_frame(frame.width, frame.height, count + 1, decoded, limits)
                 if wanted is not None and count in wanted:
                     kept += pixels
                     if budget is not None:
@@ -176,7 +186,7 @@ def _decode(
 
 
 def _probe(source: str | os.PathLike | bytes | _Encoded) -> tuple[int, float | None]:
-    with _open(source) as container:
+    with open_video(source) as container:
         if not container.streams.video:
             raise ValueError("could not decode video: no video stream")
         stream = container.streams.video[0]
