@@ -2,9 +2,10 @@
 # Download the wheels of bench/device/wheels.txt for the device machine (CPython 3.12, x86_64 manylinux)
 # into .whl/. Run from the repository root; then name `.whl` in the device call's `carry` and start the
 # command with `source bench/device/setup.sh`. (.whl/ is in .gitignore.)
-# `download_wheels.sh nvdec`: NVIDIA's PyNvVideoCodec (27 MB) into .whl-nvdec/ instead, for the NVDEC probe
-# (bench/device/nvdec_probe.sh). It does not fit the carry limit beside .whl/, so that call runs on a warm
-# machine right after one that installed .whl/ (PyAV among it) into /tmp/site.
+# `download_wheels.sh nvdec`: NVIDIA's PyNvVideoCodec into .whl-nvdec/ instead, for --video-decoder nvdec on
+# the device (bench/device/nvdec_probe.sh, tests/gpu/test_nvdec_gpu.py). Its wheel (27 MB) is slimmed to 9 MB
+# (without its samples, its FFmpeg source tarball and the CUDA 12 module: the device's driver is CUDA 13),
+# so .whl/ and .whl-nvdec/ fit one call's carry together.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = nvdec ]; then
@@ -22,4 +23,16 @@ echo "$reqs" | while read -r req; do
     --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
     -d "$dest" "$req"
 done
+if [ "$dest" = .whl-nvdec ]; then
+  python3 - "$dest"/pynvvideocodec-*.whl <<'PY'
+import os, sys, zipfile
+path = sys.argv[1]
+drop = ("samples/", "benchmarks/", "pynvvideocodec-2.2.4.data/data/external/")
+with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".slim", "w", zipfile.ZIP_DEFLATED) as out:
+    for info in src.infolist():
+        if not info.filename.startswith(drop) and "_121.cpython" not in info.filename:
+            out.writestr(info, src.read(info.filename))
+os.replace(path + ".slim", path)
+PY
+fi
 du -sh "$dest"
