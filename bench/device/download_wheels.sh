@@ -2,15 +2,17 @@
 # Download the wheels of bench/device/wheels.txt for the device machine (CPython 3.12, x86_64 manylinux)
 # into .whl/. Run from the repository root; then name `.whl` in the device call's `carry` and start the
 # command with `source bench/device/setup.sh`. (.whl/ is in .gitignore.)
-# `download_wheels.sh nvdec`: NVIDIA's PyNvVideoCodec into .whl-nvdec/ instead, for --video-decoder nvdec on
-# the device (bench/device/nvdec_probe.sh, tests/gpu/test_nvdec_gpu.py). Its wheel (27 MB) is slimmed to 9 MB
-# (without its samples, its FFmpeg source tarball and the CUDA 12 module: the device's driver is CUDA 13),
-# so .whl/ and .whl-nvdec/ fit one call's carry together.
+# `download_wheels.sh nvdec`: .whl-nvdec/ instead, for --video-decoder nvdec on the device
+# (bench/device/nvdec_probe.sh, tests/gpu/test_nvdec_gpu.py): NVIDIA's PyNvVideoCodec beside the wheels above
+# but the OpenAI client's and the assistant's (it carries alone, under the limit). PyNvVideoCodec's wheel
+# (27 MB) is slimmed to 9 MB: no samples, FFmpeg source tarball or CUDA 12 module (the driver is CUDA 13).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = nvdec ]; then
   dest=.whl-nvdec
-  reqs="pynvvideocodec==2.2.4"
+  reqs=$(grep -v '^\s*#' bench/device/wheels.txt | grep -v '^\s*$' |
+    grep -v -i -E '^(openai|httpx2|httpcore2|truststore|jiter|text2num|rapidfuzz|jellyfish)=='
+    echo "pynvvideocodec==2.2.4")
 else
   dest=.whl
   reqs=$(grep -v '^\s*#' bench/device/wheels.txt | grep -v '^\s*$')
