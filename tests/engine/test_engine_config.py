@@ -117,6 +117,9 @@ def test_the_kv_cache_leaves_room_for_media_prepared_on_the_gpu():
     gpu = kv_reserve(EngineConfig(device="cuda"), text, torch.bfloat16)
     assert gpu - host == device_memory_bound(PREPROCESS_WORKERS) == 3 * (1 << 27) + 4 * 12 * (1 << 23)
     assert kv_reserve(EngineConfig(device="cuda", text_only=True), text, torch.bfloat16) == host
+    # NVDEC's decoders: each preparing thread's surfaces for 2048 x 1088 frames, ~300 MB at four threads
+    nvdec = kv_reserve(EngineConfig(device="cuda", video_decoder="nvdec"), text, torch.bfloat16)
+    assert nvdec - gpu == PREPROCESS_WORKERS * 24 * 2048 * 1088 * 3 // 2
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 2.0**20])
