@@ -118,6 +118,13 @@ def import_pynvvideocodec() -> Any:
     return PyNvVideoCodec
 
 
+def _current_context() -> int:
+    """The calling thread's current CUDA context (the driver's ``CUcontext``; 0 if none)."""
+    context = ctypes.c_void_p()
+    ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(context))
+    return context.value or 0
+
+
 @dataclass
 class _Decoder:
     handle: Any
@@ -209,7 +216,10 @@ class NvdecVideos:
     def _decoder(self, codec: str, width: int, height: int) -> Any:
         """This thread's decoder for ``codec`` at this frame size on the current stream (made if need be)."""
         held: dict[str, _Decoder] = self._local.__dict__.setdefault("decoders", {})
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        stream, context = 0, 0
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            context = _current_context()  # torch's (the primary) context: the stream's
         entry = held.get(codec)
         if entry is not None and (entry.width, entry.height, entry.stream) == (width, height, stream):
             return entry.handle
@@ -218,7 +228,7 @@ class NvdecVideos:
             handle = self.nvc.CreateDecoder(
                 gpuid=self.device.index or 0,
                 codec=getattr(self.nvc.cudaVideoCodec, codec),
-                cudacontext=0,
+                cudacontext=context,
                 cudastream=stream,
                 usedevicememory=True,
                 maxwidth=width,
