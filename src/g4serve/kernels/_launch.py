@@ -133,3 +133,26 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones, kept: captured graphs may still use them
+
+
+def launch_counters(device: torch.device, count: int, kernel: str) -> torch.Tensor | None:
+    """``kernel``'s int32 counters on ``device`` (at least ``count``; zero between launches: a launch's last
+    program resets what it counted), for kernels whose last program of a group finishes the group's work
+    (split-K GEMMs, split decode attention). Made outside CUDA-graph capture, on the kernel's first launch
+    that needs them (an engine's eager runs before each capture); None while capturing before that: the
+    caller then launches the way that needs none. Launches on one device share them, so they must not run
+    concurrently on two streams (a step's kernels run on its one stream)."""
+    counters = _COUNTERS.get((device, kernel))
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = _COUNTERS[(device, kernel)] = torch.zeros(
+            max(4096, count), dtype=torch.int32, device=device
+        )
+    return counters

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, pdl, sm_count, wait_for_previous_kernel
+from g4serve.kernels._launch import DualKernel, launch_counters, pdl, sm_count, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, store_gated
 from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, activation_scale_reference, quantize_fp8
@@ -227,19 +227,6 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
 
 MAX_SPLIT_K = 8
 MIN_GROUPS_PER_SPLIT = 4  # K groups (of 128 columns) each split streams at least
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The per-device int32 tile counters of split-K launches (zero between launches: the last program of a
-    tile resets its own). Made outside CUDA-graph capture, on the first split launch (an engine's eager
-    warm-up); None while capturing before that (the launch then runs unsplit)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
-    return counters
 
 
 def _sm_count(device: torch.device) -> int:
@@ -322,7 +309,9 @@ def fp8_matmul_quantized(
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
     cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device))
     tiles = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]))
-    counters = _split_counters(xq.device, tiles[0] * tiles[1]) if cfg.get("split_k", 1) > 1 else None
+    counters = (
+        launch_counters(xq.device, tiles[0] * tiles[1], "fp8_matmul") if cfg.get("split_k", 1) > 1 else None
+    )
     splits = cfg["split_k"] if counters is not None else 1
     partials = y  # (unused unsplit)
     if splits > 1:
