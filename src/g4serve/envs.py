@@ -78,13 +78,6 @@ VARIABLES: tuple[Variable, ...] = (
         "(`kernels/paged_decode.py`; `1`: a batch with a program per SM already, no split)",
     ),
     Variable(
-        "G4SERVE_DECODE_FUSED_MERGE",
-        "1",
-        "a split paged decode merges its splits in its own last program per sequence and KV head (`0`: in a "
-        "second kernel, as before; `kernels/paged_decode.py`)",
-        ("0", "1"),
-    ),
-    Variable(
         "G4SERVE_SORT_FREE_TOP_K",
         "0",
         "`1`: CUDA batches that use top-k sample in the sort-free kernel too (a radix select of the k-th "

@@ -71,30 +71,6 @@ def test_decode_vs_reference(hq, hkv, head_dim, window, num_splits):
 
 
 @pytest.mark.parametrize("hq, hkv, head_dim, window", SHAPES)
-def test_the_in_kernel_merge_is_the_merge_kernels_in_a_replayed_graph(hq, hkv, head_dim, window):
-    """A split launch's last program per (sequence, KV head) merges the splits: the merge kernel's bits,
-    eager and from a CUDA graph replayed several times (each replay must find its counters at zero)."""
-    gen = torch.Generator("cuda").manual_seed(7 + head_dim)
-    k, v, num_blocks = _cache(sum(DECODE_LENS) + PAGE * len(DECODE_LENS), hkv, head_dim, gen)
-    tables = _tables(DECODE_LENS, num_blocks, gen)
-    lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device="cuda")
-    q = (torch.randn(len(DECODE_LENS), hq, head_dim, device="cuda", generator=gen) * 0.25).bfloat16()
-    args = (q, k, v, tables, lens, PAGE)
-    kw = dict(window=window, num_splits=16)
-    want = paged_decode_attention(*args, **kw, fused_merge=False)
-    assert torch.equal(paged_decode_attention(*args, **kw, fused_merge=True), want)
-    out = torch.empty_like(q)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(*args, **kw, fused_merge=True, out=out)
-    for _ in range(5):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-
-
-@pytest.mark.parametrize("hq, hkv, head_dim, window", SHAPES)
 def test_prefill_vs_reference(hq, hkv, head_dim, window):
     """A fresh 700-token prompt, a 512-token chunk after a 4096-token prefix hit, a 1-token chunk, and a
     chunk near 8192 with an image span on sliding layers."""

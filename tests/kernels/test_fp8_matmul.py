@@ -194,3 +194,16 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, config, epilogue):
     )
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs, use_pdl=m <= 64)
+
+
+def test_outgrown_launch_counters_stay_alive_for_the_graphs_that_hold_them():
+    """A launch needing more counters than the kernel's buffer gets a larger one; the old buffer is kept,
+    since CUDA graphs captured earlier still point at it."""
+    from g4serve.kernels import _launch
+
+    device = torch.device("cpu")
+    first = _launch.launch_counters(device, 10, "test-kernel")
+    assert first is not None and first.numel() == 4096 and not first.any()
+    assert _launch.launch_counters(device, 4096, "test-kernel") is first
+    grown = _launch.launch_counters(device, 5000, "test-kernel")
+    assert grown is not None and grown.numel() == 5000 and any(t is first for t in _launch._OUTGROWN)

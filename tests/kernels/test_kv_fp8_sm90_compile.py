@@ -143,11 +143,10 @@ DECODE_LAYERS = [
 
 
 @pytest.mark.parametrize("head_dim,window,spans", DECODE_LAYERS)
-@pytest.mark.parametrize("num_splits,fused_merge", [(1, True), (8, True), (8, False)])
+@pytest.mark.parametrize("num_splits", [1, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_paged_decode_compiles(monkeypatch, head_dim, window, spans, num_splits, fused_merge, use_pdl):
-    """Decode over an FP8 cache, unsplit and split-KV (the split kernel merging in its last program, or the
-    split kernel and its merge kernel)."""
+def test_paged_decode_compiles(monkeypatch, head_dim, window, spans, num_splits, use_pdl):
+    """Decode over an FP8 cache, unsplit and split-KV (the split kernel and its merge)."""
     batch = 4
     q = torch.empty(batch, HQ, head_dim, dtype=torch.bfloat16, device=META)
     cache = _cache(head_dim)
@@ -169,10 +168,9 @@ def test_paged_decode_compiles(monkeypatch, head_dim, window, spans, num_splits,
             num_splits=num_splits,
             k_scale=_scales()[0],
             v_scale=_scales()[1],
-            fused_merge=fused_merge,
         ),
     )
-    assert len(launches) == (2 if num_splits > 1 and not fused_merge else 1)
+    assert len(launches) == (2 if num_splits > 1 else 1)
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs, use_pdl)
 

@@ -69,48 +69,22 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-kernel", "merge-kernel"])
 @pytest.mark.parametrize("head_dim, hq, hkv, page, seq_lens, window, num_splits, block_n", DECODE_CASES)
-def test_decode_matches_reference(
-    head_dim, hq, hkv, page, seq_lens, window, num_splits, block_n, fused_merge
-):
+def test_decode_matches_reference(head_dim, hq, hkv, page, seq_lens, window, num_splits, block_n):
     gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     k_cache, v_cache = _paged_cache(128, page, hkv, head_dim, torch.float32, gen)
     tables = _block_tables(seq_lens, page, 128, gen, window)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(len(seq_lens), hq, head_dim, generator=gen)
     out = paged_decode_attention(
-        q, k_cache, v_cache, tables, lens, page, window=window, num_splits=num_splits, block_n=block_n,
-        fused_merge=fused_merge,
-    )  # fmt: skip
+        q, k_cache, v_cache, tables, lens, page, window=window, num_splits=num_splits, block_n=block_n
+    )
     ref = paged_decode_reference(q, k_cache, v_cache, tables, lens, page, window=window)
     _close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_merge_in_the_last_program_is_the_merge_kernels_bit_for_bit(dtype):
-    """A split launch's last program per (sequence, KV head) merges the splits with the reduce kernel's
-    arithmetic in its order: the same bits, twice in a row (a graph replays the launch as it is), and every
-    counter back at zero after each launch."""
-    from g4serve.kernels._launch import _COUNTERS
-
-    gen = torch.Generator().manual_seed(11)
-    seq_lens = [300, 5, 40, 129]
-    k_cache, v_cache = _paged_cache(160, 8, 2, 32, dtype, gen)
-    tables = _block_tables(seq_lens, 8, 160, gen, None)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = torch.randn(len(seq_lens), 8, 32, generator=gen).to(dtype)
-    args = (q, k_cache, v_cache, tables, lens, 8)
-    want = paged_decode_attention(*args, num_splits=6, block_n=16, fused_merge=False)
-    for _ in range(2):
-        got = paged_decode_attention(*args, num_splits=6, block_n=16, fused_merge=True)
-        assert torch.equal(got, want)
-        assert not _COUNTERS[(q.device, "paged_decode")].any()
-
-
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-kernel", "merge-kernel"])
 @pytest.mark.parametrize("window", [None, 24])
-def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, window, fused_merge):
+def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, window):
     """A CUDA graph fixes the split count for its longest context: short sequences leave most splits
     without tiles. Partial buffers start as NaN here, so a merge that read an unwritten split would
     return NaN; a split without tiles that wrote would leave no NaN behind."""
@@ -133,7 +107,7 @@ def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, w
         torch, "empty_like", lambda t, **kw: nan_empty(*t.shape, dtype=t.dtype, device=t.device)
     )
     out = paged_decode_attention(
-        q, k_cache, v_cache, tables, lens, 8, window=window, num_splits=8, block_n=16, fused_merge=fused_merge
+        q, k_cache, v_cache, tables, lens, 8, window=window, num_splits=8, block_n=16
     )
     monkeypatch.undo()
     _close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens, 8, window=window), torch.float32)
@@ -490,16 +464,3 @@ def test_engine_greedy_tokens_unchanged_with_triton_backend(tiny_model_dir):
     reference = run("torch")
     engine.runner.backend = TritonAttention(engine.model_config.text, engine.kv_cache)
     assert run("triton") == reference  # the second pass also hits the prefix cache
-
-
-def test_outgrown_launch_counters_stay_alive_for_the_graphs_that_hold_them():
-    """A launch needing more counters than the kernel's buffer gets a larger one; the old buffer is kept,
-    since CUDA graphs captured earlier still point at it."""
-    from g4serve.kernels import _launch
-
-    device = torch.device("cpu")
-    first = _launch.launch_counters(device, 10, "test-kernel")
-    assert first is not None and first.numel() == 4096 and not first.any()
-    assert _launch.launch_counters(device, 4096, "test-kernel") is first
-    grown = _launch.launch_counters(device, 5000, "test-kernel")
-    assert grown is not None and grown.numel() == 5000 and any(t is first for t in _launch._OUTGROWN)

@@ -6,6 +6,10 @@ its share of the context in BLOCK_N-key tiles with an online softmax in fp32. Lo
 over several programs (flash-decoding); a second kernel merges their partial (max, sum, acc). The
 split count is fixed per launch (a CUDA graph fixes it for the longest context it serves), so a short
 context leaves most splits without tiles: those write nothing and the merge reads only the used ones.
+Merging in the split kernel's last program per (sequence, KV head) instead (an acq_rel counter, as the FP8
+split-K GEMM does) was measured slower on an H100 (`5e91fab`, reverted): e4b B = 1 4.02 against 3.94 ms, 31B
+FP8 12.96 against 12.87 ms; the second kernel's launch hides under dependent launch, and its merge runs
+over a program per head where the last program merges a KV head's group alone.
 Sliding layers start at the tile holding ``seq_len - window``: older blocks are never touched (a
 sliding pool may already have freed them; their table entries are -1). An FP8 (e4m3) cache is widened to
 q's dtype as it is loaded (exactly: every e4m3 value is a bf16 / fp16 value); its KV head's K scale
@@ -19,14 +23,7 @@ import triton
 import triton.language as tl
 
 from g4serve import envs
-from g4serve.kernels._launch import (
-    DualKernel,
-    dot_settings,
-    launch_counters,
-    next_pow2,
-    pdl,
-    wait_for_previous_kernel,
-)
+from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE
 from g4serve.kernels.paged_prefill import paged_prefill_reference
 
@@ -34,9 +31,6 @@ LOG2E = 1.4426950408889634
 # The split-KV policy's target of programs per SM (G4SERVE_DECODE_PROGRAMS_PER_SM; A/B runs). A captured CUDA
 # graph keeps the split count it was captured with.
 PROGRAMS_PER_SM = envs.get_int("G4SERVE_DECODE_PROGRAMS_PER_SM")
-# Split launches merge in their last program per (sequence, KV head) instead of a second kernel
-# (G4SERVE_DECODE_FUSED_MERGE=0: the second kernel, for A/B runs).
-FUSED_MERGE = envs.get("G4SERVE_DECODE_FUSED_MERGE") == "1"
 
 
 @triton.jit
@@ -72,7 +66,6 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     PartAcc,
     KScale,
     VScale,
-    Counters,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -102,7 +95,6 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -185,52 +177,10 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
         tl.store(PartL + row, l_i, mask=used)
         acc_ptrs = PartAcc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
         tl.store(acc_ptrs, acc, mask=used[:, None] & d_mask[None, :])
-        if FUSED_MERGE:
-            # acq_rel: this program's partials are visible before its count; the last one sees every split's
-            counter = Counters + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                used_splits = tl.cdiv(num_tiles, tiles_per_split)
-                _merge_splits(
-                    PartM, PartL, PartAcc, Out, b, heads, h_mask, offs_d, d_mask, used_splits,
-                    stride_pb, stride_ph, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
-                    BLOCK_H, BLOCK_D,
-                )  # fmt: skip
-                tl.atomic_xchg(counter, 0)  # for the next launch (a graph replays this one as it is)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _merge_splits(
-    PartM, PartL, PartAcc, Out, b, heads, h_mask, offs_d, d_mask, used_splits,
-    stride_pb, stride_ph, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """The used splits' partial (max, sum, acc) of ``heads`` merged in split order into Out: the reduce
-    kernel's arithmetic, run by the last program of a (sequence, KV head) to finish. Partials are read from
-    L2 (``.cg``): other programs wrote them."""
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    row = b * stride_pb + heads * stride_ph
-    acc_ptrs = PartAcc + b * stride_ab + heads[:, None] * stride_ah + offs_d[None, :]
-    hd_mask = h_mask[:, None] & d_mask[None, :]
-    for s in range(used_splits):
-        m_s = tl.load(PartM + row + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(PartL + row + s, mask=h_mask, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(acc_ptrs + s * stride_as, mask=hd_mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        l_sum = l_sum * alpha + l_s * beta
-        m = m_new
-    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-    out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=hd_mask)
 
 
 def _paged_decode_reduce_fn(
@@ -349,7 +299,6 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at position ``seq_lens[b] - 1``); k/v_cache [S, Hkv, D];
     block_tables [B, max_blocks] int32; seq_lens [B] int32 -> [B, Hq, D] in q's dtype.
@@ -358,8 +307,7 @@ def paged_decode_attention(
     int32 (-1: none) add keys [lo, hi) (a bidirectional span holding the query; hi <= the number of
     keys in the cache). ``num_splits`` None: chosen from ``max_seq_len`` (or the longest seq_len,
     which costs a device sync) by ``decode_num_splits``. An FP8 cache takes ``k_scale`` / ``v_scale``
-    [Hkv] fp32: its rows hold K / k_scale and V / v_scale. ``fused_merge`` (None: ``FUSED_MERGE``): a split
-    launch merges in its last program per (sequence, KV head), not in a second kernel (the same arithmetic).
+    [Hkv] fp32: its rows hold K / k_scale and V / v_scale.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -389,9 +337,6 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_acc = out  # never written
     block_d = max(16, next_pow2(head_dim))
-    counters = None
-    if split and (FUSED_MERGE if fused_merge is None else fused_merge):
-        counters = launch_counters(q.device, batch * num_kv_heads, "paged_decode")
     fp8 = k_cache.dtype == KV_FP8_DTYPE
     assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs its scales"
     _paged_decode[q.device][(batch, num_kv_heads, num_splits)](
@@ -408,7 +353,6 @@ def paged_decode_attention(
         part_acc,
         k_scale if fp8 else seq_lens,  # never read without KV_FP8
         v_scale if fp8 else seq_lens,
-        counters if counters is not None else seq_lens,  # never written without FUSED_MERGE
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -436,12 +380,11 @@ def paged_decode_attention(
         UPCAST=upcast,
         DOT_PRECISION=precision,
         KV_FP8=fp8,
-        FUSED_MERGE=counters is not None,
         **pdl(q.device, batch),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )
-    if split and counters is None:
+    if split:
         _paged_decode_reduce[q.device][(batch, num_q_heads)](
             part_m,
             part_l,
