@@ -148,3 +148,30 @@ def test_moe_block_cuda_graph(expert_weights, num_tokens, align, monkeypatch):
         if previous is not None:
             assert not torch.equal(previous, static_out)
         previous = static_out.clone()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_the_next_norm_sums_the_expert_outputs(expert_weights, num_tokens):
+    """``fused_moe(sum_slots=False)`` then the post-feed-forward pass summing the k rows (fp32, in slot
+    order, rounded once): bit for bit the pass over that sum made in torch, and the sum within a bf16 step
+    of the experts' own (torch's reduction adds the slots in another order)."""
+    from g4serve.kernels.rms_norm import fused_rms_norm
+
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, E, device="cuda", generator=gen)
+    weights, experts = moe_route(logits, torch.ones(E, device="cuda"), TOP_K)
+    args = (x, expert_weights["gate_up"], expert_weights["down"], experts, weights, ACT)
+    summed, slots = fused_moe(*args), fused_moe(*args, sum_slots=False)
+    assert slots.shape == (num_tokens, TOP_K, H)
+    in_order = slots[:, 0].float()
+    for j in range(1, TOP_K):
+        in_order = in_order + slots[:, j].float()
+    in_order = in_order.bfloat16()
+    assert ((in_order.float() - summed.float()).abs() <= summed.float().abs() * 2**-7 + 1e-6).all()
+    dense, res = (torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w, wa, wb, w2 = (torch.rand(H, device="cuda", generator=gen).bfloat16() for _ in range(4))
+    kw = dict(residual=res, next_weight=w2)
+    want = fused_rms_norm(dense, w, 1e-6, **kw, branches=(in_order, wa, wb))
+    got = fused_rms_norm(dense, w, 1e-6, **kw, branches=(slots, wa, wb))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -150,6 +150,22 @@ def test_fused_moe_vs_reference(dtype, num_tokens, num_experts, hidden, inter, a
         assert (out == ref).float().mean() >= 0.98
 
 
+def test_unsummed_expert_outputs_sum_to_the_summed_ones(monkeypatch):
+    """``sum_slots=False``: [T, k, H], each token's k weighted expert outputs, whose fp32 sum is the default
+    output bit for bit; past ``CHUNK_TOKENS`` tokens the output is summed anyway."""
+    gen = torch.Generator().manual_seed(4)
+    experts, weights = _routing(7, 8, 3, gen)
+    gate_up, down = _weights(8, 64, 48, torch.bfloat16, gen)
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    summed = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL)
+    slots = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, sum_slots=False)
+    assert slots.shape == (7, 3, 64) and slots.dtype == torch.bfloat16
+    assert torch.equal(slots.sum(1, dtype=torch.float32).bfloat16(), summed)
+    monkeypatch.setattr(fused_moe_module, "CHUNK_TOKENS", 4)
+    chunked = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, sum_slots=False)
+    assert torch.equal(chunked, summed)
+
+
 def test_fused_moe_default_tiles_torch_align_and_chunks(monkeypatch):
     """The H100 tiles (BLOCK_K past H, BLOCK_N past I: masked), the torch alignment, and token chunks."""
     gen = torch.Generator().manual_seed(3)

@@ -68,6 +68,33 @@ def test_fused_rms_norm_of_two_branches(dtype, n, with_next):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [2, 8])
+def test_the_branch_may_be_a_moes_unsummed_expert_outputs(dtype, slots):
+    """xb [T, k, N] (``fused_moe(sum_slots=False)``): the pass sums the k rows in fp32 in slot order and
+    rounds once, then goes on as with the summed branch: in fp32 the same bits as that, in bf16 within the
+    rounding of the sum (Triton's interpreter truncates where the GPU rounds to nearest even: the GPU test
+    checks the bits, tests/gpu/test_moe_gpu.py), and near the reference."""
+    gen = torch.Generator().manual_seed(slots)
+    n = 100
+    x, res = ((3 * torch.randn(5, n, generator=gen)).to(dtype) for _ in range(2))
+    xb = torch.randn(5, slots, n, generator=gen).to(dtype)
+    w, wa, wb, w2 = (torch.randn(n, generator=gen).to(dtype) for _ in range(4))
+    summed = xb[:, 0].float()
+    for j in range(1, slots):
+        summed = summed + xb[:, j].float()
+    kw = dict(residual=res, next_weight=w2)
+    got = fused_rms_norm(x, w, 1e-6, **kw, branches=(xb, wa, wb))
+    want = fused_rms_norm(x, w, 1e-6, **kw, branches=(summed.to(dtype), wa, wb))
+    for g, s in zip(got, want):
+        assert torch.equal(g, s) if dtype == torch.float32 else (g.float() - s.float()).abs().max() < 0.1
+    for g, r in zip(got, fused_rms_norm_reference(x, w, 1e-6, **kw, branches=(xb, wa, wb))):
+        # bf16: a few truncations more than the reference's roundings, on values of a few units
+        torch.testing.assert_close(
+            g.float(), r.float(), atol=1e-5 if dtype == torch.float32 else 0.1, rtol=0.02
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [48, 100])
 def test_moe_input_norms(dtype, n):
     """The experts' input rms_norm(x, w) and the router's rms_norm(x) * scale * root from one launch."""

@@ -71,3 +71,22 @@ def test_kernel_compiles_for_sm90(monkeypatch, n):
     )
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs, use_pdl=True)
+
+
+@pytest.mark.parametrize("slots", [1, 8])
+def test_the_moe_branch_pass_compiles_for_sm90(monkeypatch, slots):
+    """26B-A4B's post-feed-forward pass (two branches, the experts' k unsummed rows or their sum)."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    n = 2816
+    x, w = torch.empty(8, n, **meta), torch.empty(n, **meta)
+    xb = torch.empty(8, slots, n, **meta) if slots > 1 else torch.empty(8, n, **meta)
+    launches = _launches(
+        monkeypatch,
+        rms_norm_module,
+        "_rms_norm",
+        lambda: fused_rms_norm(x, w, 1e-6, residual=x, scale=w[:1], next_weight=w, branches=(xb, w, w)),
+    )
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs, use_pdl=True)

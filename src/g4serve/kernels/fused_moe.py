@@ -751,6 +751,7 @@ def fused_moe(
     tiles: MoETiles | None = None,
     align_kernel_max: int = ALIGN_KERNEL_MAX_ASSIGNMENTS,
     w8a8_min: int | None = None,
+    sum_slots: bool = True,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] ids;
     weights [T, k] fp32 -> [T, H] in x's dtype: ``sum_j weights[t, j] * expert_j(x[t])``. Either weight may
@@ -761,7 +762,9 @@ def fused_moe(
     three-launch kernel (or torch's sort, ``PREFILL_ALIGN``) instead of the one-program kernel. FP8 experts
     (both projections) take the W8A8 products at ``w8a8_min`` assignments or more (0: never; None:
     ``W8A8_MIN_ASSIGNMENTS``): x and the gated activations quantized per token and 128-column group, as
-    ``fused_moe_w8a8_reference``.
+    ``fused_moe_w8a8_reference``. ``sum_slots=False``: up to ``CHUNK_TOKENS`` tokens, the weighted expert
+    outputs unsummed, [T, k, H] in x's dtype, for a kernel that reads them anyway to sum them in its own pass
+    (``rms_norm.fused_rms_norm``'s branches: an fp32 sum in slot order, rounded once; one launch fewer).
     """
     if w8a8_min is None:
         w8a8_min = W8A8_MIN_ASSIGNMENTS
@@ -771,7 +774,8 @@ def fused_moe(
     top_k = experts.shape[1]
     x = x.contiguous()
     weights = weights.to(torch.float32).contiguous()
-    out = torch.empty_like(x)
+    sum_slots = sum_slots or num_tokens > CHUNK_TOKENS
+    out = torch.empty_like(x) if sum_slots else x
     quantized = isinstance(gate_up, QuantExpertWeights) or isinstance(down, QuantExpertWeights)
     w8a8_able = w8a8_min > 0 and x.element_size() == 2 and all(_w8a8_weights(w) for w in (gate_up, down))
     for start in range(0, num_tokens, CHUNK_TOKENS):
@@ -814,6 +818,8 @@ def fused_moe(
             route_weights=weights[start:stop].reshape(-1),
             a_scales=a_scales,
         )
+        if not sum_slots:  # one chunk
+            return per_slot.view(num_tokens, top_k, hidden)
         out[start:stop] = per_slot.view(stop - start, top_k, hidden).sum(1, dtype=torch.float32)
     return out
 

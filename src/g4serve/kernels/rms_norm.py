@@ -48,12 +48,14 @@ def _rms_norm_fn(
     eps,
     stride_x,
     stride_xb,
+    stride_xs,
     stride_r,
     stride_o,
     stride_o2,
     stride_q,
     stride_sx,
     HAS_BRANCHES: tl.constexpr,
+    SLOTS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -72,6 +74,10 @@ def _rms_norm_fn(
         wa = tl.load(WA + cols, mask=mask, other=0.0).to(tl.float32)
         wb = tl.load(WB + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(XB + row * stride_xb + cols, mask=mask, other=0.0).to(tl.float32)
+        if SLOTS > 1:  # xb's k rows (a MoE's expert outputs) summed in fp32 in slot order, then rounded once
+            for j in tl.static_range(1, SLOTS):
+                b += tl.load(XB + row * stride_xb + j * stride_xs + cols, mask=mask, other=0.0).to(tl.float32)
+            b = b.to(Out.dtype.element_ty).to(tl.float32)
         a = (_normed(x, n_cols, eps) * wa).to(Out.dtype.element_ty).to(tl.float32)
         b = (_normed(b, n_cols, eps) * wb).to(Out.dtype.element_ty).to(tl.float32)
         x = (a + b).to(Out.dtype.element_ty).to(tl.float32)
@@ -116,10 +122,14 @@ def fused_rms_norm(
     ``out2 = rms_norm(out, next_weight)`` (None without ``next_weight``). Rows need a unit last stride.
     ``fp8_next``: (e4m3 [rows, N], fp32 [rows, ceil(N / 128)]) buffers that receive ``quantize_groups(out2)``
     (with ``next_weight`` only). ``branches``: (xb, wa, wb), and the chain reads
-    ``rms_norm(x, wa) + rms_norm(xb, wb)`` in place of ``x`` (xb shaped as x)."""
+    ``rms_norm(x, wa) + rms_norm(xb, wb)`` in place of ``x``: xb shaped as x, or [..., k, N] whose k rows
+    are summed first (in fp32, in order, rounded once: a MoE's unsummed expert outputs, ``fused_moe``)."""
     n = x.shape[-1]
     x2d = _unit_rows(x)
-    xb2d, wa, wb = (_unit_rows(branches[0]), branches[1], branches[2]) if branches is not None else (x2d,) * 3
+    xb3d, wa, wb = (
+        (_slot_rows(branches[0], x), branches[1], branches[2]) if branches is not None else (x2d,) * 3
+    )
+    xb3d = xb3d if xb3d.dim() == 3 else xb3d.unsqueeze(1)
     out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
     res2d = residual.reshape(-1, n) if residual is not None else x2d
     out2 = torch.empty_like(out) if next_weight is not None else out
@@ -130,7 +140,7 @@ def fused_rms_norm(
         block = max(next_pow2(n), GROUP) if fp8_next is not None else next_pow2(n)
         _rms_norm[x.device][(rows,)](
             x2d,
-            xb2d,
+            xb3d,
             wa,
             wb,
             res2d,
@@ -144,13 +154,15 @@ def fused_rms_norm(
             n,
             eps,
             x2d.stride(0),
-            xb2d.stride(0),
+            xb3d.stride(0),
+            xb3d.stride(1),
             res2d.stride(0),
             out.stride(0),
             out2.stride(0),
             q.stride(0),
             sx.stride(0),
             HAS_BRANCHES=branches is not None,
+            SLOTS=xb3d.shape[1],
             HAS_W=weight is not None,
             HAS_RES=residual is not None,
             HAS_SCALE=scale is not None,
@@ -187,6 +199,8 @@ def fused_rms_norm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if branches is not None:
         xb, wa, wb = branches
+        if xb.dim() == x.dim() + 1:  # unsummed slots: summed in fp32 in order, rounded once
+            xb = xb.float().sum(-2).to(x.dtype)
         x = rms_norm_reference(x, wa, eps) + rms_norm_reference(xb, wb, eps)
     out = rms_norm_reference(x, weight, eps)
     if residual is not None:
@@ -204,6 +218,13 @@ def fused_rms_norm_reference(
 def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def _slot_rows(xb: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A branch as [rows, k, N] with unit last stride: k = 1 when shaped as ``x``."""
+    slots = xb.shape[-2] if xb.dim() == x.dim() + 1 else 1
+    xb3d = xb.reshape(-1, slots, xb.shape[-1])
+    return xb3d if xb3d.stride(-1) == 1 else xb3d.contiguous()
 
 
 def _moe_input_norms_fn(

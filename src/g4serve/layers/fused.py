@@ -87,6 +87,12 @@ def moe_input_norms(x: torch.Tensor, norm: RMSNorm, router: MoERouter) -> tuple[
     return fn(x, norm.weight, router.scale, router.root, norm.eps)
 
 
+def moe_route(router: MoERouter, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router.route(x)`` with its projection through ``linear``: at one row the skinny kernel (with
+    dependent launch) instead of cuBLAS's split-K GEMM and its reduce, two launches each MoE layer."""
+    return router.route_logits(linear(x, router.proj))
+
+
 def norm_rope(
     x: torch.Tensor,
     norm: RMSNorm,

@@ -41,7 +41,11 @@ class MoERouter(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` from the router's normed input ``rms_norm(x) * scale * root`` (``layers.fused.
         moe_input_norms`` makes it beside the experts' input)."""
-        logits = self.proj(x)
+        return self.route_logits(self.proj(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` from the router's logits ``proj(x)`` (``layers.fused.moe_route`` projects at decode
+        sizes with the skinny kernel)."""
         route = moe_route if logits.is_cuda else moe_route_reference
         return route(logits, self.per_expert_scale, self.top_k)
 
@@ -187,11 +191,16 @@ class MoEExperts(nn.Module):
                 )
                 self.fill_expert(name, e, p, q, scale, zero)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], experts / weights [T, k] -> [T, H]: each token's experts, weighted and summed."""
-        moe = fused_moe if x.is_cuda else fused_moe_reference
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, sum_slots: bool = True
+    ) -> torch.Tensor:
+        """x [T, H], experts / weights [T, k] -> [T, H]: each token's experts, weighted and summed.
+        ``sum_slots=False``: on CUDA up to ``CHUNK_TOKENS`` tokens, [T, k, H] unsummed, for the next fused
+        norm to sum (``fused_moe``); the reference always sums."""
         gate_up, down = self.projection("gate_up_proj"), self.projection("down_proj")
-        return moe(x, gate_up, down, experts, weights, self.activation)
+        if x.is_cuda:
+            return fused_moe(x, gate_up, down, experts, weights, self.activation, sum_slots=sum_slots)
+        return fused_moe_reference(x, gate_up, down, experts, weights, self.activation)
 
 
 __all__ = ["PROJECTIONS", "MoEExperts", "MoERouter"]

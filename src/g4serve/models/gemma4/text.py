@@ -26,6 +26,7 @@ from g4serve.layers.fused import (
     linear,
     linear_act_mul,
     moe_input_norms,
+    moe_route,
     norm_rope,
     project,
     qkv_norm_rope_write,
@@ -366,10 +367,11 @@ class DecoderLayer(nn.Module):
             # The routed experts run beside the dense MLP, both fed from the residual stream. One pass makes
             # the experts' input pre_feedforward_layernorm_2(residual) and the router's.
             experts_in, routed = moe_input_norms(residual, self.pre_feedforward_layernorm_2, self.router)
-            weights, experts = self.router.route(routed)
+            weights, experts = moe_route(self.router, routed)
             if self.num_local_experts < self.router.per_expert_scale.shape[0]:
                 experts, weights = self._local_experts(experts, weights)
-            moe = self.experts(experts_in, experts, weights)
+            # one rank: the k expert outputs of a token are summed by the next pass, which reads them anyway
+            moe = self.experts(experts_in, experts, weights, sum_slots=self.tp.size != 1)
             moe = self.tp.all_reduce(moe)  # each rank's share: its units of every expert, or its experts
             # out becomes post_feedforward_layernorm_1(out) + post_feedforward_layernorm_2(moe), summed in the
             # next pass
