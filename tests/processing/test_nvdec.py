@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from g4serve.processing.limits import MediaBudget, MediaLimits
-from g4serve.processing.nvdec import NvdecVideos, nv12_to_rgb
+from g4serve.processing.nvdec import NvdecUnavailable, NvdecVideos, import_pynvvideocodec, nv12_to_rgb
 from g4serve.processing.video import load_video
 
 
@@ -304,3 +304,18 @@ def test_nvdec_needs_media_on_the_gpu():
     assert EngineConfig(device="cuda", video_decoder="nvdec").video_decoder == "nvdec"
     with pytest.raises(ValueError, match="needs a media device"):
         Gemma4Processor(None, preset("tiny"), nvdec=NvdecVideos("cpu", StandIn()))
+
+
+def test_without_nvdec_here_the_option_is_refused_by_name(monkeypatch):
+    """No driver library (this machine) or no PyNvVideoCodec: a ValueError naming the option, which the CLI
+    prints as ``g4serve serve: error: ...``."""
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(f"{name}: not found")))
+    with pytest.raises(NvdecUnavailable, match=r"^--video-decoder nvdec: the driver's NVDEC library") as info:
+        import_pynvvideocodec()
+    assert isinstance(info.value, ValueError)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "PyNvVideoCodec", None)  # import fails
+    with pytest.raises(
+        NvdecUnavailable, match=r"needs NVIDIA's PyNvVideoCodec \(pip install pynvvideocodec\)"
+    ):
+        import_pynvvideocodec()

@@ -122,8 +122,9 @@ class EngineConfig:
         "there, audio's log-mel features computed there (near, not equal to, the host path, which matches "
         "transformers exactly) (default: on for a CUDA engine that serves media)",
     )
-    # processing/nvdec.py. On an H100 NVDEC decodes a 10 s 480p H.264 clip no faster than the host's threads
-    # (docs/benchmarks.md); what it frees is host CPU. Off by default.
+    # processing/nvdec.py. On an H100 one 10 s 480p H.264 video took 174 ms on NVDEC against 111 on 16 host
+    # cores; four at once, NVDEC served 1.5x the videos a second for a tenth of the host CPU
+    # (docs/benchmarks.md). Off by default.
     video_decoder: str = _opt(
         "host",
         "host: container videos decoded by FFmpeg on the CPU; nvdec: H.264/HEVC decoded by the GPU's NVDEC "

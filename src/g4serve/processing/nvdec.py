@@ -19,9 +19,9 @@ colour spaces above, a frame count in the header (for the sampling; a stream wit
 host path). Anything else, and anything NVDEC or PyNvVideoCodec reports, goes to the host path, which decodes
 it or names what is wrong. A limit a frame passes is refused here with the host path's own error.
 
-Decoders: one per thread and codec, kept for the next video of the same size (creating one takes tens of
-ms) and flushed after every video, so nothing of one request's video can come out in another's. Each holds
-up to ``DECODER_SURFACES`` frames of its size on the device (``memory_bound``).
+Decoders: one per thread and codec, kept for the next video of the same size (making one took ~160 ms on
+an H100) and flushed after every video, so nothing of one request's video can come out in another's. Each
+holds up to ``DECODER_SURFACES`` frames of its size on the device (``memory_bound``).
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def nv12_to_rgb(
     return rgb.round_().clamp_(0, 255).to(torch.uint8)
 
 
-class NvdecUnavailable(RuntimeError):
-    """PyNvVideoCodec is not installed, or the driver's NVDEC library does not load."""
+class NvdecUnavailable(ValueError):
+    """PyNvVideoCodec is not installed, or the driver's NVDEC library does not load: the option cannot be
+    served here (a ValueError, so ``g4serve serve`` names it and exits instead of printing a traceback)."""
 
 
 class _Refused(Exception):
