@@ -161,6 +161,8 @@ def test_unsummed_expert_outputs_sum_to_the_summed_ones(monkeypatch):
     slots = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, sum_slots=False)
     assert slots.shape == (7, 3, 64) and slots.dtype == torch.bfloat16
     assert torch.equal(slots.sum(1, dtype=torch.float32).bfloat16(), summed)
+    empty = fused_moe(x[:0], gate_up, down, experts[:0], weights[:0], "gelu_pytorch_tanh", sum_slots=False)
+    assert empty.shape == (0, 3, 64)
     monkeypatch.setattr(fused_moe_module, "CHUNK_TOKENS", 4)
     chunked = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL, sum_slots=False)
     assert torch.equal(chunked, summed)

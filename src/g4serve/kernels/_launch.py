@@ -142,9 +142,9 @@ _OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones, kept: captured gr
 def launch_counters(device: torch.device, count: int, kernel: str) -> torch.Tensor | None:
     """``kernel``'s int32 counters on ``device`` (at least ``count``; zero between launches: a launch's last
     program resets what it counted), for kernels whose last program of a group finishes the group's work
-    (split-K GEMMs). Made outside CUDA-graph capture, on the kernel's first launch
-    that needs them (an engine's eager runs before each capture); None while capturing before that: the
-    caller then launches the way that needs none. Launches on one device share them, so they must not run
+    (split-K GEMMs). Made outside CUDA-graph capture, on the kernel's first launch that needs them (an
+    engine's eager runs before each capture); None while capturing before that: the caller then launches
+    the way that needs none. Launches on one device share them, so they must not run
     concurrently on two streams (a step's kernels run on its one stream)."""
     counters = _COUNTERS.get((device, kernel))
     if counters is None or counters.numel() < count:

@@ -775,7 +775,9 @@ def fused_moe(
     x = x.contiguous()
     weights = weights.to(torch.float32).contiguous()
     sum_slots = sum_slots or num_tokens > CHUNK_TOKENS
-    out = torch.empty_like(x) if sum_slots else x
+    if not sum_slots and num_tokens == 0:
+        return x.new_empty(0, top_k, hidden)
+    out = torch.empty_like(x)
     quantized = isinstance(gate_up, QuantExpertWeights) or isinstance(down, QuantExpertWeights)
     w8a8_able = w8a8_min > 0 and x.element_size() == 2 and all(_w8a8_weights(w) for w in (gate_up, down))
     for start in range(0, num_tokens, CHUNK_TOKENS):
