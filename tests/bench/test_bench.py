@@ -370,6 +370,26 @@ def test_every_workload_builds_valid_requests(server):
     assert "send" in " ".join(make_workload("extraction").request("t", i).info["command"] for i in range(30))
 
 
+def test_the_video_workload_sends_container_videos_too(server):
+    """``--video-format mp4``: the same frames as one H.264 MP4 (a ``video_url`` data URL), which the
+    server decodes as a container: every frame there, answered."""
+    from g4serve.processing.video import load_video
+
+    workload = make_workload("video", seed=3, frame_size="160x96", output_tokens=3, video_format="mp4")
+    workload.assume_calibration()
+    request = workload.request("test", 0)
+    (part,) = _parts(request, "video_url")
+    url = part["video_url"]["url"]
+    assert url.startswith("data:video/mp4;base64,")
+    video = load_video(base64.b64decode(url.split(",", 1)[1]))
+    assert video.frames.shape == (6, 96, 160, 3) and video.fps == 30.0
+    assert workload.params()["video_format"] == "mp4" and request.info["video_format"] == "mp4"
+    reply = _post(server, {**request.body("tiny", stream=False), "max_tokens": 2})
+    assert reply["usage"]["completion_tokens"] == 2
+    with pytest.raises(ValueError, match="^--video-format: expected jpeg or mp4"):
+        make_workload("video", video_format="webm")
+
+
 def test_extraction_schema_output_validates(server):
     pytest.importorskip("g4serve.structured")
     pytest.importorskip("xgrammar")

@@ -72,6 +72,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--frame-size", default="854x480", help="video workload: frame WIDTHxHEIGHT (default 480p)"
     )
     g.add_argument(
+        "--video-format",
+        choices=("jpeg", "mp4"),
+        default="jpeg",
+        help="video workload: the frames as JPEG data URLs (default), or one H.264 MP4 at 30 fps that the "
+        "server decodes as a container",
+    )
+    g.add_argument(
         "--audio-seconds",
         type=_seconds_range,
         default=(3.0, 10.0),
@@ -235,6 +242,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         image_size=args.image_size,
         num_frames=args.num_frames,
         frame_size=args.frame_size,
+        video_format=args.video_format,
         audio_seconds=args.audio_seconds,
         schema=args.schema,
     )

@@ -303,6 +303,22 @@ def jpeg_data_url(image, quality: int = 85) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def mp4_data_url(frames: list, fps: int) -> str:
+    """PIL frames as an H.264 (yuv420p) MP4 data URL, made with PyAV's libx264."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def parse_size(text: str) -> tuple[int, int]:
     """``"854x480"`` -> (854, 480); ``"896"`` -> (896, 896)."""
     parts = str(text).lower().split("x")
@@ -343,20 +359,35 @@ class ImageWorkload(Workload):
         }
 
 
+VIDEO_FORMATS = ("jpeg", "mp4")
+VIDEO_FPS = 30
+
+
 class VideoWorkload(Workload):
-    """``num_frames`` (6) JPEG frames of ``frame_size`` (854x480, 480p) as a ``video`` part + short text.
+    """``num_frames`` (6) frames of ``frame_size`` (854x480, 480p) + short text: as a ``video`` part of JPEG
+    data URLs (``video_format="jpeg"``), or as one H.264 MP4 at 30 fps (``"mp4"``, PyAV's libx264, a
+    ``video_url`` data URL), which the server decodes as a container (on the host, or on NVDEC with
+    ``--video-decoder nvdec``).
 
     Shapes move between frames, so frames differ as a real clip's do."""
 
     name = "video"
 
     def __init__(
-        self, seed: int = 0, num_frames: int = 6, frame_size: str = "854x480", output_tokens: int = 10
+        self,
+        seed: int = 0,
+        num_frames: int = 6,
+        frame_size: str = "854x480",
+        output_tokens: int = 10,
+        video_format: str = "jpeg",
     ):
         super().__init__(seed)
+        if video_format not in VIDEO_FORMATS:
+            raise ValueError(f"--video-format: expected jpeg or mp4, got {video_format!r}")
         self.num_frames = num_frames
         self.size = parse_size(frame_size)
         self.output_tokens = output_tokens
+        self.video_format = video_format
 
     def frames(self, rng: random.Random) -> list:
         from PIL import ImageChops
@@ -374,15 +405,19 @@ class VideoWorkload(Workload):
         return out
 
     def build(self, rng: random.Random, filler_words: int) -> BenchRequest:
-        urls = [jpeg_data_url(f) for f in self.frames(rng)]
-        content = [
-            {"type": "video", "video": urls},
-            {"type": "text", "text": "Describe what happens in this video."},
-        ]
+        frames = self.frames(rng)
+        if self.video_format == "mp4":
+            part: dict[str, Any] = {
+                "type": "video_url",
+                "video_url": {"url": mp4_data_url(frames, VIDEO_FPS)},
+            }
+        else:
+            part = {"type": "video", "video": [jpeg_data_url(f) for f in frames]}
+        content = [part, {"type": "text", "text": "Describe what happens in this video."}]
         return BenchRequest(
             [{"role": "user", "content": content}],
             self.output_tokens,
-            info={"num_frames": len(urls), "frame_size": self.size},
+            info={"num_frames": len(frames), "frame_size": self.size, "video_format": self.video_format},
         )
 
     def params(self) -> dict[str, Any]:
@@ -390,6 +425,7 @@ class VideoWorkload(Workload):
             **super().params(),
             "num_frames": self.num_frames,
             "frame_size": f"{self.size[0]}x{self.size[1]}",
+            "video_format": self.video_format,
             "output_tokens": self.output_tokens,
         }
 
@@ -587,6 +623,7 @@ def make_workload(
     image_size: str = "1024x768",
     num_frames: int = 6,
     frame_size: str = "854x480",
+    video_format: str = "jpeg",
     audio_seconds: tuple[float, float] = (3.0, 10.0),
     schema: bool = False,
 ) -> Workload:
@@ -600,7 +637,9 @@ def make_workload(
     if name == "image":
         return ImageWorkload(seed, image_size=image_size, **out)
     if name == "video":
-        return VideoWorkload(seed, num_frames=num_frames, frame_size=frame_size, **out)
+        return VideoWorkload(
+            seed, num_frames=num_frames, frame_size=frame_size, video_format=video_format, **out
+        )
     if name == "audio":
         return AudioWorkload(seed, min_seconds=audio_seconds[0], max_seconds=audio_seconds[1], **out)
     if name == "extraction":
