@@ -7,7 +7,10 @@
 # gpumedia with at most E soft tokens encoded in a step beside decodes, a video a few frames a step (and
 # at most P prefill tokens beside them), e.g. split140p256; gpuoverlap or gpuoverlapP (e.g. gpuoverlap256): gpumedia with the encoder on
 # its side stream (--overlap-encoder; and at most P prefill tokens beside decodes); gilN: the default (gpumedia on CUDA) with the switch
-# interval of the interpreter lock at N microseconds (G4SERVE_GIL_SWITCH_INTERVAL_US; Python: 5000)), start
+# interval of the interpreter lock at N microseconds (G4SERVE_GIL_SWITCH_INTERVAL_US; Python: 5000); mp4: gpumedia
+# with the videos sent as one H.264 MP4 each (--video-format mp4, MP4_FRAMES frames at 30 fps, default 6: the
+# JPEG videos' encoder work), decoded by the host's FFmpeg; nvdec: the same MP4s decoded by NVDEC
+# (--video-decoder nvdec; carry .whl-nvdec instead of .whl)), start
 # `g4serve serve`, then
 #   1. text alone: CONCURRENCY closed-loop streams of TEXT_OUTPUT-token answers to ~500-token prompts;
 #   2. the same text streams while videos (6 frames of 480p, 10 output tokens) arrive at VIDEO_QPS.
@@ -23,7 +26,9 @@ set -uo pipefail
 PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-stall}
 MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT_OUTPUT:-128}
 PROFILE=${PROFILE:-0} PROFILE_S=${PROFILE_S:-2} VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512} PORT=${PORT:-8100}
+MP4_FRAMES=${MP4_FRAMES:-6}
 mkdir -p "$RES" "$OUT"
+[[ -d .whl-nvdec && ! -d .whl ]] && export WHEELS=.whl-nvdec  # the nvdec mode's carry set
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
@@ -126,8 +131,11 @@ for mode in $MODES; do
       extra="--media-on-gpu --overlap-encoder"
       [[ -n ${mode#gpuoverlap} ]] && extra+=" --max-prefill-tokens-beside-decodes ${mode#gpuoverlap}" ;;
     gil*) extra= ;;  # the default: media on the GPU where the engine runs on CUDA
+    mp4) extra= ;;
+    nvdec) extra="--video-decoder nvdec" ;;
     *) extra=--no-media-on-gpu ;;
   esac
+  fmt=(); [[ $mode == mp4 || $mode == nvdec ]] && fmt=(--video-format mp4 --num-frames "$MP4_FRAMES")
   switch=; [[ $mode == gil* ]] && switch=${mode#gil}  # empty: Python's default
   profile_dir=; [[ $PROFILE == 1 ]] && profile_dir=$RES/$mode/profile
   G4SERVE_TORCH_PROFILER_DIR=$profile_dir G4SERVE_GIL_SWITCH_INTERVAL_US=$switch python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port "$PORT" --attention-backend "$BACKEND" \
@@ -140,7 +148,7 @@ for mode in $MODES; do
   fi
   echo "== $mode: ready after $((SECONDS - t0)) s"
   bench text-alone "${TEXT[@]}"
-  bench video-beside "${VIDEO[@]}" --seed 1 &
+  bench video-beside "${VIDEO[@]}" "${fmt[@]}" --seed 1 &
   video=$!
   if ! media_arrived; then  # a stuck server: no text point beside media it does not serve; the next mode
     kill $server; wait $server 2>/dev/null; wait $video; summarize; continue
@@ -149,7 +157,7 @@ for mode in $MODES; do
   wait $video
   if [[ $PROFILE == 1 ]]; then  # after the timed runs (the profiler slows the steps): PROFILE_S seconds of each
     profiled profiled-text-alone
-    bench profiled-videos "${VIDEO[@]}" --seed 2 &
+    bench profiled-videos "${VIDEO[@]}" "${fmt[@]}" --seed 2 &
     video=$!
     media_arrived
     profiled profiled-text-beside-video
