@@ -28,7 +28,7 @@ MODES=${MODES:-insteps overlap} CONCURRENCY=${CONCURRENCY:-8} TEXT_OUTPUT=${TEXT
 PROFILE=${PROFILE:-0} PROFILE_S=${PROFILE_S:-2} VIDEO_QPS=${VIDEO_QPS:-4} DURATION=${DURATION:-12} MEDIA=${MEDIA:-video} PREFILL_CAP=${PREFILL_CAP:-512} PORT=${PORT:-8100}
 MP4_FRAMES=${MP4_FRAMES:-6}
 mkdir -p "$RES" "$OUT"
-[[ -d .whl-nvdec && ! -d .whl ]] && export WHEELS=.whl-nvdec  # the nvdec mode's carry set
+[[ " $MODES " == *" nvdec "* ]] && export WHEELS=${WHEELS:-.whl-nvdec}  # the nvdec mode's carry set
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
