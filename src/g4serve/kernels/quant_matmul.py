@@ -80,6 +80,19 @@ def _load_raw(
     return w, s, z
 
 
+# 2^23 as fp32 bits: a nibble OR-ed into its mantissa reads as 2^23 + q, exactly (``_nibbles_f32``).
+MAGIC_BITS = tl.constexpr(0x4B000000)
+MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _nibbles_f32(q):
+    """int4 nibbles q (0..15, int32) -> fp32 2^23 + q: one OR and a free bitcast, where converting takes an
+    I2F at a fraction of the FP32 rate. Callers subtract 2^23 with the offset (exact: both are integers
+    under 2^24), so ``(q - offset) * s`` keeps its bits."""
+    return (q | MAGIC_BITS).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _dequant(
     w,
@@ -95,8 +108,8 @@ def _dequant(
     if INT4:
         shifts = tl.arange(0, 8) * 4
         q = (w[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K // 8, 8], nibble i = 8j + i
-        q = tl.reshape(q, [BLOCK_N, GROUPS, BLOCK_K // GROUPS]).to(tl.float32)
-        offset = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
+        q = _nibbles_f32(tl.reshape(q, [BLOCK_N, GROUPS, BLOCK_K // GROUPS]))
+        offset = tl.full([BLOCK_N, GROUPS], MAGIC + 8.0, tl.float32)
         if HAS_ZERO:
             offset += z.to(tl.float32)
         deq = (q - offset[:, :, None]) * s.to(tl.float32)[:, :, None]
@@ -125,10 +138,10 @@ def _round_to(x, dtype: tl.constexpr):
 def _plane_scales(
     s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
 ):
-    """A raw int4 tile's scales and offsets (8 + zero point) [BLOCK_N, GROUPS] -> fp32 per packed word
-    [BLOCK_N, WORDS] (a group spans whole words: groups are powers of two >= 8)."""
+    """A raw int4 tile's scales and offsets (2^23 + 8 + zero point, for ``_nibbles_f32``) [BLOCK_N, GROUPS]
+    -> fp32 per packed word [BLOCK_N, WORDS] (a group spans whole words: groups are powers of two >= 8)."""
     s = s.to(tl.float32)
-    off = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
+    off = tl.full([BLOCK_N, GROUPS], MAGIC + 8.0, tl.float32)
     if HAS_ZERO:
         off += z.to(tl.float32)
     if GROUPS > 1:
@@ -143,7 +156,7 @@ def _plane_scales(
 def _int4_plane(w, s, off, i: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.constexpr):
     """Nibble ``i`` of every packed word [BLOCK_N, WORDS] (K elements 8j + i), dequantized ((q - z) * s as
     ``_dequant``, exact in fp32) and rounded to ``dot_ty``."""
-    wf = (((w >> (4 * i)) & 0xF).to(tl.float32) - off) * s
+    wf = (_nibbles_f32((w >> (4 * i)) & 0xF) - off) * s
     if UPCAST:
         return _round_to(wf, dot_ty)
     else:
