@@ -38,3 +38,22 @@ def test_the_probe_reports_the_host_path_on_the_cpu(tmp_path, capsys):
     assert report["benchmark"] == "nvdec_probe" and report["clip"]["size"] == "96x64"
     assert report["host_frames_shape"] == [4, 64, 96, 3] and report["host_load_video"]["median_ms"] > 0
     assert "nvdec" not in report and "host_load_video" in capsys.readouterr().out
+
+
+def test_concurrency_counts_every_video_and_the_processes_cpu():
+    """``concurrency``: threads x per_thread timed decodes (after a warm round), videos a second and the
+    process's CPU seconds a video."""
+    import threading
+
+    probe = load_script("nvdec_probe")
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def decode():
+        with lock:
+            calls.append(1)
+        sum(i * i for i in range(20_000))  # some CPU
+
+    out = probe.concurrency(decode, threads=2, per_thread=3)
+    assert out["videos"] == 6 and len(calls) == 1 + 2 + 6  # the warm-up call, the warm round, the timed ones
+    assert out["videos_per_s"] > 0 and out["cpu_s_per_video"] > 0
