@@ -170,9 +170,15 @@ def probe_g4serve(clip: bytes, host_frames: np.ndarray, num_frames: int, reps: i
 def concurrency(decode: Callable[[], object], threads: int, per_thread: int) -> dict[str, float]:
     """``threads`` threads decoding ``per_thread`` videos each at once (the server prepares requests in 4):
     videos a second, and the process's CPU seconds a video (every thread's, FFmpeg's own included)."""
-    decode()  # each path warmed (the main thread's decoder; the workers make theirs in the first round)
+    decode()  # each path warmed (the main thread's decoder; each worker makes its own in the first round)
+    arrived = threading.Barrier(threads)
+
+    def warm(_: int) -> None:
+        decode()
+        arrived.wait()  # one warm-up a worker: no worker makes its decoder inside the timed round
+
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda _: decode(), range(threads)))
+        list(pool.map(warm, range(threads)))
         wall, cpu = time.perf_counter(), time.process_time()
         list(pool.map(lambda _: decode(), range(threads * per_thread)))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
