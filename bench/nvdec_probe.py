@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import io
 import json
 import statistics
 import sys
@@ -37,31 +36,27 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import av
 import numpy as np
 import torch
 
 from g4serve.bench.meta import result_header, write_result_json
+from g4serve.bench.workloads import encode_mp4
 from g4serve.processing.limits import MediaLimits
 from g4serve.processing.video import DEFAULT_NUM_FRAMES, load_video, sample_frame_indices
 
 
 def make_clip(seconds: float, fps: int, width: int, height: int) -> bytes:
     """An H.264 MP4 of moving gradients and a moving square (every frame differs from its neighbours)."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        ys, xs = np.mgrid[0:height, 0:width]
+    ys, xs = np.mgrid[0:height, 0:width]
+
+    def frames():
         for i in range(int(seconds * fps)):
             rgb = np.stack([(xs + 3 * i) % 256, (ys + 2 * i) % 256, (xs + ys + i) % 256], -1).astype(np.uint8)
             x0 = (7 * i) % max(1, width - 64)
             rgb[40:104, x0 : x0 + 64] = 255
-            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+            yield rgb
+
+    return encode_mp4(frames(), fps)
 
 
 def timed(fn: Callable[[], object], reps: int) -> tuple[dict[str, float], object]:

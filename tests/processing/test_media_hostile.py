@@ -52,12 +52,20 @@ def _frames(n: int, height: int = 48, width: int = 64) -> np.ndarray:
     return frames
 
 
-def _video(frames: np.ndarray, fmt: str = "mp4", codec: str = "mpeg4", fps: int = 10) -> bytes:
+def _video(
+    frames: np.ndarray,
+    fmt: str = "mp4",
+    codec: str = "mpeg4",
+    fps: int = 10,
+    options: dict[str, str] | None = None,
+) -> bytes:
+    """uint8 [F, H, W, 3] RGB frames encoded by ``codec`` (with its ``options``) into a ``fmt`` container."""
     buffer = io.BytesIO()
     with av.open(buffer, "w", format=fmt) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
+        stream.codec_context.options = options or {}
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())

@@ -17,6 +17,7 @@ import torch
 from g4serve.processing.limits import MediaBudget, MediaLimits
 from g4serve.processing.nvdec import NvdecUnavailable, NvdecVideos, import_pynvvideocodec, nv12_to_rgb
 from g4serve.processing.video import load_video
+from tests.processing.test_media_hostile import _video as _video_file
 
 
 def make_clip(
@@ -28,21 +29,11 @@ def make_clip(
     options: dict[str, str] | None = None,
     seed: int = 0,
 ) -> bytes:
-    """A clip whose every frame differs (gradients moving by frame, offset by ``seed``)."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=10)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.codec_context.options = options or {}
-        ys, xs = np.mgrid[0:height, 0:width]
-        for i in range(frames):
-            j = i + 7 * seed
-            rgb = np.stack([(xs * 3 + 5 * j) % 256, (ys * 2 + 3 * j) % 256, (xs + ys + j) % 256], -1)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    """A clip whose every frame differs (gradients moving by frame, offset by ``seed``), at 10 fps."""
+    ys, xs = np.mgrid[0:height, 0:width]
+    j = np.arange(frames)[:, None, None] + 7 * seed
+    rgb = np.stack([(xs * 3 + 5 * j) % 256, (ys * 2 + 3 * j) % 256, (xs + ys + j) % 256], -1)
+    return _video_file(rgb.astype(np.uint8), fmt=fmt, codec=codec, options=options)
 
 
 class _Frame:

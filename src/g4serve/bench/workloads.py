@@ -15,7 +15,7 @@ import io
 import json
 import random
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,20 +303,29 @@ def jpeg_data_url(image, quality: int = 85) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def mp4_data_url(frames: list, fps: int) -> str:
-    """PIL frames as an H.264 (yuv420p) MP4 data URL, made with PyAV's libx264."""
+def encode_mp4(frames: Iterable[Any], fps: int) -> bytes:
+    """Frames of one size (PIL images or uint8 [H, W, 3] RGB arrays, taken one at a time) as an H.264
+    (yuv420p) MP4, made with PyAV's libx264."""
     import av
 
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))):
+        for i, frame in enumerate(frames):
+            rgb = np.asarray(frame.convert("RGB")) if hasattr(frame, "convert") else frame
+            if i == 0:
+                stream.height, stream.width = rgb.shape[:2]
+                stream.pix_fmt = "yuv420p"
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
+
+
+def mp4_data_url(frames: list, fps: int) -> str:
+    """PIL frames as an H.264 MP4 data URL (``encode_mp4``)."""
+    return "data:video/mp4;base64," + base64.b64encode(encode_mp4(frames, fps)).decode("ascii")
 
 
 def parse_size(text: str) -> tuple[int, int]:

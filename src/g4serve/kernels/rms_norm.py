@@ -127,9 +127,10 @@ def fused_rms_norm(
     n = x.shape[-1]
     x2d = _unit_rows(x)
     xb3d, wa, wb = (
-        (_slot_rows(branches[0], x), branches[1], branches[2]) if branches is not None else (x2d,) * 3
+        (_slot_rows(branches[0], x), branches[1], branches[2])
+        if branches is not None
+        else (x2d[:, None],) * 3
     )
-    xb3d = xb3d if xb3d.dim() == 3 else xb3d.unsqueeze(1)
     out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
     res2d = residual.reshape(-1, n) if residual is not None else x2d
     out2 = torch.empty_like(out) if next_weight is not None else out
