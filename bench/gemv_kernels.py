@@ -44,6 +44,7 @@ from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
 from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, use_skinny
+from g4serve.kernels.int4_tinygemm import pack_tinygemm, tinygemm_matmul, tinygemm_supported
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, quant_matmul, quant_matmul_config
 from g4serve.layers.quant import quantize_weight
 from g4serve.quant_config import FP8, QUANTIZATION_PRESETS, WeightQuant
@@ -488,6 +489,7 @@ def bench_quant_shape(
     dense = [torch.randn(rows, k, device=device, generator=gen).mul_(k**-0.5).bfloat16()]
     dense += [dense[0].clone() for _ in range(dense_copies - 1)]
     activation = act if ep != PLAIN else None
+    tiny = _tinygemm_weights(weights, rows, k, block)
     lead = lead_rows(args.rows)
     out, by_m = [], {}
     for m in row_order(args.rows):
@@ -504,11 +506,19 @@ def bench_quant_shape(
         def bf16_ms(fn) -> float:
             return _graph_ms([lambda w=w: fn(w) for w in dense], args.calls_per_graph, args.graph_replays)
 
-        def cublas(w, x=x, other=other):
-            y = F.linear(x, w)
+        def epilogue(y, other=other):
             if ep == GATE_UP:
                 return act_mul(act, y[:, :n], y[:, n:])
             return act_mul(act, y, other) if ep == MUL else y
+
+        def cublas(w, x=x):
+            return epilogue(F.linear(x, w))
+
+        def tinygemm_ms(x=x) -> float | None:
+            if not tiny:
+                return None
+            calls = [lambda w=w: epilogue(tinygemm_matmul(x, w)) for w in tiny]
+            return _graph_ms(calls, args.calls_per_graph, args.graph_replays)
 
         default_cfg = quant_matmul_config(m, n, k, ep)
         default_ms = quant_ms(default_cfg)
@@ -534,6 +544,7 @@ def bench_quant_shape(
                 if m <= 16
                 else None
             ),
+            "tinygemm_ms": tinygemm_ms(),  # torch's int4 kernel and the epilogue after it (int4 only)
         }
         if configs is not None:
             if lead[m] == m:
@@ -548,8 +559,18 @@ def bench_quant_shape(
         _print_quant_row(row)
     weights.clear()
     dense.clear()
+    tiny.clear()
     torch.cuda.empty_cache()
     return sorted(out, key=lambda r: r["rows"])
+
+
+def _tinygemm_weights(weights: list, rows: int, k: int, block: tuple[int, int]) -> list:
+    """The int4 weight copies in tinygemm's layout (the engine's ``G4SERVE_INT4_MATMUL=tinygemm`` path, the
+    stacked gate_up as one [2N, K] weight), or [] for FP8 and shapes tinygemm has no layout for."""
+    q, scale, zero = weights[0]
+    if q.dtype != torch.int32 or not tinygemm_supported(rows, k, block):
+        return []
+    return [pack_tinygemm(q, s, z, k, block[1]) for q, s, z in weights]
 
 
 def _sweep(grid: list[dict], quant_ms, default_cfg: dict, default_ms: float, nbytes: int, copy_gbps: float):
@@ -578,7 +599,7 @@ def _sweep(grid: list[dict], quant_ms, default_cfg: dict, default_ms: float, nby
 
 QUANT_HEAD = (
     f"{'shape':>15s} {'N':>6s} {'K':>6s} {'M':>2s} {'x/step':>6s} {'bf16 cuBLAS':>11s} {'bf16 skinny':>11s} "
-    f"{'quant us':>9s} {'GB/s':>6s} {'copy':>5s}"
+    f"{'quant us':>9s} {'GB/s':>6s} {'copy':>5s} {'tinygemm':>8s}"
 )
 
 
@@ -587,7 +608,8 @@ def _print_quant_row(row: dict) -> None:
     line = (
         f"{row['name']:>15s} {row['n']:6d} {row['k']:6d} {row['rows']:2d} {row['per_step']:6d} "
         f"{row['bf16_cublas_ms'] * 1e3:11.2f} {(skinny * 1e3 if skinny else float('nan')):11.2f} "
-        f"{row['quant_ms'] * 1e3:9.2f} {row['quant_gb_per_s']:6.0f} {row['quant_copy_fraction']:5.2f}"
+        f"{row['quant_ms'] * 1e3:9.2f} {row['quant_gb_per_s']:6.0f} {row['quant_copy_fraction']:5.2f} "
+        f"{(row['tinygemm_ms'] or float('nan')) * 1e3:8.2f}"
     )
     if "sweep" in row:
         sw = row["sweep"]
@@ -675,6 +697,8 @@ def step_totals(results: list[dict], entries: list[dict], rows: list[int]) -> di
             "bf16_cublas_us": sum(r["bf16_cublas_ms"] * r["per_step"] for r in rs) * 1e3,
             "quant_bytes": sum(r["quant_bytes"] * r["per_step"] for r in rs),
         }
+        if rs and all(r.get("tinygemm_ms") is not None for r in rs):
+            t["tinygemm_us"] = sum(r["tinygemm_ms"] * r["per_step"] for r in rs) * 1e3
         if all(r["bf16_skinny_ms"] is not None for r in rs):
             t["bf16_skinny_us"] = sum(r["bf16_skinny_ms"] * r["per_step"] for r in rs) * 1e3
         if rs and all("sweep" in r for r in rs):
@@ -683,8 +707,8 @@ def step_totals(results: list[dict], entries: list[dict], rows: list[int]) -> di
             for r in rs:
                 cfg = chosen.get((r["name"], r["n"], r["k"], r["row_tile"]))
                 ms = [x["ms"] for x in r["sweep"]["trials"] if json.dumps(x["config"], sort_keys=True) == cfg]
-                chosen_us += (ms[0] if ms else r["quant_ms"]) * r["per_step"] * 1e3
-            t["quant_chosen_us"] = chosen_us
+                chosen_us += (ms[0] if ms else r["quant_ms"]) * r["per_step"]
+            t["quant_chosen_us"] = chosen_us * 1e3  # summed as the best's, so equal times give equal sums
         totals[str(m)] = t
     return totals
 
@@ -756,6 +780,8 @@ def run_quant(args, env: dict, device: str = "cuda") -> int:
             f"   quant default {t['quant_default_us']:8.1f}"
             f" ({t['quant_bytes'] / t['quant_default_us'] / 1e3:5.0f} GB/s)"
         )
+        if "tinygemm_us" in t:
+            line += f"   tinygemm {t['tinygemm_us']:8.1f}"
         if "quant_best_us" in t:
             line += (
                 f"   best per M {t['quant_best_us']:8.1f}   chosen per row tile {t['quant_chosen_us']:8.1f}"
