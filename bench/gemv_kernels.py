@@ -47,7 +47,7 @@ from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul
 from g4serve.kernels.int4_tinygemm import pack_tinygemm, tinygemm_matmul, tinygemm_supported
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, quant_matmul, quant_matmul_config
 from g4serve.layers.quant import quantize_weight
-from g4serve.quant_config import FP8, QUANTIZATION_PRESETS, WeightQuant
+from g4serve.quant_config import FP8, INT4, QUANTIZATION_PRESETS, WeightQuant
 
 ROOT = Path(__file__).resolve().parent.parent
 EPILOGUE_NAMES = {PLAIN: "plain", GATE_UP: "gate_up+act", MUL: "act*other"}
@@ -258,6 +258,18 @@ DOT_TILES = tuple(
     if 8 <= bn * bk // (32 * w) <= 64 and (w == 4 or bn >= 32)
 )
 DOT_STAGES = (2, 3, 4)
+# int4 row tiles (K tiles of at least 128: ``quant_matmul.int4_tiles``): the nibble planes on bf16x2 lanes
+# take ~2 instructions an element, so wider tiles, whose activation planes serve more weight rows, go
+# further; also timed at one row (the tensor cores on a 16-row tile of which one row is real).
+INT4_DOT_TILES = (
+    (32, 256, 4),
+    (64, 256, 4),
+    (64, 512, 4),
+    (128, 256, 4),
+    (128, 256, 8),
+    (128, 512, 8),
+    (256, 256, 8),
+)
 # split-K for tiles that give fewer than 2 programs per SM (4 warps; the dot path at 3 stages)
 SPLITS = (2, 4)
 
@@ -297,29 +309,33 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def sweep_configs(
-    m: int, n: int, k: int, epilogue: int, scale_bk: int, sm_count: int
+    m: int, n: int, k: int, epilogue: int, scale_bk: int, sm_count: int, int4: bool = False
 ) -> list[dict[str, int]]:
     """The tiles the sweep times for one shape at m rows: the grid pruned to tiles that fit the shape (K
     tiles no longer than K's power of two, nesting with the scale block), split-K variants of the tiles
-    with fewer than two programs per SM, and quant_matmul's default first."""
+    with fewer than two programs per SM, and quant_matmul's default first. int4 adds ``INT4_DOT_TILES``
+    (at one row too, on a 16-row tile)."""
+    grid = []
     if m == 1:
-        grid = [(bn, bk, w, 1) for bn, bk, w in M1_TILES] + [
-            (bn, bk, w, s) for bn, bk, w in M1_STAGED for s in (2, 3)
+        grid = [(1, bn, bk, w, 1) for bn, bk, w in M1_TILES] + [
+            (1, bn, bk, w, s) for bn, bk, w in M1_STAGED for s in (2, 3)
         ]
-        max_k, max_n, split_stages = max(256, _pow2(k)), _pow2(n), 1
     else:
-        grid = [(bn, bk, w, s) for bn, bk, w in DOT_TILES for s in DOT_STAGES]
-        max_k, max_n, split_stages = max(64, _pow2(k)), max(16, _pow2(n)), 3
+        grid = [(row_tile(m), bn, bk, w, s) for bn, bk, w in DOT_TILES for s in DOT_STAGES]
+    if int4:
+        grid += [(max(16, row_tile(m)), bn, bk, w, s) for bn, bk, w in INT4_DOT_TILES for s in DOT_STAGES]
     out = [quant_matmul_config(m, n, k, epilogue)]
-    for bn, bk, w, stages in grid:
+    for block_m, bn, bk, w, stages in grid:
+        dot = block_m > 1
+        max_k, max_n = (max(64, _pow2(k)), max(16, _pow2(n))) if dot else (max(256, _pow2(k)), _pow2(n))
         if bk > max_k or bn > max_n or not _nests(bk, scale_bk, k):
             continue
-        if m == 1 and epilogue == GATE_UP and bn * bk // (32 * w) > 32:
+        if not dot and epilogue == GATE_UP and bn * bk // (32 * w) > 32:
             continue
-        cfg = {"block_m": row_tile(m), "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": stages}
+        cfg = {"block_m": block_m, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": stages}
         if cfg not in out:
             out.append(cfg)
-        if stages == split_stages and w == 4 and _cdiv(n, bn) < 2 * sm_count:
+        if stages == (3 if dot else 1) and w == 4 and _cdiv(n, bn) < 2 * sm_count:
             out += [{**cfg, "split_k": s} for s in SPLITS if _splits_nonempty(k, bk, s)]
     return out
 
@@ -506,19 +522,12 @@ def bench_quant_shape(
         def bf16_ms(fn) -> float:
             return _graph_ms([lambda w=w: fn(w) for w in dense], args.calls_per_graph, args.graph_replays)
 
-        def epilogue(y, other=other):
-            if ep == GATE_UP:
-                return act_mul(act, y[:, :n], y[:, n:])
-            return act_mul(act, y, other) if ep == MUL else y
+        def cublas(w, x=x, other=other):
+            return _epilogue(F.linear(x, w), ep, act, n, other)
 
-        def cublas(w, x=x):
-            return epilogue(F.linear(x, w))
-
-        def tinygemm_ms(x=x) -> float | None:
-            if not tiny:
-                return None
-            calls = [lambda w=w: epilogue(tinygemm_matmul(x, w)) for w in tiny]
-            return _graph_ms(calls, args.calls_per_graph, args.graph_replays)
+        def tinygemm_ms(x=x, other=other) -> float | None:
+            calls = [lambda w=w: _epilogue(tinygemm_matmul(x, w), ep, act, n, other) for w in tiny]
+            return _graph_ms(calls, args.calls_per_graph, args.graph_replays) if calls else None
 
         default_cfg = quant_matmul_config(m, n, k, ep)
         default_ms = quant_ms(default_cfg)
@@ -562,6 +571,13 @@ def bench_quant_shape(
     tiny.clear()
     torch.cuda.empty_cache()
     return sorted(out, key=lambda r: r["rows"])
+
+
+def _epilogue(y: torch.Tensor, ep: int, act: str, n: int, other: torch.Tensor | None) -> torch.Tensor:
+    """A GEMM's output [M, N or 2N] through the engine's unfused epilogue (what cuBLAS and tinygemm need)."""
+    if ep == GATE_UP:
+        return act_mul(act, y[:, :n], y[:, n:])
+    return act_mul(act, y, other) if ep == MUL else y
 
 
 def _tinygemm_weights(weights: list, rows: int, k: int, block: tuple[int, int]) -> list:
@@ -724,7 +740,7 @@ def run_quant(args, env: dict, device: str = "cuda") -> int:
     configs, compile_report = None, None
     if args.sweep:
         configs = {
-            (ep, n, k, m): sweep_configs(m, n, k, ep, scale_block(wq, ep, n, k)[1], sm_count)
+            (ep, n, k, m): sweep_configs(m, n, k, ep, scale_block(wq, ep, n, k)[1], sm_count, wq.kind == INT4)
             for _, ep, n, k, _ in shapes
             for m in args.rows
         }

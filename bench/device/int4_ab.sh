@@ -4,7 +4,8 @@
 # tiles on this tree), the MoE experts (bench/moe_kernels.py --quant w4a16), then the e4b engine
 # (bench/engine_microbench.py --quantization w4a16) with G4SERVE_INT4_MATMUL=triton on both trees and tinygemm (the
 # default) on this one. BASE_SRC: an untracked copy of an older src/ (`git archive <rev> src | tar -x -C .ab-base`,
-# carried; default .ab-base/src); runs whose name ends in -base use it. STAGES picks and orders the runs.
+# carried; default .ab-base/src); runs whose name ends in -base use it. STAGES picks and orders the runs; gpu-tests
+# (not by default) runs the int4 GPU tests named by GPU_TESTS_K (default: the PTX planes against the fp32 ones).
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/int4_ab.sh", carry=[".ab-base"])
 # Needs torch and triton only (no wheels). A run gets at most its share of DEADLINE (default 560 s).
 # Everything lands in $OUT/int4_ab.tgz; the logs' tails are in $OUT/summary.md.
@@ -34,6 +35,8 @@ for stage in "${stages[@]}"; do
     sweep=(--sweep --compile-workers 12)
   fi
   case "$stage" in
+    gpu-tests) run "$stage" "$share" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_gpu.py \
+      tests/gpu/test_moe_quant_gpu.py -k "${GPU_TESTS_K:-ptx_planes}" ;;
     gemv*) run "$stage" "$share" python3 bench/gemv_kernels.py --preset "$PRESET" --quant w4a16 --rows "${rows[@]}" \
       "${sweep[@]}" --calls-per-graph 16 --graph-replays 5 --out-dir "$RES/$stage" ;;
     moe*) run "$stage" "$share" python3 bench/moe_kernels.py --preset "$MOE_PRESET" --quant w4a16 --tokens 1 8 64 512 \

@@ -106,6 +106,14 @@ VARIABLES: tuple[Variable, ...] = (
         ("triton", "tinygemm"),
     ),
     Variable(
+        "G4SERVE_INT4_PLANES",
+        "ptx",
+        "how the int4 tensor-core tiles (`kernels/quant_matmul.py`, the int4 MoE experts) dequantize: `ptx` "
+        "(two words at a time on bf16x2 lanes, for bf16 activations and scales on CUDA) or `fp32` (one plane "
+        "at a time in fp32; A/B runs). Both give the same bits",
+        ("ptx", "fp32"),
+    ),
+    Variable(
         "G4SERVE_QUANT_PREFILL",
         "triton",
         "quantized projections past 64 rows that neither `torch._scaled_mm` nor `G4SERVE_INT4_DENSE_ROWS` "

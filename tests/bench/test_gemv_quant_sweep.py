@@ -310,6 +310,10 @@ def test_quant_sweep_run_on_the_tiny_preset(tmp_path, monkeypatch):
     for r in doc["results"]:
         assert r["quant_config"] == script.quant_matmul_config(r["rows"], r["n"], r["k"])
         assert r["weight_copies"] == 2 and r["quant_gb_per_s"] > 0 and r["bf16_skinny_ms"] is not None
+        # torch's int4 kernel beside it where it has a layout for the shape (the stacked gate_up: [2N, K])
+        rows = 2 * r["n"] if r["epilogue"] == "gate_up+act" else r["n"]
+        has_layout = script.tinygemm_supported(rows, r["k"], tuple(r["scale_block"]))
+        assert (r["tinygemm_ms"] is not None) == has_layout
         sweep = r["sweep"]
         assert sweep["full_grid"] == (r["rows"] in (1, 4))
         if not sweep["full_grid"]:  # M=2 times the M=4 lead's best two and the default
@@ -333,6 +337,7 @@ def test_quant_run_without_sweep(tmp_path, monkeypatch):
     assert doc["complete"] and doc["weight_strategy"] == "block" and doc["best_configs"] == []
     assert [r["rows"] for r in doc["results"]] == [1, 3] * len(shapes)
     for r in doc["results"]:  # 128 x 128 blocks; per row where 128 does not tile N (ple_gate: 16)
+        assert r["tinygemm_ms"] is None  # an int4 kernel only
         assert "sweep" not in r and r["scale_block"] == [128 if r["n"] % 128 == 0 else 1, 128]
     assert set(doc["step_totals"]["3"]) == {
         "quant_default_us",
@@ -383,6 +388,7 @@ def test_split_k_kernels_compile_for_hopper_without_a_gpu(int4, epilogue, block_
         DOT_PRECISION="tf32",
         USE_PDL=True,
         SWAP=int4 and block_m > 1 and int4_swap(block_m),  # the nibble planes with the operands swapped
+        PLANES=int(int4 and block_m > 1),  # int4 row tiles: the planes on bf16x2 lanes (PTX)
     )
     assert compile_(_quant_matmul_split.compiled, signature, constexprs, 4, 1 if block_m == 1 else 3).asm[
         "cubin"

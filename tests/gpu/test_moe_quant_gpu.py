@@ -48,6 +48,8 @@ def quantized_layers():
                 quant=dict.fromkeys(("gate_up_proj", "down_proj"), SCHEMES[scheme]),
                 compute_dtype=torch.bfloat16,
                 device="cuda",
+                # int4 scales in the model's dtype, as the loader keeps them (the PTX planes take bf16 scales)
+                scale_dtype=torch.bfloat16 if SCHEMES[scheme].kind == INT4 else torch.float32,
             )
             for name in ("gate_up_proj", "down_proj"):
                 shape = layer.dense_shape(name)
@@ -89,6 +91,24 @@ def test_quantized_fused_moe_vs_reference(quantized_layers, scheme, num_tokens, 
     err, err16 = (out.float() - ref32).abs().max().item(), (ref16.float() - ref32).abs().max().item()
     assert err <= 1.25 * err16 + 1e-3, (err, err16)
     assert torch.equal(layer(x, experts, weights), out)  # deterministic
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300])
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128-asym"])
+@torch.no_grad()
+def test_int4_expert_ptx_planes_are_the_fp32_planes(quantized_layers, scheme, num_tokens, monkeypatch):
+    """The int4 experts with their planes made on bf16x2 lanes (PTX, the default) against the fp32 planes:
+    the same bits, decode tiles (unswapped) and 32-row tiles (swapped)."""
+    from g4serve.kernels import quant_matmul as qm
+
+    layer, _ = quantized_layers(scheme)
+    gen = torch.Generator("cuda").manual_seed(num_tokens + 1)
+    weights, experts = _routing(num_tokens, gen)
+    x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    assert qm.int4_planes(x, layer.projection("gate_up_proj").scale) == qm.PLANES_PTX
+    ptx = layer(x, experts, weights)
+    monkeypatch.setattr(fused_moe_module, "int4_planes", lambda a, scale: qm.PLANES_FP32)
+    assert torch.equal(layer(x, experts, weights), ptx)
 
 
 @pytest.mark.parametrize("num_tokens", [64, 1024, 4096])

@@ -301,3 +301,21 @@ def test_dense_moe_experts_keep_hf_names():
         "down_proj_zero_point",
     ]
     assert quantized.down_proj.shape == (4, 32, 2) and quantized.down_proj_scale.shape == (4, 32, 2)
+
+
+@pytest.mark.parametrize("fmt,tiles", [("int4-g32-asym", "k32"), ("int4-g128", "m32")])
+def test_int4_expert_planes_two_words_at_a_time_give_the_same_bits(monkeypatch, fmt, tiles):
+    """The experts' int4 tiles with the PTX planes' formulation (``PLANES_EMULATED``) against the fp32 planes,
+    in the interpreter: the same bits (bf16 activations and scales, unswapped and swapped operands)."""
+    from g4serve.kernels import quant_matmul as qm
+
+    gen = torch.Generator().manual_seed(len(fmt) + len(tiles))
+    kind, gate_up_block, down_block, zeros, _ = FORMATS[fmt]
+    gate_up = _quant_experts(kind, 2 * INTER, H, gate_up_block, zeros, 2, gen, torch.bfloat16)
+    down = _quant_experts(kind, H, INTER, down_block, zeros, 1, gen, torch.bfloat16)
+    experts, weights = _routing(17, gen)
+    x = torch.randn(17, H, generator=gen).bfloat16()
+    fp32 = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES[tiles])
+    monkeypatch.setattr(fused_moe_module, "int4_planes", lambda a, scale: qm.PLANES_EMULATED)
+    emulated = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES[tiles])
+    assert torch.equal(emulated, fp32)

@@ -154,12 +154,14 @@ def test_dequantize_matches_compressed_tensors(strategy, args):
     assert torch.equal(ours, theirs.float())
 
 
-@pytest.mark.parametrize("int4,zeros", [(False, False), (True, True)])
+@pytest.mark.parametrize(
+    "int4,zeros,planes", [(False, False, 0), (True, True, 0), (True, True, 1), (True, False, 1)]
+)
 @pytest.mark.parametrize("m,epilogue", [(1, GATE_UP), (8, MUL), (48, GATE_UP), (200, PLAIN)])
-def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, m, epilogue):
+def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, planes, m, epilogue):
     """Triton compiles the kernel to an sm_90 cubin on the CPU machine (its bundled ptxas): every path's
-    compiled form (bf16 tensor-core tiles, int4 nibble planes unswapped and swapped, PDL) is checked before a
-    device runs it."""
+    compiled form (bf16 tensor-core tiles, int4 nibble planes in fp32 and on bf16x2 lanes (PTX), unswapped
+    and swapped, PDL) is checked before a device runs it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -186,6 +188,7 @@ def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, m, epilogue):
         DOT_PRECISION="tf32",
         USE_PDL=m <= 64,
         SWAP=int4 and m > 1 and int4_swap(cfg["block_m"]),
+        PLANES=planes,
     )
     names = list(fn.arg_names)
     source = ASTSource(
@@ -200,3 +203,50 @@ def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, m, epilogue):
     except (FileNotFoundError, PermissionError) as exc:  # no bundled ptxas on this machine
         pytest.skip(f"Triton cannot reach ptxas here: {exc}")
     assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize(
+    "m,n,k,group,zeros,epilogue,tiles",
+    [
+        (2, 20, 96, 32, True, "gate_up", (16, 16, 32)),  # K tiles of 128 over a ragged K; four groups a tile
+        (8, 24, 256, 128, False, "plain", (16, 16, 32)),  # symmetric, a group a tile
+        (5, 16, 128, 64, True, "mul", (16, 16, 32)),
+        (40, 24, 200, 128, True, "gate_up", (32, 16, 32)),  # swapped operands, K tiles of 256
+    ],
+)
+def test_int4_planes_two_words_at_a_time_give_the_same_bits(
+    monkeypatch, m, n, k, group, zeros, epilogue, tiles
+):
+    """The PTX planes' formulation (``PLANES_EMULATED``: all 8 planes of a tile at once from the bf16 scale
+    and -(128 + 8 + z), the values the PTX computes on bf16x2 lanes) against the fp32 planes, in the
+    interpreter: the same bits, bf16 activations and scales (the PTX path's inputs).
+    tests/gpu/test_quant_gpu.py runs the PTX itself against them."""
+    from g4serve.kernels import quant_matmul as qm
+
+    ep = EPILOGUES[epilogue]
+    gen = torch.Generator().manual_seed(m * 31 + n + k)
+    rows = 2 * n if ep == GATE_UP else n
+    weight, scale, zero = _quantized("int4", rows, k, (1, group), zeros, gen)
+    scale = scale.bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    other = torch.randn(m, n, generator=gen).bfloat16() if ep == MUL else None
+    act = "gelu_pytorch_tanh" if ep != PLAIN else None
+    block_m, block_n, block_k = tiles
+    cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 1}
+    assert qm.int4_planes(x, scale) == qm.PLANES_FP32  # the CPU's default
+    fp32 = quant_matmul(x, weight, scale, (1, group), k, zero, ep, act, other, config=cfg)
+    monkeypatch.setattr(qm, "int4_planes", lambda x, scale: qm.PLANES_EMULATED)
+    emulated = quant_matmul(x, weight, scale, (1, group), k, zero, ep, act, other, config=cfg)
+    ref = quant_matmul_reference(x, weight, scale, (1, group), k, zero, ep, act, other)
+    assert ref.float().abs().max() > 0.1
+    assert torch.equal(emulated, fp32)
+    torch.testing.assert_close(emulated.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_int4_planes_path_choice(monkeypatch):
+    """PTX planes only for bf16 activations and bf16 scales on CUDA; the CPU and other dtypes take fp32."""
+    from g4serve.kernels import quant_matmul as qm
+
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    assert qm.int4_planes(x, torch.zeros(1, dtype=torch.bfloat16)) == qm.PLANES_FP32  # on the CPU
+    assert qm.int4_planes(x.float(), torch.zeros(1)) == qm.PLANES_FP32

@@ -26,6 +26,7 @@ from g4serve.kernels.fp8_matmul import (
     quantize_groups,
 )
 from g4serve.kernels.quant_matmul import (
+    PLANES_FP32,
     _dequant,
     _groups_per_tile,
     _int4_products,
@@ -33,6 +34,7 @@ from g4serve.kernels.quant_matmul import (
     _round_to,
     dequantize_reference,
     int4_block_k,
+    int4_planes,
     int4_swap,
 )
 
@@ -538,6 +540,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     HAS_ZERO: tl.constexpr,
     GROUPS: tl.constexpr,
     SWAP: tl.constexpr,
+    PLANES: tl.constexpr,
     W8A8: tl.constexpr,
 ):
     """Out[id, cols] = A[id // A_ROW_DIV] @ W[expert, cols].T for the BLOCK_M assignment ids of one block.
@@ -577,7 +580,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
             A, W + expert * stride_we, S + expert * stride_se, Z + expert * stride_ze, rows, valid, cols,
             col_ok, K, num_groups, gate_offset, scale_up_offset, stride_am, stride_wn, stride_sn, stride_zn,
             scale_bn, scale_bk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST,
-            DOT_PRECISION, 0,
+            DOT_PRECISION, PLANES, 0,
         )  # fmt: skip
     elif QUANT:
         w_base = W + expert * stride_we
@@ -697,11 +700,12 @@ def _grouped_gemm(
             HAS_ZERO=zero is not None,
             GROUPS=_groups_per_tile(block_k, w.scale_block[1], k),
             SWAP=int4 and int4_swap(block_m),
+            PLANES=int4_planes(a, scale) if int4 else PLANES_FP32,
         )
     else:
         scale = zero = None
         quant_args = (0,) * 8
-        quant_meta = dict(INT4=False, HAS_ZERO=False, GROUPS=1, SWAP=False)
+        quant_meta = dict(INT4=False, HAS_ZERO=False, GROUPS=1, SWAP=False, PLANES=PLANES_FP32)
     _moe_gemm[a.device][grid](
         a,
         weight,

@@ -22,10 +22,13 @@ act(x W^T) * e. The torch reference dequantizes to the compute dtype, then ``F.l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from g4serve import envs
 from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, skinny_matmul_reference, store_gated
@@ -163,8 +166,114 @@ def _int4_plane(w, s, off, i: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.con
         return wf.to(dot_ty)
 
 
+# Nibble planes of two packed words at once on bf16x2 lanes (PTX, ``_int4_planes_packed``'s GPU path):
+# lane 0 of every output holds the first word's element, lane 1 the second's. prmt gathers the words' low
+# (then high) halves into one register; (t >> 4i) & 0x000F000F | 0x43004300 puts nibble i of each half into
+# the mantissa of bf16 128.0 (lop3, LUT 0xEA = (a & b) | c), i.e. 128 + q; one fma subtracts 128 + 8 + z
+# ($10 holds its negation; exact: integers under 256) and one multiplies by the scale ($11; + -0.0, so the
+# product is rounded once, as ``_int4_plane``'s fp32 product rounded to bf16). Two instructions an element
+# where the fp32 path takes about five.
+_PLANES_ASM = tl.constexpr(
+    """
+{
+.reg .b32 lo, hi, t, one, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 nz, 0x80008000;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+"""
+    + "".join(
+        (f"shr.b32 t, {half}, {4 * j};\n" if j else f"mov.b32 t, {half};\n")
+        + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;\n"
+        + "fma.rn.bf16x2 t, t, one, $10;\n"
+        + f"fma.rn.bf16x2 ${4 * h + j}, t, $11, nz;\n"
+        for h, half in enumerate(("lo", "hi"))
+        for j in range(4)
+    )
+    + "}"
+)
+
+
+# How ``_int4_products`` makes its nibble planes (its PLANES constexpr): FP32 plane by plane
+# (``_int4_plane``); PTX all 8 at once on bf16x2 lanes (CUDA, bf16 activations and scales:
+# ``_PLANES_ASM``); EMULATED the PTX's values, all 8 at once, in Triton arithmetic (the interpreter's check
+# of the PTX path's structure).
+PLANES_FP32, PLANES_PTX, PLANES_EMULATED = 0, 1, 2
+_BY_FP32, _BY_PTX = tl.constexpr(PLANES_FP32), tl.constexpr(PLANES_PTX)
+
+
 @triton.jit
-def _int4_products(
+def _int4_planes_packed(w, s, neg_off, PLANES: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.constexpr):
+    """The 8 nibble planes of packed words ``w`` [BLOCK_N, WORDS] as a tuple of ``dot_ty`` tensors, plane i
+    holding elements 8j + i: (q - z) * s rounded once, as ``_int4_plane``. ``s`` and ``neg_off`` (-(128 + 8
+    + z)) are bf16 per word (``_packed_scales``)."""
+    if PLANES == _BY_PTX:
+        return tl.inline_asm_elementwise(
+            _PLANES_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+            [w, neg_off, s],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        sf = s.to(tl.float32)
+        off = MAGIC - 128.0 - neg_off.to(tl.float32)  # 2^23 + 8 + z, as ``_plane_scales``
+        return (
+            _int4_plane(w, sf, off, 0, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 1, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 2, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 3, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 4, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 5, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 6, dot_ty, UPCAST),
+            _int4_plane(w, sf, off, 7, dot_ty, UPCAST),
+        )
+
+
+@triton.jit
+def _packed_scales(
+    s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
+):
+    """A raw int4 tile's scales and zero points [BLOCK_N, GROUPS] -> bf16 per packed word [BLOCK_N, WORDS]:
+    the scale and -(128 + 8 + z), both exact in bf16 (scales are stored in bf16, |z| <= 8)."""
+    neg_off = tl.full([BLOCK_N, GROUPS], -136.0, tl.float32)
+    if HAS_ZERO:
+        neg_off -= z.to(tl.float32)
+    s = s.to(tl.bfloat16)
+    neg_off = neg_off.to(tl.bfloat16)
+    if GROUPS > 1:
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS))
+        neg_off = tl.reshape(
+            tl.broadcast_to(neg_off[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS)
+        )
+    else:
+        s = tl.broadcast_to(s, (BLOCK_N, WORDS))
+        neg_off = tl.broadcast_to(neg_off, (BLOCK_N, WORDS))
+    return s, neg_off
+
+
+@triton.jit
+def _activation_planes(a_rows, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """A's tile [BLOCK_M, BLOCK_K] at K offset ``k0`` (``a_rows``: each row's pointer; one contiguous load a
+    row, columns past K read as 0) as its 8 nibble planes [BLOCK_M, BLOCK_K / 8], plane i holding columns
+    8j + i: the tile's last axis cut into 2 x 2 x 2 (i = 4 b2 + 2 b1 + b0) and split three times."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+    even, odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 8, 2, 2, 2]))  # b0
+    b00, b10 = tl.split(even)  # b1 of the b0 = 0 half: columns 8j + {0, 4} and 8j + {2, 6}
+    b01, b11 = tl.split(odd)
+    p0, p4 = tl.split(b00)  # b2
+    p2, p6 = tl.split(b10)
+    p1, p5 = tl.split(b01)
+    p3, p7 = tl.split(b11)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
     A,
     W,
     S,
@@ -192,18 +301,22 @@ def _int4_products(
     SWAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PLANES: tl.constexpr,
     k_start,
 ):
     """fp32 products [BLOCK_M, BLOCK_N] of the rows ``rows`` of A with packed int4 weight rows ``cols`` (and
     the up rows ``gate_offset`` rows on, their scales ``scale_up_offset`` scale rows on), over K tiles of
     BLOCK_K elements from ``k_start`` (a multiple of BLOCK_K) to ``K``: each raw tile (``_load_raw``:
     [BLOCK_N, BLOCK_K / 8] words) is taken apart nibble by nibble, 8 planes of BLOCK_K / 8 elements
-    (8j + i), each multiplied with the matching strided columns of A. No reshape of the unpacked tile
-    (``_dequant``'s took the experts' kernel to half bf16's speed on an H100). SWAP: weights as the MMA's M
-    side (BLOCK_N) and the few tokens as its N, for taller token tiles."""
+    (8j + i), each multiplied with the matching plane of A's tile (``_activation_planes``). No reshape of
+    the unpacked weight tile (``_dequant``'s took the experts' kernel to half bf16's speed on an H100).
+    PLANES: the weight planes one at a time in fp32, or all 8 from two words at a time on bf16x2 lanes
+    (``_int4_planes_packed``). Rows that are not ``valid`` read row 0 (no masks; the caller never stores
+    them). SWAP: weights as the MMA's M side (BLOCK_N) and the few tokens as its N, for taller token
+    tiles."""
     WORDS: tl.constexpr = BLOCK_K // 8
-    words = tl.arange(0, WORDS)
     dot_ty = A.dtype.element_ty
+    a_rows = A + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_am
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_start, K, BLOCK_K):
@@ -211,35 +324,44 @@ def _int4_products(
             W, S, Z, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
             BLOCK_K, True, HAS_ZERO, GROUPS,
         )  # fmt: skip
-        s, off = _plane_scales(s, z, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
-        u, su, off_u = w, s, off
+        u, su, zu = w, s, z
         if GATED:
             u, su, zu = _load_raw(
                 W + gate_offset * stride_wn, S + scale_up_offset * stride_sn, Z + gate_offset * stride_zn,
                 cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, BLOCK_K,
                 True, HAS_ZERO, GROUPS,
             )  # fmt: skip
+        if PLANES == _BY_FP32:
+            s, off = _plane_scales(s, z, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
             su, off_u = _plane_scales(su, zu, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+            planes = (w,)  # unused: the fp32 planes are made one at a time below
+            planes_u = (u,)
+        else:
+            s, off = _packed_scales(s, z, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+            planes = _int4_planes_packed(w, s, off, PLANES, dot_ty, UPCAST)
+            planes_u = planes
+            if GATED:
+                su, off_u = _packed_scales(su, zu, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+                planes_u = _int4_planes_packed(u, su, off_u, PLANES, dot_ty, UPCAST)
+        a_planes = _activation_planes(a_rows, k0, K, BLOCK_M, BLOCK_K, UPCAST)
         for i in tl.static_range(8):
-            k = k0 + 8 * words + i
-            wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
-            if SWAP:
-                a_mask = valid[None, :] & (k < K)[:, None]
-                a = tl.load(A + rows[None, :] * stride_am + k[:, None], mask=a_mask, other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                acc = tl.dot(wd, a, acc, input_precision=DOT_PRECISION)
-                if GATED:
-                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
-                    acc_up = tl.dot(ud, a, acc_up, input_precision=DOT_PRECISION)
+            a = a_planes[i]
+            if PLANES == _BY_FP32:
+                wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
             else:
-                a_mask = valid[:, None] & (k < K)[None, :]
-                a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
+                wd = planes[i]
+            if SWAP:
+                acc = tl.dot(wd, tl.trans(a), acc, input_precision=DOT_PRECISION)
+            else:
                 acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
-                if GATED:
+            if GATED:
+                if PLANES == _BY_FP32:
                     ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
+                else:
+                    ud = planes_u[i]
+                if SWAP:
+                    acc_up = tl.dot(ud, tl.trans(a), acc_up, input_precision=DOT_PRECISION)
+                else:
                     acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
     if SWAP:
         return tl.trans(acc), tl.trans(acc_up)
@@ -278,6 +400,7 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     SWAP: tl.constexpr,
+    PLANES: tl.constexpr,
 ):
     """fp32 products [BLOCK_M, BLOCK_N] of rows ``offs_m`` by weight rows ``offs_n`` over K in
     [k_start, k_end) (``k_start`` a multiple of BLOCK_K), and of the up half for ``gate_up``; waits on the
@@ -290,7 +413,7 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
         y, y_up = _int4_products(
             X, W, S, Z, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, k_end, num_groups, N, N,
             stride_xm, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, EPILOGUE == 1, BLOCK_M, BLOCK_N,
-            BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST, DOT_PRECISION, k_start,
+            BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST, DOT_PRECISION, PLANES, k_start,
         )  # fmt: skip
     else:
         offs_k = tl.arange(0, BLOCK_K)
@@ -394,6 +517,7 @@ def _quant_matmul_fn(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     SWAP: tl.constexpr,
+    PLANES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -402,7 +526,7 @@ def _quant_matmul_fn(
     y, y_up = _products(
         X, W, S, Z, offs_m, offs_n, M, N, 0, K, num_groups, stride_xm, stride_wn, stride_sn, stride_zn,
         scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE, USE_DOT, UPCAST,
-        DOT_PRECISION, USE_PDL, SWAP,
+        DOT_PRECISION, USE_PDL, SWAP, PLANES,
     )  # fmt: skip
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -437,6 +561,7 @@ def _quant_matmul_split_fn(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     SWAP: tl.constexpr,
+    PLANES: tl.constexpr,
 ):
     """Split-K: program (n, m, split) writes its fp32 partial products over one K range (a whole number of K
     tiles) to P [splits, 1 or 2 (gate, up), M, N]; ``_split_reduce_fn`` sums them in split order."""
@@ -452,7 +577,7 @@ def _quant_matmul_split_fn(
     y, y_up = _products(
         X, W, S, Z, offs_m, offs_n, M, N, k_start, k_end, num_groups, stride_xm, stride_wn, stride_sn,
         stride_zn, scale_bn, scale_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, INT4, HAS_ZERO, EPILOGUE, USE_DOT,
-        UPCAST, DOT_PRECISION, USE_PDL, SWAP,
+        UPCAST, DOT_PRECISION, USE_PDL, SWAP, PLANES,
     )  # fmt: skip
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -536,6 +661,20 @@ def quant_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[s
     return {"block_m": block_m, "block_n": 128, "block_k": min(64, k_pow2), "num_warps": 8, "num_stages": 3}
 
 
+def int4_planes(x: torch.Tensor, scale: torch.Tensor) -> int:
+    """How the int4 tensor-core tiles make their nibble planes for activations ``x`` and weight scales
+    ``scale``: ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of compute capability 8.0 or
+    later (bf16x2 fma) unless ``G4SERVE_INT4_PLANES=fp32``, else ``PLANES_FP32``."""
+    if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or x.device.type != "cuda":
+        return PLANES_FP32
+    return PLANES_PTX if _ptx_planes(x.device.index or 0) else PLANES_FP32
+
+
+@functools.cache
+def _ptx_planes(index: int) -> bool:
+    return envs.get("G4SERVE_INT4_PLANES") == "ptx" and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def int4_block_k(block_m: int) -> int:
     """K tile of the int4 tensor-core GEMMs (the experts' and ``quant_matmul``'s row tiles): 8 nibble planes
     of at least 16 elements (the MMA's K), whatever the tiles say; their operands swap past 16-row token
@@ -551,11 +690,11 @@ def int4_swap(block_m: int) -> bool:
 
 
 def int4_tiles(cfg: dict[str, int], int4: bool) -> dict[str, int]:
-    """``cfg`` with int4 row tiles' K tile: ``int4_block_k`` (nibble planes of at least 16 elements), the
-    one-row path's as it is."""
+    """``cfg`` with int4 row tiles' K tile at least ``int4_block_k`` (nibble planes of at least 16 elements;
+    a longer one as given, e.g. by a tile sweep), the one-row path's as it is."""
     if not int4 or cfg["block_m"] == 1:
         return cfg
-    return {**cfg, "block_k": int4_block_k(cfg["block_m"])}
+    return {**cfg, "block_k": max(cfg["block_k"], int4_block_k(cfg["block_m"]))}
 
 
 def _groups_per_tile(block_k: int, scale_bk: int, k: int) -> int:
@@ -638,6 +777,7 @@ def quant_matmul(
         UPCAST=upcast,
         DOT_PRECISION=precision,
         SWAP=int4 and block_m > 1 and int4_swap(block_m),
+        PLANES=int4_planes(x, scale) if int4 else PLANES_FP32,
         **pdl(x.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -684,6 +824,7 @@ def _split_k_matmul(x, weight, scale, scale_block, zero_point, epilogue, activat
         UPCAST=upcast,
         DOT_PRECISION=precision,
         SWAP=weight.dtype == torch.int32 and cfg["block_m"] > 1 and int4_swap(cfg["block_m"]),
+        PLANES=int4_planes(x, scale) if weight.dtype == torch.int32 else PLANES_FP32,
         **launch,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
