@@ -308,12 +308,12 @@ def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexp
     the up rows ``gate_offset`` rows on, their scales ``scale_up_offset`` scale rows on), over K tiles of
     BLOCK_K elements from ``k_start`` (a multiple of BLOCK_K) to ``K``: each raw tile (``_load_raw``:
     [BLOCK_N, BLOCK_K / 8] words) is taken apart nibble by nibble, 8 planes of BLOCK_K / 8 elements
-    (8j + i), each multiplied with the matching plane of A's tile (``_activation_planes``). No reshape of
-    the unpacked weight tile (``_dequant``'s took the experts' kernel to half bf16's speed on an H100).
-    PLANES: the weight planes one at a time in fp32, or all 8 from two words at a time on bf16x2 lanes
-    (``_int4_planes_packed``). Rows that are not ``valid`` read row 0 (no masks; the caller never stores
-    them). SWAP: weights as the MMA's M side (BLOCK_N) and the few tokens as its N, for taller token
-    tiles."""
+    (8j + i), each multiplied with the matching plane of A's tile (up to 16 rows: one load a tile, split by
+    ``_activation_planes``; taller tiles: a strided load a plane). No reshape of the unpacked weight tile
+    (``_dequant``'s took the experts' kernel to half bf16's speed on an H100). PLANES: the weight planes one
+    at a time in fp32, or all 8 from two words at a time on bf16x2 lanes (``_int4_planes_packed``). Rows
+    that are not ``valid`` read row 0 (no row masks; the caller never stores them). SWAP: weights as the
+    MMA's M side (BLOCK_N) and the few tokens as its N, for taller token tiles."""
     WORDS: tl.constexpr = BLOCK_K // 8
     dot_ty = A.dtype.element_ty
     a_rows = A + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_am
@@ -343,9 +343,18 @@ def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexp
             if GATED:
                 su, off_u = _packed_scales(su, zu, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
                 planes_u = _int4_planes_packed(u, su, off_u, PLANES, dot_ty, UPCAST)
-        a_planes = _activation_planes(a_rows, k0, K, BLOCK_M, BLOCK_K, UPCAST)
+        if BLOCK_M <= 16:
+            a_planes = _activation_planes(a_rows, k0, K, BLOCK_M, BLOCK_K, UPCAST)
+        else:
+            a_planes = (a_rows,)  # taller token tiles load each plane's strided columns below
         for i in tl.static_range(8):
-            a = a_planes[i]
+            if BLOCK_M <= 16:
+                a = a_planes[i]
+            else:  # (a whole [BLOCK_M, BLOCK_K] tile would hold 4x the registers at once)
+                k = k0 + 8 * tl.arange(0, WORDS) + i
+                a = tl.load(a_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
             if PLANES == _BY_FP32:
                 wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
             else:
