@@ -45,7 +45,7 @@ from g4serve.config import PRESETS
 from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, use_skinny
 from g4serve.kernels.int4_tinygemm import pack_tinygemm, tinygemm_matmul, tinygemm_supported
-from g4serve.kernels.quant_matmul import SKINNY_ROWS, quant_matmul, quant_matmul_config
+from g4serve.kernels.quant_matmul import SKINNY_ROWS, int4_matmul_config, quant_matmul, quant_matmul_config
 from g4serve.layers.quant import quantize_weight
 from g4serve.quant_config import FP8, INT4, QUANTIZATION_PRESETS, WeightQuant
 
@@ -308,6 +308,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def default_config(m: int, n: int, k: int, epilogue: int, int4: bool, sm_count: int) -> dict[str, int]:
+    """The tiles ``quant_matmul`` takes without a config (int4: ``int4_matmul_config``)."""
+    return int4_matmul_config(m, n, k, epilogue, sm_count) if int4 else quant_matmul_config(m, n, k, epilogue)
+
+
 def sweep_configs(
     m: int, n: int, k: int, epilogue: int, scale_bk: int, sm_count: int, int4: bool = False
 ) -> list[dict[str, int]]:
@@ -324,7 +329,7 @@ def sweep_configs(
         grid = [(row_tile(m), bn, bk, w, s) for bn, bk, w in DOT_TILES for s in DOT_STAGES]
     if int4:
         grid += [(max(16, row_tile(m)), bn, bk, w, s) for bn, bk, w in INT4_DOT_TILES for s in DOT_STAGES]
-    out = [quant_matmul_config(m, n, k, epilogue)]
+    out = [default_config(m, n, k, epilogue, int4, sm_count)]
     for block_m, bn, bk, w, stages in grid:
         dot = block_m > 1
         max_k, max_n = (max(64, _pow2(k)), max(16, _pow2(n))) if dot else (max(256, _pow2(k)), _pow2(n))
@@ -336,7 +341,8 @@ def sweep_configs(
         if cfg not in out:
             out.append(cfg)
         if stages == (3 if dot else 1) and w == 4 and _cdiv(n, bn) < 2 * sm_count:
-            out += [{**cfg, "split_k": s} for s in SPLITS if _splits_nonempty(k, bk, s)]
+            splits = [{**cfg, "split_k": s} for s in SPLITS if _splits_nonempty(k, bk, s)]
+            out += [c for c in splits if c not in out]
     return out
 
 
@@ -506,6 +512,7 @@ def bench_quant_shape(
     dense += [dense[0].clone() for _ in range(dense_copies - 1)]
     activation = act if ep != PLAIN else None
     tiny = _tinygemm_weights(weights, rows, k, block)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     lead = lead_rows(args.rows)
     out, by_m = [], {}
     for m in row_order(args.rows):
@@ -529,7 +536,7 @@ def bench_quant_shape(
             calls = [lambda w=w: _epilogue(tinygemm_matmul(x, w), ep, act, n, other) for w in tiny]
             return _graph_ms(calls, args.calls_per_graph, args.graph_replays) if calls else None
 
-        default_cfg = quant_matmul_config(m, n, k, ep)
+        default_cfg = default_config(m, n, k, ep, weights[0][0].dtype == torch.int32, sms)
         default_ms = quant_ms(default_cfg)
         row = {
             "name": name,

@@ -106,6 +106,12 @@ VARIABLES: tuple[Variable, ...] = (
         ("triton", "tinygemm"),
     ),
     Variable(
+        "G4SERVE_INT4_TINYGEMM_ROWS",
+        "16",
+        "with `G4SERVE_INT4_MATMUL=tinygemm`: int4 projections on at most this many rows take tinygemm, more "
+        "rows (up to `G4SERVE_INT4_DENSE_ROWS`) the Triton kernel's row tiles",
+    ),
+    Variable(
         "G4SERVE_INT4_PLANES",
         "ptx",
         "how the int4 tensor-core tiles (`kernels/quant_matmul.py`, the int4 MoE experts) dequantize: `ptx` "

@@ -23,7 +23,9 @@ ROWS = (1, 2, 4, 8)
 def _grid(preset: str, quant: str, rows=ROWS) -> dict:
     wq = script.QUANTIZATION_PRESETS[quant].groups[0].weights
     return {
-        (name, ep, n, k, m): script.sweep_configs(m, n, k, ep, script.scale_block(wq, ep, n, k)[1], SM_COUNT)
+        (name, ep, n, k, m): script.sweep_configs(
+            m, n, k, ep, script.scale_block(wq, ep, n, k)[1], SM_COUNT, wq.kind == script.INT4
+        )
         for name, ep, n, k, _ in script.quant_shapes(preset)
         for m in rows
     }
@@ -67,13 +69,17 @@ def test_scale_blocks_follow_the_engine_stacking():
 def test_every_swept_config_is_a_valid_quant_matmul_config(preset, quant):
     wq = script.QUANTIZATION_PRESETS[quant].groups[0].weights
     for (name, ep, n, k, m), configs in _grid(preset, quant, (1, 2, 4, 8, 16, 33, 64)).items():
-        assert configs[0] == script.quant_matmul_config(m, n, k, ep)  # the default is always timed
+        # the default is always timed
+        assert configs[0] == script.default_config(m, n, k, ep, wq.kind == script.INT4, SM_COUNT)
         assert len({json.dumps(c, sort_keys=True) for c in configs}) == len(configs), (name, m)
         bk_scale = script.scale_block(wq, ep, n, k)[1]
         for cfg in configs:
             assert set(cfg) <= {"block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k"}
+            tile = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+            # int4 also times its row tiles at one row (the tensor cores on a 16-row tile)
             assert (
-                cfg["block_m"] == script.row_tile(m) == (1 if m == 1 else max(16, 1 << (m - 1).bit_length()))
+                cfg["block_m"] in ({tile, 16} if wq.kind == script.INT4 else {tile})
+                and script.row_tile(m) == tile
             )
             for key in ("block_n", "block_k", "num_warps"):
                 assert cfg[key] & (cfg[key] - 1) == 0, (key, cfg)
@@ -84,7 +90,7 @@ def test_every_swept_config_is_a_valid_quant_matmul_config(preset, quant):
                 per_split = -(-(-(-k // split)) // cfg["block_k"]) * cfg["block_k"]
                 assert (split - 1) * per_split < k, cfg  # no empty split
                 assert -(-n // cfg["block_n"]) < 2 * SM_COUNT
-            if m == 1:
+            if cfg["block_m"] == 1:
                 elems = cfg["block_n"] * cfg["block_k"] // (32 * cfg["num_warps"])
                 assert cfg == configs[0] or 16 <= elems <= (32 if ep == GATE_UP else 64)
                 assert cfg["block_k"] <= max(256, 1 << (k - 1).bit_length())
@@ -308,7 +314,8 @@ def test_quant_sweep_run_on_the_tiny_preset(tmp_path, monkeypatch):
     assert doc["copy_gb_per_s"] == 3000.0
     assert len(doc["results"]) == 3 * len(shapes)
     for r in doc["results"]:
-        assert r["quant_config"] == script.quant_matmul_config(r["rows"], r["n"], r["k"])
+        ep = {name: ep for ep, name in script.EPILOGUE_NAMES.items()}[r["epilogue"]]
+        assert r["quant_config"] == script.default_config(r["rows"], r["n"], r["k"], ep, True, 132)
         assert r["weight_copies"] == 2 and r["quant_gb_per_s"] > 0 and r["bf16_skinny_ms"] is not None
         # torch's int4 kernel beside it where it has a layout for the shape (the stacked gate_up: [2N, K])
         rows = 2 * r["n"] if r["epilogue"] == "gate_up+act" else r["n"]

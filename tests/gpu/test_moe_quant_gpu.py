@@ -93,21 +93,21 @@ def test_quantized_fused_moe_vs_reference(quantized_layers, scheme, num_tokens, 
     assert torch.equal(layer(x, experts, weights), out)  # deterministic
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128-asym"])
 @torch.no_grad()
 def test_int4_expert_ptx_planes_are_the_fp32_planes(quantized_layers, scheme, num_tokens, monkeypatch):
     """The int4 experts with their planes made on bf16x2 lanes (PTX, the default) against the fp32 planes:
-    the same bits, decode tiles (unswapped) and 32-row tiles (swapped)."""
+    the same bits in the decode tiles (16 rows, where the PTX planes run)."""
     from g4serve.kernels import quant_matmul as qm
 
     layer, _ = quantized_layers(scheme)
     gen = torch.Generator("cuda").manual_seed(num_tokens + 1)
     weights, experts = _routing(num_tokens, gen)
     x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
-    assert qm.int4_planes(x, layer.projection("gate_up_proj").scale) == qm.PLANES_PTX
+    assert qm.int4_planes(x, layer.projection("gate_up_proj").scale, 16) == qm.PLANES_PTX
     ptx = layer(x, experts, weights)
-    monkeypatch.setattr(fused_moe_module, "int4_planes", lambda a, scale: qm.PLANES_FP32)
+    monkeypatch.setattr(fused_moe_module, "int4_planes", lambda *args: qm.PLANES_FP32)
     assert torch.equal(layer(x, experts, weights), ptx)
 
 

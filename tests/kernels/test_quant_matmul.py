@@ -233,9 +233,9 @@ def test_int4_planes_two_words_at_a_time_give_the_same_bits(
     act = "gelu_pytorch_tanh" if ep != PLAIN else None
     block_m, block_n, block_k = tiles
     cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 1}
-    assert qm.int4_planes(x, scale) == qm.PLANES_FP32  # the CPU's default
+    assert qm.int4_planes(x, scale, 16) == qm.PLANES_FP32  # the CPU's default
     fp32 = quant_matmul(x, weight, scale, (1, group), k, zero, ep, act, other, config=cfg)
-    monkeypatch.setattr(qm, "int4_planes", lambda x, scale: qm.PLANES_EMULATED)
+    monkeypatch.setattr(qm, "int4_planes", lambda *args: qm.PLANES_EMULATED)
     emulated = quant_matmul(x, weight, scale, (1, group), k, zero, ep, act, other, config=cfg)
     ref = quant_matmul_reference(x, weight, scale, (1, group), k, zero, ep, act, other)
     assert ref.float().abs().max() > 0.1
@@ -248,5 +248,5 @@ def test_int4_planes_path_choice(monkeypatch):
     from g4serve.kernels import quant_matmul as qm
 
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
-    assert qm.int4_planes(x, torch.zeros(1, dtype=torch.bfloat16)) == qm.PLANES_FP32  # on the CPU
-    assert qm.int4_planes(x.float(), torch.zeros(1)) == qm.PLANES_FP32
+    assert qm.int4_planes(x, torch.zeros(1, dtype=torch.bfloat16), 16) == qm.PLANES_FP32  # on the CPU
+    assert qm.int4_planes(x.float(), torch.zeros(1), 16) == qm.PLANES_FP32

@@ -700,7 +700,7 @@ def _grouped_gemm(
             HAS_ZERO=zero is not None,
             GROUPS=_groups_per_tile(block_k, w.scale_block[1], k),
             SWAP=int4 and int4_swap(block_m),
-            PLANES=int4_planes(a, scale) if int4 else PLANES_FP32,
+            PLANES=int4_planes(a, scale, block_m) if int4 else PLANES_FP32,
         )
     else:
         scale = zero = None

@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 
 from g4serve import envs
-from g4serve.kernels._launch import DualKernel, dot_settings, next_pow2, pdl, wait_for_previous_kernel
+from g4serve.kernels._launch import (
+    DualKernel,
+    dot_settings,
+    next_pow2,
+    pdl,
+    sm_count,
+    wait_for_previous_kernel,
+)
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, skinny_matmul_reference, store_gated
 
@@ -595,7 +602,7 @@ def _quant_matmul_split_fn(
     p_ptrs = P + ((pid_k * parts) * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
     tl.store(p_ptrs, y, mask=mask)
     if EPILOGUE == 1:
-        tl.store(p_ptrs + M.to(tl.int64) * N, y_up, mask=mask)
+        tl.store(p_ptrs + tl.cast(M, tl.int64) * N, y_up, mask=mask)
 
 
 def _split_reduce_fn(
@@ -628,8 +635,8 @@ def _split_reduce_fn(
     for _ in range(0, splits):
         y += tl.load(p_ptrs, mask=n_mask, other=0.0)
         if EPILOGUE == 1:
-            y_up += tl.load(p_ptrs + M.to(tl.int64) * N, mask=n_mask, other=0.0)
-        p_ptrs += parts * M.to(tl.int64) * N
+            y_up += tl.load(p_ptrs + tl.cast(M, tl.int64) * N, mask=n_mask, other=0.0)
+        p_ptrs += parts * tl.cast(M, tl.int64) * N  # (tl.cast: M == 1 arrives as a constexpr int)
     store_gated(
         y[None, :], y_up[None, :], Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT
     )
@@ -670,11 +677,19 @@ def quant_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[s
     return {"block_m": block_m, "block_n": 128, "block_k": min(64, k_pow2), "num_warps": 8, "num_stages": 3}
 
 
-def int4_planes(x: torch.Tensor, scale: torch.Tensor) -> int:
-    """How the int4 tensor-core tiles make their nibble planes for activations ``x`` and weight scales
-    ``scale``: ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of compute capability 8.0 or
-    later (bf16x2 fma) unless ``G4SERVE_INT4_PLANES=fp32``, else ``PLANES_FP32``."""
+PTX_PLANES_MAX_ROWS = 16
+
+
+def int4_planes(x: torch.Tensor, scale: torch.Tensor, block_m: int) -> int:
+    """How the int4 tensor-core tiles of ``block_m`` token rows make their nibble planes for activations
+    ``x`` and weight scales ``scale``: ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of
+    compute capability 8.0 or later (bf16x2 fma) in tiles of at most ``PTX_PLANES_MAX_ROWS`` rows, unless
+    ``G4SERVE_INT4_PLANES=fp32``; else ``PLANES_FP32``. Taller tiles keep the fp32 planes: they hold all 8
+    PTX planes of the gate and up tiles at once, and the experts' 64-row prefill tiles took 2.1x as long
+    (26b-a4b on an H100, 512 tokens: 1,630 against 779 us)."""
     if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or x.device.type != "cuda":
+        return PLANES_FP32
+    if block_m > PTX_PLANES_MAX_ROWS:
         return PLANES_FP32
     return PLANES_PTX if _ptx_planes(x.device.index or 0) else PLANES_FP32
 
@@ -682,6 +697,37 @@ def int4_planes(x: torch.Tensor, scale: torch.Tensor) -> int:
 @functools.cache
 def _ptx_planes(index: int) -> bool:
     return envs.get("G4SERVE_INT4_PLANES") == "ptx" and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def int4_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN, sm_count: int = 132) -> dict[str, int]:
+    """int4 tiles per shape, from a device sweep (``bench/gemv_kernels.py --quant w4a16 --sweep``, e4b's
+    shapes on an H100). One row: the FMA path, 4 weight rows a program over K steps of 512 on 2 warps (2 rows
+    and 2,048 on 4 warps from K = 4,096; narrow N: 2 rows over 4,096 on 8): 1.98 ms a step's int4
+    projections against 3.07 with ``quant_matmul_config``'s. 2-16 rows: a 16-row tile on the PTX planes, 64
+    columns a program over K tiles of 128, K split 4 ways (2 past one tile per SM, none past two); gated
+    projections 32 columns over K tiles of 256, unsplit, as are short K: 2.87 ms at 16 rows against 4.39
+    with the generic row tile (tinygemm: 5.76). More rows: ``quant_matmul_config``."""
+    if m == 1:
+        if n <= 512:
+            return {"block_m": 1, "block_n": 2, "block_k": 4096, "num_warps": 8, "num_stages": 1}
+        if k >= 4096:
+            return {"block_m": 1, "block_n": 2, "block_k": 2048, "num_warps": 4, "num_stages": 1}
+        return {
+            "block_m": 1,
+            "block_n": 4,
+            "block_k": min(512, max(256, next_pow2(k))),
+            "num_warps": 2,
+            "num_stages": 1,
+        }
+    if m > PTX_PLANES_MAX_ROWS:
+        return quant_matmul_config(m, n, k, epilogue)
+    if epilogue == GATE_UP or k <= 256:
+        return {"block_m": 16, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3}
+    tiles = triton.cdiv(n, 64)
+    cfg = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+    if tiles < 2 * sm_count and k >= 4 * 128:
+        cfg["split_k"] = 4 if tiles <= sm_count else 2
+    return cfg
 
 
 def int4_block_k(block_m: int) -> int:
@@ -742,6 +788,9 @@ def quant_matmul(
         return y
     # int4 scales are per row (groups along K, or a channel): the gated planes find the up rows' N rows on
     assert not int4 or scale_block[0] == 1, f"int4 scale blocks are 1 x g, got {scale_block}"
+    if config is None and int4:
+        sms = sm_count(x.device.index or 0) if x.is_cuda else 132
+        config = int4_matmul_config(m, n, k, epilogue, sms)
     cfg = int4_tiles(config or quant_matmul_config(m, n, k, epilogue), int4)
     block_m = cfg["block_m"]
     bn, bk = scale_block
@@ -786,7 +835,7 @@ def quant_matmul(
         UPCAST=upcast,
         DOT_PRECISION=precision,
         SWAP=int4 and block_m > 1 and int4_swap(block_m),
-        PLANES=int4_planes(x, scale) if int4 else PLANES_FP32,
+        PLANES=int4_planes(x, scale, block_m) if int4 else PLANES_FP32,
         **pdl(x.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -833,7 +882,7 @@ def _split_k_matmul(x, weight, scale, scale_block, zero_point, epilogue, activat
         UPCAST=upcast,
         DOT_PRECISION=precision,
         SWAP=weight.dtype == torch.int32 and cfg["block_m"] > 1 and int4_swap(cfg["block_m"]),
-        PLANES=int4_planes(x, scale) if weight.dtype == torch.int32 else PLANES_FP32,
+        PLANES=int4_planes(x, scale, cfg["block_m"]) if weight.dtype == torch.int32 else PLANES_FP32,
         **launch,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -52,6 +52,7 @@ INT4_DENSE_ROWS = envs.get_int("G4SERVE_INT4_DENSE_ROWS")
 # tinygemm 3.15 / 4.88 / 11.97 / 20.60 ms a step at B = 1 / 8 / 32 / 64, the Triton kernel 4.06 / 14.43 /
 # 12.08 / 25.54. tinygemm's layout sits beside the checkpoint's words, which the dense path reads.
 INT4_MATMUL = envs.get("G4SERVE_INT4_MATMUL")
+INT4_TINYGEMM_ROWS = envs.get_int("G4SERVE_INT4_TINYGEMM_ROWS")
 # FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
 # tensor cores; "dequant" takes the in-register dequantizing kernel with 16-bit activations.
 FP8_MATMUL = envs.get("G4SERVE_FP8_MATMUL")
@@ -202,7 +203,7 @@ def quant_linear(
         return _dense(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
-    if m <= SKINNY_ROWS and layer.tinygemm is not None and x.dtype == torch.bfloat16:
+    if m <= INT4_TINYGEMM_ROWS and layer.tinygemm is not None and x.dtype == torch.bfloat16:
         y = _epilogue_after(tinygemm_matmul(x, layer.tinygemm), epilogue, activation, other)
     elif m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
         args = (layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
