@@ -6,8 +6,8 @@
 # default) on this one. BASE_SRC: an untracked copy of an older src/ (`git archive <rev> src | tar -x -C .ab-base`,
 # carried; default .ab-base/src); runs whose name ends in -base use it. STAGES picks and orders the runs; gpu-tests
 # (not by default) runs the int4 GPU tests named by GPU_TESTS_K (default: the PTX planes against the fp32 ones).
-#   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/int4_ab.sh", carry=[".ab-base"])
-# Needs torch and triton only (no wheels). A run gets at most its share of DEADLINE (default 560 s).
+#   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/int4_ab.sh", carry=[".ab-base", ".whl"])
+# The kernel stages need torch and triton only; the engine stages the carried wheels (.whl). A run gets at most its share of DEADLINE (default 560 s).
 # Everything lands in $OUT/int4_ab.tgz; the logs' tails are in $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} MOE_PRESET=${MOE_PRESET:-26b-a4b} ROWS=${ROWS:-1 2 8 16} BATCHES=${BATCHES:-1,8,16}
@@ -15,7 +15,8 @@ SWEEP=${SWEEP:-1} BASE_SRC=${BASE_SRC:-.ab-base/src} DEADLINE=${DEADLINE:-560} O
 STAGES=${STAGES:-gemv gemv-base moe moe-base engine-triton engine-triton-base engine-tinygemm}
 RES=/tmp/res-int4-ab
 mkdir -p "$RES" "$OUT"
-SETUP=0 source bench/device/setup.sh
+[ -d "${WHEELS:-.whl}" ] || export SETUP=0  # the engine stages need the server's wheels (carry .whl)
+source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TAIL_LINES=${TAIL_LINES:-16}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache-int4-ab}
 read -r -a stages <<< "$STAGES"

@@ -355,29 +355,36 @@ def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexp
         else:
             a_planes = (a_rows,)  # taller token tiles load each plane's strided columns below
         for i in tl.static_range(8):
-            if BLOCK_M <= 16:
-                a = a_planes[i]
-            else:  # (a whole [BLOCK_M, BLOCK_K] tile would hold 4x the registers at once)
-                k = k0 + 8 * tl.arange(0, WORDS) + i
-                a = tl.load(a_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
             if PLANES == _BY_FP32:
                 wd = _int4_plane(w, s, off, i, dot_ty, UPCAST)
+                ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
             else:
                 wd = planes[i]
+                ud = planes_u[i]
+            if BLOCK_M <= 16:
+                a = a_planes[i]
+                if SWAP:
+                    a = tl.trans(a)
+            else:
+                # a plane's strided columns loaded as the MMA takes them ([K, tokens] swapped), masked rows:
+                # loaded [tokens, K] and transposed, rows clamped, the experts' 32-row tiles took 2.1x as
+                # long on an H100 (26b-a4b, 512 tokens: 1,622 against 779 us)
+                k = k0 + 8 * tl.arange(0, WORDS) + i
+                if SWAP:
+                    a_mask = valid[None, :] & (k < K)[:, None]
+                    a = tl.load(A + rows[None, :] * stride_am + k[:, None], mask=a_mask, other=0.0)
+                else:
+                    a_mask = valid[:, None] & (k < K)[None, :]
+                    a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
             if SWAP:
-                acc = tl.dot(wd, tl.trans(a), acc, input_precision=DOT_PRECISION)
+                acc = tl.dot(wd, a, acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    acc_up = tl.dot(ud, a, acc_up, input_precision=DOT_PRECISION)
             else:
                 acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
-            if GATED:
-                if PLANES == _BY_FP32:
-                    ud = _int4_plane(u, su, off_u, i, dot_ty, UPCAST)
-                else:
-                    ud = planes_u[i]
-                if SWAP:
-                    acc_up = tl.dot(ud, tl.trans(a), acc_up, input_precision=DOT_PRECISION)
-                else:
+                if GATED:
                     acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
     if SWAP:
         return tl.trans(acc), tl.trans(acc_up)
@@ -684,9 +691,9 @@ def int4_planes(x: torch.Tensor, scale: torch.Tensor, block_m: int) -> int:
     """How the int4 tensor-core tiles of ``block_m`` token rows make their nibble planes for activations
     ``x`` and weight scales ``scale``: ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of
     compute capability 8.0 or later (bf16x2 fma) in tiles of at most ``PTX_PLANES_MAX_ROWS`` rows, unless
-    ``G4SERVE_INT4_PLANES=fp32``; else ``PLANES_FP32``. Taller tiles keep the fp32 planes: they hold all 8
-    PTX planes of the gate and up tiles at once, and the experts' 64-row prefill tiles took 2.1x as long
-    (26b-a4b on an H100, 512 tokens: 1,630 against 779 us)."""
+    ``G4SERVE_INT4_PLANES=fp32``; else ``PLANES_FP32``. Taller tiles (prefill, the experts past 8 rows an
+    expert) keep the fp32 planes: the PTX planes hold all 8 planes of the gate and up tiles at once, and were
+    measured in 16-row tiles only."""
     if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or x.device.type != "cuda":
         return PLANES_FP32
     if block_m > PTX_PLANES_MAX_ROWS:
