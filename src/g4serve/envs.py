@@ -100,16 +100,12 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_INT4_MATMUL",
-        "tinygemm",
-        "int4 (w4a16) projections at decode sizes: `tinygemm` (torch's `_weight_int4pack_mm`, the weights "
-        "repacked at load beside the checkpoint's words) or `triton` (`kernels/quant_matmul.py`)",
-        ("triton", "tinygemm"),
-    ),
-    Variable(
-        "G4SERVE_INT4_TINYGEMM_ROWS",
-        "16",
-        "with `G4SERVE_INT4_MATMUL=tinygemm`: int4 projections on at most this many rows take tinygemm, more "
-        "rows (up to `G4SERVE_INT4_DENSE_ROWS`) the Triton kernel's row tiles",
+        "auto",
+        "int4 (w4a16) projections at decode sizes: `auto` (2-7 rows on tinygemm, one row and 8-16 rows on "
+        "the Triton kernel: the faster of the two at each size on an H100), `tinygemm` (torch's "
+        "`_weight_int4pack_mm`, the weights repacked at load beside the checkpoint's words) or `triton` "
+        "(`kernels/quant_matmul.py`), up to 16 rows",
+        ("auto", "triton", "tinygemm"),
     ),
     Variable(
         "G4SERVE_INT4_PLANES",

@@ -92,11 +92,21 @@ def test_prepare_int4_layouts_only_with_the_switch(monkeypatch):
     monkeypatch.setattr(quant, "INT4_MATMUL", "triton")
     assert quant.prepare_int4_layouts(model) == 0
     assert model["int4"].tinygemm is None
-    monkeypatch.setattr(quant, "INT4_MATMUL", "tinygemm")  # the default
-    assert quant.prepare_int4_layouts(model) == 1
+    for choice in ("tinygemm", "auto"):  # auto (the default) takes tinygemm at 2-7 rows
+        monkeypatch.setattr(quant, "INT4_MATMUL", choice)
+        assert quant.prepare_int4_layouts(model) == 1
     assert model["int4"].tinygemm is not None and model["int4_row"].tinygemm is None
     assert model["fp8"].tinygemm is None
     # the CPU forward stays the exact reference, whatever the layout
     x = torch.randn(3, 256).bfloat16()
     want = torch.nn.functional.linear(x, model["int4"].dequantize(torch.bfloat16))
     assert torch.equal(model["int4"](x), want)
+
+
+def test_int4_rows_take_the_faster_kernel(monkeypatch):
+    """``G4SERVE_INT4_MATMUL``: auto sends 2-7 rows to tinygemm, one row and 8+ to the Triton kernel (the
+    faster at each size on an H100); tinygemm takes every decode size, triton none."""
+    monkeypatch.setattr(quant, "INT4_MATMUL", "auto")
+    assert [m for m in range(1, 17) if quant._takes_tinygemm(m)] == [2, 3, 4, 5, 6, 7]
+    monkeypatch.setattr(quant, "INT4_MATMUL", "tinygemm")
+    assert all(quant._takes_tinygemm(m) for m in range(1, 65))

@@ -7,13 +7,14 @@ group) and, for asymmetric int4, int8 zero points per scale entry. The CPU path 
 dtype and runs ``F.linear`` (the exact reference). On CUDA, FP8 weights of schemes with dynamic activation
 scales run on the FP8 tensor cores with their activations quantized too, as the scheme says: up to
 ``SKINNY_ROWS`` rows (decode) ``kernels/fp8_matmul.py`` (per token and 128-column group), past them plain
-projections ``torch._scaled_mm`` (per-token scales). int4 runs on torch's own int4 kernel up to 16 rows
-(``kernels/int4_tinygemm.py``) and past them as its dense weight, written by one launch
-(``kernels/dequant.py``), through cuBLAS (``G4SERVE_INT4_DENSE_ROWS``). Gated FP8 prefill projections, static
-activation scales, FP8 weights on older GPUs and int4 with ``G4SERVE_INT4_MATMUL=triton`` run
-``kernels/quant_matmul.py`` (dequantized in registers, 16-bit products; W8A8's 128 x 128 tiles were slower
-there: 31B TTFT at 2,048 tokens 451 against 354 ms); ``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there
-too (the A/B of bench runs).
+projections ``torch._scaled_mm`` (per-token scales). int4 decode rows take whichever of torch's own
+int4 kernel (``kernels/int4_tinygemm.py``: 2-7 rows) and ``kernels/quant_matmul.py`` (its own int4 tiles:
+one row, 8-16 rows) was faster there (``G4SERVE_INT4_MATMUL``), and more rows its dense weight, written by
+one launch (``kernels/dequant.py``), through cuBLAS (``G4SERVE_INT4_DENSE_ROWS``). Gated FP8 prefill
+projections, static activation scales and FP8 weights on older GPUs run ``kernels/quant_matmul.py``
+(dequantized in registers, 16-bit products; W8A8's 128 x 128 tiles were slower there: 31B TTFT at 2,048
+tokens 451 against 354 ms); ``G4SERVE_FP8_MATMUL=dequant`` sends FP8 decode there too (the A/B of bench
+runs).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ PREFILL_PATH = envs.get("G4SERVE_QUANT_PREFILL")
 # 18.06 / 12.64).
 INT4_DENSE_ROWS = envs.get_int("G4SERVE_INT4_DENSE_ROWS")
 # int4 projections at decode sizes on torch's tinygemm (kernels/int4_tinygemm.py: the weights repacked once,
-# by prepare_int4_layouts) or on kernels/quant_matmul.py ("triton"). Measured on e4b on an H200 (issue 22):
-# tinygemm 3.15 / 4.88 / 11.97 / 20.60 ms a step at B = 1 / 8 / 32 / 64, the Triton kernel 4.06 / 14.43 /
-# 12.08 / 25.54. tinygemm's layout sits beside the checkpoint's words, which the dense path reads.
+# by prepare_int4_layouts) or on kernels/quant_matmul.py ("triton"); "auto" takes the faster of the two at
+# each row count (TINYGEMM_AUTO_ROWS on tinygemm). e4b on an H100 (issue 22), a decode step at B = 1 / 2 / 4 /
+# 8 / 16: tinygemm 3.25 / 3.37 / 3.77 / 4.97 / 7.30 ms, the Triton kernel (its own int4 tiles, PTX planes)
+# 3.10 / 4.89 / 4.84 / 4.86 / 4.96. tinygemm's layout sits beside the checkpoint's words, which the dense
+# path reads.
 INT4_MATMUL = envs.get("G4SERVE_INT4_MATMUL")
-INT4_TINYGEMM_ROWS = envs.get_int("G4SERVE_INT4_TINYGEMM_ROWS")
+TINYGEMM_AUTO_ROWS = range(2, 8)
 # FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
 # tensor cores; "dequant" takes the in-register dequantizing kernel with 16-bit activations.
 FP8_MATMUL = envs.get("G4SERVE_FP8_MATMUL")
@@ -171,9 +174,9 @@ def frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 def prepare_int4_layouts(model: nn.Module) -> int:
-    """With ``G4SERVE_INT4_MATMUL=tinygemm``, every int4 ``QuantLinear`` of ``model`` that tinygemm takes gets
+    """Unless ``G4SERVE_INT4_MATMUL=triton``, every int4 ``QuantLinear`` of ``model`` that tinygemm takes gets
     its layout (after ``fuse_projections``, so stacked projections are repacked once); the count."""
-    if INT4_MATMUL != "tinygemm":
+    if INT4_MATMUL == "triton":
         return 0
     count = sum(m.prepare_tinygemm() for m in model.modules() if isinstance(m, QuantLinear))
     if count:
@@ -203,7 +206,7 @@ def quant_linear(
         return _dense(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
-    if m <= INT4_TINYGEMM_ROWS and layer.tinygemm is not None and x.dtype == torch.bfloat16:
+    if layer.tinygemm is not None and x.dtype == torch.bfloat16 and _takes_tinygemm(m):
         y = _epilogue_after(tinygemm_matmul(x, layer.tinygemm), epilogue, activation, other)
     elif m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
         args = (layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
@@ -227,6 +230,11 @@ def quant_linear(
         assert epilogue == PLAIN, "fused epilogues take bias-free projections"
         y += layer.bias
     return y
+
+
+def _takes_tinygemm(m: int) -> bool:
+    """Whether ``m`` rows of an int4 projection with a tinygemm layout take tinygemm (``INT4_MATMUL``)."""
+    return m <= SKINNY_ROWS if INT4_MATMUL == "tinygemm" else m in TINYGEMM_AUTO_ROWS
 
 
 def _epilogue_after(y: torch.Tensor, epilogue: int, activation: str | None, other) -> torch.Tensor:
