@@ -110,9 +110,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "G4SERVE_INT4_PLANES",
         "ptx",
-        "how the int4 tensor-core tiles (`kernels/quant_matmul.py`, the int4 MoE experts) dequantize: `ptx` "
-        "(two words at a time on bf16x2 lanes, for bf16 activations and scales on CUDA) or `fp32` (one plane "
-        "at a time in fp32; A/B runs). Both give the same bits",
+        "how int4 tiles (`kernels/quant_matmul.py`, the int4 MoE experts) dequantize: `ptx` (nibble planes: "
+        "the row tiles of up to 16 rows make them two words at a time on bf16x2 lanes, for bf16 activations "
+        "and scales on CUDA, the same bits; one-row launches multiply them with x's planes, the scale once a "
+        "word) or `fp32` (the kernels before: one plane at a time in fp32, whole tiles at one row; A/B runs)",
         ("ptx", "fp32"),
     ),
     Variable(

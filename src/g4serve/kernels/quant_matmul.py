@@ -96,6 +96,13 @@ MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit
+def _nibble(w, i: tl.constexpr):
+    """Nibble ``i`` (0..15) of packed int32 words ``w``, by a logical shift (an arithmetic one costs a
+    sign extension more an element on sm_90)."""
+    return (w.to(tl.uint32, bitcast=True) >> (4 * i)) & 0xF
+
+
+@triton.jit
 def _nibbles_f32(q):
     """int4 nibbles q (0..15, int32) -> fp32 2^23 + q: one OR and a free bitcast, where converting takes an
     I2F at a fraction of the FP32 rate. Callers subtract 2^23 with the offset (exact: both are integers
@@ -166,7 +173,7 @@ def _plane_scales(
 def _int4_plane(w, s, off, i: tl.constexpr, dot_ty: tl.constexpr, UPCAST: tl.constexpr):
     """Nibble ``i`` of every packed word [BLOCK_N, WORDS] (K elements 8j + i), dequantized ((q - z) * s as
     ``_dequant``, exact in fp32) and rounded to ``dot_ty``."""
-    wf = (_nibbles_f32((w >> (4 * i)) & 0xF) - off) * s
+    wf = (_nibbles_f32(_nibble(w, i)) - off) * s
     if UPCAST:
         return _round_to(wf, dot_ty)
     else:
@@ -205,8 +212,11 @@ prmt.b32 hi, $8, $9, 0x7632;
 # (``_int4_plane``); PTX all 8 at once on bf16x2 lanes (CUDA, bf16 activations and scales:
 # ``_PLANES_ASM``); EMULATED the PTX's values, all 8 at once, in Triton arithmetic (the interpreter's check
 # of the PTX path's structure).
-PLANES_FP32, PLANES_PTX, PLANES_EMULATED = 0, 1, 2
+# One-row int4 launches (the FMA path) take ROWS: nibble planes against x's planes, the scale once a word
+# (``_int4_row_products``), where FP32 dequantizes whole tiles (``_dequant``).
+PLANES_FP32, PLANES_PTX, PLANES_EMULATED, PLANES_ROWS = 0, 1, 2, 3
 _BY_FP32, _BY_PTX = tl.constexpr(PLANES_FP32), tl.constexpr(PLANES_PTX)
+_BY_PLANE_ROWS = tl.constexpr(PLANES_ROWS)
 
 
 @triton.jit
@@ -393,6 +403,108 @@ def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexp
 
 
 @triton.jit
+def _row_words(
+    w, s, z, xs, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
+):
+    """A raw int4 tile's products with one token row, per packed word [BLOCK_N, WORDS] (fp32, the scale
+    applied once a word): sum_i (q_i - 8 - z) x_i. Nibble i is masked in place in its half-word (w, or w >> 16
+    for i >= 4) and OR-ed into 2^23's mantissa: 2^23 + q 16^j (j = i % 4, under 2^23) in one LOP3, and one
+    subtract of 2^23 + (8 + z) 16^j leaves (q - 8 - z) 16^j exactly; ``xs`` holds x's planes times 16^-j.
+    Three instructions an element (LOP3, FADD, FFMA) where shifting each nibble down takes five."""
+    eight_z = tl.full([BLOCK_N, GROUPS], 8.0, tl.float32)
+    if HAS_ZERO:
+        eight_z += z.to(tl.float32)
+    sw = _to_words(s.to(tl.float32), BLOCK_N, WORDS, GROUPS)
+    hi = w.to(tl.uint32, bitcast=True) >> 16
+    t = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    for j in tl.static_range(4):
+        off = _to_words(
+            eight_z * (1 << (4 * j)) + MAGIC, BLOCK_N, WORDS, GROUPS
+        )  # (tensor first: the interpreter)
+        lo = ((w & (0xF << (4 * j))) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        up = ((hi & (0xF << (4 * j))) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        t += (lo - off) * xs[j]
+        t += (up - off) * xs[j + 4]
+    return t * sw
+
+
+@triton.jit
+def _to_words(t, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, GROUPS: tl.constexpr):
+    """[BLOCK_N, GROUPS] per-group values -> per packed word [BLOCK_N, WORDS] (kept [BLOCK_N, 1] for one
+    group: broadcast where used)."""
+    if GROUPS > 1:
+        t = tl.reshape(tl.broadcast_to(t[:, :, None], [BLOCK_N, GROUPS, WORDS // GROUPS]), [BLOCK_N, WORDS])
+    return t
+
+
+@triton.jit
+def _int4_row_products(
+    X,
+    W,
+    S,
+    Z,
+    x_row,
+    offs_n,
+    N,
+    k_start,
+    k_end,
+    num_groups,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    scale_bn,
+    scale_bk,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUPS: tl.constexpr,
+    GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One token row against int4 weight rows ``offs_n`` (and their up rows N on, ``GATED``) over K in
+    [k_start, k_end): fp32 [1, BLOCK_N] products on the CUDA cores, by nibble planes as the row tiles take
+    them (``x_row``: the row's pointer [1, 1]; its tile split by ``_activation_planes``; ``_row_words``: three
+    instructions an element, the scale once a word). The first raw tile is requested before the
+    dependent-launch wait, each next one before this one's math."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    n_mask = offs_n < N
+    w, s, z = _load_raw(
+        W, S, Z, offs_n, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn, scale_bn,
+        scale_bk, BLOCK_K, True, HAS_ZERO, GROUPS,
+    )  # fmt: skip
+    u, su, zu = w, s, z
+    if GATED:
+        u, su, zu = _load_raw(
+            W, S, Z, offs_n + N, n_mask, k_start, k_end, num_groups, stride_wn, stride_sn, stride_zn,
+            scale_bn, scale_bk, BLOCK_K, True, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        xp = _activation_planes(x_row, k0, k_end, 1, BLOCK_K, True)
+        w_next, s_next, z_next = _load_raw(
+            W, S, Z, offs_n, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn, stride_zn,
+            scale_bn, scale_bk, BLOCK_K, True, HAS_ZERO, GROUPS,
+        )  # fmt: skip
+        u_next, su_next, zu_next = w_next, s_next, z_next
+        if GATED:
+            u_next, su_next, zu_next = _load_raw(
+                W, S, Z, offs_n + N, n_mask, k0 + BLOCK_K, k_end, num_groups, stride_wn, stride_sn,
+                stride_zn, scale_bn, scale_bk, BLOCK_K, True, HAS_ZERO, GROUPS,
+            )  # fmt: skip
+        # x's planes times 16^-(i % 4), exact: nibble i stays at bit 4 (i % 4) of its half-word (below)
+        xs = (xp[0], xp[1] * 0.0625, xp[2] * 0.00390625, xp[3] * 0.000244140625)
+        xs = xs + (xp[4], xp[5] * 0.0625, xp[6] * 0.00390625, xp[7] * 0.000244140625)
+        acc += _row_words(w, s, z, xs, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+        if GATED:
+            acc_up += _row_words(u, su, zu, xs, BLOCK_N, WORDS, HAS_ZERO, GROUPS)
+        w, s, z = w_next, s_next, z_next
+        u, su, zu = u_next, su_next, zu_next
+    return tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]
+
+
+@triton.jit
 def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags, specialised away at compile time
     X,
     W,
@@ -437,6 +549,12 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
             X, W, S, Z, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, k_end, num_groups, N, N,
             stride_xm, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, EPILOGUE == 1, BLOCK_M, BLOCK_N,
             BLOCK_K, HAS_ZERO, GROUPS, SWAP, UPCAST, DOT_PRECISION, PLANES, k_start,
+        )  # fmt: skip
+    elif INT4 and PLANES == _BY_PLANE_ROWS:
+        y, y_up = _int4_row_products(
+            X, W, S, Z, X + offs_m[:, None].to(tl.int64) * stride_xm, offs_n, N, k_start, k_end, num_groups,
+            stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, BLOCK_N, BLOCK_K, HAS_ZERO, GROUPS,
+            EPILOGUE == 1, USE_PDL,
         )  # fmt: skip
     else:
         offs_k = tl.arange(0, BLOCK_K)
@@ -688,22 +806,27 @@ PTX_PLANES_MAX_ROWS = 16
 
 
 def int4_planes(x: torch.Tensor, scale: torch.Tensor, block_m: int) -> int:
-    """How the int4 tensor-core tiles of ``block_m`` token rows make their nibble planes for activations
-    ``x`` and weight scales ``scale``: ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of
-    compute capability 8.0 or later (bf16x2 fma) in tiles of at most ``PTX_PLANES_MAX_ROWS`` rows, unless
-    ``G4SERVE_INT4_PLANES=fp32``; else ``PLANES_FP32``. Taller tiles (prefill, the experts past 8 rows an
+    """How int4 tiles of ``block_m`` token rows make their nibble planes for activations ``x`` and weight
+    scales ``scale`` (``G4SERVE_INT4_PLANES=fp32``: always ``PLANES_FP32``, the kernels before the planes):
+    one row ``PLANES_ROWS``; ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of compute
+    capability 8.0 or later (bf16x2 fma) in tiles of at most ``PTX_PLANES_MAX_ROWS`` rows; else
+    ``PLANES_FP32``. Taller tiles (prefill, the experts past 8 rows an
     expert) keep the fp32 planes: the PTX planes hold all 8 planes of the gate and up tiles at once, and were
     measured in 16-row tiles only."""
+    if not _planes_on():
+        return PLANES_FP32
+    if block_m == 1:
+        return PLANES_ROWS
     if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or x.device.type != "cuda":
         return PLANES_FP32
     if block_m > PTX_PLANES_MAX_ROWS:
         return PLANES_FP32
-    return PLANES_PTX if _ptx_planes(x.device.index or 0) else PLANES_FP32
+    return PLANES_PTX if torch.cuda.get_device_capability(x.device.index or 0) >= (8, 0) else PLANES_FP32
 
 
 @functools.cache
-def _ptx_planes(index: int) -> bool:
-    return envs.get("G4SERVE_INT4_PLANES") == "ptx" and torch.cuda.get_device_capability(index) >= (8, 0)
+def _planes_on() -> bool:
+    return envs.get("G4SERVE_INT4_PLANES") == "ptx"
 
 
 def int4_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN, sm_count: int = 132) -> dict[str, int]:
