@@ -155,13 +155,14 @@ def test_dequantize_matches_compressed_tensors(strategy, args):
 
 
 @pytest.mark.parametrize(
-    "int4,zeros,planes", [(False, False, 0), (True, True, 0), (True, True, 1), (True, False, 1)]
+    "int4,zeros,planes",
+    [(False, False, 0), (True, True, 0), (True, True, 1), (True, False, 1), (True, True, 3)],
 )
 @pytest.mark.parametrize("m,epilogue", [(1, GATE_UP), (8, MUL), (48, GATE_UP), (200, PLAIN)])
 def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, planes, m, epilogue):
     """Triton compiles the kernel to an sm_90 cubin on the CPU machine (its bundled ptxas): every path's
     compiled form (bf16 tensor-core tiles, int4 nibble planes in fp32 and on bf16x2 lanes (PTX), unswapped
-    and swapped, PDL) is checked before a device runs it."""
+    and swapped, the one-row planes, PDL) is checked before a device runs it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -188,7 +189,7 @@ def test_kernel_compiles_for_hopper_without_a_gpu(int4, zeros, planes, m, epilog
         DOT_PRECISION="tf32",
         USE_PDL=m <= 64,
         SWAP=int4 and m > 1 and int4_swap(cfg["block_m"]),
-        PLANES=planes,
+        PLANES=planes if planes != 3 or m == 1 else 1,  # 3: the one-row planes (PLANES_ROWS)
     )
     names = list(fn.arg_names)
     source = ASTSource(
@@ -244,9 +245,38 @@ def test_int4_planes_two_words_at_a_time_give_the_same_bits(
 
 
 def test_int4_planes_path_choice(monkeypatch):
-    """PTX planes only for bf16 activations and bf16 scales on CUDA; the CPU and other dtypes take fp32."""
+    """PTX planes only for bf16 activations and bf16 scales on CUDA; the CPU and other dtypes take fp32; one
+    row takes the one-row planes anywhere (the reference tests above run them), unless
+    G4SERVE_INT4_PLANES=fp32."""
     from g4serve.kernels import quant_matmul as qm
 
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    assert qm.int4_planes(x[:1], torch.zeros(1), 1) == qm.PLANES_ROWS
+    monkeypatch.setattr(qm, "_planes_on", lambda: False)
+    assert qm.int4_planes(x[:1], torch.zeros(1), 1) == qm.PLANES_FP32
+    monkeypatch.undo()
     assert qm.int4_planes(x, torch.zeros(1, dtype=torch.bfloat16), 16) == qm.PLANES_FP32  # on the CPU
     assert qm.int4_planes(x.float(), torch.zeros(1), 16) == qm.PLANES_FP32
+
+
+@pytest.mark.parametrize(
+    "zeros,group,epilogue", [(False, 128, "plain"), (True, 32, "gate_up"), (True, 64, "mul")]
+)
+def test_one_row_planes_agree_with_whole_tile_dequantization(monkeypatch, zeros, group, epilogue):
+    """The one-row int4 path by nibble planes (the default) against the whole-tile path it replaced
+    (``G4SERVE_INT4_PLANES=fp32``), fp32 activations: the same products summed in another order."""
+    from g4serve.kernels import quant_matmul as qm
+
+    ep = EPILOGUES[epilogue]
+    gen = torch.Generator().manual_seed(group + zeros)
+    n, k = 24, 512
+    weight, scale, zero = _quantized("int4", 2 * n if ep == GATE_UP else n, k, (1, group), zeros, gen)
+    x = torch.randn(1, k, generator=gen)
+    other = torch.randn(1, n, generator=gen) if ep == MUL else None
+    act = "gelu_pytorch_tanh" if ep != PLAIN else None
+    cfg = {"block_m": 1, "block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 1}
+    rows = quant_matmul(x, weight, scale, (1, group), k, zero, ep, act, other, config=cfg)
+    monkeypatch.setattr(qm, "_planes_on", lambda: False)
+    tiles = quant_matmul(x, weight, scale, (1, group), k, zero, ep, act, other, config=cfg)
+    assert tiles.abs().max() > 0.1
+    torch.testing.assert_close(rows, tiles, atol=1e-5, rtol=1e-5)

@@ -833,10 +833,11 @@ def int4_matmul_config(m: int, n: int, k: int, epilogue: int = PLAIN, sm_count: 
     """int4 tiles per shape, from a device sweep (``bench/gemv_kernels.py --quant w4a16 --sweep``, e4b's
     shapes on an H100). One row: the FMA path, 4 weight rows a program over K steps of 512 on 2 warps (2 rows
     and 2,048 on 4 warps from K = 4,096; narrow N: 2 rows over 4,096 on 8): 1.98 ms a step's int4
-    projections against 3.07 with ``quant_matmul_config``'s. 2-16 rows: a 16-row tile on the PTX planes, 64
-    columns a program over K tiles of 128, K split 4 ways (2 past one tile per SM, none past two); gated
-    projections 32 columns over K tiles of 256, unsplit, as are short K: 2.87 ms at 16 rows against 4.39
-    with the generic row tile (tinygemm: 5.76). More rows: ``quant_matmul_config``."""
+    projections against 3.07 with ``quant_matmul_config``'s (swept on whole-tile dequantization; by nibble
+    planes, ``_int4_row_products``, the same tiles take 1.74 ms). 2-16 rows: a 16-row tile on the PTX
+    planes, 64 columns a program over K tiles of 128, K split 4 ways (2 past one tile per SM, none past
+    two); gated projections 32 columns over K tiles of 256, unsplit, as are short K: 2.87 ms at 16 rows
+    against 4.39 with the generic row tile (tinygemm: 5.76). More rows: ``quant_matmul_config``."""
     if m == 1:
         if n <= 512:
             return {"block_m": 1, "block_n": 2, "block_k": 4096, "num_warps": 8, "num_stages": 1}
