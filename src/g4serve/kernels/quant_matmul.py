@@ -152,21 +152,24 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _to_words(t, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, GROUPS: tl.constexpr):
+    """[BLOCK_N, GROUPS] per-group values -> per packed word [BLOCK_N, WORDS] (kept [BLOCK_N, 1] for one
+    group: broadcast where used)."""
+    if GROUPS > 1:
+        t = tl.reshape(tl.broadcast_to(t[:, :, None], [BLOCK_N, GROUPS, WORDS // GROUPS]), [BLOCK_N, WORDS])
+    return t
+
+
+@triton.jit
 def _plane_scales(
     s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
 ):
     """A raw int4 tile's scales and offsets (2^23 + 8 + zero point, for ``_nibbles_f32``) [BLOCK_N, GROUPS]
     -> fp32 per packed word [BLOCK_N, WORDS] (a group spans whole words: groups are powers of two >= 8)."""
-    s = s.to(tl.float32)
     off = tl.full([BLOCK_N, GROUPS], MAGIC + 8.0, tl.float32)
     if HAS_ZERO:
         off += z.to(tl.float32)
-    if GROUPS > 1:
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS))
-        off = tl.reshape(
-            tl.broadcast_to(off[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS)
-        )
-    return s, off
+    return _to_words(s.to(tl.float32), BLOCK_N, WORDS, GROUPS), _to_words(off, BLOCK_N, WORDS, GROUPS)
 
 
 @triton.jit
@@ -426,15 +429,6 @@ def _row_words(
         t += (lo - off) * xs[j]
         t += (up - off) * xs[j + 4]
     return t * sw
-
-
-@triton.jit
-def _to_words(t, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, GROUPS: tl.constexpr):
-    """[BLOCK_N, GROUPS] per-group values -> per packed word [BLOCK_N, WORDS] (kept [BLOCK_N, 1] for one
-    group: broadcast where used)."""
-    if GROUPS > 1:
-        t = tl.reshape(tl.broadcast_to(t[:, :, None], [BLOCK_N, GROUPS, WORDS // GROUPS]), [BLOCK_N, WORDS])
-    return t
 
 
 @triton.jit
