@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# int4 (w4a16) kernels on the device, this tree against an older one, in one call: per decode projection
-# (bench/gemv_kernels.py --quant w4a16: the Triton kernel, tinygemm and bf16 side by side; SWEEP=1 also searches
-# tiles on this tree), the MoE experts (bench/moe_kernels.py --quant w4a16), then the e4b engine
-# (bench/engine_microbench.py --quantization w4a16) with G4SERVE_INT4_MATMUL=triton on both trees and tinygemm (the
-# default) on this one. BASE_SRC: an untracked copy of an older src/ (`git archive <rev> src | tar -x -C .ab-base`,
-# carried; default .ab-base/src); runs whose name ends in -base use it. STAGES picks and orders the runs; gpu-tests
-# (not by default) runs the int4 GPU tests named by GPU_TESTS_K (default: the PTX planes against the fp32 ones).
+# int4 (w4a16) kernels on the device, this tree against an older one, in one call. Stages (STAGES picks and orders
+# them; a name ending in -base runs on BASE_SRC, an untracked copy of an older src/: `git archive <rev> src | tar -x
+# -C .ab-base`, carried; default .ab-base/src):
+#   gemv      every e4b decode projection (bench/gemv_kernels.py --quant w4a16 --rows ROWS: the Triton kernel, tinygemm
+#             and bf16 side by side; SWEEP=1 also searches tiles, on this tree);
+#   moe       the 26b-a4b experts (bench/moe_kernels.py --quant w4a16);
+#   engine-X  the e4b engine (bench/engine_microbench.py --quantization w4a16 --batches BATCHES) with
+#             G4SERVE_INT4_MATMUL=X (auto, tinygemm or triton);
+#   gpu-tests the int4 GPU tests named by GPU_TESTS_K (default: the PTX planes against the fp32 ones; not by default).
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/int4_ab.sh", carry=[".ab-base", ".whl"])
-# The kernel stages need torch and triton only; the engine stages the carried wheels (.whl). A run gets at most its share of DEADLINE (default 560 s).
-# Everything lands in $OUT/int4_ab.tgz; the logs' tails are in $OUT/summary.md.
+# The kernel stages need torch and triton only; the engine stages the carried wheels (.whl). A stage gets at most
+# its share of DEADLINE (default 560 s). Everything lands in $OUT/int4_ab.tgz; the logs' tails in $OUT/summary.md.
 set -uo pipefail
 PRESET=${PRESET:-e4b} MOE_PRESET=${MOE_PRESET:-26b-a4b} ROWS=${ROWS:-1 2 8 16} BATCHES=${BATCHES:-1,8,16}
 SWEEP=${SWEEP:-1} BASE_SRC=${BASE_SRC:-.ab-base/src} DEADLINE=${DEADLINE:-560} OUT=${OUT:-/tmp/out}
