@@ -52,8 +52,8 @@ INT4_DENSE_ROWS = envs.get_int("G4SERVE_INT4_DENSE_ROWS")
 # by prepare_int4_layouts) or on kernels/quant_matmul.py ("triton"); "auto" takes the faster of the two at
 # each row count (TINYGEMM_AUTO_ROWS on tinygemm). e4b on an H100 (issue 22), a decode step at B = 1 / 2 / 4 /
 # 8 / 16: tinygemm 3.25 / 3.37 / 3.77 / 4.97 / 7.30 ms, the Triton kernel (its own int4 tiles, PTX planes)
-# 3.10 / 4.89 / 4.84 / 4.86 / 4.96. tinygemm's layout sits beside the checkpoint's words, which the dense
-# path reads.
+# 3.10 / 4.89 / 4.84 / 4.86 / 4.96, and 2.84 at B = 1 with its one-row planes (another machine: 3.10 before
+# them). tinygemm's layout sits beside the checkpoint's words, which the dense path reads.
 INT4_MATMUL = envs.get("G4SERVE_INT4_MATMUL")
 TINYGEMM_AUTO_ROWS = range(2, 8)
 # FP8 weights with dynamic activation scales: "w8a8" (default) quantizes activations and multiplies on the FP8
