@@ -6,15 +6,18 @@ scale per ``bn x bk`` block of the weight (per tensor: the whole weight; per cha
 compressed-tensors' packing: int32 words of 8 nibbles along K, nibble i of word j is element 8j + i, stored
 as q + 8. Weights are read once, in their quantized bytes, which is the point at decode sizes.
 
-- ``M == 1``: elementwise FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator, the next raw tile loaded before
-  this tile's math, the first before the programmatic-dependent-launch wait (as ``gemv.py``);
+- ``M == 1``: elementwise FMAs into fp32 accumulators, the next raw tile loaded before this tile's math, the
+  first before the programmatic-dependent-launch wait (as ``gemv.py``); int4 by nibble planes against x's
+  planes (``_int4_row_products``, three instructions an element);
 - ``M > 1``: tiles dequantized to the activation dtype and multiplied on the tensor cores; up to
   ``SKINNY_ROWS`` rows in one row tile (every weight element loaded once for the batch), more rows over a
   2-D grid (a prefill GEMM that never writes a dequantized copy of the weight). int4 tiles go nibble plane
-  by nibble plane (``_int4_products``, shared with the MoE experts: K tiles of 128, or 256 with the
-  operands swapped past 16-row tiles), never reshaping the unpacked tile;
-- ``config["split_k"]`` > 1 (opt-in; no default uses it): K cut into that many ranges, fp32 partials summed
-  in order by a second kernel that applies the epilogue (deterministic, no atomics).
+  by nibble plane (``_int4_products``, shared with the MoE experts: K tiles of at least 128, or 256 with the
+  operands swapped past 16-row tiles), never reshaping the unpacked tile; tiles of up to 16 rows make their
+  planes two words at a time on bf16x2 lanes (``_PLANES_ASM``);
+- ``config["split_k"]`` > 1 (int4's 2-16-row defaults, ``int4_matmul_config``; opt-in otherwise): K cut
+  into that many ranges, fp32 partials summed in order by a second kernel that applies the epilogue
+  (deterministic, no atomics).
 
 Epilogues as in ``gemv.py``: ``gate_up`` act(x W_gate^T) * (x W_up^T) from one stacked weight, ``mul``
 act(x W^T) * e. The torch reference dequantizes to the compute dtype, then ``F.linear``.
