@@ -103,6 +103,30 @@ def test_int4_ptx_planes_are_the_fp32_planes(fmt, m, monkeypatch):
             assert torch.equal(ptx, fp32), (fmt, m, n, k, ep, cfg)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g128", "int4-g128-asym"])
+def test_int4_one_row_planes_track_whole_tiles(fmt, monkeypatch):
+    """One token row by nibble planes (``_int4_row_products``, the default) against the whole-tile path it
+    replaced (``G4SERVE_INT4_PLANES=fp32``) at model shapes, with int4's default tiles: the same products in
+    fp32, summed in another order."""
+    from g4serve.kernels import quant_matmul as qm
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for n, k, ep in SHAPES:
+        rows = 2 * n if ep == GATE_UP else n
+        q, scale, zero, block = _weights(fmt, rows, k, gen)
+        scale = scale.bfloat16()
+        x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
+        other = torch.randn(1, n, generator=gen, device="cuda").to(torch.bfloat16) if ep == MUL else None
+        act = "gelu_pytorch_tanh" if ep != PLAIN else None
+        assert qm.int4_planes(x, scale, 1) == qm.PLANES_ROWS
+        planes = quant_matmul(x, q, scale, block, k, zero, ep, act, other).float()
+        with monkeypatch.context() as patch:
+            patch.setattr(qm, "_planes_on", lambda: False)
+            tiles = quant_matmul(x, q, scale, block, k, zero, ep, act, other).float()
+        err = ((planes - tiles).abs().max() / tiles.abs().max()).item()
+        assert err < 1e-2, (fmt, n, k, ep, err)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "int4-g32", "int4-g128-asym"])
 @pytest.mark.parametrize("m", [1, 8, 64, 130])
 def test_quant_matmul_fp32_matches_the_reference(fmt, m):
