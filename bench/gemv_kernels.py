@@ -42,11 +42,10 @@ import torch.nn.functional as F
 from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
-from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, use_skinny
 from g4serve.kernels.int4_tinygemm import pack_tinygemm, tinygemm_matmul, tinygemm_supported
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, int4_matmul_config, quant_matmul, quant_matmul_config
-from g4serve.layers.quant import quantize_weight
+from g4serve.layers.quant import epilogue_after, quantize_weight
 from g4serve.quant_config import FP8, INT4, QUANTIZATION_PRESETS, WeightQuant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,10 +139,7 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
     activation = act if ep != PLAIN else None
 
     def cublas(w):
-        y = F.linear(x, w)
-        if ep == GATE_UP:
-            return act_mul(act, y[:, :n], y[:, n:])
-        return act_mul(act, y, other) if ep == MUL else y
+        return epilogue_after(F.linear(x, w), ep, activation, other)
 
     def time(fn) -> float:
         return graph_replay_ms([lambda w=w: fn(w) for w in weights], args.calls_per_graph, args.graph_replays)
@@ -496,7 +492,7 @@ def precompile(jobs: list, act: str, workers: int, device: str = "cuda", per_tas
 
 # ---- timing ------------------------------------------------------------------------------------------------
 def bench_quant_shape(
-    args, shape, act: str, copy_gbps: float, configs: dict | None, device: str = "cuda"
+    args, shape, act: str, copy_gbps: float, configs: dict | None, sm_count: int, device: str = "cuda"
 ) -> list[dict]:
     """One projection shape at every row count of ``args.rows``: the default tiles, the bf16 references and
     (``configs``: (ep, n, k, m) -> grid) the sweep, the full grid at each row tile's lead row count."""
@@ -512,7 +508,6 @@ def bench_quant_shape(
     dense += [dense[0].clone() for _ in range(dense_copies - 1)]
     activation = act if ep != PLAIN else None
     tiny = _tinygemm_weights(weights, rows, k, block)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     lead = lead_rows(args.rows)
     out, by_m = [], {}
     for m in row_order(args.rows):
@@ -530,13 +525,13 @@ def bench_quant_shape(
             return _graph_ms([lambda w=w: fn(w) for w in dense], args.calls_per_graph, args.graph_replays)
 
         def cublas(w, x=x, other=other):
-            return _epilogue(F.linear(x, w), ep, act, n, other)
+            return epilogue_after(F.linear(x, w), ep, activation, other)
 
         def tinygemm_ms(x=x, other=other) -> float | None:
-            calls = [lambda w=w: _epilogue(tinygemm_matmul(x, w), ep, act, n, other) for w in tiny]
+            calls = [lambda w=w: epilogue_after(tinygemm_matmul(x, w), ep, activation, other) for w in tiny]
             return _graph_ms(calls, args.calls_per_graph, args.graph_replays) if calls else None
 
-        default_cfg = default_config(m, n, k, ep, weights[0][0].dtype == torch.int32, sms)
+        default_cfg = default_config(m, n, k, ep, weights[0][0].dtype == torch.int32, sm_count)
         default_ms = quant_ms(default_cfg)
         row = {
             "name": name,
@@ -578,13 +573,6 @@ def bench_quant_shape(
     tiny.clear()
     torch.cuda.empty_cache()
     return sorted(out, key=lambda r: r["rows"])
-
-
-def _epilogue(y: torch.Tensor, ep: int, act: str, n: int, other: torch.Tensor | None) -> torch.Tensor:
-    """A GEMM's output [M, N or 2N] through the engine's unfused epilogue (what cuBLAS and tinygemm need)."""
-    if ep == GATE_UP:
-        return act_mul(act, y[:, :n], y[:, n:])
-    return act_mul(act, y, other) if ep == MUL else y
 
 
 def _tinygemm_weights(weights: list, rows: int, k: int, block: tuple[int, int]) -> list:
@@ -792,7 +780,7 @@ def run_quant(args, env: dict, device: str = "cuda") -> int:
 
     print(QUANT_HEAD)
     for shape in shapes:
-        results += bench_quant_shape(args, shape, act, copy_gbps, configs, device)
+        results += bench_quant_shape(args, shape, act, copy_gbps, configs, sm_count, device)
         save(complete=False)  # a run cut short keeps what it measured
     doc = save(complete=True)
     print(f"\nper decode step ({args.quant}, quantized projections; the LM head stays bf16), us:")

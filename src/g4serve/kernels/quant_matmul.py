@@ -100,14 +100,13 @@ MAGIC = tl.constexpr(8388608.0)
 
 @triton.jit
 def _nibble(w, i: tl.constexpr):
-    """Nibble ``i`` (0..15) of packed int32 words ``w``, by a logical shift (an arithmetic one costs a
-    sign extension more an element on sm_90)."""
+    """Nibble ``i`` (0..15) of packed int32 words ``w`` (a logical shift: no sign to clear)."""
     return (w.to(tl.uint32, bitcast=True) >> (4 * i)) & 0xF
 
 
 @triton.jit
 def _nibbles_f32(q):
-    """int4 nibbles q (0..15, int32) -> fp32 2^23 + q: one OR and a free bitcast, where converting takes an
+    """int4 nibbles q (0..15) -> fp32 2^23 + q: one OR and a free bitcast, where converting takes an
     I2F at a fraction of the FP32 rate. Callers subtract 2^23 with the offset (exact: both are integers
     under 2^24), so ``(q - offset) * s`` keeps its bits."""
     return (q | MAGIC_BITS).to(tl.float32, bitcast=True)
@@ -259,21 +258,13 @@ def _packed_scales(
     s, z, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUPS: tl.constexpr
 ):
     """A raw int4 tile's scales and zero points [BLOCK_N, GROUPS] -> bf16 per packed word [BLOCK_N, WORDS]:
-    the scale and -(128 + 8 + z), both exact in bf16 (scales are stored in bf16, |z| <= 8)."""
+    the scale and -(128 + 8 + z), both exact in bf16 (scales are stored in bf16, |z| <= 8); one group stays
+    [BLOCK_N, 1] (the planes broadcast it)."""
     neg_off = tl.full([BLOCK_N, GROUPS], -136.0, tl.float32)
     if HAS_ZERO:
         neg_off -= z.to(tl.float32)
-    s = s.to(tl.bfloat16)
-    neg_off = neg_off.to(tl.bfloat16)
-    if GROUPS > 1:
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS))
-        neg_off = tl.reshape(
-            tl.broadcast_to(neg_off[:, :, None], (BLOCK_N, GROUPS, WORDS // GROUPS)), (BLOCK_N, WORDS)
-        )
-    else:
-        s = tl.broadcast_to(s, (BLOCK_N, WORDS))
-        neg_off = tl.broadcast_to(neg_off, (BLOCK_N, WORDS))
-    return s, neg_off
+    s = _to_words(s.to(tl.bfloat16), BLOCK_N, WORDS, GROUPS)
+    return s, _to_words(neg_off.to(tl.bfloat16), BLOCK_N, WORDS, GROUPS)
 
 
 @triton.jit
@@ -424,9 +415,10 @@ def _row_words(
     hi = w.to(tl.uint32, bitcast=True) >> 16
     t = tl.zeros([BLOCK_N, WORDS], tl.float32)
     for j in tl.static_range(4):
-        off = _to_words(
-            eight_z * (1 << (4 * j)) + MAGIC, BLOCK_N, WORDS, GROUPS
-        )  # (tensor first: the interpreter)
+        off_g = (
+            eight_z * (1 << (4 * j)) + MAGIC
+        )  # the tensor first: the interpreter's constexpr + tensor fails
+        off = _to_words(off_g, BLOCK_N, WORDS, GROUPS)
         lo = ((w & (0xF << (4 * j))) | MAGIC_BITS).to(tl.float32, bitcast=True)
         up = ((hi & (0xF << (4 * j))) | MAGIC_BITS).to(tl.float32, bitcast=True)
         t += (lo - off) * xs[j]
@@ -436,7 +428,6 @@ def _row_words(
 
 @triton.jit
 def _int4_row_products(
-    X,
     W,
     S,
     Z,
@@ -549,7 +540,7 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
         )  # fmt: skip
     elif INT4 and PLANES == _BY_PLANE_ROWS:
         y, y_up = _int4_row_products(
-            X, W, S, Z, X + offs_m[:, None].to(tl.int64) * stride_xm, offs_n, N, k_start, k_end, num_groups,
+            W, S, Z, X + offs_m[:, None].to(tl.int64) * stride_xm, offs_n, N, k_start, k_end, num_groups,
             stride_wn, stride_sn, stride_zn, scale_bn, scale_bk, BLOCK_N, BLOCK_K, HAS_ZERO, GROUPS,
             EPILOGUE == 1, USE_PDL,
         )  # fmt: skip
@@ -807,9 +798,8 @@ def int4_planes(x: torch.Tensor, scale: torch.Tensor, block_m: int) -> int:
     scales ``scale`` (``G4SERVE_INT4_PLANES=fp32``: always ``PLANES_FP32``, the kernels before the planes):
     one row ``PLANES_ROWS``; ``PLANES_PTX`` for bf16 activations and scales on a CUDA device of compute
     capability 8.0 or later (bf16x2 fma) in tiles of at most ``PTX_PLANES_MAX_ROWS`` rows; else
-    ``PLANES_FP32``. Taller tiles (prefill, the experts past 8 rows an
-    expert) keep the fp32 planes: the PTX planes hold all 8 planes of the gate and up tiles at once, and were
-    measured in 16-row tiles only."""
+    ``PLANES_FP32``. Taller tiles (prefill, the experts past 8 rows an expert) keep the fp32 planes: the PTX
+    planes hold all 8 planes of the gate and up tiles at once, and were measured in 16-row tiles only."""
     if not _planes_on():
         return PLANES_FP32
     if block_m == 1:

@@ -201,13 +201,13 @@ def quant_linear(
     if m > SKINNY_ROWS and _scaled_mm_ok(x, layer):
         # Prefill on the FP8 tensor cores, a gated projection's epilogue in one elementwise pass after it (the
         # dequantizing 2-D grid it took before made E4B's FP8 prefill twice as slow as bf16's)
-        return _epilogue_after(_fp8_scaled_mm(x, layer), epilogue, activation, other)
+        return epilogue_after(_fp8_scaled_mm(x, layer), epilogue, activation, other)
     if (m > SKINNY_ROWS and PREFILL_PATH == "dequant") or (layer.kind == INT4 and m >= INT4_DENSE_ROWS):
         return _dense(x, layer, epilogue, activation, other)
     if epilogue == MUL and other.stride(-1) != 1:
         other = other.contiguous()
     if layer.tinygemm is not None and x.dtype == torch.bfloat16 and _takes_tinygemm(m):
-        y = _epilogue_after(tinygemm_matmul(x, layer.tinygemm), epilogue, activation, other)
+        y = epilogue_after(tinygemm_matmul(x, layer.tinygemm), epilogue, activation, other)
     elif m <= SKINNY_ROWS and _fp8_matmul_ok(x, layer):
         args = (layer.weight, layer.weight_scale, layer.scale_block, epilogue, activation, other)
         if quantized is not None:  # quantized by the kernel that wrote x (``layers.fused.add_rms_norm``)
@@ -237,7 +237,7 @@ def _takes_tinygemm(m: int) -> bool:
     return m <= SKINNY_ROWS if INT4_MATMUL == "tinygemm" else m in TINYGEMM_AUTO_ROWS
 
 
-def _epilogue_after(y: torch.Tensor, epilogue: int, activation: str | None, other) -> torch.Tensor:
+def epilogue_after(y: torch.Tensor, epilogue: int, activation: str | None, other) -> torch.Tensor:
     """An epilogue in one elementwise pass after a GEMM that has none (``torch._scaled_mm``, tinygemm)."""
     if epilogue == GATE_UP:
         return act_mul(activation, *y.chunk(2, dim=-1))
