@@ -395,11 +395,15 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead))
         request_id = request_id or self.new_request_id()
         self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
-        return await self._in_pool(
+        request = await self._in_pool(
             lambda: self.engine.make_request(
                 request_id, processed, params, priority=priority, lora_name=lora_name
             )
         )
+        # It arrives once admitted and back on the event loop, not when the pool made it: the server's
+        # stages before the engine (its "admit" includes the pool's hand-back) then end before arrival.
+        request.arrival_time = request.metrics.arrival_time = time.monotonic()
+        return request
 
     async def generate(
         self,
