@@ -10,6 +10,10 @@ bench/results/.
 
     python bench/gemv_kernels.py                        # e4b, M = 1 2 4 8
     python bench/gemv_kernels.py --rows 1 8 --sweep
+    python bench/gemv_kernels.py --rows 64 32 16 8 --sweep --compile-workers 14
+
+``--sweep`` at 9-64 rows searches the swapped tiles (the weight as the warpgroup MMA's M side, ``SWAP_TILES``)
+unsplit and split K; ``--compile-workers`` compiles the sweep's kernels in parallel processes first.
 
 ``--quant PRESET`` (a ``--quantization`` preset: fp8, fp8-block, w4a16, w4a16-g32) times the quantized-weight
 GEMM (kernels/quant_matmul.py) instead, with its default tiles, on weights quantized from random bf16 by
@@ -78,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-workers",
         type=int,
         default=0,
-        help="--quant --sweep: processes that compile the sweep's kernels into Triton's cache before timing",
+        help="--sweep: processes that compile the sweep's kernels into Triton's cache before timing",
     )
     p.add_argument("--copy-mb", type=int, default=1024, help="--quant: MiB of the reference device copy")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -114,16 +118,45 @@ def decode_shapes(preset: str) -> list[tuple[str, int, int, int, int]]:
     return out
 
 
-def _configs(m: int) -> list[dict[str, int]]:
+# The bf16 sweep's grid at 2..64 rows: the 16-row tensor-core tiles (up to 16 rows), and the swapped tiles
+# (the weight as the warpgroup MMA's M side: (weight rows, K tile) a program) at 3-5 stages, unsplit and
+# split K where the column tiles give fewer than 4 programs per SM; pipelines over ~200 KB of shared memory
+# are left out.
+SWAP_TILES = ((64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
+SWAP_STAGES = (3, 4, 5)
+SWAP_SPLITS = (2, 4, 8)
+SHARED_BYTES = 200 * 1024
+
+
+def _configs(m: int, ep: int = PLAIN, n: int = 4096, k: int = 4096, sms: int = 132) -> list[dict[str, int]]:
     if m == 1:
         return [
             {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": 1}
             for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))
         ]
-    return [
-        {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
-        for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))
-    ]
+    out = []
+    if m <= 16:
+        out += [
+            {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
+            for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))
+        ]
+    block_m = max(16, 1 << (m - 1).bit_length())
+    weights = 2 if ep == GATE_UP else 1
+    for (bn, bk), stages in itertools.product(SWAP_TILES, SWAP_STAGES):
+        if (
+            bk > max(16, 1 << (k - 1).bit_length())
+            or stages * (weights * bn + block_m) * bk * 2 > SHARED_BYTES
+        ):
+            continue
+        cfg = {"block_m": block_m, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages}
+        out.append(cfg | {"swap_ab": 1})
+        tiles, k_tiles = -(-n // bn), -(-k // bk)
+        out += [
+            cfg | {"swap_ab": 1, "split_k": split}
+            for split in SWAP_SPLITS
+            if tiles * split <= 4 * sms and k_tiles >= 2 * split
+        ]
+    return out
 
 
 def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> dict:
@@ -145,7 +178,8 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
         return graph_replay_ms([lambda w=w: fn(w) for w in weights], args.calls_per_graph, args.graph_replays)
 
     base = time(cublas)
-    default_cfg = gemv_config(m, n, k, ep)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_cfg = gemv_config(m, n, k, ep, sms)
     skinny = time(lambda w: skinny_matmul(x, w, ep, activation, other))
     row = {
         "name": name,
@@ -164,7 +198,8 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
     }
     if args.sweep:
         row["sweep"] = time_sweep(
-            _configs(m), lambda cfg: time(lambda w: skinny_matmul(x, w, ep, activation, other, config=cfg))
+            _configs(m, ep, n, k, sms),
+            lambda cfg: time(lambda w: skinny_matmul(x, w, ep, activation, other, config=cfg)),
         )
     weights.clear()
     torch.cuda.empty_cache()
@@ -183,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     act = PRESETS[args.preset]().text.hidden_activation
     shapes = decode_shapes(args.preset)
     results = []
+    compile_report = None
+    if args.sweep and args.compile_workers > 0:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        configs = {(ep, n, k, m): _configs(m, ep, n, k, sms) for _, ep, n, k, _ in shapes for m in args.rows}
+        compile_report = precompile(compile_jobs(None, shapes, args.rows, configs), act, args.compile_workers)
     head = (
         f"{'shape':>15s} {'N':>7s} {'K':>6s} {'M':>2s} {'x/step':>6s} {'cuBLAS us':>10s} {'skinny us':>10s} "
         f"{'GB/s':>6s} {'speedup':>7s}" + (f" {'best us':>8s}  best tiles" if args.sweep else "")
@@ -227,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 "preset": args.preset,
                 "dtype": "bfloat16",
                 "units": units,
+                "compile": compile_report,
                 "results": results,
             },
             indent=2,
@@ -411,16 +452,18 @@ def _spec(v: int) -> int:
 
 
 def compile_jobs(
-    quant: str, shapes: list, rows: list[int], configs: dict
+    quant: str | None, shapes: list, rows: list[int], configs: dict
 ) -> list[tuple[tuple[str, int, int, int], int, dict]]:
     """((quant, epilogue, N, K), m, config) for every kernel the sweep may launch, one per compiled variant
     (the constexprs, and Triton's specialisation of the integer arguments: M, N, K, the packed and scale
-    widths, the scale block)."""
-    wq = QUANTIZATION_PRESETS[quant].groups[0].weights
+    widths, the scale block). ``quant`` None: the bf16 skinny kernel (kernels/gemv.py)."""
     jobs, seen = [], set()
     for _, ep, n, k, _ in shapes:
-        bn, bk = scale_block(wq, ep, n, k)
-        ints = (n, k, -(-k // 8), -(-k // bk), bn, bk)
+        if quant is None:
+            ints = (n, k)
+        else:
+            bn, bk = scale_block(QUANTIZATION_PRESETS[quant].groups[0].weights, ep, n, k)
+            ints = (n, k, -(-k // 8), -(-k // bk), bn, bk)
         for m in rows:
             for cfg in configs[(ep, n, k, m)]:
                 # split-K counts are a launch argument: one compiled kernel for all of them
@@ -433,11 +476,13 @@ def compile_jobs(
 
 
 @functools.lru_cache(maxsize=2)
-def _compile_inputs(quant: str, ep: int, n: int, k: int, device: str):
+def _compile_inputs(quant: str | None, ep: int, n: int, k: int, device: str):
     """Tensors laid out as ``quantized_weights`` makes them (what a kernel compiles for), without the
     quantizer's temporaries: a dozen workers at once."""
-    wq = QUANTIZATION_PRESETS[quant].groups[0].weights
     rows = 2 * n if ep == GATE_UP else n
+    if quant is None:
+        return (torch.empty(rows, k, device=device, dtype=torch.bfloat16),), None
+    wq = QUANTIZATION_PRESETS[quant].groups[0].weights
     bn, bk = scale_block(wq, ep, n, k)
     if wq.kind == FP8:
         q = torch.empty(rows, k, device=device, dtype=torch.float8_e4m3fn)
@@ -454,11 +499,16 @@ def compile_task(jobs: list, act: str, device: str = "cuda") -> tuple[int, list[
     (launches, errors)."""
     done, errors = 0, []
     for (quant, ep, n, k), m, cfg in jobs:
-        (q, scale, zero), block = _compile_inputs(quant, ep, n, k, device)
+        (q, *scales), block = _compile_inputs(quant, ep, n, k, device)
+        scale, zero = scales if scales else (None, None)
         x = torch.ones(m, k, device=device, dtype=torch.bfloat16)
         other = torch.ones(m, n, device=device, dtype=torch.bfloat16) if ep == MUL else None
+        activation = act if ep != PLAIN else None
         try:
-            quant_matmul(x, q, scale, block, k, zero, ep, act if ep != PLAIN else None, other, config=cfg)
+            if quant is None:
+                skinny_matmul(x, q, ep, activation, other, config=cfg)
+            else:
+                quant_matmul(x, q, scale, block, k, zero, ep, activation, other, config=cfg)
             done += 1
         except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects: the sweep reports it
             errors.append(f"{cfg}: {type(exc).__name__}")

@@ -236,6 +236,41 @@ def test_compile_jobs_and_worker():
     assert (done, errors) == (4, [])
 
 
+def test_bf16_sweep_grid_and_compile_jobs():
+    """The bf16 sweep (kernels/gemv.py): swapped tiles at 9-64 rows, split only where the column tiles leave
+    SMs idle, no pipeline past the shared-memory cap; its compile jobs run the skinny kernel."""
+    for m, ep, n, k in ((32, GATE_UP, 10240, 2560), (64, PLAIN, 2560, 10240), (16, MUL, 256, 2560)):
+        grid = script._configs(m, ep, n, k, SM_COUNT)
+        swapped = [c for c in grid if c.get("swap_ab")]
+        assert swapped and all(c["block_m"] >= m for c in swapped)
+        weights = 2 if ep == GATE_UP else 1
+        assert all(
+            c["num_stages"] * (weights * c["block_n"] + c["block_m"]) * c["block_k"] * 2
+            <= script.SHARED_BYTES
+            for c in swapped
+        )
+        for c in swapped:
+            if c.get("split_k", 1) > 1:
+                assert -(-n // c["block_n"]) * c["split_k"] <= 4 * SM_COUNT
+        assert any(c.get("split_k", 1) > 1 for c in swapped)
+        assert (m <= 16) == any("swap_ab" not in c for c in grid)
+    # the LM head's 4,096 column tiles fill every SM: never split
+    assert not any(c.get("split_k", 1) > 1 for c in script._configs(64, PLAIN, 262144, 2560, SM_COUNT))
+    shapes = [("o", PLAIN, 40, 96, 1), ("gate_up", GATE_UP, 24, 64, 1)]
+    configs = {
+        (ep, n, k, m): [
+            {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "swap_ab": 1},
+            {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "swap_ab": 1,
+             "split_k": 2},
+        ]
+        for _, ep, n, k, _ in shapes
+        for m in (9, 12)
+    }  # fmt: skip
+    jobs = script.compile_jobs(None, shapes, [9, 12], configs)
+    assert len(jobs) == 4  # one row specialisation, split or not
+    assert script.compile_task(jobs, "gelu_pytorch_tanh", device="cpu") == (4, [])
+
+
 def test_precompile_runs_in_spawned_workers(monkeypatch):
     """The process pool as the device runs it (spawned workers importing the script), on the CPU."""
     monkeypatch.syspath_prepend(str(BENCH))

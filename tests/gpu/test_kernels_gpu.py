@@ -224,10 +224,11 @@ def test_fused_elementwise_kernels_on_e4b_shapes(dtype):
         )
 
 
-@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 33, 64])
 def test_skinny_matmul_on_e4b_decode_shapes(m):
     """The decode GEMM kernel with its default tiles (plain, fused MLP gate/up, fused PLE gate) at every e4b
-    projection shape, bf16, against fp32 products rounded where the unfused ops round."""
+    projection shape, bf16, against fp32 products rounded where the unfused ops round: 9-64 rows on the
+    swapped tiles, K split where the default splits it (twice: the split counters left at zero)."""
     from g4serve.kernels.act_mul import act_mul_reference
     from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, skinny_matmul
 
@@ -250,6 +251,8 @@ def test_skinny_matmul_on_e4b_decode_shapes(m):
         w = (torch.randn(2 * n if ep == GATE_UP else n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
         other = torch.randn(m, 42, n, device="cuda", generator=gen).bfloat16()[:, 5] if ep == MUL else None
         out = skinny_matmul(x, w, ep, act if ep != PLAIN else None, other)
+        again = skinny_matmul(x, w, ep, act if ep != PLAIN else None, other)
+        assert torch.equal(out, again), f"{ep=} {n=} {k=}: a second launch differs"
         ref = x.float() @ w.float().T
         if ep == GATE_UP:
             ref = act_mul_reference(act, *ref.bfloat16().chunk(2, dim=-1))

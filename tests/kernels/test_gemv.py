@@ -1,6 +1,7 @@
 """The skinny (decode) GEMM kernel and its fused gate epilogues against the unfused ops, in Triton's
-interpreter on CPU tensors: both the M=1 (elementwise) and the M>1 (tensor-core tile) paths, even and
-ragged K, partial column blocks. fp32 to rounding noise; bf16 within one bf16 step of an fp32 product."""
+interpreter on CPU tensors: both the M=1 (elementwise) and the M>1 (tensor-core tile) paths, the swapped
+tiles (weight on the MMA's M side) and split K of 9-64 rows, even and ragged K, partial column blocks.
+fp32 to rounding noise; bf16 within one bf16 step of an fp32 product."""
 
 from __future__ import annotations
 
@@ -26,19 +27,24 @@ def _inputs(m, n, k, epilogue, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize(
-    "m,n,k,block_n,block_k",
+    "m,n,k,block_n,block_k,swap_ab,split_k",
     [
-        (1, 40, 64, 8, 32),  # M=1, even K, full column blocks
-        (1, 37, 100, 4, 32),  # M=1, ragged K and a partial last column block
-        (3, 40, 96, 16, 32),  # M>1: tensor-core tiles with padded rows, partial column block
-        (8, 16, 80, 16, 32),  # M>1, ragged K
+        (1, 40, 64, 8, 32, 0, 1),  # M=1, even K, full column blocks
+        (1, 37, 100, 4, 32, 0, 1),  # M=1, ragged K and a partial last column block
+        (3, 40, 96, 16, 32, 0, 1),  # M>1: tensor-core tiles with padded rows, partial column block
+        (8, 16, 80, 16, 32, 0, 1),  # M>1, ragged K
+        (12, 40, 96, 16, 32, 1, 1),  # the weight as the MMA's M side, rows padded to 16, partial columns
+        (20, 24, 160, 16, 32, 1, 3),  # swapped, K split 3 ways (2 K tiles each, the last one short)
+        (33, 16, 80, 16, 32, 1, 2),  # 64-row padding, ragged K across two splits
+        (64, 32, 128, 16, 32, 0, 4),  # unswapped 64-row tiles, split 4 ways
     ],
 )
-def test_skinny_matmul_matches_unfused_ops(dtype, epilogue, m, n, k, block_n, block_k):
+def test_skinny_matmul_matches_unfused_ops(dtype, epilogue, m, n, k, block_n, block_k, swap_ab, split_k):
     ep = EPILOGUES[epilogue]
     x, w, other = _inputs(m, n, k, ep, dtype, seed=m * 1000 + n + k)
     act = "gelu_pytorch_tanh" if ep != PLAIN else None
-    cfg = {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 1}
+    cfg = {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 1, "swap_ab": swap_ab}
+    cfg["split_k"] = split_k
     out = skinny_matmul(x, w, ep, act, other, config=cfg)
     assert out.shape == (m, n) and out.dtype == dtype
     if dtype == torch.float32:
@@ -65,11 +71,29 @@ def test_silu_gate_up():
 
 def test_default_configs_cover_decode_shapes():
     # every e4b decode projection gets tiles that divide into whole K steps or a masked tail
-    for m in (1, 2, 8):
+    for m in (1, 2, 8, 9, 32, 64):
         for n, k in ((3072, 2560), (2560, 2048), (10240, 2560), (2560, 10240), (256, 2560), (2560, 256)):
             cfg = gemv_config(m, n, k)
             assert cfg["block_k"] <= max(16, 1 << (k - 1).bit_length())
             assert cfg["block_n"] >= (16 if m > 1 else 1)
+            assert cfg.get("block_m", 16) >= m or m == 1
+            # every split streams whole K tiles, at least one
+            split = cfg.get("split_k", 1)
+            k_tiles = -(-k // cfg["block_k"])
+            assert split == 1 or (split <= k_tiles and -(-k_tiles // split) * (split - 1) < k_tiles)
+
+
+def test_split_k_counters_are_left_zero_for_the_next_launch():
+    """The split tiles' last program resets its counter: a second launch (as a replayed graph makes) sums
+    fresh partials, not the first launch's count."""
+    from g4serve.kernels._launch import launch_counters
+
+    x, w, _ = _inputs(24, 32, 256, PLAIN, torch.float32, seed=5)
+    cfg = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "swap_ab": 1, "split_k": 4}
+    first = skinny_matmul(x, w, config=cfg)
+    assert int(launch_counters(x.device, 2, "skinny_matmul")[:2].abs().sum()) == 0
+    second = skinny_matmul(x * 2, w, config=cfg)
+    torch.testing.assert_close(second, 2 * first, atol=1e-5, rtol=1e-5)
 
 
 def test_layers_dispatch_keeps_the_cpu_reference_path():
@@ -91,3 +115,26 @@ def test_layers_dispatch_keeps_the_cpu_reference_path():
     assert torch.equal(
         linear_act_mul(x, layer, other, "silu"), skinny_matmul_reference(x, layer.weight, MUL, "silu", other)
     )
+
+
+@pytest.mark.parametrize("m", [2, 16, 40, 64])
+@pytest.mark.parametrize("epilogue", [PLAIN, GATE_UP, MUL])
+def test_kernel_compiles_for_sm90(monkeypatch, m, epilogue):
+    """Each launch the wrapper makes at e4b's decode shapes, compiled to an sm_90 cubin (the interpreter does
+    not apply the compiled language's layout rules): the 16-row tiles, and for 9-64 rows the swapped tiles,
+    split (o, down: their column tiles leave SMs idle) and not (gate/up)."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    import g4serve.kernels.gemv as module
+
+    n, k = (10240, 2560) if epilogue == GATE_UP else (2560, 10240)
+    rows = 2 * n if epilogue == GATE_UP else n
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
+    other = torch.empty(m, n, dtype=torch.bfloat16, device="meta") if epilogue == MUL else None
+    act = "gelu_pytorch_tanh" if epilogue != PLAIN else None
+    launches = _launches(
+        monkeypatch, module, "_gemv", lambda: module.skinny_matmul(x, weight, epilogue, act, other)
+    )
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs, use_pdl=True)

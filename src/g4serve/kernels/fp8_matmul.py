@@ -22,7 +22,7 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, launch_counters, pdl, sm_count, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, store_gated
+from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, reduce_splits, store_gated
 from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, activation_scale_reference, quantize_fp8
 
 GROUP = 128  # activation columns sharing one scale, and the kernel's K step
@@ -80,9 +80,9 @@ def _fp8_matmul_fn(
     end.
 
     ``SPLIT_K`` > 1 (serial split-K, for shapes whose column tiles alone leave SMs idle): program (n, m, s)
-    covers the s-th range of whole K groups and ends in ``_reduce_splits``: fp32 partials to ``P``, a count in
-    ``C`` (one int32 per output tile, zero between launches), the last program of a tile sums them in split
-    order (the same bits whatever the arrival order) and runs the epilogue. One launch, no memset."""
+    covers the s-th range of whole K groups and ends in ``gemv.reduce_splits``: fp32 partials to ``P``, a
+    count in ``C`` (one int32 per output tile, zero between launches), the last program of a tile sums them in
+    split order (the same bits whatever the arrival order) and runs the epilogue. One launch, no memset."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -137,46 +137,12 @@ def _fp8_matmul_fn(
         acc_mn = acc
         up_mn = acc_up
     if SPLIT_K > 1:
-        _reduce_splits(
+        reduce_splits(
             acc_mn, up_mn, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
             BLOCK_M, BLOCK_N, SPLIT_K, EPILOGUE, ACT,
         )  # fmt: skip
     else:
         store_gated(acc_mn, up_mn, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
-
-
-@triton.jit
-def _reduce_splits(
-    acc, acc_up, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EPILOGUE: tl.constexpr,
-    ACT: tl.constexpr,
-):  # fmt: skip
-    """Serial split-K's end: this program's partials to P [SPLIT_K, parts, M, N] (parts: gate and up for
-    ``gate_up``, else one), its count in the tile's counter; the last of the tile's programs to count sums
-    the partials in split order, stores the tile and zeroes the counter for the next launch."""
-    parts: tl.constexpr = 2 if EPILOGUE == 1 else 1
-    mn_mask = m_mask[:, None] & n_mask[None, :]
-    mn = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    part = N * M
-    pid_k = tl.program_id(2)
-    tl.store(P + (parts * pid_k) * part + mn, acc, mask=mn_mask)
-    if EPILOGUE == 1:
-        tl.store(P + (parts * pid_k + 1) * part + mn, acc_up, mask=mn_mask)
-    tile = C + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    # acq_rel: this program's partials are visible before its count; the last one sees every partial
-    if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for split in range(0, SPLIT_K):
-            total += tl.load(P + (parts * split) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg")
-            if EPILOGUE == 1:
-                total_up += tl.load(
-                    P + (parts * split + 1) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg"
-                )
-        store_gated(
-            total, total_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT
-        )
-        tl.atomic_xchg(tile, 0)
 
 
 _fp8_matmul = DualKernel(_fp8_matmul_fn)

@@ -25,11 +25,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, dot_settings, pdl, wait_for_previous_kernel
+from g4serve.kernels._launch import (
+    DualKernel,
+    dot_settings,
+    launch_counters,
+    next_pow2,
+    pdl,
+    sm_count,
+    wait_for_previous_kernel,
+)
 from g4serve.kernels.act_mul import _KINDS, act_mul_reference
 
 PLAIN, GATE_UP, MUL = 0, 1, 2
-MAX_ROWS = 8  # token rows the kernel is built for (its tensor-core tile is 16 rows)
+MAX_ROWS = 8  # token rows of the 16-row tensor-core tile (and the decode tail's)
+DOT_MAX_ROWS = 64  # token rows the kernel takes: 9..64 on the swapped tiles, the batch padded to 16, 32 or 64
 
 
 @triton.jit
@@ -85,11 +94,47 @@ def store_gated(
     )
 
 
-def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (USE_DOT, EPILOGUE, ACT, EVEN_K, UPCAST), specialised away at compile time
+@triton.jit
+def reduce_splits(
+    acc, acc_up, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
+    """Serial split-K's end (grid: column tiles, row tiles, SPLIT_K splits): this program's partials to P
+    [SPLIT_K, parts, M, N] (parts: gate and up for ``gate_up``, else one), its count in the tile's counter;
+    the last of the tile's programs to count sums the partials in split order, stores the tile and zeroes
+    the counter for the next launch. Shared with kernels/fp8_matmul.py."""
+    parts: tl.constexpr = 2 if EPILOGUE == 1 else 1
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    mn = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    part = N * M
+    pid_k = tl.program_id(2)
+    tl.store(P + (parts * pid_k) * part + mn, acc, mask=mn_mask)
+    if EPILOGUE == 1:
+        tl.store(P + (parts * pid_k + 1) * part + mn, acc_up, mask=mn_mask)
+    tile = C + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    # acq_rel: this program's partials are visible before its count; the last one sees every partial
+    if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for split in range(0, SPLIT_K):
+            total += tl.load(P + (parts * split) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            if EPILOGUE == 1:
+                total_up += tl.load(
+                    P + (parts * split + 1) * part + mn, mask=mn_mask, other=0.0, cache_modifier=".cg"
+                )
+        store_gated(
+            total, total_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT
+        )
+        tl.atomic_xchg(tile, 0)
+
+
+def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (USE_DOT, SWAP_AB, SPLIT, EPILOGUE, ACT, EVEN_K, UPCAST), specialised away at compile time
     X,
     W,
     E,
     Y,
+    P,
+    C,
     M,
     N,
     K,
@@ -104,6 +149,8 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     USE_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -119,11 +166,26 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
 
     if USE_DOT:
-        # Tensor-core tiles: the compiler pipelines these loads itself (num_stages).
+        # Tensor-core tiles: the compiler pipelines these loads itself (num_stages). SWAP_AB multiplies
+        # W @ X^T: the weight tile is the MMA's M side (Hopper's warpgroup MMA wants 64 rows there; the
+        # batch, padded to 16-64, is its N side). SPLIT: program (n, 0, s) covers the s-th range of whole
+        # K tiles and ends in reduce_splits (the split count is the grid's, one compiled kernel for all).
+        k_start = 0
+        k_end = K
+        if SPLIT:
+            k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(2)) * BLOCK_K
+            k_start = tl.program_id(2) * k_per_split
+            k_end = tl.minimum(K, k_start + k_per_split)
+            w_ptrs += k_start
+            x_ptrs += k_start
         wait_for_previous_kernel(USE_PDL)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
                 w_mask = n_mask[:, None]
                 x_mask = m_mask[:, None]
@@ -133,15 +195,22 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
                 x_mask = m_mask[:, None] & k_in[None, :]
             w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if EPILOGUE == 1:
+                u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            else:
+                u = w
             if UPCAST:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-            if EPILOGUE == 1:
-                u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                if UPCAST:
-                    u = u.to(tl.float32)
-                acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
+                u = u.to(tl.float32)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+                if EPILOGUE == 1:
+                    acc_up += tl.dot(u, tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+                if EPILOGUE == 1:
+                    acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     else:
@@ -179,18 +248,22 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
             x_ptrs += BLOCK_K
 
     if USE_DOT:
-        y = acc
-        y_up = acc_up
+        if SWAP_AB:
+            y = tl.trans(acc)
+            y_up = tl.trans(acc_up)
+        else:
+            y = acc
+            y_up = acc_up
     else:
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         y_up = tl.sum(acc_up, axis=1)[None, :]
-    out_ty = Y.dtype.element_ty
-    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, EPILOGUE, ACT)
-    tl.store(
-        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
-        y.to(out_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    if SPLIT:
+        reduce_splits(
+            y, y_up, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
+            BLOCK_M, BLOCK_N, tl.num_programs(2), EPILOGUE, ACT,
+        )  # fmt: skip
+    else:
+        store_gated(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_em, stride_ym, EPILOGUE, ACT)
 
 
 _gemv = DualKernel(_gemv_fn)
@@ -207,10 +280,12 @@ def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
     return m <= MAX_ROWS and (epilogue != PLAIN or k <= 512 or n >= 65536)
 
 
-def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
+def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -> dict[str, int]:
     """Tiles per shape, from the same sweep. One row: one or two weight rows per program so every SM
     streams (K steps of 512, or 1024 when K divides by it); short K: four rows; narrow N (the PLE gate):
-    8 warps. More rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head)."""
+    8 warps. 2-8 rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head). More
+    rows (up to ``DOT_MAX_ROWS``): the weight as the warpgroup MMA's M side (``swap_ab``) in 64-row tiles
+    against the batch padded to 16, 32 or 64, K split where the column tiles leave SMs idle."""
     k_pow2 = max(16, 1 << (k - 1).bit_length())
     if m == 1:
         if k <= 512:
@@ -222,6 +297,19 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]
             "num_warps": 8 if n <= 512 else 4,
             "num_stages": 1,
         }
+    if m > MAX_ROWS:
+        cfg = {
+            "block_m": max(16, next_pow2(m)),
+            "block_n": 64,
+            "block_k": min(128, k_pow2),
+            "num_warps": 4,
+            "num_stages": 4,
+            "swap_ab": 1,
+        }
+        tiles, k_tiles = -(-n // cfg["block_n"]), -(-k // cfg["block_k"])
+        if tiles < sms and k_tiles >= 2 * MIN_K_TILES_PER_SPLIT:
+            cfg["split_k"] = min(MAX_SPLIT_K, -(-2 * sms // tiles), k_tiles // MIN_K_TILES_PER_SPLIT)
+        return cfg
     if epilogue == GATE_UP:
         return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 3}
     if n <= 512:
@@ -229,6 +317,10 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]
     if n >= 65536:
         return {"block_n": 64, "block_k": min(256, k_pow2), "num_warps": 4, "num_stages": 4}
     return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 4}
+
+
+MAX_SPLIT_K = 8
+MIN_K_TILES_PER_SPLIT = 4  # K tiles each split of a split-K launch streams at least
 
 
 def skinny_matmul(
@@ -239,30 +331,41 @@ def skinny_matmul(
     other: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16, unit last stride) against weight [N or 2N, K] (contiguous) -> [M, N].
+    """x [M, K] (M <= DOT_MAX_ROWS, unit last stride) against weight [N or 2N, K] (contiguous) -> [M, N].
 
     ``PLAIN``: x @ weight.T; ``GATE_UP``: act(x @ gate.T) * (x @ up.T) for weight = [gate; up];
     ``MUL``: act(x @ weight.T) * other, other [M, N] with unit last stride. ``weight`` must not be written by
     the kernel just before this one in the stream (model weights): under programmatic dependent launch its
-    first tile is read before waiting for that kernel."""
+    first tile is read before waiting for that kernel. ``config``: ``gemv_config``'s keys (``block_m``,
+    ``swap_ab`` and ``split_k`` optional)."""
     m, k = x.shape
-    assert m <= 16 and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
+    assert m <= DOT_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == k
     n = weight.shape[0] // 2 if epilogue == GATE_UP else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or gemv_config(m, n, k, epilogue)
+    cfg = config or gemv_config(m, n, k, epilogue, sm_count(x.device.index or 0) if x.is_cuda else 132)
     use_dot = m > 1
-    block_m = 16 if use_dot else 1
+    block_m = max(cfg.get("block_m", 16), next_pow2(m)) if use_dot else 1
     upcast, precision = dot_settings(x.dtype, x.device)
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
-    grid = (-(-n // cfg["block_n"]),)
-    _gemv[x.device][grid](
+    tiles = -(-n // cfg["block_n"])
+    splits = cfg.get("split_k", 1) if use_dot else 1
+    counters = launch_counters(x.device, tiles, "skinny_matmul") if splits > 1 else None
+    if counters is None:  # (capturing before the counters exist: unsplit)
+        splits = 1
+    partials = y  # (unused unsplit)
+    if splits > 1:
+        parts = 2 if epilogue == GATE_UP else 1
+        partials = torch.empty((splits, parts, m, n), dtype=torch.float32, device=x.device)
+    _gemv[x.device][(tiles, 1, splits)](
         x,
         weight,
         other if other is not None else y,
         y,
+        partials,
+        counters if counters is not None else y,
         m,
         n,
         k,
@@ -277,6 +380,8 @@ def skinny_matmul(
         EPILOGUE=epilogue,
         ACT=_KINDS[activation] if epilogue != PLAIN else 0,
         USE_DOT=use_dot,
+        SWAP_AB=use_dot and bool(cfg.get("swap_ab", False)),
+        SPLIT=splits > 1,
         EVEN_K=k % cfg["block_k"] == 0,
         UPCAST=upcast,
         DOT_PRECISION=precision,
@@ -311,6 +416,7 @@ def epilogue_reference(
 
 __all__ = [
     "GATE_UP",
+    "DOT_MAX_ROWS",
     "MAX_ROWS",
     "MUL",
     "PLAIN",
