@@ -2,7 +2,8 @@
 # Decode-path A/B in one device call (e4b preset, bf16, H100): the decode GEMM kernels against cuBLAS per
 # projection shape (bench/gemv_kernels.py; GEMV_ARGS="--sweep" also searches tiles), then the engine
 # microbenchmark with the skinny kernel (default) and without it (G4SERVE_SKINNY_MAX_ROWS=0), decode profiles at
-# PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), nopdl (no
+# PROFILE_BATCHES (default 1). ORDER lists the runs: skinny (everything on), cublas (no skinny kernel), rows8 and
+# rows64 (the skinny kernel up to 8 or 64 rows, cuBLAS beyond), nopdl (no
 # programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
 # is launched), sampled (decode requests sampling with SAMPLING_ARGS, default temperature 0.8 and top-p 0.9),
 # sampled_base and skinny_base (the same on the sources in BASE_SRC, an untracked copy of an older src/: `git
@@ -35,6 +36,13 @@ cublas() {
     --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
     --prefill-reps 3 --out "$RES" --tag=-cublas
 }
+rows_upto() {  # the skinny kernel up to $1 token rows, cuBLAS beyond
+  G4SERVE_SKINNY_MAX_ROWS=$1 run "microbench-rows$1" "${ROWS_TIMEOUT:-150}" python3 bench/engine_microbench.py \
+    --model "$PRESET" --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 \
+    --prefill-lengths 512 --prefill-reps 3 --out "$RES" --tag="-rows$1"
+}
+rows8() { rows_upto 8; }  # the routing before the swapped 9-64-row tiles
+rows64() { rows_upto 64; }
 nopdl() {
   G4SERVE_PDL=0 run microbench-nopdl 120 python3 bench/engine_microbench.py --model "$PRESET" \
     --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 --prefill-lengths 512 \
@@ -61,7 +69,7 @@ vision() {
     --no-peer --profile --out "$RES"
 }
 for step in $ORDER; do $step; done
-[ "$RUN_GEMV" = 1 ] && run gemv 300 python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
+[ "$RUN_GEMV" = 1 ] && run gemv "${GEMV_TIMEOUT:-300}" python3 bench/gemv_kernels.py --preset "$PRESET" $GEMV_ARGS --out-dir "$RES"
 {
   for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 60 "$f"; echo '```'; done
 } > "$OUT/summary.md"

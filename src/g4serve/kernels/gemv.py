@@ -277,7 +277,9 @@ def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
     64x8 tiles win the other shapes."""
     if m == 1:
         return True
-    return m <= MAX_ROWS and (epilogue != PLAIN or k <= 512 or n >= 65536)
+    if m > MAX_ROWS:
+        return m <= DOT_MAX_ROWS
+    return epilogue != PLAIN or k <= 512 or n >= 65536
 
 
 def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -> dict[str, int]:
