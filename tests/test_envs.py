@@ -41,12 +41,12 @@ def test_docs_table_lists_the_declared_variables():
 
 
 def test_defaults_and_refusals(monkeypatch):
-    from g4serve.kernels.gemv import MAX_ROWS
+    from g4serve.kernels.gemv import DOT_MAX_ROWS
 
     monkeypatch.delenv("G4SERVE_MOE_ALIGN", raising=False)
     monkeypatch.delenv("G4SERVE_SKINNY_MAX_ROWS", raising=False)
     assert envs.get("G4SERVE_MOE_ALIGN") == "parallel"
-    assert envs.get_int("G4SERVE_SKINNY_MAX_ROWS") == MAX_ROWS  # the kernel's own row bound
+    assert envs.get_int("G4SERVE_SKINNY_MAX_ROWS") == DOT_MAX_ROWS  # the kernel's own row bound
     monkeypatch.setenv("G4SERVE_MOE_ALIGN", "bogus")
     with pytest.raises(ValueError, match="G4SERVE_MOE_ALIGN: expected one of sort, parallel"):
         envs.get("G4SERVE_MOE_ALIGN")

@@ -41,7 +41,7 @@ rows_upto() {  # the skinny kernel up to $1 token rows, cuBLAS beyond
     --model "$PRESET" --device cuda --attention-backend triton --batches "$BATCHES" --decode-steps 16 \
     --prefill-lengths 512 --prefill-reps 3 --out "$RES" --tag="-rows$1"
 }
-rows8() { rows_upto 8; }  # the routing before the swapped 9-64-row tiles
+rows8() { rows_upto 8; }
 rows64() { rows_upto 64; }
 nopdl() {
   G4SERVE_PDL=0 run microbench-nopdl 120 python3 bench/engine_microbench.py --model "$PRESET" \

@@ -41,7 +41,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_SKINNY_MAX_ROWS",
-        "8",
+        "64",
         "token rows up to which CUDA projections may take the skinny decode GEMM (`0`: cuBLAS only)",
     ),
     Variable(

@@ -269,25 +269,35 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
 _gemv = DualKernel(_gemv_fn)
 
 
+# The swapped tiles' rows (bench/gemv_kernels.py --rows 64 32 16 8 --sweep, an H100, e4b's shapes): from
+# SWAP_MIN_ROWS they beat cuBLAS on every projection up to 16 rows, and up to CUBLAS_FROM_ROWS - 1 rows on all
+# but the narrowest plain ones; from CUBLAS_FROM_ROWS cuBLAS keeps the plain mid-size projections.
+SWAP_MIN_ROWS = 8
+CUBLAS_FROM_ROWS = 33
+
+
 def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
     """Whether this kernel beats cuBLAS (plus the separate activation kernel) for an [m, k] x [n, k]^T
     product, from bench/gemv_kernels.py --sweep on an H100 at e4b shapes. One row: always (1.1-4x over the
-    shapes of a decode step; the weight streams at up to 3.2 TB/s). 2-8 rows: the fused gates (their
-    activation pass is saved), short K (the PLE projection) and the LM head's vocabulary-wide N; cuBLAS's
-    64x8 tiles win the other shapes."""
+    shapes of a decode step; the weight streams at up to 3.2 TB/s). 2-64 rows: the fused gates (their
+    activation pass is saved), short K (the PLE projection) and the LM head's vocabulary-wide N (1.04-1.6x).
+    The plain projections: 8-16 rows all (the swapped tiles: 1.04-1.2x), 17-32 rows those wider than 2,048
+    columns (1.04-1.15x; q at 2,048 is 7% slower), none at 2-7 rows (cuBLAS's 64x8 tiles beat the 16-row
+    tile; the swapped tiles were not timed there) or 33-64 rows (cuBLAS as fast or faster)."""
     if m == 1:
         return True
-    if m > MAX_ROWS:
-        return m <= DOT_MAX_ROWS
-    return epilogue != PLAIN or k <= 512 or n >= 65536
+    if m > DOT_MAX_ROWS:
+        return False
+    if epilogue != PLAIN or k <= 512 or n >= 65536:
+        return True
+    return SWAP_MIN_ROWS <= m < CUBLAS_FROM_ROWS and (m <= 16 or n > 2048)
 
 
 def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -> dict[str, int]:
     """Tiles per shape, from the same sweep. One row: one or two weight rows per program so every SM
     streams (K steps of 512, or 1024 when K divides by it); short K: four rows; narrow N (the PLE gate):
-    8 warps. 2-8 rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head). More
-    rows (up to ``DOT_MAX_ROWS``): the weight as the warpgroup MMA's M side (``swap_ab``) in 64-row tiles
-    against the batch padded to 16, 32 or 64, K split where the column tiles leave SMs idle."""
+    8 warps. 2-7 rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head). 8-64
+    rows: ``_swapped_config``."""
     k_pow2 = max(16, 1 << (k - 1).bit_length())
     if m == 1:
         if k <= 512:
@@ -299,19 +309,8 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -
             "num_warps": 8 if n <= 512 else 4,
             "num_stages": 1,
         }
-    if m > MAX_ROWS:
-        cfg = {
-            "block_m": max(16, next_pow2(m)),
-            "block_n": 64,
-            "block_k": min(128, k_pow2),
-            "num_warps": 4,
-            "num_stages": 4,
-            "swap_ab": 1,
-        }
-        tiles, k_tiles = -(-n // cfg["block_n"]), -(-k // cfg["block_k"])
-        if tiles < sms and k_tiles >= 2 * MIN_K_TILES_PER_SPLIT:
-            cfg["split_k"] = min(MAX_SPLIT_K, -(-2 * sms // tiles), k_tiles // MIN_K_TILES_PER_SPLIT)
-        return cfg
+    if m >= SWAP_MIN_ROWS and not (epilogue == GATE_UP and m <= 16) and not (k <= 512 and m <= 8):
+        return _swapped_config(m, n, k, epilogue, sms)
     if epilogue == GATE_UP:
         return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 3}
     if n <= 512:
@@ -323,6 +322,37 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -
 
 MAX_SPLIT_K = 8
 MIN_K_TILES_PER_SPLIT = 4  # K tiles each split of a split-K launch streams at least
+
+
+def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str, int]:
+    """8-64 rows: the weight as the warpgroup MMA's M side in 64-row tiles (128 for the LM head past 16 rows)
+    against the batch padded to 16, 32 or 64. The sweep's best per shape class: K tiles of 256 at 4 stages
+    up to 16 rows, of 128 at 5 stages beyond and for K of 8,192+ (the MLP's down); the gates' pair of
+    weight tiles in K tiles of 64 at 3 stages; K split 2 ways where the column tiles leave SMs idle and K is
+    long (down; o past 16 rows), 4 ways for narrow N (the PLE gate's 256 columns: 4 tiles)."""
+    k_pow2 = max(16, 1 << (k - 1).bit_length())
+    block_n, block_k, stages, split = 64, min(256 if m <= 16 else 128, k_pow2), 4, 1
+    if epilogue == GATE_UP:
+        block_k, stages = min(64, k_pow2), 3
+    elif n >= 65536 and m > 16:
+        block_n, block_k = 128, min(128, k_pow2)
+    elif n <= 512:
+        block_k, split = min(128, k_pow2), 4
+    elif k >= 8192 or (m > 16 and k >= 4096):
+        block_k, split = min(128, k_pow2), 2
+    if block_k == 128 and epilogue != GATE_UP and n < 65536:
+        stages = 5 if split != 2 or k >= 8192 else 4
+    if -(-n // block_n) >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT // 2:
+        split = 1
+    return {
+        "block_m": max(16, next_pow2(m)),
+        "block_n": block_n,
+        "block_k": block_k,
+        "num_warps": 4,
+        "num_stages": stages,
+        "swap_ab": 1,
+        "split_k": split,
+    }
 
 
 def skinny_matmul(

@@ -114,8 +114,8 @@ def act_mul(activation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # Token rows up to which CUDA projections may take the skinny-GEMM kernel (``gemv.use_skinny`` decides per
-# shape). G4SERVE_SKINNY_MAX_ROWS=0 turns it off (A/B benchmarks); a captured CUDA graph keeps the choice it
-# was captured with.
+# shape; the kernel takes up to ``gemv.DOT_MAX_ROWS``). G4SERVE_SKINNY_MAX_ROWS=0 turns it off (A/B
+# benchmarks); a captured CUDA graph keeps the choice it was captured with.
 SKINNY_MAX_ROWS = envs.get_int("G4SERVE_SKINNY_MAX_ROWS")
 
 
