@@ -320,16 +320,16 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -
     return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 4}
 
 
-MAX_SPLIT_K = 8
-MIN_K_TILES_PER_SPLIT = 4  # K tiles each split of a split-K launch streams at least
+MIN_K_TILES_PER_SPLIT = 2  # K tiles each split of a split-K launch streams at least
 
 
 def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str, int]:
     """8-64 rows: the weight as the warpgroup MMA's M side in 64-row tiles (128 for the LM head past 16 rows)
     against the batch padded to 16, 32 or 64. The sweep's best per shape class: K tiles of 256 at 4 stages
     up to 16 rows, of 128 at 5 stages beyond and for K of 8,192+ (the MLP's down); the gates' pair of
-    weight tiles in K tiles of 64 at 3 stages; K split 2 ways where the column tiles leave SMs idle and K is
-    long (down; o past 16 rows), 4 ways for narrow N (the PLE gate's 256 columns: 4 tiles)."""
+    weight tiles in K tiles of 64 at 3 stages; short K (the PLE projection) in K tiles of 128; K split 2 ways
+    where the column tiles leave SMs idle and K is long (down; o past 16 rows), 4 ways for narrow N (the PLE
+    gate's 256 columns: 4 tiles)."""
     k_pow2 = max(16, 1 << (k - 1).bit_length())
     block_n, block_k, stages, split = 64, min(256 if m <= 16 else 128, k_pow2), 4, 1
     if epilogue == GATE_UP:
@@ -338,11 +338,13 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
         block_n, block_k = 128, min(128, k_pow2)
     elif n <= 512:
         block_k, split = min(128, k_pow2), 4
+    elif k <= 512:
+        block_k = min(128, k_pow2)
     elif k >= 8192 or (m > 16 and k >= 4096):
         block_k, split = min(128, k_pow2), 2
     if block_k == 128 and epilogue != GATE_UP and n < 65536:
         stages = 5 if split != 2 or k >= 8192 else 4
-    if -(-n // block_n) >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT // 2:
+    if -(-n // block_n) >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT:
         split = 1
     return {
         "block_m": max(16, next_pow2(m)),
