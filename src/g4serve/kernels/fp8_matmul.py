@@ -22,7 +22,16 @@ import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, launch_counters, pdl, sm_count, wait_for_previous_kernel
 from g4serve.kernels.act_mul import _KINDS
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference, reduce_splits, store_gated
+from g4serve.kernels.gemv import (
+    GATE_UP,
+    MUL,
+    PLAIN,
+    epilogue_reference,
+    reduce_splits,
+    rows_first,
+    store_gated,
+    zero_accumulators,
+)
 from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, activation_scale_reference, quantize_fp8
 
 GROUP = 128  # activation columns sharing one scale, and the kernel's K step
@@ -100,12 +109,7 @@ def _fp8_matmul_fn(
     u_ptrs = w_ptrs + N * stride_wn  # the up half of a stacked [gate; up] weight
     s_rows = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
     u_rows = S + ((offs_n + N) // scale_bn).to(tl.int64) * stride_sn
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc, acc_up = zero_accumulators(SWAP_AB, BLOCK_M, BLOCK_N)
     wait_for_previous_kernel(USE_PDL)
     for k0 in range(k_start, k_end, _GROUP):
         k_mask = (offs_k + (k0 - k_start)) < K
@@ -130,12 +134,7 @@ def _fp8_matmul_fn(
         sx_ptrs += 1
         w_ptrs += _GROUP
         u_ptrs += _GROUP
-    if SWAP_AB:
-        acc_mn = tl.trans(acc)
-        up_mn = tl.trans(acc_up)
-    else:
-        acc_mn = acc
-        up_mn = acc_up
+    acc_mn, up_mn = rows_first(acc, acc_up, SWAP_AB)
     if SPLIT_K > 1:
         reduce_splits(
             acc_mn, up_mn, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,

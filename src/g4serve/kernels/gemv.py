@@ -95,6 +95,25 @@ def store_gated(
 
 
 @triton.jit
+def zero_accumulators(SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 zeros for a tile's products and its up half: [BLOCK_N, BLOCK_M] when the tile is swapped (W @ X^T,
+    the weight on the MMA's M side), else [BLOCK_M, BLOCK_N]. Shared with kernels/fp8_matmul.py."""
+    if SWAP_AB:
+        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32), tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+@triton.jit
+def rows_first(acc, acc_up, SWAP_AB: tl.constexpr):
+    """A swapped tile's products back to [token rows, columns]."""
+    if SWAP_AB:
+        return tl.trans(acc), tl.trans(acc_up)
+    else:
+        return acc, acc_up
+
+
+@triton.jit
 def reduce_splits(
     acc, acc_up, P, C, Y, E, offs_m, offs_n, m_mask, n_mask, M, N, stride_em, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
@@ -179,12 +198,7 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
             w_ptrs += k_start
             x_ptrs += k_start
         wait_for_previous_kernel(USE_PDL)
-        if SWAP_AB:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc, acc_up = zero_accumulators(SWAP_AB, BLOCK_M, BLOCK_N)
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
                 w_mask = n_mask[:, None]
@@ -248,12 +262,7 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
             x_ptrs += BLOCK_K
 
     if USE_DOT:
-        if SWAP_AB:
-            y = tl.trans(acc)
-            y_up = tl.trans(acc_up)
-        else:
-            y = acc
-            y_up = acc_up
+        y, y_up = rows_first(acc, acc_up, SWAP_AB)
     else:
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         y_up = tl.sum(acc_up, axis=1)[None, :]
