@@ -97,7 +97,7 @@ def store_gated(
 @triton.jit
 def zero_accumulators(SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 zeros for a tile's products and its up half: [BLOCK_N, BLOCK_M] when the tile is swapped (W @ X^T,
-    the weight on the MMA's M side), else [BLOCK_M, BLOCK_N]. Shared with kernels/fp8_matmul.py."""
+    the weight on the MMA's M side), else [BLOCK_M, BLOCK_N]. Shared with the FP8 and int4 GEMMs."""
     if SWAP_AB:
         return tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -106,7 +106,7 @@ def zero_accumulators(SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def rows_first(acc, acc_up, SWAP_AB: tl.constexpr):
-    """A swapped tile's products back to [token rows, columns]."""
+    """A swapped tile's products back to [token rows, columns] (``zero_accumulators``' other end)."""
     if SWAP_AB:
         return tl.trans(acc), tl.trans(acc_up)
     else:

@@ -41,7 +41,15 @@ from g4serve.kernels._launch import (
     wait_for_previous_kernel,
 )
 from g4serve.kernels.act_mul import _KINDS
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, skinny_matmul_reference, store_gated
+from g4serve.kernels.gemv import (
+    GATE_UP,
+    MUL,
+    PLAIN,
+    rows_first,
+    skinny_matmul_reference,
+    store_gated,
+    zero_accumulators,
+)
 
 SKINNY_ROWS = 64  # rows multiplied in one row tile (decode batches); more take the 2-D grid
 
@@ -331,8 +339,7 @@ def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexp
     WORDS: tl.constexpr = BLOCK_K // 8
     dot_ty = A.dtype.element_ty
     a_rows = A + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_am
-    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), tl.float32)
+    acc, acc_up = zero_accumulators(SWAP, BLOCK_M, BLOCK_N)
     for k0 in range(k_start, K, BLOCK_K):
         w, s, z = _load_raw(
             W, S, Z, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, stride_zn, scale_bn, scale_bk,
@@ -393,10 +400,7 @@ def _int4_products(  # noqa: C901 - Triton helper: its branches test tl.constexp
                 acc = tl.dot(a, tl.trans(wd), acc, input_precision=DOT_PRECISION)
                 if GATED:
                     acc_up = tl.dot(a, tl.trans(ud), acc_up, input_precision=DOT_PRECISION)
-    if SWAP:
-        return tl.trans(acc), tl.trans(acc_up)
-    else:
-        return acc, acc_up
+    return rows_first(acc, acc_up, SWAP)
 
 
 @triton.jit
