@@ -140,13 +140,10 @@ def _configs(m: int, ep: int = PLAIN, n: int = 4096, k: int = 4096, sms: int = 1
             {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
             for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))
         ]
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = max(16, _pow2(m))
     weights = 2 if ep == GATE_UP else 1
     for (bn, bk), stages in itertools.product(SWAP_TILES, SWAP_STAGES):
-        if (
-            bk > max(16, 1 << (k - 1).bit_length())
-            or stages * (weights * bn + block_m) * bk * 2 > SHARED_BYTES
-        ):
+        if bk > max(16, _pow2(k)) or stages * (weights * bn + block_m) * bk * 2 > SHARED_BYTES:
             continue
         cfg = {"block_m": block_m, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages}
         out.append(cfg | {"swap_ab": 1})
@@ -159,7 +156,7 @@ def _configs(m: int, ep: int = PLAIN, n: int = 4096, k: int = 4096, sms: int = 1
     return out
 
 
-def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> dict:
+def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str, sms: int) -> dict:
     rows = 2 * n if ep == GATE_UP else n
     weight_bytes = rows * k * 2
     copies = max(2, -(-args.stream_mb * 2**20 // weight_bytes))
@@ -178,7 +175,6 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str) -> d
         return graph_replay_ms([lambda w=w: fn(w) for w in weights], args.calls_per_graph, args.graph_replays)
 
     base = time(cublas)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     default_cfg = gemv_config(m, n, k, ep, sms)
     skinny = time(lambda w: skinny_matmul(x, w, ep, activation, other))
     row = {
@@ -219,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = decode_shapes(args.preset)
     results = []
     compile_report = None
+    sms = env["device_sm_count"]
     if args.sweep and args.compile_workers > 0:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         configs = {(ep, n, k, m): _configs(m, ep, n, k, sms) for _, ep, n, k, _ in shapes for m in args.rows}
         compile_report = precompile(compile_jobs(None, shapes, args.rows, configs), act, args.compile_workers)
     head = (
@@ -230,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     for m in args.rows:
         for name, ep, n, k, count in shapes:
-            r = bench_shape(args, name, ep, n, k, m, act)
+            r = bench_shape(args, name, ep, n, k, m, act, sms)
             r["per_step"] = count
             results.append(r)
             line = (
