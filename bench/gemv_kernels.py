@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
+from g4serve.kernels._launch import next_pow2
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, use_skinny
 from g4serve.kernels.int4_tinygemm import pack_tinygemm, tinygemm_matmul, tinygemm_supported
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, int4_matmul_config, quant_matmul, quant_matmul_config
@@ -140,10 +141,10 @@ def _configs(m: int, ep: int = PLAIN, n: int = 4096, k: int = 4096, sms: int = 1
             {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
             for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))
         ]
-    block_m = max(16, _pow2(m))
+    block_m = max(16, next_pow2(m))
     weights = 2 if ep == GATE_UP else 1
     for (bn, bk), stages in itertools.product(SWAP_TILES, SWAP_STAGES):
-        if bk > max(16, _pow2(k)) or stages * (weights * bn + block_m) * bk * 2 > SHARED_BYTES:
+        if bk > max(16, next_pow2(k)) or stages * (weights * bn + block_m) * bk * 2 > SHARED_BYTES:
             continue
         cfg = {"block_m": block_m, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages}
         out.append(cfg | {"swap_ab": 1})
@@ -365,7 +366,9 @@ def sweep_configs(
     out = [default_config(m, n, k, epilogue, int4, sm_count)]
     for block_m, bn, bk, w, stages in grid:
         dot = block_m > 1
-        max_k, max_n = (max(64, _pow2(k)), max(16, _pow2(n))) if dot else (max(256, _pow2(k)), _pow2(n))
+        max_k, max_n = (
+            (max(64, next_pow2(k)), max(16, next_pow2(n))) if dot else (max(256, next_pow2(k)), next_pow2(n))
+        )
         if bk > max_k or bn > max_n or not _nests(bk, scale_bk, k):
             continue
         if not dot and epilogue == GATE_UP and bn * bk // (32 * w) > 32:
@@ -377,10 +380,6 @@ def sweep_configs(
             splits = [{**cfg, "split_k": s} for s in SPLITS if _splits_nonempty(k, bk, s)]
             out += [c for c in splits if c not in out]
     return out
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 def lead_rows(rows: list[int]) -> dict[int, int]:
