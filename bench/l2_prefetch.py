@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", default=["20480x2560", "2560x2048"], help="weights N x K (bf16)")
     p.add_argument("--spin-us", type=float, nargs="+", default=[0, 4, 8, 16])
     p.add_argument("--prefetch-mb", type=float, nargs="+", default=[0, 8, 16, 32])
-    p.add_argument("--modes", nargs="+", default=["bulk:65536:32", "bulk:16384:128", "line:4096:128"])
+    p.add_argument(
+        "--modes", nargs="+", default=["bulk:65536:32", "bulk:262144:32", "bulk:65536:512", "line:4096:128"]
+    )
     p.add_argument(
         "--stream-mb", type=int, default=1024, help="bytes of weight copies each graph cycles over"
     )
