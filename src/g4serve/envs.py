@@ -55,10 +55,9 @@ VARIABLES: tuple[Variable, ...] = (
         "G4SERVE_L2_PREFETCH",
         "0",
         "decode steps ask L2 for the next projections' weights before the stretches that leave HBM idle "
-        "(`kernels/l2_prefetch.py`): `bulk` (Hopper's bulk prefetch, a launch of its own at each point), "
-        "`norm` (the same, issued by the RMSNorm launch at or after each point), `line` (a launch asking per "
-        "128-byte line), `0` off",
-        ("0", "bulk", "norm", "line"),
+        "(`kernels/l2_prefetch.py`): `bulk` (Hopper's bulk prefetch), `line` (a prefetch per 128-byte line), "
+        "`0` off",
+        ("0", "bulk", "line"),
     ),
     Variable(
         "G4SERVE_L2_PREFETCH_MB",

@@ -97,31 +97,3 @@ def test_unknown_points_are_refused(monkeypatch):
     assert not prefetch.enabled(torch.device("cuda", 0))
     monkeypatch.setattr(prefetch, "MODE", "line")
     assert not prefetch.enabled(torch.device("cpu"))
-
-
-def test_norm_pass_with_a_prefetch_compiles_for_sm90(monkeypatch):
-    """``G4SERVE_L2_PREFETCH=norm``: the RMSNorm launch that carries a point's ranges, as ``fused_rms_norm``
-    makes it at e4b's width (its first program issues them before its dependent-launch wait)."""
-    from test_kv_fp8_sm90_compile import _compile, _launches
-
-    import g4serve.kernels.rms_norm as module
-
-    x = torch.empty(1, 2560, dtype=torch.bfloat16, device="meta")
-    w = torch.empty(2560, dtype=torch.bfloat16, device="meta")
-    ranges = [(0x7F0000000000, 24 * MB), (0x7F0010000000, 1 * MB)]
-    launches = _launches(
-        monkeypatch,
-        module,
-        "_rms_norm",
-        lambda: module.fused_rms_norm(x, w, 1e-6, x, None, w, prefetch=ranges),
-    )
-    ((fn, args, kwargs),) = launches
-    assert kwargs["PREFETCH"] and list(args[-9:]) == [*sum(ranges, ()), 0, 0, 0, 0, 1 << 16]
-    _compile(fn, args, kwargs, use_pdl=True)
-
-
-def test_fused_chunk_covers_the_largest_range():
-    args = kernel.fused_args([(16, 300 * MB), (32, MB)], lanes=4096)
-    assert args[:4] == [16, 300 * MB, 32, MB] and args[4:8] == [0] * 4
-    assert args[8] == 2 * (1 << 16)  # 300 MB over 4,096 lanes: 75 KB a lane, rounded up to 128 KB
-    assert kernel.fused_args([], lanes=512)[-1] == 1 << 16

@@ -55,24 +55,3 @@ def test_a_planned_model_computes_the_same_logits_on_cpu(hf_checkpoint):
     model.language_model.plan_l2_prefetch(points=("attn", "mlp", "tail"), budget=1 << 20)
     assert any(layer.l2_prefetch for layer in model.language_model.layers)
     assert torch.equal(prefill_logits(model, ids[:1]), before)
-
-
-def test_norm_mode_hands_each_attn_point_to_the_previous_layers_last_norm(hf_checkpoint, monkeypatch):
-    model = load_model(hf_checkpoint("e"), dtype="float32", device="cpu", with_vision=False, with_audio=False)
-    text = model.language_model
-    text.fuse_projections()
-    text.plan_l2_prefetch(points=("attn", "mlp", "tail"), budget=1024)
-    separate = [dict(layer.l2_prefetch) for layer in text.layers]
-    monkeypatch.setattr(prefetch, "MODE", "norm")
-    text.plan_l2_prefetch(points=("attn", "mlp", "tail"), budget=1024)
-    assert "attn" not in text.layers[0].l2_prefetch  # no norm pass before the first layer's q/k/v
-    for i, layer in enumerate(text.layers):
-        assert "attn" not in layer.l2_prefetch
-        assert layer.l2_prefetch.get("mlp") == separate[i].get("mlp")
-        assert layer.l2_prefetch.get("next") == (
-            separate[i + 1].get("attn") if i + 1 < len(text.layers) else None
-        )
-    # and the pass takes them at decode sizes only
-    x = torch.zeros(1, 8)
-    assert prefetch.folded(text.layers[0].l2_prefetch["mlp"], x) == text.layers[0].l2_prefetch["mlp"]
-    assert prefetch.folded(text.layers[0].l2_prefetch["mlp"], torch.zeros(prefetch.MAX_ROWS + 1, 8)) is None

@@ -35,33 +35,6 @@ ALIGN = 16  # the bulk form's address and size granularity
 
 
 @triton.jit
-def _bulk(base, size, start, CHUNK):
-    """Each lane asks for bytes [start, start + CHUNK) of the range at ``base`` (``size`` bytes), if any."""
-    length = tl.minimum(size - start, CHUNK)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s64 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,l,r",
-        [base + start, length, length.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def prefetch_ranges(a0, n0, a1, n1, a2, n2, a3, n3, chunk, LANES: tl.constexpr):
-    """Bulk prefetches of four ranges (address, bytes; 0 bytes: none) from the calling program, one ``chunk``
-    of each range per lane: for kernels that issue a prefetch point's ranges themselves (``rms_norm``), so
-    the point costs no launch. ``chunk`` must cover a range in ``LANES`` lanes (``fused_chunk``)."""
-    start = tl.arange(0, LANES).to(tl.int64) * chunk
-    _bulk(a0.to(tl.int64), n0.to(tl.int64), start, chunk)
-    _bulk(a1.to(tl.int64), n1.to(tl.int64), start, chunk)
-    _bulk(a2.to(tl.int64), n2.to(tl.int64), start, chunk)
-    _bulk(a3.to(tl.int64), n3.to(tl.int64), start, chunk)
-
-
-@triton.jit
 def _l2_prefetch_kernel(
     a0, n0, a1, n1, a2, n2, a3, n3,
     CHUNK: tl.constexpr, LANES: tl.constexpr, BULK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -73,10 +46,18 @@ def _l2_prefetch_kernel(
     size = tl.where(region == 0, n0, tl.where(region == 1, n1, tl.where(region == 2, n2, n3))).to(tl.int64)
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     start = lane.to(tl.int64) * CHUNK
+    length = tl.minimum(size - start, CHUNK)
     if BULK:
-        _bulk(base, size, start, CHUNK)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s64 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "=r,l,l,r",
+            [base + start, length, length.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
     else:
-        length = tl.minimum(size - start, CHUNK)
         for line in tl.static_range(0, CHUNK, 128):
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.gt.s64 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
@@ -108,36 +89,18 @@ def launch_shape(sizes: Sequence[int], chunk: int, lanes: int) -> tuple[int, int
 
 
 def launch_args(
-    ranges: Sequence[tuple[int, int]], bulk: bool, chunk: int | None, lanes: int
+    spans: Sequence[tuple[int, int]], bulk: bool, chunk: int | None, lanes: int
 ) -> tuple[tuple[int, int], list[int], dict]:
-    """(grid, arguments, meta-parameters) of the launch that prefetches ``ranges`` ((address, bytes), at most
+    """(grid, arguments, meta-parameters) of the launch that prefetches ``spans`` ((address, bytes), at most
     ``MAX_REGIONS``, 16-byte aligned): ``chunk`` bytes a lane (default 64 KB in bulk, 4 KB by lines)."""
-    if len(ranges) > MAX_REGIONS:
-        raise ValueError(f"l2_prefetch takes at most {MAX_REGIONS} ranges a launch, got {len(ranges)}")
+    if len(spans) > MAX_REGIONS:
+        raise ValueError(f"l2_prefetch takes at most {MAX_REGIONS} ranges a launch, got {len(spans)}")
     chunk = chunk or (1 << 16 if bulk else 1 << 12)
     args: list[int] = []
-    for address, size in list(ranges) + [(0, 0)] * (MAX_REGIONS - len(ranges)):
+    for address, size in list(spans) + [(0, 0)] * (MAX_REGIONS - len(spans)):
         args += [address, size]
     meta = dict(CHUNK=chunk, LANES=lanes, BULK=bulk, num_warps=max(1, lanes // 32))
-    return launch_shape([n for _, n in ranges], chunk, lanes), args, meta
-
-
-def spans(regions: Sequence[tuple[torch.Tensor, int, int]]) -> list[tuple[int, int]]:
-    """The (address, bytes) of ``regions`` (tensor, byte offset, bytes) on CUDA, aligned and non-empty."""
-    return [span for t, off, n in regions if t.is_cuda and (span := clip(t, off, n)) is not None]
-
-
-def fused_args(ranges: Sequence[tuple[int, int]], lanes: int) -> list[int]:
-    """``prefetch_ranges``' arguments for at most ``MAX_REGIONS`` (address, bytes), the chunk last: the
-    smallest multiple of 64 KB that covers the largest range in ``lanes`` lanes."""
-    if len(ranges) > MAX_REGIONS:
-        raise ValueError(f"a prefetch point takes at most {MAX_REGIONS} ranges, got {len(ranges)}")
-    args: list[int] = []
-    for address, size in list(ranges) + [(0, 0)] * (MAX_REGIONS - len(ranges)):
-        args += [address, size]
-    largest = max((n for _, n in ranges), default=0)
-    unit = 1 << 16
-    return args + [max(unit, -(-largest // (lanes * unit)) * unit)]
+    return launch_shape([n for _, n in spans], chunk, lanes), args, meta
 
 
 def l2_prefetch(
@@ -149,9 +112,9 @@ def l2_prefetch(
     """Start fetching ``regions`` (tensor, byte offset, bytes) into L2 and return: one launch of at most
     ``MAX_REGIONS`` ranges, on the current stream (captured into CUDA graphs like any kernel). Ranges on
     the CPU, or empty after alignment, are skipped."""
-    ranges = spans(regions)
-    if not ranges:
+    spans = [span for t, off, n in regions if t.is_cuda and (span := clip(t, off, n)) is not None]
+    if not spans:
         return
     device = next(t.device for t, _, _ in regions if t.is_cuda)
-    grid, args, meta = launch_args(ranges, bulk, chunk, lanes)
+    grid, args, meta = launch_args(spans, bulk, chunk, lanes)
     _l2_prefetch_kernel[grid](*args, **meta, **pdl(device, 1))

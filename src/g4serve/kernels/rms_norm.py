@@ -12,9 +12,6 @@ e4m3 values and per-128-column scales, bit for bit), so that GEMM skips its own 
 (a MoE layer's dense and expert branches, each with its post-feed-forward norm), computed in the same pass:
 four launches become one. ``moe_input_norms``: a MoE layer's two norms of one row, the experts' input
 (``rms_norm(x, w)``) and the router's (``rms_norm(x) * scale * root``), in one launch instead of four.
-
-``prefetch``: up to four (address, bytes) ranges the first program asks L2 for before anything else (a decode
-step's prefetch point, ``layers.prefetch``, at no launch of its own; CUDA only).
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import triton.language as tl
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.fp8_matmul import GROUP, group_buffers, quantize_activation_groups
 from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
-from g4serve.kernels.l2_prefetch import fused_args, prefetch_ranges
 
 
 @triton.jit
@@ -35,7 +31,7 @@ def _normed(x, n_cols, eps):
     return x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
 
 
-def _rms_norm_fn(  # noqa: C901 - one kernel body: every optional piece of the chain is a constexpr branch
+def _rms_norm_fn(
     X,
     XB,
     WA,
@@ -58,16 +54,6 @@ def _rms_norm_fn(  # noqa: C901 - one kernel body: every optional piece of the c
     stride_o2,
     stride_q,
     stride_sx,
-    pf0,
-    pn0,
-    pf1,
-    pn1,
-    pf2,
-    pn2,
-    pf3,
-    pn3,
-    pf_chunk,
-    PREFETCH: tl.constexpr,
     HAS_BRANCHES: tl.constexpr,
     SLOTS: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -79,9 +65,6 @@ def _rms_norm_fn(  # noqa: C901 - one kernel body: every optional piece of the c
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if PREFETCH:  # weights only: nothing the previous kernel writes, so before its wait
-        if tl.program_id(0) == 0:
-            prefetch_ranges(pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, BLOCK)
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -134,15 +117,13 @@ def fused_rms_norm(
     next_weight: torch.Tensor | None = None,
     fp8_next: tuple[torch.Tensor, torch.Tensor] | None = None,
     branches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    prefetch: list[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., N] -> (out, out2): ``out = (residual + rms_norm(x, weight)) * scale`` and
     ``out2 = rms_norm(out, next_weight)`` (None without ``next_weight``). Rows need a unit last stride.
     ``fp8_next``: (e4m3 [rows, N], fp32 [rows, ceil(N / 128)]) buffers that receive ``quantize_groups(out2)``
     (with ``next_weight`` only). ``branches``: (xb, wa, wb), and the chain reads
     ``rms_norm(x, wa) + rms_norm(xb, wb)`` in place of ``x``: xb shaped as x, or [..., k, N] whose k rows
-    are summed first (in fp32, in order, rounded once: a MoE's unsummed expert outputs, ``fused_moe``).
-    ``prefetch``: (address, bytes) ranges to ask L2 for (``l2_prefetch.spans``; at most four, CUDA)."""
+    are summed first (in fp32, in order, rounded once: a MoE's unsummed expert outputs, ``fused_moe``)."""
     n = x.shape[-1]
     x2d = _unit_rows(x)
     xb3d, wa, wb = (
@@ -158,7 +139,6 @@ def fused_rms_norm(
     q, sx = fp8_next if fp8_next is not None else (out, out)
     if rows:
         block = max(next_pow2(n), GROUP) if fp8_next is not None else next_pow2(n)
-        pf = fused_args(prefetch or [], block)
         _rms_norm[x.device][(rows,)](
             x2d,
             xb3d,
@@ -182,8 +162,6 @@ def fused_rms_norm(
             out2.stride(0),
             q.stride(0),
             sx.stride(0),
-            *pf,
-            PREFETCH=bool(prefetch),
             HAS_BRANCHES=branches is not None,
             SLOTS=xb3d.shape[1],
             HAS_W=weight is not None,

@@ -25,7 +25,6 @@ from g4serve import envs
 from g4serve.kernels import act_mul as _act_mul
 from g4serve.kernels import decode_tail as _decode_tail
 from g4serve.kernels import gemv as _gemv
-from g4serve.kernels import l2_prefetch as _l2_prefetch
 from g4serve.kernels import norm_rope as _norm_rope
 from g4serve.kernels.qkv_prep import qkv_prep
 from g4serve.kernels.rms_norm import (
@@ -53,20 +52,17 @@ def add_rms_norm(
     next_norm: RMSNorm | None = None,
     next_proj: nn.Module | None = None,
     branches: tuple[RMSNorm, torch.Tensor, RMSNorm] | None = None,
-    prefetch: list[tuple[torch.Tensor, int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``out = (residual + norm(x)) * scale`` and ``next_norm(out)`` (None without ``next_norm``).
     ``next_proj``: the projection that reads ``next_norm(out)``; where it multiplies on the FP8 tensor cores
     (``quant.takes_fp8_groups``) and ``G4SERVE_FP8_NORM_QUANT=1``, the pass also quantizes that output for it
     (``QuantLinear.offer_quantized_input``). ``branches``: (norm_a, xb, norm_b), and ``x`` stands for
-    ``norm_a(x) + norm_b(xb)``, summed in the same pass. ``prefetch``: (tensor, byte offset, bytes) ranges
-    the pass asks L2 for first (``layers.prefetch.folded``; on CUDA only)."""
+    ``norm_a(x) + norm_b(xb)``, summed in the same pass."""
     norms = [norm, next_norm, *(branches[::2] if branches is not None else ())]
     assert len({n.eps for n in norms if n is not None}) == 1, "one eps for the norms of a fused pass"
     fp8 = None
     if FP8_NORM_QUANT and next_norm is not None and next_proj is not None and takes_fp8_groups(x, next_proj):
         fp8 = fp8_next_buffers(x)
-    extra = {"prefetch": _l2_prefetch.spans(prefetch)} if x.is_cuda and prefetch else {}
     fn = fused_rms_norm if x.is_cuda else fused_rms_norm_reference
     out, out2 = fn(
         x,
@@ -77,7 +73,6 @@ def add_rms_norm(
         next_weight=next_norm.weight if next_norm is not None else None,
         fp8_next=fp8,
         branches=(branches[1], branches[0].weight, branches[2].weight) if branches is not None else None,
-        **extra,
     )
     if fp8 is not None:
         next_proj.offer_quantized_input(out2, *fp8)

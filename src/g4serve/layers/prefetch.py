@@ -10,11 +10,6 @@ past the first weight read after the point, less what an earlier point already a
 - ``mlp``: after ``o_proj``, before the post-attention norm (the window reaches into gate/up);
 - ``tail``: after ``down_proj`` (the PLE weights and the next layer's q/k/v).
 
-``G4SERVE_L2_PREFETCH`` says how a point asks: ``bulk`` and ``line`` launch ``kernels.l2_prefetch`` there
-(``issue``); ``norm`` hands the ranges to the RMSNorm pass at or after the point (``folded``; the ``attn``
-point's to the previous layer's last norm, the first layer's is dropped), which asks before its own work, so
-the points cost no launch.
-
 The plan is made once per model (``plan``, from ``Gemma4TextModel.plan_l2_prefetch``) and holds the weight
 tensors themselves, so their addresses are read at each launch (and baked into a captured graph). Only decode
 sizes prefetch (``MAX_ROWS`` token rows): a prefill is compute-bound and reads each weight many times.
@@ -90,17 +85,10 @@ def enabled(device: torch.device) -> bool:
     unknown = set(POINTS) - set(KNOWN_POINTS)
     if unknown:
         raise ValueError(f"G4SERVE_L2_PREFETCH_AT: unknown points {sorted(unknown)}; known: {KNOWN_POINTS}")
-    return MODE == "line" or torch.cuda.get_device_capability(device)[0] >= 9
+    return MODE != "bulk" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def issue(regions: list[Region] | None, x: torch.Tensor) -> None:
-    """Launch a point's prefetch (``bulk``, ``line``) when the step is decode-sized (``x``: its rows)."""
-    if regions and MODE in ("bulk", "line") and x.shape[0] <= MAX_ROWS:
+    """Launch a point's prefetch when the step is decode-sized (``x``: the layer's rows)."""
+    if regions and x.shape[0] <= MAX_ROWS:
         _kernel.l2_prefetch(regions, bulk=MODE == "bulk")
-
-
-def folded(regions: list[Region] | None, x: torch.Tensor) -> list[Region] | None:
-    """The ranges an RMSNorm pass over ``x`` asks for (``norm``) when the step is decode-sized, else None."""
-    if regions and MODE == "norm" and x.shape[0] <= MAX_ROWS:
-        return regions[: _kernel.MAX_REGIONS]
-    return None

@@ -371,7 +371,6 @@ class DecoderLayer(nn.Module):
             residual=residual,
             next_norm=self.pre_feedforward_layernorm,
             next_proj=self.mlp.gate_up_proj,
-            prefetch=self._folded(h, "mlp"),
         )
 
         residual = h
@@ -401,15 +400,8 @@ class DecoderLayer(nn.Module):
                 next_norm=next_norm,
                 next_proj=next_proj,
                 branches=branches,
-                prefetch=self._folded(out, "tail", "next"),
             )
-        h, _ = add_rms_norm(
-            out,
-            self.post_feedforward_layernorm,
-            residual=residual,
-            branches=branches,
-            prefetch=self._folded(out, "tail"),
-        )
+        h, _ = add_rms_norm(out, self.post_feedforward_layernorm, residual=residual, branches=branches)
         # PLE: h = (h + post_per_layer_input_norm(projection(act(gate(h)) * per_layer_input))) * layer_scalar
         gate = linear_act_mul(h, self.per_layer_input_gate, per_layer_input, self.activation)
         return add_rms_norm(
@@ -419,12 +411,7 @@ class DecoderLayer(nn.Module):
             scale=self.layer_scalar,
             next_norm=next_norm,
             next_proj=next_proj,
-            prefetch=self._folded(h, "next"),
         )
-
-    def _folded(self, x: torch.Tensor, *points: str) -> list[prefetch.Region] | None:
-        """What the RMSNorm pass after ``points`` asks L2 for (``G4SERVE_L2_PREFETCH=norm``), else None."""
-        return prefetch.folded([r for p in points for r in self.l2_prefetch.get(p, ())], x)
 
 
 class Gemma4TextModel(nn.Module):
@@ -567,11 +554,6 @@ class Gemma4TextModel(nn.Module):
         regions = prefetch.plan(stream, sorted(marks, key=lambda p: p.index), budget)
         for i, layer in enumerate(self.layers):
             layer.l2_prefetch = {name: regions[(i, name)] for name in points if (i, name) in regions}
-        if prefetch.MODE == "norm":  # a layer's attn point is asked for by the previous layer's last norm
-            for layer, after in zip(self.layers, self.layers[1:], strict=False):
-                if "attn" in after.l2_prefetch:
-                    layer.l2_prefetch["next"] = after.l2_prefetch.pop("attn")
-            self.layers[0].l2_prefetch.pop("attn", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = project(hidden, self.embed_tokens.weight)
