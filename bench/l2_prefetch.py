@@ -7,7 +7,9 @@ decode step. The chain cycles over enough weight copies that each GEMV's bytes c
 prefetched; it is replayed from a CUDA graph. Without a prefetch a call takes T + the GEMV; with one it can
 take as little as max(T, X / bandwidth) + the GEMV's remaining bytes: the table gives each mode's saving
 against X = 0 at the same T, and the JSON every time. Modes are ``bulk:<chunk>:<lanes>`` (one
-``cp.async.bulk.prefetch.L2`` per lane and chunk) and ``line:<chunk>:<lanes>`` (a prefetch per 128-byte line).
+``cp.async.bulk.prefetch.L2`` per lane and chunk) and ``line:<chunk>:<lanes>`` (a prefetch per 128-byte line),
+launched in the chain before the spin; ``side-bulk:...`` and ``side-line:...`` launch them on a second stream
+forked there and joined after the GEMV, as the decode step does (``layers.prefetch``).
 
     python bench/l2_prefetch.py
     python bench/l2_prefetch.py --shapes 20480x2560 --spin-us 0 8 --prefetch-mb 0 16 --modes bulk:65536:32
@@ -61,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spin-us", type=float, nargs="+", default=[0, 4, 8, 16])
     p.add_argument("--prefetch-mb", type=float, nargs="+", default=[0, 8, 16, 32])
     p.add_argument(
-        "--modes", nargs="+", default=["bulk:65536:32", "bulk:262144:32", "bulk:65536:512", "line:4096:128"]
+        "--modes",
+        nargs="+",
+        default=["line:4096:128", "side-bulk:16384:32", "side-line:4096:128", "side-line:1024:128"],
     )
     p.add_argument(
         "--stream-mb", type=int, default=1024, help="bytes of weight copies each graph cycles over"
@@ -78,19 +82,28 @@ def bench_shape(args, n: int, k: int) -> list[dict]:
     copies = max(2, -(-args.stream_mb * (1 << 20) // nbytes))
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
     rows = []
     for spin_us in args.spin_us:
         for mb in args.prefetch_mb:
             size = min(int(mb * (1 << 20)), nbytes)
             for mode in args.modes if size else ["none"]:
                 kind, chunk, lanes = (mode.split(":") + ["0", "0"])[:3]
+                beside = kind.startswith("side-")
 
-                def call(w, size=size, kind=kind, chunk=int(chunk), lanes=int(lanes)):
-                    if size:
-                        l2_prefetch([(w, 0, size)], bulk=kind == "bulk", chunk=chunk, lanes=lanes)
+                def call(w, size=size, bulk=kind.endswith("bulk"), chunk=int(chunk), lanes=int(lanes)):
+                    main = torch.cuda.current_stream()
+                    if size and beside:  # forked after the previous call, joined after this GEMV
+                        side.wait_stream(main)
+                        with torch.cuda.stream(side):
+                            l2_prefetch([(w, 0, size)], bulk=bulk, chunk=chunk, lanes=lanes, dependent=False)
+                    elif size:
+                        l2_prefetch([(w, 0, size)], bulk=bulk, chunk=chunk, lanes=lanes)
                     if spin_us:
                         spin(int(spin_us * 1000), device)
                     project(x, w)
+                    if size and beside:
+                        main.wait_stream(side)
 
                 us = 1e3 * graph_replay_ms(
                     [lambda w=w: call(w) for w in weights], args.calls_per_graph, args.graph_replays

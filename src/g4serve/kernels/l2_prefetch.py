@@ -12,8 +12,11 @@ covers ``CHUNK`` bytes of its range:
 - else one ``prefetch.global.L2`` per 128-byte line, the lane walking its chunk.
 
 Neither instruction returns data or can fault the kernel's result: the launch changes no tensor, only what
-L2 holds. With ``USE_PDL`` the next kernel is let in at once and this one exits only after the previous
-kernel finished (its ``gdc_wait``), so the chain's ordering passes through it unchanged.
+L2 holds. But its programs do not finish before the lines arrive, so a kernel that waits for this one waits
+for the fetch: in a chain of dependent launches it costs what loading the bytes costs (bench/l2_prefetch.py),
+and the decode step launches it on a stream of its own (``layers.prefetch``). With ``USE_PDL`` the next kernel
+is let in at once and this one exits only after the previous kernel finished (its ``gdc_wait``), so a chain's
+ordering passes through it unchanged.
 
 CUDA only (Hopper and later for the bulk form): the interpreter has no inline PTX, and on the CPU path there
 is no cache to warm, so ``l2_prefetch`` does nothing there.
@@ -108,13 +111,18 @@ def l2_prefetch(
     bulk: bool = True,
     chunk: int | None = None,
     lanes: int = 32,
+    dependent: bool = True,
 ) -> None:
-    """Start fetching ``regions`` (tensor, byte offset, bytes) into L2 and return: one launch of at most
-    ``MAX_REGIONS`` ranges, on the current stream (captured into CUDA graphs like any kernel). Ranges on
-    the CPU, or empty after alignment, are skipped."""
+    """Start fetching ``regions`` (tensor, byte offset, bytes) into L2: one launch of at most ``MAX_REGIONS``
+    ranges, on the current stream (captured into CUDA graphs like any kernel). Ranges on the CPU, or empty
+    after alignment, are skipped. ``dependent``: with programmatic dependent launch, for a launch inside a
+    chain of such kernels. The launch finishes only when its lines have arrived (measured on an H100: a
+    kernel's prefetches hold it like loads), so a chain waits for it; ``layers.prefetch`` launches it on a
+    stream of its own beside the chain."""
     spans = [span for t, off, n in regions if t.is_cuda and (span := clip(t, off, n)) is not None]
     if not spans:
         return
     device = next(t.device for t, _, _ in regions if t.is_cuda)
     grid, args, meta = launch_args(spans, bulk, chunk, lanes)
-    _l2_prefetch_kernel[grid](*args, **meta, **pdl(device, 1))
+    launch = pdl(device, 1) if dependent else {"USE_PDL": False}
+    _l2_prefetch_kernel[grid](*args, **meta, **launch)

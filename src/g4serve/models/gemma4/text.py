@@ -522,6 +522,7 @@ class Gemma4TextModel(nn.Module):
                 next_proj,
             )
         h = normed  # self.norm(h), from the last layer
+        prefetch.join(h.device)
         if keep_indices is not None and not sliced:
             h = h[_as_index(keep_indices, h.device)]
         return h
