@@ -55,8 +55,8 @@ VARIABLES: tuple[Variable, ...] = (
         "G4SERVE_L2_PREFETCH",
         "0",
         "decode steps ask L2 for the next projections' weights before the stretches that leave HBM idle "
-        "(`kernels/l2_prefetch.py`, launched on a stream beside the step's): `bulk` (Hopper's bulk prefetch), "
-        "`line` (a prefetch per 128-byte line), `0` off",
+        "(`kernels/l2_prefetch.py`, launched on a stream beside the step's): `bulk` (Hopper's bulk "
+        "prefetch), `line` (a prefetch per 128-byte line), `0` off",
         ("0", "bulk", "line"),
     ),
     Variable(
