@@ -52,25 +52,6 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
-        "G4SERVE_L2_PREFETCH",
-        "0",
-        "decode steps ask L2 for the next projections' weights before the stretches that leave HBM idle "
-        "(`kernels/l2_prefetch.py`, launched on a stream beside the step's): `bulk` (Hopper's bulk "
-        "prefetch), `line` (a prefetch per 128-byte line), `0` off",
-        ("0", "bulk", "line"),
-    ),
-    Variable(
-        "G4SERVE_L2_PREFETCH_MB",
-        "24",
-        "how far ahead of each prefetch point the decode step's weights are asked for, in MB",
-    ),
-    Variable(
-        "G4SERVE_L2_PREFETCH_AT",
-        "attn,mlp,tail",
-        "the prefetch points of a layer, comma-separated: `attn` (before the q/k/v projection), `mlp` (after "
-        "o_proj), `tail` (after down_proj)",
-    ),
-    Variable(
         "G4SERVE_ENCODER_GRAPHS",
         "1",
         "`0`: the vision and audio encoders run eagerly on CUDA, not as captured CUDA graphs (A/B runs)",

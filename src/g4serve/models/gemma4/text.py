@@ -16,7 +16,6 @@ from g4serve.config import TextConfig
 from g4serve.distributed import SINGLE, TensorParallel
 from g4serve.distributed.sharding import vocab_rows_per_rank
 from g4serve.kernels.decode_tail import new_counters
-from g4serve.layers import prefetch
 from g4serve.layers.attention import AttentionBackend, AttentionMetadata
 from g4serve.layers.fused import (
     act_mul,
@@ -268,16 +267,6 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
         # the persistent decode tail's counters, made by ``fuse_projections`` on CUDA
         self.decode_counters: torch.Tensor | None = None
-        # what each prefetch point of a decode step asks L2 for (``Gemma4TextModel.plan_l2_prefetch``)
-        self.l2_prefetch: dict[str, list[prefetch.Region]] = {}
-
-    def streamed_weights(self) -> list[nn.Module | None]:
-        """The projections a decode step runs in this layer, in order (``layers.prefetch``'s stream)."""
-        attn, mlp = self.self_attn, self.mlp
-        order = [attn.input_projection, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if self.ple_dim:
-            order += [self.per_layer_input_gate, self.per_layer_projection]
-        return order
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -361,9 +350,7 @@ class DecoderLayer(nn.Module):
         if self._takes_decode_tail(h, lora):  # decode sizes: everything after attention in one launch
             attn = self.self_attn(x, cos, sin, meta, backend, project=False)
             return self._decode_tail(attn, residual, per_layer_input, next_norm)
-        prefetch.issue(self.l2_prefetch.get("attn"), x)
         h = self.self_attn(x, cos, sin, meta, backend, lora)
-        prefetch.issue(self.l2_prefetch.get("mlp"), h)
         # h = residual + post_attention_layernorm(h); x = pre_feedforward_layernorm(h)
         h, x = add_rms_norm(
             h,
@@ -375,7 +362,6 @@ class DecoderLayer(nn.Module):
 
         residual = h
         out = self.mlp(x, lora)
-        prefetch.issue(self.l2_prefetch.get("tail"), out)
         branches = None
         if self.enable_moe:
             # The routed experts run beside the dense MLP, both fed from the residual stream. One pass makes
@@ -522,7 +508,6 @@ class Gemma4TextModel(nn.Module):
                 next_proj,
             )
         h = normed  # self.norm(h), from the last layer
-        prefetch.join(h.device)
         if keep_indices is not None and not sliced:
             h = h[_as_index(keep_indices, h.device)]
         return h
@@ -532,29 +517,6 @@ class Gemma4TextModel(nn.Module):
         Only for accelerators: the CPU reference path keeps the separate (bit-exact) projections."""
         for layer in self.layers:
             layer.fuse_projections()
-        if prefetch.enabled(self.norm.weight.device):
-            self.plan_l2_prefetch()
-
-    def plan_l2_prefetch(self, points: tuple[str, ...] | None = None, budget: int | None = None) -> None:
-        """Give each layer its prefetch points' regions over the decode step's weight stream
-        (``layers.prefetch``). Projections the stream leaves out (``prefetch.streamed_weight``: int4) count as
-        empty. ``points`` and ``budget`` (bytes) default to ``G4SERVE_L2_PREFETCH_AT`` and ``_MB``."""
-        points = prefetch.POINTS if points is None else points
-        budget = prefetch.BUDGET_BYTES if budget is None else budget
-        stream: list[torch.Tensor] = []
-        marks: list[prefetch.Point] = []
-        for i, layer in enumerate(self.layers):
-            weights = [prefetch.streamed_weight(m) for m in layer.streamed_weights()]
-            at = {"attn": 0, "mlp": 2, "tail": 4}  # the layer's first weight read after each point
-            for name in points:
-                marks.append(prefetch.Point((i, name), len(stream) + at[name]))
-            stream += [
-                w if w is not None else torch.empty(0, device=self.norm.weight.device) for w in weights
-            ]
-        stream.append(torch.empty(0, device=self.norm.weight.device))  # past the last layer: nothing
-        regions = prefetch.plan(stream, sorted(marks, key=lambda p: p.index), budget)
-        for i, layer in enumerate(self.layers):
-            layer.l2_prefetch = {name: regions[(i, name)] for name in points if (i, name) in regions}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = project(hidden, self.embed_tokens.weight)
