@@ -45,7 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 MAX_REGIONS = 4
-LINE = 128  # bytes a prefetch.global.L2 asks for
 ALIGN = 16  # the bulk form's address and size granularity
 
 
@@ -73,7 +72,7 @@ def _l2_prefetch_kernel(
             pack=1,
         )
     else:
-        for line in tl.static_range(0, CHUNK, 128):
+        for line in tl.static_range(0, CHUNK, 128):  # a prefetch.global.L2 asks for one 128-byte line
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.gt.s64 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                 "=r,l,l",
@@ -129,7 +128,7 @@ def l2_prefetch(
     ranges, on the current stream (captured into CUDA graphs like any kernel). Ranges on the CPU, or empty
     after alignment, are skipped. ``dependent``: with programmatic dependent launch, for a launch inside a
     chain of such kernels. The launch finishes only when its lines have arrived (measured on an H100: a
-    kernel's prefetches hold it like loads), so a chain waits for it; ``layers.prefetch`` launches it on a
+    kernel's prefetches hold it like loads), so a chain waits for it; the ``side-`` modes launch it on a
     stream of its own beside the chain."""
     spans = [span for t, off, n in regions if t.is_cuda and (span := clip(t, off, n)) is not None]
     if not spans:
