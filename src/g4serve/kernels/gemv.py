@@ -307,7 +307,7 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -
     streams (K steps of 512, or 1024 when K divides by it); short K: four rows; narrow N (the PLE gate):
     8 warps. 2-7 rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head). 8-64
     rows: ``_swapped_config``."""
-    k_pow2 = max(16, 1 << (k - 1).bit_length())
+    k_pow2 = max(16, next_pow2(k))
     if m == 1:
         if k <= 512:
             return {"block_n": 4, "block_k": k_pow2, "num_warps": 4, "num_stages": 1}
@@ -339,7 +339,7 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
     weight tiles in K tiles of 64 at 3 stages; short K (the PLE projection) in K tiles of 128; K split 2 ways
     where the column tiles leave SMs idle and K is long (down; o past 16 rows), 4 ways for narrow N (the PLE
     gate's 256 columns: 4 tiles)."""
-    k_pow2 = max(16, 1 << (k - 1).bit_length())
+    k_pow2 = max(16, next_pow2(k))
     block_n, block_k, stages, split = 64, min(256 if m <= 16 else 128, k_pow2), 4, 1
     if epilogue == GATE_UP:
         block_k, stages = min(64, k_pow2), 3
