@@ -18,6 +18,7 @@ also on the FP8 tensor cores (W8A8, ``w8a8_*``: activations quantized per token 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -98,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(QUANTIZATION_PRESETS),
         help="also time the experts quantized by this --quantization preset (--sweep then sweeps them)",
     )
+    p.add_argument(
+        "--groups",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time each GEMM in these tile orders (GemmTiles.group_m; 0: the 2-D grid, blocks fastest)",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -157,7 +165,7 @@ def bench_tokens(
     hidden_act = torch.empty(n, inter, dtype=x0.dtype, device="cuda")
     per_slot = torch.empty(n, hidden, dtype=x0.dtype, device="cuda")
 
-    def gemm_ms(w_gate_up, w_down) -> tuple[float, float]:
+    def gemm_ms(w_gate_up, w_down, cfg: MoETiles = tiles) -> tuple[float, float]:
         gemm1 = graph_ms(
             [
                 lambda x=x, a=a: _grouped_gemm(
@@ -166,8 +174,8 @@ def bench_tokens(
                     hidden_act,
                     inter,
                     *a,
-                    tiles.block_m,
-                    tiles.gate_up,
+                    cfg.block_m,
+                    cfg.gate_up,
                     a_row_div=top_k,
                     activation=activation,
                 )
@@ -183,8 +191,8 @@ def bench_tokens(
                     per_slot,
                     hidden,
                     *a,
-                    tiles.block_m,
-                    tiles.down,
+                    cfg.block_m,
+                    cfg.down,
                     a_row_div=1,
                     route_weights=w.reshape(-1),
                 )
@@ -246,6 +254,8 @@ def bench_tokens(
     if args.sweep:
         calls = fused_calls if quant is None else lambda cfg=None: fused_calls(cfg, quant)
         row["sweep"] = sweep(args, calls, n, num_experts)
+    if args.groups:
+        row["groups"] = sweep_groups(args, tiles, gemm_ms, fused_calls, (gate_up, down), n, hidden, inter)
     return row
 
 
@@ -312,6 +322,47 @@ def sweep(args, fused_calls, n: int, num_experts: int) -> dict:  # n: assignment
         key=lambda p: p[0],
     )
     return {"best": _tiles_dict(best[1]), "best_ms": best[0], "trials": trials}
+
+
+def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, hidden: int, inter: int):
+    """Each GEMM at the default tiles in each tile order (``GemmTiles.group_m``), then the whole expert block
+    with each GEMM's fastest order against the default's."""
+    flops = {"gate_up": 4 * n * inter * hidden, "down": 2 * n * hidden * inter}
+    trials = []
+    for g in args.groups:
+        cfg = MoETiles(
+            tiles.block_m,
+            dataclasses.replace(tiles.gate_up, group_m=g),
+            dataclasses.replace(tiles.down, group_m=g),
+        )
+        ms = dict(zip(("gate_up", "down"), gemm_ms(*weights, cfg=cfg), strict=True))
+        trials.append(
+            {"group_m": g, **{f"{k}_ms": v for k, v in ms.items()}}
+            | {f"{k}_tflop_per_s": flops[k] / v / 1e9 for k, v in ms.items()}
+        )
+        print(
+            f"    group_m {g:3d}: gate_up {ms['gate_up'] * 1e3:8.1f} us "
+            f"({flops['gate_up'] / ms['gate_up'] / 1e9:5.0f} TFLOP/s), down {ms['down'] * 1e3:8.1f} us "
+            f"({flops['down'] / ms['down'] / 1e9:5.0f} TFLOP/s)",
+            flush=True,
+        )
+    best = {k: min(trials, key=lambda t: t[f"{k}_ms"])["group_m"] for k in ("gate_up", "down")}
+    cfg = MoETiles(
+        tiles.block_m,
+        dataclasses.replace(tiles.gate_up, group_m=best["gate_up"]),
+        dataclasses.replace(tiles.down, group_m=best["down"]),
+    )
+    base = MoETiles(
+        tiles.block_m,
+        dataclasses.replace(tiles.gate_up, group_m=0),
+        dataclasses.replace(tiles.down, group_m=0),
+    )
+    return {
+        "trials": trials,
+        "best": best,
+        "fused_graph_ms_best": graph_ms(fused_calls(cfg), args),
+        "fused_graph_ms_unordered": graph_ms(fused_calls(base), args),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,6 +139,12 @@ VARIABLES: tuple[Variable, ...] = (
         ("sort", "parallel"),
     ),
     Variable(
+        "G4SERVE_MOE_GROUP_M",
+        "0",
+        "MoE prefill GEMMs (past 32 rows per expert) take their tiles this many token blocks at a time "
+        "through all N tiles (`0`: the 2-D grid, blocks fastest)",
+    ),
+    Variable(
         "G4SERVE_MOE_W8A8_MIN",
         "1",
         "FP8 experts at this many assignments or more multiply on the FP8 tensor cores (`0`: never)",

@@ -3,6 +3,8 @@ the torch references, and the whole MoE block (router + experts) captured in a C
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from g4serve.kernels import fused_moe as fused_moe_module
 from g4serve.kernels.fused_moe import (
     ALIGN_KERNEL_MAX_ASSIGNMENTS,
     CHUNK_TOKENS,
+    MoETiles,
     fused_moe,
     fused_moe_reference,
     moe_align,
@@ -63,6 +66,29 @@ def test_fused_moe_vs_fp32_reference(expert_weights, num_tokens):
     assert err <= 1.25 * err16 + 1e-3, (err, err16)
     # deterministic: the same bits on a second call
     assert torch.equal(fused_moe(x, gate_up, down, experts, weights, ACT), out)
+
+
+@pytest.mark.parametrize("num_tokens", [1024, 2048])
+@pytest.mark.parametrize("group_m", [1, 4, 8, 16])
+def test_tile_order_changes_no_bit(expert_weights, num_tokens, group_m):
+    """Prefill tiles in the grouped order (``GemmTiles.group_m``, a 1-D grid) give the 2-D grid's bits."""
+    gen = torch.Generator("cuda").manual_seed(num_tokens + group_m)
+    weights, experts = _routing(num_tokens, gen, skew=group_m == 4)
+    x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    tiles = moe_tiles(num_tokens * TOP_K, E)
+    ordered = MoETiles(
+        tiles.block_m,
+        dataclasses.replace(tiles.gate_up, group_m=group_m),
+        dataclasses.replace(tiles.down, group_m=group_m),
+    )
+    base = MoETiles(
+        tiles.block_m,
+        dataclasses.replace(tiles.gate_up, group_m=0),
+        dataclasses.replace(tiles.down, group_m=0),
+    )
+    gate_up, down = expert_weights["gate_up"], expert_weights["down"]
+    out = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=ordered)
+    assert torch.equal(out, fused_moe(x, gate_up, down, experts, weights, ACT, tiles=base))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 300, 1024, 4096])

@@ -3,10 +3,14 @@ interpreter on CPU tensors, at tiny shapes: fp32 to rounding noise, bf16 to a bf
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton.language as tl
 
 from g4serve.kernels import fused_moe as fused_moe_module
+from g4serve.kernels._launch import DualKernel
 from g4serve.kernels.fused_moe import (
     GemmTiles,
     MoETiles,
@@ -204,6 +208,53 @@ def test_fused_moe_prefill_tiles():
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
+def _tile_map_fn(Out, num_n, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = fused_moe_module._grouped_tile(pid, tl.num_programs(0), num_n, GROUP_M)
+    tl.store(Out + 2 * pid, pid_m)
+    tl.store(Out + 2 * pid + 1, pid_n)
+
+
+_tile_map = DualKernel(_tile_map_fn)
+
+
+@pytest.mark.parametrize("num_m,num_n,group_m", [(13, 3, 5), (13, 3, 1), (4, 6, 4), (3, 11, 8), (7, 1, 2)])
+def test_grouped_tile_order_covers_every_tile_once(num_m, num_n, group_m):
+    """``GemmTiles.group_m``'s order: every (block, N tile) exactly once; within a group of ``group_m`` blocks
+    (the last one ragged) the block varies fastest, and a group's N tiles all come before the next group."""
+    out = torch.full((num_m * num_n, 2), -1, dtype=torch.int32)
+    _tile_map[out.device][(num_m * num_n,)](out, num_n, GROUP_M=group_m)
+    pairs = [tuple(p) for p in out.tolist()]
+    assert sorted(pairs) == [(m, n) for m in range(num_m) for n in range(num_n)]
+    expected = [
+        (m, n)
+        for first in range(0, num_m, group_m)
+        for n in range(num_n)
+        for m in range(first, min(first + group_m, num_m))
+    ]
+    assert pairs == expected
+
+
+@pytest.mark.parametrize("group_m", [1, 3, 5])
+def test_fused_moe_tile_order_changes_no_bit(group_m):
+    """The grouped order (a 1-D grid) computes every tile as the 2-D grid does: the same bits, at several
+    blocks per expert, a ragged last group and ragged N and K tiles."""
+    gen = torch.Generator().manual_seed(group_m)
+    experts, weights = _routing(40, 8, 2, gen, "one")
+    gate_up, down = _weights(8, 64, 48, torch.bfloat16, gen)
+    x = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    ordered = MoETiles(
+        SMALL.block_m,
+        dataclasses.replace(SMALL.gate_up, group_m=group_m),
+        dataclasses.replace(SMALL.down, group_m=group_m),
+    )
+    out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=ordered)
+    base = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL)
+    assert torch.equal(out, base)
+    ref = fused_moe_reference(x, gate_up, down, experts, weights, "gelu_pytorch_tanh")
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
 def test_fused_moe_routing_weights_and_empty_batch():
     gen = torch.Generator().manual_seed(4)
     experts, weights = _routing(5, 4, 2, gen)
@@ -257,3 +308,40 @@ def test_moe_layers_on_cpu_are_the_reference():
         "gelu_pytorch_tanh",
     )
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("group_m", [0, 8])
+def test_prefill_gemms_compile_for_sm90(monkeypatch, group_m):
+    """The prefill tiles at 26B-A4B's shapes (E = 128, H = 2,816, I = 704, 4,096 tokens x top-8), bf16, in
+    both tile orders: the gate/up and down launches compile to sm_90 cubins (shared memory, MMA layouts)."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    e, h, i, t, k = 128, 2816, 704, 4096, 8
+    tiles = moe_tiles(t * k, e)
+    tiles = MoETiles(
+        tiles.block_m,
+        dataclasses.replace(tiles.gate_up, group_m=group_m),
+        dataclasses.replace(tiles.down, group_m=group_m),
+    )
+    blocks = -(-(t * k + e * (tiles.block_m - 1)) // tiles.block_m)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    sorted_ids = torch.empty(blocks * tiles.block_m, dtype=torch.int32, device="meta")
+    block_expert = torch.empty(blocks, dtype=torch.int32, device="meta")
+    x, act = torch.empty(t, h, **meta), torch.empty(t * k, i, **meta)
+    gate_up, down = torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta)
+    per_slot, weights = torch.empty(t * k, h, **meta), torch.empty(t * k, device="meta")
+
+    def calls():
+        fused_moe_module._grouped_gemm(
+            x, gate_up, act, i, sorted_ids, block_expert, tiles.block_m, tiles.gate_up, a_row_div=k,
+            activation="gelu_pytorch_tanh",
+        )  # fmt: skip
+        fused_moe_module._grouped_gemm(
+            act, down, per_slot, h, sorted_ids, block_expert, tiles.block_m, tiles.down, a_row_div=1,
+            route_weights=weights,
+        )  # fmt: skip
+
+    launches = _launches(monkeypatch, fused_moe_module, "_moe_gemm", calls)
+    assert len(launches) == 2 and all(kw["GROUP_M"] == group_m for _, _, kw in launches)
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)

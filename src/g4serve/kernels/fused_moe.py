@@ -63,14 +63,24 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # (bench/engine_microbench.py). Its outputs differ from the dequantizing path's by the activations' e4m3
 # rounding, about 4.4% of their norm on random weights, as FP8 checkpoints' dynamic activation schemes do.
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
+# The tile order of the prefill-sized GEMMs (``GemmTiles.group_m``; more than 32 rows per expert, where an
+# expert has several blocks and each block several N tiles). G4SERVE_MOE_GROUP_M sets it.
+PREFILL_GROUP_M = envs.get_int("G4SERVE_MOE_GROUP_M")
 
 
 @dataclass(frozen=True)
 class GemmTiles:
+    """One grouped GEMM's tiles. ``group_m``: the order programs take tiles in. 0: every block's first N
+    tile, then every block's second, ... (the 2-D grid, block fastest): a block's A rows are read once per N
+    tile, the whole batch apart. G > 0: G consecutive blocks (one or a few experts) through all their N
+    tiles before the next G, so each A tile and each expert's weight tile is read while the others that use
+    it run beside it (L2), not again from HBM."""
+
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,10 +150,11 @@ def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False, i
         return MoETiles(16, GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4))
     if rows_per_expert <= 32:
         return MoETiles(32, GemmTiles(64, 64, 4, 4), GemmTiles(64, 64, 4, 4))
+    g = PREFILL_GROUP_M
     if rows_per_expert <= 64 or quantized or itemsize > 2:
-        return MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 8, 3))
+        return MoETiles(64, GemmTiles(64, 64, 4, 3, g), GemmTiles(128, 64, 8, 3, g))
     stages = 4 if rows_per_expert <= 160 else 3
-    return MoETiles(128, GemmTiles(128, 64, 8, stages), GemmTiles(256, 64, 8, 3))
+    return MoETiles(128, GemmTiles(128, 64, 8, stages, g), GemmTiles(256, 64, 8, 3, g))
 
 
 def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -497,6 +508,18 @@ def _w8a8_products(
     return acc, acc_up
 
 
+@triton.jit
+def _grouped_tile(pid, num_programs, num_n, GROUP_M: tl.constexpr):
+    """(block, N tile) of program ``pid`` of ``num_programs`` = blocks x ``num_n``: GROUP_M blocks at a time,
+    block fastest within a group, then the group's next N tile (the last group may hold fewer blocks)."""
+    num_m = num_programs // num_n
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    within = pid % per_group
+    return first_m + within % group_size, within // group_size
+
+
 def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags, specialised away at compile time
     A,
     W,
@@ -542,6 +565,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     SWAP: tl.constexpr,
     PLANES: tl.constexpr,
     W8A8: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """Out[id, cols] = A[id // A_ROW_DIV] @ W[expert, cols].T for the BLOCK_M assignment ids of one block.
 
@@ -554,9 +578,13 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     W8A8 (FP8 weights): A is e4m3 with a scale per row and 128-column group (AS,
     ``fp8_matmul.quantize_groups``), BLOCK_K is that group; each group's FP8 x FP8 product goes to the tensor
     cores as loaded and is scaled by its two scales (``_w8a8_products``).
+    GROUP_M (``GemmTiles.group_m``) > 0: a 1-D grid, GROUP_M blocks through all their N tiles at a time.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if GROUP_M > 0:
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.num_programs(0), tl.cdiv(N, BLOCK_N), GROUP_M)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     expert = tl.load(BlockExpert + pid_m).to(tl.int64)
     if expert < 0:  # a block past the last expert's padded run: fixed grids over-provision
         return
@@ -675,7 +703,8 @@ def _grouped_gemm(
     k = w.shape[2]
     assert a.stride(-1) == 1 and weight.stride(-1) == 1 and out.stride(-1) == 1
     upcast, precision = dot_settings(a.dtype, a.device)
-    grid = (block_expert.shape[0], -(-n // tiles.block_n))
+    num_n = -(-n // tiles.block_n)
+    grid = (block_expert.shape[0] * num_n,) if tiles.group_m else (block_expert.shape[0], num_n)
     block_k = GROUP if a_scales is not None else tiles.block_k
     if a_scales is not None:
         assert quant and weight.dtype == torch.float8_e4m3fn and fp8_matmul_supported(w.scale_block, k)
@@ -740,6 +769,7 @@ def _grouped_gemm(
         QUANT=quant,
         **quant_meta,
         W8A8=a_scales is not None,
+        GROUP_M=tiles.group_m,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
