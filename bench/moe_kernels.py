@@ -72,6 +72,10 @@ DOWN_TILES = [
     GemmTiles(128, 64, 4, 4),
 ]
 
+# Tried by --groups in each GEMM's best order, beside the default tiles (pairs: gate/up, down)
+GROUP_GATE_UP_TILES = [GemmTiles(64, 64, 8, 4), GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 8, 3)]
+GROUP_DOWN_TILES = [GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 4), GemmTiles(128, 128, 8, 3)]
+
 
 def block_m_choices(rows_per_expert: float) -> tuple[int, ...]:
     """Token tiles worth trying at this many rows per expert (taller tiles waste padding on few rows)."""
@@ -325,8 +329,9 @@ def sweep(args, fused_calls, n: int, num_experts: int) -> dict:  # n: assignment
 
 
 def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, hidden: int, inter: int):
-    """Each GEMM at the default tiles in each tile order (``GemmTiles.group_m``), then the whole expert block
-    with each GEMM's fastest order against the default's."""
+    """Each GEMM at the default tiles in each tile order (``GemmTiles.group_m``), then other tiles of the same
+    token tile (``GROUP_*_TILES``) in each GEMM's fastest order, then the whole expert block with each GEMM's
+    fastest tiles against the default tiles in the 2-D grid's order."""
     flops = {"gate_up": 4 * n * inter * hidden, "down": 2 * n * hidden * inter}
     trials = []
     for g in args.groups:
@@ -346,12 +351,27 @@ def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, h
             f"({flops['down'] / ms['down'] / 1e9:5.0f} TFLOP/s)",
             flush=True,
         )
-    best = {k: min(trials, key=lambda t: t[f"{k}_ms"])["group_m"] for k in ("gate_up", "down")}
-    cfg = MoETiles(
-        tiles.block_m,
-        dataclasses.replace(tiles.gate_up, group_m=best["gate_up"]),
-        dataclasses.replace(tiles.down, group_m=best["down"]),
-    )
+    fastest = {k: min(trials, key=lambda t: t[f"{k}_ms"]) for k in ("gate_up", "down")}
+    best = {k: t["group_m"] for k, t in fastest.items()}
+    chosen = {k: dataclasses.replace(getattr(tiles, k), group_m=g) for k, g in best.items()}
+    chosen_ms = {k: t[f"{k}_ms"] for k, t in fastest.items()}
+    others = []  # other tiles of the same token tile, each GEMM in its best order
+    for gate_up_tiles, down_tiles in zip(GROUP_GATE_UP_TILES, GROUP_DOWN_TILES, strict=True):
+        pair = {
+            "gate_up": dataclasses.replace(gate_up_tiles, group_m=best["gate_up"]),
+            "down": dataclasses.replace(down_tiles, group_m=best["down"]),
+        }
+        try:
+            ms = dict(zip(pair, gemm_ms(*weights, cfg=MoETiles(tiles.block_m, *pair.values())), strict=True))
+        except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
+            print(f"    {pair}: {type(exc).__name__}")
+            continue
+        others.append({k: vars(t) for k, t in pair.items()} | {f"{k}_ms": v for k, v in ms.items()})
+        print("    " + "; ".join(f"{pair[k]}: {ms[k] * 1e3:8.1f} us" for k in pair), flush=True)
+        for k in pair:
+            if ms[k] < chosen_ms[k]:
+                chosen[k], chosen_ms[k] = pair[k], ms[k]
+    cfg = MoETiles(tiles.block_m, chosen["gate_up"], chosen["down"])
     base = MoETiles(
         tiles.block_m,
         dataclasses.replace(tiles.gate_up, group_m=0),
@@ -360,6 +380,8 @@ def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, h
     return {
         "trials": trials,
         "best": best,
+        "other_tiles": others,
+        "chosen": _tiles_dict(cfg),
         "fused_graph_ms_best": graph_ms(fused_calls(cfg), args),
         "fused_graph_ms_unordered": graph_ms(fused_calls(base), args),
     }
