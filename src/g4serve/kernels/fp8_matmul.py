@@ -55,21 +55,6 @@ def _quantize_groups_fn(X, Q, SX, M, K, num_groups, stride_xm, stride_qm, stride
 _quantize_groups = DualKernel(_quantize_groups_fn)
 
 
-@triton.jit
-def _group_products(acc, acc_up, xq, sx, w, sw, u, su, SWAP_AB: tl.constexpr, GATED: tl.constexpr):
-    """One K group's e4m3 products into the fp32 accumulators, each times its activation and weight scales
-    (``u``/``su``: the up half's, when GATED); SWAP_AB: the accumulators are [BLOCK_N, BLOCK_M]."""
-    if SWAP_AB:
-        acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
-        if GATED:
-            acc_up += tl.dot(u, tl.trans(xq)) * su[:, None] * sx[None, :]
-    else:
-        acc += tl.dot(xq, tl.trans(w)) * sx[:, None] * sw[None, :]
-        if GATED:
-            acc_up += tl.dot(xq, tl.trans(u)) * sx[:, None] * su[None, :]
-    return acc, acc_up
-
-
 def _fp8_matmul_fn(
     XQ,
     SX,
@@ -125,39 +110,30 @@ def _fp8_matmul_fn(
     s_rows = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
     u_rows = S + ((offs_n + N) // scale_bn).to(tl.int64) * stride_sn
     acc, acc_up = zero_accumulators(SWAP_AB, BLOCK_M, BLOCK_N)
-    # The first group's weight tile and scales before the wait: weights are never written during a step, so
-    # under dependent launch their stream starts while the previous kernel drains (as gemv's one-row path
-    # does); the activations, which that kernel may have written, after it. An empty split (k_start = K)
-    # loads nothing and adds zeros.
-    first = (offs_k < k_end)[None, :]
-    has_k = k_start < k_end
-    w = tl.load(w_ptrs, mask=n_mask[:, None] & first, other=0.0, eviction_policy="evict_first")
-    sw = tl.load(s_rows + k_start // scale_bk, mask=n_mask & has_k, other=0.0).to(tl.float32)
-    u = w
-    su = sw
-    if EPILOGUE == 1:
-        u = tl.load(u_ptrs, mask=n_mask[:, None] & first, other=0.0, eviction_policy="evict_first")
-        su = tl.load(u_rows + k_start // scale_bk, mask=n_mask & has_k, other=0.0).to(tl.float32)
     wait_for_previous_kernel(USE_PDL)
-    xq = tl.load(x_ptrs, mask=m_mask[:, None] & first, other=0.0)
-    sx = tl.load(sx_ptrs, mask=m_mask & has_k, other=0.0)
-    acc, acc_up = _group_products(acc, acc_up, xq, sx, w, sw, u, su, SWAP_AB, EPILOGUE == 1)
-    for k0 in range(k_start + _GROUP, k_end, _GROUP):
-        x_ptrs += _GROUP
-        sx_ptrs += 1
-        w_ptrs += _GROUP
-        u_ptrs += _GROUP
+    for k0 in range(k_start, k_end, _GROUP):
         k_mask = (offs_k + (k0 - k_start)) < K
         xq = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         sx = tl.load(sx_ptrs, mask=m_mask, other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         sw = tl.load(s_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
+        else:
+            acc += tl.dot(xq, tl.trans(w)) * sx[:, None] * sw[None, :]
         if EPILOGUE == 1:
             u = tl.load(
                 u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first"
             )
             su = tl.load(u_rows + k0 // scale_bk, mask=n_mask, other=0.0).to(tl.float32)
-        acc, acc_up = _group_products(acc, acc_up, xq, sx, w, sw, u, su, SWAP_AB, EPILOGUE == 1)
+            if SWAP_AB:
+                acc_up += tl.dot(u, tl.trans(xq)) * su[:, None] * sx[None, :]
+            else:
+                acc_up += tl.dot(xq, tl.trans(u)) * sx[:, None] * su[None, :]
+        x_ptrs += _GROUP
+        sx_ptrs += 1
+        w_ptrs += _GROUP
+        u_ptrs += _GROUP
     acc_mn, up_mn = rows_first(acc, acc_up, SWAP_AB)
     if SPLIT_K > 1:
         reduce_splits(
