@@ -23,7 +23,7 @@ for spec in $RUNS; do
     [ "$side" = base ] && path=$PWD/$BASE_SRC:$PYTHONPATH
     PYTHONPATH=$path run "$preset-$i-$side" "${RUN_TIMEOUT:-150}" python3 bench/spec_decode.py --model "$preset" \
       --device cuda --variants "$variants" --batches "$BATCHES" --steps "$STEPS" --prefill-len 0 \
-      --tag "-$i-$side" --out "$RES/$preset-$i-$side"
+      --tag="-$i-$side" --out "$RES/$preset-$i-$side"
   done
 done
 {
