@@ -140,9 +140,10 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_MOE_GROUP_M",
-        "0",
+        None,
         "MoE prefill GEMMs (past 32 rows per expert) take their tiles this many token blocks at a time "
-        "through all N tiles (`0`: the 2-D grid, blocks fastest)",
+        "through all N tiles (`0`: the 2-D grid, blocks fastest); unset: the measured orders (bf16's "
+        "128-row tiles: 4 blocks for gate/up, 2 for down; the 64-row tiles: 0)",
     ),
     Variable(
         "G4SERVE_MOE_W8A8_MIN",

@@ -310,19 +310,19 @@ def test_moe_layers_on_cpu_are_the_reference():
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("group_m", [0, 8])
-def test_prefill_gemms_compile_for_sm90(monkeypatch, group_m):
-    """The prefill tiles at 26B-A4B's shapes (E = 128, H = 2,816, I = 704, 4,096 tokens x top-8), bf16, in
-    both tile orders: the gate/up and down launches compile to sm_90 cubins (shared memory, MMA layouts)."""
+@pytest.mark.parametrize("tokens", [2048, 4096])
+@pytest.mark.parametrize("group_m", [None, 0])
+def test_prefill_gemms_compile_for_sm90(monkeypatch, tokens, group_m):
+    """The prefill tiles at 26B-A4B's shapes (E = 128, H = 2,816, I = 704, top-8), bf16, in their measured
+    orders (None) and the 2-D grid's (``G4SERVE_MOE_GROUP_M=0``): the gate/up and down launches compile to
+    sm_90 cubins whose pipelines fit an H100 SM's 227 KB of shared memory."""
     from test_kv_fp8_sm90_compile import _compile, _launches
 
-    e, h, i, t, k = 128, 2816, 704, 4096, 8
+    monkeypatch.setattr(fused_moe_module, "PREFILL_GROUP_M", group_m)
+    e, h, i, t, k = 128, 2816, 704, tokens, 8
     tiles = moe_tiles(t * k, e)
-    tiles = MoETiles(
-        tiles.block_m,
-        dataclasses.replace(tiles.gate_up, group_m=group_m),
-        dataclasses.replace(tiles.down, group_m=group_m),
-    )
+    expected = (4, 2) if group_m is None else (group_m, group_m)
+    assert (tiles.block_m, tiles.gate_up.group_m, tiles.down.group_m) == (128, *expected)
     blocks = -(-(t * k + e * (tiles.block_m - 1)) // tiles.block_m)
     meta = dict(dtype=torch.bfloat16, device="meta")
     sorted_ids = torch.empty(blocks * tiles.block_m, dtype=torch.int32, device="meta")
@@ -342,6 +342,6 @@ def test_prefill_gemms_compile_for_sm90(monkeypatch, group_m):
         )  # fmt: skip
 
     launches = _launches(monkeypatch, fused_moe_module, "_moe_gemm", calls)
-    assert len(launches) == 2 and all(kw["GROUP_M"] == group_m for _, _, kw in launches)
+    assert [kw["GROUP_M"] for _, _, kw in launches] == list(expected)
     for fn, args, kwargs in launches:
-        _compile(fn, args, kwargs)
+        assert _compile(fn, args, kwargs).metadata.shared <= 227 * 1024

@@ -52,9 +52,10 @@ def _launches(monkeypatch, module, names: str, call) -> list:
     return launches
 
 
-def _compile(fn, args, kwargs, use_pdl: bool = False) -> None:
+def _compile(fn, args, kwargs, use_pdl: bool = False):
     """Specialise the launch as ``JITFunction.run`` does on a GPU (its binder and ``_pack_args``: Triton
-    internals, as of 3.8), then compile it for sm_90."""
+    internals, as of 3.8), then compile it for sm_90; the compiled kernel (its ``metadata.shared``: bytes of
+    shared memory a program needs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -75,6 +76,7 @@ def _compile(fn, args, kwargs, use_pdl: bool = False) -> None:
     except (FileNotFoundError, PermissionError) as exc:  # no bundled ptxas on this machine
         pytest.skip(f"Triton cannot reach ptxas here: {exc}")
     assert compiled.asm["cubin"]
+    return compiled
 
 
 def _cache(head_dim: int, num_blocks: int = 64) -> torch.Tensor:

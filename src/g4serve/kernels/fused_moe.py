@@ -64,8 +64,11 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # rounding, about 4.4% of their norm on random weights, as FP8 checkpoints' dynamic activation schemes do.
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
 # The tile order of the prefill-sized GEMMs (``GemmTiles.group_m``; more than 32 rows per expert, where an
-# expert has several blocks and each block several N tiles). G4SERVE_MOE_GROUP_M sets it.
-PREFILL_GROUP_M = envs.get_int("G4SERVE_MOE_GROUP_M")
+# expert has several blocks and each block several N tiles): G4SERVE_MOE_GROUP_M sets every one's; None
+# (unset): ``moe_tiles``'s measured orders.
+PREFILL_GROUP_M = (
+    None if envs.get("G4SERVE_MOE_GROUP_M") in (None, "") else envs.get_int("G4SERVE_MOE_GROUP_M")
+)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,9 @@ def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False, i
     even 8 touched experts spread over >= 132 programs. Larger batches want taller tiles for reuse. Past 64
     rows per expert (26B-A4B prefill chunks of 1,024+ tokens), 128 x 128 tiles (8 warps) for the gate/up
     GEMM and 128 x 256 for the down GEMM: searched on an H200 (``bench/moe_kernels.py --sweep``), the
-    expert block took 857 / 1,335 us at T = 2,048 / 4,096 against 905 / 1,478 with the 64-row tiles.
+    expert block took 857 / 1,335 us at T = 2,048 / 4,096 against 905 / 1,478 with the 64-row tiles. Their
+    tile order (``--groups``, an H100): gate/up 4 blocks at a time through their N tiles, down 2 blocks and
+    4 stages: at T = 4,096 gate/up 757 -> 728 us, down 513 -> 399 (T = 2,048: 481 -> 463, 341 -> 256).
     ``quantized`` weights (dequantized in registers, int4's K tiles of 256) and 4-byte activations (fp32:
     the tall tiles' pipeline needs 288 KB of shared memory, past the 227 KB of an SM) keep the 64-row tiles;
     the search covered bf16 only.
@@ -150,11 +155,12 @@ def moe_tiles(num_assignments: int, num_experts: int, quantized: bool = False, i
         return MoETiles(16, GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4))
     if rows_per_expert <= 32:
         return MoETiles(32, GemmTiles(64, 64, 4, 4), GemmTiles(64, 64, 4, 4))
-    g = PREFILL_GROUP_M
     if rows_per_expert <= 64 or quantized or itemsize > 2:
+        g = PREFILL_GROUP_M or 0
         return MoETiles(64, GemmTiles(64, 64, 4, 3, g), GemmTiles(128, 64, 8, 3, g))
     stages = 4 if rows_per_expert <= 160 else 3
-    return MoETiles(128, GemmTiles(128, 64, 8, stages, g), GemmTiles(256, 64, 8, 3, g))
+    gate_up_g, down_g = (4, 2) if PREFILL_GROUP_M is None else (PREFILL_GROUP_M, PREFILL_GROUP_M)
+    return MoETiles(128, GemmTiles(128, 64, 8, stages, gate_up_g), GemmTiles(256, 64, 8, 4, down_g))
 
 
 def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
