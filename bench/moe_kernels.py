@@ -260,7 +260,27 @@ def bench_tokens(
         row["sweep"] = sweep(args, calls, n, num_experts)
     if args.groups:
         row["groups"] = sweep_groups(args, tiles, gemm_ms, fused_calls, (gate_up, down), n, hidden, inter)
+        if quant is not None:  # the quantized block (FP8: on the FP8 tensor cores) in each order, as a whole
+            qtiles = moe_tiles(n, num_experts, quantized=True)
+            w8a8 = int(all(_w8a8_weights(w) for w in quant))
+            row["quant_groups"] = {
+                g: graph_ms(fused_calls(_ordered(qtiles, g), quant, w8a8_min=w8a8), args) for g in args.groups
+            }
+            print(
+                "    quantized block by group_m: "
+                + ", ".join(f"{g}: {ms * 1e3:.1f} us" for g, ms in row["quant_groups"].items()),
+                flush=True,
+            )
     return row
+
+
+def _ordered(tiles: MoETiles, group_m: int) -> MoETiles:
+    """``tiles`` with both GEMMs in the tile order ``group_m``."""
+    return MoETiles(
+        tiles.block_m,
+        dataclasses.replace(tiles.gate_up, group_m=group_m),
+        dataclasses.replace(tiles.down, group_m=group_m),
+    )
 
 
 def _expert_bytes(w) -> float:
@@ -335,11 +355,7 @@ def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, h
     flops = {"gate_up": 4 * n * inter * hidden, "down": 2 * n * hidden * inter}
     trials = []
     for g in args.groups:
-        cfg = MoETiles(
-            tiles.block_m,
-            dataclasses.replace(tiles.gate_up, group_m=g),
-            dataclasses.replace(tiles.down, group_m=g),
-        )
+        cfg = _ordered(tiles, g)
         ms = dict(zip(("gate_up", "down"), gemm_ms(*weights, cfg=cfg), strict=True))
         trials.append(
             {"group_m": g, **{f"{k}_ms": v for k, v in ms.items()}}
@@ -372,11 +388,7 @@ def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, h
             if ms[k] < chosen_ms[k]:
                 chosen[k], chosen_ms[k] = pair[k], ms[k]
     cfg = MoETiles(tiles.block_m, chosen["gate_up"], chosen["down"])
-    base = MoETiles(
-        tiles.block_m,
-        dataclasses.replace(tiles.gate_up, group_m=0),
-        dataclasses.replace(tiles.down, group_m=0),
-    )
+    base = _ordered(tiles, 0)
     return {
         "trials": trials,
         "best": best,
