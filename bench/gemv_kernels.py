@@ -191,7 +191,7 @@ def bench_shape(args, name: str, ep: int, n: int, k: int, m: int, act: str, sms:
         "cublas_gb_per_s": weight_bytes / base / 1e6,
         "skinny_gb_per_s": weight_bytes / skinny / 1e6,
         "speedup": base / skinny,
-        "engine_uses_skinny": use_skinny(m, n, k, ep),
+        "engine_uses_skinny": use_skinny(m, n, k, ep, sms),
     }
     if args.sweep:
         row["sweep"] = time_sweep(

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from g4serve.kernels.act_mul import act_mul_reference
-from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, gemv_config, skinny_matmul, skinny_matmul_reference
+from g4serve.kernels.gemv import (
+    GATE_UP,
+    MUL,
+    PLAIN,
+    gemv_config,
+    skinny_matmul,
+    skinny_matmul_reference,
+    use_skinny,
+)
 
 EPILOGUES = {"plain": PLAIN, "gate_up": GATE_UP, "mul": MUL}
 
@@ -81,6 +89,22 @@ def test_default_configs_cover_decode_shapes():
             split = cfg.get("split_k", 1)
             k_tiles = -(-k // cfg["block_k"])
             assert split == 1 or (split <= k_tiles and -(-k_tiles // split) * (split - 1) < k_tiles)
+
+
+@pytest.mark.parametrize("m", [8, 16, 32])
+def test_routing_of_decode_projections_follows_the_h100_measurements(m):
+    """``use_skinny`` at 8-32 rows as bench/gemv_kernels.py measured on an H100 (132 SMs): e4b's projections
+    all on the swapped tiles (down's 40 column tiles split 2 ways included), 31B's qkv, gates and LM head
+    too, its o and down (N = 5,376 over K >= 8,192: 84 column tiles) on cuBLAS; one row always the skinny
+    kernel; a long K into 26B-A4B's hidden size (N = 2,816: 44 tiles, under half the SMs) stays swapped."""
+    for n, k in ((3072, 2560), (2560, 2048), (2560, 10240)):  # e4b: qkv, o, down
+        assert use_skinny(m, n, k)
+    assert use_skinny(m, 10240, 2560, GATE_UP)
+    assert use_skinny(m, 16384, 5376) and use_skinny(m, 21504, 5376, GATE_UP) and use_skinny(m, 262144, 5376)
+    for n, k in ((5376, 8192), (5376, 16384), (5376, 21504)):  # 31B: o (sliding, global), down
+        assert not use_skinny(m, n, k) and use_skinny(1, n, k)
+        assert use_skinny(m, n, k, sms=80)  # a GPU on which those tiles fill every SM
+    assert use_skinny(m, 2816, 8192)
 
 
 def test_split_k_counters_are_left_zero_for_the_next_launch():

@@ -285,20 +285,25 @@ SWAP_MIN_ROWS = 8
 CUBLAS_FROM_ROWS = 33
 
 
-def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN) -> bool:
+def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -> bool:
     """Whether this kernel beats cuBLAS (plus the separate activation kernel) for an [m, k] x [n, k]^T
     product, from bench/gemv_kernels.py --sweep on an H100 at e4b shapes. One row: always (1.1-4x over the
     shapes of a decode step; the weight streams at up to 3.2 TB/s). 2-64 rows: the fused gates (their
     activation pass is saved), short K (the PLE projection) and the LM head's vocabulary-wide N (1.04-1.6x).
     The plain projections: 8-16 rows all (the swapped tiles: 1.04-1.2x), 17-32 rows those wider than 2,048
     columns (1.04-1.15x; q at 2,048 is 7% slower), none at 2-7 rows (cuBLAS's 64x8 tiles beat the 16-row
-    tile; the swapped tiles were not timed there) or 33-64 rows (cuBLAS as fast or faster)."""
+    tile; the swapped tiles were not timed there) or 33-64 rows (cuBLAS as fast or faster). Except, from
+    the same bench at 31B's shapes: K of 8,192+ into 64-column tiles that fill at least half of the ``sms``
+    but not all (31B's o and down, N = 5,376: 84 tiles, split 2 ways into 1.3 waves) stay on cuBLAS's
+    split-K (8% faster at 8-16 rows, 1-2% at 32)."""
     if m == 1:
         return True
     if m > DOT_MAX_ROWS:
         return False
     if epilogue != PLAIN or k <= 512 or n >= 65536:
         return True
+    if k >= 8192 and sms <= 2 * -(-n // 64) < 2 * sms:
+        return False
     return SWAP_MIN_ROWS <= m < CUBLAS_FROM_ROWS and (m <= 16 or n > 2048)
 
 

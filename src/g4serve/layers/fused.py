@@ -26,6 +26,7 @@ from g4serve.kernels import act_mul as _act_mul
 from g4serve.kernels import decode_tail as _decode_tail
 from g4serve.kernels import gemv as _gemv
 from g4serve.kernels import norm_rope as _norm_rope
+from g4serve.kernels._launch import sm_count
 from g4serve.kernels.qkv_prep import qkv_prep
 from g4serve.kernels.rms_norm import (
     fp8_next_buffers,
@@ -125,7 +126,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
     if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(-1) != 1 or not weight.is_contiguous():
         return False
     n = weight.shape[0] // 2 if epilogue == _gemv.GATE_UP else weight.shape[0]
-    return _gemv.use_skinny(x.shape[0], n, weight.shape[1], epilogue)
+    return _gemv.use_skinny(x.shape[0], n, weight.shape[1], epilogue, sm_count(x.device.index or 0))
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
