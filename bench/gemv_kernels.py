@@ -125,7 +125,7 @@ def decode_shapes(preset: str) -> list[tuple[str, int, int, int, int]]:
 # are left out.
 SWAP_TILES = ((64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
 SWAP_STAGES = (3, 4, 5)
-SWAP_SPLITS = (2, 4, 8)
+SWAP_SPLITS = (2, 3, 4, 8)  # 3: 31B's N = 5,376 (84 column tiles of 64) into about two waves of 132 SMs
 SHARED_BYTES = 200 * 1024
 
 

@@ -254,6 +254,8 @@ def test_bf16_sweep_grid_and_compile_jobs():
                 assert -(-n // c["block_n"]) * c["split_k"] <= 4 * SM_COUNT
         assert any(c.get("split_k", 1) > 1 for c in swapped)
         assert (m <= 16) == any("swap_ab" not in c for c in grid)
+    # 31B's o and down (84 column tiles) may split 3 ways, about two waves of 132 SMs
+    assert any(c.get("split_k") == 3 for c in script._configs(16, PLAIN, 5376, 21504, 132))
     # the LM head's 4,096 column tiles fill every SM: never split
     assert not any(c.get("split_k", 1) > 1 for c in script._configs(64, PLAIN, 262144, 2560, SM_COUNT))
     shapes = [("o", PLAIN, 40, 96, 1), ("gate_up", GATE_UP, 24, 64, 1)]
