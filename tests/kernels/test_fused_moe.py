@@ -310,6 +310,18 @@ def test_moe_layers_on_cpu_are_the_reference():
     assert torch.equal(out, ref)
 
 
+def test_the_tile_order_setting_refuses_what_is_no_count_with_the_variables_name():
+    """``G4SERVE_MOE_GROUP_M``: unset or empty leaves the measured orders, a count >= 0 sets every prefill
+    GEMM's; anything else is refused naming the variable (a negative one would launch the 1-D grid the 2-D
+    way)."""
+    parse = fused_moe_module._group_m_setting
+    assert parse(None) is None and parse("") is None
+    assert parse("0") == 0 and parse("8") == 8
+    for bad in ("-1", "four", "2.5"):
+        with pytest.raises(ValueError, match="G4SERVE_MOE_GROUP_M"):
+            parse(bad)
+
+
 @pytest.mark.parametrize("tokens", [2048, 4096])
 @pytest.mark.parametrize("group_m", [None, 0])
 def test_prefill_gemms_compile_for_sm90(monkeypatch, tokens, group_m):

@@ -63,12 +63,25 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # (bench/engine_microbench.py). Its outputs differ from the dequantizing path's by the activations' e4m3
 # rounding, about 4.4% of their norm on random weights, as FP8 checkpoints' dynamic activation schemes do.
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
+
+
 # The tile order of the prefill-sized GEMMs (``GemmTiles.group_m``; more than 32 rows per expert, where an
 # expert has several blocks and each block several N tiles): G4SERVE_MOE_GROUP_M sets every one's; None
 # (unset): ``moe_tiles``'s measured orders.
-PREFILL_GROUP_M = (
-    None if envs.get("G4SERVE_MOE_GROUP_M") in (None, "") else envs.get_int("G4SERVE_MOE_GROUP_M")
-)
+def _group_m_setting(value: str | None) -> int | None:
+    """G4SERVE_MOE_GROUP_M's value as a tile order: None (unset or empty), else a count of blocks >= 0."""
+    if value in (None, ""):
+        return None
+    try:
+        group_m = int(value)
+    except ValueError:
+        group_m = -1
+    if group_m < 0:
+        raise ValueError(f"G4SERVE_MOE_GROUP_M: expected a count of blocks >= 0, got {value!r}")
+    return group_m
+
+
+PREFILL_GROUP_M = _group_m_setting(envs.get("G4SERVE_MOE_GROUP_M"))
 
 
 @dataclass(frozen=True)
@@ -710,7 +723,8 @@ def _grouped_gemm(
     assert a.stride(-1) == 1 and weight.stride(-1) == 1 and out.stride(-1) == 1
     upcast, precision = dot_settings(a.dtype, a.device)
     num_n = -(-n // tiles.block_n)
-    grid = (block_expert.shape[0] * num_n,) if tiles.group_m else (block_expert.shape[0], num_n)
+    assert tiles.group_m >= 0, tiles
+    grid = (block_expert.shape[0] * num_n,) if tiles.group_m > 0 else (block_expert.shape[0], num_n)
     block_k = GROUP if a_scales is not None else tiles.block_k
     if a_scales is not None:
         assert quant and weight.dtype == torch.float8_e4m3fn and fp8_matmul_supported(w.scale_block, k)
