@@ -65,9 +65,6 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
 
 
-# The tile order of the prefill-sized GEMMs (``GemmTiles.group_m``; more than 32 rows per expert, where an
-# expert has several blocks and each block several N tiles): G4SERVE_MOE_GROUP_M sets every one's; None
-# (unset): ``moe_tiles``'s measured orders.
 def _group_m_setting(value: str | None) -> int | None:
     """G4SERVE_MOE_GROUP_M's value as a tile order: None (unset or empty), else a count of blocks >= 0."""
     if value in (None, ""):
@@ -81,6 +78,9 @@ def _group_m_setting(value: str | None) -> int | None:
     return group_m
 
 
+# The tile order of the prefill-sized GEMMs (``GemmTiles.group_m``; more than 32 rows per expert, where an
+# expert has several blocks and each block several N tiles): G4SERVE_MOE_GROUP_M sets every one's; None
+# (unset): ``moe_tiles``'s measured orders.
 PREFILL_GROUP_M = _group_m_setting(envs.get("G4SERVE_MOE_GROUP_M"))
 
 
