@@ -174,7 +174,12 @@ def test_sliding_window_blocks_are_freed(tiny_model_dir):
 def test_abort_mid_prefill_and_decode_frees_everything(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_num_batched_tokens=32)
     engine.add_request(
-        engine.make_request("decode", engine.process_prompt(_user("hi")), SamplingParams(max_tokens=50))
+        engine.make_request(
+            "decode",
+            engine.process_prompt(_user("hi")),
+            # greedy, past EOS: unseeded sampling could stop it within the three steps (a CI run did)
+            SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+        )
     )
     long_prompt = engine.process_prompt(_user("please read my last statement again " * 12))
     assert len(long_prompt.token_ids) > 4 * 32
