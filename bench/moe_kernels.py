@@ -264,7 +264,7 @@ def bench_tokens(
             qtiles = moe_tiles(n, num_experts, quantized=True)
             w8a8 = int(all(_w8a8_weights(w) for w in quant))
             row["quant_groups"] = {
-                g: graph_ms(fused_calls(_ordered(qtiles, g), quant, w8a8_min=w8a8), args) for g in args.groups
+                g: graph_ms(fused_calls(qtiles.ordered(g), quant, w8a8_min=w8a8), args) for g in args.groups
             }
             print(
                 "    quantized block by group_m: "
@@ -272,15 +272,6 @@ def bench_tokens(
                 flush=True,
             )
     return row
-
-
-def _ordered(tiles: MoETiles, group_m: int) -> MoETiles:
-    """``tiles`` with both GEMMs in the tile order ``group_m``."""
-    return MoETiles(
-        tiles.block_m,
-        dataclasses.replace(tiles.gate_up, group_m=group_m),
-        dataclasses.replace(tiles.down, group_m=group_m),
-    )
 
 
 def _expert_bytes(w) -> float:
@@ -355,7 +346,7 @@ def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, h
     flops = {"gate_up": 4 * n * inter * hidden, "down": 2 * n * hidden * inter}
     trials = []
     for g in args.groups:
-        cfg = _ordered(tiles, g)
+        cfg = tiles.ordered(g)
         ms = dict(zip(("gate_up", "down"), gemm_ms(*weights, cfg=cfg), strict=True))
         trials.append(
             {"group_m": g, **{f"{k}_ms": v for k, v in ms.items()}}
@@ -388,7 +379,7 @@ def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, h
             if ms[k] < chosen_ms[k]:
                 chosen[k], chosen_ms[k] = pair[k], ms[k]
     cfg = MoETiles(tiles.block_m, chosen["gate_up"], chosen["down"])
-    base = _ordered(tiles, 0)
+    base = tiles.ordered(0)
     return {
         "trials": trials,
         "best": best,

@@ -43,7 +43,7 @@ def test_groups_pick_each_gemms_fastest_order_then_its_fastest_tiles(monkeypatch
     assert len(out["other_tiles"]) == 3
     # the block timed with the chosen tiles, then with the default tiles in the 2-D grid's order
     assert timed[0].gate_up == GemmTiles(64, 64, 8, 4, 4) and timed[0].down == GemmTiles(128, 64, 8, 3, 2)
-    assert timed[1] == bench._ordered(tiles, 0)
+    assert timed[1] == tiles.ordered(0)
     flops = out["trials"][0]["gate_up_tflop_per_s"] * out["trials"][0]["gate_up_ms"] * 1e9
     assert abs(flops - 4 * 4096 * 8 * 704 * 2816) < 1e3
 

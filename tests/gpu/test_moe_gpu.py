@@ -3,8 +3,6 @@ the torch references, and the whole MoE block (router + experts) captured in a C
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
@@ -14,7 +12,6 @@ from g4serve.kernels import fused_moe as fused_moe_module
 from g4serve.kernels.fused_moe import (
     ALIGN_KERNEL_MAX_ASSIGNMENTS,
     CHUNK_TOKENS,
-    MoETiles,
     fused_moe,
     fused_moe_reference,
     moe_align,
@@ -76,16 +73,7 @@ def test_tile_order_changes_no_bit(expert_weights, num_tokens, group_m):
     weights, experts = _routing(num_tokens, gen, skew=group_m == 4)
     x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
     tiles = moe_tiles(num_tokens * TOP_K, E)
-    ordered = MoETiles(
-        tiles.block_m,
-        dataclasses.replace(tiles.gate_up, group_m=group_m),
-        dataclasses.replace(tiles.down, group_m=group_m),
-    )
-    base = MoETiles(
-        tiles.block_m,
-        dataclasses.replace(tiles.gate_up, group_m=0),
-        dataclasses.replace(tiles.down, group_m=0),
-    )
+    ordered, base = tiles.ordered(group_m), tiles.ordered(0)
     gate_up, down = expert_weights["gate_up"], expert_weights["down"]
     out = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=ordered)
     assert torch.equal(out, fused_moe(x, gate_up, down, experts, weights, ACT, tiles=base))

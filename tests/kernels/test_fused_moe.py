@@ -3,8 +3,6 @@ interpreter on CPU tensors, at tiny shapes: fp32 to rounding noise, bf16 to a bf
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import triton.language as tl
@@ -243,11 +241,8 @@ def test_fused_moe_tile_order_changes_no_bit(group_m):
     experts, weights = _routing(40, 8, 2, gen, "one")
     gate_up, down = _weights(8, 64, 48, torch.bfloat16, gen)
     x = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
-    ordered = MoETiles(
-        SMALL.block_m,
-        dataclasses.replace(SMALL.gate_up, group_m=group_m),
-        dataclasses.replace(SMALL.down, group_m=group_m),
-    )
+    ordered = SMALL.ordered(group_m)
+    assert (ordered.gate_up.group_m, ordered.down.group_m, ordered.block_m) == (group_m, group_m, 16)
     out = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=ordered)
     base = fused_moe(x, gate_up, down, experts, weights, "gelu_pytorch_tanh", tiles=SMALL)
     assert torch.equal(out, base)
@@ -310,16 +305,20 @@ def test_moe_layers_on_cpu_are_the_reference():
     assert torch.equal(out, ref)
 
 
-def test_the_tile_order_setting_refuses_what_is_no_count_with_the_variables_name():
+def test_the_tile_order_setting_refuses_what_is_no_count_with_the_variables_name(monkeypatch):
     """``G4SERVE_MOE_GROUP_M``: unset or empty leaves the measured orders, a count >= 0 sets every prefill
     GEMM's; anything else is refused naming the variable (a negative one would launch the 1-D grid the 2-D
     way)."""
     parse = fused_moe_module._group_m_setting
-    assert parse(None) is None and parse("") is None
-    assert parse("0") == 0 and parse("8") == 8
+    monkeypatch.delenv("G4SERVE_MOE_GROUP_M", raising=False)
+    assert parse() is None
+    for value, expected in (("", None), ("0", 0), ("8", 8)):
+        monkeypatch.setenv("G4SERVE_MOE_GROUP_M", value)
+        assert parse() == expected
     for bad in ("-1", "four", "2.5"):
+        monkeypatch.setenv("G4SERVE_MOE_GROUP_M", bad)
         with pytest.raises(ValueError, match="G4SERVE_MOE_GROUP_M"):
-            parse(bad)
+            parse()
 
 
 @pytest.mark.parametrize("tokens", [2048, 4096])

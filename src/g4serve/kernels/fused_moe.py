@@ -10,6 +10,7 @@ No step of ``fused_moe`` reads a device value on the host, so a whole MoE layer 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,23 +66,20 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
 
 
-def _group_m_setting(value: str | None) -> int | None:
-    """G4SERVE_MOE_GROUP_M's value as a tile order: None (unset or empty), else a count of blocks >= 0."""
-    if value in (None, ""):
+def _group_m_setting() -> int | None:
+    """G4SERVE_MOE_GROUP_M as a tile order: None (unset or empty), else a count of blocks >= 0."""
+    if envs.get("G4SERVE_MOE_GROUP_M") in (None, ""):
         return None
-    try:
-        group_m = int(value)
-    except ValueError:
-        group_m = -1
+    group_m = envs.get_int("G4SERVE_MOE_GROUP_M")
     if group_m < 0:
-        raise ValueError(f"G4SERVE_MOE_GROUP_M: expected a count of blocks >= 0, got {value!r}")
+        raise ValueError(f"G4SERVE_MOE_GROUP_M: expected a count of blocks >= 0, got {group_m}")
     return group_m
 
 
 # The tile order of the prefill-sized GEMMs (``GemmTiles.group_m``; more than 32 rows per expert, where an
 # expert has several blocks and each block several N tiles): G4SERVE_MOE_GROUP_M sets every one's; None
 # (unset): ``moe_tiles``'s measured orders.
-PREFILL_GROUP_M = _group_m_setting(envs.get("G4SERVE_MOE_GROUP_M"))
+PREFILL_GROUP_M = _group_m_setting()
 
 
 @dataclass(frozen=True)
@@ -106,6 +104,14 @@ class MoETiles:
     block_m: int
     gate_up: GemmTiles  # N = intermediate (gate and up tiles side by side), K = hidden
     down: GemmTiles  # N = hidden, K = intermediate
+
+    def ordered(self, group_m: int) -> MoETiles:
+        """These tiles with both GEMMs in the tile order ``group_m`` (``GemmTiles.group_m``)."""
+        return MoETiles(
+            self.block_m,
+            dataclasses.replace(self.gate_up, group_m=group_m),
+            dataclasses.replace(self.down, group_m=group_m),
+        )
 
 
 @dataclass(frozen=True)
