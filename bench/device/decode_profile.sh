@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Where a decode step's device time goes, in one device call: for each PRESET:VARIANT:BATCH of RUNS (default
+# "31b:fp8+fp8kv:1 e4b:bf16:64"), bench/spec_decode.py times the step (ITL p50 against the format's bandwidth
+# floor) and profiles PROFILE_STEPS steps under torch.profiler (the kernel table, a Chrome trace). Then, when
+# set, the kernel benches beside it: GEMV_PRESET (bench/gemv_kernels.py --sweep at GEMV_ROWS, default "8 16")
+# and MOE_QUANT (bench/moe_kernels.py --quant MOE_QUANT --groups MOE_GROUPS at MOE_TOKENS: the quantized
+# experts' block in each tile order).
+#   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/decode_profile.sh", carry=[".whl"])
+# Results: $OUT/decode_profile.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
+set -uo pipefail
+RUNS=${RUNS:-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24}
+GEMV_PRESET=${GEMV_PRESET:-} GEMV_ROWS=${GEMV_ROWS:-8 16}
+MOE_QUANT=${MOE_QUANT:-} MOE_GROUPS=${MOE_GROUPS:-0 2 4} MOE_TOKENS=${MOE_TOKENS:-1024 4096} OUT=${OUT:-/tmp/out}
+RES=/tmp/res-decode-profile
+rm -rf "$RES"
+mkdir -p "$RES" "$OUT"
+source bench/device/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+for spec in $RUNS; do
+  IFS=: read -r preset variant batch <<< "$spec"
+  run "$preset-$variant-b$batch" "${RUN_TIMEOUT:-180}" python3 bench/spec_decode.py --model "$preset" \
+    --device cuda --variants "$variant" --batches "$batch" --steps "$STEPS" --prefill-len 0 \
+    --profile "$PROFILE_STEPS" --tag="-b$batch" --out "$RES/$preset-$variant-b$batch"
+done
+if [ -n "$GEMV_PRESET" ]; then
+  # shellcheck disable=SC2086  # GEMV_ROWS: several words
+  run "gemv-$GEMV_PRESET" "${GEMV_TIMEOUT:-240}" python3 bench/gemv_kernels.py --preset "$GEMV_PRESET" \
+    --rows $GEMV_ROWS --sweep --out-dir "$RES/gemv"
+fi
+if [ -n "$MOE_QUANT" ]; then
+  # shellcheck disable=SC2086  # MOE_TOKENS, MOE_GROUPS: several words
+  run "moe-$MOE_QUANT" "${MOE_TIMEOUT:-180}" python3 bench/moe_kernels.py --tokens $MOE_TOKENS \
+    --quant "$MOE_QUANT" --groups $MOE_GROUPS --out-dir "$RES/moe"
+fi
+{
+  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 40 "$f"; echo '```'; done
+} > "$OUT/summary.md"
+tar -czf "$OUT/decode_profile.tgz" -C "$RES" .
