@@ -344,7 +344,14 @@ def _set(path: str, value):
     return apply
 
 
-_DELETE = object()
+class _Delete:
+    """The field removed instead of set (a stable repr: pytest-xdist's workers must collect the same ids)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETE = _Delete()
 
 BAD_FIELDS = [
     # unknown fields, in every section
