@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# FP8 decode A/B in one device call: bench/spec_decode.py (decode ITL at BATCHES against each format's
-# bandwidth floor, no TTFT) on this tree ("now") and on the sources in BASE_SRC ("base": an older src/,
+# Decode (and TTFT) A/B in one device call: bench/spec_decode.py (decode ITL at BATCHES against each format's
+# bandwidth floor) on this tree ("now") and on the sources in BASE_SRC ("base": an older src/,
 # `git archive <rev> src | tar -x -C .ab-base`, carried), in the order of ORDER (default "now base now": the
-# machine's drift shows as the two "now" rows), for each PRESET:VARIANTS of RUNS (default "31b:fp8+fp8kv
-# e4b:fp8"). GPU_TESTS_K: first, that -k expression of tests/gpu/test_quant_gpu.py (default: the W8A8 ones).
+# machine's drift shows as the two "now" rows), for each PRESET:VARIANTS[:PREFILL] of RUNS (default
+# "31b:fp8+fp8kv e4b:fp8"; PREFILL: also the TTFT of a prompt of that many tokens, the best of PREFILL_REPS).
+# First, the GPU tests GPU_TESTS (default tests/gpu/test_quant_gpu.py) with -k GPU_TESTS_K (default: the W8A8
+# ones); GPU_TESTS= skips them.
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/fp8_ab.sh", carry=[".whl", ".ab-base"])
 # Results: $OUT/fp8_ab.tgz (JSON and logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
 RUNS=${RUNS:-31b:fp8+fp8kv e4b:fp8} ORDER=${ORDER:-now base now} BATCHES=${BATCHES:-1,8} STEPS=${STEPS:-24}
-GPU_TESTS_K=${GPU_TESTS_K:-fp8_matmul or w8a8} BASE_SRC=${BASE_SRC:-.ab-base/src} OUT=${OUT:-/tmp/out}
+GPU_TESTS=${GPU_TESTS-tests/gpu/test_quant_gpu.py} GPU_TESTS_K=${GPU_TESTS_K:-fp8_matmul or w8a8}
+BASE_SRC=${BASE_SRC:-.ab-base/src} PREFILL_REPS=${PREFILL_REPS:-3} OUT=${OUT:-/tmp/out}
 RES=/tmp/res-fp8-ab
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-[ -n "$GPU_TESTS_K" ] && run gpu-tests 120 python3 -m pytest -q -m gpu tests/gpu/test_quant_gpu.py -k "$GPU_TESTS_K"
+# shellcheck disable=SC2086  # GPU_TESTS: several paths
+[ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
 for spec in $RUNS; do
-  preset=${spec%%:*} variants=${spec#*:} i=0
+  IFS=: read -r preset variants prefill <<< "$spec"
+  name=$preset-${variants//[^A-Za-z0-9.]/-} i=0
   for side in $ORDER; do
     i=$((i + 1))
     path=$PYTHONPATH
     [ "$side" = base ] && path=$PWD/$BASE_SRC:$PYTHONPATH
-    PYTHONPATH=$path run "$preset-$i-$side" "${RUN_TIMEOUT:-150}" python3 bench/spec_decode.py --model "$preset" \
-      --device cuda --variants "$variants" --batches "$BATCHES" --steps "$STEPS" --prefill-len 0 \
-      --tag="-$i-$side" --out "$RES/$preset-$i-$side"
+    PYTHONPATH=$path run "$name-$i-$side" "${RUN_TIMEOUT:-150}" python3 bench/spec_decode.py --model "$preset" \
+      --device cuda --variants "$variants" --batches "$BATCHES" --steps "$STEPS" --prefill-len "${prefill:-0}" \
+      --prefill-reps "$PREFILL_REPS" \
+      --tag="-$i-$side" --out "$RES/$name-$i-$side"
   done
 done
 {

@@ -10,7 +10,7 @@ import torch
 
 from g4serve.config import PRESETS
 from g4serve.kernels import fused_moe as fused_moe_module
-from g4serve.kernels.fused_moe import fused_moe, fused_moe_reference, fused_moe_w8a8_reference
+from g4serve.kernels.fused_moe import fused_moe, fused_moe_reference, fused_moe_w8a8_reference, moe_tiles
 from g4serve.kernels.moe_route import moe_route_reference
 from g4serve.layers.moe import MoEExperts
 from g4serve.quant_config import FP8, INT4, WeightQuant
@@ -142,6 +142,24 @@ def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, num_tokens):
     assert rel_ref < 0.01 and outside < 1e-3 and diff.max() < 0.1
     assert rel < 0.06
     assert torch.equal(fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1), out)  # deterministic
+
+
+@pytest.mark.parametrize("num_tokens", [1024, 4096])
+@pytest.mark.parametrize("scheme,w8a8", [("fp8-block", 1), ("fp8-channel", 1), ("int4-g128-asym", 0)])
+@torch.no_grad()
+def test_quantized_tile_order_changes_no_bit(quantized_layers, scheme, w8a8, num_tokens):
+    """The quantized experts' prefill tiles (64 rows) in their default grouped order (``GemmTiles.group_m``,
+    a 1-D grid) against the 2-D grid: the same bits, W8A8 FP8 and int4 dequantized in registers."""
+    layer, _ = quantized_layers(scheme)
+    gate_up, down = layer.projection("gate_up_proj"), layer.projection("down_proj")
+    gen = torch.Generator("cuda").manual_seed(num_tokens + w8a8)
+    weights, experts = _routing(num_tokens, gen)
+    x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
+    tiles = moe_tiles(num_tokens * TOP_K, E, quantized=True)
+    assert tiles.block_m == 64 and tiles.gate_up.group_m > 0 and tiles.down.group_m > 0
+    out = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=tiles, w8a8_min=w8a8)
+    base = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=tiles.ordered(0), w8a8_min=w8a8)
+    assert torch.equal(out, base)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "int4-g128-asym"])

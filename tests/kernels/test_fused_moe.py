@@ -206,6 +206,29 @@ def test_fused_moe_prefill_tiles():
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("setting", [None, 0, 3])
+def test_prefill_tile_orders(monkeypatch, setting):
+    """The tile order each prefill tile takes (``GemmTiles.group_m``): the tall bf16 tiles gate/up 4 blocks at
+    a time and down 2; the 64-row tiles (32-64 rows per expert, quantized experts, fp32) 4 in both GEMMs; the
+    decode tiles (at most 32 rows per expert) the 2-D grid. G4SERVE_MOE_GROUP_M (``PREFILL_GROUP_M``) sets
+    every prefill tile's, the decode tiles' never."""
+    monkeypatch.setattr(fused_moe_module, "PREFILL_GROUP_M", setting)
+
+    def orders(tiles):
+        return tiles.block_m, tiles.gate_up.group_m, tiles.down.group_m
+
+    tall, rows64 = (
+        (4, 2) if setting is None else (setting, setting),
+        (4, 4) if setting is None else (setting,) * 2,
+    )
+    assert orders(moe_tiles(128 * 65, 128)) == (128, *tall)
+    assert orders(moe_tiles(128 * 64, 128)) == (64, *rows64)
+    assert orders(moe_tiles(128 * 65, 128, quantized=True)) == (64, *rows64)
+    assert orders(moe_tiles(128 * 65, 128, itemsize=4)) == (64, *rows64)
+    assert orders(moe_tiles(128 * 32, 128)) == (32, 0, 0)
+    assert orders(moe_tiles(128 * 8, 128, quantized=True)) == (16, 0, 0)
+
+
 def _tile_map_fn(Out, num_n, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     pid_m, pid_n = fused_moe_module._grouped_tile(pid, tl.num_programs(0), num_n, GROUP_M)

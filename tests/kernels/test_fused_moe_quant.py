@@ -215,6 +215,19 @@ def test_quantized_default_tiles_torch_align_chunks_and_empty(monkeypatch):
     assert fused_moe(x[:0], gate_up, down, experts[:0], weights[:0], ACT).shape == (0, H)
 
 
+@pytest.mark.parametrize("fmt,w8a8", [("fp8-block128", 1), ("int4-g32-asym", 0)])
+def test_quantized_tile_order_changes_no_bit(fmt, w8a8):
+    """Quantized experts (W8A8 FP8, in-register int4) in the grouped tile order (``GemmTiles.group_m``, the
+    prefill default of their 64-row tiles) against the 2-D grid: the same bits, ragged last group included."""
+    gen = torch.Generator().manual_seed(len(fmt))
+    gate_up, down = _weights(fmt, gen)
+    experts, weights = _routing(17, gen)
+    x = torch.randn(17, H, generator=gen).to(torch.bfloat16)
+    base = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES["k32"].ordered(0), w8a8_min=w8a8)
+    ordered = fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES["k32"].ordered(3), w8a8_min=w8a8)
+    assert torch.equal(ordered, base)
+
+
 def test_quantized_gate_up_beside_dense_down():
     """Each GEMM takes its own weight kind: quantized gate/up, dense down."""
     gen = torch.Generator().manual_seed(4)
