@@ -95,16 +95,31 @@ def test_default_configs_cover_decode_shapes():
 def test_routing_of_decode_projections_follows_the_h100_measurements(m):
     """``use_skinny`` at 8-32 rows as bench/gemv_kernels.py measured on an H100 (132 SMs): e4b's projections
     all on the swapped tiles (down's 40 column tiles split 2 ways included), 31B's qkv, gates and LM head
-    too, its o and down (N = 5,376 over K >= 8,192: 84 column tiles) on cuBLAS; one row always the skinny
-    kernel; a long K into 26B-A4B's hidden size (N = 2,816: 44 tiles, under half the SMs) stays swapped."""
+    too, its o and down (N = 5,376 over K >= 8,192: 84 column tiles) unsplit at 8-16 rows and on cuBLAS
+    at 17-32; one row always the skinny kernel; a long K into 26B-A4B's hidden size (N = 2,816: 44 tiles,
+    under half the SMs) stays swapped."""
     for n, k in ((3072, 2560), (2560, 2048), (2560, 10240)):  # e4b: qkv, o, down
         assert use_skinny(m, n, k)
     assert use_skinny(m, 10240, 2560, GATE_UP)
     assert use_skinny(m, 16384, 5376) and use_skinny(m, 21504, 5376, GATE_UP) and use_skinny(m, 262144, 5376)
     for n, k in ((5376, 8192), (5376, 16384), (5376, 21504)):  # 31B: o (sliding, global), down
-        assert not use_skinny(m, n, k) and use_skinny(1, n, k)
+        assert use_skinny(m, n, k) == (m <= 16) and use_skinny(1, n, k)
         assert use_skinny(m, n, k, sms=80)  # a GPU on which those tiles fill every SM
+        if m <= 16:
+            assert gemv_config(m, n, k)["split_k"] == 1  # split 2 ways: 168 programs, 1.3 waves of 132 SMs
+            assert gemv_config(m, n, k, sms=264)["split_k"] == 2
     assert use_skinny(m, 2816, 8192)
+
+
+def test_decode_tiles_at_e4b_and_31b_shapes():
+    """The tiles the measured rules give: e4b's down (40 column tiles) split 2 ways and its PLE gate 4 ways,
+    within one wave; 31B's gate/up at 8-16 rows in K tiles of 256 (K = 5,376), e4b's (K = 2,560) of 128."""
+    for m in (8, 16):
+        assert gemv_config(m, 2560, 10240)["split_k"] == 2
+        assert gemv_config(m, 256, 2560)["split_k"] == 4
+        assert gemv_config(m, 21504, 5376, GATE_UP)["block_k"] == 256
+        assert gemv_config(m, 10240, 2560, GATE_UP)["block_k"] == 128
+    assert gemv_config(4, 21504, 5376, GATE_UP)["block_k"] == 128  # 2-7 rows: not measured at 31B
 
 
 def test_split_k_counters_are_left_zero_for_the_next_launch():

@@ -293,16 +293,17 @@ def use_skinny(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) ->
     The plain projections: 8-16 rows all (the swapped tiles: 1.04-1.2x), 17-32 rows those wider than 2,048
     columns (1.04-1.15x; q at 2,048 is 7% slower), none at 2-7 rows (cuBLAS's 64x8 tiles beat the 16-row
     tile; the swapped tiles were not timed there) or 33-64 rows (cuBLAS as fast or faster). Except, from
-    the same bench at 31B's shapes: K of 8,192+ into 64-column tiles that fill at least half of the ``sms``
-    but not all (31B's o and down, N = 5,376: 84 tiles, split 2 ways into 1.3 waves) stay on cuBLAS's
-    split-K (8% faster at 8-16 rows, 1-2% at 32)."""
+    the same bench at 31B's shapes: at 17-32 rows, K of 8,192+ into 64-column tiles that fill at least half
+    of the ``sms`` but not all (31B's o and down, N = 5,376: 84 tiles) stay on cuBLAS's split-K (1-2% faster
+    at 32 rows, split 2 ways into 1.3 waves). At 8-16 rows those shapes run unsplit (``_swapped_config``)
+    and beat cuBLAS by 5-12% (o 32.2 against 35.6 us, down 80.3 against 84.6 at 8 rows)."""
     if m == 1:
         return True
     if m > DOT_MAX_ROWS:
         return False
     if epilogue != PLAIN or k <= 512 or n >= 65536:
         return True
-    if k >= 8192 and sms <= 2 * -(-n // 64) < 2 * sms:
+    if m > 16 and k >= 8192 and sms <= 2 * -(-n // 64) < 2 * sms:
         return False
     return SWAP_MIN_ROWS <= m < CUBLAS_FROM_ROWS and (m <= 16 or n > 2048)
 
@@ -311,7 +312,9 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -
     """Tiles per shape, from the same sweep. One row: one or two weight rows per program so every SM
     streams (K steps of 512, or 1024 when K divides by it); short K: four rows; narrow N (the PLE gate):
     8 warps. 2-7 rows: 16-row tensor-core tiles, 32 columns (16 for narrow N, 64 for the LM head). 8-64
-    rows: ``_swapped_config``."""
+    rows: ``_swapped_config``, but the fused gates up to 16 rows, which keep the 16-row token tile: K tiles
+    of 128, or 256 at 8-16 rows for K of 4,096+ (31B's gate/up, K = 5,376: 153.9 against 163.2 us at 8
+    rows; the swapped tiles' best 153.3)."""
     k_pow2 = max(16, next_pow2(k))
     if m == 1:
         if k <= 512:
@@ -326,7 +329,8 @@ def gemv_config(m: int, n: int, k: int, epilogue: int = PLAIN, sms: int = 132) -
     if m >= SWAP_MIN_ROWS and not (epilogue == GATE_UP and m <= 16) and not (k <= 512 and m <= 8):
         return _swapped_config(m, n, k, epilogue, sms)
     if epilogue == GATE_UP:
-        return {"block_n": 32, "block_k": min(128, k_pow2), "num_warps": 4, "num_stages": 3}
+        block_k = 256 if m >= SWAP_MIN_ROWS and k >= 4096 else 128
+        return {"block_n": 32, "block_k": min(block_k, k_pow2), "num_warps": 4, "num_stages": 3}
     if n <= 512:
         return {"block_n": 16, "block_k": min(256, k_pow2), "num_warps": 4, "num_stages": 4}
     if n >= 65536:
@@ -343,7 +347,8 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
     up to 16 rows, of 128 at 5 stages beyond and for K of 8,192+ (the MLP's down); the gates' pair of
     weight tiles in K tiles of 64 at 3 stages; short K (the PLE projection) in K tiles of 128; K split 2 ways
     where the column tiles leave SMs idle and K is long (down; o past 16 rows), 4 ways for narrow N (the PLE
-    gate's 256 columns: 4 tiles)."""
+    gate's 256 columns: 4 tiles), but never into a second, partial wave of programs: 31B's o and down (84
+    column tiles of 132 SMs) split 2 ways took 1.3 waves and 14-19% longer than unsplit at 8-16 rows."""
     k_pow2 = max(16, next_pow2(k))
     block_n, block_k, stages, split = 64, min(256 if m <= 16 else 128, k_pow2), 4, 1
     if epilogue == GATE_UP:
@@ -358,8 +363,11 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
         block_k, split = min(128, k_pow2), 2
     if block_k == 128 and epilogue != GATE_UP and n < 65536:
         stages = 5 if split != 2 or k >= 8192 else 4
-    if -(-n // block_n) >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT:
+    tiles = -(-n // block_n)
+    if tiles >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT:
         split = 1
+    elif split * tiles > sms:
+        split = max(1, sms // tiles)
     return {
         "block_m": max(16, next_pow2(m)),
         "block_n": block_n,
