@@ -40,6 +40,7 @@ from engine_microbench import (  # noqa: E402
     start_decoding,
     timed_steps,
 )
+from trace_summary import kernel_chain  # noqa: E402
 
 from g4serve.bench.meta import command_line, git_commit, write_result_json  # noqa: E402
 from g4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -100,7 +101,9 @@ def profile_steps(
 ) -> dict:
     """``steps`` decode steps of ``batch`` requests under torch.profiler: wall time per step against the
     device's kernel time per step (the gap is the GPU waiting for the host), the kernels that take the most
-    time, and a Chrome trace beside the JSON."""
+    time (their own durations, which under dependent launch include the wait for the kernel before), what
+    each adds to the stream's timeline (``chain_kernels``: ``trace_summary.kernel_chain``, the shares that
+    sum to the step), and a Chrome trace beside the JSON."""
     from torch.profiler import ProfilerActivity, profile
 
     k = engine.speculative.num_speculative_tokens if engine.speculative else 0
@@ -116,6 +119,7 @@ def profile_steps(
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / f"trace-{tag.replace('@', '-at-').replace('+', '-')}-b{batch}.json"
     prof.export_chrome_trace(str(trace))
+    chain = kernel_chain(json.loads(trace.read_text()))
     return {
         "batch": batch,
         "steps": steps,
@@ -128,6 +132,15 @@ def profile_steps(
                 "ms_per_step": e.self_device_time_total / 1e3 / steps,
             }
             for e in kernels[:15]
+        ],
+        "chain_kernels": [
+            {
+                "name": name[:120],
+                "calls_per_step": row["launches"] / steps,
+                "chain_ms_per_step": row["chain_us"] / 1e3 / steps,
+                "own_ms_per_step": row["own_us"] / 1e3 / steps,
+            }
+            for name, row in list(chain.items())[:15]
         ],
         "trace": trace.name,
     }
@@ -216,9 +229,11 @@ def run_variant(args, name: str, bandwidth: float | None) -> tuple[dict, float]:
             f"{profiled['device_kernel_ms_per_step']:.2f} ms/step of kernels",
             flush=True,
         )
-        for kernel in profiled["top_kernels"][:8]:
+        print("    on the stream's timeline (chain ms, own ms, launches a step):", flush=True)
+        for kernel in profiled["chain_kernels"][:10]:
             print(
-                f"    {kernel['ms_per_step']:7.3f} ms x{kernel['calls_per_step']:5.1f}  {kernel['name']}",
+                f"    {kernel['chain_ms_per_step']:7.3f} {kernel['own_ms_per_step']:7.3f} ms "
+                f"x{kernel['calls_per_step']:5.1f}  {kernel['name']}",
                 flush=True,
             )
     ttft = None

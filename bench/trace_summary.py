@@ -198,6 +198,49 @@ def device_streams(trace: dict) -> dict:
     }
 
 
+def kernel_chain(trace: dict) -> dict[str, dict[str, float]]:
+    """What each kernel name adds to its stream's timeline: a kernel's end minus the later of its start and
+    the end of the stream's work before it, summed by name (with the launch count and the kernels' own
+    durations). Under programmatic dependent launch a kernel starts before the one ahead of it ends and its
+    own duration includes that wait, so own durations summed overstate the small kernels (a norm that waits
+    on a GEMM); the chain's shares add up to the stream's busy time. Busiest stream only."""
+    by_stream: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES:
+            stream = str(e.get("args", {}).get("stream", e.get("tid")))
+            start = float(e["ts"])
+            by_stream[stream].append((start, start + float(e.get("dur", 0.0)), e["name"]))
+    if not by_stream:
+        return {}
+    events = sorted(max(by_stream.values(), key=lambda v: sum(end - start for start, end, _ in v)))
+    chain: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0, "chain_us": 0.0, "own_us": 0.0})
+    reached = events[0][0]
+    for start, end, name in events:
+        row = chain[name]
+        row["launches"] += 1
+        row["own_us"] += end - start
+        row["chain_us"] += max(0.0, end - max(reached, start))
+        reached = max(reached, end)
+    return dict(sorted(chain.items(), key=lambda kv: -kv[1]["chain_us"]))
+
+
+def render_chain(chain: dict[str, dict[str, float]], steps: int, top: int) -> str:
+    """``kernel_chain``'s rows per step (of ``steps`` the trace holds), as Markdown."""
+    total = sum(row["chain_us"] for row in chain.values()) / steps
+    lines = [
+        f"## the busiest stream's timeline: {total / 1e3:.3f} ms a step",
+        "",
+        "| kernel | launches a step | on the timeline (us) | own duration (us) |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, row in list(chain.items())[:top]:
+        lines.append(
+            f"| {name[:80]} | {row['launches'] / steps:g} | {row['chain_us'] / steps:.1f} | "
+            f"{row['own_us'] / steps:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_streams(streams: dict) -> str:
     if not streams:
         return ""
@@ -267,8 +310,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--focus", help="only what ran inside functions whose name contains this")
     p.add_argument("--min-busy-ms", type=float, default=1.0, help="leave out threads busy for less")
     p.add_argument("--json", type=Path, help="also write the summary here")
+    p.add_argument(
+        "--chain",
+        type=int,
+        metavar="STEPS",
+        help="instead: each kernel's share of the busiest stream's timeline (kernel_chain), per one of STEPS",
+    )
     args = p.parse_args(argv)
     trace = load(args.trace)
+    if args.chain:
+        print(render_chain(kernel_chain(trace), args.chain, args.top))
+        return
     threads = summarize(trace, args.focus, args.min_busy_ms)
     streams = device_streams(trace) if not args.focus else {}
     print(f"# {args.trace.name}\n")

@@ -90,3 +90,32 @@ def test_main_writes_markdown_and_json(tmp_path, capsys):
     assert summary[0]["syncs"] == {
         "cudaStreamSynchronize < engine.py(4): _complete < engine.py(1): step": {"calls": 1, "ms": 0.15}
     }
+
+
+def test_kernel_chain_charges_each_kernel_what_it_adds_to_the_stream():
+    """Under dependent launch a kernel starts before the one ahead of it ends: the chain charges it only
+    from that end on, so the shares add up to the busiest stream's busy time (a gap is nobody's)."""
+    k = {"args": {"stream": 7}}
+    trace = {
+        "traceEvents": [
+            _x("gemm", "kernel", 0, 100, tid=3) | k,
+            _x("norm", "kernel", 60, 50, tid=3) | k,  # waited 40 us on the GEMM: adds 10
+            _x("gemm", "kernel", 105, 100, tid=3) | k,  # starts before the norm ends: adds 95
+            _x("norm", "kernel", 300, 10, tid=3) | k,  # after a 95 us gap: adds 10
+            _x("encode", "kernel", 0, 400, tid=4) | {"args": {"stream": 9}},  # another, busier stream
+            _x("encode", "kernel", 400, 10, tid=4) | {"args": {"stream": 9}},
+        ]
+    }
+    assert ts.kernel_chain(trace) == {"encode": {"launches": 2, "chain_us": 410.0, "own_us": 410.0}}
+    trace["traceEvents"] = trace["traceEvents"][:4]
+    chain = ts.kernel_chain(trace)
+    assert list(chain) == ["gemm", "norm"]
+    assert chain["gemm"] == {"launches": 2, "chain_us": 195.0, "own_us": 200.0}
+    assert chain["norm"] == {"launches": 2, "chain_us": 20.0, "own_us": 60.0}
+    text = ts.render_chain(chain, 2, 5)
+    assert (
+        "0.107 ms a step" in text
+        and "| gemm | 1 | 97.5 | 100.0 |" in text
+        and "| norm | 1 | 10.0 | 30.0 |" in text
+    )
+    assert ts.kernel_chain({"traceEvents": []}) == {}
