@@ -49,8 +49,15 @@ serve: $(SERVE_STAMP)
 demo: $(SERVE_STAMP)
 	$(BIN)/python -m g4serve.demo
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist; default: the CPUs, at most 4), each with one
+# OpenMP/BLAS thread: most tests are Python-bound on the tiny model, so one process left a core idle, and
+# processes of two threads each oversubscribed two cores (slower than one process). On CI's two cores: 457
+# against 755-810 s. TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+		--durations=20
 
 # Tests marked `distributed` (tensor parallel over gloo in several processes, Ray Serve replicas on a local
 # cluster), left out of `make test` for their start-up time; CI runs both.
