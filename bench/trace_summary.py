@@ -176,16 +176,30 @@ def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> f
     return total
 
 
+def _device_work(trace: dict) -> dict[str, list[tuple[float, float, str]]]:
+    """The trace's kernels and copies by CUDA stream: (start, end, name), in microseconds."""
+    by_stream: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES:
+            stream = str(e.get("args", {}).get("stream", e.get("tid")))
+            start = float(e["ts"])
+            by_stream[stream].append((start, start + float(e.get("dur", 0.0)), e["name"]))
+    return by_stream
+
+
+def _busy_intervals(
+    by_stream: dict[str, list[tuple[float, float, str]]],
+) -> dict[str, list[tuple[float, float]]]:
+    """Each stream's busy intervals: the union of its work."""
+    return {k: _union([(start, end) for start, end, _ in v]) for k, v in by_stream.items()}
+
+
 def device_streams(trace: dict) -> dict:
     """The device's work by CUDA stream: each stream's kernels (and copies), the time it was busy (their
     union) and the time it ran beside the busiest stream (with ``--overlap-encoder``: how much of the side
     stream's encodes ran under the steps' work)."""
-    by_stream: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES:
-            stream = str(e.get("args", {}).get("stream", e.get("tid")))
-            by_stream[stream].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
-    unions = {k: _union(v) for k, v in by_stream.items()}
+    by_stream = _device_work(trace)
+    unions = _busy_intervals(by_stream)
     busy = {k: sum(end - start for start, end in u) for k, u in unions.items()}
     main = max(busy, key=busy.get, default=None)
     return {
@@ -203,16 +217,13 @@ def kernel_chain(trace: dict) -> dict[str, dict[str, float]]:
     the end of the stream's work before it, summed by name (with the launch count and the kernels' own
     durations). Under programmatic dependent launch a kernel starts before the one ahead of it ends and its
     own duration includes that wait, so own durations summed overstate the small kernels (a norm that waits
-    on a GEMM); the chain's shares add up to the stream's busy time. Busiest stream only."""
-    by_stream: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES:
-            stream = str(e.get("args", {}).get("stream", e.get("tid")))
-            start = float(e["ts"])
-            by_stream[stream].append((start, start + float(e.get("dur", 0.0)), e["name"]))
+    on a GEMM); the chain's shares add up to the stream's busy time. The busiest stream only (by its busy
+    time, as ``device_streams`` ranks them)."""
+    by_stream = _device_work(trace)
     if not by_stream:
         return {}
-    events = sorted(max(by_stream.values(), key=lambda v: sum(end - start for start, end, _ in v)))
+    busy = {k: sum(end - start for start, end in u) for k, u in _busy_intervals(by_stream).items()}
+    events = sorted(by_stream[max(busy, key=busy.get)])
     chain: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0, "chain_us": 0.0, "own_us": 0.0})
     reached = events[0][0]
     for start, end, name in events:
