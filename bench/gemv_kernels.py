@@ -124,6 +124,9 @@ def decode_shapes(preset: str) -> list[tuple[str, int, int, int, int]]:
 # split K where the column tiles give fewer than 4 programs per SM; pipelines over ~200 KB of shared memory
 # are left out.
 SWAP_TILES = ((64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
+# Past 16 rows the batch's K tile costs as many bytes as a 64-row weight tile, read again from L2 for every
+# column tile: wider weight tiles (two warpgroups at 8 warps) read it once per 128 or 256 weight rows.
+SWAP_WIDE_TILES = ((128, 64), (128, 128), (256, 64))
 SWAP_STAGES = (3, 4, 5)
 SWAP_SPLITS = (2, 3, 4, 8)  # 3: 31B's N = 5,376 (84 column tiles of 64) into about two waves of 132 SMs
 SHARED_BYTES = 200 * 1024
@@ -143,10 +146,11 @@ def _configs(m: int, ep: int = PLAIN, n: int = 4096, k: int = 4096, sms: int = 1
         ]
     block_m = max(16, next_pow2(m))
     weights = 2 if ep == GATE_UP else 1
-    for (bn, bk), stages in itertools.product(SWAP_TILES, SWAP_STAGES):
+    grid = [(t, 4) for t in SWAP_TILES] + ([(t, 8) for t in SWAP_WIDE_TILES] if m > 16 else [])
+    for ((bn, bk), warps), stages in itertools.product(grid, SWAP_STAGES):
         if bk > max(16, next_pow2(k)) or stages * (weights * bn + block_m) * bk * 2 > SHARED_BYTES:
             continue
-        cfg = {"block_m": block_m, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages}
+        cfg = {"block_m": block_m, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
         out.append(cfg | {"swap_ab": 1})
         tiles, k_tiles = -(-n // bn), -(-k // bk)
         out += [

@@ -2,20 +2,25 @@
 # Where a decode step's device time goes, in one device call: for each PRESET:VARIANT:BATCH of RUNS (default
 # "31b:fp8+fp8kv:1 e4b:bf16:64"), bench/spec_decode.py times the step (ITL p50 against the format's bandwidth
 # floor) and profiles PROFILE_STEPS steps under torch.profiler (the kernel table, a Chrome trace). Then, when
-# set, the kernel benches beside it: GEMV_PRESET (bench/gemv_kernels.py --sweep at GEMV_ROWS, default "8 16")
-# and MOE_QUANT (bench/moe_kernels.py --quant MOE_QUANT --groups MOE_GROUPS at MOE_TOKENS: the quantized
-# experts' block in each tile order).
+# set, the kernel benches beside it: GEMV_PRESET (bench/gemv_kernels.py --sweep at GEMV_ROWS, default "8 16"),
+# GEMV_RUNS (PRESET:ROWS[:sweep] each, ROWS comma-separated: bench/gemv_kernels.py at those rows, the sweep
+# compiled on 14 processes where named) and MOE_QUANT (bench/moe_kernels.py --quant MOE_QUANT --groups
+# MOE_GROUPS at MOE_TOKENS: the quantized experts' block in each tile order). GPU_TESTS (paths; -k
+# GPU_TESTS_K) run first. RUNS= skips the engine.
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/decode_profile.sh", carry=[".whl"])
 # Results: $OUT/decode_profile.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
-RUNS=${RUNS:-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24}
-GEMV_PRESET=${GEMV_PRESET:-} GEMV_ROWS=${GEMV_ROWS:-8 16}
+RUNS=${RUNS-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24}
+GEMV_PRESET=${GEMV_PRESET:-} GEMV_ROWS=${GEMV_ROWS:-8 16} GEMV_RUNS=${GEMV_RUNS:-}
+GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
 MOE_QUANT=${MOE_QUANT:-} MOE_GROUPS=${MOE_GROUPS:-0 2 4} MOE_TOKENS=${MOE_TOKENS:-1024 4096} OUT=${OUT:-/tmp/out}
 RES=/tmp/res-decode-profile
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# shellcheck disable=SC2086  # GPU_TESTS: several paths
+[ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
 for spec in $RUNS; do
   IFS=: read -r preset variant batch <<< "$spec"
   run "$preset-$variant-b$batch" "${RUN_TIMEOUT:-180}" python3 bench/spec_decode.py --model "$preset" \
@@ -27,6 +32,12 @@ if [ -n "$GEMV_PRESET" ]; then
   run "gemv-$GEMV_PRESET" "${GEMV_TIMEOUT:-240}" python3 bench/gemv_kernels.py --preset "$GEMV_PRESET" \
     --rows $GEMV_ROWS --sweep --out-dir "$RES/gemv"
 fi
+for spec in $GEMV_RUNS; do
+  IFS=: read -r preset rows sweep <<< "$spec"
+  # shellcheck disable=SC2046  # the rows: several words
+  run "gemv-$preset-${rows//,/-}" "${GEMV_TIMEOUT:-240}" python3 bench/gemv_kernels.py --preset "$preset" \
+    --rows $(tr , ' ' <<< "$rows") ${sweep:+--sweep --compile-workers 14} --out-dir "$RES/gemv"
+done
 if [ -n "$MOE_QUANT" ]; then
   # shellcheck disable=SC2086  # MOE_TOKENS, MOE_GROUPS: several words
   run "moe-$MOE_QUANT" "${MOE_TIMEOUT:-180}" python3 bench/moe_kernels.py --tokens $MOE_TOKENS \
