@@ -5,8 +5,11 @@ What a step pays after the forward when its requests sample instead of taking th
 the exponential race). The greedy benchmarks elsewhere never pay it. Top-k runs three ways: with its
 ``torch.topk`` candidates, forced through the sort of the whole vocabulary, and in the sort-free kernel's
 radix select (``G4SERVE_SORT_FREE_TOP_K``, the "sort-free" rows); top-p and temperature alone
-twice: through the sort-free kernel (CUDA) and through the torch masks and sort. Median of ``--reps``
-after warm-up, synchronised per call; writes JSON (device, versions, commit) to bench/results/.
+twice: through the sort-free kernel (CUDA) and through the torch masks and sort. On CUDA each setting the
+chunked sampler takes (``kernels/chunked_sample.py``: top-k up to 128, with top-p and min-p; temperature and
+min-p alone) runs once more through it (the ", chunked" rows; the others have it off). The logits are
+``--dtype`` (bf16, as the model writes them). Median of ``--reps`` after warm-up, synchronised per call;
+writes JSON (device, versions, commit) to bench/results/.
 
     python bench/sampler.py                                   # cuda, vocab 262144, B = 1 8 32 64
     python bench/sampler.py --device cpu --vocab 8192 --batches 1 8 --reps 5
@@ -47,16 +50,28 @@ SETTINGS = {
 
 
 def time_setting(
-    params: SamplingParams, logits: torch.Tensor, reps: int, full_sort: bool, sort_free_top_k: bool = False
+    params: SamplingParams,
+    logits: torch.Tensor,
+    reps: int,
+    full_sort: bool,
+    sort_free_top_k: bool = False,
+    chunked: bool = False,
 ) -> float:
     """Median ms of one step's sampling (batch build + sample) over ``reps`` calls. ``full_sort``: top-k
     without its ``topk`` candidates, top-p and temperature through the torch masks and sort instead of the
-    sort-free kernel. ``sort_free_top_k``: top-k in the sort-free kernel (``G4SERVE_SORT_FREE_TOP_K``)."""
+    sort-free kernel. ``sort_free_top_k``: top-k in the sort-free kernel (``G4SERVE_SORT_FREE_TOP_K``).
+    ``chunked``: the chunked sampler where it takes the batch (``G4SERVE_CHUNKED_SAMPLING``)."""
     device, batch = logits.device, logits.shape[0]
     rows = [params] * batch
-    saved = sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P, sampler.SORT_FREE_TOP_K
+    saved = (
+        sampler.MAX_TOPK_CANDIDATES,
+        sampler.SORT_FREE_TOP_P,
+        sampler.SORT_FREE_TOP_K,
+        sampler.CHUNKED_SAMPLING,
+    )
     sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P = (0, False) if full_sort else saved[:2]
     sampler.SORT_FREE_TOP_K = sort_free_top_k
+    sampler.CHUNKED_SAMPLING = chunked
     try:
         times = []
         for rep in range(reps + 3):  # three warm-up calls
@@ -70,7 +85,12 @@ def time_setting(
             if rep >= 3:
                 times.append(time.perf_counter() - t0)
     finally:
-        sampler.MAX_TOPK_CANDIDATES, sampler.SORT_FREE_TOP_P, sampler.SORT_FREE_TOP_K = saved
+        (
+            sampler.MAX_TOPK_CANDIDATES,
+            sampler.SORT_FREE_TOP_P,
+            sampler.SORT_FREE_TOP_K,
+            sampler.CHUNKED_SAMPLING,
+        ) = saved
     return 1e3 * statistics.median(times)
 
 
@@ -109,22 +129,30 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also time the top-p kernel alone (CUDA events) at these block sizes",
     )
+    p.add_argument(
+        "--dtype", default="bfloat16", help="the logits' dtype (the model's, as the engine hands them)"
+    )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
 
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for batch in args.batches:
         # Peaked like a language model's logits: a few likely tokens over a long flat tail.
-        logits = torch.randn(batch, args.vocab, device=device, generator=gen) * 2.5
+        logits = (torch.randn(batch, args.vocab, device=device, generator=gen) * 2.5).to(dtype)
         for name, params in SETTINGS.items():
             full_sort = name.endswith(("sort", "sort path"))
-            ms = time_setting(
-                params, logits, args.reps, full_sort, sort_free_top_k=name.endswith("sort-free")
-            )
+            sort_free = name.endswith("sort-free")
+            ms = time_setting(params, logits, args.reps, full_sort, sort_free_top_k=sort_free)
             rows.append({"batch": batch, "setting": name, "ms": ms})
-            print(f"B={batch:3d} {name:22s} {ms:8.3f} ms", flush=True)
+            print(f"B={batch:3d} {name:34s} {ms:8.3f} ms", flush=True)
+            admitted = SamplingBatch.build([params], [None], args.vocab, "cpu").chunk_top_k is not None
+            if device.type == "cuda" and admitted and not (full_sort or sort_free):
+                ms = time_setting(params, logits, args.reps, False, chunked=True)
+                rows.append({"batch": batch, "setting": f"{name}, chunked", "ms": ms})
+                print(f"B={batch:3d} {name + ', chunked':34s} {ms:8.3f} ms", flush=True)
         for block in args.kernel_blocks if device.type == "cuda" else []:
             ms = time_kernel(logits, args.reps, block)
             rows.append({"batch": batch, "setting": f"top_p_sample kernel alone, block {block}", "ms": ms})
@@ -139,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "vocab": args.vocab,
+        "dtype": args.dtype,
         "reps": args.reps,
         "units": {"ms": "median milliseconds per step: SamplingBatch.build + sample, synchronised"},
         "results": rows,

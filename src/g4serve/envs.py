@@ -85,6 +85,14 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_CHUNKED_SAMPLING",
+        "1",
+        "`1`: CUDA batches whose sampled rows set a top-k of at most 128 (top-p and min-p on top of it) or "
+        "no top-k and no top-p sample over vocabulary chunks, many programs a row "
+        "(`kernels/chunked_sample.py`); `0`: `torch.topk` and the one-program-a-row kernel",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_FP8_MATMUL",
         "w8a8",
         "FP8 weights with dynamic activation scales at decode sizes: `w8a8` on the FP8 tensor cores, "

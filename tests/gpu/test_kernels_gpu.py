@@ -378,6 +378,54 @@ def test_top_p_sample_matches_the_sort_over_gemma_vocabulary(rows, kinds):
     assert same >= total - max(1, total // 100), (same, total)
 
 
+CHUNKED_KINDS = [  # what the chunked sampler takes: top-k up to 128 (top-p, min-p on it), temperature, min-p
+    dict(temperature=1.0, top_k=64, top_p=0.95),
+    dict(temperature=0.8, top_k=50),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=1.0, top_k=128, top_p=0.9, min_p=0.01),
+    dict(temperature=0.8),
+    dict(temperature=1.2, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_sample_matches_the_sort_over_gemma_vocabulary(rows, dtype):
+    """The chunked sampler on the device (its Philox noise drawn in place) against the sampler's torch masks
+    and sort on the CPU reference's noise, over Gemma 4's 262,144 ids, flat to peaked logits: the same token
+    in all but a few rows (the two paths round the top-p mass and the race's ratios differently), each drawn
+    token kept by the torch filters, and with top-k scoring at least the row's k-th best."""
+    from g4serve.kernels.chunked_sample import chunked_sample
+    from g4serve.kernels.philox import exponential_noise_reference
+    from g4serve.layers.sampler import SamplingBatch, _top_k_top_p_min_p
+    from g4serve.sampling_params import SamplingParams
+
+    vocab, trials = 262144, 6
+    gen = torch.Generator(device="cuda").manual_seed(rows + 7)
+    params = [SamplingParams(**CHUNKED_KINDS[i % len(CHUNKED_KINDS)]) for i in range(rows)]
+    b = SamplingBatch.build(params, list(range(rows)), vocab, "cuda", positions=[3] * rows)
+    assert b.chunk_top_k is not None
+    same = total = 0
+    for trial in range(trials):
+        b.positions += 1  # fresh noise a trial
+        logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * (0.5 + trial)).to(dtype)
+        got = chunked_sample(
+            logits, b.temperature, b.min_p, b.seeds, b.positions, b.top_k, b.top_p, b.chunk_top_k
+        )
+        noise = exponential_noise_reference(b.seeds, b.positions, vocab)
+        scaled = logits.float() / b.temperature.unsqueeze(1)
+        kept = _top_k_top_p_min_p(scaled, b)
+        want = (kept.softmax(dim=-1) / noise).argmax(dim=-1)
+        assert torch.isfinite(kept.gather(1, got.unsqueeze(1))).all()
+        ks = b.top_k.clamp(min=1).tolist()
+        kth = torch.stack([scaled[r].topk(ks[r]).values[-1] for r in range(rows)])
+        has_k = b.top_k > 0
+        assert (scaled.gather(1, got.unsqueeze(1)).squeeze(1)[has_k] >= kth[has_k]).all()
+        same += int((got == want).sum())
+        total += rows
+    assert same >= total - max(1, total // 100), (same, total)
+
+
 def test_pixel_rescale_on_cuda_equals_the_cpu_processor():
     """The engine uploads uint8 patches and rescales them on the device: every byte value must give the
     float32 the CPU processor gives, for images (multiply) and video frames (division)."""

@@ -97,3 +97,22 @@ def test_kernel_compiles_for_sm90(monkeypatch):
     )
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs)
+
+
+def test_every_word_gives_positive_finite_noise():
+    """The race divides by the noise: a draw of 0 (or -0.0) makes p / q infinite, or NaN where p is 0 (a token
+    masked out), and ``argmax`` picks NaN. With 24 bits and +0.5 the largest word rounded to u = 1.0 in fp32
+    (-log 1 = -0.0): one row in ~64 at Gemma's 262,144 tokens held such a token each step. Every word maps
+    strictly inside (0, 1), in the reference and in the kernel's formula."""
+    words = torch.tensor([0, 1, 255, 256, 511, 2**31, 2**32 - 512, 2**32 - 257, 2**32 - 256, 2**32 - 1])
+    noise = philox.noise_from_words(words)
+    assert (noise > 0).all() and torch.isfinite(noise).all()
+    assert noise[-1] < noise[-5] < noise[0]  # larger words, smaller noise
+    seeds = torch.zeros(1, dtype=torch.int64)
+    kernel_words = torch.empty(1, 4 * philox.BLOCK)
+    grid = (1, 4)
+    philox._exponential_noise[torch.device("cpu")][grid](
+        seeds, torch.zeros(1, dtype=torch.int64), kernel_words, 4 * philox.BLOCK, kernel_words.stride(0),
+        BLOCK=philox.BLOCK,
+    )  # fmt: skip
+    assert (kernel_words > 0).all()

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from g4serve import envs
+from g4serve.kernels._launch import next_pow2
+from g4serve.kernels.chunked_sample import MAX_TOP_K as CHUNK_MAX_TOP_K
+from g4serve.kernels.chunked_sample import chunked_sample
 from g4serve.kernels.philox import exponential_noise
 from g4serve.kernels.top_p_sample import top_p_sample
 from g4serve.sampling_params import SamplingParams
@@ -47,6 +50,10 @@ class SamplingBatch:
     uses_top_p: bool = True
     uses_min_p: bool = True
     max_top_k: int | None = None  # the largest top-k if every sampled row sets one, else None
+    # The chunked sampler's top-k candidates (``kernels/chunked_sample.py``): the sampled rows' largest top-k
+    # rounded up to a power of two, 0 when none sets one; None when a row is not for it (top-k past its
+    # MAX_TOP_K, or top-p without a top-k).
+    chunk_top_k: int | None = None
 
     @classmethod
     def build(
@@ -89,6 +96,7 @@ class SamplingBatch:
             uses_top_p=any(p.top_p < 1 for p in params),
             uses_min_p=any(p.min_p > 0 for p in params),
             max_top_k=_max_top_k(params),
+            chunk_top_k=_chunk_top_k(params, vocab_size),
         )
         if any(p.logit_bias for p in params):
             batch.logit_bias = _logit_bias(params, vocab_size, device)
@@ -163,6 +171,19 @@ def _max_top_k(params: list[SamplingParams]) -> int | None:
     return max(p.top_k for p in sampled) if sampled and all(p.top_k > 0 for p in sampled) else None
 
 
+def _chunk_top_k(params: list[SamplingParams], vocab_size: int) -> int | None:
+    """``SamplingBatch.chunk_top_k`` of these rows."""
+    largest = 0
+    for p in params:
+        if p.greedy:
+            continue
+        k = p.top_k if 0 < p.top_k < vocab_size else 0
+        if k > CHUNK_MAX_TOP_K or (k == 0 and p.top_p < 1):
+            return None
+        largest = max(largest, k)
+    return next_pow2(largest) if largest else 0
+
+
 # A row's top-k candidates come from ``torch.topk`` instead of a sort of the whole vocabulary when every
 # sampled row of the batch limits top-k to at most this many tokens.
 MAX_TOPK_CANDIDATES = 1024
@@ -175,6 +196,9 @@ SORT_FREE_TOP_P = True
 # candidates): off, since on an H200 it was slower than torch.topk (1.39 against 0.97 ms at one row with
 # top-k 50; bench/sampler.py, "sort-free" rows).
 SORT_FREE_TOP_K = envs.get("G4SERVE_SORT_FREE_TOP_K") == "1"
+# CUDA batches that ``SamplingBatch.chunk_top_k`` admits sample over vocabulary chunks
+# (kernels/chunked_sample.py).
+CHUNKED_SAMPLING = envs.get("G4SERVE_CHUNKED_SAMPLING") == "1"
 
 
 def _candidates(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -233,9 +257,22 @@ def _race(scaled: torch.Tensor, b: SamplingBatch, noise: torch.Tensor) -> torch.
     return ids.gather(1, winner).squeeze(1)
 
 
+def _sample_rows(logits: torch.Tensor, temp: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The race over fp32 ``logits`` with the batch's [B, V] noise: the one-program-a-row kernel on CUDA, the
+    torch masks (or the top-k candidates) elsewhere."""
+    noise = exponential_noise(b.seeds, b.positions, logits.shape[-1])
+    if logits.is_cuda and SORT_FREE_TOP_P and (SORT_FREE_TOP_K or not b.uses_top_k):
+        # Temperature, top-k, top-p and min-p in one kernel that searches the kept set instead of sorting.
+        top_k = b.top_k if b.uses_top_k else None
+        return top_p_sample(logits, temp, b.top_p, b.min_p, noise, top_k=top_k)
+    return _race(logits / temp.unsqueeze(1), b, noise)
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """``logits`` [B, V] (any float dtype) -> one token per row."""
-    logits = logits.float()
+    chunked = logits.is_cuda and CHUNKED_SAMPLING and not b.all_greedy and b.chunk_top_k is not None
+    if not chunked or b.output_counts is not None or b.logit_bias is not None or b.allowed is not None:
+        logits = logits.float()  # (the chunked kernels read the model's dtype as it is)
     raw = logits
     if b.output_counts is not None:
         logits = _apply_penalties(logits, b)
@@ -248,17 +285,18 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        noise = exponential_noise(b.seeds, b.positions, logits.shape[-1])
-        if logits.is_cuda and SORT_FREE_TOP_P and (SORT_FREE_TOP_K or not b.uses_top_k):
-            # Temperature, top-k, top-p and min-p in one kernel that searches the kept set instead of sorting.
-            top_k = b.top_k if b.uses_top_k else None
-            sampled = top_p_sample(logits, temp, b.top_p, b.min_p, noise, top_k=top_k)
+        if chunked:
+            # Many programs a row, the noise drawn in place: no [B, V] noise or float copy through memory.
+            top_k = b.top_k if b.chunk_top_k else None
+            sampled = chunked_sample(
+                logits, temp, b.min_p, b.seeds, b.positions, top_k, b.top_p, b.chunk_top_k or 0
+            )
         else:
-            sampled = _race(logits / temp.unsqueeze(1), b, noise)
+            sampled = _sample_rows(logits, temp, b)
         tokens = torch.where(b.temperature > 0, sampled, greedy_tokens)
     if b.num_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
-    logprobs = raw.log_softmax(dim=-1)
+    logprobs = raw.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_ids = top_vals = None
     if b.num_logprobs > 0:
