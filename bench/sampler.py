@@ -18,6 +18,7 @@ writes JSON (device, versions, commit) to bench/results/.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import sys
@@ -114,6 +115,28 @@ def time_kernel(logits: torch.Tensor, reps: int, block: int) -> float:
     return statistics.median(times)
 
 
+def time_chunked(logits: torch.Tensor, reps: int, chunk: int, top_k: int) -> float:
+    """Median ms of ``chunked_sample`` alone (temperature 1.0, top-k ``top_k`` with top-p 0.95, or temperature
+    alone at 0) with ``chunk`` logits a program, timed with CUDA events around each call."""
+    from g4serve.kernels.chunked_sample import chunked_sample
+
+    batch, dev = logits.shape[0], logits.device
+    ones, zeros = torch.ones(batch, device=dev), torch.zeros(batch, device=dev)
+    ints = torch.arange(batch, device=dev)
+    top_k_rows = torch.full((batch,), top_k, device=dev)
+    top_p = torch.full((batch,), 0.95 if top_k else 1.0, device=dev)
+    times = []
+    for rep in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        chunked_sample(logits, ones, zeros, ints, ints, top_k_rows, top_p, top_k, chunk=chunk)
+        end.record()
+        end.synchronize()
+        if rep >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -128,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         help="also time the top-p kernel alone (CUDA events) at these block sizes",
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the chunked sampler alone (CUDA events) at these chunk sizes, top-k 64 and none",
     )
     p.add_argument(
         "--dtype", default="bfloat16", help="the logits' dtype (the model's, as the engine hands them)"
@@ -157,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             ms = time_kernel(logits, args.reps, block)
             rows.append({"batch": batch, "setting": f"top_p_sample kernel alone, block {block}", "ms": ms})
             print(f"B={batch:3d} kernel block {block:6d}    {ms:8.3f} ms", flush=True)
+        for chunk, top_k in itertools.product(args.chunks if device.type == "cuda" else [], (64, 0)):
+            ms = time_chunked(logits, args.reps, chunk, top_k)
+            name = f"chunked_sample alone, chunk {chunk}, top_k {top_k}"
+            rows.append({"batch": batch, "setting": name, "ms": ms})
+            print(f"B={batch:3d} {name:34s} {ms:8.3f} ms", flush=True)
 
     result = {
         "benchmark": "sampler",

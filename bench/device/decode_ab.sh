@@ -9,7 +9,7 @@
 # sampled_onerow (the same without the chunked sampler), tempered and tempered_onerow (temperature 1.0 alone,
 # with and without it), sampled_base and skinny_base (the same on the sources in BASE_SRC, an untracked copy
 # of an older src/: `git archive <rev> src | tar -x -C .ab-base`, carried; BASE_SRC=.ab-base/src), sampler
-# (bench/sampler.py), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
+# (bench/sampler.py SAMPLER_ARGS), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
 # RUN_GEMV=0 skips the kernel table.
 #   run(command="G4SERVE_GIT_COMMIT=<git rev-parse HEAD> bash bench/device/decode_ab.sh", carry=[".whl"])
 # Everything lands in $OUT/decode_ab.tgz; the tables are in $OUT/summary.md.
@@ -72,7 +72,8 @@ sync() {
     --no-async-scheduling --out "$RES" --tag=-sync
 }
 sampler() {
-  run sampler 120 python3 bench/sampler.py --reps 20 --out-dir "$RES"
+  # shellcheck disable=SC2086  # SAMPLER_ARGS: several words
+  run sampler 120 python3 bench/sampler.py --reps 20 ${SAMPLER_ARGS:-} --out-dir "$RES"
 }
 vision() {
   run vision 120 python3 bench/vision_encoder.py --model "$PRESET" --device cuda --frames 6 --size 854x480 \
