@@ -40,6 +40,19 @@ CHUNK = 4096  # logits a program scans (262,144 / 4,096 = 64 programs a row)
 MAX_TOP_K = 128  # the largest top-k the chunks' candidates serve
 
 
+@triton.jit
+def _row_max(ChunkMax, row, S, S_POW2: tl.constexpr):
+    """The row's max scaled logit, from its chunks' maxima."""
+    s_offs = tl.arange(0, S_POW2)
+    return tl.max(tl.load(ChunkMax + row * S + s_offs, mask=s_offs < S, other=float("-inf")), 0)
+
+
+@triton.jit
+def _scaled(Logits, row, stride_l, idx, V, inv_t):
+    """The row's logits at ``idx`` (-inf past the vocabulary) in fp32, times 1 / temperature."""
+    return tl.load(Logits + row * stride_l + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+
+
 def _chunk_scan_fn(
     Logits, Temperature, ChunkMax, Cands, V, stride_l, S,
     HAS_TOP_K: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
@@ -47,16 +60,10 @@ def _chunk_scan_fn(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     idx = chunk * C + tl.arange(0, C)
-    inv_t = 1.0 / tl.load(Temperature + row)
-    x = tl.load(Logits + row * stride_l + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+    x = _scaled(Logits, row, stride_l, idx, V, 1.0 / tl.load(Temperature + row))
     tl.store(ChunkMax + row * S + chunk, tl.max(x, 0))
     if HAS_TOP_K:
         tl.store(Cands + (row * S + chunk) * K + tl.arange(0, K), tl.topk(x, K))
-
-
-@triton.jit
-def _scaled(Logits, row, stride_l, idx, V, inv_t):
-    return tl.load(Logits + row * stride_l + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
 
 
 def _row_floor_fn(
@@ -75,8 +82,7 @@ def _row_floor_fn(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    s_offs = tl.arange(0, S_POW2)
-    x_max = tl.max(tl.load(ChunkMax + row * S + s_offs, mask=s_offs < S, other=float("-inf")), 0)
+    x_max = _row_max(ChunkMax, row, S, S_POW2)
     k = tl.load(TopK + row)
     floor = tl.full([], float("-inf"), tl.float32)
     if (k > 0) & (k < V):
@@ -127,8 +133,7 @@ def _chunk_race_fn(
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    s_offs = tl.arange(0, S_POW2)
-    x_max = tl.max(tl.load(ChunkMax + row * S + s_offs, mask=s_offs < S, other=float("-inf")), 0)
+    x_max = _row_max(ChunkMax, row, S, S_POW2)
     idx = chunk * C + tl.arange(0, C)
     valid = idx < V
     x = _scaled(Logits, row, stride_l, idx, V, 1.0 / tl.load(Temperature + row))
