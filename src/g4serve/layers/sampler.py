@@ -50,6 +50,7 @@ class SamplingBatch:
     uses_top_p: bool = True
     uses_min_p: bool = True
     max_top_k: int | None = None  # the largest top-k if every sampled row sets one, else None
+    any_greedy: bool = True  # some row takes the argmax (temperature 0)
     # The chunked sampler's top-k candidates (``kernels/chunked_sample.py``): the sampled rows' largest top-k
     # rounded up to a power of two, 0 when none sets one; None when a row is not for it (top-k past its
     # MAX_TOP_K, or top-p without a top-k).
@@ -96,6 +97,7 @@ class SamplingBatch:
             uses_top_p=any(p.top_p < 1 for p in params),
             uses_min_p=any(p.min_p > 0 for p in params),
             max_top_k=_max_top_k(params),
+            any_greedy=any(p.greedy for p in params),
             chunk_top_k=_chunk_top_k(params, vocab_size),
         )
         if any(p.logit_bias for p in params):
@@ -280,9 +282,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         logits = logits + b.logit_bias
     if b.allowed is not None:
         logits = logits.masked_fill(~b.allowed, float("-inf"))
-    greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(dim=-1)
     else:
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
         if chunked:
@@ -293,7 +294,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             )
         else:
             sampled = _sample_rows(logits, temp, b)
-        tokens = torch.where(b.temperature > 0, sampled, greedy_tokens)
+        # (no argmax pass over the vocabulary when every row samples)
+        tokens = torch.where(b.temperature > 0, sampled, logits.argmax(dim=-1)) if b.any_greedy else sampled
     if b.num_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
     logprobs = raw.float().log_softmax(dim=-1)
