@@ -6,8 +6,8 @@
 # rows64 (the skinny kernel up to 8 or 64 rows, cuBLAS beyond), nopdl (no
 # programmatic dependent launch, G4SERVE_PDL=0), sync (no async scheduling: every step read back before the next
 # is launched), sampled (decode requests sampling with SAMPLING_ARGS, default temperature 0.8 and top-p 0.9),
-# sampled_onerow (the same without the chunked sampler), tempered and tempered_onerow (temperature 1.0 alone,
-# with and without it), sampled_base and skinny_base (the same on the sources in BASE_SRC, an untracked copy
+# sampled_chunked and sampled_onerow (the same with and without the chunked sampler), tempered and
+# tempered_onerow (temperature 1.0 alone, with and without it), sampled_base and skinny_base (the same on the sources in BASE_SRC, an untracked copy
 # of an older src/: `git archive <rev> src | tar -x -C .ab-base`, carried; BASE_SRC=.ab-base/src), sampler
 # (bench/sampler.py SAMPLER_ARGS), vision (bench/vision_encoder.py --profile, 6 frames of 480p).
 # RUN_GEMV=0 skips the kernel table.
@@ -57,11 +57,14 @@ sampled() {  # decode requests that sample (SAMPLING_ARGS) instead of taking the
 sampled_base() {  # the same against the sources in BASE_SRC (e.g. an older commit's src/, from git archive)
   PYTHONPATH="$BASE_SRC:$PYTHONPATH" sampled -base
 }
-sampled_onerow() {  # the same with the chunked sampler off (G4SERVE_CHUNKED_SAMPLING=0)
+sampled_chunked() {  # the same with the chunked sampler on (G4SERVE_CHUNKED_SAMPLING=1) or off
+  G4SERVE_CHUNKED_SAMPLING=1 sampled -chunked
+}
+sampled_onerow() {
   G4SERVE_CHUNKED_SAMPLING=0 sampled -onerow
 }
 tempered() {  # decode requests at temperature 1.0 alone (the OpenAI API's default), chunked sampler on / off
-  SAMPLING_ARGS="--temperature 1.0" sampled -temperature
+  G4SERVE_CHUNKED_SAMPLING=1 SAMPLING_ARGS="--temperature 1.0" sampled -temperature
 }
 tempered_onerow() {
   G4SERVE_CHUNKED_SAMPLING=0 SAMPLING_ARGS="--temperature 1.0" sampled -temperature-onerow
