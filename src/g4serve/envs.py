@@ -89,8 +89,8 @@ VARIABLES: tuple[Variable, ...] = (
         "0",
         "`1`: CUDA batches whose sampled rows set a top-k of at most 128 (top-p and min-p on top of it) or "
         "no top-k and no top-p sample over vocabulary chunks, many programs a row "
-        "(`kernels/chunked_sample.py`; off until timed on a GPU); `0`: `torch.topk` and the one-program-a-row "
-        "kernel",
+        "(`kernels/chunked_sample.py`; off until timed on a GPU); `0`: `torch.topk` and the "
+        "one-program-a-row kernel",
         ("0", "1"),
     ),
     Variable(
