@@ -12,8 +12,9 @@ bench/results/.
     python bench/gemv_kernels.py --rows 1 8 --sweep
     python bench/gemv_kernels.py --rows 64 32 16 8 --sweep --compile-workers 14
 
-``--sweep`` at 9-64 rows searches the swapped tiles (the weight as the warpgroup MMA's M side, ``SWAP_TILES``)
-unsplit and split K; ``--compile-workers`` compiles the sweep's kernels in parallel processes first.
+``--sweep`` at 9-64 rows searches the swapped tiles (the weight as the warpgroup MMA's M side, ``SWAP_TILES``;
+past 16 rows also ``SWAP_WIDE_TILES``, 128 or 256 weight rows at 8 warps) unsplit and split K;
+``--compile-workers`` compiles the sweep's kernels in parallel processes first.
 
 ``--quant PRESET`` (a ``--quantization`` preset: fp8, fp8-block, w4a16, w4a16-g32) times the quantized-weight
 GEMM (kernels/quant_matmul.py) instead, with its default tiles, on weights quantized from random bf16 by
