@@ -17,7 +17,7 @@ set -uo pipefail
 PRESET=${PRESET:-e4b} GEMV_ARGS=${GEMV_ARGS:-} RUN_GPU_TESTS=${RUN_GPU_TESTS:-1}
 BATCHES=${BATCHES:-1,8,32,64} OUT=${OUT:-/tmp/out} PROFILE_BATCHES=${PROFILE_BATCHES:-1}
 ORDER=${ORDER:-skinny cublas} RUN_GEMV=${RUN_GEMV:-1}
-RES=/tmp/res-ab
+RES=${RES:-/tmp/res-ab}  # (under $OUT: the logs come back even if the call is cut)
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
