@@ -7,7 +7,9 @@ token, drawn for the whole batch in one launch. So a seeded request stays reprod
 the batch, on either device and under speculative decoding; unseeded rows get a fresh random seed per step
 (from torch's default generator: ``torch.manual_seed`` makes them repeatable too). On CUDA, batches without
 top-k take temperature, top-p and min-p in one kernel (``kernels/top_p_sample.py``) that returns the same
-token as masking and racing here, without sorting the vocabulary.
+token as masking and racing here, without sorting the vocabulary; with ``G4SERVE_CHUNKED_SAMPLING=1``, batches
+whose rows set a top-k of at most 128 (or no top-k and no top-p) sample over vocabulary chunks instead
+(``kernels/chunked_sample.py``: many programs a row, the noise drawn in place).
 """
 
 from __future__ import annotations
