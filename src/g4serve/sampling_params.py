@@ -19,6 +19,9 @@ class SamplingParamsError(ValueError):
 MAX_INT_PARAM = 2**31 - 1  # n, top_k, max_tokens, min_tokens, stop_token_ids
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_TEMPERATURE = 100.0  # the distribution is uniform long before this
+# Temperatures below this take the argmax, as vLLM's do: 1e-300 is 0 in fp32 and 1e-40's inverse overflows it
+# (logits / t are +-inf and the softmax NaN), and long before either the race is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -33,7 +36,7 @@ MAX_STOP_TOKEN_IDS = 1024
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or under GREEDY_BELOW_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
@@ -198,7 +201,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

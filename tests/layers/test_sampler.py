@@ -212,3 +212,20 @@ def test_logit_bias_shifts_only_its_rows_tokens():
 def test_logit_bias_is_validated(bias, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-12, 1e-6])
+def test_a_vanishing_temperature_draws_the_argmax(temperature):
+    """A temperature that passes validation ([0, 100]) but is too small for fp32 arithmetic: 1e-300 becomes 0
+    on the device (a sampled row read as greedy, or not), 1e-40 a subnormal whose inverse overflows (logits /
+    t are +-inf, the softmax NaN, and the race drew token 0). Such a row takes the argmax, as vLLM treats
+    temperatures under 1e-5, whatever else shares its batch."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    want = logits.argmax(dim=-1)
+    for others in ([], [SamplingParams(temperature=0)], [SamplingParams(temperature=1.0, top_k=5)]):
+        rows = [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, top_p=0.9)]
+        rows += others
+        batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
+        tokens = sample(logits[: len(rows)].clone(), batch).token_ids
+        assert torch.equal(tokens[:2], want[:2]), (temperature, others)

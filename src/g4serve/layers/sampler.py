@@ -78,7 +78,7 @@ class SamplingBatch:
         positions = positions if positions is not None else [0] * len(params)
         # seeds as two 32-bit words: every column is exact in fp64
         columns = [
-            [p.temperature, p.top_k, p.top_p, p.min_p, key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF, pos]
+            [0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, key & 0xFFFFFFFF, key >> 32, pos]
             for p, key, pos in zip(params, keys, positions)
         ]
         if penalties:
