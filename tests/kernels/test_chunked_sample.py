@@ -52,6 +52,7 @@ PARAMS = [
     SamplingParams(temperature=1.0, top_k=8, top_p=0.95, min_p=0.05),
     SamplingParams(temperature=1.0, top_k=8, top_p=0.05),  # about the top token only
     SamplingParams(temperature=1.2, min_p=0.1),
+    SamplingParams(temperature=1.0, top_k=8, top_p=1e-300),  # 0 in fp32: the best token alone
 ]
 
 

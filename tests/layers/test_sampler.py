@@ -229,3 +229,18 @@ def test_a_vanishing_temperature_draws_the_argmax(temperature):
         batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
         tokens = sample(logits[: len(rows)].clone(), batch).token_ids
         assert torch.equal(tokens[:2], want[:2]), (temperature, others)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-30])
+def test_a_vanishing_top_p_keeps_the_best_token(top_p):
+    """top_p in (0, 1] passes validation, but 1e-300 is 0 in fp32 (1e-45 a subnormal): a budget of 0 dropped
+    even the best token, and the race over nothing drew token 0. The best token always stays."""
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    rows = [
+        SamplingParams(temperature=1.0, top_p=top_p),
+        SamplingParams(temperature=0.5, top_k=20, top_p=top_p),
+        SamplingParams(temperature=1.0, top_p=top_p, min_p=0.5),
+    ]
+    batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
+    assert torch.equal(sample(logits.clone(), batch).token_ids, logits.argmax(dim=-1))

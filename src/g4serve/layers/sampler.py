@@ -78,7 +78,15 @@ class SamplingBatch:
         positions = positions if positions is not None else [0] * len(params)
         # seeds as two 32-bit words: every column is exact in fp64
         columns = [
-            [0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, key & 0xFFFFFFFF, key >> 32, pos]
+            [
+                0.0 if p.greedy else p.temperature,
+                p.top_k,
+                max(p.top_p, MIN_TOP_P),
+                p.min_p,
+                key & 0xFFFFFFFF,
+                key >> 32,
+                pos,
+            ]
             for p, key, pos in zip(params, keys, positions)
         ]
         if penalties:
@@ -187,6 +195,11 @@ def _chunk_top_k(params: list[SamplingParams], vocab_size: int) -> int | None:
         largest = max(largest, k)
     return next_pow2(largest) if largest else 0
 
+
+# The device's floor under top_p: a validated top_p (in (0, 1]) as small as 1e-300 is 0 in fp32 (and a
+# subnormal may be flushed to 0), a budget that would drop even the best token. Any top_p below the best
+# token's probability keeps that token alone, as this does (it is at least 1 / vocabulary, far above).
+MIN_TOP_P = 1e-30
 
 # A row's top-k candidates come from ``torch.topk`` instead of a sort of the whole vocabulary when every
 # sampled row of the batch limits top-k to at most this many tokens.
