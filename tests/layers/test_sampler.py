@@ -244,3 +244,14 @@ def test_a_vanishing_top_p_keeps_the_best_token(top_p):
     ]
     batch = SamplingBatch.build(rows, [None] * len(rows), VOCAB, "cpu")
     assert torch.equal(sample(logits.clone(), batch).token_ids, logits.argmax(dim=-1))
+
+
+def test_a_vanishing_repetition_penalty_stays_finite():
+    """repetition_penalty in (0, 100] passes validation, but 1e-300 is 0 in fp32: the seen tokens' logits
+    divided by it were +inf (their softmax NaN, the race's draw token 0; the argmax the first +inf id). The
+    seen token scoring highest wins, as it does for any penalty small enough."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5], logits[:, 9], logits[:, 40] = 1.0, 2.0, 30.0  # 40, unseen, leads before the penalty
+    params = [SamplingParams(temperature=t, repetition_penalty=1e-300) for t in (0.0, 1.0)]
+    b = SamplingBatch.build(params, [None] * 2, VOCAB, "cpu", output_tokens=[[5, 9], [5, 9]])
+    assert sample(logits.clone(), b).token_ids.tolist() == [9, 9]

@@ -91,7 +91,11 @@ class SamplingBatch:
         ]
         if penalties:
             for row, p in zip(columns, params):
-                row += [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+                row += [
+                    max(p.repetition_penalty, MIN_REPETITION_PENALTY),
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                ]
         packed = to_device(columns, torch.float64, device)  # fp64: top_k and the fp32 values exactly
         batch = cls(
             temperature=packed[:, 0].float(),
@@ -200,6 +204,9 @@ def _chunk_top_k(params: list[SamplingParams], vocab_size: int) -> int | None:
 # subnormal may be flushed to 0), a budget that would drop even the best token. Any top_p below the best
 # token's probability keeps that token alone, as this does (it is at least 1 / vocabulary, far above).
 MIN_TOP_P = 1e-30
+# And under the repetition penalty (in (0, 100]): 1e-300 is 0 in fp32, and the seen tokens' logits divided by
+# it were +inf. At 1e-30 they stay finite (|logit| < 1e8) and the best seen token still wins.
+MIN_REPETITION_PENALTY = 1e-30
 
 # A row's top-k candidates come from ``torch.topk`` instead of a sort of the whole vocabulary when every
 # sampled row of the batch limits top-k to at most this many tokens.
