@@ -102,7 +102,7 @@ def time_kernel(logits: torch.Tensor, reps: int, block: int) -> float:
 
     batch = logits.shape[0]
     temp, top_p, min_p = (torch.full((batch,), v, device=logits.device) for v in (0.8, 0.9, 0.0))
-    noise = torch.empty_like(logits).exponential_()
+    noise = torch.empty(logits.shape, device=logits.device).exponential_()  # fp32, as the sampler draws it
     times = []
     for rep in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
