@@ -10,12 +10,12 @@ vocabulary instead. Here the row is cut into chunks of ``CHUNK`` logits, a progr
 1. ``_chunk_scan``: each chunk's max of the scaled logits (x = logit / temperature) and, with top-k, its K
    best values (``tl.topk``, K the batch's largest k rounded up to a power of two): the row's K best values
    are among the chunks' K best, as a multiset (ties included);
-2. ``_row_floor`` (top-k only), a program a row: the k-th best value t_k from the chunks' candidates; the
-   mass of the top-k set, exp(x - x_max) summed over the tokens scoring at least t_k (the tokens above t_k
-   are all candidates; those equal to it are counted over the row in the rare case they fill the candidates
-   to the end); then top-p over that set: a token is kept when the kept tokens scoring more than it hold less
-   than ``top_p`` of the set's mass (ties stay together, as in ``top_p_sample``). The row's floor is the
-   lowest kept value: the kept set is exactly the tokens scoring at least the floor;
+2. ``_row_floor`` (top-k only), a program a row: the k-th best value t_k from the chunks' candidates; with
+   top-p, the mass of the top-k set, exp(x - x_max) summed over the tokens scoring at least t_k (the tokens
+   above t_k are all candidates; those equal to it are counted over the row in the rare case they fill the
+   candidates to the end), then top-p over that set: a token is kept when the kept tokens scoring more than
+   it hold less than ``top_p`` of the set's mass (ties stay together, as in ``top_p_sample``). The row's
+   floor is the lowest kept value: the kept set is exactly the tokens scoring at least the floor;
 3. ``_chunk_race``: each chunk's race winner among the tokens at or above the floor and above the min-p cut
    (e = exp(x - x_max) >= min_p), with the noise drawn in place (``philox.exponential_draws``: the same
    draws ``exponential_noise`` writes, keyed by seed, position and token);
@@ -82,7 +82,6 @@ def _row_floor_fn(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_max = _row_max(ChunkMax, row, S, S_POW2)
     k = tl.load(TopK + row)
     floor = tl.full([], float("-inf"), tl.float32)
     if (k > 0) & (k < V):
@@ -91,22 +90,22 @@ def _row_floor_fn(
         v = tl.topk(cands, K)  # the row's K best values, best first
         ranks = tl.arange(0, K)
         t_k = tl.max(tl.where(ranks == k - 1, v, float("-inf")), 0)
-        e = tl.exp(v - x_max)
-        mass = tl.sum(tl.where(v > t_k, e, 0.0), 0)
-        ties = tl.sum((v == t_k).to(tl.int32), 0)
-        last = tl.min(v, 0)
-        if (last == t_k) & (K < V):  # ties may run past the candidates: count them over the row
-            inv_t = 1.0 / tl.load(Temperature + row)
-            count = tl.zeros([BLOCK], tl.int32)
-            for start in range(0, V, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                count += (_scaled(Logits, row, stride_l, idx, V, inv_t) == t_k).to(tl.int32)
-            ties = tl.sum(count, 0)
-        if t_k > float("-inf"):
-            mass += ties.to(tl.float32) * tl.exp(t_k - x_max)
         floor = t_k
         top_p = tl.load(TopP + row)
-        if top_p < 1.0:
+        if top_p < 1.0:  # the top-k set's mass is top-p's budget; top-k alone needs only t_k
+            x_max = _row_max(ChunkMax, row, S, S_POW2)
+            e = tl.exp(v - x_max)
+            mass = tl.sum(tl.where(v > t_k, e, 0.0), 0)
+            ties = tl.sum((v == t_k).to(tl.int32), 0)
+            if (tl.min(v, 0) == t_k) & (K < V):  # ties may run past the candidates: count them over the row
+                inv_t = 1.0 / tl.load(Temperature + row)
+                count = tl.zeros([BLOCK], tl.int32)
+                for start in range(0, V, BLOCK):
+                    idx = start + tl.arange(0, BLOCK)
+                    count += (_scaled(Logits, row, stride_l, idx, V, inv_t) == t_k).to(tl.int32)
+                ties = tl.sum(count, 0)
+            if t_k > float("-inf"):
+                mass += ties.to(tl.float32) * tl.exp(t_k - x_max)
             # the mass of the candidates scoring strictly more than each candidate
             above = tl.sum(tl.where(v[None, :] > v[:, None], e[None, :], 0.0), 1)
             kept = (v >= t_k) & (above < top_p * mass)
