@@ -74,7 +74,8 @@ class SamplingBatch:
         each row samples (default 0), so a request's token t always races on the same noise."""
         # Called after the forward was launched: every host value goes in one copy that does not wait for it.
         penalties = any(p.has_penalties for p in params)
-        keys = _noise_keys(seeds, all(p.greedy for p in params))
+        greedy = [p.greedy for p in params]
+        keys = _noise_keys(seeds, all(greedy))
         positions = positions if positions is not None else [0] * len(params)
         # seeds as two 32-bit words: every column is exact in fp64
         columns = [
@@ -104,14 +105,14 @@ class SamplingBatch:
             min_p=packed[:, 3].float(),
             seeds=packed[:, 4].long() | (packed[:, 5].long() << 32),
             positions=packed[:, 6].long(),
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=all(greedy),
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             allowed=allowed,
             uses_top_k=any(0 < p.top_k < vocab_size for p in params),
             uses_top_p=any(p.top_p < 1 for p in params),
             uses_min_p=any(p.min_p > 0 for p in params),
             max_top_k=_max_top_k(params),
-            any_greedy=any(p.greedy for p in params),
+            any_greedy=any(greedy),
             chunk_top_k=_chunk_top_k(params, vocab_size),
         )
         if any(p.logit_bias for p in params):
