@@ -194,13 +194,18 @@ def _busy_intervals(
     return {k: _union([(start, end) for start, end, _ in v]) for k, v in by_stream.items()}
 
 
+def _busy_us(unions: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Each stream's busy time (us), from its busy intervals: what ranks the streams."""
+    return {k: sum(end - start for start, end in u) for k, u in unions.items()}
+
+
 def device_streams(trace: dict) -> dict:
     """The device's work by CUDA stream: each stream's kernels (and copies), the time it was busy (their
     union) and the time it ran beside the busiest stream (with ``--overlap-encoder``: how much of the side
     stream's encodes ran under the steps' work)."""
     by_stream = _device_work(trace)
     unions = _busy_intervals(by_stream)
-    busy = {k: sum(end - start for start, end in u) for k, u in unions.items()}
+    busy = _busy_us(unions)
     main = max(busy, key=busy.get, default=None)
     return {
         k: {
@@ -222,7 +227,7 @@ def kernel_chain(trace: dict) -> dict[str, dict[str, float]]:
     by_stream = _device_work(trace)
     if not by_stream:
         return {}
-    busy = {k: sum(end - start for start, end in u) for k, u in _busy_intervals(by_stream).items()}
+    busy = _busy_us(_busy_intervals(by_stream))
     events = sorted(by_stream[max(busy, key=busy.get)])
     chain: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0, "chain_us": 0.0, "own_us": 0.0})
     reached = events[0][0]
