@@ -5,22 +5,31 @@
 # set, the kernel benches beside it: GEMV_PRESET (bench/gemv_kernels.py --sweep at GEMV_ROWS, default "8 16"),
 # GEMV_RUNS (PRESET:ROWS[:sweep] each, ROWS comma-separated: bench/gemv_kernels.py at those rows, the sweep
 # compiled on 14 processes where named) and MOE_QUANT (bench/moe_kernels.py --quant MOE_QUANT --groups
-# MOE_GROUPS at MOE_TOKENS: the quantized experts' block in each tile order). GPU_TESTS (paths; -k
-# GPU_TESTS_K) run first. RUNS= skips the engine.
+# MOE_GROUPS at MOE_TOKENS: the quantized experts' block in each tile order) and TAIL_ARGS
+# (bench/decode_tail.py TAIL_ARGS: the persistent decode tail against the separate launches; with BASE_SRC, an
+# untracked older src/ from `git archive <rev> src | tar -x -C .ab-base` (carried), the same on those sources
+# first). GPU_TESTS (paths; -k GPU_TESTS_K) run first. RUNS= skips the engine.
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/decode_profile.sh", carry=[".whl"])
 # Results: $OUT/decode_profile.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
 RUNS=${RUNS-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24}
 GEMV_PRESET=${GEMV_PRESET:-} GEMV_ROWS=${GEMV_ROWS:-8 16} GEMV_RUNS=${GEMV_RUNS:-}
 GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
-MOE_QUANT=${MOE_QUANT:-} MOE_GROUPS=${MOE_GROUPS:-0 2 4} MOE_TOKENS=${MOE_TOKENS:-1024 4096} OUT=${OUT:-/tmp/out}
-RES=/tmp/res-decode-profile
+TAIL_ARGS=${TAIL_ARGS:-} BASE_SRC=${BASE_SRC:-} MOE_QUANT=${MOE_QUANT:-} MOE_GROUPS=${MOE_GROUPS:-0 2 4} MOE_TOKENS=${MOE_TOKENS:-1024 4096} OUT=${OUT:-/tmp/out}
+RES=${RES:-/tmp/res-decode-profile}  # (under $OUT: the logs come back even if the call is cut)
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # shellcheck disable=SC2086  # GPU_TESTS: several paths
 [ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
+if [ -n "$TAIL_ARGS" ]; then
+  # shellcheck disable=SC2086  # TAIL_ARGS: several words
+  [ -n "$BASE_SRC" ] && PYTHONPATH="$BASE_SRC:$PYTHONPATH" run decode-tail-base "${TAIL_TIMEOUT:-150}" \
+    python3 bench/decode_tail.py $TAIL_ARGS --out-dir "$RES/tail-base"
+  # shellcheck disable=SC2086
+  run decode-tail "${TAIL_TIMEOUT:-150}" python3 bench/decode_tail.py $TAIL_ARGS --out-dir "$RES/tail"
+fi
 for spec in $RUNS; do
   IFS=: read -r preset variant batch <<< "$spec"
   run "$preset-$variant-b$batch" "${RUN_TIMEOUT:-180}" python3 bench/spec_decode.py --model "$preset" \

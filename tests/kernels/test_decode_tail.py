@@ -13,6 +13,7 @@ import torch
 import g4serve.kernels.decode_tail as decode_tail_module
 from g4serve.kernels.act_mul import act_mul_reference
 from g4serve.kernels.decode_tail import (
+    COUNTER_STRIDE,
     COUNTERS,
     PerLayerInput,
     TailWeights,
@@ -107,7 +108,7 @@ def test_matches_the_separate_ops_fp32(m, h, q, i, p, cfg, programs, with_ple, w
         torch.testing.assert_close(out2, ref2, atol=3e-5, rtol=3e-5)
     else:
         assert out2 is None
-    assert counters.tolist() == [0] * COUNTERS
+    assert counters.tolist() == [0] * (COUNTERS * COUNTER_STRIDE)
 
 
 def _rounded_reference(layer: Layer, act: str):
@@ -145,7 +146,7 @@ def test_a_second_launch_on_the_same_counters_computes_the_same():
     layer = Layer(4, 64, 32, 96, 16, torch.float32, seed=3)
     counters = new_counters("cpu")
     first = layer.fused("silu", counters, config=SMALL, programs=4)
-    assert counters.tolist() == [0] * COUNTERS
+    assert counters.tolist() == [0] * (COUNTERS * COUNTER_STRIDE)
     second = layer.fused("silu", counters, config=SMALL, programs=4)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
@@ -156,7 +157,7 @@ def test_refuses_what_it_is_not_built_for():
         layer.fused("silu", new_counters("cpu"))
     with pytest.raises(AssertionError):  # counters of another dtype
         Layer(2, 64, 32, 96, 16, torch.float32, seed=5).fused(
-            "silu", torch.zeros(COUNTERS, dtype=torch.int64)
+            "silu", torch.zeros(COUNTERS * COUNTER_STRIDE, dtype=torch.int64)
         )
 
 
@@ -181,7 +182,7 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, dims, dtype):
         return torch.empty(*shape, **meta)
 
     ple = PerLayerInput(t(p, h), t(h, p), t(m, 42, p)[:, 3], t(h)) if p else None
-    counters = torch.empty(COUNTERS, dtype=torch.int32, device="meta")
+    counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
     monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
     launches = _launches(
         monkeypatch,

@@ -57,15 +57,24 @@ from g4serve.kernels.rms_norm import fused_rms_norm_reference
 
 # tickets handed out; finished tasks of phases o, n1, a, b, n2, g, p, n3; programs gone
 COUNTERS = 10
-_COUNTERS = tl.constexpr(COUNTERS)  # the kernel's view of it (a jitted function reads constexpr globals only)
+# int32s between two counters: each on a 128-byte line of its own, so the programs spinning on one phase's
+# counter and the increments of the others (every task takes a ticket and counts itself done) do not queue
+# at the same L2 slice
+COUNTER_STRIDE = 32
+# the kernel's view of them (a jitted function reads constexpr globals only)
+_COUNTERS = tl.constexpr(COUNTERS)
+_STRIDE = tl.constexpr(COUNTER_STRIDE)
 
 
 @triton.jit
 def _wait_count(C, target):
-    """Spin until the counter at C reaches ``target`` (acquire), then let every thread of the program on."""
-    done = tl.atomic_add(C, 0, sem="acquire")
+    """Spin until the counter at C reaches ``target``, then let every thread of the program on. The spin
+    reads (volatile loads, which the L2 serves without its atomic unit); one acquire read-modify-write at the
+    end orders this program's later loads after the writes the counter published."""
+    done = tl.load(C, volatile=True)
     while done < target:
-        done = tl.atomic_add(C, 0, sem="acquire")
+        done = tl.load(C, volatile=True)
+    tl.atomic_add(C, 0, sem="acquire")
     tl.debug_barrier()
 
 
@@ -339,61 +348,64 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, H
         total = end_p + M
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    # each phase's count of finished tasks (C itself hands out the tickets)
+    Co, Cn1, Ca, Cb = C + 1 * _STRIDE, C + 2 * _STRIDE, C + 3 * _STRIDE, C + 4 * _STRIDE
+    Cn2, Cg, Cp, Cn3 = C + 5 * _STRIDE, C + 6 * _STRIDE, C + 7 * _STRIDE, C + 8 * _STRIDE
     task = tl.atomic_add(C, 1)
     while task < total:
         ticket = tl.atomic_add(C, 1)  # the next task, taken while this one runs
         if task < end_o:
             _gemm_task(
-                X, stride_x, Wo, Wo, 0, Yo, C, 0, C + 1, task, H, Q, offs_m, m_mask,
+                X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, task, H, Q, offs_m, m_mask,
                 0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
             )  # fmt: skip
         elif task < end_n1:
             _norm_task(
-                Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, C + 1, num_o, C + 2, task - end_o, H, eps,
+                Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, task - end_o, H, eps,
                 False, True, BLOCK_C, USE_PDL,
             )  # fmt: skip
         elif task < end_a:
             _gemm_task(
-                X1, H, Wgu, Wgu, 0, Inter, C + 2, M, C + 3, task - end_n1, INTER, H, offs_m, m_mask,
+                X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, task - end_n1, INTER, H, offs_m, m_mask,
                 1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
             )  # fmt: skip
         elif task < end_b:
             _gemm_task(
-                Inter, INTER, Wd, Wd, 0, Yd, C + 3, num_a, C + 4, task - end_a, H, INTER, offs_m, m_mask,
+                Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, task - end_a, H, INTER, offs_m, m_mask,
                 1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
             )  # fmt: skip
         elif task < end_n2:
             if HAS_PLE:  # h2, the input of the PLE phases
                 _norm_task(
-                    Yd, H1, H, NormF, NormF, Scale, H2, H2, C + 4, num_b, C + 5, task - end_b, H, eps,
+                    Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, task - end_b, H, eps,
                     False, False, BLOCK_C, USE_PDL,
                 )  # fmt: skip
             else:  # the layer's outputs
                 _norm_task(
-                    Yd, H1, H, NormF, NextW, Scale, Out, Out2, C + 4, num_b, C + 5, task - end_b, H, eps,
+                    Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, task - end_b, H, eps,
                     HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL,
                 )  # fmt: skip
         elif task < end_g:
             _gemm_task(
-                H2, H, Wpg, Pin, stride_p, G, C + 5, M, C + 6, task - end_n2, P, H, offs_m, m_mask,
+                H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, task - end_n2, P, H, offs_m, m_mask,
                 1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
             )  # fmt: skip
         elif task < end_p:
             _gemm_task(
-                G, P, Wpp, Wpp, 0, Yp, C + 6, num_g, C + 7, task - end_g, H, P, offs_m, m_mask,
+                G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, task - end_g, H, P, offs_m, m_mask,
                 1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
             )  # fmt: skip
         else:
             _norm_task(
-                Yp, H2, H, NormP, NextW, Scale, Out, Out2, C + 7, num_p, C + 8, task - end_p, H, eps,
+                Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, task - end_p, H, eps,
                 HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL,
             )  # fmt: skip
         task = ticket
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
-    gone = tl.atomic_add(C + 9, 1, sem="acq_rel")
+    gone = tl.atomic_add(C + 9 * _STRIDE, 1, sem="acq_rel")
     if gone == tl.num_programs(0) - 1:
         for k in tl.static_range(_COUNTERS):
-            tl.atomic_xchg(C + k, 0)
+            tl.atomic_xchg(C + k * _STRIDE, 0)
 
 
 _decode_tail = DualKernel(_decode_tail_fn)
@@ -468,8 +480,9 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
 
 
 def new_counters(device: torch.device | str) -> torch.Tensor:
-    """A call site's counter buffer: zeros, and zeros again after every launch."""
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    """A call site's counter buffer (``COUNTERS`` counters ``COUNTER_STRIDE`` apart): zeros, and zeros again
+    after every launch."""
+    return torch.zeros(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device=device)
 
 
 def decode_tail(
@@ -505,7 +518,8 @@ def decode_tail(
         assert ple.inputs.stride(-1) == 1
         matrices += [ple.gate, ple.proj]
     assert all(t.is_contiguous() for t in matrices)
-    assert counters.dtype == torch.int32 and counters.numel() == COUNTERS and counters.device == attn.device
+    assert counters.dtype == torch.int32 and counters.numel() == COUNTERS * COUNTER_STRIDE
+    assert counters.device == attn.device
     cfg = config or decode_tail_config(m, h, q, i, p)
 
     def buffer(cols: int) -> torch.Tensor:
@@ -614,6 +628,7 @@ def decode_tail_reference(
 
 __all__ = [
     "COUNTERS",
+    "COUNTER_STRIDE",
     "PerLayerInput",
     "TailWeights",
     "decode_tail",
