@@ -67,14 +67,24 @@ _STRIDE = tl.constexpr(COUNTER_STRIDE)
 
 
 @triton.jit
-def _wait_count(C, target):
-    """Spin until the counter at C reaches ``target``, then let every thread of the program on. The spin
-    reads (volatile loads, which the L2 serves without its atomic unit); one acquire read-modify-write at the
-    end orders this program's later loads after the writes the counter published."""
-    done = tl.load(C, volatile=True)
+def _acquire_load(C, ASM: tl.constexpr):
+    """The counter at C, read with acquire semantics: ``ld.acquire.gpu`` on the GPU (the L2 serves it on its
+    read path), a read-modify-write of 0 in the interpreter (which runs no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [C], dtype=tl.int32, is_pure=False, pack=1
+        )
+    else:
+        return tl.atomic_add(C, 0, sem="acquire")
+
+
+@triton.jit
+def _wait_count(C, target, ASM: tl.constexpr):
+    """Spin until the counter at C reaches ``target`` (acquire loads: no read-modify-write queues at the
+    counter's L2 slice beside the increments it waits for), then let every thread of the program on."""
+    done = _acquire_load(C, ASM)
     while done < target:
-        done = tl.load(C, volatile=True)
-    tl.atomic_add(C, 0, sem="acquire")
+        done = _acquire_load(C, ASM)
     tl.debug_barrier()
 
 
@@ -108,6 +118,7 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """fp32 products of token rows ``X[offs_m, :K]`` with weight rows ``W[offs_n, :K]`` -> (y, y_up), each
     [BLOCK_M, BLOCK_N] (``y_up``: the rows ``up_offset`` elements further, when GATED). The first weight tile
@@ -124,7 +135,7 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     if WAIT == 0:
         wait_for_previous_kernel(USE_PDL)
     else:
-        _wait_count(C, target)
+        _wait_count(C, target, ASM)
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -196,6 +207,7 @@ def _gemm_task(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """One GEMM phase's task: columns [tile * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
     (contiguous), rounded to Y's dtype; W is [N, K], or [2N, K] stacked [gate; up] for ``GATE_UP``; E the
@@ -204,7 +216,7 @@ def _gemm_task(
     n_mask = offs_n < N
     y, y_up = _products(
         X, stride_x, W, K, N * K, offs_m, m_mask, offs_n, n_mask, K, C_wait, target,
-        WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+        WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
     )  # fmt: skip
     if EPILOGUE == 2:
         wait_for_previous_kernel(USE_PDL)  # E, the per-layer input, comes from an earlier kernel
@@ -237,12 +249,13 @@ def _norm_task(
     HAS_NEXT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """A norm phase's task, once the phase before is done: ``kernels.rms_norm``'s chain for one row of the
     [M, H] GEMM output Y, ``out = (res + rms_norm(y) * w) * scale`` into Out and ``rms_norm(out) * w2`` into
     Out2, in column chunks (Out, Out2 contiguous). Statistics in fp32; each intermediate rounded where the
     separate kernel rounds it."""
-    _wait_count(C_wait, target)
+    _wait_count(C_wait, target, ASM)
     wait_for_previous_kernel(USE_PDL)  # the layer input, a residual here, is the previous kernel's output
     cols = tl.arange(0, BLOCK_C)
     y_row = Y + row * H
@@ -330,6 +343,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, H
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     num_o = tl.cdiv(H, BN_O)
     num_a = tl.cdiv(INTER, BN_A)
@@ -357,48 +371,48 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, H
         if task < end_o:
             _gemm_task(
                 X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, task, H, Q, offs_m, m_mask,
-                0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+                0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
         elif task < end_n1:
             _norm_task(
                 Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, task - end_o, H, eps,
-                False, True, BLOCK_C, USE_PDL,
+                False, True, BLOCK_C, USE_PDL, ASM,
             )  # fmt: skip
         elif task < end_a:
             _gemm_task(
                 X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, task - end_n1, INTER, H, offs_m, m_mask,
-                1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+                1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
         elif task < end_b:
             _gemm_task(
                 Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, task - end_a, H, INTER, offs_m, m_mask,
-                1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+                1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
         elif task < end_n2:
             if HAS_PLE:  # h2, the input of the PLE phases
                 _norm_task(
                     Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, task - end_b, H, eps,
-                    False, False, BLOCK_C, USE_PDL,
+                    False, False, BLOCK_C, USE_PDL, ASM,
                 )  # fmt: skip
             else:  # the layer's outputs
                 _norm_task(
                     Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, task - end_b, H, eps,
-                    HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL,
+                    HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
                 )  # fmt: skip
         elif task < end_g:
             _gemm_task(
                 H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, task - end_n2, P, H, offs_m, m_mask,
-                1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+                1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
         elif task < end_p:
             _gemm_task(
                 G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, task - end_g, H, P, offs_m, m_mask,
-                1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL,
+                1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
         else:
             _norm_task(
                 Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, task - end_p, H, eps,
-                HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL,
+                HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
             )  # fmt: skip
         task = ticket
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
@@ -593,6 +607,7 @@ def decode_tail(
         UPCAST=upcast,
         DOT_PRECISION=precision,
         **pdl(attn.device, m),
+        ASM=attn.device.type == "cuda",
         num_warps=cfg["num_warps"],
         num_stages=1,
     )
