@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweep-grid",
         choices=("full", "coarse"),
         default="full",
-        help="coarse: at one row, small tiles on 4 warps with 2-8 programs per SM (gemv.py's way of keeping "
+        help="coarse: at one row, small tiles on 4 warps with 4-12 programs per SM (gemv.py's way of keeping "
         "weight bytes in flight), 36 configs against the full grid's 486",
     )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -76,16 +76,17 @@ def tail_shapes(preset: str) -> list[tuple[int, int, int, int, int, str]]:
 
 def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
     """The grid ``--sweep`` searches: the big phases' tiles (o, gate/up and down share a K tile), warps and
-    programs per SM; the PLE phases keep their default tiles. ``coarse`` (one row): small tiles and several
-    programs per SM, the question the first H200 run left (one program of 8 warps per SM, its ~250 registers
-    a thread holding a [8, 1024] tile pair and its prefetch, streamed 1.4 TB/s; gemv.py streams 3.3 with many
-    small programs)."""
+    programs per SM; the PLE phases keep their default tiles. ``coarse`` (one row): small tiles on 4 warps and
+    4-12 programs per SM around the default (8 programs of 64 registers a thread), the question the first
+    H200 run left (one program of 8 warps per SM, ~250 registers a thread, streamed 1.4 TB/s; gemv.py
+    streams 3.3 with many small programs). Its first coarse run (2026-11-29) kept the PLE projection's
+    16-row tiles, which held every config to 2-3 resident programs per SM."""
     keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
     if m == 1 and grid_name == "coarse":
         # gemv.py's shape of parallelism: small tiles, 4 warps, several programs per SM (o and down alike)
         grid = [
             (bn, bn_a, bn, bk, 4, pps)
-            for bn, bn_a, bk, pps in itertools.product((2, 4), (2, 4, 8), (512, 1024), (2, 4, 8))
+            for bn, bn_a, bk, pps in itertools.product((2, 4), (1, 2, 4), (512, 1024), (4, 8, 12))
         ]
     elif m == 1:
         grid = itertools.product((2, 4, 8), (4, 8, 16), (2, 4, 8), (512, 1024, 2048), (4, 8), (1, 2, 3))

@@ -7,7 +7,7 @@
 #          --device cuda (the --media-on-gpu path's pieces); the persistent decode-tail kernel: its GPU tests
 #          and bench/decode_tail.py (e4b and 31b, M = 1-8); bench/sampler.py (top-k in the sort-free kernel,
 #          G4SERVE_SORT_FREE_TOP_K, against torch.topk); tailsweep: the decode tail's coarse sweep at one
-#          row (small tiles on 4 warps, 2-8 programs per SM: more weight bytes in flight per SM)
+#          row (small tiles on 4 warps, 4-12 programs per SM: more weight bytes in flight per SM)
 #   seed:  26b-a4b's seed workload with the sorted and the three-launch alignment (G4SERVE_MOE_ALIGN)
 #   quant: e4b's FP8 prefill (TTFT of 2,048 tokens) with the one-launch quantizer, and with BASE_TGZ (a
 #          `git archive` of an older commit's src/, e.g. 045bea9^) the same on those sources; 26b-a4b's FP8
@@ -54,7 +54,7 @@ lane_kernels() {
     run decode-tail 150 python3 bench/decode_tail.py --presets e4b 31b --out-dir "$RES"
     run sampler 120 python3 bench/sampler.py --batches 1 8 64 --out-dir "$RES"
   fi
-  if has tailsweep; then  # the decode tail at one row: small tiles, 2-8 programs per SM (36 configs)
+  if has tailsweep; then  # the decode tail at one row: small tiles, 4-12 programs per SM (36 configs)
     run decode-tail-sweep 240 python3 bench/decode_tail.py --presets e4b --rows 1 --sweep --sweep-grid coarse \
       --out-dir "$RES"
   fi

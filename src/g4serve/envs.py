@@ -48,7 +48,8 @@ VARIABLES: tuple[Variable, ...] = (
         "G4SERVE_DECODE_TAIL",
         "0",
         "`1`: a dense layer's tail after attention (o_proj, norms, MLP, PLE) in one persistent launch at "
-        "decode sizes (`kernels/decode_tail.py`; off: 2.3x slower than the separate launches on an H200)",
+        "decode sizes (`kernels/decode_tail.py`; off: its first version was 2.3x slower than the separate "
+        "launches on an H200)",
         ("0", "1"),
     ),
     Variable(

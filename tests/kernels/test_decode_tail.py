@@ -207,6 +207,55 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, dims, dtype):
         assert "ld.global.acquire.gpu.b32" in compiled.asm["ptx"]
 
 
+def _ptxas_registers(ptx: str) -> int:
+    """Registers a thread of the sm_90a build of ``ptx`` (``ptxas -v``, Triton's bundled ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/kernel.ptx"
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", f"{tmp}/kernel.cubin"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return int(re.search(r"Used (\d+) registers", log).group(1))
+
+
+def test_one_row_default_fits_its_programs_per_sm(monkeypatch):
+    """At one row the kernel streams weights only as fast as the bytes it keeps in flight, so its default
+    grid (``programs_per_sm`` programs of ``num_warps`` warps on every SM) must fit an SM's 64K registers:
+    the first version needed ~250 registers a thread and one program per SM streamed 1.4 TB/s (H200). At
+    e4b's sliding tail, the largest."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    h, q, i, p, m = 2560, 2048, 10240, 256, 1
+    cfg = decode_tail_module.decode_tail_config(m, h, q, i, p)
+
+    def t(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
+    counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
+    ple = PerLayerInput(t(p, h), t(h, p), t(m, p), t(h))
+    weights = TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h))
+    ((fn, args, kwargs),) = _launches(
+        monkeypatch,
+        decode_tail_module,
+        "_decode_tail",
+        lambda: decode_tail(t(m, q), t(m, h), weights, EPS, "gelu_pytorch_tanh", counters, ple, t(1), t(h)),
+    )
+    registers = _ptxas_registers(_compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"])
+    allocated = -(-registers // 8) * 8  # per thread, in the allocator's units
+    assert cfg["programs_per_sm"] * cfg["num_warps"] * 32 * allocated <= 65536, registers
+
+
 def test_applies_only_where_the_kernel_is_built_for(monkeypatch):
     """``layers.fused.decode_tail_applies``: on (G4SERVE_DECODE_TAIL), CUDA, 1-8 rows with a unit last
     stride, plain bias-free projections and a counter buffer; anything else keeps the separate ops."""

@@ -30,8 +30,11 @@ the model dtype where the separate ops round it (norm statistics in fp32): only 
 
 The fused path of ``layers.fused.decode_tail_block``, off unless ``G4SERVE_DECODE_TAIL=1``: interpreter
 tests, sm_90 compile tests and GPU tests. ``bench/decode_tail.py`` times it against the separate launches:
-on an H200 it is 2.3x slower at one row (1.4 TB/s of weights against 3.3), so it stays off until it keeps
-more weight tiles in flight per SM.
+on an H200 its first version was 2.3x slower at one row (1.4 TB/s of weights against 3.3): ~250 registers a
+thread let one program per SM keep tiles in flight. Now each phase runs in its own loop (one loop over all
+phases kept every phase's values live), one-row products are summed per tile, and the default tiles are
+small: 64 registers, 8 programs per SM (``decode_tail_config``, checked by ptxas in the tests). It stays off
+until timed again on a GPU.
 """
 
 from __future__ import annotations
@@ -139,9 +142,9 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:  # one row: each tile's products summed over K at once, so no [BLOCK_N, BLOCK_K] fp32 stays live
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x_mask = m_mask[:, None] & ((k0 + offs_k) < K)[None, :]
         if WAIT == 0:
@@ -165,9 +168,9 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
                 acc_up += tl.dot(x, tl.trans(u), input_precision=DOT_PRECISION)
         else:
             xf = x.to(tl.float32)  # [1, BLOCK_K]
-            acc += w.to(tl.float32) * xf
+            acc += tl.sum(w.to(tl.float32) * xf, axis=1)
             if GATED:
-                acc_up += u.to(tl.float32) * xf
+                acc_up += tl.sum(u.to(tl.float32) * xf, axis=1)
         w = w_next
         u = u_next
         w_ptrs += BLOCK_K
@@ -176,8 +179,8 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
         y = acc
         y_up = acc_up
     else:
-        y = tl.sum(acc, axis=1)[None, :]
-        y_up = tl.sum(acc_up, axis=1)[None, :]
+        y = acc[None, :]
+        y_up = acc_up[None, :]
     return y, y_up
 
 
@@ -365,56 +368,73 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, H
     # each phase's count of finished tasks (C itself hands out the tickets)
     Co, Cn1, Ca, Cb = C + 1 * _STRIDE, C + 2 * _STRIDE, C + 3 * _STRIDE, C + 4 * _STRIDE
     Cn2, Cg, Cp, Cn3 = C + 5 * _STRIDE, C + 6 * _STRIDE, C + 7 * _STRIDE, C + 8 * _STRIDE
+    # Tickets only grow, so a program meets the phases in order: one loop a phase, each holding only its own
+    # phase's values in registers (one loop over every phase kept them all live, ~120-160 registers a thread
+    # at one row, so only 2-3 programs fit an SM). A task takes the next ticket before it runs.
     task = tl.atomic_add(C, 1)
-    while task < total:
-        ticket = tl.atomic_add(C, 1)  # the next task, taken while this one runs
-        if task < end_o:
-            _gemm_task(
-                X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, task, H, Q, offs_m, m_mask,
-                0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
-            )  # fmt: skip
-        elif task < end_n1:
+    while task < end_o:
+        ticket = tl.atomic_add(C, 1)
+        _gemm_task(
+            X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, task, H, Q, offs_m, m_mask,
+            0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        )  # fmt: skip
+        task = ticket
+    while task < end_n1:
+        ticket = tl.atomic_add(C, 1)
+        _norm_task(
+            Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, task - end_o, H, eps,
+            False, True, BLOCK_C, USE_PDL, ASM,
+        )  # fmt: skip
+        task = ticket
+    while task < end_a:
+        ticket = tl.atomic_add(C, 1)
+        _gemm_task(
+            X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, task - end_n1, INTER, H, offs_m, m_mask,
+            1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        )  # fmt: skip
+        task = ticket
+    while task < end_b:
+        ticket = tl.atomic_add(C, 1)
+        _gemm_task(
+            Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, task - end_a, H, INTER, offs_m, m_mask,
+            1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        )  # fmt: skip
+        task = ticket
+    while task < end_n2:
+        ticket = tl.atomic_add(C, 1)
+        if HAS_PLE:  # h2, the input of the PLE phases
             _norm_task(
-                Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, task - end_o, H, eps,
-                False, True, BLOCK_C, USE_PDL, ASM,
+                Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, task - end_b, H, eps,
+                False, False, BLOCK_C, USE_PDL, ASM,
             )  # fmt: skip
-        elif task < end_a:
-            _gemm_task(
-                X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, task - end_n1, INTER, H, offs_m, m_mask,
-                1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        else:  # the layer's outputs
+            _norm_task(
+                Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, task - end_b, H, eps,
+                HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
             )  # fmt: skip
-        elif task < end_b:
-            _gemm_task(
-                Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, task - end_a, H, INTER, offs_m, m_mask,
-                1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
-            )  # fmt: skip
-        elif task < end_n2:
-            if HAS_PLE:  # h2, the input of the PLE phases
-                _norm_task(
-                    Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, task - end_b, H, eps,
-                    False, False, BLOCK_C, USE_PDL, ASM,
-                )  # fmt: skip
-            else:  # the layer's outputs
-                _norm_task(
-                    Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, task - end_b, H, eps,
-                    HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
-                )  # fmt: skip
-        elif task < end_g:
+        task = ticket
+    if HAS_PLE:
+        while task < end_g:
+            ticket = tl.atomic_add(C, 1)
             _gemm_task(
                 H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, task - end_n2, P, H, offs_m, m_mask,
                 1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
-        elif task < end_p:
+            task = ticket
+        while task < end_p:
+            ticket = tl.atomic_add(C, 1)
             _gemm_task(
                 G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, task - end_g, H, P, offs_m, m_mask,
                 1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
             )  # fmt: skip
-        else:
+            task = ticket
+        while task < total:
+            ticket = tl.atomic_add(C, 1)
             _norm_task(
                 Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, task - end_p, H, eps,
                 HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
             )  # fmt: skip
-        task = ticket
+            task = ticket
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
     gone = tl.atomic_add(C + 9 * _STRIDE, 1, sem="acq_rel")
     if gone == tl.num_programs(0) - 1:
@@ -451,13 +471,15 @@ class PerLayerInput:
 
 
 def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]:
-    """Tiles and grid. One row: elementwise products (no tensor cores at M = 1); 1024-column K tiles and a
-    handful of weight rows per task, so a program streams 16-80 KB a task with the next tile in flight; the
-    PLE projection (K = P, 256) takes its whole K in one tile. Its fp32 accumulators and double-buffered tiles
-    take ~250 registers a thread (ptxas, sm_90, e4b), so one 8-warp program fills an SM's register file: one
-    program per SM. More rows: 16-row tensor-core tiles of 32 columns (16 for the PLE gate's narrow N), ~200
-    registers at 4 warps, two programs per SM. Starting points for ``bench/decode_tail.py --sweep`` on a GPU,
-    not measured yet."""
+    """Tiles and grid. One row: elementwise products (no tensor cores at M = 1), each tile summed over K at
+    once; 512-column K tiles (1,024 for the PLE gate) of 2 (gate/up, the PLE phases) or 4 weight rows, 4
+    warps. ptxas (sm_90a, e4b's sliding tail) gives that 64 registers a thread, so 8 programs fit an SM, each
+    with its current and next tiles in flight (8 KB): ~64 KB of weights in flight per SM, what the separate
+    GEMVs (32-48 registers, 10-16 programs per SM) keep. The previous default (8 warps, [4-8, 1024] tiles,
+    the PLE projection in 16-row tiles, fp32 products kept per element) took ~250 registers: one program per
+    SM streamed 1.4 TB/s on an H200 where the separate launches streamed 3.3. More rows: 16-row tensor-core
+    tiles of 32 columns (16 for the PLE gate's narrow N), two programs per SM at 4 warps (167 registers).
+    Starting points for ``bench/decode_tail.py --sweep`` on a GPU."""
 
     def k_tile(k: int, most: int) -> int:
         return min(most, max(16, next_pow2(k)))
@@ -465,17 +487,17 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
     if m == 1:
         return {
             "bn_o": 4,
-            "bk_o": k_tile(q, 1024),
-            "bn_a": 8,
-            "bk_a": k_tile(h, 1024),
+            "bk_o": k_tile(q, 512),
+            "bn_a": 2,
+            "bk_a": k_tile(h, 512),
             "bn_b": 4,
-            "bk_b": k_tile(i, 1024),
+            "bk_b": k_tile(i, 512),
             "bn_g": 2,
             "bk_g": k_tile(h, 1024),
-            "bn_p": 16,
-            "bk_p": k_tile(p, 1024),
-            "num_warps": 8,
-            "programs_per_sm": 1,
+            "bn_p": 2,
+            "bk_p": k_tile(p, 512),
+            "num_warps": 4,
+            "programs_per_sm": 8,
         }
     return {
         "bn_o": 32,

@@ -162,9 +162,9 @@ def linear_act_mul(x: torch.Tensor, layer: nn.Linear, other: torch.Tensor, activ
 
 
 # The persistent kernel for a dense layer's tail after attention at decode sizes: off, since on an H200
-# (bench/decode_tail.py) it took 119.5 us for an e4b tail against the separate launches' 51.5 (one program per
-# SM streams too few weight tiles at once; docs/benchmarks.md). A captured CUDA graph keeps the choice it was
-# captured with.
+# (bench/decode_tail.py) its first version took 119.5 us for an e4b tail against the separate launches' 51.5
+# (one program per SM streamed too few weight tiles at once; docs/benchmarks.md). The version with 8 programs
+# per SM waits for its GPU run. A captured CUDA graph keeps the choice it was captured with.
 DECODE_TAIL = envs.get("G4SERVE_DECODE_TAIL") == "1"
 
 
