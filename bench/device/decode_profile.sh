@@ -8,14 +8,17 @@
 # MOE_GROUPS at MOE_TOKENS: the quantized experts' block in each tile order) and TAIL_ARGS
 # (bench/decode_tail.py TAIL_ARGS: the persistent decode tail against the separate launches; with BASE_SRC, an
 # untracked older src/ from `git archive <rev> src | tar -x -C .ab-base` (carried), the same on those sources
-# first). GPU_TESTS (paths; -k GPU_TESTS_K) run first. RUNS= skips the engine.
+# first) and, with TAIL_ENGINE=1, e4b decode (bench/engine_microbench.py, B = TAIL_BATCHES, default 1,8) with
+# the tail off and on (G4SERVE_DECODE_TAIL). GPU_TESTS (paths; -k GPU_TESTS_K) run first. RUNS= skips the
+# spec_decode.py runs.
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/decode_profile.sh", carry=[".whl"])
 # Results: $OUT/decode_profile.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
 RUNS=${RUNS-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24}
 GEMV_PRESET=${GEMV_PRESET:-} GEMV_ROWS=${GEMV_ROWS:-8 16} GEMV_RUNS=${GEMV_RUNS:-}
 GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
-TAIL_ARGS=${TAIL_ARGS:-} BASE_SRC=${BASE_SRC:-} MOE_QUANT=${MOE_QUANT:-} MOE_GROUPS=${MOE_GROUPS:-0 2 4} MOE_TOKENS=${MOE_TOKENS:-1024 4096} OUT=${OUT:-/tmp/out}
+TAIL_ARGS=${TAIL_ARGS:-} BASE_SRC=${BASE_SRC:-} TAIL_ENGINE=${TAIL_ENGINE:-0}
+MOE_QUANT=${MOE_QUANT:-} MOE_GROUPS=${MOE_GROUPS:-0 2 4} MOE_TOKENS=${MOE_TOKENS:-1024 4096} OUT=${OUT:-/tmp/out}
 RES=${RES:-/tmp/res-decode-profile}  # (under $OUT: the logs come back even if the call is cut)
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
@@ -29,6 +32,14 @@ if [ -n "$TAIL_ARGS" ]; then
     python3 bench/decode_tail.py $TAIL_ARGS --out-dir "$RES/tail-base"
   # shellcheck disable=SC2086
   run decode-tail "${TAIL_TIMEOUT:-150}" python3 bench/decode_tail.py $TAIL_ARGS --out-dir "$RES/tail"
+fi
+if [ "$TAIL_ENGINE" = 1 ]; then
+  for on in 0 1; do
+    G4SERVE_DECODE_TAIL=$on run "decode-tail-e4b-$on" "${TAIL_ENGINE_TIMEOUT:-100}" python3 \
+      bench/engine_microbench.py --model e4b --device cuda --attention-backend triton \
+      --batches "${TAIL_BATCHES:-1,8}" --decode-steps 16 --prefill-lengths 512 --prefill-reps 1 \
+      --out "$RES/decode-tail-$on" --tag="-tail$on"
+  done
 fi
 for spec in $RUNS; do
   IFS=: read -r preset variant batch <<< "$spec"
