@@ -185,7 +185,11 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
 
 
 @triton.jit
-def _gemm_task(
+def _gemm_phase(
+    C,
+    task,
+    first,
+    end,
     X,
     stride_x,
     W,
@@ -195,7 +199,6 @@ def _gemm_task(
     C_wait,
     target,
     C_done,
-    tile,
     N,
     K,
     offs_m,
@@ -212,28 +215,38 @@ def _gemm_task(
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """One GEMM phase's task: columns [tile * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
+    """A GEMM phase's tasks among this program's tickets [task, end) (tickets from ``first`` on are the
+    phase's): task ``first + t`` writes columns [t * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
     (contiguous), rounded to Y's dtype; W is [N, K], or [2N, K] stacked [gate; up] for ``GATE_UP``; E the
-    ``MUL`` operand. Then the phase's counter at C_done counts it."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    y, y_up = _products(
-        X, stride_x, W, K, N * K, offs_m, m_mask, offs_n, n_mask, K, C_wait, target,
-        WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
-    )  # fmt: skip
-    if EPILOGUE == 2:
-        wait_for_previous_kernel(USE_PDL)  # E, the per-layer input, comes from an earlier kernel
-    y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_e, EPILOGUE, ACT)
-    tl.store(
-        Y + offs_m[:, None] * N + offs_n[None, :],
-        y.to(Y.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-    _signal(C_done)
+    ``MUL`` operand. The phase's counter at C_done counts each; each takes the next ticket at C before it
+    runs. Returns the first ticket past the phase."""
+    while task < end:
+        ticket = tl.atomic_add(C, 1)
+        offs_n = (task - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        y, y_up = _products(
+            X, stride_x, W, K, N * K, offs_m, m_mask, offs_n, n_mask, K, C_wait, target,
+            WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        )  # fmt: skip
+        if EPILOGUE == 2:
+            wait_for_previous_kernel(USE_PDL)  # E, the per-layer input, comes from an earlier kernel
+        y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_e, EPILOGUE, ACT)
+        tl.store(
+            Y + offs_m[:, None] * N + offs_n[None, :],
+            y.to(Y.dtype.element_ty),
+            mask=m_mask[:, None] & n_mask[None, :],
+        )
+        _signal(C_done)
+        task = ticket
+    return task
 
 
 @triton.jit
-def _norm_task(
+def _norm_phase(
+    C,
+    task,
+    first,
+    end,
     Y,
     Res,
     stride_r,
@@ -245,7 +258,6 @@ def _norm_task(
     C_wait,
     target,
     C_done,
-    row,
     H,
     eps,
     HAS_SCALE: tl.constexpr,
@@ -254,44 +266,50 @@ def _norm_task(
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """A norm phase's task, once the phase before is done: ``kernels.rms_norm``'s chain for one row of the
-    [M, H] GEMM output Y, ``out = (res + rms_norm(y) * w) * scale`` into Out and ``rms_norm(out) * w2`` into
-    Out2, in column chunks (Out, Out2 contiguous). Statistics in fp32; each intermediate rounded where the
-    separate kernel rounds it."""
-    _wait_count(C_wait, target, ASM)
-    wait_for_previous_kernel(USE_PDL)  # the layer input, a residual here, is the previous kernel's output
-    cols = tl.arange(0, BLOCK_C)
-    y_row = Y + row * H
-    squares = tl.zeros([BLOCK_C], tl.float32)
-    for c0 in range(0, H, BLOCK_C):
-        x = tl.load(y_row + c0 + cols, mask=c0 + cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
-        squares += x * x
-    denom = tl.sqrt(tl.sum(squares, 0) / H + eps)
-    out_ty = Out.dtype.element_ty
-    squares2 = tl.zeros([BLOCK_C], tl.float32)
-    for c0 in range(0, H, BLOCK_C):
-        mask = c0 + cols < H
-        x = tl.load(y_row + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        y = (x / denom * tl.load(NormW + c0 + cols, mask=mask, other=0.0).to(tl.float32)).to(out_ty)
-        r = tl.load(Res + row * stride_r + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
-        if HAS_SCALE:
-            y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(out_ty)
-        tl.store(Out + row * H + c0 + cols, y, mask=mask)
-        z = y.to(tl.float32)
-        squares2 += z * z
-    if HAS_NEXT:
-        denom2 = tl.sqrt(tl.sum(squares2, 0) / H + eps)
-        tl.debug_barrier()
+    """A norm phase's tasks among this program's tickets [task, end), once the phase before is done: task
+    ``first + row`` runs ``kernels.rms_norm``'s chain for that row of the [M, H] GEMM output Y, ``out = (res
+    + rms_norm(y) * w) * scale`` into Out and ``rms_norm(out) * w2`` into Out2, in column chunks (Out, Out2
+    contiguous). Statistics in fp32; each intermediate rounded where the separate kernel rounds it. Each
+    takes the next ticket at C before it runs; returns the first ticket past the phase."""
+    while task < end:
+        ticket = tl.atomic_add(C, 1)
+        row = task - first
+        _wait_count(C_wait, target, ASM)
+        wait_for_previous_kernel(USE_PDL)  # the layer input, a residual here, is the previous kernel's output
+        cols = tl.arange(0, BLOCK_C)
+        y_row = Y + row * H
+        squares = tl.zeros([BLOCK_C], tl.float32)
+        for c0 in range(0, H, BLOCK_C):
+            x = tl.load(y_row + c0 + cols, mask=c0 + cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+            squares += x * x
+        denom = tl.sqrt(tl.sum(squares, 0) / H + eps)
+        out_ty = Out.dtype.element_ty
+        squares2 = tl.zeros([BLOCK_C], tl.float32)
         for c0 in range(0, H, BLOCK_C):
             mask = c0 + cols < H
-            z = tl.load(Out + row * H + c0 + cols, mask=mask, other=0.0).to(tl.float32)
-            z = z / denom2 * tl.load(NextW + c0 + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(Out2 + row * H + c0 + cols, z.to(Out2.dtype.element_ty), mask=mask)
-    _signal(C_done)
+            x = tl.load(y_row + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = (x / denom * tl.load(NormW + c0 + cols, mask=mask, other=0.0).to(tl.float32)).to(out_ty)
+            r = tl.load(Res + row * stride_r + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
+            if HAS_SCALE:
+                y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(out_ty)
+            tl.store(Out + row * H + c0 + cols, y, mask=mask)
+            z = y.to(tl.float32)
+            squares2 += z * z
+        if HAS_NEXT:
+            denom2 = tl.sqrt(tl.sum(squares2, 0) / H + eps)
+            tl.debug_barrier()
+            for c0 in range(0, H, BLOCK_C):
+                mask = c0 + cols < H
+                z = tl.load(Out + row * H + c0 + cols, mask=mask, other=0.0).to(tl.float32)
+                z = z / denom2 * tl.load(NextW + c0 + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(Out2 + row * H + c0 + cols, z.to(Out2.dtype.element_ty), mask=mask)
+        _signal(C_done)
+        task = ticket
+    return task
 
 
-def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, HAS_PLE specialised away at compile time
+def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised away at compile time
     X,
     Res,
     Wo,
@@ -370,71 +388,46 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: one branch per phase, H
     Cn2, Cg, Cp, Cn3 = C + 5 * _STRIDE, C + 6 * _STRIDE, C + 7 * _STRIDE, C + 8 * _STRIDE
     # Tickets only grow, so a program meets the phases in order: one loop a phase, each holding only its own
     # phase's values in registers (one loop over every phase kept them all live, ~120-160 registers a thread
-    # at one row, so only 2-3 programs fit an SM). A task takes the next ticket before it runs.
+    # at one row, so only 2-3 programs fit an SM).
     task = tl.atomic_add(C, 1)
-    while task < end_o:
-        ticket = tl.atomic_add(C, 1)
-        _gemm_task(
-            X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, task, H, Q, offs_m, m_mask,
-            0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+    task = _gemm_phase(
+        C, task, 0, end_o, X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, H, Q, offs_m, m_mask,
+        0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+    )  # fmt: skip
+    task = _norm_phase(
+        C, task, end_o, end_n1, Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, H, eps,
+        False, True, BLOCK_C, USE_PDL, ASM,
+    )  # fmt: skip
+    task = _gemm_phase(
+        C, task, end_n1, end_a, X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, INTER, H, offs_m, m_mask,
+        1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+    )  # fmt: skip
+    task = _gemm_phase(
+        C, task, end_a, end_b, Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, H, INTER, offs_m, m_mask,
+        1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+    )  # fmt: skip
+    if HAS_PLE:  # h2, the input of the PLE phases
+        task = _norm_phase(
+            C, task, end_b, end_n2, Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, H, eps,
+            False, False, BLOCK_C, USE_PDL, ASM,
         )  # fmt: skip
-        task = ticket
-    while task < end_n1:
-        ticket = tl.atomic_add(C, 1)
-        _norm_task(
-            Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, task - end_o, H, eps,
-            False, True, BLOCK_C, USE_PDL, ASM,
+        task = _gemm_phase(
+            C, task, end_n2, end_g, H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, P, H, offs_m, m_mask,
+            1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
         )  # fmt: skip
-        task = ticket
-    while task < end_a:
-        ticket = tl.atomic_add(C, 1)
-        _gemm_task(
-            X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, task - end_n1, INTER, H, offs_m, m_mask,
-            1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        task = _gemm_phase(
+            C, task, end_g, end_p, G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, H, P, offs_m, m_mask,
+            1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
         )  # fmt: skip
-        task = ticket
-    while task < end_b:
-        ticket = tl.atomic_add(C, 1)
-        _gemm_task(
-            Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, task - end_a, H, INTER, offs_m, m_mask,
-            1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        task = _norm_phase(
+            C, task, end_p, total, Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, H, eps,
+            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
         )  # fmt: skip
-        task = ticket
-    while task < end_n2:
-        ticket = tl.atomic_add(C, 1)
-        if HAS_PLE:  # h2, the input of the PLE phases
-            _norm_task(
-                Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, task - end_b, H, eps,
-                False, False, BLOCK_C, USE_PDL, ASM,
-            )  # fmt: skip
-        else:  # the layer's outputs
-            _norm_task(
-                Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, task - end_b, H, eps,
-                HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
-            )  # fmt: skip
-        task = ticket
-    if HAS_PLE:
-        while task < end_g:
-            ticket = tl.atomic_add(C, 1)
-            _gemm_task(
-                H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, task - end_n2, P, H, offs_m, m_mask,
-                1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
-            )  # fmt: skip
-            task = ticket
-        while task < end_p:
-            ticket = tl.atomic_add(C, 1)
-            _gemm_task(
-                G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, task - end_g, H, P, offs_m, m_mask,
-                1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
-            )  # fmt: skip
-            task = ticket
-        while task < total:
-            ticket = tl.atomic_add(C, 1)
-            _norm_task(
-                Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, task - end_p, H, eps,
-                HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
-            )  # fmt: skip
-            task = ticket
+    else:  # the layer's outputs
+        task = _norm_phase(
+            C, task, end_b, end_n2, Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, H, eps,
+            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
+        )  # fmt: skip
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
     gone = tl.atomic_add(C + 9 * _STRIDE, 1, sem="acq_rel")
     if gone == tl.num_programs(0) - 1:
