@@ -412,8 +412,8 @@ def test_chunked_sample_matches_the_sort_over_gemma_vocabulary(rows, dtype):
         got = chunked_sample(
             logits, b.temperature, b.min_p, b.seeds, b.positions, b.top_k, b.top_p, b.chunk_top_k
         )
-        # the noise kernel (its words equal the CPU reference's: test_philox_noise_on_cuda_equals_the_cpu_reference,
-        # which at 64 rows of 262,144 ids takes a minute on the host)
+        # the noise kernel: its words equal the CPU reference's (test_philox_noise_on_cuda_equals_the_cpu_
+        # reference), which at 64 rows of 262,144 ids takes a minute on the host
         noise = exponential_noise(b.seeds, b.positions, vocab)
         scaled = logits.float() / b.temperature.unsqueeze(1)
         kept = _top_k_top_p_min_p(scaled, b)
