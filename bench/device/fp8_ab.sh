@@ -12,7 +12,7 @@ set -uo pipefail
 RUNS=${RUNS:-31b:fp8+fp8kv e4b:fp8} ORDER=${ORDER:-now base now} BATCHES=${BATCHES:-1,8} STEPS=${STEPS:-24}
 GPU_TESTS=${GPU_TESTS-tests/gpu/test_quant_gpu.py} GPU_TESTS_K=${GPU_TESTS_K:-fp8_matmul or w8a8}
 BASE_SRC=${BASE_SRC:-.ab-base/src} PREFILL_REPS=${PREFILL_REPS:-3} OUT=${OUT:-/tmp/out}
-RES=/tmp/res-fp8-ab
+RES=${RES:-/tmp/res-fp8-ab}  # (under $OUT: the logs come back even if the call is cut)
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
