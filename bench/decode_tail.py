@@ -51,10 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="search the kernel's tiles per shape and row count")
     p.add_argument(
         "--sweep-grid",
-        choices=("full", "coarse"),
+        choices=("full", "coarse", "tickets"),
         default="full",
         help="coarse: at one row, small tiles on 4 warps with 4-12 programs per SM (gemv.py's way of keeping "
-        "weight bytes in flight), 36 configs against the full grid's 486",
+        "weight bytes in flight), 36 configs against the full grid's 486; tickets: the default tiles with "
+        "1-8 tickets a grab and 2- or 4-row PLE projection tiles (8 configs)",
     )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
@@ -80,7 +81,13 @@ def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
     4-12 programs per SM around the default (8 programs of 64 registers a thread), the question the first
     H200 run left (one program of 8 warps per SM, ~250 registers a thread, streamed 1.4 TB/s; gemv.py
     streams 3.3 with many small programs). Its first coarse run (2026-11-29) kept the PLE projection's
-    16-row tiles, which held every config to 2-3 resident programs per SM."""
+    16-row tiles, which held every config to 2-3 resident programs per SM. ``tickets``: the default tiles
+    with 1, 2, 4 or 8 tickets a grab (``_next_ticket``) and 2- or 4-row PLE projection tiles: after the coarse
+    grid's second run (H100, 2026-12-07) every config from 8 programs per SM on sat at 106-113 us, and
+    halving the gate/up tasks (1 row a task to 2) saved 30 us, ~6 ns a task, what a queue of read-modify-
+    writes at the one ticket address would cost."""
+    if grid_name == "tickets":  # fewer read-modify-writes at the ticket counter, fewer PLE projection tasks
+        return [{"grab": grab, "bn_p": bn_p} for grab, bn_p in itertools.product((1, 2, 4, 8), (2, 4))]
     keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
     if m == 1 and grid_name == "coarse":
         # gemv.py's shape of parallelism: small tiles, 4 warps, several programs per SM (o and down alike)

@@ -94,6 +94,8 @@ class Layer:
         (3, 64, 32, 96, 16, SMALL, 3),  # tensor-core tiles with padded rows
         (8, 80, 48, 120, 24, SMALL, 2),  # eight rows, ragged everywhere
         (2, 48, 32, 40, 16, SMALL, 200),  # more programs than tasks
+        (1, 72, 40, 100, 12, ONE_ROW | {"grab": 3}, 4),  # tickets 3 a grab, grabs across phase ends
+        (3, 64, 32, 96, 16, SMALL | {"grab": 4}, 50),  # 4 a grab, more programs than grabs
     ],
 )
 @pytest.mark.parametrize("with_ple", [True, False])

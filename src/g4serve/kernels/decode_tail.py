@@ -99,6 +99,20 @@ def _signal(C):
 
 
 @triton.jit
+def _next_ticket(C, task, GRAB: tl.constexpr):
+    """The ticket after ``task``: the counter at C hands them out GRAB at a time ([v, v + GRAB) to the program
+    that added GRAB to v), so only a program's last ticket of a grab takes the next grab: fewer
+    read-modify-writes at one address, which every task of the launch otherwise queues at."""
+    if GRAB == 1:
+        ticket = tl.atomic_add(C, 1)
+    else:
+        ticket = task + 1
+        if ticket % GRAB == 0:
+            ticket = tl.atomic_add(C, GRAB)
+    return ticket
+
+
+@triton.jit
 def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr flags (WAIT, GATED, USE_DOT, UPCAST), specialised away at compile time
     X,
     stride_x,
@@ -214,6 +228,7 @@ def _gemm_phase(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
+    GRAB: tl.constexpr,
 ):
     """A GEMM phase's tasks among this program's tickets [task, end) (tickets from ``first`` on are the
     phase's): task ``first + t`` writes columns [t * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
@@ -221,7 +236,7 @@ def _gemm_phase(
     ``MUL`` operand. The phase's counter at C_done counts each; each takes the next ticket at C before it
     runs. Returns the first ticket past the phase."""
     while task < end:
-        ticket = tl.atomic_add(C, 1)
+        ticket = _next_ticket(C, task, GRAB)
         offs_n = (task - first) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         y, y_up = _products(
@@ -265,6 +280,7 @@ def _norm_phase(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
+    GRAB: tl.constexpr,
 ):
     """A norm phase's tasks among this program's tickets [task, end), once the phase before is done: task
     ``first + row`` runs ``kernels.rms_norm``'s chain for that row of the [M, H] GEMM output Y, ``out = (res
@@ -272,7 +288,7 @@ def _norm_phase(
     contiguous). Statistics in fp32; each intermediate rounded where the separate kernel rounds it. Each
     takes the next ticket at C before it runs; returns the first ticket past the phase."""
     while task < end:
-        ticket = tl.atomic_add(C, 1)
+        ticket = _next_ticket(C, task, GRAB)
         row = task - first
         _wait_count(C_wait, target, ASM)
         wait_for_previous_kernel(USE_PDL)  # the layer input, a residual here, is the previous kernel's output
@@ -365,6 +381,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
+    GRAB: tl.constexpr,
 ):
     num_o = tl.cdiv(H, BN_O)
     num_a = tl.cdiv(INTER, BN_A)
@@ -389,44 +406,44 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     # Tickets only grow, so a program meets the phases in order: one loop a phase, each holding only its own
     # phase's values in registers (one loop over every phase kept them all live, ~120-160 registers a thread
     # at one row, so only 2-3 programs fit an SM).
-    task = tl.atomic_add(C, 1)
+    task = tl.atomic_add(C, GRAB)
     task = _gemm_phase(
         C, task, 0, end_o, X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, H, Q, offs_m, m_mask,
-        0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     task = _norm_phase(
         C, task, end_o, end_n1, Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, H, eps,
-        False, True, BLOCK_C, USE_PDL, ASM,
+        False, True, BLOCK_C, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     task = _gemm_phase(
         C, task, end_n1, end_a, X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, INTER, H, offs_m, m_mask,
-        1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     task = _gemm_phase(
         C, task, end_a, end_b, Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, H, INTER, offs_m, m_mask,
-        1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     if HAS_PLE:  # h2, the input of the PLE phases
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, H, eps,
-            False, False, BLOCK_C, USE_PDL, ASM,
+            False, False, BLOCK_C, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         task = _gemm_phase(
             C, task, end_n2, end_g, H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, P, H, offs_m, m_mask,
-            1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+            1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         task = _gemm_phase(
             C, task, end_g, end_p, G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, H, P, offs_m, m_mask,
-            1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+            1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         task = _norm_phase(
             C, task, end_p, total, Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, H, eps,
-            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
+            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM, GRAB,
         )  # fmt: skip
     else:  # the layer's outputs
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, H, eps,
-            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM,
+            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM, GRAB,
         )  # fmt: skip
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
     gone = tl.atomic_add(C + 9 * _STRIDE, 1, sem="acq_rel")
@@ -623,6 +640,7 @@ def decode_tail(
         DOT_PRECISION=precision,
         **pdl(attn.device, m),
         ASM=attn.device.type == "cuda",
+        GRAB=cfg.get("grab", 1),
         num_warps=cfg["num_warps"],
         num_stages=1,
     )
