@@ -94,10 +94,11 @@ def _wait_count(C, target, ASM: tl.constexpr):
 
 
 @triton.jit
-def _signal(C):
-    """Publish this program's stores: every thread's are issued (barrier), then a release increment."""
+def _signal(C, count=1):
+    """Publish this program's stores: every thread's are issued (barrier), then a release increment of the
+    counter at C by ``count`` finished tasks."""
     tl.debug_barrier()
-    tl.atomic_add(C, 1, sem="release")
+    tl.atomic_add(C, count, sem="release")
 
 
 @triton.jit
@@ -235,8 +236,10 @@ def _gemm_phase(
     """A GEMM phase's tasks among this program's tickets [task, end) (tickets from ``first`` on are the
     phase's): task ``first + t`` writes columns [t * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
     (contiguous), rounded to Y's dtype; W is [N, K], or [2N, K] stacked [gate; up] for ``GATE_UP``; E the
-    ``MUL`` operand. The phase's counter at C_done counts each; each takes the next ticket at C before it
-    runs. Returns the first ticket past the phase."""
+    ``MUL`` operand. Each takes the next ticket at C before it runs. The phase's counter at C_done counts
+    them once a grab (and where the program leaves the phase, so no task it waits on later is uncounted).
+    Returns the first ticket past the phase."""
+    finished = 0
     while task < end:
         ticket = _next_ticket(C, task, GRAB)
         offs_n = (task - first) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,7 +256,10 @@ def _gemm_phase(
             y.to(Y.dtype.element_ty),
             mask=m_mask[:, None] & n_mask[None, :],
         )
-        _signal(C_done)
+        finished += 1
+        if (ticket != task + 1) | (ticket >= end):  # the grab's last task, or the phase's
+            _signal(C_done, finished)
+            finished = 0
         task = ticket
     return task
 
