@@ -83,9 +83,9 @@ def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
     streams 3.3 with many small programs). Its first coarse run (2026-11-29) kept the PLE projection's
     16-row tiles, which held every config to 2-3 resident programs per SM. ``tickets``: the default tiles
     with 1, 2, 4 or 8 tickets a grab (``_next_ticket``) and 2- or 4-row PLE projection tiles: after the coarse
-    grid's second run (H100, 2026-12-07) every config from 8 programs per SM on sat at 106-113 us, and
-    halving the gate/up tasks (1 row a task to 2) saved 30 us, ~6 ns a task, what a queue of read-modify-
-    writes at the one ticket address would cost."""
+    grid's second run (H100, 2026-12-07) every config from 8 programs per SM on sat at 106-145 us, and
+    halving the gate/up tasks (1 row a task to 2) saved 15 us, ~3 ns a task, what a queue of read-modify-
+    writes at the one ticket address could cost."""
     if grid_name == "tickets":  # fewer read-modify-writes at the ticket counter, fewer PLE projection tasks
         return [{"grab": grab, "bn_p": bn_p} for grab, bn_p in itertools.product((1, 2, 4, 8), (2, 4))]
     keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
