@@ -113,7 +113,8 @@ def test_routing_of_decode_projections_follows_the_h100_measurements(m):
 
 def test_decode_tiles_at_e4b_and_31b_shapes():
     """The tiles the measured rules give: e4b's down (40 column tiles) split 2 ways at 8-16 rows and 3 ways
-    past 16, its PLE gate 4 ways, within one wave; 31B's gate/up at 8-16 rows in K tiles of 256 (K = 5,376), e4b's (K = 2,560) of 128."""
+    past 16, its PLE gate 4 ways, within one wave; 31B's gate/up at 8-16 rows in K tiles of 256 (K = 5,376),
+    e4b's (K = 2,560) of 128."""
     for m in (8, 16):
         assert gemv_config(m, 2560, 10240)["split_k"] == 2
         assert gemv_config(m, 256, 2560)["split_k"] == 4
