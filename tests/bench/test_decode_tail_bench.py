@@ -37,7 +37,7 @@ def test_moe_presets_have_no_tail_the_kernel_serves():
     assert bench.tail_shapes("26b-a4b") == []
 
 
-@pytest.mark.parametrize("m,grid", [(1, "full"), (8, "full"), (1, "coarse")])
+@pytest.mark.parametrize("m,grid", [(1, "full"), (8, "full"), (1, "coarse"), (1, "tickets")])
 def test_swept_configs_compute_the_tail(m, grid):
     gen = torch.Generator().manual_seed(m)
     h, q, i, p = 48, 32, 80, 16
@@ -61,9 +61,15 @@ def test_swept_configs_compute_the_tail(m, grid):
 def test_the_coarse_grid_tries_gemv_like_parallelism():
     coarse = bench.tail_sweep(1, "coarse")
     assert len(coarse) == 36 and len(bench.tail_sweep(1)) == 486
-    assert {c["programs_per_sm"] for c in coarse} == {2, 4, 8} and {c["num_warps"] for c in coarse} == {4}
+    assert {c["programs_per_sm"] for c in coarse} == {4, 8, 12} and {c["num_warps"] for c in coarse} == {4}
     assert all(c["bn_o"] == c["bn_b"] <= 4 for c in coarse)
     assert bench.tail_sweep(8, "coarse") == bench.tail_sweep(8)  # more rows: the full grid
+
+
+def test_the_tickets_grid_varies_the_grab_and_the_ple_projection_tile():
+    tickets = bench.tail_sweep(1, "tickets")
+    assert {c["grab"] for c in tickets} == {1, 2, 4, 8} and {c["bn_p"] for c in tickets} == {2, 4}
+    assert len(tickets) == 8 and all(set(c) == {"grab", "bn_p"} for c in tickets)  # the rest: the default
 
 
 def test_refuses_to_run_without_cuda(monkeypatch, capsys):
