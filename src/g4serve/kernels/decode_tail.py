@@ -20,8 +20,10 @@ counter, in dependency order, phase by phase:
 
 A phase's task loads its first weight tile, then waits for the phase before it (a counter of its finished
 tasks), so each weight stream starts while the previous phase drains; a program takes its next ticket while
-it works on the current one. Tickets follow the dependencies, so a waiting task only waits on tasks that
-running programs already hold: no deadlock whatever the grid size or residency, and Triton's interpreter
+it works on the current one (or, with the config's ``grab``, several consecutive tickets at a time, and counts
+a GEMM phase's finished tasks once a grab and before it leaves the phase). Tickets follow the dependencies,
+so a waiting task only waits on tasks that running programs already hold (and have counted or will count
+without waiting): no deadlock whatever the grid size or residency, and Triton's interpreter
 (which runs the programs one after another: the first takes every task in order) runs the same source on the
 CPU. Finished tiles are published with a CTA barrier and a release increment and read after an acquire with
 L2-only (``.cg``) loads. The last program to leave resets the counters for the next launch (and the next
