@@ -108,12 +108,9 @@ def _next_ticket(C, task, GRAB: tl.constexpr):
     """The ticket after ``task``: the counter at C hands them out GRAB at a time ([v, v + GRAB) to the program
     that added GRAB to v), so only a program's last ticket of a grab takes the next grab: fewer
     read-modify-writes at one address, which every task of the launch otherwise queues at."""
-    if GRAB == 1:
-        ticket = tl.atomic_add(C, 1)
-    else:
-        ticket = task + 1
-        if ticket % GRAB == 0:
-            ticket = tl.atomic_add(C, GRAB)
+    ticket = task + 1
+    if ticket % GRAB == 0:  # always, one ticket a grab
+        ticket = tl.atomic_add(C, GRAB)
     return ticket
 
 

@@ -364,7 +364,7 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
     elif k >= 8192 or (m > 16 and k >= 4096):
         block_k, split = min(128, k_pow2), 3 if m > 16 else 2
     if block_k == 128 and epilogue != GATE_UP and n < 65536:
-        stages = 4 if (split == 2 and k < 8192) or (split == 3 and m > 16) else 5
+        stages = 4 if (split == 2 and k < 8192) or split == 3 else 5  # split 3: past 16 rows
     tiles = -(-n // block_n)
     if tiles >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT:
         split = 1

@@ -80,7 +80,7 @@ class SamplingBatch:
         # seeds as two 32-bit words: every column is exact in fp64
         columns = [
             [
-                0.0 if p.greedy else p.temperature,
+                0.0 if g else p.temperature,
                 p.top_k,
                 max(p.top_p, MIN_TOP_P),
                 p.min_p,
@@ -88,7 +88,7 @@ class SamplingBatch:
                 key >> 32,
                 pos,
             ]
-            for p, key, pos in zip(params, keys, positions)
+            for p, g, key, pos in zip(params, greedy, keys, positions)
         ]
         if penalties:
             for row, p in zip(columns, params):
