@@ -9,12 +9,15 @@ P, and how many layers have it) and M = 1, 2, 4, 8 token rows, the script times 
 replayed from a CUDA graph that cycles over enough weight copies (>= ``--stream-mb``) that every call streams
 its weights from HBM. It checks the two agree (largest difference of both outputs, in bf16 steps) and
 reports microseconds per tail, weight GB/s and what a decode step would save over its layers. ``--sweep``
-also searches the kernel's tiles, warps and programs per SM. Writes JSON (device, versions, commit,
-command) to bench/results/.
+also searches the kernel's tiles, warps and programs per SM. ``--trace`` runs the default config (and the
+sweep's best) once more with the kernel's trace on (``decode_tail(trace=...)``: each program's clock where
+it left each phase) and prints the phases' timeline: when the last program left each phase, relative to
+the first program's entry. Writes JSON (device, versions, commit, command) to bench/results/.
 
     python bench/decode_tail.py                         # e4b and 31b, M = 1 2 4 8
     python bench/decode_tail.py --presets e2b --rows 1 --sweep
     python bench/decode_tail.py --presets e4b --rows 1 --sweep --sweep-grid coarse   # MLP per SM
+    python bench/decode_tail.py --presets e4b --rows 1 --trace   # where a launch's time goes, by phase
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
-from g4serve.kernels.decode_tail import decode_tail_config, new_counters
+from g4serve.kernels.decode_tail import TRACE_PHASES, decode_tail_config, new_counters, new_trace
 from g4serve.layers.fused import add_rms_norm, decode_tail_block, gate_up_act, linear, linear_act_mul
 from g4serve.layers.norm import RMSNorm
 
@@ -56,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="coarse: at one row, small tiles on 4 warps with 4-12 programs per SM (gemv.py's way of keeping "
         "weight bytes in flight), 36 configs against the full grid's 486; tickets: the default tiles with "
         "1-8 tickets a grab and 2- or 4-row PLE projection tiles (8 configs)",
+    )
+    p.add_argument(
+        "--trace", action="store_true", help="the phases' timeline of one launch (and of the sweep's best)"
     )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
@@ -105,6 +111,49 @@ def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
         bk = cfg.pop("bk")
         out.append(cfg | {"bk_o": bk, "bk_a": bk, "bk_b": bk})
     return out
+
+
+def trace_timeline(trace: torch.Tensor, programs: int, has_ple: bool) -> dict:
+    """A traced launch's records (``new_trace``'s [programs, slots, (clock ns, ticket)]) as a timeline in
+    microseconds from the first program's entry: for each phase the moment the first and the last program
+    left it (the last: when its results were all written) and its share of the critical path (the last
+    leaving it minus the last leaving the phase before); the programs' entry spread and the last exit."""
+    rows = trace[:programs].cpu()
+    rows = rows[rows[:, 0, 1] >= 0]  # the grid's (a launch with fewer tasks than programs runs fewer)
+    clock = rows[:, :, 0].double()
+    t0 = float(clock[:, 0].min())
+    phases = TRACE_PHASES if has_ple else TRACE_PHASES[:5]
+
+    def us(values: torch.Tensor) -> float:
+        return round((float(values) - t0) / 1e3, 3)
+
+    timeline, before = [], t0
+    for slot, name in enumerate(phases, start=1):
+        last = float(clock[:, slot].max())
+        timeline.append(
+            {
+                "phase": name,
+                "first_out_us": us(clock[:, slot].min()),
+                "last_out_us": us(last),
+                "critical_us": round((last - before) / 1e3, 3),
+            }
+        )
+        before = last
+    return {
+        "programs": len(rows),
+        "entry_spread_us": us(clock[:, 0].max()),
+        "phases": timeline,
+        "last_exit_us": us(clock[:, -1].max()),
+    }
+
+
+def _print_timeline(label: str, timeline: dict) -> None:
+    phases = timeline["phases"]
+    cells = " ".join(f"{p['phase']} {p['last_out_us']:.1f} (+{p['critical_us']:.1f})" for p in phases)
+    print(
+        f"    trace {label}: entries within {timeline['entry_spread_us']:.1f} us; last out of {cells}; "
+        f"last exit {timeline['last_exit_us']:.1f} us"
+    )
 
 
 class Tail:
@@ -188,20 +237,34 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
             lambda cfg: time(lambda t: _fused_with(t, attn, residual, per_layer, scale, act, cfg)),
         )
         print(f"    best {sweep['best_ms'] * 1e3:.1f} us with {sweep['best']}")
+    if args.trace:
+        configs = {"default": decode_tail_config(m, h, q, i, p)}
+        if args.sweep:
+            configs["best"] = row["sweep"]["best"]
+        row["trace"] = {}
+        for label, cfg in configs.items():
+            programs = cfg["programs_per_sm"] * torch.cuda.get_device_properties(0).multi_processor_count
+            trace = new_trace(programs, "cuda")
+            _fused_with(tails[-1], attn, residual, per_layer, scale, act, cfg, trace)  # cold since its timing
+            torch.cuda.synchronize()
+            row["trace"][label] = timeline = trace_timeline(trace, programs, p > 0)
+            _print_timeline(label, timeline)
     tails.clear()
     torch.cuda.empty_cache()
     return row
 
 
-def _fused_with(t: Tail, attn, residual, per_layer, scale, act: str, cfg: dict):
-    """The kernel with the tiles ``cfg`` (the sweep's), on the tail ``t``."""
+def _fused_with(t: Tail, attn, residual, per_layer, scale, act: str, cfg: dict, trace=None):
+    """The kernel with the tiles ``cfg`` (the sweep's), on the tail ``t``; ``trace``: its records."""
     from g4serve.kernels.decode_tail import PerLayerInput, TailWeights, decode_tail
 
     ple = PerLayerInput(t.ple[0].weight, t.ple[1].weight, per_layer, t.ple[2].weight) if t.ple else None
     weights = TailWeights(
         t.o.weight, t.post_attn.weight, t.pre_ff.weight, t.gate_up.weight, t.down.weight, t.post_ff.weight
     )
-    return decode_tail(attn, residual, weights, EPS, act, t.counters, ple, scale, t.next.weight, cfg)
+    return decode_tail(
+        attn, residual, weights, EPS, act, t.counters, ple, scale, t.next.weight, cfg, trace=trace
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from g4serve.kernels.decode_tail import (
     decode_tail_config,
     decode_tail_reference,
     new_counters,
+    new_trace,
 )
 
 bench = load_script("decode_tail")
@@ -70,6 +71,41 @@ def test_the_tickets_grid_varies_the_grab_and_the_ple_projection_tile():
     tickets = bench.tail_sweep(1, "tickets")
     assert {c["grab"] for c in tickets} == {1, 2, 4, 8} and {c["bn_p"] for c in tickets} == {2, 4}
     assert len(tickets) == 8 and all(set(c) == {"grab", "bn_p"} for c in tickets)  # the rest: the default
+
+
+def test_the_timeline_reads_each_phase_from_its_last_program():
+    trace = torch.full((4, 10, 2), -1, dtype=torch.int64)
+    t0 = 10_000_000
+    # program 0 enters first and works o and a; program 1 enters 1 us later and works n1 and b; program 3 was
+    # never launched (fewer tasks than programs)
+    trace[0, :6, 0] = torch.tensor([0, 3_000, 3_000, 9_000, 9_000, 9_500]) + t0
+    trace[1, :6, 0] = torch.tensor([1_000, 2_000, 5_000, 6_000, 12_000, 14_000]) + t0
+    trace[2, :6, 0] = torch.tensor([500, 2_500, 5_200, 7_000, 12_100, 12_200]) + t0
+    trace[0, 9, 0], trace[1, 9, 0], trace[2, 9, 0] = t0 + 9_600, t0 + 14_500, t0 + 12_300
+    trace[:3, :, 1] = 0
+    timeline = bench.trace_timeline(trace, 4, has_ple=False)
+    assert timeline["programs"] == 3 and timeline["entry_spread_us"] == 1.0
+    assert [p["phase"] for p in timeline["phases"]] == ["o", "n1", "a", "b", "n2"]
+    assert [p["last_out_us"] for p in timeline["phases"]] == [3.0, 5.2, 9.0, 12.1, 14.0]
+    assert [p["first_out_us"] for p in timeline["phases"]] == [2.0, 3.0, 6.0, 9.0, 9.5]
+    assert [p["critical_us"] for p in timeline["phases"]] == [3.0, 2.2, 3.8, 3.1, 1.9]
+    assert timeline["last_exit_us"] == 14.5
+
+
+def test_a_traced_interpreter_launch_makes_a_timeline():
+    gen = torch.Generator().manual_seed(2)
+    h, q, i, p = 48, 32, 80, 16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    weights = TailWeights(randn(h, q), 1 + randn(h), 1 + randn(h), randn(2 * i, h), randn(h, i), 1 + randn(h))
+    ple = PerLayerInput(randn(p, h), randn(h, p), randn(1, p), 1 + randn(h))
+    trace = new_trace(5, "cpu")
+    decode_tail(randn(1, q), randn(1, h), weights, 1e-6, "silu", new_counters("cpu"), ple, trace=trace)
+    timeline = bench.trace_timeline(trace, 5, has_ple=True)  # the interpreter's grid: 3 programs, no clock
+    assert timeline["programs"] == 3 and len(timeline["phases"]) == 8
+    assert all(p["last_out_us"] == 0 for p in timeline["phases"])
 
 
 def test_refuses_to_run_without_cuda(monkeypatch, capsys):

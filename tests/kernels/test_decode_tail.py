@@ -15,11 +15,13 @@ from g4serve.kernels.act_mul import act_mul_reference
 from g4serve.kernels.decode_tail import (
     COUNTER_STRIDE,
     COUNTERS,
+    TRACE_SLOTS,
     PerLayerInput,
     TailWeights,
     decode_tail,
     decode_tail_reference,
     new_counters,
+    new_trace,
 )
 from g4serve.kernels.rms_norm import fused_rms_norm_reference
 
@@ -153,6 +155,38 @@ def test_a_second_launch_on_the_same_counters_computes_the_same():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
+@pytest.mark.parametrize("with_ple", [True, False])
+def test_a_traced_launch_records_where_each_program_left_each_phase(with_ple):
+    """The interpreter runs the programs one after another, so the first takes every ticket in order: its
+    records hold each phase's end, the others' the first ticket past the last phase. The outputs are the
+    untraced launch's."""
+    m, h, q, i, p = 2, 64, 32, 96, 16 if with_ple else 0
+    layer = Layer(m, h, q, i, p, torch.float32, seed=9)
+    cfg = SMALL | {"grab": 2}
+    trace = new_trace(4, "cpu")
+    plain = layer.fused("silu", new_counters("cpu"), config=cfg, programs=3)
+    traced = decode_tail(
+        *layer.operands(), EPS, "silu", new_counters("cpu"), layer.ple, layer.scale, layer.next, cfg, 3,
+        trace=trace,
+    )  # fmt: skip
+    assert torch.equal(plain[0], traced[0]) and torch.equal(plain[1], traced[1])
+    ends = [h // 16, h // 16 + m]  # o, n1
+    ends += [ends[-1] + i // 16, ends[-1] + i // 16 + h // 16, ends[-1] + i // 16 + h // 16 + m]  # a, b, n2
+    if with_ple:
+        ends += [ends[-1] + 1, ends[-1] + 1 + h // 16, ends[-1] + 1 + h // 16 + m]  # g, p, n3
+    last = ends[-1]
+    past = -(-last // 2) * 2  # tickets come 2 a grab
+    first = trace[0, :, 1].tolist()
+    assert first[0] == 0 and first[1 : 1 + len(ends)] == ends
+    assert first[1 + len(ends) : TRACE_SLOTS - 1] == [-1] * (8 - len(ends))  # phases it has not
+    assert first[TRACE_SLOTS - 1] == last  # its grab's next ticket: no more taken from the counter
+    for program in (1, 2):
+        tickets = trace[program, :, 1].tolist()
+        assert tickets[0] >= past and tickets[1 : 1 + len(ends)] == [tickets[0]] * len(ends)
+    assert trace[:3, [0, *range(1, 1 + len(ends)), TRACE_SLOTS - 1], 0].eq(0).all()  # no clock here
+    assert trace[3].eq(-1).all()  # beyond the grid
+
+
 def test_refuses_what_it_is_not_built_for():
     layer = Layer(9, 64, 32, 96, 16, torch.float32, seed=5)
     with pytest.raises(AssertionError):  # nine rows: more than a decode batch of the kernel
@@ -207,6 +241,32 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, dims, dtype):
         # as on a CUDA device: the counters read by ld.acquire (meta tensors launch the interpreter's form)
         compiled = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True)
         assert "ld.global.acquire.gpu.b32" in compiled.asm["ptx"]
+
+
+def test_traced_kernel_reads_the_gpu_clock_on_sm90(monkeypatch):
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    h, q, i, p, m = 2560, 2048, 10240, 256, 1
+
+    def t(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
+    counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
+    trace = torch.empty(264, TRACE_SLOTS, 2, dtype=torch.int64, device="meta")
+    ple = PerLayerInput(t(p, h), t(h, p), t(m, p), t(h))
+    weights = TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h))
+    ((fn, args, kwargs),) = _launches(
+        monkeypatch,
+        decode_tail_module,
+        "_decode_tail",
+        lambda: decode_tail(
+            t(m, q), t(m, h), weights, EPS, "silu", counters, ple, t(1), t(h), programs=264, trace=trace
+        ),
+    )
+    assert kwargs["TRACE"]
+    ptx = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"]
+    assert ptx.count("%globaltimer") >= TRACE_SLOTS - 1  # entry, eight phase ends, exit
 
 
 def _ptxas_registers(ptx: str) -> int:

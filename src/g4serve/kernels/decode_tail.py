@@ -68,9 +68,14 @@ COUNTERS = 10
 # counter and the increments of the others (every task takes a ticket and counts itself done) do not queue
 # at the same L2 slice
 COUNTER_STRIDE = 32
+# a traced launch's records a program (``decode_tail(trace=...)``): its entry, the end of each phase (o, n1,
+# a, b, n2, g, p, n3; a tail without PLE leaves g, p and n3 unwritten) and its exit: (clock ns, next ticket)
+TRACE_SLOTS = 10
+TRACE_PHASES = ("o", "n1", "a", "b", "n2", "g", "p", "n3")
 # the kernel's view of them (a jitted function reads constexpr globals only)
 _COUNTERS = tl.constexpr(COUNTERS)
 _STRIDE = tl.constexpr(COUNTER_STRIDE)
+_SLOTS = tl.constexpr(TRACE_SLOTS)
 
 
 @triton.jit
@@ -112,6 +117,21 @@ def _next_ticket(C, task, GRAB: tl.constexpr):
     if ticket % GRAB == 0:  # always, one ticket a grab
         ticket = tl.atomic_add(C, GRAB)
     return ticket
+
+
+@triton.jit
+def _stamp(Trace, slot, task, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """With TRACE, record where this program stands at ``slot`` (``TRACE_SLOTS`` a program): the GPU's
+    nanosecond clock (``%globaltimer``; 0 in the interpreter) and ``task``, its next ticket."""
+    if TRACE:
+        now = task.to(tl.int64) * 0
+        if ASM:
+            now = tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l,r", [task], dtype=tl.int64, is_pure=False, pack=1
+            )
+        at = Trace + (tl.program_id(0) * _SLOTS + slot) * 2
+        tl.store(at, now)
+        tl.store(at + 1, task.to(tl.int64))
 
 
 @triton.jit
@@ -358,6 +378,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     Out,
     Out2,
     C,
+    Trace,
     M,
     H,
     Q,
@@ -389,6 +410,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
     GRAB: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     num_o = tl.cdiv(H, BN_O)
     num_a = tl.cdiv(INTER, BN_A)
@@ -414,46 +436,57 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     # phase's values in registers (one loop over every phase kept them all live, ~120-160 registers a thread
     # at one row, so only 2-3 programs fit an SM).
     task = tl.atomic_add(C, GRAB)
+    _stamp(Trace, 0, task, TRACE, ASM)
     task = _gemm_phase(
         C, task, 0, end_o, X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, H, Q, offs_m, m_mask,
         0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
+    _stamp(Trace, 1, task, TRACE, ASM)
     task = _norm_phase(
         C, task, end_o, end_n1, Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, H, eps,
         False, True, BLOCK_C, USE_PDL, ASM, GRAB,
     )  # fmt: skip
+    _stamp(Trace, 2, task, TRACE, ASM)
     task = _gemm_phase(
         C, task, end_n1, end_a, X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, INTER, H, offs_m, m_mask,
         1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
+    _stamp(Trace, 3, task, TRACE, ASM)
     task = _gemm_phase(
         C, task, end_a, end_b, Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, H, INTER, offs_m, m_mask,
         1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
+    _stamp(Trace, 4, task, TRACE, ASM)
     if HAS_PLE:  # h2, the input of the PLE phases
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, H, eps,
             False, False, BLOCK_C, USE_PDL, ASM, GRAB,
         )  # fmt: skip
+        _stamp(Trace, 5, task, TRACE, ASM)
         task = _gemm_phase(
             C, task, end_n2, end_g, H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, P, H, offs_m, m_mask,
             1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
+        _stamp(Trace, 6, task, TRACE, ASM)
         task = _gemm_phase(
             C, task, end_g, end_p, G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, H, P, offs_m, m_mask,
             1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
+        _stamp(Trace, 7, task, TRACE, ASM)
         task = _norm_phase(
             C, task, end_p, total, Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, H, eps,
             HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM, GRAB,
         )  # fmt: skip
+        _stamp(Trace, 8, task, TRACE, ASM)
     else:  # the layer's outputs
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, H, eps,
             HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM, GRAB,
         )  # fmt: skip
+        _stamp(Trace, 5, task, TRACE, ASM)
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
     gone = tl.atomic_add(C + 9 * _STRIDE, 1, sem="acq_rel")
+    _stamp(Trace, 9, task + gone * 0, TRACE, ASM)  # (after the count: the clock read waits for it)
     if gone == tl.num_programs(0) - 1:
         for k in tl.static_range(_COUNTERS):
             tl.atomic_xchg(C + k * _STRIDE, 0)
@@ -538,6 +571,12 @@ def new_counters(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device=device)
 
 
+def new_trace(programs: int, device: torch.device | str) -> torch.Tensor:
+    """A buffer for ``decode_tail(trace=...)``: [programs, TRACE_SLOTS, 2] int64, -1 where nothing was
+    written."""
+    return torch.full((programs, TRACE_SLOTS, 2), -1, dtype=torch.int64, device=device)
+
+
 def decode_tail(
     attn: torch.Tensor,
     residual: torch.Tensor,
@@ -550,13 +589,15 @@ def decode_tail(
     next_norm: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     programs: int | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A dense layer's tail for ``attn`` [M, Q] (the attention output before ``o_proj``, M <= 8) and the
     layer input ``residual`` [M, H] -> (the layer's output, ``rms_norm(output, next_norm)`` or None), as
     ``decode_tail_reference`` computes them. The weights are never written by the kernel just before this
     one (their first tiles are read before the PDL wait). ``counters``:
     ``new_counters``, used by one call site at a time. ``programs``: the grid (default: by SM count on CUDA,
-    3 in the interpreter so that several programs share the tickets)."""
+    3 in the interpreter so that several programs share the tickets). ``trace`` (a diagnostic,
+    ``new_trace``): each program's records (``TRACE_SLOTS``) are written to its row."""
     m, q = attn.shape
     w = weights
     h, i = w.down.shape
@@ -590,8 +631,12 @@ def decode_tail(
         programs = (
             3 if attn.device.type == "cpu" else cfg["programs_per_sm"] * sm_count(attn.device.index or 0)
         )
+    grid = max(1, min(programs, total))
+    if trace is not None:
+        assert trace.dtype == torch.int64 and trace.shape[0] >= grid and trace.shape[1:] == (TRACE_SLOTS, 2)
+        assert trace.is_contiguous() and trace.device == attn.device
     some = w.post_ff_norm  # a valid pointer for the operands a variant does not read
-    _decode_tail[attn.device][(max(1, min(programs, total)),)](
+    _decode_tail[attn.device][(grid,)](
         attn,
         residual,
         w.o,
@@ -617,6 +662,7 @@ def decode_tail(
         out,
         out2,
         counters,
+        trace if trace is not None else counters,
         m,
         h,
         q,
@@ -648,6 +694,7 @@ def decode_tail(
         **pdl(attn.device, m),
         ASM=attn.device.type == "cuda",
         GRAB=cfg.get("grab", 1),
+        TRACE=trace is not None,
         num_warps=cfg["num_warps"],
         num_stages=1,
     )
@@ -684,10 +731,13 @@ def decode_tail_reference(
 __all__ = [
     "COUNTERS",
     "COUNTER_STRIDE",
+    "TRACE_PHASES",
+    "TRACE_SLOTS",
     "PerLayerInput",
     "TailWeights",
     "decode_tail",
     "decode_tail_config",
     "decode_tail_reference",
     "new_counters",
+    "new_trace",
 ]
