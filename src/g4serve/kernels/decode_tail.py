@@ -145,9 +145,15 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     m_mask,
     offs_n,
     n_mask,
+    N,
     K,
     C,
     target,
+    ready,
+    w_pre,
+    u_pre,
+    preloaded,
+    more,
     WAIT: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -159,21 +165,26 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """fp32 products of token rows ``X[offs_m, :K]`` with weight rows ``W[offs_n, :K]`` -> (y, y_up), each
-    [BLOCK_M, BLOCK_N] (``y_up``: the rows ``up_offset`` elements further, when GATED). The first weight tile
-    is loaded before the wait for X (WAIT 0: the previous kernel, under PDL; 1: the counter at C reaching
-    ``target``, X then read from L2); each next one before the current tile's math."""
+    """fp32 products of token rows ``X[offs_m, :K]`` with weight rows ``W[offs_n, :K]`` -> (y, y_up, the
+    next task's first tiles), y and y_up [BLOCK_M, BLOCK_N] (``y_up``: the rows ``up_offset`` elements
+    further, when GATED). The first weight tiles are ``w_pre``/``u_pre`` where ``preloaded``, else loaded
+    here before the wait for X (WAIT 0: the previous kernel, under PDL; 1: unless ``ready``, the counter at C
+    reaching ``target``, X then read from L2); each next one before the current tile's math, and where
+    ``more`` (this program's next task is the next BLOCK_N rows), the last iteration loads that task's first
+    tiles instead: the weight stream runs on across the tasks of a grab."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_x + offs_k[None, :]
-    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w_mask = n_mask[:, None] & (offs_k < K)[None, :] & (preloaded == 0)
     w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    w = tl.where(preloaded != 0, w_pre, w)
     u = w
     if GATED:
         u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.where(preloaded != 0, u_pre, u)
     if WAIT == 0:
         wait_for_previous_kernel(USE_PDL)
-    else:
+    elif ready == 0:
         _wait_count(C, target, ASM)
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -181,18 +192,23 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     else:  # one row: each tile's products summed over K at once, so no [BLOCK_N, BLOCK_K] fp32 stays live
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_N], tl.float32)
+    next_rows = (offs_n + BLOCK_N < N) & (more != 0)
     for k0 in range(0, K, BLOCK_K):
         x_mask = m_mask[:, None] & ((k0 + offs_k) < K)[None, :]
         if WAIT == 0:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         else:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
-        next_mask = n_mask[:, None] & ((k0 + BLOCK_K + offs_k) < K)[None, :]
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        # the next tile: this task's next K tile, or past its last one the next task's first (or nothing)
+        last = k0 + BLOCK_K >= K
+        step = tl.where(last, BLOCK_N * stride_w - k0, BLOCK_K)
+        rows = tl.where(last, next_rows, n_mask)
+        next_mask = rows[:, None] & (offs_k < tl.where(last, K, K - k0 - BLOCK_K))[None, :]
+        w_next = tl.load(w_ptrs + step, mask=next_mask, other=0.0, eviction_policy="evict_first")
         u_next = w_next
         if GATED:
             u_next = tl.load(
-                w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first"
+                w_ptrs + step + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first"
             )
         if USE_DOT:
             if UPCAST:
@@ -217,7 +233,7 @@ def _products(  # noqa: C901 - Triton helper: its branches test tl.constexpr fla
     else:
         y = acc[None, :]
         y_up = acc_up[None, :]
-    return y, y_up
+    return y, y_up, w, u
 
 
 @triton.jit
@@ -259,14 +275,22 @@ def _gemm_phase(
     them once a grab (and where the program leaves the phase, so no task it waits on later is uncounted).
     Returns the first ticket past the phase."""
     finished = 0
+    ready = 0  # the phase before is done (this program saw its counter reach the target)
+    preloaded = 0
+    w_pre = tl.zeros([BLOCK_N, BLOCK_K], W.dtype.element_ty)
+    u_pre = w_pre
     while task < end:
         ticket = _next_ticket(C, task, GRAB)
+        more = (ticket == task + 1) & (ticket < end)  # the next task: the next column tile, this phase
         offs_n = (task - first) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        y, y_up = _products(
-            X, stride_x, W, K, N * K, offs_m, m_mask, offs_n, n_mask, K, C_wait, target,
-            WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM,
+        y, y_up, w_pre, u_pre = _products(
+            X, stride_x, W, K, N * K, offs_m, m_mask, offs_n, n_mask, N, K, C_wait, target, ready, w_pre,
+            u_pre, preloaded, more, WAIT, EPILOGUE == 1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, UPCAST,
+            DOT_PRECISION, USE_PDL, ASM,
         )  # fmt: skip
+        ready = 1
+        preloaded = more.to(tl.int32)
         if EPILOGUE == 2:
             wait_for_previous_kernel(USE_PDL)  # E, the per-layer input, comes from an earlier kernel
         y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_e, EPILOGUE, ACT)
