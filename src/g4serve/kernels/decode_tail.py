@@ -19,9 +19,12 @@ counter, in dependency order, phase by phase:
 - ``n3`` (PLE), a row each: ``(h2 + norm(Yp)) * scale`` and its next norm, the outputs.
 
 A phase's task loads its first weight tile, then waits for the phase before it (a counter of its finished
-tasks), so each weight stream starts while the previous phase drains; a program takes its next ticket while
-it works on the current one (or, with the config's ``grab``, several consecutive tickets at a time, and counts
-a GEMM phase's finished tasks once a grab and before it leaves the phase). Tickets follow the dependencies,
+tasks; a program waits once a phase), so each weight stream starts while the previous phase drains; a
+program takes its next ticket while it works on the current one (or, with the config's ``grab``, several
+consecutive tickets at a time, and counts a GEMM phase's finished tasks once a grab and before it leaves the
+phase). Where its next ticket is the next column tile of the same phase, a task's last K iteration loads
+that task's first tiles: a grab's tasks stream as one. ``decode_tail(trace=...)`` records each program's
+GPU clock at each phase's end (``bench/decode_tail.py --trace``: the phases' timeline). Tickets follow the dependencies,
 so a waiting task only waits on tasks that running programs already hold (and have counted or will count
 without waiting): no deadlock whatever the grid size or residency, and Triton's interpreter
 (which runs the programs one after another: the first takes every task in order) runs the same source on the
