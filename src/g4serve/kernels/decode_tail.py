@@ -26,9 +26,9 @@ phase). Where its next ticket is the next column tile of the same phase, a task'
 that task's first tiles: a grab's tasks stream as one. ``decode_tail(trace=...)`` records each program's
 GPU clock at each phase's end (``bench/decode_tail.py --trace``: the phases' timeline). Tickets follow
 the dependencies, so a waiting task only waits on tasks that running programs already hold (and have
-counted or will count without waiting): no deadlock whatever the grid size or residency, and Triton's interpreter
-(which runs the programs one after another: the first takes every task in order) runs the same source on the
-CPU. Finished tiles are published with a CTA barrier and a release increment and read after an acquire with
+counted or will count without waiting): no deadlock whatever the grid size or residency, and Triton's
+interpreter (which runs the programs one after another: the first takes every task in order) runs the same
+source on the CPU. Finished tiles are published with a CTA barrier and a release increment and read after an acquire with
 L2-only (``.cg``) loads. The last program to leave resets the counters for the next launch (and the next
 replay of a captured CUDA graph): each call site owns one counter buffer. Every intermediate is rounded to
 the model dtype where the separate ops round it (norm statistics in fp32): only reduction orders differ.
