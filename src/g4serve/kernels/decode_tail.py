@@ -19,19 +19,19 @@ counter, in dependency order, phase by phase:
 - ``n3`` (PLE), a row each: ``(h2 + norm(Yp)) * scale`` and its next norm, the outputs.
 
 A phase's task loads its first weight tile, then waits for the phase before it (a counter of its finished
-tasks; a program waits once a phase), so each weight stream starts while the previous phase drains; a
-program takes its next ticket while it works on the current one (or, with the config's ``grab``, several
-consecutive tickets at a time, and counts a GEMM phase's finished tasks once a grab and before it leaves the
-phase). Where its next ticket is the next column tile of the same phase, a task's last K iteration loads
-that task's first tiles: a grab's tasks stream as one. ``decode_tail(trace=...)`` records each program's
-GPU clock at each phase's end (``bench/decode_tail.py --trace``: the phases' timeline). Tickets follow
-the dependencies, so a waiting task only waits on tasks that running programs already hold (and have
-counted or will count without waiting): no deadlock whatever the grid size or residency, and Triton's
-interpreter (which runs the programs one after another: the first takes every task in order) runs the same
-source on the CPU. Finished tiles are published with a CTA barrier and a release increment and read after an acquire with
-L2-only (``.cg``) loads. The last program to leave resets the counters for the next launch (and the next
-replay of a captured CUDA graph): each call site owns one counter buffer. Every intermediate is rounded to
-the model dtype where the separate ops round it (norm statistics in fp32): only reduction orders differ.
+tasks; a program waits once a phase), so each weight stream starts while the previous phase drains; a program
+takes its next ticket while it works on the current one (or, with the config's ``grab``, several consecutive
+tickets at a time, and counts a GEMM phase's finished tasks once a grab and before it leaves the phase). Where
+its next ticket is the next column tile of the same phase, a task's last K iteration loads that task's first
+tiles: a grab's tasks stream as one. ``decode_tail(trace=...)`` records each program's GPU clock at each
+phase's end (``bench/decode_tail.py --trace``: the phases' timeline). Tickets follow the dependencies, so a
+waiting task only waits on tasks that running programs already hold (and have counted or will count without
+waiting): no deadlock whatever the grid size or residency, and Triton's interpreter (which runs the programs
+one after another: the first takes every task in order) runs the same source on the CPU. Finished tiles are
+published with a CTA barrier and a release increment and read after an acquire with L2-only (``.cg``) loads.
+The last program to leave resets the counters for the next launch (and the next replay of a captured CUDA
+graph): each call site owns one counter buffer. Every intermediate is rounded to the model dtype where the
+separate ops round it (norm statistics in fp32): only reduction orders differ.
 
 The fused path of ``layers.fused.decode_tail_block``, off unless ``G4SERVE_DECODE_TAIL=1``: interpreter
 tests, sm_90 compile tests and GPU tests. ``bench/decode_tail.py`` times it against the separate launches:
