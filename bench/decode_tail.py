@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="full",
         help="coarse: at one row, small tiles on 4 warps with 4-12 programs per SM (gemv.py's way of keeping "
         "weight bytes in flight), 36 configs against the full grid's 486; tickets: the default tiles with "
-        "1-8 tickets a grab and 2- or 4-row PLE projection tiles (8 configs)",
+        "1-8 tickets a grab and norm chunks of 256 or 1,024 columns (8 configs)",
     )
     p.add_argument(
         "--trace", action="store_true", help="the phases' timeline of one launch (and of the sweep's best)"
@@ -84,16 +84,18 @@ def tail_shapes(preset: str) -> list[tuple[int, int, int, int, int, str]]:
 def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
     """The grid ``--sweep`` searches: the big phases' tiles (o, gate/up and down share a K tile), warps and
     programs per SM; the PLE phases keep their default tiles. ``coarse`` (one row): small tiles on 4 warps and
-    4-12 programs per SM around the default (8 programs of 64 registers a thread), the question the first
-    H200 run left (one program of 8 warps per SM, ~250 registers a thread, streamed 1.4 TB/s; gemv.py
-    streams 3.3 with many small programs). Its first coarse run (2026-11-29) kept the PLE projection's
-    16-row tiles, which held every config to 2-3 resident programs per SM. ``tickets``: the default tiles
-    with 1, 2, 4 or 8 tickets a grab (``_next_ticket``) and 2- or 4-row PLE projection tiles: after the coarse
-    grid's second run (H100, 2026-12-07) every config from 8 programs per SM on sat at 106-145 us, and
-    halving the gate/up tasks (1 row a task to 2) saved 15 us, ~3 ns a task, what a queue of read-modify-
-    writes at the one ticket address could cost."""
-    if grid_name == "tickets":  # fewer read-modify-writes at the ticket counter, fewer PLE projection tasks
-        return [{"grab": grab, "bn_p": bn_p} for grab, bn_p in itertools.product((1, 2, 4, 8), (2, 4))]
+    4-12 programs per SM around the default (8 programs of 64 registers a thread), the question the first H200
+    run left (one program of 8 warps per SM, ~250 registers a thread, streamed 1.4 TB/s; gemv.py streams 3.3
+    with many small programs). Its first coarse run (2026-11-29) kept the PLE projection's 16-row tiles, which
+    held every config to 2-3 resident programs per SM. ``tickets``: the default tiles with 1, 2, 4 or 8
+    tickets a grab (``_next_ticket``) and norm chunks of 256 or 1,024 columns (the norms are chunked phases
+    since): after the coarse grid's second run (H100, 2026-12-07) every config from 8 programs per SM on sat
+    at 106-145 us, and halving the gate/up tasks (1 row a task to 2) saved 15 us, ~3 ns a task, what a queue
+    of read-modify-writes at the one ticket address could cost."""
+    if grid_name == "tickets":  # fewer read-modify-writes at the ticket counter; other norm chunks
+        return [
+            {"grab": grab, "norm_cols": cols} for grab, cols in itertools.product((1, 2, 4, 8), (256, 1024))
+        ]
     keys = ("bn_o", "bn_a", "bn_b", "bk", "num_warps", "programs_per_sm")
     if m == 1 and grid_name == "coarse":
         # gemv.py's shape of parallelism: small tiles, 4 warps, several programs per SM (o and down alike)
@@ -113,22 +115,24 @@ def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
     return out
 
 
-def trace_timeline(trace: torch.Tensor, programs: int, has_ple: bool) -> dict:
+def trace_timeline(trace: torch.Tensor, programs: int) -> dict:
     """A traced launch's records (``new_trace``'s [programs, slots, (clock ns, ticket)]) as a timeline in
-    microseconds from the first program's entry: for each phase the moment the first and the last program
-    left it (the last: when its results were all written) and its share of the critical path (the last
-    leaving it minus the last leaving the phase before); the programs' entry spread and the last exit."""
+    microseconds from the first program's entry: for each phase the tail has, the moment the first and the
+    last program left it (the last: when its results were all written) and its share of the critical path
+    (the last leaving it minus the last leaving the phase before); the programs' entry spread and the last
+    exit."""
     rows = trace[:programs].cpu()
     rows = rows[rows[:, 0, 1] >= 0]  # the grid's (a launch with fewer tasks than programs runs fewer)
     clock = rows[:, :, 0].double()
     t0 = float(clock[:, 0].min())
-    phases = TRACE_PHASES if has_ple else TRACE_PHASES[:5]
 
     def us(values: torch.Tensor) -> float:
         return round((float(values) - t0) / 1e3, 3)
 
     timeline, before = [], t0
-    for slot, name in enumerate(phases, start=1):
+    for slot, name in enumerate(TRACE_PHASES, start=1):
+        if (rows[:, slot, 1] < 0).any():  # a phase this tail has not
+            continue
         last = float(clock[:, slot].max())
         timeline.append(
             {
@@ -247,7 +251,7 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
             trace = new_trace(programs, "cuda")
             _fused_with(tails[-1], attn, residual, per_layer, scale, act, cfg, trace)  # cold since its timing
             torch.cuda.synchronize()
-            row["trace"][label] = timeline = trace_timeline(trace, programs, p > 0)
+            row["trace"][label] = timeline = trace_timeline(trace, programs)
             _print_timeline(label, timeline)
     tails.clear()
     torch.cuda.empty_cache()

@@ -9,6 +9,7 @@ from bench_scripts import load_script
 
 from g4serve.config import PRESETS
 from g4serve.kernels.decode_tail import (
+    TRACE_PHASES,
     PerLayerInput,
     TailWeights,
     decode_tail,
@@ -67,28 +68,30 @@ def test_the_coarse_grid_tries_gemv_like_parallelism():
     assert bench.tail_sweep(8, "coarse") == bench.tail_sweep(8)  # more rows: the full grid
 
 
-def test_the_tickets_grid_varies_the_grab_and_the_ple_projection_tile():
+def test_the_tickets_grid_varies_the_grab_and_the_norm_chunks():
     tickets = bench.tail_sweep(1, "tickets")
-    assert {c["grab"] for c in tickets} == {1, 2, 4, 8} and {c["bn_p"] for c in tickets} == {2, 4}
-    assert len(tickets) == 8 and all(set(c) == {"grab", "bn_p"} for c in tickets)  # the rest: the default
+    assert {c["grab"] for c in tickets} == {1, 2, 4, 8} and {c["norm_cols"] for c in tickets} == {256, 1024}
+    assert len(tickets) == 8 and all(set(c) == {"grab", "norm_cols"} for c in tickets)  # the rest: default
 
 
 def test_the_timeline_reads_each_phase_from_its_last_program():
-    trace = torch.full((4, 10, 2), -1, dtype=torch.int64)
+    slots = len(TRACE_PHASES) + 2
+    trace = torch.full((4, slots, 2), -1, dtype=torch.int64)
     t0 = 10_000_000
-    # program 0 enters first and works o and a; program 1 enters 1 us later and works n1 and b; program 3 was
-    # never launched (fewer tasks than programs)
-    trace[0, :6, 0] = torch.tensor([0, 3_000, 3_000, 9_000, 9_000, 9_500]) + t0
-    trace[1, :6, 0] = torch.tensor([1_000, 2_000, 5_000, 6_000, 12_000, 14_000]) + t0
-    trace[2, :6, 0] = torch.tensor([500, 2_500, 5_200, 7_000, 12_100, 12_200]) + t0
-    trace[0, 9, 0], trace[1, 9, 0], trace[2, 9, 0] = t0 + 9_600, t0 + 14_500, t0 + 12_300
-    trace[:3, :, 1] = 0
-    timeline = bench.trace_timeline(trace, 4, has_ple=False)
+    # a tail without PLE or a next norm: o, n1, n1b, a, b, n2 (slots 1-6). Program 0 enters first; program 1
+    # 1 us later; program 3 was never launched (fewer tasks than programs)
+    trace[0, :7, 0] = torch.tensor([0, 3_000, 3_000, 3_100, 9_000, 9_000, 9_500]) + t0
+    trace[1, :7, 0] = torch.tensor([1_000, 2_000, 5_000, 5_400, 6_000, 12_000, 14_000]) + t0
+    trace[2, :7, 0] = torch.tensor([500, 2_500, 5_200, 5_300, 7_000, 12_100, 12_200]) + t0
+    trace[:3, :7, 1] = 0
+    trace[:3, -1, 0] = torch.tensor([9_600, 14_500, 12_300]) + t0
+    trace[:3, -1, 1] = 0
+    timeline = bench.trace_timeline(trace, 4)
     assert timeline["programs"] == 3 and timeline["entry_spread_us"] == 1.0
-    assert [p["phase"] for p in timeline["phases"]] == ["o", "n1", "a", "b", "n2"]
-    assert [p["last_out_us"] for p in timeline["phases"]] == [3.0, 5.2, 9.0, 12.1, 14.0]
-    assert [p["first_out_us"] for p in timeline["phases"]] == [2.0, 3.0, 6.0, 9.0, 9.5]
-    assert [p["critical_us"] for p in timeline["phases"]] == [3.0, 2.2, 3.8, 3.1, 1.9]
+    assert [p["phase"] for p in timeline["phases"]] == ["o", "n1", "n1b", "a", "b", "n2"]
+    assert [p["last_out_us"] for p in timeline["phases"]] == [3.0, 5.2, 5.4, 9.0, 12.1, 14.0]
+    assert [p["first_out_us"] for p in timeline["phases"]] == [2.0, 3.0, 3.1, 6.0, 9.0, 9.5]
+    assert [p["critical_us"] for p in timeline["phases"]] == [3.0, 2.2, 0.2, 3.6, 3.1, 1.9]
     assert timeline["last_exit_us"] == 14.5
 
 
@@ -103,8 +106,19 @@ def test_a_traced_interpreter_launch_makes_a_timeline():
     ple = PerLayerInput(randn(p, h), randn(h, p), randn(1, p), 1 + randn(h))
     trace = new_trace(5, "cpu")
     decode_tail(randn(1, q), randn(1, h), weights, 1e-6, "silu", new_counters("cpu"), ple, trace=trace)
-    timeline = bench.trace_timeline(trace, 5, has_ple=True)  # the interpreter's grid: 3 programs, no clock
-    assert timeline["programs"] == 3 and len(timeline["phases"]) == 8
+    timeline = bench.trace_timeline(trace, 5)  # the interpreter's grid: 3 programs, no clock
+    # with PLE and no next norm: every phase but n2b and n3b
+    assert timeline["programs"] == 3 and [p["phase"] for p in timeline["phases"]] == [
+        "o",
+        "n1",
+        "n1b",
+        "a",
+        "b",
+        "n2",
+        "g",
+        "p",
+        "n3",
+    ]
     assert all(p["last_out_us"] == 0 for p in timeline["phases"])
 
 

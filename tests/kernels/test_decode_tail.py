@@ -15,6 +15,7 @@ from g4serve.kernels.act_mul import act_mul_reference
 from g4serve.kernels.decode_tail import (
     COUNTER_STRIDE,
     COUNTERS,
+    TRACE_PHASES,
     TRACE_SLOTS,
     PerLayerInput,
     TailWeights,
@@ -98,6 +99,8 @@ class Layer:
         (2, 48, 32, 40, 16, SMALL, 200),  # more programs than tasks
         (1, 72, 40, 100, 12, ONE_ROW | {"grab": 3}, 4),  # tickets 3 a grab, grabs across phase ends
         (3, 64, 32, 96, 16, SMALL | {"grab": 4}, 50),  # 4 a grab, more programs than grabs
+        (1, 72, 40, 100, 12, ONE_ROW | {"norm_cols": 16}, 4),  # norms in 5 chunks a row, the last ragged
+        (3, 64, 32, 96, 16, SMALL | {"norm_cols": 32, "grab": 3}, 5),  # 2 chunks a row, grabs across them
     ],
 )
 @pytest.mark.parametrize("with_ple", [True, False])
@@ -158,11 +161,11 @@ def test_a_second_launch_on_the_same_counters_computes_the_same():
 @pytest.mark.parametrize("with_ple", [True, False])
 def test_a_traced_launch_records_where_each_program_left_each_phase(with_ple):
     """The interpreter runs the programs one after another, so the first takes every ticket in order: its
-    records hold each phase's end, the others' the first ticket past the last phase. The outputs are the
-    untraced launch's."""
+    records hold each phase's end (-1 for the phases this tail has not), the others' the first ticket past
+    the last phase. The outputs are the untraced launch's."""
     m, h, q, i, p = 2, 64, 32, 96, 16 if with_ple else 0
     layer = Layer(m, h, q, i, p, torch.float32, seed=9)
-    cfg = SMALL | {"grab": 2}
+    cfg = SMALL | {"grab": 2, "norm_cols": 32}  # two chunks a row
     trace = new_trace(4, "cpu")
     plain = layer.fused("silu", new_counters("cpu"), config=cfg, programs=3)
     traced = decode_tail(
@@ -170,20 +173,23 @@ def test_a_traced_launch_records_where_each_program_left_each_phase(with_ple):
         trace=trace,
     )  # fmt: skip
     assert torch.equal(plain[0], traced[0]) and torch.equal(plain[1], traced[1])
-    ends = [h // 16, h // 16 + m]  # o, n1
-    ends += [ends[-1] + i // 16, ends[-1] + i // 16 + h // 16, ends[-1] + i // 16 + h // 16 + m]  # a, b, n2
+    sizes = {"o": h // 16, "n1": 2 * m, "n1b": 2 * m, "a": i // 16, "b": h // 16, "n2": 2 * m}
     if with_ple:
-        ends += [ends[-1] + 1, ends[-1] + 1 + h // 16, ends[-1] + 1 + h // 16 + m]  # g, p, n3
-    last = ends[-1]
-    past = -(-last // 2) * 2  # tickets come 2 a grab
+        sizes |= {"g": 1, "p": h // 16, "n3": 2 * m, "n3b": 2 * m}
+    else:
+        sizes |= {"n2b": 2 * m}
+    ends, end = [], 0
+    for phase in TRACE_PHASES:
+        end += sizes.get(phase, 0)
+        ends.append(end if phase in sizes else -1)
     first = trace[0, :, 1].tolist()
-    assert first[0] == 0 and first[1 : 1 + len(ends)] == ends
-    assert first[1 + len(ends) : TRACE_SLOTS - 1] == [-1] * (8 - len(ends))  # phases it has not
-    assert first[TRACE_SLOTS - 1] == last  # its grab's next ticket: no more taken from the counter
+    assert first[0] == 0 and first[1:-1] == ends
+    assert first[-1] == end  # its grab's next ticket: no more taken from the counter
+    past = -(-end // 2) * 2  # tickets come 2 a grab
     for program in (1, 2):
         tickets = trace[program, :, 1].tolist()
-        assert tickets[0] >= past and tickets[1 : 1 + len(ends)] == [tickets[0]] * len(ends)
-    assert trace[:3, [0, *range(1, 1 + len(ends)), TRACE_SLOTS - 1], 0].eq(0).all()  # no clock here
+        assert tickets[0] >= past and tickets[1:-1] == [tickets[0] if e >= 0 else -1 for e in ends]
+    assert torch.isin(trace[:3, :, 0], torch.tensor([0, -1])).all()  # no clock here
     assert trace[3].eq(-1).all()  # beyond the grid
 
 

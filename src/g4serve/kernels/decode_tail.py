@@ -9,14 +9,21 @@ before to drain before its weight stream is in full flow; the PLE GEMMs stream a
 they are all launch and ramp. Here one grid of persistent programs takes the tail's tasks from a ticket
 counter, in dependency order, phase by phase:
 
-- ``o``: ``BN_O`` hidden columns of ``attn @ W_o^T`` (the attention output) into ``Yo``;
-- ``n1``, a token row each: ``h1 = residual + norm(Yo)`` into ``H1``, ``pre_ff_norm(h1)`` into ``X1``;
+- ``o``: ``BN_O`` hidden columns of ``attn @ W_o^T`` (the attention output) into ``Yo``, and each tile's
+  sum of squares (of the rounded outputs) a row;
+- ``n1``, a chunk of ``norm_cols`` columns of a row each: ``h1 = residual + norm(Yo)`` into ``H1``, the
+  norm's statistics from o's tile sums (a fixed-order sum: deterministic), and the chunk's sum of squares;
+- ``n1b``, a chunk each: ``pre_ff_norm(h1)`` into ``X1``, its statistics from n1's chunk sums;
 - ``a``: ``BN_A`` intermediate units of ``act(X1 W_gate^T) * (X1 W_up^T)`` into ``Inter``;
-- ``b``: ``BN_B`` hidden columns of ``Inter @ W_down^T`` into ``Yd``;
-- ``n2``, a row each: ``h2 = H1 + norm(Yd)``; without PLE ``h2 * scale`` and its next norm are the outputs;
+- ``b``: ``BN_B`` hidden columns of ``Inter @ W_down^T`` into ``Yd``, and its tile sums;
+- ``n2``, a chunk each: ``h2 = H1 + norm(Yd)``; without PLE ``h2 * scale`` is the output, and ``n2b``
+  its next norm;
 - ``g`` (PLE): ``BN_G`` columns of ``act(h2 W_gate^T) * per_layer_input`` into ``G``;
-- ``p`` (PLE): ``BN_P`` hidden columns of ``G @ W_proj^T`` into ``Yp``;
-- ``n3`` (PLE), a row each: ``(h2 + norm(Yp)) * scale`` and its next norm, the outputs.
+- ``p`` (PLE): ``BN_P`` hidden columns of ``G @ W_proj^T`` into ``Yp``, and its tile sums;
+- ``n3`` (PLE), a chunk each: ``(h2 + norm(Yp)) * scale``, the output, and ``n3b`` its next norm.
+
+A norm is thus two short phases of many tasks, not a row's serial pass in one program while every other
+waits (the first version's: three passes over the row, each a chain of L2 round trips).
 
 A phase's task loads its first weight tile, then waits for the phase before it (a counter of its finished
 tasks; a program waits once a phase), so each weight stream starts while the previous phase drains; a program
@@ -65,20 +72,22 @@ from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import GATE_UP, MAX_ROWS, MUL, gated_epilogue, skinny_matmul_reference
 from g4serve.kernels.rms_norm import fused_rms_norm_reference
 
-# tickets handed out; finished tasks of phases o, n1, a, b, n2, g, p, n3; programs gone
-COUNTERS = 10
+# tickets handed out; finished tasks of phases o, n1, n1b, a, b, n2, n2b, g, p, n3, n3b; programs gone
+COUNTERS = 13
 # int32s between two counters: each on a 128-byte line of its own, so the programs spinning on one phase's
 # counter and the increments of the others (every task takes a ticket and counts itself done) do not queue
 # at the same L2 slice
 COUNTER_STRIDE = 32
-# a traced launch's records a program (``decode_tail(trace=...)``): its entry, the end of each phase (o, n1,
-# a, b, n2, g, p, n3; a tail without PLE leaves g, p and n3 unwritten) and its exit: (clock ns, next ticket)
-TRACE_SLOTS = 10
-TRACE_PHASES = ("o", "n1", "a", "b", "n2", "g", "p", "n3")
+# a traced launch's records a program (``decode_tail(trace=...)``): its entry, the end of each phase (a tail
+# without PLE leaves g, p, n3 and n3b unwritten, one with PLE n2b, one without a next norm n2b or n3b) and its
+# exit: (clock ns, next ticket)
+TRACE_PHASES = ("o", "n1", "n1b", "a", "b", "n2", "n2b", "g", "p", "n3", "n3b")
+TRACE_SLOTS = len(TRACE_PHASES) + 2
 # the kernel's view of them (a jitted function reads constexpr globals only)
 _COUNTERS = tl.constexpr(COUNTERS)
 _STRIDE = tl.constexpr(COUNTER_STRIDE)
 _SLOTS = tl.constexpr(TRACE_SLOTS)
+_GONE = tl.constexpr(COUNTERS - 1)
 
 
 @triton.jit
@@ -258,7 +267,10 @@ def _gemm_phase(
     K,
     offs_m,
     m_mask,
+    Sq,
+    sq_stride,
     WAIT: tl.constexpr,
+    SQ: tl.constexpr,
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -274,9 +286,10 @@ def _gemm_phase(
     """A GEMM phase's tasks among this program's tickets [task, end) (tickets from ``first`` on are the
     phase's): task ``first + t`` writes columns [t * BLOCK_N, +BLOCK_N) of ``epilogue(X @ W^T)`` into Y [M, N]
     (contiguous), rounded to Y's dtype; W is [N, K], or [2N, K] stacked [gate; up] for ``GATE_UP``; E the
-    ``MUL`` operand. Each takes the next ticket at C before it runs. The phase's counter at C_done counts
-    them once a grab (and where the program leaves the phase, so no task it waits on later is uncounted).
-    Returns the first ticket past the phase."""
+    ``MUL`` operand; with SQ, its rows' sums of squares (of the rounded outputs) into ``Sq[row, t]`` (row
+    stride ``sq_stride``) for the norm after. Each takes the next ticket at C before it runs. The phase's
+    counter at C_done counts them once a grab (and where the program leaves the phase, so no task it waits
+    on later is uncounted). Returns the first ticket past the phase."""
     finished = 0
     ready = 0  # the phase before is done (this program saw its counter reach the target)
     preloaded = 0
@@ -297,17 +310,28 @@ def _gemm_phase(
         if EPILOGUE == 2:
             wait_for_previous_kernel(USE_PDL)  # E, the per-layer input, comes from an earlier kernel
         y = gated_epilogue(y, y_up, Y, E, offs_m, offs_n, m_mask, n_mask, stride_e, EPILOGUE, ACT)
-        tl.store(
-            Y + offs_m[:, None] * N + offs_n[None, :],
-            y.to(Y.dtype.element_ty),
-            mask=m_mask[:, None] & n_mask[None, :],
-        )
+        y = y.to(Y.dtype.element_ty)
+        mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(Y + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
+        if SQ:
+            z = tl.where(mask, y.to(tl.float32), 0.0)
+            tl.store(Sq + offs_m * sq_stride + (task - first), tl.sum(z * z, axis=1), mask=m_mask)
         finished += 1
         if (ticket != task + 1) | (ticket >= end):  # the grab's last task, or the phase's
             _signal(C_done, finished)
             finished = 0
         task = ticket
     return task
+
+
+@triton.jit
+def _sum_partials(Sq, row, sq_stride, T, SQ_BLOCK: tl.constexpr):
+    """The sum of ``Sq[row, :T]`` (fp32 partial sums of squares), in a fixed order: deterministic."""
+    ss = tl.zeros([SQ_BLOCK], tl.float32)
+    for t0 in range(0, T, SQ_BLOCK):
+        idx = t0 + tl.arange(0, SQ_BLOCK)
+        ss += tl.load(Sq + row * sq_stride + idx, mask=idx < T, other=0.0, cache_modifier=".cg")
+    return tl.sum(ss, 0)
 
 
 @triton.jit
@@ -320,61 +344,112 @@ def _norm_phase(
     Res,
     stride_r,
     NormW,
-    NextW,
     Scale,
     Out,
-    Out2,
+    Sq,
+    T,
+    SqOut,
+    sq_stride,
     C_wait,
     target,
     C_done,
     H,
     eps,
+    RES_WAIT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    HAS_NEXT: tl.constexpr,
+    SQ_OUT: tl.constexpr,
+    NCH: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SQ_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
     GRAB: tl.constexpr,
 ):
     """A norm phase's tasks among this program's tickets [task, end), once the phase before is done: task
-    ``first + row`` runs ``kernels.rms_norm``'s chain for that row of the [M, H] GEMM output Y, ``out = (res
-    + rms_norm(y) * w) * scale`` into Out and ``rms_norm(out) * w2`` into Out2, in column chunks (Out, Out2
-    contiguous). Statistics in fp32; each intermediate rounded where the separate kernel rounds it. Each
-    takes the next ticket at C before it runs; returns the first ticket past the phase."""
+    ``first + row * NCH + c`` writes columns [c * BLOCK_C, +BLOCK_C) of ``out = (res + rms_norm(y) * w) *
+    scale`` for that row of the [M, H] GEMM output Y into Out (contiguous), its statistics from the GEMM's
+    partial sums ``Sq[row, :T]``; with SQ_OUT the chunk's own sum of squares into ``SqOut[row, c]`` for the
+    next norm. fp32 statistics, each intermediate rounded where the separate kernel rounds it. RES_WAIT: the
+    residual is the previous kernel's output (wait for it under PDL). Returns the first ticket past the
+    phase."""
+    finished = 0
+    ready = 0
+    out_ty = Out.dtype.element_ty
     while task < end:
         ticket = _next_ticket(C, task, GRAB)
-        row = task - first
-        _wait_count(C_wait, target, ASM)
-        wait_for_previous_kernel(USE_PDL)  # the layer input, a residual here, is the previous kernel's output
-        cols = tl.arange(0, BLOCK_C)
-        y_row = Y + row * H
-        squares = tl.zeros([BLOCK_C], tl.float32)
-        for c0 in range(0, H, BLOCK_C):
-            x = tl.load(y_row + c0 + cols, mask=c0 + cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
-            squares += x * x
-        denom = tl.sqrt(tl.sum(squares, 0) / H + eps)
-        out_ty = Out.dtype.element_ty
-        squares2 = tl.zeros([BLOCK_C], tl.float32)
-        for c0 in range(0, H, BLOCK_C):
-            mask = c0 + cols < H
-            x = tl.load(y_row + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y = (x / denom * tl.load(NormW + c0 + cols, mask=mask, other=0.0).to(tl.float32)).to(out_ty)
-            r = tl.load(Res + row * stride_r + c0 + cols, mask=mask, other=0.0, cache_modifier=".cg")
-            y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
-            if HAS_SCALE:
-                y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(out_ty)
-            tl.store(Out + row * H + c0 + cols, y, mask=mask)
+        row = (task - first) // NCH
+        chunk = (task - first) % NCH
+        cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = cols < H
+        w = tl.load(NormW + cols, mask=mask, other=0.0).to(tl.float32)
+        if ready == 0:
+            _wait_count(C_wait, target, ASM)
+            ready = 1
+        if RES_WAIT:
+            wait_for_previous_kernel(USE_PDL)
+        denom = tl.sqrt(_sum_partials(Sq, row, sq_stride, T, SQ_BLOCK) / H + eps)
+        x = tl.load(Y + row * H + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        y = (x / denom * w).to(out_ty)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
+        if HAS_SCALE:
+            y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(out_ty)
+        tl.store(Out + row * H + cols, y, mask=mask)
+        if SQ_OUT:
             z = y.to(tl.float32)
-            squares2 += z * z
-        if HAS_NEXT:
-            denom2 = tl.sqrt(tl.sum(squares2, 0) / H + eps)
-            tl.debug_barrier()
-            for c0 in range(0, H, BLOCK_C):
-                mask = c0 + cols < H
-                z = tl.load(Out + row * H + c0 + cols, mask=mask, other=0.0).to(tl.float32)
-                z = z / denom2 * tl.load(NextW + c0 + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(Out2 + row * H + c0 + cols, z.to(Out2.dtype.element_ty), mask=mask)
-        _signal(C_done)
+            tl.store(SqOut + row * sq_stride + chunk, tl.sum(z * z, 0))
+        finished += 1
+        if (ticket != task + 1) | (ticket >= end):  # the grab's last task, or the phase's
+            _signal(C_done, finished)
+            finished = 0
+        task = ticket
+    return task
+
+
+@triton.jit
+def _scale_phase(
+    C,
+    task,
+    first,
+    end,
+    X,
+    NormW,
+    Out,
+    Sq,
+    sq_stride,
+    C_wait,
+    target,
+    C_done,
+    H,
+    eps,
+    NCH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SQ_BLOCK: tl.constexpr,
+    ASM: tl.constexpr,
+    GRAB: tl.constexpr,
+):
+    """The next norm's second half: task ``first + row * NCH + c`` writes columns [c * BLOCK_C, +BLOCK_C) of
+    ``rms_norm(x) * w`` for that row of X [M, H] (the norm phase's output) into Out, its statistics from
+    that phase's chunk sums ``Sq[row, :NCH]``. Returns the first ticket past the phase."""
+    finished = 0
+    ready = 0
+    while task < end:
+        ticket = _next_ticket(C, task, GRAB)
+        row = (task - first) // NCH
+        chunk = (task - first) % NCH
+        cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = cols < H
+        w = tl.load(NormW + cols, mask=mask, other=0.0).to(tl.float32)
+        if ready == 0:
+            _wait_count(C_wait, target, ASM)
+            ready = 1
+        denom = tl.sqrt(_sum_partials(Sq, row, sq_stride, NCH, SQ_BLOCK) / H + eps)
+        x = tl.load(X + row * H + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(Out + row * H + cols, (x / denom * w).to(Out.dtype.element_ty), mask=mask)
+        finished += 1
+        if (ticket != task + 1) | (ticket >= end):
+            _signal(C_done, finished)
+            finished = 0
         task = ticket
     return task
 
@@ -404,6 +479,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     Yp,
     Out,
     Out2,
+    Sq,
     C,
     Trace,
     M,
@@ -415,6 +491,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     stride_x,
     stride_r,
     stride_p,
+    SQ_COLS,
     BLOCK_M: tl.constexpr,
     BN_O: tl.constexpr,
     BK_O: tl.constexpr,
@@ -426,7 +503,9 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     BK_G: tl.constexpr,
     BN_P: tl.constexpr,
     BK_P: tl.constexpr,
+    NCH: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SQ_BLOCK: tl.constexpr,
     ACT: tl.constexpr,
     HAS_PLE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -444,76 +523,104 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     num_b = tl.cdiv(H, BN_B)
     num_g = tl.cdiv(P, BN_G)
     num_p = tl.cdiv(H, BN_P)
+    chunks = M * NCH  # a norm phase's tasks
     end_o = num_o
-    end_n1 = end_o + M
-    end_a = end_n1 + num_a
+    end_n1 = end_o + chunks
+    end_n1b = end_n1 + chunks
+    end_a = end_n1b + num_a
     end_b = end_a + num_b
-    end_n2 = end_b + M
-    end_g = end_n2 + num_g
-    end_p = end_g + num_p
-    total = end_n2
-    if HAS_PLE:
-        total = end_p + M
+    end_n2 = end_b + chunks
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     # each phase's count of finished tasks (C itself hands out the tickets)
-    Co, Cn1, Ca, Cb = C + 1 * _STRIDE, C + 2 * _STRIDE, C + 3 * _STRIDE, C + 4 * _STRIDE
-    Cn2, Cg, Cp, Cn3 = C + 5 * _STRIDE, C + 6 * _STRIDE, C + 7 * _STRIDE, C + 8 * _STRIDE
+    Co, Cn1, Cn1b, Ca = C + 1 * _STRIDE, C + 2 * _STRIDE, C + 3 * _STRIDE, C + 4 * _STRIDE
+    Cb, Cn2, Cn2b, Cg = C + 5 * _STRIDE, C + 6 * _STRIDE, C + 7 * _STRIDE, C + 8 * _STRIDE
+    Cp, Cn3, Cn3b = C + 9 * _STRIDE, C + 10 * _STRIDE, C + 11 * _STRIDE
+    # the sums of squares: per GEMM tile of o, b and p; per norm chunk of n1, n2 and n3 (a region each)
+    region = M * SQ_COLS
+    Sq_o, Sq_n1, Sq_b, Sq_n2, Sq_p, Sq_n3 = (
+        Sq,
+        Sq + region,
+        Sq + 2 * region,
+        Sq + 3 * region,
+        Sq + 4 * region,
+        Sq + 5 * region,
+    )
     # Tickets only grow, so a program meets the phases in order: one loop a phase, each holding only its own
     # phase's values in registers (one loop over every phase kept them all live, ~120-160 registers a thread
     # at one row, so only 2-3 programs fit an SM).
     task = tl.atomic_add(C, GRAB)
     _stamp(Trace, 0, task, TRACE, ASM)
     task = _gemm_phase(
-        C, task, 0, end_o, X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, H, Q, offs_m, m_mask,
-        0, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
+        C, task, 0, end_o, X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, H, Q, offs_m, m_mask, Sq_o, SQ_COLS,
+        0, True, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     _stamp(Trace, 1, task, TRACE, ASM)
     task = _norm_phase(
-        C, task, end_o, end_n1, Yo, Res, stride_r, NormO, NextO, Scale, H1, X1, Co, num_o, Cn1, H, eps,
-        False, True, BLOCK_C, USE_PDL, ASM, GRAB,
+        C, task, end_o, end_n1, Yo, Res, stride_r, NormO, Scale, H1, Sq_o, num_o, Sq_n1, SQ_COLS, Co, num_o,
+        Cn1, H, eps, True, False, True, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     _stamp(Trace, 2, task, TRACE, ASM)
-    task = _gemm_phase(
-        C, task, end_n1, end_a, X1, H, Wgu, Wgu, 0, Inter, Cn1, M, Ca, INTER, H, offs_m, m_mask,
-        1, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
+    task = _scale_phase(
+        C, task, end_n1, end_n1b, H1, NextO, X1, Sq_n1, SQ_COLS, Cn1, chunks, Cn1b, H, eps,
+        NCH, BLOCK_C, SQ_BLOCK, ASM, GRAB,
     )  # fmt: skip
     _stamp(Trace, 3, task, TRACE, ASM)
     task = _gemm_phase(
-        C, task, end_a, end_b, Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, H, INTER, offs_m, m_mask,
-        1, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
+        C, task, end_n1b, end_a, X1, H, Wgu, Wgu, 0, Inter, Cn1b, chunks, Ca, INTER, H, offs_m, m_mask, Sq, 0,
+        1, False, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     _stamp(Trace, 4, task, TRACE, ASM)
+    task = _gemm_phase(
+        C, task, end_a, end_b, Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, H, INTER, offs_m, m_mask, Sq_b,
+        SQ_COLS, 1, True, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
+    )  # fmt: skip
+    _stamp(Trace, 5, task, TRACE, ASM)
     if HAS_PLE:  # h2, the input of the PLE phases
+        end_g = end_n2 + num_g
+        end_p = end_g + num_p
+        end_n3 = end_p + chunks
         task = _norm_phase(
-            C, task, end_b, end_n2, Yd, H1, H, NormF, NormF, Scale, H2, H2, Cb, num_b, Cn2, H, eps,
-            False, False, BLOCK_C, USE_PDL, ASM, GRAB,
-        )  # fmt: skip
-        _stamp(Trace, 5, task, TRACE, ASM)
-        task = _gemm_phase(
-            C, task, end_n2, end_g, H2, H, Wpg, Pin, stride_p, G, Cn2, M, Cg, P, H, offs_m, m_mask,
-            1, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
+            C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, H2, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
+            Cn2, H, eps, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         _stamp(Trace, 6, task, TRACE, ASM)
         task = _gemm_phase(
-            C, task, end_g, end_p, G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, H, P, offs_m, m_mask,
-            1, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
-        )  # fmt: skip
-        _stamp(Trace, 7, task, TRACE, ASM)
-        task = _norm_phase(
-            C, task, end_p, total, Yp, H2, H, NormP, NextW, Scale, Out, Out2, Cp, num_p, Cn3, H, eps,
-            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM, GRAB,
+            C, task, end_n2, end_g, H2, H, Wpg, Pin, stride_p, G, Cn2, chunks, Cg, P, H, offs_m, m_mask, Sq,
+            0, 1, False, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         _stamp(Trace, 8, task, TRACE, ASM)
+        task = _gemm_phase(
+            C, task, end_g, end_p, G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, H, P, offs_m, m_mask, Sq_p, SQ_COLS,
+            1, True, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
+        )  # fmt: skip
+        _stamp(Trace, 9, task, TRACE, ASM)
+        task = _norm_phase(
+            C, task, end_p, end_n3, Yp, H2, H, NormP, Scale, Out, Sq_p, num_p, Sq_n3, SQ_COLS, Cp, num_p,
+            Cn3, H, eps, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
+        )  # fmt: skip
+        _stamp(Trace, 10, task, TRACE, ASM)
+        if HAS_NEXT:
+            task = _scale_phase(
+                C, task, end_n3, end_n3 + chunks, Out, NextW, Out2, Sq_n3, SQ_COLS, Cn3, chunks, Cn3b, H,
+                eps, NCH, BLOCK_C, SQ_BLOCK, ASM, GRAB,
+            )  # fmt: skip
+            _stamp(Trace, 11, task, TRACE, ASM)
     else:  # the layer's outputs
         task = _norm_phase(
-            C, task, end_b, end_n2, Yd, H1, H, NormF, NextW, Scale, Out, Out2, Cb, num_b, Cn2, H, eps,
-            HAS_SCALE, HAS_NEXT, BLOCK_C, USE_PDL, ASM, GRAB,
+            C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, Out, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
+            Cn2, H, eps, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
         )  # fmt: skip
-        _stamp(Trace, 5, task, TRACE, ASM)
+        _stamp(Trace, 6, task, TRACE, ASM)
+        if HAS_NEXT:
+            task = _scale_phase(
+                C, task, end_n2, end_n2 + chunks, Out, NextW, Out2, Sq_n2, SQ_COLS, Cn2, chunks, Cn2b, H,
+                eps, NCH, BLOCK_C, SQ_BLOCK, ASM, GRAB,
+            )  # fmt: skip
+            _stamp(Trace, 7, task, TRACE, ASM)
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
-    gone = tl.atomic_add(C + 9 * _STRIDE, 1, sem="acq_rel")
-    _stamp(Trace, 9, task + gone * 0, TRACE, ASM)  # (after the count: the clock read waits for it)
+    gone = tl.atomic_add(C + _GONE * _STRIDE, 1, sem="acq_rel")
+    _stamp(Trace, _SLOTS - 1, task + gone * 0, TRACE, ASM)  # (after the count: the clock read waits for it)
     if gone == tl.num_programs(0) - 1:
         for k in tl.static_range(_COUNTERS):
             tl.atomic_xchg(C + k * _STRIDE, 0)
@@ -556,13 +663,15 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
     the PLE projection in 16-row tiles, fp32 products kept per element) took ~250 registers: one program per
     SM streamed 1.4 TB/s on an H200 where the separate launches streamed 3.3. More rows: 16-row tensor-core
     tiles of 32 columns (16 for the PLE gate's narrow N), two programs per SM at 4 warps (167 registers).
-    Starting points for ``bench/decode_tail.py --sweep`` on a GPU."""
+    Norms in chunks of 512 columns (5 tasks a row at E4B's 2,560). Starting points for
+    ``bench/decode_tail.py --sweep`` on a GPU."""
 
     def k_tile(k: int, most: int) -> int:
         return min(most, max(16, next_pow2(k)))
 
     if m == 1:
         return {
+            "norm_cols": 512,
             "bn_o": 4,
             "bk_o": k_tile(q, 512),
             "bn_a": 2,
@@ -577,6 +686,7 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
             "programs_per_sm": 8,
         }
     return {
+        "norm_cols": 512,
         "bn_o": 32,
         "bk_o": k_tile(q, 128),
         "bn_a": 32,
@@ -651,9 +761,15 @@ def decode_tail(
     out2 = buffer(h) if next_norm is not None else out
     use_dot = m > 1
     upcast, precision = dot_settings(attn.dtype, attn.device)
-    total = -(-h // cfg["bn_o"]) + -(-i // cfg["bn_a"]) + -(-h // cfg["bn_b"]) + 2 * m
+    block_c = min(cfg.get("norm_cols", 512), next_pow2(h))
+    nch = -(-h // block_c)  # a norm phase's chunks a row
+    tiles = [-(-h // cfg[key]) for key in ("bn_o", "bn_b", "bn_p")]  # the GEMMs that feed a norm
+    sq_cols = max(*tiles, nch)
+    sq = torch.empty(6 * m * sq_cols, dtype=torch.float32, device=attn.device)
+    norm_phases = 3 + (next_norm is not None)  # n1, n1b, n2 (and n2b or n3b), n3 with PLE
+    total = tiles[0] + -(-i // cfg["bn_a"]) + tiles[1] + (norm_phases + (ple is not None)) * m * nch
     if ple is not None:
-        total += -(-p // cfg["bn_g"]) + -(-h // cfg["bn_p"]) + m
+        total += -(-p // cfg["bn_g"]) + tiles[2]
     if programs is None:
         programs = (
             3 if attn.device.type == "cpu" else cfg["programs_per_sm"] * sm_count(attn.device.index or 0)
@@ -688,6 +804,7 @@ def decode_tail(
         yp,
         out,
         out2,
+        sq,
         counters,
         trace if trace is not None else counters,
         m,
@@ -699,6 +816,7 @@ def decode_tail(
         attn.stride(0),
         residual.stride(0),
         ple.inputs.stride(0) if ple is not None else 0,
+        sq_cols,
         BLOCK_M=16 if use_dot else 1,
         BN_O=cfg["bn_o"],
         BK_O=cfg["bk_o"],
@@ -710,7 +828,9 @@ def decode_tail(
         BK_G=cfg["bk_g"],
         BN_P=cfg["bn_p"],
         BK_P=cfg["bk_p"],
-        BLOCK_C=min(1024, next_pow2(h)),
+        NCH=nch,
+        BLOCK_C=block_c,
+        SQ_BLOCK=min(1024, next_pow2(sq_cols)),
         ACT=_KINDS[activation],
         HAS_PLE=ple is not None,
         HAS_SCALE=scale is not None,
