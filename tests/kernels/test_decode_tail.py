@@ -249,8 +249,10 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, dims, dtype):
         assert "ld.global.acquire.gpu.b32" in compiled.asm["ptx"]
 
 
-def test_traced_kernel_reads_the_gpu_clock_on_sm90(monkeypatch):
-    from test_kv_fp8_sm90_compile import _compile, _launches
+def _e4b_sliding_launch(monkeypatch, act: str, **kwargs):
+    """(kernel, args, meta) of the one launch ``decode_tail`` makes for e4b's sliding tail at one row, on
+    meta tensors (132 SMs), with ``kwargs`` passed on."""
+    from test_kv_fp8_sm90_compile import _launches
 
     h, q, i, p, m = 2560, 2048, 10240, 256, 1
 
@@ -259,20 +261,25 @@ def test_traced_kernel_reads_the_gpu_clock_on_sm90(monkeypatch):
 
     monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
     counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
-    trace = torch.empty(264, TRACE_SLOTS, 2, dtype=torch.int64, device="meta")
     ple = PerLayerInput(t(p, h), t(h, p), t(m, p), t(h))
     weights = TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h))
-    ((fn, args, kwargs),) = _launches(
+    (launch,) = _launches(
         monkeypatch,
         decode_tail_module,
         "_decode_tail",
-        lambda: decode_tail(
-            t(m, q), t(m, h), weights, EPS, "silu", counters, ple, t(1), t(h), programs=264, trace=trace
-        ),
+        lambda: decode_tail(t(m, q), t(m, h), weights, EPS, act, counters, ple, t(1), t(h), **kwargs),
     )
+    return launch
+
+
+def test_traced_kernel_reads_the_gpu_clock_on_sm90(monkeypatch):
+    from test_kv_fp8_sm90_compile import _compile
+
+    trace = torch.empty(264, TRACE_SLOTS, 2, dtype=torch.int64, device="meta")
+    fn, args, kwargs = _e4b_sliding_launch(monkeypatch, "silu", programs=264, trace=trace)
     assert kwargs["TRACE"]
     ptx = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"]
-    assert ptx.count("%globaltimer") >= TRACE_SLOTS - 1  # entry, eight phase ends, exit
+    assert ptx.count("%globaltimer") >= TRACE_SLOTS - 1  # entry, the phase ends, exit
 
 
 def _ptxas_registers(ptx: str) -> int:
@@ -301,24 +308,10 @@ def test_one_row_default_fits_its_programs_per_sm(monkeypatch):
     grid (``programs_per_sm`` programs of ``num_warps`` warps on every SM) must fit an SM's 64K registers:
     the first version needed ~250 registers a thread and one program per SM streamed 1.4 TB/s (H200). At
     e4b's sliding tail, the largest."""
-    from test_kv_fp8_sm90_compile import _compile, _launches
+    from test_kv_fp8_sm90_compile import _compile
 
-    h, q, i, p, m = 2560, 2048, 10240, 256, 1
-    cfg = decode_tail_module.decode_tail_config(m, h, q, i, p)
-
-    def t(*shape):
-        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
-
-    monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
-    counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
-    ple = PerLayerInput(t(p, h), t(h, p), t(m, p), t(h))
-    weights = TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h))
-    ((fn, args, kwargs),) = _launches(
-        monkeypatch,
-        decode_tail_module,
-        "_decode_tail",
-        lambda: decode_tail(t(m, q), t(m, h), weights, EPS, "gelu_pytorch_tanh", counters, ple, t(1), t(h)),
-    )
+    cfg = decode_tail_module.decode_tail_config(1, 2560, 2048, 10240, 256)
+    fn, args, kwargs = _e4b_sliding_launch(monkeypatch, "gelu_pytorch_tanh")
     registers = _ptxas_registers(_compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"])
     allocated = -(-registers // 8) * 8  # per thread, in the allocator's units
     assert cfg["programs_per_sm"] * cfg["num_warps"] * 32 * allocated <= 65536, registers

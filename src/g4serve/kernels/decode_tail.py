@@ -132,6 +132,18 @@ def _next_ticket(C, task, GRAB: tl.constexpr):
 
 
 @triton.jit
+def _count_done(C_done, finished, task, ticket, end):
+    """One more of this program's tasks finished: counted at C_done (and the tally reset) at the last task
+    of its grab or of the phase, where its next ticket is not the next task of the phase. Returns the
+    tally."""
+    finished += 1
+    if (ticket != task + 1) | (ticket >= end):
+        _signal(C_done, finished)
+        finished = 0
+    return finished
+
+
+@triton.jit
 def _stamp(Trace, slot, task, TRACE: tl.constexpr, ASM: tl.constexpr):
     """With TRACE, record where this program stands at ``slot`` (``TRACE_SLOTS`` a program): the GPU's
     nanosecond clock (``%globaltimer``; 0 in the interpreter) and ``task``, its next ticket."""
@@ -316,10 +328,7 @@ def _gemm_phase(
         if SQ:
             z = tl.where(mask, y.to(tl.float32), 0.0)
             tl.store(Sq + offs_m * sq_stride + (task - first), tl.sum(z * z, axis=1), mask=m_mask)
-        finished += 1
-        if (ticket != task + 1) | (ticket >= end):  # the grab's last task, or the phase's
-            _signal(C_done, finished)
-            finished = 0
+        finished = _count_done(C_done, finished, task, ticket, end)
         task = ticket
     return task
 
@@ -398,10 +407,7 @@ def _norm_phase(
         if SQ_OUT:
             z = y.to(tl.float32)
             tl.store(SqOut + row * sq_stride + chunk, tl.sum(z * z, 0))
-        finished += 1
-        if (ticket != task + 1) | (ticket >= end):  # the grab's last task, or the phase's
-            _signal(C_done, finished)
-            finished = 0
+        finished = _count_done(C_done, finished, task, ticket, end)
         task = ticket
     return task
 
@@ -446,10 +452,7 @@ def _scale_phase(
         denom = tl.sqrt(_sum_partials(Sq, row, sq_stride, NCH, SQ_BLOCK) / H + eps)
         x = tl.load(X + row * H + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(Out + row * H + cols, (x / denom * w).to(Out.dtype.element_ty), mask=mask)
-        finished += 1
-        if (ticket != task + 1) | (ticket >= end):
-            _signal(C_done, finished)
-            finished = 0
+        finished = _count_done(C_done, finished, task, ticket, end)
         task = ticket
     return task
 
