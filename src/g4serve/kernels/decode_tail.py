@@ -364,6 +364,7 @@ def _norm_phase(
     C_done,
     H,
     eps,
+    HAS_RES: tl.constexpr,
     RES_WAIT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     SQ_OUT: tl.constexpr,
@@ -378,9 +379,10 @@ def _norm_phase(
     ``first + row * NCH + c`` writes columns [c * BLOCK_C, +BLOCK_C) of ``out = (res + rms_norm(y) * w) *
     scale`` for that row of the [M, H] GEMM output Y into Out (contiguous), its statistics from the GEMM's
     partial sums ``Sq[row, :T]``; with SQ_OUT the chunk's own sum of squares into ``SqOut[row, c]`` for the
-    next norm. fp32 statistics, each intermediate rounded where the separate kernel rounds it. RES_WAIT: the
-    residual is the previous kernel's output (wait for it under PDL). Returns the first ticket past the
-    phase."""
+    next norm. Without HAS_RES, ``rms_norm(y) * w`` alone: a next norm's phase, Y the norm phase's output and
+    Sq its chunk sums (T = NCH). fp32 statistics, each intermediate rounded where the separate kernel rounds
+    it. RES_WAIT: the residual is the previous kernel's output (wait for it under PDL). Returns the first
+    ticket past the phase."""
     finished = 0
     ready = 0
     out_ty = Out.dtype.element_ty
@@ -398,60 +400,16 @@ def _norm_phase(
             wait_for_previous_kernel(USE_PDL)
         denom = tl.sqrt(_sum_partials(Sq, row, sq_stride, T, SQ_BLOCK) / H + eps)
         x = tl.load(Y + row * H + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0, cache_modifier=".cg")
         y = (x / denom * w).to(out_ty)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
+        if HAS_RES:
+            r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
         if HAS_SCALE:
             y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(out_ty)
         tl.store(Out + row * H + cols, y, mask=mask)
         if SQ_OUT:
             z = y.to(tl.float32)
             tl.store(SqOut + row * sq_stride + chunk, tl.sum(z * z, 0))
-        finished = _count_done(C_done, finished, task, ticket, end)
-        task = ticket
-    return task
-
-
-@triton.jit
-def _scale_phase(
-    C,
-    task,
-    first,
-    end,
-    X,
-    NormW,
-    Out,
-    Sq,
-    sq_stride,
-    C_wait,
-    target,
-    C_done,
-    H,
-    eps,
-    NCH: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    SQ_BLOCK: tl.constexpr,
-    ASM: tl.constexpr,
-    GRAB: tl.constexpr,
-):
-    """The next norm's second half: task ``first + row * NCH + c`` writes columns [c * BLOCK_C, +BLOCK_C) of
-    ``rms_norm(x) * w`` for that row of X [M, H] (the norm phase's output) into Out, its statistics from
-    that phase's chunk sums ``Sq[row, :NCH]``. Returns the first ticket past the phase."""
-    finished = 0
-    ready = 0
-    while task < end:
-        ticket = _next_ticket(C, task, GRAB)
-        row = (task - first) // NCH
-        chunk = (task - first) % NCH
-        cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = cols < H
-        w = tl.load(NormW + cols, mask=mask, other=0.0).to(tl.float32)
-        if ready == 0:
-            _wait_count(C_wait, target, ASM)
-            ready = 1
-        denom = tl.sqrt(_sum_partials(Sq, row, sq_stride, NCH, SQ_BLOCK) / H + eps)
-        x = tl.load(X + row * H + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(Out + row * H + cols, (x / denom * w).to(Out.dtype.element_ty), mask=mask)
         finished = _count_done(C_done, finished, task, ticket, end)
         task = ticket
     return task
@@ -561,12 +519,12 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     _stamp(Trace, 1, task, TRACE, ASM)
     task = _norm_phase(
         C, task, end_o, end_n1, Yo, Res, stride_r, NormO, Scale, H1, Sq_o, num_o, Sq_n1, SQ_COLS, Co, num_o,
-        Cn1, H, eps, True, False, True, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
+        Cn1, H, eps, True, True, False, True, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     _stamp(Trace, 2, task, TRACE, ASM)
-    task = _scale_phase(
-        C, task, end_n1, end_n1b, H1, NextO, X1, Sq_n1, SQ_COLS, Cn1, chunks, Cn1b, H, eps,
-        NCH, BLOCK_C, SQ_BLOCK, ASM, GRAB,
+    task = _norm_phase(  # the next norm
+        C, task, end_n1, end_n1b, H1, H1, 0, NextO, NextO, X1, Sq_n1, NCH, Sq_n1, SQ_COLS, Cn1, chunks,
+        Cn1b, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
     )  # fmt: skip
     _stamp(Trace, 3, task, TRACE, ASM)
     task = _gemm_phase(
@@ -585,7 +543,7 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
         end_n3 = end_p + chunks
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, H2, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
-            Cn2, H, eps, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
+            Cn2, H, eps, True, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         _stamp(Trace, 6, task, TRACE, ASM)
         task = _gemm_phase(
@@ -600,25 +558,27 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
         _stamp(Trace, 9, task, TRACE, ASM)
         task = _norm_phase(
             C, task, end_p, end_n3, Yp, H2, H, NormP, Scale, Out, Sq_p, num_p, Sq_n3, SQ_COLS, Cp, num_p,
-            Cn3, H, eps, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
+            Cn3, H, eps, True, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         _stamp(Trace, 10, task, TRACE, ASM)
         if HAS_NEXT:
-            task = _scale_phase(
-                C, task, end_n3, end_n3 + chunks, Out, NextW, Out2, Sq_n3, SQ_COLS, Cn3, chunks, Cn3b, H,
-                eps, NCH, BLOCK_C, SQ_BLOCK, ASM, GRAB,
+            task = _norm_phase(  # the next norm
+                C, task, end_n3, end_n3 + chunks, Out, Out, 0, NextW, NextW, Out2, Sq_n3, NCH, Sq_n3,
+                SQ_COLS, Cn3, chunks, Cn3b, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK,
+                USE_PDL, ASM, GRAB,
             )  # fmt: skip
             _stamp(Trace, 11, task, TRACE, ASM)
     else:  # the layer's outputs
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, Out, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
-            Cn2, H, eps, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
+            Cn2, H, eps, True, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         _stamp(Trace, 6, task, TRACE, ASM)
         if HAS_NEXT:
-            task = _scale_phase(
-                C, task, end_n2, end_n2 + chunks, Out, NextW, Out2, Sq_n2, SQ_COLS, Cn2, chunks, Cn2b, H,
-                eps, NCH, BLOCK_C, SQ_BLOCK, ASM, GRAB,
+            task = _norm_phase(  # the next norm
+                C, task, end_n2, end_n2 + chunks, Out, Out, 0, NextW, NextW, Out2, Sq_n2, NCH, Sq_n2,
+                SQ_COLS, Cn2, chunks, Cn2b, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK,
+                USE_PDL, ASM, GRAB,
             )  # fmt: skip
             _stamp(Trace, 7, task, TRACE, ASM)
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
