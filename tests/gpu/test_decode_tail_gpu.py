@@ -1,7 +1,7 @@
 """The persistent decode-tail kernel compiled on CUDA: against the model's separate ops at e4b (with PLE) and
-31b shapes (bf16, 1-8 rows), launched again and again on one counter buffer and replayed from a CUDA graph;
-and the engine with ``G4SERVE_DECODE_TAIL`` on writes the tokens it writes with it off (fp32, captured
-graphs)."""
+31b shapes (bf16, 1-8 rows; the default tiles, and 4 tickets a grab with 256-column norm chunks), launched
+again and again on one counter buffer and replayed from a CUDA graph; and the engine with
+``G4SERVE_DECODE_TAIL`` on writes the tokens it writes with it off (fp32, captured graphs)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("h,q,i,p", [(2560, 2048, 10240, 256), (5376, 8192, 21504, 0)], ids=["e4b", "31b"])
-def test_kernel_equals_the_separate_ops(m, h, q, i, p):
+@pytest.mark.parametrize("tiles", [{}, {"grab": 4, "norm_cols": 256}], ids=["default", "grab4-norm256"])
+def test_kernel_equals_the_separate_ops(m, h, q, i, p, tiles):
     from g4serve.kernels.decode_tail import (
         PerLayerInput,
         TailWeights,
         decode_tail,
+        decode_tail_config,
         decode_tail_reference,
         new_counters,
     )
@@ -49,9 +51,10 @@ def test_kernel_equals_the_separate_ops(m, h, q, i, p):
     # the separate ops in bf16 (cuBLAS GEMMs, each intermediate rounded where the model rounds it)
     want = decode_tail_reference(attn, residual, weights, 1e-6, act, ple, scale, next_norm)
     counters = new_counters("cuda")
+    config = decode_tail_config(m, h, q, i, p) | tiles  # tickets 4 a grab: the tasks of a grab stream as one
 
     def fused():
-        return decode_tail(attn, residual, weights, 1e-6, act, counters, ple, scale, next_norm)
+        return decode_tail(attn, residual, weights, 1e-6, act, counters, ple, scale, next_norm, config)
 
     first = fused()
     for got, ref in zip(first, want):  # a rounding flip of an intermediate moves a result about one bf16 step
