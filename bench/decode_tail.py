@@ -249,7 +249,7 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
         for label, cfg in configs.items():
             programs = cfg["programs_per_sm"] * torch.cuda.get_device_properties(0).multi_processor_count
             trace = new_trace(programs, "cuda")
-            # tails[0]: the replays streamed the other copies' weights (>= --stream-mb) after it, so it is cold
+            # tails[0]: the replays streamed the other copies' weights after it (>= --stream-mb): cold
             _fused_with(tails[0], attn, residual, per_layer, scale, act, cfg, trace)
             torch.cuda.synchronize()
             row["trace"][label] = timeline = trace_timeline(trace, programs)
