@@ -540,7 +540,6 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     if HAS_PLE:  # h2, the input of the PLE phases
         end_g = end_n2 + num_g
         end_p = end_g + num_p
-        end_n3 = end_p + chunks
         task = _norm_phase(
             C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, H2, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
             Cn2, H, eps, True, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
@@ -556,31 +555,26 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
             1, True, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
         _stamp(Trace, 9, task, TRACE, ASM)
-        task = _norm_phase(
-            C, task, end_p, end_n3, Yp, H2, H, NormP, Scale, Out, Sq_p, num_p, Sq_n3, SQ_COLS, Cp, num_p,
-            Cn3, H, eps, True, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
+        # the layer's outputs: h2 + the PLE projection's norm (n3, then n3b)
+        first_out, y_out, res_out, norm_out, sq_in, tiles_in = end_p, Yp, H2, NormP, Sq_p, num_p
+        sq_out, wait_out, done_out, done_next, slot_out = Sq_n3, Cp, Cn3, Cn3b, 10
+    else:  # the layer's outputs: h1 + the down projection's norm (n2, then n2b)
+        first_out, y_out, res_out, norm_out, sq_in, tiles_in = end_b, Yd, H1, NormF, Sq_b, num_b
+        sq_out, wait_out, done_out, done_next, slot_out = Sq_n2, Cb, Cn2, Cn2b, 6
+    end_out = first_out + chunks
+    task = _norm_phase(
+        C, task, first_out, end_out, y_out, res_out, H, norm_out, Scale, Out, sq_in, tiles_in, sq_out,
+        SQ_COLS, wait_out, tiles_in, done_out, H, eps, True, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C,
+        SQ_BLOCK, USE_PDL, ASM, GRAB,
+    )  # fmt: skip
+    _stamp(Trace, slot_out, task, TRACE, ASM)
+    if HAS_NEXT:
+        task = _norm_phase(  # the next norm
+            C, task, end_out, end_out + chunks, Out, Out, 0, NextW, NextW, Out2, sq_out, NCH, sq_out, SQ_COLS,
+            done_out, chunks, done_next, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL,
+            ASM, GRAB,
         )  # fmt: skip
-        _stamp(Trace, 10, task, TRACE, ASM)
-        if HAS_NEXT:
-            task = _norm_phase(  # the next norm
-                C, task, end_n3, end_n3 + chunks, Out, Out, 0, NextW, NextW, Out2, Sq_n3, NCH, Sq_n3,
-                SQ_COLS, Cn3, chunks, Cn3b, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK,
-                USE_PDL, ASM, GRAB,
-            )  # fmt: skip
-            _stamp(Trace, 11, task, TRACE, ASM)
-    else:  # the layer's outputs
-        task = _norm_phase(
-            C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, Out, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
-            Cn2, H, eps, True, False, HAS_SCALE, HAS_NEXT, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
-        )  # fmt: skip
-        _stamp(Trace, 6, task, TRACE, ASM)
-        if HAS_NEXT:
-            task = _norm_phase(  # the next norm
-                C, task, end_n2, end_n2 + chunks, Out, Out, 0, NextW, NextW, Out2, Sq_n2, NCH, Sq_n2,
-                SQ_COLS, Cn2, chunks, Cn2b, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK,
-                USE_PDL, ASM, GRAB,
-            )  # fmt: skip
-            _stamp(Trace, 7, task, TRACE, ASM)
+        _stamp(Trace, slot_out + 1, task, TRACE, ASM)
     # Every program has taken its last ticket before it counts itself out: the last one resets the counters.
     gone = tl.atomic_add(C + _GONE * _STRIDE, 1, sem="acq_rel")
     _stamp(Trace, _SLOTS - 1, task + gone * 0, TRACE, ASM)  # (after the count: the clock read waits for it)
