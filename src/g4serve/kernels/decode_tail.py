@@ -83,6 +83,8 @@ COUNTER_STRIDE = 32
 # exit: (clock ns, next ticket)
 TRACE_PHASES = ("o", "n1", "n1b", "a", "b", "n2", "n2b", "g", "p", "n3", "n3b")
 TRACE_SLOTS = len(TRACE_PHASES) + 2
+# columns a norm task takes, where a config does not say (decode_tail_config's default)
+NORM_COLS = 512
 # the kernel's view of them (a jitted function reads constexpr globals only)
 _COUNTERS = tl.constexpr(COUNTERS)
 _STRIDE = tl.constexpr(COUNTER_STRIDE)
@@ -628,7 +630,7 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
 
     if m == 1:
         return {
-            "norm_cols": 512,
+            "norm_cols": NORM_COLS,
             "bn_o": 4,
             "bk_o": k_tile(q, 512),
             "bn_a": 2,
@@ -643,7 +645,7 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
             "programs_per_sm": 8,
         }
     return {
-        "norm_cols": 512,
+        "norm_cols": NORM_COLS,
         "bn_o": 32,
         "bk_o": k_tile(q, 128),
         "bn_a": 32,
@@ -718,7 +720,7 @@ def decode_tail(
     out2 = buffer(h) if next_norm is not None else out
     use_dot = m > 1
     upcast, precision = dot_settings(attn.dtype, attn.device)
-    block_c = min(cfg.get("norm_cols", 512), next_pow2(h))
+    block_c = min(cfg.get("norm_cols", NORM_COLS), next_pow2(h))
     nch = -(-h // block_c)  # a norm phase's chunks a row
     tiles = [-(-h // cfg[key]) for key in ("bn_o", "bn_b", "bn_p")]  # the GEMMs that feed a norm
     sq_cols = max(*tiles, nch)
