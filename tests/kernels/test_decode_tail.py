@@ -215,53 +215,31 @@ def test_refuses_what_it_is_not_built_for():
     ids=["e4b", "e4b-global", "31b", "tiny-fp32"],
 )
 def test_kernel_compiles_for_sm90(monkeypatch, m, dims, dtype):
-    from test_kv_fp8_sm90_compile import _compile, _launches
+    from test_kv_fp8_sm90_compile import _compile
 
-    h, q, i, p = dims
-    meta = dict(dtype=dtype, device="meta")
-
-    def t(*shape):
-        return torch.empty(*shape, **meta)
-
-    ple = PerLayerInput(t(p, h), t(h, p), t(m, 42, p)[:, 3], t(h)) if p else None
-    counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
-    monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
-    launches = _launches(
-        monkeypatch,
-        decode_tail_module,
-        "_decode_tail",
-        lambda: decode_tail(
-            t(m, q),
-            t(m, h),
-            TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h)),
-            EPS,
-            "gelu_pytorch_tanh",
-            counters,
-            ple,
-            t(1),
-            t(h),
-            programs=264,
-        ),  # fmt: skip
-    )
-    for fn, args, kwargs in launches:
-        # as on a CUDA device: the counters read by ld.acquire (meta tensors launch the interpreter's form)
-        compiled = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True)
-        assert "ld.global.acquire.gpu.b32" in compiled.asm["ptx"]
+    fn, args, kwargs = _meta_launch(monkeypatch, dims, m, dtype, programs=264)
+    # as on a CUDA device: the counters read by ld.acquire (meta tensors launch the interpreter's form)
+    compiled = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True)
+    assert "ld.global.acquire.gpu.b32" in compiled.asm["ptx"]
 
 
-def _e4b_sliding_launch(monkeypatch, act: str, **kwargs):
-    """(kernel, args, meta) of the one launch ``decode_tail`` makes for e4b's sliding tail at one row, on
-    meta tensors (132 SMs), with ``kwargs`` passed on."""
+E4B_SLIDING = (2560, 2048, 10240, 256)
+
+
+def _meta_launch(monkeypatch, dims, m=1, dtype=torch.bfloat16, act="gelu_pytorch_tanh", **kwargs):
+    """(kernel, args, meta) of the one launch ``decode_tail`` makes for a tail of ``dims`` (H, Q, I, P; no
+    PLE where P is 0) at ``m`` rows, on meta tensors (132 SMs; the per-layer input a strided slice, as the
+    model passes it), with ``kwargs`` passed on."""
     from test_kv_fp8_sm90_compile import _launches
 
-    h, q, i, p, m = 2560, 2048, 10240, 256, 1
+    h, q, i, p = dims
 
     def t(*shape):
-        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+        return torch.empty(*shape, dtype=dtype, device="meta")
 
     monkeypatch.setattr(decode_tail_module, "sm_count", lambda index: 132)
     counters = torch.empty(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device="meta")
-    ple = PerLayerInput(t(p, h), t(h, p), t(m, p), t(h))
+    ple = PerLayerInput(t(p, h), t(h, p), t(m, 42, p)[:, 3], t(h)) if p else None
     weights = TailWeights(t(h, q), t(h), t(h), t(2 * i, h), t(h, i), t(h))
     (launch,) = _launches(
         monkeypatch,
@@ -276,7 +254,7 @@ def test_traced_kernel_reads_the_gpu_clock_on_sm90(monkeypatch):
     from test_kv_fp8_sm90_compile import _compile
 
     trace = torch.empty(264, TRACE_SLOTS, 2, dtype=torch.int64, device="meta")
-    fn, args, kwargs = _e4b_sliding_launch(monkeypatch, "silu", programs=264, trace=trace)
+    fn, args, kwargs = _meta_launch(monkeypatch, E4B_SLIDING, act="silu", programs=264, trace=trace)
     assert kwargs["TRACE"]
     ptx = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"]
     assert ptx.count("%globaltimer") >= TRACE_SLOTS - 1  # entry, the phase ends, exit
@@ -310,8 +288,8 @@ def test_one_row_default_fits_its_programs_per_sm(monkeypatch):
     e4b's sliding tail, the largest."""
     from test_kv_fp8_sm90_compile import _compile
 
-    cfg = decode_tail_module.decode_tail_config(1, 2560, 2048, 10240, 256)
-    fn, args, kwargs = _e4b_sliding_launch(monkeypatch, "gelu_pytorch_tanh")
+    cfg = decode_tail_module.decode_tail_config(1, *E4B_SLIDING)
+    fn, args, kwargs = _meta_launch(monkeypatch, E4B_SLIDING)
     registers = _ptxas_registers(_compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"])
     allocated = -(-registers // 8) * 8  # per thread, in the allocator's units
     assert cfg["programs_per_sm"] * cfg["num_warps"] * 32 * allocated <= 65536, registers
