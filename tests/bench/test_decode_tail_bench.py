@@ -39,10 +39,13 @@ def test_moe_presets_have_no_tail_the_kernel_serves():
     assert bench.tail_shapes("26b-a4b") == []
 
 
-@pytest.mark.parametrize("m,grid", [(1, "full"), (8, "full"), (1, "coarse"), (1, "tickets")])
-def test_swept_configs_compute_the_tail(m, grid):
-    gen = torch.Generator().manual_seed(m)
-    h, q, i, p = 48, 32, 80, 16
+TINY = (48, 32, 80, 16)  # a tiny tail's H, Q, I, P (with PLE)
+
+
+def _tiny_tail(m: int, seed: int):
+    """(attn, residual, weights), the PLE end and a next norm of the tiny tail at ``m`` rows (fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, q, i, p = TINY
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen) * 0.2
@@ -50,11 +53,16 @@ def test_swept_configs_compute_the_tail(m, grid):
     weights = TailWeights(randn(h, q), 1 + randn(h), 1 + randn(h), randn(2 * i, h), randn(h, i), 1 + randn(h))
     operands = (randn(m, q), randn(m, h), weights)
     ple = PerLayerInput(randn(p, h), randn(h, p), randn(m, p), 1 + randn(h))
-    next_norm = 1 + randn(h)
+    return operands, ple, 1 + randn(h)
+
+
+@pytest.mark.parametrize("m,grid", [(1, "full"), (8, "full"), (1, "coarse"), (1, "tickets")])
+def test_swept_configs_compute_the_tail(m, grid):
+    operands, ple, next_norm = _tiny_tail(m, seed=m)
     want = decode_tail_reference(*operands, 1e-6, "silu", ple, None, next_norm)
     configs = bench.tail_sweep(m, grid)
     for cfg in configs[:: max(1, len(configs) // 12)]:
-        cfg = decode_tail_config(m, h, q, i, p) | cfg
+        cfg = decode_tail_config(m, *TINY) | cfg
         got = decode_tail(*operands, 1e-6, "silu", new_counters("cpu"), ple, None, next_norm, cfg)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=3e-5, rtol=3e-5, msg=str(cfg))
@@ -96,16 +104,9 @@ def test_the_timeline_reads_each_phase_from_its_last_program():
 
 
 def test_a_traced_interpreter_launch_makes_a_timeline():
-    gen = torch.Generator().manual_seed(2)
-    h, q, i, p = 48, 32, 80, 16
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen) * 0.2
-
-    weights = TailWeights(randn(h, q), 1 + randn(h), 1 + randn(h), randn(2 * i, h), randn(h, i), 1 + randn(h))
-    ple = PerLayerInput(randn(p, h), randn(h, p), randn(1, p), 1 + randn(h))
+    operands, ple, _ = _tiny_tail(1, seed=2)
     trace = new_trace(5, "cpu")
-    decode_tail(randn(1, q), randn(1, h), weights, 1e-6, "silu", new_counters("cpu"), ple, trace=trace)
+    decode_tail(*operands, 1e-6, "silu", new_counters("cpu"), ple, trace=trace)
     timeline = bench.trace_timeline(trace, 5)  # the interpreter's grid: 3 programs, no clock
     # with PLE and no next norm: every phase but n2b and n3b
     assert timeline["programs"] == 3 and [p["phase"] for p in timeline["phases"]] == [
