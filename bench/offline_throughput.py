@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="tokens per engine step (default: the engine's, 8192 on CUDA and 2048 on CPU)",
     )
+    g.add_argument(
+        "--max-prefill-tokens-beside-decodes",
+        type=int,
+        default=None,
+        help="prompt tokens a step that holds decodes may carry (default: the whole budget)",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument(
         "--kv-cache-bytes",
@@ -387,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_beside_decodes=args.max_prefill_tokens_beside_decodes,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -1,0 +1,149 @@
+"""bench/seed_floor.py: the parameter counts by kind, the replayed schedule, attention's FLOPs and the KV
+bytes against brute-force counts, and a step's floor against its own arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_scripts import load_script
+
+from g4serve.config import FULL, preset
+from g4serve.models.gemma4.text import Gemma4TextModel
+
+floor = load_script("seed_floor")
+
+
+def test_counts_split_the_tiny_model_parameters():
+    cfg = preset("tiny").text
+    counts = floor.count_parameters(cfg)
+    model = Gemma4TextModel(cfg)
+    assert counts.dense + counts.experts + counts.lm_head + counts.gathered == sum(
+        p.numel() for p in model.parameters()
+    )
+    assert counts.lm_head == model.embed_tokens.weight.numel()
+    assert counts.gathered == model.embed_tokens_per_layer.weight.numel() > 0
+
+
+def test_moe_counts_are_the_expert_shapes():
+    cfg = preset("26b-a4b").text
+    counts = floor.count_parameters(cfg)
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert counts.experts == cfg.num_hidden_layers * cfg.num_experts * per_expert
+    assert counts.active_per_token == pytest.approx(
+        counts.dense + counts.experts * cfg.top_k_experts / cfg.num_experts
+    )
+    assert counts.experts_touched(1) == pytest.approx(8 / 128)
+    assert 0.84 < counts.experts_touched(30) < 0.86  # 1 - (120/128)^30
+    assert counts.experts_touched(0) == 0.0
+
+
+def test_schedule_decodes_first_then_chunks_in_order():
+    steps = floor.schedule(num_requests=2, input_len=5, output_len=3, budget=4, max_num_seqs=64)
+    C = floor.Chunk
+    assert steps == [
+        [C(0, 4, False, False)],
+        [C(4, 1, True, False), C(0, 3, False, False)],
+        [C(5, 1, True, True), C(3, 2, True, False)],
+        [C(6, 1, True, True), C(5, 1, True, True)],
+        [C(6, 1, True, True)],
+    ]
+
+
+def test_prefill_cap_applies_beside_decodes_only():
+    steps = floor.schedule(4, 100, 4, budget=64, max_num_seqs=64, prefill_cap=16)
+    for work in steps:
+        prompt = sum(c.tokens for c in work if not c.decode)
+        if any(c.decode for c in work):
+            assert prompt <= 16
+        else:
+            assert prompt <= 64
+    assert any(not any(c.decode for c in w) and sum(c.tokens for c in w) == 64 for w in steps)
+    # every request gets its prompt and its outputs, and nothing more
+    assert sum(c.tokens for w in steps for c in w if not c.decode) == 400
+    assert sum(c.samples for w in steps for c in w) == 16
+
+
+def test_seats_bound_the_started_sequences():
+    steps = floor.schedule(6, 8, 5, budget=1000, max_num_seqs=2)
+    assert max(len(w) for w in steps) == 2
+
+
+def test_attention_flops_against_a_brute_force_sum():
+    cfg = preset("tiny").text  # sliding window 16, full layers every third
+    for start, length in [(0, 40), (5, 3), (20, 1), (10, 30)]:
+        expect = 0.0
+        for layer in range(cfg.num_hidden_layers):
+            dim = cfg.layer_head_dim(layer)
+            for p in range(start, start + length):
+                keys = p + 1 if cfg.layer_types[layer] == FULL else min(p + 1, cfg.sliding_window)
+                expect += 4 * cfg.num_attention_heads * dim * keys
+        assert floor.attention_flops(cfg, start, length) == pytest.approx(expect)
+
+
+def test_kv_bytes_write_producers_and_read_every_layer():
+    cfg = preset("tiny").text  # the last two layers share earlier layers' K/V
+    kv = floor.kv_layer_bytes(cfg, 2.0)
+    write = read = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        per = cfg.layer_num_kv_heads(layer) * cfg.layer_head_dim(layer) * 2.0
+        per *= 1 if cfg.layer_uses_k_as_v(layer) else 2
+        read += per
+        write += per if layer < cfg.first_kv_shared_layer else 0.0
+    assert kv[FULL][0] + kv["sliding"][0] == write < read == kv[FULL][1] + kv["sliding"][1]
+
+
+def test_a_decode_step_is_its_bytes_at_the_bandwidth():
+    cfg = preset("26b-a4b").text
+    counts = floor.count_parameters(cfg)
+    work = [floor.Chunk(2999, 1, True, True)]
+    step = floor.step_cost(cfg, counts, work, tflops=989.0, tbps=4.8, weight_bytes=2.0, kv_bytes=2.0)
+    kv = floor.kv_layer_bytes(cfg, 2.0)
+    weights = 2.0 * (counts.dense + counts.lm_head + counts.experts * 8 / 128)
+    kv_read = kv[FULL][1] * 3000 + kv["sliding"][1] * cfg.sliding_window
+    kv_write = kv[FULL][0] + kv["sliding"][0]
+    assert step.bytes == pytest.approx(weights + kv_read + kv_write)
+    assert step.bound == "memory" and step.seconds == pytest.approx(step.bytes / 4.8e12)
+    assert step.decodes == 1 and step.prompt_tokens == 0
+
+
+def test_a_long_prompt_step_is_compute_bound():
+    cfg = preset("26b-a4b").text
+    counts = floor.count_parameters(cfg)
+    step = floor.step_cost(cfg, counts, [floor.Chunk(0, 8192, True, False)], 989.0, 4.8, 2.0, 2.0)
+    assert step.bound == "compute" and step.seconds == pytest.approx(step.flops / 989e12)
+    assert step.flops > 2 * counts.active_per_token * 8192
+
+
+def test_main_writes_one_row_per_cap(tmp_path):
+    report = floor.main(
+        [
+            "--model",
+            "tiny",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "40",
+            "--output-len",
+            "5",
+            "--max-num-batched-tokens",
+            "32",
+            "--max-prefill-tokens-beside-decodes",
+            "8",
+            "32",
+            "--measured",
+            "1000",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    (path,) = tmp_path.glob("seed_floor-h200-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert [r["max_prefill_tokens_beside_decodes"] for r in saved["rows"]] == [8, 32]
+    for row in saved["rows"]:
+        assert row["total_tokens"] == 3 * 45
+        assert row["total_tokens_per_s"] == pytest.approx(row["total_tokens"] / row["floor_s"])
+        assert row["share_of_floor"] == pytest.approx(1000 / row["total_tokens_per_s"])
+        assert row["prompt_steps_s"] + row["decode_only_steps_s"] == pytest.approx(row["floor_s"])
+    assert saved["rows"][0]["steps"] > saved["rows"][1]["steps"]  # the tighter cap takes more steps
