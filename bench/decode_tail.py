@@ -12,7 +12,7 @@ reports microseconds per tail, weight GB/s and what a decode step would save ove
 also searches the kernel's tiles, warps and programs per SM. ``--trace`` runs the default config (and the
 sweep's best) once more with the kernel's trace on (``decode_tail(trace=...)``: each program's clock where
 it left each phase) and prints the phases' timeline: when the last program left each phase, relative to
-the first program's entry. Writes JSON (device, versions, commit, command) to bench/results/.
+the first program's start. Writes JSON (device, versions, commit, command) to bench/results/.
 
     python bench/decode_tail.py                         # e4b and 31b, M = 1 2 4 8
     python bench/decode_tail.py --presets e2b --rows 1 --sweep
@@ -118,12 +118,13 @@ def tail_sweep(m: int, grid_name: str = "full") -> list[dict[str, int]]:
 
 def trace_timeline(trace: torch.Tensor, programs: int) -> dict:
     """A traced launch's records (``new_trace``'s [programs, slots, (clock ns, ticket)]) as a timeline in
-    microseconds from the first program's entry: for each phase the tail has, the moment the first and the
+    microseconds from the first program's start: for each phase the tail has, the moment the first and the
     last program left it (the last: when its results were all written) and its share of the critical path
-    (the last leaving it minus the last leaving the phase before); the programs' entry spread and the last
-    exit."""
+    (the last leaving it minus the last leaving the phase before); when the last program started, and when
+    the last held its first ticket (the grabs' atomics on one counter, in line); how many programs ran at
+    once at most (a grid the SMs cannot hold all at once starts the rest as the first exit); the last exit."""
     rows = trace[:programs].cpu()
-    rows = rows[rows[:, 0, 1] >= 0]  # the grid's (a launch with fewer tasks than programs runs fewer)
+    rows = rows[rows[:, 1, 1] >= 0]  # the grid's (a launch with fewer tasks than programs runs fewer)
     clock = rows[:, :, 0].double()
     t0 = float(clock[:, 0].min())
 
@@ -131,7 +132,7 @@ def trace_timeline(trace: torch.Tensor, programs: int) -> dict:
         return round((float(values) - t0) / 1e3, 3)
 
     timeline, before = [], t0
-    for slot, name in enumerate(TRACE_PHASES, start=1):
+    for slot, name in enumerate(TRACE_PHASES, start=2):
         if (rows[:, slot, 1] < 0).any():  # a phase this tail has not
             continue
         last = float(clock[:, slot].max())
@@ -144,20 +145,29 @@ def trace_timeline(trace: torch.Tensor, programs: int) -> dict:
             }
         )
         before = last
+    # programs running at once: +1 at each start, -1 at each exit (an exit first where they tie)
+    events = sorted([(float(t), 1) for t in clock[:, 0]] + [(float(t), -1) for t in clock[:, -1]])
+    running = resident = 0
+    for _, step in events:
+        running += step
+        resident = max(resident, running)
     return {
         "programs": len(rows),
-        "entry_spread_us": us(clock[:, 0].max()),
+        "start_spread_us": us(clock[:, 0].max()),
+        "first_ticket_us": us(clock[:, 1].max()),
+        "max_resident": resident,
         "phases": timeline,
         "last_exit_us": us(clock[:, -1].max()),
     }
 
 
-def _print_timeline(label: str, timeline: dict) -> None:
-    phases = timeline["phases"]
-    cells = " ".join(f"{p['phase']} {p['last_out_us']:.1f} (+{p['critical_us']:.1f})" for p in phases)
+def _print_timeline(label: str, t: dict) -> None:
+    cells = " ".join(f"{p['phase']} {p['last_out_us']:.1f} (+{p['critical_us']:.1f})" for p in t["phases"])
     print(
-        f"    trace {label}: entries within {timeline['entry_spread_us']:.1f} us; last out of {cells}; "
-        f"last exit {timeline['last_exit_us']:.1f} us"
+        f"    trace {label}: {t['programs']} programs started within {t['start_spread_us']:.1f} us "
+        f"(at most {t['max_resident']} at once), all held a ticket by {t['first_ticket_us']:.1f}; "
+        f"last out of {cells}; "
+        f"last exit {t['last_exit_us']:.1f} us"
     )
 
 

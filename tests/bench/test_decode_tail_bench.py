@@ -83,24 +83,32 @@ def test_the_tickets_grid_varies_the_grab_and_the_norm_chunks():
 
 
 def test_the_timeline_reads_each_phase_from_its_last_program():
-    slots = len(TRACE_PHASES) + 2
-    trace = torch.full((4, slots, 2), -1, dtype=torch.int64)
+    slots = len(TRACE_PHASES) + 3
+    trace = torch.full((5, slots, 2), -1, dtype=torch.int64)
     t0 = 10_000_000
-    # a tail without PLE or a next norm: o, n1, n1b, a, b, n2 (slots 1-6). Program 0 enters first; program 1
-    # 1 us later; program 3 was never launched (fewer tasks than programs)
-    trace[0, :7, 0] = torch.tensor([0, 3_000, 3_000, 3_100, 9_000, 9_000, 9_500]) + t0
-    trace[1, :7, 0] = torch.tensor([1_000, 2_000, 5_000, 5_400, 6_000, 12_000, 14_000]) + t0
-    trace[2, :7, 0] = torch.tensor([500, 2_500, 5_200, 5_300, 7_000, 12_100, 12_200]) + t0
-    trace[:3, :7, 1] = 0
-    trace[:3, -1, 0] = torch.tensor([9_600, 14_500, 12_300]) + t0
-    trace[:3, -1, 1] = 0
-    timeline = bench.trace_timeline(trace, 4)
-    assert timeline["programs"] == 3 and timeline["entry_spread_us"] == 1.0
+    # a tail without PLE or a next norm: start, first ticket, then o, n1, n1b, a, b, n2 (slots 2-7). Program 0
+    # starts first; program 1 1 us later; program 3 only once program 0 has left (the SMs held 3 at once);
+    # program 4 was never launched (fewer tasks than programs)
+    trace[0, :8, 0] = torch.tensor([0, 200, 3_000, 3_000, 3_100, 9_000, 9_000, 9_500]) + t0
+    trace[1, :8, 0] = torch.tensor([1_000, 1_300, 2_000, 5_000, 5_400, 6_000, 12_000, 14_000]) + t0
+    trace[2, :8, 0] = torch.tensor([500, 600, 2_500, 5_200, 5_300, 7_000, 12_100, 12_200]) + t0
+    trace[3, :8, 0] = torch.tensor([9_700, 9_800] + [9_800] * 6) + t0
+    trace[:4, :8, 1] = 0
+    trace[:4, -1, 0] = torch.tensor([9_600, 14_500, 12_300, 9_900]) + t0
+    trace[:4, -1, 1] = 0
+    timeline = bench.trace_timeline(trace, 5)
+    assert timeline["programs"] == 4 and timeline["start_spread_us"] == 9.7
+    assert timeline["first_ticket_us"] == 9.8 and timeline["max_resident"] == 3
     assert [p["phase"] for p in timeline["phases"]] == ["o", "n1", "n1b", "a", "b", "n2"]
-    assert [p["last_out_us"] for p in timeline["phases"]] == [3.0, 5.2, 5.4, 9.0, 12.1, 14.0]
+    assert [p["last_out_us"] for p in timeline["phases"]] == [9.8, 9.8, 9.8, 9.8, 12.1, 14.0]
     assert [p["first_out_us"] for p in timeline["phases"]] == [2.0, 3.0, 3.1, 6.0, 9.0, 9.5]
-    assert [p["critical_us"] for p in timeline["phases"]] == [3.0, 2.2, 0.2, 3.6, 3.1, 1.9]
+    assert [p["critical_us"] for p in timeline["phases"]] == [9.8, 0.0, 0.0, 0.0, 2.3, 1.9]
     assert timeline["last_exit_us"] == 14.5
+    # without the late program the phases' own ends show
+    timeline = bench.trace_timeline(trace[[0, 1, 2, 4]], 4)
+    assert timeline["max_resident"] == 3 and timeline["start_spread_us"] == 1.0
+    assert [p["last_out_us"] for p in timeline["phases"]] == [3.0, 5.2, 5.4, 9.0, 12.1, 14.0]
+    assert [p["critical_us"] for p in timeline["phases"]] == [3.0, 2.2, 0.2, 3.6, 3.1, 1.9]
 
 
 def test_a_traced_interpreter_launch_makes_a_timeline():

@@ -182,12 +182,13 @@ def test_a_traced_launch_records_where_each_program_left_each_phase(with_ple):
     for phase in TRACE_PHASES:
         end += sizes.get(phase, 0)
         ends.append(end if phase in sizes else -1)
-    first = trace[0, :, 1].tolist()
+    assert trace[:3, 0, 1].tolist() == [0, 1, 2]  # the start: each program's index
+    first = trace[0, 1:, 1].tolist()
     assert first[0] == 0 and first[1:-1] == ends
     assert first[-1] == end  # its grab's next ticket: no more taken from the counter
     past = -(-end // 2) * 2  # tickets come 2 a grab
     for program in (1, 2):
-        tickets = trace[program, :, 1].tolist()
+        tickets = trace[program, 1:, 1].tolist()
         assert tickets[0] >= past and tickets[1:-1] == [tickets[0] if e >= 0 else -1 for e in ends]
     assert torch.isin(trace[:3, :, 0], torch.tensor([0, -1])).all()  # no clock here
     assert trace[3].eq(-1).all()  # beyond the grid
@@ -257,7 +258,7 @@ def test_traced_kernel_reads_the_gpu_clock_on_sm90(monkeypatch):
     fn, args, kwargs = _meta_launch(monkeypatch, E4B_SLIDING, act="silu", programs=264, trace=trace)
     assert kwargs["TRACE"]
     ptx = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"]
-    assert ptx.count("%globaltimer") >= TRACE_SLOTS - 1  # entry, the phase ends, exit
+    assert ptx.count("%globaltimer") >= TRACE_SLOTS - 1  # start, first ticket, the phase ends, exit
 
 
 def _ptxas_registers(ptx: str) -> int:

@@ -78,11 +78,12 @@ COUNTERS = 13
 # counter and the increments of the others (every task takes a ticket and counts itself done) do not queue
 # at the same L2 slice
 COUNTER_STRIDE = 32
-# a traced launch's records a program (``decode_tail(trace=...)``): its entry, the end of each phase (a tail
-# without PLE leaves g, p, n3 and n3b unwritten, one with PLE n2b, one without a next norm n2b or n3b) and its
-# exit: (clock ns, next ticket)
+# a traced launch's records a program (``decode_tail(trace=...)``), each (clock ns, next ticket): its
+# start (before its first grab; the program's index in place of a ticket), its first ticket in hand, the
+# end of each phase (a tail without PLE leaves g, p, n3 and n3b unwritten, one with PLE n2b, one without a
+# next norm n2b or n3b) and its exit
 TRACE_PHASES = ("o", "n1", "n1b", "a", "b", "n2", "n2b", "g", "p", "n3", "n3b")
-TRACE_SLOTS = len(TRACE_PHASES) + 2
+TRACE_SLOTS = len(TRACE_PHASES) + 3
 # columns a norm task takes, where a config does not say (decode_tail_config's default)
 NORM_COLS = 512
 # the kernel's view of them (a jitted function reads constexpr globals only)
@@ -512,33 +513,34 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
     # Tickets only grow, so a program meets the phases in order: one loop a phase, each holding only its own
     # phase's values in registers (one loop over every phase kept them all live, ~120-160 registers a thread
     # at one row, so only 2-3 programs fit an SM).
+    _stamp(Trace, 0, tl.program_id(0), TRACE, ASM)
     task = tl.atomic_add(C, GRAB)
-    _stamp(Trace, 0, task, TRACE, ASM)
+    _stamp(Trace, 1, task, TRACE, ASM)
     task = _gemm_phase(
         C, task, 0, end_o, X, stride_x, Wo, Wo, 0, Yo, C, 0, Co, H, Q, offs_m, m_mask, Sq_o, SQ_COLS,
         0, True, 0, ACT, BLOCK_M, BN_O, BK_O, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
-    _stamp(Trace, 1, task, TRACE, ASM)
+    _stamp(Trace, 2, task, TRACE, ASM)
     task = _norm_phase(
         C, task, end_o, end_n1, Yo, Res, stride_r, NormO, Scale, H1, Sq_o, num_o, Sq_n1, SQ_COLS, Co, num_o,
         Cn1, H, eps, True, True, False, True, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
     )  # fmt: skip
-    _stamp(Trace, 2, task, TRACE, ASM)
+    _stamp(Trace, 3, task, TRACE, ASM)
     task = _norm_phase(  # the next norm
         C, task, end_n1, end_n1b, H1, H1, 0, NextO, NextO, X1, Sq_n1, NCH, Sq_n1, SQ_COLS, Cn1, chunks,
         Cn1b, H, eps, False, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
     )  # fmt: skip
-    _stamp(Trace, 3, task, TRACE, ASM)
+    _stamp(Trace, 4, task, TRACE, ASM)
     task = _gemm_phase(
         C, task, end_n1b, end_a, X1, H, Wgu, Wgu, 0, Inter, Cn1b, chunks, Ca, INTER, H, offs_m, m_mask, Sq, 0,
         1, False, 1, ACT, BLOCK_M, BN_A, BK_A, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
-    _stamp(Trace, 4, task, TRACE, ASM)
+    _stamp(Trace, 5, task, TRACE, ASM)
     task = _gemm_phase(
         C, task, end_a, end_b, Inter, INTER, Wd, Wd, 0, Yd, Ca, num_a, Cb, H, INTER, offs_m, m_mask, Sq_b,
         SQ_COLS, 1, True, 0, ACT, BLOCK_M, BN_B, BK_B, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
     )  # fmt: skip
-    _stamp(Trace, 5, task, TRACE, ASM)
+    _stamp(Trace, 6, task, TRACE, ASM)
     if HAS_PLE:  # h2, the input of the PLE phases
         end_g = end_n2 + num_g
         end_p = end_g + num_p
@@ -546,23 +548,23 @@ def _decode_tail_fn(  # noqa: C901 - Triton kernel body: HAS_PLE specialised awa
             C, task, end_b, end_n2, Yd, H1, H, NormF, Scale, H2, Sq_b, num_b, Sq_n2, SQ_COLS, Cb, num_b,
             Cn2, H, eps, True, False, False, False, NCH, BLOCK_C, SQ_BLOCK, USE_PDL, ASM, GRAB,
         )  # fmt: skip
-        _stamp(Trace, 6, task, TRACE, ASM)
+        _stamp(Trace, 7, task, TRACE, ASM)
         task = _gemm_phase(
             C, task, end_n2, end_g, H2, H, Wpg, Pin, stride_p, G, Cn2, chunks, Cg, P, H, offs_m, m_mask, Sq,
             0, 1, False, 2, ACT, BLOCK_M, BN_G, BK_G, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
-        _stamp(Trace, 8, task, TRACE, ASM)
+        _stamp(Trace, 9, task, TRACE, ASM)
         task = _gemm_phase(
             C, task, end_g, end_p, G, P, Wpp, Wpp, 0, Yp, Cg, num_g, Cp, H, P, offs_m, m_mask, Sq_p, SQ_COLS,
             1, True, 0, ACT, BLOCK_M, BN_P, BK_P, USE_DOT, UPCAST, DOT_PRECISION, USE_PDL, ASM, GRAB,
         )  # fmt: skip
-        _stamp(Trace, 9, task, TRACE, ASM)
+        _stamp(Trace, 10, task, TRACE, ASM)
         # the layer's outputs: h2 + the PLE projection's norm (n3, then n3b)
         first_out, y_out, res_out, norm_out, sq_in, tiles_in = end_p, Yp, H2, NormP, Sq_p, num_p
-        sq_out, wait_out, done_out, done_next, slot_out = Sq_n3, Cp, Cn3, Cn3b, 10
+        sq_out, wait_out, done_out, done_next, slot_out = Sq_n3, Cp, Cn3, Cn3b, 11
     else:  # the layer's outputs: h1 + the down projection's norm (n2, then n2b)
         first_out, y_out, res_out, norm_out, sq_in, tiles_in = end_b, Yd, H1, NormF, Sq_b, num_b
-        sq_out, wait_out, done_out, done_next, slot_out = Sq_n2, Cb, Cn2, Cn2b, 6
+        sq_out, wait_out, done_out, done_next, slot_out = Sq_n2, Cb, Cn2, Cn2b, 7
     end_out = first_out + chunks
     task = _norm_phase(
         C, task, first_out, end_out, y_out, res_out, H, norm_out, Scale, Out, sq_in, tiles_in, sq_out,
