@@ -345,12 +345,13 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
     """8-64 rows: the weight as the warpgroup MMA's M side in 64-row tiles (128 for the LM head past 16 rows)
     against the batch padded to 16, 32 or 64. The sweep's best per shape class: K tiles of 256 at 4 stages
     up to 16 rows, of 128 at 5 stages beyond and for K of 8,192+ (the MLP's down); the gates' pair of
-    weight tiles in K tiles of 64 at 3 stages; short K (the PLE projection) in K tiles of 128; K split where
-    the column tiles leave SMs idle and K is long (down; o past 16 rows): 2 ways up to 16 rows, 3 ways at 4
-    stages past 16 (e4b's down at 32 rows 22.5 against 24.5 us split 2 ways, its global o 10.8 against 11.1;
-    H100, 2026-12-07); 4 ways for narrow N (the PLE gate's 256 columns: 4 tiles), but never into a second,
-    partial wave of programs: 31B's o and down (84 column tiles of 132 SMs) split 2 ways took 1.3 waves and
-    14-19% longer than unsplit at 8-16 rows."""
+    weight tiles in K tiles of 64 at 3 stages; short K (the PLE projection) in K tiles of 128; K split 2 ways
+    where the column tiles leave SMs idle and K is long (down; o past 16 rows), 4 ways for narrow N (the PLE
+    gate's 256 columns: 4 tiles), but never into a second, partial wave of programs: 31B's o and down (84
+    column tiles of 132 SMs) split 2 ways took 1.3 waves and 14-19% longer than unsplit at 8-16 rows. (3 ways
+    at 4 stages past 16 rows was faster kernel by kernel, e4b's down at 32 rows 22.5 against 24.5 us, but
+    not in the engine: e4b decode at B = 24 / 32 / 48 5.13-5.20 / 5.12-5.21 / 5.66-5.70 ms against 5.03-5.11
+    / 5.16-5.17 / 5.67-5.70 split 2 ways; H100, 2026-12-07.)"""
     k_pow2 = max(16, next_pow2(k))
     block_n, block_k, stages, split = 64, min(256 if m <= 16 else 128, k_pow2), 4, 1
     if epilogue == GATE_UP:
@@ -362,9 +363,9 @@ def _swapped_config(m: int, n: int, k: int, epilogue: int, sms: int) -> dict[str
     elif k <= 512:
         block_k = min(128, k_pow2)
     elif k >= 8192 or (m > 16 and k >= 4096):
-        block_k, split = min(128, k_pow2), 3 if m > 16 else 2
+        block_k, split = min(128, k_pow2), 2
     if block_k == 128 and epilogue != GATE_UP and n < 65536:
-        stages = 4 if (split == 2 and k < 8192) or split == 3 else 5  # split 3: past 16 rows
+        stages = 5 if split != 2 or k >= 8192 else 4
     tiles = -(-n // block_n)
     if tiles >= sms or -(-k // block_k) < split * MIN_K_TILES_PER_SPLIT:
         split = 1
