@@ -296,6 +296,18 @@ def test_one_row_default_fits_its_programs_per_sm(monkeypatch):
     assert cfg["programs_per_sm"] * cfg["num_warps"] * 32 * allocated <= 65536, registers
 
 
+def test_max_registers_caps_the_build(monkeypatch):
+    """A config's ``max_registers`` reaches ptxas as ``.maxnreg``: a grid of ``programs_per_sm`` programs
+    then fits an SM whatever registers the compiler would take (here a cap under the default's 64)."""
+    from test_kv_fp8_sm90_compile import _compile
+
+    cfg = decode_tail_module.decode_tail_config(1, *E4B_SLIDING) | {"max_registers": 48}
+    fn, args, kwargs = _meta_launch(monkeypatch, E4B_SLIDING, config=cfg)
+    ptx = _compile(fn, args, kwargs | {"ASM": True}, use_pdl=True).asm["ptx"]
+    assert ".maxnreg 48" in ptx
+    assert _ptxas_registers(ptx) <= 48
+
+
 def test_applies_only_where_the_kernel_is_built_for(monkeypatch):
     """``layers.fused.decode_tail_applies``: on (G4SERVE_DECODE_TAIL), CUDA, 1-8 rows with a unit last
     stride, plain bias-free projections and a counter buffer; anything else keeps the separate ops."""

@@ -45,7 +45,8 @@ tests, sm_90 compile tests and GPU tests. ``bench/decode_tail.py`` times it agai
 on an H200 its first version was 2.3x slower at one row (1.4 TB/s of weights against 3.3): ~250 registers a
 thread let one program per SM keep tiles in flight. Now each phase runs in its own loop (one loop over all
 phases kept every phase's values live), one-row products are summed per tile, and the default tiles are
-small: 64 registers, 8 programs per SM (``decode_tail_config``, checked by ptxas in the tests). On an H100
+small: 64 registers, 8 programs per SM (``decode_tail_config``, checked by ptxas in the tests; a config's
+``max_registers`` caps them, Triton's ``maxnreg``, where another compiler would take more). On an H100
 that is still 105.8 us an e4b tail against the separate launches' 67.2, and the same from 4-12 programs per SM
 and over its tile sweep: per-task synchronisation bounds it now (each task's ticket from one counter, which
 ``grab`` hands out several at a time; the single-row norm phases), so it stays off.
@@ -805,6 +806,7 @@ def decode_tail(
         TRACE=trace is not None,
         num_warps=cfg["num_warps"],
         num_stages=1,
+        **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") else {}),
     )
     return out, (out2 if next_norm is not None else None)
 
