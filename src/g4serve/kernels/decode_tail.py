@@ -45,11 +45,12 @@ tests, sm_90 compile tests and GPU tests. ``bench/decode_tail.py`` times it agai
 on an H200 its first version was 2.3x slower at one row (1.4 TB/s of weights against 3.3): ~250 registers a
 thread let one program per SM keep tiles in flight. Now each phase runs in its own loop (one loop over all
 phases kept every phase's values live), one-row products are summed per tile, and the default tiles are
-small: 64 registers, 8 programs per SM (``decode_tail_config``, checked by ptxas in the tests; a config's
-``max_registers`` caps them, Triton's ``maxnreg``, where another compiler would take more). On an H100
-that is still 105.8 us an e4b tail against the separate launches' 67.2, and the same from 4-12 programs per SM
-and over its tile sweep: per-task synchronisation bounds it now (each task's ticket from one counter, which
-``grab`` hands out several at a time; the single-row norm phases), so it stays off.
+small: 64 registers, 8 programs per SM (``decode_tail_config``, checked by ptxas in the tests, and capped
+there with ``max_registers``, Triton's ``maxnreg``: the device's Triton 3.6 build took more, so only 6
+programs an SM ran at once and the rest started as the first left). On an H100 an e4b tail takes 110 us
+against the separate launches' 66, whatever the grab or norm width: its phases stream their weights at 2.2-2.7
+TB/s against the separate GEMVs' ~3.0, and the small phases (``o``, the norms, the PLE projections) add ~37 us
+(the trace, docs/benchmarks.md). So it stays off.
 """
 
 from __future__ import annotations
@@ -619,14 +620,15 @@ class PerLayerInput:
 def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]:
     """Tiles and grid. One row: elementwise products (no tensor cores at M = 1), each tile summed over K at
     once; 512-column K tiles (1,024 for the PLE gate) of 2 (gate/up, the PLE phases) or 4 weight rows, 4
-    warps. ptxas (sm_90a, e4b's sliding tail) gives that 64 registers a thread, so 8 programs fit an SM, each
-    with its current and next tiles in flight (8 KB): ~64 KB of weights in flight per SM, what the separate
-    GEMVs (32-48 registers, 10-16 programs per SM) keep. The previous default (8 warps, [4-8, 1024] tiles,
-    the PLE projection in 16-row tiles, fp32 products kept per element) took ~250 registers: one program per
-    SM streamed 1.4 TB/s on an H200 where the separate launches streamed 3.3. More rows: 16-row tensor-core
-    tiles of 32 columns (16 for the PLE gate's narrow N), two programs per SM at 4 warps (167 registers).
-    Norms in chunks of 512 columns (5 tasks a row at E4B's 2,560). Starting points for
-    ``bench/decode_tail.py --sweep`` on a GPU."""
+    warps. ptxas (sm_90a, e4b's sliding tail) gives that 64 registers a thread, so 8 programs fit an SM,
+    each with its current and next tiles in flight (8 KB): ~64 KB of weights in flight per SM, what the
+    separate GEMVs (32-48 registers, 10-16 programs per SM) keep. ``max_registers`` holds it to 64 where
+    another Triton takes more (the H100's 3.6 build: 6 programs an SM ran at once without it, all 8 with
+    it). The previous default (8 warps, [4-8, 1024] tiles, the PLE projection in 16-row tiles, fp32
+    products kept per element) took ~250 registers: one program per SM streamed 1.4 TB/s on an H200 where
+    the separate launches streamed 3.3. More rows: 16-row tensor-core tiles of 32 columns (16 for the PLE
+    gate's narrow N), two programs per SM at 4 warps (167 registers). Norms in chunks of 512 columns (5
+    tasks a row at E4B's 2,560). Starting points for ``bench/decode_tail.py --sweep`` on a GPU."""
 
     def k_tile(k: int, most: int) -> int:
         return min(most, max(16, next_pow2(k)))
@@ -646,6 +648,7 @@ def decode_tail_config(m: int, h: int, q: int, i: int, p: int) -> dict[str, int]
             "bk_p": k_tile(p, 512),
             "num_warps": 4,
             "programs_per_sm": 8,
+            "max_registers": 64,
         }
     return {
         "norm_cols": NORM_COLS,
