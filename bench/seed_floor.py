@@ -20,7 +20,7 @@ figure divided by the floor's tokens a second is the share of the roofline reach
 sheet's dense figures (``--device``) unless given.
 
     python bench/seed_floor.py --model 26b-a4b --num-requests 30 --input-len 3000 --output-len 100 \
-        --device h200 --measured 30500
+        --device h200 --measured 31100
 """
 
 from __future__ import annotations
@@ -149,6 +149,32 @@ class _Seq:
     generated: int = 0
 
 
+@dataclass(frozen=True)
+class Workload:
+    """N prompts submitted at once (``offline_throughput.py``) and the engine's limits on a step."""
+
+    num_requests: int
+    input_len: int
+    output_len: int
+    budget: int  # max_num_batched_tokens
+    max_num_seqs: int
+    prefill_cap: int | None = None  # max_prefill_tokens_beside_decodes
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_requests * (self.input_len + self.output_len)
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """What the device does at best, and the bytes a weight and a cached K/V element take."""
+
+    tflops: float
+    tbps: float
+    weight_bytes: float = 2.0
+    kv_bytes: float = 2.0
+
+
 @dataclass
 class Step:
     decodes: int
@@ -159,32 +185,24 @@ class Step:
     bound: str  # "compute" or "memory"
 
 
-def schedule(
-    num_requests: int,
-    input_len: int,
-    output_len: int,
-    budget: int,
-    max_num_seqs: int,
-    prefill_cap: int | None = None,
-) -> list[list[Chunk]]:
-    """The engine's steps for N prompts submitted at once (``Scheduler.schedule``): decodes (one token)
-    first, then unfinished prompts in arrival order, each chunk as large as the token budget left allows
-    (in a step that holds decodes, the prompt chunks together at most ``prefill_cap`` tokens:
-    ``max_prefill_tokens_beside_decodes``), at most ``max_num_seqs`` sequences started. A prompt's last
-    chunk samples its first output token."""
-    seqs = [_Seq(input_len) for _ in range(num_requests)]
+def schedule(w: Workload) -> list[list[Chunk]]:
+    """The engine's steps for the workload (``Scheduler.schedule``): decodes (one token) first, then
+    unfinished prompts in arrival order, each chunk as large as the token budget left allows (in a step
+    that holds decodes, the prompt chunks together at most ``prefill_cap`` tokens), at most
+    ``max_num_seqs`` sequences started. A prompt's last chunk samples its first output token."""
+    seqs = [_Seq(w.input_len) for _ in range(w.num_requests)]
     steps: list[list[Chunk]] = []
-    while any(s.generated < output_len for s in seqs):
-        left = budget
+    while any(s.generated < w.output_len for s in seqs):
+        left = w.budget
         work: list[tuple[_Seq, Chunk]] = []
-        started = [s for s in seqs if s.computed > 0 and s.generated < output_len]
+        started = [s for s in seqs if s.computed > 0 and s.generated < w.output_len]
         for s in started:
             if s.computed == s.prompt and left > 0:
                 work.append((s, Chunk(s.prompt + s.generated - 1, 1, True, True)))
                 left -= 1
         prefills = [s for s in started if s.computed < s.prompt]
-        prefills += [s for s in seqs if s.computed == 0][: max(0, max_num_seqs - len(started))]
-        room = left if prefill_cap is None or not work else min(left, prefill_cap)
+        prefills += [s for s in seqs if s.computed == 0][: max(0, w.max_num_seqs - len(started))]
+        room = left if w.prefill_cap is None or not work else min(left, w.prefill_cap)
         for s in prefills:
             if room <= 0:
                 break
@@ -201,27 +219,20 @@ def schedule(
     return steps
 
 
-def step_cost(
-    cfg: TextConfig,
-    counts: ModelCounts,
-    work: list[Chunk],
-    tflops: float,
-    tbps: float,
-    weight_bytes: float,
-    kv_bytes: float,
-) -> Step:
-    """One step's floor: the larger of its FLOPs at ``tflops`` and its bytes at ``tbps``."""
+def step_cost(cfg: TextConfig, counts: ModelCounts, work: list[Chunk], peaks: Peaks) -> Step:
+    """One step's floor: the larger of its FLOPs at the tensor-core peak and its bytes at the bandwidth."""
     tokens = sum(c.tokens for c in work)
     samples = sum(c.samples for c in work)
     flops = 2.0 * counts.active_per_token * tokens + 2.0 * counts.lm_head * samples
     flops += sum(attention_flops(cfg, c.start, c.tokens) for c in work)
-    nbytes = weight_bytes * (counts.dense + counts.lm_head + counts.experts * counts.experts_touched(tokens))
-    kv = kv_layer_bytes(cfg, kv_bytes)
+    weights = counts.dense + counts.lm_head + counts.experts * counts.experts_touched(tokens)
+    nbytes = peaks.weight_bytes * weights
+    kv = kv_layer_bytes(cfg, peaks.kv_bytes)
     for c in work:
         end = c.start + c.tokens
         nbytes += (kv[FULL][0] + kv["sliding"][0]) * c.tokens  # the chunk's own K/V written
         nbytes += kv[FULL][1] * end + kv["sliding"][1] * min(end, cfg.sliding_window + c.tokens - 1)
-    compute_s, memory_s = flops / (tflops * 1e12), nbytes / (tbps * 1e12)
+    compute_s, memory_s = flops / (peaks.tflops * 1e12), nbytes / (peaks.tbps * 1e12)
     decodes = sum(c.decode for c in work)
     return Step(
         decodes=decodes,
@@ -233,29 +244,13 @@ def step_cost(
     )
 
 
-def workload_floor(
-    cfg: TextConfig,
-    counts: ModelCounts,
-    num_requests: int,
-    input_len: int,
-    output_len: int,
-    budget: int,
-    max_num_seqs: int,
-    tflops: float,
-    tbps: float,
-    weight_bytes: float = 2.0,
-    kv_bytes: float = 2.0,
-    prefill_cap: int | None = None,
-) -> dict:
+def workload_floor(cfg: TextConfig, counts: ModelCounts, workload: Workload, peaks: Peaks) -> dict:
     """The workload's floor: seconds, total tokens a second, and where the seconds go."""
-    steps = [
-        step_cost(cfg, counts, work, tflops, tbps, weight_bytes, kv_bytes)
-        for work in schedule(num_requests, input_len, output_len, budget, max_num_seqs, prefill_cap)
-    ]
+    steps = [step_cost(cfg, counts, work, peaks) for work in schedule(workload)]
     seconds = sum(s.seconds for s in steps)
     with_prompt = [s for s in steps if s.prompt_tokens]
     decode_only = [s for s in steps if not s.prompt_tokens]
-    tokens = num_requests * (input_len + output_len)
+    tokens = workload.total_tokens
     return {
         "steps": len(steps),
         "floor_s": seconds,
@@ -270,7 +265,7 @@ def workload_floor(
         if decode_only
         else [],
         "decode_step_gb_first": decode_only[0].bytes / 1e9 if decode_only else 0.0,
-        "prefill_tflop": sum(s.flops for s in with_prompt) / 1e12,
+        "prompt_steps_tflop": sum(s.flops for s in with_prompt) / 1e12,
     }
 
 
@@ -282,7 +277,7 @@ def _summary(row: dict) -> str:
         f"{row['model']} (prefill cap beside decodes {row['max_prefill_tokens_beside_decodes']}): "
         f"floor {row['floor_s']:.3f} s = {row['total_tokens_per_s'] / 1e3:.1f}k tok/s{share}; "
         f"{row['steps']} steps, {row['steps_with_prompt_tokens']} with prompt tokens "
-        f"{row['prompt_steps_s']:.3f} s ({row['prefill_tflop']:.0f} TFLOP), "
+        f"{row['prompt_steps_s']:.3f} s ({row['prompt_steps_tflop']:.0f} TFLOP), "
         f"decode-only {row['decode_only_steps_s']:.3f} s{decode}; "
         f"compute-bound {row['compute_bound_s']:.3f} s, memory-bound {row['memory_bound_s']:.3f} s"
     )
@@ -313,7 +308,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-bytes", type=float, default=2.0, help="bytes a weight (1: FP8)")
     p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes a cached K/V element (1: FP8)")
     p.add_argument(
-        "--measured", type=float, nargs="*", default=[], help="measured total tokens/s, one a model"
+        "--measured",
+        type=float,
+        nargs="*",
+        default=[],
+        help="measured total tokens/s, one a row (model by model, cap by cap)",
     )
     p.add_argument(
         "--out-dir",
@@ -330,44 +329,33 @@ def main(argv: list[str] | None = None) -> dict:
     tflops = args.tflops or tflops
     tbps = args.tbps or tbps
     budget = args.max_num_batched_tokens or default_token_budget("cuda")
+    peaks = Peaks(tflops, tbps, args.weight_bytes, args.kv_bytes)
     rows = []
-    for i, name in enumerate(args.model):
+    for name in args.model:
         cfg = preset(name).text
         counts = count_parameters(cfg)
         for cap in args.max_prefill_tokens_beside_decodes:
-            floor = workload_floor(
-                cfg,
-                counts,
-                args.num_requests,
-                args.input_len,
-                args.output_len,
-                budget,
-                args.max_num_seqs,
-                tflops,
-                tbps,
-                args.weight_bytes,
-                args.kv_bytes,
-                cap,
+            workload = Workload(
+                args.num_requests, args.input_len, args.output_len, budget, args.max_num_seqs, cap
             )
+            floor = workload_floor(cfg, counts, workload, peaks)
             row = {"model": name, "max_prefill_tokens_beside_decodes": cap, "parameters": asdict(counts)}
             row.update(floor)
-            if i < len(args.measured):
-                row["measured_total_tokens_per_s"] = args.measured[i]
-                row["share_of_floor"] = args.measured[i] / floor["total_tokens_per_s"]
+            if len(rows) < len(args.measured):
+                row["measured_total_tokens_per_s"] = measured = args.measured[len(rows)]
+                row["share_of_floor"] = measured / floor["total_tokens_per_s"]
             rows.append(row)
             print(_summary(row))
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": command_line(),
-        "device_peaks": {"name": args.device, "tflops": tflops, "tbps": tbps},
+        "device_peaks": {"name": args.device, **asdict(peaks)},
         "workload": {
             "num_requests": args.num_requests,
             "input_len": args.input_len,
             "output_len": args.output_len,
             "max_num_batched_tokens": budget,
             "max_num_seqs": args.max_num_seqs,
-            "weight_bytes": args.weight_bytes,
-            "kv_bytes": args.kv_bytes,
         },
         "rows": rows,
     }
