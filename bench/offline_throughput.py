@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, auto")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    g.add_argument(
+        "--quantization", default=None, help="EngineConfig.quantization: fp8, fp8-block, w4a16, w4a16-g32"
+    )
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=64)
@@ -391,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_beside_decodes=args.max_prefill_tokens_beside_decodes,
