@@ -11,10 +11,12 @@ to bench/results/.
     python bench/attention_kernels.py                                  # E4B heads (8 q / 2 kv), bf16
     python bench/attention_kernels.py --q-heads 32 --kv-heads 4        # 31B global-layer heads
     python bench/attention_kernels.py --sweep --batch 8 --context 4096 # try tile configs per shape
+    python bench/attention_kernels.py --kinds decode --kv-cache-dtype auto fp8   # an FP8 cache beside bf16
 
-Decode: ``batch`` sequences, one query each, at ``context`` tokens. Prefill: ``batch`` sequences each
-adding a ``--prefill-chunk``-token chunk at the end of ``context`` tokens (a chunked prefill after a
-prefix hit; causal), sized down by ``--max-prefill-tokens``.
+Decode: ``batch`` sequences, one query each, at ``context`` tokens. ``--kv-cache-dtype fp8`` stores K/V in
+e4m3 with a scale per KV head, as the engine's FP8 cache does (bytes moved count one byte a value).
+Prefill: ``batch`` sequences each adding a ``--prefill-chunk``-token chunk at the end of ``context``
+tokens (a chunked prefill after a prefix hit; causal), sized down by ``--max-prefill-tokens``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from triton.testing import do_bench
 
 from g4serve.bench.meta import cuda_environment
 from g4serve.bench.timing import graph_replay_ms
+from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE
 from g4serve.kernels.paged_decode import decode_config, decode_num_splits, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention, prefill_config
 
@@ -49,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "fp8"],
+        help="the cache's storage: auto (--dtype) or fp8 (e4m3, a scale per KV head); several: each in turn",
+    )
     p.add_argument(
         "--window",
         type=int,
@@ -77,16 +87,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _paged_inputs(batch: int, context: int, args, head_dim: int, dtype: torch.dtype, query_len: int):
-    """Random K/V for ``batch`` sequences of ``context`` tokens in shuffled pages, and their queries."""
+def _paged_inputs(
+    batch: int,
+    context: int,
+    args,
+    head_dim: int,
+    dtype: torch.dtype,
+    query_len: int,
+    kv_fp8: bool = False,
+    device: str = "cuda",
+):
+    """Random K/V for ``batch`` sequences of ``context`` tokens in shuffled pages, their queries, and the
+    K/V scales the kernels take (an FP8 cache: e4m3 values, one fp32 scale per KV head; else none)."""
     page = args.page_size
     blocks_per_seq = -(-context // page)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks * page, args.kv_heads, head_dim, device="cuda", dtype=dtype)
+    k_cache = torch.randn(num_blocks * page, args.kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
-    q = torch.randn(batch * query_len, args.q_heads, head_dim, device="cuda", dtype=dtype) * 0.25
-    return k_cache, v_cache, tables, q
+    scales = {}
+    if kv_fp8:
+        k_cache, v_cache = k_cache.to(KV_FP8_DTYPE), v_cache.to(KV_FP8_DTYPE)
+        scale = torch.full((args.kv_heads,), 0.5, device=device, dtype=torch.float32)
+        scales = {"k_scale": scale, "v_scale": scale.clone()}
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    q = torch.randn(batch * query_len, args.q_heads, head_dim, device=device, dtype=dtype) * 0.25
+    return k_cache, v_cache, tables, q, scales
 
 
 def time_call(make_call, input_bytes: int, args) -> tuple[float, float]:
@@ -133,7 +158,9 @@ def _row(
     }
 
 
-def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides: dict | None = None) -> dict:
+def bench_decode(
+    args, head_dim: int, batch: int, context: int, dtype, overrides: dict | None = None, kv_fp8: bool = False
+) -> dict:
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     overrides = dict(overrides or {})
     block_n = overrides.get("block_n") or decode_config(head_dim)["block_n"]
@@ -147,7 +174,7 @@ def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides
     )
 
     def make_call():
-        k_cache, v_cache, tables, q = _paged_inputs(batch, context, args, head_dim, dtype, 1)
+        k_cache, v_cache, tables, q, scales = _paged_inputs(batch, context, args, head_dim, dtype, 1, kv_fp8)
         out = torch.empty_like(q)
         return lambda: paged_decode_attention(
             q,
@@ -159,14 +186,16 @@ def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides
             window=args.window,
             num_splits=splits,
             out=out,
+            **scales,
             **overrides,
         )
 
     item = torch.empty((), dtype=dtype).element_size()
+    kv_item = 1 if kv_fp8 else item
     keys = min(context, args.window) if args.window else context
-    kv_bytes = 2 * batch * keys * args.kv_heads * head_dim * item
+    kv_bytes = 2 * batch * keys * args.kv_heads * head_dim * kv_item
     total = kv_bytes + 2 * batch * args.q_heads * head_dim * item + batch * -(-keys // args.page_size) * 4
-    kernel_ms, eager_ms = time_call(make_call, 2 * batch * context * args.kv_heads * head_dim * item, args)
+    kernel_ms, eager_ms = time_call(make_call, 2 * batch * context * args.kv_heads * head_dim * kv_item, args)
     flops = 4 * batch * args.q_heads * keys * head_dim
     return _row(
         "decode",
@@ -180,11 +209,12 @@ def bench_decode(args, head_dim: int, batch: int, context: int, dtype, overrides
         kv_bytes,
         flops,
         num_splits=splits,
+        kv_cache_dtype="fp8" if kv_fp8 else "auto",
     )
 
 
 def bench_prefill(
-    args, head_dim: int, batch: int, context: int, dtype, overrides: dict | None = None
+    args, head_dim: int, batch: int, context: int, dtype, overrides: dict | None = None, kv_fp8: bool = False
 ) -> dict | None:
     chunk = min(args.prefill_chunk, context)
     if batch * chunk > args.max_prefill_tokens:
@@ -194,7 +224,9 @@ def bench_prefill(
     positions = (torch.arange(context - chunk, context, device="cuda")).repeat(batch)
 
     def make_call():
-        k_cache, v_cache, tables, q = _paged_inputs(batch, context, args, head_dim, dtype, chunk)
+        k_cache, v_cache, tables, q, scales = _paged_inputs(
+            batch, context, args, head_dim, dtype, chunk, kv_fp8
+        )
         out = torch.empty_like(q)
         return lambda: paged_prefill_attention(
             q,
@@ -208,19 +240,21 @@ def bench_prefill(
             chunk,
             window=args.window,
             out=out,
+            **scales,
             **(overrides or {}),
         )
 
     item = torch.empty((), dtype=dtype).element_size()
+    kv_item = 1 if kv_fp8 else item
     # FLOPs: keys each query sees (causal, optional window), summed. Bytes: the visible keys read once.
     q_pos = torch.arange(context - chunk, context, dtype=torch.float64)
     visible = (q_pos + 1).clamp(max=args.window) if args.window else q_pos + 1
     flops = 4 * batch * args.q_heads * head_dim * float(visible.sum())
     keys = min(context, args.window + chunk) if args.window else context
-    kv_bytes = 2 * batch * keys * args.kv_heads * head_dim * item
+    kv_bytes = 2 * batch * keys * args.kv_heads * head_dim * kv_item
     qo_bytes = 2 * batch * chunk * args.q_heads * head_dim * item
     total = kv_bytes + qo_bytes + batch * -(-keys // args.page_size) * 4
-    kernel_ms, eager_ms = time_call(make_call, 2 * batch * context * args.kv_heads * head_dim * item, args)
+    kernel_ms, eager_ms = time_call(make_call, 2 * batch * context * args.kv_heads * head_dim * kv_item, args)
     return _row(
         "prefill",
         head_dim,
@@ -233,6 +267,7 @@ def bench_prefill(
         kv_bytes,
         flops,
         chunk=chunk,
+        kv_cache_dtype="fp8" if kv_fp8 else "auto",
     )
 
 
@@ -260,16 +295,18 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901 - benchmark main:
     print(json.dumps(env, indent=2))
     rows = []
     benches = {"decode": bench_decode, "prefill": bench_prefill}
-    shapes = itertools.product(args.kinds, args.batch, args.context, args.head_dims)
-    for kind, batch, context, head_dim in shapes:
+    shapes = itertools.product(args.kinds, args.batch, args.context, args.head_dims, args.kv_cache_dtype)
+    for kind, batch, context, head_dim, kv_dtype in shapes:
+        fp8 = kv_dtype == "fp8"
         try:
-            row = benches[kind](args, head_dim, batch, context, dtype)
+            row = benches[kind](args, head_dim, batch, context, dtype, kv_fp8=fp8)
         except torch.cuda.OutOfMemoryError:
             row = {
                 "kind": kind,
                 "head_dim": head_dim,
                 "batch": batch,
                 "context": context,
+                "kv_cache_dtype": kv_dtype,
                 "skipped": "out of memory",
             }
         if row is None:
@@ -278,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901 - benchmark main:
             best = None
             for cfg in sweep_configs(kind, head_dim):
                 try:
-                    trial = benches[kind](args, head_dim, batch, context, dtype, cfg)
+                    trial = benches[kind](args, head_dim, batch, context, dtype, cfg, kv_fp8=fp8)
                 except Exception as exc:  # noqa: BLE001 - a config can exceed shared memory or registers
                     print(f"  {kind} D={head_dim} {cfg}: {type(exc).__name__}")
                     continue
@@ -292,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901 - benchmark main:
             best = row.get("sweep_best")
             extra = f"  best {best['time_ms']:.4f} ms {best['config']}" if best else ""
             print(
-                f"{kind:8s} D={head_dim:4d} B={batch:3d} ctx={context:6d}  {row['time_ms']:.4f} ms "
+                f"{kind:8s} D={head_dim:4d} B={batch:3d} ctx={context:6d} KV {kv_dtype:4s} "
+                f"{row['time_ms']:.4f} ms "
                 f"(eager {row['eager_time_ms']:.4f})  "
                 f"{row['achieved_gb_per_s']:7.1f} GB/s  {row['achieved_tflop_per_s']:6.1f} TFLOP/s{extra}"
             )
@@ -303,7 +341,8 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901 - benchmark main:
         pick = {
             r["head_dim"]: r
             for r in rows
-            if (r["kind"], r["batch"], r["context"]) == (kind, batch, context) and "time_ms" in r
+            if (r["kind"], r["batch"], r["context"], r["kv_cache_dtype"]) == (kind, batch, context, "auto")
+            and "time_ms" in r
         }
         if 256 in pick and 512 in pick:
             per_byte = {d: pick[d]["time_ms"] / pick[d]["bytes_moved"] for d in (256, 512)}
