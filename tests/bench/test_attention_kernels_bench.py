@@ -18,7 +18,8 @@ bench = load_script("attention_kernels")
 def test_fp8_inputs_read_as_their_scaled_values():
     args = argparse.Namespace(page_size=16, kv_heads=2, q_heads=4)
     torch.manual_seed(0)
-    k, v, tables, q, scales = bench._paged_inputs(2, 40, args, 32, torch.bfloat16, 1, kv_fp8=True, device="cpu")
+    inputs = bench._paged_inputs(2, 40, args, 32, torch.bfloat16, 1, kv_fp8=True, device="cpu")
+    k, v, tables, q, scales = inputs
     assert k.dtype == v.dtype == KV_FP8_DTYPE and set(scales) == {"k_scale", "v_scale"}
     assert scales["k_scale"].shape == (2,) and scales["k_scale"].dtype == torch.float32
     seq_lens = torch.tensor([40, 23], dtype=torch.int32)
