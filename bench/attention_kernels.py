@@ -272,10 +272,10 @@ def bench_prefill(
 
 
 def sweep_configs(kind: str, head_dim: int) -> list[dict]:
-    if kind == "decode":
+    if kind == "decode":  # 128-key tiles: an FP8 cache's bytes of a 64-key bf16 tile
         return [
             {"block_n": bn, "num_warps": w, "num_stages": s}
-            for bn, w, s in itertools.product([16, 32, 64], [4, 8], [1, 2, 3])
+            for bn, w, s in itertools.product([16, 32, 64, 128], [4, 8], [1, 2, 3])
         ]
     if head_dim <= 256:
         grid = itertools.product([64, 128], [32, 64, 128], [4, 8, 16], [1, 2, 3], [1])

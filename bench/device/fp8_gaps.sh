@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 22's two FP8 decode gaps in the 26b-a4b seed workload (docs/benchmarks.md, "the seed workload's
+# roofline": its FP8 decode steps took 11.5 ms against an 8.7 ms floor, and an FP8 KV cache added 0.2 ms a
+# step where its bytes should save ~1 ms), kernel by kernel, in one call:
+#   the paged decode kernel on an FP8 and a bf16 cache at the seed's shapes (30 sequences; the sliding layers'
+#   16 query / 8 KV heads of 256 at 1,024 and 3,000 tokens, the global layers' 2 KV heads of 512 at 3,000),
+#   each with its tile sweep (bench/attention_kernels.py --kv-cache-dtype auto fp8 --sweep);
+#   the FP8 experts at 30 and 240 tokens, dequantized in registers and on the FP8 tensor cores, against bf16
+#   (bench/moe_kernels.py --quant fp8).
+#   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/fp8_gaps.sh", carry=[".whl"])
+# Results: $OUT/fp8_gaps.tgz (JSON and logs); the logs' tails in $OUT/summary.md.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+RES=${RES:-/tmp/res-fp8-gaps}
+rm -rf "$RES"
+mkdir -p "$RES" "$OUT"
+source bench/device/setup.sh
+attention() {  # attention NAME ARGS...: the decode kernel on both caches, with its sweep
+  local name=$1
+  shift
+  run "$name" "${ATTN_TIMEOUT:-200}" python3 bench/attention_kernels.py --kinds decode --kv-cache-dtype auto fp8 \
+    --batch 30 --q-heads 16 --sweep --out-dir "$RES" "$@"
+}
+attention attn-sliding --kv-heads 8 --head-dims 256 --context 1024 3000
+attention attn-global --kv-heads 2 --head-dims 512 --context 3000
+run moe-fp8 "${MOE_TIMEOUT:-150}" python3 bench/moe_kernels.py --quant fp8 --tokens 30 240 --out-dir "$RES"
+tar -czf "$OUT/fp8_gaps.tgz" -C "$RES" .
+{
+  for f in "$RES"/*.log; do
+    echo "## $(basename "$f")"
+    echo '```'
+    tail -n "${SUMMARY_LINES:-40}" "$f"
+    echo '```'
+  done
+} > "$OUT/summary.md"
