@@ -5,7 +5,8 @@
 #   the paged decode kernel on an FP8 and a bf16 cache at the seed's shapes (30 sequences; the sliding layers'
 #   16 query / 8 KV heads of 256 at 1,024 and 3,000 tokens, the global layers' 2 KV heads of 512 at 3,000),
 #   each with its tile sweep (bench/attention_kernels.py --kv-cache-dtype auto fp8 --sweep);
-#   the FP8 experts at 30 and 240 tokens, dequantized in registers and on the FP8 tensor cores, against bf16
+#   the FP8 experts at 30 and 240 tokens (the seed's decode steps) and 8,192 (its prompt steps, which FP8 did
+#   not speed up), dequantized in registers and on the FP8 tensor cores, against bf16
 #   (bench/moe_kernels.py --quant fp8).
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/fp8_gaps.sh", carry=[".whl"])
 # Results: $OUT/fp8_gaps.tgz (JSON and logs); the logs' tails in $OUT/summary.md.
@@ -23,7 +24,7 @@ attention() {  # attention NAME ARGS...: the decode kernel on both caches, with 
 }
 attention attn-sliding --kv-heads 8 --head-dims 256 --context 1024 3000
 attention attn-global --kv-heads 2 --head-dims 512 --context 3000
-run moe-fp8 "${MOE_TIMEOUT:-150}" python3 bench/moe_kernels.py --quant fp8 --tokens 30 240 --out-dir "$RES"
+run moe-fp8 "${MOE_TIMEOUT:-150}" python3 bench/moe_kernels.py --quant fp8 --tokens 30 240 8192 --out-dir "$RES"
 tar -czf "$OUT/fp8_gaps.tgz" -C "$RES" .
 {
   for f in "$RES"/*.log; do
