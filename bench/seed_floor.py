@@ -19,8 +19,13 @@ host time (the rows an embedding lookup gathers are left out). Another schedule 
 figure divided by the floor's tokens a second is the share of the roofline reached. Peaks are the data
 sheet's dense figures (``--device``) unless given.
 
+``--rates`` asks the same of a served load instead: for each offered rate of requests a second, the
+steady state's step (``served_step``): the decodes then running and the prompt tokens that arrive in one
+step, the shortest step that carries them, so the ITL floor at that rate.
+
     python bench/seed_floor.py --model 26b-a4b --num-requests 30 --input-len 3000 --output-len 100 \
         --device h200 --measured 31100
+    python bench/seed_floor.py --model e4b --device h100 --input-len 500 --output-len 128 --rates 32 64 78
 """
 
 from __future__ import annotations
@@ -134,12 +139,14 @@ def kv_layer_bytes(cfg: TextConfig, kv_bytes: float) -> dict[str, tuple[float, f
 
 
 class Chunk(NamedTuple):
-    """One sequence's work in a step: ``tokens`` query tokens from position ``start``."""
+    """One sequence's work in a step: ``tokens`` query tokens from position ``start`` (``count`` sequences
+    alike: a served step's many decodes as one)."""
 
     start: int
     tokens: int
     samples: bool  # the step samples a token for it (a decode, or a prompt's last chunk)
     decode: bool
+    count: int = 1
 
 
 @dataclass
@@ -221,19 +228,20 @@ def schedule(w: Workload) -> list[list[Chunk]]:
 
 def step_cost(cfg: TextConfig, counts: ModelCounts, work: list[Chunk], peaks: Peaks) -> Step:
     """One step's floor: the larger of its FLOPs at the tensor-core peak and its bytes at the bandwidth."""
-    tokens = sum(c.tokens for c in work)
-    samples = sum(c.samples for c in work)
+    tokens = sum(c.tokens * c.count for c in work)
+    samples = sum(c.samples * c.count for c in work)
     flops = 2.0 * counts.active_per_token * tokens + 2.0 * counts.lm_head * samples
-    flops += sum(attention_flops(cfg, c.start, c.tokens) for c in work)
+    flops += sum(attention_flops(cfg, c.start, c.tokens) * c.count for c in work)
     weights = counts.dense + counts.lm_head + counts.experts * counts.experts_touched(tokens)
     nbytes = peaks.weight_bytes * weights
     kv = kv_layer_bytes(cfg, peaks.kv_bytes)
     for c in work:
         end = c.start + c.tokens
-        nbytes += (kv[FULL][0] + kv["sliding"][0]) * c.tokens  # the chunk's own K/V written
-        nbytes += kv[FULL][1] * end + kv["sliding"][1] * min(end, cfg.sliding_window + c.tokens - 1)
+        nbytes += (kv[FULL][0] + kv["sliding"][0]) * c.tokens * c.count  # the chunk's own K/V written
+        read = kv[FULL][1] * end + kv["sliding"][1] * min(end, cfg.sliding_window + c.tokens - 1)
+        nbytes += read * c.count
     compute_s, memory_s = flops / (peaks.tflops * 1e12), nbytes / (peaks.tbps * 1e12)
-    decodes = sum(c.decode for c in work)
+    decodes = sum(c.decode * c.count for c in work)
     return Step(
         decodes=decodes,
         prompt_tokens=tokens - decodes,
@@ -269,6 +277,42 @@ def workload_floor(cfg: TextConfig, counts: ModelCounts, workload: Workload, pea
     }
 
 
+def served_step(
+    cfg: TextConfig, counts: ModelCounts, peaks: Peaks, rate: float, input_len: int, output_len: int
+) -> dict:
+    """The steady state of a server offered ``rate`` requests a second (``input_len`` prompt tokens,
+    ``output_len`` out, none cached): a step of t seconds carries the decodes of every request then decoding
+    (Little's law: ``rate * output_len * t`` rows, at the middle of their outputs) and the prompt tokens
+    that arrived meanwhile (``rate * input_len * t``, in whole prompts and one part). The floor's step time
+    is the smallest t whose step costs no more than t (iterated from the cost of the weights alone); with
+    none under a second the rate is past what the device can serve. The step time is the ITL floor at that
+    rate, and ``decode_rows`` the seats it needs (``max_num_seqs``)."""
+    t, cost = 0.0, None
+    for _ in range(200):
+        decodes = rate * output_len * t
+        prompt = rate * input_len * t
+        whole, part = divmod(round(prompt), input_len)
+        work = [
+            Chunk(input_len + output_len // 2, 1, True, True, round(decodes)),
+            Chunk(0, input_len, True, False, whole),
+            Chunk(0, part, False, False),
+        ]
+        cost = step_cost(cfg, counts, work, peaks)
+        if abs(cost.seconds - t) < 1e-7 or cost.seconds > 1.0:
+            break
+        t = cost.seconds
+    sustainable = cost.seconds <= 1.0 and abs(cost.seconds - t) < 1e-6
+    return {
+        "rate_per_s": rate,
+        "sustainable": sustainable,
+        "step_ms": 1e3 * cost.seconds,
+        "decode_rows": rate * output_len * cost.seconds,
+        "prompt_tokens_per_step": rate * input_len * cost.seconds,
+        "output_tokens_per_s": rate * output_len if sustainable else None,
+        "bound": cost.bound,
+    }
+
+
 def _summary(row: dict) -> str:
     share = f", measured {row['share_of_floor']:.0%} of it" if "share_of_floor" in row else ""
     first_last = row["decode_step_ms_first_last"]
@@ -295,6 +339,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-num-batched-tokens", type=int, default=None, help="token budget a step (default: CUDA's)"
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help="a served load instead: requests a second, each the steady state's step (served_step)",
+    )
     p.add_argument(
         "--max-prefill-tokens-beside-decodes",
         type=int,
@@ -334,7 +385,18 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.model:
         cfg = preset(name).text
         counts = count_parameters(cfg)
-        for cap in args.max_prefill_tokens_beside_decodes:
+        for rate in args.rates or []:
+            row = {"model": name, **served_step(cfg, counts, peaks, rate, args.input_len, args.output_len)}
+            row["seats_enough"] = row["decode_rows"] <= args.max_num_seqs
+            rows.append(row)
+            print(
+                f"{name} at {rate:g} requests/s: step (ITL floor) {row['step_ms']:.2f} ms, "
+                f"{row['decode_rows']:.0f} decode rows and {row['prompt_tokens_per_step']:.0f} prompt tokens "
+                f"a step, {row['bound']}-bound"
+                + ("" if row["sustainable"] else "; past the device")
+                + ("" if row["seats_enough"] else f"; more rows than {args.max_num_seqs} seats")
+            )
+        for cap in [] if args.rates else args.max_prefill_tokens_beside_decodes:
             workload = Workload(
                 args.num_requests, args.input_len, args.output_len, budget, args.max_num_seqs, cap
             )
@@ -351,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command_line(),
         "device_peaks": {"name": args.device, **asdict(peaks)},
         "workload": {
+            "rates_per_s": args.rates,
             "num_requests": args.num_requests,
             "input_len": args.input_len,
             "output_len": args.output_len,

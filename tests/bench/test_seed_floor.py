@@ -149,3 +149,52 @@ def test_main_writes_one_row_per_cap(tmp_path):
         assert row["share_of_floor"] == pytest.approx(measured / row["total_tokens_per_s"])
         assert row["prompt_steps_s"] + row["decode_only_steps_s"] == pytest.approx(row["floor_s"])
     assert saved["rows"][0]["steps"] > saved["rows"][1]["steps"]  # the tighter cap takes more steps
+
+
+def test_served_step_is_the_fixed_point_of_its_own_cost():
+    cfg = preset("e4b").text
+    counts = floor.count_parameters(cfg)
+    peaks = floor.Peaks(989.0, 3.35)
+    steps = [floor.served_step(cfg, counts, peaks, rate, 500, 128) for rate in (16, 64, 128)]
+    for row, rate in zip(steps, (16, 64, 128)):
+        assert row["sustainable"] and row["output_tokens_per_s"] == rate * 128
+        t = row["step_ms"] / 1e3
+        assert row["decode_rows"] == pytest.approx(rate * 128 * t)
+        assert row["prompt_tokens_per_step"] == pytest.approx(rate * 500 * t)
+        # the step that carries that work costs t again (within the rows' rounding)
+        work = [floor.Chunk(564, 1, True, True)] * round(rate * 128 * t)
+        whole, part = divmod(round(rate * 500 * t), 500)
+        work += [floor.Chunk(0, 500, True, False)] * whole + [floor.Chunk(0, part, False, False)] * bool(part)
+        assert floor.step_cost(cfg, counts, work, peaks).seconds == pytest.approx(t, rel=1e-4)
+        # the same work as three counted chunks costs the same
+        counted = [
+            floor.Chunk(564, 1, True, True, round(rate * 128 * t)),
+            floor.Chunk(0, 500, True, False, whole),
+            floor.Chunk(0, part, False, False),
+        ]
+        a, b = floor.step_cost(cfg, counts, counted, peaks), floor.step_cost(cfg, counts, work, peaks)
+        assert (a.decodes, a.prompt_tokens, a.bound) == (b.decodes, b.prompt_tokens, b.bound)
+        assert (a.flops, a.bytes, a.seconds) == pytest.approx((b.flops, b.bytes, b.seconds))
+    # more load, longer steps, more rows; at no load the weights alone
+    assert steps[0]["step_ms"] < steps[1]["step_ms"] < steps[2]["step_ms"]
+    alone = floor.step_cost(cfg, counts, [], peaks).seconds
+    assert steps[0]["step_ms"] / 1e3 > alone
+
+
+def test_a_rate_past_the_device_is_not_sustainable():
+    cfg = preset("e4b").text
+    counts = floor.count_parameters(cfg)
+    # 1 TFLOP/s: every step's prompt tokens cost more than the step they arrived in
+    row = floor.served_step(cfg, counts, floor.Peaks(1.0, 3.35), 1000.0, 500, 128)
+    assert not row["sustainable"] and row["output_tokens_per_s"] is None
+
+
+def test_main_runs_served_rates(tmp_path):
+    report = floor.main(
+        ["--model", "tiny", "--rates", "10", "1e9", "--input-len", "64", "--output-len", "8"]
+        + ["--max-num-seqs", "4", "--out-dir", str(tmp_path)]
+    )
+    low, high = report["rows"]
+    assert low["sustainable"] and low["seats_enough"]
+    assert not high["sustainable"]
+    assert report["workload"]["rates_per_s"] == [10.0, 1e9]
