@@ -360,18 +360,23 @@ def test_step_interval_buckets_hold_their_upper_bound(monkeypatch):
 
 
 def test_the_step_profile_splits_wall_from_cpu_time():
-    """Sleeping (off the CPU, as a thread waiting for the GIL is) counts in wall time only; spinning, both."""
+    """Sleeping (off the CPU, as a thread waiting for the GIL is) counts in wall time only; spinning, both.
+    The spin runs until the thread has used 50 ms of CPU, however long a loaded machine (CI's two cores
+    shared with other processes) keeps it off the CPU meanwhile: that wait is wall time only."""
     from g4serve.engine.step_profile import StepProfile
 
     profile = StepProfile()
     t = profile.now()
     time.sleep(0.05)
     t = profile.add("schedule", t)
-    end = time.perf_counter() + 0.05
-    while time.perf_counter() < end:
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:
         pass
     profile.add("launch", t)
     assert profile.seconds["schedule"] >= 0.05 and profile.cpu_seconds["schedule"] < 0.02
-    assert profile.seconds["launch"] >= 0.05 and profile.cpu_seconds["launch"] > 0.03
+    assert (
+        profile.cpu_seconds["launch"] >= 0.05
+        and profile.seconds["launch"] >= profile.cpu_seconds["launch"] - 1e-3
+    )
     profile.reset()
     assert sum(profile.seconds.values()) == sum(profile.cpu_seconds.values()) == 0
