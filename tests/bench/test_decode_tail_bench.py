@@ -9,7 +9,7 @@ from bench_scripts import load_script
 
 from g4serve.config import PRESETS
 from g4serve.kernels.decode_tail import (
-    TRACE_PHASES,
+    TRACE_SLOTS,
     PerLayerInput,
     TailWeights,
     decode_tail,
@@ -83,8 +83,7 @@ def test_the_tickets_grid_varies_the_grab_and_the_norm_chunks():
 
 
 def test_the_timeline_reads_each_phase_from_its_last_program():
-    slots = len(TRACE_PHASES) + 3
-    trace = torch.full((5, slots, 2), -1, dtype=torch.int64)
+    trace = torch.full((5, TRACE_SLOTS, 2), -1, dtype=torch.int64)
     t0 = 10_000_000
     # a tail without PLE or a next norm: start, first ticket, then o, n1, n1b, a, b, n2 (slots 2-7). Program 0
     # starts first; program 1 1 us later; program 3 only once program 0 has left (the SMs held 3 at once);
