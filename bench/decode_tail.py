@@ -34,8 +34,13 @@ from torch import nn
 from g4serve.bench.meta import cuda_environment, kernel_result_path
 from g4serve.bench.timing import graph_replay_ms, time_sweep
 from g4serve.config import PRESETS
-from g4serve.kernels._launch import sm_count
-from g4serve.kernels.decode_tail import TRACE_PHASES, decode_tail_config, new_counters, new_trace
+from g4serve.kernels.decode_tail import (
+    TRACE_PHASES,
+    decode_tail_config,
+    default_programs,
+    new_counters,
+    new_trace,
+)
 from g4serve.layers.fused import add_rms_norm, decode_tail_block, gate_up_act, linear, linear_act_mul
 from g4serve.layers.norm import RMSNorm
 
@@ -258,7 +263,7 @@ def bench_shape(args, h: int, q: int, i: int, p: int, layers: int, act: str, m: 
             configs["best"] = row["sweep"]["best"]
         row["trace"] = {}
         for label, cfg in configs.items():
-            programs = cfg["programs_per_sm"] * sm_count(0)  # the grid decode_tail launches (at most)
+            programs = default_programs(cfg, torch.device("cuda", 0))
             trace = new_trace(programs, "cuda")
             # tails[0]: the replays streamed the other copies' weights after it (>= --stream-mb): cold
             _fused_with(tails[0], attn, residual, per_layer, scale, act, cfg, trace)

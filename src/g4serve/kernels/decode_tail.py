@@ -673,6 +673,12 @@ def new_counters(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device=device)
 
 
+def default_programs(config: dict[str, int], device: torch.device) -> int:
+    """The grid ``decode_tail`` launches at most with ``config``: ``programs_per_sm`` on every SM of a CUDA
+    device, 3 in the interpreter (so that several programs share the tickets)."""
+    return 3 if device.type == "cpu" else config["programs_per_sm"] * sm_count(device.index or 0)
+
+
 def new_trace(programs: int, device: torch.device | str) -> torch.Tensor:
     """A buffer for ``decode_tail(trace=...)``: [programs, TRACE_SLOTS, 2] int64, -1 where nothing was
     written."""
@@ -736,9 +742,7 @@ def decode_tail(
     if ple is not None:
         total += -(-p // cfg["bn_g"]) + tiles[2]
     if programs is None:
-        programs = (
-            3 if attn.device.type == "cpu" else cfg["programs_per_sm"] * sm_count(attn.device.index or 0)
-        )
+        programs = default_programs(cfg, attn.device)
     grid = max(1, min(programs, total))
     if trace is not None:
         assert trace.dtype == torch.int64 and trace.shape[0] >= grid and trace.shape[1:] == (TRACE_SLOTS, 2)
@@ -851,6 +855,7 @@ __all__ = [
     "decode_tail",
     "decode_tail_config",
     "decode_tail_reference",
+    "default_programs",
     "new_counters",
     "new_trace",
 ]
