@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -327,37 +328,59 @@ def _summary(row: dict) -> str:
     )
 
 
+def _positive(kind):
+    """An argparse type: ``kind`` of the value, refused unless finite and above zero (a rate, a length, a
+    count)."""
+
+    def parse(value: str):
+        number = kind(value)
+        if not (number > 0 and math.isfinite(number)):
+            raise argparse.ArgumentTypeError(f"must be above 0 and finite, got {value}")
+        return number
+
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--model", nargs="+", default=["26b-a4b"], help="presets (e2b, e4b, 26b-a4b, 31b, tiny)")
-    p.add_argument("--num-requests", type=int, default=30)
-    p.add_argument("--input-len", type=int, default=3000)
-    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--num-requests", type=_positive(int), default=30)
+    p.add_argument("--input-len", type=_positive(int), default=3000)
+    p.add_argument("--output-len", type=_positive(int), default=100)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget a step (default: CUDA's)"
+        "--max-num-batched-tokens",
+        type=_positive(int),
+        default=None,
+        help="token budget a step (default: CUDA's)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=_positive(int), default=64)
     p.add_argument(
         "--rates",
-        type=float,
+        type=_positive(float),
         nargs="+",
         default=None,
         help="a served load instead: requests a second, each the steady state's step (served_step)",
     )
     p.add_argument(
         "--max-prefill-tokens-beside-decodes",
-        type=int,
+        type=_positive(int),
         nargs="+",
         default=[None],
         help="the engine's cap on prompt tokens in a step with decodes; several: one floor each",
     )
     p.add_argument("--device", choices=sorted(DEVICES), default="h200", help="peaks from the data sheet")
-    p.add_argument("--tflops", type=float, default=None, help="tensor-core peak, overrides --device's")
-    p.add_argument("--tbps", type=float, default=None, help="memory bandwidth TB/s, overrides --device's")
-    p.add_argument("--weight-bytes", type=float, default=2.0, help="bytes a weight (1: FP8)")
-    p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes a cached K/V element (1: FP8)")
+    p.add_argument(
+        "--tflops", type=_positive(float), default=None, help="tensor-core peak, overrides --device's"
+    )
+    p.add_argument(
+        "--tbps", type=_positive(float), default=None, help="memory bandwidth TB/s, overrides --device's"
+    )
+    p.add_argument("--weight-bytes", type=_positive(float), default=2.0, help="bytes a weight (1: FP8)")
+    p.add_argument(
+        "--kv-bytes", type=_positive(float), default=2.0, help="bytes a cached K/V element (1: FP8)"
+    )
     p.add_argument(
         "--measured",
         type=float,

@@ -198,3 +198,22 @@ def test_main_runs_served_rates(tmp_path):
     assert low["sustainable"] and low["seats_enough"]
     assert not high["sustainable"]
     assert report["workload"]["rates_per_s"] == [10.0, 1e9]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rates", "0"],
+        ["--rates", "-5"],
+        ["--input-len", "0"],
+        ["--num-requests", "-1"],
+        ["--tbps", "0"],
+        ["--max-prefill-tokens-beside-decodes", "0"],
+        ["--rates", "nan"],
+        ["--rates", "inf"],
+    ],
+)
+def test_refuses_a_number_that_is_not_above_zero(argv, capsys):
+    with pytest.raises(SystemExit):
+        floor.parse_args(argv)
+    assert "must be above 0 and finite" in capsys.readouterr().err
