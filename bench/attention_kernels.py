@@ -163,7 +163,7 @@ def bench_decode(
 ) -> dict:
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     overrides = dict(overrides or {})
-    block_n = overrides.get("block_n") or decode_config(head_dim)["block_n"]
+    block_n = overrides.get("block_n") or decode_config(head_dim, kv_fp8)["block_n"]
     kv_len = min(context, args.window + block_n) if args.window else context
     splits = (
         overrides.pop("num_splits", None)
@@ -364,7 +364,11 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901 - benchmark main:
         "environment": env,
         "parameters": vars(args),
         "default_configs": {
-            d: {"decode": decode_config(d), "prefill": prefill_config(d, args.q_heads // args.kv_heads)}
+            d: {
+                "decode": decode_config(d),
+                "decode_fp8": decode_config(d, kv_fp8=True),
+                "prefill": prefill_config(d, args.q_heads // args.kv_heads),
+            }
             for d in args.head_dims
         },
         "results": rows,

@@ -72,6 +72,27 @@ DOWN_TILES = [
     GemmTiles(128, 64, 4, 4),
 ]
 
+# The W8A8 products (FP8 experts on the FP8 tensor cores) take K tiles of the activations' 128-column scale
+# group whatever block_k says; their 1-byte tiles leave room for taller, deeper pipelines
+W8A8_GATE_UP_TILES = [
+    GemmTiles(32, 128, 4, 4),
+    GemmTiles(64, 128, 4, 3),
+    GemmTiles(64, 128, 4, 4),
+    GemmTiles(64, 128, 8, 4),
+    GemmTiles(128, 128, 4, 3),
+    GemmTiles(128, 128, 8, 3),
+    GemmTiles(128, 128, 8, 4),
+]
+W8A8_DOWN_TILES = [
+    GemmTiles(64, 128, 4, 3),
+    GemmTiles(64, 128, 4, 4),
+    GemmTiles(128, 128, 4, 4),
+    GemmTiles(128, 128, 8, 3),
+    GemmTiles(128, 128, 8, 4),
+    GemmTiles(256, 128, 8, 3),
+    GemmTiles(256, 128, 8, 4),
+]
+
 # Tried by --groups in each GEMM's best order, beside the default tiles (pairs: gate/up, down)
 GROUP_GATE_UP_TILES = [GemmTiles(64, 64, 8, 4), GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 8, 3)]
 GROUP_DOWN_TILES = [GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 4), GemmTiles(128, 128, 8, 3)]
@@ -256,8 +277,7 @@ def bench_tokens(
                 w8a8_achieved_tflop_per_s=flops / w8a8_graph / 1e9,
             )
     if args.sweep:
-        calls = fused_calls if quant is None else lambda cfg=None: fused_calls(cfg, quant)
-        row["sweep"] = sweep(args, calls, n, num_experts)
+        row["sweep"] = sweep_formats(args, fused_calls, quant, n, num_experts)
     if args.groups:
         row["groups"] = sweep_groups(args, tiles, gemm_ms, fused_calls, (gate_up, down), n, hidden, inter)
         if quant is not None:  # the quantized block (FP8: on the FP8 tensor cores) in each order, as a whole
@@ -303,9 +323,18 @@ def _tiles_dict(t: MoETiles) -> dict:
     return {"block_m": t.block_m, "gate_up": vars(t.gate_up), "down": vars(t.down)}
 
 
-def sweep(args, fused_calls, n: int, num_experts: int) -> dict:  # n: assignments (tokens x top-k)
-    """Coordinate search: block_m x gate_up tiles (down tiles fixed), then the down tiles."""
-    default = moe_tiles(n, num_experts)
+def sweep(
+    args,
+    fused_calls,
+    n: int,  # assignments (tokens x top-k)
+    num_experts: int,
+    default: MoETiles | None = None,
+    gate_up_tiles: list[GemmTiles] = GATE_UP_TILES,
+    down_tiles: list[GemmTiles] = DOWN_TILES,
+) -> dict:
+    """Coordinate search: block_m x ``gate_up_tiles`` (the down tiles ``default``'s, by default
+    ``moe_tiles``'), then ``down_tiles``; each candidate in its GEMM's tile order in ``default``."""
+    default = default or moe_tiles(n, num_experts)
     trials = []
 
     def trial(cfg: MoETiles) -> float:
@@ -315,28 +344,36 @@ def sweep(args, fused_calls, n: int, num_experts: int) -> dict:  # n: assignment
             print(f"    {_tiles_dict(cfg)}: {type(exc).__name__}")
             return float("inf")
         trials.append({"tiles": _tiles_dict(cfg), "fused_graph_ms": ms})
+        print(f"    {_tiles_dict(cfg)}: {ms * 1e3:.1f} us", flush=True)
         return ms
 
-    best = min(
-        (
-            (trial(MoETiles(bm, g, default.down)), MoETiles(bm, g, default.down))
-            for bm in block_m_choices(n / num_experts)
-            for g in GATE_UP_TILES
-        ),
-        key=lambda p: p[0],
-    )
-    best = min(
-        [best]
-        + [
-            (
-                trial(MoETiles(best[1].block_m, best[1].gate_up, d)),
-                MoETiles(best[1].block_m, best[1].gate_up, d),
-            )
-            for d in DOWN_TILES
-        ],
-        key=lambda p: p[0],
-    )
-    return {"best": _tiles_dict(best[1]), "best_ms": best[0], "trials": trials}
+    def gate_up(g: GemmTiles) -> GemmTiles:
+        return dataclasses.replace(g, group_m=default.gate_up.group_m)
+
+    def down(d: GemmTiles) -> GemmTiles:
+        return dataclasses.replace(d, group_m=default.down.group_m)
+
+    block_ms = block_m_choices(n / num_experts)
+    candidates = [MoETiles(bm, gate_up(g), default.down) for bm in block_ms for g in gate_up_tiles]
+    best_ms, best = min(((trial(c), c) for c in [default, *candidates]), key=lambda p: p[0])
+    for d in down_tiles:
+        cfg = MoETiles(best.block_m, best.gate_up, down(d))
+        ms = trial(cfg)
+        if ms < best_ms:
+            best_ms, best = ms, cfg
+    return {"default": _tiles_dict(default), "best": _tiles_dict(best), "best_ms": best_ms, "trials": trials}
+
+
+def sweep_formats(args, fused_calls, quant, n: int, num_experts: int) -> dict:
+    """``sweep`` of the path the engine takes: bf16 experts (``quant`` None); FP8 experts on the FP8 tensor
+    cores (W8A8, with its own tiles); other quantized experts dequantized in registers."""
+    if quant is None:
+        return sweep(args, fused_calls, n, num_experts)
+    default = moe_tiles(n, num_experts, quantized=True)
+    if all(_w8a8_weights(w) for w in quant):
+        calls = lambda cfg=None: fused_calls(cfg, quant, w8a8_min=1)  # noqa: E731
+        return sweep(args, calls, n, num_experts, default, W8A8_GATE_UP_TILES, W8A8_DOWN_TILES)
+    return sweep(args, lambda cfg=None: fused_calls(cfg, quant), n, num_experts, default)
 
 
 def sweep_groups(args, tiles: MoETiles, gemm_ms, fused_calls, weights, n: int, hidden: int, inter: int):

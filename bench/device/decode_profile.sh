@@ -10,11 +10,11 @@
 # untracked older src/ from `git archive <rev> src | tar -x -C .ab-base` (carried), the same on those sources
 # first) and, with TAIL_ENGINE=1, e4b decode (bench/engine_microbench.py, B = TAIL_BATCHES, default 1,8) with
 # the tail off and on (G4SERVE_DECODE_TAIL). GPU_TESTS (paths; -k GPU_TESTS_K) run first. RUNS= skips the
-# spec_decode.py runs.
+# spec_decode.py runs; PROMPT_LEN (default 128) sets their prompts' length (the context each decode step reads).
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/decode_profile.sh", carry=[".whl"])
 # Results: $OUT/decode_profile.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
-RUNS=${RUNS-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24}
+RUNS=${RUNS-31b:fp8+fp8kv:1 e4b:bf16:64} PROFILE_STEPS=${PROFILE_STEPS:-8} STEPS=${STEPS:-24} PROMPT_LEN=${PROMPT_LEN:-128}
 GEMV_PRESET=${GEMV_PRESET:-} GEMV_ROWS=${GEMV_ROWS:-8 16} GEMV_RUNS=${GEMV_RUNS:-}
 GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
 TAIL_ARGS=${TAIL_ARGS:-} BASE_SRC=${BASE_SRC:-} TAIL_ENGINE=${TAIL_ENGINE:-0}
@@ -44,7 +44,7 @@ fi
 for spec in $RUNS; do
   IFS=: read -r preset variant batch <<< "$spec"
   run "$preset-$variant-b$batch" "${RUN_TIMEOUT:-180}" python3 bench/spec_decode.py --model "$preset" \
-    --device cuda --variants "$variant" --batches "$batch" --steps "$STEPS" --prefill-len 0 \
+    --device cuda --variants "$variant" --batches "$batch" --steps "$STEPS" --prefill-len 0 --prompt-len "$PROMPT_LEN" \
     --profile "$PROFILE_STEPS" --tag="-b$batch" --out "$RES/$preset-$variant-b$batch"
 done
 if [ -n "$GEMV_PRESET" ]; then

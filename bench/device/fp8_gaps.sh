@@ -8,9 +8,13 @@
 #   the FP8 experts at 30 and 240 tokens (the seed's decode steps) and 8,192 (its prompt steps, which FP8 did
 #   not speed up), dequantized in registers and on the FP8 tensor cores, against bf16
 #   (bench/moe_kernels.py --quant fp8).
+# ATTN=0 skips the attention runs, ATTN_SWEEP=0 their sweeps (the default tiles alone); MOE_TOKENS (default
+# "30 240 8192") sets the experts' token counts, MOE_SWEEP=1 searches their tiles on the path the engine takes
+# (FP8: W8A8).
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/fp8_gaps.sh", carry=[".whl"])
 # Results: $OUT/fp8_gaps.tgz (JSON and logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
+ATTN=${ATTN:-1} ATTN_SWEEP=${ATTN_SWEEP:-1} MOE_TOKENS=${MOE_TOKENS:-30 240 8192} MOE_SWEEP=${MOE_SWEEP:-0}
 OUT=${OUT:-/tmp/out}
 RES=${RES:-/tmp/res-fp8-gaps}
 rm -rf "$RES"
@@ -19,12 +23,20 @@ source bench/device/setup.sh
 attention() {  # attention NAME ARGS...: the decode kernel on both caches, with its sweep
   local name=$1
   shift
+  local sweep=()
+  [ "$ATTN_SWEEP" = 1 ] && sweep=(--sweep)
   run "$name" "${ATTN_TIMEOUT:-200}" python3 bench/attention_kernels.py --kinds decode --kv-cache-dtype auto fp8 \
-    --batch 30 --q-heads 16 --sweep --out-dir "$RES" "$@"
+    --batch 30 --q-heads 16 "${sweep[@]}" --out-dir "$RES" "$@"
 }
-attention attn-sliding --kv-heads 8 --head-dims 256 --context 1024 3000
-attention attn-global --kv-heads 2 --head-dims 512 --context 3000
-run moe-fp8 "${MOE_TIMEOUT:-150}" python3 bench/moe_kernels.py --quant fp8 --tokens 30 240 8192 --out-dir "$RES"
+if [ "$ATTN" = 1 ]; then
+  attention attn-sliding --kv-heads 8 --head-dims 256 --context 1024 3000
+  attention attn-global --kv-heads 2 --head-dims 512 --context 3000
+fi
+moe_flags=()
+[ "$MOE_SWEEP" = 1 ] && moe_flags=(--sweep)
+# shellcheck disable=SC2086  # MOE_TOKENS: several words
+run moe-fp8 "${MOE_TIMEOUT:-150}" python3 bench/moe_kernels.py --quant fp8 --tokens $MOE_TOKENS "${moe_flags[@]}" \
+  --out-dir "$RES"
 tar -czf "$OUT/fp8_gaps.tgz" -C "$RES" .
 {
   for f in "$RES"/*.log; do

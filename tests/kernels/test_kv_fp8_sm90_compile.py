@@ -21,11 +21,12 @@ import g4serve.kernels.paged_decode as paged_decode_module
 import g4serve.kernels.paged_prefill as paged_prefill_module
 import g4serve.kernels.qkv_prep as qkv_prep_module
 from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE, kv_cache_write
-from g4serve.kernels.paged_decode import paged_decode_attention
+from g4serve.kernels.paged_decode import decode_config, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention, prefill_config
 from g4serve.kernels.qkv_prep import qkv_prep
 
 HQ, HKV, PAGE, WINDOW = 8, 2, 16, 512
+H100_SHARED_BYTES = 227 * 1024  # the most shared memory one program (block) of an H100 may take
 META = "meta"
 
 
@@ -173,8 +174,15 @@ def test_paged_decode_compiles(monkeypatch, head_dim, window, spans, num_splits,
         ),
     )
     assert len(launches) == (2 if num_splits > 1 else 1)
+    # the FP8 cache's own tiles (twice bf16's keys at D = 512), within an H100 SM's shared memory
+    cfg = decode_config(head_dim, kv_fp8=True)
+    assert cfg != decode_config(head_dim)
+    _, _, meta = launches[0]
+    assert (meta["BLOCK_N"], meta["num_warps"], meta["num_stages"]) == tuple(
+        cfg[k] for k in ("block_n", "num_warps", "num_stages")
+    )
     for fn, args, kwargs in launches:
-        _compile(fn, args, kwargs, use_pdl)
+        assert _compile(fn, args, kwargs, use_pdl).metadata.shared <= H100_SHARED_BYTES
 
 
 PREFILL_LAYERS = [

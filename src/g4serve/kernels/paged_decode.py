@@ -242,13 +242,21 @@ _paged_decode = DualKernel(_paged_decode_fn)
 _paged_decode_reduce = DualKernel(_paged_decode_reduce_fn)
 
 
-def decode_config(head_dim: int) -> dict[str, int]:
-    """Tile sizes per head dim. On an H100 these reach 2.0-3.0 TB/s from 8 x 4096 tokens up; a sweep
-    (bench/attention_kernels.py --sweep) found other tiles within 3%.
+def decode_config(head_dim: int, kv_fp8: bool = False) -> dict[str, int]:
+    """Tile sizes per head dim and cache dtype. On an H100 the bf16 ones reach 2.0-3.0 TB/s from 8 x 4096
+    tokens up; a sweep (bench/attention_kernels.py --sweep) found other tiles within 3%.
 
     A [BLOCK_N, 512] bf16 K or V tile is 32 KiB at BLOCK_N=32; two pipeline stages of K and V then fill
-    128 KiB of shared memory, so D=512 halves BLOCK_N rather than the number of stages.
+    128 KiB of shared memory, so D=512 halves BLOCK_N rather than the number of stages. An FP8 (``kv_fp8``)
+    tile holds half the bytes, so the same bytes in flight take twice the keys: on an H100 at 26b-a4b's
+    seed shapes (30 sequences) the bf16 tiles left the FP8 kernel at 1.4-1.6 TB/s, 0.087 / 0.192 ms at
+    D = 256 / 512 (1,024 / 3,000 keys) where its sweep's best took 0.076 (64 keys, 8 warps, 2 stages) and
+    0.118 ms (64 keys, 4 warps, 1 stage): a [64, 512] e4m3 tile is the 32 KiB of bf16's [32, 512].
     """
+    if kv_fp8:
+        if head_dim <= 256:
+            return {"block_n": 64, "num_warps": 8, "num_stages": 2}
+        return {"block_n": 64, "num_warps": 4, "num_stages": 1}
     if head_dim <= 256:
         return {"block_n": 64, "num_warps": 4, "num_stages": 2}
     return {"block_n": 32, "num_warps": 8, "num_stages": 2}
@@ -318,7 +326,9 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    cfg = decode_config(head_dim)
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs its scales"
+    cfg = decode_config(head_dim, fp8)
     block_n = block_n or cfg["block_n"]
     if num_splits is None:
         if max_seq_len is None:
@@ -337,8 +347,6 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_acc = out  # never written
     block_d = max(16, next_pow2(head_dim))
-    fp8 = k_cache.dtype == KV_FP8_DTYPE
-    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs its scales"
     _paged_decode[q.device][(batch, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -16,7 +16,7 @@ import torch
 
 from g4serve.config import SLIDING, TextConfig
 from g4serve.kernels._launch import sm_count
-from g4serve.kernels.kv_cache_write import kv_cache_write
+from g4serve.kernels.kv_cache_write import KV_FP8_DTYPE, kv_cache_write
 from g4serve.kernels.paged_decode import decode_config, decode_num_splits, paged_decode_attention
 from g4serve.kernels.paged_prefill import paged_prefill_attention
 from g4serve.layers.attention.metadata import AttentionMetadata
@@ -185,7 +185,7 @@ class TritonAttention:
                     dec_table = plan.decode_tables[layer_type] = table[plan.decode_seqs]
             num_splits = self.fixed_num_splits
             if num_splits is None:
-                block_n = decode_config(q.shape[-1])["block_n"]
+                block_n = decode_config(q.shape[-1], kv.dtype == KV_FP8_DTYPE)["block_n"]
                 kv_len = min(plan.decode_max_len, window + block_n) if window else plan.decode_max_len
                 num_splits = decode_num_splits(
                     plan.num_decode, kv.shape[2], kv_len, block_n, self._sm_count(q.device)
