@@ -104,6 +104,22 @@ def start_decoding(
     for _ in range(warm_steps):
         engine.step()
     _sync(engine.device)
+    decoding = sum(rid.startswith(f"{prefix}-") for rid in engine.requests)
+    if decoding < batch:  # a timing from here on would be of fewer rows than it says
+        raise RuntimeError(
+            f"{batch - decoding} of {batch} requests ended before the timed steps (max_tokens "
+            f"{params.max_tokens}; size it with decode_max_tokens)"
+        )
+
+
+def decode_max_tokens(
+    engine: LLMEngine, batch: int, prompt_len: int, steps: int, tokens_per_step: int = 1
+) -> int:
+    """``max_tokens`` for ``start_decoding``'s requests that then decode ``steps`` timed steps: the requests
+    whose prompts finish first decode during the others' prefill steps (a token budget of prompt tokens each,
+    one more step per request where a prompt ends mid-budget), and must not end before the timing does."""
+    prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens) + batch
+    return tokens_per_step * (steps + 8 + prefill_steps)
 
 
 def timed_steps(engine: LLMEngine, steps: int) -> tuple[list[float], float]:
@@ -130,7 +146,8 @@ def bench_decode(
 ) -> dict:
     """Decode ITL at ``batch``; ``sampling``: SamplingParams fields of the requests (default greedy);
     ``adapters``: LoRA adapter names given to the requests in turn (None: the base model)."""
-    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=steps + 8, ignore_eos=True)
+    max_tokens = decode_max_tokens(engine, batch, prompt_len, steps)
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=max_tokens, ignore_eos=True)
     start_decoding(engine, batch, prompt_len, params, f"d{batch}", adapters)
     times, total = timed_steps(engine, steps)
     for rid in list(engine.requests):
@@ -172,16 +189,10 @@ def bench_prefill(engine: LLMEngine, length: int, reps: int, lora: str | None = 
 
 def profile_decode(engine: LLMEngine, prompt_len: int, batch: int = 1, steps: int = 8) -> dict:
     """Where a decode step's time goes: device time summed over kernels vs the step's wall time."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        prompt = engine.process_prompt(prompt_ids(engine, prompt_len, 99 + i))
-        engine.add_request(engine.make_request(f"prof-{i}", prompt, params))
-    while any(
-        r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()
-    ):  # prefill all
-        engine.step()
-    engine.step()
-    _sync(engine.device)
+    params = SamplingParams(
+        temperature=0, max_tokens=decode_max_tokens(engine, batch, prompt_len, steps), ignore_eos=True
+    )
+    start_decoding(engine, batch, prompt_len, params, "prof", salt=99)
 
     def run() -> None:
         for _ in range(steps):
@@ -245,16 +256,10 @@ def host_profile_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: i
     import io
     import pstats
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(
-            engine.make_request(
-                f"h{i}", engine.process_prompt(prompt_ids(engine, prompt_len, 500 + i)), params
-            )
-        )
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
-        engine.step()
-    engine.step()
+    params = SamplingParams(
+        temperature=0, max_tokens=decode_max_tokens(engine, batch, prompt_len, steps), ignore_eos=True
+    )
+    start_decoding(engine, batch, prompt_len, params, "h", salt=500)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):

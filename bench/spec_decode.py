@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_microbench import (  # noqa: E402
     bench_prefill,
     copy_bandwidth_gbps,
+    decode_max_tokens,
     decode_weight_bytes,
     start_decoding,
     timed_steps,
@@ -74,7 +75,8 @@ def parse_variant(name: str, num_spec: int) -> dict:
 def bench_tokens(engine: LLMEngine, batch: int, prompt_len: int, steps: int, salt: int) -> dict:
     """Output tokens/s of ``batch`` greedy requests over ``steps`` decode steps (see the module docstring)."""
     k = engine.speculative.num_speculative_tokens if engine.speculative else 0
-    params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (1 + k), ignore_eos=True)
+    max_tokens = decode_max_tokens(engine, batch, prompt_len, steps, 1 + k)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     # two steps after the prefill: drafts proposed, every request is in steady (speculative) decode
     start_decoding(engine, batch, prompt_len, params, f"s{salt}-{batch}", salt=1000 * salt, warm_steps=2)
     before = engine.num_generated_tokens
@@ -107,7 +109,8 @@ def profile_steps(
     from torch.profiler import ProfilerActivity, profile
 
     k = engine.speculative.num_speculative_tokens if engine.speculative else 0
-    params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (1 + k), ignore_eos=True)
+    max_tokens = decode_max_tokens(engine, batch, prompt_len, steps, 1 + k)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start_decoding(engine, batch, prompt_len, params, f"prof-{batch}", salt=99_000, warm_steps=3)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, wall = timed_steps(engine, steps)

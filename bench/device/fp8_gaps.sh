@@ -10,16 +10,23 @@
 #   (bench/moe_kernels.py --quant fp8).
 # ATTN=0 skips the attention runs, ATTN_SWEEP=0 their sweeps (the default tiles alone); MOE_TOKENS (default
 # "30 240 8192") sets the experts' token counts, MOE_SWEEP=1 searches their tiles on the path the engine takes
-# (FP8: W8A8).
+# (FP8: W8A8). GPU_TESTS (pytest paths; -k GPU_TESTS_K) run first. SEED (default empty) lists variants of the
+# 26b-a4b seed workload to run after the kernels (bench/offline_throughput.py, 30 x 3,000 in / 100 out):
+# "fp8", "fp8+fp8kv", each optionally "@groups" (G4SERVE_MOE_W8A8_ROWS=0: the experts' activations quantized
+# per 128-column group instead of per token), e.g. SEED="fp8+fp8kv fp8+fp8kv@groups".
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/fp8_gaps.sh", carry=[".whl"])
 # Results: $OUT/fp8_gaps.tgz (JSON and logs); the logs' tails in $OUT/summary.md.
 set -uo pipefail
 ATTN=${ATTN:-1} ATTN_SWEEP=${ATTN_SWEEP:-1} MOE_TOKENS=${MOE_TOKENS:-30 240 8192} MOE_SWEEP=${MOE_SWEEP:-0}
+GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-} SEED=${SEED:-}
 OUT=${OUT:-/tmp/out}
 RES=${RES:-/tmp/res-fp8-gaps}
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# shellcheck disable=SC2086  # GPU_TESTS: several paths
+[ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
 attention() {  # attention NAME ARGS...: the decode kernel on both caches, with its sweep
   local name=$1
   shift
@@ -37,6 +44,14 @@ moe_flags=()
 # shellcheck disable=SC2086  # MOE_TOKENS: several words
 run moe-fp8 "${MOE_TIMEOUT:-150}" python3 bench/moe_kernels.py --quant fp8 --tokens $MOE_TOKENS "${moe_flags[@]}" \
   --out-dir "$RES"
+for variant in $SEED; do
+  rows=1 flags=(--quantization fp8)
+  [[ $variant == *@groups ]] && rows=0
+  [[ $variant == fp8+fp8kv* ]] && flags+=(--kv-cache-dtype fp8)
+  G4SERVE_MOE_W8A8_ROWS=$rows run "seed-${variant//@/-}" "${SEED_TIMEOUT:-150}" python3 bench/offline_throughput.py \
+    --device cuda --model 26b-a4b --num-requests 30 --input-len 3000 3000 --output-len 100 "${flags[@]}" \
+    --out-dir "$RES" --tag "${variant//@/-}"
+done
 tar -czf "$OUT/fp8_gaps.tgz" -C "$RES" .
 {
   for f in "$RES"/*.log; do

@@ -161,6 +161,12 @@ VARIABLES: tuple[Variable, ...] = (
         "FP8 experts at this many assignments or more multiply on the FP8 tensor cores (`0`: never)",
     ),
     Variable(
+        "G4SERVE_MOE_W8A8_ROWS",
+        "1",
+        "FP8 experts with scales constant along K (per tensor / channel) quantize activations per token "
+        "(`1`) or per 128-column group (`0`) for the FP8 tensor cores",
+    ),
+    Variable(
         "G4SERVE_TP_TIMEOUT_S", "1800", "seconds a tensor-parallel collective waits for a peer (a slow load)"
     ),
     Variable(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_scripts import load_script
 
 
@@ -73,3 +74,34 @@ def test_merge_puts_several_runs_in_one_table(tmp_path):
     assert len(lines) == 2 + 4
     assert lines[2] == "| e4b | fp8 | 1.50 | 2.00 (100) |  | 128.00 (6400) | 20.0 ms |"
     assert lines[4] == "| 31b | fp8 | 1.50 | 2.00 (100) | 16.00 (800) |  | = |"
+
+
+def test_decoding_requests_outlast_the_others_prefill_steps(tiny_model_dir):
+    """Long prompts at a small token budget: the requests whose prompts finish first decode during the others'
+    prefill steps. ``max_tokens`` of steps + 8 ended them before the timing began (a "B = 30" step timed
+    with a dozen rows): ``start_decoding`` refuses that, and ``decode_max_tokens`` sizes it."""
+    from g4serve.engine.engine import EngineConfig, LLMEngine
+    from g4serve.sampling_params import SamplingParams
+
+    bench = load_script("engine_microbench")
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        device="cpu",
+        text_only=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config)
+    batch, prompt_len, steps = 3, 160, 3
+    short = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="ended before the timed steps"):
+        bench.start_decoding(engine, batch, prompt_len, short, "short")
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    max_tokens = bench.decode_max_tokens(engine, batch, prompt_len, steps)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    bench.start_decoding(engine, batch, prompt_len, params, "sized")
+    before = engine.num_generated_tokens
+    bench.timed_steps(engine, steps)
+    assert engine.num_generated_tokens - before == batch * steps  # every row decoded every timed step

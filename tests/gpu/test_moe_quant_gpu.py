@@ -112,18 +112,19 @@ def test_int4_expert_ptx_planes_are_the_fp32_planes(quantized_layers, scheme, nu
 
 
 @pytest.mark.parametrize("num_tokens", [64, 1024, 4096])
-@pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("scheme,rows", [("fp8-channel", True), ("fp8-channel", False), ("fp8-block", False)])
 @torch.no_grad()
-def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, num_tokens):
+def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, rows, num_tokens):
     """The compiled W8A8 path (fused_moe's w8a8_min) against its torch reference at 26B-A4B shapes, and near
-    the dequantizing path (the activations' e4m3 rounding apart)."""
+    the dequantizing path (the activations' e4m3 rounding apart); per-channel scales with the activations
+    quantized per token (``w8a8_rows``: the products summed across K on the tensor cores) and per group."""
     layer, _ = quantized_layers(scheme)
     gate_up, down = layer.projection("gate_up_proj"), layer.projection("down_proj")
     gen = torch.Generator("cuda").manual_seed(num_tokens)
     weights, experts = _routing(num_tokens, gen)
     x = torch.randn(num_tokens, H, device="cuda", generator=gen).bfloat16()
-    out = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1)
-    ref = fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT)
+    out = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1, w8a8_rows=rows)
+    ref = fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT, w8a8_rows=rows)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     # Not element by element: Hopper's FP8 tensor cores add a 128-wide group's products with fewer mantissa
     # bits than fp32 (the kernel adds the groups in fp32), so now and then a gate/up value rounds to its
@@ -136,12 +137,14 @@ def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, num_tokens):
     dequantized = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=0)
     rel = ((out.float() - dequantized.float()).norm() / dequantized.float().norm()).item()
     print(
-        f"{scheme} T={num_tokens}: |w8a8 - reference| / |reference| = {rel_ref:.5f}, outside 2e-2: "
-        f"{outside:.2e}, max {diff.max().item():.4f}; |w8a8 - dequantized| / |dequantized| = {rel:.4f}"
+        f"{scheme} rows={rows} T={num_tokens}: |w8a8 - reference| / |reference| = {rel_ref:.5f}, "
+        f"outside 2e-2: {outside:.2e}, max {diff.max().item():.4f}; "
+        f"|w8a8 - dequantized| / |dequantized| = {rel:.4f}"
     )
     assert rel_ref < 0.01 and outside < 1e-3 and diff.max() < 0.1
     assert rel < 0.06
-    assert torch.equal(fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1), out)  # deterministic
+    again = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1, w8a8_rows=rows)
+    assert torch.equal(again, out)  # deterministic
 
 
 @pytest.mark.parametrize("num_tokens", [1024, 4096])

@@ -12,6 +12,7 @@ from g4serve.kernels._launch import DualKernel
 from g4serve.kernels.fused_moe import (
     GemmTiles,
     MoETiles,
+    QuantExpertWeights,
     fused_moe,
     fused_moe_reference,
     moe_align,
@@ -377,5 +378,48 @@ def test_prefill_gemms_compile_for_sm90(monkeypatch, tokens, group_m):
 
     launches = _launches(monkeypatch, fused_moe_module, "_moe_gemm", calls)
     assert [kw["GROUP_M"] for _, _, kw in launches] == list(expected)
+    for fn, args, kwargs in launches:
+        assert _compile(fn, args, kwargs).metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("tokens", [30, 4096])
+@pytest.mark.parametrize("rows", [True, False])
+def test_w8a8_gemms_compile_for_sm90(monkeypatch, tokens, rows):
+    """FP8-Dynamic experts (per-channel scales) on the FP8 tensor cores at 26B-A4B's shapes, with the
+    activations' scales per token (summed across K, scaled once) and per 128-column group: both launches
+    compile to sm_90 cubins within an H100 SM's shared memory, the per-token one specialised as such."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    e, h, i, t, k = 128, 2816, 704, tokens, 8
+    tiles = moe_tiles(t * k, e, quantized=True)
+    blocks = -(-(t * k + e * (tiles.block_m - 1)) // tiles.block_m)
+    fp8 = dict(dtype=torch.float8_e4m3fn, device="meta")
+    sorted_ids = torch.empty(blocks * tiles.block_m, dtype=torch.int32, device="meta")
+    block_expert = torch.empty(blocks, dtype=torch.int32, device="meta")
+
+    def experts(n: int, kdim: int, parts: int) -> QuantExpertWeights:
+        scale = torch.empty(e, n, 1, device="meta")
+        return QuantExpertWeights(torch.empty(e, n, kdim, **fp8), scale, (1, kdim), kdim, parts=parts)
+
+    def scales(m: int, kdim: int) -> torch.Tensor:
+        return torch.empty(m, 1 if rows else -(-kdim // 128), device="meta")
+
+    x, act = torch.empty(t, h, **fp8), torch.empty(t * k, i, **fp8)
+    act_out = torch.empty(t * k, i, dtype=torch.bfloat16, device="meta")
+    per_slot = torch.empty(t * k, h, dtype=torch.bfloat16, device="meta")
+    weights = torch.empty(t * k, device="meta")
+
+    def calls():
+        fused_moe_module._grouped_gemm(
+            x, experts(2 * i, h, 2), act_out, i, sorted_ids, block_expert, tiles.block_m, tiles.gate_up,
+            a_row_div=k, activation="gelu_pytorch_tanh", a_scales=scales(t, h),
+        )  # fmt: skip
+        fused_moe_module._grouped_gemm(
+            act, experts(h, i, 1), per_slot, h, sorted_ids, block_expert, tiles.block_m, tiles.down,
+            a_row_div=1, route_weights=weights, a_scales=scales(t * k, i),
+        )  # fmt: skip
+
+    launches = _launches(monkeypatch, fused_moe_module, "_moe_gemm", calls)
+    assert [(kw["W8A8"], kw["W8A8_ROWS"]) for _, _, kw in launches] == [(True, rows)] * 2
     for fn, args, kwargs in launches:
         assert _compile(fn, args, kwargs).metadata.shared <= 227 * 1024

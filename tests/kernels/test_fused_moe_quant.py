@@ -143,6 +143,44 @@ def test_w8a8_fused_moe_matches_its_reference(fmt, tiles):
     assert (out.float() - dequantized).norm() / dequantized.norm() < 0.06
 
 
+@pytest.mark.parametrize("block", ["tensor", "channel"])
+def test_w8a8_per_token_activations_where_scales_span_k(block):
+    """Scales constant along K (FP8-Dynamic's per channel, or per tensor): the activations quantized per
+    token, the products summed across K on the tensor cores and scaled once (``w8a8_rows``, the default),
+    against its reference; K of 3 and 2 (one partial) groups, so per token and per group are different
+    roundings. 128 x 128 blocks keep the groups whatever ``w8a8_rows`` says."""
+    gen = torch.Generator().manual_seed(11 + len(block))
+    hidden, inter = 384, 80
+    blocks = {"tensor": ((inter, hidden), (hidden, inter)), "channel": ((1, hidden), (1, inter))}[block]
+    gate_up = _quant_experts(FP8, 2 * inter, hidden, blocks[0], False, 2, gen)
+    down = _quant_experts(FP8, hidden, inter, blocks[1], False, 1, gen)
+    experts, weights = _routing(21, gen)
+    x = torch.randn(21, hidden, generator=gen).to(torch.bfloat16)
+    x[3, 7] = 40.0  # an outlier: its token's other groups lose precision per token, not per group
+    run = lambda rows, w=(gate_up, down): fused_moe(  # noqa: E731
+        x, *w, experts, weights, ACT, tiles=TILES["m32"], w8a8_min=1, w8a8_rows=rows
+    )
+    rows, groups = run(True), run(False)
+    ref = fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT, w8a8_rows=True)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(rows.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert (rows == ref).float().mean() >= 0.98
+    assert torch.equal(
+        groups, fused_moe_w8a8_reference(x, gate_up, down, experts, weights, ACT, w8a8_rows=False)
+    )
+    assert (rows != groups).any()
+    assert torch.equal(
+        fused_moe(x, gate_up, down, experts, weights, ACT, tiles=TILES["m32"], w8a8_min=1), rows
+    )
+    dequantized = fused_moe_reference(x, gate_up, down, experts, weights, ACT).float()
+    assert (rows.float() - dequantized).norm() / dequantized.norm() < 0.06
+    block128 = (
+        _quant_experts(FP8, 2 * inter, hidden, (128, 128), False, 2, gen),
+        _quant_experts(FP8, hidden, inter, (128, 128), False, 1, gen),
+    )
+    assert torch.equal(run(True, block128), run(False, block128))
+
+
 def test_w8a8_only_where_it_applies():
     """Under the threshold, with scales finer than a 128-column group, or fp32 activations: the dequantizing
     path, bit for bit."""

@@ -3,8 +3,8 @@ scale per row of x and one per output row of the weight).
 
 Program per token row: the row's amax over K in ``BLOCK``-column steps, its scale
 ``max(amax / 448, 1e-12)`` (or the static per-tensor scale), then the row again, divided and rounded to e4m3
-(``quantize_fp8``: saturated, ties to even). Bit for bit ``layers.quant.quantize_activations_fp8``, whose
-torch ops made eight passes over the activations, four of them in fp32.
+(``quantize_fp8``: saturated, ties to even). Bit for bit ``quantize_rows_reference``, whose torch ops made
+eight passes over the activations, four of them in fp32.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton.language as tl
 
 from g4serve.kernels._launch import DualKernel, next_pow2
-from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
+from g4serve.kernels.kv_cache_write import FP8_MAX, activation_scale, activation_scale_reference, quantize_fp8
 
 FP8 = torch.float8_e4m3fn
 
@@ -65,4 +65,17 @@ def quantize_rows_fp8(
     return q, scales
 
 
-__all__ = ["quantize_rows_fp8"]
+def quantize_rows_reference(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 values, fp32 scales [M, 1]): the static per-tensor scale, else one per token. The
+    reference of ``quantize_rows_fp8``."""
+    if static_scale is not None:
+        scale = static_scale.float().expand(x.shape[0], 1)
+    else:
+        scale = activation_scale_reference(x.abs().amax(dim=-1, keepdim=True))
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.contiguous()
+
+
+__all__ = ["quantize_rows_fp8", "quantize_rows_reference"]

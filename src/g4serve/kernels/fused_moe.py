@@ -26,6 +26,7 @@ from g4serve.kernels.fp8_matmul import (
     quantize_activation_groups,
     quantize_groups,
 )
+from g4serve.kernels.fp8_rows import quantize_rows_fp8, quantize_rows_reference
 from g4serve.kernels.quant_matmul import (
     PLANES_FP32,
     _dequant,
@@ -64,6 +65,11 @@ PREFILL_ALIGN = envs.get("G4SERVE_MOE_ALIGN")
 # (bench/engine_microbench.py). Its outputs differ from the dequantizing path's by the activations' e4m3
 # rounding, about 4.4% of their norm on random weights, as FP8 checkpoints' dynamic activation schemes do.
 W8A8_MIN_ASSIGNMENTS = envs.get_int("G4SERVE_MOE_W8A8_MIN")
+# W8A8 experts whose scales are constant along K (FP8-Dynamic: per channel, or per tensor) quantize the
+# activations per token, the scheme such checkpoints name, instead of per 128-column group: the products then
+# accumulate across K on the tensor cores and the scales multiply the sums once, where the groups' scales
+# made every K step's products wait to be scaled. G4SERVE_MOE_W8A8_ROWS=0 keeps the groups (A/B runs).
+W8A8_ROWS = envs.get_int("G4SERVE_MOE_W8A8_ROWS") != 0
 
 
 def _group_m_setting() -> int | None:
@@ -509,9 +515,12 @@ def _w8a8_products(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     """fp32 [BLOCK_M, BLOCK_N] sums over K groups of (e4m3 A rows @ e4m3 W rows^T) * a_scale * w_scale, and
-    of the up rows for GATED (``fp8_matmul``'s math with an expert's weight; W and S at that expert)."""
+    of the up rows for GATED (``fp8_matmul``'s math with an expert's weight; W and S at that expert).
+    ROW_SCALE (the weight's scales constant along all of K, A's one per row): the products accumulate on the
+    tensor cores across K and both scales multiply the sums once, as ``torch._scaled_mm`` does."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
     as_ptrs = AS + rows * stride_asm
@@ -519,19 +528,32 @@ def _w8a8_products(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-        sa = tl.load(as_ptrs + k0 // BLOCK_K, mask=valid, other=0.0)
         w, sw, _ = _load_raw(
             W, S, S, cols, col_ok, k0, K, num_groups, stride_wn, stride_sn, 0, scale_bn, scale_bk, BLOCK_K,
             False, False, 1,
         )  # fmt: skip
-        acc += tl.dot(a, tl.trans(w)) * sa[:, None] * tl.reshape(sw, [BLOCK_N])[None, :]
+        if ROW_SCALE:
+            acc = tl.dot(a, tl.trans(w), acc)
+        else:
+            sa = tl.load(as_ptrs + k0 // BLOCK_K, mask=valid, other=0.0)
+            acc += tl.dot(a, tl.trans(w)) * sa[:, None] * tl.reshape(sw, [BLOCK_N])[None, :]
         if GATED:
             u, su, _ = _load_raw(
                 W + gate_offset * stride_wn, S + scale_up_offset * stride_sn, S, cols, col_ok, k0, K,
                 num_groups, stride_wn, stride_sn, 0, scale_bn, scale_bk, BLOCK_K, False, False, 1,
             )  # fmt: skip
-            acc_up += tl.dot(a, tl.trans(u)) * sa[:, None] * tl.reshape(su, [BLOCK_N])[None, :]
+            if ROW_SCALE:
+                acc_up = tl.dot(a, tl.trans(u), acc_up)
+            else:
+                acc_up += tl.dot(a, tl.trans(u)) * sa[:, None] * tl.reshape(su, [BLOCK_N])[None, :]
         a_ptrs += BLOCK_K
+    if ROW_SCALE:
+        sa = tl.load(as_ptrs, mask=valid, other=0.0)
+        scale_rows = (cols // scale_bn).to(tl.int64) * stride_sn
+        acc = acc * sa[:, None] * tl.load(S + scale_rows, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            su = tl.load(S + scale_up_offset * stride_sn + scale_rows, mask=col_ok, other=0.0)
+            acc_up = acc_up * sa[:, None] * su[None, :]
     return acc, acc_up
 
 
@@ -592,6 +614,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     SWAP: tl.constexpr,
     PLANES: tl.constexpr,
     W8A8: tl.constexpr,
+    W8A8_ROWS: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """Out[id, cols] = A[id // A_ROW_DIV] @ W[expert, cols].T for the BLOCK_M assignment ids of one block.
@@ -604,7 +627,8 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
     ``quant_matmul``'s ``_load_raw`` / ``_dequant``; int4: ``_int4_products``, SWAP its operand order).
     W8A8 (FP8 weights): A is e4m3 with a scale per row and 128-column group (AS,
     ``fp8_matmul.quantize_groups``), BLOCK_K is that group; each group's FP8 x FP8 product goes to the tensor
-    cores as loaded and is scaled by its two scales (``_w8a8_products``).
+    cores as loaded and is scaled by its two scales (``_w8a8_products``). W8A8_ROWS: A's scale is one per
+    row (``fp8_rows.quantize_rows_fp8``) and W's constant along K; the products accumulate across K.
     GROUP_M (``GemmTiles.group_m``) > 0: a 1-D grid, GROUP_M blocks through all their N tiles at a time.
     """
     if GROUP_M > 0:
@@ -628,7 +652,7 @@ def _moe_gemm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.const
         acc, acc_up = _w8a8_products(
             A, AS, W + expert * stride_we, S + expert * stride_se, rows, valid, cols, col_ok, K, num_groups,
             gate_offset, scale_up_offset, stride_am, stride_asm, stride_wn, stride_sn, scale_bn, scale_bk,
-            GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+            GATED, BLOCK_M, BLOCK_N, BLOCK_K, W8A8_ROWS,
         )  # fmt: skip
     elif QUANT and INT4:
         acc, acc_up = _int4_products(
@@ -724,7 +748,8 @@ def _grouped_gemm(
     route_weights: torch.Tensor | None = None,
     a_scales: torch.Tensor | None = None,
 ) -> None:
-    """``a_scales``: ``a`` is e4m3 with these per-(row, 128-column group) scales, ``w`` FP8 (W8A8)."""
+    """``a_scales``: ``a`` is e4m3 with these per-(row, 128-column group) scales, or one per row where ``w``'s
+    scales are constant along K; ``w`` FP8 (W8A8)."""
     quant = isinstance(w, QuantExpertWeights)
     weight = w.weight if quant else w
     k = w.shape[2]
@@ -736,6 +761,9 @@ def _grouped_gemm(
     block_k = GROUP if a_scales is not None else tiles.block_k
     if a_scales is not None:
         assert quant and weight.dtype == torch.float8_e4m3fn and fp8_matmul_supported(w.scale_block, k)
+        assert a_scales.shape[1] == -(-k // GROUP) or _row_scaled(w), (
+            "row scales need scales constant along K"
+        )
     if quant:
         scale, zero = w.scale, w.zero_point
         int4 = weight.dtype == torch.int32
@@ -797,6 +825,7 @@ def _grouped_gemm(
         QUANT=quant,
         **quant_meta,
         W8A8=a_scales is not None,
+        W8A8_ROWS=a_scales is not None and a_scales.shape[1] == 1,
         GROUP_M=tiles.group_m,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -814,6 +843,7 @@ def fused_moe(
     align_kernel_max: int = ALIGN_KERNEL_MAX_ASSIGNMENTS,
     w8a8_min: int | None = None,
     sum_slots: bool = True,
+    w8a8_rows: bool | None = None,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] ids;
     weights [T, k] fp32 -> [T, H] in x's dtype: ``sum_j weights[t, j] * expert_j(x[t])``. Either weight may
@@ -823,13 +853,16 @@ def fused_moe(
     ``tiles`` overrides ``moe_tiles``; alignments of more than ``align_kernel_max`` assignments take the
     three-launch kernel (or torch's sort, ``PREFILL_ALIGN``) instead of the one-program kernel. FP8 experts
     (both projections) take the W8A8 products at ``w8a8_min`` assignments or more (0: never; None:
-    ``W8A8_MIN_ASSIGNMENTS``): x and the gated activations quantized per token and 128-column group, as
+    ``W8A8_MIN_ASSIGNMENTS``): x and the gated activations quantized per token and 128-column group, or per
+    token for a projection whose scales are constant along K with ``w8a8_rows`` (None: ``W8A8_ROWS``), as
     ``fused_moe_w8a8_reference``. ``sum_slots=False``: up to ``CHUNK_TOKENS`` tokens, the weighted expert
     outputs unsummed, [T, k, H] in x's dtype, for a kernel that reads them anyway to sum them in its own pass
     (``rms_norm.fused_rms_norm``'s branches: an fp32 sum in slot order, rounded once; one launch fewer).
     """
     if w8a8_min is None:
         w8a8_min = W8A8_MIN_ASSIGNMENTS
+    if w8a8_rows is None:
+        w8a8_rows = W8A8_ROWS
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -842,6 +875,8 @@ def fused_moe(
     out = torch.empty_like(x)
     quantized = isinstance(gate_up, QuantExpertWeights) or isinstance(down, QuantExpertWeights)
     w8a8_able = w8a8_min > 0 and x.element_size() == 2 and all(_w8a8_weights(w) for w in (gate_up, down))
+    if w8a8_able:  # per projection: its activations' quantizer
+        quantize_gate_up, quantize_down = (_w8a8_quantizer(w, w8a8_rows) for w in (gate_up, down))
     for start in range(0, num_tokens, CHUNK_TOKENS):
         stop = min(start + CHUNK_TOKENS, num_tokens)
         n = (stop - start) * top_k
@@ -853,7 +888,7 @@ def fused_moe(
         sorted_ids, block_expert = align(experts[start:stop], num_experts, cfg.block_m)
         hidden_act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         w8a8 = w8a8_able and n >= w8a8_min
-        a, a_scales = quantize_groups(x[start:stop]) if w8a8 else (x[start:stop], None)
+        a, a_scales = quantize_gate_up(x[start:stop]) if w8a8 else (x[start:stop], None)
         _grouped_gemm(
             a,
             gate_up,
@@ -868,7 +903,7 @@ def fused_moe(
             a_scales=a_scales,
         )
         per_slot = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-        a, a_scales = quantize_groups(hidden_act) if w8a8 else (hidden_act, None)
+        a, a_scales = quantize_down(hidden_act) if w8a8 else (hidden_act, None)
         _grouped_gemm(
             a,
             down,
@@ -886,6 +921,19 @@ def fused_moe(
             return per_slot.view(num_tokens, top_k, hidden)
         out[start:stop] = per_slot.view(stop - start, top_k, hidden).sum(1, dtype=torch.float32)
     return out
+
+
+def _w8a8_quantizer(w: QuantExpertWeights, rows: bool):
+    """The activations' quantizer for W8A8 products with ``w``: per token where ``rows`` and ``w``'s scales
+    allow it, else per token and 128-column group."""
+    if rows and _row_scaled(w):
+        return lambda a: quantize_rows_fp8(a, None)
+    return quantize_groups
+
+
+def _row_scaled(w: QuantExpertWeights) -> bool:
+    """Scales constant along all of K (per tensor or per channel): W8A8 may quantize activations per row."""
+    return w.scale.shape[2] == 1
 
 
 def _w8a8_weights(w: torch.Tensor | QuantExpertWeights) -> bool:
@@ -927,7 +975,8 @@ def fused_moe_reference(
 
 def _w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: QuantExpertWeights, expert: int) -> torch.Tensor:
     """fp32 products of group-quantized rows with expert ``expert``'s FP8 weight, group by group, each times
-    its activation and weight scales (``fp8_matmul_reference``'s math, per part's scale grid)."""
+    its activation and weight scales (``fp8_matmul_reference``'s math, per part's scale grid); of rows
+    quantized per token (``sx`` [M, 1]), the whole product times both scales."""
     rows, scale_rows = w.weight.shape[1] // w.parts, w.scale.shape[1] // w.parts
     bn, bk = w.scale_block
     sw = torch.cat(
@@ -937,6 +986,8 @@ def _w8a8_linear(xq: torch.Tensor, sx: torch.Tensor, w: QuantExpertWeights, expe
         ]
     )  # [N, ceil(K / bk)]
     weight = w.weight[expert].float()
+    if sx.shape[1] == 1:  # a scale per row (and the weight's constant along K): one product, scaled once
+        return (xq.float() @ weight.t()) * sx * sw[:, 0][None, :]
     y = torch.zeros(xq.shape[0], weight.shape[0], dtype=torch.float32, device=xq.device)
     for g, k0 in enumerate(range(0, w.in_features, GROUP)):
         part = xq[:, k0 : k0 + GROUP].float() @ weight[:, k0 : k0 + GROUP].t()
@@ -951,19 +1002,26 @@ def fused_moe_w8a8_reference(
     experts: torch.Tensor,
     weights: torch.Tensor,
     activation: str,
+    w8a8_rows: bool | None = None,
 ) -> torch.Tensor:
-    """The W8A8 path's math in torch: each token quantized per 128-column group once, each hit expert's
+    """The W8A8 path's math in torch: each token quantized per 128-column group once (per token where
+    ``w8a8_rows``, None: ``W8A8_ROWS``, and the projection's scales are constant along K), each hit expert's
     gate/up products rounded to x's dtype, the gated activation rounded and quantized again for the down
     products, those rounded and weighted; the k outputs summed in fp32 in slot order, then rounded."""
+    rows = W8A8_ROWS if w8a8_rows is None else w8a8_rows
+    quantize_gate_up, quantize_down = (
+        quantize_rows_reference if rows and _row_scaled(w) else quantize_activation_groups
+        for w in (gate_up, down)
+    )
     act = ACTIVATIONS[activation]
-    xq, sx = quantize_activation_groups(x)
+    xq, sx = quantize_gate_up(x)
     top_k = experts.shape[1]
     per_slot = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(experts).tolist():
         hit = experts == e
         tokens, slots = hit.nonzero(as_tuple=True)
         gate, up = _w8a8_linear(xq[tokens], sx[tokens], gate_up, e).to(x.dtype).chunk(2, dim=-1)
-        hq, hs = quantize_activation_groups(act(gate) * up)
+        hq, hs = quantize_down(act(gate) * up)
         y = _w8a8_linear(hq, hs, down, e).to(x.dtype).float() * weights[tokens, slots].float().unsqueeze(-1)
         per_slot[tokens, slots] = y.to(x.dtype).float()
     return per_slot.sum(1).to(x.dtype)

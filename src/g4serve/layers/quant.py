@@ -31,9 +31,9 @@ from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.dequant import dequantize
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_quantized, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
+from g4serve.kernels.fp8_rows import quantize_rows_reference as quantize_activations_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.int4_tinygemm import TinygemmWeight, pack_tinygemm, tinygemm_matmul, tinygemm_supported
-from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
 from g4serve.quant_config import FP8, INT4, ActivationQuant, WeightQuant
 
@@ -297,19 +297,6 @@ def _fp8_matmul_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
 @functools.cache
 def _fp8_tensor_cores(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-def quantize_activations_fp8(
-    x: torch.Tensor, static_scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (FP8 values, fp32 scales [M, 1]): the static per-tensor scale, else one per token. The
-    reference of ``kernels/fp8_rows.quantize_rows_fp8``, which the prefill GEMM runs."""
-    if static_scale is not None:
-        scale = static_scale.float().expand(x.shape[0], 1)
-    else:
-        scale = activation_scale_reference(x.abs().amax(dim=-1, keepdim=True))
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.contiguous()
 
 
 def _fp8_scaled_mm(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
