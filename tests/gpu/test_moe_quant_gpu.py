@@ -141,7 +141,11 @@ def test_w8a8_fused_moe_vs_its_reference(quantized_layers, scheme, rows, num_tok
         f"outside 2e-2: {outside:.2e}, max {diff.max().item():.4f}; "
         f"|w8a8 - dequantized| / |dequantized| = {rel:.4f}"
     )
-    assert rel_ref < 0.01 and outside < 1e-3 and diff.max() < 0.1
+    # Per token (rows) the whole K (2,816 for gate/up) sums on the tensor cores in their reduced precision,
+    # as torch._scaled_mm's fast accumulation does: 1.5% of the exact sums' norm on an H100 from 1,024 tokens
+    # (the warpgroup MMA's 64-row tiles; 64 tokens' 16-row tiles sum exactly), against a 4.6% rounding of
+    # the activations to e4m3 that both quantizers share (``rel`` below).
+    assert rel_ref < (0.025 if rows else 0.01) and outside < 1e-3 and diff.max() < 0.1
     assert rel < 0.06
     again = fused_moe(x, gate_up, down, experts, weights, ACT, w8a8_min=1, w8a8_rows=rows)
     assert torch.equal(again, out)  # deterministic
