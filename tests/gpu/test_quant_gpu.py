@@ -327,10 +327,13 @@ def test_dequantize_kernel_is_the_reference_on_cuda(fmt, n, k):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("k", [2816, 5376, 21504])
-def test_quantize_rows_fp8_equals_torch_on_cuda(k, static):
-    """The prefill GEMM's one-launch activation quantizer, compiled: the torch ops' bits and scales."""
+@pytest.mark.parametrize("rows", [30, 300])
+def test_quantize_rows_fp8_equals_torch_on_cuda(k, static, rows):
+    """The one-launch per-token activation quantizer, compiled (one pass at 2,816 columns, two past 4,096; 30
+    rows with programmatic dependent launch, as the W8A8 experts' decode steps): the torch ops' bits and
+    scales."""
     gen = torch.Generator("cuda").manual_seed(k)
-    x = torch.randn(300, k, generator=gen, device="cuda").mul_(3).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen, device="cuda").mul_(3).to(torch.bfloat16)
     x[7] = 0
     scale = torch.tensor([x.float().abs().max().item() / 200], device="cuda") if static else None
     want_q, want_s = quantize_activations_fp8(x, scale)

@@ -1,14 +1,16 @@
 """The one-launch per-token FP8 quantizer against the torch ops it replaces (Triton's interpreter on CPU):
-equal bits and equal scales, dynamic and static, across K block boundaries and awkward rows."""
+equal bits and equal scales, dynamic and static, in one pass and in two across K block boundaries, and awkward
+rows; both kinds of launch compile for sm_90 with programmatic dependent launch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from g4serve.kernels.fp8_rows import quantize_rows_fp8
+import g4serve.kernels.fp8_rows as fp8_rows_module
+from g4serve.kernels.fp8_rows import ONE_PASS_MAX, quantize_rows_fp8
+from g4serve.kernels.fp8_rows import quantize_rows_reference as quantize_activations_fp8
 from g4serve.kernels.kv_cache_write import activation_scale_reference
-from g4serve.layers.quant import quantize_activations_fp8
 
 
 def _bits(q: torch.Tensor) -> torch.Tensor:
@@ -16,6 +18,7 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# one pass up to ONE_PASS_MAX columns (2,500: a partial block of 4,096), two past it (5,376)
 @pytest.mark.parametrize("m,k", [(1, 16), (5, 100), (3, 2048), (4, 2500), (2, 5376)])
 @pytest.mark.parametrize("static", [False, True])
 def test_equal_to_the_torch_quantizer(dtype, m, k, static):
@@ -52,3 +55,19 @@ def test_the_reference_scale_is_divided_correctly_rounded():
     by_reciprocal = amax * torch.tensor(1 / 448, dtype=torch.float32)
     assert not torch.equal(by_reciprocal, want)  # the rounding the reference must not take
     assert torch.equal(activation_scale_reference(torch.zeros(2)), torch.full((2,), 1e-12))  # the floor
+
+
+@pytest.mark.parametrize("k", [2816, 5376])
+@pytest.mark.parametrize("static", [False, True])
+def test_launches_compile_for_sm90(monkeypatch, k, static):
+    """26B-A4B's hidden size in one pass, 31B's in two, each with programmatic dependent launch on."""
+    from test_kv_fp8_sm90_compile import _compile, _launches
+
+    x = torch.empty(30, k, dtype=torch.bfloat16, device="meta")
+    scale = torch.empty(1, device="meta") if static else None
+    launches = _launches(monkeypatch, fp8_rows_module, "_quantize_rows", lambda: quantize_rows_fp8(x, scale))
+    ((fn, args, kwargs),) = launches
+    assert kwargs["ONE_PASS"] == (k <= ONE_PASS_MAX) and kwargs["BLOCK"] == (
+        4096 if k <= ONE_PASS_MAX else 2048
+    )
+    assert _compile(fn, args, kwargs, use_pdl=True).asm["cubin"]
