@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
-from g4serve.kernels.fp8_rows import quantize_rows_fp8
+from g4serve.kernels.fp8_rows import quantize_rows_fp8, quantize_rows_reference
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.int4_tinygemm import tinygemm_reference_weight
 from g4serve.kernels.kv_cache_write import activation_scale_reference
 from g4serve.kernels.quant_matmul import dequantize_reference, quant_matmul
 from g4serve.layers import quant as quant_module
-from g4serve.layers.quant import QuantLinear, quant_linear, quantize_activations_fp8, quantize_weight
+from g4serve.layers.quant import QuantLinear, quant_linear, quantize_weight
 from g4serve.quant_config import ActivationQuant, WeightQuant
 
 pytestmark = pytest.mark.gpu
@@ -336,7 +336,7 @@ def test_quantize_rows_fp8_equals_torch_on_cuda(k, static, rows):
     x = torch.randn(rows, k, generator=gen, device="cuda").mul_(3).to(torch.bfloat16)
     x[7] = 0
     scale = torch.tensor([x.float().abs().max().item() / 200], device="cuda") if static else None
-    want_q, want_s = quantize_activations_fp8(x, scale)
+    want_q, want_s = quantize_rows_reference(x, scale)
     got_q, got_s = quantize_rows_fp8(x, scale)
     assert torch.equal(got_s, want_s)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import g4serve.kernels.fp8_rows as fp8_rows_module
-from g4serve.kernels.fp8_rows import ONE_PASS_MAX, quantize_rows_fp8
-from g4serve.kernels.fp8_rows import quantize_rows_reference as quantize_activations_fp8
+from g4serve.kernels.fp8_rows import ONE_PASS_MAX, quantize_rows_fp8, quantize_rows_reference
 from g4serve.kernels.kv_cache_write import activation_scale_reference
 
 
@@ -29,7 +28,7 @@ def test_equal_to_the_torch_quantizer(dtype, m, k, static):
     if m > 2:
         x[2] = 0  # an all-zero row: the 1e-12 floor
     static_scale = torch.tensor([x.float().abs().max().item() / 300], dtype=torch.float32) if static else None
-    want_q, want_s = quantize_activations_fp8(x, static_scale)
+    want_q, want_s = quantize_rows_reference(x, static_scale)
     got_q, got_s = quantize_rows_fp8(x, static_scale)
     assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == (m, 1)
     assert torch.equal(got_s, want_s)
@@ -38,7 +37,7 @@ def test_equal_to_the_torch_quantizer(dtype, m, k, static):
 
 def test_row_strided_input_and_empty():
     x = torch.randn(6, 96, dtype=torch.bfloat16)[::2]  # a row stride of 192, unit last stride
-    want_q, want_s = quantize_activations_fp8(x, None)
+    want_q, want_s = quantize_rows_reference(x, None)
     got_q, got_s = quantize_rows_fp8(x, None)
     assert torch.equal(_bits(got_q), _bits(want_q)) and torch.equal(got_s, want_s)
     q, s = quantize_rows_fp8(x[:0], None)

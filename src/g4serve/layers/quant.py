@@ -31,7 +31,6 @@ from g4serve.kernels.act_mul import act_mul
 from g4serve.kernels.dequant import dequantize
 from g4serve.kernels.fp8_matmul import fp8_matmul, fp8_matmul_quantized, fp8_matmul_supported
 from g4serve.kernels.fp8_rows import quantize_rows_fp8
-from g4serve.kernels.fp8_rows import quantize_rows_reference as quantize_activations_fp8
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN, epilogue_reference
 from g4serve.kernels.int4_tinygemm import TinygemmWeight, pack_tinygemm, tinygemm_matmul, tinygemm_supported
 from g4serve.kernels.quant_matmul import SKINNY_ROWS, dequantize_reference, quant_matmul, unpack_int4
@@ -302,7 +301,7 @@ def _fp8_tensor_cores(index: int) -> bool:
 def _fp8_scaled_mm(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     # Per-token groups (FP8-block's activation scheme) reduce to per token here: the weight has one scale
     # per row, so the whole row of x may share one; finer groups would only refine the rounding.
-    xq, x_scale = quantize_rows_fp8(x, layer.input_scale)  # one launch; quantize_activations_fp8's bits
+    xq, x_scale = quantize_rows_fp8(x, layer.input_scale)  # one launch; quantize_rows_reference's bits
     return torch._scaled_mm(
         xq,
         layer.weight.t(),
@@ -463,7 +462,6 @@ __all__ = [
     "pack_int4",
     "prepare_int4_layouts",
     "quant_linear",
-    "quantize_activations_fp8",
     "quantize_weight",
     "stack_linears",
     "unpack_int4",
