@@ -329,9 +329,8 @@ def test_dequantize_kernel_is_the_reference_on_cuda(fmt, n, k):
 @pytest.mark.parametrize("k", [2816, 5376, 21504])
 @pytest.mark.parametrize("rows", [30, 300])
 def test_quantize_rows_fp8_equals_torch_on_cuda(k, static, rows):
-    """The one-launch per-token activation quantizer, compiled (one pass at 2,816 columns, two past 4,096; 30
-    rows with programmatic dependent launch, as the W8A8 experts' decode steps): the torch ops' bits and
-    scales."""
+    """The one-launch per-token activation quantizer, compiled (30 rows with programmatic dependent launch, as
+    the W8A8 experts' decode steps): the torch ops' bits and scales."""
     gen = torch.Generator("cuda").manual_seed(k)
     x = torch.randn(rows, k, generator=gen, device="cuda").mul_(3).to(torch.bfloat16)
     x[7] = 0

@@ -1,6 +1,6 @@
 """The one-launch per-token FP8 quantizer against the torch ops it replaces (Triton's interpreter on CPU):
-equal bits and equal scales, dynamic and static, in one pass and in two across K block boundaries, and awkward
-rows; both kinds of launch compile for sm_90 with programmatic dependent launch."""
+equal bits and equal scales, dynamic and static, across K block boundaries and awkward rows; the launch
+compiles for sm_90 with programmatic dependent launch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import g4serve.kernels.fp8_rows as fp8_rows_module
-from g4serve.kernels.fp8_rows import ONE_PASS_MAX, quantize_rows_fp8, quantize_rows_reference
+from g4serve.kernels.fp8_rows import quantize_rows_fp8, quantize_rows_reference
 from g4serve.kernels.kv_cache_write import activation_scale_reference
 
 
@@ -17,7 +17,6 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-# one pass up to ONE_PASS_MAX columns (2,500: a partial block of 4,096), two past it (5,376)
 @pytest.mark.parametrize("m,k", [(1, 16), (5, 100), (3, 2048), (4, 2500), (2, 5376)])
 @pytest.mark.parametrize("static", [False, True])
 def test_equal_to_the_torch_quantizer(dtype, m, k, static):
@@ -59,14 +58,12 @@ def test_the_reference_scale_is_divided_correctly_rounded():
 @pytest.mark.parametrize("k", [2816, 5376])
 @pytest.mark.parametrize("static", [False, True])
 def test_launches_compile_for_sm90(monkeypatch, k, static):
-    """26B-A4B's hidden size in one pass, 31B's in two, each with programmatic dependent launch on."""
+    """26B-A4B's and 31B's hidden sizes (two and three 2,048-column blocks), with dependent launch on."""
     from test_kv_fp8_sm90_compile import _compile, _launches
 
     x = torch.empty(30, k, dtype=torch.bfloat16, device="meta")
     scale = torch.empty(1, device="meta") if static else None
     launches = _launches(monkeypatch, fp8_rows_module, "_quantize_rows", lambda: quantize_rows_fp8(x, scale))
     ((fn, args, kwargs),) = launches
-    assert kwargs["ONE_PASS"] == (k <= ONE_PASS_MAX) and kwargs["BLOCK"] == (
-        4096 if k <= ONE_PASS_MAX else 2048
-    )
+    assert kwargs["BLOCK"] == 2048
     assert _compile(fn, args, kwargs, use_pdl=True).asm["cubin"]
