@@ -50,6 +50,12 @@ SPLITS = (2, 3, 4, 6)  # split-K, for shapes whose column tiles leave SMs idle (
 # narrow projections)
 QUICK_GRID = ((32, 4, 4, 1), (64, 4, 4, 1), (64, 4, 6, 1), (128, 4, 4, 1))
 QUICK_SPLITS = ((32, 64), (4,), (2, 3, 4, 6, 8, 12, 16))
+# one row on the CUDA cores (``_fp8_gemv``): weight rows a program x columns a step x warps
+ONE_ROW_GRID = tuple(
+    {"one_row": 1, "block_n": bn, "block_k": bk, "num_warps": w}
+    for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))
+    if bn * bk >= 1024 and bn * bk <= 8192
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,6 +98,7 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
             )
 
         default_cfg = fp8_matmul_config(m, n, k, sm_count)
+        mma_cfg = fp8_matmul_config(m, n, k, sm_count, one_row="mma")  # the tensor cores' tiles
         row = {
             "name": name,
             "n": n,
@@ -106,6 +113,7 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
             ),
             "gemm_default_ms": timed(gemm(default_cfg), weights),
             "default_config": default_cfg,
+            "gemm_mma_ms": timed(gemm(mma_cfg), weights) if m == 1 else None,
             "dequant_ms": timed(
                 lambda w, x=x, other=other: quant_matmul(
                     x, w[0], w[1], block, k, w[2], ep, activation, other
@@ -122,7 +130,7 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
             trials = []
             grid = [
                 {
-                    "block_m": default_cfg["block_m"],
+                    "block_m": mma_cfg["block_m"],
                     "block_n": bn,
                     "num_warps": w,
                     "num_stages": s,
@@ -132,13 +140,15 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
             ]
             block_ns, stages, splits = QUICK_SPLITS if args.quick else ((64,), (4, 6, 8), SPLITS)
             grid += [
-                {"block_m": default_cfg["block_m"], "block_n": bn, "num_warps": 4, "num_stages": s}
+                {"block_m": mma_cfg["block_m"], "block_n": bn, "num_warps": 4, "num_stages": s}
                 | {"swap_ab": 1, "split_k": split}
                 for bn in block_ns
                 for s in stages
                 for split in splits
                 if -(-n // bn) < sm_count and split * 2 <= -(-k // 128)
             ]
+            if m == 1:
+                grid += list(ONE_ROW_GRID)
             for cfg in grid:
                 try:
                     trials.append({"config": cfg, "ms": timed(gemm(cfg), weights)})
@@ -152,7 +162,9 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
             f"{name:>8s} {n:6d} {k:6d} {m:2d} {count:3d} | floor {row['floor_ms'] * 1e3:7.2f} | bf16 "
             f"{(row['bf16_skinny_ms'] or float('nan')) * 1e3:7.2f} | "
             f"dequant {row['dequant_ms'] * 1e3:6.2f} quantize {row['quantize_ms'] * 1e3:5.2f} "
-            f"gemm {row['gemm_default_ms'] * 1e3:7.2f} total {row['total_ms'] * 1e3:7.2f} | best gemm "
+            f"gemm {row['gemm_default_ms'] * 1e3:7.2f} "
+            f"(mma {(row['gemm_mma_ms'] or float('nan')) * 1e3:7.2f}) "
+            f"total {row['total_ms'] * 1e3:7.2f} | best gemm "
             f"{best_ms * 1e3:7.2f} ({nbytes / best_ms / 1e6:5.0f} GB/s) {json.dumps(row.get('best_config'))}",
             flush=True,
         )
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dequant_ms",
                 "quantize_ms",
                 "gemm_default_ms",
+                "gemm_mma_ms",
                 "total_ms",
                 "gemm_best_ms",
             )
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         t = totals[str(m)]
         print(
             f"M={m} per step (us): floor {t['floor_ms']:.0f}, fp8_matmul {t['total_ms']:.0f} (quantize "
-            f"{t['quantize_ms']:.0f} + gemm {t['gemm_default_ms']:.0f}; best tiles {t['gemm_best_ms']:.0f}), "
+            f"{t['quantize_ms']:.0f} + gemm {t['gemm_default_ms']:.0f}, tensor cores {t['gemm_mma_ms']:.0f}; "
+            f"best tiles {t['gemm_best_ms']:.0f}), "
             f"bf16 skinny {t['bf16_skinny_ms']:.0f}, dequantizing kernel {t['dequant_ms']:.0f}"
         )
     path = kernel_result_path(args.out_dir, "fp8_matmul_tiles", env, args.preset, f"_{args.quant}")

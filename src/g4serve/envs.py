@@ -109,6 +109,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_FP8_ONE_ROW",
+        "fma",
+        "W8A8 FP8 projections of one token row: `fma` on the CUDA cores (many programs of a few weight "
+        "rows), `mma` on the tensor cores' swapped 16-row tile",
+        ("fma", "mma"),
+    ),
+    Variable(
         "G4SERVE_INT4_MATMUL",
         "auto",
         "int4 (w4a16) projections at decode sizes: `auto` (2-7 rows on tinygemm, one row and 8-16 rows on "

@@ -8,12 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import g4serve.kernels.fp8_matmul as fp8_module
 from g4serve.kernels.act_mul import act_mul_reference
 from g4serve.kernels.fp8_matmul import (
     fp8_matmul,
     fp8_matmul_config,
     fp8_matmul_reference,
     fp8_matmul_supported,
+    one_row_config,
+    one_row_supported,
     quantize_activation_groups,
 )
 from g4serve.kernels.gemv import GATE_UP, MUL, PLAIN
@@ -31,6 +34,10 @@ def _weight(rows: int, k: int, block: tuple[int, int], gen: torch.Generator):
 
 def _tiles(block_m=16, block_n=16, num_warps=4, num_stages=2, **extra) -> dict[str, int]:
     return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, **extra}
+
+
+def _one_row(block_n=2, block_k=256, num_warps=4) -> dict[str, int]:
+    return {"one_row": 1, "block_n": block_n, "block_k": block_k, "num_warps": num_warps}
 
 
 CASES = [
@@ -63,6 +70,14 @@ CASES = [
     (3, 24, 520, (128, 128), GATE_UP, "silu", _tiles(split_k=3)),
     (1, 24, 384, (1, 384), MUL, "gelu_pytorch_tanh", _tiles(swap_ab=1, split_k=2)),
     (2, 40, 256, (1, 256), PLAIN, None, _tiles(split_k=4)),
+    # one row on the CUDA cores (``_fp8_gemv``): per channel and per tensor, ragged K and N, block scales
+    # that vary along K (gate and up rows in their own blocks), each epilogue, 1 / 2 / 4 rows a program
+    (1, 45, 200, (1, 200), PLAIN, None, _one_row(block_n=1, block_k=128)),
+    (1, 48, 600, (96, 600), PLAIN, None, _one_row(block_k=256)),
+    (1, 130, 384, (128, 128), PLAIN, None, _one_row(block_n=2, block_k=128)),
+    (1, 128, 520, (128, 128), GATE_UP, "gelu_pytorch_tanh", _one_row(block_n=4, block_k=256)),
+    (1, 40, 384, (1, 384), GATE_UP, "silu", _one_row(block_n=4, block_k=128)),
+    (1, 24, 256, (1, 256), MUL, "gelu_pytorch_tanh", _one_row(block_k=512)),
 ]
 
 
@@ -135,10 +150,18 @@ def test_reference_approximates_the_dequantized_product():
     assert rel < 0.03, rel
 
 
-def test_supported_scale_blocks_and_tiles():
+def test_supported_scale_blocks_and_tiles(monkeypatch):
     assert fp8_matmul_supported((1, 5376), 5376) and fp8_matmul_supported((128, 128), 5376)
     assert not fp8_matmul_supported((1, 64), 512)  # a weight scale changing inside an activation group
     h100 = 132
+    # one row: the CUDA cores' kernel (G4SERVE_FP8_ONE_ROW=fma, the default) or the tensor cores' 16-row tile
+    assert fp8_matmul_config(1, 5376, 21504, h100, "fma") == one_row_config(5376, 21504)
+    assert one_row_config(5376, 5376)["block_k"] == 1024 and one_row_config(8, 200)["block_k"] == 256
+    assert one_row_supported(1, 130, (128, 128), 384, PLAIN, 2)
+    assert not one_row_supported(1, 130, (128, 128), 384, GATE_UP, 4)  # up rows across two scale blocks
+    assert not one_row_supported(1, 130, (96, 128), 384, PLAIN, 64)  # rows across two scale blocks
+    assert not one_row_supported(2, 128, (1, 384), 384, PLAIN, 2)
+    monkeypatch.setattr(fp8_module, "ONE_ROW", "mma")  # the tensor cores' tiles below
     assert fp8_matmul_config(1, 4096, 4096, h100)["block_m"] == 16
     assert fp8_matmul_config(33, 4096, 4096, h100)["block_m"] == 64
     # 17..32 rows: the decode rule at a 32-row token tile; 33..64: narrow shapes swap and split into 3 at most
@@ -189,7 +212,7 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, config, epilogue):
     launches = _launches(
         monkeypatch,
         module,
-        "_quantize_groups _fp8_matmul",
+        "_quantize_groups _fp8_matmul _fp8_gemv",
         lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other, config),
     )
     for fn, args, kwargs in launches:

@@ -20,7 +20,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from g4serve.kernels._launch import DualKernel, launch_counters, pdl, sm_count, wait_for_previous_kernel
+from g4serve import envs
+from g4serve.kernels._launch import (
+    DualKernel,
+    launch_counters,
+    next_pow2,
+    pdl,
+    sm_count,
+    wait_for_previous_kernel,
+)
 from g4serve.kernels.act_mul import _KINDS
 from g4serve.kernels.gemv import (
     GATE_UP,
@@ -147,6 +155,91 @@ def _fp8_matmul_fn(
 _fp8_matmul = DualKernel(_fp8_matmul_fn)
 
 
+def _fp8_gemv_fn(
+    XQ,
+    SX,
+    W,
+    S,
+    E,
+    Y,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_em,
+    scale_bn,
+    scale_bk,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_SCALES: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One token row (the W8A8 GEMM's math on the CUDA cores): program n streams ``BLOCK_N`` weight rows once,
+    ``BLOCK_K`` e4m3 columns a step, each step's next tile loaded before its products (double buffering by
+    hand, as ``gemv``'s one-row path) and the first before the dependent-launch wait (weights are never
+    written during a step). The products ``w * (q(x) * sx)`` accumulate in fp32, exact for e4m3 operands;
+    a weight scale constant along K multiplies the row sums once, one that varies along it (block scales,
+    ``K_SCALES``: every row of the program in one scale block) joins the activation's scale per column."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_offset = N.to(tl.int64) * stride_wn  # the up half of a stacked [gate; up] weight
+    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    u = w
+    if EPILOGUE == 1:
+        u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    s_gate = S + ((pid * BLOCK_N) // scale_bn).to(tl.int64) * stride_sn  # the program's scale row(s)
+    s_up = S + ((pid * BLOCK_N + N) // scale_bn).to(tl.int64) * stride_sn
+    wait_for_previous_kernel(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        k_in = cols < K
+        xs = tl.load(XQ + cols, mask=k_in, other=0.0).to(tl.float32) * tl.load(
+            SX + cols // _GROUP, mask=k_in, other=0.0
+        )
+        next_mask = n_mask[:, None] & ((cols + BLOCK_K) < K)[None, :]
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        u_next = w_next
+        if EPILOGUE == 1:
+            u_next = tl.load(
+                w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first"
+            )
+        xg = xs
+        if K_SCALES:
+            xg = xs * tl.load(s_gate + cols // scale_bk, mask=k_in, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * xg[None, :]
+        if EPILOGUE == 1:
+            xu = xs
+            if K_SCALES:
+                xu = xs * tl.load(s_up + cols // scale_bk, mask=k_in, other=0.0).to(tl.float32)
+            acc_up += u.to(tl.float32) * xu[None, :]
+        w = w_next
+        u = u_next
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    y_up = tl.sum(acc_up, axis=1)
+    if not K_SCALES:
+        y *= tl.load(S + (offs_n // scale_bn).to(tl.int64) * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+        if EPILOGUE == 1:
+            y_up *= tl.load(
+                S + ((offs_n + N) // scale_bn).to(tl.int64) * stride_sn, mask=n_mask, other=0.0
+            ).to(tl.float32)
+    offs_m = tl.arange(0, 1)
+    store_gated(
+        y[None, :], y_up[None, :], Y, E, offs_m, offs_n, offs_m < 1, n_mask, stride_em, 0, EPILOGUE, ACT
+    )
+
+
+_fp8_gemv = DualKernel(_fp8_gemv_fn)
+
+
 def fp8_matmul_supported(scale_block: tuple[int, int], in_features: int) -> bool:
     """Whether a weight's scales are constant within every activation group (per tensor, per channel, or
     K blocks that are whole multiples of ``GROUP``)."""
@@ -154,7 +247,7 @@ def fp8_matmul_supported(scale_block: tuple[int, int], in_features: int) -> bool
     return bk >= in_features or bk % GROUP == 0
 
 
-def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
+def fp8_matmul_config(m: int, n: int, k: int, sm_count: int, one_row: str | None = None) -> dict[str, int]:
     """Tiles per shape. Up to 32 rows (decode; measured on an H100 with bench/fp8_matmul_tiles.py at E4B's
     and 31B's shapes) the weight streams through the warpgroup MMA as its M side (``swap_ab``) in 64-row
     tiles, 4 stages deep, against the batch padded to 16 or 32; a shape whose column tiles fill fewer than all
@@ -167,6 +260,8 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
     tiles = triton.cdiv(n, 64)
     groups = triton.cdiv(k, GROUP)
     narrow = tiles < sm_count and groups >= 2 * MIN_GROUPS_PER_SPLIT
+    if m == 1 and (one_row or ONE_ROW) == "fma":
+        return one_row_config(n, k)
     if m <= 32:
         cfg = {"block_m": 16 if m <= 16 else 32, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}
         if narrow:
@@ -188,6 +283,28 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int) -> dict[str, int]:
         block_n = 64 if n >= 64 * 264 else 32
         return {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": 4}
     return {"block_m": 128 if m > 256 else 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+# One token row: "fma" streams the weight through the CUDA cores (``_fp8_gemv``: many programs of a few rows,
+# as bf16's one-row GEMV), "mma" through the tensor cores on the swapped 16-row tile (``_fp8_matmul``)
+ONE_ROW = envs.get("G4SERVE_FP8_ONE_ROW")
+
+
+def one_row_config(n: int, k: int) -> dict[str, int]:
+    """``_fp8_gemv``'s tiles: ``block_n`` weight rows a program, ``block_k`` columns a step."""
+    block_k = 1024 if k >= 1024 else max(128, next_pow2(k))
+    return {"one_row": 1, "block_n": 2, "block_k": block_k, "num_warps": 4}
+
+
+def one_row_supported(
+    m: int, n: int, scale_block: tuple[int, int], k: int, epilogue: int, block_n: int
+) -> bool:
+    """Whether ``_fp8_gemv`` takes this product: one row, and where the weight's scales vary along K, every
+    program's rows (gate and up) inside one scale block."""
+    if m != 1:
+        return False
+    bn, bk = scale_block
+    return bk >= k or (bn % block_n == 0 and (epilogue != GATE_UP or n % block_n == 0))
 
 
 MAX_SPLIT_K = 8
@@ -273,6 +390,30 @@ def fp8_matmul_quantized(
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
     cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device))
+    if cfg.get("one_row") and one_row_supported(m, n, scale_block, k, epilogue, cfg["block_n"]):
+        _fp8_gemv[xq.device][(triton.cdiv(n, cfg["block_n"]),)](
+            xq,
+            sx,
+            weight,
+            scale,
+            other if other is not None else y,
+            y,
+            n,
+            k,
+            weight.stride(0),
+            scale.stride(0),
+            other.stride(0) if other is not None else 0,
+            scale_block[0],
+            scale_block[1],
+            BLOCK_N=cfg["block_n"],
+            BLOCK_K=cfg["block_k"],
+            K_SCALES=scale_block[1] < k,
+            EPILOGUE=epilogue,
+            ACT=_KINDS[activation] if epilogue != PLAIN else 0,
+            **pdl(xq.device, m),
+            num_warps=cfg["num_warps"],
+        )
+        return y
     tiles = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(m, cfg["block_m"]))
     counters = (
         launch_counters(xq.device, tiles[0] * tiles[1], "fp8_matmul") if cfg.get("split_k", 1) > 1 else None
@@ -355,5 +496,7 @@ __all__ = [
     "fp8_matmul_config",
     "fp8_matmul_reference",
     "fp8_matmul_supported",
+    "one_row_config",
+    "one_row_supported",
     "quantize_activation_groups",
 ]
