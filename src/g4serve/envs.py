@@ -110,10 +110,11 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_FP8_ONE_ROW",
-        "fma",
+        "auto",
         "W8A8 FP8 projections of one token row: `fma` on the CUDA cores (many programs of a few weight "
-        "rows), `mma` on the tensor cores' swapped 16-row tile",
-        ("fma", "mma"),
+        "rows), `mma` on the tensor cores' swapped 16-row tile, `auto` the CUDA cores where the tensor "
+        "cores' tiles would split K and the weight has at most 2^25 elements",
+        ("auto", "fma", "mma"),
     ),
     Variable(
         "G4SERVE_INT4_MATMUL",

@@ -154,9 +154,16 @@ def test_supported_scale_blocks_and_tiles(monkeypatch):
     assert fp8_matmul_supported((1, 5376), 5376) and fp8_matmul_supported((128, 128), 5376)
     assert not fp8_matmul_supported((1, 64), 512)  # a weight scale changing inside an activation group
     h100 = 132
-    # one row: the CUDA cores' kernel (G4SERVE_FP8_ONE_ROW=fma, the default) or the tensor cores' 16-row tile
+    # one row: the CUDA cores' kernel where the tensor cores' tiles would split K and the weight is small
+    # (e4b's o and down), the tensor cores elsewhere (wide: e4b's gate/up; large: 31B's o)
+    assert fp8_matmul_config(1, 2560, 2048, h100, "auto") == one_row_config(2560, 2048)
+    assert fp8_matmul_config(1, 2560, 10240, h100, "auto") == one_row_config(2560, 10240)
+    assert "one_row" not in fp8_matmul_config(1, 10240, 2560, h100, "auto")
+    assert "one_row" not in fp8_matmul_config(1, 5376, 8192, h100, "auto")
+    assert "one_row" not in fp8_matmul_config(1, 2560, 2048, 0, "auto")  # no SM count (the interpreter)
     assert fp8_matmul_config(1, 5376, 21504, h100, "fma") == one_row_config(5376, 21504)
-    assert one_row_config(5376, 5376)["block_k"] == 1024 and one_row_config(8, 200)["block_k"] == 256
+    assert "one_row" not in fp8_matmul_config(1, 2560, 2048, h100, "mma")
+    assert one_row_config(5376, 5376)["block_k"] == 512 and one_row_config(2560, 4096)["block_k"] == 1024
     assert one_row_supported(1, 130, (128, 128), 384, PLAIN, 2)
     assert not one_row_supported(1, 130, (128, 128), 384, GATE_UP, 4)  # up rows across two scale blocks
     assert not one_row_supported(1, 130, (96, 128), 384, PLAIN, 64)  # rows across two scale blocks

@@ -24,7 +24,6 @@ from g4serve import envs
 from g4serve.kernels._launch import (
     DualKernel,
     launch_counters,
-    next_pow2,
     pdl,
     sm_count,
     wait_for_previous_kernel,
@@ -260,7 +259,7 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int, one_row: str | None
     tiles = triton.cdiv(n, 64)
     groups = triton.cdiv(k, GROUP)
     narrow = tiles < sm_count and groups >= 2 * MIN_GROUPS_PER_SPLIT
-    if m == 1 and (one_row or ONE_ROW) == "fma":
+    if m == 1 and one_row_on_cuda_cores(n, k, sm_count, one_row or ONE_ROW):
         return one_row_config(n, k)
     if m <= 32:
         cfg = {"block_m": 16 if m <= 16 else 32, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}
@@ -285,15 +284,29 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int, one_row: str | None
     return {"block_m": 128 if m > 256 else 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
-# One token row: "fma" streams the weight through the CUDA cores (``_fp8_gemv``: many programs of a few rows,
-# as bf16's one-row GEMV), "mma" through the tensor cores on the swapped 16-row tile (``_fp8_matmul``)
+# One token row: "auto" takes ``_fp8_gemv`` (the CUDA cores: many programs of a few weight rows, as bf16's
+# one-row GEMV) where the tensor cores' 16-row tile would split K (its column tiles leave SMs idle) and the
+# weight has at most ONE_ROW_MAX_ELEMENTS; "fma" takes it for every one-row product, "mma" never.
 ONE_ROW = envs.get("G4SERVE_FP8_ONE_ROW")
+# bench/fp8_matmul_tiles.py --rows 1 (an H100, call 1 of 2026-12-07): on e4b's narrow projections (2-26M
+# elements) the CUDA cores took 3.7-12.4 us where the split tensor-core tiles took 5.8-13.1 (o 3.68 against
+# 5.80, down 12.44 against 13.12); on 31B's (44-116M) they lost (o 20.4 against 19.6, down 46.8 against 43.8),
+# and on every wide one (gate/up: 97 against 82 us at 31B), where the e4m3 -> fp32 unpacking bounds them.
+ONE_ROW_MAX_ELEMENTS = 1 << 25
 
 
 def one_row_config(n: int, k: int) -> dict[str, int]:
-    """``_fp8_gemv``'s tiles: ``block_n`` weight rows a program, ``block_k`` columns a step."""
-    block_k = 1024 if k >= 1024 else max(128, next_pow2(k))
-    return {"one_row": 1, "block_n": 2, "block_k": block_k, "num_warps": 4}
+    """``_fp8_gemv``'s tiles (the same sweep): 4 weight rows a program, 4 warps, K steps of 1,024 where K
+    divides by it, else 512 (e4b's K = 2,560: 5.9 against 7.0 us on qkv)."""
+    return {"one_row": 1, "block_n": 4, "block_k": 1024 if k % 1024 == 0 else 512, "num_warps": 4}
+
+
+def one_row_on_cuda_cores(n: int, k: int, sm_count: int, mode: str) -> bool:
+    """Whether a one-row product takes ``_fp8_gemv`` (``ONE_ROW``'s rule, for ``mode``)."""
+    if mode != "auto":
+        return mode == "fma"
+    narrow = triton.cdiv(n, 64) < sm_count
+    return narrow and n * k <= ONE_ROW_MAX_ELEMENTS
 
 
 def one_row_supported(
@@ -497,6 +510,7 @@ __all__ = [
     "fp8_matmul_reference",
     "fp8_matmul_supported",
     "one_row_config",
+    "one_row_on_cuda_cores",
     "one_row_supported",
     "quantize_activation_groups",
 ]
