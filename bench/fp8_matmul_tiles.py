@@ -53,8 +53,8 @@ QUICK_SPLITS = ((32, 64), (4,), (2, 3, 4, 6, 8, 12, 16))
 # one row on the CUDA cores (``_fp8_gemv``): weight rows a program x columns a step x warps
 ONE_ROW_GRID = tuple(
     {"one_row": 1, "block_n": bn, "block_k": bk, "num_warps": w}
-    for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8))
-    if bn * bk >= 1024 and bn * bk <= 8192
+    for bn, bk, w in itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8))
+    if 2048 <= bn * bk <= 8192
 )
 
 

@@ -154,9 +154,9 @@ def _fp8_matmul_fn(
 _fp8_matmul = DualKernel(_fp8_matmul_fn)
 
 
-# Four e4m3 bytes of one 32-bit register -> four fp32 values: two hardware conversions to f16x2 (sm_89+), then
-# each half widened. Triton's own cast unpacks the bytes one by one first (~9 instructions a weight byte
-# against ~2.5 here), which bounded the one-row kernel near 2.4 TB/s on an H100.
+# Four e4m3 bytes of one 32-bit word -> four fp32 values: two hardware conversions to f16x2 (sm_89+), then each
+# half widened. Loading e4m3 as bytes and casting, Triton unpacked and repacked every byte (~9 instructions a
+# weight byte against ~2.5 here), which bounded the one-row kernel near 2.4 TB/s on an H100.
 _E4M3X4_TO_F32 = tl.constexpr("""{
 .reg .b16 lo, hi, f0, f1, f2, f3;
 .reg .b32 h01, h23;
@@ -173,20 +173,25 @@ cvt.f32.f16 $3, f3;
 
 
 @triton.jit
-def e4m3_to_f32(v, PTX: tl.constexpr):
-    """An e4m3 tensor widened to fp32: by ``_E4M3X4_TO_F32`` when compiled for the GPU (``PTX``), by Triton's
-    cast in the interpreter (the same values: e4m3 -> f16 -> f32 is exact)."""
+def e4m3x4_to_f32(words, PTX: tl.constexpr):
+    """int32 words of four e4m3 bytes -> four fp32 tensors of the words' shape, byte 0 (the lowest column)
+    first: by ``_E4M3X4_TO_F32`` when compiled for the GPU (``PTX``), by shifts and Triton's cast in the
+    interpreter (the same values: e4m3 -> f16 -> f32 is exact)."""
     if PTX:
         return tl.inline_asm_elementwise(
             _E4M3X4_TO_F32,
             "=r,=r,=r,=r,r",
-            [v.to(tl.uint8, bitcast=True)],
-            dtype=tl.float32,
+            [words],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
             is_pure=True,
-            pack=4,
+            pack=1,
         )
     else:
-        return v.to(tl.float32)
+        b0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return b0, b1, b2, b3
 
 
 def _fp8_gemv_fn(
@@ -212,55 +217,61 @@ def _fp8_gemv_fn(
     USE_PDL: tl.constexpr,
 ):
     """One token row (the W8A8 GEMM's math on the CUDA cores): program n streams ``BLOCK_N`` weight rows once,
-    ``BLOCK_K`` e4m3 columns a step, each step's next tile loaded before its products (double buffering by
-    hand, as ``gemv``'s one-row path) and the first before the dependent-launch wait (weights are never
-    written during a step). The products ``w * (q(x) * sx)`` accumulate in fp32, exact for e4m3 operands;
-    a weight scale constant along K multiplies the row sums once, one that varies along it (block scales,
-    ``K_SCALES``: every row of the program in one scale block) joins the activation's scale per column."""
+    ``BLOCK_K`` e4m3 columns a step as int32 words of four (``XQ``, ``W``: the e4m3 bytes viewed as int32;
+    ``K`` and ``stride_wn`` in words), each step's next tile loaded before its products (double buffering
+    by hand, as ``gemv``'s one-row path) and the first before the dependent-launch wait (weights are never
+    written during a step). The activation is loaded in the weight tile's own layout, each row the same
+    words (cache hits; the compiler keeps one copy a thread): a [BLOCK_K] vector broadcast to the tile went
+    through shared memory and barriers every step. The products ``w * (q(x) * sx)`` accumulate in fp32,
+    exact for e4m3 operands; a weight scale constant along K multiplies the row sums once, one that varies
+    along it (block scales, ``K_SCALES``: every row of the program in one scale block) joins the
+    activation's scale per column."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 4
+    GROUP_W: tl.constexpr = _GROUP // 4
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_W)
     n_mask = offs_n < N
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
     up_offset = N.to(tl.int64) * stride_wn  # the up half of a stacked [gate; up] weight
-    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    w_mask = n_mask[:, None] & (offs_w < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0, eviction_policy="evict_first")
     u = w
     if EPILOGUE == 1:
-        u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0, eviction_policy="evict_first")
     s_gate = S + ((pid * BLOCK_N) // scale_bn).to(tl.int64) * stride_sn  # the program's scale row(s)
     s_up = S + ((pid * BLOCK_N + N) // scale_bn).to(tl.int64) * stride_sn
     rows0 = tl.zeros([BLOCK_N, 1], tl.int32)
     wait_for_previous_kernel(USE_PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # the activation loaded in the weight tile's own layout, each row the same columns (cache hits): a
-        # [BLOCK_K] vector broadcast to the tile went through shared memory and barriers every step
-        cols = k0 + offs_k[None, :] + rows0
+    acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    for k0 in range(0, K, BLOCK_W):
+        cols = k0 + offs_w[None, :] + rows0  # words
         k_in = cols < K
-        xs = e4m3_to_f32(tl.load(XQ + cols, mask=k_in, other=0.0), PTX) * tl.load(
-            SX + cols // _GROUP, mask=k_in, other=0.0
-        )
-        next_mask = n_mask[:, None] & ((cols + BLOCK_K) < K)
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        x0, x1, x2, x3 = e4m3x4_to_f32(tl.load(XQ + cols, mask=k_in, other=0), PTX)
+        if BLOCK_W == GROUP_W:  # one activation group a step: its scale is one number
+            sx = tl.load(SX + k0 // GROUP_W)
+        else:
+            sx = tl.load(SX + cols // GROUP_W, mask=k_in, other=0.0)
+        next_mask = n_mask[:, None] & ((cols + BLOCK_W) < K)
+        w_next = tl.load(w_ptrs + BLOCK_W, mask=next_mask, other=0, eviction_policy="evict_first")
         u_next = w_next
         if EPILOGUE == 1:
             u_next = tl.load(
-                w_ptrs + BLOCK_K + up_offset, mask=next_mask, other=0.0, eviction_policy="evict_first"
+                w_ptrs + BLOCK_W + up_offset, mask=next_mask, other=0, eviction_policy="evict_first"
             )
-        xg = xs
+        sg = sx
         if K_SCALES:
-            xg = xs * tl.load(s_gate + cols // scale_bk, mask=k_in, other=0.0).to(tl.float32)
-        acc += e4m3_to_f32(w, PTX) * xg
+            sg = sx * tl.load(s_gate + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
+        acc = _products(acc, w, x0, x1, x2, x3, sg, PTX)
         if EPILOGUE == 1:
-            xu = xs
+            su = sx
             if K_SCALES:
-                xu = xs * tl.load(s_up + cols // scale_bk, mask=k_in, other=0.0).to(tl.float32)
-            acc_up += e4m3_to_f32(u, PTX) * xu
+                su = sx * tl.load(s_up + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
+            acc_up = _products(acc_up, u, x0, x1, x2, x3, su, PTX)
         w = w_next
         u = u_next
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_W
     y = tl.sum(acc, axis=1)
     y_up = tl.sum(acc_up, axis=1)
     if not K_SCALES:
@@ -273,6 +284,17 @@ def _fp8_gemv_fn(
     store_gated(
         y[None, :], y_up[None, :], Y, E, offs_m, offs_n, offs_m < 1, n_mask, stride_em, 0, EPILOGUE, ACT
     )
+
+
+@triton.jit
+def _products(acc, words, x0, x1, x2, x3, scale, PTX: tl.constexpr):
+    """acc + the four columns of each weight word times the activation's, the sum scaled (one FMA each)."""
+    w0, w1, w2, w3 = e4m3x4_to_f32(words, PTX)
+    part = w0 * x0
+    part += w1 * x1
+    part += w2 * x2
+    part += w3 * x3
+    return acc + part * scale
 
 
 _fp8_gemv = DualKernel(_fp8_gemv_fn)
@@ -353,7 +375,7 @@ def one_row_supported(
 ) -> bool:
     """Whether ``_fp8_gemv`` takes this product: one row, and where the weight's scales vary along K, every
     program's rows (gate and up) inside one scale block."""
-    if m != 1:
+    if m != 1 or k % 4:  # (the kernel reads e4m3 as int32 words of four)
         return False
     bn, bk = scale_block
     return bk >= k or (bn % block_n == 0 and (epilogue != GATE_UP or n % block_n == 0))
@@ -444,15 +466,15 @@ def fp8_matmul_quantized(
     cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device))
     if cfg.get("one_row") and one_row_supported(m, n, scale_block, k, epilogue, cfg["block_n"]):
         _fp8_gemv[xq.device][(triton.cdiv(n, cfg["block_n"]),)](
-            xq,
+            xq.view(torch.int32),
             sx,
-            weight,
+            weight.view(torch.int32),
             scale,
             other if other is not None else y,
             y,
             n,
-            k,
-            weight.stride(0),
+            k // 4,
+            weight.stride(0) // 4,
             scale.stride(0),
             other.stride(0) if other is not None else 0,
             scale_block[0],
