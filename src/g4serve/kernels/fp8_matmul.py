@@ -154,9 +154,10 @@ def _fp8_matmul_fn(
 _fp8_matmul = DualKernel(_fp8_matmul_fn)
 
 
-# Four e4m3 bytes of one 32-bit word -> four fp32 values: two hardware conversions to f16x2 (sm_89+), then each
-# half widened. Loading e4m3 as bytes and casting, Triton unpacked and repacked every byte (~9 instructions a
-# weight byte against ~2.5 here), which bounded the one-row kernel near 2.4 TB/s on an H100.
+# Four e4m3 bytes of one 32-bit word -> four fp32 values: two hardware conversions to f16x2 (sm_89+), then
+# each half widened. Loading e4m3 as bytes and casting, Triton unpacked and repacked every byte (~12 SASS
+# instructions a weight byte in the loop against ~6.4 here, the activation's included), which bounded the
+# one-row kernel near 2.4 TB/s on an H100.
 _E4M3X4_TO_F32 = tl.constexpr("""{
 .reg .b16 lo, hi, f0, f1, f2, f3;
 .reg .b32 h01, h23;
