@@ -55,6 +55,9 @@ ONE_ROW_GRID = tuple(
     {"one_row": 1, "block_n": bn, "block_k": bk, "num_warps": w}
     for bn, bk, w in itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8))
     if 2048 <= bn * bk <= 8192
+) + tuple(  # the products on f16x2 lanes
+    {"one_row": 1, "block_n": bn, "block_k": bk, "num_warps": 4, "f16": 1}
+    for bn, bk in ((8, 512), (16, 128), (16, 256), (32, 128), (32, 256), (64, 128))
 )
 
 

@@ -173,6 +173,30 @@ cvt.f32.f16 $3, f3;
 }""")
 
 
+# One weight word and one activation word (four e4m3 bytes each) -> the two f16x2 lanes' sums of their
+# products as fp32: (w0 x0 + w2 x2, w1 x1 + w3 x3) / 256. The activation is scaled by 2^-8 first (exact), so
+# products of e4m3 values (up to 448 x 448) stay in f16's range; each product is exact in f16, the pair's sum
+# rounds once to f16 (11 bits) before it joins the fp32 sums.
+_E4M3_PAIRS_F16 = tl.constexpr("""{
+.reg .b16 wl, wh, xl, xh, s0, s1;
+.reg .b32 w01, w23, x01, x23, p, q;
+mov.b32 {wl, wh}, $2;
+mov.b32 {xl, xh}, $3;
+cvt.rn.f16x2.e4m3x2 w01, wl;
+cvt.rn.f16x2.e4m3x2 w23, wh;
+cvt.rn.f16x2.e4m3x2 x01, xl;
+cvt.rn.f16x2.e4m3x2 x23, xh;
+mov.b32 q, 0x1C001C00;
+mul.rn.f16x2 x01, x01, q;
+mul.rn.f16x2 x23, x23, q;
+mul.rn.f16x2 p, w01, x01;
+fma.rn.f16x2 p, w23, x23, p;
+mov.b32 {s0, s1}, p;
+cvt.f32.f16 $0, s0;
+cvt.f32.f16 $1, s1;
+}""")
+
+
 @triton.jit
 def e4m3x4_to_f32(words, PTX: tl.constexpr):
     """int32 words of four e4m3 bytes -> four fp32 tensors of the words' shape, byte 0 (the lowest column)
@@ -215,6 +239,7 @@ def _fp8_gemv_fn(
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     PTX: tl.constexpr,
+    F16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token row (the W8A8 GEMM's math on the CUDA cores): program n streams ``BLOCK_N`` weight rows once,
@@ -249,7 +274,9 @@ def _fp8_gemv_fn(
     for k0 in range(0, K, BLOCK_W):
         cols = k0 + offs_w[None, :] + rows0  # words
         k_in = cols < K
-        x0, x1, x2, x3 = e4m3x4_to_f32(tl.load(XQ + cols, mask=k_in, other=0), PTX)
+        x_words = tl.load(XQ + cols, mask=k_in, other=0)
+        if not F16:
+            x0, x1, x2, x3 = e4m3x4_to_f32(x_words, PTX)
         if BLOCK_W == GROUP_W:  # one activation group a step: its scale is one number
             sx = tl.load(SX + k0 // GROUP_W)
         else:
@@ -264,12 +291,18 @@ def _fp8_gemv_fn(
         sg = sx
         if K_SCALES:
             sg = sx * tl.load(s_gate + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
-        acc = _products(acc, w, x0, x1, x2, x3, sg, PTX)
+        if F16:
+            acc = _products_f16(acc, w, x_words, sg)
+        else:
+            acc = _products(acc, w, x0, x1, x2, x3, sg, PTX)
         if EPILOGUE == 1:
             su = sx
             if K_SCALES:
                 su = sx * tl.load(s_up + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
-            acc_up = _products(acc_up, u, x0, x1, x2, x3, su, PTX)
+            if F16:
+                acc_up = _products_f16(acc_up, u, x_words, su)
+            else:
+                acc_up = _products(acc_up, u, x0, x1, x2, x3, su, PTX)
         w = w_next
         u = u_next
         w_ptrs += BLOCK_W
@@ -296,6 +329,15 @@ def _products(acc, words, x0, x1, x2, x3, scale, PTX: tl.constexpr):
     part += w2 * x2
     part += w3 * x3
     return acc + part * scale
+
+
+@triton.jit
+def _products_f16(acc, words, x_words, scale):
+    """``_products`` with the products on f16x2 lanes (``_E4M3_PAIRS_F16``; GPU only)."""
+    a, b = tl.inline_asm_elementwise(
+        _E4M3_PAIRS_F16, "=r,=r,r,r", [words, x_words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1
+    )
+    return acc + (a + b) * (scale * 256.0)
 
 
 _fp8_gemv = DualKernel(_fp8_gemv_fn)
@@ -485,7 +527,8 @@ def fp8_matmul_quantized(
             K_SCALES=scale_block[1] < k,
             EPILOGUE=epilogue,
             ACT=_KINDS[activation] if epilogue != PLAIN else 0,
-            PTX=xq.is_cuda and cfg.get("ptx", 1) == 1,
+            PTX=xq.is_cuda,
+            F16=xq.is_cuda and cfg.get("f16", 0) == 1,
             **pdl(xq.device, m),
             num_warps=cfg["num_warps"],
         )
