@@ -275,6 +275,7 @@ def _fp8_gemv_fn(
         cols = k0 + offs_w[None, :] + rows0  # words
         k_in = cols < K
         x_words = tl.load(XQ + cols, mask=k_in, other=0)
+        x0, x1, x2, x3 = x_words, x_words, x_words, x_words  # (unused on f16x2 lanes)
         if not F16:
             x0, x1, x2, x3 = e4m3x4_to_f32(x_words, PTX)
         if BLOCK_W == GROUP_W:  # one activation group a step: its scale is one number
@@ -288,21 +289,11 @@ def _fp8_gemv_fn(
             u_next = tl.load(
                 w_ptrs + BLOCK_W + up_offset, mask=next_mask, other=0, eviction_policy="evict_first"
             )
-        sg = sx
-        if K_SCALES:
-            sg = sx * tl.load(s_gate + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
-        if F16:
-            acc = _products_f16(acc, w, x_words, sg)
-        else:
-            acc = _products(acc, w, x0, x1, x2, x3, sg, PTX)
+        sg = _column_scale(sx, s_gate, cols, k_in, scale_bk, K_SCALES)
+        acc = _products(acc, w, x_words, x0, x1, x2, x3, sg, PTX, F16)
         if EPILOGUE == 1:
-            su = sx
-            if K_SCALES:
-                su = sx * tl.load(s_up + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
-            if F16:
-                acc_up = _products_f16(acc_up, u, x_words, su)
-            else:
-                acc_up = _products(acc_up, u, x0, x1, x2, x3, su, PTX)
+            su = _column_scale(sx, s_up, cols, k_in, scale_bk, K_SCALES)
+            acc_up = _products(acc_up, u, x_words, x0, x1, x2, x3, su, PTX, F16)
         w = w_next
         u = u_next
         w_ptrs += BLOCK_W
@@ -321,23 +312,35 @@ def _fp8_gemv_fn(
 
 
 @triton.jit
-def _products(acc, words, x0, x1, x2, x3, scale, PTX: tl.constexpr):
-    """acc + the four columns of each weight word times the activation's, the sum scaled (one FMA each)."""
-    w0, w1, w2, w3 = e4m3x4_to_f32(words, PTX)
-    part = w0 * x0
-    part += w1 * x1
-    part += w2 * x2
-    part += w3 * x3
-    return acc + part * scale
+def _column_scale(sx, s_row, cols, k_in, scale_bk, K_SCALES: tl.constexpr):
+    """The activation's scale for each word of a step, times the weight's where it varies along K."""
+    if K_SCALES:
+        return sx * tl.load(s_row + (4 * cols) // scale_bk, mask=k_in, other=0.0).to(tl.float32)
+    else:
+        return sx
 
 
 @triton.jit
-def _products_f16(acc, words, x_words, scale):
-    """``_products`` with the products on f16x2 lanes (``_E4M3_PAIRS_F16``; GPU only)."""
-    a, b = tl.inline_asm_elementwise(
-        _E4M3_PAIRS_F16, "=r,=r,r,r", [words, x_words], dtype=(tl.float32, tl.float32), is_pure=True, pack=1
-    )
-    return acc + (a + b) * (scale * 256.0)
+def _products(acc, words, x_words, x0, x1, x2, x3, scale, PTX: tl.constexpr, F16: tl.constexpr):
+    """acc + the four columns of each weight word times the activation's, the sum scaled: in fp32 (one FMA
+    each, the activation widened once a step), or on f16x2 lanes (``F16``: ``_E4M3_PAIRS_F16``, GPU only)."""
+    if F16:
+        a, b = tl.inline_asm_elementwise(
+            _E4M3_PAIRS_F16,
+            "=r,=r,r,r",
+            [words, x_words],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+        return acc + (a + b) * (scale * 256.0)
+    else:
+        w0, w1, w2, w3 = e4m3x4_to_f32(words, PTX)
+        part = w0 * x0
+        part += w1 * x1
+        part += w2 * x2
+        part += w3 * x3
+        return acc + part * scale
 
 
 _fp8_gemv = DualKernel(_fp8_gemv_fn)
