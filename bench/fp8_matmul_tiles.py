@@ -55,9 +55,6 @@ ONE_ROW_GRID = tuple(
     {"one_row": 1, "block_n": bn, "block_k": bk, "num_warps": w}
     for bn, bk, w in itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8))
     if 2048 <= bn * bk <= 8192
-) + tuple(  # the products on f16x2 lanes
-    {"one_row": 1, "block_n": bn, "block_k": bk, "num_warps": 4, "f16": 1}
-    for bn, bk in ((8, 512), (16, 128), (16, 256), (32, 128), (32, 256), (64, 128))
 )
 
 
@@ -100,7 +97,7 @@ def bench_shape(args, shape, act: str, copy_gbps: float, sm_count: int) -> list[
                 xq, sx, x.dtype, w[0], w[1], block, ep, activation, other, cfg
             )
 
-        default_cfg = fp8_matmul_config(m, n, k, sm_count)
+        default_cfg = fp8_matmul_config(m, n, k, sm_count, epilogue=ep)
         mma_cfg = fp8_matmul_config(m, n, k, sm_count, one_row="mma")  # the tensor cores' tiles
         row = {
             "name": name,

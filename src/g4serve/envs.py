@@ -112,8 +112,8 @@ VARIABLES: tuple[Variable, ...] = (
         "G4SERVE_FP8_ONE_ROW",
         "auto",
         "W8A8 FP8 projections of one token row: `fma` on the CUDA cores (many programs of a few weight "
-        "rows), `mma` on the tensor cores' swapped 16-row tile, `auto` the CUDA cores where the tensor "
-        "cores' tiles would split K and the weight has at most 2^25 elements",
+        "rows), `mma` on the tensor cores' swapped 16-row tile, `auto` the CUDA cores for weights of at most "
+        "2^25 elements (e4b's, not 31B's)",
         ("auto", "fma", "mma"),
     ),
     Variable(

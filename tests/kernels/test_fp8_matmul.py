@@ -154,16 +154,24 @@ def test_supported_scale_blocks_and_tiles(monkeypatch):
     assert fp8_matmul_supported((1, 5376), 5376) and fp8_matmul_supported((128, 128), 5376)
     assert not fp8_matmul_supported((1, 64), 512)  # a weight scale changing inside an activation group
     h100 = 132
-    # one row: the CUDA cores' kernel where the tensor cores' tiles would split K and the weight is small
-    # (e4b's o and down), the tensor cores elsewhere (wide: e4b's gate/up; large: 31B's o)
+    # one row: the CUDA cores' kernel for weights of up to 2^25 elements (all of e4b's), the tensor cores past
+    # them (31B's), whatever the device; "fma" / "mma" force either
     assert fp8_matmul_config(1, 2560, 2048, h100, "auto") == one_row_config(2560, 2048)
-    assert fp8_matmul_config(1, 2560, 10240, h100, "auto") == one_row_config(2560, 10240)
-    assert "one_row" not in fp8_matmul_config(1, 10240, 2560, h100, "auto")
+    assert fp8_matmul_config(1, 10240, 2560, 0, "auto", GATE_UP) == one_row_config(10240, 2560, GATE_UP)
     assert "one_row" not in fp8_matmul_config(1, 5376, 8192, h100, "auto")
-    assert "one_row" not in fp8_matmul_config(1, 2560, 2048, 0, "auto")  # no SM count (the interpreter)
     assert fp8_matmul_config(1, 5376, 21504, h100, "fma") == one_row_config(5376, 21504)
     assert "one_row" not in fp8_matmul_config(1, 2560, 2048, h100, "mma")
-    assert one_row_config(5376, 5376)["block_k"] == 512 and one_row_config(2560, 4096)["block_k"] == 1024
+    # K steps of 2,048 bytes for long rows that divide by it, else 1,024 or 512; 8 rows for a wide gated pair
+    assert [one_row_config(2560, k)["block_k"] for k in (2048, 2560, 4096, 5376, 10240)] == [
+        1024,
+        512,
+        2048,
+        512,
+        2048,
+    ]
+    assert (
+        one_row_config(10240, 2560, GATE_UP)["block_n"] == 8 and one_row_config(10240, 2560)["block_n"] == 4
+    )
     assert one_row_supported(1, 130, (128, 128), 384, PLAIN, 2)
     assert not one_row_supported(1, 130, (128, 128), 384, GATE_UP, 4)  # up rows across two scale blocks
     assert not one_row_supported(1, 130, (96, 128), 384, PLAIN, 64)  # rows across two scale blocks
@@ -197,7 +205,9 @@ def test_supported_scale_blocks_and_tiles(monkeypatch):
         (32, fp8_matmul_config(32, 5376, 21504, 132)),  # 32 rows, swapped and split
         (64, fp8_matmul_config(64, 5376, 21504, 132)),
         (200, None),
-        (1, fp8_matmul_config(1, 5376, 5376, 132)),  # an H100's decode tiles
+        (1, fp8_matmul_config(1, 5376, 5376, 132, "mma")),  # an H100's decode tiles
+        (1, one_row_config(5376, 5376)),  # the CUDA cores' one-row kernel
+        (1, one_row_config(5376, 5376) | {"block_n": 16, "block_k": 256}),
         (4, _tiles(block_n=64, num_stages=6, swap_ab=1, split_k=3)),
     ],
 )
@@ -223,6 +233,8 @@ def test_kernel_compiles_for_sm90(monkeypatch, m, config, epilogue):
         lambda: fp8_matmul(x, weight, scale, (1, k), epilogue, act, other, config),
     )
     for fn, args, kwargs in launches:
+        if "PTX" in kwargs:  # the one-row kernel's e4m3 widening as the GPU runs it (inline PTX), not the
+            kwargs = kwargs | {"PTX": True}  # interpreter's cast that meta tensors select
         _compile(fn, args, kwargs, use_pdl=m <= 64)
 
 

@@ -173,30 +173,6 @@ cvt.f32.f16 $3, f3;
 }""")
 
 
-# One weight word and one activation word (four e4m3 bytes each) -> the two f16x2 lanes' sums of their
-# products as fp32: (w0 x0 + w2 x2, w1 x1 + w3 x3) / 256. The activation is scaled by 2^-8 first (exact), so
-# products of e4m3 values (up to 448 x 448) stay in f16's range; each product is exact in f16, the pair's sum
-# rounds once to f16 (11 bits) before it joins the fp32 sums.
-_E4M3_PAIRS_F16 = tl.constexpr("""{
-.reg .b16 wl, wh, xl, xh, s0, s1;
-.reg .b32 w01, w23, x01, x23, p, q;
-mov.b32 {wl, wh}, $2;
-mov.b32 {xl, xh}, $3;
-cvt.rn.f16x2.e4m3x2 w01, wl;
-cvt.rn.f16x2.e4m3x2 w23, wh;
-cvt.rn.f16x2.e4m3x2 x01, xl;
-cvt.rn.f16x2.e4m3x2 x23, xh;
-mov.b32 q, 0x1C001C00;
-mul.rn.f16x2 x01, x01, q;
-mul.rn.f16x2 x23, x23, q;
-mul.rn.f16x2 p, w01, x01;
-fma.rn.f16x2 p, w23, x23, p;
-mov.b32 {s0, s1}, p;
-cvt.f32.f16 $0, s0;
-cvt.f32.f16 $1, s1;
-}""")
-
-
 @triton.jit
 def e4m3x4_to_f32(words, PTX: tl.constexpr):
     """int32 words of four e4m3 bytes -> four fp32 tensors of the words' shape, byte 0 (the lowest column)
@@ -239,7 +215,6 @@ def _fp8_gemv_fn(
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     PTX: tl.constexpr,
-    F16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token row (the W8A8 GEMM's math on the CUDA cores): program n streams ``BLOCK_N`` weight rows once,
@@ -274,10 +249,7 @@ def _fp8_gemv_fn(
     for k0 in range(0, K, BLOCK_W):
         cols = k0 + offs_w[None, :] + rows0  # words
         k_in = cols < K
-        x_words = tl.load(XQ + cols, mask=k_in, other=0)
-        x0, x1, x2, x3 = x_words, x_words, x_words, x_words  # (unused on f16x2 lanes)
-        if not F16:
-            x0, x1, x2, x3 = e4m3x4_to_f32(x_words, PTX)
+        x0, x1, x2, x3 = e4m3x4_to_f32(tl.load(XQ + cols, mask=k_in, other=0), PTX)
         if BLOCK_W == GROUP_W:  # one activation group a step: its scale is one number
             sx = tl.load(SX + k0 // GROUP_W)
         else:
@@ -290,10 +262,10 @@ def _fp8_gemv_fn(
                 w_ptrs + BLOCK_W + up_offset, mask=next_mask, other=0, eviction_policy="evict_first"
             )
         sg = _column_scale(sx, s_gate, cols, k_in, scale_bk, K_SCALES)
-        acc = _products(acc, w, x_words, x0, x1, x2, x3, sg, PTX, F16)
+        acc = _products(acc, w, x0, x1, x2, x3, sg, PTX)
         if EPILOGUE == 1:
             su = _column_scale(sx, s_up, cols, k_in, scale_bk, K_SCALES)
-            acc_up = _products(acc_up, u, x_words, x0, x1, x2, x3, su, PTX, F16)
+            acc_up = _products(acc_up, u, x0, x1, x2, x3, su, PTX)
         w = w_next
         u = u_next
         w_ptrs += BLOCK_W
@@ -321,26 +293,14 @@ def _column_scale(sx, s_row, cols, k_in, scale_bk, K_SCALES: tl.constexpr):
 
 
 @triton.jit
-def _products(acc, words, x_words, x0, x1, x2, x3, scale, PTX: tl.constexpr, F16: tl.constexpr):
-    """acc + the four columns of each weight word times the activation's, the sum scaled: in fp32 (one FMA
-    each, the activation widened once a step), or on f16x2 lanes (``F16``: ``_E4M3_PAIRS_F16``, GPU only)."""
-    if F16:
-        a, b = tl.inline_asm_elementwise(
-            _E4M3_PAIRS_F16,
-            "=r,=r,r,r",
-            [words, x_words],
-            dtype=(tl.float32, tl.float32),
-            is_pure=True,
-            pack=1,
-        )
-        return acc + (a + b) * (scale * 256.0)
-    else:
-        w0, w1, w2, w3 = e4m3x4_to_f32(words, PTX)
-        part = w0 * x0
-        part += w1 * x1
-        part += w2 * x2
-        part += w3 * x3
-        return acc + part * scale
+def _products(acc, words, x0, x1, x2, x3, scale, PTX: tl.constexpr):
+    """acc + the four columns of each weight word times the activation's, the sum scaled (one FMA each)."""
+    w0, w1, w2, w3 = e4m3x4_to_f32(words, PTX)
+    part = w0 * x0
+    part += w1 * x1
+    part += w2 * x2
+    part += w3 * x3
+    return acc + part * scale
 
 
 _fp8_gemv = DualKernel(_fp8_gemv_fn)
@@ -353,7 +313,9 @@ def fp8_matmul_supported(scale_block: tuple[int, int], in_features: int) -> bool
     return bk >= in_features or bk % GROUP == 0
 
 
-def fp8_matmul_config(m: int, n: int, k: int, sm_count: int, one_row: str | None = None) -> dict[str, int]:
+def fp8_matmul_config(
+    m: int, n: int, k: int, sm_count: int, one_row: str | None = None, epilogue: int = PLAIN
+) -> dict[str, int]:
     """Tiles per shape. Up to 32 rows (decode; measured on an H100 with bench/fp8_matmul_tiles.py at E4B's
     and 31B's shapes) the weight streams through the warpgroup MMA as its M side (``swap_ab``) in 64-row
     tiles, 4 stages deep, against the batch padded to 16 or 32; a shape whose column tiles fill fewer than all
@@ -366,8 +328,8 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int, one_row: str | None
     tiles = triton.cdiv(n, 64)
     groups = triton.cdiv(k, GROUP)
     narrow = tiles < sm_count and groups >= 2 * MIN_GROUPS_PER_SPLIT
-    if m == 1 and one_row_on_cuda_cores(n, k, sm_count, one_row or ONE_ROW):
-        return one_row_config(n, k)
+    if m == 1 and one_row_on_cuda_cores(n, k, one_row or ONE_ROW):
+        return one_row_config(n, k, epilogue)
     if m <= 32:
         cfg = {"block_m": 16 if m <= 16 else 32, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}
         if narrow:
@@ -392,28 +354,33 @@ def fp8_matmul_config(m: int, n: int, k: int, sm_count: int, one_row: str | None
 
 
 # One token row: "auto" takes ``_fp8_gemv`` (the CUDA cores: many programs of a few weight rows, as bf16's
-# one-row GEMV) where the tensor cores' 16-row tile would split K (its column tiles leave SMs idle) and the
-# weight has at most ONE_ROW_MAX_ELEMENTS; "fma" takes it for every one-row product, "mma" never.
+# one-row GEMV) for weights of at most ONE_ROW_MAX_ELEMENTS output x input elements, the tensor cores' swapped
+# 16-row tile past them; "fma" takes the CUDA cores for every one-row product, "mma" never.
 ONE_ROW = envs.get("G4SERVE_FP8_ONE_ROW")
-# bench/fp8_matmul_tiles.py --rows 1 (an H100, call 1 of 2026-12-07): on e4b's narrow projections (2-26M
-# elements) the CUDA cores took 3.7-12.4 us where the split tensor-core tiles took 5.8-13.1 (o 3.68 against
-# 5.80, down 12.44 against 13.12); on 31B's (44-116M) they lost (o 20.4 against 19.6, down 46.8 against 43.8),
-# and on every wide one (gate/up: 97 against 82 us at 31B), where the e4m3 -> fp32 unpacking bounds them.
+# bench/fp8_matmul_tiles.py --rows 1 on an H100 (2026-12-07, call 3; docs/benchmarks.md): at e4b's shapes
+# (5-27M elements) the CUDA cores took 4.5-20.0 us where the tensor cores took 5.9-21.7 (o 4.46 against 5.87,
+# gate/up 19.97 against 21.65, down 11.75 against 13.55); at 31B's (44-116M) they were within 4% either way
+# (o 19.2 against 20.1 us, down 48.3 against 45.8), which the tensor cores keep.
 ONE_ROW_MAX_ELEMENTS = 1 << 25
 
 
-def one_row_config(n: int, k: int) -> dict[str, int]:
-    """``_fp8_gemv``'s tiles (the same sweep): 4 weight rows a program, 4 warps, K steps of 1,024 where K
-    divides by it, else 512 (e4b's K = 2,560: 5.9 against 7.0 us on qkv)."""
-    return {"one_row": 1, "block_n": 4, "block_k": 1024 if k % 1024 == 0 else 512, "num_warps": 4}
+def one_row_config(n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
+    """``_fp8_gemv``'s tiles (the same sweep): 4 weight rows a program (8 for a wide gated pair: e4b's gate/up
+    19.97 against 20.85 us), 4 warps, K steps of 2,048 bytes for rows of 4,096+ that divide by it (e4b's
+    down 11.75 against 16.29 us at 512), else 1,024 or 512."""
+    if k >= 4096 and k % 2048 == 0:
+        block_k = 2048
+    else:
+        block_k = 1024 if k % 1024 == 0 else 512
+    block_n = 8 if epilogue == GATE_UP and n >= 8192 else 4
+    return {"one_row": 1, "block_n": block_n, "block_k": block_k, "num_warps": 4}
 
 
-def one_row_on_cuda_cores(n: int, k: int, sm_count: int, mode: str) -> bool:
+def one_row_on_cuda_cores(n: int, k: int, mode: str) -> bool:
     """Whether a one-row product takes ``_fp8_gemv`` (``ONE_ROW``'s rule, for ``mode``)."""
     if mode != "auto":
         return mode == "fma"
-    narrow = triton.cdiv(n, 64) < sm_count
-    return narrow and n * k <= ONE_ROW_MAX_ELEMENTS
+    return n * k <= ONE_ROW_MAX_ELEMENTS
 
 
 def one_row_supported(
@@ -509,7 +476,7 @@ def fp8_matmul_quantized(
         return y
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
-    cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device))
+    cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device), epilogue=epilogue)
     if cfg.get("one_row") and one_row_supported(m, n, scale_block, k, epilogue, cfg["block_n"]):
         _fp8_gemv[xq.device][(triton.cdiv(n, cfg["block_n"]),)](
             xq.view(torch.int32),
@@ -531,7 +498,6 @@ def fp8_matmul_quantized(
             EPILOGUE=epilogue,
             ACT=_KINDS[activation] if epilogue != PLAIN else 0,
             PTX=xq.is_cuda,
-            F16=xq.is_cuda and cfg.get("f16", 0) == 1,
             **pdl(xq.device, m),
             num_warps=cfg["num_warps"],
         )
