@@ -11,6 +11,10 @@ the weight once in its FP8 bytes and never converts it: the in-register dequanti
 (``quant_matmul.py``) spends ~11 instructions per weight byte widening FP8 to fp32, which bounds an H100 at
 ~2.7 TB/s of weights before any memory stall; here a tile goes to the MMA as it was loaded. Epilogues as in
 ``gemv.py`` (``gate_up``, ``mul``). The torch reference quantizes the same groups, then multiplies in fp32.
+
+One token row against a weight of up to ``ONE_ROW_MAX_ELEMENTS`` takes ``_fp8_gemv`` instead: the same
+products on the CUDA cores, thousands of programs of a few weight rows (bf16's one-row GEMV's shape), the
+e4m3 bytes read as int32 words and widened by two hardware conversions per word (``e4m3x4_to_f32``).
 """
 
 from __future__ import annotations
@@ -222,8 +226,8 @@ def _fp8_gemv_fn(
     ``K`` and ``stride_wn`` in words), each step's next tile loaded before its products (double buffering
     by hand, as ``gemv``'s one-row path) and the first before the dependent-launch wait (weights are never
     written during a step). The activation is loaded in the weight tile's own layout, each row the same
-    words (cache hits; the compiler keeps one copy a thread): a [BLOCK_K] vector broadcast to the tile went
-    through shared memory and barriers every step. The products ``w * (q(x) * sx)`` accumulate in fp32,
+    words (cache hits): a [BLOCK_K] vector broadcast to the tile went through shared memory and a barrier
+    every step. The products ``w * (q(x) * sx)`` accumulate in fp32,
     exact for e4m3 operands; a weight scale constant along K multiplies the row sums once, one that varies
     along it (block scales, ``K_SCALES``: every row of the program in one scale block) joins the
     activation's scale per column."""
@@ -477,7 +481,9 @@ def fp8_matmul_quantized(
     if epilogue == MUL:
         assert other is not None and other.shape == (m, n) and other.stride(-1) == 1
     cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device), epilogue=epilogue)
-    if cfg.get("one_row") and one_row_supported(m, n, scale_block, k, epilogue, cfg["block_n"]):
+    if cfg.get("one_row") and not one_row_supported(m, n, scale_block, k, epilogue, cfg["block_n"]):
+        cfg = fp8_matmul_config(m, n, k, _sm_count(xq.device), one_row="mma", epilogue=epilogue)
+    if cfg.get("one_row"):
         _fp8_gemv[xq.device][(triton.cdiv(n, cfg["block_n"]),)](
             xq.view(torch.int32),
             sx,
