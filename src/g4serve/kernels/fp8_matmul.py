@@ -328,12 +328,13 @@ def fp8_matmul_config(
     split into at most 3 (each program's MMA work doubled, more splits cost more than they hide), the others
     keep the row tile of the batch padded to 64 and a column tile that leaves at least two programs per SM.
     At E4B's shapes this took a decode step's W8A8 GEMMs from 4.77 to 2.62 ms at 32 rows and from 3.78 to
-    3.03 ms at 64. Larger batches take the wider tiles of a compute-bound GEMM."""
+    3.03 ms at 64. Larger batches take the wider tiles of a compute-bound GEMM. One row takes
+    ``one_row_config`` (the CUDA cores) where ``one_row`` (None: ``ONE_ROW``) says so."""
+    if m == 1 and one_row_on_cuda_cores(n, k, one_row or ONE_ROW):
+        return one_row_config(n, k, epilogue)
     tiles = triton.cdiv(n, 64)
     groups = triton.cdiv(k, GROUP)
     narrow = tiles < sm_count and groups >= 2 * MIN_GROUPS_PER_SPLIT
-    if m == 1 and one_row_on_cuda_cores(n, k, one_row or ONE_ROW):
-        return one_row_config(n, k, epilogue)
     if m <= 32:
         cfg = {"block_m": 16 if m <= 16 else 32, "block_n": 64, "num_warps": 4, "num_stages": 4, "swap_ab": 1}
         if narrow:

@@ -923,12 +923,12 @@ def fused_moe(
     return out
 
 
-def _w8a8_quantizer(w: QuantExpertWeights, rows: bool):
-    """The activations' quantizer for W8A8 products with ``w``: per token where ``rows`` and ``w``'s scales
-    allow it, else per token and 128-column group."""
+def _w8a8_quantizer(w: QuantExpertWeights, rows: bool, reference: bool = False):
+    """The activations' quantizer for W8A8 products with ``w`` (the kernel's, or with ``reference`` its torch
+    twin): per token where ``rows`` and ``w``'s scales allow it, else per token and 128-column group."""
     if rows and _row_scaled(w):
-        return lambda a: quantize_rows_fp8(a, None)
-    return quantize_groups
+        return quantize_rows_reference if reference else (lambda a: quantize_rows_fp8(a, None))
+    return quantize_activation_groups if reference else quantize_groups
 
 
 def _row_scaled(w: QuantExpertWeights) -> bool:
@@ -1009,10 +1009,7 @@ def fused_moe_w8a8_reference(
     gate/up products rounded to x's dtype, the gated activation rounded and quantized again for the down
     products, those rounded and weighted; the k outputs summed in fp32 in slot order, then rounded."""
     rows = W8A8_ROWS if w8a8_rows is None else w8a8_rows
-    quantize_gate_up, quantize_down = (
-        quantize_rows_reference if rows and _row_scaled(w) else quantize_activation_groups
-        for w in (gate_up, down)
-    )
+    quantize_gate_up, quantize_down = (_w8a8_quantizer(w, rows, reference=True) for w in (gate_up, down))
     act = ACTIVATIONS[activation]
     xq, sx = quantize_gate_up(x)
     top_k = experts.shape[1]
