@@ -43,6 +43,7 @@ from engine_microbench import (  # noqa: E402
 )
 from trace_summary import kernel_chain  # noqa: E402
 
+from g4serve import envs  # noqa: E402
 from g4serve.bench.meta import command_line, git_commit, write_result_json  # noqa: E402
 from g4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from g4serve.quant_config import QUANTIZATION_PRESETS  # noqa: E402
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "switches": envs.recorded(),
         "model": args.model,
         "copy_bandwidth_gb_per_s": bandwidth,
         "units": "itl_ms: ms per output token of one request; output_tokens_per_s: all requests; floor: ms",

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Decode A/B over environment settings in one device call: bench/spec_decode.py (decode ITL against each
+# format's bandwidth floor; with PROFILE_STEPS > 0 also the kernels' share of the step's timeline) for each
+# PRESET:VARIANT of RUNS (default "31b:fp8+fp8kv e4b:fp8 e4b:bf16") at BATCHES (default 1,8), once per
+# setting of SETTINGS: space-separated NAME=VAR=VALUE[,VAR=VALUE...] (NAME alone: the defaults), in the order
+# given, e.g. SETTINGS="base first=G4SERVE_PDL_TRIGGER=first base". GPU_TESTS (paths; -k GPU_TESTS_K) run first.
+#   run(command="G4SERVE_GIT_COMMIT=<sha> SETTINGS='...' bash bench/device/env_ab.sh", carry=[".whl"])
+# Results: $OUT/env_ab.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
+set -uo pipefail
+RUNS=${RUNS:-31b:fp8+fp8kv e4b:fp8 e4b:bf16} SETTINGS=${SETTINGS:-base} BATCHES=${BATCHES:-1,8}
+STEPS=${STEPS:-24} PROFILE_STEPS=${PROFILE_STEPS:-0} GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
+OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-env-ab}
+rm -rf "$RES"
+mkdir -p "$RES" "$OUT"
+source bench/device/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# shellcheck disable=SC2086  # GPU_TESTS: several paths
+[ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
+for spec in $RUNS; do
+  IFS=: read -r preset variant <<< "$spec"
+  i=0
+  for setting in $SETTINGS; do
+    i=$((i + 1))
+    name=${setting%%=*} assignments=()
+    [ "$setting" != "$name" ] && IFS=, read -r -a assignments <<< "${setting#*=}"
+    tag="$preset-${variant//[^A-Za-z0-9.]/-}-$i-$name"
+    profile=()
+    [ "$PROFILE_STEPS" -gt 0 ] && profile=(--profile "$PROFILE_STEPS")
+    (
+      for a in "${assignments[@]}"; do export "${a?}"; done
+      run "$tag" "${RUN_TIMEOUT:-150}" python3 bench/spec_decode.py --model "$preset" --device "${DEVICE:-cuda}" \
+        --variants "$variant" --batches "$BATCHES" --steps "$STEPS" --prefill-len 0 "${profile[@]}" \
+        --tag="-$i-$name" --out "$RES/$tag"
+    )
+  done
+done
+{
+  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 24 "$f"; echo '```'; done
+} > "$OUT/summary.md"
+tar -czf "$OUT/env_ab.tgz" -C "$RES" .
