@@ -1,7 +1,7 @@
 """The decode GEMMs' L2 prefetch (``_launch.prefetch_rows``, ``G4SERVE_PREFETCH_BYTES``) and the
-dependent-launch trigger's place (``G4SERVE_PDL_TRIGGER``): which launches prefetch, and, compiled for sm_90, that each kernel
-issues its prefetches before it waits on the previous kernel, and triggers its successor where the setting
-says. The GPU side (the same bits with and without) is tests/gpu/test_prefetch_gpu.py."""
+dependent-launch trigger's place (``G4SERVE_PDL_TRIGGER``): which launches prefetch, and, compiled for sm_90,
+that each kernel issues its prefetches before it waits on the previous kernel and triggers its successor
+where the setting says. The GPU side (the same bits with and without) is tests/gpu/test_prefetch_gpu.py."""
 
 from __future__ import annotations
 
