@@ -3,13 +3,15 @@
 # format's bandwidth floor; with PROFILE_STEPS > 0 also the kernels' share of the step's timeline) for each
 # PRESET:VARIANT of RUNS (default "31b:fp8+fp8kv e4b:fp8 e4b:bf16") at BATCHES (default 1,8), once per
 # setting of SETTINGS: space-separated NAME=VAR=VALUE[,VAR=VALUE...] (NAME alone: the defaults), in the order
-# given, e.g. SETTINGS="base first=G4SERVE_PDL_TRIGGER=first base". GPU_TESTS (paths; -k GPU_TESTS_K) run first.
+# given, e.g. SETTINGS="base nq=G4SERVE_FP8_NORM_QUANT=1 base". GPU_TESTS (paths; -k GPU_TESTS_K) run first.
 #   run(command="G4SERVE_GIT_COMMIT=<sha> SETTINGS='...' bash bench/device/env_ab.sh", carry=[".whl"])
-# Results: $OUT/env_ab.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md.
+# Results: $OUT/env_ab.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md. The logs are written under
+# $OUT/r as they finish, so a call cut by its time limit still brings back the runs done (at most 8 files).
 set -uo pipefail
 RUNS=${RUNS:-31b:fp8+fp8kv e4b:fp8 e4b:bf16} SETTINGS=${SETTINGS:-base} BATCHES=${BATCHES:-1,8}
 STEPS=${STEPS:-24} PROFILE_STEPS=${PROFILE_STEPS:-0} GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
-OUT=${OUT:-/tmp/out} RES=${RES:-/tmp/res-env-ab}
+OUT=${OUT:-/tmp/out}
+RES=${RES:-$OUT/r}
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh

@@ -126,55 +126,13 @@ def _pdl_supported(index: int) -> bool:
     return envs.get("G4SERVE_PDL") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-# When a kernel launched with ``pdl`` lets the next one be scheduled (G4SERVE_PDL_TRIGGER): after its own wait
-# (the kernel after it becomes resident only once the one before it has finished), or first (each kernel's
-# successor becomes resident as soon as all of its own programs are, so a chain of small kernels puts the
-# next GEMM on the SMs while they run, and its pre-wait loads and prefetches overlap them). Either way a
-# kernel's wait returns only after the previous kernel has finished, and that one after its own predecessor.
-_TRIGGER_FIRST = tl.constexpr(envs.get("G4SERVE_PDL_TRIGGER") == "first")
-
-
 @triton.jit
 def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """In a kernel launched with ``pdl``, before its first read of anything an earlier kernel writes: wait
-    until the previous kernel's writes are visible, and let the next kernel be scheduled (``_TRIGGER_FIRST``:
-    before the wait). A no-op without ``USE_PDL``."""
+    """First thing in a kernel launched with ``pdl``: wait until the previous kernel's writes are visible,
+    then let the next kernel be scheduled. A no-op without ``USE_PDL``."""
     if USE_PDL:
-        if _TRIGGER_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not _TRIGGER_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-# Bytes of each weight row a decode GEMM's program asks L2 for before its dependent-launch wait
-# (G4SERVE_PREFETCH_BYTES; ``prefetch_bytes`` gives a launch its value).
-PREFETCH_BYTES = envs.get_int("G4SERVE_PREFETCH_BYTES")
-
-
-def prefetch_bytes(weight: torch.Tensor, row_bytes: int, use_pdl: bool) -> int:
-    """The ``PREFETCH`` a launch passes to ``prefetch_rows``: ``PREFETCH_BYTES`` (a multiple of 16) where the
-    launch waits on a previous kernel and every row of ``weight`` starts on a 16-byte boundary (the bulk
-    prefetch's alignment), else 0."""
-    aligned = weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
-    return PREFETCH_BYTES // 16 * 16 if use_pdl and aligned and weight.is_cuda else 0
-
-
-@triton.jit
-def prefetch_rows(ptrs, nbytes, PREFETCH: tl.constexpr):
-    """Asks L2 to load ``nbytes`` (a multiple of 16, > 0) from each 16-byte aligned address in ``ptrs``
-    (Hopper's ``cp.async.bulk.prefetch.L2``), without waiting for the data: a kernel's weights, before its
-    dependent-launch wait, stream into L2 while the kernel before it runs. A no-op for ``PREFETCH`` = 0 (and
-    so in the interpreter, where ``prefetch_bytes`` gives 0)."""
-    if PREFETCH > 0:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [ptrs, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}

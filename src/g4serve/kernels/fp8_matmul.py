@@ -29,7 +29,6 @@ from g4serve.kernels._launch import (
     DualKernel,
     launch_counters,
     pdl,
-    prefetch_bytes,
     sm_count,
     wait_for_previous_kernel,
 )
@@ -39,7 +38,6 @@ from g4serve.kernels.gemv import (
     MUL,
     PLAIN,
     epilogue_reference,
-    prefetch_weight_rows,
     reduce_splits,
     rows_first,
     store_gated,
@@ -94,7 +92,6 @@ def _fp8_matmul_fn(
     SPLIT_K: tl.constexpr,
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (n, m): BLOCK_M token rows x BLOCK_N output columns. ``SWAP_AB`` multiplies W @ X^T instead
@@ -124,7 +121,6 @@ def _fp8_matmul_fn(
     s_rows = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
     u_rows = S + ((offs_n + N) // scale_bn).to(tl.int64) * stride_sn
     acc, acc_up = zero_accumulators(SWAP_AB, BLOCK_M, BLOCK_N)
-    prefetch_weight_rows(W, offs_n, N, stride_wn, N * stride_wn, k_start, k_end, EPILOGUE, PREFETCH)
     wait_for_previous_kernel(USE_PDL)
     for k0 in range(k_start, k_end, _GROUP):
         k_mask = (offs_k + (k0 - k_start)) < K
@@ -223,7 +219,6 @@ def _fp8_gemv_fn(
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
     PTX: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token row (the W8A8 GEMM's math on the CUDA cores): program n streams ``BLOCK_N`` weight rows once,
@@ -252,7 +247,6 @@ def _fp8_gemv_fn(
     s_gate = S + ((pid * BLOCK_N) // scale_bn).to(tl.int64) * stride_sn  # the program's scale row(s)
     s_up = S + ((pid * BLOCK_N + N) // scale_bn).to(tl.int64) * stride_sn
     rows0 = tl.zeros([BLOCK_N, 1], tl.int32)
-    prefetch_weight_rows(W, offs_n, N, stride_wn, up_offset, 0, K, EPILOGUE, PREFETCH)
     wait_for_previous_kernel(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
@@ -490,7 +484,6 @@ def fp8_matmul_quantized(
     cfg = config or fp8_matmul_config(m, n, k, _sm_count(xq.device), epilogue=epilogue)
     if cfg.get("one_row") and not one_row_supported(m, n, scale_block, k, epilogue, cfg["block_n"]):
         cfg = fp8_matmul_config(m, n, k, _sm_count(xq.device), one_row="mma", epilogue=epilogue)
-    launch = pdl(xq.device, m)
     if cfg.get("one_row"):
         _fp8_gemv[xq.device][(triton.cdiv(n, cfg["block_n"]),)](
             xq.view(torch.int32),
@@ -512,8 +505,7 @@ def fp8_matmul_quantized(
             EPILOGUE=epilogue,
             ACT=_KINDS[activation] if epilogue != PLAIN else 0,
             PTX=xq.is_cuda,
-            PREFETCH=prefetch_bytes(weight, k, launch["USE_PDL"]),
-            **launch,
+            **pdl(xq.device, m),
             num_warps=cfg["num_warps"],
         )
         return y
@@ -553,8 +545,7 @@ def fp8_matmul_quantized(
         SPLIT_K=splits,
         EPILOGUE=epilogue,
         ACT=_KINDS[activation] if epilogue != PLAIN else 0,
-        PREFETCH=prefetch_bytes(weight, k, launch["USE_PDL"]),
-        **launch,
+        **pdl(xq.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -31,8 +31,6 @@ from g4serve.kernels._launch import (
     launch_counters,
     next_pow2,
     pdl,
-    prefetch_bytes,
-    prefetch_rows,
     sm_count,
     wait_for_previous_kernel,
 )
@@ -149,21 +147,6 @@ def reduce_splits(
         tl.atomic_xchg(tile, 0)
 
 
-@triton.jit
-def prefetch_weight_rows(W, offs_n, N, stride_wn, up_offset, k_start, k_end, EPILOGUE: tl.constexpr,
-                         PREFETCH: tl.constexpr):  # fmt: skip
-    """Before a GEMM program's dependent-launch wait: L2 loads up to ``PREFETCH`` bytes of each of its weight
-    rows ``offs_n`` (and their up rows, ``up_offset`` elements on, for ``gate_up``) from column ``k_start``
-    (``k_end - k_start`` a positive multiple of 16 bytes). Rows past N repeat the last one."""
-    if PREFETCH > 0:
-        ELEMENT_BYTES: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-        rows = W + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_start
-        nbytes = tl.minimum((k_end - k_start) * ELEMENT_BYTES, PREFETCH) + tl.zeros_like(offs_n)
-        prefetch_rows(rows, nbytes, PREFETCH)
-        if EPILOGUE == 1:
-            prefetch_rows(rows + up_offset, nbytes, PREFETCH)
-
-
 def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (USE_DOT, SWAP_AB, SPLIT, EPILOGUE, ACT, EVEN_K, UPCAST), specialised away at compile time
     X,
     W,
@@ -190,7 +173,6 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -215,7 +197,6 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
             k_end = tl.minimum(K, k_start + k_per_split)
             w_ptrs += k_start
             x_ptrs += k_start
-        prefetch_weight_rows(W, offs_n, N, stride_wn, up_offset, k_start, k_end, EPILOGUE, PREFETCH)
         wait_for_previous_kernel(USE_PDL)
         acc, acc_up = zero_accumulators(SWAP_AB, BLOCK_M, BLOCK_N)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -256,7 +237,6 @@ def _gemv_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr
         u = w
         if EPILOGUE == 1:
             u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        prefetch_weight_rows(W, offs_n, N, stride_wn, up_offset, 0, K, EPILOGUE, PREFETCH)
         wait_for_previous_kernel(USE_PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -438,7 +418,6 @@ def skinny_matmul(
     if splits > 1:
         parts = 2 if epilogue == GATE_UP else 1
         partials = torch.empty((splits, parts, m, n), dtype=torch.float32, device=x.device)
-    launch = pdl(x.device, m)
     _gemv[x.device][(tiles, 1, splits)](
         x,
         weight,
@@ -465,8 +444,7 @@ def skinny_matmul(
         EVEN_K=k % cfg["block_k"] == 0,
         UPCAST=upcast,
         DOT_PRECISION=precision,
-        PREFETCH=prefetch_bytes(weight, k * weight.element_size(), launch["USE_PDL"]),
-        **launch,
+        **pdl(x.device, m),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -41,7 +41,8 @@ from g4serve.layers.quant import QuantLinear, quant_linear, takes_fp8_groups
 
 # A norm whose output feeds a W8A8 FP8 projection at decode sizes quantizes it for that projection in the same
 # pass (its quantizing launch saved; bit for bit the same values). Off: on an H200 it gained nothing
-# measurable (FP8 e4b decode B = 1 3.03 -> 3.05 ms, B = 8 3.49 -> 3.51; docs/benchmarks.md).
+# measurable (FP8 e4b decode B = 1 3.03 -> 3.05 ms, B = 8 3.49 -> 3.51), and on an H100 31B's FP8 step took
+# 13.52 against 13.40 ms: one program then quantizes what 42 did in parallel (docs/benchmarks.md).
 FP8_NORM_QUANT = envs.get("G4SERVE_FP8_NORM_QUANT") == "1"
 
 
