@@ -105,8 +105,8 @@ VARIABLES: tuple[Variable, ...] = (
         "G4SERVE_FP8_NORM_QUANT",
         "0",
         "`1`: a norm whose output feeds a W8A8 FP8 projection at decode sizes also quantizes it for that "
-        "projection (one launch fewer each; off: no gain on an H200, slower on an H100: 31B FP8 13.52 against "
-        "13.40 ms a token at batch 1)",
+        "projection (one launch fewer each; off: no gain on an H200, slower on an H100: 31B FP8 13.52 "
+        "against 13.40 ms a token at batch 1)",
         ("0", "1"),
     ),
     Variable(
