@@ -63,7 +63,4 @@ if [ -n "$MOE_QUANT" ]; then
   run "moe-$MOE_QUANT" "${MOE_TIMEOUT:-180}" python3 bench/moe_kernels.py --tokens $MOE_TOKENS \
     --quant "$MOE_QUANT" --groups $MOE_GROUPS --out-dir "$RES/moe"
 fi
-{
-  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 40 "$f"; echo '```'; done
-} > "$OUT/summary.md"
-tar -czf "$OUT/decode_profile.tgz" -C "$RES" .
+pack decode_profile 40

@@ -36,7 +36,4 @@ for spec in $RUNS; do
     )
   done
 done
-{
-  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 24 "$f"; echo '```'; done
-} > "$OUT/summary.md"
-tar -czf "$OUT/env_ab.tgz" -C "$RES" .
+pack env_ab 24

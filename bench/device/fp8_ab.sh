@@ -32,7 +32,4 @@ for spec in $RUNS; do
       --tag="-$i-$side" --out "$RES/$name-$i-$side"
   done
 done
-{
-  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 30 "$f"; echo '```'; done
-} > "$OUT/summary.md"
-tar -czf "$OUT/fp8_ab.tgz" -C "$RES" .
+pack fp8_ab 30

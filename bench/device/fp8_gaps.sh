@@ -52,12 +52,4 @@ for variant in $SEED; do
     --device cuda --model 26b-a4b --num-requests 30 --input-len 3000 3000 --output-len 100 "${flags[@]}" \
     --out-dir "$RES" --tag "${variant//@/-}"
 done
-tar -czf "$OUT/fp8_gaps.tgz" -C "$RES" .
-{
-  for f in "$RES"/*.log; do
-    echo "## $(basename "$f")"
-    echo '```'
-    tail -n "${SUMMARY_LINES:-40}" "$f"
-    echo '```'
-  done
-} > "$OUT/summary.md"
+pack fp8_gaps "${SUMMARY_LINES:-40}"

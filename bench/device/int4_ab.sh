@@ -51,8 +51,4 @@ for stage in "${stages[@]}"; do
     *) echo "unknown stage $stage" ;;
   esac
 done
-{
-  echo "# int4 A/B: STAGES=$STAGES ($SECONDS s)"
-  for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n 40 "$f"; echo '```'; done
-} > "$OUT/summary.md"
-tar -czf "$OUT/int4_ab.tgz" -C "$RES" .
+pack int4_ab 40 "# int4 A/B: STAGES=$STAGES ($SECONDS s)"

@@ -33,3 +33,12 @@ wait_healthy() {
   done
   return 1
 }
+# pack NAME LINES [HEADER]: $OUT/summary.md (HEADER, then the last LINES lines of each $RES/*.log) and every
+# result under $RES in $OUT/NAME.tgz.
+pack() {
+  {
+    [ -n "${3:-}" ] && echo "$3"
+    for f in "$RES"/*.log; do echo "## $(basename "$f")"; echo '```'; tail -n "$2" "$f"; echo '```'; done
+  } > "$OUT/summary.md"
+  tar -czf "$OUT/$1.tgz" -C "$RES" .
+}
