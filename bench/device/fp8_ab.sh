@@ -17,8 +17,7 @@ rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# shellcheck disable=SC2086  # GPU_TESTS: several paths
-[ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
+gpu_tests
 for spec in $RUNS; do
   IFS=: read -r preset variants prefill <<< "$spec"
   name=$preset-${variants//[^A-Za-z0-9.]/-} i=0

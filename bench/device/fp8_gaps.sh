@@ -25,8 +25,7 @@ rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# shellcheck disable=SC2086  # GPU_TESTS: several paths
-[ -n "$GPU_TESTS" ] && run gpu-tests "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu $GPU_TESTS -k "$GPU_TESTS_K"
+gpu_tests "${TESTS_TIMEOUT:-150}"
 attention() {  # attention NAME ARGS...: the decode kernel on both caches, with its sweep
   local name=$1
   shift

@@ -42,3 +42,10 @@ pack() {
   } > "$OUT/summary.md"
   tar -czf "$OUT/$1.tgz" -C "$RES" .
 }
+# gpu_tests [SECONDS]: pytest -m gpu on the paths of $GPU_TESTS, -k $GPU_TESTS_K, when GPU_TESTS is set
+# ($RES/gpu-tests.log; SECONDS default $TESTS_TIMEOUT, else 120).
+gpu_tests() {
+  [ -z "${GPU_TESTS:-}" ] && return 0
+  # shellcheck disable=SC2086  # GPU_TESTS: several paths
+  run gpu-tests "${1:-${TESTS_TIMEOUT:-120}}" python3 -m pytest -q -m gpu $GPU_TESTS -k "${GPU_TESTS_K:-}"
+}
