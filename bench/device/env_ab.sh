@@ -7,6 +7,7 @@
 #   run(command="G4SERVE_GIT_COMMIT=<sha> SETTINGS='...' bash bench/device/env_ab.sh", carry=[".whl"])
 # Results: $OUT/env_ab.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md. The logs are written under
 # $OUT/r as they finish, so a call cut by its time limit still brings back the runs done (at most 8 files).
+# PRESET may be a checkpoint's path (its folder's name tags the run). Exits 1 when a run failed.
 set -uo pipefail
 RUNS=${RUNS:-31b:fp8+fp8kv e4b:fp8 e4b:bf16} SETTINGS=${SETTINGS:-base} BATCHES=${BATCHES:-1,8}
 STEPS=${STEPS:-24} PROFILE_STEPS=${PROFILE_STEPS:-0} GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
@@ -24,7 +25,7 @@ for spec in $RUNS; do
     i=$((i + 1))
     name=${setting%%=*} assignments=()
     [ "$setting" != "$name" ] && IFS=, read -r -a assignments <<< "${setting#*=}"
-    tag="$preset-${variant//[^A-Za-z0-9.]/-}-$i-$name"
+    tag="$(basename "$preset")-${variant//[^A-Za-z0-9.]/-}-$i-$name"
     profile=()
     [ "$PROFILE_STEPS" -gt 0 ] && profile=(--profile "$PROFILE_STEPS")
     (
@@ -36,3 +37,5 @@ for spec in $RUNS; do
   done
 done
 pack env_ab 24
+# exit 1 when any run failed (every run still ran, and its log is packed)
+! grep -l "^exit [1-9]" "$RES"/*.log
