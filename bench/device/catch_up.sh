@@ -32,7 +32,6 @@ RES=/tmp/res-catch-up
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 left() { echo $(( DEADLINE - SECONDS - $1 )); }  # seconds left before DEADLINE, less a reserve

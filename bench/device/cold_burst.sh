@@ -15,7 +15,6 @@ BURSTS=${BURSTS:-2} SERVE_ARGS=${SERVE_ARGS:-}
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 start=$SECONDS
 # shellcheck disable=SC2086  # SERVE_ARGS: extra flags, split on spaces
 python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \

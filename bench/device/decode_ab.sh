@@ -20,7 +20,6 @@ ORDER=${ORDER:-skinny cublas} RUN_GEMV=${RUN_GEMV:-1}
 RES=${RES:-/tmp/res-ab}  # (under $OUT: the logs come back even if the call is cut)
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 TAIL_LINES=30
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "${GPU_TESTS_K:-skinny or fused or e4b}"

@@ -23,7 +23,6 @@ RES=${RES:-/tmp/res-decode-profile}  # (under $OUT: the logs come back even if t
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 gpu_tests
 if [ -n "$TAIL_ARGS" ]; then
   # shellcheck disable=SC2086  # TAIL_ARGS: several words

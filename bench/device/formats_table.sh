@@ -19,7 +19,6 @@ RES=/tmp/res-formats-table
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 read -r -a runs <<< "$RUNS"
 left=${#runs[@]}
 for spec in "${runs[@]}"; do

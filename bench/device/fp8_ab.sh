@@ -16,7 +16,6 @@ RES=${RES:-/tmp/res-fp8-ab}  # (under $OUT: the logs come back even if the call 
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 gpu_tests
 for spec in $RUNS; do
   IFS=: read -r preset variants prefill <<< "$spec"

@@ -24,7 +24,6 @@ RES=${RES:-/tmp/res-fp8-gaps}
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 gpu_tests "${TESTS_TIMEOUT:-150}"
 attention() {  # attention NAME ARGS...: the decode kernel on both caches, with its sweep
   local name=$1

@@ -19,7 +19,7 @@ RES=/tmp/res-int4-ab
 mkdir -p "$RES" "$OUT"
 [ -d "${WHEELS:-.whl}" ] || export SETUP=0  # the engine stages need the server's wheels (carry .whl)
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TAIL_LINES=${TAIL_LINES:-16}
+export TAIL_LINES=${TAIL_LINES:-16}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache-int4-ab}
 read -r -a stages <<< "$STAGES"
 read -r -a rows <<< "$ROWS"

@@ -13,7 +13,6 @@ RES=/tmp/res-issue-table
 rm -rf "$RES" /tmp/base
 mkdir -p "$RES" "$OUT" /tmp/base
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ -f build/base.tgz ]; then
   tar -xzf build/base.tgz -C /tmp/base
   cp build/BASE_COMMIT /tmp/base/COMMIT 2>/dev/null || true

@@ -14,7 +14,6 @@ PRESET=${PRESET:-e4b} DEVICE=${DEVICE:-cuda} BACKEND=${BACKEND:-triton} OUT=${OU
 RES=${RES:-/tmp/res-cache-ab} SIDES=${SIDES:-on off} DURATION=${DURATION:-8} SWEEP=${SWEEP:-32,48,64} PORT=${PORT:-8200}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$side/NAME
   timeout -k 5 $((DURATION * 4 + 100)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --duration "$DURATION" --drain-timeout 60 --no-plots --label "$side-$1" --out "$RES/$side/$1" "${@:2}" \

@@ -30,7 +30,6 @@ MP4_FRAMES=${MP4_FRAMES:-6}
 mkdir -p "$RES" "$OUT"
 [[ " $MODES " == *" nvdec "* ]] && export WHEELS=${WHEELS:-.whl-nvdec}  # the nvdec mode's carry set
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$mode/NAME
   local t0=$SECONDS
   timeout -k 5 $((DURATION + 70)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \

@@ -21,7 +21,6 @@ RES=/tmp/res-moe-prefill
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ -n "$GPU_TESTS" ]; then
   run gpu-tests 120 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -k "$GPU_TESTS"
 fi

@@ -21,7 +21,6 @@ PROFILE_RATE=${PROFILE_RATE:-4} PROFILE_S=${PROFILE_S:-4} PORT=${PORT:-8300} PRE
 BASE_SRC=${BASE_SRC:-.ab-base/src}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 bench() {  # bench NAME ARGS...: one g4serve bench run against the server, output under $RES/$side/NAME
   timeout -k 5 $((DURATION * 3 + 60)) python3 -m g4serve.cli bench --base-url http://127.0.0.1:$PORT \
     --workload video --duration "$DURATION" --drain-timeout 30 --no-plots --label "$side-$1" \

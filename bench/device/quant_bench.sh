@@ -12,7 +12,6 @@ FORMATS=${FORMATS:-bf16 fp8 fp8-block w4a16 w4a16-g32} BATCHES=${BATCHES:-1,8,32
 RES=/tmp/res-quant
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run gpu_tests "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider
 fi

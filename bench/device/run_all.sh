@@ -34,7 +34,6 @@ RES=${RES:-/tmp/res}
 RUN_MICROBENCH=${RUN_MICROBENCH:-1} RUN_VISION=${RUN_VISION:-1}
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing outside the machine can be reached
 if [ -z "${G4SERVE_GIT_COMMIT:-}" ]; then
   echo "warning: G4SERVE_GIT_COMMIT is not set; the JSON files will name the stale commit of the device's .git"
 fi

@@ -15,7 +15,6 @@ DURATION=${DURATION:-15} MAX_SEQS=${MAX_SEQS:-64} SERVE_ARGS=${SERVE_ARGS:-}
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh  # SETUP=0: no wheels (CPU smoke test)
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # shellcheck disable=SC2086  # SERVE_ARGS: extra flags, split on spaces
 python3 -m g4serve.cli serve --preset "$PRESET" --device "$DEVICE" --port 8100 --attention-backend "$BACKEND" \
   --max-num-seqs "$MAX_SEQS" $SERVE_ARGS > "$RES/server.log" 2>&1 &

@@ -1,6 +1,6 @@
 # Source at the start of a device command: installs the carried wheels (.whl/, or .whl-gpu/ when that smaller
 # set is what was carried) into /tmp/site without touching the image's torch, and puts g4serve's sources on
-# the path. SETUP=0 (a CPU smoke test of the
+# the path, with Hugging Face libraries kept offline. SETUP=0 (a CPU smoke test of the
 # device scripts, in an environment that already has the dependencies) skips the wheels.
 if [ "${SETUP:-1}" = 1 ]; then
   WHEELS=${WHEELS:-$([ -d .whl ] && echo .whl || echo .whl-gpu)}
@@ -9,6 +9,7 @@ if [ "${SETUP:-1}" = 1 ]; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing outside the device machine can be reached
 # run NAME SECONDS CMD...: CMD under a timeout, its output in $RES/NAME.log (the caller sets RES), the exit
 # status and elapsed time appended, the last $TAIL_LINES lines (default 20) echoed.
 run() {

@@ -13,7 +13,6 @@ VARIANTS=${VARIANTS:-bf16,mtp@1.0,mtp@0.7} OUT=${OUT:-/tmp/out}
 RES=/tmp/res-spec-$PRESET
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$RUN_GPU_TESTS" = 1 ]; then
   run "gpu_tests-$PRESET" "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -q -s -m gpu tests/gpu/test_speculative_gpu.py \
     -p no:cacheprovider

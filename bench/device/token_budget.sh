@@ -13,7 +13,6 @@ RES=/tmp/res-token-budget
 rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 second=$(second_gpu)
 served() {  # served TAG [SERVE_ARGS]: saturation.sh on the second GPU (SETUP=0: the wheels are in already)
   SETUP=0 CUDA_VISIBLE_DEVICES=$second RES="$RES/sat-$1" OUT="$RES/sat-$1-out" SERVE_ARGS=${2:-} RATES="32 64" \

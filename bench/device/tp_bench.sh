@@ -29,7 +29,6 @@ rm -rf "$RES"
 mkdir -p "$RES" "$OUT"
 pack() { tar -czf "$OUT/tp_bench.tgz" -C "$RES" .; }  # after every stage: a call cut short keeps what finished
 source bench/device/setup.sh
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 model_arg=$([ "$MODEL" = tiny ] && echo "" || echo "--model $MODEL")
 stage() { [[ $STAGES == *" $1 "* ]]; }  # is stage $1 asked for
 left() { echo $(( (DEADLINE - SECONDS) * $1 / 100 )); }  # a share of the seconds left
