@@ -73,6 +73,13 @@ VARIABLES: tuple[Variable, ...] = (
         "whose long prefills are slow, not stuck)",
     ),
     Variable(
+        "G4SERVE_NORM_MAX_WARPS",
+        "16",
+        "the most warps an RMSNorm chain's program of one row takes (`kernels/rms_norm.py`: one warp per "
+        "256 columns up to this; A/B runs)",
+        ("4", "8", "16", "32"),
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

@@ -20,9 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from g4serve import envs
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.fp8_matmul import GROUP, group_buffers, quantize_activation_groups
 from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
+
+# One warp per 256 columns of a row, up to this many (G4SERVE_NORM_MAX_WARPS; A/B runs).
+MAX_WARPS = envs.get_int("G4SERVE_NORM_MAX_WARPS")
 
 
 @triton.jit
@@ -172,7 +176,7 @@ def fused_rms_norm(
             GROUP=GROUP,
             BLOCK=block,
             **pdl(x.device, rows),
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=min(MAX_WARPS, max(1, block // 256)),
         )
     out = out.view(x.shape)
     return out, (out2.view(x.shape) if next_weight is not None else None)
@@ -287,7 +291,7 @@ def moe_input_norms(
             routed.stride(0),
             BLOCK=block,
             **pdl(x.device, rows),
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=min(MAX_WARPS, max(1, block // 256)),
         )
     return out.view(x.shape), routed.view(x.shape)
 
