@@ -80,6 +80,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("4", "8", "16", "32"),
     ),
     Variable(
+        "G4SERVE_NORM_EARLY_WEIGHTS",
+        "0",
+        "`1`: an RMSNorm chain loads its norms' weights before its dependent-launch wait "
+        "(`kernels/rms_norm.py`; A/B runs)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "
