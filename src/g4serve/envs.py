@@ -87,6 +87,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_DECODE_EARLY_TABLE",
+        "0",
+        "`1`: paged decode attention loads the sequence lengths, its first tile's block-table entries and "
+        "the KV scales before its dependent-launch wait (`kernels/paged_decode.py`; A/B runs)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import g4serve.kernels.paged_decode as paged_decode_module
 from g4serve.config import FULL, SLIDING, TextConfig
 from g4serve.engine.kv_cache import PagedKVCache
 from g4serve.kernels.kv_cache_write import kv_cache_write, kv_cache_write_reference
@@ -69,8 +70,12 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("early_table", [False, True])  # (G4SERVE_DECODE_EARLY_TABLE: the same arithmetic)
 @pytest.mark.parametrize("head_dim, hq, hkv, page, seq_lens, window, num_splits, block_n", DECODE_CASES)
-def test_decode_matches_reference(head_dim, hq, hkv, page, seq_lens, window, num_splits, block_n):
+def test_decode_matches_reference(
+    monkeypatch, head_dim, hq, hkv, page, seq_lens, window, num_splits, block_n, early_table
+):
+    monkeypatch.setattr(paged_decode_module, "EARLY_TABLE", early_table)
     gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     k_cache, v_cache = _paged_cache(128, page, hkv, head_dim, torch.float32, gen)
     tables = _block_tables(seq_lens, page, 128, gen, window)

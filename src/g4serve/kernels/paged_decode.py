@@ -31,6 +31,9 @@ LOG2E = 1.4426950408889634
 # The split-KV policy's target of programs per SM (G4SERVE_DECODE_PROGRAMS_PER_SM; A/B runs). A captured CUDA
 # graph keeps the split count it was captured with.
 PROGRAMS_PER_SM = envs.get_int("G4SERVE_DECODE_PROGRAMS_PER_SM")
+# Sequence lengths, the first tile's block-table entries and the KV scales loaded before the dependent-launch
+# wait (G4SERVE_DECODE_EARLY_TABLE; A/B runs): no kernel of a step writes them.
+EARLY_TABLE = envs.get("G4SERVE_DECODE_EARLY_TABLE") == "1"
 
 
 @triton.jit
@@ -50,6 +53,16 @@ def _split_tiles(
     first_tile = start // BLOCK_N
     num_tiles = tl.cdiv(end, BLOCK_N) - first_tile
     return start, first_tile, num_tiles, tl.cdiv(num_tiles, num_splits)
+
+
+@triton.jit
+def _tile_keys(tile, offs_n0, ctx, span_lo, span_hi, start, BLOCK_N: tl.constexpr, HAS_SPANS: tl.constexpr):
+    """A key tile's positions and which of them the query sees (causal, its span, the window's start)."""
+    offs_n = tile * BLOCK_N + offs_n0
+    visible = offs_n < ctx
+    if HAS_SPANS:
+        visible = visible | ((offs_n >= span_lo) & (offs_n < span_hi))
+    return offs_n, visible & (offs_n >= start)
 
 
 def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (HAS_SPANS, UPCAST, KV_FP8, SPLIT), specialised away at compile time
@@ -95,9 +108,11 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    EARLY_TABLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    if not EARLY_TABLE:
+        wait_for_previous_kernel(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,14 +126,6 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h
 
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
-
     ctx = tl.load(SeqLens + b)
     span_lo = ctx
     span_hi = ctx
@@ -130,21 +137,32 @@ def _paged_decode_fn(  # noqa: C901 - Triton kernel body: its branches test tl.c
     )
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+    table = BlockTables + b * stride_bt
+    # the first tile's pages, loaded with the lengths (the loop's other tiles load their own)
+    offs_n, visible = _tile_keys(tile_lo, offs_n0, ctx, span_lo, span_hi, start, BLOCK_N, HAS_SPANS)
+    first_pages = tl.load(table + offs_n // PAGE_SIZE, mask=visible & (tile_lo < tile_hi), other=0)
+    if EARLY_TABLE:  # lengths, tables and scales are written before the step: only q and K/V need the wait
+        wait_for_previous_kernel(USE_PDL)
+
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_base = K + kvh * stride_kh
     v_base = V + kvh * stride_vh
-    table = BlockTables + b * stride_bt
 
     for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + offs_n0
-        visible = offs_n < ctx
-        if HAS_SPANS:
-            visible = visible | ((offs_n >= span_lo) & (offs_n < span_hi))
-        visible = visible & (offs_n >= start)
-        page = tl.load(table + offs_n // PAGE_SIZE, mask=visible, other=0)
+        offs_n, visible = _tile_keys(tile, offs_n0, ctx, span_lo, span_hi, start, BLOCK_N, HAS_SPANS)
+        later = tile != tile_lo  # (a load masked off reads nothing)
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=visible & later, other=0)
+        page = tl.where(later, page, first_pages)
         slot = tl.maximum(page, 0).to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_mask = visible[:, None] & d_mask[None, :]
         k = tl.load(k_base + slot[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -388,6 +406,7 @@ def paged_decode_attention(
         UPCAST=upcast,
         DOT_PRECISION=precision,
         KV_FP8=fp8,
+        EARLY_TABLE=EARLY_TABLE,
         **pdl(q.device, batch),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
