@@ -73,24 +73,10 @@ VARIABLES: tuple[Variable, ...] = (
         "whose long prefills are slow, not stuck)",
     ),
     Variable(
-        "G4SERVE_NORM_MAX_WARPS",
-        "16",
-        "the most warps an RMSNorm chain's program of one row takes (`kernels/rms_norm.py`: one warp per "
-        "256 columns up to this; A/B runs)",
-        ("4", "8", "16", "32"),
-    ),
-    Variable(
-        "G4SERVE_NORM_EARLY_WEIGHTS",
-        "0",
-        "`1`: an RMSNorm chain loads its norms' weights before its dependent-launch wait "
-        "(`kernels/rms_norm.py`; A/B runs)",
-        ("0", "1"),
-    ),
-    Variable(
         "G4SERVE_DECODE_EARLY_TABLE",
-        "0",
-        "`1`: paged decode attention loads the sequence lengths, its first tile's block-table entries and "
-        "the KV scales before its dependent-launch wait (`kernels/paged_decode.py`; A/B runs)",
+        "1",
+        "`0`: paged decode attention loads the sequence lengths, its first tile's block-table entries and "
+        "the KV scales after its dependent-launch wait, not before (`kernels/paged_decode.py`; A/B runs)",
         ("0", "1"),
     ),
     Variable(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import g4serve.kernels.rms_norm as rms_norm_module
 from g4serve.kernels.act_mul import act_mul, act_mul_reference
 from g4serve.kernels.norm_rope import norm_rope, norm_rope_reference
 from g4serve.kernels.rms_norm import (
@@ -66,19 +65,6 @@ def test_fused_rms_norm_of_two_branches(dtype, n, with_next):
     # the reference is the unfused chain
     summed = fused_rms_norm_reference(x, wa, 1e-6)[0] + fused_rms_norm_reference(xb, wb, 1e-6)[0]
     assert torch.equal(ref, fused_rms_norm_reference(summed, w, 1e-6, residual=res, scale=scale)[0])
-
-
-@pytest.mark.parametrize("branches", [False, True])
-def test_norm_weights_loaded_before_the_wait_change_no_bit(monkeypatch, branches):
-    """``G4SERVE_NORM_EARLY_WEIGHTS``: the weights load earlier, the arithmetic is the same."""
-    gen = torch.Generator().manual_seed(3)
-    x, xb, res = ((3 * torch.randn(4, 100, generator=gen)).to(torch.bfloat16) for _ in range(3))
-    w, wa, wb, w2 = (torch.randn(100, generator=gen).to(torch.bfloat16) for _ in range(4))
-    kw = dict(residual=res, next_weight=w2, branches=(xb, wa, wb) if branches else None)
-    late = fused_rms_norm(x, w, 1e-6, **kw)
-    monkeypatch.setattr(rms_norm_module, "EARLY_WEIGHTS", True)
-    early = fused_rms_norm(x, w, 1e-6, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(late, early))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,8 +12,7 @@ the weight once in its FP8 bytes and never converts it: the in-register dequanti
 ~2.7 TB/s of weights before any memory stall; here a tile goes to the MMA as it was loaded. Epilogues as in
 ``gemv.py`` (``gate_up``, ``mul``). The torch reference quantizes the same groups, then multiplies in fp32.
 
-One token row against a weight of up to ``ONE_ROW_MAX_ELEMENTS`` (or a shape of ``ONE_ROW_LARGE_TILES``)
-takes ``_fp8_gemv`` instead: the same
+One token row against a weight of up to ``ONE_ROW_MAX_ELEMENTS`` takes ``_fp8_gemv`` instead: the same
 products on the CUDA cores, thousands of programs of a few weight rows (bf16's one-row GEMV's shape), the
 e4m3 bytes read as int32 words and widened by two hardware conversions per word (``e4m3x4_to_f32``).
 """
@@ -331,7 +330,7 @@ def fp8_matmul_config(
     At E4B's shapes this took a decode step's W8A8 GEMMs from 4.77 to 2.62 ms at 32 rows and from 3.78 to
     3.03 ms at 64. Larger batches take the wider tiles of a compute-bound GEMM. One row takes
     ``one_row_config`` (the CUDA cores) where ``one_row`` (None: ``ONE_ROW``) says so."""
-    if m == 1 and one_row_on_cuda_cores(n, k, one_row or ONE_ROW, epilogue):
+    if m == 1 and one_row_on_cuda_cores(n, k, one_row or ONE_ROW):
         return one_row_config(n, k, epilogue)
     tiles = triton.cdiv(n, 64)
     groups = triton.cdiv(k, GROUP)
@@ -368,26 +367,12 @@ ONE_ROW = envs.get("G4SERVE_FP8_ONE_ROW")
 # gate/up 19.97 against 21.65, down 11.75 against 13.55); at 31B's (44-116M) they were within 4% either way
 # (o 19.2 against 20.1 us, down 48.3 against 45.8), which the tensor cores keep.
 ONE_ROW_MAX_ELEMENTS = 1 << 25
-# Larger shapes where the same sweep found the CUDA cores ahead in a tile of their own ((N, K, gated pair) ->
-# (weight rows a program, K step in bytes)): 31B's sliding q/k/v 32.75 against 33.23 us, gate/up 83.28
-# against 85.91, sliding o 19.23 against 20.11, global o 35.63 against 36.58. Its down (48.3 against 45.8)
-# and global q/k/v (37.65 against 37.27) stay on the tensor cores.
-ONE_ROW_LARGE_TILES: dict[tuple[int, int, bool], tuple[int, int]] = {
-    (16384, 5376, False): (16, 256),
-    (21504, 5376, True): (8, 256),
-    (5376, 8192, False): (4, 2048),
-    (5376, 16384, False): (4, 2048),
-}
 
 
 def one_row_config(n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
-    """``_fp8_gemv``'s tiles (the same sweep): ``ONE_ROW_LARGE_TILES``' own where it names the shape, else
-    4 weight rows a program (8 for a wide gated pair: e4b's gate/up 19.97 against 20.85 us), 4 warps, K steps
-    of 2,048 bytes for rows of 4,096+ that divide by it (e4b's down 11.75 against 16.29 us at 512), else 1,024
-    or 512."""
-    tile = ONE_ROW_LARGE_TILES.get((n, k, epilogue == GATE_UP))
-    if tile is not None:
-        return {"one_row": 1, "block_n": tile[0], "block_k": tile[1], "num_warps": 4}
+    """``_fp8_gemv``'s tiles (the same sweep): 4 weight rows a program (8 for a wide gated pair: e4b's gate/up
+    19.97 against 20.85 us), 4 warps, K steps of 2,048 bytes for rows of 4,096+ that divide by it (e4b's
+    down 11.75 against 16.29 us at 512), else 1,024 or 512."""
     if k >= 4096 and k % 2048 == 0:
         block_k = 2048
     else:
@@ -396,11 +381,11 @@ def one_row_config(n: int, k: int, epilogue: int = PLAIN) -> dict[str, int]:
     return {"one_row": 1, "block_n": block_n, "block_k": block_k, "num_warps": 4}
 
 
-def one_row_on_cuda_cores(n: int, k: int, mode: str, epilogue: int = PLAIN) -> bool:
+def one_row_on_cuda_cores(n: int, k: int, mode: str) -> bool:
     """Whether a one-row product takes ``_fp8_gemv`` (``ONE_ROW``'s rule, for ``mode``)."""
     if mode != "auto":
         return mode == "fma"
-    return n * k <= ONE_ROW_MAX_ELEMENTS or (n, k, epilogue == GATE_UP) in ONE_ROW_LARGE_TILES
+    return n * k <= ONE_ROW_MAX_ELEMENTS
 
 
 def one_row_supported(

@@ -32,7 +32,9 @@ LOG2E = 1.4426950408889634
 # graph keeps the split count it was captured with.
 PROGRAMS_PER_SM = envs.get_int("G4SERVE_DECODE_PROGRAMS_PER_SM")
 # Sequence lengths, the first tile's block-table entries and the KV scales loaded before the dependent-launch
-# wait (G4SERVE_DECODE_EARLY_TABLE; A/B runs): no kernel of a step writes them.
+# wait (G4SERVE_DECODE_EARLY_TABLE=0: after it; A/B runs). No kernel of a step writes them, and what the
+# kernels before the previous one wrote is visible here: each kernel lets its successor launch only after its
+# own wait. On an H100 (2026-12-07), 31B FP8 + FP8 KV at batch 1: 13.18 against 13.24 ms a token.
 EARLY_TABLE = envs.get("G4SERVE_DECODE_EARLY_TABLE") == "1"
 
 

@@ -20,24 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from g4serve import envs
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.fp8_matmul import GROUP, group_buffers, quantize_activation_groups
 from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
-
-# One warp per 256 columns of a row, up to this many (G4SERVE_NORM_MAX_WARPS; A/B runs).
-MAX_WARPS = envs.get_int("G4SERVE_NORM_MAX_WARPS")
-# The norms' weights loaded before the dependent-launch wait (G4SERVE_NORM_EARLY_WEIGHTS; A/B runs).
-EARLY_WEIGHTS = envs.get("G4SERVE_NORM_EARLY_WEIGHTS") == "1"
-
-
-@triton.jit
-def _weights(W, cols, mask, HAS: tl.constexpr):
-    """A norm's weight over the row's columns in fp32 (a scalar 1 where the norm has none)."""
-    if HAS:
-        return tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        return 1.0
 
 
 @triton.jit
@@ -78,25 +63,16 @@ def _rms_norm_fn(
     QUANT: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
-    EARLY_WEIGHTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if EARLY_WEIGHTS:  # the norms' weights (never written during a step) before the dependent-launch wait
-        wa = _weights(WA, cols, mask, HAS_BRANCHES)
-        wb = _weights(WB, cols, mask, HAS_BRANCHES)
-        w = _weights(W, cols, mask, HAS_W)
-        w2 = _weights(W2, cols, mask, HAS_NORM2)
-    wait_for_previous_kernel(USE_PDL)
-    if not EARLY_WEIGHTS:
-        wa = _weights(WA, cols, mask, HAS_BRANCHES)
-        wb = _weights(WB, cols, mask, HAS_BRANCHES)
-        w = _weights(W, cols, mask, HAS_W)
-        w2 = _weights(W2, cols, mask, HAS_NORM2)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BRANCHES:  # x = rms_norm(x, wa) + rms_norm(xb, wb), each term and the sum rounded as eager rounds
+        wa = tl.load(WA + cols, mask=mask, other=0.0).to(tl.float32)
+        wb = tl.load(WB + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(XB + row * stride_xb + cols, mask=mask, other=0.0).to(tl.float32)
         if SLOTS > 1:  # xb's k rows (a MoE's expert outputs) summed in fp32 in slot order, then rounded once
             for j in tl.static_range(1, SLOTS):
@@ -105,7 +81,10 @@ def _rms_norm_fn(
         a = (_normed(x, n_cols, eps) * wa).to(Out.dtype.element_ty).to(tl.float32)
         b = (_normed(b, n_cols, eps) * wb).to(Out.dtype.element_ty).to(tl.float32)
         x = (a + b).to(Out.dtype.element_ty).to(tl.float32)
-    y = (_normed(x, n_cols, eps) * w).to(Out.dtype.element_ty)
+    y = _normed(x, n_cols, eps)
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(Out.dtype.element_ty)
     if HAS_RES:
         r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
@@ -114,7 +93,8 @@ def _rms_norm_fn(
     tl.store(Out + row * stride_o + cols, y, mask=mask)
     if HAS_NORM2:
         z = y.to(tl.float32)
-        z = _normed(z, n_cols, eps) * w2
+        z = _normed(z, n_cols, eps)
+        z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
         if QUANT:  # out2 as the W8A8 GEMM's quantizer reads it: rounded, then per 128-column group
             zr = z.to(Out2.dtype.element_ty).to(tl.float32)
@@ -191,9 +171,8 @@ def fused_rms_norm(
             QUANT=fp8_next is not None,
             GROUP=GROUP,
             BLOCK=block,
-            EARLY_WEIGHTS=EARLY_WEIGHTS,
             **pdl(x.device, rows),
-            num_warps=min(MAX_WARPS, max(1, block // 256)),
+            num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
     return out, (out2.view(x.shape) if next_weight is not None else None)
@@ -308,7 +287,7 @@ def moe_input_norms(
             routed.stride(0),
             BLOCK=block,
             **pdl(x.device, rows),
-            num_warps=min(MAX_WARPS, max(1, block // 256)),
+            num_warps=min(16, max(1, block // 256)),
         )
     return out.view(x.shape), routed.view(x.shape)
 
