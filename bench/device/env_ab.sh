@@ -7,7 +7,8 @@
 #   run(command="G4SERVE_GIT_COMMIT=<sha> SETTINGS='...' bash bench/device/env_ab.sh", carry=[".whl"])
 # Results: $OUT/env_ab.tgz (JSON, traces, logs); the logs' tails in $OUT/summary.md. The logs are written under
 # $OUT/r as they finish, so a call cut by its time limit still brings back the runs done (at most 8 files).
-# PRESET may be a checkpoint's path (its folder's name tags the run). Exits 1 when a run failed.
+# PRESET may be a checkpoint's path (its folder's name tags the run); PROMPT_LEN sets the decoded requests'
+# prompt (spec_decode.py's --prompt-len). Exits 1 when a run failed.
 set -uo pipefail
 RUNS=${RUNS:-31b:fp8+fp8kv e4b:fp8 e4b:bf16} SETTINGS=${SETTINGS:-base} BATCHES=${BATCHES:-1,8}
 STEPS=${STEPS:-24} PROFILE_STEPS=${PROFILE_STEPS:-0} GPU_TESTS=${GPU_TESTS:-} GPU_TESTS_K=${GPU_TESTS_K:-}
@@ -25,12 +26,13 @@ for spec in $RUNS; do
     name=${setting%%=*} assignments=()
     [ "$setting" != "$name" ] && IFS=, read -r -a assignments <<< "${setting#*=}"
     tag="$(basename "$preset")-${variant//[^A-Za-z0-9.]/-}-$i-$name"
-    profile=()
-    [ "$PROFILE_STEPS" -gt 0 ] && profile=(--profile "$PROFILE_STEPS")
+    extra=()
+    [ "$PROFILE_STEPS" -gt 0 ] && extra=(--profile "$PROFILE_STEPS")
+    [ -n "${PROMPT_LEN:-}" ] && extra+=(--prompt-len "$PROMPT_LEN")
     (
       for a in "${assignments[@]}"; do export "${a?}"; done
       run "$tag" "${RUN_TIMEOUT:-150}" python3 bench/spec_decode.py --model "$preset" --device "${DEVICE:-cuda}" \
-        --variants "$variant" --batches "$BATCHES" --steps "$STEPS" --prefill-len 0 "${profile[@]}" \
+        --variants "$variant" --batches "$BATCHES" --steps "$STEPS" --prefill-len 0 "${extra[@]}" \
         --tag="-$i-$name" --out "$RES/$tag"
     )
   done

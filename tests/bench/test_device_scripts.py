@@ -32,6 +32,7 @@ def test_env_ab_runs_each_setting_with_its_switches(tiny_model_dir, tmp_path):
         "RUNS": f"{tiny_model_dir}:bf16",
         "BATCHES": "1",
         "STEPS": "2",
+        "PROMPT_LEN": "24",
         "SETTINGS": "base nq=G4SERVE_FP8_NORM_QUANT=1,G4SERVE_FP8_ONE_ROW=mma",
         # python3 on the path is this interpreter (the script calls python3)
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
@@ -45,6 +46,7 @@ def test_env_ab_runs_each_setting_with_its_switches(tiny_model_dir, tmp_path):
     for path in (out / "r").glob("*/spec-decode-*.json"):
         result = json.loads(path.read_text())
         switches[path.parent.name.rsplit("-", 1)[-1]] = result["switches"]
+        assert "--prompt-len 24" in result["command"]
     assert set(switches) == {"base", "nq"}
     picked = {side: (s["G4SERVE_FP8_NORM_QUANT"], s["G4SERVE_FP8_ONE_ROW"]) for side, s in switches.items()}
     assert picked == {"base": ("0", "auto"), "nq": ("1", "mma")}

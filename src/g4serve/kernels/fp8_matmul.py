@@ -365,7 +365,8 @@ ONE_ROW = envs.get("G4SERVE_FP8_ONE_ROW")
 # bench/fp8_matmul_tiles.py --rows 1 on an H100 (2026-12-07, call 3; docs/benchmarks.md): at e4b's shapes
 # (5-27M elements) the CUDA cores took 4.5-20.0 us where the tensor cores took 5.9-21.7 (o 4.46 against 5.87,
 # gate/up 19.97 against 21.65, down 11.75 against 13.55); at 31B's (44-116M) they were within 4% either way
-# (o 19.2 against 20.1 us, down 48.3 against 45.8), which the tensor cores keep.
+# (o 19.2 against 20.1 us, down 48.3 against 45.8), which the tensor cores keep: 31B's shapes the sweep had
+# ahead on the CUDA cores, each in its best tile, made the engine's step slower (13.24 against 13.20 ms).
 ONE_ROW_MAX_ELEMENTS = 1 << 25
 
 
