@@ -80,13 +80,6 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
-        "G4SERVE_DECODE_MERGE_CHUNK",
-        "8",
-        "splits whose partials paged decode attention's merge loads at once (`kernels/paged_decode.py`; "
-        "A/B runs, `1`: one split at a time)",
-        ("1", "2", "4", "8", "16"),
-    ),
-    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

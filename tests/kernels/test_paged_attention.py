@@ -88,20 +88,6 @@ def test_decode_matches_reference(
     _close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 8])
-def test_decode_merge_takes_the_used_splits_a_chunk_at_a_time(monkeypatch, chunk):
-    """19 used splits: whole chunks, a partial last chunk, and sequences with fewer splits than a chunk."""
-    monkeypatch.setattr(paged_decode_module, "MERGE_CHUNK", chunk)
-    gen = torch.Generator().manual_seed(11)
-    k_cache, v_cache = _paged_cache(128, 8, 2, 16, torch.float32, gen)
-    seq_lens = [300, 5, 77]
-    tables = _block_tables(seq_lens, 8, 128, gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = 4 * torch.randn(3, 4, 16, generator=gen)  # peaked scores: the splits' maxima differ
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 8, num_splits=19, block_n=16)
-    _close(out, paged_decode_reference(q, k_cache, v_cache, tables, lens, 8), torch.float32)
-
-
 @pytest.mark.parametrize("window", [None, 24])
 def test_decode_splits_without_tiles_are_neither_written_nor_read(monkeypatch, window):
     """A CUDA graph fixes the split count for its longest context: short sequences leave most splits
