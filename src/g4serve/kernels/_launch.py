@@ -128,8 +128,10 @@ def _pdl_supported(index: int) -> bool:
 
 @triton.jit
 def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """First thing in a kernel launched with ``pdl``: wait until the previous kernel's writes are visible,
-    then let the next kernel be scheduled. A no-op without ``USE_PDL``."""
+    """Early in a kernel launched with ``pdl``: wait until the previous kernel's writes are visible, then let
+    the next kernel be scheduled. A no-op without ``USE_PDL``. Only loads of what no kernel of the step writes
+    may come before it (weights; lengths and block tables, written before the step): since every kernel
+    lets its successor launch only after this wait, all kernels but the previous one have finished then."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
