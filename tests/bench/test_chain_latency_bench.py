@@ -1,0 +1,32 @@
+"""bench/chain_latency.py on the CPU: every item runs (Triton's interpreter, tiny shapes of the preset's
+structure), a pair alternates the projection with the kernel it is paired with, and the report subtracts."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_scripts import load_script
+
+bench = load_script("chain_latency")
+
+
+def test_items_and_pairs():
+    args = argparse.Namespace(stream_mb=1, context=40, graph_context=4096)
+    s = bench.shapes("e4b", "cpu")
+    items = bench.build_items(s, "fp8", args, "cpu", torch.float32)
+    assert set(items) == {"o_proj", "norm", "quantize", "o_proj+norm", "o_proj+quantize", "decode"}
+    calls, per_item = items["o_proj+norm"]
+    assert per_item == 2 and len(calls) == 2 * len(items["o_proj"][0])
+    assert calls[1] is items["norm"][0][0] and calls[0] is items["o_proj"][0][0]
+    out, _ = calls[1]()
+    assert out.shape == (1, s["hidden"]) and torch.isfinite(out).all()
+    assert items["decode"][0][0]().shape == (1, s["q_heads"], s["head_dim"])
+    assert "quantize" not in bench.build_items(s, "none", args, "cpu", torch.float32)
+
+
+def test_main_reports_each_pair_against_its_projection(capsys):
+    argv = ["--device", "cpu", "--presets", "e4b", "--quantization", "none", "--context", "24"]
+    assert bench.main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("e4b none: us an item: o_proj ") and "after o_proj: norm " in line
