@@ -292,3 +292,61 @@ def test_long_conversations_are_bounded(server):
     assert "at most 4096" in _error(r)["message"]
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json=_chat(messages=turns[1:]), timeout=60)
     assert r.status_code == 400 and _error(r)["param"] == "prompt", r.text  # rendered, then too long here
+
+
+def _redos_format(n: int) -> dict:
+    schema = {
+        "type": "object",
+        "patternProperties": {"^(a+)+$": {"type": "string"}},
+        "required": ["a" * n + "!"],
+    }
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+EMPTY_LANGUAGES = [
+    {"type": "grammar", "grammar": "root ::= root"},
+    {"type": "regex", "regex": "[^\\x00-\\U0010FFFF]"},
+    {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+    },
+]
+
+
+def test_formats_that_would_run_a_client_regex_or_admit_no_output_are_400s(server):
+    """A patternProperties key run by Python's backtracking ``re`` against a required name (``^(a+)+$``
+    against 27 a's and a '!': ~10 s holding the interpreter, the event loop and every stream with it, twice
+    as long with each further 'a'), and
+    grammars no output satisfies (admitted, their first step masked every token and the engine failed the
+    request as a 500): each a 400 naming response_format, fast, the requests beside them unharmed."""
+    began = time.monotonic()
+    long, bad = _beside_long_requests(
+        server,
+        [_chat(response_format=_redos_format(27))] + [_chat(response_format=f) for f in EMPTY_LANGUAGES],
+    )
+    _assert_unharmed(long)
+    assert time.monotonic() - began < 60
+    for r in bad:
+        assert r.status_code == 400, r.text
+        assert _error(r)["message"].startswith("response_format")
+    assert "is not in properties" in _error(bad[0])["message"]
+    assert all("no output satisfies it" in _error(r)["message"] for r in bad[1:])
+
+
+def test_responses_input_fields_of_the_wrong_type_are_400s(server):
+    """An unhashable role used to be a 500 (a dict lookup); arguments nested past Python's recursion limit
+    inside a function_call item's string, a 500 from the parser."""
+    deep = "[" * 5000 + "]" * 5000
+    bodies = [
+        {"model": "tiny", "input": [{"role": ["user"], "content": "x"}], "max_output_tokens": 2},
+        {"model": "tiny", "input": [{"role": {"a": 1}, "content": "x"}], "max_output_tokens": 2},
+        {
+            "model": "tiny",
+            "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": deep}],
+            "max_output_tokens": 2,
+        },
+    ]
+    for body in bodies:
+        r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+    server.wait_idle()

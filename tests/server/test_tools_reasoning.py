@@ -77,6 +77,15 @@ def test_parser_holds_a_partial_marker_then_releases_plain_text():
     assert parser.finish().content == "<|tool_callx"
 
 
+def test_arguments_nested_past_the_recursion_limit_make_an_incomplete_call():
+    """A client grammar can steer the output into arguments nested ~1,200 deep: Python's JSON parser gives up
+    (RecursionError), and the call counts as incomplete instead of failing the whole response."""
+    depth = 1200
+    text = "<|tool_call>call:get_rate{a:" + "[" * depth + "]" * depth + "}x"  # no closing marker: checked
+    content, _, args, calls = _parse(text, 1000)
+    assert calls == [] and args[0].count("[") == depth
+
+
 def test_tools_render_like_transformers(server, client):
     from transformers import AutoTokenizer
 
@@ -206,6 +215,20 @@ def test_bad_tool_requests_are_400(client):
     ]
     with pytest.raises(openai.BadRequestError, match="arguments: not valid JSON"):
         client.chat.completions.create(model="tiny", messages=bad_args, tools=TOOLS)
+    # JSON inside the arguments string gets the body's depth limit (Python's parser gave a 500 from ~990)
+    for depth in (65, 990, 5000):
+        bad_args[-1]["tool_calls"][0]["function"]["arguments"] = "[" * depth + "]" * depth
+        with pytest.raises(openai.BadRequestError, match=r"arguments: JSON nested more than 64 levels"):
+            client.chat.completions.create(model="tiny", messages=bad_args, tools=TOOLS)
+    # a malformed function choice (not an object, a name that is not a string) is a 400 naming tool_choice
+    for choice in (
+        {"type": "function", "function": "get_rate"},
+        {"type": "function", "function": {"name": ["get_rate"]}},
+        {"type": "function", "function": {"name": {"a": 1}}},
+    ):
+        with pytest.raises(openai.BadRequestError, match="tool_choice: must be") as info:
+            client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=choice)
+        assert info.value.body["param"] == "tool_choice"
 
 
 def test_reasoning_effort_turns_thinking_on(server, client):

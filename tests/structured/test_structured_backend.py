@@ -198,6 +198,23 @@ def test_compile_rejects_non_specs_and_bad_grammars(backend):
         backend.compile(StructuredSpec("regex", "a{"))  # built directly: checked when compiled
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredSpec("grammar", "root ::= root"),
+        StructuredSpec("regex", "[^\\x00-\\U0010FFFF]"),
+        StructuredSpec.json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+    ],
+    ids=["ebnf-self", "regex-empty-class", "schema-self-ref"],
+)
+def test_a_grammar_no_output_satisfies_is_refused_when_compiled(backend, spec):
+    """Admitted, every token of its first step would be masked and the request fail inside the engine."""
+    with pytest.raises(StructuredOutputError, match=rf"^{spec.field}: no output satisfies it"):
+        backend.compile(spec)
+    with pytest.raises(StructuredOutputError, match="no output satisfies it"):  # and again: not cached
+        backend.compile(spec)
+
+
 def test_matcher_accepts_rolls_back_and_terminates(backend, tok):
     m = backend.new_matcher(StructuredSpec.choice(["yes", "no"]))
     yes = tok.encode("yes", add_special_tokens=False)

@@ -185,15 +185,33 @@ def test_required_without_property_is_declared():
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}},
-        "required": ["a", "x", "y1"],
-        "patternProperties": {"^y": {"type": "boolean"}},
+        "required": ["a", "x"],
         "additionalProperties": {"type": "string"},
     }
     prepared = prepare_json_schema(schema)
-    assert prepared["properties"] == {
-        "a": {"type": "integer"},
-        "x": {"type": "string"},
-        "y1": {"type": "boolean"},
-    }
+    assert prepared["properties"] == {"a": {"type": "integer"}, "x": {"type": "string"}}
     assert "x" not in schema["properties"]  # the caller's schema is untouched
     StructuredSpec.json_schema(schema)
+    # beside patternProperties a required name must be declared: finding its schema would run the pattern
+    with_patterns = schema | {"required": ["a", "y1"], "patternProperties": {"^y": {"type": "boolean"}}}
+    with pytest.raises(StructuredOutputError, match=r"schema.required: 'y1' is not in properties"):
+        StructuredSpec.json_schema(with_patterns)
+    declared = with_patterns | {"properties": {"a": {"type": "integer"}, "y1": {"type": "boolean"}}}
+    StructuredSpec.json_schema(declared)
+
+
+def test_client_patterns_are_never_run_by_python_re():
+    """``^(a+)+$`` against 40 a's and a '!' backtracks ~2^40 steps in Python's ``re``, holding the interpreter
+    (the event loop, every stream) for hours: the spec refuses without running it, at once."""
+    import time
+
+    schema = {
+        "type": "object",
+        "patternProperties": {"^(a+)+$": {"type": "string"}},
+        "required": ["a" * 40 + "!"],
+    }
+    StructuredSpec.json_schema({"type": "object"})  # imports, outside the clock
+    began = time.perf_counter()
+    with pytest.raises(StructuredOutputError, match=r"schema.required: 'a+!' is not in properties"):
+        StructuredSpec.json_schema(schema)
+    assert time.perf_counter() - began < 1.0

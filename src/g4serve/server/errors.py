@@ -170,6 +170,24 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     return body
 
 
+def parse_json_text(text: str, where: str, param: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """JSON held in a string field (a tool call's ``arguments``) as its value, with the body's own limits:
+    nested at most ``max_depth`` deep (``parse_json_object`` cannot see inside a string, and Python's parser
+    and the template recurse) and valid Unicode. Anything else is a 400 naming ``where``."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise APIError(400, f"{where}: JSON nested more than {max_depth} levels deep", param) from None
+    except ValueError:
+        raise APIError(400, f"{where}: not valid JSON", param) from None
+    depth, valid_text = json_shape(value)
+    if depth > max_depth:
+        raise APIError(400, f"{where}: JSON nested more than {max_depth} levels deep", param)
+    if not valid_text:
+        raise APIError(400, f"{where}: a string holds invalid Unicode (a lone surrogate)", param)
+    return value
+
+
 def json_shape(value: Any) -> tuple[int, bool]:
     """(how deep lists and dicts nest in ``value``, whether every string and key in it is valid Unicode),
     in one pass without recursing."""

@@ -238,9 +238,11 @@ class Gemma4OutputParser:
 
     @staticmethod
     def _valid(arguments: str) -> bool:
+        """Whether a call's arguments parse as JSON; nested past Python's recursion limit (output a grammar
+        can steer there) they count as invalid, the call incomplete, instead of failing the response."""
         try:
             json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return False
         return True
 

@@ -211,7 +211,8 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: dict[str, str
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = _ROLES.get(item.get("role"))
+    role = item.get("role")
+    role = _ROLES.get(role) if isinstance(role, str) else None
     if role is None:
         raise APIError(400, f"{where}.role: must be user, system, developer or assistant", "input")
     content = item.get("content")

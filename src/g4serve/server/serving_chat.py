@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ from g4serve.processing.chat_template import (
     check_chat_template_kwargs,
 )
 from g4serve.sampling_params import SamplingParamsError
-from g4serve.server.errors import APIError, bad_request
+from g4serve.server.errors import APIError, bad_request, parse_json_text
 from g4serve.server.gemma4_output import Gemma4OutputParser
 from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
 from g4serve.server.protocol import ChatCompletionRequest, usage
@@ -153,8 +152,9 @@ class OpenAIServingChat(OpenAIServing):
             return req.tools, None
         if choice == "required":
             return req.tools, forced_call_grammar(schemas, list(schemas), req.parallel_tool_calls)
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
             raise APIError(
                 400,
                 "tool_choice: must be 'auto', 'none', 'required' or "
@@ -292,12 +292,8 @@ def _template_message(message: dict, index: int) -> dict:
             raise APIError(400, f"messages[{index}].tool_calls[{j}].function.name: is required", "messages")
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise APIError(
-                    400, f"messages[{index}].tool_calls[{j}].function.arguments: not valid JSON", "messages"
-                ) from None
+            where = f"messages[{index}].tool_calls[{j}].function.arguments"
+            args = parse_json_text(args, where, "messages") if args.strip() else {}
         out.append({**call, "function": {**fn, "arguments": args}})
     return {**message, "tool_calls": out}
 

@@ -274,7 +274,10 @@ def check_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> None
 
 def prepare_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> dict:
     """The schema as the grammar builder needs it: xgrammar ignores ``required`` names missing from
-    ``properties``, so declare each with the schema its value must follow."""
+    ``properties``, so declare each with the schema its value must follow (``additionalProperties``'). Beside
+    ``patternProperties`` such a name is refused instead: which schema it follows would take running the
+    client's pattern, and Python's backtracking ``re`` can take exponential time on one (``^(a+)+$`` against
+    ``aaa…a!``) while it holds the interpreter, the event loop included."""
     schema = copy.deepcopy(schema)
     for path, node in _subschemas(schema, field):
         required = node.get("required")
@@ -284,26 +287,18 @@ def prepare_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> di
         for name in required:
             if name in props:
                 continue
-            matches = [
-                sub
-                for pattern, sub in (node.get("patternProperties") or {}).items()
-                if re.search(pattern, name)
-            ]
-            if len(matches) > 1:
+            if node.get("patternProperties"):
                 raise StructuredOutputError(
-                    f"{path}.required: {name!r} matches several patternProperties; declare it in properties"
+                    f"{path}.required: {name!r} is not in properties; beside patternProperties, declare "
+                    "every required name in properties"
                 )
             extra = node.get("additionalProperties", True)
-            if matches:
-                sub = matches[0]
-            elif extra is False:
+            if extra is False:
                 raise StructuredOutputError(
                     f"{path}.required: {name!r} is required but additionalProperties is "
                     "false, so no JSON value satisfies the schema"
                 )
-            else:
-                sub = {} if extra is True else extra
-            props[name] = sub
+            props[name] = {} if extra is True else extra
         node["properties"] = props
     return schema
 
