@@ -67,3 +67,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed the request (finish_reason "error")
+    error_status: int = 500  # the HTTP status of ``error``: 400 where the client's input caused it

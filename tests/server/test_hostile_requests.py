@@ -331,6 +331,13 @@ def test_formats_that_would_run_a_client_regex_or_admit_no_output_are_400s(serve
         assert _error(r)["message"].startswith("response_format")
     assert "is not in properties" in _error(bad[0])["message"]
     assert all("no output satisfies it" in _error(r)["message"] for r in bad[1:])
+    # a dead end after the first token shows only while the request runs: still the client's 400
+    dead = {"type": "regex", "regex": "a[^\\x00-\\U0010FFFF]"}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=_chat(response_format=dead), timeout=60)
+    assert r.status_code == 400 and _error(r)["message"].startswith("response_format.regex: no output"), (
+        r.text
+    )
+    server.wait_idle()
 
 
 def test_responses_input_fields_of_the_wrong_type_are_400s(server):

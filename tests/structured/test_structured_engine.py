@@ -320,3 +320,21 @@ def test_llm_generate_with_structured_output(tiny_model_dir):
     with pytest.raises(StructuredOutputError):
         llm.generate(PROMPT, SamplingParams(structured_output=StructuredSpec("choice", "[]")))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_grammar_with_no_way_on_fails_its_request_as_the_clients_error(engine):
+    """``a`` then a character no token holds: admission sees a first token, so the dead end shows only when
+    the grammar's mask empties. The request fails with a 400 naming the format (not an internal 500), the
+    requests beside it finish, and nothing is left held."""
+    dead = SamplingParams(
+        temperature=0, max_tokens=8, structured_output=StructuredSpec.regex("a[^\\x00-\\U0010FFFF]")
+    )
+    outs = {}
+    for rid, (prompt, params) in {"dead": (PROMPT, dead), "free": (PROMPT, GREEDY)}.items():
+        engine.add_request(engine.make_request(rid, engine.process_prompt(prompt), params))
+    outs = engine.run_until_finished()
+    failed = outs["dead"]
+    assert failed.outputs[0].finish_reason == "error" and failed.error_status == 400
+    assert failed.error.startswith("response_format.regex: no output satisfies it (after 1 output tokens")
+    assert outs["free"].error is None and outs["free"].outputs[0].finish_reason in ("stop", "length")
+    assert_pools_free(engine)

@@ -64,11 +64,13 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine could not run this request (a fault in its step); the engine serves on."""
+    """The engine could not run this request (a fault in its step, or ``status`` 400: the client's input,
+    found only while it ran); the engine serves on."""
 
-    def __init__(self, request_id: str, message: str):
+    def __init__(self, request_id: str, message: str, status: int = 500):
         super().__init__(message)
         self.request_id = request_id
+        self.status = status
 
 
 def set_switch_interval() -> None:
@@ -302,7 +304,7 @@ class AsyncLLMEngine:
             return
         loop, q, request = entry
         if out.error is not None:
-            self._send(loop, q, RequestFailedError(out.request_id, out.error))
+            self._send(loop, q, RequestFailedError(out.request_id, out.error, out.error_status))
             return
         completion = out.outputs[0]
         try:

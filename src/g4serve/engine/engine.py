@@ -917,7 +917,8 @@ class LLMEngine:
                 break
             if request.grammar is not None and not request.grammar.accept_token(token):
                 # the row's mask held the grammar's state after the drafts before it: impossible
-                raise RuntimeError(f"token {token} violates the request's grammar")
+                self._grammar_rejected(request, token)
+                break
             top = list(zip(top_ids[rows[i]], top_lps[rows[i]])) if top_ids is not None else None
             request.append_token(token, None if logprobs is None else logprobs[rows[i]], top, now)
         self.num_generated_tokens += len(request.output_token_ids) - before
@@ -964,12 +965,27 @@ class LLMEngine:
                 tokens = grammar_prefix(request.grammar, list(tokens))
             request.set_drafts(tokens)
 
+    @staticmethod
+    def _grammar_rejected(request: Request, token: int) -> None:
+        """The grammar refused the token its own mask let through. Where the mask was empty (a grammar with
+        no way on from here, which admission cannot always see: ``a`` then a character no token holds) the
+        client's grammar is at fault: the request fails with a 400. Anything else is a broken state."""
+        grammar = request.grammar
+        if grammar.allows_nothing():
+            request.fail(
+                f"{grammar.spec.field}: no output satisfies it (after {grammar.num_accepted} output tokens "
+                "the grammar allows no token, not even the end)",
+                status=400,
+            )
+            return
+        raise RuntimeError(f"token {token} violates the request's {grammar.spec.kind} grammar")
+
     def _accept(self, request: Request, row: int, token_ids, logprobs, top_ids, top_lps, now: float) -> None:
         """Append row ``row``'s sampled token (and its logprobs) to ``request``."""
         token = token_ids[row]
         if request.grammar is not None and not request.grammar.accept_token(token):
-            # The mask makes this impossible: the request's state is broken, not the client's input.
-            raise RuntimeError(f"token {token} violates the request's {request.grammar.spec.kind} grammar")
+            self._grammar_rejected(request, token)
+            return
         tokens = [token]
         if request.jump_forward:
             # The sampled token's K/V is not computed yet (a grammar request is read back before its next step
@@ -1001,6 +1017,7 @@ class LLMEngine:
             # admission, which is output, not prompt (metrics.prefix_hit_tokens keeps the whole hit).
             num_cached_tokens=min(request.metrics.prefix_hit_tokens, len(request.prompt_token_ids)),
             error=request.error,
+            error_status=request.error_status,
         )
 
     # ---- introspection ------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine failed it (finish_reason "error")
+        self.error_status = 500  # 400: the client's input caused it (a grammar with no way on)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.num_computed_tokens = (
             0  # tokens whose K/V are in the cache (or being written by a launched step)
@@ -246,11 +247,12 @@ class Request:
         if not self.finished:
             self.finish_reason = "abort"
 
-    def fail(self, error: str) -> None:
-        """End the request because the engine could not run it (a fault in its step, not the client's
-        doing); ``error`` is the message its client gets."""
+    def fail(self, error: str, status: int = 500) -> None:
+        """End the request because the engine could not run it; ``error`` is the message its client gets,
+        ``status`` its HTTP status (500: a fault in its step; 400: the client's input, found only while it
+        ran)."""
         if not self.finished:
-            self.finish_reason, self.error = "error", error
+            self.finish_reason, self.error, self.error_status = "error", error, status
 
     def take_stream_delta(self) -> str:
         """Text not yet streamed, holding back a tail that could still become a stop string."""

@@ -101,8 +101,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_request: Request, exc: RequestFailedError) -> JSONResponse:
-        metrics.observe_error(500)
-        return error_response(500, str(exc))
+        metrics.observe_error(exc.status)
+        return error_response(exc.status, str(exc))
 
     app.add_middleware(GuardMiddleware, config=config, count_error=metrics.observe_error, in_flight=in_flight)
 

@@ -244,6 +244,15 @@ class StructuredMatcher:
             return None
         return int(allowed[np.argmax(self.vocab.closing_score[allowed])])
 
+    def allows_nothing(self) -> bool:
+        """Whether no token may come next, not even a stop (a grammar with no way on from here: every row
+        of its mask is empty and the sampler's pick cannot be accepted). Fills a mask: for failures only."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab.vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any()) and not self._matcher.is_terminated()
+
     def is_terminated(self) -> bool:
         """True once a stop token was accepted after a complete match."""
         return self._matcher.is_terminated()
