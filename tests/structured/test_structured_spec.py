@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -215,3 +216,20 @@ def test_client_patterns_are_never_run_by_python_re():
     with pytest.raises(StructuredOutputError, match=r"schema.required: 'a+!' is not in properties"):
         StructuredSpec.json_schema(schema)
     assert time.perf_counter() - began < 1.0
+
+
+@pytest.mark.parametrize(
+    "schema,where",
+    [
+        ({"type": "integer", "multipleOf": 1025}, "schema.multipleOf: must lie in (0, 1024]"),
+        ({"$ref": "http://example.com/s.json"}, "schema.$ref: only references inside the schema"),
+        ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "properties.a.$ref: only"),
+    ],
+)
+def test_keywords_xgrammar_would_drop_are_refused(schema, where):
+    """xgrammar warns and drops an integer multipleOf past 1,024 and a $ref outside the schema (any value
+    would then pass), so an accepted schema would not bind its output."""
+    with pytest.raises(StructuredOutputError, match=re.escape(where)):
+        StructuredSpec.json_schema(schema)
+    StructuredSpec.json_schema({"type": "integer", "multipleOf": 1024})
+    StructuredSpec.json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}})

@@ -18,6 +18,7 @@ from typing import Any
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 18  # schemas, patterns and grammars longer than this are refused (compile cost)
 MAX_CHOICES = 4096
+MAX_MULTIPLE_OF = 1024  # xgrammar enforces an integer's multipleOf up to this
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FIELDS = {
     "json_object": "response_format",
@@ -250,26 +251,43 @@ def check_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> None
         where = _join(field, list(exc.path))
         raise StructuredOutputError(f"{where}: not a valid JSON Schema: {exc.message}") from None
     for path, node in _subschemas(schema, field):
-        for key in _UNSUPPORTED:
-            if key in node:
-                raise StructuredOutputError(f"{path}.{key}: is not supported by constrained decoding")
-        if node.get("uniqueItems") is True:
-            raise StructuredOutputError(f"{path}.uniqueItems: is not supported by constrained decoding")
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        _check_keywords(path, node)
+
+
+def _check_keywords(path: str, node: dict) -> None:
+    """Refuse a schema object's keywords that the grammar would not enforce."""
+    for key in _UNSUPPORTED:
+        if key in node:
+            raise StructuredOutputError(f"{path}.{key}: is not supported by constrained decoding")
+    if node.get("uniqueItems") is True:
+        raise StructuredOutputError(f"{path}.uniqueItems: is not supported by constrained decoding")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise StructuredOutputError(
+            f"{path}.allOf: more than one subschema is not supported by constrained "
+            "decoding; merge them into one schema"
+        )
+    if "multipleOf" in node and node.get("type") != "integer":
+        raise StructuredOutputError(f"{path}.multipleOf: is only supported with type 'integer'")
+    multiple = node.get("multipleOf")
+    if isinstance(multiple, (int, float)) and not 0 < multiple <= MAX_MULTIPLE_OF:
+        # xgrammar warns and drops the constraint (any integer would pass)
+        raise StructuredOutputError(f"{path}.multipleOf: must lie in (0, {MAX_MULTIPLE_OF}]")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        # a remote or relative URI: xgrammar warns and matches any JSON value
+        raise StructuredOutputError(f"{path}.$ref: only references inside the schema ('#/...') are supported")
+    _check_patterns(path, node)
+
+
+def _check_patterns(path: str, node: dict) -> None:
+    patterns = [(f"{path}.pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+    patterns += [(f"{path}.patternProperties", p) for p in node.get("patternProperties") or {}]
+    for where, pattern in patterns:
+        if _QUOTE_IN_PATTERN.search(pattern):
             raise StructuredOutputError(
-                f"{path}.allOf: more than one subschema is not supported by constrained "
-                "decoding; merge them into one schema"
+                f"{where}: a pattern that matches a double quote or a backslash is "
+                "not supported by constrained decoding"
             )
-        if "multipleOf" in node and node.get("type") != "integer":
-            raise StructuredOutputError(f"{path}.multipleOf: is only supported with type 'integer'")
-        patterns = [(f"{path}.pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
-        patterns += [(f"{path}.patternProperties", p) for p in node.get("patternProperties") or {}]
-        for where, pattern in patterns:
-            if _QUOTE_IN_PATTERN.search(pattern):
-                raise StructuredOutputError(
-                    f"{where}: a pattern that matches a double quote or a backslash is "
-                    "not supported by constrained decoding"
-                )
 
 
 def prepare_json_schema(schema: dict, field: str = _FIELDS["json_schema"]) -> dict:
