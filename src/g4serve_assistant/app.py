@@ -798,6 +798,12 @@ def check_text(value: Any, name: str) -> str:
         raise APIError(400, f"{name}: must not be empty", param=name)
     if len(value) > MAX_TEXT_CHARS:
         raise APIError(400, f"{name}: at most {MAX_TEXT_CHARS} characters, got {len(value)}", param=name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON's "\ud800" escapes decode to lone surrogates: over the WebSocket (the HTTP body parser refuses
+        # them) one reached the audit trail, and every read of it failed as a 500
+        raise APIError(400, f"{name}: holds invalid Unicode (a lone surrogate)", param=name) from None
     return value
 
 

@@ -19,6 +19,7 @@ _WAVE_FORMAT_PCM = 0x0001
 _WAVE_FORMAT_IEEE_FLOAT = 0x0003
 _WAVE_FORMAT_EXTENSIBLE = 0xFFFE
 _MAX_CHANNELS = 16
+_MIN_SAMPLE_RATE, _MAX_SAMPLE_RATE = 1_000, 384_000  # as the server's audio limits (processing/limits.py)
 
 
 class AudioError(ValueError):
@@ -113,8 +114,11 @@ def _parse_fmt(body: bytes) -> tuple[int, int, int, int]:
         (format_tag,) = struct.unpack_from("<H", body, 24)
     if format_tag not in (_WAVE_FORMAT_PCM, _WAVE_FORMAT_IEEE_FLOAT):
         raise AudioError(f"audio: unsupported WAV encoding 0x{format_tag:04x}; send PCM or float WAV")
-    if sample_rate <= 0:
-        raise AudioError(f"audio: sample rate {sample_rate}")
+    if not _MIN_SAMPLE_RATE <= sample_rate <= _MAX_SAMPLE_RATE:
+        # (a header's 2^31 Hz gave a 500 from the resampler; 100 MHz, 5 s and 730 MB on the audio thread)
+        raise AudioError(
+            f"audio: sample rate {sample_rate} Hz outside {_MIN_SAMPLE_RATE}-{_MAX_SAMPLE_RATE} Hz"
+        )
     if not 1 <= channels <= _MAX_CHANNELS:
         raise AudioError(f"audio: {channels} channels")
     valid_bits = (8, 16, 24, 32) if format_tag == _WAVE_FORMAT_PCM else (32, 64)

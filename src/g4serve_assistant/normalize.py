@@ -218,6 +218,7 @@ _SCALE_VALUES = {"k": 1000, "grand": 1000, "thousand": 1000, "million": 10**6, "
 _WEEKDAYS = {
     d: i for i, d in enumerate(("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"))
 }
+_MAX_DAYS_AHEAD = 36_600
 _MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_name) if name}
 _MONTHS |= {name.lower(): i for i, name in enumerate(calendar.month_abbr) if name} | {"sept": 9}
 _MONTH_RE = "|".join(sorted(_MONTHS, key=len, reverse=True))
@@ -557,7 +558,9 @@ class _Normalizer:
             return today + dt.timedelta(days=2 if "after" in m[0] else offsets[m[0]])
         if rule == "date_in":
             n = {"a": 1, "an": 1, "one": 1, "two": 2}.get(m["n"]) or int(m["n"])
-            return today + dt.timedelta(days=n * (7 if m["unit"].startswith("week") else 1))
+            # past a century the policy's "up to a year ahead" answers the same (and 3M days overflow a date)
+            days = min(n * (7 if m["unit"].startswith("week") else 1), _MAX_DAYS_AHEAD)
+            return today + dt.timedelta(days=days)
         if rule == "date_weekday":
             # "friday", "this friday" and "next friday" all mean the coming one, strictly after today.
             ahead = (_WEEKDAYS[m["wd"]] - today.weekday() - 1) % 7 + 1

@@ -401,7 +401,9 @@ class Policy:
         if intent in MONEY_INTENTS:
             return self._money(session, intent, entities, result, rows)
         if intent in ("card_lock", "card_unlock"):
-            return self._card(session, intent, entities, unsure=fresh and result.needs_llm)
+            # unsure: the fast path still is, or the model chose (merge_into_result clears needs_llm)
+            unsure = result.needs_llm or "gemma_extraction" in (result.rules or [])
+            return self._card(session, intent, entities, unsure=fresh and unsure)
         if intent == "balance_inquiry":
             return self._balance(entities)
         if intent == "recent_transactions":

@@ -589,6 +589,17 @@ def test_a_lone_surrogate_is_a_400_and_the_audit_stays_readable(alex):
     assert alex.audit() is not None
 
 
+def test_a_lone_surrogate_over_the_websocket_is_refused_too(client, alex):
+    """The WebSocket's text skipped the HTTP body parser's check: the turn ran (proposing the payment), its
+    row reached the audit trail, and every read of it, the operator's included, answered 500."""
+    with client.websocket_connect("/v1/assistant/ws") as ws:
+        assert ws_auth(ws, alex)["type"] == "ready"
+        ws.send_text('{"type": "text", "text": "pay \\ud800 fifty dollars to john smith"}')
+        msg = ws.receive_json()
+        assert msg["type"] == "error" and msg["param"] == "text" and "lone surrogate" in msg["message"]
+    assert alex.audit() is not None
+
+
 def test_admin_imports_need_the_key_and_validate(tmp_path):
     from g4serve_assistant.db import SQLiteBank
 

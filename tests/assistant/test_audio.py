@@ -140,7 +140,13 @@ def test_wav_stereo_44k_is_downmixed_and_resampled():
         (b"", "not a WAV file"),
         (b"ID3\x03\x00garbage-mp3" * 4, "not a WAV file"),
         (_wav_bytes(b""), "audio: empty"),
-        (_wav_bytes(b"\x00\x00" * 10, rate=0), "audio: sample rate 0"),
+        (_wav_bytes(b"\x00\x00" * 10, rate=0), "audio: sample rate 0 Hz outside"),
+        # a header's 2^31-1 Hz was a 500 (MemoryError in the resampler), 100 MHz 5 s on the audio thread
+        (
+            _wav_bytes(b"\x00\x00" * 10, rate=2**31 - 1),
+            "audio: sample rate 2147483647 Hz outside 1000-384000",
+        ),
+        (_wav_bytes(b"\x00\x00" * 10, rate=100_000_007), "outside 1000-384000 Hz"),
         (_wav_bytes(b"\x00\x00" * 10, fmt=0x55), "unsupported WAV encoding"),
         (_wav_bytes(b"\x00\x00" * 10, bits=12), "unsupported sample size"),
         (_wav_bytes(b"\x00\x00" * 10, channels=0), "0 channels"),

@@ -172,6 +172,8 @@ def test_digit_strings_are_not_amounts():
         ("in two days", dt.date(2025, 5, 9)),
         ("in a week", dt.date(2025, 5, 14)),
         ("in 3 weeks", dt.date(2025, 5, 28)),
+        # past a century it stops there: the policy refuses more than a year ahead (3M days overflowed a 500)
+        ("in 99999999999 days", dt.date(2025, 5, 7) + dt.timedelta(days=36_600)),
         ("2025-12-24", dt.date(2025, 12, 24)),
         ("send 50 dollars", None),
     ],

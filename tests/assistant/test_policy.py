@@ -334,6 +334,10 @@ def test_unsure_card_lock_asks_first(bank):
     result = IntentResult("card_lock", 0.6, {"card": "card-debit"}, [], True, "low_confidence", [])
     d = bank.decide(result, "um the card thing")
     assert d.needs_confirmation and not d.executed
+    # the model's choice (merge_into_result clears needs_llm) is a lock the fast path was unsure of too
+    chosen = IntentResult("card_lock", 0.9, {"card": "card-debit"}, [], False, None, ["gemma_extraction"])
+    d = bank.decide(chosen, "the debit card")
+    assert d.needs_confirmation and not d.executed
 
 
 @pytest.mark.parametrize(
