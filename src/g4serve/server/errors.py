@@ -160,13 +160,7 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
         raise APIError(400, "body: a JSON number has too many digits", param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, "body: must be a JSON object", param="body")
-    depth, valid_text = json_shape(body)
-    if depth > max_depth:
-        raise APIError(400, f"body: JSON nested more than {max_depth} levels deep", param="body")
-    if not valid_text:
-        # JSON's "\ud800" escapes decode to lone surrogates, which are no text: they fail whatever encodes
-        # them later (a tokenizer, a database row, a response), so they stop here.
-        raise APIError(400, "body: a string holds invalid Unicode (a lone surrogate)", param="body")
+    _check_shape(body, "body", "body", max_depth)
     return body
 
 
@@ -180,12 +174,19 @@ def parse_json_text(text: str, where: str, param: str, max_depth: int = MAX_JSON
         raise APIError(400, f"{where}: JSON nested more than {max_depth} levels deep", param) from None
     except ValueError:
         raise APIError(400, f"{where}: not valid JSON", param) from None
-    depth, valid_text = json_shape(value)
+    _check_shape(value, where, param, max_depth)
+    return value
+
+
+def _check_shape(value: Any, where: str, param: str, max_depth: int) -> None:
+    """A parsed JSON value nested at most ``max_depth`` deep, every string valid Unicode; else a 400."""
+    depth, valid = json_shape(value)
     if depth > max_depth:
         raise APIError(400, f"{where}: JSON nested more than {max_depth} levels deep", param)
-    if not valid_text:
+    if not valid:
+        # JSON's "\ud800" escapes decode to lone surrogates, which are no text: they fail whatever encodes
+        # them later (a tokenizer, a database row, a response), so they stop here.
         raise APIError(400, f"{where}: a string holds invalid Unicode (a lone surrogate)", param)
-    return value
 
 
 def json_shape(value: Any) -> tuple[int, bool]:

@@ -454,19 +454,14 @@ class StructuredOutputBackend:
             raise StructuredOutputError(
                 f"{spec.field}: cannot compile: {clean_xgrammar_error(exc)}"
             ) from None
-        if not self._allows_a_first_token(compiled):
+        first = self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
+        if StructuredMatcher(spec, first, self.matcher_vocab).allows_nothing():
             # (``root ::= root``, a regex of an empty class, a schema that only refers to itself): admitted,
             # every token of the first step would be masked and the request fail in the engine
             raise StructuredOutputError(
                 f"{spec.field}: no output satisfies it (the grammar allows no first token, not even the end)"
             )
         return compiled
-
-    def _allows_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
-        matcher = self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        return bool(bitmask.any())
 
     def new_matcher(self, spec: StructuredSpec) -> StructuredMatcher:
         matcher = self._xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids)
