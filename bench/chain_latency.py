@@ -15,9 +15,13 @@ least ``--stream-mb`` so every call streams its weights from HBM:
   ``hidden`` columns; ``quantize`` (``--quantization fp8``): the W8A8 activation quantizer of one row;
 - ``o_proj`` (attention width -> hidden, the engine's own kernel choice: ``layers.fused.linear``; in FP8 its
   activation quantizer included), then
-  ``o_proj+norm`` and ``o_proj+quantize``: the pair, one after the other, per pair;
+  ``o_proj+norm`` and ``o_proj+quantize``: the pair, one after the other, per pair; ``o_proj>norm``: the norm
+  of the projection's own output (the engine's dependency; ``o_proj+norm``'s norm reads a fixed row);
 - ``decode``: paged decode attention of one sequence at ``--context`` tokens on the sliding layers' shape, its
   split count fixed for ``--graph-context`` as a captured graph fixes it (the merge kernel included).
+
+``--max-split-k`` repeats the FP8 items with the tensor cores' serial split-K capped there (1: none): whether
+the split's last-arrival reduction is what a norm after the projection waits for.
 
 It prints us per call and, for each pair, what the second kernel adds after the projection against what it
 costs alone. Writes JSON (device, versions, commit, command) to ``--out-dir``. ``--device cpu`` runs the same
@@ -44,6 +48,7 @@ from attention_kernels import _paged_inputs  # noqa: E402
 from g4serve.bench.meta import cuda_environment, kernel_result_path  # noqa: E402
 from g4serve.bench.timing import graph_replay_ms  # noqa: E402
 from g4serve.config import PRESETS, SLIDING  # noqa: E402
+from g4serve.kernels import fp8_matmul  # noqa: E402
 from g4serve.kernels.fp8_matmul import quantize_groups  # noqa: E402
 from g4serve.kernels.paged_decode import decode_num_splits, paged_decode_attention  # noqa: E402
 from g4serve.layers.fused import add_rms_norm, linear  # noqa: E402
@@ -64,6 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-context", type=int, default=4096, help="the context a graph's split count is for")
     p.add_argument(
         "--stream-mb", type=int, default=256, help="bytes of weight copies a projection cycles over"
+    )
+    p.add_argument(
+        "--max-split-k", type=int, nargs="+", default=[0], help="FP8 split-K caps to run (0: as shipped)"
+    )
+    p.add_argument(
+        "--trace",
+        nargs="*",
+        default=[],
+        help="items whose kernels to trace (torch.profiler over one replay): each kernel's start and end",
     )
     p.add_argument("--calls-per-graph", type=int, default=64)
     p.add_argument("--graph-replays", type=int, default=7)
@@ -129,6 +143,17 @@ def build_items(
     items = {"o_proj": (proj, 1)} | {name: ([call], 1) for name, call in singles.items()}
     for name, call in singles.items():
         items[f"o_proj+{name}"] = ([c for p in proj for c in (p, call)], 2)
+    items["o_proj>norm"] = (
+        [
+            (
+                lambda layer=layer: add_rms_norm(
+                    linear(attn, layer), norm, residual=residual, next_norm=next_norm
+                )
+            )
+            for layer in projs
+        ],
+        1,
+    )
     cache = SimpleNamespace(page_size=PAGE, kv_heads=s["kv_heads"], q_heads=s["q_heads"])
     k_cache, v_cache, tables, q, _ = _paged_inputs(
         1, args.context, cache, s["head_dim"], dtype, 1, device=device
@@ -153,6 +178,82 @@ def per_item_us(calls: list, per_item: int, args, device: str) -> float:
     return graph_replay_ms(calls, args.calls_per_graph, args.graph_replays) * per_item * 1e3
 
 
+def kernel_timeline(calls: list, per_graph: int = 16) -> list[dict]:
+    """Each kernel of one replay of a graph of ``calls`` (cycled to ``per_graph``), as the profiler saw it:
+    name, start and end in us from the first kernel's start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for call in calls:
+        call()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    path = Path(f"/tmp/chain_trace_{time.time_ns()}.json")
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    path.unlink()
+    events.sort(key=lambda e: e["ts"])
+    t0 = events[0]["ts"] if events else 0.0
+    return [{"name": e["name"][:40], "start": e["ts"] - t0, "end": e["ts"] + e["dur"] - t0} for e in events]
+
+
+def print_timeline(label: str, timeline: list[dict]) -> None:
+    """The middle third of a timeline: each kernel's start, end and end minus the previous end."""
+    third = len(timeline) // 3
+    prev_end = timeline[third - 1]["end"] if third else 0.0
+    print(f"  trace {label}:")
+    for k in timeline[third : 2 * third]:
+        print(f"    {k['name']:40s} start {k['start']:8.2f} end {k['end']:8.2f} +{k['end'] - prev_end:6.2f}")
+        prev_end = k["end"]
+
+
+def run_case(preset: str, quantization: str, cap: int, s: dict, args, device: str, dtype) -> dict:
+    """One preset, quantization and split-K cap: every item's us, and what each paired kernel adds."""
+    shipped = fp8_matmul.MAX_SPLIT_K
+    fp8_matmul.MAX_SPLIT_K = cap or shipped
+    try:
+        us = {
+            name: per_item_us(calls, per_item, args, device)
+            for name, (calls, per_item) in build_items(s, quantization, args, device, dtype).items()
+        }
+        traces = {}
+        if device == "cuda" and args.trace:
+            items = build_items(s, quantization, args, device, dtype)
+            for name in args.trace:
+                traces[name] = kernel_timeline(items[name][0])
+    finally:
+        fp8_matmul.MAX_SPLIT_K = shipped
+    after = {name[len("o_proj+") :]: t - us["o_proj"] for name, t in us.items() if name.startswith("o_proj+")}
+    after["norm of its output"] = us["o_proj>norm"] - us["o_proj"]
+    label = f"{preset} {quantization}" + (f" split<={cap}" if cap else "")
+    print(
+        f"{label}: us an item: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in us.items())
+        + "; after o_proj: "
+        + ", ".join(f"{k} {v:.2f} (alone {us[k.split()[0]]:.2f})" for k, v in after.items()),
+        flush=True,
+    )
+    for name, timeline in traces.items():
+        print_timeline(name, timeline)
+    return {
+        "preset": preset,
+        "quantization": quantization,
+        "max_split_k": cap or shipped,
+        "shapes": s,
+        "us": us,
+        "after_us": after,
+        "traces": traces,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = args.device
@@ -161,21 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets:
         s = shapes(preset, device)
         for quantization in args.quantization:
-            us = {
-                name: per_item_us(calls, per_item, args, device)
-                for name, (calls, per_item) in build_items(s, quantization, args, device, dtype).items()
-            }
-            after = {name[len("o_proj+") :]: t - us["o_proj"] for name, t in us.items() if "+" in name}
-            results.append(
-                {"preset": preset, "quantization": quantization, "shapes": s, "us": us, "after_us": after}
-            )
-            print(
-                f"{preset} {quantization}: us an item: "
-                + ", ".join(f"{k} {v:.2f}" for k, v in us.items())
-                + "; after o_proj: "
-                + ", ".join(f"{k} {v:.2f} (alone {us[k]:.2f})" for k, v in after.items()),
-                flush=True,
-            )
+            for cap in args.max_split_k if quantization == "fp8" else [0]:
+                results.append(run_case(preset, quantization, cap, s, args, device, dtype))
     if device == "cuda":
         env = cuda_environment()
         path = kernel_result_path(args.out_dir, "chain_latency", env, "-".join(args.presets))
