@@ -28,7 +28,7 @@ from g4serve.server.errors import (
     install_error_handlers,
     read_json_object,
 )
-from g4serve_assistant.audio import AudioError, decode_base64_wav, pcm16_bytes_to_float
+from g4serve_assistant.audio import SAMPLE_RATE, AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve_assistant.audit import AuditRow
 from g4serve_assistant.auth import (
     AuthError,
@@ -53,6 +53,10 @@ MAX_TEXT_CHARS = 1000
 MAX_QNA_TOKENS = 256
 MAX_IMPORT_BYTES = 16 << 20
 WS_AUTH_TIMEOUT_S = 10.0
+# One WebSocket binary frame: the page sends 0.1 s. A larger frame is refused before it is decoded: one of
+# 90 s was transcribed whole, ~12 s of the audio thread that every customer's speech waits for.
+MAX_WS_FRAME_S = 5.0
+MAX_WS_FRAME_BYTES = int(MAX_WS_FRAME_S * SAMPLE_RATE) * 2  # PCM16: two bytes a sample
 _TURN_FIELDS = {"session_id", "text", "audio", "action_id"}
 _QNA_FIELDS = {"question", "session_id", "max_tokens"}
 _TOKEN_FIELDS = {"customer_id", "ttl_s"}
@@ -68,6 +72,8 @@ class AccessSettings:
     the admin routes off. ``allowed_origins``: browser origins besides the app's own that may call it;
     ``cors_origins``: those that also get CORS headers (cross-origin pages of the bank). ``test_login``
     serves /test-login, which mints a token for any customer: for demos and browser tests only.
+    ``audio_s_per_request``: seconds of audio (streamed or uploaded) that cost one request of the customer's
+    rate, besides the turn's own: at 2 s and 60 a minute a customer streams at most twice real time.
     """
 
     signer: TokenSigner
@@ -76,6 +82,7 @@ class AccessSettings:
     cors_origins: tuple[str, ...] = ()
     customer_rate_per_min: float = 60.0
     customer_burst: int = 20
+    audio_s_per_request: float = 2.0
     ip_rate_per_min: float = 300.0
     ip_burst: int = 60
     session_ttl_s: float = 3600.0
@@ -316,6 +323,20 @@ class Gate:
         if retry is not None:
             raise AuthError(429, "too many requests for this customer", retry_after_s=retry)
 
+    def charge_audio(self, customer_id: str, audio_s: float) -> None:
+        """Charges audio to the customer's rate, one request per ``audio_s_per_request`` seconds: a turn
+        alone would buy 30 s of decoding per request, and a stream of utterances any amount."""
+        per_request = self.access.audio_s_per_request
+        retry = self.customer_rate.take(f"customer:{customer_id}", audio_s / per_request)
+        if retry is not None:
+            raise AuthError(
+                429,
+                f"audio: too much for this customer's rate ({self.access.customer_rate_per_min:g} requests a "
+                f"minute; every {per_request:g} s of audio is one)",
+                "audio",
+                retry_after_s=retry,
+            )
+
     def session(self, session_id: Any, claims: Claims) -> str:
         if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
             raise AuthError(400, "session_id: required, a session id from POST /v1/assistant/sessions")
@@ -447,8 +468,10 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
     @router.delete("/v1/assistant/sessions/{session_id}")
     async def end_session(request: Request, session_id: str) -> JSONResponse:
         claims, sid = authorize(request, session_id)
+        # The pending transfer is cancelled first: if the bank does not answer (503), the session still
+        # lives and the retried logout cancels it. Then no confirmation can name the session again.
+        await assistant.end_session(Caller(claims.customer_id, sid, request.state.client))
         gate.sessions.end(sid, claims.customer_id)
-        assistant.sessions.drop(sid)
         gate.audit_request(request, claims.customer_id, "auth", "session_ended", {}, "session_ended", sid)
         return JSONResponse({"session_id": sid, "ended": True})
 
@@ -479,6 +502,7 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
                     samples = await assistant.in_audio_thread(decode_base64_wav, audio)
             except AudioError as exc:
                 raise APIError(400, str(exc), param="audio") from None
+            gate.charge_audio(claims.customer_id, samples.size / SAMPLE_RATE)
             result = await assistant.turn(caller, audio=samples, clock=clock)
         request.state.audited = True
         return JSONResponse(result.to_dict())
@@ -665,10 +689,11 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
         return
     customer_id = claims.customer_id
     await ws.send_json(
-        {"type": "ready", "session_id": session_id, "sample_rate": 16000, "format": "pcm_s16le"}
+        {"type": "ready", "session_id": session_id, "sample_rate": SAMPLE_RATE, "format": "pcm_s16le"}
     )
     utterance = await asyncio.to_thread(assistant.listen, customer_id)
     action_id: str | None = None  # the pending action the customer's next "yes" confirms (set by the page)
+    throttled = False  # audio frames are being refused for the rate: said once, not once per frame
 
     async def still_allowed() -> bool:
         try:
@@ -704,12 +729,25 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
             if not await still_allowed():
                 return
             if message.get("bytes") is not None:
+                frame = message["bytes"]
+                if not frame:
+                    continue
                 try:
-                    pcm = pcm16_bytes_to_float(message["bytes"])
+                    # Charged before the size check, so an oversized frame is paid for too: a client
+                    # sending them runs out of rate after the first few.
+                    gate.charge_audio(customer_id, len(frame) / 2 / SAMPLE_RATE)
+                    check_audio_frame(len(frame))
+                except AuthError as exc:
+                    utterance.reset()  # a transcript with a hole in it is worse than none
+                    if not throttled:
+                        await refuse(exc, customer_id, session_id)
+                    throttled = exc.status == 429
+                    continue
+                throttled = False
+                try:
+                    pcm = pcm16_bytes_to_float(frame)
                 except AudioError as exc:
                     await ws.send_json({"type": "error", "message": str(exc), "param": "audio"})
-                    continue
-                if pcm.size == 0:
                     continue
                 events = await assistant.in_audio_thread(utterance.feed, pcm)
                 for event in events:
@@ -805,6 +843,17 @@ def check_text(value: Any, name: str) -> str:
         # them) one reached the audit trail, and every read of it failed as a 500
         raise APIError(400, f"{name}: holds invalid Unicode (a lone surrogate)", param=name) from None
     return value
+
+
+def check_audio_frame(frame_bytes: int) -> None:
+    """AuthError 413 for a WebSocket audio frame over ``MAX_WS_FRAME_S``: the client must chunk its audio."""
+    if frame_bytes > MAX_WS_FRAME_BYTES:
+        raise AuthError(
+            413,
+            f"audio: a frame of {frame_bytes / 2 / SAMPLE_RATE:.1f} s ({frame_bytes} bytes) is over the "
+            f"{MAX_WS_FRAME_S:g} s limit ({MAX_WS_FRAME_BYTES} bytes); send PCM in chunks of about 0.1 s",
+            "audio",
+        )
 
 
 def check_action_id(value: Any) -> str | None:

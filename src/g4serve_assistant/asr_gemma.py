@@ -114,8 +114,9 @@ _LABEL = re.compile(
 )
 _TAGS = re.compile(r"\[[^\]]*\]|<[^>]*>|\([^)]*\)|\{[^}]*\}")
 # What the normalizer reads besides letters and digits: currency signs, decimal points and thousands commas,
-# times (3:30), dates (2025-05-08), a minus before an amount ("-$50"), apostrophes in words, "&", "%".
-_KEEP = set("$£€¥₹.,:'-&%")
+# times (3:30), dates (2025-05-08), a minus before an amount ("-$50"), apostrophes in words, "&", "%", and
+# the slash of "1/2" (without it "1/2 dollars" became "1 2 dollars": $2.00).
+_KEEP = set("$£€¥₹.,:'-&%/")
 _QUOTE_LIKE = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 _LONE_APOSTROPHE = re.compile(r"(?<![^\W\d_])'|'(?![^\W\d_])")  # not between two letters
 _END_PUNCT = re.compile(r"[.,:](?!\d)|(?<!\d)[.,:]")  # sentence punctuation; 12.50, 1,200 and 3:30 stay

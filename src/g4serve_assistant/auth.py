@@ -196,7 +196,8 @@ class SessionRegistry:
 
 class RateLimiter:
     """Token buckets by key (``customer:…``, ``ip:…``): ``rate_per_min`` sustained, ``burst`` at once.
-    Keys idle long enough to be full again are forgotten, so the table stays bounded by the active set."""
+    A request takes one token; audio takes its seconds' worth (app.py). At most ``max_keys`` keys are kept,
+    the least recently used forgotten first."""
 
     def __init__(
         self,
@@ -214,16 +215,21 @@ class RateLimiter:
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at)
         self._lock = threading.Lock()
 
-    def take(self, key: str) -> float | None:
-        """Takes one token: None when allowed, else the seconds until one is available."""
+    def take(self, key: str, cost: float = 1.0) -> float | None:
+        """Takes ``cost`` tokens: None when allowed, else the seconds until it would be.
+
+        A cost over one token passes whenever one token is there, and the rest becomes a debt that later
+        takes wait out: a frame of audio worth 2.5 requests must not be refused forever by a burst of 2,
+        and it is still paid in full."""
         now = self.clock()
+        need = min(cost, 1.0)
         with self._lock:
             tokens, at = self._buckets.pop(key, (float(self.burst), now))
             tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
-            if tokens < 1.0:
+            if tokens < need:
                 self._buckets[key] = (tokens, now)
-                return (1.0 - tokens) / self.rate_per_s
-            self._buckets[key] = (tokens - 1.0, now)
+                return (need - tokens) / self.rate_per_s
+            self._buckets[key] = (tokens - cost, now)
             while len(self._buckets) > self.max_keys:
                 self._buckets.popitem(last=False)
             return None

@@ -486,7 +486,9 @@ def confirmation_of(text: str) -> bool | None:
 class IntentResult:
     intent: str
     confidence: float
-    entities: dict  # keys when known: amount_minor, currency, payee_id, payee_name, date, card, account
+    # keys when known: amount_minor, currency, payee_id, payee_name, date (ISO, or the words of a date that
+    # does not exist), card, account
+    entities: dict
     candidates: list[Candidate]
     needs_llm: bool
     ambiguity_reason: str | None
@@ -637,6 +639,9 @@ class IntentClassifier:
             entities["currency"] = normalized.money.currency
         if normalized.date is not None:
             entities["date"] = normalized.date.isoformat()
+        elif normalized.invalid_date is not None:
+            # "february 30th" as said, not ISO: the policy asks for a valid date instead of paying today.
+            entities["date"] = normalized.invalid_date
         if normalized.time_of_day is not None:
             entities["time_of_day"] = normalized.time_of_day
         if (m := _LIMIT.search(text)) and 0 < int(m[1]) <= 50:

@@ -129,6 +129,8 @@ _SYMBOL_PREFIX = {"us": "USD", "c": "CAD", "a": "AUD"}  # us$, c$, a$
 _MINOR_NAMES = {"cents": None, "cent": None, "pence": "GBP", "p": "GBP", "paise": "INR", "centavos": "MXN"}
 
 _NUM = r"\d+(?:\.\d+)?"
+# Where a number may start: not inside another one ("1.5 cents" is not 5 cents, "1/2 dollars" not 2 dollars).
+_AT = r"(?<![\d./])\b"
 _CUR = "|".join(sorted(map(re.escape, _CURRENCY_NAMES), key=len, reverse=True))
 _MINOR = "|".join(sorted(_MINOR_NAMES, key=len, reverse=True))
 _SYM = "[$€£¥₹₩]"
@@ -142,28 +144,43 @@ _MAX_MINOR = 10**15
 _MONEY_PATTERNS: list[tuple[str, re.Pattern]] = [
     (
         "money_symbol",
-        re.compile(rf"(?<![\w$€£¥₹₩])(?P<pre>us|c|a)?(?P<sym>{_SYM}) ?(?P<n>{_NUM})(?: (?P<cw>{_CUR}))?\b"),
+        re.compile(
+            rf"(?<![\w$€£¥₹₩])(?P<pre>us|c|a)?(?P<sym>{_SYM}) ?(?P<n>{_NUM})(?![./\d])(?: (?P<cw>{_CUR}))?\b"
+        ),
     ),
-    ("money_symbol_after", re.compile(rf"\b(?P<n>{_NUM}) ?(?P<sym>{_SYM})")),
+    ("money_symbol_after", re.compile(rf"{_AT}(?P<n>{_NUM}) ?(?P<sym>{_SYM})")),
     # "12 50 dollars" (spoken "twelve fifty dollars"): twelve dollars fifty, not 1250 dollars.
-    ("money_pair", re.compile(rf"\b(?P<major>\d{{1,3}}) (?P<minor>\d{{2}}) (?P<cw>{_CUR})\b")),
+    ("money_pair", re.compile(rf"{_AT}(?P<major>\d{{1,3}}) (?P<minor>\d{{2}}) (?P<cw>{_CUR})\b")),
     (
         "money_words",
         re.compile(
-            rf"\b(?P<n>{_NUM}) (?P<cw>{_CUR})\b(?:(?: and)? (?P<m>\d{{1,3}})(?: (?P<mw>{_MINOR}))?\b"
+            # "5 dollars and 1.5 cents": the minor part is read whole, and refused, never as 1 cent.
+            rf"{_AT}(?P<n>{_NUM}) (?P<cw>{_CUR})\b(?:(?: and)? (?P<m>\d{{1,3}}(?:\.\d+)?)(?![.\d])"
+            rf"(?: (?P<mw>{_MINOR}))?\b"
             rf"(?! (?:{_CUR}|{_NOT_AMOUNT})))?"
         ),
     ),
-    ("money_code_before", re.compile(rf"\b(?P<cw>{'|'.join(_CODES_BEFORE)}) ?(?P<n>{_NUM})\b")),
-    ("money_minor_only", re.compile(rf"\b(?P<m>\d+) ?(?P<mw>{_MINOR})\b")),
+    ("money_code_before", re.compile(rf"\b(?P<cw>{'|'.join(_CODES_BEFORE)}) ?(?P<n>{_NUM})\b(?![./\d])")),
+    # "1.5 cents" is read whole and refused (a fraction of a cent), not as the "5 cents" after the point.
+    ("money_minor_only", re.compile(rf"{_AT}(?P<m>{_NUM}) ?(?P<mw>{_MINOR})\b")),
 ]
 _CURRENCY_MENTION = re.compile(rf"(?:\b(?:{_CUR})\b|{_SYM})")
 _MONEY_VERBS = re.compile(
     r"\b(?:send|sending|transfer|transferring|pay|paying|wire|give|move|zelle|venmo|"
     r"reimburse|owe|deposit)\b"
 )
-_BARE_PAIR = re.compile(rf"\b(?P<major>\d{{1,3}}) (?P<minor>\d{{2}})\b(?! ?{_NOT_AMOUNT})")
-_BARE_NUM = re.compile(rf"\b(?P<n>{_NUM})\b(?! ?{_NOT_AMOUNT})(?![.:\d])")
+_BARE_PAIR = re.compile(rf"{_AT}(?P<major>\d{{1,3}}) (?P<minor>\d{{2}})\b(?! ?{_NOT_AMOUNT})(?![./\d])")
+_BARE_NUM = re.compile(rf"{_AT}(?P<n>{_NUM})\b(?! ?{_NOT_AMOUNT})(?![.:/\d])")
+# A fraction said or written as an amount: "half a dollar" (-> "half 1 dollar"), "a quarter of a million
+# dollars", "a dollar and a half", "25 and a half euros", "1/2 dollars", "1/2 a dollar", "usd 1/2". Refused:
+# read any other way it becomes a different amount ($1, $1,000,000, $1, €25, $2, $1, $1).
+_FRACTION_AMOUNT = re.compile(
+    rf"\b(?:half|halves|quarters?)(?: of)? \d|\bthirds? of \d|"
+    rf"\d (?:{_CUR}|{_MINOR}) and (?:an?|one|1) (?:half|quarter)\b|"
+    rf"\d and (?:an?|one|1) (?:half|quarter) (?:{_CUR}|{_MINOR})\b|"
+    rf"(?:{_SYM}|\b(?:{'|'.join(_CODES_BEFORE)})) ?\d+/\d+|"
+    rf"\d+/\d+ ?(?:{_CUR}|{_MINOR}|1 (?:{_CUR}|{_MINOR}))\b|\d+/\d+ of \d"
+)
 _NOT_AMOUNT_BEFORE = {
     "last",
     "the",
@@ -226,6 +243,8 @@ _ORD = r"(?:st|nd|rd|th)"
 _ORDINAL_WORDS = {"first": 1, "second": 2, "third": 3}
 _DATE_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("date_iso", re.compile(r"\b(?P<y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})\b")),
+    # "on 3/15", "by 4/5/2025": which is the day and which the month is unknown, so never resolved (asked).
+    ("date_numeric", re.compile(r"\b(?:on|by|until|before) \d{1,4}/\d{1,2}(?:/\d{2,4})?\b(?!/)")),
     (
         "date_relative",
         re.compile(r"\b(?:the )?day after tomorrow\b|\btomorrow\b|\btoday\b|\btonight\b|\byesterday\b"),
@@ -250,11 +269,19 @@ _TIME_PATTERNS: list[tuple[str, re.Pattern]] = [
 ]
 _NAMED_TIMES = {"noon": "12:00", "midday": "12:00", "midnight": "00:00", "tonight": "evening"}
 
-_QUOTES = str.maketrans({"’": "'", "‘": "'", "`": "'", "´": "'", "“": '"', "”": '"', "–": "-", "—": "-"})
-_KEEP_INSIDE_NUMBER = re.compile(r"(?<=\d)([.:-])(?=\d)")
-_PROTECTED = {".": "\x01", ":": "\x02", "-": "\x03"}
-_PUNCTUATION = re.compile(r"[^\w\s$€£¥₹₩%\x01\x02\x03]|_")
+_QUOTES = str.maketrans(
+    {"’": "'", "‘": "'", "`": "'", "´": "'", "“": '"', "”": '"', "–": "-", "—": "-", "⁄": "/", "∕": "/"}
+)
+_KEEP_INSIDE_NUMBER = re.compile(r"(?<=\d)([.:/-])(?=\d)")
+_PROTECTED = {".": "\x01", ":": "\x02", "-": "\x03", "/": "\x04"}
 _PLACEHOLDER_BASE = 0xE000  # private-use characters: not \w, not \d, so no later rule can match inside one
+# The placeholders' range: a character typed in it would stand for another span, so the input loses them.
+_PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
+_PUNCTUATION = re.compile(r"[^\w\s$€£¥₹₩%\x01\x02\x03\x04\ue000-\uf8ff]|_")
+# "$.50" and ".5 dollars" lost their point to the punctuation rule and became $50 and $5.
+_LEADING_POINT = re.compile(r"(?<![\w.,])(?:\.(?=\d)|,(?=\d{1,2}(?!\d)))")
+_NON_ASCII_DIGIT = re.compile(r"(?![0-9])\d")
+_WORD = re.compile(r"\S+")
 
 
 def minor_unit_exponent(currency: str) -> int:
@@ -303,6 +330,7 @@ class Normalized:
     digits: list[str]
     rules: list[RuleApplied]
     amounts: list[Money] = field(default_factory=list)  # every amount, in order; ``money`` is the first
+    invalid_date: str | None = None  # the words of a date said that does not exist: "february 30th"
 
 
 def normalize(text: str, now: dt.datetime | None = None, default_currency: str = "USD") -> Normalized:
@@ -322,17 +350,22 @@ class _Normalizer:
         self.placeholders: list[str] = []  # index -> text restored at the end
         self.amounts: list[tuple[str, Money]] = []  # (placeholder, money)
         self.digits: list[str] = []
+        self.invalid_date: str | None = None
 
     def run(self) -> Normalized:
         self._text_rule(
             "whitespace", lambda s: s
         )  # every rewrite collapses spaces; this logs the input's own
+        self._text_rule("private_use", lambda s: _PRIVATE_USE.sub(" ", s))
+        self._unreadable_numbers()  # before NFKC, which makes "½" 1⁄2 and "6²" 62
         self._text_rule("nfkc", lambda s: unicodedata.normalize("NFKC", s))
+        self._text_rule("ascii_digits", lambda s: _NON_ASCII_DIGIT.sub(_ascii_digit, s))  # "٥٠" -> "50"
         self._text_rule("quotes", lambda s: s.translate(_QUOTES))
         self._text_rule("lowercase", str.lower)
         self._text_rule("fold_accents", _fold_latin_accents)
         self._text_rule("thousands_separator", lambda s: re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s))
         self._text_rule("decimal_comma", lambda s: re.sub(r"(?<=\d),(?=\d{1,2}(?!\d))", ".", s))
+        self._text_rule("leading_point", lambda s: _LEADING_POINT.sub("0.", s))
         self._text_rule("minus_sign", _spell_minus)  # before punctuation drops the sign of "-$50"
         self._text_rule("punctuation", _strip_punctuation)
         self._text_rule("note_nickname", self._note_nickname)
@@ -357,13 +390,14 @@ class _Normalizer:
             self.digits,
             self.rules,
             amounts,
+            self.invalid_date,
         )
 
     # --- text rewrites ------------------------------------------------------------------------------
     def _text_rule(self, name: str, fn: Callable[[str], str]) -> None:
         after = " ".join(fn(self.text).split())
         if after != self.text:
-            self.rules.append(RuleApplied(name, self.text, after))
+            self.rules.append(RuleApplied(name, self._restore(self.text), self._restore(after)))
             self.text = after
 
     def _placeholder(self, restored: str) -> str:
@@ -377,6 +411,21 @@ class _Normalizer:
             else c
             for c in s
         )
+
+    def _unreadable_numbers(self) -> None:
+        """A number written with a vulgar fraction, superscript, subscript or circled digit ("½", "6²", "①")
+        is held in a placeholder, so it is no amount and no digits leak from it; any amount beside it is
+        then refused too (``_money``)."""
+        if self.text.isascii():
+            return
+
+        def held(m: re.Match) -> str:
+            if not any(_is_compatibility_number(c) for c in m[0]):
+                return m[0]
+            self.rules.append(RuleApplied("unreadable_number", m[0], "not a plain number"))
+            return self._placeholder(m[0])
+
+        self.text = _WORD.sub(held, self.text)  # the whole word: "6²" must not leave its "6"
 
     def _note_nickname(self, s: str) -> str:
         code = self.default_currency.lower()
@@ -449,11 +498,23 @@ class _Normalizer:
     def _money(self) -> None:
         mention = _CURRENCY_MENTION.search(self.text)
         context = self._currency_of(mention[0]) if mention else self.default_currency
+        for m in _FRACTION_AMOUNT.finditer(self.text):
+            self.rules.append(RuleApplied("money_rejected", self._restore(m[0]), "a fraction of an amount"))
         for rule, pattern in _MONEY_PATTERNS:
             self.text = pattern.sub(lambda m, rule=rule: self._money_match(rule, m, context), self.text)
-        rejected = any(r.rule == "money_rejected" for r in self.rules)
-        if not self.amounts and not rejected and _MONEY_VERBS.search(self.text):
+        if any(r.rule in ("money_rejected", "unreadable_number") for r in self.rules):
+            self._drop_amounts()
+        elif not self.amounts and _MONEY_VERBS.search(self.text):
             self._bare_amount(context)
+
+    def _drop_amounts(self) -> None:
+        """One amount of the sentence was refused: the others are dropped too, so the policy asks "how
+        much?". The refused one may be the amount meant ("50 dollars, no, 1.5 cents"), and "20 dollars and 1.5
+        cents" must not pay the 20 dollars alone."""
+        for placeholder, money in self.amounts:
+            self.placeholders[ord(placeholder) - _PLACEHOLDER_BASE] = money.text
+            self.rules.append(RuleApplied("money_dropped", money.text, "another amount was refused"))
+        self.amounts = []
 
     def _currency_of(self, word: str) -> str:
         code = _SYMBOL_CURRENCY.get(word) or _CURRENCY_NAMES[word]
@@ -541,9 +602,17 @@ class _Normalizer:
         for rule, pattern in _DATE_PATTERNS:
             for m in pattern.finditer(self.text):
                 date = self._resolve_date(rule, m)
-                if date is not None:
-                    self.rules.append(RuleApplied(rule, m[0], date.isoformat()))
-                    return date
+                if date is None and rule == "date_day_of_month" and not m[0].startswith("on"):
+                    continue  # "the 45th" may be no date at all; "on the 45th" is one
+                if date is None:
+                    # Said, but no such day ("february 30th"): kept as said, so the policy asks for a date,
+                    # never skipped (then "the 31st" inside "the 31st of april" paid on May 31, or nothing
+                    # did and the payment was proposed for today).
+                    self.invalid_date = self._restore(m[0])
+                    self.rules.append(RuleApplied("date_invalid", self.invalid_date, "no such date"))
+                    return None
+                self.rules.append(RuleApplied(rule, m[0], date.isoformat()))
+                return date
         return None
 
     def _resolve_date(self, rule: str, m: re.Match) -> dt.date | None:
@@ -566,14 +635,8 @@ class _Normalizer:
             ahead = (_WEEKDAYS[m["wd"]] - today.weekday() - 1) % 7 + 1
             return today + dt.timedelta(days=ahead)
         if rule in ("date_month_day", "date_day_month"):
-            month, day = _MONTHS[m["mon"]], int(m["d"])
-            for year in (today.year, today.year + 1):
-                try:
-                    date = dt.date(year, month, day)
-                except ValueError:
-                    return None
-                if date >= today:
-                    return date
+            return _next_month_day(today, _MONTHS[m["mon"]], int(m["d"]))
+        if rule == "date_numeric":
             return None
         day = int(m["d"] or m["d2"] or 0) or _ORDINAL_WORDS.get(m["w"] or "", 0)
         return _next_day_of_month(today, day)
@@ -598,6 +661,18 @@ class _Normalizer:
             self.rules.append(RuleApplied(rule, self._restore(m[0]), value))
             return value
         return None
+
+
+def _is_compatibility_number(char: str) -> bool:
+    """A number character that is no plain digit, or a symbol whose NFKC form holds digits: "½", "²", "₃",
+    "①", "⒈", "㋀" (1月). A digit of any script ("٥", "５") is a digit: it is not one of these."""
+    if char.isascii() or unicodedata.category(char) == "Nd":
+        return False
+    return unicodedata.category(char) == "No" or any(c.isdigit() for c in unicodedata.normalize("NFKC", char))
+
+
+def _ascii_digit(m: re.Match) -> str:
+    return str(unicodedata.decimal(m[0]))
 
 
 def _fold_latin_accents(s: str) -> str:
@@ -648,6 +723,17 @@ def _negated(m: re.Match) -> bool:
 def _plain_amount(amount_minor: int, exp: int) -> str:
     major, minor = divmod(amount_minor, 10**exp)
     return f"{major}.{minor:0{exp}d}" if exp else str(major)
+
+
+def _next_month_day(today: dt.date, month: int, day: int) -> dt.date | None:
+    """The next ``month``/``day`` (today included): February 29th in the next leap year; None when no year
+    has that day ("february 30th")."""
+    if not 1 <= day <= calendar.monthrange(2000, month)[1]:  # 2000 was a leap year: February has 29
+        return None
+    year = today.year
+    while day > calendar.monthrange(year, month)[1] or dt.date(year, month, day) < today:
+        year += 1
+    return dt.date(year, month, day)
 
 
 def _next_day_of_month(today: dt.date, day: int) -> dt.date | None:

@@ -11,16 +11,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from g4serve_assistant.audio import SAMPLE_RATE, decode_wav
+from g4serve_assistant.audio import SAMPLE_RATE, AudioError, decode_wav
 from g4serve_assistant.audit import AuditLog, AuditRow
-from g4serve_assistant.bank import BankBackend, CustomerBank
+from g4serve_assistant.bank import BankBackend, CustomerBank, UnknownCustomerError
 from g4serve_assistant.intents import IntentClassifier
 from g4serve_assistant.metrics import AssistantMetrics
 from g4serve_assistant.normalize import normalize
@@ -35,6 +35,8 @@ NOT_HEARD_REPLY = "Sorry, I didn't catch that. Could you say it again?"
 # Chunk size when a whole recording is fed to the streaming recogniser: small enough that the first
 # partial comes early (its time is a reported stage), large enough that per-call overhead stays small.
 _ASR_CHUNK_S = 0.25
+# The most audio one utterance hands the recogniser, streamed or whole (decode_wav's cap as well).
+MAX_UTTERANCE_S = 30.0
 
 
 class StageClock:
@@ -322,6 +324,9 @@ class Assistant:
                 samples = decode_wav(bytes(audio))
         else:
             samples = np.asarray(audio, dtype=np.float32).reshape(-1)
+            if samples.size > MAX_UTTERANCE_S * SAMPLE_RATE:  # decode_wav refuses longer WAVs the same way
+                seconds = samples.size / SAMPLE_RATE
+                raise AudioError(f"audio: {seconds:.1f} s is longer than the {MAX_UTTERANCE_S:g} s limit")
         with clock.stage("vad"):
             speech = self.vad().trim(samples) if samples.size else None
         clock.mark("vad_end")
@@ -376,16 +381,8 @@ class Assistant:
         self, caller: Caller, text: str, clock: StageClock, heard: Heard | None = None
     ) -> TurnResult:
         """Text (typed or transcribed) -> decision; serialized per session so a confirmation cannot race."""
-        key = caller.session_id
-        entry = self._session_locks.setdefault(key, [asyncio.Lock(), 0])  # [lock, turns using it]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                result = await self._decide(caller, text, clock, heard)
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:  # nobody holds or waits for it: do not keep one lock per session ever seen
-                del self._session_locks[key]
+        async with self._session_turn(caller.session_id):
+            result = await self._decide(caller, text, clock, heard)
         end = clock.mark("response_sent")
         result.stages["total"] = round((end - clock.t0) * 1000, 3)
         if "vad_end" in clock.timeline:
@@ -403,6 +400,44 @@ class Assistant:
             llm_failed=bool(result.llm and not result.llm.get("valid")),
         )
         return result
+
+    @asynccontextmanager
+    async def _session_turn(self, session_id: str) -> AsyncIterator[None]:
+        """One turn (or logout) of a session at a time in this process (a shared store's lease does it
+        across replicas)."""
+        entry = self._session_locks.setdefault(session_id, [asyncio.Lock(), 0])  # [lock, turns using it]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:  # nobody holds or waits for it: do not keep one lock per session ever seen
+                del self._session_locks[session_id]
+
+    async def end_session(self, caller: Caller) -> None:
+        """Logout: cancels the session's pending action in the bank (as a replacing request does) and forgets
+        its dialogue state; the cancellation is audited. BankUnavailableError leaves both as they were."""
+        async with self._session_turn(caller.session_id):
+            rows = await asyncio.to_thread(self._end, caller)
+        if rows:
+            await asyncio.to_thread(self.record, caller, rows)
+
+    def _end(self, caller: Caller) -> list[AuditRow]:
+        try:
+            customer = self.customer(caller.customer_id)
+        except UnknownCustomerError:  # gone from the bank: no view to cancel in, nothing that could execute
+            self.sessions.drop(caller.session_id)
+            return []
+        session = self.sessions.begin(caller.session_id, caller.customer_id)
+        try:
+            rows = customer.policy.end(session)
+        except BaseException:
+            self.sessions.release(session)
+            raise
+        self.sessions.commit(session)
+        self.sessions.drop(caller.session_id)
+        return rows
 
     def record(self, caller: Caller, rows: list[AuditRow]) -> None:
         """Appends one attempt's rows to the audit trail under the caller's customer, session and client."""
@@ -591,14 +626,16 @@ class Assistant:
 class Utterance:
     """Streaming audio of one connection: VAD end-pointing plus a recogniser stream opened at speech start.
 
-    Audio before speech is kept in a short pre-roll buffer and handed to the recogniser when VAD fires
-    (VAD reports the start a window or two late); silence is never decoded, so noise between utterances
-    cannot turn into words. Not thread-safe: one per connection, fed from one task.
+    Audio before speech is kept in a short pre-roll buffer, and what of it lies within ``_PREROLL_S`` of the
+    VAD's start is handed to the recogniser when VAD fires (VAD reports the start a window or two late);
+    silence is never decoded, so noise between utterances cannot turn into words. Every sample the
+    recogniser gets, pre-roll included, counts against ``max_utterance_s``, however the audio was chunked.
+    Not thread-safe: one per connection, fed from one task.
     """
 
     _PREROLL_S = 0.5
 
-    def __init__(self, vad, recognizer, max_utterance_s: float = 30.0):
+    def __init__(self, vad, recognizer, max_utterance_s: float = MAX_UTTERANCE_S):
         self._vad = vad
         self.max_utterance_s = max_utterance_s
         self._recognizer = recognizer
@@ -611,6 +648,7 @@ class Utterance:
         self._stream = None
         self._preroll.clear()
         self._preroll_samples = 0
+        self._fed_samples = 0  # since the reset: the VAD's stream clock, in samples
         self.clock: StageClock | None = None
         self._speech_start: float | None = None
         self._speech_samples = 0
@@ -620,19 +658,29 @@ class Utterance:
     def in_speech(self) -> bool:
         return self._stream is not None
 
-    def _keep_preroll(self, pcm: np.ndarray) -> None:
-        """Keep the last ``_PREROLL_S`` seconds of audio before speech starts, for the recogniser."""
-        self._preroll.append(pcm)
-        self._preroll_samples += pcm.size
-        while (
-            self._preroll and self._preroll_samples - self._preroll[0].size >= self._PREROLL_S * SAMPLE_RATE
-        ):
+    def _trim_preroll(self) -> None:
+        """Keep the last ``_PREROLL_S`` seconds of audio before speech starts (slicing a long chunk)."""
+        keep = int(self._PREROLL_S * SAMPLE_RATE)
+        while self._preroll and self._preroll_samples - self._preroll[0].size >= keep:
             self._preroll_samples -= self._preroll.popleft().size
+        excess = self._preroll_samples - keep
+        if excess > 0:  # a copy, so a long chunk's buffer is not kept alive by a view of its tail
+            self._preroll[0] = self._preroll[0][excess:].copy()
+            self._preroll_samples = keep
+
+    def _speech_from(self, start_s: float) -> np.ndarray:
+        """The buffered audio from ``_PREROLL_S`` before the VAD's start on (its chunk included)."""
+        pending = np.concatenate(list(self._preroll)) if self._preroll else np.zeros(0, np.float32)
+        first = self._fed_samples - pending.size  # stream position of the buffer's first sample
+        begin = round((start_s - self._PREROLL_S) * SAMPLE_RATE) - first
+        self._preroll.clear()
+        self._preroll_samples = 0
+        return pending[max(0, begin) :]
 
     def feed(self, pcm: np.ndarray) -> list[dict]:
         """Events for the client: ``{"type": "vad", "event": ...}`` and ``{"type": "partial", "text": ...}``.
 
-        After a VAD ``end`` the caller should call ``finish``; audio after the end point is dropped."""
+        After a VAD ``end`` (or the cap) the caller should call ``finish``; audio after it is dropped."""
         if self.ended:
             return []
         if self.clock is None:
@@ -641,42 +689,52 @@ class Utterance:
         events: list[dict] = []
         t_vad = time.perf_counter()
         vad_events = self._vad.feed(pcm)
-        if self.clock is not None:
-            self.clock.add("vad", (time.perf_counter() - t_vad) * 1000)
-        if self._stream is None:
-            self._keep_preroll(pcm)
+        self.clock.add("vad", (time.perf_counter() - t_vad) * 1000)
+        self._fed_samples += pcm.size
+        was_speech = self._stream is not None
+        if not was_speech:
+            self._preroll.append(pcm)
+            self._preroll_samples += pcm.size
         for event in vad_events:
             events.append({"type": "vad", "event": event.kind, "t_s": round(event.t_s, 3)})
             if event.kind == "start" and self._stream is None:
                 self._stream = self._recognizer.stream()
                 self._speech_start = time.perf_counter()
                 self.clock.mark("vad_start")
-                pending = np.concatenate(list(self._preroll)) if self._preroll else np.zeros(0, np.float32)
-                self._preroll.clear()
-                self._preroll_samples = 0
-                events += self._asr(pending)
+                events += self._asr(self._speech_from(event.t_s))  # this chunk's speech included
             elif event.kind == "end" and self._stream is not None:
                 self.clock.mark("vad_end")
                 self.ended = True
+            if self.ended:
                 return events
-        if self._stream is not None and not any(e.get("event") == "start" for e in events):
+        if self._stream is None:
+            self._trim_preroll()
+        elif was_speech:
             events += self._asr(pcm)
-            self._speech_samples += pcm.size
-            if self._speech_samples > self.max_utterance_s * SAMPLE_RATE:
-                # Endless "speech" (music, a stuck microphone) would grow the decode forever: end it here.
-                self.clock.mark("vad_end")
-                self.ended = True
-                events.append({"type": "vad", "event": "end", "reason": "max_utterance_s"})
         return events
 
     def _asr(self, pcm: np.ndarray) -> list[dict]:
-        partial = self._stream.feed(pcm)
-        if partial is None:
-            return []
-        if "asr_partial" not in self.clock.stages:
-            self.clock.add("asr_partial", (time.perf_counter() - self._speech_start) * 1000)
-            self.clock.mark("asr_partial")
-        return [{"type": "partial", "text": partial}]
+        """Hands audio to the recogniser, ``max_utterance_s`` in all at most; reaching it ends the utterance.
+
+        Counted here, where every sample passes: the pre-roll used to go uncounted, so one 90 s WebSocket
+        frame (VAD fired in it: all of it was pre-roll) was decoded whole, ~12 s of the audio thread that
+        every customer's speech waits for. The 30 s cap takes ~3 s (pocketsphinx, one core)."""
+        room = int(self.max_utterance_s * SAMPLE_RATE) - self._speech_samples
+        pcm = pcm[: max(0, room)]
+        self._speech_samples += pcm.size
+        events: list[dict] = []
+        partial = self._stream.feed(pcm) if pcm.size else None
+        if partial is not None:
+            if "asr_partial" not in self.clock.stages:
+                self.clock.add("asr_partial", (time.perf_counter() - self._speech_start) * 1000)
+                self.clock.mark("asr_partial")
+            events.append({"type": "partial", "text": partial})
+        if pcm.size == room:
+            # Endless "speech" (music, a stuck microphone) would grow the decode forever: end it here.
+            self.clock.mark("vad_end")
+            self.ended = True
+            events.append({"type": "vad", "event": "end", "reason": "max_utterance_s"})
+        return events
 
     def finish(self) -> tuple[Heard, StageClock]:
         """End the utterance (VAD end or the client's ``end``): final transcript and the clock so far."""

@@ -108,8 +108,11 @@ class Decision:
 class SessionStore:
     """Session states by id: created on first use, least recently used evicted beyond ``max_sessions``.
 
-    An evicted session's pending transfer stays 'pending' in the database but can never execute: only
-    its session could confirm it.
+    Logging out cancels the session's pending transfer in the bank (``Policy.end``). An evicted session's,
+    like one whose session expired or was abandoned, stays 'pending' there but can never execute: only its
+    session could confirm it. Eviction does not cancel it because it happens inside another customer's
+    turn, under this store's lock, where a bank call (remote, possibly failing) would stall or fail that
+    turn.
     """
 
     def __init__(self, max_sessions: int = 10_000):
@@ -355,7 +358,7 @@ class Policy:
                 session.pending = None
                 rows.append(("policy", "slot_filled", {"slot": pending.awaiting, "entities": filled}))
                 return self._request(session, result, filled, text, rows, intent=pending.kind)
-            if confirm is True:  # "yes" does not answer "how much?"
+            if confirm is True or _no_such_day(pending, result):  # "yes" does not answer "how much?"
                 return Decision(pending.kind, self._question(pending), False, False, None, None)
 
         if result.intent in ACTION_INTENTS:
@@ -836,6 +839,20 @@ class Policy:
             pending.entities | {"status": state},
         )
 
+    def end(self, session: SessionState) -> list[AuditRow]:
+        """The session is ending (logout): its pending action is cancelled as a replacing request cancels
+        it, transfer included, since nothing could confirm it afterwards. Returns the audit rows."""
+        if session.customer_id != self.db.customer_id:
+            raise PermissionError("the session and the bank view belong to different customers")
+        with self._lock:
+            pending, rows = session.pending, []
+            try:
+                self._drop(session, "ended", rows)
+            except BaseException:
+                session.pending = pending  # the bank did not answer: a retried logout cancels it
+                raise
+            return [AuditRow(stage, event, detail) for stage, event, detail in rows]
+
     def _drop(self, session: SessionState, why: str, rows: list) -> None:
         pending = session.pending
         session.pending = None
@@ -960,6 +977,18 @@ class Policy:
 def _is_bare_unsure(result: IntentResult) -> bool:
     # A fragment ("fifty dollars", "to john smith") is an answer, not a new request.
     return any(r.endswith(":fragment") for r in result.rules)
+
+
+def _no_such_day(pending: PendingAction, result: IntentResult) -> bool:
+    """An answer to "on which day?" that names no real day either ("february 30th"): asked again with the
+    draft kept, not taken for the customer moving on (which dropped the draft)."""
+    said = result.entities.get("date")
+    return (
+        pending.awaiting == "date"
+        and said is not None
+        and _as_date(said) is None
+        and result.intent in ("unknown", pending.kind)
+    )
 
 
 def _inherit(previous: dict, result: IntentResult) -> dict:

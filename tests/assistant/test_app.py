@@ -22,6 +22,8 @@ from g4serve_assistant.app import AccessSettings, build_app, pcm16_chunks  # noq
 from g4serve_assistant.audio import decode_wav, encode_wav  # noqa: E402
 from g4serve_assistant.db import DEMO_CUSTOMER_ID, demo_bank  # noqa: E402
 from g4serve_assistant.pipeline import NOT_HEARD_REPLY, Assistant  # noqa: E402
+from g4serve_assistant.transcript import Transcript  # noqa: E402
+from g4serve_assistant.vad import VadEvent  # noqa: E402
 
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
 
@@ -598,6 +600,138 @@ def test_a_lone_surrogate_over_the_websocket_is_refused_too(client, alex):
         msg = ws.receive_json()
         assert msg["type"] == "error" and msg["param"] == "text" and "lone surrogate" in msg["message"]
     assert alex.audit() is not None
+
+
+class HearsSpeechEverywhere:
+    """A VAD that calls all audio speech (music, a stuck microphone): the stream reaches the recogniser."""
+
+    def reset(self):
+        self.started = False
+
+    def feed(self, chunk):
+        started, self.started = self.started, True
+        return [] if started else [VadEvent("start", 0.0)]
+
+    def trim(self, audio):
+        return None  # a whole recording: no speech (the recogniser never runs)
+
+
+class CountingRecognizer:
+    """Counts the samples it is given to decode; hears nothing."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.samples = 0
+
+    def update_vocabulary(self, vocab):
+        pass
+
+    def stream(self):
+        return self
+
+    def feed(self, pcm):
+        self.samples += pcm.size
+
+    def finish(self):
+        return Transcript(text="", recognizer=self.name, audio_s=self.samples / 16000)
+
+
+def audio_app(**limits) -> tuple[TestClient, Assistant, CountingRecognizer]:
+    """An app without a model whose streamed audio always reaches a recogniser that counts it."""
+    recognizer = CountingRecognizer()
+    assistant = Assistant(demo_bank(), None, recognizer=recognizer)
+    assistant.vad = HearsSpeechEverywhere  # one per stream, as the real one
+    return TestClient(build_app(assistant, access(**limits), warmup=False)), assistant, recognizer
+
+
+def pcm_s(seconds: float) -> bytes:
+    return np.zeros(round(seconds * 16000), "<i2").tobytes()
+
+
+def ws_drain(ws) -> list[dict]:
+    """The messages the socket sent so far: everything before the answer to a control message of an unknown
+    type, which every socket answers (with an error naming ``type``)."""
+    ws.send_text(json.dumps({"type": "flush"}))
+    messages = []
+    while (msg := ws.receive_json()).get("param") != "type":
+        messages.append(msg)
+    return messages
+
+
+def test_one_websocket_frame_cannot_bypass_the_utterance_cap():
+    """Finding: one 90 s binary frame was transcribed whole (~12 s of the audio thread that every customer's
+    speech waits for): the pre-roll handed over at the VAD start was not counted against the 30 s cap. A
+    frame over 5 s is now refused and audited before it is decoded, and the socket stays usable."""
+    client, assistant, recognizer = audio_app()
+    with client as c:
+        alex = Customer(c)
+        with c.websocket_connect("/v1/assistant/ws") as ws:
+            assert ws_auth(ws, alex)["type"] == "ready"
+            ws.send_bytes(pcm_s(90))
+            (refused,) = ws_drain(ws)
+            assert (refused["type"], refused.get("param"), refused.get("code")) == ("error", "audio", 413)
+            assert refused["message"].startswith("audio:") and "5 s" in refused["message"]
+            assert recognizer.samples == 0
+            ws.send_bytes(pcm_s(1))  # frames within the limit are heard as before
+            assert ws.receive_json() == {"type": "vad", "event": "start", "t_s": 0.0}
+            ws.send_text(json.dumps({"type": "end"}))
+            assert ws.receive_json()["reply"] == NOT_HEARD_REPLY
+        assert recognizer.samples == 16000
+    rows = [r for r in assistant.audit.entries(DEMO_CUSTOMER_ID, alex.session_id) if r["stage"] == "ws"]
+    assert [(r["outcome"], r["detail"]["status"]) for r in rows] == [("rejected", 413)]
+
+
+def test_streamed_audio_is_charged_to_the_customers_rate():
+    """Streamed audio cost nothing but its turn: one request's worth of rate bought up to 30 s of decoding,
+    over and over. Now every 2 s of audio received costs one request (``audio_s_per_request``)."""
+    # 6 a minute, a burst of 3: opening the session takes one, which leaves 4 s of audio; 20 s sent at
+    # once cannot all pass, however slowly this machine runs the test (a token refills every 10 s).
+    client, _, recognizer = audio_app(customer_rate_per_min=6, customer_burst=3)
+    with client as c:
+        alex = Customer(c)
+        with c.websocket_connect("/v1/assistant/ws") as ws:
+            assert ws_auth(ws, alex)["type"] == "ready"
+            for _ in range(20):
+                ws.send_bytes(pcm_s(1))
+            errors = [m for m in ws_drain(ws) if m["type"] == "error"]
+            # Reported once per run of refused frames, not once per frame.
+            assert [(e["code"], e["param"]) for e in errors] == [(429, "audio")], errors
+            assert 4 * 16000 <= recognizer.samples <= 6 * 16000
+            ws.send_text(json.dumps({"type": "text", "text": "what's my balance"}))
+            assert ws.receive_json()["code"] == 429  # the audio counts towards turns too
+
+
+def test_uploaded_audio_is_charged_to_the_customers_rate():
+    """A WAV turn of 30 s cost one request, as a typed one: 60 a minute bought 30 minutes of decoding."""
+    client, _, _ = audio_app(customer_rate_per_min=6, customer_burst=3)
+    with client as c:
+        alex = Customer(c)
+        # The turn takes one request and one was left: its 10 s (5 requests) pass, leaving a debt of 4.
+        assert alex.turn(audio=b64(encode_wav(np.zeros(10 * 16000, np.float32))))["reply"] == NOT_HEARD_REPLY
+        r = alex.post("/v1/assistant/turn", {"session_id": alex.session_id, "text": "what's my balance"})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 30
+
+
+def test_logging_out_cancels_the_pending_transfer(client, alex):
+    """Finding: DELETE /v1/assistant/sessions/{id} ended the session, but the transfer it had proposed stayed
+    'pending' in the bank. Logging out now cancels it, as a replacing request does, and audits that."""
+    proposal = alex.turn("send 30 dollars to Tom Wilson")
+    action_id, transfer_id = proposal["pending"]["action_id"], proposal["action"]["transfer_id"]
+    assert client.db.transfer(transfer_id)["status"] == "pending"
+    r = client.delete(f"/v1/assistant/sessions/{alex.session_id}", headers=alex.headers)
+    assert r.status_code == 200 and r.json() == {"session_id": alex.session_id, "ended": True}
+    assert client.db.transfer(transfer_id)["status"] == "cancelled"
+    yes = {"session_id": alex.session_id, "text": "yes", "action_id": action_id}
+    assert alex.post("/v1/assistant/turn", yes).status_code == 403
+    with pytest.raises(ValueError):  # and the bank itself will not execute it under the action's key
+        client.db.execute_transfer(transfer_id, idempotency_key=action_id)
+    assert client.db.transfer(transfer_id)["status"] == "cancelled"
+    rows = client.assistant.audit.entries(DEMO_CUSTOMER_ID, alex.session_id)
+    assert [(r["event"], r["detail"].get("transfer_id")) for r in rows[-2:]] == [
+        ("pending_ended", transfer_id),
+        ("session_ended", None),
+    ]
 
 
 def test_admin_imports_need_the_key_and_validate(tmp_path):

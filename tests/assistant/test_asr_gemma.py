@@ -419,3 +419,11 @@ def test_a_spoken_turn_through_the_assistant_with_gemma_asr(engine, tmp_path):
     assert spoken["stages"]["asr_final"] > 0
     # Silence never reaches the model: the VAD finds no speech, and the turn asks again.
     assert silent["transcript"] == "" and silent["reply"] == NOT_HEARD_REPLY
+
+
+@pytest.mark.parametrize("raw", ["Send 1/2 dollars to John Smith.", "Send $1/2 to John", "Send ½ dollars."])
+def test_a_fraction_in_a_gemma_transcript_is_no_amount(raw):
+    """The slash was cleaned away, so "1/2 dollars" reached the normalizer as "1 2 dollars": $2.00."""
+    from g4serve_assistant.normalize import normalize
+
+    assert normalize(clean_transcript(raw)).amounts == []

@@ -155,6 +155,16 @@ def test_rate_limiter_bursts_then_refills():
     assert limiter.take("k") is None
 
 
+def test_rate_limiter_charges_costs_and_carries_a_debt():
+    clock = Clock(0.0)
+    limiter = RateLimiter(rate_per_min=60, burst=3, clock=clock)
+    assert limiter.take("k", 0.5) is None  # half a request's worth (a second of audio): 2.5 left
+    assert limiter.take("k", 10.0) is None  # more than the burst passes while a token is there: -7.5 left
+    assert limiter.take("k", 0.5) == pytest.approx(8.0)  # and is paid for before anything else passes
+    clock.t += 8.5
+    assert limiter.take("k") is None and limiter.take("k", 0.01) is not None
+
+
 @pytest.mark.parametrize(
     "headers, ok",
     [

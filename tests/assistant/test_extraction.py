@@ -292,3 +292,11 @@ def test_warmup_compiles_every_grammar_through_the_public_validate(engine, extra
 
     asyncio.run(run())
     assert not engine.engine.requests  # nothing was queued
+
+
+def test_merge_keeps_an_impossible_spoken_date_for_the_policy_to_ask():
+    """The fast path keeps "february 30th" as said (it does not exist); a model's choice of intent, payee or
+    amount must not drop it, or the policy would propose the payment for today."""
+    base = _result(amount_minor=5000, currency="USD", date="february 30th")
+    merged = merge_into_result(base, _extraction("a1"), JONS)
+    assert merged.entities["date"] == "february 30th"

@@ -302,3 +302,126 @@ def test_unknown_currency_raises():
 )
 def test_format_money(amount_minor, currency, text):
     assert format_money(amount_minor, currency) == text
+
+
+# --- hostile input: impossible dates, and amounts that must never become another amount -----------------
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("pay John Smith 50 dollars on 2025-02-30", "2025-02-30"),
+        ("pay john smith 50 dollars on february 30th", "february 30th"),
+        ("pay john smith 50 dollars on the 30th of february", "the 30th of february"),
+        # Skipped, "the 31st" inside it resolved on its own: paid on May 31 instead of asking.
+        ("pay john smith 50 dollars on the 31st of april", "the 31st of april"),
+        ("pay john smith 50 dollars on the 45th", "on the 45th"),
+        ("pay john smith 50 dollars on 3/15", "on 3/15"),  # day and month order unknown: asked, never read
+    ],
+)
+def test_an_impossible_date_is_kept_as_said_never_dropped(text, said):
+    """A date that was said but does not exist used to vanish, and the payment was proposed for now."""
+    n = normalize(text, now=NOW)
+    assert n.date is None and n.invalid_date == said, n.rules
+    assert ("date_invalid", said) in [(r.rule, r.before) for r in n.rules]
+    assert (n.money.amount_minor, n.money.currency) == (5000, "USD")
+    assert normalize("send 50 dollars to john", now=NOW).invalid_date is None
+
+
+def test_february_29th_is_the_next_leap_day():
+    """The next year was tried only when this year's date existed: from 2027, February 29th was dropped."""
+    assert normalize("on february 29th", now=dt.datetime(2027, 5, 7)).date == dt.date(2028, 2, 29)
+    assert normalize("on february 29th", now=NOW).date == dt.date(2028, 2, 29)  # the policy: too far ahead
+    assert normalize("on the 29th of february", now=dt.datetime(2028, 1, 2)).date == dt.date(2028, 2, 29)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "send 1.5 cents to john",  # the "5" after the point was read as 5 cents
+        "send one point five cents to john",
+        "send １.５ cents to john",
+        "send 5 dollars and 1.5 cents to john",  # was $5.01 and $0.05
+        "send 20 dollars and 2.505 cents to john",
+    ],
+)
+def test_fractional_cents_are_refused_never_another_amount(text):
+    n = normalize(text, now=NOW)
+    assert n.money is None and n.amounts == [], (n.text, n.amounts)
+    assert any(r.rule == "money_rejected" for r in n.rules)
+
+
+_COMPATIBILITY_NUMBERS = ["½", "¼", "¾", "²", "³", "⁵", "₂", "①", "⑴", "⒈", "㋀", "🄁", "௰"]
+
+
+@pytest.mark.parametrize("char", _COMPATIBILITY_NUMBERS)
+@pytest.mark.parametrize(
+    "template",
+    [
+        "send {} dollars to john",  # NFKC made "½" 1⁄2 -> "1 2 dollars" -> $2.00
+        "send 6{} dollars to john",  # and "6²" 62 -> $62.00
+        "send ${} to john",
+        "send {}0 to john",
+        "send 20 dollars and {} cents to john",
+        "send john 1{}",
+    ],
+)
+def test_compatibility_numbers_are_never_an_amount(char, template):
+    """A vulgar fraction, superscript, subscript or circled number is no plain digit: the amount is the one
+    said or none at all (the assistant asks), never the digits NFKC makes of it."""
+    n = normalize(template.format(char), now=NOW)
+    assert n.money is None and n.amounts == [], (n.text, n.amounts, n.rules)
+    assert char in n.text  # restored as written, for the transcript and the audit
+
+
+@pytest.mark.parametrize(
+    ("text", "amount_minor"),
+    [
+        ("send ５ dollars to john", 500),  # a wide digit is a digit
+        ("send ５0 dollars to john", 5000),
+        ("send ٥٠ dollars to john", 5000),  # Arabic-Indic digits: the value they write
+        ("send ۵ dollars to john", 500),
+        ("send ५० dollars to john", 5000),  # Devanagari
+        ("send 𝟓 dollars to john", 500),
+        ("send $.50 to john", 50),  # the point was dropped: $50.00
+        ("send .5 dollars to john", 50),
+        ("send 12,50 € to hans", 1250),
+    ],
+)
+def test_other_digits_mean_what_they_write(text, amount_minor):
+    n = normalize(text, now=NOW)
+    assert [m.amount_minor for m in n.amounts] == [amount_minor], (n.text, n.rules)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "send half a dollar to john",  # was $1.00
+        "send half a million dollars to john",  # was $1,000,000.00
+        "send a dollar and a half to john",  # was $1.00
+        "send twenty five and a half euros to hans",  # was €25.00
+        "send one and a half thousand dollars to john",  # was $1,000.00
+        "send john a quarter of a million dollars",
+        "send three quarters of a dollar to john",
+        "send 1/2 dollars to john",  # was $2.00
+        "send $1/2 to john",
+        "send 1⁄2 dollars to john",
+        "send 1/2 to john",
+        "send 1/2 a dollar to john",  # was $1.00
+        "send 3/4 of 100 dollars to john",  # was $100.00
+        "send usd 1/2 to john",  # was $1.00
+        "send 1.2.5 dollars to john",  # was $2.50
+        "send eur 1.2.5 to hans",  # was €1.20
+        "send 50 dollars, no, 1.5 cents to john",  # the refused one may be the correction
+    ],
+)
+def test_fractions_are_never_another_amount(text):
+    n = normalize(text, now=NOW)
+    assert n.money is None and n.amounts == [], (n.text, n.amounts, n.rules)
+
+
+def test_placeholder_characters_in_the_input_are_not_placeholders():
+    """Unreadable numbers are held in private-use characters; one typed by the customer is dropped first,
+    so it cannot stand for another span."""
+    n = normalize("send \ue000 6² dollars \ue001 to john", now=NOW)
+    assert n.money is None and "\ue000" not in n.text and "6²" in n.text

@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from g4serve_assistant.bank import Payee
+from g4serve_assistant.audio import AudioError
+from g4serve_assistant.bank import BankUnavailableError, Payee
 from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, demo_bank
 from g4serve_assistant.knowledge import DOCUMENTS
 from g4serve_assistant.metrics import AssistantMetrics
@@ -259,6 +260,94 @@ def test_endless_speech_is_cut_at_max_utterance_length():
     assert events[-1] == {"type": "vad", "event": "end", "reason": "max_utterance_s"} and utterance.ended
 
 
+class SpeechAt:
+    """VAD that reports speech starting at stream time ``start_s`` (in whichever chunk reaches it)."""
+
+    def __init__(self, start_s: float):
+        self.start_s, self.fed = start_s, 0
+
+    def reset(self):
+        self.fed = 0
+
+    def feed(self, chunk):
+        before, self.fed = self.fed, self.fed + chunk.size
+        return [VadEvent("start", self.start_s)] if before <= self.start_s * 16000 < self.fed else []
+
+
+@pytest.mark.parametrize(
+    "chunks_s",
+    [
+        [90.0],  # the finding: one 90 s frame, all of it pre-roll when VAD fired in it
+        [0.1, 90.0],  # speech already started, then one huge frame
+        [0.1] * 5 + [60.0, 60.0],
+    ],
+)
+def test_no_chunking_gives_the_recogniser_more_than_the_cap(chunks_s):
+    """Finding: a client's single 90 s WebSocket frame was transcribed whole (~12 s of the shared audio
+    thread), because the pre-roll handed over at the VAD start, and the frame it came in, were not counted
+    against ``max_utterance_s``; a huge frame mid-speech was decoded before the cap was checked."""
+    recognizer = FakeRecognizer()
+    utterance = Utterance(SpeechAt(0.0), recognizer, max_utterance_s=30.0)
+    events = [e for s in chunks_s for e in utterance.feed(np.zeros(round(s * 16000), np.float32))]
+    assert sum(a.size for a in recognizer.streams[0].fed) == 30 * 16000
+    assert events[-1] == {"type": "vad", "event": "end", "reason": "max_utterance_s"} and utterance.ended
+    heard, _ = utterance.finish()
+    assert heard.audio_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("chunks_s", "start_s", "handed_s"),
+    [
+        ([90.0, 0.1], 90.0, 0.6),  # a long silence sent as one frame is not pre-roll
+        ([5.0], 4.0, 1.5),  # speech late in a long frame: 0.5 s before its start, not the 4 s of silence
+        ([0.1] * 3, 0.2, 0.3),  # the page's 100 ms chunks: everything so far
+    ],
+)
+def test_the_pre_roll_is_half_a_second_before_the_vad_start(chunks_s, start_s, handed_s):
+    recognizer = FakeRecognizer()
+    utterance = Utterance(SpeechAt(start_s), recognizer)
+    for s in chunks_s:
+        utterance.feed(np.zeros(round(s * 16000), np.float32))
+    assert recognizer.streams[0].fed[0].size == round(handed_s * 16000)
+
+
+def test_a_whole_recording_over_the_cap_is_refused(assistant):
+    """The WAV route caps its audio when decoding; samples given directly are checked in ``hear`` too."""
+    with pytest.raises(AudioError, match="30"):
+        asyncio.run(assistant.turn(Caller(DEMO_CUSTOMER_ID, "long"), audio=np.zeros(31 * 16000, np.float32)))
+    assert assistant.recognizer(DEMO_CUSTOMER_ID).streams == []
+
+
+def test_ending_a_session_cancels_its_pending_transfer(assistant):
+    """Logging out (``end_session``) cancels the session's proposal in the bank, as a replacing request
+    does; a yes naming it afterwards finds nothing waiting."""
+    proposal = turn(assistant, "e", "send 40 dollars to Tom Wilson")
+    (pending,) = assistant.db.transfers(status="pending")
+    asyncio.run(assistant.end_session(Caller(DEMO_CUSTOMER_ID, "e", {"ip": "test"})))
+    assert assistant.db.transfer(pending["transfer_id"])["status"] == "cancelled"
+    r = turn(assistant, "e", "yes", action_id=proposal["pending"]["action_id"])
+    assert not r["executed"] and assistant.db.transfers(status="executed") == []
+    rows = assistant.audit.entries(DEMO_CUSTOMER_ID, "e")
+    assert ("policy", "pending_ended") in [(row["stage"], row["event"]) for row in rows]
+    asyncio.run(assistant.end_session(Caller(DEMO_CUSTOMER_ID, "no-turns-yet")))  # nothing to cancel
+
+
+def test_a_logout_the_bank_did_not_answer_keeps_the_proposal_for_the_retry(assistant, monkeypatch):
+    turn(assistant, "e2", "send 40 dollars to Tom Wilson")
+    view = assistant.customer(DEMO_CUSTOMER_ID).view
+
+    def bank_down(transfer_id):
+        raise BankUnavailableError("injected")
+
+    monkeypatch.setattr(view, "cancel_transfer", bank_down)
+    with pytest.raises(BankUnavailableError):
+        asyncio.run(assistant.end_session(Caller(DEMO_CUSTOMER_ID, "e2")))
+    assert [t["status"] for t in assistant.db.transfers()] == ["pending"]
+    monkeypatch.undo()
+    asyncio.run(assistant.end_session(Caller(DEMO_CUSTOMER_ID, "e2")))  # the retried logout
+    assert [t["status"] for t in assistant.db.transfers()] == ["cancelled"]
+
+
 def test_customers_are_isolated(assistant):
     """Two customers of one assistant: each sees and pays only their own payees, and one cannot confirm
     (or even name) the other's pending action."""
@@ -300,3 +389,14 @@ def test_a_bare_amount_is_in_the_customers_own_currency(assistant):
     r = turn(assistant, "gbp", "pay thames water twenty", customer=DEMO_CUSTOMER_2_ID)
     assert (r["entities"]["amount_minor"], r["entities"]["currency"]) == (2000, "GBP")
     assert turn(assistant, "usd", "send twenty to Tom Wilson")["entities"]["currency"] == "USD"
+
+
+def test_an_impossible_date_or_an_unreadable_amount_is_a_question(assistant):
+    """Whole turns: "february 30th" used to vanish (proposed for today), "6² dollars" became $62.00."""
+    r = turn(assistant, "date", "send 25 dollars to Tom Wilson on february 30th")
+    assert "valid date" in r["reply"] and not r["needs_confirmation"]
+    assert r["entities"]["date"] == "february 30th"
+    r = turn(assistant, "amount", "send 6² dollars to Tom Wilson")
+    assert r["reply"] == "How much would you like to send to Tom Wilson?" and not r["needs_confirmation"]
+    assert "amount_minor" not in r["entities"]
+    assert assistant.db.transfers() == []

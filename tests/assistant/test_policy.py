@@ -593,3 +593,52 @@ def test_a_yes_retried_after_the_bank_failed_pays_once(bank, before):
     assert done.executed and lossy.calls == 2
     assert bank.checking() == CHECKING - 5000 and len(bank.executed()) == 1
     assert not bank.say("yes").executed
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pay John Smith 50 dollars on 2025-02-30",
+        "send john smith 50 dollars on february 30th",
+        "send 50 dollars to john smith on the 31st of april",  # was proposed for May 31
+        "send 50 dollars to john smith on 3/15",
+    ],
+)
+def test_an_impossible_spoken_date_is_asked_for_never_paid_now(bank, text):
+    """The normalizer dropped the date it could not resolve, and the transfer was proposed for today."""
+    d = bank.say(text)
+    assert not d.needs_confirmation and not d.executed and d.refused is None
+    assert "valid date" in d.reply and "John Smith" in d.reply and d.action["missing"] == "date"
+    assert bank.db.transfers() == []  # nothing proposed for today, nor any other day
+    assert ("policy", "invalid_date") in [(r.stage, r.event) for r in bank.audit["s1"]]
+    again = bank.say("on february 30th")  # another impossible answer asks again, keeping the draft
+    assert "valid date" in again.reply and bank.db.transfers() == []
+    assert bank.say("yes").reply == again.reply  # a yes is not a date
+    answered = bank.say("on the 20th")
+    assert answered.needs_confirmation and answered.action["scheduled_for"] == "2025-05-20"
+    assert (answered.action["amount_minor"], answered.action["payee_id"]) == (5000, "john_smith")
+
+
+def test_an_impossible_date_with_the_missing_amount_is_still_asked_for(bank):
+    bank.say("send money to john smith")
+    d = bank.say("50 dollars on february 30th")
+    assert "valid date" in d.reply and not d.needs_confirmation and bank.db.transfers() == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "send 1.5 cents to john smith",  # was $0.05
+        "send ½ dollars to john smith",  # was $2.00
+        "send 6² dollars to john smith",  # was $62.00
+        "send ① dollar to john smith",
+        "send half a dollar to john smith",  # was $1.00
+        "send 20 dollars and 1.5 cents to john smith",  # was $20.01
+        "send 1/2 dollars to john smith",
+    ],
+)
+def test_an_amount_that_cannot_be_paid_as_said_is_asked_for(bank, text):
+    d = bank.say(text)
+    assert d.reply == "How much would you like to send to John Smith?", d.reply
+    assert not d.needs_confirmation and bank.db.transfers() == []
+    assert bank.say("five dollars").action["amount_minor"] == 500

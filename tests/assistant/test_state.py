@@ -345,6 +345,26 @@ def test_any_replica_takes_any_turn_and_money_moves_once(replicas, tmp_path):
     assert outcomes == ["proposed", "executed", "answered"]
 
 
+def test_logging_out_on_one_replica_cancels_a_proposal_made_on_another(replicas, tmp_path):
+    bank_path = tmp_path / "bank.db"
+    demo_bank(bank_path).close()
+    store_a, store_b = replicas(), replicas()
+    a, b = _assistant(bank_path, store_a), _assistant(bank_path, store_b)
+    proposed = asyncio.run(a.turn(Caller(C1, "s1"), text="send fifty dollars to John Smith"))
+    action_id, transfer_id = proposed.pending["action_id"], proposed.action["transfer_id"]
+    stale = store_a.conversations.begin("s1", C1)  # a slow turn on a read the state before the logout
+    store_a.conversations.release(stale)
+    asyncio.run(b.end_session(Caller(C1, "s1")))
+    view = a.bank.customer(C1)
+    assert view.transfer(transfer_id)["status"] == "cancelled"
+    assert store_a.conversations.action_status(action_id) == "dropped"
+    customer = a.customer(C1)
+    late = customer.policy.decide(stale, customer.classifier.classify(normalize("yes")), "yes", action_id)
+    assert not late.executed and late.refused == "not_pending"
+    assert not asyncio.run(a.turn(Caller(C1, "s1", {}, action_id), text="yes")).executed
+    assert view.transfers(status="executed") == []
+
+
 def test_concurrent_confirmations_on_four_replicas_execute_once(replicas, tmp_path):
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
