@@ -27,6 +27,7 @@ from g4serve.server.errors import (
     health_response,
     install_error_handlers,
     read_json_object,
+    valid_text,
 )
 from g4serve_assistant.audio import SAMPLE_RATE, AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve_assistant.audit import AuditRow
@@ -836,12 +837,10 @@ def check_text(value: Any, name: str) -> str:
         raise APIError(400, f"{name}: must not be empty", param=name)
     if len(value) > MAX_TEXT_CHARS:
         raise APIError(400, f"{name}: at most {MAX_TEXT_CHARS} characters, got {len(value)}", param=name)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        # JSON's "\ud800" escapes decode to lone surrogates: over the WebSocket (the HTTP body parser refuses
-        # them) one reached the audit trail, and every read of it failed as a 500
-        raise APIError(400, f"{name}: holds invalid Unicode (a lone surrogate)", param=name) from None
+    if not valid_text(value):
+        # over the WebSocket (the HTTP body parser refuses them) a lone surrogate reached the audit trail,
+        # and every read of it failed as a 500
+        raise APIError(400, f"{name}: holds invalid Unicode (a lone surrogate)", param=name)
     return value
 
 

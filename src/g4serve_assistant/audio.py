@@ -12,6 +12,7 @@ import wave
 import numpy as np
 
 from g4serve.processing.audio import resample
+from g4serve.processing.limits import MediaLimits
 
 SAMPLE_RATE = 16000
 
@@ -19,7 +20,8 @@ _WAVE_FORMAT_PCM = 0x0001
 _WAVE_FORMAT_IEEE_FLOAT = 0x0003
 _WAVE_FORMAT_EXTENSIBLE = 0xFFFE
 _MAX_CHANNELS = 16
-_MIN_SAMPLE_RATE, _MAX_SAMPLE_RATE = 1_000, 384_000  # as the server's audio limits (processing/limits.py)
+# the server's default audio limits
+_MIN_SAMPLE_RATE, _MAX_SAMPLE_RATE = MediaLimits.audio_min_sample_rate, MediaLimits.audio_max_sample_rate
 
 
 class AudioError(ValueError):

@@ -35,9 +35,12 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
         "health_response",
         "install_error_handlers",
         "read_json_object",
+        "valid_text",
     },
     # band-limited resampling to 16 kHz: a pure function (array in, array out), no engine state
     "g4serve.processing.audio": {"resample"},
+    # the server's media limits: the assistant's WAV parser takes the same sample-rate bounds
+    "g4serve.processing.limits": {"MediaLimits"},
     # a model's config, read without its weights: whether it has the audio tower `--asr gemma` needs
     "g4serve.config": {"Gemma4Config", "preset"},
 }

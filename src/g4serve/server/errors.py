@@ -196,10 +196,10 @@ def json_shape(value: Any) -> tuple[int, bool]:
     while stack:
         node, depth = stack.pop()
         if isinstance(node, str):
-            valid = valid and _valid_text(node)
+            valid = valid and valid_text(node)
             continue
         if isinstance(node, dict):
-            valid = valid and all(_valid_text(key) for key in node)
+            valid = valid and all(valid_text(key) for key in node)
             children = node.values()
         elif isinstance(node, list):
             children = node
@@ -210,7 +210,9 @@ def json_shape(value: Any) -> tuple[int, bool]:
     return deepest, valid
 
 
-def _valid_text(text: str) -> bool:
+def valid_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: no lone surrogates, which JSON's "\\ud800" escapes decode to and
+    which fail whatever encodes them later (a tokenizer, a database row, a response)."""
     if text.isascii():
         return True
     try:
