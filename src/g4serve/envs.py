@@ -80,6 +80,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_NORM_EARLY_LOADS",
+        "0",
+        "`1`: the fused RMSNorm pass loads its weights, the residual and the layer scalar before its "
+        "dependent-launch wait (`kernels/rms_norm.py`; A/B runs)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "

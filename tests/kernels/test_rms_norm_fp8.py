@@ -39,6 +39,19 @@ def test_kernel_quantizes_as_the_gemms_own_launch(rows, n):
     assert fp8[1].shape == (rows, -(-n // 128))
 
 
+@pytest.mark.parametrize("with_next", [False, True])
+def test_loads_before_the_wait_change_no_bit(monkeypatch, with_next):
+    """``G4SERVE_NORM_EARLY_LOADS``: the weights, residual and scalar loaded first, the same outputs."""
+    x, residual, w, w2 = _row(3, 200, seed=3)
+    kw = dict(residual=residual, scale=torch.tensor([0.5]).bfloat16(), next_weight=w2 if with_next else None)
+    monkeypatch.setattr(rms_norm_module, "EARLY_LOADS", False)
+    plain = fused_rms_norm(x, w, 1e-6, **kw)
+    monkeypatch.setattr(rms_norm_module, "EARLY_LOADS", True)
+    early = fused_rms_norm(x, w, 1e-6, **kw)
+    assert torch.equal(early[0], plain[0])
+    assert (early[1] is None) == (not with_next) and (not with_next or torch.equal(early[1], plain[1]))
+
+
 def test_reference_fills_the_buffers_from_its_own_output():
     x, residual, w, w2 = _row(3, 200, seed=1)
     fp8 = fp8_next_buffers(x)
@@ -53,10 +66,12 @@ def test_quantizing_needs_the_next_norm():
         fused_rms_norm(x, w, 1e-6, residual=residual, fp8_next=fp8_next_buffers(x))
 
 
-@pytest.mark.parametrize("n", [2560, 5376])
-def test_kernel_compiles_for_sm90(monkeypatch, n):
+@pytest.mark.parametrize("n,early", [(2560, False), (5376, False), (5376, True)])
+def test_kernel_compiles_for_sm90(monkeypatch, n, early):
+    """Under dependent launch; with ``EARLY_LOADS`` the PTX loads before its ``griddepcontrol.wait``."""
     from test_kv_fp8_sm90_compile import _compile, _launches
 
+    monkeypatch.setattr(rms_norm_module, "EARLY_LOADS", early)
     meta = dict(dtype=torch.bfloat16, device="meta")
     x, w = torch.empty(8, n, **meta), torch.empty(n, **meta)
     fp8 = (
@@ -70,7 +85,9 @@ def test_kernel_compiles_for_sm90(monkeypatch, n):
         lambda: fused_rms_norm(x, w, 1e-6, residual=x, scale=w[:1], next_weight=w, fp8_next=fp8),
     )
     for fn, args, kwargs in launches:
-        _compile(fn, args, kwargs, use_pdl=True)
+        ptx = _compile(fn, args, kwargs, use_pdl=True).asm["ptx"]
+        before_wait = ptx[: ptx.index("griddepcontrol.wait")]
+        assert ("ld.global" in before_wait) == early
 
 
 @pytest.mark.parametrize("slots", [1, 8])

@@ -20,9 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from g4serve import envs
 from g4serve.kernels._launch import DualKernel, next_pow2, pdl, wait_for_previous_kernel
 from g4serve.kernels.fp8_matmul import GROUP, group_buffers, quantize_activation_groups
 from g4serve.kernels.kv_cache_write import activation_scale, quantize_fp8
+
+# Under dependent launch, the pass may load its weights, the layer scalar and the residual before its wait:
+# none is written by the kernel just before it (that one wrote ``x``; every earlier kernel has finished,
+# ``_launch.wait_for_previous_kernel``), and after a projection that streamed tens of MB none is in L2.
+EARLY_LOADS = envs.get("G4SERVE_NORM_EARLY_LOADS") == "1"
 
 
 @triton.jit
@@ -31,7 +37,7 @@ def _normed(x, n_cols, eps):
     return x / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
 
 
-def _rms_norm_fn(
+def _rms_norm_fn(  # noqa: C901 - Triton kernel body: its branches test tl.constexpr flags (HAS_*, EARLY, QUANT), specialised away at compile time
     X,
     XB,
     WA,
@@ -64,11 +70,21 @@ def _rms_norm_fn(
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if EARLY:  # see EARLY_LOADS (without dependent launch the kernel starts after the one before ends)
+        if HAS_W:
+            w_early = tl.load(W + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r_early = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
+        if HAS_SCALE:
+            scale_early = tl.load(Scale)
+        if HAS_NORM2:
+            w2_early = tl.load(W2 + cols, mask=mask, other=0.0)
+    wait_for_previous_kernel(USE_PDL)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BRANCHES:  # x = rms_norm(x, wa) + rms_norm(xb, wb), each term and the sum rounded as eager rounds
         wa = tl.load(WA + cols, mask=mask, other=0.0).to(tl.float32)
@@ -83,18 +99,21 @@ def _rms_norm_fn(
         x = (a + b).to(Out.dtype.element_ty).to(tl.float32)
     y = _normed(x, n_cols, eps)
     if HAS_W:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = w_early if EARLY else tl.load(W + cols, mask=mask, other=0.0)
+        y = y * w.to(tl.float32)
     y = y.to(Out.dtype.element_ty)
     if HAS_RES:
-        r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
+        r = r_early if EARLY else tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
     if HAS_SCALE:
-        y = (y.to(tl.float32) * tl.load(Scale).to(tl.float32)).to(Out.dtype.element_ty)
+        scale = scale_early if EARLY else tl.load(Scale)
+        y = (y.to(tl.float32) * scale.to(tl.float32)).to(Out.dtype.element_ty)
     tl.store(Out + row * stride_o + cols, y, mask=mask)
     if HAS_NORM2:
         z = y.to(tl.float32)
         z = _normed(z, n_cols, eps)
-        z = z * tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+        w2 = w2_early if EARLY else tl.load(W2 + cols, mask=mask, other=0.0)
+        z = z * w2.to(tl.float32)
         tl.store(Out2 + row * stride_o2 + cols, z.to(Out2.dtype.element_ty), mask=mask)
         if QUANT:  # out2 as the W8A8 GEMM's quantizer reads it: rounded, then per 128-column group
             zr = z.to(Out2.dtype.element_ty).to(tl.float32)
@@ -172,6 +191,7 @@ def fused_rms_norm(
             GROUP=GROUP,
             BLOCK=block,
             **pdl(x.device, rows),
+            EARLY=EARLY_LOADS,
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
