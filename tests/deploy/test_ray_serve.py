@@ -61,7 +61,16 @@ def cluster():
     serve.run(
         build_application(serve_args(port, "--num-replicas", "2"), 0.0), name=APP_NAME, route_prefix="/"
     )
-    yield f"http://127.0.0.1:{port}", port
+    url = f"http://127.0.0.1:{port}"
+    # serve.run returns once both replicas run, but the ingress's router learns the replica set from Ray's
+    # controller a little later: until then it ranks the one it knows (a CI run sent 24 sessions to one).
+    with httpx.Client(base_url=url, timeout=60) as client:
+        wait_until(
+            lambda: len(set(homes(client, [f"warm-{i}" for i in range(16)]).values())) == 2,
+            90,
+            "the router to know both replicas",
+        )
+    yield url, port
     serve.shutdown()
     ray.shutdown()
 
