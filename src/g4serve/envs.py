@@ -87,6 +87,13 @@ VARIABLES: tuple[Variable, ...] = (
         ("0", "1"),
     ),
     Variable(
+        "G4SERVE_NORM_L2_KEEP",
+        "0",
+        "`1`: the fused RMSNorm pass reads its weights and the residual, and writes the new residual, at "
+        "L2's evict_last priority (`kernels/rms_norm.py`; A/B runs)",
+        ("0", "1"),
+    ),
+    Variable(
         "G4SERVE_DECODE_PROGRAMS_PER_SM",
         "4",
         "paged decode attention splits a context over programs until about this many run per SM "
