@@ -14,14 +14,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 
 class Served:
-    """``with Served(app) as s: s.url``; uvicorn's own socket on port 0."""
+    """``with Served(app) as s: s.url``; uvicorn's own socket on port 0 (``http``: its parser, "auto" takes
+    httptools where installed, else h11)."""
 
-    def __init__(self, app, start_timeout_s: float = 20.0):
+    def __init__(self, app, start_timeout_s: float = 20.0, http: str = "auto"):
         self.url = ""
         self.port = 0
         self._timeout_s = start_timeout_s
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="critical", timeout_graceful_shutdown=2
+            app, host="127.0.0.1", port=0, log_level="critical", timeout_graceful_shutdown=2, http=http
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,6 +16,7 @@ from g4serve.deploy.affinity import (
     NO_KEY,
     AffinityKey,
     body_affinity,
+    parse_object,
     request_affinity,
 )
 from g4serve.deploy.relay import read_body, request_key
@@ -181,6 +184,43 @@ def test_random_json_never_raises():
     for _ in range(2000):
         body = {rng.choice(["messages", "prompt", "input", "user", "model"]): junk(0) for _ in range(3)}
         assert body_affinity(body).kind in ("prefix", "session", "none")
+
+
+def _deepest_parsed_in_a_thread() -> int:
+    """The deepest nesting ``parse_object`` takes at the top of a worker thread's stack."""
+
+    def deepest() -> int:
+        depth = sys.getrecursionlimit()
+        while parse_object(b'{"a": ' + b"[" * depth + b"]" * depth + b"}") is None:
+            depth -= 5
+        return depth
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(deepest).result()
+
+
+@pytest.mark.parametrize("field", ["model", "prompt", "instructions", "text"])
+def test_nesting_parsed_in_a_worker_thread_never_makes_the_key_raise(field):
+    """The router parses a body past 256 KB in a worker thread, whose stack is shallow, and keys it on the
+    event loop, deeper: ``repr`` of a non-string value as deep as that parser took (the ``model``, a token
+    id, a text part's ``text``) raised RecursionError there, a 500 from the router for a body the replica
+    should have answered (a 400)."""
+    depth = _deepest_parsed_in_a_thread()
+    nested = "[" * depth + "]" * depth
+    raw = {
+        "model": '{"model": %s, "messages": []}',
+        "prompt": '{"prompt": [1, %s]}',
+        "instructions": '{"input": "hi", "instructions": %s}',
+        "text": '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+    }[field] % nested
+    with ThreadPoolExecutor(1) as pool:
+        payload = pool.submit(parse_object, raw.encode()).result()
+    assert payload is not None
+
+    def keyed_deeper(frames: int) -> AffinityKey:  # the event loop's stack under uvicorn and Starlette
+        return body_affinity(payload) if frames == 0 else keyed_deeper(frames - 1)
+
+    assert keyed_deeper(100).kind == "prefix"
 
 
 class _Streamed:

@@ -206,6 +206,35 @@ def test_killing_a_replica_mid_stream_fails_only_its_streams(cluster):
             time.sleep(0.5)
 
 
+def test_pins_naming_no_replica_hold_up_nobody(cluster):
+    """Any client may send ``X-G4Serve-Replica``. A pin naming no replica stayed in Ray's routing loop,
+    holding one of its routing tasks (two per replica) even after the ingress answered its 503 (at 10 s):
+    eight such requests stalled every later request through the ingress for good (none answered in 120 s)."""
+    url, _ = cluster
+    answers: list[httpx.Response] = []
+
+    def pinned(i: int) -> None:
+        headers = {"X-G4Serve-Replica": f"no-such-replica-{i}"}
+        answers.append(httpx.get(f"{url}/v1/models", headers=headers, timeout=60))
+
+    hostile = [threading.Thread(target=pinned, args=(i,), daemon=True) for i in range(8)]
+    for thread in hostile:
+        thread.start()
+    time.sleep(0.5)
+    with httpx.Client(base_url=url, timeout=20) as client:
+        started = time.monotonic()
+        try:
+            response = client.post("/v1/chat/completions", json=chat("bystander", "hello")[0])
+        except httpx.TimeoutException:
+            pytest.fail("a request after eight pins naming no replica got no answer in 20 s")
+        waited_s = time.monotonic() - started
+    assert response.status_code == 200 and waited_s < 5, f"{response.status_code} after {waited_s:.1f} s"
+    for thread in hostile:
+        thread.join(60)
+    assert [a.status_code for a in answers] == [503] * 8
+    assert all("no-such-replica" in a.json()["error"]["message"] for a in answers)
+
+
 def replica_names() -> list[str]:
     prefix = f"SERVE_REPLICA::{APP_NAME}#EngineReplica#"
     actors = ray.util.list_named_actors(all_namespaces=True)

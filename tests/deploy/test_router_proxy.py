@@ -7,24 +7,29 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
-from fake_replicas import Served
+from fake_replicas import Served, fake_replica
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from g4serve.cli import build_parser
 from g4serve.deploy.membership import DnsTarget, dns_target, resolve
 from g4serve.deploy.proxy import RouterConfig, build_router_app
+from g4serve.deploy.relay import whole_events
 from g4serve.deploy.replica_pool import replica_url
 from g4serve.deploy.router_cli import router_config_from_args
 
 CHAT = "/v1/chat/completions"
 
 
-def router_for(*urls: str, **config) -> Served:
+def router_for(*urls: str, http: str = "auto", **config) -> Served:
     settings = {"health_interval_s": 0.1, "health_timeout_s": 1.0, **config}
-    return Served(build_router_app(RouterConfig(replicas=list(urls), **settings)))
+    return Served(build_router_app(RouterConfig(replicas=list(urls), **settings)), http=http)
 
 
 def chat(text: str, **fields) -> dict:
@@ -38,6 +43,19 @@ def sse_data(lines) -> list:
             data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def raw_request(port: int, request_line: str, *headers: str, body: bytes = b"") -> tuple[int, bytes]:
+    """(status, body) of one request sent as written: a client's own request target, which httpx would
+    normalize."""
+    head = [request_line, "Host: router", "Connection: close", f"Content-Length: {len(body)}", *headers]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        answer = b""
+        while data := s.recv(1 << 16):
+            answer += data
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> None:
@@ -206,6 +224,91 @@ def test_pins_reach_their_replica_or_get_a_503(fake_replicas):
             )
         missing = client.post(CHAT, json=chat("x"), headers={"X-G4Serve-Replica": "10.9.9.9:1"})
         assert missing.status_code == 503 and "10.9.9.9:1" in missing.json()["error"]["message"]
+
+
+def test_a_request_target_that_is_no_path_never_reaches_another_host(fake_replicas):
+    """h11 (uvicorn's parser in a plain install, without httptools) takes any request target. One such as
+    ``%2F@HOST:PORT/x``, a path once decoded (so the catch-all route takes it), appended to the replica's URL
+    named another host: the router fetched it (SSRF: cloud metadata, a service behind the router) and
+    passed the answer back; with an Authorization header, a 500 and a request in flight forever."""
+    (_, a), _ = fake_replicas
+    internal = fake_replica("internal")  # a service on the router's network that is no replica
+    with Served(internal) as other, router_for(a.url, http="h11") as router:
+        body = json.dumps(chat("x")).encode()
+        for target in (f"%2F@127.0.0.1:{other.port}/v1/chat/completions", f"%2f@127.0.0.1:{other.port}"):
+            for auth in ((), ("Authorization: Bearer key",)):
+                status, answer = raw_request(router.port, f"POST {target} HTTP/1.1", *auth, body=body)
+                assert status == 400 and b"request target" in answer, (target, auth, status, answer)
+        assert internal.state.seen == []
+        assert router.server.config.app.state.pool.get(f"127.0.0.1:{a.port}").in_flight == 0
+        # an origin-form target is forwarded as it came, percent-encoding kept
+        status, answer = raw_request(router.port, "POST /v1/chat/completions?a=%2F@x HTTP/1.1", body=body)
+        assert status == 200 and json.loads(answer)["replica"] == "a"
+
+
+def holding_replica(received: threading.Event, gate: threading.Event) -> FastAPI:
+    """A replica that reads a chat body without keeping it, then answers once ``gate`` opens."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        size = sum([len(chunk) async for chunk in request.stream()])
+        received.set()
+        await asyncio.to_thread(gate.wait, 20)
+        return JSONResponse({"bytes": size})
+
+    return app
+
+
+def test_the_router_keeps_no_parsed_body_while_the_replica_answers():
+    """A body of many short strings parses to ten times its size. The router held that parsed body until
+    the replica's answer was whole, minutes for a long non-streaming generation (this 6 MB body: 68 MB held;
+    a few dozen such requests, gigabytes). It keeps only the bytes it forwards."""
+    raw = json.dumps({**chat("hi"), "x": ["ab"] * 1_000_000})
+    received, gate = threading.Event(), threading.Event()
+    answers = []
+    tracemalloc.start()
+    try:
+        with Served(holding_replica(received, gate)) as replica, router_for(replica.url) as router:
+            before = tracemalloc.get_traced_memory()[0]
+            post = threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{router.url}{CHAT}", content=raw, timeout=30))
+            )
+            post.start()
+            assert received.wait(20)
+            held = tracemalloc.get_traced_memory()[0] - before  # while the replica works on it
+            gate.set()
+            post.join(30)
+    finally:
+        gate.set()
+        tracemalloc.stop()
+    assert answers[0].json() == {"bytes": len(raw)}
+    assert held < 4 * len(raw), f"{held >> 20} MiB held for a {len(raw) >> 20} MiB body"
+
+
+def test_a_long_event_is_cut_in_linear_time():
+    """An event can arrive in many reads (a streamed completion with ``echo`` carries its whole prompt in
+    its first event: megabytes). Each read was appended to the bytes pending and all of them searched again:
+    a 32 MB event in 64 KB reads held the router's event loop for 6.8 s, and every other stream with it."""
+
+    async def cut(stream: bytes, read_bytes: int) -> list[bytes]:
+        async def reads():
+            for i in range(0, len(stream), read_bytes):
+                yield stream[i : i + read_bytes]
+
+        return [event async for event in whole_events(reads(), "r", pytest.fail)]
+
+    long_event = b"data: " + b"x" * (32 << 20) + b"\n\n"
+    started = time.perf_counter()
+    assert asyncio.run(cut(long_event, 1 << 16)) == [long_event]
+    assert time.perf_counter() - started < 1.5
+    # an event's end split between two reads is still found
+    assert b"".join(asyncio.run(cut(b"data: 1\n\ndata: 2\n\n", 1))) == b"data: 1\n\ndata: 2\n\n"
+    assert asyncio.run(cut(b"data: 1\n\ndata: 2\n\n", 8)) == [b"data: 1\n\n", b"data: 2\n\n"]
 
 
 def test_dns_discovery_finds_replicas(fake_replicas):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -150,7 +151,10 @@ def _completion_prefix(prompt: Any, prefix_chars: int) -> list[str]:
 def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
-    return "" if value is None else repr(value)[:64]
+    # reprlib stops at 6 levels and a few items: a plain repr of a body's "model": [[[...]]] as deep as the
+    # parser took in a worker thread raised RecursionError on the event loop's deeper stack, and of a 60 MB
+    # list took 1.4 s there
+    return "" if value is None else reprlib.repr(value)[:64]
 
 
 def _json_digest(value: Any) -> str:

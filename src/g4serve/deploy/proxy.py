@@ -74,6 +74,10 @@ class RouterProxy:
             await self.session.close()
 
     async def forward(self, request: Request) -> Response:
+        target = origin_form_target(request)
+        if target is None:
+            self.metrics.observe_refused(400)
+            return error_response(400, "request target: expected a path starting with /")
         body = await read_body(request, self.config.max_request_body_bytes)
         if body is None:
             self.metrics.observe_refused(413)
@@ -86,7 +90,7 @@ class RouterProxy:
             replica = self.pool.get(name)
             if replica is None or not replica.healthy:  # gone since placing (a health check ran)
                 continue
-            response = await self._try(replica, request, body.raw)
+            response = await self._try(replica, request, target, body.raw)
             if response is not None:
                 self.metrics.observe_request(
                     name, key.kind, placement_label(key.routed, name, placement.home)
@@ -99,15 +103,12 @@ class RouterProxy:
             503, "no healthy replica to serve the request; retry later", {"Retry-After": "1"}
         )
 
-    async def _try(self, replica: Replica, request: Request, body: bytes) -> Response | None:
+    async def _try(self, replica: Replica, request: Request, target: str, body: bytes) -> Response | None:
         """The relayed answer, or None when the replica refused the connection (marked unhealthy)."""
-        url = replica.url + request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
-        if request.url.query:
-            url += "?" + request.url.query
         replica.in_flight += 1
         sent = self.session.request(
             request.method,
-            url,
+            replica.url + target,
             headers=forwardable(request.headers.items()),
             data=body,
             allow_redirects=False,
@@ -153,6 +154,17 @@ class RouterProxy:
         healthy = sum(r.healthy for r in members)
         body = {"status": "ok" if healthy else "unavailable", "replicas": len(members), "healthy": healthy}
         return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+def origin_form_target(request: Request) -> str | None:
+    """The request's path and query as the client sent them, or None for a target that is no path. uvicorn's
+    h11 parser passes any target: ``%2F@10.0.0.9/x`` (``/@10.0.0.9/x`` decoded, so routed here) after the
+    replica's ``http://HOST:PORT`` would name another host, which the router would fetch (SSRF)."""
+    path = request.scope.get("raw_path") or request.url.path.encode()
+    if not path.startswith(b"/"):
+        return None
+    query = request.scope.get("query_string", b"")
+    return (path + b"?" + query if query else path).decode("latin-1")
 
 
 def build_router_app(config: RouterConfig) -> FastAPI:

@@ -48,8 +48,8 @@ log = logging.getLogger("g4serve.router")
 
 AFFINITY_KWARG = "affinity"  # the handle call's keyword argument that carries the request's AffinityKey
 APP_NAME = "g4serve"
-# A request pinned to a replica (X-G4Serve-Replica) that never shows up fails after this, rather than wait
-# in Ray's routing loop for good.
+# A request pinned to a replica (X-G4Serve-Replica) that has no room fails after this, rather than wait in
+# Ray's routing loop for good (a pin naming no replica is answered at once: AffinityRequestRouter).
 PINNED_WAIT_S = 10.0
 
 
@@ -83,7 +83,13 @@ class AffinityRequestRouter(RequestRouter):
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {name: cache.get(replica.replica_id) or 0 for name, replica in by_name.items()}
-        placement = place(_affinity_of(pending_request), loads, self._bound)
+        key = _affinity_of(pending_request)
+        if key.kind == "replica" and key.value not in loads:
+            # A pin naming no running replica (any client can send one): Ray retries an empty ranking in a
+            # routing task of its own (two per replica) even after the ingress gave up, so eight such requests
+            # stalled every later request for good. The least loaded replica takes it and answers the 503.
+            key = NO_KEY
+        placement = place(key, loads, self._bound)
         return [[by_name[name]] for name in placement.order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
@@ -115,7 +121,11 @@ class EngineReplica:
         self, request: ForwardedRequest, affinity: AffinityKey = NO_KEY
     ) -> AsyncIterator[Message]:
         """The app's response messages; the first (``http.response.start``) also names this replica."""
-        async for message in call_app(self.app, request):
+        app = self.app
+        if affinity.kind == "replica" and affinity.value != self.name:  # placed here as having no key
+            refusal = f"replica {affinity.value} (X-G4Serve-Replica) is not a running replica"
+            app = error_response(503, refusal)
+        async for message in call_app(app, request):
             if message["type"] == "http.response.start":
                 message = {**message, "replica": self.name}
             yield message
