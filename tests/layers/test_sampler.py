@@ -183,6 +183,29 @@ def test_penalties_count_repeated_tokens_per_row():
     assert b.output_counts[0, 7] == 3 and b.output_counts[2, 3] == 2
 
 
+def test_penalties_read_only_the_penalised_rows_tokens():
+    """One request with a penalty made every step build the counts and prompt mask from all rows' tokens: 64
+    rows of 32k-token prompts cost 289 ms a step on the 2-core CPU (35 without the other rows' tokens, 0.5
+    without the penalty), for every request beside it. Rows without penalties are not penalised whatever
+    their counts, so their tokens are not read."""
+    from g4serve.layers.sampler import _apply_penalties
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, VOCAB, generator=gen) * 4
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0),
+    ]
+    prompts = [list(range(200)), [1, 2, 9], list(range(300, 500))]
+    outputs = [[4, 4, 8], [7, 7, 9], [11]]
+    b = SamplingBatch.build(params, [None] * 3, VOCAB, "cpu", output_tokens=outputs, prompt_tokens=prompts)
+    assert not b.prompt_mask[[0, 2]].any() and not b.output_counts[[0, 2]].any()
+    alone = SamplingBatch.build(params[1:2], [None], VOCAB, "cpu", outputs[1:2], prompts[1:2])
+    torch.testing.assert_close(_apply_penalties(logits, b)[1], _apply_penalties(logits[1:2], alone)[0])
+    torch.testing.assert_close(_apply_penalties(logits, b)[[0, 2]], logits[[0, 2]])
+
+
 def test_logit_bias_shifts_only_its_rows_tokens():
     """OpenAI's logit_bias: +100 all but forces a token, -100 bans one; rows without a bias are untouched,
     greedy or sampled."""

@@ -357,3 +357,47 @@ def test_responses_input_fields_of_the_wrong_type_are_400s(server):
         r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
         assert r.status_code == 400, r.text
     server.wait_idle()
+
+
+LONG = "x" * 100_000
+ECHOES = [
+    ("/v1/chat/completions", _chat(model=LONG), 404, "model"),
+    ("/v1/completions", {"model": LONG, "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", _chat(messages=[{"role": LONG, "content": "x"}]), 400, "messages[0].role"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": LONG}]}]), 400, None),
+    ("/v1/chat/completions", _chat(response_format={"type": LONG}), 400, "response_format.type"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_object", LONG: 1}), 400, None),
+    (
+        "/v1/chat/completions",
+        _chat(response_format={"type": "grammar", "grammar": "root ::= " + LONG}),
+        400,
+        None,
+    ),
+    ("/v1/responses", {"model": "tiny", "input": "hi", LONG: 1}, 400, None),
+]
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    ECHOES,
+    ids=[
+        "chat-model",
+        "completion-model",
+        "role",
+        "part-type",
+        "format-type",
+        "format-key",
+        "grammar",
+        "responses-key",
+    ],
+)
+def test_errors_do_not_echo_a_long_input_back(server, path, body, status, param):
+    """A model name, role, format type or unknown field of 100 KB came back whole in the error (an unknown
+    key twice: in the message and as ``param``), so a 4 MB body made a 4-8 MB answer. The message and
+    ``param`` are cut; the error still starts with the field."""
+    r = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text[:300]
+    assert len(r.content) < 2000
+    if param is not None:
+        assert _error(r)["param"] == param
+        assert _error(r)["message"].startswith(param)

@@ -34,6 +34,11 @@ _OBJECT_REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{6,
 # JSON bodies nest at most this deep (a chat request with media parts is about 6; a JSON schema rarely 20):
 # deeper structures are refused before any code recurses into them.
 MAX_JSON_DEPTH = 64
+# An error may quote the client's text (a model name, an unknown field, a format type): its message and
+# ``param`` are cut to these lengths, so a 4 MB field never comes back as a 4 MB (or, message and param, 8 MB)
+# answer.
+MAX_ERROR_MESSAGE_CHARS = 1024
+MAX_ERROR_PARAM_CHARS = 256
 
 
 class APIError(Exception):
@@ -56,9 +61,14 @@ def param_of(message: str) -> str | None:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    message = _OBJECT_REPR.sub("<object>", message)
+    message = _cut(_OBJECT_REPR.sub("<object>", message), MAX_ERROR_MESSAGE_CHARS)
+    param = None if param is None else _cut(param, MAX_ERROR_PARAM_CHARS)
     error = {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}
     return {"error": error}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def error_response(
