@@ -233,3 +233,41 @@ def test_keywords_xgrammar_would_drop_are_refused(schema, where):
         StructuredSpec.json_schema(schema)
     StructuredSpec.json_schema({"type": "integer", "multipleOf": 1024})
     StructuredSpec.json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}})
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: StructuredSpec.json_schema({"type": "array", "items": {"const": "x"}, "minItems": 100_000}),
+        lambda: StructuredSpec.regex("(a{1000}){1000}"),
+        lambda: StructuredSpec.grammar('root ::= "a"{100000000}'),
+        # each rule doubles the one before: 2^21 characters from 20 short lines
+        lambda: StructuredSpec.grammar(
+            "\n".join(["root ::= r20", *(f"r{i} ::= r{i - 1} r{i - 1}" for i in range(1, 21)), 'r0 ::= "ab"'])
+        ),
+        lambda: StructuredSpec.choice(["x" * 9000]),
+    ],
+)
+def test_specs_that_force_megabytes_of_text_are_refused(make):
+    """xgrammar computes the forced text (jump-forward, the closing planner) on the engine thread with no
+    limit, in time that grows with its square: a 100,000-item const array held it 5 minutes and 23 GB, and
+    ``"a"{100000000}`` ran the server out of memory."""
+    with pytest.raises(StructuredOutputError, match=r"forces up to \d+ characters of fixed text"):
+        make()
+
+
+def test_long_free_text_and_many_required_names_stay_allowed():
+    """The bound counts fixed text only: characters the model chooses, and fixed pieces between them, pass."""
+    from g4serve.structured.forced import MAX_FORCED_CHARS, forced_text_bound
+
+    StructuredSpec.json_schema({"type": "string", "minLength": 50_000})
+    StructuredSpec.regex("[a-z]{20000}")
+    names = [f"field_{i:019d}" for i in range(200)]
+    StructuredSpec.json_schema(
+        {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names}
+    )
+    StructuredSpec.json_schema({"type": "array", "items": {"const": "x"}, "minItems": 1000})
+    StructuredSpec.grammar('root ::= "(" root ")" | "x"')  # recursion adds nothing at its reference
+    assert forced_text_bound('root ::= (("ab" [a-z]* "c"{3} r?))\nr ::= (("zz"))') == 5
+    assert forced_text_bound('root ::= (("a") | ("bcd"{2, 5}) (=("e")))') == 6
+    assert MAX_FORCED_CHARS == 8192

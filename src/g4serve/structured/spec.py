@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from g4serve.structured.forced import MAX_FORCED_CHARS, forced_text_bound
+
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 18  # schemas, patterns and grammars longer than this are refused (compile cost)
 MAX_CHOICES = 4096
@@ -346,7 +348,19 @@ JSON_FORMAT = {"any_whitespace": False}
 
 
 def build_grammar(spec: StructuredSpec):
-    """The spec's ``xgrammar.Grammar`` (tokenizer-independent; raises StructuredOutputError)."""
+    """The spec's ``xgrammar.Grammar`` (tokenizer-independent; raises StructuredOutputError), refused where it
+    could force more text at once than ``forced.MAX_FORCED_CHARS``."""
+    grammar = _xgrammar_of(spec)
+    bound = forced_text_bound(str(grammar))
+    if bound > MAX_FORCED_CHARS:
+        raise StructuredOutputError(
+            f"{spec.field}: forces up to {bound} characters of fixed text (at most {MAX_FORCED_CHARS}): "
+            "lower its repetition counts (minItems, minLength of fixed text, {n} in a regex or grammar)"
+        )
+    return grammar
+
+
+def _xgrammar_of(spec: StructuredSpec):
     import xgrammar as xgr
 
     try:
