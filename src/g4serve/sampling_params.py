@@ -33,6 +33,12 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
 
+def check_logit_bias_size(bias: dict) -> None:
+    """SamplingParamsError past ``MAX_LOGIT_BIAS_ENTRIES`` tokens (before anything walks the keys)."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingParamsError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -189,8 +195,7 @@ class SamplingParams:
             return
         if not isinstance(bias, dict):
             raise SamplingParamsError(f"logit_bias: must map token ids to numbers, got {type(bias).__name__}")
-        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise SamplingParamsError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}")
+        check_logit_bias_size(bias)
         for token, value in bias.items():
             if not (_is_int(token) and 0 <= token <= MAX_INT_PARAM):
                 raise SamplingParamsError(f"logit_bias: keys must be token ids, got {str(token)[:40]!r}")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from g4serve.sampling_params import SamplingParams, SamplingParamsError
+from g4serve.sampling_params import SamplingParams, SamplingParamsError, check_logit_bias_size
 
 Number = float  # strict mode: ints and floats pass, strings and booleans do not
 
@@ -86,7 +86,9 @@ class _SamplingFields(_Request):
 
 
 def _token_keys(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias keys are token ids written as strings ("50256")."""
+    """OpenAI's logit_bias keys are token ids written as strings ("50256"). The count is checked first: 3
+    million keys were parsed here before SamplingParams refused them (0.8 s of the event loop)."""
+    check_logit_bias_size(bias)
     out = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10):
