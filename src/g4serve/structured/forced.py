@@ -36,7 +36,9 @@ def _rules(text: str) -> dict[str, list[tuple[str, str]]]:
         name, sep, body = line.partition(" ::= ")
         if sep:
             rules[name.strip()] = [
-                (m.lastgroup, m[0]) for m in _TOKEN.finditer(body) if m.lastgroup is not None
+                (m.lastgroup, m["lo"] if m.lastgroup == "rep" else m[0])  # a repetition: its lower bound
+                for m in _TOKEN.finditer(body)
+                if m.lastgroup is not None
             ]
     return rules
 
@@ -59,7 +61,7 @@ def _body_value(tokens: list[tuple[str, str]], value_of: dict[str, int]) -> int:
         elif kind == "bar":
             best, current, last = max(best, current), 0, 0
         elif kind == "rep":  # {n, m}: n times in all
-            current += last * (int(re.search(r"\d+", text)[0]) - 1)
+            current += last * (int(text) - 1)
         elif kind == "post":  # * and ? may match nothing; + at least once
             current -= last if text in "*?" else 0
         else:
