@@ -220,15 +220,11 @@ def run_case(preset: str, quantization: str, cap: int, s: dict, args, device: st
     shipped = fp8_matmul.MAX_SPLIT_K
     fp8_matmul.MAX_SPLIT_K = cap or shipped
     try:
-        us = {
-            name: per_item_us(calls, per_item, args, device)
-            for name, (calls, per_item) in build_items(s, quantization, args, device, dtype).items()
-        }
+        items = build_items(s, quantization, args, device, dtype)
+        us = {name: per_item_us(calls, per_item, args, device) for name, (calls, per_item) in items.items()}
         traces = {}
-        if device == "cuda" and args.trace:
-            items = build_items(s, quantization, args, device, dtype)
-            for name in args.trace:
-                traces[name] = kernel_timeline(items[name][0])
+        if device == "cuda" and args.trace:  # the same weight copies (256 MB a projection) as timed
+            traces = {name: kernel_timeline(items[name][0]) for name in args.trace}
     finally:
         fp8_matmul.MAX_SPLIT_K = shipped
     after = {name[len("o_proj+") :]: t - us["o_proj"] for name, t in us.items() if name.startswith("o_proj+")}
