@@ -15,7 +15,12 @@ input of the same kind:
   list set past validation), against the 64 the bound lets in;
 - a forced tool call's grammar, built on the event loop (``check_tools`` + ``forced_call_grammar``), from
   20,000 tools (a 1 MB body) and from one tool of 100,000 properties, against 8 tools of 8 properties;
-- the model's chat template over 2,000 and 10,000 one-word messages (``Tokenizer.apply_chat_template``).
+- the model's chat template over 2,000 and 10,000 one-word messages (``Tokenizer.apply_chat_template``);
+- the text a grammar forces (xgrammar's ``find_jump_forward_string``, on the engine thread) for arrays of
+  1,000 / 2,000 / 4,000 copies of one ``const`` (~5,000 / 10,000 / 20,000 characters), and the refusal of a
+  100,000-copy array (``StructuredSpec.json_schema``);
+- one step's sampling batch (``SamplingBatch.build``) of 64 rows with 32,768-token prompts, one of them
+  penalised (only that row's tokens are read), against none.
 
 Writes JSON with the machine, commit and command.
 
@@ -40,10 +45,12 @@ import soundfile
 
 from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.layers.sampler import SamplingBatch
 from g4serve.processing.audio import load_audio
 from g4serve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from g4serve.server.errors import APIError, parse_json_object
 from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
+from g4serve.structured import StructuredSpec
 
 
 def wav_claiming(rate: int, num_bytes: int = 64_000) -> bytes:
@@ -107,6 +114,37 @@ def _tool_cases() -> dict[str, list[dict]]:
     }
 
 
+def _forced_text_cases() -> dict[str, Callable[[], object]]:
+    """xgrammar's forced text from the start of a const array, on a tokenizer of ASCII characters."""
+    import xgrammar as xgr
+
+    tokens = [chr(c) for c in range(32, 127)] + ["<eos>"]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(tokens, stop_token_ids=[len(tokens) - 1]), max_threads=1)
+    cases = {}
+    for count in (1_000, 2_000, 4_000):
+        schema = json.dumps({"type": "array", "items": {"const": "x"}, "minItems": count})
+        compiled = compiler.compile_grammar(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+        cases[f"forced_text, const array of {count}"] = lambda c=compiled: xgr.GrammarMatcher(
+            c
+        ).find_jump_forward_string()
+    huge = {"type": "array", "items": {"const": "x"}, "minItems": 100_000}
+    cases["forced_text, const array of 100000 (StructuredSpec)"] = lambda: StructuredSpec.json_schema(huge)
+    return cases
+
+
+def _penalty_cases() -> dict[str, Callable[[], object]]:
+    """One step's sampling batch: 64 rows of 32,768-token prompts, one penalised or none."""
+    prompts = [list(range(32_768)) for _ in range(64)]
+    outputs = [[1, 2, 3] for _ in range(64)]
+    cases = {}
+    for label, first in (("one row penalised", SamplingParams(repetition_penalty=1.2)), ("none", None)):
+        params = [first or SamplingParams()] + [SamplingParams() for _ in range(63)]
+        cases[f"penalties, 64 x 32768-token prompts, {label}"] = lambda p=params: SamplingBatch.build(
+            p, [0] * 64, 262_144, "cpu", outputs, prompts
+        )
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
@@ -147,6 +185,7 @@ def main() -> None:
     for count in (2_000, 10_000):
         turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(count)]
         cases[f"chat template, {count} messages"] = lambda t=turns: engine.tokenizer.apply_chat_template(t)
+    cases |= _forced_text_cases() | _penalty_cases()
     if args.only is not None:
         cases = {name: call for name, call in cases.items() if any(part in name for part in args.only)}
     results = {name: measure(call, args.reps) for name, call in cases.items()}

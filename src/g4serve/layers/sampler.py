@@ -122,8 +122,9 @@ class SamplingBatch:
             batch.presence_penalty = packed[:, 8].float()
             batch.frequency_penalty = packed[:, 9].float()
             # Only the penalised rows' tokens: the other rows are not penalised whatever their counts, and
-            # walking their prompts at every step (64 rows of 32k tokens: 289 ms a step on the 2-core CPU, 35
-            # without them) would make one request's penalty every other request's cost.
+            # walking their prompts at every step (64 rows of 32k tokens, one penalised: 305 ms a step on the
+            # 2-core CPU, 27 without them; bench/hostile_inputs.py) would make one request's penalty every
+            # other request's cost.
             penalised = [p.has_penalties for p in params]
             batch.output_counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
             rows, ids = _row_token_pairs(output_tokens or [], device, penalised)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 
-# 8,192 forced characters cost xgrammar ~0.2 s at worst (an array of one const, measured on the CPU of CI);
+# 8,192 forced characters cost xgrammar ~0.2 s at worst (an array of one const: 52 ms for ~5,000, 243 ms
+# for ~10,000 on the 2-core development CPU, bench/hostile_inputs.py, docs/benchmarks.md);
 # a schema with 200 required 25-character names has ~5,000 literal characters.
 MAX_FORCED_CHARS = 8192
 
