@@ -295,6 +295,24 @@ def test_what_cannot_fit_is_refused_or_runs_alone(tiny_model_dir):
     assert_pools_free(tight)
 
 
+def test_a_priority_is_honoured_only_where_the_operator_turned_it_on(engine, tiny_model_dir):
+    """Under fcfs (the default) a priority would let any client jump the queue and pick who is preempted:
+    it is refused, not silently ignored; under scheduling_policy="priority" it orders the queue."""
+    processed = engine.process_prompt(_user("balance"))
+    with pytest.raises(ValueError, match=r"^priority: -1 is not honoured"):
+        engine.make_request("jump", processed, GREEDY, priority=-1)
+    assert engine.make_request("plain", processed, GREEDY, priority=0).priority == 0
+    ordered = make_engine(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1)
+    for rid, priority in (("late", 3), ("urgent", -2), ("plain", 0)):
+        ordered.add_request(ordered.make_request(rid, ordered.process_prompt(_user(rid)), GREEDY, priority))
+    ordered.step()
+    assert [r.request_id for r in ordered.scheduler.running] == ["urgent"]
+    with pytest.raises(ValueError, match=r"^priority: must be in"):
+        ordered.make_request("huge", processed, GREEDY, priority=2**63)
+    ordered.run_until_finished()
+    assert_pools_free(ordered)
+
+
 def test_the_engine_profiles_its_steps(tiny_model_dir):
     """``LLMEngine.profile``: the phases of ``step`` charged, the async loop's own (commands, publish) not
     without it, and their sum within the wall time."""

@@ -17,7 +17,7 @@ from g4serve.config import FULL, SLIDING, preset
 from g4serve.engine.config import EngineConfig
 from g4serve.engine.kv_cache import KVCacheManager
 from g4serve.engine.request import Request, RequestStatus
-from g4serve.engine.scheduler import ScheduledBatch, Scheduler
+from g4serve.engine.scheduler import ORDER_KEYS, ScheduledBatch, Scheduler
 from g4serve.processing.tiny_tokenizer import build_tiny_tokenizer, tokenizer_config
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
@@ -133,11 +133,19 @@ def test_waiting_requests_are_admitted_in_arrival_order():
 
 
 def test_priority_value_goes_before_arrival():
-    h = Harness(max_num_seqs=1)
+    h = Harness(max_num_seqs=1, scheduling_policy="priority")
     early, urgent = request("early", 3, arrival=1.0), request("urgent", 3, arrival=2.0, priority=-1)
     h.add(early, urgent)
     assert ids(h.schedule().requests) == ["urgent"]
     assert ids(h.scheduler.waiting) == ["early"]
+
+
+def test_fcfs_orders_by_arrival_alone():
+    h = Harness(max_num_seqs=1)  # the default policy: a priority value orders nothing
+    early, urgent = request("early", 3, arrival=1.0), request("urgent", 3, arrival=2.0, priority=-1)
+    h.add(urgent, early)
+    assert ids(h.schedule().requests) == ["early"]
+    assert ids(h.scheduler.waiting) == ["urgent"]
 
 
 def test_max_num_seqs_caps_running_requests():
@@ -259,7 +267,7 @@ def test_admission_stops_at_the_first_request_that_does_not_fit():
 def preemption_setup(**priorities: int) -> tuple[Harness, list[Request]]:
     """Three 7-token requests filling a 6-block full pool (2 blocks each); the step after next needs a
     3rd block each."""
-    h = Harness(full=6)
+    h = Harness(full=6, scheduling_policy="priority")
     reqs = [
         request(rid, 7, arrival=float(i), max_tokens=3, priority=priorities.get(rid, 0))
         for i, rid in enumerate("abc")
@@ -300,6 +308,14 @@ def test_preemption_victim_is_the_lowest_priority_not_the_latest():
     batch = h.schedule()
     assert ids(batch.preempted) == ["a"]
     assert ids(batch.requests) == ["b", "c"]
+
+
+def test_fcfs_preempts_the_latest_whatever_its_priority_value():
+    h, (a, b, c) = preemption_setup(a=5)
+    h.scheduler.priority = ORDER_KEYS["fcfs"]
+    batch = h.schedule()
+    assert ids(batch.preempted) == ["c"]
+    assert ids(batch.requests) == ["a", "b"]
 
 
 def test_request_that_cannot_fit_alone_is_preempted_not_looped():

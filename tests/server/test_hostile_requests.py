@@ -411,3 +411,33 @@ def test_logit_bias_past_its_count_is_refused_before_its_keys_are_read():
     bias = {"not-a-token": 1.0} | {str(i): 1.0 for i in range(2000)}
     with pytest.raises(protocol.SamplingParamsError, match="logit_bias: at most 1024 tokens, got 2001"):
         protocol._token_keys(bias)
+
+
+def test_a_priority_is_refused_where_it_is_not_honoured(server):
+    """The default scheduling is first come, first served: a client that asks to go first (and so to pick
+    who is preempted) gets a 400 naming the field, not a silent reorder of everyone else's requests."""
+    long, bad = _beside_long_requests(server, [_chat(priority=-5), _chat(priority=2**70), _chat(priority=0)])
+    _assert_unharmed(long)
+    assert [r.status_code for r in bad] == [400, 400, 200]
+    assert all(_error(r)["param"] == "priority" for r in bad[:2])
+    assert "first come, first served" in _error(bad[0])["message"]
+
+
+BUDGET_ERRORS = [
+    ("/v1/chat/completions", _chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
+    ("/v1/chat/completions", _chat(max_tokens=None, max_completion_tokens=10**6), "max_completion_tokens"),
+    ("/v1/chat/completions", _chat(max_tokens=None, max_completion_tokens=2, min_tokens=5), "min_tokens"),
+    ("/v1/chat/completions", _chat(max_tokens=10**6), "max_tokens"),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BUDGET_ERRORS, ids=[f"{p[4:]}-{w}" for p, _, w in BUDGET_ERRORS])
+def test_budget_errors_name_the_field_the_client_sent(server, path, body, param):
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = _error(r)
+    assert error["param"] == param
+    sent = next(k for k in ("max_completion_tokens", "max_output_tokens", "max_tokens") if body.get(k) is not None)
+    assert sent in error["message"]
+    assert sent == "max_tokens" or "max_tokens" not in error["message"].replace(sent, "")

@@ -17,6 +17,7 @@ from g4serve.quant_config import QUANTIZATION_PRESETS
 MODALITIES = ("image", "video", "audio")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers.attention.BACKENDS, plus auto
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3 (engine.kv_cache.tensors)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names (engine.scheduler.ORDER_KEYS)
 
 
 def _opt(default: Any = None, help: str = "", **meta: Any) -> Any:
@@ -48,6 +49,15 @@ class EngineConfig:
     )
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "sequences in one step")
+    # A request's ``priority`` orders the queue and picks who is preempted, so honouring it lets any client
+    # jump the queue and evict everyone else's KV: only an operator who trusts its clients turns it on
+    # (vLLM's flag and names). Under fcfs a request that sets one is refused rather than silently reordered.
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "fcfs: requests run in arrival order and one that sets a priority is refused (400); priority: "
+        "a request's priority (lower first, then arrival) orders admission and picks preemption victims",
+        choices=SCHEDULING_POLICIES,
+    )
     # None: default_token_budget of the device's type, resolved at construction.
     max_num_batched_tokens: int | None = _opt(
         None,

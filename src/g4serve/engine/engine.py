@@ -83,6 +83,8 @@ log = logging.getLogger("g4serve.engine")
 # The steps' CUDA stream priority beside side-stream encodes: the highest there is (torch maps a number past
 # the device's range to its end; lower is higher, the default stream's 0 is the lowest).
 STEP_STREAM_PRIORITY = -100
+# A request's priority value (scheduling_policy="priority"), either sign.
+MAX_PRIORITY = 2**31 - 1
 
 
 class InflightStep:
@@ -495,6 +497,7 @@ class LLMEngine:
         """Check a request and build it (not yet queued). ``lora_name``: a loaded adapter to run it with."""
         if lora_name is not None and (self.lora is None or lora_name not in self.lora):
             raise ValueError(f"model: no LoRA adapter named '{lora_name}' is loaded")
+        self._check_priority(priority)
         n_prompt = len(processed.token_ids)
         if n_prompt == 0:
             raise ValueError("prompt: is empty")
@@ -533,6 +536,17 @@ class LLMEngine:
             lora_name=lora_name,
             **kwargs,
         )
+
+    def _check_priority(self, priority: int) -> None:
+        """Under ``fcfs`` a priority is refused, not ignored: a client that asked to go first learns it
+        does not. The bound keeps the sort key a machine integer (Python's are unbounded)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority: {priority} is not honoured: this server schedules first come, first served "
+                "(start it with --scheduling-policy priority to order requests by priority)"
+            )
+        if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority: must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority}")
 
     def _check_fits(self, processed: ProcessedPrompt, params: SamplingParams) -> None:
         """Refuse what could never be scheduled, instead of letting it wait forever at the queue's head."""

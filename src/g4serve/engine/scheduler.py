@@ -2,12 +2,13 @@
 
 Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``). Running requests go first, decodes before partial prefills; then waiting
-requests are admitted (FCFS, or by a priority hook) with chunked prefill. With
+requests are admitted (in arrival order, or by priority then arrival with ``scheduling_policy="priority"``)
+with chunked prefill. With
 ``max_prefill_tokens_beside_decodes``, a step that holds decodes gives prefill chunks at most that
 many tokens (the decodes' step time stays bounded); a step without decodes gives them the whole
 budget. ``max_encoder_tokens_beside_decodes`` bounds the step's media encodes the same way: a video
 encodes the frames that fit (at least one a step) and its prefill follows the frames already
-encoded. When the KV pools run out, the lowest-priority running request is preempted (its blocks
+encoded. When the KV pools run out, the last running request in that order is preempted (its blocks
 freed, recomputed later); nothing crashes. A chunk never splits a bidirectional image span, and
 never starts on media whose encoder output is neither cached nor affordable this step. With async
 scheduling a request's last sampled token may still be on the device: it counts as a token to
@@ -67,9 +68,18 @@ class EncoderBudget:
         self.full, self.left, self.split = cap, max(0, cap - used), True
 
 
-def fcfs_priority(request: Request) -> tuple:
-    """Lower sorts first: the request's priority value, then arrival time."""
+def by_arrival(request: Request) -> tuple:
+    """``fcfs``: lower sorts first, arrival time alone."""
+    return (request.arrival_time,)
+
+
+def by_priority(request: Request) -> tuple:
+    """``priority``: lower sorts first, the request's priority value, then arrival time."""
     return (request.priority, request.arrival_time)
+
+
+# EngineConfig.scheduling_policy -> the order key.
+ORDER_KEYS: dict[str, Callable[[Request], tuple]] = {"fcfs": by_arrival, "priority": by_priority}
 
 
 class Scheduler:
@@ -78,13 +88,14 @@ class Scheduler:
         config: EngineConfig,
         kv: KVCacheManager,
         encoder_cached: Callable[[str], bool],
-        priority: Callable[[Request], tuple] = fcfs_priority,
+        priority: Callable[[Request], tuple] | None = None,
         encoder_in_flight: Callable[[str], bool] = lambda digest: False,
         bidirectional_spans: bool = False,
         encoder_frames_done: Callable[[str], int] = lambda digest: 0,
     ):
         """``config``: the step's limits (``max_num_seqs``, ``max_num_batched_tokens``,
-        ``encoder_token_budget``, ``enable_chunked_prefill``, ``overlap_encoder``). ``bidirectional_spans``:
+        ``encoder_token_budget``, ``enable_chunked_prefill``, ``overlap_encoder``, ``scheduling_policy``).
+        ``priority``: the order key (lower first), by default ``scheduling_policy``'s. ``bidirectional_spans``:
         the model attends bidirectionally inside images, so a chunk never splits one. With
         ``overlap_encoder`` media are encoded ahead, off the step (``EncoderRunner.start``): a chunk stops
         before media whose soft tokens are not cached yet, and the encodes it asks for run while other
@@ -96,7 +107,7 @@ class Scheduler:
         self.encoder_cached = encoder_cached
         self.encoder_in_flight = encoder_in_flight
         self.encoder_frames_done = encoder_frames_done
-        self.priority = priority
+        self.priority = priority or ORDER_KEYS[config.scheduling_policy]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0

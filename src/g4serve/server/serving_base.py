@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -30,6 +31,25 @@ from g4serve.server.streaming import Choice, accumulate
 
 if TYPE_CHECKING:
     from g4serve.engine.request import Request as EngineRequest
+
+
+# The parameters whose errors may name the engine's output budget, ``max_tokens``.
+_BUDGET_PARAMS = ("max_tokens", "min_tokens")
+
+
+@contextlib.contextmanager
+def budget_named(field: str | None) -> Iterator[None]:
+    """Errors about the output budget name the field the client sent (``field``: chat's
+    ``max_completion_tokens``, the Responses API's ``max_output_tokens``; None: it sent ``max_tokens`` or
+    none), not ``max_tokens``, the engine's and sampling parameters' name for it."""
+    try:
+        yield
+    except APIError as exc:
+        if field is None or exc.param not in _BUDGET_PARAMS:
+            raise
+        message = re.sub(r"\bmax_tokens\b", field, exc.message)
+        param = field if exc.param == "max_tokens" else exc.param
+        raise APIError(exc.status, message, param, exc.headers) from None
 
 
 class WaitingLimit:

@@ -28,7 +28,7 @@ from g4serve.server.errors import APIError, bad_request, parse_json_text
 from g4serve.server.gemma4_output import Gemma4OutputParser
 from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
 from g4serve.server.protocol import ChatCompletionRequest, usage
-from g4serve.server.serving_base import OpenAIServing
+from g4serve.server.serving_base import OpenAIServing, budget_named
 from g4serve.server.streaming import Choice, finish_fields, ranked, safe_logprob, sse, sse_events
 from g4serve.structured import StructuredOutputError, StructuredSpec
 from g4serve.structured.reasoning import reasoning_token_count, thought_markers
@@ -81,7 +81,9 @@ class OpenAIServingChat(OpenAIServing):
         thinking = self.thinking(req)
         with self.metrics.stage("render"):
             prompt = await self.render(req, messages, tools, thinking)
-        params = self.sampling_params(req, req.effective_max_tokens(), req.num_logprobs())
+        budget = "max_completion_tokens" if req.max_completion_tokens is not None else None
+        with budget_named(budget):
+            params = self.sampling_params(req, req.effective_max_tokens(), req.num_logprobs())
         params, count_reasoning = self.reasoning_plan(req, params, thinking)
         parse = bool(tools) or thinking or params.max_reasoning_tokens is not None
         if parse:  # the markers must reach the parser; it keeps every special token out of the answer
@@ -98,7 +100,9 @@ class OpenAIServingChat(OpenAIServing):
             {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.stream(await self.admit(processed, params, request_id, req.priority, model_name))
+        with budget_named(budget):
+            admitted = await self.admit(processed, params, request_id, req.priority, model_name)
+        streams = self.stream(admitted)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -30,7 +30,7 @@ from g4serve.server.gemma4_output import Gemma4OutputParser, ParsedDelta
 from g4serve.server.protocol import ChatCompletionRequest
 from g4serve.server.response_store import ResponseStore, StoredResponse
 from g4serve.server.responses_protocol import ResponsesRequest, input_messages, response_items
-from g4serve.server.serving_base import OpenAIServing, WaitingLimit, run_watching_client
+from g4serve.server.serving_base import OpenAIServing, WaitingLimit, budget_named, run_watching_client
 from g4serve.server.serving_chat import MAX_MESSAGES, OpenAIServingChat, _template_message, chat_logprobs
 
 log = logging.getLogger("g4serve.server")
@@ -196,7 +196,9 @@ class OpenAIServingResponses(OpenAIServing):
         chat_req = self._chat_request(req)
         tools, forced = self.chat.tool_plan(chat_req)
         thinking = self.chat.thinking(chat_req)
-        params = self.sampling_params(chat_req, req.max_output_tokens, req.num_logprobs())
+        budget = "max_output_tokens" if req.max_output_tokens is not None else None
+        with budget_named(budget):
+            params = self.sampling_params(chat_req, req.max_output_tokens, req.num_logprobs())
         # As in chat: with thinking on, a grammar (text.format, a forced call) waits for the thought to close.
         params, _ = self.chat.reasoning_plan(chat_req, params, thinking)
         # The markers must reach the parser; it keeps every special token out of the answer.
@@ -207,7 +209,8 @@ class OpenAIServingResponses(OpenAIServing):
         prompt = _Prompt(system, history, turn, chat_req, tools, thinking)
         processed = await self._fit(prompt, req)
         response_id = f"resp_{uuid.uuid4().hex}"
-        admitted = await self.admit(processed, params, response_id, 0, model_name)
+        with budget_named(budget):
+            admitted = await self.admit(processed, params, response_id, 0, model_name)
         if req.background:
             self._check_background_room()  # again: others may have started while this one was prepared
         streams = self.stream(admitted)

@@ -36,7 +36,7 @@ from g4serve.processing.audio_chunks import speech_chunk_bounds
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams
 from g4serve.server.errors import APIError
-from g4serve.server.serving_base import OpenAIServing
+from g4serve.server.serving_base import OpenAIServing, budget_named
 from g4serve.server.streaming import Choice, sse, sse_error
 
 if TYPE_CHECKING:
@@ -258,14 +258,8 @@ class OpenAIServingSpeech(OpenAIServing):
         for index, processed in enumerate(prompts):
             params = self.speech_params(req, processed)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
-            try:
+            with budget_named("max_completion_tokens"):  # this API's name for it, set or defaulted
                 admitted += await self.admit(processed, params, request_id, 0, req.model)
-            except APIError as exc:
-                if exc.param == "max_tokens":  # this API's name for it
-                    raise APIError(
-                        400, exc.message.replace("max_tokens", "max_completion_tokens"), None
-                    ) from None
-                raise
         return admitted
 
     def speech_params(self, req: SpeechRequest, processed: ProcessedPrompt) -> SamplingParams:
