@@ -344,3 +344,120 @@ def test_router_flags():
         router_config_from_args(
             build_parser().parse_args(["router", "--replica", "h:1", "--load-factor", "0.5"])
         )
+    assert config.max_buffered_body_bytes == 256 << 20 and config.request_body_timeout_s == 60.0
+    limits = "--max-buffered-body-bytes 1000 --max-request-body-bytes 500 --request-body-timeout 2".split()
+    config = router_config_from_args(build_parser().parse_args(["router", "--replica", "h:1", *limits]))
+    assert (config.max_buffered_body_bytes, config.request_body_timeout_s) == (1000, 2.0)
+    for bad, message in (
+        (["--max-buffered-body-bytes", "1000"], "a body at the cap"),
+        (["--request-body-timeout", "0"], "--request-body-timeout"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            router_config_from_args(build_parser().parse_args(["router", "--replica", "h:1", *bad]))
+
+
+def budget_held(router: Served) -> int:
+    return router.server.config.app.state.proxy.body_budget.held_bytes
+
+
+def test_bodies_past_the_routers_budget_get_a_503_at_once_and_the_budget_comes_back():
+    """Every body is read whole (to key it) and held while the replica answers. Under the per-request cap
+    alone, N clients each sending a body near the cap made the router hold N times the cap: one budget
+    bounds the bytes of bodies held at once over all requests."""
+    body = json.dumps(chat("x" * 40_000)).encode()
+    received, gate = threading.Event(), threading.Event()
+    answers = []
+    limits = {"max_request_body_bytes": 48 << 10, "max_buffered_body_bytes": 64 << 10}
+    try:
+        with Served(holding_replica(received, gate)) as replica, router_for(replica.url, **limits) as router:
+            first = threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{router.url}{CHAT}", content=body, timeout=30))
+            )
+            first.start()
+            assert received.wait(20)  # the first body is held while the replica works on it
+            with httpx.Client(base_url=router.url, timeout=5) as client:
+                refused = client.post(CHAT, content=body)  # its Content-Length is past what is left
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert "buffered request bodies" in refused.json()["error"]["message"]
+
+                def chunked():  # no Content-Length: refused once what arrived is past what is left
+                    yield from (body[i : i + 8192] for i in range(0, len(body), 8192))
+
+                assert client.post(CHAT, content=chunked()).status_code == 503
+                gate.set()
+                first.join(30)
+                assert answers[0].json() == {"bytes": len(body)}
+                wait_until(lambda: budget_held(router) == 0)
+                assert client.post(CHAT, content=body).json() == {"bytes": len(body)}
+                assert client.post(CHAT, content=chunked()).json() == {"bytes": len(body)}
+                assert budget_held(router) == 0
+    finally:
+        gate.set()
+
+
+def test_the_body_budget_comes_back_on_every_path(fake_replicas, monkeypatch):
+    (_, a), _ = fake_replicas
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    with router_for(
+        a.url, f"http://{dead}", health_interval_s=3600, max_request_body_bytes=1 << 20
+    ) as router:
+        proxy = router.server.config.app.state.proxy
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            assert client.post(CHAT, json=chat("ok")).status_code == 200
+            with client.stream("POST", CHAT, json=chat("s", stream=True)) as stream:
+                assert sse_data(stream.iter_lines())[-1] == "[DONE]"
+            with client.stream("POST", CHAT, json=chat("d", stream=True, die_after=0)) as dying:
+                assert "error" in sse_data(dying.iter_lines())[-2]
+            assert client.post(CHAT, json=chat("x", die_after=0)).status_code == 502  # the replica failed
+            pool = router.server.config.app.state.pool
+            pool.mark(dead, True)
+            pinned = client.post(CHAT, json=chat("x"), headers={"X-G4Serve-Replica": dead})
+            assert pinned.status_code == 503  # refused connection, nowhere else to go
+            assert client.post(CHAT, content=b"x" * ((1 << 20) + 1)).status_code == 413
+            with pytest.raises(httpx.ReadTimeout):  # the client leaves while the replica works
+                client.post(CHAT, json=chat("x", slow=True), timeout=0.3)
+            wait_until(lambda: budget_held(router) == 0)
+            with monkeypatch.context() as patched:  # the router's own failure: a 500, the budget still back
+
+                async def broken(*args):
+                    raise RuntimeError("router bug (test)")
+
+                patched.setattr(proxy, "_try", broken)
+                assert client.post(CHAT, json=chat("x")).status_code == 500
+        # the client leaves half-way through its body
+        with socket.create_connection(("127.0.0.1", router.port), timeout=10) as raw:
+            head = f"POST {CHAT} HTTP/1.1\r\nHost: router\r\nContent-Length: 10000\r\n\r\n"
+            raw.sendall(head.encode() + b"{" * 5000)
+            wait_until(lambda: budget_held(router) == 10000)
+        wait_until(lambda: budget_held(router) == 0)
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_body_that_never_arrives_whole_gets_a_408_and_the_connection_closes(fake_replicas, trickle):
+    """A client that sends its headers, then its body a byte at a time (or never), held a request, its
+    connection and what it sent of its body for as long as it liked (slowloris)."""
+    (app_a, a), _ = fake_replicas
+    with router_for(a.url, request_body_timeout_s=1.0) as router:
+        with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:
+            head = f"POST {CHAT} HTTP/1.1\r\nHost: router\r\nContent-Length: 1000\r\n\r\n"
+            s.sendall(head.encode() + b'{"messages": ')
+            started = time.monotonic()
+            # a byte every 0.1 s, stopped short of the deadline (a byte arriving as the router closes would
+            # reset the connection): a timeout reset by every read would answer 1 s after the last one
+            while trickle and time.monotonic() - started < 0.8:
+                time.sleep(0.1)
+                s.sendall(b" ")
+            answer = b""
+            while data := s.recv(1 << 16):  # until the router closes the connection
+                answer += data
+            elapsed = time.monotonic() - started
+        status_line, _, rest = answer.partition(b"\r\n")
+        headers, _, body = rest.partition(b"\r\n\r\n")
+        assert status_line.split()[1] == b"408" and b"connection: close" in headers.lower()
+        assert "whole request body" in json.loads(body)["error"]["message"]
+        assert 1.0 <= elapsed < 1.6, elapsed
+        assert budget_held(router) == 0 and app_a.state.seen == []
+        with httpx.Client(base_url=router.url, timeout=10) as client:  # and everyone else is served
+            assert client.post(CHAT, json=chat("x")).status_code == 200

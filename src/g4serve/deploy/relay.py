@@ -51,6 +51,7 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     """The server's error object (``g4serve.server.errors``), for the statuses only the router gives."""
     kind = {
         400: "BadRequestError",
+        408: "RequestTimeoutError",
         413: "RequestEntityTooLarge",
         502: "BadGatewayError",
         503: "ServiceUnavailableError",
@@ -99,12 +100,19 @@ class ReadBody:
     payload: dict | None
 
 
-async def read_body(request: Request, max_bytes: int) -> ReadBody | None:
-    """The request body, or None past ``max_bytes`` (read no further)."""
+async def read_body(
+    request: Request, max_bytes: int, hold: Callable[[int], None] | None = None
+) -> ReadBody | None:
+    """The request body, or None past ``max_bytes`` (read no further). ``hold(bytes read)`` is called before
+    each chunk is kept: it may raise to stop the read (the router's body budget)."""
     chunks, reader = [], JsonBodyReader(digest=True)
 
     async def kept() -> AsyncIterator[bytes]:  # the chunks, kept for forwarding as they are read
+        size = 0
         async for chunk in request.stream():
+            size += len(chunk)
+            if hold is not None:
+                hold(size)
             chunks.append(chunk)
             yield chunk
 

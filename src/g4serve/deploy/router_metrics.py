@@ -54,7 +54,8 @@ class RouterMetrics:
         )
         self.refused = Counter(
             "g4serve_router_refused",
-            "Requests the router answered itself, by status (413: body too large, 503: no replica)",
+            "Requests the router answered itself, by status (400: no path, 408: body too slow, 413: body too "
+            "large, 503: no replica or no room left for buffered bodies)",
             ["status"],
             registry=self.registry,
         )
