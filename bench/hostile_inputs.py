@@ -20,7 +20,9 @@ input of the same kind:
   1,000 / 2,000 / 4,000 copies of one ``const`` (~5,000 / 10,000 / 20,000 characters), and the refusal of a
   100,000-copy array (``StructuredSpec.json_schema``);
 - one step's sampling batch (``SamplingBatch.build``) of 64 rows with 32,768-token prompts, one of them
-  penalised (only that row's tokens are read), against none.
+  penalised (only that row's tokens are read), against none; and a later step of a penalised request with a
+  128k-token prompt and output, its counts kept from the step before (only the new token is read), against
+  counting them anew.
 
 Writes JSON with the machine, commit and command.
 
@@ -45,7 +47,7 @@ import soundfile
 
 from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.engine.engine import EngineConfig, LLMEngine
-from g4serve.layers.sampler import SamplingBatch
+from g4serve.layers.sampler import SamplingBatch, TokenCounts
 from g4serve.processing.audio import load_audio
 from g4serve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from g4serve.server.errors import APIError, parse_json_object
@@ -133,7 +135,10 @@ def _forced_text_cases() -> dict[str, Callable[[], object]]:
 
 
 def _penalty_cases() -> dict[str, Callable[[], object]]:
-    """One step's sampling batch: 64 rows of 32,768-token prompts, one penalised or none."""
+    """One step's sampling batch: 64 rows of 32,768-token prompts, one penalised or none (counted from the
+    whole lists, as the engine's first step of a request does); and a later step of one request with a
+    131,072-token prompt and output, its counts kept from the step before (``TokenCounts``, the engine's),
+    against counting them anew."""
     prompts = [list(range(32_768)) for _ in range(64)]
     outputs = [[1, 2, 3] for _ in range(64)]
     cases = {}
@@ -142,6 +147,18 @@ def _penalty_cases() -> dict[str, Callable[[], object]]:
         cases[f"penalties, 64 x 32768-token prompts, {label}"] = lambda p=params: SamplingBatch.build(
             p, [0] * 64, 262_144, "cpu", outputs, prompts
         )
+    params = [SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)]
+    long_prompt, long_output = [list(range(131_072))], [list(range(131_072))]
+    kept = TokenCounts(262_144, "cpu")
+
+    def later_step():
+        long_output[0].append(7)  # one new token a step
+        return SamplingBatch.build(params, [0], 262_144, "cpu", long_output, long_prompt, token_counts=kept)
+
+    cases["penalties, a 128k prompt + 128k output, counts kept"] = later_step
+    cases["penalties, a 128k prompt + 128k output, counted anew"] = lambda: SamplingBatch.build(
+        params, [0], 262_144, "cpu", long_output, long_prompt
+    )
     return cases
 
 

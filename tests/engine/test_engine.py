@@ -150,6 +150,42 @@ def test_preemption_keeps_outputs_exact(tiny_model_dir, reference):
     assert_pools_free(engine)
 
 
+def test_penalties_kept_across_steps_match_counting_anew(tiny_model_dir):
+    """The engine keeps penalised requests' prompt masks and output counts on the device from step to step
+    (layers.sampler.TokenCounts); the reference counts them from the whole lists at every step. Outputs
+    agree under preemption, beside unpenalised rows, and when a finished request's row goes to the next."""
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=1 << 20, enable_prefix_caching=False, text_only=True)
+    penalties = [
+        dict(repetition_penalty=1.5),
+        dict(frequency_penalty=1.2, presence_penalty=0.4),
+        {},
+        dict(repetition_penalty=0.7, frequency_penalty=-0.5),
+    ]
+    prompts = [_user("savings loan branch payment statement " * (3 + i % 4)) for i in range(16)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **penalties[i % 4]) for i in range(16)
+    ]
+
+    def run() -> dict[str, list[int]]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(engine.make_request(str(i), engine.process_prompt(prompt), params[i]))
+        return {rid: out.outputs[0].token_ids for rid, out in engine.run_until_finished().items()}
+
+    want = {
+        str(i): generate_one(
+            engine.model, engine.make_request(f"r{i}", engine.process_prompt(p), params[i])
+        ).output_token_ids
+        for i, p in enumerate(prompts)
+    }
+    assert run() == want
+    assert engine.scheduler.num_preemptions > 0
+    counts = engine.runner.token_counts
+    assert len(counts) == 0 and len(counts.free) == counts.output_counts.shape[0] - 1
+    assert not counts.prompt_mask.any() and not counts.output_counts.any()  # every row zeroed for the next
+    assert run() == want  # the same ids again, on rows other requests used
+    assert_pools_free(engine)
+
+
 def test_sliding_window_blocks_are_freed(tiny_model_dir):
     engine = make_engine(tiny_model_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
     window, bs = engine.model_config.text.sliding_window, engine.config.block_size

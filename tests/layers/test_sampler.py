@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from g4serve.layers import sampler
-from g4serve.layers.sampler import SamplingBatch, _top_k_top_p_min_p, sample
+from g4serve.layers.sampler import SamplingBatch, TokenCounts, _top_k_top_p_min_p, sample
 from g4serve.sampling_params import SamplingParams
 
 VOCAB = 512
@@ -278,3 +278,35 @@ def test_a_vanishing_repetition_penalty_stays_finite():
     params = [SamplingParams(temperature=t, repetition_penalty=1e-300) for t in (0.0, 1.0)]
     b = SamplingBatch.build(params, [None] * 2, VOCAB, "cpu", output_tokens=[[5, 9], [5, 9]])
     assert sample(logits.clone(), b).token_ids.tolist() == [9, 9]
+
+
+def test_token_counts_read_only_the_new_tokens_and_match_counting_anew(monkeypatch):
+    """A penalised request's prompt is read once and its outputs as they grow: a step's host work and copy
+    no longer grow with a long prompt or output (a 128k-token prompt cost ~20 ms a step on the CPU)."""
+    copied = []
+    real = sampler.to_device
+    monkeypatch.setattr(
+        sampler, "to_device", lambda values, *a: copied.append(len(values)) or real(values, *a)
+    )
+    counts = TokenCounts(VOCAB, "cpu")
+    prompts = [list(range(40, 90)) * 20, [3, 4], [5]]
+    outputs = [[7, 7, 8], [], [9]]
+    on = [True, True, False]
+    for step in range(4):
+        copied.clear()
+        got = counts.rows(["a", "b", "c"], on, prompts, outputs)
+        if step:  # 2 (slot, id) numbers a new token, and the 3 rows' slots
+            assert copied == [2 * 2 + 3]
+        want = TokenCounts(VOCAB, "cpu").rows([0, 1, 2], on, prompts, outputs)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        outputs[0].append(11 + step)
+        outputs[1].append(12)
+    assert not got[0][2].any() and not got[1][2].any()  # the unpenalised row reads row 0: zeros
+    shorter = counts.rows(["a"], [True], [prompts[0]], [[7]])  # never in the engine: counted anew
+    assert shorter[1][0].nonzero().flatten().tolist() == [7] and shorter[1][0, 7] == 1
+    counts.release("a")
+    counts.release("a")  # twice: nothing more
+    assert len(counts) == 1 and not counts.output_counts[1].any() and not counts.prompt_mask[1].any()
+    reused = counts.rows(["d"], [True], [[6]], [[6, 6]])  # takes a's zeroed row
+    assert counts.slots["d"] == 1 and reused[0][0].nonzero().flatten().tolist() == [6]
+    assert reused[1][0, 6] == 2 and reused[1][0].sum() == 2

@@ -438,6 +438,7 @@ def test_budget_errors_name_the_field_the_client_sent(server, path, body, param)
     assert r.status_code == 400, r.text
     error = _error(r)
     assert error["param"] == param
-    sent = next(k for k in ("max_completion_tokens", "max_output_tokens", "max_tokens") if body.get(k) is not None)
+    fields = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+    sent = next(k for k in fields if body.get(k) is not None)
     assert sent in error["message"]
     assert sent == "max_tokens" or "max_tokens" not in error["message"].replace(sent, "")

@@ -662,6 +662,7 @@ class LLMEngine:
         if request.lora_slot >= 0:
             self.lora.release(request.lora_slot)
             request.lora_slot = -1
+        self.runner.token_counts.release(request.request_id)
         for digest in request.pinned_media:
             self.encoder_cache.release(digest)
         request.pinned_media.clear()

@@ -40,7 +40,7 @@ from g4serve.engine.request import Request
 from g4serve.engine.scheduler import ScheduledBatch
 from g4serve.layers.attention import AttentionBackend, contiguous_metadata
 from g4serve.layers.lora import LoRABatch, LoRAWeights
-from g4serve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from g4serve.layers.sampler import SamplerOutput, SamplingBatch, TokenCounts, sample
 from g4serve.models.gemma4.assistant import Gemma4Assistant
 from g4serve.models.gemma4.model import Gemma4Model
 from g4serve.structured.bitmask import AllowedTokenMasks
@@ -122,6 +122,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.text.vocab_size
         self.decodable_vocab_size = min(decodable_vocab_size or self.vocab_size, self.vocab_size)
         self.token_masks = AllowedTokenMasks(self.vocab_size, self.device)
+        # Penalised requests' prompt masks and output counts, by request id (released by LLMEngine._finish).
+        self.token_counts = TokenCounts(self.vocab_size, self.device)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None
         self.verify_graphs: VerifyGraphRunner | None = None
@@ -459,6 +461,8 @@ class ModelRunner:
             prompt_tokens=[r.prompt_token_ids for r in sampled],
             allowed=allowed,
             positions=positions,
+            token_counts=self.token_counts,
+            request_ids=[r.request_id for r in sampled],
         )
         return sample(logits, sampling)
 

@@ -95,8 +95,9 @@ class Scheduler:
     ):
         """``config``: the step's limits (``max_num_seqs``, ``max_num_batched_tokens``,
         ``encoder_token_budget``, ``enable_chunked_prefill``, ``overlap_encoder``, ``scheduling_policy``).
-        ``priority``: the order key (lower first), by default ``scheduling_policy``'s. ``bidirectional_spans``:
-        the model attends bidirectionally inside images, so a chunk never splits one. With
+        ``priority``: the order key (lower first), by default ``scheduling_policy``'s.
+        ``bidirectional_spans``: the model attends bidirectionally inside images, so a chunk never splits
+        one. With
         ``overlap_encoder`` media are encoded ahead, off the step (``EncoderRunner.start``): a chunk stops
         before media whose soft tokens are not cached yet, and the encodes it asks for run while other
         requests' steps go on. ``encoder_frames_done``: frames of a partly encoded video (the cache's)."""

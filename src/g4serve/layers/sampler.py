@@ -14,6 +14,7 @@ programs a row, the noise drawn in place; ``G4SERVE_CHUNKED_SAMPLING=0`` turns i
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,13 @@ class SamplingBatch:
         prompt_tokens: list[list[int]] | None = None,
         allowed: torch.Tensor | None = None,
         positions: list[int] | None = None,
+        token_counts: TokenCounts | None = None,
+        request_ids: list[Hashable] | None = None,
     ) -> SamplingBatch:
         """``seeds``: each row's noise seed (None: a fresh random one); ``positions``: the output position
-        each row samples (default 0), so a request's token t always races on the same noise."""
+        each row samples (default 0), so a request's token t always races on the same noise.
+        ``token_counts``: the penalised requests' token statistics kept from step to step, each row's under
+        its ``request_ids`` entry; without it they are counted from the whole lists here."""
         # Called after the forward was launched: every host value goes in one copy that does not wait for it.
         penalties = any(p.has_penalties for p in params)
         greedy = [p.greedy for p in params]
@@ -121,18 +126,119 @@ class SamplingBatch:
             batch.repetition_penalty = packed[:, 7].float()
             batch.presence_penalty = packed[:, 8].float()
             batch.frequency_penalty = packed[:, 9].float()
-            # Only the penalised rows' tokens: the other rows are not penalised whatever their counts, and
-            # walking their prompts at every step (64 rows of 32k tokens, one penalised: 305 ms a step on the
-            # 2-core CPU, 27 without them; bench/hostile_inputs.py) would make one request's penalty every
-            # other request's cost.
-            penalised = [p.has_penalties for p in params]
-            batch.output_counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-            rows, ids = _row_token_pairs(output_tokens or [], device, penalised)
-            batch.output_counts.index_put_((rows, ids), torch.ones(len(rows), device=device), accumulate=True)
-            batch.prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
-            rows, ids = _row_token_pairs(prompt_tokens or [], device, penalised)
-            fill_at(batch.prompt_mask, (rows, ids), True)
+            counts = token_counts if token_counts is not None else TokenCounts(vocab_size, device)
+            batch.prompt_mask, batch.output_counts = counts.rows(
+                request_ids if request_ids is not None else list(range(len(params))),
+                [p.has_penalties for p in params],
+                prompt_tokens or [[] for _ in params],
+                output_tokens or [[] for _ in params],
+            )
         return batch
+
+
+class TokenCounts:
+    """The token statistics of penalised requests on the device, kept across their steps: for each, a
+    [V] mask of the tokens its prompt holds (written once, at its first step) and a [V] count of each token
+    it generated (advanced by the tokens new since its last step). A step gathers its rows' in one index.
+
+    Counting from the whole lists at every step made a step's host time grow with the penalised requests'
+    prompts and outputs (a 128k-token prompt: ~20 ms a step on the 2-core CPU) and with the other rows'
+    (64 rows of 32k tokens, one penalised: 305 ms; bench/hostile_inputs.py): now a step reads the new
+    tokens only, and only the penalised rows'. Row 0 stays zero, for rows without penalties. The rows are
+    one pool that doubles when full; ``release`` (the engine's, when a request finishes) zeroes a row for
+    the next request, and holding them costs 5 bytes x V a live penalised request (1.3 MB at Gemma 4's 262k).
+    A penalised request neither speculates nor rolls back, so its outputs only grow; a shorter list than
+    counted is counted anew all the same."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str):
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=self.device)
+        self.output_counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=self.device)
+        self.slots: dict[Hashable, int] = {}
+        self.counted: dict[int, int] = {}  # slot -> output tokens counted
+        self.free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    # Tensors made in a step are inference tensors, which only inference mode may update in place: every
+    # update is made in it (``release`` runs where a request finishes, an abort included).
+    @torch.inference_mode()
+    def rows(
+        self,
+        keys: list[Hashable],
+        penalised: list[bool],
+        prompt_tokens: list[list[int]],
+        output_tokens: list[list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, V] prompt mask, [B, V] output counts) of the batch's rows, after counting what is new: the
+        prompts of keys seen for the first time and every penalised row's outputs since its last step."""
+        prompt_pairs: tuple[list[int], list[int]] = ([], [])
+        output_pairs: tuple[list[int], list[int]] = ([], [])
+        slots = []
+        for key, on, prompt, outputs in zip(keys, penalised, prompt_tokens, output_tokens):
+            if not on:
+                slots.append(0)
+                continue
+            slot = self.slots.get(key)
+            if slot is None:
+                slot = self.slots[key] = self._take()
+                _pairs(prompt_pairs, slot, prompt)
+            counted = self.counted[slot]
+            if len(outputs) < counted:
+                self.output_counts[slot].zero_()
+                counted = 0
+            _pairs(output_pairs, slot, outputs[counted:])
+            self.counted[slot] = len(outputs)
+            slots.append(slot)
+        n_prompt, n_output = len(prompt_pairs[0]), len(output_pairs[0])
+        flat = to_device(
+            [*prompt_pairs[0], *prompt_pairs[1], *output_pairs[0], *output_pairs[1], *slots],
+            torch.long,
+            self.device,
+        )  # one copy
+        prompt_index = flat[: 2 * n_prompt].view(2, n_prompt)
+        output_index = flat[2 * n_prompt : 2 * (n_prompt + n_output)].view(2, n_output)
+        if n_prompt:
+            fill_at(self.prompt_mask, (prompt_index[0], prompt_index[1]), True)
+        if n_output:
+            ones = torch.ones(n_output, dtype=torch.float32, device=self.device)
+            self.output_counts.index_put_((output_index[0], output_index[1]), ones, accumulate=True)
+        index = flat[2 * (n_prompt + n_output) :]
+        return self.prompt_mask[index], self.output_counts[index]
+
+    @torch.inference_mode()
+    def release(self, key: Hashable) -> None:
+        """Forget ``key``'s request (finished or aborted): its row is zeroed for the next one. A step
+        already launched has gathered its rows, and the zeroing queues behind it on the same stream."""
+        slot = self.slots.pop(key, None)
+        if slot is None:
+            return
+        self.prompt_mask[slot].zero_()
+        self.output_counts[slot].zero_()
+        del self.counted[slot]
+        self.free.append(slot)
+
+    def _take(self) -> int:
+        if not self.free:
+            have = self.output_counts.shape[0]
+            grow = max(have - 1, 1)  # the pool doubles (row 0 aside)
+            self.prompt_mask = torch.cat(
+                [self.prompt_mask, self.prompt_mask.new_zeros(grow, self.vocab_size)]
+            )
+            self.output_counts = torch.cat(
+                [self.output_counts, self.output_counts.new_zeros(grow, self.vocab_size)]
+            )
+            self.free = list(range(have + grow - 1, have - 1, -1))
+        slot = self.free.pop()
+        self.counted[slot] = 0
+        return slot
+
+
+def _pairs(pairs: tuple[list[int], list[int]], slot: int, tokens: list[int]) -> None:
+    """Append (slot, token) for each of ``tokens`` to the two lists of ``pairs``."""
+    pairs[0].extend([slot] * len(tokens))
+    pairs[1].extend(tokens)
 
 
 def _noise_keys(seeds: list[int | None], all_greedy: bool) -> list[int]:
@@ -156,19 +262,6 @@ def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.dev
     index = to_device([rows, ids], torch.long, device)
     bias[index[0], index[1]] = to_device(values, torch.float32, device)
     return bias
-
-
-def _row_token_pairs(
-    tokens: list[list[int]], device: torch.device | str, rows: list[bool]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token id) of every token of the lists of the ``rows`` marked True, on the device in one copy."""
-    kept = [(i, toks) for i, (toks, keep) in enumerate(zip(tokens, rows)) if keep]
-    pairs = to_device(
-        [[i for i, toks in kept for _ in toks], [t for _, toks in kept for t in toks]],
-        torch.long,
-        device,
-    )
-    return pairs[0], pairs[1]
 
 
 @dataclass
