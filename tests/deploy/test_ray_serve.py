@@ -23,6 +23,13 @@ from g4serve.cli import build_parser  # noqa: E402
 from g4serve.deploy.ray_app import APP_NAME, build_application  # noqa: E402
 
 SYSTEM = "You are the assistant of a bank. Answer briefly and never invent an account number. " * 4
+# Small limits on the bodies the ingress holds, for test_the_ingress_bounds_the_bodies_it_holds without a
+# second application: one 40 KB body fits, two do not; every other test's bodies are under 1 KB.
+BODY_LIMITS = (
+    *("--max-request-body-bytes", str(48 << 10)),
+    *("--max-buffered-body-bytes", str(64 << 10)),
+    *("--request-body-timeout", "3"),
+)
 
 
 def serve_args(port: int, *flags: str):
@@ -40,6 +47,7 @@ def serve_args(port: int, *flags: str):
             "--ray",
             "--drain-timeout",
             "60",
+            *BODY_LIMITS,
             *flags,
         ]
     )
@@ -233,6 +241,45 @@ def test_pins_naming_no_replica_hold_up_nobody(cluster):
         thread.join(60)
     assert [a.status_code for a in answers] == [503] * 8
     assert all("no-such-replica" in a.json()["error"]["message"] for a in answers)
+
+
+def test_the_ingress_bounds_the_bodies_it_holds(cluster):
+    """The ingress reads every body whole to key it, as ``g4serve router`` does, under the same limits
+    (``body_budget``): a body that never arrives whole holds its declared length of the budget until the
+    deadline, then gets a 408 and its connection closed; a body that does not fit in what is left meanwhile
+    gets a 503 at once; and what the first held comes back."""
+    url, port = cluster
+    body, headers = chat("budget", "hello")
+    padded = json.dumps({**body, "padding": "x" * 40_000}).encode()  # a field the replica ignores
+    headers = {**headers, "Content-Type": "application/json"}
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as slow:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: ray\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(padded)}\r\n\r\n"
+        )
+        slow.sendall(head.encode() + padded[:100])
+        sent = time.monotonic()
+        with httpx.Client(base_url=url, timeout=60) as client:
+            # until the ingress has the slow request (and its claim), a second body goes through
+            refused = None
+            while time.monotonic() - sent < 2.5 and refused is None:
+                answer = client.post("/v1/chat/completions", content=padded, headers=headers)
+                refused = answer if answer.status_code == 503 else None
+            assert refused is not None, "no 503 while another body held the budget"
+            assert refused.headers["retry-after"] == "1"
+            assert "buffered request bodies" in refused.json()["error"]["message"]
+            answer = b""
+            while data := slow.recv(1 << 16):  # until the ingress closes the connection
+                answer += data
+            waited_s = time.monotonic() - sent
+            status_line, _, rest = answer.partition(b"\r\n")
+            response_headers, _, error = rest.partition(b"\r\n\r\n")
+            assert status_line.split()[1] == b"408", answer[:300]
+            assert b"connection: close" in response_headers.lower()
+            assert "whole request body" in json.loads(error)["error"]["message"]
+            assert 3.0 <= waited_s < 20, waited_s
+            served = client.post("/v1/chat/completions", content=padded, headers=headers)
+            assert served.status_code == 200 and served.headers["x-g4serve-replica"], served.text
 
 
 def replica_names() -> list[str]:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from g4serve.cli import build_parser
+from g4serve.deploy.body_budget import BodyLimits, body_limits_from_args
 from g4serve.deploy.membership import DnsTarget, dns_target, resolve
 from g4serve.deploy.proxy import RouterConfig, build_router_app
 from g4serve.deploy.relay import whole_events
@@ -197,7 +198,7 @@ def test_a_refused_connection_is_retried_on_the_next_replica(fake_replicas):
 def test_hostile_bodies_are_forwarded_or_refused_never_crash(fake_replicas):
     (_, a), _ = fake_replicas
     with (
-        router_for(a.url, max_request_body_bytes=1 << 20) as router,
+        router_for(a.url, body_limits=BodyLimits(max_request_body_bytes=1 << 20)) as router,
         httpx.Client(base_url=router.url) as client,
     ):
         for raw in (b"not json", b"{" * 200_000, b"[" * 100_000, b"\xff\xfe"):
@@ -332,6 +333,9 @@ def test_resolve_and_flag_parsing():
             replica_url(bad)
 
 
+LIMITS = "--max-buffered-body-bytes 1000 --max-request-body-bytes 500 --request-body-timeout 2".split()
+
+
 def test_router_flags():
     args = build_parser().parse_args(
         ["router", "--replica", "h1:8000", "--replica", "http://h2:8000", "--load-factor", "2", "--port", "9"]
@@ -344,10 +348,9 @@ def test_router_flags():
         router_config_from_args(
             build_parser().parse_args(["router", "--replica", "h:1", "--load-factor", "0.5"])
         )
-    assert config.max_buffered_body_bytes == 256 << 20 and config.request_body_timeout_s == 60.0
-    limits = "--max-buffered-body-bytes 1000 --max-request-body-bytes 500 --request-body-timeout 2".split()
-    config = router_config_from_args(build_parser().parse_args(["router", "--replica", "h:1", *limits]))
-    assert (config.max_buffered_body_bytes, config.request_body_timeout_s) == (1000, 2.0)
+    assert config.body_limits == BodyLimits(64 << 20, 256 << 20, 60.0)
+    config = router_config_from_args(build_parser().parse_args(["router", "--replica", "h:1", *LIMITS]))
+    assert config.body_limits == BodyLimits(500, 1000, 2.0)
     for bad, message in (
         (["--max-buffered-body-bytes", "1000"], "a body at the cap"),
         (["--request-body-timeout", "0"], "--request-body-timeout"),
@@ -356,8 +359,23 @@ def test_router_flags():
             router_config_from_args(build_parser().parse_args(["router", "--replica", "h:1", *bad]))
 
 
+def test_ray_serve_takes_the_routers_body_limit_flags():
+    """``g4serve serve --ray``'s ingress holds bodies as ``g4serve router`` does: the same flags (the cap is
+    ``serve``'s own --max-request-body-bytes, which each replica applies too), defaults and checks."""
+    parse = build_parser().parse_args
+    router_default = router_config_from_args(parse(["router", "--replica", "h:1"])).body_limits
+    assert body_limits_from_args(parse(["serve", "--ray"])) == router_default == BodyLimits()
+    assert body_limits_from_args(parse(["serve", "--ray", *LIMITS])) == BodyLimits(500, 1000, 2.0)
+    for bad, message in (
+        (["--max-buffered-body-bytes", "1000"], "a body at the cap"),
+        (["--request-body-timeout", "-1"], "--request-body-timeout"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            body_limits_from_args(parse(["serve", "--ray", *bad]))
+
+
 def budget_held(router: Served) -> int:
-    return router.server.config.app.state.proxy.body_budget.held_bytes
+    return router.server.config.app.state.proxy.bodies.budget.held_bytes
 
 
 def test_bodies_past_the_routers_budget_get_a_503_at_once_and_the_budget_comes_back():
@@ -367,9 +385,12 @@ def test_bodies_past_the_routers_budget_get_a_503_at_once_and_the_budget_comes_b
     body = json.dumps(chat("x" * 40_000)).encode()
     received, gate = threading.Event(), threading.Event()
     answers = []
-    limits = {"max_request_body_bytes": 48 << 10, "max_buffered_body_bytes": 64 << 10}
+    limits = BodyLimits(max_request_body_bytes=48 << 10, max_buffered_body_bytes=64 << 10)
     try:
-        with Served(holding_replica(received, gate)) as replica, router_for(replica.url, **limits) as router:
+        with (
+            Served(holding_replica(received, gate)) as replica,
+            router_for(replica.url, body_limits=limits) as router,
+        ):
             first = threading.Thread(
                 target=lambda: answers.append(httpx.post(f"{router.url}{CHAT}", content=body, timeout=30))
             )
@@ -401,7 +422,10 @@ def test_the_body_budget_comes_back_on_every_path(fake_replicas, monkeypatch):
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     with router_for(
-        a.url, f"http://{dead}", health_interval_s=3600, max_request_body_bytes=1 << 20
+        a.url,
+        f"http://{dead}",
+        health_interval_s=3600,
+        body_limits=BodyLimits(max_request_body_bytes=1 << 20),
     ) as router:
         proxy = router.server.config.app.state.proxy
         with httpx.Client(base_url=router.url, timeout=10) as client:
@@ -439,7 +463,7 @@ def test_a_body_that_never_arrives_whole_gets_a_408_and_the_connection_closes(fa
     """A client that sends its headers, then its body a byte at a time (or never), held a request, its
     connection and what it sent of its body for as long as it liked (slowloris)."""
     (app_a, a), _ = fake_replicas
-    with router_for(a.url, request_body_timeout_s=1.0) as router:
+    with router_for(a.url, body_limits=BodyLimits(request_body_timeout_s=1.0)) as router:
         with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:
             head = f"POST {CHAT} HTTP/1.1\r\nHost: router\r\nContent-Length: 1000\r\n\r\n"
             s.sendall(head.encode() + b'{"messages": ')

@@ -18,17 +18,16 @@ import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
 from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS, REPLICA_HEADER
-from g4serve.deploy.body_budget import BodyBudget, BodyClaim, OverBudget
+from g4serve.deploy.body_budget import BodyLimits
 from g4serve.deploy.membership import DnsTarget, Membership
 from g4serve.deploy.relay import (
     ClientGone,
     ReadBody,
+    RequestBodies,
     error_response,
     forwardable,
-    read_body,
     relay,
     request_key,
     unless_client_leaves,
@@ -51,12 +50,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     load_bound: LoadBound = field(default_factory=LoadBound)
-    max_request_body_bytes: int = 64 << 20
-    # Bytes of request bodies held at once over all requests (--max-buffered-body-bytes): four at the cap.
-    max_buffered_body_bytes: int = 256 << 20
-    # Seconds from a request's headers to the end of its body (--request-body-timeout): a body at the cap
-    # needs 1.1 MB/s.
-    request_body_timeout_s: float = 60.0
+    body_limits: BodyLimits = field(default_factory=BodyLimits)
     max_connect_attempts: int = 3  # replicas tried per request when connections are refused
 
 
@@ -67,7 +61,7 @@ class RouterProxy:
         self.config = config
         self.pool = pool
         self.metrics = metrics
-        self.body_budget = BodyBudget(config.max_buffered_body_bytes)
+        self.bodies = RequestBodies(config.body_limits, metrics.observe_refused)
         self.session: aiohttp.ClientSession | None = None  # opened in the app's event loop (``open``)
 
     def open(self) -> None:
@@ -86,50 +80,12 @@ class RouterProxy:
         target = origin_form_target(request)
         if target is None:
             return self._refuse(400, "request target: expected a path starting with /")
-        # The body counts in the budget until this returns, which is when the router lets go of it: once a
+        # The body counts in the budget until this block ends, which is when the router lets go of it: once a
         # non-streaming answer is read whole, or a stream has begun.
-        with self.body_budget.claim() as claim:
-            body = await self._read(request, claim)
+        async with self.bodies.held(request) as body:
             if isinstance(body, Response):
                 return body
             return await self._place(request, target, body)
-
-    async def _read(self, request: Request, claim: BodyClaim) -> ReadBody | Response:
-        """The body, or the router's own answer: 413 past the per-request cap, 503 past the budget for bodies
-        held at once, 408 past the deadline for reading it (a slowloris client), 499 for a client gone."""
-        cap, deadline_s = self.config.max_request_body_bytes, self.config.request_body_timeout_s
-        too_large = f"request body exceeds the router's limit of {cap} bytes"
-        declared = declared_length(request)
-        if declared is not None and declared > cap:  # at once, not after reading cap bytes of it
-            return self._refuse(413, too_large)
-        try:
-            claim.grow_to(declared or 0)  # a declared length whole: refused before a byte of it is read
-            async with asyncio.timeout(deadline_s):
-                body = await read_body(request, cap, claim.grow_to)  # a chunked body as it arrives
-        except OverBudget:
-            # 503, not 429: the router as a whole is short of room, not this client over a rate of its own,
-            # and a load balancer in front retries a 503 on another router. The connection stays open:
-            # uvicorn drops the rest of a body sent whole and the client reads this answer (closing on an
-            # unread body can reset the connection before it does).
-            return self._refuse(
-                503,
-                f"request body: the router's budget for buffered request bodies "
-                f"({self.body_budget.limit_bytes} bytes) is taken by other requests; retry later",
-                {"Retry-After": "1"},
-            )
-        except TimeoutError:
-            # Closed: left open, uvicorn would go on reading (and dropping) the trickle as long as it came.
-            return self._refuse(
-                408,
-                f"request body: the whole request body did not arrive within the router's limit of "
-                f"{deadline_s:g} s",
-                {"Connection": "close"},
-            )
-        except ClientDisconnect:
-            return Response(status_code=499)  # nobody reads it
-        if body is None:
-            return self._refuse(413, too_large)
-        return body
 
     async def _place(self, request: Request, target: str, body: ReadBody) -> Response:
         """Key the request and forward it to the first replica of its placement that takes the connection."""
@@ -204,12 +160,6 @@ class RouterProxy:
         healthy = sum(r.healthy for r in members)
         body = {"status": "ok" if healthy else "unavailable", "replicas": len(members), "healthy": healthy}
         return JSONResponse(body, status_code=200 if healthy else 503)
-
-
-def declared_length(request: Request) -> int | None:
-    """The body's Content-Length; None for a chunked body (uvicorn answers a malformed length with a 400)."""
-    length = request.headers.get("content-length")
-    return int(length) if length is not None and length.isdigit() else None
 
 
 def origin_form_target(request: Request) -> str | None:

@@ -7,8 +7,9 @@ request (``affinity``) and a request router that places it (``router``).
   to it, lets its running requests finish (``graceful_shutdown_timeout_s``), then runs the app's shutdown.
 - ``AffinityRequestRouter``: Ray Serve's request-router extension point (``ray.serve.request_router``), in
   place of its default power-of-two-choices; it ranks the replicas for the request's affinity key.
-- ``RouterIngress``: the HTTP ingress; reads the body, computes the key, streams the chosen replica's answer
-  back through ``relay`` (a replica dying mid-stream ends that stream with an error event).
+- ``RouterIngress``: the HTTP ingress; reads the body under the standalone router's limits
+  (``relay.RequestBodies``), computes the key, streams the chosen replica's answer back through ``relay`` (a
+  replica dying mid-stream ends that stream with an error event).
 """
 
 # No `from __future__ import annotations`: Ray pickles the deployment classes by value (their module names
@@ -31,11 +32,13 @@ from starlette.types import Message
 
 from g4serve.deploy.affinity import NO_KEY, AffinityKey
 from g4serve.deploy.asgi_call import AppLifespan, ForwardedRequest, call_app
+from g4serve.deploy.body_budget import BodyLimits, body_limits_from_args
 from g4serve.deploy.relay import (
     ClientGone,
+    ReadBody,
+    RequestBodies,
     error_response,
     forwardable,
-    read_body,
     relay,
     request_key,
     unless_client_leaves,
@@ -143,12 +146,13 @@ class EngineReplica:
 @serve.deployment(name="Router")
 @serve.ingress()
 class RouterIngress:
-    """The HTTP ingress: every path goes to an engine replica chosen by the request's affinity key."""
+    """The HTTP ingress: every path goes to an engine replica chosen by the request's affinity key. Each of
+    its replicas (one process each) has a budget of its own for the bodies it holds."""
 
-    def __init__(self, engine: DeploymentHandle, prefix_chars: int, max_request_body_bytes: int):
+    def __init__(self, engine: DeploymentHandle, prefix_chars: int, body_limits: BodyLimits):
         self.engine = engine.options(stream=True)
         self.prefix_chars = prefix_chars
-        self.max_request_body_bytes = max_request_body_bytes
+        self.bodies = RequestBodies(body_limits)  # no metrics of its own for the requests it refuses
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="g4serve router (Ray Serve)", openapi_url=None, docs_url=None, redoc_url=None)
@@ -164,11 +168,14 @@ class RouterIngress:
         return app
 
     async def forward(self, request: Request) -> Response:
-        body = await read_body(request, self.max_request_body_bytes)
-        if body is None:
-            return error_response(
-                413, f"request body exceeds the limit of {self.max_request_body_bytes} bytes"
-            )
+        # The body counts in the budget until the answer is read whole, or its stream has begun.
+        async with self.bodies.held(request) as body:
+            if isinstance(body, Response):
+                return body
+            return await self._place(request, body)
+
+    async def _place(self, request: Request, body: ReadBody) -> Response:
+        """Key the request, call an engine replica through the affinity router, relay its answer."""
         key = request_key(request, body, self.prefix_chars)
         forwarded = ForwardedRequest(
             request.method,
@@ -243,7 +250,7 @@ def build_application(args: argparse.Namespace, gpus_per_replica: float) -> serv
         graceful_shutdown_wait_loop_s=1.0,
         graceful_shutdown_timeout_s=args.drain_timeout,
     )
-    return ingress.bind(engine, args.prefix_chars, args.max_request_body_bytes)
+    return ingress.bind(engine, args.prefix_chars, body_limits_from_args(args))
 
 
 def gpus_for(args: argparse.Namespace) -> float:

@@ -1,5 +1,6 @@
-"""The HTTP edge both routers share: a request's body and key, a replica's answer passed on to the client,
-and what the client sees when the replica fails or the router waits on a client that left.
+"""The HTTP edge both routers share: a request's body (read under the limits of ``body_budget``) and key, a
+replica's answer passed on to the client, and what the client sees when the replica fails or the router waits
+on a client that left.
 
 Event streams pass through as they arrive, a whole event at a time: if the replica dies mid-stream the
 client gets the events sent so far, then an ``error`` event and ``[DONE]`` (the server's own shape for a
@@ -16,11 +17,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from g4serve.deploy.affinity import REPLICA_HEADER, AffinityKey, parse_object, payload_affinity
+from g4serve.deploy.body_budget import BodyBudget, BodyClaim, BodyLimits, OverBudget
 from g4serve.server.body import JsonBodyReader, put_blobs, read_into
 
 # Per-connection headers (RFC 9110 section 7.6.1) and the ones the response object computes itself.
@@ -127,6 +129,70 @@ async def read_body(
     else:
         raw = await asyncio.to_thread(b"".join, chunks)  # a blob is at least 64 KB: a large join
     return ReadBody(raw, put_blobs(payload, blobs) if payload is not None else None)
+
+
+class RequestBodies:
+    """Reads a router's request bodies under its ``BodyLimits``, with one budget for the process it runs in.
+    ``on_refused(status)`` is told of each request it answers itself (the standalone router's metrics)."""
+
+    def __init__(self, limits: BodyLimits, on_refused: Callable[[int], None] | None = None):
+        self.limits = limits
+        self.budget = BodyBudget(limits.max_buffered_body_bytes)
+        self.on_refused = on_refused
+
+    @contextlib.asynccontextmanager
+    async def held(self, request: Request) -> AsyncIterator[ReadBody | Response]:
+        """The body, or the router's own answer: 413 past the per-request cap, 503 past the budget for bodies
+        held at once, 408 past the deadline for reading it (a slowloris client), 499 for a client gone. The
+        body counts in the budget until the block ends."""
+        with self.budget.claim() as claim:
+            yield await self._read(request, claim)
+
+    async def _read(self, request: Request, claim: BodyClaim) -> ReadBody | Response:
+        cap, deadline_s = self.limits.max_request_body_bytes, self.limits.request_body_timeout_s
+        too_large = f"request body exceeds the router's limit of {cap} bytes"
+        declared = declared_length(request)
+        if declared is not None and declared > cap:  # at once, not after reading cap bytes of it
+            return self._refuse(413, too_large)
+        try:
+            claim.grow_to(declared or 0)  # a declared length whole: refused before a byte of it is read
+            async with asyncio.timeout(deadline_s):
+                body = await read_body(request, cap, claim.grow_to)  # a chunked body as it arrives
+        except OverBudget:
+            # 503, not 429: the router as a whole is short of room, not this client over a rate of its own,
+            # and a load balancer in front retries a 503 on another router. The connection stays open:
+            # uvicorn drops the rest of a body sent whole and the client reads this answer (closing on an
+            # unread body can reset the connection before it does).
+            return self._refuse(
+                503,
+                f"request body: the router's budget for buffered request bodies "
+                f"({self.budget.limit_bytes} bytes) is taken by other requests; retry later",
+                {"Retry-After": "1"},
+            )
+        except TimeoutError:
+            # Closed: left open, uvicorn would go on reading (and dropping) the trickle as long as it came.
+            return self._refuse(
+                408,
+                f"request body: the whole request body did not arrive within the router's limit of "
+                f"{deadline_s:g} s",
+                {"Connection": "close"},
+            )
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it
+        if body is None:
+            return self._refuse(413, too_large)
+        return body
+
+    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+        if self.on_refused is not None:
+            self.on_refused(status)
+        return error_response(status, message, headers)
+
+
+def declared_length(request: Request) -> int | None:
+    """The body's Content-Length; None for a chunked body (uvicorn answers a malformed length with a 400)."""
+    length = request.headers.get("content-length")
+    return int(length) if length is not None and length.isdigit() else None
 
 
 def request_key(request: Request, body: ReadBody, prefix_chars: int) -> AffinityKey:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS
+from g4serve.deploy.body_budget import BodyLimits, add_body_limit_arguments, body_limits_from_args
 from g4serve.deploy.router import LoadBound
 
 
@@ -48,22 +49,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-body-bytes",
         type=int,
-        default=64 << 20,
+        default=BodyLimits().max_request_body_bytes,
         help="a request body past this gets a 413 (the router reads each body whole to key it)",
     )
-    p.add_argument(
-        "--max-buffered-body-bytes",
-        type=int,
-        default=256 << 20,
-        help="bytes of request bodies the router holds at once over all requests; a body that does not fit "
-        "in what is left gets a 503 with Retry-After (>= --max-request-body-bytes)",
-    )
-    p.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a client has to send a request's whole body after its headers; then a 408",
-    )
+    add_body_limit_arguments(p)
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -82,13 +71,6 @@ def router_config_from_args(args: argparse.Namespace):
         raise ValueError("give at least one --replica URL or --discover-dns NAME:PORT")
     if args.prefix_chars < 1:
         raise ValueError(f"--prefix-chars: must be >= 1 (got {args.prefix_chars})")
-    if args.max_buffered_body_bytes < args.max_request_body_bytes:
-        raise ValueError(
-            f"--max-buffered-body-bytes: must be >= --max-request-body-bytes ({args.max_request_body_bytes}; "
-            f"got {args.max_buffered_body_bytes}): a body at the cap would never fit"
-        )
-    if args.request_body_timeout <= 0:
-        raise ValueError(f"--request-body-timeout: must be > 0 seconds (got {args.request_body_timeout})")
     return RouterConfig(
         replicas=[replica_url(text) for text in args.replica],
         dns=[dns_target(text) for text in args.discover_dns],
@@ -96,9 +78,7 @@ def router_config_from_args(args: argparse.Namespace):
         health_timeout_s=args.health_timeout,
         prefix_chars=args.prefix_chars,
         load_bound=LoadBound(args.load_factor, args.load_slack),
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_buffered_body_bytes=args.max_buffered_body_bytes,
-        request_body_timeout_s=args.request_body_timeout,
+        body_limits=body_limits_from_args(args),
     )
 
 
