@@ -119,7 +119,15 @@ def build_app(
     async def lifespan(_app: FastAPI):
         if warmup:
             await assistant.warmup()
+        sweeping = asyncio.create_task(assistant.sweeper.run())
         yield
+        sweeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeping
+        if assistant.state is None:
+            # Sessions kept in memory end with this process, and no yes can reach their proposals after it. A
+            # shared store's outlive it (another replica, or this one restarted, takes their next turn).
+            await asyncio.to_thread(assistant.sweeper.drain)
         assistant.close()
         if owns_engine and assistant.engine is not None:
             assistant.engine.shutdown()

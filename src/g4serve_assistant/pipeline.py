@@ -28,6 +28,7 @@ from g4serve_assistant.payees import PayeeIndex
 from g4serve_assistant.policy import Policy, SessionStore
 from g4serve_assistant.qna import KnowledgeIndex, extractive_answer
 from g4serve_assistant.state import ConversationStore, StateStore
+from g4serve_assistant.sweeper import ProposalSweeper
 
 log = logging.getLogger("g4serve_assistant")
 
@@ -202,6 +203,8 @@ class Assistant:
         self.state = state
         self.audit = state.audit if state is not None else audit if audit is not None else AuditLog()
         self.sessions: ConversationStore = state.conversations if state is not None else SessionStore()
+        # Cancels the proposals no yes can reach any more (the app runs it in the background).
+        self.sweeper = ProposalSweeper(self.sessions, bank, self.audit)
         self.engine = engine
         self.metrics = metrics or AssistantMetrics()
         self.limits_minor = limits_minor

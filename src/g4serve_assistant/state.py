@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from g4serve_assistant.audit import AuditRow, ChainCheck
 from g4serve_assistant.auth import Session
-from g4serve_assistant.policy import ActionClaims, PendingAction, SessionState
+from g4serve_assistant.policy import ActionClaims, PendingAction, SessionState, StaleAction
 
 
 class SessionBusyError(RuntimeError):
@@ -35,8 +35,9 @@ class CustomerSessions(Protocol):
 
 class ConversationStore(ActionClaims, Protocol):
     """Each session's dialogue state (the pending action included). A turn ``begin``s (the state is then
-    this turn's alone, until ``commit`` writes it back or ``release`` lets it go unchanged), and a
-    confirmation ``claim``s its action before executing it."""
+    this turn's alone, until ``commit`` writes it back or ``release`` lets it go unchanged), a confirmation
+    ``claim``s its action before executing it, and the sweeper (sweeper.py) takes the proposals no yes can
+    reach any more (``stale``) to cancel them in the bank."""
 
     def begin(self, session_id: str, customer_id: str) -> SessionState:
         """PermissionError when the session is another customer's; SessionBusyError when another turn
@@ -49,6 +50,16 @@ class ConversationStore(ActionClaims, Protocol):
     def release(self, state: SessionState) -> None: ...
 
     def drop(self, session_id: str) -> None: ...
+
+    def stale(self, now: float, ttl_s: float, retry_s: float, limit: int) -> list[StaleAction]:
+        """Up to ``limit`` proposals with a transfer in the bank that no confirmation can claim any more
+        (made more than ``ttl_s`` before ``now``, or their dialogue state is gone), taken out of their
+        dialogue state and held for this caller to cancel: no claim wins them from now on, and no other
+        sweeper for ``retry_s``, after which they come back here until ``cancelled``."""
+
+    def cancelled(self, action: StaleAction) -> bool:
+        """The bank cancelled it (or found it no longer pending): it is never handed out again. False when
+        it was settled already (another sweeper, or its session's own turn), so there is nothing to record."""
 
 
 class AuditTrail(Protocol):

@@ -4,7 +4,10 @@ SQL database (sql.py: SQLite or PostgreSQL) that every replica shares.
 Why it is safe across replicas: a turn holds its session by a lease (a conditional UPDATE on the session's
 row, so one turn at a time per session, whichever replica runs it), and a confirmation executes only after
 it moved its action from 'waiting' to 'executing' with another conditional UPDATE: of two replicas that
-confirm one action, exactly one changes the row, and only that one moves money."""
+confirm one action, exactly one changes the row, and only that one moves money. A proposal past its
+confirmation window is the sweeper's (sweeper.py): it holds the row the same way before it cancels the
+transfer, so a late yes and the cancellation cannot both win, and the rows it still owes the bank outlive
+any replica."""
 
 from __future__ import annotations
 
@@ -16,13 +19,21 @@ from collections.abc import Callable
 
 from g4serve_assistant.audit import AuditLog
 from g4serve_assistant.auth import AuthError, Session
-from g4serve_assistant.policy import PendingAction, SessionState
-from g4serve_assistant.sql import SQLDatabase, open_database
+from g4serve_assistant.policy import PendingAction, SessionState, StaleAction
+from g4serve_assistant.sql import SQLDatabase, SQLExecutor, open_database
 from g4serve_assistant.state import SessionBusyError, pending_from_json, pending_to_json
 
 STATE_SCHEMA_VERSION = 1
 _SESSION_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 MAX_SESSION_ID_CHARS = 128
+# A proposal owed its cancellation (its arguments: the newest created_at that is past the confirmation window,
+# and now): one with a transfer, past its window, unsettled and not held, by a live claim or another
+# sweeper. A lapsed claim is owed too: its replica died mid-execution (the bank's cancel is a no-op if the
+# money moved).
+_OWED = (
+    "transfer_id IS NOT NULL AND created_at < ? AND status IN ('waiting', 'executing') "
+    "AND (claimed_until IS NULL OR claimed_until < ?)"
+)
 
 # The SQL both dialects accept (SQLite reads DOUBLE PRECISION as REAL).
 _SCHEMA = (
@@ -243,10 +254,12 @@ class SQLConversationStore:
                 (state.turns, pending_to_json(pending), now, state.session_id, state.lease),
             )
             if written:
-                # A proposal replaced, cancelled or expired in this turn can never be claimed again.
+                # A proposal replaced, cancelled or expired in this turn can never be claimed again. One a
+                # sweeper holds stays the sweeper's to settle: it may not have reached the bank yet.
                 tx.run(
                     "UPDATE assistant_pending_actions SET status = 'dropped', updated_at = ? "
-                    "WHERE session_id = ? AND status = 'waiting' AND action_id <> ?",
+                    "WHERE session_id = ? AND status = 'waiting' AND claimed_until IS NULL "
+                    "AND action_id <> ?",
                     (now, state.session_id, confirm.action_id if confirm else ""),
                 )
                 if confirm is not None:
@@ -283,7 +296,7 @@ class SQLConversationStore:
             tx.run("DELETE FROM assistant_conversations WHERE session_id = ?", (session_id,))
             tx.run(
                 "UPDATE assistant_pending_actions SET status = 'dropped', updated_at = ? "
-                "WHERE session_id = ? AND status = 'waiting'",
+                "WHERE session_id = ? AND status = 'waiting' AND claimed_until IS NULL",
                 (self.clock(), session_id),
             )
 
@@ -298,8 +311,8 @@ class SQLConversationStore:
                 tx.run(
                     "UPDATE assistant_pending_actions SET status = 'executing', claimed_until = ?, "
                     "updated_at = ? WHERE action_id = ? AND session_id = ? AND customer_id = ? "
-                    "AND created_at > ? "
-                    "AND (status = 'waiting' OR (status = 'executing' AND claimed_until < ?))",
+                    "AND created_at > ? AND ((status = 'waiting' AND claimed_until IS NULL) "
+                    "OR (status = 'executing' AND claimed_until < ?))",
                     (
                         wall + self.claim_lease_s,
                         wall,
@@ -327,7 +340,54 @@ class SQLConversationStore:
             rows = tx.query("SELECT status FROM assistant_pending_actions WHERE action_id = ?", (action_id,))
         return rows[0]["status"] if rows else None
 
+    # --- the proposals no yes can reach any more (sweeper.py) -------------------------------------------
+    def stale(self, now: float, ttl_s: float, retry_s: float, limit: int) -> list[StaleAction]:
+        """The proposals owed a cancellation, each held (``claimed_until``: a claim's condition fails on it,
+        and so does another sweeper's ``stale``) for ``retry_s``; the owed rows are the queue, so a restart
+        loses none of them."""
+        taken = []
+        with self.db.transaction() as tx:
+            wall = self.clock()
+            owed = (now - ttl_s, wall)
+            rows = tx.query(
+                "SELECT action_id, session_id, customer_id, kind, transfer_id "
+                f"FROM assistant_pending_actions WHERE {_OWED} ORDER BY created_at LIMIT ?",
+                (*owed, limit),
+            )
+            for r in rows:
+                held = tx.run(
+                    "UPDATE assistant_pending_actions SET claimed_until = ?, updated_at = ? "
+                    f"WHERE action_id = ? AND {_OWED}",
+                    (wall + retry_s, wall, r["action_id"], *owed),
+                )
+                if held:
+                    _forget_proposal(tx, r["session_id"], r["action_id"], wall)
+                    taken.append(
+                        StaleAction(
+                            r["customer_id"],
+                            r["session_id"],
+                            r["action_id"],
+                            r["kind"],
+                            r["transfer_id"],
+                            "expired",
+                        )
+                    )
+        return taken
+
+    def cancelled(self, action: StaleAction) -> bool:
+        with self.db.transaction() as tx:
+            return (
+                tx.run(
+                    "UPDATE assistant_pending_actions SET status = 'dropped', claimed_until = NULL, "
+                    "updated_at = ? WHERE action_id = ? AND status IN ('waiting', 'executing')",
+                    (self.clock(), action.action_id),
+                )
+                == 1
+            )
+
     def purge(self) -> None:
+        """Forgets the states and settled actions idle for ``retention_s``; never a transfer still owed its
+        cancellation (the sweeper's queue)."""
         cutoff = self.clock() - self.retention_s
         with self.db.transaction() as tx:
             tx.run(
@@ -336,9 +396,25 @@ class SQLConversationStore:
                 (cutoff, self.clock()),
             )
             tx.run(
-                "DELETE FROM assistant_pending_actions WHERE updated_at < ? AND status <> 'executing'",
+                "DELETE FROM assistant_pending_actions WHERE updated_at < ? "
+                "AND (status IN ('done', 'dropped') OR (status = 'waiting' AND transfer_id IS NULL))",
                 (cutoff,),
             )
+
+
+def _forget_proposal(tx: SQLExecutor, session_id: str, action_id: str, now: float) -> None:
+    """Takes a swept proposal out of its dialogue state, so the session's next turn finds nothing to confirm
+    (nor to cancel again); a lapsed lease goes with it, as a turn that outlived it may not write back. A turn
+    holding the session now keeps its state: it expires the proposal itself (the bank's cancel is a no-op the
+    second time)."""
+    rows = tx.query("SELECT pending FROM assistant_conversations WHERE session_id = ?", (session_id,))
+    text = rows[0]["pending"] if rows else None
+    if text is not None and pending_from_json(text).action_id == action_id:
+        tx.run(
+            "UPDATE assistant_conversations SET pending = NULL, lease_owner = NULL, lease_until = NULL "
+            "WHERE session_id = ? AND pending = ? AND (lease_owner IS NULL OR lease_until < ?)",
+            (session_id, text, now),
+        )
 
 
 def _well_formed(session_id: object) -> bool:
