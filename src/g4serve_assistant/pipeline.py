@@ -10,6 +10,7 @@ import datetime as dt
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -219,7 +220,10 @@ class Assistant:
         self._max_customers = max_cached_customers
         self._max_recognizers = max_cached_recognizers
         self._cache_lock = threading.Lock()
-        self._policy_lock = threading.RLock()
+        # One decision at a time per customer (Policy's lock): a decision holds it through its bank calls, so
+        # one lock for everyone let one customer's slow bank call hold up every other customer's turn, and
+        # the threads waiting on it filled the event loop's default pool. Kept while a policy of theirs lives.
+        self._policy_locks: weakref.WeakValueDictionary[str, threading.RLock] = weakref.WeakValueDictionary()
         self._session_locks: dict[str, list] = {}
         # All audio work (decoding, VAD, ASR) runs on this one thread. Why one: torch calls from several
         # threads each start their own OpenMP team, whose spinning workers starve one another on a small
@@ -241,7 +245,11 @@ class Assistant:
         if cached is not None and cached.view.version == cached.version:
             return cached
         view = self.bank.customer(customer_id)
-        policy = Policy(view, limits_minor=self.limits_minor, lock=self._policy_lock, claims=self.sessions)
+        with self._cache_lock:  # a policy rebuilt while the old one decides shares its lock
+            lock = self._policy_locks.get(customer_id)
+            if lock is None:
+                lock = self._policy_locks[customer_id] = threading.RLock()
+        policy = Policy(view, limits_minor=self.limits_minor, lock=lock, claims=self.sessions)
         built = _Customer(view, policy, self.intent_threshold)
         with self._cache_lock:
             self._customers[customer_id] = built

@@ -292,8 +292,9 @@ class Policy:
         self.confirm_ttl_s = confirm_ttl_s
         self.clock = clock
         # One decision at a time: a turn reads and then writes session and bank state, and two turns of
-        # one session (a retried request) must not both execute the same confirmation. Shared by the
-        # policies of all customers (``lock``), as a session's turns may come from any thread.
+        # one session (a retried request) must not both execute the same confirmation. Shared by every
+        # policy of one customer (``lock``, the assistant's), as a session's turns may come from any thread;
+        # not across customers, whose states and records are disjoint: a slow bank call holds up only its own.
         self._lock = lock or threading.RLock()
         # Across processes the lock is not enough: a confirmation also claims its action in the shared store.
         self.claims = claims

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -400,3 +401,37 @@ def test_an_impossible_date_or_an_unreadable_amount_is_a_question(assistant):
     assert r["reply"] == "How much would you like to send to Tom Wilson?" and not r["needs_confirmation"]
     assert "amount_minor" not in r["entities"]
     assert assistant.db.transfers() == []
+
+
+def test_a_bank_call_that_hangs_holds_up_no_other_customer(assistant, monkeypatch):
+    """A decision holds its customer's lock while it calls the bank (a remote one may take its whole timeout).
+    With one lock for all customers, every other customer's turn waited behind it, and the threads waiting
+    filled the event loop's small default pool."""
+    proposal = turn(assistant, "slow", "send 40 dollars to Tom Wilson")
+    view = assistant.customer(DEMO_CUSTOMER_ID).view
+    started, gate = threading.Event(), threading.Event()
+    real = view.execute_transfer
+
+    def hanging(*args, **kwargs):
+        started.set()
+        assert gate.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(view, "execute_transfer", hanging)
+    yes = Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"])
+
+    async def scenario():
+        confirming = asyncio.create_task(assistant.turn(yes, text="yes"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        other = Caller(DEMO_CUSTOMER_2_ID, "other", {"ip": "test"})
+        try:  # the first customer's execution is inside the bank, which does not answer
+            balance = [assistant.turn(other, text="what's my balance") for _ in "ab"]
+            replies = [await asyncio.wait_for(turn, 5) for turn in balance]
+        finally:
+            gate.set()
+        return replies, await confirming
+
+    replies, confirmed = asyncio.run(scenario())
+    assert all(r.intent == "balance_inquiry" for r in replies)
+    assert confirmed.executed
