@@ -1,6 +1,6 @@
 """Fixtures of the assistant's tests on both SQL databases: one throwaway PostgreSQL server for the session
 (postgres_server.py), a schema of each test's own in it, and ``bank_replicas``, banks on SQLite and on
-PostgreSQL for the tests that hold for both."""
+PostgreSQL for the tests that hold for both, and ``state_replicas``, the conversation store the same way."""
 
 from __future__ import annotations
 
@@ -94,3 +94,34 @@ def bank_replicas(request, tmp_path):
     opener = BankOpener(lambda: SQLiteBank(tmp_path / "bank.db"))
     yield opener
     opener.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def state_replicas(request, tmp_path):
+    """``state_replicas(**kwargs)`` opens one more replica's conversation store (``SQLStateStore``) over one
+    database of the engine under test, as ``bank_replicas`` does banks."""
+    from g4serve_assistant.state_sql import SQLStateStore
+
+    if request.param == "sqlite":
+        from g4serve_assistant.sql import SQLiteDatabase
+
+        def database():
+            return SQLiteDatabase(tmp_path / "state.db")
+    else:
+        from g4serve_assistant.sql import PostgresDatabase
+
+        url, schema = request.getfixturevalue("postgres_url"), request.getfixturevalue("postgres_schema")
+
+        def database():
+            return PostgresDatabase(url, schema=schema)
+
+    opened: list[SQLStateStore] = []
+
+    def open_replica(**kwargs) -> SQLStateStore:
+        store = SQLStateStore(database(), **kwargs)
+        opened.append(store)
+        return store
+
+    yield open_replica
+    for store in opened:
+        store.close()

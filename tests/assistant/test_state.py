@@ -18,39 +18,11 @@ from g4serve_assistant.normalize import normalize
 from g4serve_assistant.payees import PayeeIndex
 from g4serve_assistant.pipeline import Assistant, Caller
 from g4serve_assistant.policy import PendingAction, Policy, SessionState
-from g4serve_assistant.sql import SQLiteDatabase
 from g4serve_assistant.state import SessionBusyError, pending_from_json, pending_to_json
 from g4serve_assistant.state_sql import SQLStateStore
 
 C1, C2 = DEMO_CUSTOMER_ID, DEMO_CUSTOMER_2_ID
 CHECKING = 123_456  # the first demo customer's checking balance, minor units
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def replicas(request, tmp_path):
-    """``replicas(**kwargs)`` opens one more replica's store over the same database."""
-    opened: list[SQLStateStore] = []
-    if request.param == "sqlite":
-        path = tmp_path / "state.db"
-
-        def database():
-            return SQLiteDatabase(path)
-    else:
-        from g4serve_assistant.sql import PostgresDatabase
-
-        url, schema = request.getfixturevalue("postgres_url"), request.getfixturevalue("postgres_schema")
-
-        def database():
-            return PostgresDatabase(url, schema=schema)
-
-    def open_replica(**kwargs) -> SQLStateStore:
-        store = SQLStateStore(database(), **kwargs)
-        opened.append(store)
-        return store
-
-    yield open_replica
-    for store in opened:
-        store.close()
 
 
 def _pending(**kwargs) -> PendingAction:
@@ -72,11 +44,11 @@ def _propose(store: SQLStateStore, session_id: str, customer_id: str = C1, **kwa
 
 
 # --- sessions ------------------------------------------------------------------------------------------
-def test_sessions_are_shared_bound_to_their_customer_and_expire(replicas):
+def test_sessions_are_shared_bound_to_their_customer_and_expire(state_replicas):
     now = [1000.0]
     a, b = (
-        replicas(clock=lambda: now[0], session_ttl_s=100),
-        replicas(clock=lambda: now[0], session_ttl_s=100),
+        state_replicas(clock=lambda: now[0], session_ttl_s=100),
+        state_replicas(clock=lambda: now[0], session_ttl_s=100),
     )
     session = a.sessions.create(C1, {"ip": "1.2.3.4"})
     assert b.sessions.get(session.session_id, C1).client == {"ip": "1.2.3.4"}  # any replica knows it
@@ -95,8 +67,8 @@ def test_sessions_are_shared_bound_to_their_customer_and_expire(replicas):
     assert len(a.sessions) == 0
 
 
-def test_sessions_end_only_by_their_customer_and_are_bounded(replicas):
-    a, b = replicas(max_per_customer=3), replicas()
+def test_sessions_end_only_by_their_customer_and_are_bounded(state_replicas):
+    a, b = state_replicas(max_per_customer=3), state_replicas()
     session = a.sessions.create(C1)
     assert not b.sessions.end(session.session_id, C2)
     assert b.sessions.end(session.session_id, C1)
@@ -110,8 +82,8 @@ def test_sessions_end_only_by_their_customer_and_are_bounded(replicas):
 
 
 # --- dialogue state ---------------------------------------------------------------------------------------
-def test_the_state_of_a_turn_is_read_by_the_next_turn_on_another_replica(replicas):
-    a, b = replicas(), replicas()
+def test_the_state_of_a_turn_is_read_by_the_next_turn_on_another_replica(state_replicas):
+    a, b = state_replicas(), state_replicas()
     state = a.conversations.begin("s1", C1)
     assert state.pending is None and state.turns == 0
     state.turns = 1
@@ -132,15 +104,15 @@ def test_pending_actions_round_trip():
     assert pending_from_json(pending_to_json(None)) is None
 
 
-def test_another_customers_session_state_is_refused(replicas):
-    a, b = replicas(), replicas()
+def test_another_customers_session_state_is_refused(state_replicas):
+    a, b = state_replicas(), state_replicas()
     a.conversations.commit(a.conversations.begin("s1", C1))
     with pytest.raises(PermissionError):
         b.conversations.begin("s1", C2)
 
 
-def test_one_turn_at_a_time_per_session_across_replicas(replicas):
-    a, b = replicas(lease_wait_s=0.2), replicas(lease_wait_s=0.2)
+def test_one_turn_at_a_time_per_session_across_replicas(state_replicas):
+    a, b = state_replicas(lease_wait_s=0.2), state_replicas(lease_wait_s=0.2)
     held = a.conversations.begin("s1", C1)
     with pytest.raises(SessionBusyError):
         b.conversations.begin("s1", C1)
@@ -149,8 +121,8 @@ def test_one_turn_at_a_time_per_session_across_replicas(replicas):
     b.conversations.release(b.conversations.begin("s1", C1))
 
 
-def test_a_lapsed_lease_is_taken_over_and_its_late_write_refused(replicas):
-    a, b = replicas(lease_s=0.05), replicas(lease_s=5)
+def test_a_lapsed_lease_is_taken_over_and_its_late_write_refused(state_replicas):
+    a, b = state_replicas(lease_s=0.05), state_replicas(lease_s=5)
     slow = a.conversations.begin("s1", C1)  # a replica that stalls (or died) mid-turn
     fast = b.conversations.begin("s1", C1)  # waits out the 50 ms lease, then takes the session
     fast.turns = 7
@@ -161,8 +133,8 @@ def test_a_lapsed_lease_is_taken_over_and_its_late_write_refused(replicas):
 
 
 # --- confirmations --------------------------------------------------------------------------------------
-def test_two_replicas_confirming_one_action_exactly_one_wins(replicas):
-    a, b = replicas(), replicas()
+def test_two_replicas_confirming_one_action_exactly_one_wins(state_replicas):
+    a, b = state_replicas(), state_replicas()
     stores = [a, b, a, b]  # two threads per replica, each on its own connection where the dialect has them
     for round_ in range(10):
         session_id = f"s{round_}"
@@ -184,8 +156,8 @@ def test_two_replicas_confirming_one_action_exactly_one_wins(replicas):
         assert a.conversations.action_status(pending.action_id) == "executing"
 
 
-def test_a_confirmation_binds_to_its_one_action(replicas):
-    a, b = replicas(), replicas()
+def test_a_confirmation_binds_to_its_one_action(state_replicas):
+    a, b = state_replicas(), state_replicas()
     pending = _propose(a, "s1")
     mine = SessionState("s1", C1)
     assert not b.conversations.claim(SessionState("s2", C1), pending, 1001.0, 60)  # another session
@@ -200,8 +172,8 @@ def test_a_confirmation_binds_to_its_one_action(replicas):
     assert a.conversations.action_status(pending.action_id) == "done"
 
 
-def test_a_replaced_or_dropped_proposal_can_never_be_confirmed(replicas):
-    a, b = replicas(), replicas()
+def test_a_replaced_or_dropped_proposal_can_never_be_confirmed(state_replicas):
+    a, b = state_replicas(), state_replicas()
     first = _propose(a, "s1")
     second = _propose(b, "s1")  # a new request replaced it
     mine = SessionState("s1", C1)
@@ -211,8 +183,8 @@ def test_a_replaced_or_dropped_proposal_can_never_be_confirmed(replicas):
     assert not a.conversations.claim(mine, second, 1001.0, 60)
 
 
-def test_a_dead_replicas_claim_lapses(replicas):
-    a, b = replicas(), replicas()
+def test_a_dead_replicas_claim_lapses(state_replicas):
+    a, b = state_replicas(), state_replicas()
     b.conversations.claim_lease_s = 0.0  # a claim that was never settled (the replica died)
     pending = _propose(a, "s1")
     mine = SessionState("s1", C1)
@@ -221,10 +193,10 @@ def test_a_dead_replicas_claim_lapses(replicas):
 
 
 # --- the audit chain --------------------------------------------------------------------------------------
-def test_replicas_append_to_one_chain(replicas):
+def test_replicas_append_to_one_chain(state_replicas):
     from g4serve_assistant.audit import AuditRow
 
-    stores = [replicas(audit_key=b"k" * 32), replicas(audit_key=b"k" * 32)]
+    stores = [state_replicas(audit_key=b"k" * 32), state_replicas(audit_key=b"k" * 32)]
 
     def write(store: SQLStateStore, n: int) -> None:
         for i in range(20):
@@ -244,13 +216,13 @@ def test_replicas_append_to_one_chain(replicas):
     assert check.ok and check.rows == 160
     assert stores[0].audit.head() == stores[1].audit.head()
     assert [e["detail"]["i"] for e in stores[0].audit.entries(session_id="s3")[::2]] == list(range(20))
-    assert not replicas(audit_key=b"x" * 32).audit.verify().ok  # the key is what makes it verify
+    assert not state_replicas(audit_key=b"x" * 32).audit.verify().ok  # the key is what makes it verify
 
 
-def test_the_audit_table_is_append_only(replicas):
+def test_the_audit_table_is_append_only(state_replicas):
     from g4serve_assistant.audit import AuditRow
 
-    store = replicas()
+    store = state_replicas()
     store.audit.append([AuditRow("turn", "fast", {})], customer_id=C1, session_id="s1", client={})
     for statement in ("UPDATE audit_chain SET outcome = 'executed'", "DELETE FROM audit_chain"):
         with pytest.raises(Exception, match="append-only"), store.db.transaction() as tx:
@@ -284,10 +256,10 @@ class Replica:
         return decision
 
 
-def test_a_confirmation_after_expiry_fails_on_any_replica(replicas, tmp_path):
+def test_a_confirmation_after_expiry_fails_on_any_replica(state_replicas, tmp_path):
     bank = demo_bank(tmp_path / "bank.db")
     clock = [dt.datetime(2025, 5, 7, 10, 0).timestamp()]
-    a, b = Replica(bank, replicas(), clock), Replica(bank, replicas(), clock)
+    a, b = Replica(bank, state_replicas(), clock), Replica(bank, state_replicas(), clock)
     proposed = a.say("send fifty dollars to John Smith", "s1")
     clock[0] += 61
     late = b.say("yes", "s1", proposed.pending["action_id"])
@@ -295,11 +267,11 @@ def test_a_confirmation_after_expiry_fails_on_any_replica(replicas, tmp_path):
     assert bank.customer(C1).transfers(status="executed") == []
 
 
-def test_a_replica_that_lost_the_race_says_so(replicas, tmp_path):
+def test_a_replica_that_lost_the_race_says_so(state_replicas, tmp_path):
     """Both replicas hold the proposal (read before either confirmed); the claim lets only one execute."""
     bank = demo_bank(tmp_path / "bank.db")
     clock = [dt.datetime(2025, 5, 7, 10, 0).timestamp()]
-    store_a, store_b = replicas(), replicas()
+    store_a, store_b = state_replicas(), state_replicas()
     a, b = Replica(bank, store_a, clock), Replica(bank, store_b, clock)
     action_id = a.say("send fifty dollars to John Smith", "s1").pending["action_id"]
     stale = store_b.conversations.begin("s1", C1)  # as if b's turn began before a's lease
@@ -317,11 +289,14 @@ def _assistant(bank_path, store: SQLStateStore) -> Assistant:
     return Assistant(SQLiteBank(bank_path), state=store, recognizer=None)
 
 
-def test_any_replica_takes_any_turn_and_money_moves_once(replicas, tmp_path):
+def test_any_replica_takes_any_turn_and_money_moves_once(state_replicas, tmp_path):
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
     key = b"k" * 32
-    a, b = _assistant(bank_path, replicas(audit_key=key)), _assistant(bank_path, replicas(audit_key=key))
+    a, b = (
+        _assistant(bank_path, state_replicas(audit_key=key)),
+        _assistant(bank_path, state_replicas(audit_key=key)),
+    )
     caller = Caller(C1, "s1", {"ip": "1.2.3.4"})
 
     proposed = asyncio.run(a.turn(caller, text="send fifty dollars to John Smith"))
@@ -345,10 +320,10 @@ def test_any_replica_takes_any_turn_and_money_moves_once(replicas, tmp_path):
     assert outcomes == ["proposed", "executed", "answered"]
 
 
-def test_logging_out_on_one_replica_cancels_a_proposal_made_on_another(replicas, tmp_path):
+def test_logging_out_on_one_replica_cancels_a_proposal_made_on_another(state_replicas, tmp_path):
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
-    store_a, store_b = replicas(), replicas()
+    store_a, store_b = state_replicas(), state_replicas()
     a, b = _assistant(bank_path, store_a), _assistant(bank_path, store_b)
     proposed = asyncio.run(a.turn(Caller(C1, "s1"), text="send fifty dollars to John Smith"))
     action_id, transfer_id = proposed.pending["action_id"], proposed.action["transfer_id"]
@@ -365,11 +340,11 @@ def test_logging_out_on_one_replica_cancels_a_proposal_made_on_another(replicas,
     assert view.transfers(status="executed") == []
 
 
-def test_concurrent_confirmations_on_four_replicas_execute_once(replicas, tmp_path):
+def test_concurrent_confirmations_on_four_replicas_execute_once(state_replicas, tmp_path):
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
     # One event loop per replica, as in production (an Assistant's per-session asyncio locks are its loop's).
-    four = [_assistant(bank_path, replicas()) for _ in range(4)]
+    four = [_assistant(bank_path, state_replicas()) for _ in range(4)]
     a = four[0]
     proposed = asyncio.run(a.turn(Caller(C1, "s1"), text="send fifty dollars to John Smith"))
     yes = Caller(C1, "s1", {}, proposed.pending["action_id"])
@@ -390,7 +365,7 @@ def test_concurrent_confirmations_on_four_replicas_execute_once(replicas, tmp_pa
     assert a.audit.verify().ok
 
 
-def test_two_apps_share_sessions_and_confirmations(replicas, tmp_path):
+def test_two_apps_share_sessions_and_confirmations(state_replicas, tmp_path):
     pytest.importorskip("httpx")
     from fastapi.testclient import TestClient
 
@@ -405,7 +380,7 @@ def test_two_apps_share_sessions_and_confirmations(replicas, tmp_path):
         access = AccessSettings(signer, customer_rate_per_min=6000, customer_burst=100)
         return TestClient(build_app(_assistant(bank_path, store), access, warmup=False))
 
-    a, b = app(replicas()), app(replicas())
+    a, b = app(state_replicas()), app(state_replicas())
     headers = {"authorization": f"Bearer {signer.mint(C1)}"}
     session_id = a.post("/v1/assistant/sessions", json={}, headers=headers).json()["session_id"]
     proposed = b.post(

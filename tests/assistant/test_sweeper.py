@@ -20,7 +20,6 @@ from g4serve_assistant.normalize import normalize
 from g4serve_assistant.payees import PayeeIndex
 from g4serve_assistant.pipeline import Assistant, Caller
 from g4serve_assistant.policy import PendingAction, Policy, SessionState, SessionStore
-from g4serve_assistant.sql import SQLiteDatabase
 from g4serve_assistant.state_sql import SQLStateStore
 
 C1, C2 = DEMO_CUSTOMER_ID, DEMO_CUSTOMER_2_ID
@@ -257,32 +256,6 @@ def test_a_yes_that_lost_to_the_cancellation_is_refused_not_an_error():
 
 
 # --- the shared store ---------------------------------------------------------------------------------------
-@pytest.fixture(params=["sqlite", "postgresql"])
-def replicas(request, tmp_path):
-    """``replicas(**kwargs)``: one more replica's store over the same database (as test_state.py's)."""
-    opened: list[SQLStateStore] = []
-    if request.param == "sqlite":
-
-        def database():
-            return SQLiteDatabase(tmp_path / "state.db")
-    else:
-        from g4serve_assistant.sql import PostgresDatabase
-
-        url, schema = request.getfixturevalue("postgres_url"), request.getfixturevalue("postgres_schema")
-
-        def database():
-            return PostgresDatabase(url, schema=schema)
-
-    def open_replica(**kwargs) -> SQLStateStore:
-        store = SQLStateStore(database(), **kwargs)
-        opened.append(store)
-        return store
-
-    yield open_replica
-    for store in opened:
-        store.close()
-
-
 def _replica(bank_path, store: SQLStateStore, clock: Later) -> Assistant:
     from g4serve_assistant.db import SQLiteBank
 
@@ -298,17 +271,17 @@ def _propose(store: SQLStateStore, session_id: str, created_at: float = 1000.0) 
     return state.pending
 
 
-def test_a_restart_finds_the_proposals_left_in_the_shared_store(replicas, tmp_path, calls):
+def test_a_restart_finds_the_proposals_left_in_the_shared_store(state_replicas, tmp_path, calls):
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
     clock = Later()  # the sweepers' and the stores' (the proposals are made on the real one)
-    a = _replica(bank_path, replicas(clock=clock), clock)
+    a = _replica(bank_path, state_replicas(clock=clock), clock)
     proposal = propose(a, "s1")
     calls.down = True
     clock.offset_s = TTL_S + 1
     a.sweeper.sweep()  # the bank is down; then this replica dies
     calls.down = False
-    store = replicas(clock=clock)
+    store = state_replicas(clock=clock)
     b = _replica(bank_path, store, clock)  # the restarted server (or any other replica)
     clock.offset_s += b.sweeper.retry_s + 1
     b.sweeper.sweep()
@@ -324,11 +297,11 @@ def test_a_restart_finds_the_proposals_left_in_the_shared_store(replicas, tmp_pa
     assert calls.cancels == [proposal["transfer_id"]] and len(swept(b)) == 1
 
 
-def test_purging_idle_rows_keeps_the_proposals_owed_a_cancellation(replicas, tmp_path):
+def test_purging_idle_rows_keeps_the_proposals_owed_a_cancellation(state_replicas, tmp_path):
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
     clock = Later()
-    store = replicas(clock=clock, session_ttl_s=100)
+    store = state_replicas(clock=clock, session_ttl_s=100)
     a = _replica(bank_path, store, clock)
     proposal = propose(a, "s1")
     clock.offset_s = 1000  # idle for a whole session lifetime, and not yet swept (the bank was down)
@@ -337,8 +310,8 @@ def test_purging_idle_rows_keeps_the_proposals_owed_a_cancellation(replicas, tmp
     assert status(a, proposal["transfer_id"]) == "cancelled"
 
 
-def test_a_confirmation_and_the_sweeper_race_for_one_action(replicas):
-    a, b = replicas(), replicas()
+def test_a_confirmation_and_the_sweeper_race_for_one_action(state_replicas):
+    a, b = state_replicas(), state_replicas()
     mine = SessionState("s1", C1)
     first = _propose(a, "s1")
     (taken,) = b.conversations.stale(now=1061.0, ttl_s=TTL_S, retry_s=30, limit=10)
@@ -358,10 +331,10 @@ def test_a_confirmation_and_the_sweeper_race_for_one_action(replicas):
     assert taken.action_id == second.action_id  # too late for a retried yes now: the sweeper's
 
 
-def test_a_turn_ending_meanwhile_leaves_what_the_sweeper_holds_to_the_sweeper(replicas):
+def test_a_turn_ending_meanwhile_leaves_what_the_sweeper_holds_to_the_sweeper(state_replicas):
     """A turn that held the session while the sweeper took its proposal (so it stayed in the turn's state)
     writes back a state without it: that must not settle the row, as the bank may not have cancelled yet."""
-    a, b = replicas(), replicas()
+    a, b = state_replicas(), state_replicas()
     _propose(a, "s1")
     turn = a.conversations.begin("s1", C1)
     assert len(b.conversations.stale(now=1061.0, ttl_s=TTL_S, retry_s=0.0, limit=10)) == 1
@@ -372,8 +345,8 @@ def test_a_turn_ending_meanwhile_leaves_what_the_sweeper_holds_to_the_sweeper(re
     assert again.transfer_id == "t-s1"
 
 
-def test_a_dead_replicas_execution_is_settled_by_the_sweeper(replicas):
-    a, b = replicas(), replicas()
+def test_a_dead_replicas_execution_is_settled_by_the_sweeper(state_replicas):
+    a, b = state_replicas(), state_replicas()
     a.conversations.claim_lease_s = 0.0  # claimed, then the replica died before settling
     pending = _propose(a, "s1")
     assert a.conversations.claim(SessionState("s1", C1), pending, 1030.0, TTL_S)
@@ -438,16 +411,16 @@ def test_stopping_an_in_memory_server_cancels_its_proposals(assistant):
     assert [r["event"] for r in swept(assistant)] == ["pending_stopped"]
 
 
-def test_stopping_a_replica_of_a_shared_store_leaves_its_sessions_proposals_alone(replicas, tmp_path):
+def test_stopping_a_replica_of_a_shared_store_leaves_its_sessions_proposals_alone(state_replicas, tmp_path):
     """With the shared store the sessions outlive this process (another replica, or this one restarted, takes
     their next turn): stopping must not cancel what a customer is about to confirm elsewhere."""
     bank_path = tmp_path / "bank.db"
     demo_bank(bank_path).close()
-    client, access = _app(_replica(bank_path, replicas(), Later()))
+    client, access = _app(_replica(bank_path, state_replicas(), Later()))
     with client:
         headers, session_id = _sign_in(client, access)
         proposal = _propose_over_http(client, headers, session_id)
-    other = _replica(bank_path, replicas(), Later())
+    other = _replica(bank_path, state_replicas(), Later())
     assert status(other, proposal["action"]["transfer_id"]) == "pending"
     yes = Caller(C1, session_id, {}, proposal["pending"]["action_id"])
     assert asyncio.run(other.turn(yes, text="yes")).executed
