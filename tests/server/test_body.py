@@ -229,7 +229,7 @@ def test_many_short_strings_or_escapes_go_to_json_loads_unscanned(monkeypatch):
 
     monkeypatch.setattr(body_module._LongString, "add", counting_add)
     for raw in (
-        json.dumps({"a": ["x"] * 400_000}).encode(),  # 2.4 MB of one-letter strings
+        json.dumps({"a": ["x"] * 250_000}).encode(),  # 1.5 MB of one-letter strings (under MAX_JSON_VALUES)
         json.dumps({"a": "\n" * 1_000_000}).encode(),  # 2 MB of escapes in one string
     ):
         steps = 0
@@ -243,7 +243,7 @@ def test_many_short_strings_or_escapes_go_to_json_loads_unscanned(monkeypatch):
 @pytest.mark.parametrize(
     "raw",
     [
-        b"[" * 400_000,  # nested past the depth limit, in a body large enough to be scanned
+        b"[" * 250_000,  # nested past the depth limit, in a body large enough to be scanned
         b'{"a": ' + b'{"b": ' * 100_000 + b'"x"' + b"}" * 100_001,
         b'{"a": ["' + b'", "'.join([b"QUJD" * 20_000] * 8) + b'"], "b": ' + b"[" * 70 + b"]" * 70 + b"}",
     ],

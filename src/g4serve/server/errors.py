@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -34,6 +35,14 @@ _OBJECT_REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{6,
 # JSON bodies nest at most this deep (a chat request with media parts is about 6; a JSON schema rarely 20):
 # deeper structures are refused before any code recurses into them.
 MAX_JSON_DEPTH = 64
+# A JSON text holds at most this many objects, arrays and strings. json.loads makes 60-70 bytes of Python
+# objects of each 3-byte "{}," and the shape check below walks them in Python: a 64 MiB body of them took 3 GB
+# and 40 s of the event loop (2-core CPU). A chat of 4,096 messages with media parts holds about 50,000.
+MAX_JSON_VALUES = 1 << 18
+# What starts a value that costs a Python object (a string, an object, an array), strings skipped whole so
+# that the brackets inside them do not count.
+_VALUE_START = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]')
+_TEXT_VALUE_START = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]')
 # An error may quote the client's text (a model name, an unknown field, a format type): its message and
 # ``param`` are cut to these lengths, so a 4 MB field never comes back as a 4 MB (or, message and param, 8 MB)
 # answer.
@@ -157,9 +166,13 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
 
 
 def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
-    """``raw`` as a JSON object nested at most ``max_depth`` deep; anything else is a 400 naming ``body``.
-    Deeper structures are refused here, so no later code (pydantic, JSON-schema compilers, templates)
-    recurses into them."""
+    """``raw`` as a JSON object nested at most ``max_depth`` deep, of at most ``MAX_JSON_VALUES`` values;
+    anything else is a 400 naming ``body``. Deeper or larger structures are refused here, so no later code
+    (pydantic, JSON-schema compilers, templates) recurses into them, and json.loads never builds them."""
+    if json_values(raw, MAX_JSON_VALUES) > MAX_JSON_VALUES:
+        raise APIError(
+            400, f"body: more than {MAX_JSON_VALUES} JSON objects, arrays and strings", param="body"
+        )
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -174,10 +187,27 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     return body
 
 
-def parse_json_text(text: str, where: str, param: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+class JsonBudget:
+    """The JSON values that the strings ``parse_json_text`` parses for one request may still hold: one
+    budget for all of them, as many strings each under the limit would add up to a body it refuses."""
+
+    def __init__(self, values: int = MAX_JSON_VALUES):
+        self.values = values
+
+
+def parse_json_text(
+    text: str, where: str, param: str, budget: JsonBudget | None = None, max_depth: int = MAX_JSON_DEPTH
+) -> Any:
     """JSON held in a string field (a tool call's ``arguments``) as its value, with the body's own limits:
     nested at most ``max_depth`` deep (``parse_json_object`` cannot see inside a string, and Python's parser
-    and the template recurse) and valid Unicode. Anything else is a 400 naming ``where``."""
+    and the template recurse), valid Unicode, and of at most ``budget``'s values, which it spends. Anything
+    else is a 400 naming ``where``."""
+    budget = JsonBudget() if budget is None else budget
+    budget.values -= json_values(text, budget.values)
+    if budget.values < 0:
+        raise APIError(
+            400, f"{where}: more than {MAX_JSON_VALUES} JSON objects, arrays and strings in all", param
+        )
     try:
         value = json.loads(text)
     except RecursionError:
@@ -186,6 +216,18 @@ def parse_json_text(text: str, where: str, param: str, max_depth: int = MAX_JSON
         raise APIError(400, f"{where}: not valid JSON", param) from None
     _check_shape(value, where, param, max_depth)
     return value
+
+
+def json_values(text: bytes | str, limit: int) -> int:
+    """How many strings, objects and arrays the JSON ``text`` holds, at C speed before anything parses it:
+    the count of its quote pairs and opening brackets, an upper bound (those inside strings count too), or
+    where that passes ``limit`` the exact count, taken up to ``limit + 1``."""
+    marks = ('"', "{", "[") if isinstance(text, str) else (b'"', b"{", b"[")
+    bound = text.count(marks[0]) // 2 + text.count(marks[1]) + text.count(marks[2])
+    if bound <= limit:
+        return bound
+    pattern = _TEXT_VALUE_START if isinstance(text, str) else _VALUE_START
+    return sum(1 for _ in itertools.islice(pattern.finditer(text), max(limit, 0) + 1))
 
 
 def _check_shape(value: Any, where: str, param: str, max_depth: int) -> None:

@@ -57,12 +57,12 @@ async def delete_response(request: Request, response_id: str) -> dict:
 
 
 @openai.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(request: Request, response_id: str) -> dict:
+async def cancel_response(request: Request, response_id: str) -> Response:
     return await request.app.state.serving_responses.cancel(request, response_id)
 
 
 @openai.get("/v1/responses/{response_id}/input_items")
-async def response_input_items(request: Request, response_id: str) -> dict:
+async def response_input_items(request: Request, response_id: str) -> Response:
     return request.app.state.serving_responses.input_items(request, response_id)
 
 

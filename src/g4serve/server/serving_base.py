@@ -35,6 +35,32 @@ if TYPE_CHECKING:
 
 # The parameters whose errors may name the engine's output budget, ``max_tokens``.
 _BUDGET_PARAMS = ("max_tokens", "min_tokens")
+# A whole (not streamed) answer keeps every choice's logprob entries until it is written: the engine's
+# ``Logprob`` objects take ~230 bytes an entry (a token with 20 top logprobs 4.9 KB). Past this many
+# entries (~1 GB) such a request is refused; 16 choices of 128k tokens with 20 top logprobs would hold 10 GB.
+MAX_WHOLE_LOGPROB_ENTRIES = 1 << 22
+
+
+def check_logprob_entries(
+    choices: int,
+    max_tokens: int,
+    num_logprobs: int | None,
+    field: str,
+    limit: int = MAX_WHOLE_LOGPROB_ENTRIES,
+) -> None:
+    """A 400 naming ``field`` when ``choices`` x ``max_tokens`` tokens of ``1 + num_logprobs`` entries each
+    pass ``limit``; nothing without logprobs."""
+    if num_logprobs is None:
+        return
+    entries = choices * max_tokens * (1 + num_logprobs)
+    if entries > limit:
+        raise APIError(
+            400,
+            f"{field}: {choices} choice(s) x {max_tokens} tokens x {1 + num_logprobs} logprobs each "
+            f"({entries} entries) exceed the {limit} one answer holds whole; stream it (stream=true), "
+            "or lower the output budget, the choices or the top logprobs",
+            field,
+        )
 
 
 @contextlib.contextmanager

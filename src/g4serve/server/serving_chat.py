@@ -24,11 +24,12 @@ from g4serve.processing.chat_template import (
     check_chat_template_kwargs,
 )
 from g4serve.sampling_params import SamplingParamsError
-from g4serve.server.errors import APIError, bad_request, parse_json_text
+from g4serve.server.errors import APIError, JsonBudget, bad_request, parse_json_text
 from g4serve.server.gemma4_output import Gemma4OutputParser
 from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
+from g4serve.server.json_body import JsonSlices, json_response
 from g4serve.server.protocol import ChatCompletionRequest, usage
-from g4serve.server.serving_base import OpenAIServing, budget_named
+from g4serve.server.serving_base import OpenAIServing, budget_named, check_logprob_entries
 from g4serve.server.streaming import Choice, finish_fields, ranked, safe_logprob, sse, sse_events
 from g4serve.structured import StructuredOutputError, StructuredSpec
 from g4serve.structured.reasoning import reasoning_token_count, thought_markers
@@ -77,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
             except ValueError as exc:
                 raise bad_request(exc) from None
             self.check_media(media.as_dict())
-            messages = [_template_message(m, i) for i, m in enumerate(messages)]
+            messages = template_messages(messages)
         thinking = self.thinking(req)
         with self.metrics.stage("render"):
             prompt = await self.render(req, messages, tools, thinking)
@@ -99,6 +100,9 @@ class OpenAIServingChat(OpenAIServing):
         processed = await self.process(
             {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
         )
+        if not req.stream:
+            room = self.engine.max_model_len - len(processed.token_ids)
+            check_logprob_entries(params.n, min(params.max_tokens or room, room), params.logprobs, "logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with budget_named(budget):
             admitted = await self.admit(processed, params, request_id, req.priority, model_name)
@@ -121,28 +125,31 @@ class OpenAIServingChat(OpenAIServing):
                 media_type="text/event-stream",
             )
         choices, cached = await self.collect(request, streams, params.n, received)
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model_name,
-            "choices": [
-                {
-                    "index": i,
-                    **chat_message(c, parser_factory),
-                    "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                    "stop_reason": c.stop_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
-            "usage": usage(
-                len(processed.token_ids),
-                sum(len(c.token_ids) for c in choices),
-                cached,
-                sum(c.num_forced_tokens for c in choices),
-                None if count_reasoning is None else sum(count_reasoning(c.token_ids) for c in choices),
-            ),
-        }
+        want_logprobs = params.logprobs is not None
+        return json_response(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": i,
+                        **chat_message(c, parser_factory),
+                        "logprobs": chat_logprobs(c.logprobs, whole=True) if want_logprobs else None,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for i, c in enumerate(choices)
+                ],
+                "usage": usage(
+                    len(processed.token_ids),
+                    sum(len(c.token_ids) for c in choices),
+                    cached,
+                    sum(c.num_forced_tokens for c in choices),
+                    None if count_reasoning is None else sum(count_reasoning(c.token_ids) for c in choices),
+                ),
+            }
+        )
 
     def tool_plan(self, req: ChatCompletionRequest) -> tuple[list | None, str | None]:
         """(the tools the template renders, the grammar that forces a call or None)."""
@@ -199,16 +206,19 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def thinking(req: ChatCompletionRequest) -> bool:
+        """Whether thinking is on: ``chat_template_kwargs.enable_thinking`` (a boolean: the string "false"
+        would be true to the template), else ``reasoning_effort`` (checked either way)."""
+        if req.reasoning_effort not in (None, "none", "minimal", "low", "medium", "high"):
+            raise APIError(
+                400, "reasoning_effort: must be none, minimal, low, medium or high", "reasoning_effort"
+            )
         kwargs = req.chat_template_kwargs or {}
         if "enable_thinking" in kwargs:
-            return bool(kwargs["enable_thinking"])
-        if req.reasoning_effort is not None:
-            if req.reasoning_effort not in ("none", "minimal", "low", "medium", "high"):
-                raise APIError(
-                    400, "reasoning_effort: must be none, minimal, low, medium or high", "reasoning_effort"
-                )
-            return req.reasoning_effort != "none"
-        return False
+            if not isinstance(kwargs["enable_thinking"], bool):
+                where = "chat_template_kwargs.enable_thinking"
+                raise APIError(400, f"{where}: must be true or false", where)
+            return kwargs["enable_thinking"]
+        return req.reasoning_effort not in (None, "none")
 
     async def render(
         self, req: ChatCompletionRequest, messages: list, tools: list | None = None, thinking: bool = False
@@ -282,7 +292,13 @@ class OpenAIServingChat(OpenAIServing):
         return call, executor, where
 
 
-def _template_message(message: dict, index: int) -> dict:
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as the template takes them; their calls' arguments parsed under one ``JsonBudget``."""
+    budget = JsonBudget()
+    return [_template_message(m, i, budget) for i, m in enumerate(messages)]
+
+
+def _template_message(message: dict, index: int, budget: JsonBudget) -> dict:
     """OpenAI sends a call's arguments as a JSON string; Gemma 4's template renders them from a dict."""
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not calls:
@@ -297,7 +313,7 @@ def _template_message(message: dict, index: int) -> dict:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             where = f"messages[{index}].tool_calls[{j}].function.arguments"
-            args = parse_json_text(args, where, "messages") if args.strip() else {}
+            args = parse_json_text(args, where, "messages", budget) if args.strip() else {}
         out.append({**call, "function": {**fn, "arguments": args}})
     return {**message, "tool_calls": out}
 
@@ -330,14 +346,19 @@ def token_entry(text: str | None, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": safe_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(entries: list[dict[int, Logprob]]) -> dict[str, Any]:
+def chat_logprobs(entries: list[dict[int, Logprob]], whole: bool = False) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` of ``entries``; ``whole`` (a whole answer's): made as its body is sent."""
+    return {"content": JsonSlices(entries, _chat_content) if whole else _chat_content(entries)}
+
+
+def _chat_content(entries) -> list[dict[str, Any]]:
     content = []
     for entry in entries:
         chosen = next(iter(entry.values()))
         item = token_entry(chosen.decoded_token, chosen.logprob)
         item["top_logprobs"] = [token_entry(lp.decoded_token, lp.logprob) for lp in ranked(entry)]
         content.append(item)
-    return {"content": content}
+    return content
 
 
 async def chat_stream(  # noqa: C901 - plain and parsed (tools, reasoning) deltas

@@ -14,8 +14,9 @@ from fastapi.responses import StreamingResponse
 from g4serve.engine.async_engine import StreamDelta
 from g4serve.outputs import Logprob
 from g4serve.server.errors import APIError
+from g4serve.server.json_body import JsonSlices, json_response
 from g4serve.server.protocol import CompletionRequest, usage
-from g4serve.server.serving_base import OpenAIServing
+from g4serve.server.serving_base import OpenAIServing, check_logprob_entries
 from g4serve.server.streaming import Choice, finish_fields, ranked, safe_logprob, sse_events
 
 
@@ -26,6 +27,9 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = self.check_model(req.model)
         prompts = self.check_prompts(req)
         params = self.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        if not req.stream:
+            max_tokens = min(params.max_tokens, self.engine.max_model_len)  # more is refused at admission
+            check_logprob_entries(len(prompts) * params.n, max_tokens, params.logprobs, "logprobs")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         processed_all, admitted = [], []
         for p_index, prompt in enumerate(prompts):
@@ -37,8 +41,10 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = self.stream(admitted)
         created = int(time.time())
         prompt_tokens = sum(len(p.token_ids) for p in processed_all)
+        # Token-id prompts are decoded (on the event loop) only when they are echoed.
         echo_texts = [
-            p.prompt if p.prompt is not None else self.tokenizer.decode(p.token_ids) for p in processed_all
+            p.prompt if p.prompt is not None else self.tokenizer.decode(p.token_ids)
+            for p in (processed_all if req.echo else ())
         ]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -57,28 +63,31 @@ class OpenAIServingCompletion(OpenAIServing):
                 media_type="text/event-stream",
             )
         choices, cached = await self.collect(request, streams, len(streams), received)
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [
-                {
-                    "index": i,
-                    "text": (echo_texts[i // params.n] if req.echo else "") + "".join(c.text),
-                    "logprobs": completion_logprobs(c.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
-            "usage": usage(
-                prompt_tokens,
-                sum(len(c.token_ids) for c in choices),
-                cached,
-                sum(c.num_forced_tokens for c in choices),
-            ),
-        }
+        want_logprobs = params.logprobs is not None
+        return json_response(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": (echo_texts[i // params.n] if req.echo else "") + "".join(c.text),
+                        "logprobs": completion_logprobs(c.logprobs, whole=True) if want_logprobs else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for i, c in enumerate(choices)
+                ],
+                "usage": usage(
+                    prompt_tokens,
+                    sum(len(c.token_ids) for c in choices),
+                    cached,
+                    sum(c.num_forced_tokens for c in choices),
+                ),
+            }
+        )
 
     @staticmethod
     def check_prompts(req: CompletionRequest) -> list:
@@ -94,17 +103,26 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompts
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]]) -> dict[str, Any]:
-    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+def completion_logprobs(entries: list[dict[int, Logprob]], whole: bool = False) -> dict[str, Any]:
+    """OpenAI's completion ``logprobs`` of ``entries``; ``whole`` (a whole answer's): the top logprobs, 20
+    a token, made as its body is sent."""
+    tokens, token_logprobs, offsets, offset = [], [], [], 0
     for entry in entries:
         chosen = next(iter(entry.values()))
         text = chosen.decoded_token or ""
         tokens.append(text)
         token_logprobs.append(safe_logprob(chosen.logprob))
-        top.append({lp.decoded_token or "": safe_logprob(lp.logprob) for lp in ranked(entry)} or None)
         offsets.append(offset)
         offset += len(text)
+    top = JsonSlices(entries, _top_logprobs) if whole else _top_logprobs(entries)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _top_logprobs(entries) -> list[dict[str, float] | None]:
+    return [
+        {lp.decoded_token or "": safe_logprob(lp.logprob) for lp in ranked(entry)} or None
+        for entry in entries
+    ]
 
 
 async def completion_stream(

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from g4serve.engine.async_engine import EngineDeadError
@@ -27,11 +27,18 @@ from g4serve.processing.chat import split_chat_messages
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.server.errors import APIError
 from g4serve.server.gemma4_output import Gemma4OutputParser, ParsedDelta
+from g4serve.server.json_body import json_response
 from g4serve.server.protocol import ChatCompletionRequest
 from g4serve.server.response_store import ResponseStore, StoredResponse
 from g4serve.server.responses_protocol import ResponsesRequest, input_messages, response_items
-from g4serve.server.serving_base import OpenAIServing, WaitingLimit, budget_named, run_watching_client
-from g4serve.server.serving_chat import MAX_MESSAGES, OpenAIServingChat, _template_message, chat_logprobs
+from g4serve.server.serving_base import (
+    OpenAIServing,
+    WaitingLimit,
+    budget_named,
+    check_logprob_entries,
+    run_watching_client,
+)
+from g4serve.server.serving_chat import MAX_MESSAGES, OpenAIServingChat, chat_logprobs, template_messages
 
 log = logging.getLogger("g4serve.server")
 
@@ -40,6 +47,10 @@ _MESSAGE_INDEX = re.compile(r"^messages\[(\d+)\]")
 _FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _RUNNING = ("queued", "in_progress")
 MAX_LIST_LIMIT = 100  # input_items: OpenAI's page sizes, 1 to 100 (default 20)
+# A response is kept whole (its output items, the store, the final event) and written at once, so its
+# logprob entries are bounded tighter than a chat answer's: 2^18 entries (12,483 tokens of 20 top logprobs)
+# are 20 MB of JSON, 0.4 s to write on the 2-core CPU.
+MAX_RESPONSE_LOGPROB_ENTRIES = 1 << 18
 
 
 class _Background:
@@ -95,11 +106,13 @@ class OpenAIServingResponses(OpenAIServing):
         job = self.background.get((self._owner(request), response_id))
         if job is None:
             entry = self._stored(request, response_id)
-            response, events = entry.response, entry.events
+            if not stream:
+                return Response(entry.body, media_type="application/json")
+            events = entry.events
         else:
-            response, events = copy.deepcopy(job.run.response), job.events
-        if not stream:
-            return response
+            if not stream:  # written at once, so as it stands now: no copy needed
+                return json_response(job.run.response)
+            events = job.events
         if events is None:
             raise APIError(
                 400,
@@ -118,15 +131,16 @@ class OpenAIServingResponses(OpenAIServing):
         self.store.delete(owner, response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    async def cancel(self, request: Request, response_id: str) -> dict[str, Any]:
+    async def cancel(self, request: Request, response_id: str) -> Response:
         """Cancel a background response: its engine request is aborted (its KV blocks freed), and it is kept
         ``cancelled`` with the output so far. Cancelling it again answers the same; a finished or a
         foreground response is a 400."""
         job = self.background.get((self._owner(request), response_id))
         if job is not None:
             await _cancelled(job)
-            return copy.deepcopy(job.run.response)
-        response = self._stored(request, response_id).response
+            return json_response(job.run.response)
+        entry = self._stored(request, response_id)
+        response = entry.response
         if not response.get("background"):
             raise APIError(
                 400,
@@ -139,9 +153,9 @@ class OpenAIServingResponses(OpenAIServing):
                 f"response_id: cannot cancel a response that has finished (status {response['status']!r})",
                 "response_id",
             )
-        return response
+        return Response(entry.body, media_type="application/json")
 
-    def input_items(self, request: Request, response_id: str) -> dict[str, Any]:
+    def input_items(self, request: Request, response_id: str) -> Response:
         """The items of the conversation that led to the response (earlier turns' inputs and outputs with
         ``previous_response_id``, then this request's input), in OpenAI's list shape and paging."""
         job = self.background.get((self._owner(request), response_id))
@@ -160,13 +174,15 @@ class OpenAIServingResponses(OpenAIServing):
             if start is None:
                 raise APIError(400, f"after: no item {after[:64]!r} in this response's input", "after")
         page = ordered[start : start + limit]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + limit < len(ordered),
-        }
+        return json_response(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": start + limit < len(ordered),
+            }
+        )
 
     @staticmethod
     def _owner(request: Request) -> str:
@@ -208,6 +224,14 @@ class OpenAIServingResponses(OpenAIServing):
         parse_tools = bool(tools) and chat_req.tool_choice != "none"
         prompt = _Prompt(system, history, turn, chat_req, tools, thinking)
         processed = await self._fit(prompt, req)
+        room = self.engine.max_model_len - len(processed.token_ids)
+        check_logprob_entries(
+            1,
+            min(req.max_output_tokens or room, room),
+            params.logprobs,
+            "top_logprobs",
+            MAX_RESPONSE_LOGPROB_ENTRIES,
+        )
         response_id = f"resp_{uuid.uuid4().hex}"
         with budget_named(budget):
             admitted = await self.admit(processed, params, response_id, 0, model_name)
@@ -319,9 +343,13 @@ class OpenAIServingResponses(OpenAIServing):
     async def _try(self, prompt: _Prompt, start: int, max_tokens: int) -> tuple[ProcessedPrompt | None, str]:
         """(the processed prompt of the conversation from message ``start`` on, or None where it is longer
         than ``max_tokens``; its size in words)."""
-        messages, media = self._split(prompt, start)
-        if len(messages) > MAX_MESSAGES:  # more than one prompt takes: as a conversation that does not fit
-            return None, f"{len(messages)} messages, over the {MAX_MESSAGES} a prompt takes"
+        kept = prompt.kept(start)
+        count = len(prompt.system) + len(kept)
+        # More than one prompt takes: as a conversation that does not fit, known before its messages are
+        # split and checked (a 100,000-item input split ~17 times by the truncation search held the loop 2 s).
+        if count > MAX_MESSAGES:
+            return None, f"{count} messages, over the {MAX_MESSAGES} a prompt takes"
+        messages, media = self._split(prompt, kept)
         text = await self.chat.render(prompt.chat_req, messages, prompt.tools, prompt.thinking)
         try:
             processed = await self.process(
@@ -334,11 +362,10 @@ class OpenAIServingResponses(OpenAIServing):
         size = len(processed.token_ids)
         return (processed if size <= max_tokens else None), f"{size} tokens"
 
-    def _split(self, prompt: _Prompt, start: int = 0):
-        """Chat messages ready for the template (the conversation from message ``start`` on, its system
-        messages kept), and their media, checked as the chat endpoint checks them; an error names the
-        Responses field (``input[2].content[1]...``), not the chat message."""
-        kept = [i for i, m in enumerate(prompt.conversation) if i >= start or m.get("role") == "system"]
+    def _split(self, prompt: _Prompt, kept: list[int]):
+        """Chat messages ready for the template (the conversation's messages ``kept``), and their media,
+        checked as the chat endpoint checks them; an error names the Responses field
+        (``input[2].content[1]...``), not the chat message."""
         messages = [*prompt.system, *(prompt.conversation[i] for i in kept)]
         first_input = len(prompt.history)
 
@@ -361,13 +388,13 @@ class OpenAIServingResponses(OpenAIServing):
         except APIError as exc:
             raise APIError(exc.status, exc.message.replace("messages:", "input:", 1), "input") from None
         try:
-            messages = [_template_message(m, i) for i, m in enumerate(messages)]
+            messages = template_messages(messages)
         except APIError as exc:
             raise APIError(400, _MESSAGE_INDEX.sub(rename, exc.message), "input") from None
         return messages, media
 
     # ---- running it -------------------------------------------------------------------------------------
-    async def _whole(self, request: Request, events: AsyncIterator[dict]) -> dict[str, Any]:
+    async def _whole(self, request: Request, events: AsyncIterator[dict]) -> Response:
         """Run the events to the end for a non-streaming answer; a client disconnect aborts the request."""
         final: dict[str, Any] = {}
 
@@ -377,7 +404,7 @@ class OpenAIServingResponses(OpenAIServing):
                     final.update(event["response"])
 
         await run_watching_client(request, consume())
-        return final
+        return json_response(final)
 
     def _check_background_room(self) -> None:
         if len(self.background) >= self.max_background:
@@ -444,6 +471,10 @@ class _Prompt:
         self.chat_req = chat_req
         self.tools = tools
         self.thinking = thinking
+
+    def kept(self, start: int) -> list[int]:
+        """The messages a prompt from message ``start`` on holds: those from there, and system ones."""
+        return [i for i, m in enumerate(self.conversation) if i >= start or m.get("role") == "system"]
 
     def turn_starts(self) -> list[int]:
         """The messages (after the first) at which truncation may cut: a user message (so whole turns go),
@@ -659,9 +690,11 @@ class _Run:
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.input_tokens + self.output_tokens,
         }
+        # Final: nothing changes the response after this, so the store and the last event share it (copies
+        # of a response with 20 top logprobs a token cost 1.4 s each per 12,483 tokens on the 2-core CPU).
         if self.on_done is not None:
-            self.on_done(copy.deepcopy(self.response))
-        return self.snapshot(f"response.{status}")
+            self.on_done(self.response)
+        return {"type": f"response.{status}", "response": self.response}
 
     # ---- items ---------------------------------------------------------------------------------------
     def _feed(self, parsed: ParsedDelta, logprobs: list = ()) -> list[dict[str, Any]]:

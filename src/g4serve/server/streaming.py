@@ -27,9 +27,10 @@ class Choice:
     num_forced_tokens: int = 0  # of token_ids, those jump-forward appended
 
 
-def accumulate(choice: Choice, delta: StreamDelta) -> None:
+def accumulate(choice: Choice, delta: StreamDelta, keep_logprobs: bool = True) -> None:
     choice.text.append(delta.text)
-    choice.logprobs.extend(delta_logprobs(choice, delta))
+    if keep_logprobs:
+        choice.logprobs.extend(delta_logprobs(choice, delta))
     choice.token_ids.extend(delta.token_ids)
     choice.num_forced_tokens = delta.num_forced_tokens
     if delta.finished:
@@ -45,7 +46,8 @@ def delta_logprobs(choice: Choice, delta: StreamDelta) -> list[dict[int, Logprob
 
 
 def safe_logprob(logprob: float) -> float:
-    return max(logprob, _MIN_LOGPROB)
+    # NaN to the floor too: JSON has no NaN, and a whole answer's entries are written after its status.
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB
 
 
 def ranked(entry: dict[int, Logprob]) -> list[Logprob]:
@@ -80,7 +82,9 @@ async def sse_events(
             choice = choices.setdefault(index, Choice())
             new_logprobs = delta_logprobs(choice, delta)
             event = choice_event(index, choice, delta, new_logprobs)
-            accumulate(choice, delta)
+            # Sent, so not kept: a stream would otherwise hold every token's logprob entries to its end
+            # (~230 bytes an entry; no answer-size bound applies to a stream).
+            accumulate(choice, delta, keep_logprobs=False)
             cached = delta.num_cached_tokens
             if prompt_tokens is None:  # chat: one prompt, shared by the choices
                 prompt_tokens = delta.num_prompt_tokens
