@@ -176,6 +176,37 @@ def test_a_hostile_adapter_is_refused_and_the_server_serves_on(setup):
     assert _complete(client, "all", PROMPTS[0]) == expected["all"][0]
 
 
+@pytest.mark.parametrize("linked", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_file_linked_from_outside_the_root_is_refused(setup, lora_adapter, linked):
+    """The adapter's directory lies under --lora-root, but a file in it may be a link: to an adapter outside
+    the root (what the root is meant to keep out), or to any file the server can read (its error would
+    quote a config file's parse error). Files are resolved and must lie under the root too."""
+    running, root, client, expected = setup
+    linking = root / f"linking-{linked.split('.')[0]}"
+    shutil.copytree(root / "qv", linking)
+    (linking / linked).unlink()
+    (linking / linked).symlink_to(lora_adapter("mlp")[1] / linked)  # an adapter outside the root
+    r = _post(running, "/v1/load_lora_adapter", {"lora_name": "linked", "lora_path": linking.name})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (
+        error["param"] == "lora_path"
+        and f"{linked}: lies outside the server's --lora-root" in error["message"]
+    )
+    assert str(root) not in error["message"] and "linked" not in [m.id for m in client.models.list().data]
+    inside = (
+        root / f"{linking.name}-inside"
+    )  # a link that stays under the root is followed (an HF cache's blobs)
+    shutil.copytree(root / "qv", inside)
+    (inside / linked).unlink()
+    (inside / linked).symlink_to(root / "qv" / linked)
+    r = _post(running, "/v1/load_lora_adapter", {"lora_name": "inside", "lora_path": inside.name})
+    assert r.status_code == 200, r.text
+    assert _post(running, "/v1/unload_lora_adapter", {"lora_name": "inside"}).status_code == 200
+    assert _complete(client, "all", PROMPTS[0]) == expected["all"][0]
+    running.wait_idle()
+
+
 def test_run_time_loading_is_off_without_lora_root(lora_adapter, server_factory):
     base, all_dir, _ = lora_adapter("all")
     running = server_factory(base, "--lora-modules", f"all={all_dir}", "--max-lora-rank", "8", "--text-only")

@@ -495,12 +495,12 @@ class AsyncLLMEngine:
         return self.profiler
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str, confine_to: str | None = None) -> None:
         """Read and check the adapter in the preprocessing pool (file reads), then load it into a slot on
-        the engine thread. ``ValueError`` names what is wrong."""
+        the engine thread. ``ValueError`` names what is wrong. ``confine_to``: as ``LLMEngine.load_lora``."""
         engine = self.engine
         engine.lora_registry().check_name(name)
-        adapter = await self._in_pool(engine.read_lora, path)
+        adapter = await self._in_pool(engine.read_lora, path, confine_to)
         await self._on_engine_thread(lambda: engine.add_lora(name, adapter))
 
     async def unload_lora(self, name: str) -> None:

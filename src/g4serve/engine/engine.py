@@ -441,15 +441,16 @@ class LLMEngine:
             raise ValueError("lora_name: this engine serves no LoRA adapters (start it with --enable-lora)")
         return self.lora
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, confine_to: str | None = None) -> None:
         """Read, check and load the PEFT adapter at ``path`` under ``name``. Raises ``ValueError`` naming
-        what is wrong."""
+        what is wrong. ``confine_to``: a directory its files must lie under, links resolved."""
         self.lora_registry().check_name(name)
-        self.add_lora(name, self.read_lora(path))
+        self.add_lora(name, self.read_lora(path, confine_to))
 
-    def read_lora(self, path: str) -> LoRAAdapter:
+    def read_lora(self, path: str, confine_to: str | None = None) -> LoRAAdapter:
         """Read and check an adapter for this model (file reads only: any thread)."""
-        return load_peft_adapter(path, self.model_config.text, self.config.max_lora_rank, self.dtype)
+        cfg, rank = self.model_config.text, self.config.max_lora_rank
+        return load_peft_adapter(path, cfg, rank, self.dtype, confine_to=confine_to)
 
     def add_lora(self, name: str, adapter: LoRAAdapter) -> None:
         """Load a read adapter into a free slot (engine thread, between steps)."""

@@ -58,15 +58,20 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def load_peft_adapter(path: str | Path, cfg: TextConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check the adapter in directory ``path`` for a decoder of config ``cfg``."""
+def load_peft_adapter(
+    path: str | Path, cfg: TextConfig, max_rank: int, dtype: torch.dtype, confine_to: str | Path | None = None
+) -> LoRAAdapter:
+    """Read and check the adapter in directory ``path`` for a decoder of config ``cfg``. ``confine_to``: a
+    directory every file read must lie under once its links are resolved (a run-time load's ``--lora-root``:
+    the directory named lies under it, but a file in it may link anywhere the server can read)."""
     root = Path(path)
     if not root.is_dir():
         raise LoRAAdapterError(f"{path}: is not a directory")
-    scales = _Scales(_read_config(root))
+    files = _AdapterFiles(root, Path(confine_to).resolve() if confine_to is not None else None)
+    scales = _Scales(_read_config(files))
     shapes = projection_shapes(cfg)
     weights, rank = {}, 0
-    for (layer, module), (name, a, b) in sorted(_read_pairs(root, cfg, shapes, max_rank).items()):
+    for (layer, module), (name, a, b) in sorted(_read_pairs(files, cfg, shapes, max_rank).items()):
         n_in, n_out = shapes[layer, module]
         r = a.shape[0] if a.ndim == 2 else -1
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
@@ -83,11 +88,30 @@ def load_peft_adapter(path: str | Path, cfg: TextConfig, max_rank: int, dtype: t
     return LoRAAdapter(str(path), rank, weights)
 
 
+class _AdapterFiles:
+    """The adapter directory's files, each resolved and, with ``confine_to``, required to lie under it. The
+    resolved path is what is read, so a link swapped in after the check needs write access under the root
+    (whoever has it can place any adapter there anyway)."""
+
+    def __init__(self, root: Path, confine_to: Path | None):
+        self.root = root
+        self.confine_to = confine_to
+
+    def __call__(self, name: str) -> Path:
+        file = self.root / name
+        if self.confine_to is None or not file.exists():
+            return file
+        resolved = file.resolve()
+        if not resolved.is_relative_to(self.confine_to):
+            raise LoRAAdapterError(f"{name}: lies outside the server's --lora-root (a link out of it)")
+        return resolved
+
+
 def _read_pairs(
-    root: Path, cfg: TextConfig, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int
+    files: _AdapterFiles, cfg: TextConfig, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int
 ) -> dict[tuple[int, str], tuple[str, torch.Tensor, torch.Tensor]]:
     """(module name, lora_A, lora_B) per (layer, module) from the safetensors file, every key checked."""
-    weights_file = _weights_file(root, shapes, max_rank)
+    weights_file = _weights_file(files, shapes, max_rank)
     parts: dict[tuple[int, str], dict] = {}
     try:
         with safe_open(str(weights_file), framework="pt") as f:
@@ -112,13 +136,15 @@ def _read_pairs(
     return {key: (found["name"], found["A"], found["B"]) for key, found in parts.items()}
 
 
-def _weights_file(root: Path, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int) -> Path:
+def _weights_file(
+    files: _AdapterFiles, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int
+) -> Path:
     """The safetensors file, if no larger than the largest adapter of rank <= ``max_rank`` (fp32)."""
-    weights_file = root / WEIGHTS_NAME
+    weights_file = files(WEIGHTS_NAME)
     if not weights_file.is_file():
-        pickled = (root / "adapter_model.bin").exists()
+        pickled = (files.root / "adapter_model.bin").exists()
         why = " (adapter_model.bin is a pickle, which g4serve never loads: save with safetensors)"
-        raise LoRAAdapterError(f"{root}: has no {WEIGHTS_NAME}{why if pickled else ''}")
+        raise LoRAAdapterError(f"{files.root}: has no {WEIGHTS_NAME}{why if pickled else ''}")
     largest = sum((n_in + n_out) * max_rank * 4 for n_in, n_out in shapes.values()) + _HEADER_SLACK_BYTES
     size = weights_file.stat().st_size
     if size > largest:
@@ -129,10 +155,10 @@ def _weights_file(root: Path, shapes: dict[tuple[int, str], tuple[int, int]], ma
     return weights_file
 
 
-def _read_config(root: Path) -> dict:
-    file = root / CONFIG_NAME
+def _read_config(files: _AdapterFiles) -> dict:
+    file = files(CONFIG_NAME)
     if not file.is_file():
-        raise LoRAAdapterError(f"{root}: has no {CONFIG_NAME}")
+        raise LoRAAdapterError(f"{files.root}: has no {CONFIG_NAME}")
     if file.stat().st_size > MAX_CONFIG_BYTES:
         raise LoRAAdapterError(f"{CONFIG_NAME}: larger than {MAX_CONFIG_BYTES} bytes")
     try:

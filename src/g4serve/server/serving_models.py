@@ -122,7 +122,7 @@ class OpenAIServingLoRA:
             raise APIError(400, f"lora_name: '{name}' is the base model's name", param="lora_name")
         path = self.models.adapter_path(body["lora_path"])
         try:
-            await self.engine.load_lora(name, path)
+            await self.engine.load_lora(name, path, confine_to=str(self.models.lora_root))
         except LoRAAdapterError as exc:
             # The message names the file at fault relative to the adapter, never the server's directories.
             message = str(exc).replace(path, body["lora_path"])
