@@ -193,6 +193,12 @@ def test_decode_matches_transformers(tok: Tokenizer, hf) -> None:
             assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), ids
 
 
+def test_token_text_is_one_tokens_decode_kept_for_vocabulary_ids(tok: Tokenizer, hf) -> None:
+    ids = list(range(tok.vocab_size + 5)) * 2  # every id twice (the second from the cache), 5 unknown ones
+    assert [tok.token_text(i) for i in ids] == [hf.decode([i]) for i in ids]
+    assert len(tok._token_texts) == tok.vocab_size  # unknown ids are not kept
+
+
 def test_round_trip(tok: Tokenizer) -> None:
     # Like every SentencePiece-style tokenizer (Gemma's included), a literal "▁" decodes as a space.
     for text in TEXTS:

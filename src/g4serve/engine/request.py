@@ -194,12 +194,12 @@ class Request:
     def _append(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
-            entry = {token_id: Logprob(logprob, decoded_token=self.tokenizer.decode([token_id]))}
+            entry = {token_id: Logprob(logprob, decoded_token=self.tokenizer.token_text(token_id))}
             for rank, (tid, lp) in enumerate(top or [], start=1):
                 if tid in entry:
                     entry[tid].rank = rank
                 else:
-                    entry[tid] = Logprob(lp, rank=rank, decoded_token=self.tokenizer.decode([tid]))
+                    entry[tid] = Logprob(lp, rank=rank, decoded_token=self.tokenizer.token_text(tid))
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         min_tokens_done = len(self.output_token_ids) >= self.sampling_params.min_tokens

@@ -173,6 +173,7 @@ class Tokenizer:
         config = dict(config or {})
         self.name_or_path = name_or_path
         self._backend = backend
+        self._token_texts: dict[int, str] = {}  # token_text's, at most one entry a vocabulary id
         # transformers ignores tokenizer.json's padding/truncation unless asked per call.
         backend.no_padding()
         backend.no_truncation()
@@ -346,6 +347,17 @@ class Tokenizer:
                 (" 're", "'re"),
             ):
                 text = text.replace(a, b)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """``decode([token_id])``, kept: a request with logprobs decodes its token and each of its top
+        alternatives at every step, on the engine thread (21 decodes a token at 20 top logprobs, ~1 us each
+        on the 2-core CPU: ~1.4 ms a step at 64 such rows); the same ids come back step after step."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id])
+            if self.id_to_token(token_id) is not None:  # only vocabulary ids: the cache is at most its size
+                self._token_texts[token_id] = text
         return text
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
