@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from PIL import Image
 
 from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, _put_all
 from g4serve.engine.engine import EngineConfig, LLMEngine
+from g4serve.engine.request import Request
 from g4serve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -563,3 +565,24 @@ def test_work_queued_for_the_pool_when_the_engine_stops_ends_in_engine_dead(tiny
     finally:
         release.set()
         aengine.shutdown()
+
+
+def test_a_stream_hands_over_its_logprobs_and_keeps_none(tiny_model_dir, aengine):
+    """Each delta carries its tokens' logprob entries, the same as the synchronous engine's whole list, and
+    the engine lets go of them: a stream of 128k tokens with 20 top logprobs held ~630 MB of entries."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    prompt = _user("What is my checking account balance?")
+    held = []
+    take = Request.take_logprob_delta
+
+    def taking(request):
+        taken = take(request)
+        held.append(len(request.logprobs))
+        return taken
+
+    with mock.patch.object(Request, "take_logprob_delta", taking):
+        deltas = asyncio.run(_collect(aengine, prompt, params))
+    (want,) = _sync_outputs(make_engine(tiny_model_dir), [prompt], params).values()
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+    assert [e for d in deltas for e in d.logprobs] == want.logprobs
+    assert held and set(held) == {0}

@@ -44,7 +44,7 @@ class StreamDelta:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_output_tokens: int
-    logprobs: list | None = None
+    logprobs: list | None = None  # the entries of token_ids' tokens (a logprobs request), one each
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     num_forced_tokens: int = 0  # of the num_output_tokens, how many jump-forward appended (not sampled)
@@ -311,6 +311,7 @@ class AsyncLLMEngine:
             # Here, on the engine thread, so text, tokens and finish state are read consistently.
             text = request.take_stream_delta()
             token_ids = request.take_token_delta()
+            logprobs = request.take_logprob_delta()
         except Exception as exc:  # this request's state is broken: it fails alone
             log.exception("request %s: its output could not be streamed", out.request_id)
             self.engine.abort_request(out.request_id)
@@ -326,7 +327,7 @@ class AsyncLLMEngine:
             stop_reason=completion.stop_reason,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=len(completion.token_ids),
-            logprobs=completion.logprobs,
+            logprobs=logprobs,
             metrics=out.metrics,
             num_cached_tokens=out.num_cached_tokens,
             num_forced_tokens=completion.num_forced_tokens,

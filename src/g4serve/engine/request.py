@@ -265,6 +265,16 @@ class Request:
         self._streamed_chars = end
         return delta
 
+    def take_logprob_delta(self) -> list[dict[int, Logprob]] | None:
+        """The logprob entries of the output tokens since the previous call (None without logprobs), let go
+        of here: the stream's reader keeps what it needs, and a long request with 20 top logprobs would
+        otherwise hold ~5 KB of entries a token until it ends (a stream of 16 choices of 128k tokens,
+        ~10 GB). ``completion().logprobs`` then holds the entries not taken yet."""
+        if self.logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
     def take_token_delta(self) -> list[int]:
         """Output tokens not yet streamed (a step's sample, or several: drafts accepted, text forced)."""
         delta = self.output_token_ids[self._streamed_tokens :]

@@ -144,9 +144,10 @@ class TokenCounts:
     Counting from the whole lists at every step made a step's host time grow with the penalised requests'
     prompts and outputs (a 128k-token prompt and output: 28 ms a step on the 2-core CPU, 0.16 kept) and with
     the other rows' (64 rows of 32k tokens, one penalised: 305 ms; bench/hostile_inputs.py): now a step
-    reads the new tokens only, and only the penalised rows'. Row 0 stays zero, for rows without penalties. The rows are
-    one pool that doubles when full; ``release`` (the engine's, when a request finishes) zeroes a row for
-    the next request, and holding them costs 5 bytes x V a live penalised request (1.3 MB at Gemma 4's 262k).
+    reads the new tokens only, and only the penalised rows'. Row 0 stays zero, for rows without penalties.
+    The rows are one pool that doubles when full; ``release`` (the engine's, when a request finishes) zeroes
+    a row for the next request, and holding them costs 5 bytes x V a live penalised request (1.3 MB at
+    Gemma 4's 262k).
     A penalised request neither speculates nor rolls back, so its outputs only grow; a shorter list than
     counted is counted anew all the same."""
 

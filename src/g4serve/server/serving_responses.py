@@ -658,8 +658,8 @@ class _Run:
             parsed.reasoning += last.reasoning
             parsed.tool_calls += last.tool_calls
         logprobs = []
-        if self.want_logprobs and delta.logprobs:  # the engine hands over the request's whole list
-            entries = delta.logprobs[self.output_tokens : self.output_tokens + len(delta.token_ids)]
+        if self.want_logprobs and delta.logprobs:  # the entries of the delta's tokens
+            entries = delta.logprobs
             # Special tokens never reach the text: they have no logprobs there either.
             skip = self.special_tokens
             logprobs = [e for e in entries if next(iter(e.values())).decoded_token not in skip]

@@ -38,11 +38,8 @@ def accumulate(choice: Choice, delta: StreamDelta, keep_logprobs: bool = True) -
 
 
 def delta_logprobs(choice: Choice, delta: StreamDelta) -> list[dict[int, Logprob]]:
-    """The delta's tokens' logprobs (the engine hands over the request's whole list)."""
-    if not delta.logprobs:
-        return []
-    start = len(choice.token_ids)
-    return list(delta.logprobs[start : start + len(delta.token_ids)])
+    """The delta's tokens' logprobs (the engine hands over those of the delta's tokens only)."""
+    return list(delta.logprobs or ())
 
 
 def safe_logprob(logprob: float) -> float:
