@@ -18,12 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from g4serve.cli import build_parser
-from g4serve.deploy.body_budget import BodyLimits, body_limits_from_args
 from g4serve.deploy.membership import DnsTarget, dns_target, resolve
 from g4serve.deploy.proxy import RouterConfig, build_router_app
 from g4serve.deploy.relay import whole_events
 from g4serve.deploy.replica_pool import replica_url
 from g4serve.deploy.router_cli import router_config_from_args
+from g4serve.server.body_budget import BodyLimits, body_limits_from_args
 
 CHAT = "/v1/chat/completions"
 

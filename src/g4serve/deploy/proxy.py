@@ -20,7 +20,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS, REPLICA_HEADER
-from g4serve.deploy.body_budget import BodyLimits
 from g4serve.deploy.membership import DnsTarget, Membership
 from g4serve.deploy.relay import (
     ClientGone,
@@ -35,6 +34,7 @@ from g4serve.deploy.relay import (
 from g4serve.deploy.replica_pool import Replica, ReplicaPool
 from g4serve.deploy.router import LoadBound, place
 from g4serve.deploy.router_metrics import RouterMetrics, placement_label
+from g4serve.server.body_budget import BodyLimits
 
 log = logging.getLogger("g4serve.router")
 

@@ -32,7 +32,6 @@ from starlette.types import Message
 
 from g4serve.deploy.affinity import NO_KEY, AffinityKey
 from g4serve.deploy.asgi_call import AppLifespan, ForwardedRequest, call_app
-from g4serve.deploy.body_budget import BodyLimits, body_limits_from_args
 from g4serve.deploy.relay import (
     ClientGone,
     ReadBody,
@@ -45,6 +44,7 @@ from g4serve.deploy.relay import (
 )
 from g4serve.deploy.router import LoadBound, place, rendezvous_order
 from g4serve.deploy.router_metrics import placement_label
+from g4serve.server.body_budget import BodyLimits, body_limits_from_args
 from g4serve.server.errors import engine_unavailable
 
 log = logging.getLogger("g4serve.router")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS
-from g4serve.deploy.body_budget import add_body_limit_arguments
 from g4serve.deploy.router import LoadBound
 
 DISTRIBUTED_EXTRA_HINT = "--ray needs the distributed extra: pip install 'g4serve[distributed]'"
@@ -14,7 +13,9 @@ DISTRIBUTED_EXTRA_HINT = "--ray needs the distributed extra: pip install 'g4serv
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     """Flags for the Ray Serve deployment; every other ``serve`` flag configures each replica (--host and
-    --port: Ray Serve's HTTP proxy, --drain-timeout: a replica's grace period on scale-down)."""
+    --port: Ray Serve's HTTP proxy, --drain-timeout: a replica's grace period on scale-down; the body limits,
+    --max-request-body-bytes, --max-buffered-body-bytes and --request-body-timeout: each ingress replica
+    too)."""
     bound = LoadBound()
     group = p.add_argument_group("Ray Serve (--ray)")
     group.add_argument("--ray", action="store_true", help="serve data-parallel replicas on Ray Serve")
@@ -56,7 +57,6 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-chars", type=int, default=DEFAULT_PREFIX_CHARS, help="as `g4serve router`'s")
     group.add_argument("--load-factor", type=float, default=bound.factor, help="as `g4serve router`'s")
     group.add_argument("--load-slack", type=int, default=bound.slack, help="as `g4serve router`'s")
-    add_body_limit_arguments(group)  # the ingress's, per ingress replica; the cap is --max-request-body-bytes
 
 
 def serve_command(args: argparse.Namespace) -> int:

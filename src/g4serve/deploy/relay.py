@@ -1,6 +1,6 @@
-"""The HTTP edge both routers share: a request's body (read under the limits of ``body_budget``) and key, a
-replica's answer passed on to the client, and what the client sees when the replica fails or the router waits
-on a client that left.
+"""The HTTP edge both routers share: a request's body (read under the limits of ``server.body_budget``, the
+server's own) and key, a replica's answer passed on to the client, and what the client sees when the replica
+fails or the router waits on a client that left.
 
 Event streams pass through as they arrive, a whole event at a time: if the replica dies mid-stream the
 client gets the events sent so far, then an ``error`` event and ``[DONE]`` (the server's own shape for a
@@ -22,8 +22,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from g4serve.deploy.affinity import REPLICA_HEADER, AffinityKey, parse_object, payload_affinity
-from g4serve.deploy.body_budget import BodyBudget, BodyClaim, BodyLimits, OverBudget
 from g4serve.server.body import JsonBodyReader, put_blobs, read_into
+from g4serve.server.body_budget import BodyBudget, BodyClaim, BodyLimits, OverBudget
+from g4serve.server.guard import declared_length
 
 # Per-connection headers (RFC 9110 section 7.6.1) and the ones the response object computes itself.
 HOP_BY_HOP = frozenset(
@@ -151,7 +152,7 @@ class RequestBodies:
     async def _read(self, request: Request, claim: BodyClaim) -> ReadBody | Response:
         cap, deadline_s = self.limits.max_request_body_bytes, self.limits.request_body_timeout_s
         too_large = f"request body exceeds the router's limit of {cap} bytes"
-        declared = declared_length(request)
+        declared = declared_length(request.headers)
         if declared is not None and declared > cap:  # at once, not after reading cap bytes of it
             return self._refuse(413, too_large)
         try:
@@ -187,12 +188,6 @@ class RequestBodies:
         if self.on_refused is not None:
             self.on_refused(status)
         return error_response(status, message, headers)
-
-
-def declared_length(request: Request) -> int | None:
-    """The body's Content-Length; None for a chunked body (uvicorn answers a malformed length with a 400)."""
-    length = request.headers.get("content-length")
-    return int(length) if length is not None and length.isdigit() else None
 
 
 def request_key(request: Request, body: ReadBody, prefix_chars: int) -> AffinityKey:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from g4serve.deploy.affinity import DEFAULT_PREFIX_CHARS
-from g4serve.deploy.body_budget import BodyLimits, add_body_limit_arguments, body_limits_from_args
 from g4serve.deploy.router import LoadBound
+from g4serve.server.body_budget import BodyLimits, add_body_limit_arguments, body_limits_from_args
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,8 +2,9 @@
 
 ``build_app`` wires the parts: the serving objects (``serving_chat.OpenAIServingChat``,
 ``serving_completion.OpenAIServingCompletion``, ``serving_models.OpenAIServingModels``) on ``app.state``,
-the routers of ``routes.py``, the error handlers, and ``guard.GuardMiddleware`` (the API key and the body
-size, checked before anything reads the body).
+the routers of ``routes.py``, the error handlers, and ``guard.GuardMiddleware`` (the API key, checked before
+anything reads the body, and the limits on request bodies: their size, the budget for the bodies held at
+once, ``app.state.body_budget``, and the deadline for a body to arrive).
 Every request is validated before it reaches the engine, so a bad one costs a 400 naming the field and
 nothing else; a client that disconnects aborts its requests, which frees their KV blocks.
 """
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from g4serve.server import routes
+from g4serve.server.body_budget import BodyBudget
 from g4serve.server.config import ServerConfig
 from g4serve.server.errors import error_response, install_error_handlers
 from g4serve.server.guard import GuardMiddleware
@@ -64,6 +66,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.engine = engine
     app.state.config = config
     app.state.metrics = metrics
+    app.state.body_budget = body_budget = BodyBudget(config.body_limits.max_buffered_body_bytes)
     if config.lora_root is not None and not config.api_key:
         raise ValueError("lora_root: run-time LoRA loading needs an api_key")
     clash = sorted(set(served) & set(engine.lora_names()))
@@ -104,6 +107,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         metrics.observe_error(exc.status)
         return error_response(exc.status, str(exc))
 
-    app.add_middleware(GuardMiddleware, config=config, count_error=metrics.observe_error, in_flight=in_flight)
+    app.add_middleware(
+        GuardMiddleware,
+        config=config,
+        count_error=metrics.observe_error,
+        in_flight=in_flight,
+        budget=body_budget,
+    )
 
     return app

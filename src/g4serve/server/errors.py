@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from g4serve import envs
 from g4serve.server.body import JsonBodyReader, put_blobs, read_into
@@ -127,8 +128,8 @@ def bad_request(exc: Exception, prefix: str | None = None) -> APIError:
 
 def install_error_handlers(app: FastAPI, count_error: Callable[[int], None], log: logging.Logger) -> None:
     """The error responses of every g4serve app: an ``APIError`` as raised, HTTP errors with their status,
-    request validation as a 400, anything else as a logged 500. ``count_error(status)`` sees the
-    ``APIError``s and the 500s (the app's error metric)."""
+    request validation as a 400, a client gone before its body arrived as a 499, anything else as a logged
+    500. ``count_error(status)`` sees the ``APIError``s, the 499s and the 500s (the app's error metric)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -138,6 +139,13 @@ def install_error_handlers(app: FastAPI, count_error: Callable[[int], None], log
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_request: Request, _exc: ClientDisconnect) -> JSONResponse:
+        # The client left before its whole body arrived: nobody reads the answer, and nothing failed here
+        # (it was a logged 500 with a traceback).
+        count_error(499)
+        return error_response(499, "client disconnected before sending its whole body")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

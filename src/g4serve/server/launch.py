@@ -15,6 +15,7 @@ from g4serve.config import PRESETS
 from g4serve.engine.config import EngineConfig
 from g4serve.engine_args import add_engine_arguments
 from g4serve.engine_args import engine_config_from_args as engine_config
+from g4serve.server.body_budget import BodyLimits, add_body_limit_arguments, body_limits_from_args
 
 log = logging.getLogger("g4serve.server")
 
@@ -61,7 +62,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="allow file:// media under this directory (default: data: URLs only)",
     )
-    p.add_argument("--max-request-body-bytes", type=int, default=64 << 20)
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=BodyLimits.max_request_body_bytes,
+        help="a request body past this gets a 413 (at once when its Content-Length says so)",
+    )
+    add_body_limit_arguments(p)  # with --ray, they bound each ingress replica too
     p.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -121,6 +128,7 @@ def build_from_args(args: argparse.Namespace):
     from g4serve.engine.async_engine import AsyncLLMEngine
     from g4serve.server.app import ServerConfig, build_app
 
+    body_limits = body_limits_from_args(args)  # ValueError: main prints it and exits 2, before any loading
     if args.lora_root is not None:
         if not args.api_key:
             raise SystemExit(
@@ -135,7 +143,9 @@ def build_from_args(args: argparse.Namespace):
     config = ServerConfig(
         served_model_names=served_names(args),
         api_key=args.api_key,
-        max_request_body_bytes=args.max_request_body_bytes,
+        max_request_body_bytes=body_limits.max_request_body_bytes,
+        max_buffered_body_bytes=body_limits.max_buffered_body_bytes,
+        request_body_timeout_s=body_limits.request_body_timeout_s,
         allowed_local_media_path=args.allowed_local_media_path,
         drain_timeout_s=args.drain_timeout,
         max_waiting_requests=args.max_waiting_requests or None,

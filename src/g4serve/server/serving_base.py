@@ -25,6 +25,7 @@ from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams, SamplingParamsError
 from g4serve.server.config import ServerConfig
 from g4serve.server.errors import APIError, bad_request, read_json_object
+from g4serve.server.guard import body_handed_over
 from g4serve.server.metrics import ServerMetrics
 from g4serve.server.serving_models import OpenAIServingModels
 from g4serve.server.streaming import Choice, accumulate
@@ -213,8 +214,14 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(exc) from None
 
-    def stream(self, requests: list[EngineRequest]) -> list[AsyncIterator[StreamDelta]]:
-        return [self.engine.add(request) for request in requests]
+    def stream(
+        self, requests: list[EngineRequest], http_request: Request
+    ) -> list[AsyncIterator[StreamDelta]]:
+        """Hand the admitted requests to the engine; from here the HTTP request's body no longer counts in
+        the server's budget for buffered bodies (``guard.body_handed_over``)."""
+        streams = [self.engine.add(request) for request in requests]
+        body_handed_over(http_request)
+        return streams
 
     def record(self, delta: StreamDelta, received: float) -> None:
         if delta.finished:

@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with budget_named(budget):
             admitted = await self.admit(processed, params, request_id, req.priority, model_name)
-        streams = self.stream(admitted)
+        streams = self.stream(admitted, request)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 processed, params, f"{request_id}-{p_index}", req.priority, model_name
             )
             processed_all.append(processed)
-        streams = self.stream(admitted)
+        streams = self.stream(admitted, request)
         created = int(time.time())
         prompt_tokens = sum(len(p.token_ids) for p in processed_all)
         # Token-id prompts are decoded (on the event loop) only when they are echoed.

@@ -237,7 +237,7 @@ class OpenAIServingResponses(OpenAIServing):
             admitted = await self.admit(processed, params, response_id, 0, model_name)
         if req.background:
             self._check_background_room()  # again: others may have started while this one was prepared
-        streams = self.stream(admitted)
+        streams = self.stream(admitted, request)
         run = _Run(
             _skeleton(req, response_id, model_name),
             Gemma4OutputParser(specials, parse_tools),

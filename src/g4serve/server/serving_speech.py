@@ -100,7 +100,7 @@ class OpenAIServingSpeech(OpenAIServing):
         wave = await self.decode(req.audio)
         bounds = speech_chunk_bounds(wave, max(output_samples_cap(self.media_limits), 2), SAMPLING_RATE)
         prompts = await self.prepare(req, [wave[start:end] for start, end in bounds])
-        streams = self.stream(await self.admit_clips(req, prompts))
+        streams = self.stream(await self.admit_clips(req, prompts), request)
         counts = _TokenCounts.of(prompts)
         if req.stream:
             deltas = self.merged(streams, received)  # every clip decodes at once (one engine batch)
