@@ -225,6 +225,7 @@ class Assistant:
         # the threads waiting on it filled the event loop's default pool. Kept while a policy of theirs lives.
         self._policy_locks: weakref.WeakValueDictionary[str, threading.RLock] = weakref.WeakValueDictionary()
         self._session_locks: dict[str, list] = {}
+        self._customer_locks: dict[str, list] = {}
         # All audio work (decoding, VAD, ASR) runs on this one thread. Why one: torch calls from several
         # threads each start their own OpenMP team, whose spinning workers starve one another on a small
         # CPU (measured: streaming VAD went from ~0.1 s to 2-4 s per utterance once two threads used it).
@@ -412,24 +413,22 @@ class Assistant:
         )
         return result
 
-    @asynccontextmanager
-    async def _session_turn(self, session_id: str) -> AsyncIterator[None]:
+    def _session_turn(self, session_id: str):
         """One turn (or logout) of a session at a time in this process (a shared store's lease does it
         across replicas)."""
-        entry = self._session_locks.setdefault(session_id, [asyncio.Lock(), 0])  # [lock, turns using it]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:  # nobody holds or waits for it: do not keep one lock per session ever seen
-                del self._session_locks[session_id]
+        return _held(self._session_locks, session_id)
+
+    def _customer_decision(self, customer_id: str):
+        """One decision of a customer at a time, waited for here on the event loop. The policy's own lock
+        (``_policy_locks``) would make a turn wait in a worker thread: a few sessions of one customer
+        behind a hanging bank call filled the default pool (6 threads on 2 cores), and every other
+        customer's turn queued behind them."""
+        return _held(self._customer_locks, customer_id)
 
     async def end_session(self, caller: Caller) -> None:
         """Logout: cancels the session's pending action in the bank (as a replacing request does) and forgets
         its dialogue state; the cancellation is audited. BankUnavailableError leaves both as they were."""
-        async with self._session_turn(caller.session_id):
+        async with self._session_turn(caller.session_id), self._customer_decision(caller.customer_id):
             rows = await asyncio.to_thread(self._end, caller)
         if rows:
             await asyncio.to_thread(self.record, caller, rows)
@@ -537,9 +536,10 @@ class Assistant:
                 )
             documents = None
             with clock.stage("policy"):
-                decision = await asyncio.to_thread(
-                    customer.policy.decide, session, result, normalized.text, caller.action_id
-                )
+                async with self._customer_decision(caller.customer_id):
+                    decision = await asyncio.to_thread(
+                        customer.policy.decide, session, result, normalized.text, caller.action_id
+                    )
                 reply = decision.reply
                 if decision.intent == "qna":
                     hits = self.knowledge.search(normalized.text)
@@ -774,6 +774,21 @@ class Utterance:
 
 
 _POLICY_QNA_FALLBACK = "Let me look that up for you."
+
+
+@asynccontextmanager
+async def _held(locks: dict[str, list], key: str) -> AsyncIterator[None]:
+    """``key``'s asyncio lock in ``locks``, made on first use and dropped once nobody holds or waits for it
+    (one lock per session or customer ever seen would never be freed)."""
+    entry = locks.setdefault(key, [asyncio.Lock(), 0])  # [lock, turns using it]
+    entry[1] += 1
+    try:
+        async with entry[0]:
+            yield
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del locks[key]
 
 
 def _with_answer(policy_reply: str, answer: str) -> str:

@@ -5,6 +5,7 @@ QnA."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 
@@ -435,3 +436,42 @@ def test_a_bank_call_that_hangs_holds_up_no_other_customer(assistant, monkeypatc
     replies, confirmed = asyncio.run(scenario())
     assert all(r.intent == "balance_inquiry" for r in replies)
     assert confirmed.executed
+
+
+def test_one_customers_waiting_turns_hold_no_worker_threads(assistant, monkeypatch):
+    """A customer's decisions run one at a time. Its turns that wait for the one inside a hanging bank call
+    waited in worker threads, so a few sessions of one customer filled the event loop's small pool (6
+    threads on 2 cores) and every other customer's turn queued behind them. They wait on the event loop."""
+    proposal = turn(assistant, "slow", "send 40 dollars to Tom Wilson")
+    view = assistant.customer(DEMO_CUSTOMER_ID).view
+    started, gate = threading.Event(), threading.Event()
+    real = view.execute_transfer
+
+    def hanging(*args, **kwargs):
+        started.set()
+        assert gate.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(view, "execute_transfer", hanging)
+    yes = Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"])
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(3))
+        confirming = asyncio.create_task(assistant.turn(yes, text="yes"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        mine = [  # more of the same customer's sessions than the pool has threads
+            asyncio.create_task(assistant.turn(Caller(DEMO_CUSTOMER_ID, f"s{i}"), text="what's my balance"))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0.2)
+        other = Caller(DEMO_CUSTOMER_2_ID, "other", {"ip": "test"})
+        try:
+            reply = await asyncio.wait_for(assistant.turn(other, text="what's my balance"), 5)
+        finally:
+            gate.set()
+        return reply, await confirming, await asyncio.gather(*mine)
+
+    reply, confirmed, mine = asyncio.run(scenario())
+    assert reply.intent == "balance_inquiry" and confirmed.executed
+    assert all(r.intent == "balance_inquiry" for r in mine)
