@@ -250,3 +250,43 @@ def test_a_stream_does_not_keep_what_it_has_sent():
 
     asyncio.run(main())
     assert alive == [1]  # the last delta's, still in hand
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", _chat(max_tokens=8)),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": ["balance " * 50, "hi"], "max_tokens": 8, "echo": True},
+        ),
+    ],
+    ids=["chat", "completions"],
+)
+def test_a_whole_answer_does_not_keep_the_request_body_while_it_waits(server, monkeypatch, path, body):
+    """The body counts in the server's budget until the request is in the engine; a whole (not streamed)
+    answer then waits for the generation, and its handler kept the parsed request (base64 media up to the
+    body cap, a few hundred of them at once) and its rendered prompt alive the whole time, outside it."""
+    from g4serve.server.serving_base import OpenAIServing
+
+    requests, alive = [], []
+    read, collect = OpenAIServing.read, OpenAIServing.collect
+
+    async def reading(self, request, model):
+        parsed = await read(self, request, model)
+        requests.append(weakref.ref(parsed))
+        return parsed
+
+    async def collecting(self, *args, **kwargs):
+        gc.collect()
+        alive.append(requests[-1]() is not None)
+        return await collect(self, *args, **kwargs)
+
+    monkeypatch.setattr(OpenAIServing, "read", reading)
+    monkeypatch.setattr(OpenAIServing, "collect", collecting)
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert alive == [False]
+    if "prompt" in body:  # the echoed prompts are kept
+        first, second = (c["text"] for c in r.json()["choices"])
+        assert first.startswith("balance " * 50) and second.startswith("hi")

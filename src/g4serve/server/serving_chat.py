@@ -124,6 +124,11 @@ class OpenAIServingChat(OpenAIServing):
                 ),
                 media_type="text/event-stream",
             )
+        num_prompt_tokens = len(processed.token_ids)
+        # A whole answer waits here for its choices. The body counted in the budget until the request was
+        # in the engine, which holds what it needs: the parsed request (base64 media up to the body cap),
+        # its messages and rendered prompt are let go of, not kept for the whole generation.
+        del req, messages, media, prompt, tools, processed
         choices, cached = await self.collect(request, streams, params.n, received)
         want_logprobs = params.logprobs is not None
         return json_response(
@@ -142,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
                     for i, c in enumerate(choices)
                 ],
                 "usage": usage(
-                    len(processed.token_ids),
+                    num_prompt_tokens,
                     sum(len(c.token_ids) for c in choices),
                     cached,
                     sum(c.num_forced_tokens for c in choices),

@@ -62,6 +62,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 ),
                 media_type="text/event-stream",
             )
+        echo = req.echo
+        # As in chat: a whole answer waits here, and the parsed request and its prompts are let go of (the
+        # echoed texts, when asked for, are all it keeps).
+        req = prompts = processed_all = processed = prompt = None
         choices, cached = await self.collect(request, streams, len(streams), received)
         want_logprobs = params.logprobs is not None
         return json_response(
@@ -73,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "choices": [
                     {
                         "index": i,
-                        "text": (echo_texts[i // params.n] if req.echo else "") + "".join(c.text),
+                        "text": (echo_texts[i // params.n] if echo else "") + "".join(c.text),
                         "logprobs": completion_logprobs(c.logprobs, whole=True) if want_logprobs else None,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
