@@ -10,7 +10,6 @@ import datetime as dt
 import logging
 import threading
 import time
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -220,12 +219,8 @@ class Assistant:
         self._max_customers = max_cached_customers
         self._max_recognizers = max_cached_recognizers
         self._cache_lock = threading.Lock()
-        # One decision at a time per customer (Policy's lock): a decision holds it through its bank calls, so
-        # one lock for everyone let one customer's slow bank call hold up every other customer's turn, and
-        # the threads waiting on it filled the event loop's default pool. Kept while a policy of theirs lives.
-        self._policy_locks: weakref.WeakValueDictionary[str, threading.RLock] = weakref.WeakValueDictionary()
         self._session_locks: dict[str, list] = {}
-        self._customer_locks: dict[str, list] = {}
+        self._customer_locks: dict[str, list] = {}  # _customer_decision's
         # All audio work (decoding, VAD, ASR) runs on this one thread. Why one: torch calls from several
         # threads each start their own OpenMP team, whose spinning workers starve one another on a small
         # CPU (measured: streaming VAD went from ~0.1 s to 2-4 s per utterance once two threads used it).
@@ -246,11 +241,7 @@ class Assistant:
         if cached is not None and cached.view.version == cached.version:
             return cached
         view = self.bank.customer(customer_id)
-        with self._cache_lock:  # a policy rebuilt while the old one decides shares its lock
-            lock = self._policy_locks.get(customer_id)
-            if lock is None:
-                lock = self._policy_locks[customer_id] = threading.RLock()
-        policy = Policy(view, limits_minor=self.limits_minor, lock=lock, claims=self.sessions)
+        policy = Policy(view, limits_minor=self.limits_minor, claims=self.sessions)
         built = _Customer(view, policy, self.intent_threshold)
         with self._cache_lock:
             self._customers[customer_id] = built
@@ -419,10 +410,11 @@ class Assistant:
         return _held(self._session_locks, session_id)
 
     def _customer_decision(self, customer_id: str):
-        """One decision of a customer at a time, waited for here on the event loop. The policy's own lock
-        (``_policy_locks``) would make a turn wait in a worker thread: a few sessions of one customer
-        behind a hanging bank call filled the default pool (6 threads on 2 cores), and every other
-        customer's turn queued behind them."""
+        """One decision (or logout) of a customer at a time in this process, held through its bank calls and
+        waited for on the event loop. One lock for all customers let one customer's hanging bank call hold
+        up every other customer's turn; a lock waited for in a worker thread let a few sessions of one
+        customer behind it fill the default pool (6 threads on 2 cores), and every other customer's turn
+        queued behind them. (A rebuilt policy, its records changed, is serialised with the old one here.)"""
         return _held(self._customer_locks, customer_id)
 
     async def end_session(self, caller: Caller) -> None:

@@ -284,7 +284,6 @@ class Policy:
         limits_minor: dict[str, int] | None = None,
         confirm_ttl_s: float = CONFIRM_TTL_S,
         clock: Callable[[], float] = time.time,
-        lock: threading.RLock | None = None,
         claims: ActionClaims | None = None,
     ):
         self.db = db  # one customer's records: every id the policy acts on is looked up in them
@@ -292,10 +291,10 @@ class Policy:
         self.confirm_ttl_s = confirm_ttl_s
         self.clock = clock
         # One decision at a time: a turn reads and then writes session and bank state, and two turns of
-        # one session (a retried request) must not both execute the same confirmation. Shared by every
-        # policy of one customer (``lock``, the assistant's), as a session's turns may come from any thread;
-        # not across customers, whose states and records are disjoint: a slow bank call holds up only its own.
-        self._lock = lock or threading.RLock()
+        # one session (a retried request) must not both execute the same confirmation, from whichever thread
+        # they come. The assistant also serialises each customer's decisions across its policies
+        # (``Assistant._customer_decision``), never across customers: a slow bank call holds up only its own.
+        self._lock = threading.RLock()
         # Across processes the lock is not enough: a confirmation also claims its action in the shared store.
         self.claims = claims
 

@@ -404,10 +404,9 @@ def test_an_impossible_date_or_an_unreadable_amount_is_a_question(assistant):
     assert assistant.db.transfers() == []
 
 
-def test_a_bank_call_that_hangs_holds_up_no_other_customer(assistant, monkeypatch):
-    """A decision holds its customer's lock while it calls the bank (a remote one may take its whole timeout).
-    With one lock for all customers, every other customer's turn waited behind it, and the threads waiting
-    filled the event loop's small default pool."""
+def _hanging_confirmation(assistant, monkeypatch) -> tuple[Caller, threading.Event, threading.Event]:
+    """The first demo customer's proposal, and the yes confirming it, whose bank execution hangs (``started``
+    set) until ``gate`` is set."""
     proposal = turn(assistant, "slow", "send 40 dollars to Tom Wilson")
     view = assistant.customer(DEMO_CUSTOMER_ID).view
     started, gate = threading.Event(), threading.Event()
@@ -419,7 +418,14 @@ def test_a_bank_call_that_hangs_holds_up_no_other_customer(assistant, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(view, "execute_transfer", hanging)
-    yes = Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"])
+    return Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"]), started, gate
+
+
+def test_a_bank_call_that_hangs_holds_up_no_other_customer(assistant, monkeypatch):
+    """A decision holds its customer's lock while it calls the bank (a remote one may take its whole timeout).
+    With one lock for all customers, every other customer's turn waited behind it, and the threads waiting
+    filled the event loop's small default pool."""
+    yes, started, gate = _hanging_confirmation(assistant, monkeypatch)
 
     async def scenario():
         confirming = asyncio.create_task(assistant.turn(yes, text="yes"))
@@ -442,18 +448,7 @@ def test_one_customers_waiting_turns_hold_no_worker_threads(assistant, monkeypat
     """A customer's decisions run one at a time. Its turns that wait for the one inside a hanging bank call
     waited in worker threads, so a few sessions of one customer filled the event loop's small pool (6
     threads on 2 cores) and every other customer's turn queued behind them. They wait on the event loop."""
-    proposal = turn(assistant, "slow", "send 40 dollars to Tom Wilson")
-    view = assistant.customer(DEMO_CUSTOMER_ID).view
-    started, gate = threading.Event(), threading.Event()
-    real = view.execute_transfer
-
-    def hanging(*args, **kwargs):
-        started.set()
-        assert gate.wait(20)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(view, "execute_transfer", hanging)
-    yes = Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"])
+    yes, started, gate = _hanging_confirmation(assistant, monkeypatch)
 
     async def scenario():
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(3))

@@ -3,10 +3,9 @@
 Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``). Running requests go first, decodes before partial prefills; then waiting
 requests are admitted (in arrival order, or by priority then arrival with ``scheduling_policy="priority"``)
-with chunked prefill. With
-``max_prefill_tokens_beside_decodes``, a step that holds decodes gives prefill chunks at most that
-many tokens (the decodes' step time stays bounded); a step without decodes gives them the whole
-budget. ``max_encoder_tokens_beside_decodes`` bounds the step's media encodes the same way: a video
+with chunked prefill. With ``max_prefill_tokens_beside_decodes``, a step that holds decodes gives prefill
+chunks at most that many tokens (the decodes' step time stays bounded); a step without decodes gives them
+the whole budget. ``max_encoder_tokens_beside_decodes`` bounds the step's media encodes the same way: a video
 encodes the frames that fit (at least one a step) and its prefill follows the frames already
 encoded. When the KV pools run out, the last running request in that order is preempted (its blocks
 freed, recomputed later); nothing crashes. A chunk never splits a bidirectional image span, and
@@ -97,9 +96,8 @@ class Scheduler:
         ``encoder_token_budget``, ``enable_chunked_prefill``, ``overlap_encoder``, ``scheduling_policy``).
         ``priority``: the order key (lower first), by default ``scheduling_policy``'s.
         ``bidirectional_spans``: the model attends bidirectionally inside images, so a chunk never splits
-        one. With
-        ``overlap_encoder`` media are encoded ahead, off the step (``EncoderRunner.start``): a chunk stops
-        before media whose soft tokens are not cached yet, and the encodes it asks for run while other
+        one. With ``overlap_encoder`` media are encoded ahead, off the step (``EncoderRunner.start``): a chunk
+        stops before media whose soft tokens are not cached yet, and the encodes it asks for run while other
         requests' steps go on. ``encoder_frames_done``: frames of a partly encoded video (the cache's)."""
         self.config = config
         self.bidirectional_spans = bidirectional_spans
