@@ -24,7 +24,10 @@ input of the same kind:
   128k-token prompt and output, its counts kept from the step before (only the new token is read), against
   counting them anew;
 - the router re-cutting one 32 MB server-sent event that arrives in 64 KB reads (``relay.whole_events``: it
-  took 6.8 s while each read re-searched and re-copied all that was pending), against 512 small events.
+  took 6.8 s while each read re-searched and re-copied all that was pending), against 512 small events;
+- a 64 MiB JSON body of ``{}`` values (refused by its value count before parsing; it took 40 s and 3 GB
+  parsed and walked), and a whole chat answer of 16 x 1,000 tokens x 20 top logprobs encoded as FastAPI did
+  (one hold of the event loop) against written 64 tokens at a time.
 
 Writes JSON with the machine, commit and command.
 
@@ -47,15 +50,19 @@ from collections.abc import Callable
 
 import numpy as np
 import soundfile
+from fastapi.encoders import jsonable_encoder
 
 from g4serve.bench.meta import command_line, device_name, git_commit, write_result_json
 from g4serve.deploy.relay import whole_events
 from g4serve.engine.engine import EngineConfig, LLMEngine
 from g4serve.layers.sampler import SamplingBatch, TokenCounts
+from g4serve.outputs import Logprob
 from g4serve.processing.audio import load_audio
 from g4serve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from g4serve.server.errors import APIError, parse_json_object
 from g4serve.server.gemma4_tools import check_tools, forced_call_grammar
+from g4serve.server.json_body import json_response
+from g4serve.server.serving_chat import chat_logprobs
 from g4serve.structured import StructuredSpec
 
 
@@ -189,6 +196,38 @@ def _event_stream_cases() -> dict[str, Callable[[], object]]:
     }
 
 
+def _json_cases() -> dict[str, Callable[[], object]]:
+    """A 64 MiB body of ``{},`` (``parse_json_object``: refused by its value count before it is parsed),
+    against 250,000 values (under the bound: parsed). And a whole chat answer of 16 choices x 1,000 tokens x
+    20 top logprobs (28 MB of JSON): what FastAPI did with the returned dict (``jsonable_encoder``, then a
+    dump, in one hold of the event loop) against ``json_response``, which writes the logprobs 64 tokens at a
+    time (the whole body; and one slice, the event loop's longest hold)."""
+    many = b'{"a":[' + b"{}," * ((64 << 20) // 3 - 4) + b"{}]}"
+    parsed = b'{"a":[' + b"{}," * 249_999 + b"{}]}"
+    entries = [
+        {t: Logprob(-0.1 * r, r + 1, f"tok{t}") for r, t in enumerate(range(i, i + 21))} for i in range(1000)
+    ]
+
+    def answer(whole: bool) -> dict:
+        choices = [{"index": i, "logprobs": chat_logprobs(entries, whole=whole)} for i in range(16)]
+        return {"object": "chat.completion", "choices": choices}
+
+    async def written() -> int:
+        return sum([len(piece) async for piece in json_response(answer(True)).body_iterator])
+
+    return {
+        "json body, 64 MiB of {} values (refused before parsing)": lambda: parse_json_object(many),
+        "json body, 250,000 {} values (parsed)": lambda: parse_json_object(parsed),
+        "whole answer, 16 x 1000 tokens x 20 logprobs, FastAPI's encoding (before)": lambda: json.dumps(
+            jsonable_encoder(answer(False))
+        ),
+        "whole answer, the same written in slices (after)": lambda: asyncio.run(written()),
+        "whole answer, one slice of 64 tokens (after: the longest hold)": lambda: json.dumps(
+            chat_logprobs(entries[:64])
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
@@ -229,7 +268,7 @@ def main() -> None:
     for count in (2_000, 10_000):
         turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(count)]
         cases[f"chat template, {count} messages"] = lambda t=turns: engine.tokenizer.apply_chat_template(t)
-    cases |= _forced_text_cases() | _penalty_cases() | _event_stream_cases()
+    cases |= _forced_text_cases() | _penalty_cases() | _event_stream_cases() | _json_cases()
     if args.only is not None:
         cases = {name: call for name, call in cases.items() if any(part in name for part in args.only)}
     results = {name: measure(call, args.reps) for name, call in cases.items()}
