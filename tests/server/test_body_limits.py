@@ -86,13 +86,24 @@ def read_answer(s: socket.socket) -> tuple[int, bytes, bytes]:
     return int(status_line.split()[1]), headers.lower(), body
 
 
-DECODE_TOKENS = 1000  # ~7 s on a 2-core CPU: still decoding when the hostile bodies are answered
+DECODE_TOKENS = 1000
+# Each engine step waits this long while the decode beside runs: its 1,000 steps then take at least 5 s,
+# past every deadline here whatever the machine (unpaced, a fast CI machine finished them in ~3 s, before a
+# trickled body's 408).
+STEP_PAUSE_S = 0.005
 
 
 def decode_beside(server: Any, answers: list) -> threading.Thread:
     """A long decode, in the engine (its body given back) when this returns, run while the hostile bodies
-    arrive."""
+    arrive; ``assert_decoded`` ends its pacing."""
     body = chat_body(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=0)
+    engine, step = server.engine, server.engine.step
+
+    def paced():
+        time.sleep(STEP_PAUSE_S)
+        return step()
+
+    engine.step = paced  # the engine thread looks it up at every step
 
     def run() -> None:
         answers.append(httpx.post(f"{server.base_url}{CHAT}", content=body, timeout=120))
@@ -104,8 +115,9 @@ def decode_beside(server: Any, answers: list) -> threading.Thread:
     return thread
 
 
-def assert_decoded(thread: threading.Thread, answers: list) -> None:
+def assert_decoded(server: Any, thread: threading.Thread, answers: list) -> None:
     thread.join(120)
+    del server.engine.step  # the class's again
     assert answers and answers[0].status_code == 200, answers
     assert answers[0].json()["usage"]["completion_tokens"] == DECODE_TOKENS
 
@@ -159,7 +171,7 @@ def test_bodies_past_the_budget_get_a_503_at_once_and_the_budget_comes_back(limi
             assert client.post(CHAT, content=body).status_code == 200
             assert client.post(CHAT, content=chunked()).status_code == 200
     assert held(limited) == 0
-    assert_decoded(decode, answers)
+    assert_decoded(limited, decode, answers)
 
 
 @pytest.mark.parametrize("trickle", [False, True], ids=["never", "trickled"])
@@ -182,7 +194,7 @@ def test_a_body_that_never_arrives_whole_gets_a_408_and_the_connection_closes(li
     assert "whole request body" in json.loads(body)["error"]["message"]
     assert DEADLINE_S <= elapsed < DEADLINE_S + 1.0, elapsed
     assert held(limited) == 0
-    assert_decoded(decode, answers)
+    assert_decoded(limited, decode, answers)
     assert httpx.post(f"{limited.base_url}{CHAT}", content=chat_body(), timeout=20).status_code == 200
 
 
