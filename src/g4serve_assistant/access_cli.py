@@ -10,10 +10,14 @@ import os
 import secrets
 from pathlib import Path
 
+from g4serve.server.body_budget import add_body_limit_arguments, body_limits_from_args
+
 log = logging.getLogger("g4serve_assistant")
 
 SECRET_ENV = "G4SERVE_ASSISTANT_SECRET"
 ADMIN_KEY_ENV = "G4SERVE_ASSISTANT_ADMIN_KEY"
+# A turn's audio is at most 30 s of WAV, ~1.3 MB as base64.
+ASSISTANT_MAX_BODY_BYTES = 8 << 20
 
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +68,13 @@ def add_access_arguments(p: argparse.ArgumentParser) -> None:
         help="SQLite file of the hash-chained audit trail (default: the --db database; with --bank-url, "
         "<cache>/assistant/audit.db)",
     )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=ASSISTANT_MAX_BODY_BYTES,
+        help="largest request body accepted (413 past it, before it is read)",
+    )
+    add_body_limit_arguments(g)
 
 
 def add_mint_token_parser(sub: argparse._SubParsersAction) -> None:
@@ -127,6 +138,7 @@ def access_from_args(args: argparse.Namespace, *, demo: bool = False):
         session_ttl_s=args.session_ttl,
         metrics_public=args.metrics_public,
         test_login=test_login,
+        body_limits=body_limits_from_args(args),
     ), audit_key(secret if args.session_secret_file or os.environ.get(SECRET_ENV) else None)
 
 

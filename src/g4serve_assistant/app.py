@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from g4serve.server.body_budget import BodyBudget, BodyLimits
 from g4serve.server.errors import (
     APIError,
     error_response,
@@ -29,6 +30,8 @@ from g4serve.server.errors import (
     read_json_object,
     valid_text,
 )
+from g4serve.server.guard import BodyLimitsMiddleware
+from g4serve_assistant.access_cli import ASSISTANT_MAX_BODY_BYTES
 from g4serve_assistant.audio import SAMPLE_RATE, AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve_assistant.audit import AuditRow
 from g4serve_assistant.auth import (
@@ -89,6 +92,7 @@ class AccessSettings:
     session_ttl_s: float = 3600.0
     metrics_public: bool = False
     test_login: bool = False
+    body_limits: BodyLimits = field(default_factory=lambda: BodyLimits(ASSISTANT_MAX_BODY_BYTES))
     sessions: CustomerSessions | None = field(default=None, repr=False)
 
     @classmethod
@@ -109,7 +113,6 @@ def build_app(
     assistant: Assistant,
     access: AccessSettings,
     *,
-    max_request_body_bytes: int = 8 << 20,
     warmup: bool = True,
     owns_engine: bool = True,
 ) -> FastAPI:
@@ -141,7 +144,20 @@ def build_app(
     install_error_handlers(app, lambda status: metrics.errors.labels(status=str(status)).inc(), log)
     install_assistant_errors(app)
 
-    install_guard(app, gate, max_request_body_bytes)
+    # Inside the guard: the refusals on a body's headers (413, 503) are audited as the guard's own are. A body
+    # counts as it is read (the routes check the token first), so a client without one holds none of the
+    # budget; every read ends by the deadline, /test-login's too.
+    body_limits = access.body_limits
+    app.state.body_budget = BodyBudget(body_limits.max_buffered_body_bytes)
+    app.add_middleware(
+        BodyLimitsMiddleware,
+        limits=body_limits,
+        where="assistant",
+        budget=app.state.body_budget,
+        hold_declared=False,
+        on_refused=lambda status: metrics.errors.labels(status=str(status)).inc(),
+    )
+    install_guard(app, gate)
 
     if access.cors_origins:
         # Outside the guard: a preflight gets its CORS answer; the request itself is still guarded.
@@ -157,7 +173,7 @@ def build_app(
     app.include_router(pages_router(assistant, gate))
     if access.test_login:
         app.include_router(test_login_router(gate))
-    app.include_router(assistant_router(assistant, gate, max_request_body_bytes))
+    app.include_router(assistant_router(assistant, gate, body_limits.max_request_body_bytes))
     app.include_router(admin_router(assistant, gate))
     return app
 
@@ -214,9 +230,9 @@ def install_assistant_errors(app: FastAPI) -> None:
         return error_response(503, "bank: unavailable, please try again", "bank", {"Retry-After": "5"})
 
 
-def install_guard(app: FastAPI, gate: Gate, max_request_body_bytes: int) -> None:
-    """The middleware that checks every request before routing (``Gate.check_http``, the body size) and
-    audits every refusal and failure (the routes audit what they accept)."""
+def install_guard(app: FastAPI, gate: Gate) -> None:
+    """The middleware that checks every request before routing (``Gate.check_http``) and audits every refusal
+    and failure (the routes audit what they accept), the body limits' refusals among them."""
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
@@ -225,12 +241,6 @@ def install_guard(app: FastAPI, gate: Gate, max_request_body_bytes: int) -> None
         try:
             gate.check_http(request.method, request.url.path, request.headers, request.url.scheme, client)
         except AuthError as exc:
-            return gate.refuse(request, exc)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_body_bytes:
-            exc = AuthError(
-                413, f"request body of {length} bytes exceeds the limit of {max_request_body_bytes} bytes"
-            )
             return gate.refuse(request, exc)
         try:
             response = await call_next(request)

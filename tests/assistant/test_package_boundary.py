@@ -37,6 +37,15 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
         "read_json_object",
         "valid_text",
     },
+    # the limits on request bodies the API server and the routers keep (a cap, a budget over the bodies held
+    # at once, a deadline), their flags and the middleware that enforces them: one definition for every app
+    "g4serve.server.body_budget": {
+        "BodyBudget",
+        "BodyLimits",
+        "add_body_limit_arguments",
+        "body_limits_from_args",
+    },
+    "g4serve.server.guard": {"BodyLimitsMiddleware"},
     # band-limited resampling to 16 kHz: a pure function (array in, array out), no engine state
     "g4serve.processing.audio": {"resample"},
     # the server's media limits: the assistant's WAV parser takes the same sample-rate bounds

@@ -23,8 +23,9 @@ from starlette.types import Receive, Scope, Send
 
 from g4serve.deploy.affinity import REPLICA_HEADER, AffinityKey, parse_object, payload_affinity
 from g4serve.server.body import JsonBodyReader, put_blobs, read_into
-from g4serve.server.body_budget import BodyBudget, BodyClaim, BodyLimits, OverBudget
-from g4serve.server.guard import declared_length
+from g4serve.server.body_budget import BodyBudget, BodyClaim, BodyLimits
+from g4serve.server.errors import APIError
+from g4serve.server.guard import LimitedBody, admit_body
 
 # Per-connection headers (RFC 9110 section 7.6.1) and the ones the response object computes itself.
 HOP_BY_HOP = frozenset(
@@ -103,19 +104,12 @@ class ReadBody:
     payload: dict | None
 
 
-async def read_body(
-    request: Request, max_bytes: int, hold: Callable[[int], None] | None = None
-) -> ReadBody | None:
-    """The request body, or None past ``max_bytes`` (read no further). ``hold(bytes read)`` is called before
-    each chunk is kept: it may raise to stop the read (the router's body budget)."""
+async def read_body(request: Request, max_bytes: int) -> ReadBody | None:
+    """The request body, or None past ``max_bytes`` (read no further)."""
     chunks, reader = [], JsonBodyReader(digest=True)
 
     async def kept() -> AsyncIterator[bytes]:  # the chunks, kept for forwarding as they are read
-        size = 0
         async for chunk in request.stream():
-            size += len(chunk)
-            if hold is not None:
-                hold(size)
             chunks.append(chunk)
             yield chunk
 
@@ -133,8 +127,9 @@ async def read_body(
 
 
 class RequestBodies:
-    """Reads a router's request bodies under its ``BodyLimits``, with one budget for the process it runs in.
-    ``on_refused(status)`` is told of each request it answers itself (the standalone router's metrics)."""
+    """Reads a router's request bodies under its ``BodyLimits``, with one budget for the process it runs in,
+    by the server's own checks (``server.guard``: ``admit_body``, ``LimitedBody``). ``on_refused(status)`` is
+    told of each request it answers itself (the standalone router's metrics)."""
 
     def __init__(self, limits: BodyLimits, on_refused: Callable[[int], None] | None = None):
         self.limits = limits
@@ -145,49 +140,25 @@ class RequestBodies:
     async def held(self, request: Request) -> AsyncIterator[ReadBody | Response]:
         """The body, or the router's own answer: 413 past the per-request cap, 503 past the budget for bodies
         held at once, 408 past the deadline for reading it (a slowloris client), 499 for a client gone. The
-        body counts in the budget until the block ends."""
+        body counts in the budget, from its declared length on, until the block ends."""
         with self.budget.claim() as claim:
             yield await self._read(request, claim)
 
     async def _read(self, request: Request, claim: BodyClaim) -> ReadBody | Response:
-        cap, deadline_s = self.limits.max_request_body_bytes, self.limits.request_body_timeout_s
-        too_large = f"request body exceeds the router's limit of {cap} bytes"
-        declared = declared_length(request.headers)
-        if declared is not None and declared > cap:  # at once, not after reading cap bytes of it
-            return self._refuse(413, too_large)
         try:
-            claim.grow_to(declared or 0)  # a declared length whole: refused before a byte of it is read
-            async with asyncio.timeout(deadline_s):
-                body = await read_body(request, cap, claim.grow_to)  # a chunked body as it arrives
-        except OverBudget:
-            # 503, not 429: the router as a whole is short of room, not this client over a rate of its own,
-            # and a load balancer in front retries a 503 on another router. The connection stays open:
-            # uvicorn drops the rest of a body sent whole and the client reads this answer (closing on an
-            # unread body can reset the connection before it does).
-            return self._refuse(
-                503,
-                f"request body: the router's budget for buffered request bodies "
-                f"({self.budget.limit_bytes} bytes) is taken by other requests; retry later",
-                {"Retry-After": "1"},
+            admit_body(claim, request.headers, self.limits, "router")
+            limited = LimitedBody(request.receive, None, claim, self.limits, "router")
+            body = await read_body(
+                Request(request.scope, limited.receive), self.limits.max_request_body_bytes
             )
-        except TimeoutError:
-            # Closed: left open, uvicorn would go on reading (and dropping) the trickle as long as it came.
-            return self._refuse(
-                408,
-                f"request body: the whole request body did not arrive within the router's limit of "
-                f"{deadline_s:g} s",
-                {"Connection": "close"},
-            )
+        except APIError as error:
+            if self.on_refused is not None:
+                self.on_refused(error.status)
+            return error_response(error.status, error.message, error.headers)
         except ClientDisconnect:
             return Response(status_code=499)  # nobody reads it
-        if body is None:
-            return self._refuse(413, too_large)
+        assert body is not None, "LimitedBody refuses a body past the cap first"
         return body
-
-    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        if self.on_refused is not None:
-            self.on_refused(status)
-        return error_response(status, message, headers)
 
 
 def request_key(request: Request, body: ReadBody, prefix_chars: int) -> AffinityKey:

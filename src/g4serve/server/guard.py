@@ -13,7 +13,6 @@ import hmac
 from collections.abc import Callable, Mapping
 
 from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from g4serve.server.body_budget import BodyBudget, BodyClaim, BodyLimits, OverBudget
@@ -37,16 +36,14 @@ def body_handed_over(request: Request) -> None:
 
 
 class GuardMiddleware:
-    """API key on every path but /health (and /metrics with --metrics-public); then the request's body,
-    under the server's ``BodyLimits``: a declared length over the cap is a 413, and one that does not fit
-    in what is left of ``budget`` a 503 with Retry-After, before anything reads it. Each request's task is in
-    ``in_flight`` while it runs, for the graceful shutdown.
+    """API key on every path but /health (and /metrics with --metrics-public); then the request's body, under
+    the server's ``BodyLimits`` (``BodyLimitsMiddleware``, its budget counting a body from its headers). Each
+    request's task is in ``in_flight`` while it runs, for the graceful shutdown.
 
-    The budget counts a body from the request's headers (its declared length at once, a chunked one as it
-    arrives) until the request is handed to the engine (``body_handed_over``: the raw bytes and the parsed
-    JSON they became are no longer needed, and the engine's own limits bound what the request became), or
-    for a request that never gets there, until its answer starts (an error, a route without an engine
-    request: no handler reads a body after it answered) or it ends without one (a client gone, an
+    The budget counts a body until the request is handed to the engine (``body_handed_over``: the raw bytes
+    and the parsed JSON they became are no longer needed, and the engine's own limits bound what the request
+    became), or for a request that never gets there, until its answer starts (an error, a route without an
+    engine request: no handler reads a body after it answered) or it ends without one (a client gone, an
     exception)."""
 
     def __init__(
@@ -57,54 +54,73 @@ class GuardMiddleware:
         in_flight: set[asyncio.Task],
         budget: BodyBudget,
     ):
-        self.app = app
         self.config = config
-        self.limits = config.body_limits
         self.count_error = count_error
         self.in_flight = in_flight
-        self.budget = budget
+        self.bodies = BodyLimitsMiddleware(app, config.body_limits, "server", budget, on_refused=count_error)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.bodies.app(scope, receive, send)
+            return
+        config = self.config
+        if config.api_key and not config.is_public(scope["path"]):
+            authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+            if not api_key_matches(authorization.decode("latin-1"), config.api_key):
+                self.count_error(401)
+                message = "invalid or missing API key (send 'Authorization: Bearer <key>')"
+                await error_response(401, message, None)(scope, receive, send)
+                return
+        task = asyncio.current_task()
+        self.in_flight.add(task)
+        try:
+            await self.bodies(scope, receive, send)
+        finally:
+            self.in_flight.discard(task)
+
+
+class BodyLimitsMiddleware:
+    """Every HTTP request's body under ``limits``, whoever reads it (a JSON body, a multipart form, a route of
+    its own): a declared length over the cap is a 413 before anything reads it; the bytes of bodies held at
+    once count in ``budget`` (503 with Retry-After past it) until the answer starts, or until the handler
+    calls ``body_handed_over``; and the whole body must arrive by the deadline (408, connection closed). The
+    API server (``GuardMiddleware``) and the assistant run it; ``where`` names the process in its errors.
+
+    ``hold_declared``: a body counts from its headers, at its declared length, so no read can outgrow the
+    budget midway. An app whose routes check a token before they read a body (the assistant) counts bytes as
+    they are read instead: a declared length alone, from a client without a token, then holds nothing."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: BodyLimits,
+        where: str,
+        budget: BodyBudget | None = None,
+        hold_declared: bool = True,
+        on_refused: Callable[[int], None] | None = None,
+    ):
+        self.app = app
+        self.limits = limits
+        self.where = where
+        self.budget = budget if budget is not None else BodyBudget(limits.max_buffered_body_bytes)
+        self.hold_declared = hold_declared
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self._refusal(scope["path"], headers)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            return
         with self.budget.claim() as claim:
             try:
-                claim.grow_to(declared_length(headers) or 0)  # refused before a byte of it is read
-            except OverBudget:
-                await self._refuse(over_budget(self.budget))(scope, receive, send)
+                admit_body(claim, headers, self.limits, self.where, self.hold_declared)
+            except APIError as error:
+                if self.on_refused is not None:
+                    self.on_refused(error.status)
+                await error.response()(scope, receive, send)
                 return
-            scope = {**scope, _CLAIM_KEY: claim}
-            body = LimitedBody(receive, send, claim, self.limits)
-            task = asyncio.current_task()
-            self.in_flight.add(task)
-            try:
-                await self.app(scope, body.receive, body.send)
-            finally:
-                self.in_flight.discard(task)
-
-    def _refusal(self, path: str, headers: dict[str, str]) -> Response | None:
-        """The answer for a request refused on its headers alone, else None."""
-        config = self.config
-        if config.api_key and not config.is_public(path):
-            if not api_key_matches(headers.get("authorization", ""), config.api_key):
-                message = "invalid or missing API key (send 'Authorization: Bearer <key>')"
-                return self._refuse(APIError(401, message))
-        length, cap = declared_length(headers), self.limits.max_request_body_bytes
-        if length is not None and length > cap:  # at once, not after reading cap bytes of it
-            return self._refuse(
-                APIError(413, f"request body of {length} bytes exceeds the limit of {cap} bytes")
-            )
-        return None
-
-    def _refuse(self, error: APIError) -> Response:
-        self.count_error(error.status)
-        return error_response(error.status, error.message, None, error.headers)
+            body = LimitedBody(receive, send, claim, self.limits, self.where)
+            await self.app({**scope, _CLAIM_KEY: claim}, body.receive, body.send)
 
 
 def declared_length(headers: Mapping[str, str]) -> int | None:
@@ -113,16 +129,51 @@ def declared_length(headers: Mapping[str, str]) -> int | None:
     return int(length) if length is not None and length.isdigit() else None
 
 
-def over_budget(budget: BodyBudget) -> APIError:
-    # 503, not 429: the server as a whole is short of room, not this client over a rate of its own, and a
+def admit_body(
+    claim: BodyClaim, headers: Mapping[str, str], limits: BodyLimits, where: str, hold_declared: bool = True
+) -> None:
+    """The checks on a body's headers, before a byte of it is read: an ``APIError`` 413 for a declared length
+    over the cap, 503 for one that does not fit in what is left of the budget (with ``hold_declared``, which
+    holds it in ``claim``)."""
+    length = declared_length(headers)
+    if length is not None and length > limits.max_request_body_bytes:
+        raise body_too_large(limits, where, length)
+    if hold_declared and length:
+        try:
+            claim.grow_to(length)
+        except OverBudget:
+            raise over_budget(claim.budget, where) from None
+
+
+def body_too_large(limits: BodyLimits, where: str, length: int | None = None) -> APIError:
+    size = f" of {length} bytes" if length is not None else ""
+    return APIError(
+        413,
+        f"request body{size} exceeds the {where}'s limit of {limits.max_request_body_bytes} bytes "
+        "(--max-request-body-bytes)",
+    )
+
+
+def over_budget(budget: BodyBudget, where: str) -> APIError:
+    # 503, not 429: the process as a whole is short of room, not this client over a rate of its own, and a
     # load balancer in front retries a 503 elsewhere. The connection stays open: uvicorn drops the rest of a
     # body sent whole and the client reads this answer (closing on an unread body can reset the connection
     # before it does).
     return APIError(
         503,
-        f"request body: the server's budget for buffered request bodies ({budget.limit_bytes} bytes, "
+        f"request body: the {where}'s budget for buffered request bodies ({budget.limit_bytes} bytes, "
         "--max-buffered-body-bytes) is taken by other requests; retry later",
         headers={"Retry-After": "1"},
+    )
+
+
+def body_too_slow(limits: BodyLimits, where: str) -> APIError:
+    # Closed: left open, uvicorn would go on reading (and dropping) the trickle as long as it came.
+    return APIError(
+        408,
+        f"request body: the whole request body did not arrive within the {where}'s limit of "
+        f"{limits.request_body_timeout_s:g} s (--request-body-timeout)",
+        headers={"Connection": "close"},
     )
 
 
@@ -133,11 +184,12 @@ class LimitedBody:
     has arrived whole, or the claim was released, ``receive`` is the server's own again (disconnect polls).
     Its ``send`` releases the claim as the answer starts."""
 
-    def __init__(self, receive: Receive, send: Send, claim: BodyClaim, limits: BodyLimits):
+    def __init__(self, receive: Receive, send: Send | None, claim: BodyClaim, limits: BodyLimits, where: str):
         self._receive = receive
         self._send = send
         self.claim = claim
         self.limits = limits
+        self.where = where
         self.deadline = asyncio.get_running_loop().time() + limits.request_body_timeout_s
         self.size = 0
         self.whole = False
@@ -149,13 +201,7 @@ class LimitedBody:
             async with asyncio.timeout_at(self.deadline):
                 message = await self._receive()
         except TimeoutError:
-            # Closed: left open, uvicorn would go on reading (and dropping) the trickle as long as it came.
-            raise APIError(
-                408,
-                f"request body: the whole request body did not arrive within the server's limit of "
-                f"{self.limits.request_body_timeout_s:g} s (--request-body-timeout)",
-                headers={"Connection": "close"},
-            ) from None
+            raise body_too_slow(self.limits, self.where) from None
         if message["type"] == "http.request":
             self._grow(len(message.get("body", b"")))
             self.whole = not message.get("more_body", False)
@@ -164,14 +210,14 @@ class LimitedBody:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.claim.release()
+        assert self._send is not None, "a LimitedBody made without send only receives"
         await self._send(message)
 
     def _grow(self, chunk_bytes: int) -> None:
         self.size += chunk_bytes
-        cap = self.limits.max_request_body_bytes
-        if self.size > cap:  # a chunked body (a declared length past it was refused at once)
-            raise APIError(413, f"request body exceeds the limit of {cap} bytes")
+        if self.size > self.limits.max_request_body_bytes:  # chunked (a declared length past it: refused)
+            raise body_too_large(self.limits, self.where)
         try:
             self.claim.grow_to(self.size)
         except OverBudget:
-            raise over_budget(self.claim.budget) from None
+            raise over_budget(self.claim.budget, self.where) from None
