@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
+import raw_http
+from raw_http import read_answer
 
 from g4serve.cli import build_parser
 from g4serve.server.body_budget import BodyLimits, body_limits_from_args
@@ -47,10 +49,6 @@ def held(server: Any) -> int:
     return server.app.state.body_budget.held_bytes
 
 
-def port(server: Any) -> int:
-    return int(server.base_url.rsplit(":", 1)[1])
-
-
 def wait_until(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -66,24 +64,7 @@ def chat_body(size: int = 0, **fields) -> bytes:
 
 
 def open_body(server: Any, length: int, sent: bytes) -> socket.socket:
-    """A connection whose request declared ``length`` bytes of body and sent only ``sent`` of them."""
-    s = socket.create_connection(("127.0.0.1", port(server)), timeout=20)
-    head = (
-        f"POST {CHAT} HTTP/1.1\r\nHost: g4serve\r\nContent-Type: application/json\r\n"
-        f"Connection: close\r\nContent-Length: {length}\r\n\r\n"
-    )
-    s.sendall(head.encode() + sent)
-    return s
-
-
-def read_answer(s: socket.socket) -> tuple[int, bytes, bytes]:
-    """(status, headers, body) of the answer, read until the server closes the connection."""
-    answer = b""
-    while data := s.recv(1 << 16):
-        answer += data
-    status_line, _, rest = answer.partition(b"\r\n")
-    headers, _, body = rest.partition(b"\r\n\r\n")
-    return int(status_line.split()[1]), headers.lower(), body
+    return raw_http.open_body(server.base_url, CHAT, length, sent)
 
 
 DECODE_TOKENS = 1000

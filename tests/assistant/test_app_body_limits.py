@@ -12,6 +12,8 @@ import time
 
 import httpx
 import pytest
+import raw_http
+from raw_http import read_answer
 from served import UvicornThread
 from test_app import ADMIN, DEMO_CUSTOMER_ID, access
 
@@ -50,24 +52,9 @@ def held(server) -> int:
 
 def open_body(server, path: str, length: int, sent: bytes, token: str | None = None) -> socket.socket:
     """A connection whose request declared ``length`` bytes of body and sent only ``sent`` of them."""
-    host, port = server.url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=20)
-    auth = f"Authorization: Bearer {token}\r\n" if token else ""
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: assistant\r\nContent-Type: application/json\r\n{auth}"
-        f"Connection: close\r\nContent-Length: {length}\r\n\r\n"
+    return raw_http.open_body(
+        server.url, path, length, sent, {"Authorization": f"Bearer {token}"} if token else None
     )
-    s.sendall(head.encode() + sent)
-    return s
-
-
-def read_answer(s: socket.socket) -> tuple[int, bytes, bytes]:
-    """(status, headers, body), read until the server closes the connection."""
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), head.lower(), body
 
 
 def wait_until(condition, timeout_s: float = 10.0) -> None:
