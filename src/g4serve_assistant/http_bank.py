@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import math
 import re
+import threading
 import time
 import unicodedata
 from collections.abc import Callable
@@ -229,9 +230,52 @@ def _error_message(body: Any, status: int) -> tuple[str | None, str]:
 
 
 # --- the client --------------------------------------------------------------------------------------------
+class Breaker:
+    """A bank that stopped answering is not waited on by every call. After ``failures`` requests in a row
+    that got no answer (timed out, refused, reset), calls fail at once for ``open_s`` seconds, nothing sent;
+    then one call at a time goes through as a probe, and an answer (any status) closes the breaker again.
+    Without it, each call held a worker thread for the whole timeout, and an outage seen by a few customers
+    queued every other turn behind theirs. Answers that are errors (a 503 sent at once) cost no wait and do
+    not count. Thread-safe: the bank is called from worker threads."""
+
+    def __init__(self, failures: int = 3, open_s: float = 5.0):
+        self.failures = failures
+        self.open_s = open_s
+        self._lock = threading.Lock()
+        self._in_a_row = 0
+        self._closed_at = 0.0  # monotonic time the pause ends
+        self._probing = False
+
+    def admit(self, what: str) -> bool:
+        """Whether this call is the probe; ``BankUnavailableError`` while the breaker is open."""
+        with self._lock:
+            if self._in_a_row < self.failures:
+                return False
+            left = self._closed_at - time.monotonic()
+            if left > 0 or self._probing:
+                raise BankUnavailableError(
+                    f"{what}: not sent: the bank did not answer {self._in_a_row} requests in a row "
+                    f"(tried again in {max(left, 0.0):.1f} s, one request at a time)"
+                )
+            self._probing = True
+            return True
+
+    def record(self, answered: bool, probe: bool) -> None:
+        with self._lock:
+            if probe:
+                self._probing = False
+            if answered:
+                self._in_a_row = 0
+                return
+            self._in_a_row += 1
+            if self._in_a_row >= self.failures:
+                self._closed_at = time.monotonic() + self.open_s
+
+
 class HTTPBank:
     """``BankBackend`` over ``{base_url}/v1/customers/...``; ``api_key`` goes as ``Authorization: Bearer``.
-    ``timeout_s`` bounds each request as a whole. A ``client`` given is used as is and not closed."""
+    ``timeout_s`` bounds each request as a whole; after 3 requests in a row without an answer, calls fail at
+    once for ``breaker_open_s`` (``Breaker``). A ``client`` given is used as is and not closed."""
 
     def __init__(
         self,
@@ -239,6 +283,7 @@ class HTTPBank:
         api_key: str | None = None,
         timeout_s: float = 5.0,
         client: httpx.Client | None = None,
+        breaker_open_s: float = 5.0,
     ):
         try:
             url = httpx.URL(base_url)
@@ -257,6 +302,7 @@ class HTTPBank:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._owns_client = client is None
         self._client = client if client is not None else httpx.Client(follow_redirects=False)
+        self.breaker = Breaker(open_s=breaker_open_s)
 
     def __repr__(self) -> str:
         return f"HTTPBank({self.base_url!r})"  # never the key
@@ -328,6 +374,29 @@ class HTTPBank:
         self, method: str, path: str, what: str, body: dict | None, params: dict | None, headers: dict | None
     ) -> tuple[int, Any]:
         """(status, JSON or None) within the time and size bounds; BankUnavailableError otherwise."""
+        probe = self.breaker.admit(what)
+        answered = False
+        try:
+            status, raw = self._exchange(method, path, what, body, params, headers)
+            answered = True
+        except InvalidBankResponseError:  # an answer, if not one of the API's
+            answered = True
+            raise
+        finally:
+            self.breaker.record(answered, probe)
+        if not raw:
+            return status, None
+        try:
+            return status, json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's stack
+            if status in (200, 201):
+                raise InvalidBankResponseError(f"{what}: answer is not JSON") from None
+            return status, None  # an error page from a proxy: its status says enough
+
+    def _exchange(
+        self, method: str, path: str, what: str, body: dict | None, params: dict | None, headers: dict | None
+    ) -> tuple[int, bytes]:
+        """(status, raw answer) within the time and size bounds; BankUnavailableError for no answer."""
         deadline = time.monotonic() + self.timeout_s
         try:
             with self._client.stream(
@@ -350,17 +419,9 @@ class HTTPBank:
                         raise InvalidBankResponseError(f"{what}: answer over {MAX_RESPONSE_BYTES} bytes")
                     if time.monotonic() > deadline:
                         raise BankUnavailableError(f"{what}: no full answer within {self.timeout_s:g} s")
-                status = response.status_code
+                return response.status_code, bytes(raw)
         except httpx.RequestError as exc:  # refused, reset, DNS, TLS, every kind of timeout, a broken gzip
             raise BankUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
-        if not raw:
-            return status, None
-        try:
-            return status, json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's stack
-            if status in (200, 201):
-                raise InvalidBankResponseError(f"{what}: answer is not JSON") from None
-            return status, None  # an error page from a proxy: its status says enough
 
 
 class HTTPCustomerBank:

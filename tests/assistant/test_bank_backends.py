@@ -6,6 +6,7 @@ allow."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 import json
 import socket
@@ -390,6 +391,46 @@ def test_a_lost_answer_is_retried_under_the_same_key_and_pays_once(server):
     assert [r[2]["idempotency-key"] for r in executes] == ["turn-7", "turn-7"]
     assert all(r[2]["authorization"] == f"Bearer {API_KEY}" for r in server.fake.requests[-5:])
     client.close()
+
+
+def test_a_bank_that_stops_answering_is_not_waited_on_by_every_call(server):
+    """Finding: every call to a bank that had stopped answering waited the whole timeout (5 s), each in a
+    worker thread, so an outage seen by a handful of customers held the default pool (6 threads on 2 cores)
+    and queued every other turn behind it. After 3 calls in a row without an answer the bank is left alone
+    for ``breaker_open_s``: calls fail at once, nothing is sent; then one call at a time probes it."""
+    bank = demo_bank()
+    server.fake.bank, server.fake.api_key, server.fake.fault = bank, API_KEY, None
+    client = HTTPBank(server.url, api_key=API_KEY, timeout_s=0.5, breaker_open_s=0.5)
+    view = client.customer(DEMO_CUSTOMER_ID)
+    server.fake.delay_s = 1.0  # the bank hangs
+    try:
+        for _ in range(3):
+            with pytest.raises(BankUnavailableError, match="Timeout"):
+                view.balance()
+        sent = len(server.fake.requests)
+        started = time.monotonic()
+        with pytest.raises(BankUnavailableError, match="3 requests in a row") as info:
+            view.transfers()
+        assert time.monotonic() - started < 0.05 and len(server.fake.requests) == sent
+        assert type(info.value) is BankUnavailableError
+        time.sleep(0.5)
+        server.fake.delay_s = 0.3  # back, slowly: the first call after the pause is the one probe
+        probe = concurrent.futures.ThreadPoolExecutor(1).submit(view.balance)
+        time.sleep(0.1)
+        with pytest.raises(BankUnavailableError, match="in a row"):  # not a second probe
+            view.transfers()
+        assert probe.result(timeout=5)["balance_minor"] == 123_456
+        server.fake.delay_s = 0.0
+        assert view.transfers() == []  # answered: closed again
+        server.fake.delay_s = 1.0
+        for _ in range(2):  # the count starts anew after an answer
+            with pytest.raises(BankUnavailableError, match="Timeout"):
+                view.balance()
+        server.fake.delay_s = 0.0
+        assert view.balance()["balance_minor"] == 123_456
+    finally:
+        server.fake.delay_s = 0.0
+        client.close()
 
 
 def test_a_bank_that_is_not_there_is_unavailable():
