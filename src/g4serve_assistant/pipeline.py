@@ -11,10 +11,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,23 @@ NOT_HEARD_REPLY = "Sorry, I didn't catch that. Could you say it again?"
 _ASR_CHUNK_S = 0.25
 # The most audio one utterance hands the recogniser, streamed or whole (decode_wav's cap as well).
 MAX_UTTERANCE_S = 30.0
+
+
+T = TypeVar("T")
+
+
+async def run_to_end(work: Awaitable[T], undo: Callable[[T], object] | None = None) -> T:
+    """``await work``, which runs to its end even if the caller is cancelled meanwhile: the caller's
+    ``CancelledError`` comes once it has, after ``undo(its result)`` (in a worker thread) if given. For the
+    steps that take a session or move money, which a cancellation must never cut half-way."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if undo is not None and not task.cancelled() and task.exception() is None:
+            await asyncio.to_thread(undo, task.result())
+        raise
 
 
 class StageClock:
@@ -503,7 +520,11 @@ class Assistant:
                 stages=dict(clock.stages),
                 asr=asr,
             )
-        customer, session, normalized, result = await asyncio.to_thread(self._understand, caller, text, clock)
+        # Run to its end even if this turn is cancelled meanwhile: the session it takes is then let go.
+        customer, session, normalized, result = await run_to_end(
+            asyncio.to_thread(self._understand, caller, text, clock),
+            undo=lambda understood: self.sessions.release(understood[1]),
+        )
         try:
             audit.append(
                 AuditRow(
@@ -526,22 +547,66 @@ class Assistant:
                 result, llm_info = await self._extract(
                     customer, text, normalized, result, candidates, clock, audit
                 )
-            documents = None
+        except BaseException:
+            await asyncio.to_thread(self.sessions.release, session)  # the state stays as it was
+            raise
+        # From the decision on, the turn runs to its end even if it is cancelled (a server stopping, a socket
+        # closed): a yes may move money inside the bank, and the state it leaves and its audit rows must
+        # follow it, not a release of the session as it was.
+        decision, reply, documents = await run_to_end(
+            self._conclude(caller, customer, session, normalized.text, result, clock, audit, path)
+        )
+        return TurnResult(
+            session_id=caller.session_id,
+            intent=decision.intent,
+            confidence=round(float(result.confidence or 0.0), 4),
+            entities=_jsonable(dict(result.entities or {})),
+            candidates=[_candidate(c) for c in candidates],
+            needs_confirmation=bool(decision.needs_confirmation),
+            executed=bool(decision.executed),
+            path=path,
+            reply=reply,
+            pending=decision.pending,
+            needs_llm=needs_llm,
+            transcript=text if heard is not None else None,
+            normalized=normalized.text,
+            refused=decision.refused,
+            action=_jsonable(decision.action),
+            stages=dict(clock.stages),
+            asr=asr,
+            llm=llm_info,
+            documents=documents,
+        )
+
+    async def _conclude(
+        self,
+        caller: Caller,
+        customer: _Customer,
+        session,
+        text: str,
+        result,
+        clock: StageClock,
+        audit: list[AuditRow],
+        path: str,
+    ) -> tuple[Any, str, list[str] | None]:
+        """The policy's decision on the turn's ``result``, the session's state written back, and the whole
+        turn's audit rows recorded: (decision, reply, the QnA documents)."""
+        documents = None
+        try:
             with clock.stage("policy"):
                 async with self._customer_decision(caller.customer_id):
                     decision = await asyncio.to_thread(
-                        customer.policy.decide, session, result, normalized.text, caller.action_id
+                        customer.policy.decide, session, result, text, caller.action_id
                     )
                 reply = decision.reply
                 if decision.intent == "qna":
-                    hits = self.knowledge.search(normalized.text)
+                    hits = self.knowledge.search(text)
                     documents = [h.document.doc_id for h in hits]
                     reply = _with_answer(reply, extractive_answer(hits))
         except BaseException:
             await asyncio.to_thread(self.sessions.release, session)  # the state stays as it was
             raise
         written = await asyncio.to_thread(self.sessions.commit, session)
-        entities = _jsonable(dict(result.entities or {}))
         audit.extend(decision.audit)
         if not written:
             # This turn outlived its lease and another turn took the session over: that turn's state
@@ -562,27 +627,7 @@ class Assistant:
             )
         )
         await asyncio.to_thread(self.record, caller, audit)
-        return TurnResult(
-            session_id=caller.session_id,
-            intent=decision.intent,
-            confidence=round(float(result.confidence or 0.0), 4),
-            entities=entities,
-            candidates=[_candidate(c) for c in candidates],
-            needs_confirmation=bool(decision.needs_confirmation),
-            executed=bool(decision.executed),
-            path=path,
-            reply=reply,
-            pending=decision.pending,
-            needs_llm=needs_llm,
-            transcript=text if heard is not None else None,
-            normalized=normalized.text,
-            refused=decision.refused,
-            action=_jsonable(decision.action),
-            stages=dict(clock.stages),
-            asr=asr,
-            llm=llm_info,
-            documents=documents,
-        )
+        return decision, reply, documents
 
     async def _extract(
         self,

@@ -470,3 +470,60 @@ def test_one_customers_waiting_turns_hold_no_worker_threads(assistant, monkeypat
     reply, confirmed, mine = asyncio.run(scenario())
     assert reply.intent == "balance_inquiry" and confirmed.executed
     assert all(r.intent == "balance_inquiry" for r in mine)
+
+
+def test_a_confirmation_cancelled_inside_the_bank_is_still_audited_and_written(assistant, monkeypatch):
+    """Finding: a turn cancelled while its yes was inside the bank (a server stopping, a socket closed) let
+    go of its session unchanged while the worker thread went on and executed the transfer: the money moved
+    with no audit row, and the session still showed the proposal as pending. The decision, the state it
+    leaves and its audit now finish together, cancelled or not."""
+    yes, started, gate = _hanging_confirmation(assistant, monkeypatch)
+
+    async def scenario():
+        confirming = asyncio.create_task(assistant.turn(yes, text="yes"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        confirming.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await confirming
+        await asyncio.sleep(0)  # what the cancelled turn still had to do is done by now
+        return await asyncio.wait_for(
+            assistant.turn(Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}), text="what's my balance"), 5
+        )
+
+    after = asyncio.run(scenario())
+    assert [t["status"] for t in assistant.db.transfers()] == ["executed"]
+    turns = [r for r in assistant.audit.entries(DEMO_CUSTOMER_ID, "slow") if r["stage"] == "turn"]
+    assert [r["outcome"] for r in turns] == ["proposed", "executed", "answered"]
+    assert after.pending is None and after.intent == "balance_inquiry"
+
+
+def test_a_turn_cancelled_while_it_takes_its_session_lets_it_go(assistant, monkeypatch):
+    """A turn cancelled while its worker thread was taking the session (and classifying) left the session
+    held by a turn nobody would end, until its 30 s lease lapsed: the sweep of a stopping server skipped it,
+    and the proposal it held stayed pending in the bank. The session is let go once the thread is done."""
+    turn(assistant, "held", "send 40 dollars to Tom Wilson")  # a proposal, pending in the bank
+    classifier = assistant.customer(DEMO_CUSTOMER_ID).classifier
+    started, gate = threading.Event(), threading.Event()
+    real = classifier.classify
+
+    def slow(normalized):
+        started.set()
+        assert gate.wait(20)
+        return real(normalized)
+
+    monkeypatch.setattr(classifier, "classify", slow)
+
+    async def scenario():
+        cut = asyncio.create_task(assistant.turn(Caller(DEMO_CUSTOMER_ID, "held", {"ip": "test"}), text="hm"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        cut.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+
+    asyncio.run(scenario())
+    assistant.sweeper.drain()  # what a server keeping sessions in memory does as it stops
+    assert [t["status"] for t in assistant.db.transfers()] == ["cancelled"]
