@@ -55,7 +55,7 @@ class _ArgsTranslator:
     def __init__(self) -> None:
         self.depth = 0
         self.in_string = False
-        self.bare = ""  # an unquoted key or literal being read
+        self.bare: list[str] = []  # an unquoted key or literal being read, a character at a time
         self.stack: list[str] = []  # "{" or "["
         self.done = False
 
@@ -90,12 +90,13 @@ class _ArgsTranslator:
                         self.done = True
                 out.append(ch)
             elif not ch.isspace():
-                self.bare += ch
+                self.bare.append(ch)
             i += 1
         return "".join(out), text[i:]
 
     def _flush(self, is_key: bool) -> str:
-        bare, self.bare = self.bare, ""
+        bare = "".join(self.bare)
+        self.bare.clear()
         if not bare:
             return ""
         if is_key or not _LITERAL.fullmatch(bare):
@@ -114,10 +115,15 @@ class Gemma4OutputParser:
         self._strip = re.compile("|".join(map(re.escape, others))) if others else None
         self.state = "content"
         self.buffer = ""
-        self.tool_calls: list[dict] = []  # {"id", "name", "arguments"} (arguments: JSON text)
         self.reasoning_started = False
         self._args: _ArgsTranslator | None = None
         self._label = ""  # "thought\n" after <|channel>, dropped
+        # Text of one run (a name, the open call's arguments, the whitespace after a call) is kept in pieces
+        # and joined once: appending to one string copies it, and a delta each made the run's cost its square.
+        self._calls: list[dict] = []  # {"id", "name", "arguments", "complete"} (arguments: JSON text)
+        self._arg_parts: list[str] = []  # the open call's arguments not yet in its "arguments"
+        self._name_parts: list[str] = []
+        self._gap: list[str] = []  # whitespace after a call's closing brace, before its close marker
 
     # ---- public ----------------------------------------------------------------------------------
     def feed(self, text: str) -> ParsedDelta:
@@ -128,8 +134,19 @@ class Gemma4OutputParser:
         return self._run(final=True)
 
     @property
+    def tool_calls(self) -> list[dict]:
+        """Every call begun so far: ``{"id", "name", "arguments", "complete"}`` (arguments: JSON text)."""
+        self._join_arguments()
+        return self._calls
+
+    @property
     def complete_calls(self) -> list[dict]:
         return [c for c in self.tool_calls if c["complete"]]
+
+    def _join_arguments(self) -> None:
+        if self._arg_parts:
+            self._calls[-1]["arguments"] += "".join(self._arg_parts)
+            self._arg_parts.clear()
 
     # ---- the state machine -----------------------------------------------------------------------
     def _run(self, final: bool) -> ParsedDelta:
@@ -172,7 +189,8 @@ class Gemma4OutputParser:
         if marker == THOUGHT_OPEN:
             self.state, self._label, self.reasoning_started = "label", "", True
         elif marker == CALL_OPEN:
-            self.state, self._name = "name", ""
+            self.state = "name"
+            self._name_parts.clear()
         elif THOUGHT_CLOSE in self.buffer:  # a stray close marker: drop it
             self.buffer = self.buffer.replace(THOUGHT_CLOSE, "")
 
@@ -196,17 +214,15 @@ class Gemma4OutputParser:
         i = 0
         while i < len(self.buffer) and _NAME_CHARS.match(self.buffer[i]):
             i += 1
-        self._name += self.buffer[:i]
-        self.buffer = self.buffer[i:]
+        if i:
+            self._name_parts.append(self.buffer[:i])
+            self.buffer = self.buffer[i:]
         if self.buffer.startswith("{"):
-            call = {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "name": self._name,
-                "arguments": "",
-                "complete": False,
-            }
-            self.tool_calls.append(call)
-            delta.tool_calls.append(ToolCallDelta(len(self.tool_calls) - 1, call["id"], self._name))
+            self._join_arguments()  # the previous call's, before this one opens
+            name = "".join(self._name_parts)
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": "", "complete": False}
+            self._calls.append(call)
+            delta.tool_calls.append(ToolCallDelta(len(self._calls) - 1, call["id"], name))
             self._args = _ArgsTranslator()
             self.state = "args"
         elif self.buffer or final:  # not a call after all: nothing of it is content
@@ -214,27 +230,34 @@ class Gemma4OutputParser:
 
     def _in_args(self, delta: ParsedDelta, final: bool) -> None:
         out, rest = self._args.feed(self.buffer)
-        call = self.tool_calls[-1]
-        call["arguments"] += out
         if out:
-            index = len(self.tool_calls) - 1
+            self._arg_parts.append(out)
+            index = len(self._calls) - 1
             if delta.tool_calls and delta.tool_calls[-1].index == index:
                 delta.tool_calls[-1].arguments += out
             else:
                 delta.tool_calls.append(ToolCallDelta(index, arguments=out))
         self.buffer = rest
         if self._args.done:
+            self._join_arguments()
             self.state = "close"
 
     def _in_close(self, delta: ParsedDelta, final: bool) -> None:
         text = self.buffer.lstrip()
+        if len(text) < len(self.buffer):  # set aside, not stripped again with every delta that follows
+            self._gap.append(self.buffer[: len(self.buffer) - len(text)])
+            self.buffer = text
+        call = self._calls[-1]
         if text.startswith(CALL_CLOSE):
             self.buffer = text[len(CALL_CLOSE) :]
-            self.tool_calls[-1]["complete"] = True
+            call["complete"] = True
             self.state = "content"
+            self._gap.clear()
         elif not CALL_CLOSE.startswith(text) or final:
-            self.tool_calls[-1]["complete"] = self._valid(self.tool_calls[-1]["arguments"])
+            call["complete"] = self._valid(call["arguments"])
+            self.buffer = "".join(self._gap) + self.buffer  # no close marker: the whitespace is content
             self.state = "content"
+            self._gap.clear()
 
     @staticmethod
     def _valid(arguments: str) -> bool:

@@ -611,8 +611,10 @@ class _Run:
         self.special_tokens = special_tokens
         self.on_done = None
         self.items: list[dict[str, Any]] = skeleton["output"]
-        self.open: dict[str, Any] | None = None  # the item being streamed
-        self.pending_space = ""  # whitespace that opens no message on its own
+        # The item being streamed; its text (``_text``) in pieces, joined once as it closes: appending a delta
+        # to one string copied all of it, and a long answer cost the event loop its length squared.
+        self.open: dict[str, Any] | None = None
+        self.pending_space: list[str] = []  # whitespace that opens no message on its own
         self.pending_logprobs: list = []  # of tokens whose text has not reached an item yet
         self.output_tokens = self.reasoning_tokens = self.cached_tokens = 0
 
@@ -705,19 +707,19 @@ class _Run:
                 events += self._close()
                 events += self._add({"type": "reasoning", "summary": [], "content": []}, "rs")
                 events.append(self._part_event("added", {"type": "reasoning_text", "text": ""}))
-            self.open["_text"] += parsed.reasoning
+            self.open["_text"].append(parsed.reasoning)
             events.append(
                 self._item_event("response.reasoning_text.delta", delta=parsed.reasoning, content_index=0)
             )
         if parsed.content:
             if self._open_type() == "message":
                 events.append(self._text_delta(parsed.content))
-            elif not (self.pending_space + parsed.content).strip():
-                self.pending_space += parsed.content
+            elif not parsed.content.strip():  # (what is pending is whitespace too)
+                self.pending_space.append(parsed.content)
             else:
                 events += self._open_message()
-                events.append(self._text_delta(self.pending_space + parsed.content))
-                self.pending_space = ""
+                events.append(self._text_delta("".join([*self.pending_space, parsed.content])))
+                self.pending_space = []
         elif parsed.reasoning or parsed.tool_calls:
             self.pending_logprobs = []  # their tokens made no message text
         for call in parsed.tool_calls:
@@ -726,8 +728,7 @@ class _Run:
                 item = {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": ""}
                 events += self._add(item, "fc")
                 self.open["_call"] = call.index
-            if call.arguments:
-                self.open["arguments"] += call.arguments
+            if call.arguments:  # the parser keeps them whole, for the item's final form (``_close``)
                 events.append(
                     self._item_event("response.function_call_arguments.delta", delta=call.arguments)
                 )
@@ -738,7 +739,7 @@ class _Run:
         if not self.items:  # a response always has its message, if only an empty one
             events += self._open_message()
             if self.pending_space:
-                events.append(self._text_delta(self.pending_space))
+                events.append(self._text_delta("".join(self.pending_space)))
             events += self._close()
         return events
 
@@ -747,7 +748,7 @@ class _Run:
 
     def _add(self, item: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
         item = {"id": f"{prefix}_{uuid.uuid4().hex}", **item, "status": "in_progress"}
-        self.open = {**item, "_text": "", "_logprobs": [], "_index": len(self.items)}
+        self.open = {**item, "_text": [], "_logprobs": [], "_index": len(self.items)}
         self.items.append(item)
         return [
             {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}
@@ -762,7 +763,7 @@ class _Run:
     def _text_delta(self, text: str) -> dict[str, Any]:
         logprobs = chat_logprobs(self.pending_logprobs)["content"] if self.pending_logprobs else []
         self.pending_logprobs = []
-        self.open["_text"] += text
+        self.open["_text"].append(text)
         self.open["_logprobs"] += logprobs
         return self._item_event("response.output_text.delta", delta=text, content_index=0, logprobs=logprobs)
 
@@ -779,7 +780,7 @@ class _Run:
         if item is None:
             return []
         events: list[dict[str, Any]] = []
-        kind, text = item["type"], item["_text"]
+        kind, text = item["type"], "".join(item["_text"])
         final = {k: v for k, v in item.items() if not k.startswith("_")}
         final["status"] = status
         if kind == "reasoning":

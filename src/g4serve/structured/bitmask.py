@@ -133,7 +133,10 @@ def _fill_draft_chains(
     """Fill the rows of requests verifying drafts: consecutive rows of one matcher, row j+1 after draft
     ``drafts[row j]``. Each row is filled in the state the drafts before it leave, then the matcher rolls
     back. Rows past a draft the grammar refuses stay unconstrained: that draft cannot be sampled, so
-    verification stops at its row. Returns ``matchers`` with the filled rows set to None."""
+    verification stops at its row. So do rows past a draft that ends the grammar (a stop token after a
+    complete match): the request ends there if it is accepted, and a terminated matcher has no mask to fill
+    (xgrammar raises, which failed every request of the step). Returns ``matchers`` with the filled rows set
+    to None."""
     rest = list(matchers)
     i = 0
     while i < len(rest):
@@ -151,6 +154,8 @@ def _fill_draft_chains(
             if row == end or drafts[row] is None or not m.accept_token(drafts[row]):
                 break
             accepted += 1
+            if m.is_terminated():
+                break
         if accepted:
             m.rollback(accepted)
         for row in range(i, end + 1):
