@@ -400,9 +400,9 @@ def test_a_bank_that_stops_answering_is_not_waited_on_by_every_call(server):
     for ``breaker_open_s``: calls fail at once, nothing is sent; then one call at a time probes it."""
     bank = demo_bank()
     server.fake.bank, server.fake.api_key, server.fake.fault = bank, API_KEY, None
-    client = HTTPBank(server.url, api_key=API_KEY, timeout_s=0.5, breaker_open_s=0.5)
+    client = HTTPBank(server.url, api_key=API_KEY, timeout_s=1.0, breaker_open_s=0.5)
     view = client.customer(DEMO_CUSTOMER_ID)
-    server.fake.delay_s = 1.0  # the bank hangs
+    server.fake.delay_s = 2.0  # the bank hangs
     try:
         for _ in range(3):
             with pytest.raises(BankUnavailableError, match="Timeout"):
@@ -414,15 +414,15 @@ def test_a_bank_that_stops_answering_is_not_waited_on_by_every_call(server):
         assert time.monotonic() - started < 0.05 and len(server.fake.requests) == sent
         assert type(info.value) is BankUnavailableError
         time.sleep(0.5)
-        server.fake.delay_s = 0.3  # back, slowly: the first call after the pause is the one probe
+        server.fake.delay_s = 0.6  # back, slowly: the first call after the pause is the one probe
         probe = concurrent.futures.ThreadPoolExecutor(1).submit(view.balance)
-        time.sleep(0.1)
+        time.sleep(0.2)
         with pytest.raises(BankUnavailableError, match="in a row"):  # not a second probe
             view.transfers()
         assert probe.result(timeout=5)["balance_minor"] == 123_456
         server.fake.delay_s = 0.0
         assert view.transfers() == []  # answered: closed again
-        server.fake.delay_s = 1.0
+        server.fake.delay_s = 2.0
         for _ in range(2):  # the count starts anew after an answer
             with pytest.raises(BankUnavailableError, match="Timeout"):
                 view.balance()
