@@ -27,6 +27,7 @@ from g4serve_assistant.bank import (
 )
 from g4serve_assistant.bank_csv import (
     ID_PATTERN,
+    MAX_PAYEES,
     read_cards_csv,
     read_customers_csv,
     read_payees_csv,
@@ -124,7 +125,13 @@ class SQLBank:
                 raise ValueError(
                     f"{path}: customer {customer_id!r} is not in the database (import-customers first)"
                 )
-            return _upsert_payees(tx, customer_id, rows)
+            n = _upsert_payees(tx, customer_id, rows)
+            held = tx.query("SELECT COUNT(*) AS n FROM payees WHERE customer_id = ?", (customer_id,))[0]["n"]
+            if held > MAX_PAYEES:  # raised inside the transaction: nothing of the file is written
+                raise ValueError(
+                    f"{path}: customer {customer_id!r} would hold {held} payees, more than {MAX_PAYEES}"
+                )
+            return n
 
     def import_customers_csv(self, path: str | os.PathLike) -> tuple[int, int]:
         """Customers and their accounts from a CSV with one row per account:

@@ -176,8 +176,13 @@ def simplify_name(text: str) -> str:
 
 @lru_cache(maxsize=65536)
 def _keys(word: str) -> tuple[str, str, str]:
-    """Phonetic keys of one word; three coders because each confuses different pairs."""
-    return jellyfish.metaphone(word), jellyfish.nysiis(word), jellyfish.match_rating_codex(word)
+    """Phonetic keys of one word; three coders because each confuses different pairs. The coders sound out
+    letters (match_rating_codex raises on anything else: a payee named "7-Eleven" made every lookup of its
+    customer fail), so a word is keyed on its letters, and one without any ("54") on itself."""
+    letters = "".join(ch for ch in word if ch.isalpha())
+    if not letters:
+        return word, word, word
+    return jellyfish.metaphone(letters), jellyfish.nysiis(letters), jellyfish.match_rating_codex(letters)
 
 
 @lru_cache(maxsize=65536)
