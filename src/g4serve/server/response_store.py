@@ -21,11 +21,54 @@ class StoredResponse:
     num_bytes: int
     # The conversation's Responses items before this response's output (GET .../input_items).
     items: list[dict[str, Any]] = field(default_factory=list)
-    # A background stream's server-sent events, numbered by their index, for GET ?stream=true (else None).
-    events: list[str] | None = None
+    # A background stream's newest server-sent events, for GET ?stream=true (else None).
+    events: EventLog | None = None
     # The response as JSON, written once: GET answers these bytes (re-encoding a response of 455 tokens
     # with 20 top logprobs each held the event loop 0.2-0.7 s a GET on the 2-core CPU).
     body: bytes = b""
+
+
+class EventLog:
+    """A background stream's server-sent events, numbered from 0, of which the newest are kept: ``trim``
+    drops the oldest (``first`` is then the number of the oldest kept). ``num_bytes``: the kept events'
+    length (their JSON is ASCII). Iterating gives the kept events, oldest first."""
+
+    def __init__(self) -> None:
+        self._lines: list[str | None] = []  # _lines[i] is event _base + i (None once dropped)
+        self._base = 0
+        self.first = 0
+        self.num_bytes = 0
+
+    @property
+    def end(self) -> int:
+        """The number the next event gets."""
+        return self._base + len(self._lines)
+
+    def append(self, line: str) -> None:
+        self._lines.append(line)
+        self.num_bytes += len(line)
+
+    def get(self, number: int) -> str | None:
+        """Event ``number``, or None where it is dropped or not there yet."""
+        return self._lines[number - self._base] if self.first <= number < self.end else None
+
+    def trim(self, max_bytes: int, keep: int) -> int:
+        """Drop the oldest events until at most ``max_bytes`` are kept, never the newest ``keep``; the bytes
+        freed."""
+        freed = 0
+        while self.num_bytes > max_bytes and self.end - self.first > keep:
+            i = self.first - self._base
+            freed += len(self._lines[i])
+            self._lines[i] = None
+            self.first += 1
+        self.num_bytes -= freed
+        if self.first - self._base > len(self._lines) // 2:  # the list shrinks as it slides (amortized O(1))
+            del self._lines[: self.first - self._base]
+            self._base = self.first
+        return freed
+
+    def __iter__(self):
+        return iter(self._lines[self.first - self._base :])
 
 
 class ResponseStore:
@@ -49,15 +92,18 @@ class ResponseStore:
         response: dict[str, Any],
         history: list[dict[str, Any]],
         items: list[dict[str, Any]] | None = None,
-        events: list[str] | None = None,
+        events: EventLog | None = None,
     ) -> bool:
         """Store (evicting the least recently used past the bounds); False when the entry alone is too big.
         Its bytes count every part: the response, the messages, the items and the events, each as JSON (so
-        a media data URL counts in the messages and again in the items)."""
+        a media data URL counts in the messages and again in the items). Events that do not fit beside the
+        rest are dropped, oldest first (the response is worth more than its replay)."""
         items = items or []
         body = json_body(response)
         num_bytes = len(body) + sum(len(json.dumps(part, separators=(",", ":"))) for part in (history, items))
-        num_bytes += sum(len(event) for event in events or ())
+        if events is not None:
+            events.trim(max(self.max_bytes - num_bytes, 0), keep=0)
+            num_bytes += events.num_bytes
         if self.max_entries < 1 or num_bytes > self.max_bytes:
             return False
         key = (owner, response["id"])

@@ -29,7 +29,7 @@ from g4serve.server.errors import APIError
 from g4serve.server.gemma4_output import Gemma4OutputParser, ParsedDelta
 from g4serve.server.json_body import json_response
 from g4serve.server.protocol import ChatCompletionRequest
-from g4serve.server.response_store import ResponseStore, StoredResponse
+from g4serve.server.response_store import EventLog, ResponseStore, StoredResponse
 from g4serve.server.responses_protocol import ResponsesRequest, input_messages, response_items
 from g4serve.server.serving_base import (
     OpenAIServing,
@@ -51,13 +51,22 @@ MAX_LIST_LIMIT = 100  # input_items: OpenAI's page sizes, 1 to 100 (default 20)
 # logprob entries are bounded tighter than a chat answer's: 2^18 entries (12,483 tokens of 20 top logprobs)
 # are 20 MB of JSON, 0.4 s to write on the 2-core CPU.
 MAX_RESPONSE_LOGPROB_ENTRIES = 1 << 18
+# A running background stream keeps its newest events for GET ?stream=true&starting_after=N: at most 1/8 of
+# --responses-store-max-bytes of them (32 MiB by default), all running ones together at most the store's
+# bytes, and whatever the bytes its newest 32 events: a stream's end comes at once (its open item's done
+# events, each holding all of its text and logprobs, then the final event, the whole response: 7 MB for 2,947
+# tokens with 20 top logprobs), and a client that follows it gets it whole. Every event was kept before (8.8
+# MB for those 2,947 tokens), unbounded until the response was stored, and past the store's bytes it was not
+# stored at all.
+EVENT_SHARE = 8
+KEPT_EVENTS = 32
 
 
 class _Background:
     """A background response while its task runs: the run (whose ``response`` GET shows), the conversation's
-    items, and for a streamed one its server-sent events so far (numbered by their index)."""
+    items, and for a streamed one its newest server-sent events (an ``EventLog``)."""
 
-    def __init__(self, run: _Run, history: list, items: list, events: list[str] | None):
+    def __init__(self, run: _Run, history: list, items: list, events: EventLog | None):
         self.run = run
         self.history = history
         self.items = items
@@ -65,11 +74,6 @@ class _Background:
         self.task: asyncio.Task | None = None
         self.done = False
         self.changed = asyncio.Event()  # replaced on every change; waiters hold the old one
-
-    def emit(self, event: dict[str, Any]) -> None:
-        if self.events is not None:
-            self.events.append(_sse_line(event, len(self.events)))
-        self.wake()
 
     def wake(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
@@ -90,6 +94,10 @@ class OpenAIServingResponses(OpenAIServing):
         # Running or queued background responses: as many as the server lets wait (--max-waiting-requests),
         # or the engine's batch (--max-num-seqs) where that limit is off.
         self.max_background = self.config.max_waiting_requests or self.engine.config.max_num_seqs
+        self.event_bytes = 0  # the events the running background streams keep, in all
+        # Past this, the largest lose their oldest events: the store's bytes, or more while the newest
+        # events, kept whatever the budget, fill it (then 1/8 of it later: not a sort of the logs each event).
+        self.trim_at = self.store.max_bytes
 
     # ---- GET / DELETE / cancel / input_items ------------------------------------------------------------
     def _stored(self, request: Request, response_id: str, where: str = "response_id") -> StoredResponse:
@@ -120,6 +128,8 @@ class OpenAIServingResponses(OpenAIServing):
                 "stream=true: it has no events to stream",
                 "stream",
             )
+        if after + 1 < events.first:
+            raise APIError(400, _dropped(events.first), "starting_after")
         return StreamingResponse(_replay(events, after, job), media_type="text/event-stream")
 
     async def delete(self, request: Request, response_id: str) -> dict[str, Any]:
@@ -421,12 +431,12 @@ class OpenAIServingResponses(OpenAIServing):
         """Run the response as a server task, not tied to this connection; answer at once (queued), or with
         ``stream`` the events as they come (a dropped connection resumes with GET ``?stream=true``)."""
         key = (owner, run.response["id"])
-        job = _Background(run, conversation, items, [] if stream else None)
+        job = _Background(run, conversation, items, EventLog() if stream else None)
         queued = copy.deepcopy(run.response)
 
         async def drive() -> None:
             async for event in run.events():
-                job.emit(event)
+                self._emit(job, event)
 
         job.task = task = asyncio.create_task(drive(), name=f"g4-background-{key[1]}")
         self.background[key] = job
@@ -435,6 +445,34 @@ class OpenAIServingResponses(OpenAIServing):
         if stream:
             return StreamingResponse(_replay(job.events, -1, job), media_type="text/event-stream")
         return queued
+
+    def _emit(self, job: _Background, event: dict[str, Any]) -> None:
+        """Keep a streamed job's event (its oldest dropped past its share, and past the budget of all), and
+        wake its readers."""
+        log = job.events
+        if log is not None:
+            line = _sse_line(event, log.end)
+            log.append(line)
+            self.event_bytes += len(line) - log.trim(self.store.max_bytes // EVENT_SHARE, KEPT_EVENTS)
+            if self.event_bytes > self.trim_at:
+                self._trim_largest()
+        job.wake()
+
+    def _trim_largest(self) -> None:
+        """The running streams together keep more than the store's bytes: the largest lose their oldest events
+        first, all of them down to one level, until 7/8 of the budget is left (so this runs once per 1/8)."""
+        target = self.store.max_bytes - self.store.max_bytes // EVENT_SHARE
+        logs = sorted(
+            (job.events for job in self.background.values() if job.events is not None),
+            key=lambda log: log.num_bytes,
+            reverse=True,
+        )
+        level = _level([log.num_bytes for log in logs], target)
+        for log in logs:
+            if log.num_bytes <= level:
+                break
+            self.event_bytes -= log.trim(level, KEPT_EVENTS)
+        self.trim_at = max(self.store.max_bytes, self.event_bytes + self.store.max_bytes // EVENT_SHARE)
 
     def _background_done(
         self, owner: str, key: tuple[str, str], job: _Background, task: asyncio.Task
@@ -451,7 +489,10 @@ class OpenAIServingResponses(OpenAIServing):
                 log.error("background response %s failed", key[1], exc_info=exc)
                 events = run.fail(f"internal error ({type(exc).__name__})")
             for event in events:
-                job.emit(event)
+                self._emit(job, event)
+        if job.events is not None:
+            self.event_bytes -= job.events.num_bytes
+            self.trim_at = max(self.store.max_bytes, self.trim_at - job.events.num_bytes)
         self.store.put(owner, run.response, _history(job.history, run.response), job.items, job.events)
         self.background.pop(key, None)
         job.done = True
@@ -503,13 +544,38 @@ async def _cancelled(job: _Background) -> None:
     await asyncio.wait({job.task})
 
 
-async def _replay(events: list[str], after: int, job: _Background | None) -> AsyncIterator[str]:
+def _level(sizes: list[int], target: int) -> int:
+    """The level to cut ``sizes`` (largest first) down to so that they sum to at most ``target``."""
+    total, top = sum(sizes), 0
+    for k, size in enumerate(sizes, 1):
+        top += size
+        below = sizes[k] if k < len(sizes) else 0
+        if total - top + k * below <= target:  # cutting the k largest to `below` is enough
+            return max((target - (total - top)) // k, below)
+    return 0
+
+
+def _dropped(first: int) -> str:
+    return (
+        f"starting_after: the events before sequence number {first} are no longer kept (a background stream "
+        f"keeps only its newest events); resume from {first - 1} or later, or GET the response without "
+        "stream for its output so far"
+    )
+
+
+async def _replay(events: EventLog, after: int, job: _Background | None) -> AsyncIterator[str]:
     """A background stream's events numbered after ``after``, then (while it runs) the new ones as they
-    come, until it ends. Closing this leaves the task running."""
+    come, until it ends. Closing this leaves the task running. A reader that falls behind the kept events
+    gets an ``error`` event (``param`` ``starting_after``) and the end of the stream."""
     index = max(after + 1, 0)
     while True:
-        if index < len(events):
-            yield events[index]
+        if index < events.first:
+            message = _dropped(events.first)
+            error = {"type": "error", "code": "events_dropped", "message": message, "param": "starting_after"}
+            yield _sse_line(error, index)
+            return
+        if index < events.end:
+            yield events.get(index)
             index += 1
         elif job is None or job.done:
             return
