@@ -81,16 +81,9 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "G4SERVE_NORM_EARLY_LOADS",
-        "0",
-        "`1`: the fused RMSNorm pass loads its weights, the residual and the layer scalar before its "
-        "dependent-launch wait (`kernels/rms_norm.py`; A/B runs)",
-        ("0", "1"),
-    ),
-    Variable(
-        "G4SERVE_NORM_L2_KEEP",
-        "0",
-        "`1`: the fused RMSNorm pass reads its weights and the residual, and writes the new residual, at "
-        "L2's evict_last priority (`kernels/rms_norm.py`; A/B runs)",
+        "1",
+        "`0`: the fused RMSNorm pass loads its weights, the residual and the layer scalar after its "
+        "dependent-launch wait, not before (`kernels/rms_norm.py`; A/B runs)",
         ("0", "1"),
     ),
     Variable(
