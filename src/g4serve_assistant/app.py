@@ -6,15 +6,17 @@ pipeline sees it, and every attempt, refused ones included, leaves an audit row.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import secrets
 import tempfile
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request, WebSocket, WebSocketDisconnect
@@ -45,11 +47,12 @@ from g4serve_assistant.auth import (
     bearer_token,
 )
 from g4serve_assistant.bank import BankUnavailableError, UnknownCustomerError
-from g4serve_assistant.pipeline import Assistant, Caller, StageClock
+from g4serve_assistant.pipeline import Assistant, Caller, StageClock, TurnResult
 from g4serve_assistant.qna import answer_events
 from g4serve_assistant.state import CustomerSessions, SessionBusyError
 
 log = logging.getLogger("g4serve_assistant")
+T = TypeVar("T")
 
 MAX_SESSION_ID_CHARS = 128
 MAX_ACTION_ID_CHARS = 64
@@ -61,10 +64,15 @@ WS_AUTH_TIMEOUT_S = 10.0
 # 90 s was transcribed whole, ~12 s of the audio thread that every customer's speech waits for.
 MAX_WS_FRAME_S = 5.0
 MAX_WS_FRAME_BYTES = int(MAX_WS_FRAME_S * SAMPLE_RATE) * 2  # PCM16: two bytes a sample
+# What a WebSocket's messages read ahead during a turn (to see the client leave) may hold; past it the socket
+# waits for the turn, as it did before.
+WS_READ_AHEAD_MESSAGES = 64
+WS_READ_AHEAD_BYTES = 1 << 20
 _TURN_FIELDS = {"session_id", "text", "audio", "action_id"}
 _QNA_FIELDS = {"question", "session_id", "max_tokens"}
 _TOKEN_FIELDS = {"customer_id", "ttl_s"}
 _JSON_TYPES = ("application/json",)
+_BACKGROUND: set[asyncio.Future] = set()  # writes that outlive a cancelled caller, held until done
 
 
 @dataclass
@@ -543,32 +551,8 @@ def assistant_router(  # noqa: C901 - route closures of one FastAPI router: ever
             )
         caller = Caller(claims.customer_id, session_id, request.state.client)
         request.state.audited = True  # the stream writes its own row when it ends
-
-        async def events():
-            answer: list[str] = []
-            done: dict[str, Any] = {}
-            try:
-                async for event in answer_events(question, assistant.knowledge, assistant.engine, max_tokens):
-                    if event["type"] == "delta":
-                        answer.append(event["text"])
-                    elif event["type"] == "done":
-                        done = event
-                    yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
-            except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-                log.exception("qna stream failed")
-                yield f"data: {json.dumps({'type': 'error', 'message': f'{type(exc).__name__}: {exc}'})}\n\n"
-            finally:
-                assistant.metrics.qna.labels(path=done.get("path", "error")).inc()
-                row = AuditRow(
-                    "qna",
-                    "answer",
-                    {"question": question, "answer": "".join(answer), "path": done.get("path")},
-                    outcome="answered" if done else "error",
-                )
-                await asyncio.to_thread(assistant.record, caller, [row])
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        stream = _qna_events(assistant, caller, question, max_tokens)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     @router.get("/v1/assistant/audit")
     async def audit(request: Request, session_id: str | None = None, limit: int = 200) -> JSONResponse:
@@ -733,16 +717,20 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
             await refuse(exc, customer_id, session_id)
             return
         caller = Caller(customer_id, session_id, dict(client), action_id)
-        if finish:
-            heard, clock = await assistant.in_audio_thread(utterance.finish)
-            result = await assistant.decide(caller, heard.text, clock, heard)
-        else:
-            result = await assistant.turn(caller, text=text)
+        try:
+            # Read ahead meanwhile: a client that leaves cancels the turn (cut before its decision, the
+            # engine request aborted) instead of having it run to its end for nobody.
+            result = await inbox.run(_ws_turn(assistant, caller, utterance, text, finish))
+        except WebSocketDisconnect:
+            row = AuditRow("ws", "disconnected", {"in_turn": True, "text": text}, outcome="disconnected")
+            await _record_anyway(assistant, caller, [row])
+            raise
         await ws.send_json({"type": "result", **result.to_dict()})
 
+    inbox = _Inbox(ws)
     try:
         while True:
-            message = await ws.receive()
+            message = await inbox.receive()
             if message["type"] == "websocket.disconnect":
                 return
             if not await still_allowed():
@@ -816,6 +804,126 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
                 )
     except WebSocketDisconnect:
         return
+    finally:
+        inbox.close()
+
+
+async def _ws_turn(
+    assistant: Assistant, caller: Caller, utterance, text: str | None, finish: bool
+) -> TurnResult:
+    """One WebSocket turn: the utterance so far (``finish``) or typed ``text``."""
+    if finish:
+        heard, clock = await assistant.in_audio_thread(utterance.finish)
+        return await assistant.decide(caller, heard.text, clock, heard)
+    return await assistant.turn(caller, text=text)
+
+
+class _Inbox:
+    """A WebSocket's messages, read ahead while a turn runs so that a client leaving mid-turn is seen at once.
+    What is read ahead is handed out afterwards, in order; at most ``WS_READ_AHEAD_MESSAGES`` messages or
+    ``WS_READ_AHEAD_BYTES`` of them wait (a client sending faster then waits for the turn, as before)."""
+
+    def __init__(self, ws: WebSocket):
+        self.ws = ws
+        self._ahead: collections.deque[dict] = collections.deque()
+        self._ahead_bytes = 0
+        self._next: asyncio.Future | None = None  # a receive started during a turn and not yet done
+
+    async def receive(self) -> dict:
+        if self._ahead:
+            message = self._ahead.popleft()
+            self._ahead_bytes -= _message_bytes(message)
+            return message
+        pending, self._next = self._next, None
+        return await (pending if pending is not None else self.ws.receive())
+
+    async def run(self, work: Awaitable[T]) -> T:
+        """``await work``, reading ahead meanwhile; a disconnect cancels it and, once it has stopped (a turn
+        past its decision runs to its end: ``pipeline.run_to_end``), raises ``WebSocketDisconnect``."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done() and self._room():
+                message = await self._read_ahead(task)
+                if message is not None and message["type"] == "websocket.disconnect":
+                    task.cancel()
+                    await asyncio.wait({task})
+                    raise WebSocketDisconnect(message.get("code", 1006))
+            return await task
+        finally:
+            if not task.done():  # this coroutine was cancelled, or a receive failed
+                task.cancel()
+                await asyncio.wait({task})
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: raised above, or moot once the client left
+
+    async def _read_ahead(self, task: asyncio.Future) -> dict | None:
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.ws.receive())
+        await asyncio.wait({task, self._next}, return_when=asyncio.FIRST_COMPLETED)
+        if not self._next.done():
+            return None
+        received, self._next = self._next, None
+        message = received.result()
+        self._ahead.append(message)
+        self._ahead_bytes += _message_bytes(message)
+        return message
+
+    def _room(self) -> bool:
+        return len(self._ahead) < WS_READ_AHEAD_MESSAGES and self._ahead_bytes < WS_READ_AHEAD_BYTES
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+
+
+def _message_bytes(message: dict) -> int:
+    return len(message.get("bytes") or b"") + len(message.get("text") or "")
+
+
+async def _qna_events(assistant: Assistant, caller: Caller, question: str, max_tokens: int):
+    """The server-sent events of one QnA answer, and its one audit row when the stream ends: ``answered``,
+    ``error`` (reported in-band too), or ``disconnected`` when the client left first (the stream is then
+    cancelled or closed, and the engine request aborted with it)."""
+    answer: list[str] = []
+    done: dict[str, Any] = {}
+    documents: list[dict] | None = None
+    outcome = "error"
+    stream = answer_events(question, assistant.knowledge, assistant.engine, max_tokens)
+    try:
+        async with contextlib.aclosing(stream):  # closed with this one, not whenever it is collected
+            async for event in stream:
+                if event["type"] == "documents":
+                    documents = event["documents"]
+                elif event["type"] == "delta":
+                    answer.append(event["text"])
+                elif event["type"] == "done":
+                    done, outcome = event, "answered"
+                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        log.exception("qna stream failed")
+        yield f"data: {json.dumps({'type': 'error', 'message': f'{type(exc).__name__}: {exc}'})}\n\n"
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "disconnected" if not done else outcome
+        raise
+    finally:
+        path = done.get("path")
+        if path is None and documents is not None:  # cut short: the path answer_events was taking
+            path = "gemma" if assistant.engine is not None and documents else "extractive"
+        assistant.metrics.qna.labels(path=path if outcome == "answered" else outcome).inc()
+        detail = {"question": question, "answer": "".join(answer), "path": path}
+        await _record_anyway(assistant, caller, [AuditRow("qna", "answer", detail, outcome=outcome)])
+    yield "data: [DONE]\n\n"
+
+
+async def _record_anyway(assistant: Assistant, caller: Caller, rows: list[AuditRow]) -> None:
+    """``assistant.record`` in a worker thread that runs even if the caller is cancelled meanwhile. A stream
+    whose client left is cancelled again at each await (anyio's cancel scope): a plain ``to_thread`` then
+    dropped the write whenever no worker thread had started it yet."""
+    write = asyncio.ensure_future(asyncio.to_thread(assistant.record, caller, rows))
+    _BACKGROUND.add(write)
+    write.add_done_callback(_BACKGROUND.discard)
+    await asyncio.shield(write)
 
 
 def _import_text(importer, text: str, kind: str, args: tuple):
