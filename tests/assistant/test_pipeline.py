@@ -408,17 +408,22 @@ def _hanging_confirmation(assistant, monkeypatch) -> tuple[Caller, threading.Eve
     """The first demo customer's proposal, and the yes confirming it, whose bank execution hangs (``started``
     set) until ``gate`` is set."""
     proposal = turn(assistant, "slow", "send 40 dollars to Tom Wilson")
-    view = assistant.customer(DEMO_CUSTOMER_ID).view
-    started, gate = threading.Event(), threading.Event()
-    real = view.execute_transfer
+    started, gate = _hold(monkeypatch, assistant.customer(DEMO_CUSTOMER_ID).view, "execute_transfer")
+    return Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"]), started, gate
 
-    def hanging(*args, **kwargs):
+
+def _hold(monkeypatch, owner, name: str) -> tuple[threading.Event, threading.Event]:
+    """``owner.name`` made to wait, once called (``started`` set), until ``gate`` is set."""
+    started, gate = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def held(*args, **kwargs):
         started.set()
         assert gate.wait(20)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(view, "execute_transfer", hanging)
-    return Caller(DEMO_CUSTOMER_ID, "slow", {"ip": "test"}, proposal["pending"]["action_id"]), started, gate
+    monkeypatch.setattr(owner, name, held)
+    return started, gate
 
 
 def test_a_bank_call_that_hangs_holds_up_no_other_customer(assistant, monkeypatch):
@@ -504,16 +509,7 @@ def test_a_turn_cancelled_while_it_takes_its_session_lets_it_go(assistant, monke
     held by a turn nobody would end, until its 30 s lease lapsed: the sweep of a stopping server skipped it,
     and the proposal it held stayed pending in the bank. The session is let go once the thread is done."""
     turn(assistant, "held", "send 40 dollars to Tom Wilson")  # a proposal, pending in the bank
-    classifier = assistant.customer(DEMO_CUSTOMER_ID).classifier
-    started, gate = threading.Event(), threading.Event()
-    real = classifier.classify
-
-    def slow(normalized):
-        started.set()
-        assert gate.wait(20)
-        return real(normalized)
-
-    monkeypatch.setattr(classifier, "classify", slow)
+    started, gate = _hold(monkeypatch, assistant.customer(DEMO_CUSTOMER_ID).classifier, "classify")
 
     async def scenario():
         cut = asyncio.create_task(assistant.turn(Caller(DEMO_CUSTOMER_ID, "held", {"ip": "test"}), text="hm"))
