@@ -11,13 +11,12 @@ import secrets
 from pathlib import Path
 
 from g4serve.server.body_budget import add_body_limit_arguments, body_limits_from_args
+from g4serve_assistant.limits import MAX_REQUEST_BODY_BYTES
 
 log = logging.getLogger("g4serve_assistant")
 
 SECRET_ENV = "G4SERVE_ASSISTANT_SECRET"
 ADMIN_KEY_ENV = "G4SERVE_ASSISTANT_ADMIN_KEY"
-# A turn's audio is at most 30 s of WAV, ~1.3 MB as base64.
-ASSISTANT_MAX_BODY_BYTES = 8 << 20
 
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +70,7 @@ def add_access_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-request-body-bytes",
         type=int,
-        default=ASSISTANT_MAX_BODY_BYTES,
+        default=MAX_REQUEST_BODY_BYTES,
         help="largest request body accepted (413 past it, before it is read)",
     )
     add_body_limit_arguments(g)

@@ -33,7 +33,6 @@ from g4serve.server.errors import (
     valid_text,
 )
 from g4serve.server.guard import BodyLimitsMiddleware
-from g4serve_assistant.access_cli import ASSISTANT_MAX_BODY_BYTES
 from g4serve_assistant.audio import SAMPLE_RATE, AudioError, decode_base64_wav, pcm16_bytes_to_float
 from g4serve_assistant.audit import AuditRow
 from g4serve_assistant.auth import (
@@ -47,6 +46,7 @@ from g4serve_assistant.auth import (
     bearer_token,
 )
 from g4serve_assistant.bank import BankUnavailableError, UnknownCustomerError
+from g4serve_assistant.limits import MAX_REQUEST_BODY_BYTES
 from g4serve_assistant.pipeline import Assistant, Caller, StageClock, TurnResult
 from g4serve_assistant.qna import answer_events
 from g4serve_assistant.state import CustomerSessions, SessionBusyError
@@ -100,7 +100,7 @@ class AccessSettings:
     session_ttl_s: float = 3600.0
     metrics_public: bool = False
     test_login: bool = False
-    body_limits: BodyLimits = field(default_factory=lambda: BodyLimits(ASSISTANT_MAX_BODY_BYTES))
+    body_limits: BodyLimits = field(default_factory=lambda: BodyLimits(MAX_REQUEST_BODY_BYTES))
     sessions: CustomerSessions | None = field(default=None, repr=False)
 
     @classmethod
