@@ -68,8 +68,8 @@ def wait_until(condition, timeout_s: float = 10.0) -> None:
 def test_a_body_that_never_arrives_whole_gets_a_408_and_the_connection_closes(served, token, path):
     """A client that sent its headers and then its body a byte at a time held the request and its connection
     for as long as it liked (uvicorn has no body timeout), on /test-login without any token."""
+    started = time.monotonic()  # before the headers go: the server's deadline starts once they arrive
     with open_body(served, path, 1000, b'{"customer_id": ', token) as s:
-        started = time.monotonic()
         while time.monotonic() - started < LIMITS.request_body_timeout_s - 0.3:  # a byte every 0.1 s
             time.sleep(0.1)
             s.sendall(b" ")

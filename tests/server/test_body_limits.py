@@ -161,8 +161,8 @@ def test_a_body_that_never_arrives_whole_gets_a_408_and_the_connection_closes(li
     connection and what it had sent for as long as it liked (slowloris: uvicorn has no body timeout)."""
     answers: list = []
     decode = decode_beside(limited, answers)
+    started = time.monotonic()  # before the headers go: the server's deadline starts once they arrive
     with open_body(limited, 1000, b'{"messages": ') as s:
-        started = time.monotonic()
         # a byte every 0.1 s, stopped short of the deadline (a byte arriving as the server closes would reset
         # the connection): a timeout reset by every read would answer a deadline after the last one
         while trickle and time.monotonic() - started < DEADLINE_S - 0.3:
