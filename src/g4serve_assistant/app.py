@@ -47,7 +47,7 @@ from g4serve_assistant.auth import (
 )
 from g4serve_assistant.bank import BankUnavailableError, UnknownCustomerError
 from g4serve_assistant.limits import MAX_REQUEST_BODY_BYTES
-from g4serve_assistant.pipeline import Assistant, Caller, StageClock, TurnResult
+from g4serve_assistant.pipeline import Assistant, Caller, StageClock, TurnResult, run_to_end
 from g4serve_assistant.qna import answer_events
 from g4serve_assistant.state import CustomerSessions, SessionBusyError
 
@@ -72,7 +72,6 @@ _TURN_FIELDS = {"session_id", "text", "audio", "action_id"}
 _QNA_FIELDS = {"question", "session_id", "max_tokens"}
 _TOKEN_FIELDS = {"customer_id", "ttl_s"}
 _JSON_TYPES = ("application/json",)
-_BACKGROUND: set[asyncio.Future] = set()  # writes that outlive a cancelled caller, held until done
 
 
 @dataclass
@@ -920,10 +919,7 @@ async def _record_anyway(assistant: Assistant, caller: Caller, rows: list[AuditR
     """``assistant.record`` in a worker thread that runs even if the caller is cancelled meanwhile. A stream
     whose client left is cancelled again at each await (anyio's cancel scope): a plain ``to_thread`` then
     dropped the write whenever no worker thread had started it yet."""
-    write = asyncio.ensure_future(asyncio.to_thread(assistant.record, caller, rows))
-    _BACKGROUND.add(write)
-    write.add_done_callback(_BACKGROUND.discard)
-    await asyncio.shield(write)
+    await run_to_end(asyncio.to_thread(assistant.record, caller, rows))
 
 
 def _import_text(importer, text: str, kind: str, args: tuple):

@@ -41,13 +41,18 @@ MAX_UTTERANCE_S = 30.0
 
 
 T = TypeVar("T")
+_RUNNING: set[asyncio.Future] = set()  # run_to_end's work, held until done (the loop keeps tasks weakly)
 
 
 async def run_to_end(work: Awaitable[T], undo: Callable[[T], object] | None = None) -> T:
     """``await work``, which runs to its end even if the caller is cancelled meanwhile: the caller's
     ``CancelledError`` comes once it has, after ``undo(its result)`` (in a worker thread) if given. For the
-    steps that take a session or move money, which a cancellation must never cut half-way."""
+    steps that take a session, move money or write the audit, which a cancellation must never cut half-way.
+    A caller cancelled again while it waits (anyio's cancel scope cancels at every await) stops waiting, and
+    the work still runs to its end."""
     task = asyncio.ensure_future(work)
+    _RUNNING.add(task)
+    task.add_done_callback(_RUNNING.discard)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
