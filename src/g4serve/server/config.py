@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from g4serve.server.body_budget import BodyLimits, default_buffered_body_bytes
+from g4serve.server.body_budget import BodyLimits
 
 
 @dataclass
 class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
-    max_request_body_bytes: int = BodyLimits.max_request_body_bytes
-    # Bytes of request bodies held at once, from their headers until their requests are in the engine (None:
-    # ``default_buffered_body_bytes`` of the cap), and seconds a whole body may take to arrive after its
-    # headers: ``guard.GuardMiddleware``.
-    max_buffered_body_bytes: int | None = None
-    request_body_timeout_s: float = BodyLimits.request_body_timeout_s
+    # The cap per request body, the bytes of bodies held at once (from their headers until their requests are
+    # in the engine) and the seconds a whole body may take after its headers: ``guard.GuardMiddleware``.
+    body_limits: BodyLimits = field(default_factory=BodyLimits)
     allowed_local_media_path: str | None = None  # local media files allowed only under this directory
     drain_timeout_s: float = 30.0
     # Requests being prepared or queued for the engine past which new ones get 429 (None: no limit).
@@ -33,11 +30,8 @@ class ServerConfig:
     lora_root: str | None = None
 
     @property
-    def body_limits(self) -> BodyLimits:
-        buffered = self.max_buffered_body_bytes
-        if buffered is None:
-            buffered = default_buffered_body_bytes(self.max_request_body_bytes)
-        return BodyLimits(self.max_request_body_bytes, buffered, self.request_body_timeout_s)
+    def max_request_body_bytes(self) -> int:
+        return self.body_limits.max_request_body_bytes
 
     def is_public(self, path: str) -> bool:
         """Paths open without the API key: liveness, and the metrics when asked for."""

@@ -143,9 +143,7 @@ def build_from_args(args: argparse.Namespace):
     config = ServerConfig(
         served_model_names=served_names(args),
         api_key=args.api_key,
-        max_request_body_bytes=body_limits.max_request_body_bytes,
-        max_buffered_body_bytes=body_limits.max_buffered_body_bytes,
-        request_body_timeout_s=body_limits.request_body_timeout_s,
+        body_limits=body_limits,
         allowed_local_media_path=args.allowed_local_media_path,
         drain_timeout_s=args.drain_timeout,
         max_waiting_requests=args.max_waiting_requests or None,
