@@ -92,8 +92,10 @@ def test_a_rate_that_drops_requests_does_not_count(tmp_path):
 
 def test_the_plans_name_each_runs_output(tmp_path):
     plan = table.Plan()
-    runs = dict(table.engine_runs(plan, tmp_path))
+    ordered = table.engine_runs(plan, tmp_path)
+    runs = dict(ordered)
     assert set(runs) == {"greedy", "sampled", "moe", "seed-e4b", "seed-e2b", "seed-moe", "load-31b"}
+    assert ordered[-1][0] == "load-31b"  # an old tree's slow 31B load must not take the seeds' time
     for name, argv in runs.items():
         assert str(tmp_path / name) in argv and argv[0].startswith("bench/")
     assert runs["seed-e4b"][runs["seed-e4b"].index("--input-len") + 1] == "7000"
