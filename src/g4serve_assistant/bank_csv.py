@@ -10,7 +10,7 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
-from g4serve_assistant.bank import MAX_AMOUNT_MINOR, PAYEE_KINDS, Payee
+from g4serve_assistant.bank import MAX_AMOUNT_MINOR, MAX_PAYEES, PAYEE_KINDS, Payee
 
 CSV_REQUIRED = ("payee_id", "display_name", "relationship")
 CSV_OPTIONAL = ("kind", "aliases")
@@ -20,9 +20,6 @@ CARD_KINDS = ("debit", "credit")
 # Ids travel in URL paths (http_bank) and audit rows: a leading dot is refused so "." and ".." never name one.
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 MAX_NAME_CHARS = 100
-# Payees one customer holds: every turn scores the whole list on a shared thread (100,000 payees took 13.7 s a
-# lookup, holding the interpreter lock every other customer's turn needs; 1,000 take 0.06 s).
-MAX_PAYEES = 1000
 
 
 def text_problem(value: object, max_chars: int = MAX_NAME_CHARS) -> str | None:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from g4serve_assistant.bank import (
+    MAX_PAYEES,
     TRANSFER_KINDS,
     Payee,
     UnknownCustomerError,
@@ -27,7 +28,6 @@ from g4serve_assistant.bank import (
 )
 from g4serve_assistant.bank_csv import (
     ID_PATTERN,
-    MAX_PAYEES,
     read_cards_csv,
     read_customers_csv,
     read_payees_csv,

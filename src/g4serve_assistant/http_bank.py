@@ -18,6 +18,7 @@ import httpx
 
 from g4serve_assistant.bank import (
     MAX_AMOUNT_MINOR,
+    MAX_PAYEES,
     PAYEE_KINDS,
     TRANSFER_KINDS,
     TRANSFER_STATUSES,
@@ -459,7 +460,7 @@ class HTTPCustomerBank:
         return self.bank._customer_record(self.customer_id)["payee_version"]
 
     def payees(self) -> list[Payee]:
-        return self._list("/payees", "payees", _payee)
+        return self._list("/payees", "payees", _payee, max_items=MAX_PAYEES)
 
     def payee(self, payee_id: str) -> Payee | None:
         if not isinstance(payee_id, str) or not _ID.fullmatch(payee_id):

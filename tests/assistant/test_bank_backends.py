@@ -20,6 +20,7 @@ from legacy_schema import LEGACY_PAYEE_VERSION, PENDING_TRANSFER, build_legacy_d
 
 from g4serve_assistant.bank import (
     MAX_AMOUNT_MINOR,
+    MAX_PAYEES,
     BankBackend,
     BankUnavailableError,
     CustomerBank,
@@ -536,6 +537,27 @@ def test_answers_outside_the_api_are_refused(answers, message):
     view = _mock_bank(answers).customer(DEMO_CUSTOMER_ID)
     with pytest.raises(InvalidBankResponseError, match=message):
         view.accounts()
+
+
+def test_a_bank_listing_more_payees_than_a_customer_holds_is_refused():
+    """Every turn scores a customer's whole payee list on a shared thread: the bank's API may not hand the
+    assistant more payees than an import may give a customer (10,000 took ~1.4 s a lookup)."""
+    payee = {
+        "payee_id": "p-1",
+        "display_name": "Jon Smith",
+        "relationship": "friend",
+        "kind": "person",
+        "aliases": [],
+    }
+    body = json.dumps({"payees": [dict(payee, payee_id=f"p-{i}") for i in range(MAX_PAYEES + 1)]})
+    view = _mock_bank({"/v1/customers/cust-001/payees": httpx.Response(200, content=body.encode())})
+    with pytest.raises(
+        InvalidBankResponseError, match=f"response.payees: expected a list of at most {MAX_PAYEES},"
+    ):
+        view.customer(DEMO_CUSTOMER_ID).payees()
+    body = json.dumps({"payees": [dict(payee, payee_id=f"p-{i}") for i in range(MAX_PAYEES)]})
+    view = _mock_bank({"/v1/customers/cust-001/payees": httpx.Response(200, content=body.encode())})
+    assert len(view.customer(DEMO_CUSTOMER_ID).payees()) == MAX_PAYEES
 
 
 def test_a_streamed_answer_over_the_bound_is_cut_off():
