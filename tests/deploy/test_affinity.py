@@ -74,6 +74,18 @@ def test_a_conversation_keeps_its_key_as_it_grows():
     assert key_of(chat(*turn1, temperature=0.3, max_tokens=9, stream=True)) == key_of(chat(*turn1))
 
 
+def test_a_cache_salt_parts_prefixes():
+    """Blocks are shared only under one salt, so a salted prefix meets its cache where its salt went."""
+    turn = [SYSTEM, {"role": "user", "content": "hello"}]
+    plain = key_of(chat(*turn))
+    salted = key_of(chat(*turn, cache_salt="tenant-a"))
+    assert salted.kind == "prefix" and salted != plain
+    assert salted == key_of(chat(*turn, cache_salt="tenant-a"))
+    assert salted != key_of(chat(*turn, cache_salt="tenant-b"))
+    completion = {"model": "tiny", "prompt": "hi"}
+    assert key_of({**completion, "cache_salt": "a"}) != key_of(completion)
+
+
 def test_prefix_parts_that_change_the_cached_prompt_change_the_key():
     base = key_of(chat(SYSTEM, {"role": "user", "content": "hello"}))
     assert base != key_of(

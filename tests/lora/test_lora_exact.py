@@ -71,6 +71,22 @@ def test_prefix_cache_keeps_adapters_apart(served, expected):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_a_salt_and_an_adapter_both_keep_blocks_apart(served):
+    """An adapter's blocks under a client's cache_salt are shared only with the same adapter and salt."""
+    tokens = PROMPTS[2][::-1] * 3  # no other test has run it
+
+    def run(salt, name):
+        prompt = {"prompt_token_ids": tokens, **({"cache_salt": salt} if salt else {})}
+        return served.generate([prompt], GREEDY, lora_request=LoRARequest(name) if name else None)[0]
+
+    assert run("a", "all").num_cached_tokens == 0
+    assert run("a", "all").num_cached_tokens > 0
+    assert run(None, "all").num_cached_tokens == 0
+    assert run("a", None).num_cached_tokens == 0
+    assert run("a", "qv").num_cached_tokens == 0
+    assert run("b", "all").num_cached_tokens == 0
+
+
 def test_adapter_without_v_proj_on_k_eq_v_layers(lora_adapter):
     """26B-A4B / 31B: full layers take V from K, so PEFT makes no v_proj adapter there (sglang#28199)."""
     from safetensors import safe_open

@@ -84,7 +84,8 @@ def body_affinity(payload: dict[str, Any], prefix_chars: int = DEFAULT_PREFIX_CH
     user = payload.get("user")
     if isinstance(user, str) and user.strip():
         return AffinityKey("session", _digest(["session", user.strip()]))
-    pieces = ["model", _text(payload.get("model"))]
+    # A salt parts the engine's prefix cache (KV blocks are shared only under one salt): so does it the key.
+    pieces = ["model", _text(payload.get("model")), "cache_salt", _text(payload.get("cache_salt"))]
     if isinstance(payload.get("messages"), list):  # /v1/chat/completions
         pieces += _chat_prefix(payload["messages"], payload.get("tools"), prefix_chars)
     elif "prompt" in payload:  # /v1/completions

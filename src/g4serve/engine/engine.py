@@ -30,7 +30,7 @@ from g4serve.engine.kv_cache.planning import (
     plan_kv_blocks,
 )
 from g4serve.engine.model_runner import ModelRunner, StepResult
-from g4serve.engine.request import Request, RequestStatus
+from g4serve.engine.request import Request, RequestStatus, check_cache_salt, salt_digest
 from g4serve.engine.scheduler import ScheduledBatch, Scheduler
 from g4serve.engine.speculative import (
     MTPProposer,
@@ -467,7 +467,11 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------
     def process_prompt(self, prompt: str | dict, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize and preprocess media (CPU work; the async engine runs it off the step loop). A prompt
-        too long to fit ``max_model_len`` whatever its tokens is refused before any of that work."""
+        too long to fit ``max_model_len`` whatever its tokens is refused before any of that work. A dict's
+        ``cache_salt`` is kept on the result: its KV blocks are then shared only under the same salt."""
+        salt = None  # a dict's cache_salt (None: none), checked before any tokenizing or media work
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = check_cache_salt(prompt["cache_salt"])
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str):
             if len(text) > self.max_prompt_chars:
@@ -482,9 +486,11 @@ class LLMEngine:
                     raise ValueError(
                         f"prompt: invalid Unicode at character {exc.start} (a lone surrogate)"
                     ) from None
-        return self.processor.process(
+        processed = self.processor.process(
             prompt, self.config.limit_mm_per_prompt, add_special_tokens, media_limits=self.media_limits
         )
+        processed.cache_salt = salt
+        return processed
 
     def make_request(
         self,
@@ -535,6 +541,7 @@ class LLMEngine:
             grammar=self._new_grammar(params),
             jump_forward=self._jumps(params),
             lora_name=lora_name,
+            cache_salt=salt_digest(processed.cache_salt),
             **kwargs,
         )
 
@@ -590,7 +597,7 @@ class LLMEngine:
         if request.lora_name is not None and request.lora_slot < 0:
             # From here the request is registered: _finish gives the slot back, whatever happens to it.
             request.lora_slot, uid = self.lora.acquire(request.lora_name)
-            request.cache_salt = b"lora:%d" % uid
+            request.cache_salt += b"lora:%d" % uid  # K/V depend on the adapter's k/v deltas
         self.requests[request.request_id] = request
         self._extend_block_hashes(request)
         self._pin_media(request)

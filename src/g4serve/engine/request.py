@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +16,31 @@ from g4serve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from g4serve.engine.inputs import DeviceDrafts
     from g4serve.structured import StructuredMatcher
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(value: object) -> str:
+    """A prompt's ``cache_salt`` as given, or ``ValueError`` naming the field. vLLM asks for a non-empty
+    string; a random one of 256 bits (43 base64 characters) is what makes another tenant's guess useless."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"cache_salt: must be a non-empty string, got {type(value).__name__} {value!r:.40}")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt: {len(value)} characters, more than {MAX_CACHE_SALT_CHARS}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800": a lone surrogate is no character
+        raise ValueError(f"cache_salt: invalid Unicode at character {exc.start} (a lone surrogate)") from None
+    return value
+
+
+def salt_digest(salt: str | None) -> bytes:
+    """What a request's first block digest chains from: nothing without a salt (unsalted requests share with
+    each other), else a fixed-length digest of it, so no salt and no adapter suffix can spell another's."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode("utf-8"), digest_size=16, person=b"g4serve-salt").digest()
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +67,9 @@ class Request:
     # Jump-forward (EngineConfig.jump_forward): text the grammar forces becomes output tokens at once.
     jump_forward: bool = False
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # The prefix-cache salt: its first block's digest chains from it, so its KV blocks are shared only with
+    # requests of the same salt (the client's ``cache_salt`` and its adapter's uid, set by the engine).
+    cache_salt: bytes = b""
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
@@ -65,10 +94,7 @@ class Request:
         self.num_pending_outputs = 0
         self.bidirectional_spans = sorted(bidirectional_spans(self.mm_items))
         self.block_hashes: list[bytes] = []  # prefix-cache digests of the full blocks so far
-        # Its adapter's slot while it holds one (set by the engine), and the prefix-cache salt that keeps
-        # its KV blocks apart from other adapters' (K/V depend on the adapter's k/v deltas).
-        self.lora_slot = -1
-        self.cache_salt = b""
+        self.lora_slot = -1  # its adapter's slot while it holds one (set by the engine)
         # Speculative decoding: tokens proposed for the next step to verify, and those the launched step
         # verifies (engine/speculative.py). Drafts left on the device (``set_device_drafts``) are placeholders
         # here until the verifying step's read-back; ``*_source`` says where their values are.

@@ -80,6 +80,9 @@ class ProcessedPrompt:
     prompt: str | None
     token_ids: list[int]
     mm_items: list[MultimodalItem] = field(default_factory=list)
+    # The prompt's ``cache_salt`` (set by ``LLMEngine.process_prompt``): its KV blocks are shared only with
+    # requests of the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass

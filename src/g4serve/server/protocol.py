@@ -51,6 +51,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     priority: StrictInt = 0
+    # vLLM's: KV blocks are shared only between requests of the same salt (none: all unsalted requests)
+    cache_salt: StrictStr | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters; ``SamplingParamsError`` (naming the field) on bad values."""

@@ -54,6 +54,7 @@ class ResponsesRequest(BaseModel):
     background: StrictBool | None = None
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = None
+    cache_salt: StrictStr | None = None  # vLLM's: KV blocks shared only under the same salt
 
     def check(self) -> None:
         """The checks pydantic's types do not express; a 400 naming the field."""

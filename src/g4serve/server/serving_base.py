@@ -175,7 +175,13 @@ class OpenAIServing:
             params = replace(params, structured_output=spec)
         return params
 
-    async def process(self, prompt: str | dict, add_special_tokens: bool) -> ProcessedPrompt:
+    async def process(
+        self, prompt: str | dict, add_special_tokens: bool, cache_salt: str | None = None
+    ) -> ProcessedPrompt:
+        """Tokenize and preprocess off the event loop; a 400 naming the field for bad input. ``cache_salt``:
+        the request's, so its KV blocks are shared only with requests of the same salt."""
+        if cache_salt is not None:
+            prompt = {**({"prompt": prompt} if isinstance(prompt, str) else prompt), "cache_salt": cache_salt}
         began = time.monotonic()
         try:
             with self.waiting.preparing():

@@ -98,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
             parse_tools = bool(tools) and req.tool_choice != "none"
             parser_factory = functools.partial(Gemma4OutputParser, specials, parse_tools)
         processed = await self.process(
-            {"prompt": prompt, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+            {"prompt": prompt, "multi_modal_data": media.as_dict()}, False, req.cache_salt
         )
         if not req.stream:
             room = self.engine.max_model_len - len(processed.token_ids)

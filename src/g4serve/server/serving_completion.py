@@ -33,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         processed_all, admitted = [], []
         for p_index, prompt in enumerate(prompts):
-            processed = await self.process(prompt, add_special_tokens=True)
+            processed = await self.process(prompt, True, req.cache_salt)
             admitted += await self.admit(
                 processed, params, f"{request_id}-{p_index}", req.priority, model_name
             )

@@ -297,6 +297,7 @@ class OpenAIServingResponses(OpenAIServing):
             "parallel_tool_calls": req.parallel_tool_calls,
             "reasoning_effort": req.effort,
             "response_format": req.response_format(),
+            "cache_salt": req.cache_salt,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -363,7 +364,7 @@ class OpenAIServingResponses(OpenAIServing):
         text = await self.chat.render(prompt.chat_req, messages, prompt.tools, prompt.thinking)
         try:
             processed = await self.process(
-                {"prompt": text, "multi_modal_data": media.as_dict()}, add_special_tokens=False
+                {"prompt": text, "multi_modal_data": media.as_dict()}, False, prompt.chat_req.cache_salt
             )
         except APIError as exc:
             if exc.message.startswith("prompt:") and "cannot fit" in exc.message:  # refused before tokenizing
