@@ -231,52 +231,80 @@ def _error_message(body: Any, status: int) -> tuple[str | None, str]:
 
 
 # --- the client --------------------------------------------------------------------------------------------
+_WHOLE_BANK = "*"  # the breaker's scope of every customer: no customer id can be "*" (bank_csv.ID_PATTERN)
+
+
 class Breaker:
-    """A bank that stopped answering is not waited on by every call. After ``failures`` requests in a row
-    that got no answer (timed out, refused, reset), calls fail at once for ``open_s`` seconds, nothing sent;
-    then one call at a time goes through as a probe, and an answer (any status) closes the breaker again.
-    Without it, each call held a worker thread for the whole timeout, and an outage seen by a few customers
-    queued every other turn behind theirs. Answers that are errors (a 503 sent at once) cost no wait and do
-    not count. Thread-safe: the bank is called from worker threads."""
+    """A bank that stopped answering is not waited on by every call. Calls that got no answer (timed out,
+    refused, reset) pause, for ``open_s`` seconds with nothing sent, either one customer or the whole bank:
+
+    - ``failures`` of one customer's calls in a row without an answer pause that customer's calls;
+    - ``failures`` calls in a row without an answer, from more than one customer, pause every call.
+
+    Then one call at a time goes through as a probe of what was paused, and an answer (any status) ends the
+    pause. Without a breaker each call held a worker thread for the whole timeout, and an outage seen by a
+    few customers queued every other turn behind theirs; with one that counted every customer's calls as one,
+    a customer whose own calls hang paused every other customer. Error answers (a 503 sent at once) cost no
+    wait and do not count. Thread-safe: the bank is called from worker threads."""
+
+    MAX_TRACKED = 10_000  # customers whose last calls went unanswered, kept; the oldest go first
 
     def __init__(self, failures: int = 3, open_s: float = 5.0):
         self.failures = failures
         self.open_s = open_s
         self._lock = threading.Lock()
-        self._in_a_row = 0
-        self._closed_at = 0.0  # monotonic time the pause ends
-        self._probing = False
+        self._streak: list[str] = []  # the customers of the bank's last calls in a row without an answer
+        self._missed: dict[str, int] = {}  # a customer's own calls in a row without an answer
+        self._until: dict[str, float] = {}  # scope -> monotonic time its pause ends
+        self._probing: set[str] = set()  # scopes whose probe is out
 
-    def admit(self, what: str) -> bool:
-        """Whether this call is the probe; ``BankUnavailableError`` while the breaker is open."""
+    def admit(self, what: str, customer: str) -> str | None:
+        """The scope this call probes (``customer``, or the whole bank's), or None for a plain call;
+        ``BankUnavailableError`` while a pause covers it."""
         with self._lock:
-            if self._in_a_row < self.failures:
-                return False
-            left = self._closed_at - time.monotonic()
-            if left > 0 or self._probing:
-                raise BankUnavailableError(
-                    f"{what}: not sent: the bank did not answer {self._in_a_row} requests in a row "
-                    f"(tried again in {max(left, 0.0):.1f} s, one request at a time)"
-                )
-            self._probing = True
-            return True
+            for scope in (_WHOLE_BANK, customer):
+                if scope in self._until:
+                    left = self._until[scope] - time.monotonic()
+                    if left > 0 or scope in self._probing:
+                        raise BankUnavailableError(
+                            f"{what}: not sent: {self._why(scope)} (tried again in "
+                            f"{max(left, 0.0):.1f} s, one request at a time)"
+                        )
+                    self._probing.add(scope)
+                    return scope
+            return None
 
-    def record(self, answered: bool, probe: bool) -> None:
+    def _why(self, scope: str) -> str:
+        if scope == _WHOLE_BANK:
+            return f"the bank did not answer {self.failures} requests in a row, of several customers"
+        return f"the bank did not answer this customer's last {self.failures} requests"
+
+    def record(self, answered: bool, probe: str | None, customer: str) -> None:
         with self._lock:
-            if probe:
-                self._probing = False
+            self._probing.discard(probe)
             if answered:
-                self._in_a_row = 0
+                self._streak.clear()
+                self._missed.pop(customer, None)
+                self._until.pop(customer, None)
+                self._until.pop(_WHOLE_BANK, None)
                 return
-            self._in_a_row += 1
-            if self._in_a_row >= self.failures:
-                self._closed_at = time.monotonic() + self.open_s
+            self._streak = [*self._streak[-(self.failures - 1) :], customer]
+            self._missed[customer] = self._missed.pop(customer, 0) + 1
+            if len(self._missed) > self.MAX_TRACKED:
+                oldest = next(iter(self._missed))
+                del self._missed[oldest]
+                self._until.pop(oldest, None)
+            if self._missed[customer] >= self.failures:
+                self._until[customer] = time.monotonic() + self.open_s
+            if len(self._streak) >= self.failures and len(set(self._streak)) > 1:
+                self._until[_WHOLE_BANK] = time.monotonic() + self.open_s
 
 
 class HTTPBank:
     """``BankBackend`` over ``{base_url}/v1/customers/...``; ``api_key`` goes as ``Authorization: Bearer``.
-    ``timeout_s`` bounds each request as a whole; after 3 requests in a row without an answer, calls fail at
-    once for ``breaker_open_s`` (``Breaker``). A ``client`` given is used as is and not closed."""
+    ``timeout_s`` bounds each request as a whole; after 3 requests in a row without an answer, a customer's
+    calls (or, from several customers, every call) fail at once for ``breaker_open_s`` (``Breaker``). A
+    ``client`` given is used as is and not closed."""
 
     def __init__(
         self,
@@ -349,7 +377,7 @@ class HTTPBank:
         """One request; ``parse`` gets the JSON answer, or None for a 404 that is not about the customer.
         UnknownCustomerError, ValueError (409, 422, 400), BankUnavailableError as docs/assistant.md says."""
         what = f"bank API {method} {API_PREFIX}{path}"
-        status, data = self._send(method, path, what, body, params, headers)
+        status, data = self._send(method, path, what, customer_id, body, params, headers)
         if status in (200, 201):
             if data is None:
                 raise InvalidBankResponseError(f"{what}: HTTP {status} without a JSON answer")
@@ -372,10 +400,17 @@ class HTTPBank:
             raise InvalidBankResponseError(f"{what}: {exc}") from None
 
     def _send(
-        self, method: str, path: str, what: str, body: dict | None, params: dict | None, headers: dict | None
+        self,
+        method: str,
+        path: str,
+        what: str,
+        customer_id: str,
+        body: dict | None,
+        params: dict | None,
+        headers: dict | None,
     ) -> tuple[int, Any]:
         """(status, JSON or None) within the time and size bounds; BankUnavailableError otherwise."""
-        probe = self.breaker.admit(what)
+        probe = self.breaker.admit(what, customer_id)
         answered = False
         try:
             status, raw = self._exchange(method, path, what, body, params, headers)
@@ -384,7 +419,7 @@ class HTTPBank:
             answered = True
             raise
         finally:
-            self.breaker.record(answered, probe)
+            self.breaker.record(answered, probe, customer_id)
         if not raw:
             return status, None
         try:

@@ -27,7 +27,7 @@ from g4serve_assistant.bank import (
     UnknownCustomerError,
 )
 from g4serve_assistant.db import DEMO_CUSTOMER_2_ID, DEMO_CUSTOMER_ID, Payee, SQLBank, SQLiteBank, demo_bank
-from g4serve_assistant.http_bank import MAX_RESPONSE_BYTES, HTTPBank, InvalidBankResponseError
+from g4serve_assistant.http_bank import MAX_RESPONSE_BYTES, Breaker, HTTPBank, InvalidBankResponseError
 from g4serve_assistant.payees import PayeeIndex
 
 DATA = Path(__file__).parent / "data"
@@ -410,7 +410,7 @@ def test_a_bank_that_stops_answering_is_not_waited_on_by_every_call(server):
                 view.balance()
         sent = len(server.fake.requests)
         started = time.monotonic()
-        with pytest.raises(BankUnavailableError, match="3 requests in a row") as info:
+        with pytest.raises(BankUnavailableError, match="this customer's last 3 requests") as info:
             view.transfers()
         assert time.monotonic() - started < 0.05 and len(server.fake.requests) == sent
         assert type(info.value) is BankUnavailableError
@@ -418,7 +418,7 @@ def test_a_bank_that_stops_answering_is_not_waited_on_by_every_call(server):
         server.fake.delay_s = 0.6  # back, slowly: the first call after the pause is the one probe
         probe = concurrent.futures.ThreadPoolExecutor(1).submit(view.balance)
         time.sleep(0.2)
-        with pytest.raises(BankUnavailableError, match="in a row"):  # not a second probe
+        with pytest.raises(BankUnavailableError, match="one request at a time"):  # not a second probe
             view.transfers()
         assert probe.result(timeout=5)["balance_minor"] == 123_456
         server.fake.delay_s = 0.0
@@ -432,6 +432,42 @@ def test_a_bank_that_stops_answering_is_not_waited_on_by_every_call(server):
     finally:
         server.fake.delay_s = 0.0
         client.close()
+
+
+def test_one_customers_hanging_calls_pause_only_that_customer():
+    """Finding: the breaker counted every customer's calls as one, so a customer whose own calls hang at the
+    bank (say, a history it made slow to list) paused every other customer's bank calls for ``open_s`` after 3
+    turns, again and again. Now 3 in a row without an answer pause only their customer; the whole bank is
+    paused when the calls in a row without an answer come from more than one customer."""
+    breaker = Breaker(failures=3, open_s=60.0)
+    for _ in range(3):
+        assert breaker.admit("GET", "mallory") is None
+        breaker.record(False, None, "mallory")
+    with pytest.raises(BankUnavailableError, match="this customer's last 3 requests"):
+        breaker.admit("GET", "mallory")
+    assert breaker.admit("GET", "alice") is None  # others are still served
+    breaker.record(True, None, "alice")
+    with pytest.raises(BankUnavailableError, match="this customer's last 3"):
+        breaker.admit("GET", "mallory")
+    # an outage: the calls in a row without an answer come from several customers
+    for customer in ("alice", "bob", "carol"):
+        assert breaker.admit("GET", customer) is None
+        breaker.record(False, None, customer)
+    with pytest.raises(BankUnavailableError, match="did not answer 3 requests in a row"):
+        breaker.admit("GET", "dave")
+
+
+def test_a_paused_customer_is_probed_once_then_served_again():
+    breaker = Breaker(failures=2, open_s=0.05)
+    for _ in range(2):
+        breaker.record(False, breaker.admit("GET", "mallory"), "mallory")
+    time.sleep(0.06)
+    probe = breaker.admit("GET", "mallory")
+    assert probe == "mallory"
+    with pytest.raises(BankUnavailableError, match="one request at a time"):  # not a second probe
+        breaker.admit("GET", "mallory")
+    breaker.record(True, probe, "mallory")
+    assert breaker.admit("GET", "mallory") is None
 
 
 def test_a_bank_that_is_not_there_is_unavailable():
