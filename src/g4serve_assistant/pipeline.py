@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -526,10 +527,11 @@ class Assistant:
                 asr=asr,
             )
         # Run to its end even if this turn is cancelled meanwhile: the session it takes is then let go.
-        customer, session, normalized, result = await run_to_end(
-            asyncio.to_thread(self._understand, caller, text, clock),
-            undo=lambda understood: self.sessions.release(understood[1]),
-        )
+        async with self._audit_if_cut(caller, audit, clock):
+            customer, session, normalized, result = await run_to_end(
+                asyncio.to_thread(self._understand, caller, text, clock),
+                undo=lambda understood: self.sessions.release(understood[1]),
+            )
         try:
             audit.append(
                 AuditRow(
@@ -549,9 +551,10 @@ class Assistant:
             needs_llm = customer.policy.wants_llm(session, result)
             if self.extractor is not None and needs_llm:
                 path = "gemma"
-                result, llm_info = await self._extract(
-                    customer, text, normalized, result, candidates, clock, audit
-                )
+                async with self._audit_if_cut(caller, audit, clock):
+                    result, llm_info = await self._extract(
+                        customer, text, normalized, result, candidates, clock, audit
+                    )
         except BaseException:
             await asyncio.to_thread(self.sessions.release, session)  # the state stays as it was
             raise
@@ -633,6 +636,18 @@ class Assistant:
         )
         await asyncio.to_thread(self.record, caller, audit)
         return decision, reply, documents
+
+    @contextlib.asynccontextmanager
+    async def _audit_if_cut(self, caller: Caller, audit: list[AuditRow], clock: StageClock):
+        """A turn cancelled before its decision (its client gone, the server stopping) still leaves what it
+        did in the audit (what was heard and understood), and a ``turn``/``cut`` row with its stages so far:
+        written to its end whatever cancels it again."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            audit.append(AuditRow("turn", "cut", {"stages": dict(clock.stages)}, outcome="cancelled"))
+            await run_to_end(asyncio.to_thread(self.record, caller, audit))
+            raise
 
     async def _extract(
         self,

@@ -238,7 +238,14 @@ def test_a_client_leaving_mid_turn_aborts_the_extraction_and_cuts_the_turn(serve
     assert len(request.output_token_ids) <= at_close + TOKENS_PAST_CLOSE
     time.sleep(0.3)
     rows = served.audit(session_id)
-    assert not [e for e in rows if e["stage"] in ("policy", "turn")], rows  # cut before its decision
+    assert not [e for e in rows if e["stage"] == "policy"], rows  # cut before its decision
+    # What the turn did before the cut is audited (it wrote only the disconnect before): what it understood,
+    # and where it was cut, with its stages so far.
+    (normalized,) = [e for e in rows if e["stage"] == "normalize"]
+    assert normalized["detail"]["original"] == "send fifty to steven"
+    (cut,) = [e for e in rows if e["stage"] == "turn"]
+    assert cut["event"] == "cut" and cut["outcome"] == "cancelled", cut
+    assert "intent" in cut["detail"]["stages"] and "llm" not in cut["detail"]["stages"], cut
     (gone,) = [e for e in rows if e["stage"] == "ws" and e["event"] == "disconnected"]
     assert gone["outcome"] == "disconnected" and gone["detail"]["text"] == "send fifty to steven"
     # Nothing is left held: the session's next turn is answered at once (no 409 after 15 s).
