@@ -30,6 +30,7 @@ from g4serve.outputs import RequestMetrics, RequestOutput
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.processing.tokenizer import Tokenizer
 from g4serve.sampling_params import SamplingParams
+from g4serve.structured import StructuredSpec
 
 log = logging.getLogger("g4serve.async_engine")
 
@@ -63,6 +64,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread crashed; the server should report 500s and restart."""
 
 
+class GrammarCompilerBusy(Exception):
+    """More new grammars than ``COMPILES_WAITING`` are compiling or queued: the request is refused (the server
+    answers 429 with ``Retry-After``) instead of waiting behind them."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine could not run this request (a fault in its step, or ``status`` 400: the client's input,
     found only while it ran); the engine serves on."""
@@ -84,6 +90,14 @@ def set_switch_interval() -> None:
         sys.setswitchinterval(value * 1e-6)
         log.info("interpreter switch interval: %g us", value)
 
+
+# New grammars (JSON schemas, regexes, tools) compile on threads of their own, never in the preprocessing
+# pool: a 40-byte schema can cost xgrammar seconds on a 262k vocabulary (bench/grammar_compile.py), and four
+# such requests held every thread that tokenizes and decodes media for everyone. At most COMPILES_WAITING
+# new grammars compile or wait at once; the next is refused (429) rather than queued behind them.
+COMPILE_WORKERS = 2
+COMPILES_WAITING = 8
+RETRY_AFTER_S = 1
 
 # A step on CUDA longer than this (seconds) is a device that stopped (G4SERVE_STEP_TIMEOUT_S overrides): the
 # longest legitimate ones (an 8k-token prefill of 31B, a lazy graph capture, a kernel's first compile) take
@@ -113,6 +127,10 @@ class AsyncLLMEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             preprocess_workers, thread_name_prefix="g4-preprocess"
         )
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+            COMPILE_WORKERS, thread_name_prefix="g4-grammar"
+        )
+        self._compiling: dict = {}  # spec -> its compile's future (the event loop's own: no lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
@@ -344,6 +362,34 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead))
         return await self._in_pool(self.engine.process_prompt, prompt, add_special_tokens)
 
+    async def _compiled(self, params: SamplingParams) -> None:
+        """Compile ``params``' new grammar on the grammar threads (``COMPILE_WORKERS``), so that making the
+        request then finds it cached; requests for one new grammar share its compile.
+        ``GrammarCompilerBusy`` past ``COMPILES_WAITING`` new grammars at once."""
+        spec = params.structured_output
+        if spec is None or not isinstance(spec, StructuredSpec):
+            return  # none, or not a spec: make_request names what is wrong
+        backend = self.engine.structured_backend
+        if backend.cached(spec):
+            return
+        future = self._compiling.get(spec)
+        if future is None:
+            if len(self._compiling) >= COMPILES_WAITING:
+                raise GrammarCompilerBusy(
+                    f"{spec.field}: {len(self._compiling)} new grammars are compiling (at most "
+                    f"{COMPILES_WAITING} at once); retry after {RETRY_AFTER_S} s"
+                )
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(self._compile_pool, backend.compile, spec)
+            self._compiling[spec] = future
+            future.add_done_callback(lambda _: self._compiling.pop(spec, None))
+        try:
+            await asyncio.shield(future)  # a caller that leaves does not cancel the others' compile
+        except (asyncio.CancelledError, RuntimeError) as exc:  # RuntimeError: the pool has shut down
+            if self.dead is None or isinstance(exc, asyncio.CancelledError):
+                raise
+            raise EngineDeadError(str(self.dead)) from exc
+
     async def _in_pool(self, fn, *args):
         """``fn(*args)`` in the preprocessing pool. Work the engine's stop cancelled before it ran (shutdown
         or the step watchdog cancel the pool's queue) raises ``EngineDeadError``, as every other call on a
@@ -392,12 +438,14 @@ class AsyncLLMEngine:
         """Admit a request: its length against ``max_model_len``, its token ids, and its structured-output
         grammar, compiled here (into the backend's grammar cache). Returns the engine request, not yet
         queued, for ``add``: this is the one place a request is checked. Raises ``ValueError`` /
-        ``StructuredOutputError`` naming the field. Runs in the preprocessing pool: compiling a grammar
-        can take a while and must not stall the event loop."""
+        ``StructuredOutputError`` naming the field, ``GrammarCompilerBusy`` past ``COMPILES_WAITING`` new
+        grammars. A new grammar compiles on the grammar threads, the rest runs in the preprocessing pool:
+        neither stalls the event loop, and a slow compile holds no thread that prepares other requests."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         request_id = request_id or self.new_request_id()
         self._check_free(request_id)  # early, before a grammar compiles; `add` checks again
+        await self._compiled(params)
         request = await self._in_pool(
             lambda: self.engine.make_request(
                 request_id, processed, params, priority=priority, lora_name=lora_name
@@ -531,6 +579,7 @@ class AsyncLLMEngine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         for loop, q, _ in list(self._streams.values()):
             self._send(loop, q, self.dead)
         if not self._thread.is_alive():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from g4serve.engine.async_engine import AsyncLLMEngine, StreamDelta
+from g4serve.engine.async_engine import RETRY_AFTER_S, AsyncLLMEngine, GrammarCompilerBusy, StreamDelta
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams, SamplingParamsError
 from g4serve.server.config import ServerConfig
@@ -219,6 +219,8 @@ class OpenAIServing:
                 ]
         except ValueError as exc:
             raise bad_request(exc) from None
+        except GrammarCompilerBusy as exc:
+            raise APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     def stream(
         self, requests: list[EngineRequest], http_request: Request

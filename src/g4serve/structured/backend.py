@@ -463,6 +463,11 @@ class StructuredOutputBackend:
             )
         return compiled
 
+    def cached(self, spec: StructuredSpec) -> bool:
+        """Whether ``spec``'s grammar is compiled already (``compile`` then returns at once)."""
+        with self._lock:
+            return spec in self._cache
+
     def new_matcher(self, spec: StructuredSpec) -> StructuredMatcher:
         matcher = self._xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids)
         return StructuredMatcher(spec, matcher, self.matcher_vocab)
