@@ -272,13 +272,9 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(payload)
                 except Exception as exc:  # a bad request fails alone, the engine serves on
-                    log.exception("request %s: could not be added", payload.request_id)
                     if self.engine.requests.get(payload.request_id) is payload:
                         self.engine.abort_request(payload.request_id)
-                    # A ValueError names the field at fault; anything else is ours, told without internals.
-                    internal = f"internal error ({type(exc).__name__})"
-                    message = str(exc) if isinstance(exc, ValueError) else internal
-                    self._fail_stream(payload.request_id, RequestFailedError(payload.request_id, message))
+                    self._fail_stream(payload.request_id, _refused(payload.request_id, exc))
             elif kind == "abort":
                 request = self.engine.requests.get(payload)
                 if request is not None:
@@ -588,6 +584,18 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)
             self._fail_calls()
             self.engine.shutdown()  # its tensor-parallel workers
+
+
+def _refused(request_id: str, exc: Exception) -> RequestFailedError:
+    """Why the engine thread could not queue an admitted request. A ``ValueError`` is the client's, naming the
+    field (400; 404 for an adapter unloaded since admission, as the model check answers an unknown one);
+    anything else is ours, a 500 told without internals and logged with its traceback."""
+    if not isinstance(exc, ValueError):
+        log.exception("request %s: could not be added", request_id, exc_info=exc)
+        return RequestFailedError(request_id, f"internal error ({type(exc).__name__})")
+    log.info("request %s: refused when queued: %s", request_id, exc)
+    status = 404 if str(exc).startswith("model: no LoRA adapter") else 400
+    return RequestFailedError(request_id, str(exc), status)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:

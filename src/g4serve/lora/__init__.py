@@ -1,6 +1,7 @@
-"""LoRA adapters: PEFT directories read and checked (``adapter``), and the loaded ones by name, each in a
-slot of the decoder's stacked adapter weights (``registry``; the weights and the per-token op live in
-``g4serve.layers.lora`` and ``g4serve.kernels.lora``)."""
+"""LoRA adapters: PEFT directories read and checked (``adapter``; ``alpha_pattern`` keys matched at a bounded
+cost by ``patterns``), and the loaded ones by name, each in a slot of the decoder's stacked adapter weights
+(``registry``; the weights and the per-token op live in ``g4serve.layers.lora`` and
+``g4serve.kernels.lora``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Gemma 4 text decoder, and checks every part of it against the base model before 
 An adapter path is as hostile as a request body (the load endpoint takes one): the config is size-capped
 JSON, the weights are safetensors only (``adapter_model.bin`` is a pickle, never unpickled), the file may
 not be larger than the biggest adapter the model admits, and every tensor must name a projection the
-decoder computes, with the shape, rank and finite values it must have.
+decoder computes, with the shape, rank, float dtype and finite values (once scaled, in the serving dtype) it
+must have. Every refusal is a ``LoRAAdapterError`` that quotes at most a short part of the files.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from safetensors import safe_open
 
 from g4serve.config import TextConfig
 from g4serve.layers.lora import LORA_MODULES, projection_shapes
+from g4serve.lora.patterns import AlphaPatterns
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 _HEADER_SLACK_BYTES = 1 << 20  # the safetensors JSON header beside the tensors
+PEFT_DEFAULT_ALPHA = 8.0  # LoraConfig.lora_alpha when a config leaves it out (whatever its r)
+# What PEFT saves adapters in (the model's dtype); fp8 and integer tensors are no LoRA weights.
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # PEFT options that change what the adapter computes beyond ``W + scale * B @ A`` on linear projections.
 _UNSUPPORTED_OPTIONS = {
@@ -38,7 +43,7 @@ _UNSUPPORTED_OPTIONS = {
     "use_bdlora": "block-diagonal LoRA",
 }
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?P<prefix>(?:[\w]+\.)*?)layers\.(?P<layer>\d+)\."
+    r"^(?:base_model\.model\.)?(?P<prefix>(?:[\w]+\.)*?)layers\.(?P<layer>0|[1-9][0-9]{0,5})\."
     r"(?P<block>self_attn|mlp)\.(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
 )
 # Where the decoder's layers sit: Gemma4ForConditionalGeneration, Gemma4ForCausalLM, a bare text model.
@@ -65,27 +70,52 @@ def load_peft_adapter(
     directory every file read must lie under once its links are resolved (a run-time load's ``--lora-root``:
     the directory named lies under it, but a file in it may link anywhere the server can read)."""
     root = Path(path)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as exc:  # a name past NAME_MAX or PATH_MAX
+        raise LoRAAdapterError(f"{path}: cannot be opened ({exc.strerror})") from None
+    if not is_dir:
         raise LoRAAdapterError(f"{path}: is not a directory")
     files = _AdapterFiles(root, Path(confine_to).resolve() if confine_to is not None else None)
     scales = _Scales(_read_config(files))
     shapes = projection_shapes(cfg)
-    weights, rank = {}, 0
-    for (layer, module), (name, a, b) in sorted(_read_pairs(files, cfg, shapes, max_rank).items()):
-        n_in, n_out = shapes[layer, module]
-        r = a.shape[0] if a.ndim == 2 else -1
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
-            raise LoRAAdapterError(
-                f"{WEIGHTS_NAME}: {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
-                f"the projection ({n_in} -> {n_out}): expected [r, {n_in}] and [{n_out}, r]"
-            )
-        if not 1 <= r <= max_rank:
-            raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: rank {r} exceeds --max-lora-rank {max_rank}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: holds NaN or infinite values")
-        weights[layer, module] = (a.to(dtype), (b.float() * scales.of(name, r)).to(dtype))
-        rank = max(rank, r)
-    return LoRAAdapter(str(path), rank, weights)
+    pairs = sorted(_read_pairs(files, cfg, shapes, max_rank).items())
+    ranks = {name: _checked_rank(name, a, b, shapes[key], max_rank) for key, (name, a, b) in pairs}
+    scale = scales.of(ranks)
+    weights = {key: _folded(name, a, b, scale[name], dtype) for key, (name, a, b) in pairs}
+    return LoRAAdapter(str(path), max(ranks.values()), weights)
+
+
+def _checked_rank(name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int], max_rank: int) -> int:
+    """The rank of one module's lora_A [r, in] and lora_B [out, r], checked against its projection."""
+    n_in, n_out = shape
+    r = a.shape[0] if a.ndim == 2 else -1
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+            f"the projection ({n_in} -> {n_out}): expected [r, {n_in}] and [{n_out}, r]"
+        )
+    if r < 1:
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: rank {r}: an adapter's rank is at least 1")
+    if r > max_rank:
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: rank {r} exceeds --max-lora-rank {max_rank}")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: {name}: holds NaN or infinite values")
+    return r
+
+
+def _folded(
+    name: str, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, scale * B) in the serving dtype, still finite: a huge lora_alpha, or weights past float16's
+    range, would make every token of the adapter's requests NaN."""
+    a, b = a.to(dtype), (b.float() * scale).to(dtype)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {name}: holds NaN or infinite values once scaled by lora_alpha / r ({scale:g}) "
+            f"and cast to {str(dtype).removeprefix('torch.')}"
+        )
+    return a, b
 
 
 class _AdapterFiles:
@@ -122,9 +152,11 @@ def _read_pairs(
                 found = parts.setdefault((layer, module), {"name": name})
                 if ab in found:
                     raise LoRAAdapterError(f"{WEIGHTS_NAME}: {key}: lora_{ab} given twice")
-                found[ab] = f.get_tensor(key)
+                found[ab] = _float_tensor(f, key)
     except LoRAAdapterError:
         raise
+    except OSError as exc:  # its text would name the file's resolved path, which may be the server's
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: cannot be read ({exc.strerror})") from None
     except Exception as exc:  # a truncated or corrupt file: safetensors' own message, no traceback
         raise LoRAAdapterError(f"{WEIGHTS_NAME}: cannot be read ({exc})") from None
     if not parts:
@@ -134,6 +166,16 @@ def _read_pairs(
         if missing:
             raise LoRAAdapterError(f"{WEIGHTS_NAME}: {found['name']} has lora_{missing} missing")
     return {key: (found["name"], found["A"], found["B"]) for key, found in parts.items()}
+
+
+def _float_tensor(f, key: str) -> torch.Tensor:
+    tensor = f.get_tensor(key)
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise LoRAAdapterError(
+            f"{WEIGHTS_NAME}: {key}: dtype {str(tensor.dtype).removeprefix('torch.')}: expected float32, "
+            "bfloat16 or float16"
+        )
+    return tensor
 
 
 def _weights_file(
@@ -159,17 +201,27 @@ def _read_config(files: _AdapterFiles) -> dict:
     file = files(CONFIG_NAME)
     if not file.is_file():
         raise LoRAAdapterError(f"{files.root}: has no {CONFIG_NAME}")
-    if file.stat().st_size > MAX_CONFIG_BYTES:
-        raise LoRAAdapterError(f"{CONFIG_NAME}: larger than {MAX_CONFIG_BYTES} bytes")
     try:
+        if file.stat().st_size > MAX_CONFIG_BYTES:
+            raise LoRAAdapterError(f"{CONFIG_NAME}: larger than {MAX_CONFIG_BYTES} bytes")
         config = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise LoRAAdapterError(f"{CONFIG_NAME}: cannot be read ({exc.strerror})") from None
+    except RecursionError:  # "[[[[..." past the parser's recursion limit: under the size cap, 1 MB deep
+        raise LoRAAdapterError(f"{CONFIG_NAME}: nested too deeply") from None
+    except ValueError as exc:  # UnicodeDecodeError too
         raise LoRAAdapterError(f"{CONFIG_NAME}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise LoRAAdapterError(f"{CONFIG_NAME}: expected a JSON object")
+    _check_options(config)
+    return config
+
+
+def _check_options(config: dict) -> None:
+    """Refuse what the config asks for that g4serve does not compute."""
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(
-            f"{CONFIG_NAME}: peft_type {config.get('peft_type')!r}: only LORA adapters are served"
+            f"{CONFIG_NAME}: peft_type {_brief(config.get('peft_type'))}: only LORA adapters are served"
         )
     for option, why in _UNSUPPORTED_OPTIONS.items():
         if config.get(option):
@@ -178,38 +230,48 @@ def _read_config(files: _AdapterFiles) -> dict:
         raise LoRAAdapterError(f"{CONFIG_NAME}: bias: adapters that train biases are not supported")
     if config.get("modules_to_save"):
         raise LoRAAdapterError(
-            f"{CONFIG_NAME}: modules_to_save {config['modules_to_save']}: adapters that replace whole "
-            "modules are not supported (serve a merged checkpoint instead)"
+            f"{CONFIG_NAME}: modules_to_save: adapters that replace whole modules "
+            f"({_brief(config['modules_to_save'])}) are not supported (serve a merged checkpoint instead)"
         )
-    return config
+
+
+def _brief(value: object, limit: int = 60) -> str:
+    """A config value as an error may quote it: its repr, cut (a field may hold most of a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 class _Scales:
     """``lora_alpha / r`` per module (``alpha_pattern`` overrides, rsLoRA's ``alpha / sqrt(r)``), matched as
-    PEFT matches pattern keys: a pattern names the module's full name or a dotted suffix of it."""
+    PEFT matches pattern keys (``patterns.AlphaPatterns``: a key names the module's full name or a dotted
+    suffix of it)."""
 
     def __init__(self, config: dict):
         try:
-            self.alpha = float(config.get("lora_alpha", config.get("r", 8)))
-            self.patterns = {str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
+            self.alpha = float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+            patterns = {str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
         except (TypeError, ValueError, AttributeError):
             raise LoRAAdapterError(f"{CONFIG_NAME}: lora_alpha and alpha_pattern must be numbers") from None
-        self.rslora = bool(config.get("use_rslora"))
-        if not math.isfinite(self.alpha) or not all(map(math.isfinite, self.patterns.values())):
+        self.rslora = config.get("use_rslora", False)
+        if not isinstance(self.rslora, bool):
+            raise LoRAAdapterError(
+                f"{CONFIG_NAME}: use_rslora: expected true or false, got {_brief(self.rslora)}"
+            )
+        if not math.isfinite(self.alpha) or not all(map(math.isfinite, patterns.values())):
             raise LoRAAdapterError(f"{CONFIG_NAME}: lora_alpha must be finite")
+        try:
+            self.patterns = AlphaPatterns(patterns)
+        except ValueError as exc:
+            raise LoRAAdapterError(f"{CONFIG_NAME}: {exc}") from None
 
-    def of(self, module_name: str, rank: int) -> float:
-        alpha = self.alpha
-        for pattern, value in self.patterns.items():
-            try:
-                if re.match(rf"(.*\.)?({pattern})$", module_name):
-                    alpha = value
-                    break
-            except re.error:
-                raise LoRAAdapterError(
-                    f"{CONFIG_NAME}: alpha_pattern key {pattern!r} is not a regex"
-                ) from None
-        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
+    def of(self, ranks: dict[str, int]) -> dict[str, float]:
+        """The scale of each module (by name) of the given rank."""
+        try:
+            alphas = self.patterns.alphas(list(ranks), self.alpha)
+        except ValueError as exc:
+            raise LoRAAdapterError(f"{CONFIG_NAME}: {exc}") from None
+        root = math.sqrt if self.rslora else float
+        return {name: alphas[name] / root(r) for name, r in ranks.items()}
 
 
 def _parse_key(key: str, cfg: TextConfig) -> tuple[int, str, str, str]:

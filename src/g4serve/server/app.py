@@ -23,7 +23,7 @@ from g4serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Request
 from g4serve.server import routes
 from g4serve.server.body_budget import BodyBudget
 from g4serve.server.config import ServerConfig
-from g4serve.server.errors import error_response, install_error_handlers
+from g4serve.server.errors import error_response, install_error_handlers, param_of
 from g4serve.server.guard import GuardMiddleware
 from g4serve.server.metrics import ServerMetrics
 from g4serve.server.response_store import ResponseStore
@@ -105,7 +105,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_request: Request, exc: RequestFailedError) -> JSONResponse:
         metrics.observe_error(exc.status)
-        return error_response(exc.status, str(exc))
+        # the client's (4xx) names its field, as an APIError from the same words would
+        return error_response(exc.status, str(exc), param_of(str(exc)) if exc.status < 500 else None)
 
     app.add_middleware(
         GuardMiddleware,

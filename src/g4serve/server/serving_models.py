@@ -5,6 +5,7 @@ reported in metrics and ``/health``."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,8 @@ from g4serve.server.errors import APIError, bad_request, read_json_object
 
 if TYPE_CHECKING:
     from g4serve.engine.async_engine import AsyncLLMEngine
+
+MAX_LORA_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer path names no file
 
 
 class OpenAIServingModels:
@@ -85,7 +88,14 @@ class OpenAIServingModels:
         self.check_runtime_loading()
         if not isinstance(lora_path, str) or not lora_path or "\x00" in lora_path:
             raise APIError(400, "lora_path: expected a non-empty path", param="lora_path")
-        resolved = (self.lora_root / lora_path).resolve()
+        if len(lora_path) > MAX_LORA_PATH_CHARS:
+            raise APIError(400, f"lora_path: longer than {MAX_LORA_PATH_CHARS} characters", param="lora_path")
+        try:
+            resolved = (self.lora_root / lora_path).resolve()
+        except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError on a link loop, its text the path
+            raise APIError(
+                400, "lora_path: cannot be resolved (a loop of links?)", param="lora_path"
+            ) from None
         if not resolved.is_relative_to(self.lora_root):
             raise APIError(
                 400, "lora_path: must name a directory under the server's --lora-root", param="lora_path"
@@ -97,12 +107,18 @@ class OpenAIServingLoRA:
     """``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST /v1/unload_lora_adapter``
     ``{"lora_name"}`` (vLLM's routes and bodies). The API key guards them like every other route, and the
     server refuses to start them without one: whoever loads an adapter changes what other clients' requests
-    naming it compute."""
+    naming it compute.
+
+    Loads run one at a time. Each reads and checks its adapter in the preprocessing pool, which tokenizes
+    every prompt: loads at once held an adapter each in memory (up to ~1.9 GB for 31B at rank 64) and took a
+    pool worker each (four loads left no prompt processed until they finished); loads of one name at once all
+    read it before all but one were refused. A load waiting its turn has read only its small body."""
 
     def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels, max_body_bytes: int):
         self.engine = engine
         self.models = models
         self.max_body_bytes = max_body_bytes
+        self._loading = asyncio.Lock()
 
     async def _body(self, request: Request, fields: tuple[str, ...]) -> dict:
         body = await read_json_object(request, self.max_body_bytes)
@@ -112,6 +128,8 @@ class OpenAIServingLoRA:
         unknown = sorted(set(body) - set(fields) - {"load_inplace"})
         if unknown:
             raise APIError(400, f"{unknown[0]}: unknown field", param=unknown[0])
+        if not isinstance(body.get("load_inplace", False), bool):
+            raise APIError(400, "load_inplace: expected true or false", param="load_inplace")
         return body
 
     async def load(self, request: Request) -> JSONResponse:
@@ -122,10 +140,11 @@ class OpenAIServingLoRA:
             raise APIError(400, f"lora_name: '{name}' is the base model's name", param="lora_name")
         path = self.models.adapter_path(body["lora_path"])
         try:
-            await self.engine.load_lora(name, path, confine_to=str(self.models.lora_root))
+            async with self._loading:  # the name and a free slot are checked again in turn, before any read
+                await self.engine.load_lora(name, path, confine_to=str(self.models.lora_root))
         except LoRAAdapterError as exc:
             # The message names the file at fault relative to the adapter, never the server's directories.
-            message = str(exc).replace(path, body["lora_path"])
+            message = str(exc).replace(path, body["lora_path"]).replace(str(self.models.lora_root), "<root>")
             raise APIError(400, f"lora_path: {message}", param="lora_path") from None
         except ValueError as exc:
             raise bad_request(exc) from None
