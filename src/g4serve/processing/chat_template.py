@@ -43,6 +43,8 @@ import jinja2.nodes
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from g4serve.processing.gemma4_template import TEMPLATE_GLOBALS, linear_lookback, linear_template
+
 log = logging.getLogger("g4serve.chat_template")
 
 
@@ -132,54 +134,13 @@ _ENV_OPTIONS: Mapping[str, Any] = {
 }
 
 
-# Gemma 4's own template (google/gemma-4-*-it) finds each message's previous non-tool role by walking back
-# over every earlier message, without a break: quadratic in the conversation, each step a sandboxed attribute
-# read. On the 2-core CPU 2,000 messages took 7.5 s to render and 10,000 (a 365 KB body) 177 s, in a
-# template thread holding the interpreter lock (docs/benchmarks.md). ``linear_lookback`` keeps the same
-# value as the loop goes (the role of the last non-tool message so far): the same text (tests compare
-# both), in linear time. A template without this exact block renders as written.
-_QUADRATIC_LOOKBACK = (
-    "{%- for message in loop_messages -%}\n"
-    "    {%- if message['role'] != 'tool' -%}\n"
-    "    {%- set ns.prev_message_type = None -%}\n"
-    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
-    "    {%- set prev_nt = namespace(role=None, found=false) -%}\n"
-    "    {%- if loop.index0 > 0 -%}\n"
-    "        {%- for j in range(loop.index0 - 1, -1, -1) -%}\n"
-    "            {%- if not prev_nt.found -%}\n"
-    "                {%- if loop_messages[j]['role'] != 'tool' -%}\n"
-    "                    {%- set prev_nt.role = loop_messages[j]['role'] -%}\n"
-    "                    {%- set prev_nt.found = true -%}\n"
-    "                {%- endif -%}\n"
-    "            {%- endif -%}\n"
-    "        {%- endfor -%}\n"
-    "    {%- endif -%}\n"
-)
-_LINEAR_LOOKBACK = (
-    "{%- set g4_last_nt = namespace(role=None) -%}\n"
-    "{%- for message in loop_messages -%}\n"
-    "    {%- if message['role'] != 'tool' -%}\n"
-    "    {%- set ns.prev_message_type = None -%}\n"
-    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
-    "    {%- set prev_nt = namespace(role=g4_last_nt.role) -%}\n"
-    "    {%- set g4_last_nt.role = message['role'] -%}\n"
-)
-
-
-def linear_lookback(template: str) -> str:
-    """``template`` with Gemma 4's quadratic previous-role search replaced by its linear equivalent, where it
-    holds that exact block (and no name of ours already); otherwise unchanged."""
-    if _QUADRATIC_LOOKBACK not in template or "g4_last_nt" in template:
-        return template
-    return template.replace(_QUADRATIC_LOOKBACK, _LINEAR_LOOKBACK, 1)
-
-
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compile a chat template in the jinja environment transformers uses (Gemma 4's made linear in the
-    conversation's length: ``linear_lookback``)."""
+    size of the conversation, rendering the same text: ``gemma4_template.linear_template``)."""
     env = _setup(ImmutableSandboxedEnvironment(**_ENV_OPTIONS))
+    env.globals.update(TEMPLATE_GLOBALS)
     try:
-        return env.from_string(linear_lookback(template))
+        return env.from_string(linear_template(template))
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template: syntax error at line {exc.lineno}: {exc.message}") from None
 
@@ -771,6 +732,7 @@ __all__ = [
     "check_chat_template_kwargs",
     "compile_chat_template",
     "compile_request_template",
+    "linear_lookback",
     "render_bounded",
     "template_cache",
 ]

@@ -107,8 +107,24 @@ def _apply_gemma_tokenizer_class(backend: tokenizers.Tokenizer, unk_token: str |
     set_gemma_pipeline(backend)
 
 
-def _plain(value: Any) -> Any:  # noqa: C901 - one flat isinstance dispatch, a single return per input type
-    """Rebuild template inputs from plain JSON types; other objects (images, arrays) become "<TypeName>"."""
+# The chat template walks tools, tool calls' arguments and tool results value by value, each a few sandboxed
+# steps (~8 us on the 2-core CPU) in a template thread that holds the interpreter lock: the body's own count
+# (objects, arrays and strings) leaves numbers out, and 64 MiB of `1,` in an enum or an argument held a
+# thread for minutes (1,000,000 of them: 8.4 s). A prompt holds fewer values than tokens (each renders as
+# one at least, with its separator), so no conversation that fits a 256k context is refused by this bound.
+MAX_TEMPLATE_VALUES = 1 << 18
+
+
+def _plain(value: Any, budget: list[int] | None = None) -> Any:  # noqa: C901 - one flat isinstance dispatch
+    """Rebuild template inputs from plain JSON types; other objects (images, arrays) become "<TypeName>".
+    ``budget``: ``[values left]``, spent by each value (keys too); a ``ValueError`` once spent."""
+    if budget is not None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(
+                f"messages: the conversation and its tools hold more than {MAX_TEMPLATE_VALUES} JSON values "
+                "(strings, numbers, ... of messages, tool calls' arguments, tool results and tool schemas)"
+            )
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):
@@ -118,17 +134,17 @@ def _plain(value: Any) -> Any:  # noqa: C901 - one flat isinstance dispatch, a s
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, budget): _plain(v, budget) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [_plain(v, budget) for v in value]
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(_plain(v, budget) for v in value)
     if isinstance(value, np.generic):
-        return _plain(value.item())
+        return _plain(value.item(), budget)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name), budget) for f in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
+        return _plain(value.model_dump(), budget)
     return f"<{type(value).__name__}>"
 
 
@@ -452,11 +468,11 @@ class Tokenizer:
             raise ValueError("continue_final_message and add_generation_prompt are mutually exclusive")
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise ValueError("tools: each tool must be a JSON-schema dict")
-        chat = []
+        chat, budget = [], [MAX_TEMPLATE_VALUES]
         for i, msg in enumerate(messages):
             if not isinstance(msg, Mapping):
                 raise TypeError(f"messages[{i}]: must be a dict, got {type(msg).__name__}")
-            chat.append(_alias_reasoning(_plain({k: v for k, v in msg.items() if v is not None})))
+            chat.append(_alias_reasoning(_plain({k: v for k, v in msg.items() if v is not None}, budget)))
         final = None
         if continue_final_message:
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
@@ -464,8 +480,8 @@ class Tokenizer:
         kwargs = _plain({**self._template_tokens, **template_kwargs})
         variables = dict(
             messages=chat,
-            tools=_plain(tools),
-            documents=_plain(documents),
+            tools=_plain(tools, budget),
+            documents=_plain(documents, budget),
             add_generation_prompt=add_generation_prompt,
             **kwargs,
         )
@@ -575,6 +591,7 @@ class IncrementalDetokenizer:
 
 __all__ = [
     "GEMMA4_MULTIMODAL_TOKENS",
+    "MAX_TEMPLATE_VALUES",
     "ChatTemplateError",
     "IncrementalDetokenizer",
     "Tokenizer",

@@ -6,18 +6,27 @@ in ordinary characters, is held back until it is whole, so no marker and no spec
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 
+from g4serve.server.errors import MAX_JSON_DEPTH
+
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 CALL_OPEN, CALL_CLOSE = "<|tool_call>call:", "<tool_call|>"
 QUOTE = '<|"|>'  # Gemma 4's string delimiter inside tool calls
 _MARKERS = (THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN, CALL_CLOSE)
+_MARKER_TOKENS = frozenset({THOUGHT_OPEN, THOUGHT_CLOSE, "<|tool_call>", CALL_CLOSE})
 _THOUGHT_LABEL = "thought"
-_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]")
+_NAME_RUN = re.compile(r"[A-Za-z0-9_.\-]+")
+_SPACE_RUN = re.compile(r"\s+")
 _LITERAL = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?|true|false|null")
+# Outside a string: punctuation, a run of whitespace, a run of bare characters, or a "<" (a quote, a marker).
+_ARG_TOKEN = re.compile(r"[{}\[\],:]|\s+|[^{}\[\],:<\s]+|<")
+_BRACKETED = re.compile(r"<[^<>]*>")  # the shape of every Gemma 4 special token
+_PIECE = re.compile(r"[^<>]+|<|>")
 
 
 @dataclass
@@ -49,50 +58,167 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class _ArgsTranslator:
-    """Gemma 4 call arguments (``{k:<|"|>v<|"|>,n:3,l:[...]}``) to JSON text, a piece at a time."""
+@functools.lru_cache(maxsize=8)
+def _alternation(markers: tuple[str, ...]) -> re.Pattern:
+    return re.compile("|".join(map(re.escape, markers)))
 
-    def __init__(self) -> None:
-        self.depth = 0
+
+@dataclass(frozen=True)
+class _Specials:
+    """What to take out of content and reasoning: ``bracketed`` tokens (``<...>``, all of Gemma 4's) go
+    through ``_Stripper``; ``other`` (a regex, or None) matches any other special token."""
+
+    bracketed: frozenset[str]
+    longest: int
+    other: re.Pattern | None
+
+
+@functools.lru_cache(maxsize=16)
+def _specials(tokens: frozenset[str]) -> _Specials:
+    """Cached: a server builds a parser per choice from the same thousands of special tokens."""
+    tokens = frozenset(t for t in tokens if isinstance(t, str) and t)
+    bracketed = frozenset(t for t in tokens | _MARKER_TOKENS if _BRACKETED.fullmatch(t))
+    others = sorted((t for t in tokens if t not in bracketed), key=len, reverse=True)
+    other = re.compile("|".join(map(re.escape, others))) if others else None
+    return _Specials(bracketed, max(map(len, bracketed)), other)
+
+
+class _Stripper:
+    """Takes special tokens out of text as it streams: one spelled across deltas, or one formed once the
+    tokens inside it are gone (``<|tool<eos>_call>``), goes too. Text that may still turn out to be one (from
+    an unclosed ``<`` on) is held back until the next piece; ``flush`` lets it go. The result does not depend
+    on how the text is split, and each character costs the same."""
+
+    MAX_OPEN = 8  # "<" nested inside one another that may each still close into a token
+
+    def __init__(self, specials: _Specials) -> None:
+        self.specials = specials
+        self.held = ""  # from the first "<" that may still open a token
+        self.opens: list[int] = []  # where in ``held`` each such "<" stands (opens[0] == 0)
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for match in _PIECE.finditer(text):
+            piece = match.group()
+            if piece == "<":
+                self._open(out)
+            elif piece == ">":
+                self._close(out)
+            elif self.opens:
+                self.held += piece
+                if len(self.held) - self.opens[-1] >= self.specials.longest:  # too long for any token
+                    self._release(out)
+            else:
+                out.append(piece)
+        return self._clean("".join(out))
+
+    def flush(self) -> str:
+        out: list[str] = []
+        self._release(out)
+        return self._clean("".join(out))
+
+    def _open(self, out: list[str]) -> None:
+        if len(self.opens) == self.MAX_OPEN:  # the outermost goes out as text; bounded work per "<"
+            cut = self.opens[1]
+            out.append(self.held[:cut])
+            self.held, self.opens = self.held[cut:], [at - cut for at in self.opens[1:]]
+        self.opens.append(len(self.held))
+        self.held += "<"
+
+    def _close(self, out: list[str]) -> None:
+        if not self.opens:
+            out.append(">")
+        elif self.held[self.opens[-1] :] + ">" in self.specials.bracketed:
+            self.held = self.held[: self.opens.pop()]
+        else:  # no token holds a ">" inside: nothing before this one can still become a token
+            self.held += ">"
+            self._release(out)
+
+    def _release(self, out: list[str]) -> None:
+        out.append(self.held)
+        self.held, self.opens = "", []
+
+    def _clean(self, text: str) -> str:
+        other = self.specials.other
+        return other.sub("", text) if other is not None and text else text
+
+
+class _ArgsTranslator:
+    """Gemma 4 call arguments (``{k:<|"|>v<|"|>,n:3,l:[...]}``) to JSON text, a piece at a time. Outside a
+    string, a marker (``<tool_call|>`` before the closing brace, ``<|channel>``) ends the arguments there."""
+
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        self.markers = markers
         self.in_string = False
-        self.bare: list[str] = []  # an unquoted key or literal being read, a character at a time
+        self.bare: list[str] = []  # an unquoted key or literal being read
         self.stack: list[str] = []  # "{" or "["
+        self.deepest = 0
         self.done = False
 
-    def feed(self, text: str) -> tuple[str, str]:  # noqa: C901 - one branch per syntax element
-        """(JSON out, text left after the arguments' closing brace; held text stays inside)."""
-        out, i = [], 0
-        while i < len(text) and not self.done:
+    def feed(self, text: str, pos: int, final: bool) -> tuple[str, int]:
+        """(JSON out, where in ``text`` it stopped: after the closing brace, at a marker, or before text held
+        back until more arrives)."""
+        out: list[str] = []
+        while pos < len(text) and not self.done:
             if self.in_string:
-                end = text.find(QUOTE, i)
-                if end < 0:
-                    keep = _held_suffix(text[i:], (QUOTE,))
-                    chunk = text[i : len(text) - keep]
-                    out.append(json.dumps(chunk)[1:-1])
-                    return "".join(out), text[len(text) - keep :] if keep else ""
-                out.append(json.dumps(text[i:end])[1:-1] + '"')
-                self.in_string, i = False, end + len(QUOTE)
+                pos = self._string(text, pos, final, out)
+                if self.in_string:
+                    break
                 continue
-            if text.startswith(QUOTE, i):
-                out.append('"')
-                self.in_string, i = True, i + len(QUOTE)
+            match = _ARG_TOKEN.match(text, pos)
+            token = match.group()
+            if token == "<":
+                step = self._angle(text, pos, final, out)
+                if step == 0:
+                    break
+                pos += step
                 continue
-            if QUOTE.startswith(text[i:]) and text[i:]:  # a delimiter still arriving
-                return "".join(out), text[i:]
-            ch = text[i]
-            if ch in "{}[],:":
-                out.append(self._flush(ch == ":"))
-                if ch in "{[":
-                    self.stack.append(ch)
-                elif ch in "}]" and self.stack:
-                    self.stack.pop()
-                    if not self.stack:
-                        self.done = True
-                out.append(ch)
-            elif not ch.isspace():
-                self.bare.append(ch)
-            i += 1
-        return "".join(out), text[i:]
+            if token in ("{", "}", "[", "]", ",", ":"):
+                self._punctuation(token, out)
+            elif not token[0].isspace():
+                self.bare.append(token)
+            pos = match.end()
+        return "".join(out), pos
+
+    def _string(self, text: str, pos: int, final: bool, out: list[str]) -> int:
+        end = text.find(QUOTE, pos)
+        if end < 0:
+            keep = 0 if final else _held_suffix(text[-len(QUOTE) :], (QUOTE,))
+            end = max(pos, len(text) - keep)
+            out.append(json.dumps(text[pos:end])[1:-1])
+            return end
+        out.append(json.dumps(text[pos:end])[1:-1] + '"')
+        self.in_string = False
+        return end + len(QUOTE)
+
+    def _angle(self, text: str, pos: int, final: bool, out: list[str]) -> int:
+        """Characters taken at a "<": a string's opening quote, a marker (none taken: the arguments end),
+        none while a quote or marker may still be arriving, else one bare character."""
+        if text.startswith(QUOTE, pos):
+            out.append('"')
+            self.in_string = True
+            return len(QUOTE)
+        if any(text.startswith(m, pos) for m in self.markers):
+            out.append(self._flush(False))
+            self.done = True
+            return 0
+        rest = text[pos : pos + 32]
+        arriving = len(rest) == len(text) - pos and any(m.startswith(rest) for m in (QUOTE, *self.markers))
+        if arriving and not final:
+            return 0
+        self.bare.append("<")
+        return 1
+
+    def _punctuation(self, ch: str, out: list[str]) -> None:
+        out.append(self._flush(ch == ":"))
+        if ch in "{[":
+            self.stack.append(ch)
+            self.deepest = max(self.deepest, len(self.stack))
+        elif ch in "}]" and self.stack:
+            self.stack.pop()
+            if not self.stack:
+                self.done = True
+        out.append(ch)
 
     def _flush(self, is_key: bool) -> str:
         bare = "".join(self.bare)
@@ -104,17 +230,45 @@ class _ArgsTranslator:
         return bare
 
 
+class _Out:
+    """One ``feed``'s output, in pieces joined once (``ParsedDelta``): adding to a string copies it."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[tuple[ToolCallDelta, list[str]]] = []
+
+    def arguments(self, index: int, text: str) -> None:
+        if not (self.calls and self.calls[-1][0].index == index):
+            self.calls.append((ToolCallDelta(index), []))
+        self.calls[-1][1].append(text)
+
+    def delta(self) -> ParsedDelta:
+        calls = []
+        for call, parts in self.calls:
+            call.arguments = "".join(parts)
+            calls.append(call)
+        return ParsedDelta("".join(self.content), "".join(self.reasoning), calls)
+
+
 class Gemma4OutputParser:
-    """Feed decoded text (special tokens kept); get content, reasoning and tool-call deltas back."""
+    """Feed decoded text (special tokens kept); get content, reasoning and tool-call deltas back.
+
+    The text is read once, left to right, with an index (no copies of what is left at each marker), so a
+    whole answer fed at once costs what its deltas fed one by one cost: linear in its length.
+    """
 
     def __init__(self, special_tokens: frozenset[str] | set[str] = frozenset(), parse_tools: bool = True):
         self.parse_tools = parse_tools
         self.markers = _MARKERS if parse_tools else (THOUGHT_OPEN, THOUGHT_CLOSE)
-        # Other special tokens (<turn|>, <|tool_response>, <eos>, ...) never reach the client.
-        others = sorted((t for t in special_tokens if t not in self.markers), key=len, reverse=True)
-        self._strip = re.compile("|".join(map(re.escape, others))) if others else None
+        specials = _specials(frozenset(special_tokens))
+        # Every special token and marker other than the ones a state waits for is taken out of its text:
+        # the content's and the reasoning's each as one stream, however markers split them.
+        self._content = _Stripper(specials)
+        self._reasoning = _Stripper(specials)
+        self._content_closers = (THOUGHT_OPEN, CALL_OPEN) if parse_tools else (THOUGHT_OPEN,)
         self.state = "content"
-        self.buffer = ""
+        self.buffer = ""  # text not parsed yet: a marker, a quote or a label still arriving
         self.reasoning_started = False
         self._args: _ArgsTranslator | None = None
         self._label = ""  # "thought\n" after <|channel>, dropped
@@ -141,6 +295,7 @@ class Gemma4OutputParser:
 
     @property
     def complete_calls(self) -> list[dict]:
+        """The calls closed with valid JSON arguments (or, without their close marker, at the end)."""
         return [c for c in self.tool_calls if c["complete"]]
 
     def _join_arguments(self) -> None:
@@ -150,124 +305,111 @@ class Gemma4OutputParser:
 
     # ---- the state machine -----------------------------------------------------------------------
     def _run(self, final: bool) -> ParsedDelta:
-        delta = ParsedDelta()
+        out, buf, pos = _Out(), self.buffer, 0
         while True:
-            before = (self.state, len(self.buffer))
-            getattr(self, f"_in_{self.state}")(delta, final)
-            if (self.state, len(self.buffer)) == before:
+            before = (self.state, pos)
+            pos = getattr(self, f"_in_{self.state}")(buf, pos, out, final)
+            if (self.state, pos) == before:
                 break
-        return delta
+        self.buffer = buf[pos:]
+        if final:
+            out.content.append(self._content.flush())
+            out.reasoning.append(self._reasoning.flush())
+        return out.delta()
 
-    def _clean(self, text: str) -> str:
-        return self._strip.sub("", text) if self._strip is not None else text
+    def _find(self, buf: str, pos: int, final: bool, closers: tuple[str, ...]) -> tuple[int, int, str | None]:
+        """(end of the text before the first of ``closers``, where the text after it starts, that closer);
+        without one, the text runs to what may be the start of a closer still arriving."""
+        if hit := _alternation(closers).search(buf, pos):  # stops at the first: a find each would not
+            return hit.start(), hit.end(), hit.group()
+        keep = 0 if final else _held_suffix(buf[-32:], closers)
+        end = max(pos, len(buf) - keep)
+        return end, end, None
 
-    def _emit_text(self, delta: ParsedDelta, final: bool, closing: tuple[str, ...]) -> str | None:
-        """Emit text up to the first of ``closing``; return the marker found (consumed) or None."""
-        hits = [(self.buffer.find(m), m) for m in closing if m in self.buffer]
-        if hits:
-            at, marker = min(hits)
-            text, self.buffer = self.buffer[:at], self.buffer[at + len(marker) :]
-        else:
-            keep = 0 if final else _held_suffix(self.buffer, self.markers)
-            if self._strip is not None and not final and "<" in self.buffer:
-                tail = self.buffer[
-                    self.buffer.rfind("<") :
-                ]  # a special token spelled in characters, arriving
-                if ">" not in tail and len(tail) <= 40:
-                    keep = max(keep, len(tail))
-            text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
-            marker = None
-        text = self._clean(text)
-        if self.state == "content":
-            delta.content += text
-        else:
-            delta.reasoning += text
-        return marker
+    def _in_content(self, buf: str, pos: int, out: _Out, final: bool) -> int:
+        end, after, marker = self._find(buf, pos, final, self._content_closers)
+        out.content.append(self._content.feed(buf[pos:end]))
+        if marker is not None:
+            if marker == THOUGHT_OPEN:
+                self.state, self._label, self.reasoning_started = "label", "", True
+            else:
+                self.state = "name"
+                self._name_parts.clear()
+        return after
 
-    def _in_content(self, delta: ParsedDelta, final: bool) -> None:
-        marker = self._emit_text(delta, final, tuple(m for m in self.markers if m != THOUGHT_CLOSE))
-        if marker == THOUGHT_OPEN:
-            self.state, self._label, self.reasoning_started = "label", "", True
-        elif marker == CALL_OPEN:
-            self.state = "name"
-            self._name_parts.clear()
-        elif THOUGHT_CLOSE in self.buffer:  # a stray close marker: drop it
-            self.buffer = self.buffer.replace(THOUGHT_CLOSE, "")
-
-    def _in_label(self, delta: ParsedDelta, final: bool) -> None:
+    def _in_label(self, buf: str, pos: int, out: _Out, final: bool) -> int:
         want = _THOUGHT_LABEL + "\n"
-        take = self.buffer[: len(want) - len(self._label)]
         n = 0
-        while n < len(take) and take[n] == want[len(self._label) + n]:
+        while pos + n < len(buf) and len(self._label) + n < len(want):
+            if buf[pos + n] != want[len(self._label) + n]:
+                break
             n += 1
-        self._label += take[:n]
-        self.buffer = self.buffer[n:]
-        if self._label == want or n < len(take) or (final and not self.buffer):
+        self._label += buf[pos : pos + n]
+        pos += n
+        mismatch = pos < len(buf) and self._label != want
+        if self._label == want or mismatch or (final and pos == len(buf)):
             self.state = "reasoning"
+        return pos
 
-    def _in_reasoning(self, delta: ParsedDelta, final: bool) -> None:
-        marker = self._emit_text(delta, final, (THOUGHT_CLOSE,))
+    def _in_reasoning(self, buf: str, pos: int, out: _Out, final: bool) -> int:
+        end, after, marker = self._find(buf, pos, final, (THOUGHT_CLOSE,))
+        out.reasoning.append(self._reasoning.feed(buf[pos:end]))
         if marker is not None:
             self.state = "content"
+        return after
 
-    def _in_name(self, delta: ParsedDelta, final: bool) -> None:
-        i = 0
-        while i < len(self.buffer) and _NAME_CHARS.match(self.buffer[i]):
-            i += 1
-        if i:
-            self._name_parts.append(self.buffer[:i])
-            self.buffer = self.buffer[i:]
-        if self.buffer.startswith("{"):
+    def _in_name(self, buf: str, pos: int, out: _Out, final: bool) -> int:
+        if match := _NAME_RUN.match(buf, pos):
+            self._name_parts.append(match.group())
+            pos = match.end()
+        if buf.startswith("{", pos):
             self._join_arguments()  # the previous call's, before this one opens
             name = "".join(self._name_parts)
             call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": "", "complete": False}
             self._calls.append(call)
-            delta.tool_calls.append(ToolCallDelta(len(self._calls) - 1, call["id"], name))
-            self._args = _ArgsTranslator()
+            out.calls.append((ToolCallDelta(len(self._calls) - 1, call["id"], name), []))
+            self._args = _ArgsTranslator(self.markers)
             self.state = "args"
-        elif self.buffer or final:  # not a call after all: nothing of it is content
+        elif pos < len(buf) or final:  # not a call after all: nothing of it is content
             self.state = "content"
+        return pos
 
-    def _in_args(self, delta: ParsedDelta, final: bool) -> None:
-        out, rest = self._args.feed(self.buffer)
-        if out:
-            self._arg_parts.append(out)
-            index = len(self._calls) - 1
-            if delta.tool_calls and delta.tool_calls[-1].index == index:
-                delta.tool_calls[-1].arguments += out
-            else:
-                delta.tool_calls.append(ToolCallDelta(index, arguments=out))
-        self.buffer = rest
+    def _in_args(self, buf: str, pos: int, out: _Out, final: bool) -> int:
+        text, pos = self._args.feed(buf, pos, final)
+        if text:
+            self._arg_parts.append(text)
+            out.arguments(len(self._calls) - 1, text)
         if self._args.done:
             self._join_arguments()
             self.state = "close"
+        return pos
 
-    def _in_close(self, delta: ParsedDelta, final: bool) -> None:
-        text = self.buffer.lstrip()
-        if len(text) < len(self.buffer):  # set aside, not stripped again with every delta that follows
-            self._gap.append(self.buffer[: len(self.buffer) - len(text)])
-            self.buffer = text
+    def _in_close(self, buf: str, pos: int, out: _Out, final: bool) -> int:
+        if match := _SPACE_RUN.match(buf, pos):  # set aside, not scanned again with every delta that follows
+            self._gap.append(match.group())
+            pos = match.end()
+        rest = buf[pos : pos + len(CALL_CLOSE)]
         call = self._calls[-1]
-        if text.startswith(CALL_CLOSE):
-            self.buffer = text[len(CALL_CLOSE) :]
-            call["complete"] = True
+        if rest == CALL_CLOSE or not CALL_CLOSE.startswith(rest) or final:
+            call["complete"] = self._args.deepest <= MAX_JSON_DEPTH and self._valid(call["arguments"])
+            if rest == CALL_CLOSE:
+                pos += len(CALL_CLOSE)
+            else:  # no close marker: the whitespace is content
+                out.content.append(self._content.feed("".join(self._gap)))
             self.state = "content"
             self._gap.clear()
-        elif not CALL_CLOSE.startswith(text) or final:
-            call["complete"] = self._valid(call["arguments"])
-            self.buffer = "".join(self._gap) + self.buffer  # no close marker: the whitespace is content
-            self.state = "content"
-            self._gap.clear()
+        return pos
 
     @staticmethod
     def _valid(arguments: str) -> bool:
-        """Whether a call's arguments parse as JSON; nested past Python's recursion limit (output a grammar
-        can steer there) they count as invalid, the call incomplete, instead of failing the response."""
+        """Whether a call's arguments are one JSON object. Random weights close a call on any text
+        (``{a b::}``), or nest it deeper than a request's JSON may be (a grammar can steer output there):
+        such a call is not returned, as one the client would send back in its history for the server to
+        refuse (and past Python's recursion limit, one that failed the response)."""
         try:
-            json.loads(arguments)
+            return isinstance(json.loads(arguments), dict)
         except (ValueError, RecursionError):
             return False
-        return True
 
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "QUOTE", "THOUGHT_CLOSE", "THOUGHT_OPEN", "Gemma4OutputParser"]

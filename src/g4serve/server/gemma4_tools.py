@@ -7,7 +7,9 @@ renders them.
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from g4serve.server.errors import APIError
@@ -40,7 +42,8 @@ MAX_BOUND = 2**31 - 1  # a maxLength / minItems / maxItems the grammar takes
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict]:
     """``{name: parameters schema}``; a 400 naming the field for a malformed tool, or more than
-    ``MAX_TOOLS``."""
+    ``MAX_TOOLS``. The keywords the chat template walks (``properties``, ``required``, ``items``) must have
+    their JSON Schema types, here rather than as the template's own error naming ``messages``."""
     if len(tools) > MAX_TOOLS:
         raise APIError(400, f"tools: at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
     out: dict[str, dict] = {}
@@ -57,8 +60,30 @@ def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise APIError(400, f"{where}.function.parameters: must be a JSON schema object", where)
+        _check_schema(params, f"{where}.function.parameters", where)
         out[name] = params
     return out
+
+
+def _check_schema(schema: dict, where: str, param: str) -> None:
+    """``properties`` an object of schemas, ``required`` a list of names, ``items`` a schema (or a list of
+    them), through every nested schema; iterative, as a body may nest 64 levels. Schemas may be booleans."""
+    stack = [(schema, where)]
+    while stack:
+        node, at = stack.pop()
+        props, required, items = node.get("properties"), node.get("required"), node.get("items")
+        if props is not None:
+            if not isinstance(props, dict) or not all(isinstance(v, (dict, bool)) for v in props.values()):
+                raise APIError(400, f"{at}.properties: must be an object of JSON schemas", param)
+            stack += [(v, f"{at}.properties.{k}") for k, v in props.items() if isinstance(v, dict)]
+        if required is not None and not (
+            isinstance(required, list) and all(isinstance(r, str) for r in required)
+        ):
+            raise APIError(400, f"{at}.required: must be a list of property names", param)
+        listed = items if isinstance(items, list) else [items]
+        if items is not None and not all(isinstance(v, (dict, bool)) for v in listed):
+            raise APIError(400, f"{at}.items: must be a JSON schema", param)
+        stack += [(v, f"{at}.items") for v in listed if isinstance(v, dict)]
 
 
 def _bound(schema: dict, key: str, default: int | None, where: str) -> int | None:
@@ -90,13 +115,28 @@ class _Builder:
         name = f"{hint}{self.count}"
         self.rules.append(f"{name} ::= {body}")
         self.chars += len(self.rules[-1]) + 1
-        if self.chars > MAX_SPEC_CHARS:
+        self.check_size()
+        return name
+
+    def check_size(self, pending: int = 0) -> None:
+        """A 400 once the rules, and ``pending`` characters of one being built, pass ``MAX_SPEC_CHARS``."""
+        if self.chars + pending > MAX_SPEC_CHARS:
             raise APIError(
                 400,
                 f"tools: the forced call's grammar is too large (over {MAX_SPEC_CHARS} characters)",
                 "tools",
             )
-        return name
+
+    def alternatives(self, items: list, make: Callable[[Any], str], hint: str) -> str:
+        """A rule of ``make(item)`` for each of ``items``, refused as soon as its text is too large: a body
+        holds 30 million numbers in a 64 MiB enum (numbers are not among the values it counts), and their
+        literals took 2.6 s of the event loop a million before the rule's size was checked."""
+        options, pending = [], 0
+        for item in items:
+            options.append(make(item))
+            pending += len(options[-1]) + 3
+            self.check_size(pending)
+        return self.rule(" | ".join(options), hint)
 
     def value(self, schema: Any, where: str) -> str:  # noqa: C901 - one branch per JSON type
         if not isinstance(schema, dict):
@@ -113,10 +153,14 @@ class _Builder:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise APIError(400, f"{where}.enum: must be a non-empty list", "tools")
-            return self.rule(" | ".join(_literal(v, where) for v in values), "enum")
+            return self.alternatives(values, lambda v: _literal(v, where), "enum")
         kind = schema.get("type")
         if isinstance(kind, list):
-            return self.rule(" | ".join(self.value({**schema, "type": k}, where) for k in kind), "any")
+            if not kind:
+                raise APIError(400, f"{where}.type: must be a type name or a non-empty list of them", "tools")
+            return self.alternatives(
+                kind, lambda k: self.value({**schema, "type": _type_name(k, where)}, where), "any"
+            )
         if kind == "string":
             limit = _bound(schema, "maxLength", None, where)
             chars = f"[^<\\\\]{{0,{limit}}}" if limit is not None else "[^<\\\\]*"
@@ -170,11 +214,19 @@ class _Builder:
         return self.rule(f'"{{" {first[0]} "}}"', "obj")
 
 
+def _type_name(kind: Any, where: str) -> str:
+    if not isinstance(kind, str):
+        raise APIError(400, f"{where}.type: must be a type name or a non-empty list of them", "tools")
+    return kind
+
+
 def _literal(value: Any, where: str) -> str:
     if isinstance(value, str):
         if "<" in value or "\\" in value:
             raise APIError(400, f"{where}.enum: values with '<' or '\\\\' are not supported", "tools")
         return json.dumps(f'<|"|>{value}<|"|>')
+    if isinstance(value, float) and not math.isfinite(value):  # 1e400: no JSON writes it
+        raise APIError(400, f"{where}.enum: numbers must be finite", "tools")
     if isinstance(value, bool) or value is None or isinstance(value, (int, float)):
         return json.dumps(json.dumps(value))
     raise APIError(400, f"{where}.enum: only strings, numbers, booleans and null are supported", "tools")

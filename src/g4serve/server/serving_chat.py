@@ -35,8 +35,8 @@ from g4serve.structured import StructuredOutputError, StructuredSpec
 from g4serve.structured.reasoning import reasoning_token_count, thought_markers
 
 # A conversation renders in a template thread that holds the interpreter lock while it runs (Gemma 4's
-# template, made linear by chat_template.linear_lookback, ~50 us a message on the 2-core CPU): past this many
-# messages a request is refused before rendering.
+# template, made linear by gemma4_template.linear_template, ~50 us a message on the 2-core CPU): past this
+# many messages a request is refused before rendering.
 MAX_MESSAGES = 4096
 
 
