@@ -245,10 +245,9 @@ class Extractor:
     def prompt(
         self, transcript: str, candidates: Sequence, normalized: str | None = None, amounts: Sequence = ()
     ) -> str:
-        return self.tokenizer.apply_chat_template(
-            self._messages_for(self.user_text(transcript, candidates, normalized, amounts)),
-            add_generation_prompt=True,
-        )
+        # The per-call part is data (the customer's words, the bank's names): none of it may spell a token.
+        user_text = self.tokenizer.as_text(self.user_text(transcript, candidates, normalized, amounts))
+        return self.tokenizer.apply_chat_template(self._messages_for(user_text), add_generation_prompt=True)
 
     def spec(self, n_candidates: int, n_amounts: int = 0):
         from g4serve.structured import StructuredSpec

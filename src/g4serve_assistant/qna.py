@@ -114,6 +114,12 @@ def build_qna_messages(question: str, hits: Sequence[Hit]) -> list[dict]:
     ]
 
 
+def qna_prompt(tokenizer, question: str, hits: Sequence[Hit]) -> str:
+    """The model's prompt for ``question``: the customer's words as text, never spelling a control token."""
+    messages = build_qna_messages(tokenizer.as_text(question), hits)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
 def extractive_answer(hits: Sequence[Hit]) -> str:
     """The answer without a model: the best document's text, or a hand-off when nothing matched."""
     if not hits:
@@ -146,8 +152,7 @@ async def answer_events(
         stages["total"] = round((time.perf_counter() - t0) * 1000, 3)
         yield {"type": "done", "path": "extractive", "stages": stages}
         return
-    tokenizer = engine.tokenizer
-    prompt = tokenizer.apply_chat_template(build_qna_messages(question, hits), add_generation_prompt=True)
+    prompt = qna_prompt(engine.tokenizer, question, hits)
     processed = await engine.process(prompt, add_special_tokens=False)
     t_llm = time.perf_counter()
     first = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -218,6 +219,7 @@ class Tokenizer:
         )
 
         added = backend.get_added_tokens_decoder()
+        self._markup: re.Pattern | bool | None = None  # as_text's pattern, made on first use
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._byte_ids = frozenset(
             i
@@ -301,6 +303,29 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id) if token_id >= 0 else None
+
+    def as_text(self, text: str) -> str:
+        """``text`` for a prompt as data (a customer's words, a bank's names): every added token's spelling
+        in it (``<|turn>``, ``<eos>``, ...) broken by a word joiner (U+2060) after its first character, so
+        that encoding it gives text tokens and never a control token. The tokenizer reads those spellings as
+        their tokens wherever they stand: a "<turn|>" typed by a customer ends the turn it was written in."""
+        pattern = self._markup_pattern()
+        if pattern is None:
+            return text
+        return pattern.sub(lambda m: m[0][0] + "\u2060" + m[0][1:], text)
+
+    def _markup_pattern(self) -> re.Pattern | None:
+        if self._markup is None:
+            spellings = sorted(
+                {
+                    t.content
+                    for t in self._backend.get_added_tokens_decoder().values()
+                    if len(t.content) >= 2 and not any(c.isspace() for c in t.content)
+                },
+                key=lambda s: (-len(s), s),
+            )
+            self._markup = re.compile("|".join(map(re.escape, spellings))) if spellings else False
+        return self._markup or None
 
     @property
     def special_token_ids(self) -> frozenset[int]:
