@@ -83,22 +83,31 @@ def extract_translation(reply: str) -> str:
 
 class TranslationStream:
     """``extract_translation`` over a streamed reply: nothing is sent until the marker arrives, then the
-    text after it as it comes; a reply that ends without the marker is sent whole at the end."""
+    text after it as it comes; a reply that ends without the marker is sent whole at the end. Each piece is
+    searched only with the end of the text before it (a reply that never says the marker stays linear: the
+    whole reply searched and copied at every piece took 20 s for 120,000 pieces)."""
 
     def __init__(self) -> None:
-        self.reply = ""
+        self._pieces: list[str] = []  # the reply up to the piece that completed the marker
+        self._tail = ""  # the last characters before the current piece, where the marker may have begun
         self.open = False
         self._started = False  # leading whitespace after the marker is dropped
+
+    @property
+    def reply(self) -> str:
+        return "".join(self._pieces)
 
     def feed(self, text: str) -> str:
         if self.open:
             return self._after_marker(text)
-        self.reply += text
-        at = self.reply.find(TRANSLATION_MARKER)
+        self._pieces.append(text)
+        window = self._tail + text
+        at = window.find(TRANSLATION_MARKER)
         if at < 0:
+            self._tail = window[len(window) - len(TRANSLATION_MARKER) + 1 :]
             return ""
         self.open = True
-        return self._after_marker(self.reply[at + len(TRANSLATION_MARKER) :])
+        return self._after_marker(window[at + len(TRANSLATION_MARKER) :])
 
     def _after_marker(self, text: str) -> str:
         if not self._started:
@@ -128,7 +137,7 @@ class TranscriptStream:
         self.sent: list[str] = []
         self._translation = TranslationStream() if extract else None
         self._started = False  # the current clip has said something that is not whitespace
-        self._held = ""
+        self._held: list[str] = []  # whitespace not sent yet (a list: a long run of it stays linear)
 
     @property
     def text(self) -> str:
@@ -141,7 +150,7 @@ class TranscriptStream:
     def end_clip(self) -> str:
         told = self._tell(self._translation.finish()) if self._translation else ""
         self._translation = TranslationStream() if self.extract else None
-        self._started, self._held = False, ""
+        self._started, self._held = False, []
         return told
 
     def _tell(self, text: str) -> str:
@@ -150,13 +159,13 @@ class TranscriptStream:
             if not text:
                 return ""
             self._started = True
-            self._held = " " if self.sent else ""  # the space between two clips' answers
+            self._held = [" "] if self.sent else []  # the space between two clips' answers
         body = text.rstrip()
         if not body:
-            self._held += text
+            self._held.append(text)
             return ""
-        told = self._held + body
-        self._held = text[len(body) :]
+        told = "".join(self._held) + body
+        self._held = [text[len(body) :]]
         self.sent.append(told)
         return told
 

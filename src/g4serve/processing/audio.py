@@ -13,10 +13,18 @@ import av
 import numpy as np
 import torch
 
-from g4serve.processing.limits import MediaLimits, check_item_bytes, read_media_file
+from g4serve.processing.limits import MediaBudget, MediaLimits, check_item_bytes, read_media_file
 
 SAMPLING_RATE = 16_000
 _MAX_KERNEL_ELEMENTS = 1 << 22
+# Input windows one conv1d of `resample` unfolds at once (its im2col buffer, in floats): resampling 600 s of
+# 48 kHz in one call unfolded 394M floats and grew the process by 760 MB; in pieces of 2**24, 250 MB, in
+# the same time and to the same bits.
+_MAX_UNFOLDED_ELEMENTS = 1 << 24
+# Largest sample magnitude accepted. Float audio is nominally in [-1, 1]; PCM values stored as floats (up to
+# 2**31) still make finite features, while NaN, infinities and values near float32's limit made the rFFT
+# overflow and the log-mel features NaN (the model then answered <pad> tokens with NaN logprobs).
+MAX_SAMPLE_MAGNITUDE = 2.0**32
 
 
 @dataclass(frozen=True)
@@ -206,8 +214,18 @@ def resample(waveform: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     kernel = torch.where(t == 0, torch.tensor(1.0), t.sin() / t) * (window * (base / orig))
     x = torch.nn.functional.pad(
         torch.from_numpy(np.ascontiguousarray(waveform, np.float32))[None], (width, width + orig)
-    )
-    y = torch.nn.functional.conv1d(x[:, None], kernel, stride=orig).transpose(1, 2).reshape(-1)
+    )[:, None]
+    # Output frame j (``new`` samples) reads x[j * orig : j * orig + size]: the frames in pieces.
+    size = kernel.shape[-1]
+    frames = (x.shape[-1] - size) // orig + 1
+    step = max(1, min((1 << 20) // new, _MAX_UNFOLDED_ELEMENTS // size))
+    pieces = [
+        torch.nn.functional.conv1d(
+            x[..., j * orig : (min(frames, j + step) - 1) * orig + size], kernel, stride=orig
+        )
+        for j in range(0, frames, step)
+    ]
+    y = torch.cat(pieces, dim=-1).transpose(1, 2).reshape(-1)
     return y[: math.ceil(new * len(waveform) / orig)].numpy()
 
 
@@ -226,6 +244,10 @@ def _resample_ffmpeg(waveform: np.ndarray, orig_sr: int, target_sr: int) -> np.n
 
 # libsndfile formats read directly; anything else goes to PyAV, whose demuxers are whitelisted.
 _SOUNDFILE_FORMATS = frozenset({"WAV", "WAVEX", "W64", "RF64", "FLAC", "OGG", "MP3", "AIFF", "CAF"})
+# How files of those formats begin. libsndfile guesses a format from the bytes and parses its header before
+# ``_SOUNDFILE_FORMATS`` is checked: only bytes that begin so reach it (not NIST, IRCAM, VOC, MAT4/5, PAF,
+# XI, HTK, AVR, SVX, WVE, MPC2K, SDS, PVF or AU headers, which it also parses). Anything else goes to PyAV.
+_SOUNDFILE_MAGIC = (b"RIFF", b"RIFX", b"RF64", b"BW64", b"riff", b"fLaC", b"OggS", b"caff", b"ID3")
 _BLOCK_FRAMES = 1 << 16
 
 
@@ -292,9 +314,13 @@ def _mono(chunk: np.ndarray) -> np.ndarray:
     return chunk.mean(axis=0) if chunk.shape[0] > 1 else chunk[0]
 
 
-def _decode_soundfile(data: bytes, target_sr: int, limits: MediaLimits) -> tuple[np.ndarray, int]:
-    """Mono float32 and its rate, reading only the frames needed; ``_NotForSoundfile`` if libsndfile cannot
-    read the bytes or the format is not one it is trusted with."""
+def _decode_soundfile(data: bytes, target_sr: int, budget: MediaBudget) -> tuple[np.ndarray, int]:
+    """Mono float32 and its rate, reading only the frames needed (every block charged to ``budget`` as it is
+    read); ``_NotForSoundfile`` if libsndfile cannot read the bytes or the format is not one it is trusted
+    with."""
+    limits = budget.limits
+    if not _may_be_for_soundfile(data):
+        raise _NotForSoundfile
     try:
         import soundfile  # optional: without it PyAV decodes everything
     except ImportError:
@@ -311,18 +337,34 @@ def _decode_soundfile(data: bytes, target_sr: int, limits: MediaLimits) -> tuple
         want = _frames_to_decode(sr, target_sr, limits)
         if 0 <= f.frames < want:
             want = f.frames
+        budget.check_decoded_audio(want * f.channels)  # the header's length: refused before decoding
         blocks, got = [], 0
-        try:
-            while got < want:
-                block = f.read(min(_BLOCK_FRAMES, want - got), dtype="float32", always_2d=True)
-                if len(block) == 0:
-                    break
-                blocks.append(_mono(block.T))
-                got += len(block)
-        except (RuntimeError, TypeError, ValueError) as exc:
-            raise ValueError("could not decode audio: the data is corrupt or truncated") from exc
+        while got < want:
+            block = _read_block(f, min(_BLOCK_FRAMES, want - got))
+            if len(block) == 0:
+                break
+            budget.charge_decoded_audio(block.size)  # a header may hide the length: counted as decoded
+            blocks.append(_mono(block.T))
+            got += len(block)
     _check_decoded_frames(got, limits)
     return (np.concatenate(blocks) if blocks else np.zeros(0, np.float32)), sr
+
+
+def _may_be_for_soundfile(data: bytes) -> bool:
+    """Whether ``data`` begins as a file of ``_SOUNDFILE_FORMATS`` does (MPEG audio: 11 sync bits)."""
+    if data.startswith(_SOUNDFILE_MAGIC):
+        return True
+    if data.startswith(b"FORM"):
+        return data[8:12] in (b"AIFF", b"AIFC")
+    return len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0
+
+
+def _read_block(f, frames: int) -> np.ndarray:
+    """Up to ``frames`` frames of an open ``soundfile.SoundFile``, [frames, channels] float32."""
+    try:
+        return f.read(frames, dtype="float32", always_2d=True)
+    except (RuntimeError, TypeError, ValueError) as exc:  # LibsndfileError is a RuntimeError
+        raise ValueError("could not decode audio: the data is corrupt or truncated") from exc
 
 
 def ffmpeg_error(kind: str, exc: av.FFmpegError, demuxers: tuple[str, ...], opening: bool) -> ValueError:
@@ -355,17 +397,20 @@ def open_media(
         raise ValueError(f"could not decode {kind}: unrecognised or invalid data") from None
 
 
-def _decode_pyav(data: bytes, target_sr: int, limits: MediaLimits) -> tuple[np.ndarray, int]:
+def _decode_pyav(data: bytes, target_sr: int, budget: MediaBudget) -> tuple[np.ndarray, int]:
+    limits = budget.limits
     with open_media(data, "audio", limits.audio_demuxers, limits) as container:
         if not container.streams.audio:
             raise ValueError("could not decode audio: no audio stream")
         stream = container.streams.audio[0]
+        if stream.codec_context is None:  # a codec FFmpeg has no decoder for (a WAV's unknown format tag)
+            raise ValueError("could not decode audio: no decoder for its codec")
         if stream.rate:
             check_sample_rate(stream.rate, limits)
         if stream.channels:
             _check_channels(stream.channels, limits)
         try:
-            chunks, sr = _decode_stream(container, stream, target_sr, limits)
+            chunks, sr = _decode_stream(container, stream, target_sr, budget)
         except av.FFmpegError as exc:
             raise ffmpeg_error("audio", exc, limits.audio_demuxers, opening=False) from None
     if sr is None or not chunks:
@@ -376,27 +421,39 @@ def _decode_pyav(data: bytes, target_sr: int, limits: MediaLimits) -> tuple[np.n
 
 
 def _decode_stream(
-    container, stream, target_sr: int, limits: MediaLimits
+    container, stream, target_sr: int, budget: MediaBudget
 ) -> tuple[list[np.ndarray], int | None]:
-    """Mono chunks of the stream, decoding stopped as soon as the frames the kept seconds need are in."""
+    """Mono chunks of the stream, decoding stopped as soon as the frames the kept seconds need are in (or
+    the request's budget of decoded samples is spent)."""
+    limits = budget.limits
     sr = stream.rate or None
     want = _frames_to_decode(sr, target_sr, limits) if sr else None
-    # Only a sample-format change to planar float32; channels and rate stay as decoded.
-    to_float = av.AudioResampler(format="fltp")
+    # Only a sample-format change to packed float32; channels and rate stay as decoded. Packed: one plane.
+    # PyAV finds a frame's planes by reading plane pointers until a null one, past the end of the pointers
+    # of a planar frame with 8 or more channels: to_ndarray() of 7.1 audio crashed the process.
+    to_float = av.AudioResampler(format="flt")
     chunks, got = [], 0
     for frame in container.decode(stream):
         check_sample_rate(frame.sample_rate, limits)
         _check_channels(frame.layout.nb_channels, limits)
+        budget.charge_decoded_audio(frame.samples * frame.layout.nb_channels)
         if sr is None:
             sr = frame.sample_rate
             want = _frames_to_decode(sr, target_sr, limits)
         for f in to_float.resample(frame):
-            chunks.append(_mono(f.to_ndarray()))
+            chunks.append(_packed_mono(f))
             got += chunks[-1].shape[0]
         if got >= want:
             return chunks, sr
-    chunks += [_mono(f.to_ndarray()) for f in to_float.resample(None)]
+    chunks += [_packed_mono(f) for f in to_float.resample(None)]
     return chunks, sr
+
+
+def _packed_mono(frame: av.AudioFrame) -> np.ndarray:
+    """A packed float32 frame ([1, n x C] interleaved) -> [n] mono, averaged as ``_mono`` averages a
+    libsndfile block (the same [n, C] layout, so the same bits)."""
+    interleaved = frame.to_ndarray().reshape(-1, frame.layout.nb_channels)
+    return _mono(interleaved.T)
 
 
 def fit_waveform(
@@ -409,36 +466,53 @@ def fit_waveform(
     sr = check_sample_rate(sr, limits)
     want = input_frames_needed(sr, target_sr, limits)
     _check_decoded_frames(min(len(mono), want), limits)
-    out = resample(mono[:want], sr, target_sr)[: output_samples_cap(limits, target_sr)]
+    kept = check_samples(mono[:want])
+    out = resample(kept, sr, target_sr)[: output_samples_cap(limits, target_sr)]
     return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def check_samples(wave: np.ndarray) -> np.ndarray:
+    """``wave`` if every sample is a finite number within ``MAX_SAMPLE_MAGNITUDE``, else a ValueError."""
+    # min/max propagate NaN, so one comparison each catches NaN, infinities and overflow.
+    if wave.size and not (-MAX_SAMPLE_MAGNITUDE <= wave.min() and wave.max() <= MAX_SAMPLE_MAGNITUDE):
+        raise ValueError(
+            "audio samples must be finite numbers within +-2**32 (float audio is nominally in [-1, 1]); "
+            "this audio holds NaN, an infinity or a larger value"
+        )
+    return wave
 
 
 def load_audio(
     data: bytes | str | os.PathLike,
     target_sr: int = SAMPLING_RATE,
     limits: MediaLimits | None = None,
+    budget: MediaBudget | None = None,
 ) -> np.ndarray:
     """Decode audio bytes or a file to float32 mono at `target_sr`, at most ``limits.max_audio_seconds``
-    (default 30 s, what the model hears) of it.
+    (default 30 s, what the model hears) of it. ``budget``: the request's, charged with every sample value
+    (frames x channels) decoded; its limits are the ones applied (default: a budget of its own under
+    ``limits``).
 
     libsndfile (soundfile) first, as transformers' soundfile backend does (wav, flac, ogg/vorbis/opus, mp3);
     anything it rejects (aac/m4a, webm, mp4 audio, ...) goes through PyAV/FFmpeg, restricted to the
     ``limits.audio_demuxers`` whitelist. A file is read into memory first (at most
     ``max_media_item_bytes``), so neither decoder ever opens a path. Only the frames the kept seconds need
-    are decoded; the sample rate must lie in the accepted range. Channels are averaged and the result is
+    are decoded; the sample rate must lie in the accepted range, the samples must be finite (and within
+    ``MAX_SAMPLE_MAGNITUDE``). Channels are averaged and the result is
     resampled with `resample` (torchaudio's sinc algorithm; transformers uses soxr, so resampled audio is
     close to, not identical with, transformers' loader).
     """
-    limits = limits or MediaLimits()
+    budget = budget or MediaBudget(limits)
+    limits = budget.limits
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data)
         check_item_bytes(len(data), limits.max_media_item_bytes)
     else:
         data = read_media_file(data, limits.max_media_item_bytes)
     try:
-        mono, sr = _decode_soundfile(data, target_sr, limits)
+        mono, sr = _decode_soundfile(data, target_sr, budget)
     except _NotForSoundfile:
-        mono, sr = _decode_pyav(data, target_sr, limits)
+        mono, sr = _decode_pyav(data, target_sr, budget)
     if mono.size == 0:
         raise ValueError("audio contains no samples")
     return fit_waveform(mono, sr, target_sr, limits)

@@ -49,6 +49,10 @@ class MediaLimits:
     audio_max_frames: int = 16_000_000
     # Seconds of audio (after trimming) in one request, all clips together.
     max_request_audio_seconds: float = 600.0
+    # Sample values (frames x channels) decoded from one request's audio, all clips together, before the
+    # channels are mixed to mono: decoding costs this, not the seconds kept (64 channels of silence in
+    # Vorbis or Opus compress to ~5 KB/s). 2**26 holds 600 s of 48 kHz stereo (57.6M).
+    max_request_decoded_audio_samples: int = 1 << 26
     # FFmpeg demuxers audio may be in (``format_whitelist``); libsndfile reads WAV/FLAC/OGG/MP3/AIFF/CAF.
     audio_demuxers: tuple[str, ...] = AUDIO_DEMUXERS
     # Frames one video may have (from its header, or counted while decoding); also the longest frame list.
@@ -73,6 +77,7 @@ class MediaLimits:
             "audio_min_sample_rate",
             "audio_max_channels",
             "audio_max_frames",
+            "max_request_decoded_audio_samples",
             "max_video_frames",
             "video_max_decoded_pixels",
             "probe_bytes",
@@ -115,6 +120,7 @@ class MediaBudget:
         self.limits = limits or MediaLimits()
         self.pixels = 0
         self.audio_samples = 0
+        self.decoded_audio_samples = 0
         self._lock = threading.Lock()
 
     def check_pixels(self, n: int) -> None:
@@ -137,6 +143,26 @@ class MediaBudget:
                     f"{self.limits.max_request_audio_seconds:g} s (max_request_audio_seconds)"
                 )
             self.audio_samples += num_samples
+
+    def check_decoded_audio(self, n: int) -> None:
+        """Refuse, without charging, if decoding ``n`` more sample values would not fit (from a header)."""
+        if self.decoded_audio_samples + n > self.limits.max_request_decoded_audio_samples:
+            raise MediaBudgetError(self._decoded_audio_message())
+
+    def charge_decoded_audio(self, n: int) -> None:
+        """``n`` sample values (frames x channels) just decoded; raises once the request's total is past its
+        cap, so decoding stops within a block of it."""
+        with self._lock:
+            self.decoded_audio_samples += n
+            if self.decoded_audio_samples > self.limits.max_request_decoded_audio_samples:
+                raise MediaBudgetError(self._decoded_audio_message())
+
+    def _decoded_audio_message(self) -> str:
+        return (
+            f"multi_modal_data: decoding the audio of this request needs more than "
+            f"{self.limits.max_request_decoded_audio_samples} sample values (frames x channels, "
+            "max_request_decoded_audio_samples); send a mono or stereo mix, or less audio"
+        )
 
     def _pixels_message(self, total: int) -> str:
         return (

@@ -24,6 +24,7 @@ from g4serve.config import Gemma4Config
 from g4serve.processing.audio import (
     SAMPLING_RATE,
     AudioFeatureExtractor,
+    check_samples,
     fit_waveform,
     load_audio,
     num_audio_soft_tokens,
@@ -225,9 +226,9 @@ class Gemma4Processor:
                 wave = wave.mean(axis=0)
             wave = fit_waveform(wave, rate, SAMPLING_RATE, limits)
         elif isinstance(value, (bytes, bytearray)):
-            wave = load_audio(bytes(value), limits=limits)
+            wave = load_audio(bytes(value), budget=budget)
         else:
-            wave = np.asarray(value, dtype=np.float32)[: output_samples_cap(limits)]
+            wave = check_samples(np.asarray(value, dtype=np.float32)[: output_samples_cap(limits)])
         budget.charge_audio(len(wave), SAMPLING_RATE)
         return wave
 

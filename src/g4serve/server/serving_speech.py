@@ -33,6 +33,7 @@ from g4serve.processing.asr_prompt import (
 )
 from g4serve.processing.audio import SAMPLING_RATE, load_audio, output_samples_cap
 from g4serve.processing.audio_chunks import speech_chunk_bounds
+from g4serve.processing.limits import MediaBudget, MediaBudgetError
 from g4serve.processing.processor import ProcessedPrompt
 from g4serve.sampling_params import SamplingParams
 from g4serve.server.errors import APIError
@@ -170,9 +171,7 @@ class OpenAIServingSpeech(OpenAIServing):
                 language = language_name(language)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="language") from None
-        prompt = _text(fields, "prompt")
-        if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
-            raise APIError(400, f"prompt: at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}", "prompt")
+        prompt = self._check_prompt(_text(fields, "prompt"))
         response_format, stream = _output_form(fields)
         temperature = _number(fields, "temperature", 0.0, 1.0)
         max_tokens = _positive_int(fields, "max_completion_tokens")
@@ -187,6 +186,19 @@ class OpenAIServingSpeech(OpenAIServing):
             stream=stream,
             max_tokens=max_tokens,
         )
+
+    def _check_prompt(self, prompt: str | None) -> str | None:
+        """At most ``MAX_PROMPT_CHARS``, and no media placeholder: the processor would count it as one more
+        media input than the request has."""
+        if prompt is None:
+            return None
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise APIError(400, f"prompt: at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}", "prompt")
+        tok = self.tokenizer
+        for token in (tok.image_token, tok.video_token, tok.audio_token):
+            if token and token in prompt:
+                raise APIError(400, f"prompt: must not contain the media placeholder {token}", "prompt")
+        return prompt
 
     async def _file_bytes(self, upload: str | UploadFile | None) -> bytes:
         if upload is None:
@@ -208,9 +220,9 @@ class OpenAIServingSpeech(OpenAIServing):
     # ---- audio and prompt ----------------------------------------------------------------------------
     async def decode(self, data: bytes) -> np.ndarray:
         """The upload as 16 kHz mono, decoded off the event loop under the server's media caps (the demuxer
-        whitelist, sample rate and channel limits, the decoded-frame cap). Audio longer than
-        ``max_request_audio_seconds`` is refused, not cut: a transcript of part of the file would read as
-        whole."""
+        whitelist, sample rate and channel limits, the decoded-frame cap, the budget of decoded sample values
+        over all channels, finite samples). Audio longer than ``max_request_audio_seconds`` is refused, not
+        cut: a transcript of part of the file would read as whole."""
         limits = self.media_limits
         cap_s = limits.max_request_audio_seconds
         # Decode a second past the cap: a recording that fills it is longer than the cap allows.
@@ -221,7 +233,9 @@ class OpenAIServingSpeech(OpenAIServing):
         )
         try:
             with self.waiting.preparing():
-                wave = await asyncio.to_thread(load_audio, data, SAMPLING_RATE, probe)
+                wave = await asyncio.to_thread(load_audio, data, SAMPLING_RATE, budget=MediaBudget(probe))
+        except MediaBudgetError as exc:  # "multi_modal_data: ...": the chat API's name for a request's media
+            raise APIError(400, f"file: {str(exc).partition(': ')[2]}", param="file") from None
         except (ValueError, OSError) as exc:
             raise APIError(400, f"file: {exc}", param="file") from None
         if len(wave) > math.ceil(cap_s * SAMPLING_RATE):
