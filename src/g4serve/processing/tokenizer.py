@@ -116,9 +116,12 @@ def _apply_gemma_tokenizer_class(backend: tokenizers.Tokenizer, unk_token: str |
 MAX_TEMPLATE_VALUES = 1 << 18
 
 
-def _plain(value: Any, budget: list[int] | None = None) -> Any:  # noqa: C901 - one flat isinstance dispatch
+def _plain(  # noqa: C901 - one flat isinstance dispatch
+    value: Any, budget: list[int] | None = None, text: Callable[[str], str] | None = None
+) -> Any:
     """Rebuild template inputs from plain JSON types; other objects (images, arrays) become "<TypeName>".
-    ``budget``: ``[values left]``, spent by each value (keys too); a ``ValueError`` once spent."""
+    ``budget``: ``[values left]``, spent by each value (keys too); a ``ValueError`` once spent. ``text``:
+    applied to every string (``Tokenizer.as_text``: data that may not spell a control token)."""
     if budget is not None:
         budget[0] -= 1
         if budget[0] < 0:
@@ -126,26 +129,27 @@ def _plain(value: Any, budget: list[int] | None = None) -> Any:  # noqa: C901 - 
                 f"messages: the conversation and its tools hold more than {MAX_TEMPLATE_VALUES} JSON values "
                 "(strings, numbers, ... of messages, tool calls' arguments, tool results and tool schemas)"
             )
-    if value is None or type(value) in (str, int, float, bool):
-        return value
     if isinstance(value, str):
-        return str.__str__(value)
+        plain = value if type(value) is str else str.__str__(value)
+        return plain if text is None else text(plain)
+    if value is None or type(value) in (int, float, bool):
+        return value
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k, budget): _plain(v, budget) for k, v in value.items()}
+        return {_plain(k, budget, text): _plain(v, budget, text) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v, budget) for v in value]
+        return [_plain(v, budget, text) for v in value]
     if isinstance(value, tuple):
-        return tuple(_plain(v, budget) for v in value)
+        return tuple(_plain(v, budget, text) for v in value)
     if isinstance(value, np.generic):
-        return _plain(value.item(), budget)
+        return _plain(value.item(), budget, text)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name), budget) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name), budget, text) for f in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump(), budget)
+        return _plain(value.model_dump(), budget, text)
     return f"<{type(value).__name__}>"
 
 
@@ -436,11 +440,15 @@ class Tokenizer:
         documents: list | None = None,
         chat_template: str | None = None,
         continue_final_message: bool | str = False,
+        data_as_text: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render one conversation to a prompt string exactly as transformers' ``apply_chat_template(...,
         tokenize=False)``; extra keyword arguments (e.g. ``enable_thinking``) reach the template.
-        ``chat_template`` (a template's name or text) is trusted: see ``apply_request_chat_template``."""
+        ``chat_template`` (a template's name or text) is trusted: see ``apply_request_chat_template``.
+        ``data_as_text``: every string of the messages, tools and documents goes through ``as_text``, so
+        none spells a control token (the template's own markers stay tokens); what transformers renders
+        for a conversation that spells none."""
         template = self.get_chat_template(chat_template, tools)
         compiled = cached_chat_template(template)
 
@@ -456,6 +464,7 @@ class Tokenizer:
             documents,
             continue_final_message,
             template_kwargs,
+            data_as_text,
         )
 
     def apply_request_chat_template(
@@ -464,6 +473,7 @@ class Tokenizer:
         template: str,
         renderer: RequestTemplateRenderer,
         add_generation_prompt: bool = True,
+        data_as_text: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """``apply_chat_template`` with an untrusted template (one a request supplied): ``renderer`` renders
@@ -473,7 +483,15 @@ class Tokenizer:
             return renderer.render(template, variables)
 
         return self._render_chat(
-            render, template, messages, add_generation_prompt, None, None, False, template_kwargs
+            render,
+            template,
+            messages,
+            add_generation_prompt,
+            None,
+            None,
+            False,
+            template_kwargs,
+            data_as_text,
         )
 
     def _render_chat(
@@ -486,6 +504,7 @@ class Tokenizer:
         documents: list | None,
         continue_final_message: bool | str,
         template_kwargs: Mapping[str, Any],
+        data_as_text: bool = False,
     ) -> str:
         if not messages:
             raise ValueError("messages: cannot apply the chat template to an empty conversation")
@@ -494,10 +513,13 @@ class Tokenizer:
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise ValueError("tools: each tool must be a JSON-schema dict")
         chat, budget = [], [MAX_TEMPLATE_VALUES]
+        text = self.as_text if data_as_text else None
         for i, msg in enumerate(messages):
             if not isinstance(msg, Mapping):
                 raise TypeError(f"messages[{i}]: must be a dict, got {type(msg).__name__}")
-            chat.append(_alias_reasoning(_plain({k: v for k, v in msg.items() if v is not None}, budget)))
+            chat.append(
+                _alias_reasoning(_plain({k: v for k, v in msg.items() if v is not None}, budget, text))
+            )
         final = None
         if continue_final_message:
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
@@ -505,8 +527,8 @@ class Tokenizer:
         kwargs = _plain({**self._template_tokens, **template_kwargs})
         variables = dict(
             messages=chat,
-            tools=_plain(tools, budget),
-            documents=_plain(documents, budget),
+            tools=_plain(tools, budget, text),
+            documents=_plain(documents, budget, text),
             add_generation_prompt=add_generation_prompt,
             **kwargs,
         )

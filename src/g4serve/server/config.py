@@ -22,6 +22,9 @@ class ServerConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     # accept chat_template_kwargs.chat_template (rendered sandboxed, under ChatTemplateLimits)
     trust_request_chat_template: bool = False
+    # read added tokens' spellings in messages and tools as those tokens (transformers' and vLLM's reading);
+    # default: as words (Tokenizer.as_text), so a client's text cannot write turns of its own
+    trust_message_control_tokens: bool = False
     # /v1/responses kept for previous_response_id and GET: least recently used out past either bound
     responses_store_max_entries: int = 1024
     responses_store_max_bytes: int = 256 << 20

@@ -76,6 +76,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "sandboxed worker process with time, memory and size limits); default: refused with a 400",
     )
     p.add_argument(
+        "--trust-message-control-tokens",
+        action="store_true",
+        help="read the model's control tokens spelled in messages and tools ('<|turn>', '<eos>', ...) as "
+        "those tokens, as transformers and vLLM do; default: as words, so a client's text (or a tool "
+        "result) cannot close its turn and write one of its own",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -150,6 +157,7 @@ def build_from_args(args: argparse.Namespace):
         metrics_public=args.metrics_public,
         limit_mm_per_prompt=dict(engine.config.limit_mm_per_prompt),
         trust_request_chat_template=args.trust_request_chat_template,
+        trust_message_control_tokens=args.trust_message_control_tokens,
         responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
         lora_root=args.lora_root,

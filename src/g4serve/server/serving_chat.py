@@ -278,6 +278,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=req.add_generation_prompt,
                 tools=tools,
                 chat_template=source,  # None, or the name of one of the model's own templates
+                data_as_text=not self.config.trust_message_control_tokens,
                 **kwargs,
             )
             executor, where = self.template_pool, "messages"
@@ -291,6 +292,7 @@ class OpenAIServingChat(OpenAIServing):
                 source,
                 renderer,
                 add_generation_prompt=req.add_generation_prompt,
+                data_as_text=not self.config.trust_message_control_tokens,
                 **kwargs,
             )
             executor = renderer.executor

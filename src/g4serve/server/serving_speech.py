@@ -252,7 +252,12 @@ class OpenAIServingSpeech(OpenAIServing):
         for each clip (in its pool, all at once): the clip's log-mel features and its soft tokens in the
         prompt."""
         messages = speech_messages(req.task, req.language, req.prompt)
-        render = functools.partial(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+        render = functools.partial(
+            self.tokenizer.apply_chat_template,
+            messages,
+            add_generation_prompt=True,
+            data_as_text=not self.config.trust_message_control_tokens,  # the client's prompt is words
+        )
         prompt = await asyncio.to_thread(render)
         return list(await asyncio.gather(*(self._process_clip(prompt, clip) for clip in clips)))
 
