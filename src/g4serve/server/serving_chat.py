@@ -78,7 +78,8 @@ class OpenAIServingChat(OpenAIServing):
             except ValueError as exc:
                 raise bad_request(exc) from None
             self.check_media(media.as_dict())
-            messages = template_messages(messages)
+            # off the event loop: a call's arguments may hold millions of numbers the body's count leaves out
+            messages = await asyncio.to_thread(template_messages, messages)
         thinking = self.thinking(req)
         with self.metrics.stage("render"):
             prompt = await self.render(req, messages, tools, thinking)

@@ -360,7 +360,7 @@ class OpenAIServingResponses(OpenAIServing):
         # split and checked (a 100,000-item input split ~17 times by the truncation search held the loop 2 s).
         if count > MAX_MESSAGES:
             return None, f"{count} messages, over the {MAX_MESSAGES} a prompt takes"
-        messages, media = self._split(prompt, kept)
+        messages, media = await self._split(prompt, kept)
         text = await self.chat.render(prompt.chat_req, messages, prompt.tools, prompt.thinking)
         try:
             processed = await self.process(
@@ -373,7 +373,7 @@ class OpenAIServingResponses(OpenAIServing):
         size = len(processed.token_ids)
         return (processed if size <= max_tokens else None), f"{size} tokens"
 
-    def _split(self, prompt: _Prompt, kept: list[int]):
+    async def _split(self, prompt: _Prompt, kept: list[int]):
         """Chat messages ready for the template (the conversation's messages ``kept``), and their media,
         checked as the chat endpoint checks them; an error names the Responses field
         (``input[2].content[1]...``), not the chat message."""
@@ -398,8 +398,8 @@ class OpenAIServingResponses(OpenAIServing):
             self.check_media(media.as_dict())
         except APIError as exc:
             raise APIError(exc.status, exc.message.replace("messages:", "input:", 1), "input") from None
-        try:
-            messages = template_messages(messages)
+        try:  # off the event loop, as chat does it
+            messages = await asyncio.to_thread(template_messages, messages)
         except APIError as exc:
             raise APIError(400, _MESSAGE_INDEX.sub(rename, exc.message), "input") from None
         return messages, media
