@@ -3,43 +3,17 @@ keeps slots, names and running requests consistent through loads and unloads."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from adapter_files import CONFIG, LM, Q0, WEIGHTS, edit_config, edit_weights
 
 from g4serve import LLM, LoRARequest, SamplingParams
 from g4serve.config import Gemma4Config
 from g4serve.lora import LoRAAdapterError, load_peft_adapter
 
-WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
-LM = "base_model.model.model.language_model.layers"
-Q0 = f"{LM}.0.self_attn.q_proj"
 VISION_Q0 = "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj"
-
-
-@pytest.fixture
-def adapter(lora_adapter, tmp_path):
-    """A writable copy of the "all" adapter and the base model's text config."""
-    base, src, _ = lora_adapter("all")
-    dst = tmp_path / "adapter"
-    shutil.copytree(src, dst)
-    return dst, Gemma4Config.from_pretrained(base).text
-
-
-def _edit_config(path, **changes):
-    config = json.loads((path / CONFIG).read_text())
-    config.update(changes)
-    (path / CONFIG).write_text(json.dumps(config))
-
-
-def _edit_weights(path, edit):
-    tensors = load_file(path / WEIGHTS)
-    edit(tensors)
-    save_file(tensors, path / WEIGHTS)
 
 
 def _load(path, cfg, max_rank=8):
@@ -70,7 +44,7 @@ def test_the_adapter_loads(adapter):
 )
 def test_unsupported_configs(adapter, change, message):
     path, cfg = adapter
-    _edit_config(path, **change)
+    edit_config(path, **change)
     with pytest.raises(LoRAAdapterError, match=message.replace("(", r"\(")):
         _load(path, cfg)
 
@@ -102,7 +76,7 @@ def test_unsupported_configs(adapter, change, message):
 )
 def test_hostile_weights(adapter, edit, message):
     path, cfg = adapter
-    _edit_weights(path, edit)
+    edit_weights(path, edit)
     with pytest.raises(LoRAAdapterError, match=message):
         _load(path, cfg)
 
@@ -118,7 +92,7 @@ def test_v_proj_on_a_k_eq_v_layer_is_refused(lora_adapter, tmp_path):
     path = tmp_path / "moe"
     shutil.copytree(src, path)
     key = f"{LM}.2.self_attn.v_proj.lora_A.weight"
-    _edit_weights(path, lambda t: t.update({key: torch.zeros(4, 64)}))
+    edit_weights(path, lambda t: t.update({key: torch.zeros(4, 64)}))
     with pytest.raises(LoRAAdapterError, match="attention_k_eq_v"):
         _load(path, Gemma4Config.from_pretrained(base).text)
 

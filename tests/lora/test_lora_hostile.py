@@ -5,43 +5,15 @@ before anything is read when no slot is free."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from adapter_files import CONFIG, LM, Q0, edit_config, edit_weights
 
 from g4serve import LLM
-from g4serve.config import Gemma4Config
 from g4serve.lora import LoRAAdapterError, load_peft_adapter, patterns
-
-WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
-LM = "base_model.model.model.language_model.layers"
-Q0 = f"{LM}.0.self_attn.q_proj"
-
-
-@pytest.fixture
-def adapter(lora_adapter, tmp_path):
-    """A writable copy of the "all" adapter (rank 4, lora_alpha 8) and the base model's text config."""
-    base, src, _ = lora_adapter("all")
-    dst = tmp_path / "adapter"
-    shutil.copytree(src, dst)
-    return dst, Gemma4Config.from_pretrained(base).text
-
-
-def _edit_config(path, **changes):
-    config = json.loads((path / CONFIG).read_text())
-    config.update(changes)
-    (path / CONFIG).write_text(json.dumps(config))
-
-
-def _edit_weights(path, edit):
-    tensors = load_file(path / WEIGHTS)
-    edit(tensors)
-    save_file(tensors, path / WEIGHTS)
 
 
 def _load(path, cfg, dtype=torch.float32):
@@ -87,7 +59,7 @@ def test_a_backtracking_alpha_pattern_neither_hangs_nor_stalls_the_process(adapt
     the server's event loop and engine thread stopped with it. Now it is matched under a time budget, and
     the lock is released while it runs."""
     path, cfg = adapter
-    _edit_config(path, alpha_pattern={pattern: 2.0})
+    edit_config(path, alpha_pattern={pattern: 2.0})
     elapsed, longest_gap, error = _timed_load(path, cfg)
     assert isinstance(error, LoRAAdapterError) and "alpha_pattern" in str(error), error
     assert elapsed < 2.5 and longest_gap < 0.5, (elapsed, longest_gap)
@@ -96,7 +68,7 @@ def test_a_backtracking_alpha_pattern_neither_hangs_nor_stalls_the_process(adapt
 def test_many_alpha_patterns_are_refused_before_matching(adapter):
     """20,000 keys (a 1 MB config) took 74 s of CPU: every (key, module) pair compiled its regex anew."""
     path, cfg = adapter
-    _edit_config(path, alpha_pattern={f"layers.{i}.zz": 1.0 for i in range(5000)})
+    edit_config(path, alpha_pattern={f"layers.{i}.zz": 1.0 for i in range(5000)})
     t0 = time.monotonic()
     with pytest.raises(LoRAAdapterError, match="alpha_pattern: 5000 keys; at most 1024"):
         _load(path, cfg)
@@ -108,7 +80,7 @@ def test_alpha_patterns_share_a_time_budget(adapter, monkeypatch):
     modules; all matching of one adapter shares ``MATCH_BUDGET_S`` (cut to 0.2 s here)."""
     path, cfg = adapter
     monkeypatch.setattr(patterns, "MATCH_BUDGET_S", 0.2)
-    _edit_config(path, alpha_pattern={"(.|.)" * 12 + f"[0-9]|x{i}": 1.0 for i in range(1024)})
+    edit_config(path, alpha_pattern={"(.|.)" * 12 + f"[0-9]|x{i}": 1.0 for i in range(1024)})
     elapsed, longest_gap, error = _timed_load(path, cfg)
     assert isinstance(error, LoRAAdapterError), error
     assert "alpha_pattern: matching its 1024 keys took over 0.2 s" in str(error)
@@ -130,7 +102,7 @@ def test_alpha_patterns_share_a_time_budget(adapter, monkeypatch):
 )
 def test_bad_alpha_pattern_keys(adapter, key, message):
     path, cfg = adapter
-    _edit_config(path, alpha_pattern={key: 2.0})
+    edit_config(path, alpha_pattern={key: 2.0})
     with pytest.raises(LoRAAdapterError, match=message.replace("(", r"\(")):
         _load(path, cfg)
 
@@ -139,7 +111,7 @@ def test_literal_and_regex_alpha_patterns_scale_as_peft_does(adapter):
     """First matching key wins; a key names the module or a dotted suffix of it, its dots any character."""
     path, cfg = adapter
     base = _load(path, cfg).weights
-    _edit_config(
+    edit_config(
         path,
         alpha_pattern={
             "layers.1.self_attn.q_proj": 16.0,  # a literal dotted suffix: layer 1's q only
@@ -168,7 +140,7 @@ def test_weights_of_a_non_float_dtype_are_refused(adapter, dtype):
     """float8_e4m3fn raised NotImplementedError from the finiteness check (a 500); integer and boolean
     tensors were cast and served."""
     path, cfg = adapter
-    _edit_weights(path, lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].to(dtype)}))
+    edit_weights(path, lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].to(dtype)}))
     with pytest.raises(LoRAAdapterError, match=f"lora_A.weight: dtype {str(dtype)[6:]}: expected"):
         _load(path, cfg)
 
@@ -182,14 +154,14 @@ def test_weights_that_overflow_once_scaled_are_refused(adapter, change, dtype):
     """Finite weights and a finite ``lora_alpha`` whose product, folded into B in the serving dtype, is
     infinite: every token of the adapter's requests came out NaN."""
     path, cfg = adapter
-    _edit_config(path, **change)
+    edit_config(path, **change)
     with pytest.raises(LoRAAdapterError, match="NaN or infinite values once scaled by lora_alpha"):
         _load(path, cfg, dtype)
 
 
 def test_a_zero_rank_module_is_named_as_such(adapter):
     path, cfg = adapter
-    _edit_weights(
+    edit_weights(
         path,
         lambda t: t.update(
             {f"{Q0}.lora_A.weight": torch.zeros(0, 64), f"{Q0}.lora_B.weight": torch.zeros(64, 0)}
@@ -206,7 +178,7 @@ def test_a_layer_index_must_be_written_as_peft_writes_it(adapter, layer):
     """``layers.0000…1`` made module names as long as the header allows (and int() past 4,300 digits
     raised); ``layers.١`` (Arabic-Indic one) was read as layer 1."""
     path, cfg = adapter
-    _edit_weights(path, lambda t: t.update({f"{LM}.{layer}.mlp.up_proj.lora_A.weight": torch.zeros(4, 64)}))
+    edit_weights(path, lambda t: t.update({f"{LM}.{layer}.mlp.up_proj.lora_A.weight": torch.zeros(4, 64)}))
     with pytest.raises(LoRAAdapterError, match="not a LoRA weight of a decoder projection"):
         _load(path, cfg)
 
@@ -214,7 +186,7 @@ def test_a_layer_index_must_be_written_as_peft_writes_it(adapter, layer):
 def test_lora_alpha_defaults_as_in_peft(adapter):
     """PEFT's ``LoraConfig.lora_alpha`` defaults to 8 whatever ``r`` is (it was taken as ``r`` here)."""
     path, cfg = adapter
-    _edit_config(path, r=4, lora_alpha=8)
+    edit_config(path, r=4, lora_alpha=8)
     explicit = _load(path, cfg).weights
     config = json.loads((path / CONFIG).read_text())
     del config["lora_alpha"]
@@ -232,7 +204,7 @@ def test_lora_alpha_defaults_as_in_peft(adapter):
 )
 def test_config_fields_of_the_wrong_type(adapter, change, message):
     path, cfg = adapter
-    _edit_config(path, **change)
+    edit_config(path, **change)
     with pytest.raises(LoRAAdapterError, match=message) as info:
         _load(path, cfg)
     assert len(str(info.value)) < 300  # the field's value is not echoed back whole
