@@ -320,16 +320,31 @@ def test_fcfs_preempts_the_latest_whatever_its_priority_value():
 
 def test_request_that_cannot_fit_alone_is_preempted_not_looped():
     h = Harness(full=2, max_num_batched_tokens=4)  # the full pool holds 8 tokens
-    r = request("r", 12, arrival=0.0)
+    r = request("r", 6, arrival=0.0)  # its prompt fits; its outputs outgrow the pool
     h.add(r)
     assert h.step().num_new_tokens == [4]
-    assert h.step().num_new_tokens == [4]
-    batch = h.schedule()  # tokens 8..11 need a 3rd block: no one else to preempt
+    assert h.step().num_new_tokens == [2]
+    assert h.step().num_new_tokens == [1]
+    assert h.step().num_new_tokens == [1]
+    batch = h.schedule()  # token 8 needs a 3rd block: no one else to preempt
     assert ids(batch.preempted) == ["r"] and batch.requests == []
     assert r.status is RequestStatus.PREEMPTED and h.scheduler.running == [] and h.scheduler.waiting == [r]
     for _ in range(3):  # later steps return at once, with nothing to run
         batch = h.step()
         assert batch.requests == [] and batch.preempted == []
+    assert "r" not in h.kv.seqs
+
+
+def test_a_prompt_that_cannot_fit_alone_is_never_admitted():
+    """Admission checks that the full pool holds the whole prompt (test_scheduler_hostile.py); it never
+    runs a chunk only to be preempted (the engine refuses it first: max_model_len)."""
+    h = Harness(full=2, max_num_batched_tokens=4)
+    r = request("r", 12, arrival=0.0)
+    h.add(r)
+    for _ in range(3):
+        batch = h.step()
+        assert batch.requests == [] and batch.preempted == []
+    assert h.scheduler.waiting == [r] and "r" not in h.kv.seqs
 
 
 # ---- prefix cache ---------------------------------------------------------------------------------------

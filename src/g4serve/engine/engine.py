@@ -558,6 +558,12 @@ class LLMEngine:
 
     def _check_fits(self, processed: ProcessedPrompt, params: SamplingParams) -> None:
         """Refuse what could never be scheduled, instead of letting it wait forever at the queue's head."""
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(processed.token_ids) > budget:
+            raise ValueError(
+                f"prompt: {len(processed.token_ids)} tokens must be prefilled in one step without chunked "
+                f"prefill, but max_num_batched_tokens is {budget}"
+            )
         if self.scheduler.bidirectional_spans:
             longest = max((e - s for s, e in bidirectional_spans(processed.mm_items)), default=0)
             if longest > self.config.max_num_batched_tokens:

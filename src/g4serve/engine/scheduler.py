@@ -7,12 +7,13 @@ with chunked prefill. With ``max_prefill_tokens_beside_decodes``, a step that ho
 chunks at most that many tokens (the decodes' step time stays bounded); a step without decodes gives them
 the whole budget. ``max_encoder_tokens_beside_decodes`` bounds the step's media encodes the same way: a video
 encodes the frames that fit (at least one a step) and its prefill follows the frames already
-encoded. When the KV pools run out, the last running request in that order is preempted (its blocks
-freed, recomputed later); nothing crashes. A chunk never splits a bidirectional image span, and
-never starts on media whose encoder output is neither cached nor affordable this step. With async
-scheduling a request's last sampled token may still be on the device: it counts as a token to
-compute (the next step reads it on the device), and a request whose final token is pending is not
-scheduled.
+encoded. A waiting request is admitted only when the full pool holds the rest of its prompt. When the KV
+pools run out, the last running request in that order is preempted (its blocks freed, recomputed later),
+never one that sorts before the request needing room; nothing crashes. A chunk never splits a
+bidirectional image span, and never starts on media whose encoder output is neither cached nor
+affordable this step. With async scheduling a request's last sampled token may still be on the device:
+it counts as a token to compute (the next step reads it on the device), and a request whose final token
+is pending is not scheduled.
 """
 
 from __future__ import annotations
@@ -199,6 +200,12 @@ class Scheduler:
         return done + take
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        """Free a running request's blocks and queue it to recompute; scheduled in ``batch`` already (a decode
+        of lower priority than a prefill after it), it leaves the batch and its tokens go back to the
+        budget."""
+        if victim in batch.requests:
+            i = batch.requests.index(victim)
+            del batch.requests[i], batch.num_new_tokens[i]
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -229,9 +236,14 @@ class Scheduler:
 
     def _allocate_running(self, request: Request, start: int, num_new: int, batch: ScheduledBatch) -> bool:
         """Blocks for a running request's chunk, preempting lower-priority requests not in ``batch`` as
-        needed; one that cannot fit even alone is preempted itself (recomputed when memory frees up)."""
+        needed, the last in the order first (one already in ``batch`` leaves it); when none sorts after it,
+        the request itself is preempted (recomputed when memory frees up). Decodes are scheduled before
+        prefills: without the order check a decode took the blocks of an earlier or more urgent request's
+        prefill, again at each of its blocks; without the batch's decodes among the victims, that prefill
+        could only give way to them (test_scheduler_hostile.py)."""
+        key = self.priority(request)
         while not self.kv.allocate(request.request_id, start, num_new):
-            victims = [r for r in self.running if r is not request and r not in batch.requests]
+            victims = [r for r in self.running if r is not request and self.priority(r) > key]
             if not victims:
                 self._preempt(request, batch)
                 return False
@@ -266,15 +278,14 @@ class Scheduler:
             num_new = self._clip_to_encoder(request, start, num_new, encoder_budget, batch, decodes)
             if num_new <= 0:
                 continue
-            if not self._allocate_running(request, start, num_new, batch):
-                continue
-            batch.requests.append(request)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-            if decoding:
-                decodes = True
-            else:
-                prefill_used += num_new
+            if self._allocate_running(request, start, num_new, batch):
+                batch.requests.append(request)
+                batch.num_new_tokens.append(num_new)
+                if decoding:
+                    decodes = True
+                else:
+                    prefill_used += num_new
+            budget = cfg.max_num_batched_tokens - batch.num_tokens  # preempted decodes gave their tokens back
 
         self._admit_waiting(batch, budget, encoder_budget, prefill_used if decodes else None)
         return batch
@@ -287,14 +298,57 @@ class Scheduler:
         request.num_computed_tokens = request.metrics.prefix_hit_tokens = hit
         return True
 
+    def _full_blocks_promised(self) -> int:
+        """Full-pool blocks the running requests still need for the tokens they have (the rest of a prompt
+        being prefilled in chunks): not free for an admission."""
+        return sum(
+            self.kv.full_blocks_to_hold(r.request_id, r.num_computed_tokens, r.num_tokens)
+            for r in self.running
+        )
+
+    def _release_prefix_hit(self, request: Request, fresh: bool) -> None:
+        """A waiting request not admitted after all gives its prefix hit back: holding cached blocks that no
+        preemption can reclaim, it could starve the running ones and itself (test_scheduler_unit.py)."""
+        if fresh:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = request.metrics.prefix_hit_tokens = 0
+
+    def _first_chunk(
+        self,
+        request: Request,
+        budget: int,
+        limit: int,
+        encoder_budget: EncoderBudget,
+        batch: ScheduledBatch,
+        decodes: bool,
+    ) -> int:
+        """Tokens of a waiting request's first chunk this step: 0 when it must wait (-1: its media are
+        encoding, later requests need not wait for it). ``decodes``: the step holds a decode."""
+        cfg, start = self.config, request.num_computed_tokens
+        num_new = request.num_tokens - start
+        # Without chunked prefill a prompt waits for a step with room for it whole; a resumed request's prompt
+        # and outputs may exceed any step, and are chunked rather than wait at the queue's head forever.
+        if not cfg.enable_chunked_prefill and budget < num_new <= cfg.max_num_batched_tokens:
+            return 0
+        num_new = self._chunk(request, start, num_new, limit, budget)
+        clipped = self._clip_to_encoder(request, start, num_new, encoder_budget, batch, decodes)
+        if clipped <= 0 and num_new > 0 and cfg.overlap_encoder:
+            return -1
+        return clipped
+
     def _admit_waiting(
         self, batch: ScheduledBatch, budget: int, encoder_budget: EncoderBudget, prefill_used: int | None
     ) -> None:
         """Waiting requests, admitted into ``batch`` while the token budget (the prefill cap, with
-        ``prefill_used`` tokens of it spent, when the step holds decodes), sequence slots and blocks last."""
+        ``prefill_used`` tokens of it spent, when the step holds decodes), sequence slots and blocks last. A
+        request is admitted only when the full pool holds the rest of its prompt beside what the running
+        ones are promised: admitted on its first chunk alone, a prompt that could not fit filled the pool,
+        was preempted by the next decode's block and admitted again, over and over (1,382 tokens computed
+        for a 200-token prompt, test_scheduler_hostile.py)."""
         cfg = self.config
         self.waiting.sort(key=self.priority)
         admitted = []
+        promised = self._full_blocks_promised()
         for request in self.waiting:
             limit = self._prefill_limit(budget, prefill_used or 0, prefill_used is not None)
             if limit <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
@@ -303,25 +357,19 @@ class Scheduler:
                 continue
             fresh = self._take_prefix_hit(request)
             start = request.num_computed_tokens
-            num_new = request.num_tokens - start
-            if not cfg.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = self._chunk(request, start, num_new, limit, budget)
-            unclipped, num_new = (
-                num_new,
-                self._clip_to_encoder(
-                    request, start, num_new, encoder_budget, batch, prefill_used is not None
-                ),
+            num_new = self._first_chunk(
+                request, budget, limit, encoder_budget, batch, prefill_used is not None
             )
-            if num_new <= 0 and unclipped > 0 and cfg.overlap_encoder:
+            if num_new < 0:
                 continue  # its media are encoding: later requests need not wait for them
-            if num_new <= 0 or not self.kv.allocate(request.request_id, start, num_new):
-                if fresh:
-                    # Give the prefix hit back: a waiting request holding cached blocks that no preemption
-                    # can reclaim could starve the running ones and itself (test_scheduler_unit.py).
-                    self.kv.free(request.request_id)
-                    request.num_computed_tokens = request.metrics.prefix_hit_tokens = 0
+            rest = self.kv.full_blocks_to_hold(request.request_id, start, request.num_tokens)
+            if num_new == 0 or rest > self.kv.num_free_full() - promised:
+                self._release_prefix_hit(request, fresh)
                 break  # keep FCFS order: later requests wait behind this one
+            if not self.kv.allocate(request.request_id, start, num_new):
+                self._release_prefix_hit(request, fresh)
+                break
+            promised += self.kv.full_blocks_to_hold(request.request_id, start, request.num_tokens)
             admitted.append(request)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)

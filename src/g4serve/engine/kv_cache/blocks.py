@@ -140,6 +140,17 @@ class KVCacheManager:
         freed = self._freeable_now(seq_id, num_computed)
         return all(need[n] <= self.pools[n].num_free + freed.get(n, 0) for n in self.pool_types)
 
+    def full_blocks_to_hold(self, seq_id: str, num_computed: int, num_tokens: int) -> int:
+        """Full-pool blocks a sequence must still take to hold ``num_tokens`` tokens (0 without a full pool).
+        Its sliding blocks are not counted: they stay within a window and a chunk, however long it grows."""
+        if FULL not in self.pools:
+            return 0
+        return self.blocks_needed(seq_id, num_computed, max(0, num_tokens - num_computed))[FULL]
+
+    def num_free_full(self) -> int:
+        """Free full-pool blocks, cached ones included (0 without a full pool)."""
+        return self.pools[FULL].num_free if FULL in self.pools else 0
+
     def _freeable_now(self, seq_id: str, num_computed: int) -> dict[str, int]:
         seq = self.seqs.get(seq_id)
         if seq is None or SLIDING not in self.pools:
