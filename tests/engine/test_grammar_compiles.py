@@ -90,3 +90,28 @@ def test_a_compile_flood_is_refused_past_the_bound_and_a_known_schema_still_admi
     assert len(busy) == 4, results
     assert "response_format" in str(busy[0]) and "retry" in str(busy[0])
     assert sum(1 for r in results if not isinstance(r, BaseException)) == COMPILES_WAITING
+
+
+def test_the_first_grammar_builds_the_backend_off_the_event_loop(tiny_model_dir, monkeypatch):
+    """The grammar backend reads the whole vocabulary when first built (seconds at 262k tokens): the first
+    structured request builds it on a grammar thread, not on the event loop."""
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_bytes=16 << 20)
+    engine = AsyncLLMEngine(LLMEngine(config))
+    built_on = []
+    init = StructuredOutputBackend.__init__
+
+    def recording(self, *args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StructuredOutputBackend, "__init__", recording)
+
+    async def main():
+        processed = await engine.process(PROMPT)
+        return await engine.validate(processed, _params(0))
+
+    try:
+        assert asyncio.run(main()).grammar is not None
+    finally:
+        engine.shutdown()
+    assert len(built_on) == 1 and built_on[0].startswith("g4-grammar"), built_on

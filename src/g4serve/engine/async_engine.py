@@ -365,8 +365,8 @@ class AsyncLLMEngine:
         spec = params.structured_output
         if spec is None or not isinstance(spec, StructuredSpec):
             return  # none, or not a spec: make_request names what is wrong
-        backend = self.engine.structured_backend
-        if backend.cached(spec):
+        backend = self.engine.built_structured_backend  # the first build reads the vocabulary: not here
+        if backend is not None and backend.cached(spec):
             return
         future = self._compiling.get(spec)
         if future is None:
@@ -376,7 +376,7 @@ class AsyncLLMEngine:
                     f"{COMPILES_WAITING} at once); retry after {RETRY_AFTER_S} s"
                 )
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._compile_pool, backend.compile, spec)
+            future = loop.run_in_executor(self._compile_pool, self._compile, spec)
             self._compiling[spec] = future
             future.add_done_callback(lambda _: self._compiling.pop(spec, None))
         try:
@@ -385,6 +385,9 @@ class AsyncLLMEngine:
             if self.dead is None or isinstance(exc, asyncio.CancelledError):
                 raise
             raise EngineDeadError(str(self.dead)) from exc
+
+    def _compile(self, spec: StructuredSpec) -> None:
+        self.engine.structured_backend.compile(spec)  # on a grammar thread: builds the backend the first time
 
     async def _in_pool(self, fn, *args):
         """``fn(*args)`` in the preprocessing pool. Work the engine's stop cancelled before it ran (shutdown

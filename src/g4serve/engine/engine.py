@@ -618,6 +618,12 @@ class LLMEngine:
         self._finish(request)
 
     @property
+    def built_structured_backend(self) -> StructuredOutputBackend | None:
+        """The grammar backend if a grammar has built it, else None (building it reads the whole vocabulary:
+        not on an event loop)."""
+        return self._structured
+
+    @property
     def structured_backend(self) -> StructuredOutputBackend:
         """Grammar compiler and cache for constrained decoding (any thread may compile)."""
         with self._structured_lock:
