@@ -4,8 +4,10 @@
 #   mkdir -p build && git archive <sha> src bench | gzip > build/base.tgz && echo <sha> > build/BASE_COMMIT
 #   run(command="G4SERVE_GIT_COMMIT=<sha> bash bench/device/issue_table.sh",
 #       carry=[".whl", "build/base.tgz", "build/BASE_COMMIT"], kind="nvidia-h200-x4")
-# On two GPUs: SIDES=now, then SIDES=before in a second call; merge both tgz locally and run
-# `python bench/issue_table.py --table-only --out DIR`. Results: $OUT/issue_table.tgz (every run's JSON and
+# On one or two GPUs: SIDES=before, then SIDES=now in a second call on the same warm machine (one GPU: each
+# side ~460 s, the served job then the engine job, the 31B load last); merge both tgz locally and run
+# `python bench/issue_table.py --table-only --out DIR`. Base: the issue's commit bf14778 (`git archive bf14778
+# src bench`, then repack without bench/results: 307 KB). Results: $OUT/issue_table.tgz (every run's JSON and
 # log), the table in $OUT/issue_table.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/out} SIDES=${SIDES:-before,now} DEADLINE=${DEADLINE:-560}
