@@ -368,6 +368,11 @@ class AsyncLLMEngine:
         backend = self.engine.built_structured_backend  # the first build reads the vocabulary: not here
         if backend is not None and backend.cached(spec):
             return
+        # shielded: a caller that leaves does not cancel the others' compile
+        await self._from_pool(lambda: asyncio.shield(self._compile_future(spec)))
+
+    def _compile_future(self, spec: StructuredSpec) -> asyncio.Future:
+        """The compile of ``spec`` under way, or a new one on the grammar threads."""
         future = self._compiling.get(spec)
         if future is None:
             if len(self._compiling) >= COMPILES_WAITING:
@@ -375,26 +380,26 @@ class AsyncLLMEngine:
                     f"{spec.field}: {len(self._compiling)} new grammars are compiling (at most "
                     f"{COMPILES_WAITING} at once); retry after {RETRY_AFTER_S} s"
                 )
-            loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._compile_pool, self._compile, spec)
+            future = asyncio.get_running_loop().run_in_executor(self._compile_pool, self._compile, spec)
             self._compiling[spec] = future
             future.add_done_callback(lambda _: self._compiling.pop(spec, None))
-        try:
-            await asyncio.shield(future)  # a caller that leaves does not cancel the others' compile
-        except (asyncio.CancelledError, RuntimeError) as exc:  # RuntimeError: the pool has shut down
-            if self.dead is None or isinstance(exc, asyncio.CancelledError):
-                raise
-            raise EngineDeadError(str(self.dead)) from exc
+        return future
 
     def _compile(self, spec: StructuredSpec) -> None:
         self.engine.structured_backend.compile(spec)  # on a grammar thread: builds the backend the first time
 
     async def _in_pool(self, fn, *args):
-        """``fn(*args)`` in the preprocessing pool. Work the engine's stop cancelled before it ran (shutdown
-        or the step watchdog cancel the pool's queue) raises ``EngineDeadError``, as every other call on a
-        stopped engine does, rather than the pool's cancellation; the caller's own cancellation stays one."""
+        """``fn(*args)`` in the preprocessing pool (errors as ``_from_pool``)."""
+        loop = asyncio.get_running_loop()
+        return await self._from_pool(lambda: loop.run_in_executor(self._pool, fn, *args))
+
+    async def _from_pool(self, submit):
+        """``await submit()``, work of one of the engine's pools. Work the engine's stop cancelled before it
+        ran (shutdown or the step watchdog cancel the pools' queues) raises ``EngineDeadError``, as every
+        other call on a stopped engine does, rather than the pool's cancellation; the caller's own
+        cancellation stays one."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await submit()
         except (asyncio.CancelledError, RuntimeError) as exc:  # RuntimeError: the pool has shut down
             task = asyncio.current_task()
             if self.dead is None or (task is not None and task.cancelling()):
