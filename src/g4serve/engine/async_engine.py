@@ -23,7 +23,7 @@ import torch
 
 from g4serve import envs
 from g4serve.engine.config import PREPROCESS_WORKERS, EngineConfig
-from g4serve.engine.engine import LLMEngine
+from g4serve.engine.engine import AdapterNotLoadedError, LLMEngine
 from g4serve.engine.request import Request
 from g4serve.engine.torch_profile import TorchProfile
 from g4serve.outputs import RequestMetrics, RequestOutput
@@ -602,7 +602,7 @@ def _refused(request_id: str, exc: Exception) -> RequestFailedError:
         log.exception("request %s: could not be added", request_id, exc_info=exc)
         return RequestFailedError(request_id, f"internal error ({type(exc).__name__})")
     log.info("request %s: refused when queued: %s", request_id, exc)
-    status = 404 if str(exc).startswith("model: no LoRA adapter") else 400
+    status = 404 if isinstance(exc, AdapterNotLoadedError) else 400
     return RequestFailedError(request_id, str(exc), status)
 
 

@@ -87,6 +87,13 @@ STEP_STREAM_PRIORITY = -100
 MAX_PRIORITY = 2**31 - 1
 
 
+class AdapterNotLoadedError(ValueError):
+    """A request names a LoRA adapter this engine does not hold (never loaded, or unloaded since)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"model: no LoRA adapter named '{name}' is loaded")
+
+
 class InflightStep:
     """A launched step: its batch, its result on the device, each request's computed tokens once it has
     run, and the copy of its samples to the host (started at launch, waited for in ``read``)."""
@@ -503,7 +510,7 @@ class LLMEngine:
     ) -> Request:
         """Check a request and build it (not yet queued). ``lora_name``: a loaded adapter to run it with."""
         if lora_name is not None and (self.lora is None or lora_name not in self.lora):
-            raise ValueError(f"model: no LoRA adapter named '{lora_name}' is loaded")
+            raise AdapterNotLoadedError(lora_name)
         self._check_priority(priority)
         n_prompt = len(processed.token_ids)
         if n_prompt == 0:
@@ -582,7 +589,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if request.lora_name is not None and (self.lora is None or request.lora_name not in self.lora):
             # Unloaded since make_request checked it: the request fails alone.
-            raise ValueError(f"model: no LoRA adapter named '{request.lora_name}' is loaded")
+            raise AdapterNotLoadedError(request.lora_name)
         if request.grammar is None:
             request.grammar = self._new_grammar(request.sampling_params)
             request.jump_forward = self._jumps(request.sampling_params)
