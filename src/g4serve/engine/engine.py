@@ -30,7 +30,7 @@ from g4serve.engine.kv_cache.planning import (
     plan_kv_blocks,
 )
 from g4serve.engine.model_runner import ModelRunner, StepResult
-from g4serve.engine.request import Request, RequestStatus, check_cache_salt, salt_digest
+from g4serve.engine.request import Request, RequestStatus, check_cache_salt, check_unicode, salt_digest
 from g4serve.engine.scheduler import ScheduledBatch, Scheduler
 from g4serve.engine.speculative import (
     MTPProposer,
@@ -486,13 +486,7 @@ class LLMEngine:
                     f"prompt: {len(text)} characters cannot fit in max_model_len={self.max_model_len} "
                     f"tokens (at most {self.max_prompt_chars} characters)"
                 )
-            if not text.isascii():
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as exc:  # JSON's "\ud800": a lone surrogate is no character
-                    raise ValueError(
-                        f"prompt: invalid Unicode at character {exc.start} (a lone surrogate)"
-                    ) from None
+            check_unicode(text, "prompt")
         processed = self.processor.process(
             prompt, self.config.limit_mm_per_prompt, add_special_tokens, media_limits=self.media_limits
         )

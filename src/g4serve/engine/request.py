@@ -21,6 +21,17 @@ if TYPE_CHECKING:
 MAX_CACHE_SALT_CHARS = 1024
 
 
+def check_unicode(text: str, field: str) -> None:
+    """``ValueError`` naming ``field`` where ``text`` holds a lone surrogate (JSON's "\\ud800" decodes to
+    one), which is no character: no tokenizer or digest can encode it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            message = f"{field}: invalid Unicode at character {exc.start} (a lone surrogate)"
+            raise ValueError(message) from None
+
+
 def check_cache_salt(value: object) -> str:
     """A prompt's ``cache_salt`` as given, or ``ValueError`` naming the field. vLLM asks for a non-empty
     string; a random one of 256 bits (43 base64 characters) is what makes another tenant's guess useless."""
@@ -28,10 +39,7 @@ def check_cache_salt(value: object) -> str:
         raise ValueError(f"cache_salt: must be a non-empty string, got {type(value).__name__} {value!r:.40}")
     if len(value) > MAX_CACHE_SALT_CHARS:
         raise ValueError(f"cache_salt: {len(value)} characters, more than {MAX_CACHE_SALT_CHARS}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON's "\ud800": a lone surrogate is no character
-        raise ValueError(f"cache_salt: invalid Unicode at character {exc.start} (a lone surrogate)") from None
+    check_unicode(value, "cache_salt")
     return value
 
 
