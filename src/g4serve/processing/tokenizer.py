@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -223,7 +224,6 @@ class Tokenizer:
         )
 
         added = backend.get_added_tokens_decoder()
-        self._markup: re.Pattern | bool | None = None  # as_text's pattern, made on first use
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._byte_ids = frozenset(
             i
@@ -313,23 +313,22 @@ class Tokenizer:
         in it (``<|turn>``, ``<eos>``, ...) broken by a word joiner (U+2060) after its first character, so
         that encoding it gives text tokens and never a control token. The tokenizer reads those spellings as
         their tokens wherever they stand: a "<turn|>" typed by a customer ends the turn it was written in."""
-        pattern = self._markup_pattern()
-        if pattern is None:
-            return text
-        return pattern.sub(lambda m: m[0][0] + "\u2060" + m[0][1:], text)
-
-    def _markup_pattern(self) -> re.Pattern | None:
         if self._markup is None:
-            spellings = sorted(
-                {
-                    t.content
-                    for t in self._backend.get_added_tokens_decoder().values()
-                    if len(t.content) >= 2 and not any(c.isspace() for c in t.content)
-                },
-                key=lambda s: (-len(s), s),
-            )
-            self._markup = re.compile("|".join(map(re.escape, spellings))) if spellings else False
-        return self._markup or None
+            return text
+        return self._markup.sub(lambda m: m[0][0] + "\u2060" + m[0][1:], text)
+
+    @functools.cached_property
+    def _markup(self) -> re.Pattern | None:
+        """The added tokens' spellings that ``as_text`` breaks, longest first (None: there are none)."""
+        spellings = sorted(
+            {
+                t.content
+                for t in self._backend.get_added_tokens_decoder().values()
+                if len(t.content) >= 2 and not any(c.isspace() for c in t.content)
+            },
+            key=lambda s: (-len(s), s),
+        )
+        return re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
     @property
     def special_token_ids(self) -> frozenset[int]:
