@@ -363,12 +363,13 @@ class Scheduler:
             if num_new < 0:
                 continue  # its media are encoding: later requests need not wait for them
             rest = self.kv.full_blocks_to_hold(request.request_id, start, request.num_tokens)
-            if num_new == 0 or rest > self.kv.num_free_full() - promised:
+            if (
+                num_new == 0
+                or rest > self.kv.num_free_full() - promised
+                or not self.kv.allocate(request.request_id, start, num_new)
+            ):
                 self._release_prefix_hit(request, fresh)
                 break  # keep FCFS order: later requests wait behind this one
-            if not self.kv.allocate(request.request_id, start, num_new):
-                self._release_prefix_hit(request, fresh)
-                break
             promised += self.kv.full_blocks_to_hold(request.request_id, start, request.num_tokens)
             admitted.append(request)
             batch.requests.append(request)
