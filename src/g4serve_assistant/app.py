@@ -47,7 +47,7 @@ from g4serve_assistant.auth import (
 )
 from g4serve_assistant.bank import BankUnavailableError, UnknownCustomerError
 from g4serve_assistant.limits import MAX_REQUEST_BODY_BYTES
-from g4serve_assistant.pipeline import Assistant, Caller, StageClock, TurnResult, run_to_end
+from g4serve_assistant.pipeline import Assistant, Caller, StageClock, TurnResult
 from g4serve_assistant.qna import answer_events
 from g4serve_assistant.state import CustomerSessions, SessionBusyError
 
@@ -722,7 +722,7 @@ async def websocket_session(ws: WebSocket, assistant: Assistant, gate: Gate) -> 
             result = await inbox.run(_ws_turn(assistant, caller, utterance, text, finish))
         except WebSocketDisconnect:
             row = AuditRow("ws", "disconnected", {"in_turn": True, "text": text}, outcome="disconnected")
-            await _record_anyway(assistant, caller, [row])
+            await assistant.record_to_end(caller, [row])
             raise
         await ws.send_json({"type": "result", **result.to_dict()})
 
@@ -911,15 +911,8 @@ async def _qna_events(assistant: Assistant, caller: Caller, question: str, max_t
             path = "gemma" if assistant.engine is not None and documents else "extractive"
         assistant.metrics.qna.labels(path=path if outcome == "answered" else outcome).inc()
         detail = {"question": question, "answer": "".join(answer), "path": path}
-        await _record_anyway(assistant, caller, [AuditRow("qna", "answer", detail, outcome=outcome)])
+        await assistant.record_to_end(caller, [AuditRow("qna", "answer", detail, outcome=outcome)])
     yield "data: [DONE]\n\n"
-
-
-async def _record_anyway(assistant: Assistant, caller: Caller, rows: list[AuditRow]) -> None:
-    """``assistant.record`` in a worker thread that runs even if the caller is cancelled meanwhile. A stream
-    whose client left is cancelled again at each await (anyio's cancel scope): a plain ``to_thread`` then
-    dropped the write whenever no worker thread had started it yet."""
-    await run_to_end(asyncio.to_thread(assistant.record, caller, rows))
 
 
 def _import_text(importer, text: str, kind: str, args: tuple):

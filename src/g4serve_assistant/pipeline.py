@@ -470,6 +470,12 @@ class Assistant:
             rows, customer_id=caller.customer_id, session_id=caller.session_id, client=caller.client
         )
 
+    async def record_to_end(self, caller: Caller, rows: list[AuditRow]) -> None:
+        """``record`` in a worker thread that runs to its end even if the caller is cancelled meanwhile: a
+        stream whose client left is cancelled again at each await (anyio's cancel scope), and a plain
+        ``to_thread`` then dropped the write whenever no worker thread had started it yet."""
+        await run_to_end(asyncio.to_thread(self.record, caller, rows))
+
     def _understand(self, caller: Caller, text: str, clock: StageClock):
         """Normalize and classify on the customer's records (a worker thread: the bank may be remote)."""
         customer = self.customer(caller.customer_id)
@@ -646,7 +652,7 @@ class Assistant:
             yield
         except asyncio.CancelledError:
             audit.append(AuditRow("turn", "cut", {"stages": dict(clock.stages)}, outcome="cancelled"))
-            await run_to_end(asyncio.to_thread(self.record, caller, audit))
+            await self.record_to_end(caller, audit)
             raise
 
     async def _extract(
